@@ -1,0 +1,199 @@
+"""Immutable data that flows from sources through the join to the outputs.
+
+Sources produce the *reading* types (``ProcessInfo``, ``RankEntry``, ``GpuDevice``,
+``GpuProcess``, ``KernelEvent`` ...). The join (``gpuwatchd.join``) turns one cycle's readings
+into a ``NodeState``; the exporter, the event sinks and the CLI only ever read a ``NodeState``.
+Everything here is a frozen dataclass so that a scrape can read the latest state without a lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+# Severities map one to one onto the Alertmanager routing in deploy/alertmanager/.
+PAGE = "page"
+WARNING = "warning"
+INFO = "info"
+
+
+def frozen_map(d: Mapping[Any, Any] | None = None) -> Mapping[Any, Any]:
+    """A read-only view of a copy of ``d`` (dataclass default helper)."""
+    return MappingProxyType(dict(d or {}))
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """One process as /proc shows it at one instant (see sources/procfs.py)."""
+
+    pid: int
+    ppid: int
+    comm: str
+    state: str  # one letter of /proc/PID/stat field 3: R S D Z T t I X
+    uid: int
+    user: str
+    start_ticks: int  # /proc/PID/stat field 22, clock ticks after boot: PID-reuse guard
+    start_time: float  # the same as a Unix timestamp
+    cpu_seconds: float  # utime + stime
+    rss_bytes: int
+    threads: int
+    open_fds: int | None  # None when /proc/PID/fd is unreadable
+    max_fds_soft: int | None
+    max_fds_hard: int | None
+
+
+@dataclass(frozen=True)
+class RankEntry:
+    """A claim that ``pid`` is rank ``rank`` of job ``job_id``: a rank file or /proc discovery."""
+
+    job_id: str
+    rank: int
+    pid: int
+    local_rank: int | None = None
+    world_size: int | None = None
+    gpus: tuple[str, ...] = ()
+    heartbeat: str | None = None  # path whose mtime is the last progress
+    start_ticks: int | None = None  # as written at registration; None: learnt at first sight
+    source: str = "rankfile"  # "rankfile" | "environ"
+    path: str = ""  # the rank file it came from ("" for discovery)
+    env_flags: tuple[str, ...] = ()  # NCCL/TORCH variable *names* (never values) of interest
+
+
+@dataclass(frozen=True)
+class BadRankFile:
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RankState:
+    job_id: str
+    rank: int
+    pid: int
+    local_rank: int | None
+    world_size: int | None
+    alive: bool
+    process: ProcessInfo | None  # None when dead
+    tree: tuple[int, ...] = ()  # rank PID first, then its live descendants
+    gpus: tuple[str, ...] = ()
+    progress_timestamp: float | None = None
+    stalled: bool = False
+    died_at: float | None = None  # first cycle at which it was seen dead
+
+
+@dataclass(frozen=True)
+class GpuDevice:
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str
+    memory_total_bytes: int | None
+    memory_used_bytes: int | None
+    utilization_ratio: float | None  # 0..1; None when the driver does not say
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    """One process NVML lists on one GPU. ``used_memory_bytes`` None means N/A (MIG), never 0."""
+
+    gpu_index: int
+    uuid: str
+    pid: int
+    used_memory_bytes: int | None
+    kind: str = "compute"  # compute | graphics
+    sm_utilization_ratio: float | None = None
+
+
+@dataclass(frozen=True)
+class GpuProcessRow:
+    """A ``GpuProcess`` joined with /proc and the rank trees (what the exporter shows)."""
+
+    gpu_index: int
+    uuid: str
+    pid: int
+    used_memory_bytes: int | None
+    comm: str
+    user: str
+    job_id: str  # "" when the process belongs to no rank's tree
+    rank: str  # "" likewise
+
+
+@dataclass(frozen=True)
+class Orphan:
+    gpu_index: int
+    uuid: str
+    pid: int
+    used_memory_bytes: int | None
+    comm: str
+    user: str
+    reason: str  # reparented_to_init | job_ended | unregistered | defunct
+    first_seen: float
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One active diagnosis. ``explanation`` is the one line a human reads (CLI, events, alerts)."""
+
+    kind: str
+    severity: str
+    explanation: str
+    job_id: str = ""
+    rank: str = ""
+    pid: str = ""
+    evidence: Mapping[str, Any] = field(default_factory=frozen_map)
+    since: float = 0.0
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        return (self.kind, self.job_id, self.rank, self.pid)
+
+
+@dataclass(frozen=True)
+class CollectorStatus:
+    name: str
+    success: bool
+    duration_seconds: float
+    last_success_timestamp: float | None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class GilReading:
+    """Result of one py-spy GIL sample of one rank (sources/pyspy.py)."""
+
+    pid: int
+    samples: int  # sampling ticks that counted (denominator)
+    held: int  # ticks at which some thread held the GIL
+    top_functions: tuple[tuple[str, int], ...] = ()
+    timestamp: float = 0.0
+
+
+# Counter names kept by the daemon's CounterStore (labels in this order).
+COUNTER_LABELS: Mapping[str, tuple[str, ...]] = frozen_map(
+    {
+        "oom_kills": ("job_id", "rank", "comm", "killer"),
+        "gpu_xid_errors": ("gpu", "uuid", "xid"),
+        "cuda_oom_errors": ("job_id", "rank", "gpu"),
+        "rank_gil_samples": ("job_id", "rank"),
+        "rank_gil_held_samples": ("job_id", "rank"),
+        "rank_file_errors": ("reason",),
+        "kernel_log_overruns": (),
+        "kernel_log_lines_rejected": ("reason",),
+    }
+)
+
+
+@dataclass(frozen=True)
+class NodeState:
+    timestamp: float
+    ranks: tuple[RankState, ...] = ()
+    gpus: tuple[GpuDevice, ...] = ()
+    gpu_processes: tuple[GpuProcessRow, ...] = ()
+    orphans: tuple[Orphan, ...] = ()
+    findings: tuple[Finding, ...] = ()
+    collectors: tuple[CollectorStatus, ...] = ()
+    # counter name -> {label values tuple -> value}; see COUNTER_LABELS
+    counters: Mapping[str, Mapping[tuple[str, ...], float]] = field(default_factory=frozen_map)
+    cycle_seconds: float = 0.0
