@@ -1,0 +1,314 @@
+"""Real Prometheus / Alertmanager servers on loopback for the alerting tests, plus the small HTTP
+pieces around them: a /metrics server that serves text we control (a stand-in node until a test
+runs the real daemon) and a webhook receiver that records what Alertmanager sends.
+
+Every server binds 127.0.0.1 on a free port, lives in a temp dir and is stopped by its context
+manager; nothing here reaches beyond loopback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
+ALERTMANAGER = (
+    shutil.which("prometheus-alertmanager")
+    or shutil.which("alertmanager")
+    or "/usr/bin/prometheus-alertmanager"
+)
+AMTOOL = shutil.which("amtool") or "/usr/bin/amtool"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get_json(url: str, params: dict[str, str] | None = None, timeout: float = 5.0) -> Any:
+    if params:
+        url = url + "?" + urllib.parse.urlencode(params)
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.load(r)
+
+
+def wait_until(pred: Any, timeout: float, what: str, step: float = 0.1) -> Any:
+    """Poll ``pred()`` until it returns something truthy; bounded by ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = pred()
+        if last:
+            return last
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class _Server:
+    def __init__(self, proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+        self.proc = proc
+        self.url = url
+        self.log = log
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+    def wait_ready(self, path: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.log.name} exited:\n{self.log.read_text()[-3000:]}")
+            if _ready(self.url + path):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"{self.url} not ready:\n{self.log.read_text()[-3000:]}")
+
+
+class Prometheus(_Server):
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        params = {"query": expr}
+        if at is not None:
+            params["time"] = f"{at:.3f}"
+        body = http_get_json(self.url + "/api/v1/query", params)
+        assert body["status"] == "success", body
+        return list(body["data"]["result"])
+
+    def alerts(self) -> list[dict[str, Any]]:
+        return list(http_get_json(self.url + "/api/v1/alerts")["data"]["alerts"])
+
+    def targets_up(self) -> list[dict[str, Any]]:
+        return [
+            t
+            for t in http_get_json(self.url + "/api/v1/targets")["data"]["activeTargets"]
+            if t["health"] == "up"
+        ]
+
+
+@contextlib.contextmanager
+def prometheus(
+    tmp: Path,
+    targets: list[str],
+    *,
+    rule_files: list[Path] | None = None,
+    alertmanager_url: str | None = None,
+    interval: str = "1s",
+    job_name: str = "gpuwatchd",
+) -> Iterator[Prometheus]:
+    """A real Prometheus scraping ``targets`` (host:port) every ``interval``."""
+    port = free_port()
+    cfg: dict[str, Any] = {
+        "global": {
+            "scrape_interval": interval,
+            "evaluation_interval": interval,
+            "scrape_timeout": interval,
+        },
+        "scrape_configs": [{"job_name": job_name, "static_configs": [{"targets": targets}]}],
+    }
+    if rule_files:
+        cfg["rule_files"] = [str(p) for p in rule_files]
+    if alertmanager_url:
+        hostport = alertmanager_url.split("://", 1)[1]
+        cfg["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [hostport]}]}]}
+    d = tmp / f"prometheus-{port}"
+    d.mkdir()
+    (d / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    log = d / "prometheus.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [
+                PROMETHEUS,
+                f"--config.file={d / 'prometheus.yml'}",
+                f"--storage.tsdb.path={d / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=d,
+        )
+    srv = Prometheus(proc, f"http://127.0.0.1:{port}", log)
+    try:
+        srv.wait_ready("/-/ready")
+        yield srv
+    finally:
+        srv.stop()
+
+
+class Alertmanager(_Server):
+    def alerts(self) -> list[dict[str, Any]]:
+        return list(http_get_json(self.url + "/api/v2/alerts"))
+
+    def post_alerts(self, alerts: list[dict[str, Any]]) -> None:
+        req = urllib.request.Request(
+            self.url + "/api/v2/alerts",
+            data=json.dumps(alerts).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=5) as r:
+            assert r.status == 200
+
+
+def shipped_alertmanager_config(webhook_url: str, group_wait: str = "1s") -> dict[str, Any]:
+    """deploy/alertmanager/alertmanager.yml with its receivers pointed at ``webhook_url`` (path
+    /page or /ticket kept) and short waits, everything else (routes, inhibitions) as shipped."""
+    cfg: dict[str, Any] = yaml.safe_load(
+        (REPO / "deploy/alertmanager/alertmanager.yml").read_text()
+    )
+    for rcv in cfg["receivers"]:
+        for wh in rcv.get("webhook_configs", []):
+            wh["url"] = webhook_url.rstrip("/") + "/" + rcv["name"]
+
+    def shorten(route: dict[str, Any]) -> None:
+        for key in ("group_wait", "group_interval"):
+            if key in route:
+                route[key] = group_wait
+        for sub in route.get("routes", []):
+            shorten(sub)
+
+    shorten(cfg["route"])
+    cfg["route"]["group_wait"] = group_wait
+    cfg["route"]["group_interval"] = group_wait
+    return cfg
+
+
+@contextlib.contextmanager
+def alertmanager(tmp: Path, config: dict[str, Any]) -> Iterator[Alertmanager]:
+    port = free_port()
+    d = tmp / f"alertmanager-{port}"
+    d.mkdir()
+    (d / "alertmanager.yml").write_text(yaml.safe_dump(config))
+    log = d / "alertmanager.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [
+                ALERTMANAGER,
+                f"--config.file={d / 'alertmanager.yml'}",
+                f"--storage.path={d / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--cluster.listen-address=",  # no gossip port: a single loopback instance
+                "--log.level=warn",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=d,
+        )
+    srv = Alertmanager(proc, f"http://127.0.0.1:{port}", log)
+    try:
+        srv.wait_ready("/-/ready")
+        yield srv
+    finally:
+        srv.stop()
+
+
+class Webhook:
+    """Records Alertmanager webhook notifications: (monotonic receive time, path, payload)."""
+
+    def __init__(self) -> None:
+        self.received: list[tuple[float, str, dict[str, Any]]] = []
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                n = int(self.headers.get("Content-Length", "0"))
+                body = json.loads(self.rfile.read(n) or b"{}")
+                with outer.lock:
+                    outer.received.append((time.monotonic(), self.path, body))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> Webhook:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def alerts(self, path: str | None = None) -> list[tuple[float, str, dict[str, Any]]]:
+        """Every alert of every notification so far: (receive time, path, alert)."""
+        with self.lock:
+            return [
+                (t, p, a)
+                for t, p, body in self.received
+                if path is None or p == path
+                for a in body.get("alerts", [])
+            ]
+
+
+class MetricsServer:
+    """Serves ``self.text`` at /metrics in the Prometheus text format (a stand-in node)."""
+
+    def __init__(self, text: str = "") -> None:
+        self.text = text
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                data = outer.text.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> MetricsServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def run(cmd: list[str], cwd: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ)
+    )
