@@ -58,6 +58,7 @@ class RankEntry:
     start_ticks: int | None = None  # as written at registration; None: learnt at first sight
     source: str = "rankfile"  # "rankfile" | "environ"
     path: str = ""  # the rank file it came from ("" for discovery)
+    owner_uid: int | None = None  # owner of the rank file (trust: root or the PID's own uid)
     env_flags: tuple[str, ...] = ()  # NCCL/TORCH variable *names* (never values) of interest
 
 
@@ -178,7 +179,6 @@ COUNTER_LABELS: Mapping[str, tuple[str, ...]] = frozen_map(
         "cuda_oom_errors": ("job_id", "rank", "gpu"),
         "rank_gil_samples": ("job_id", "rank"),
         "rank_gil_held_samples": ("job_id", "rank"),
-        "rank_file_errors": ("reason",),
         "kernel_log_overruns": (),
         "kernel_log_lines_rejected": ("reason",),
     }

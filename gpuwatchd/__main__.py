@@ -1,0 +1,5 @@
+import sys
+
+from gpuwatchd.cli import main
+
+sys.exit(main())

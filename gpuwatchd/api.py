@@ -1,0 +1,157 @@
+"""Launcher-side API, for training scripts: ``gpuwatchd.register_rank()`` and
+``gpuwatchd.heartbeat(step)``.
+
+``register_rank()`` reads the rank layout from the launcher's variables (torchrun, Slurm, Open MPI),
+writes this process's rank file atomically into the rank directory and returns its path. It never
+raises because monitoring is unavailable: a training job must not die because its monitor is
+missing; it logs a warning and returns None instead (``strict=True`` raises).
+``heartbeat(step)`` updates the rank's heartbeat file (mtime = last progress); it is a single small
+write, cheap enough for every training step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpuwatchd.sources.rankfiles import (
+    RankFileError,
+    claim_from_env,
+    rank_file_name,
+    write_rank_file,
+)
+
+log = logging.getLogger("gpuwatchd.api")
+DEFAULT_RANK_DIR = "/run/gpuwatch/ranks"
+_registered: dict[str, Any] = {}
+
+
+def rank_dir_default() -> str:
+    return os.environ.get("GPUWATCH_RANK_DIR", DEFAULT_RANK_DIR)
+
+
+def _visible_gpus(env: Mapping[str, str], local_rank: int | None) -> list[str]:
+    devices = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if devices and local_rank is not None and local_rank < len(devices):
+        return [devices[local_rank]]
+    if devices and len(devices) == 1:
+        return devices
+    if local_rank is not None and not devices:
+        return [str(local_rank)]
+    return []
+
+
+def build_document(job_id: str, rank: int, pid: int, *, local_rank: int | None = None,
+                   world_size: int | None = None, gpus: Sequence[str] = (),
+                   heartbeat: str | None = None, start_ticks: int | None = None) -> dict[str, Any]:
+    entry: dict[str, Any] = {"rank": rank, "pid": pid}
+    if local_rank is not None:
+        entry["local_rank"] = local_rank
+    if gpus:
+        entry["gpus"] = list(gpus)
+    if heartbeat:
+        entry["heartbeat"] = heartbeat
+    if start_ticks is not None:
+        entry["start_ticks"] = start_ticks
+    doc: dict[str, Any] = {"version": 1, "job_id": job_id, "ranks": [entry]}
+    if world_size is not None:
+        doc["world_size"] = world_size
+    return doc
+
+
+def _start_ticks(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode("utf-8", "replace")
+        return int(raw[raw.rfind(")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def register_rank(job_id: str | None = None, rank: int | None = None, *,
+                  local_rank: int | None = None, world_size: int | None = None,
+                  gpus: Sequence[str] | None = None, pid: int | None = None,
+                  rank_dir: str | None = None, heartbeat: bool = True,
+                  cuda_oom_hook: bool = True, strict: bool = False) -> str | None:
+    """Register this process (or ``pid``) as a rank. Missing values come from the environment."""
+    env = dict(os.environ)
+    claim = claim_from_env(env, ("torchrun", "slurm", "openmpi"))
+    if claim is not None:
+        job_id = job_id if job_id is not None else claim[0]
+        rank = rank if rank is not None else claim[1]
+        local_rank = local_rank if local_rank is not None else claim[2]
+        world_size = world_size if world_size is not None else claim[3]
+    rank_dir = rank_dir or rank_dir_default()
+    pid = pid or os.getpid()
+    try:
+        if job_id is None or rank is None:
+            raise RankFileError("job_id and rank are not given and no launcher variables "
+                                "(RANK/TORCHELASTIC_RUN_ID, SLURM_PROCID/SLURM_JOB_ID, "
+                                "OMPI_COMM_WORLD_RANK) are set")
+        hb = os.path.join(rank_dir, f"{job_id}.{rank}.hb") if heartbeat else None
+        doc = build_document(job_id, rank, pid, local_rank=local_rank, world_size=world_size,
+                             gpus=list(gpus) if gpus is not None else _visible_gpus(env, local_rank),
+                             heartbeat=hb, start_ticks=_start_ticks(pid))
+        path = write_rank_file(rank_dir, doc, rank_file_name(job_id, rank))
+        if hb:
+            _touch(hb, "0")
+    except (RankFileError, OSError) as e:
+        if strict:
+            raise
+        log.warning("gpuwatchd: could not register rank: %s", e)
+        return None
+    _registered.update(path=path, heartbeat=hb, job_id=job_id, rank=rank)
+    if cuda_oom_hook:
+        _install_cuda_oom_hook(rank_dir, job_id, rank)
+    return path
+
+
+def _install_cuda_oom_hook(rank_dir: str, job_id: str, rank: int) -> None:
+    try:
+        from gpuwatchd import cuda_oom  # type: ignore[attr-defined]
+    except ImportError:
+        return
+    install = getattr(cuda_oom, "install_hook", None)
+    if install is not None:
+        install(rank_dir=rank_dir, job_id=job_id, rank=rank)
+
+
+def _touch(path: str, content: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="ascii") as f:
+        f.write(content + "\n")
+    os.replace(tmp, path)
+
+
+def heartbeat(step: int | None = None) -> None:
+    """Record progress. Cheap: one small file write. No-op when the rank is not registered."""
+    path = _registered.get("heartbeat")
+    if not path:
+        return
+    try:
+        _touch(path, "" if step is None else str(int(step)))
+    except OSError as e:
+        log.debug("gpuwatchd heartbeat failed: %s", e)
+
+
+def unregister_rank(job_id: str | None = None, rank: int | None = None,
+                    rank_dir: str | None = None) -> bool:
+    """Remove the rank file (and heartbeat file). Returns whether a file was removed."""
+    job_id = job_id if job_id is not None else _registered.get("job_id")
+    rank = rank if rank is not None else _registered.get("rank")
+    if job_id is None:
+        return False
+    rank_dir = rank_dir or rank_dir_default()
+    names = [rank_file_name(job_id, rank)] if rank is not None else [rank_file_name(job_id)]
+    if rank is not None:
+        names.append(f"{job_id}.{rank}.hb")
+    removed = False
+    for name in names:
+        try:
+            os.unlink(os.path.join(rank_dir, name))
+            removed = removed or name.endswith(".json")
+        except FileNotFoundError:
+            pass
+    return removed

@@ -1,0 +1,237 @@
+"""Command line: argv -> subcommands. The only module that exits.
+
+Exit codes: 0 fine, 1 "found a problem" (check), 2 usage or configuration error.
+Subcommands that live in their own modules (events, doctor, check, job, web-config) plug in through
+a ``register(subparsers)`` function in that module (see ``PLUGIN_MODULES``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from gpuwatchd import __version__
+from gpuwatchd.config import Config, ConfigError, load_config, with_overrides
+
+PLUGIN_MODULES = ("events_cli", "doctor", "check", "job", "web")
+DEFAULT_CONFIG = "/etc/gpuwatchd/config.yaml"
+
+
+def _config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config.file", dest="config_file", default=None,
+                   help=f"YAML config (default: {DEFAULT_CONFIG} if it exists, else built-in defaults)")
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    path = getattr(args, "config_file", None)
+    if path is None and os.path.exists(DEFAULT_CONFIG):
+        path = DEFAULT_CONFIG
+    cfg = load_config(path)
+    return with_overrides(cfg, getattr(args, "listen_address", None))
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from gpuwatchd.daemon import Daemon
+
+    cfg = resolve_config(args)
+    logging.basicConfig(
+        level=getattr(logging, cfg.log_level.upper()),
+        format="%(levelname)s %(name)s: %(message)s" if os.environ.get("JOURNAL_STREAM")
+        else "%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    path = args.config_file or (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
+    daemon = Daemon(cfg, config_path=path, listen_override=args.listen_address)
+    daemon.run()
+    return 0
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    cfg = load_config(args.file)
+    print(f"{args.file}: OK (interval {cfg.interval_seconds:g}s, listen {cfg.web.listen_address}, "
+          f"rank_dir {cfg.rank_dir})")
+    return 0
+
+
+def cmd_register(args: argparse.Namespace) -> int:
+    from gpuwatchd.api import _start_ticks, build_document
+    from gpuwatchd.sources.rankfiles import RankFileError, rank_file_name, write_rank_file
+
+    cfg = resolve_config(args)
+    rank_dir = args.rank_dir or cfg.rank_dir
+    gpus = [g for g in (args.gpus or "").split(",") if g]
+    hb = args.heartbeat
+    doc = build_document(args.job_id, args.rank, args.pid, local_rank=args.local_rank,
+                         world_size=args.world_size, gpus=gpus, heartbeat=hb,
+                         start_ticks=_start_ticks(args.pid))
+    try:
+        path = write_rank_file(rank_dir, doc, rank_file_name(args.job_id, args.rank))
+    except RankFileError as e:
+        print(f"gpuwatchd register: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+def cmd_unregister(args: argparse.Namespace) -> int:
+    from gpuwatchd.api import unregister_rank
+
+    cfg = resolve_config(args)
+    removed = unregister_rank(args.job_id, args.rank, args.rank_dir or cfg.rank_dir)
+    if not removed:
+        print(f"gpuwatchd unregister: no rank file for job {args.job_id}"
+              + (f" rank {args.rank}" if args.rank is not None else ""), file=sys.stderr)
+    return 0
+
+
+def load_state(cfg: Config) -> tuple[dict[str, Any], str]:
+    """The daemon's latest state (``state_dir/state.json``) when fresh, else one local cycle."""
+    from gpuwatchd.daemon import STATE_FILE, Daemon, state_to_json
+
+    path = os.path.join(cfg.state_dir, STATE_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        age = time.time() - float(data.get("timestamp", 0))
+        if age <= 3 * cfg.interval_seconds + 5:
+            return data, f"daemon state {age:.0f}s old"
+    except (OSError, ValueError):
+        pass
+    d = Daemon(cfg, subsystems=[])
+    d._write_state = lambda state: None  # type: ignore[method-assign]  # a read-only command
+    return state_to_json(d.cycle()), "daemon not running: live /proc view, no GPU/kernel/GIL data"
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{int(n)}B"
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    cfg = resolve_config(args)
+    state, origin = load_state(cfg)
+    if args.json:
+        json.dump({"origin": origin, **state}, sys.stdout, indent=1)
+        print()
+        return 0
+    gpu_mem: dict[tuple[str, str], float] = {}
+    for p in state.get("gpu_processes", []):
+        if p.get("job_id") and p.get("used_memory_bytes") is not None:
+            k = (p["job_id"], p["rank"])
+            gpu_mem[k] = gpu_mem.get(k, 0) + p["used_memory_bytes"]
+    gil: dict[tuple[str, str], tuple[float, float]] = {}
+    counters = state.get("counters", {})
+    for s in counters.get("rank_gil_samples", []):
+        gil[(s["labels"][0], s["labels"][1])] = (s["value"], 0.0)
+    for s in counters.get("rank_gil_held_samples", []):
+        key = (s["labels"][0], s["labels"][1])
+        if key in gil:
+            gil[key] = (gil[key][0], s["value"])
+    by_rank: dict[tuple[str, str], list[str]] = {}
+    for f in state.get("findings", []):
+        by_rank.setdefault((f["job_id"], f["rank"]), []).append(f["kind"])
+    print(f"# {origin}")
+    hdr = (f"{'JOB':<20} {'RANK':>4} {'PID':>7} {'ST':<2} {'CPU s':>8} {'RSS':>7} {'FDS':>11} "
+           f"{'GPU MEM':>8} {'GIL':>5}  FINDINGS")
+    print(hdr)
+    for r in state.get("ranks", []):
+        p = r.get("process") or {}
+        key = (r["job_id"], str(r["rank"]))
+        fds = f"{p.get('open_fds', '-')}/{p.get('max_fds_soft') or '-'}" if p else "-"
+        g = gil.get(key)
+        gil_s = f"{g[1] / g[0]:.0%}" if g and g[0] else "-"
+        st = "--" if not r["alive"] else ("ST" if r.get("stalled") else p.get("state", "?"))
+        cpu = f"{p['cpu_seconds']:.1f}" if p else "-"
+        print(f"{r['job_id'][:20]:<20} {r['rank']:>4} {r['pid']:>7} {st:<2} {cpu:>8} "
+              f"{_fmt_bytes(p.get('rss_bytes')) if p else '-':>7} {fds:>11} "
+              f"{_fmt_bytes(gpu_mem.get(key)):>8} {gil_s:>5}  {','.join(by_rank.get(key, [])) or '-'}")
+    for gpu in state.get("gpus", []):
+        util = gpu.get("utilization_ratio")
+        print(f"GPU {gpu['index']} {gpu['name']} {_fmt_bytes(gpu.get('memory_used_bytes'))}/"
+              f"{_fmt_bytes(gpu.get('memory_total_bytes'))} util "
+              f"{'-' if util is None else format(util, '.0%')}")
+    node_findings = list(state.get("findings", []))
+    if node_findings:
+        print("\nFINDINGS")
+        for f in node_findings:
+            print(f"  [{f['severity']}] {f['kind']}: {f['explanation']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpuwatchd", description=__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument("--version", action="version", version=f"gpuwatchd {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", help="run the daemon")
+    _config_arg(p)
+    p.add_argument("--web.listen-address", dest="listen_address", default=None,
+                   help="HOST:PORT for /metrics (overrides web.listen_address)")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("config", help="configuration tools")
+    csub = p.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    pc = csub.add_parser("check", help="validate a config file (exit 2 naming every bad key)")
+    pc.add_argument("file")
+    pc.set_defaults(func=cmd_config_check)
+
+    p = sub.add_parser("register", help="write a rank file for a process (launch scripts, Slurm)")
+    _config_arg(p)
+    p.add_argument("--job-id", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--pid", type=int, required=True)
+    p.add_argument("--local-rank", type=int)
+    p.add_argument("--world-size", type=int)
+    p.add_argument("--gpus", help="comma-separated GPU indexes or UUIDs")
+    p.add_argument("--heartbeat", help="absolute path whose mtime is the rank's last progress")
+    p.add_argument("--rank-dir", help="override rank_dir")
+    p.set_defaults(func=cmd_register)
+
+    p = sub.add_parser("unregister", help="remove a rank file")
+    _config_arg(p)
+    p.add_argument("--job-id", required=True)
+    p.add_argument("--rank", type=int)
+    p.add_argument("--rank-dir")
+    p.set_defaults(func=cmd_unregister)
+
+    p = sub.add_parser("ps", help="ranks, state, CPU, RSS, fds, GPU memory, GIL, findings")
+    _config_arg(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_ps)
+
+    for name in PLUGIN_MODULES:
+        try:
+            module = importlib.import_module(f"gpuwatchd.{name}")
+        except ImportError:
+            continue
+        register = getattr(module, "register", None)
+        if callable(register):
+            register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        rc: int = args.func(args)
+    except ConfigError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return 0
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

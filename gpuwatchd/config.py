@@ -1,0 +1,317 @@
+"""YAML configuration -> frozen dataclasses.
+
+Every key is optional. Unknown keys and bad values are all reported at once, each with its dotted
+path (``gil.rate_hz: must be a number > 0, got 'fast'``), so that an operator fixes a file in one
+pass. ``gpuwatchd config check FILE`` runs exactly this code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import yaml
+
+DEFAULT_PORT = 9863
+MAX_CONFIG_BYTES = 1 << 20
+
+
+class ConfigError(Exception):
+    """Every problem of one config file; ``problems`` are ``"dotted.key: why"`` lines."""
+
+    def __init__(self, problems: list[str], source: str = "config") -> None:
+        self.problems = problems
+        self.source = source
+        super().__init__(f"{source}: " + "; ".join(problems))
+
+    def __str__(self) -> str:
+        lines = [f"{self.source}: {len(self.problems)} problem(s)"]
+        lines += [f"  - {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class WebConfig:
+    listen_address: str = f"0.0.0.0:{DEFAULT_PORT}"
+    config_file: str | None = None
+
+
+@dataclass(frozen=True)
+class GilConfig:
+    enabled: bool = True
+    interval_seconds: float = 30.0
+    duration_seconds: float = 5.0
+    rate_hz: int = 50
+    max_concurrent: int = 2
+    held_threshold: float = 0.8
+    pyspy_path: str | None = None
+    timeout_seconds: float = 30.0
+
+
+@dataclass(frozen=True)
+class StallConfig:
+    after_seconds: float = 300.0
+
+
+@dataclass(frozen=True)
+class AlertmanagerConfig:
+    url: str | None = None
+    timeout_seconds: float = 2.0
+
+
+@dataclass(frozen=True)
+class NvmlConfig:
+    enabled: bool = True
+    timeout_seconds: float = 5.0
+    fixture: str | None = None  # replay recorded readings instead of the driver (tests, demos)
+
+
+@dataclass(frozen=True)
+class OrphansConfig:
+    grace_seconds: float = 60.0
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    enabled: bool = True
+    interval_seconds: float = 30.0
+    launchers: tuple[str, ...] = ("torchrun", "slurm", "openmpi")
+
+
+@dataclass(frozen=True)
+class FdsConfig:
+    ratio_threshold: float = 0.9
+    horizon_seconds: float = 3600.0
+    # growth is measured over at least this long, so a start-up burst of opens is not a trend
+    min_window_seconds: float = 120.0
+
+
+@dataclass(frozen=True)
+class Config:
+    web: WebConfig = field(default_factory=WebConfig)
+    interval_seconds: float = 5.0
+    rank_dir: str = "/run/gpuwatch/ranks"
+    state_dir: str = "/var/lib/gpuwatchd"
+    kernel_log: str = "auto"
+    procfs: str = "/proc"
+    log_level: str = "info"
+    gil: GilConfig = field(default_factory=GilConfig)
+    stall: StallConfig = field(default_factory=StallConfig)
+    alertmanager: AlertmanagerConfig = field(default_factory=AlertmanagerConfig)
+    nvml: NvmlConfig = field(default_factory=NvmlConfig)
+    orphans: OrphansConfig = field(default_factory=OrphansConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    fds: FdsConfig = field(default_factory=FdsConfig)
+
+
+# --- value checkers: return the converted value or raise ValueError(reason) -----------------------
+
+Check = Callable[[Any], Any]
+
+
+def _number(minimum: float | None = None, exclusive: bool = True, maximum: float | None = None) -> Check:
+    def check(v: Any) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"must be a number, got {v!r}")
+        if v != v or v in (float("inf"), float("-inf")):
+            raise ValueError(f"must be finite, got {v!r}")
+        if minimum is not None and (v <= minimum if exclusive else v < minimum):
+            raise ValueError(f"must be {'>' if exclusive else '>='} {minimum}, got {v!r}")
+        if maximum is not None and v > maximum:
+            raise ValueError(f"must be <= {maximum}, got {v!r}")
+        return float(v)
+
+    return check
+
+
+def _integer(minimum: int, maximum: int) -> Check:
+    def check(v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"must be an integer, got {v!r}")
+        if not minimum <= v <= maximum:
+            raise ValueError(f"must be between {minimum} and {maximum}, got {v!r}")
+        return v
+
+    return check
+
+
+def _boolean(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"must be true or false, got {v!r}")
+    return v
+
+
+def _path(v: Any) -> str:
+    if not isinstance(v, str) or not v:
+        raise ValueError(f"must be a non-empty path string, got {v!r}")
+    if "\x00" in v:
+        raise ValueError("must not contain NUL bytes")
+    if not os.path.isabs(v):
+        raise ValueError(f"must be an absolute path, got {v!r}")
+    return v
+
+
+def _optional(check: Check) -> Check:
+    def wrapped(v: Any) -> Any:
+        return None if v is None else check(v)
+
+    return wrapped
+
+
+def _choice(*options: str) -> Check:
+    def check(v: Any) -> str:
+        if v not in options:
+            raise ValueError(f"must be one of {', '.join(options)}, got {v!r}")
+        return str(v)
+
+    return check
+
+
+def parse_listen_address(v: Any) -> tuple[str, int]:
+    """``"0.0.0.0:9863"``, ``"[::1]:9863"``, ``":9863"`` -> (host, port)."""
+    if not isinstance(v, str) or ":" not in v:
+        raise ValueError(f"must be HOST:PORT, got {v!r}")
+    host, _, port_s = v.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError as e:
+            raise ValueError(f"bad IPv6 address in {v!r}") from e
+    elif ":" in host:
+        raise ValueError(f"IPv6 addresses need brackets, as in [::1]:{port_s}")
+    if not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
+        raise ValueError(f"port must be 0..65535, got {port_s!r}")
+    return (host or "0.0.0.0", int(port_s))
+
+
+def _listen(v: Any) -> str:
+    parse_listen_address(v)
+    return str(v)
+
+
+def _url(v: Any) -> str:
+    if not isinstance(v, str) or not v.startswith(("http://", "https://")):
+        raise ValueError(f"must be an http:// or https:// URL, got {v!r}")
+    return v
+
+
+def _launchers(v: Any) -> tuple[str, ...]:
+    allowed = ("torchrun", "slurm", "openmpi")
+    if not isinstance(v, list) or not all(isinstance(x, str) and x in allowed for x in v):
+        raise ValueError(f"must be a list drawn from {', '.join(allowed)}, got {v!r}")
+    return tuple(v)
+
+
+SCHEMA: Mapping[str, Any] = {
+    "web": (WebConfig, {"listen_address": _listen, "config_file": _optional(_path)}),
+    "interval_seconds": _number(0.05, maximum=3600),
+    "rank_dir": _path,
+    "state_dir": _path,
+    "kernel_log": _choice("auto", "journal", "kmsg", "off"),
+    "procfs": _path,
+    "log_level": _choice("debug", "info", "warning", "error"),
+    "gil": (
+        GilConfig,
+        {
+            "enabled": _boolean,
+            "interval_seconds": _number(0.0),
+            "duration_seconds": _number(0.0, maximum=600),
+            "rate_hz": _integer(1, 1000),
+            "max_concurrent": _integer(1, 64),
+            "held_threshold": _number(0.0, maximum=1.0),
+            "pyspy_path": _optional(_path),
+            "timeout_seconds": _number(0.0, maximum=3600),
+        },
+    ),
+    "stall": (StallConfig, {"after_seconds": _number(0.0)}),
+    "alertmanager": (
+        AlertmanagerConfig,
+        {"url": _optional(_url), "timeout_seconds": _number(0.0, maximum=60)},
+    ),
+    "nvml": (
+        NvmlConfig,
+        {"enabled": _boolean, "timeout_seconds": _number(0.0, maximum=600), "fixture": _optional(_path)},
+    ),
+    "orphans": (OrphansConfig, {"grace_seconds": _number(0.0, exclusive=False)}),
+    "discovery": (
+        DiscoveryConfig,
+        {"enabled": _boolean, "interval_seconds": _number(0.0), "launchers": _launchers},
+    ),
+    "fds": (
+        FdsConfig,
+        {"ratio_threshold": _number(0.0, maximum=1.0), "horizon_seconds": _number(0.0),
+         "min_window_seconds": _number(0.0, exclusive=False)},
+    ),
+}
+
+
+def _build(cls: Any, schema: Mapping[str, Any], data: Any, prefix: str, problems: list[str]) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        problems.append(f"{prefix or '(top level)'}: must be a mapping, got {type(data).__name__}")
+        return cls()
+    values: dict[str, Any] = {}
+    for key, raw in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        spec = schema.get(key) if isinstance(key, str) else None
+        if spec is None:
+            problems.append(f"{dotted}: unknown key")
+            continue
+        if isinstance(spec, tuple):
+            values[key] = _build(spec[0], spec[1], raw, dotted, problems)
+            continue
+        try:
+            values[key] = spec(raw)
+        except ValueError as e:
+            problems.append(f"{dotted}: {e}")
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in names})
+
+
+def parse_config(data: Any, source: str = "config") -> Config:
+    problems: list[str] = []
+    cfg = _build(Config, SCHEMA, data, "", problems)
+    if cfg.gil.duration_seconds >= cfg.gil.timeout_seconds:
+        problems.append("gil.timeout_seconds: must be larger than gil.duration_seconds")
+    if problems:
+        raise ConfigError(problems, source)
+    assert isinstance(cfg, Config)
+    return cfg
+
+
+def load_config(path: str | None) -> Config:
+    """Read and validate ``path`` (None: all defaults). Raises ConfigError with every problem."""
+    if path is None:
+        return Config()
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise ConfigError([f"cannot read: {e.strerror or e}"], path) from e
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError([f"larger than {MAX_CONFIG_BYTES} bytes"], path)
+    try:
+        text = raw.decode("utf-8")
+        data = yaml.safe_load(text)
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"not UTF-8 text: {e}"], path) from e
+    except yaml.YAMLError as e:
+        raise ConfigError([f"not valid YAML: {e}".replace("\n", " ")], path) from e
+    return parse_config(data, path)
+
+
+def with_overrides(cfg: Config, listen_address: str | None = None) -> Config:
+    """Apply command-line flags, which win over the file (Prometheus exporter convention)."""
+    if listen_address is not None:
+        try:
+            _listen(listen_address)
+        except ValueError as e:
+            raise ConfigError([f"--web.listen-address: {e}"], "command line") from e
+        cfg = dataclasses.replace(cfg, web=dataclasses.replace(cfg.web, listen_address=listen_address))
+    return cfg

@@ -1,0 +1,323 @@
+"""The daemon: scheduling, isolation, the notify protocol, signals.
+
+Every ``interval_seconds`` one cycle runs the polled sources (rank files, /proc, and whatever the
+subsystems poll, e.g. NVML), each through its own isolation wrapper (``isolation.Collector``), then
+the pure join, then swaps ``self.state`` (an immutable ``NodeState``) in one assignment: the
+exporter and the CLI only ever read that reference. Streaming sources (kernel log, udev, py-spy
+sampling) are *subsystems* with their own threads; they feed the shared ``CounterStore`` and add
+their readings to the next cycle through ``Subsystem.before_join``.
+
+Signals: SIGTERM/SIGINT stop cleanly (STOPPING=1), SIGHUP reloads the config file; an invalid new
+config keeps the old one running and logs every problem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from gpuwatchd.config import Config, ConfigError, load_config, with_overrides
+from gpuwatchd.counters import CounterStore
+from gpuwatchd.exporter import make_registry
+from gpuwatchd.isolation import Collector, guarded
+from gpuwatchd.join import CycleInputs, JoinMemory, build_state
+from gpuwatchd.model import BadRankFile, NodeState, ProcessInfo, RankEntry
+from gpuwatchd.notify import notify, watchdog_interval
+from gpuwatchd.paths import HostPaths
+from gpuwatchd.sources.procfs import ProcfsReader
+from gpuwatchd.sources.rankfiles import RankFileReader, discover
+
+log = logging.getLogger("gpuwatchd")
+STATE_FILE = "state.json"
+
+
+class Subsystem:
+    """A part of the daemon with its own threads or polled source (NVML, kernel log, GIL ...).
+
+    ``before_join`` returns keyword overrides for ``CycleInputs`` (e.g. ``gpus``, ``orphans``,
+    ``extra_findings``, ``progress``); tuples are concatenated, mappings merged. Each call runs
+    isolated: a subsystem that raises loses its contribution for that cycle, nothing else.
+    """
+
+    name = "subsystem"
+
+    def start(self, daemon: Daemon) -> None:
+        """Start threads; ``daemon.stop_event`` says when to end."""
+
+    def before_join(self, daemon: Daemon, partial: Mapping[str, Any]) -> Mapping[str, Any]:
+        return {}
+
+    def after_join(self, daemon: Daemon, state: NodeState) -> None:
+        """See the new state (e.g. remember rank trees, emit events for new findings)."""
+
+    def stop(self) -> None:
+        """Release resources; threads end on ``daemon.stop_event``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcReading:
+    processes: Mapping[int, ProcessInfo]
+    descendants: Mapping[int, tuple[int, ...]]
+    env_flags: Mapping[int, tuple[str, ...]]
+    progress: Mapping[tuple[str, int], float]
+
+
+class Daemon:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        config_path: str | None = None,
+        listen_override: str | None = None,
+        paths: HostPaths | None = None,
+        clock: Callable[[], float] = time.time,
+        counters: CounterStore | None = None,
+        subsystems: list[Subsystem] | None = None,
+    ) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.listen_override = listen_override
+        self.paths = paths or HostPaths(procfs=config.procfs)
+        self.clock = clock
+        self.counters = counters or CounterStore()
+        self.procfs = ProcfsReader(self.paths)
+        self.rankfiles = RankFileReader(config.rank_dir)
+        self.stop_event = threading.Event()
+        self.reload_requested = threading.Event()
+        self.state: NodeState | None = None
+        self.memory = JoinMemory()
+        self.subsystems: list[Subsystem] = subsystems if subsystems is not None else default_subsystems(config)
+        self.registry = make_registry(lambda: self.state, self.counters)
+        self.web: Any = None
+        self._discovered: list[RankEntry] = []
+        self._last_discovery = float("-inf")
+        self._env_cache: dict[tuple[int, int], tuple[str, ...]] = {}
+        self._cycle_lock = threading.Lock()
+        self._make_collectors()
+
+    # --- sources --------------------------------------------------------------------------------
+
+    def _make_collectors(self) -> None:
+        interval = self.config.interval_seconds
+        timeout = max(2.0, interval)
+        max_age = 3 * interval + timeout
+        self.rank_collector: Collector[tuple[list[RankEntry], list[BadRankFile]]] = Collector(
+            "rankfiles", self._read_rank_files, timeout, max_age, self.clock)
+        self.proc_collector: Collector[ProcReading] = Collector(
+            "procfs", self._read_procfs, timeout, max_age, self.clock)
+        self._entries: list[RankEntry] = []
+
+    def _read_rank_files(self) -> tuple[list[RankEntry], list[BadRankFile]]:
+        entries, bad = self.rankfiles.scan()
+        d = self.config.discovery
+        now = time.monotonic()
+        if d.enabled and now - self._last_discovery >= d.interval_seconds:
+            self._last_discovery = now
+            self._discovered = discover(self.procfs, d.launchers)
+        elif not d.enabled:
+            self._discovered = []
+        return [*entries, *self._discovered], bad
+
+    def _read_procfs(self) -> ProcReading:
+        entries = self._entries
+        processes: dict[int, ProcessInfo] = {}
+        descendants: dict[int, tuple[int, ...]] = {}
+        env_flags: dict[int, tuple[str, ...]] = {}
+        progress: dict[tuple[str, int], float] = {}
+        live_keys: set[tuple[int, int]] = set()
+        for e in entries:
+            if e.pid in processes or e.pid in descendants:
+                continue
+            info = self.procfs.read_process(e.pid)
+            if info is None:
+                continue
+            processes[e.pid] = info
+            kids = tuple(self.procfs.descendants(e.pid))
+            descendants[e.pid] = kids
+            processes.update(self.procfs.read_many(k for k in kids if k not in processes))
+            key = (e.pid, info.start_ticks)
+            live_keys.add(key)
+            if key not in self._env_cache:
+                self._env_cache[key] = self.procfs.env_flags(e.pid)
+            env_flags[e.pid] = self._env_cache[key]
+        for e in entries:
+            if e.heartbeat:
+                with contextlib.suppress(OSError):
+                    progress[(e.job_id, e.rank)] = os.stat(e.heartbeat).st_mtime
+        for stale in set(self._env_cache) - live_keys:
+            del self._env_cache[stale]
+        return ProcReading(processes, descendants, env_flags, progress)
+
+    # --- one cycle ------------------------------------------------------------------------------
+
+    def cycle(self) -> NodeState:
+        with self._cycle_lock:
+            t0 = time.monotonic()
+            rank_reading = self.rank_collector.run()
+            entries, bad = rank_reading if rank_reading is not None else ([], [])
+            self._entries = entries
+            proc = self.proc_collector.run() or ProcReading({}, {}, {}, {})
+            partial: dict[str, Any] = {
+                "now": self.clock(), "config": self.config, "entries": tuple(entries),
+                "bad_files": tuple(bad), "processes": proc.processes,
+                "descendants": proc.descendants, "env_flags": proc.env_flags,
+                "progress": dict(proc.progress),
+            }
+            no_extra: Mapping[str, Any] = {}
+            for sub in self.subsystems:
+                extra = guarded(f"subsystem {sub.name} before_join",
+                                functools.partial(sub.before_join, self, partial), no_extra)
+                _merge(partial, extra)
+            statuses = [self.rank_collector.status, self.proc_collector.status]
+            statuses += partial.pop("collectors", ())
+            partial["collectors"] = tuple(statuses)
+            partial["counters"] = self.counters.snapshot()
+            partial["cycle_seconds"] = time.monotonic() - t0
+            inputs = CycleInputs(**partial)
+            state, self.memory = build_state(inputs, self.memory)
+            state = dataclasses.replace(state, cycle_seconds=time.monotonic() - t0)
+            self.state = state
+            for sub in self.subsystems:
+                guarded(f"subsystem {sub.name} after_join", functools.partial(sub.after_join, self, state), None)
+            guarded("writing state file", lambda: self._write_state(state), None)
+            return state
+
+    def _write_state(self, state: NodeState) -> None:
+        os.makedirs(self.config.state_dir, exist_ok=True)
+        path = os.path.join(self.config.state_dir, STATE_FILE)
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(state_to_json(state), f, separators=(",", ":"), default=str)
+        os.replace(tmp, path)
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the web server and the subsystems (``run`` calls this)."""
+        from gpuwatchd import web
+
+        self.web = web.serve(self.registry, self.config.web.listen_address, self.config.web.config_file)
+        for sub in self.subsystems:
+            guarded(f"starting subsystem {sub.name}", functools.partial(sub.start, self), None)
+
+    def shutdown(self) -> None:
+        self.stop_event.set()
+        for sub in self.subsystems:
+            guarded(f"stopping subsystem {sub.name}", sub.stop, None)
+        if self.web is not None:
+            self.web.close()
+            self.web = None
+
+    def reload(self) -> bool:
+        """Re-read the config file. On any problem keep the running config and log why."""
+        if self.config_path is None:
+            log.info("SIGHUP: no config file to reload")
+            return False
+        try:
+            new = with_overrides(load_config(self.config_path), self.listen_override)
+        except ConfigError as e:
+            log.error("reload refused, keeping the running config:\n%s", e)
+            notify(f"STATUS=reload refused: {len(e.problems)} problem(s) in {self.config_path}")
+            return False
+        old = self.config
+        self.config = new
+        if new.rank_dir != old.rank_dir:
+            self.rankfiles = RankFileReader(new.rank_dir)
+        if new.interval_seconds != old.interval_seconds:
+            self._make_collectors()
+        if new.web != old.web and self.web is not None:
+            from gpuwatchd import web
+
+            self.web.close()
+            self.web = web.serve(self.registry, new.web.listen_address, new.web.config_file)
+        log.info("configuration reloaded from %s", self.config_path)
+        return True
+
+    def install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
+        signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
+        signal.signal(signal.SIGHUP, lambda *_: self.reload_requested.set())
+
+    def run(self) -> None:
+        self.install_signal_handlers()
+        self.start()
+        host, port = self.web.address[:2]
+        log.info("serving metrics on http://%s:%d/metrics", host, port)
+        wd = watchdog_interval()
+        first = True
+        next_at = time.monotonic()
+        while not self.stop_event.is_set():
+            if self.reload_requested.is_set():
+                self.reload_requested.clear()
+                self.reload()
+            state = self.cycle()
+            if first:
+                notify("READY=1")
+                first = False
+            alive = sum(1 for r in state.ranks if r.alive)
+            notify(f"STATUS={alive}/{len(state.ranks)} ranks alive, {len(state.findings)} finding(s)")
+            if wd is not None:
+                notify("WATCHDOG=1")
+            next_at += self.config.interval_seconds
+            delay = next_at - time.monotonic()
+            if delay < 0:  # fell behind: skip missed ticks rather than bursting
+                next_at = time.monotonic()
+                delay = 0
+            # wake for the watchdog or a reload even between cycles
+            while delay > 0 and not self.stop_event.is_set() and not self.reload_requested.is_set():
+                step = min(delay, wd) if wd else delay
+                self.stop_event.wait(step)
+                delay = next_at - time.monotonic()
+                if wd is not None:
+                    notify("WATCHDOG=1")
+        notify("STOPPING=1")
+        self.shutdown()
+
+
+def _merge(partial: dict[str, Any], extra: Mapping[str, Any]) -> None:
+    for key, value in extra.items():
+        old = partial.get(key)
+        if isinstance(old, tuple) and isinstance(value, tuple):
+            partial[key] = old + value
+        elif isinstance(old, Mapping) and isinstance(value, Mapping):
+            partial[key] = {**old, **value}
+        else:
+            partial[key] = value
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Dataclasses, mappings (also read-only ones) and tuples -> plain JSON values."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [to_jsonable(v) for v in obj]
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    return str(obj)
+
+
+def state_to_json(state: NodeState) -> dict[str, Any]:
+    data: dict[str, Any] = to_jsonable(state)
+    data["counters"] = {
+        name: [{"labels": list(k), "value": v} for k, v in series.items()]
+        for name, series in state.counters.items()
+    }
+    return data
+
+
+def default_subsystems(config: Config) -> list[Subsystem]:
+    """The subsystems a real daemon runs (NVML, kernel log, py-spy ...), as configured."""
+    return []

@@ -1,0 +1,203 @@
+"""NodeState -> fresh Prometheus metric families on every scrape (a custom Collector on a private
+CollectorRegistry). Nothing here keeps long-lived Gauge objects, so the series of a process that
+died simply stop appearing (nvitop-exporter's stale-series bug cannot happen). A scrape reads the
+latest immutable state plus a snapshot of the counters: it never calls NVML, /proc or py-spy.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from gpuwatchd import __version__
+from gpuwatchd.counters import CounterStore
+from gpuwatchd.isolation import guarded
+from gpuwatchd.model import COUNTER_LABELS, NodeState
+
+P = "gpuwatch_"
+
+COUNTER_HELP: Mapping[str, str] = {
+    "oom_kills": "Processes killed for lack of memory, by the kernel OOM killer or a userspace "
+    "killer, attributed to the rank whose process tree they belonged to (job_id and rank empty "
+    "when unattributed). Counted from the kernel log as the kill is logged.",
+    "gpu_xid_errors": "NVIDIA Xid errors per GPU and Xid code, from the kernel log and NVML events.",
+    "cuda_oom_errors": "CUDA out-of-memory errors reported by ranks through gpuwatchd's hook.",
+    "rank_gil_samples": "py-spy sampling ticks taken of the rank process (sampled in the "
+    "background every gil.interval_seconds).",
+    "rank_gil_held_samples": "py-spy sampling ticks at which a thread of the rank held the GIL; "
+    "held ratio = rate(held) / rate(samples).",
+    "kernel_log_overruns": "Times the kernel ring buffer overwrote records before gpuwatchd read "
+    "them (EPIPE on /dev/kmsg).",
+    "kernel_log_lines_rejected": "Kernel log records that could not be used, by reason.",
+}
+
+
+def _g(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(P + name, doc, labels=list(labels))
+
+
+class StateCollector(Collector):
+    def __init__(self, get_state: Callable[[], NodeState | None], counters: CounterStore) -> None:
+        self.get_state = get_state
+        self.counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        state = self.get_state()
+        builders: list[tuple[str, Callable[[], list[Metric]]]] = [("build_info", self._build_info)]
+        if state is not None:
+            builders += [
+                ("collectors", lambda: self._collectors(state)),
+                ("gpus", lambda: self._gpus(state)),
+                ("gpu_processes", lambda: self._gpu_processes(state)),
+                ("ranks", lambda: self._ranks(state)),
+                ("findings", lambda: self._findings(state)),
+                ("counters", lambda: self._counters(state)),
+            ]
+        nothing: list[Metric] = []
+        for name, build in builders:
+            yield from guarded(f"building metric family {name}", build, nothing)
+
+    def _build_info(self) -> list[Metric]:
+        m = _g("build_info", "Always 1; the version label says which gpuwatchd is running.", ["version"])
+        m.add_metric([__version__], 1)
+        return [m]
+
+    def _collectors(self, s: NodeState) -> list[Metric]:
+        ok = _g("collector_success", "1 when the collector's last run succeeded, 0 when it failed, "
+                "timed out or its subject is absent on this host.", ["collector"])
+        dur = _g("collector_duration_seconds", "Seconds the collector's last run took.", ["collector"])
+        last = _g("collector_last_success_timestamp_seconds",
+                  "Unix time of the collector's last successful run.", ["collector"])
+        for c in s.collectors:
+            ok.add_metric([c.name], 1 if c.success else 0)
+            dur.add_metric([c.name], c.duration_seconds)
+            if c.last_success_timestamp is not None:
+                last.add_metric([c.name], c.last_success_timestamp)
+        cyc = _g("cycle_duration_seconds", "Seconds the last polling cycle took (all polled "
+                 "collectors plus the join).")
+        cyc.add_metric([], s.cycle_seconds)
+        ts = _g("last_cycle_timestamp_seconds", "Unix time at which the last polling cycle ended.")
+        ts.add_metric([], s.timestamp)
+        return [ok, dur, last, cyc, ts]
+
+    def _gpus(self, s: NodeState) -> list[Metric]:
+        info = _g("gpu_info", "Always 1, one series per GPU, naming it.", ["gpu", "uuid", "name", "pci_bus_id"])
+        total = _g("gpu_memory_total_bytes", "Total memory of the GPU in bytes (NVML, polled every "
+                   "interval_seconds).", ["gpu", "uuid"])
+        used = _g("gpu_memory_used_bytes", "Memory in use on the GPU in bytes (NVML, polled).", ["gpu", "uuid"])
+        util = _g("gpu_utilization_ratio", "Fraction of the last sample period (0..1) during which "
+                  "a kernel ran on the GPU (NVML, polled).", ["gpu", "uuid"])
+        for g in s.gpus:
+            labels = [str(g.index), g.uuid]
+            info.add_metric([*labels, g.name, g.pci_bus_id], 1)
+            if g.memory_total_bytes is not None:
+                total.add_metric(labels, g.memory_total_bytes)
+            if g.memory_used_bytes is not None:
+                used.add_metric(labels, g.memory_used_bytes)
+            if g.utilization_ratio is not None:
+                util.add_metric(labels, g.utilization_ratio)
+        return [info, total, used, util]
+
+    def _gpu_processes(self, s: NodeState) -> list[Metric]:
+        pm = _g("gpu_process_memory_bytes", "GPU memory in bytes held by each process on each GPU; "
+                "job_id and rank are empty when the process is in no rank's process tree. Absent "
+                "when NVML reports N/A (as on MIG).",
+                ["gpu", "uuid", "pid", "comm", "user", "job_id", "rank"])
+        rank_mem: dict[tuple[str, str, str], float] = defaultdict(float)
+        for p in s.gpu_processes:
+            if p.used_memory_bytes is None:
+                continue
+            pm.add_metric([str(p.gpu_index), p.uuid, str(p.pid), p.comm, p.user, p.job_id, p.rank],
+                          p.used_memory_bytes)
+            if p.job_id:
+                rank_mem[(p.job_id, p.rank, str(p.gpu_index))] += p.used_memory_bytes
+        rm = _g("rank_gpu_memory_bytes", "GPU memory in bytes held by the rank's whole process tree "
+                "(rank process plus descendants) on each GPU.", ["job_id", "rank", "gpu"])
+        for (job_id, rank, gpu), v in sorted(rank_mem.items()):
+            rm.add_metric([job_id, rank, gpu], v)
+        om = _g("orphan_gpu_memory_bytes", "GPU memory in bytes held by a process that belongs to "
+                "no live rank, after the grace period; reason says why it is considered stale.",
+                ["gpu", "uuid", "pid", "comm", "user", "reason"])
+        for o in s.orphans:
+            if o.used_memory_bytes is not None:
+                om.add_metric([str(o.gpu_index), o.uuid, str(o.pid), o.comm, o.user, o.reason],
+                              o.used_memory_bytes)
+        return [pm, rm, om]
+
+    def _ranks(self, s: NodeState) -> list[Metric]:
+        jr = ["job_id", "rank"]
+        info = _g("rank_info", "Always 1 per registered rank, with its PID and layout.",
+                  ["job_id", "rank", "local_rank", "pid", "world_size"])
+        up = _g("rank_up", "1 when the rank's process is alive, 0 when it is registered but dead.", jr)
+        fds = _g("rank_open_fds", "File descriptors open in the rank process.", jr)
+        maxfds = _g("rank_max_fds", "Soft RLIMIT_NOFILE of the rank process.", jr)
+        cpu = CounterMetricFamily(P + "rank_cpu_seconds", "CPU seconds (user+system) used by the "
+                                  "rank process.", labels=jr)
+        rss = _g("rank_resident_memory_bytes", "Resident memory of the rank process in bytes.", jr)
+        thr = _g("rank_threads", "Threads of the rank process.", jr)
+        prog = _g("rank_progress_timestamp_seconds", "Unix time of the rank's last progress "
+                  "(heartbeat); absent when the rank sends none.", jr)
+        stalled = _g("rank_stalled", "1 when the rank is alive but has made no progress for "
+                     "stall.after_seconds.", jr)
+        for r in s.ranks:
+            labels = [r.job_id, str(r.rank)]
+            info.add_metric([*labels, "" if r.local_rank is None else str(r.local_rank), str(r.pid),
+                             "" if r.world_size is None else str(r.world_size)], 1)
+            up.add_metric(labels, 1 if r.alive else 0)
+            stalled.add_metric(labels, 1 if r.stalled else 0)
+            if r.progress_timestamp is not None:
+                prog.add_metric(labels, r.progress_timestamp)
+            p = r.process
+            if p is None:
+                continue
+            if p.open_fds is not None:
+                fds.add_metric(labels, p.open_fds)
+            if p.max_fds_soft is not None:
+                maxfds.add_metric(labels, p.max_fds_soft)
+            cpu.add_metric(labels, p.cpu_seconds)
+            rss.add_metric(labels, p.rss_bytes)
+            thr.add_metric(labels, p.threads)
+        return [info, up, fds, maxfds, cpu, rss, thr, prog, stalled]
+
+    def _findings(self, s: NodeState) -> list[Metric]:
+        m = _g("finding", "1 per active finding (diagnosis); the explanation is in the events log, "
+               "`gpuwatchd ps` and the alert annotations.", ["kind", "severity", "job_id", "rank", "pid"])
+        seen: set[tuple[str, ...]] = set()
+        for f in s.findings:
+            labels = (f.kind, f.severity, f.job_id, f.rank, f.pid)
+            if labels not in seen:  # several bad rank files share one label set
+                seen.add(labels)
+                m.add_metric(list(labels), 1)
+        return [m]
+
+    def _counters(self, s: NodeState) -> list[Metric]:
+        snap = {name: dict(series) for name, series in self.counters.snapshot().items()}
+        # A live rank's series exist at 0 before the first event, so increase() sees the first one.
+        for r in s.ranks:
+            if r.alive and r.process is not None:
+                jr = (r.job_id, str(r.rank))
+                snap["oom_kills"].setdefault((*jr, r.process.comm, "kernel"), 0.0)
+                snap["rank_gil_samples"].setdefault(jr, 0.0)
+                snap["rank_gil_held_samples"].setdefault(jr, 0.0)
+        out: list[Metric] = []
+        for name, labels in COUNTER_LABELS.items():
+            series = snap.get(name, {})
+            if not series and labels:
+                continue
+            m = CounterMetricFamily(P + name,
+                                    COUNTER_HELP.get(name, name), labels=list(labels))
+            for values, v in sorted(series.items()):
+                m.add_metric(list(values), v)
+            if not labels and not series:
+                m.add_metric([], 0.0)
+            out.append(m)
+        return out
+
+
+def make_registry(get_state: Callable[[], NodeState | None], counters: CounterStore) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StateCollector(get_state, counters))
+    return registry

@@ -1,0 +1,73 @@
+"""Diagnoses: pure functions from one cycle's joined readings to ``Finding`` objects.
+
+One module per kind. Each exposes ``find(ctx) -> Iterable[Finding]`` and is listed in ``RULES``.
+They never touch /proc, NVML or the clock: everything comes in through ``FindingContext``, which
+is what lets the tests run them on recorded inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuwatchd.config import Config
+from gpuwatchd.model import (
+    BadRankFile,
+    Finding,
+    GpuDevice,
+    GpuProcessRow,
+    Orphan,
+    ProcessInfo,
+    RankState,
+    frozen_map,
+)
+
+
+@dataclass(frozen=True)
+class FindingContext:
+    now: float
+    config: Config
+    ranks: tuple[RankState, ...] = ()
+    processes: Mapping[int, ProcessInfo] = field(default_factory=frozen_map)
+    env_flags: Mapping[int, tuple[str, ...]] = field(default_factory=frozen_map)
+    bad_files: tuple[BadRankFile, ...] = ()
+    refused: tuple[BadRankFile, ...] = ()  # rank entries refused by the trust rules
+    # (job_id, rank) -> open fds per second, measured over the rank's lifetime in this daemon
+    fd_rates: Mapping[tuple[str, int], float] = field(default_factory=frozen_map)
+    gpus: tuple[GpuDevice, ...] = ()
+    gpu_processes: tuple[GpuProcessRow, ...] = ()
+    orphans: tuple[Orphan, ...] = ()
+    extras: Mapping[str, Any] = field(default_factory=frozen_map)
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "unknown"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def rank_label(r: RankState) -> str:
+    return f"rank {r.rank} of job {r.job_id} (pid {r.pid})"
+
+
+Rule = Callable[[FindingContext], Iterable[Finding]]
+
+
+def _rules() -> list[Rule]:
+    from gpuwatchd.findings import fds, nccl_env, rank_down, rankfile
+
+    return [rank_down.find, fds.find, nccl_env.find, rankfile.find]
+
+
+RULES: list[Rule] = _rules()
+
+
+def evaluate(ctx: FindingContext, rules: Iterable[Rule] | None = None) -> list[Finding]:
+    out: list[Finding] = []
+    for rule in RULES if rules is None else rules:
+        out.extend(rule(ctx))
+    return out

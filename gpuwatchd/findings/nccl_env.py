@@ -1,0 +1,58 @@
+"""nccl_legacy_env and nccl_error_handling_off: NCCL settings that silently do nothing, or that
+turn off the watchdog that would turn a hang into an error.
+
+PyTorch 2.2+ renamed NCCL_ASYNC_ERROR_HANDLING, NCCL_BLOCKING_WAIT, NCCL_DESYNC_DEBUG,
+NCCL_ENABLE_TIMING and NCCL_DEBUG_INFO_TEMP_FILE to TORCH_NCCL_* (the old names were deprecated,
+then ignored; see torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp). Input: variable *names* read
+once per rank PID from ``/proc/PID/environ`` (values never leave the daemon).
+Shell equivalent: ``tr '\\0' '\\n' < /proc/PID/environ | grep NCCL``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from gpuwatchd.findings import FindingContext, rank_label
+from gpuwatchd.model import INFO, WARNING, Finding
+
+# Legacy spellings that torch no longer reads (TORCH_NCCL_DEBUG_INFO_TEMP_FILE is the current name
+# of NCCL_DEBUG_INFO_TEMP_FILE; setting it alone without TORCH_NCCL_TRACE_BUFFER_SIZE records nothing).
+RENAMED = {
+    "NCCL_ASYNC_ERROR_HANDLING": "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "NCCL_BLOCKING_WAIT": "TORCH_NCCL_BLOCKING_WAIT",
+    "NCCL_DESYNC_DEBUG": "TORCH_NCCL_DESYNC_DEBUG",
+    "NCCL_ENABLE_TIMING": "TORCH_NCCL_ENABLE_TIMING",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "TORCH_NCCL_DEBUG_INFO_TEMP_FILE with TORCH_NCCL_TRACE_BUFFER_SIZE",
+}
+
+
+def find(ctx: FindingContext) -> Iterable[Finding]:
+    for r in ctx.ranks:
+        if not r.alive:
+            continue
+        flags = ctx.env_flags.get(r.pid, ())
+        legacy = [f for f in flags if f in RENAMED]
+        if legacy:
+            names = ", ".join(f"{f} (use {RENAMED[f]})" for f in legacy)
+            yield Finding(
+                kind="nccl_legacy_env",
+                severity=INFO,
+                job_id=r.job_id,
+                rank=str(r.rank),
+                pid=str(r.pid),
+                explanation=f"{rank_label(r)} sets legacy NCCL variable(s) that PyTorch ignores: {names}",
+                evidence={"variables": legacy},
+            )
+        if "TORCH_NCCL_ASYNC_ERROR_HANDLING=0" in flags:
+            yield Finding(
+                kind="nccl_error_handling_off",
+                severity=WARNING,
+                job_id=r.job_id,
+                rank=str(r.rank),
+                pid=str(r.pid),
+                explanation=(
+                    f"{rank_label(r)} runs with TORCH_NCCL_ASYNC_ERROR_HANDLING=0: a failed or "
+                    "timed-out collective will hang this rank forever instead of aborting it"
+                ),
+                evidence={"variables": ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]},
+            )

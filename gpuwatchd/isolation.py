@@ -1,0 +1,127 @@
+"""The isolation wrapper: the one place in gpuwatchd that catches every exception.
+
+Failure is data (node_exporter's ``collector.go: execute``): a source that raises, hangs or returns
+garbage marks itself down in ``gpuwatch_collector_success{collector}`` with the reason, keeps its
+last good reading until that is too old, and never takes the daemon, the other sources or the
+scrape down. ``guarded`` does the same for one metric family at scrape time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from gpuwatchd.model import CollectorStatus
+
+log = logging.getLogger("gpuwatchd")
+T = TypeVar("T")
+
+
+class NotPresent(Exception):
+    """Raised by a source whose subject is absent on this host (no NVIDIA driver, no journal).
+
+    Not an error: the collector is down, logged at debug level only.
+    """
+
+
+@dataclass
+class _Call(Generic[T]):
+    thread: threading.Thread
+    started: float
+    result: T | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+class Collector(Generic[T]):
+    """Runs ``fn`` with a time-out in a worker thread and records its health.
+
+    A call that outlives its time-out is left to finish in the background (a hung NVML call cannot
+    be cancelled from Python); until it returns, no second call is started and the collector
+    reports ``timed out``.
+    """
+
+    def __init__(self, name: str, fn: Callable[[], T], timeout: float, max_age: float,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.name = name
+        self.fn = fn
+        self.timeout = timeout
+        self.max_age = max_age
+        self.clock = clock
+        self.last_good: T | None = None
+        self.last_good_at: float | None = None
+        self.status = CollectorStatus(name, False, 0.0, None, "not run yet")
+        self._call: _Call[T] | None = None
+        self._logged_error = ""
+
+    def _target(self, call: _Call[T]) -> None:
+        try:
+            call.result = self.fn()
+        except BaseException as e:  # noqa: BLE001 - the isolation wrapper: every failure is data
+            call.error = e
+        finally:
+            call.done = True
+
+    def run(self) -> T | None:
+        """One collection. Returns the fresh reading, or the last good one while it is recent."""
+        t0 = time.monotonic()
+        call = self._call
+        if call is None or call.done:
+            call = _Call(threading.Thread(target=lambda: None), t0)
+            call.thread = threading.Thread(
+                target=self._target, args=(call,), name=f"collector-{self.name}", daemon=True
+            )
+            self._call = call
+            call.thread.start()
+            call.thread.join(self.timeout)
+        if not call.done:
+            error = f"timed out after {self.timeout:g}s (call still running)"
+            return self._fail(error, time.monotonic() - t0)
+        duration = time.monotonic() - call.started
+        if call.error is not None:
+            e = call.error
+            if isinstance(e, NotPresent):
+                if self._logged_error != str(e):
+                    log.debug("collector %s: not present: %s", self.name, e)
+                return self._fail(f"not present: {e}", duration, quiet=True)
+            return self._fail(f"{type(e).__name__}: {e}", duration)
+        now = self.clock()
+        self.last_good, self.last_good_at = call.result, now
+        self.status = CollectorStatus(self.name, True, duration, now, "")
+        self._logged_error = ""
+        return call.result
+
+    def _fail(self, error: str, duration: float, quiet: bool = False) -> T | None:
+        if not quiet and self._logged_error != error:
+            log.warning("collector %s failed: %s", self.name, error)
+        self._logged_error = error
+        self.status = CollectorStatus(self.name, False, duration, self.last_good_at, error[:300])
+        if self.last_good_at is not None and self.clock() - self.last_good_at <= self.max_age:
+            return self.last_good
+        return None
+
+
+def guarded(what: str, fn: Callable[[], T], default: T) -> T:
+    """Run ``fn``; on any exception log it and return ``default`` (one metric family, one event
+    sink, one finding rule: never the whole scrape or cycle)."""
+    try:
+        return fn()
+    except Exception as e:
+        log.error("%s failed: %s: %s", what, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+        return default
+
+
+def run_forever(name: str, fn: Callable[[], Any], stop: threading.Event, backoff: float = 5.0) -> None:
+    """Keep a streaming source alive: restart it after a crash, with a pause, until ``stop``."""
+    while not stop.is_set():
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - isolation for streaming sources
+            log.error("streaming source %s crashed: %s: %s; restarting in %gs", name,
+                      type(e).__name__, e, backoff)
+        if stop.wait(backoff):
+            return

@@ -1,0 +1,181 @@
+"""The join: one cycle's readings -> an immutable ``NodeState``. Pure: no I/O, no clock.
+
+Decides which claimed ranks are trusted and alive (PID-reuse guard by start time), builds each
+rank's process tree, attributes GPU processes to ranks, measures fd growth, runs the finding rules
+and keeps, in ``JoinMemory``, the little history those need (first start time seen per rank PID,
+when a rank was first seen dead, the first fd sample, when each finding started).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gpuwatchd import findings
+from gpuwatchd.config import Config
+from gpuwatchd.model import (
+    BadRankFile,
+    CollectorStatus,
+    Finding,
+    GpuDevice,
+    GpuProcess,
+    GpuProcessRow,
+    NodeState,
+    Orphan,
+    ProcessInfo,
+    RankEntry,
+    RankState,
+    frozen_map,
+)
+
+RankKey = tuple[str, int, int]  # (job_id, rank, pid)
+
+
+@dataclass(frozen=True)
+class CycleInputs:
+    now: float
+    config: Config
+    entries: tuple[RankEntry, ...] = ()
+    bad_files: tuple[BadRankFile, ...] = ()
+    processes: Mapping[int, ProcessInfo] = field(default_factory=frozen_map)
+    # rank PID -> its live descendants (DataLoader workers, compile workers, ...)
+    descendants: Mapping[int, tuple[int, ...]] = field(default_factory=frozen_map)
+    env_flags: Mapping[int, tuple[str, ...]] = field(default_factory=frozen_map)
+    gpus: tuple[GpuDevice, ...] = ()
+    gpu_processes: tuple[GpuProcess, ...] = ()
+    orphans: tuple[Orphan, ...] = ()
+    # (job_id, rank) -> last progress (heartbeat) timestamp; (job_id, rank) -> stalled
+    progress: Mapping[tuple[str, int], float] = field(default_factory=frozen_map)
+    stalled: Mapping[tuple[str, int], bool] = field(default_factory=frozen_map)
+    collectors: tuple[CollectorStatus, ...] = ()
+    counters: Mapping[str, Mapping[tuple[str, ...], float]] = field(default_factory=frozen_map)
+    extra_findings: tuple[Finding, ...] = ()
+    extras: Mapping[str, Any] = field(default_factory=frozen_map)
+    cycle_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class JoinMemory:
+    start_ticks: Mapping[RankKey, int] = field(default_factory=frozen_map)
+    died_at: Mapping[RankKey, float] = field(default_factory=frozen_map)
+    fd_first: Mapping[RankKey, tuple[float, int]] = field(default_factory=frozen_map)
+    finding_since: Mapping[tuple[str, str, str, str], float] = field(default_factory=frozen_map)
+
+
+def select_entries(
+    entries: tuple[RankEntry, ...], processes: Mapping[int, ProcessInfo]
+) -> tuple[list[RankEntry], list[BadRankFile]]:
+    """Apply the trust rules and resolve duplicates.
+
+    A rank-file entry is accepted only when the file's owner is root or the uid of the process it
+    names (a user cannot make their job look like someone else's). Rank files win over discovery
+    for the same (job_id, rank) or PID.
+    """
+    accepted: dict[tuple[str, int], RankEntry] = {}
+    refused: list[BadRankFile] = []
+    claimed_pids: set[int] = set()
+    for e in sorted(entries, key=lambda e: (e.source != "rankfile", e.path, e.job_id, e.rank)):
+        proc = processes.get(e.pid)
+        if e.source == "rankfile" and e.owner_uid not in (0, None) and proc is not None \
+                and proc.uid != e.owner_uid:
+            refused.append(BadRankFile(
+                e.path,
+                f"owner uid {e.owner_uid} may not claim pid {e.pid} (owned by uid {proc.uid}); "
+                f"entry for rank {e.rank} of job {e.job_id} refused",
+            ))
+            continue
+        key = (e.job_id, e.rank)
+        if key in accepted:
+            if e.source == "rankfile" and accepted[key].source == "rankfile" and \
+                    accepted[key].pid != e.pid:
+                refused.append(BadRankFile(
+                    e.path, f"rank {e.rank} of job {e.job_id} is already claimed by "
+                    f"{accepted[key].path or 'discovery'}; duplicate ignored"))
+            continue
+        if e.source != "rankfile" and e.pid in claimed_pids:
+            continue
+        accepted[key] = e
+        claimed_pids.add(e.pid)
+    return list(accepted.values()), refused
+
+
+def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[NodeState, JoinMemory]:
+    memory = memory or JoinMemory()
+    now = inputs.now
+    entries, refused = select_entries(inputs.entries, inputs.processes)
+
+    start_ticks: dict[RankKey, int] = {}
+    died_at: dict[RankKey, float] = {}
+    fd_first: dict[RankKey, tuple[float, int]] = {}
+    fd_rates: dict[tuple[str, int], float] = {}
+    ranks: list[RankState] = []
+    pid_owner: dict[int, tuple[str, int]] = {}
+
+    for e in sorted(entries, key=lambda e: (e.job_id, e.rank)):
+        key: RankKey = (e.job_id, e.rank, e.pid)
+        proc = inputs.processes.get(e.pid)
+        expected = e.start_ticks if e.start_ticks is not None else memory.start_ticks.get(key)
+        alive = proc is not None and proc.state not in ("Z", "X") and (
+            expected is None or proc.start_ticks == expected
+        )
+        if alive and proc is not None:
+            start_ticks[key] = proc.start_ticks
+        elif expected is not None:
+            start_ticks[key] = expected
+        if not alive:
+            died_at[key] = memory.died_at.get(key, now)
+        tree: tuple[int, ...] = ()
+        if alive and proc is not None:
+            tree = (e.pid, *inputs.descendants.get(e.pid, ()))
+            for pid in tree:
+                pid_owner.setdefault(pid, (e.job_id, e.rank))
+            if proc.open_fds is not None:
+                first = memory.fd_first.get(key)
+                if first is None or proc.open_fds < first[1]:
+                    first = (now, proc.open_fds)
+                fd_first[key] = first
+                elapsed = now - first[0]
+                if elapsed >= max(inputs.config.fds.min_window_seconds, 1e-3) and proc.open_fds > first[1]:
+                    fd_rates[(e.job_id, e.rank)] = (proc.open_fds - first[1]) / elapsed
+        ranks.append(RankState(
+            job_id=e.job_id, rank=e.rank, pid=e.pid, local_rank=e.local_rank,
+            world_size=e.world_size, alive=alive, process=proc if alive else None, tree=tree,
+            gpus=e.gpus, progress_timestamp=inputs.progress.get((e.job_id, e.rank)),
+            stalled=bool(inputs.stalled.get((e.job_id, e.rank), False)) and alive,
+            died_at=died_at.get(key),
+        ))
+
+    rows: list[GpuProcessRow] = []
+    for gp in inputs.gpu_processes:
+        proc = inputs.processes.get(gp.pid)
+        owner = pid_owner.get(gp.pid)
+        rows.append(GpuProcessRow(
+            gpu_index=gp.gpu_index, uuid=gp.uuid, pid=gp.pid,
+            used_memory_bytes=gp.used_memory_bytes,
+            comm=proc.comm if proc else "", user=proc.user if proc else "",
+            job_id=owner[0] if owner else "", rank=str(owner[1]) if owner else "",
+        ))
+
+    ctx = findings.FindingContext(
+        now=now, config=inputs.config, ranks=tuple(ranks), processes=inputs.processes,
+        env_flags=inputs.env_flags, bad_files=inputs.bad_files, refused=tuple(refused),
+        fd_rates=fd_rates, gpus=inputs.gpus, gpu_processes=tuple(rows), orphans=inputs.orphans,
+        extras=inputs.extras,
+    )
+    found = [*findings.evaluate(ctx), *inputs.extra_findings]
+    since: dict[tuple[str, str, str, str], float] = {}
+    stamped: list[Finding] = []
+    for f in found:
+        start = memory.finding_since.get(f.key, f.since or now)
+        since.setdefault(f.key, start)
+        stamped.append(replace(f, since=since[f.key]))
+
+    state = NodeState(
+        timestamp=now, ranks=tuple(ranks), gpus=inputs.gpus, gpu_processes=tuple(rows),
+        orphans=inputs.orphans, findings=tuple(stamped), collectors=inputs.collectors,
+        counters=inputs.counters, cycle_seconds=inputs.cycle_seconds,
+    )
+    return state, JoinMemory(
+        start_ticks=start_ticks, died_at=died_at, fd_first=fd_first, finding_since=since
+    )

@@ -1,0 +1,224 @@
+"""/proc reader for the watched processes (rank PIDs and their descendants) only.
+
+Reads per process: ``/proc/PID/stat`` (state, ppid, CPU, threads, start time, RSS), the owner of
+``/proc/PID``, ``/proc/PID/limits`` (RLIMIT_NOFILE) and the fd count. The fd count is O(1) where the
+kernel allows: since Linux 6.2 ``stat("/proc/PID/fd").st_size`` is the number of open fds (commit
+f1f1f2569901 "fs/proc: add the st_size of /proc/PID/fd"); older kernels report 0 and we fall back to
+listing the directory. Descendants come from ``/proc/PID/task/TID/children`` (CONFIG_PROC_CHILDREN),
+so a cycle never lists every PID on the host; only discovery (slower cadence) does.
+
+Cost: ~5 small reads per watched process per cycle. Privilege: other users' ``fd``, ``limits`` and
+``environ`` need CAP_DAC_READ_SEARCH / CAP_SYS_PTRACE (the systemd unit grants them); without them
+those fields are None and the rest still works.
+Shell equivalent: ``ps -o pid,ppid,stat,user,comm,time,rss,nlwp -p PID; ls /proc/PID/fd | wc -l;
+grep 'open files' /proc/PID/limits; cat /proc/PID/task/*/children``.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+from collections.abc import Iterable, Mapping
+
+from gpuwatchd.model import ProcessInfo
+from gpuwatchd.paths import HostPaths
+
+# Variables whose *names* matter to findings; values are read only to decide, never exported.
+NCCL_LEGACY_VARS = (
+    "NCCL_ASYNC_ERROR_HANDLING",
+    "NCCL_BLOCKING_WAIT",
+    "NCCL_DESYNC_DEBUG",
+    "NCCL_ENABLE_TIMING",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+)
+MAX_ENVIRON_BYTES = 1 << 20
+
+
+class ProcessGone(Exception):
+    """The process exited (or was never there) while we were reading it."""
+
+
+def _read(path: str, limit: int = 1 << 16) -> bytes:
+    with open(path, "rb", buffering=0) as f:
+        return f.read(limit)
+
+
+class ProcfsReader:
+    def __init__(self, paths: HostPaths | None = None) -> None:
+        self.paths = paths or HostPaths()
+        self.clk_tck = os.sysconf("SC_CLK_TCK")
+        self.page_size = os.sysconf("SC_PAGE_SIZE")
+        self.boot_time = self._boot_time()
+        self._users: dict[int, str] = {}
+
+    def _boot_time(self) -> float:
+        try:
+            for line in _read(self.paths.proc("stat"), 1 << 20).splitlines():
+                if line.startswith(b"btime "):
+                    return float(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+        return 0.0
+
+    def user_name(self, uid: int) -> str:
+        name = self._users.get(uid)
+        if name is None:
+            try:
+                name = pwd.getpwuid(uid).pw_name
+            except KeyError:
+                name = str(uid)
+            self._users[uid] = name
+        return name
+
+    def read_stat(self, pid: int) -> tuple[str, list[str]]:
+        """(comm, fields after the comm) of /proc/PID/stat; raises ProcessGone."""
+        try:
+            raw = _read(self.paths.proc(pid, "stat")).decode("utf-8", "replace")
+        except (FileNotFoundError, ProcessLookupError) as e:
+            raise ProcessGone(pid) from e
+        except OSError as e:
+            raise ProcessGone(pid) from e
+        # comm may contain spaces and parentheses: it ends at the *last* ')'.
+        open_i, close_i = raw.find("("), raw.rfind(")")
+        if open_i < 0 or close_i < open_i:
+            raise ProcessGone(pid)
+        return raw[open_i + 1 : close_i], raw[close_i + 2 :].split()
+
+    def start_ticks(self, pid: int) -> int | None:
+        try:
+            return int(self.read_stat(pid)[1][19])
+        except (ProcessGone, IndexError, ValueError):
+            return None
+
+    def fd_count(self, pid: int) -> int | None:
+        fd_dir = self.paths.proc(pid, "fd")
+        try:
+            size = os.stat(fd_dir).st_size
+            if size > 0:
+                return size
+            return len(os.listdir(fd_dir))
+        except OSError:
+            return None
+
+    def fd_limits(self, pid: int) -> tuple[int | None, int | None]:
+        try:
+            text = _read(self.paths.proc(pid, "limits")).decode("ascii", "replace")
+        except OSError:
+            return None, None
+        for line in text.splitlines():
+            if line.startswith("Max open files"):
+                parts = line[len("Max open files") :].split()
+                return _limit(parts[0] if parts else ""), _limit(parts[1] if len(parts) > 1 else "")
+        return None, None
+
+    def read_process(self, pid: int) -> ProcessInfo | None:
+        """One process, or None when it has gone (that is not an error)."""
+        try:
+            comm, f = self.read_stat(pid)
+            owner = os.stat(self.paths.proc(pid)).st_uid
+            start_ticks = int(f[19])
+            info = ProcessInfo(
+                pid=pid,
+                ppid=int(f[1]),
+                comm=comm,
+                state=f[0],
+                uid=owner,
+                user=self.user_name(owner),
+                start_ticks=start_ticks,
+                start_time=self.boot_time + start_ticks / self.clk_tck,
+                cpu_seconds=(int(f[11]) + int(f[12])) / self.clk_tck,
+                rss_bytes=int(f[21]) * self.page_size,
+                threads=int(f[17]),
+                open_fds=None,
+                max_fds_soft=None,
+                max_fds_hard=None,
+            )
+        except (ProcessGone, OSError, IndexError, ValueError):
+            return None
+        soft, hard = self.fd_limits(pid)
+        fds = self.fd_count(pid)
+        # Re-check identity: if the PID was reused while we read, drop the reading.
+        if self.start_ticks(pid) != start_ticks:
+            return None
+        return ProcessInfo(**{**info.__dict__, "open_fds": fds, "max_fds_soft": soft,
+                              "max_fds_hard": hard})
+
+    def children(self, pid: int) -> list[int]:
+        """Direct children, from every thread's ``children`` file (a child belongs to the thread
+        that forked it)."""
+        out: list[int] = []
+        task_dir = self.paths.proc(pid, "task")
+        try:
+            tids = os.listdir(task_dir)
+        except OSError:
+            return out
+        for tid in tids:
+            try:
+                out.extend(int(x) for x in _read(os.path.join(task_dir, tid, "children")).split())
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def descendants(self, pid: int, limit: int = 4096) -> list[int]:
+        """All live descendants of ``pid`` (breadth first), bounded by ``limit``."""
+        seen: list[int] = []
+        queue = self.children(pid)
+        while queue and len(seen) < limit:
+            child = queue.pop(0)
+            if child in seen or child == pid:
+                continue
+            seen.append(child)
+            queue.extend(self.children(child))
+        return seen
+
+    def environ(self, pid: int, keys: Iterable[str] | None = None) -> dict[str, str]:
+        """Selected variables of the process's initial environment. Values stay inside the
+        daemon: callers reduce them to decisions (rank numbers, flag names)."""
+        try:
+            raw = _read(self.paths.proc(pid, "environ"), MAX_ENVIRON_BYTES)
+        except OSError:
+            return {}
+        wanted = set(keys) if keys is not None else None
+        env: dict[str, str] = {}
+        for item in raw.split(b"\x00"):
+            name, sep, value = item.partition(b"=")
+            if not sep:
+                continue
+            key = name.decode("utf-8", "replace")
+            if wanted is None or key in wanted:
+                env[key] = value.decode("utf-8", "replace")
+        return env
+
+    def env_flags(self, pid: int) -> tuple[str, ...]:
+        """Names of NCCL-related settings worth a finding (no values, except the decisive '0')."""
+        env = self.environ(pid, (*NCCL_LEGACY_VARS, "TORCH_NCCL_ASYNC_ERROR_HANDLING"))
+        flags = [name for name in NCCL_LEGACY_VARS if name in env]
+        if env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "").strip() == "0":
+            flags.append("TORCH_NCCL_ASYNC_ERROR_HANDLING=0")
+        return tuple(flags)
+
+    def pids(self) -> list[int]:
+        """Every PID on the host (discovery only: not on the per-cycle path)."""
+        try:
+            return [int(n) for n in os.listdir(self.paths.procfs) if n.isdigit()]
+        except OSError:
+            return []
+
+    def read_many(self, pids: Iterable[int]) -> Mapping[int, ProcessInfo]:
+        out: dict[int, ProcessInfo] = {}
+        for pid in pids:
+            if pid in out:
+                continue
+            info = self.read_process(pid)
+            if info is not None:
+                out[pid] = info
+        return out
+
+
+def _limit(s: str) -> int | None:
+    if s == "unlimited":
+        return None
+    try:
+        return int(s)
+    except ValueError:
+        return None

@@ -1,0 +1,331 @@
+"""Rank files (launcher -> daemon contract, DESIGN §3) and rank discovery from /proc/PID/environ.
+
+Reads every ``*.json`` in ``rank_dir`` (schema v1, ``docs/rankfile.schema.json``). A file is parsed
+again only when its (inode, size, mtime) changes, so a cycle costs one ``scandir`` plus one ``lstat``
+per file. Files that are symlinks, hard links, not regular, larger than ``MAX_FILE_BYTES``, nested
+deeper than ``MAX_DEPTH`` or invalid are returned as ``BadRankFile`` with a reason; they never stop
+the good files beside them. Ownership (root or the PID's own uid) is checked in the join, where the
+process's uid is known.
+
+Discovery (``discover``) lists /proc and reads ``environ`` of each process: it runs at
+``discovery.interval_seconds``, not every cycle. It needs CAP_SYS_PTRACE/CAP_DAC_READ_SEARCH for
+other users' processes.
+Shell equivalent: ``cat /run/gpuwatch/ranks/*.json``;
+``tr '\\0' '\\n' < /proc/PID/environ | grep -E '^(RANK|LOCAL_RANK|SLURM_PROCID|OMPI_COMM_WORLD_RANK)='``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import stat as statmod
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpuwatchd.model import BadRankFile, RankEntry
+from gpuwatchd.sources.procfs import ProcessGone, ProcfsReader
+
+SCHEMA_VERSION = 1
+MAX_FILE_BYTES = 256 * 1024
+MAX_DEPTH = 8
+MAX_RANKS_PER_FILE = 4096
+MAX_FILES = 4096
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+GPU_RE = re.compile(r"^(?:\d{1,3}|(?:GPU|MIG)-[A-Za-z0-9-]{1,80})$")
+TOP_KEYS = {"version", "job_id", "world_size", "ranks"}
+RANK_KEYS = {"rank", "local_rank", "pid", "gpus", "heartbeat", "start_ticks"}
+
+
+class RankFileError(ValueError):
+    pass
+
+
+def _depth(obj: Any, limit: int = MAX_DEPTH, level: int = 1) -> int:
+    if level > limit:
+        raise RankFileError(f"nested deeper than {limit} levels")
+    if isinstance(obj, dict):
+        return max([level, *(_depth(v, limit, level + 1) for v in obj.values())])
+    if isinstance(obj, list):
+        return max([level, *(_depth(v, limit, level + 1) for v in obj)])
+    return level
+
+
+def _int(v: Any, what: str, lo: int, hi: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise RankFileError(f"{what} must be an integer in [{lo}, {hi}], got {v!r:.40}")
+    return v
+
+
+def parse_rank_document(doc: Any, path: str = "", owner_uid: int | None = None) -> list[RankEntry]:
+    """Validate one schema-v1 document; raises RankFileError naming the first problem."""
+    _depth(doc)
+    if not isinstance(doc, dict):
+        raise RankFileError("top level must be a JSON object")
+    unknown = set(doc) - TOP_KEYS
+    if unknown:
+        raise RankFileError(f"unknown key(s) {sorted(unknown)!r:.80}")
+    if doc.get("version") != SCHEMA_VERSION:
+        raise RankFileError(f"version must be {SCHEMA_VERSION}, got {doc.get('version')!r:.20}")
+    job_id = doc.get("job_id")
+    if not isinstance(job_id, str) or not JOB_ID_RE.match(job_id):
+        raise RankFileError("job_id must be 1-128 characters of [A-Za-z0-9._:@-]")
+    world_size = doc.get("world_size")
+    if world_size is not None:
+        world_size = _int(world_size, "world_size", 1, 1 << 20)
+    ranks = doc.get("ranks")
+    if not isinstance(ranks, list) or not ranks:
+        raise RankFileError("ranks must be a non-empty list")
+    if len(ranks) > MAX_RANKS_PER_FILE:
+        raise RankFileError(f"more than {MAX_RANKS_PER_FILE} ranks")
+    out: list[RankEntry] = []
+    seen: set[int] = set()
+    for i, r in enumerate(ranks):
+        where = f"ranks[{i}]"
+        if not isinstance(r, dict):
+            raise RankFileError(f"{where} must be an object")
+        unknown = set(r) - RANK_KEYS
+        if unknown:
+            raise RankFileError(f"{where}: unknown key(s) {sorted(unknown)!r:.80}")
+        rank = _int(r.get("rank"), f"{where}.rank", 0, (world_size or (1 << 20)) - 1)
+        if rank in seen:
+            raise RankFileError(f"{where}: rank {rank} listed twice")
+        seen.add(rank)
+        pid = _int(r.get("pid"), f"{where}.pid", 1, 1 << 22)
+        local_rank = r.get("local_rank")
+        if local_rank is not None:
+            local_rank = _int(local_rank, f"{where}.local_rank", 0, 1 << 16)
+        gpus_raw = r.get("gpus", [])
+        if not isinstance(gpus_raw, list) or len(gpus_raw) > 64:
+            raise RankFileError(f"{where}.gpus must be a list of at most 64 GPUs")
+        gpus: list[str] = []
+        for g in gpus_raw:
+            gs = str(g) if isinstance(g, int) and not isinstance(g, bool) else g
+            if not isinstance(gs, str) or not GPU_RE.match(gs):
+                raise RankFileError(f"{where}.gpus: {g!r:.40} is neither an index nor a GPU UUID")
+            gpus.append(gs)
+        heartbeat = r.get("heartbeat")
+        if heartbeat is not None and (
+            not isinstance(heartbeat, str) or not os.path.isabs(heartbeat) or len(heartbeat) > 4096
+            or "\x00" in heartbeat
+        ):
+            raise RankFileError(f"{where}.heartbeat must be an absolute path")
+        start_ticks = r.get("start_ticks")
+        if start_ticks is not None:
+            start_ticks = _int(start_ticks, f"{where}.start_ticks", 0, 1 << 62)
+        out.append(
+            RankEntry(
+                job_id=job_id, rank=rank, pid=pid, local_rank=local_rank, world_size=world_size,
+                gpus=tuple(gpus), heartbeat=heartbeat, start_ticks=start_ticks, source="rankfile",
+                path=path, owner_uid=owner_uid,
+            )
+        )
+    return out
+
+
+@dataclass
+class _Cached:
+    key: tuple[int, int, int]
+    entries: list[RankEntry]
+    error: str | None
+
+
+class RankFileReader:
+    """Scans ``rank_dir`` each cycle; re-parses only files that changed."""
+
+    def __init__(self, rank_dir: str) -> None:
+        self.rank_dir = rank_dir
+        self._cache: dict[str, _Cached] = {}
+
+    def scan(self) -> tuple[list[RankEntry], list[BadRankFile]]:
+        entries: list[RankEntry] = []
+        bad: list[BadRankFile] = []
+        try:
+            with os.scandir(self.rank_dir) as it:
+                names = sorted(e.name for e in it if e.name.endswith(".json"))
+        except FileNotFoundError:
+            self._cache.clear()
+            return entries, bad
+        if len(names) > MAX_FILES:
+            bad.append(BadRankFile(self.rank_dir, f"more than {MAX_FILES} rank files; extra ignored"))
+            names = names[:MAX_FILES]
+        live = set()
+        for name in names:
+            path = os.path.join(self.rank_dir, name)
+            live.add(path)
+            got, error = self._read(path)
+            if error is not None:
+                bad.append(BadRankFile(path, error))
+            entries.extend(got)
+        for stale in set(self._cache) - live:
+            del self._cache[stale]
+        return entries, bad
+
+    def _read(self, path: str) -> tuple[list[RankEntry], str | None]:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return [], None  # renamed away between listing and reading: not an error
+        except OSError as e:
+            return [], f"cannot stat: {e.strerror}"
+        if statmod.S_ISLNK(st.st_mode):
+            return [], "is a symbolic link (refused)"
+        if not statmod.S_ISREG(st.st_mode):
+            return [], "is not a regular file (refused)"
+        if st.st_nlink > 1:
+            return [], "has several hard links (refused: a link can point at another user's file)"
+        if st.st_size > MAX_FILE_BYTES:
+            return [], f"is {st.st_size} bytes, larger than the {MAX_FILE_BYTES}-byte cap"
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        cached = self._cache.get(path)
+        if cached is not None and cached.key == key:
+            return cached.entries, cached.error
+        entries, error = self._parse(path, st)
+        self._cache[path] = _Cached(key, entries, error)
+        return entries, error
+
+    def _parse(self, path: str, st: os.stat_result) -> tuple[list[RankEntry], str | None]:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            return [], f"cannot open: {e.strerror}"
+        try:
+            fst = os.fstat(fd)
+            if (fst.st_ino, fst.st_dev) != (st.st_ino, st.st_dev) or not statmod.S_ISREG(fst.st_mode):
+                return [], "changed while being opened (refused)"
+            raw = os.read(fd, MAX_FILE_BYTES + 1)
+        except OSError as e:
+            return [], f"cannot read: {e.strerror}"
+        finally:
+            os.close(fd)
+        if len(raw) > MAX_FILE_BYTES:
+            return [], f"larger than the {MAX_FILE_BYTES}-byte cap"
+        try:
+            doc = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            return [], "is not UTF-8 text"
+        except json.JSONDecodeError as e:
+            return [], f"is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+        except RecursionError:
+            return [], f"nested deeper than {MAX_DEPTH} levels"
+        try:
+            return parse_rank_document(doc, path, fst.st_uid), None
+        except RankFileError as e:
+            return [], str(e)
+
+
+def rank_file_name(job_id: str, rank: int | None = None) -> str:
+    return f"{job_id}.json" if rank is None else f"{job_id}.{rank}.json"
+
+
+def write_rank_file(rank_dir: str, doc: Mapping[str, Any], name: str) -> str:
+    """Validate ``doc`` and write it atomically (temp file in the same directory, then rename)."""
+    parse_rank_document(json.loads(json.dumps(doc)))
+    if "/" in name or name.startswith(".") or not name.endswith(".json"):
+        raise RankFileError(f"bad rank file name {name!r}")
+    os.makedirs(rank_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".partial", dir=rank_dir)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        final = os.path.join(rank_dir, name)
+        os.replace(tmp, final)
+        return final
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# --- discovery from /proc/PID/environ ------------------------------------------------------------
+
+DISCOVERY_VARS = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+    "SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE",
+    "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE",
+)
+
+
+def _maybe_int(s: str | None) -> int | None:
+    if s is None:
+        return None
+    s = s.strip()
+    return int(s) if s.isdigit() and len(s) < 9 else None
+
+
+def _safe_job_id(s: str) -> str | None:
+    s = re.sub(r"[^A-Za-z0-9._:@-]", "_", s.strip())[:128]
+    return s or None
+
+
+def claim_from_env(env: Mapping[str, str], launchers: Iterable[str]) -> tuple[str, int, int | None, int | None] | None:
+    """(job_id, rank, local_rank, world_size) that a launcher's variables say, or None.
+
+    torchrun wins over Slurm (``srun torchrun`` gives every worker both; SLURM_PROCID is then the
+    agent's task, RANK the worker's), Slurm over Open MPI.
+    """
+    enabled = set(launchers)
+    slurm_job = env.get("SLURM_JOB_ID")
+    if "torchrun" in enabled and "TORCHELASTIC_RUN_ID" in env and _maybe_int(env.get("RANK")) is not None:
+        run_id = env.get("TORCHELASTIC_RUN_ID", "")
+        job = run_id if run_id and run_id != "none" else (slurm_job or "torchrun")
+        job_id = _safe_job_id(job)
+        rank = _maybe_int(env.get("RANK"))
+        if job_id and rank is not None:
+            return job_id, rank, _maybe_int(env.get("LOCAL_RANK")), _maybe_int(env.get("WORLD_SIZE"))
+    if "slurm" in enabled and slurm_job and _maybe_int(env.get("SLURM_PROCID")) is not None:
+        step = env.get("SLURM_STEP_ID")
+        job_id = _safe_job_id(f"{slurm_job}.{step}" if step else slurm_job)
+        rank = _maybe_int(env.get("SLURM_PROCID"))
+        if job_id and rank is not None:
+            return (job_id, rank, _maybe_int(env.get("SLURM_LOCALID")),
+                    _maybe_int(env.get("SLURM_NTASKS")))
+    if "openmpi" in enabled and _maybe_int(env.get("OMPI_COMM_WORLD_RANK")) is not None:
+        job = env.get("OMPI_MCA_ess_base_jobid") or env.get("PMIX_NAMESPACE") or "openmpi"
+        job_id = _safe_job_id(job)
+        rank = _maybe_int(env.get("OMPI_COMM_WORLD_RANK"))
+        if job_id and rank is not None:
+            return (job_id, rank, _maybe_int(env.get("OMPI_COMM_WORLD_LOCAL_RANK")),
+                    _maybe_int(env.get("OMPI_COMM_WORLD_SIZE")))
+    return None
+
+
+def discover(procfs: ProcfsReader, launchers: Iterable[str]) -> list[RankEntry]:
+    """Ranks found from launcher variables. Children inherit their rank's environment (DataLoader
+    workers), so of the processes that claim one (job, rank) the one whose parent does not claim it
+    is the rank."""
+    launchers = tuple(launchers)
+    claims: dict[int, tuple[str, int, int | None, int | None]] = {}
+    parents: dict[int, int] = {}
+    for pid in procfs.pids():
+        env = procfs.environ(pid, DISCOVERY_VARS)
+        if not env:
+            continue
+        claim = claim_from_env(env, launchers)
+        if claim is None:
+            continue
+        try:
+            parents[pid] = int(procfs.read_stat(pid)[1][1])
+        except (ValueError, IndexError, ProcessGone):
+            continue
+        claims[pid] = claim
+    out: list[RankEntry] = []
+    for pid, (job_id, rank, local_rank, world_size) in sorted(claims.items()):
+        parent_claim = claims.get(parents.get(pid, 0))
+        if parent_claim is not None and parent_claim[:2] == (job_id, rank):
+            continue
+        out.append(
+            RankEntry(
+                job_id=job_id, rank=rank, pid=pid, local_rank=local_rank, world_size=world_size,
+                source="environ", start_ticks=procfs.start_ticks(pid),
+            )
+        )
+    return out
