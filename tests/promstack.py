@@ -312,3 +312,97 @@ def run(cmd: list[str], cwd: Path | None = None, timeout: float = 60) -> subproc
     return subprocess.run(
         cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ)
     )
+
+
+# --- a stand-in node ---------------------------------------------------------------------------
+# Until a test runs the real daemon, MetricsServer serves text built here from DESIGN §4's names
+# and labels (the contract the core's exporter implements); test_dashboards.py checks that every
+# name used here and in the dashboards/rules is one the real daemon exports.
+
+
+def _fmt_labels(labels: dict[str, str]) -> str:
+    body = ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items())
+    return "{" + body + "}" if body else ""
+
+
+def _esc(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class NodeRank:
+    """One rank on a stand-in node (mutable: tests flip ``up``, ``stalled``, ``oom_kills``)."""
+
+    def __init__(self, job_id: str, rank: int, pid: int, world_size: int, gpu: int = 0) -> None:
+        self.job_id = job_id
+        self.rank = rank
+        self.pid = pid
+        self.world_size = world_size
+        self.gpu = gpu
+        self.up = True
+        self.stalled = False
+        self.oom_kills = 0
+        self.gil_samples = 0
+        self.gil_held = 0
+
+
+def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
+    """The exposition of a node with one GPU per rank, following DESIGN §4."""
+    now = time.time() if now is None else now
+    fams: dict[str, tuple[str, list[tuple[dict[str, str], float]]]] = {}
+
+    def add(name: str, typ: str, labels: dict[str, str], value: float) -> None:
+        fams.setdefault(name, (typ, []))[1].append((labels, value))
+
+    add("gpuwatch_build_info", "gauge", {"version": "0.1.0"}, 1)
+    for c in ("procfs", "rankfiles", "nvml", "kernel_log", "pyspy"):
+        add("gpuwatch_collector_success", "gauge", {"collector": c}, 1)
+        add("gpuwatch_collector_duration_seconds", "gauge", {"collector": c}, 0.002)
+        add("gpuwatch_collector_last_success_timestamp_seconds", "gauge", {"collector": c}, now)
+    for r in ranks:
+        jr = {"job_id": r.job_id, "rank": str(r.rank)}
+        g = {"gpu": str(r.gpu), "uuid": f"GPU-{r.gpu:04d}"}
+        add("gpuwatch_gpu_info", "gauge", {**g, "name": "NVIDIA H100", "pci_bus_id": "0000:3b:00.0"}, 1)
+        add("gpuwatch_gpu_memory_total_bytes", "gauge", g, 80 * 2**30)
+        add("gpuwatch_gpu_memory_used_bytes", "gauge", g, 40 * 2**30 if r.up else 0)
+        add("gpuwatch_gpu_utilization_ratio", "gauge", g, 0.5 if r.up else 0)
+        add("gpuwatch_gpu_xid_errors_total", "counter", {**g, "xid": "13"}, 0)
+        add("gpuwatch_rank_info", "gauge",
+            {**jr, "local_rank": str(r.gpu), "pid": str(r.pid), "world_size": str(r.world_size)}, 1)
+        add("gpuwatch_rank_up", "gauge", jr, 1 if r.up else 0)
+        add("gpuwatch_oom_kills_total", "counter", {**jr, "comm": "python" if r.oom_kills else "",
+                                                     "killer": "kernel" if r.oom_kills else ""},
+            r.oom_kills)
+        add("gpuwatch_finding", "gauge", {"kind": "nccl_error_handling_off", "severity": "warning",
+                                          **jr, "pid": str(r.pid)}, 1)
+        if not r.up:
+            add("gpuwatch_finding", "gauge",
+                {"kind": "rank_oom_killed" if r.oom_kills else "rank_down", "severity": "page",
+                 **jr, "pid": str(r.pid)}, 1)
+            continue
+        add("gpuwatch_gpu_process_memory_bytes", "gauge",
+            {**g, "pid": str(r.pid), "comm": "python", "user": "root", **jr}, 40 * 2**30)
+        add("gpuwatch_rank_gpu_memory_bytes", "gauge", {**jr, "gpu": str(r.gpu)}, 40 * 2**30)
+        add("gpuwatch_rank_open_fds", "gauge", jr, 64)
+        add("gpuwatch_rank_max_fds", "gauge", jr, 1024)
+        add("gpuwatch_rank_cpu_seconds_total", "counter", jr, now % 1000)
+        add("gpuwatch_rank_resident_memory_bytes", "gauge", jr, 2 * 2**30)
+        add("gpuwatch_rank_threads", "gauge", jr, 12)
+        add("gpuwatch_rank_gil_samples_total", "counter", jr, r.gil_samples)
+        add("gpuwatch_rank_gil_held_samples_total", "counter", jr, r.gil_held)
+        add("gpuwatch_rank_progress_timestamp_seconds", "gauge", jr, now - (600 if r.stalled else 1))
+        add("gpuwatch_rank_stalled", "gauge", jr, 1 if r.stalled else 0)
+        add("gpuwatch_cuda_oom_errors_total", "counter", {**jr, "gpu": str(r.gpu)}, 0)
+    add("gpuwatch_orphan_gpu_memory_bytes", "gauge",
+        {"gpu": "7", "uuid": "GPU-0007", "pid": "11223", "comm": "python", "user": "alice",
+         "reason": "reparented_to_init"}, 55 * 2**30)
+    out: list[str] = []
+    for name, (typ, samples) in fams.items():
+        out.append(f"# HELP {name} {name} (stand-in node for tests).")
+        out.append(f"# TYPE {name} {typ}")
+        seen: set[str] = set()
+        for labels, value in samples:
+            line = f"{name}{_fmt_labels(labels)} {value}"
+            if line.split(" ")[0] not in seen:
+                seen.add(line.split(" ")[0])
+                out.append(line)
+    return "\n".join(out) + "\n"

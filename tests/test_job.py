@@ -1,0 +1,131 @@
+"""`gpuwatchd job`: one job's ranks across nodes, read from a real Prometheus on loopback.
+
+The nodes here are stand-ins (MetricsServer serving DESIGN §4 text) so that failures can be
+timed exactly; tests/test_e2e_alerting.py runs the same command against real daemons."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from promstack import REPO, MetricsServer, NodeRank, node_exposition, prometheus, wait_until
+
+from gpuwatchd import job
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "job", *args],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )
+
+
+def test_kill_times_counts_first_kill_and_series_appearing_above_zero() -> None:
+    assert job._kill_times([(1, 0), (2, 0), (3, 1), (4, 1), (5, 2)], series_is_new=True) == [3, 5]
+    # a series that appeared at 1 inside the window: its first sample is the kill
+    assert job._kill_times([(10, 1), (11, 1)], series_is_new=True) == [10]
+    # ... but not when it already existed at the window's start (an old kill)
+    assert job._kill_times([(10, 1), (11, 1)], series_is_new=False) == []
+    # a counter reset followed by a kill
+    assert job._kill_times([(1, 2), (2, 1)], series_is_new=False) == [2]
+
+
+def test_start_of_current_run() -> None:
+    assert job._start_of_current_run([(1, 1), (2, 0), (3, 1), (4, 0), (5, 0)], 0) == 4
+    assert job._start_of_current_run([(1, 1)], 0) is None
+
+
+def test_rejects_bad_job_id_and_lookback() -> None:
+    prom = job.Prometheus("http://127.0.0.1:9")
+    with pytest.raises(ValueError):
+        job.job_view(prom, 'x"} or vector(1)', "1h")
+    with pytest.raises(ValueError):
+        job.job_view(prom, "llm-7", "1h) or (")
+
+
+def test_unreachable_prometheus_exits_2() -> None:
+    p = _cli("llm-7", "--prometheus", "http://127.0.0.1:9", "--timeout", "2")
+    assert p.returncode == 2
+    assert "cannot reach Prometheus" in p.stderr
+
+
+def test_job_across_two_nodes_names_first_oom_killed_rank(tmp_path: Path) -> None:
+    """Ranks 0-3 of llm-7 on two nodes, rank 5 of another job beside them. Rank 2 (node B) is
+    OOM-killed first; 3 s later rank 0 (node A) dies without an OOM kill; rank 3 stalls. The job
+    view names rank 2 as the first to fail and counts ranks 1 and 3 as waiting on it."""
+    a_ranks = [NodeRank("llm-7", 0, 1000, 4, gpu=0), NodeRank("llm-7", 1, 1001, 4, gpu=1),
+               NodeRank("other", 5, 1002, 8, gpu=2)]
+    b_ranks = [NodeRank("llm-7", 2, 2000, 4, gpu=0), NodeRank("llm-7", 3, 2001, 4, gpu=1)]
+    with MetricsServer(node_exposition(a_ranks)) as a, MetricsServer(node_exposition(b_ranks)) as b:
+
+        def refresh() -> None:
+            a.text = node_exposition(a_ranks)
+            b.text = node_exposition(b_ranks)
+
+        with prometheus(tmp_path, [a.address, b.address]) as prom:
+            wait_until(lambda: len(prom.query('gpuwatch_rank_up{job_id="llm-7"}')) == 4, 20,
+                       "4 ranks scraped")
+            wait_until(lambda: len(prom.query('gpuwatch_oom_kills_total{job_id="llm-7"}[1h]')[0]
+                                   ["values"]) >= 2, 10, "two samples")
+            healthy = _cli("llm-7", "--prometheus", prom.url)
+            assert healthy.returncode == 0, healthy.stdout + healthy.stderr
+            assert "4 up, 0 stalled, 0 dead, 0 OOM-killed" in healthy.stdout
+            assert "no rank has failed" in healthy.stdout
+
+            t_kill = time.time()
+            b_ranks[0].oom_kills = 1
+            b_ranks[0].up = False
+            refresh()
+            time.sleep(3)
+            a_ranks[0].up = False
+            b_ranks[1].stalled = True
+            refresh()
+            wait_until(lambda: prom.query('gpuwatch_rank_up{job_id="llm-7",rank="0"} == 0'), 10,
+                       "rank 0 dead in Prometheus")
+            wait_until(lambda: prom.query('gpuwatch_rank_stalled{job_id="llm-7"} == 1'), 10,
+                       "rank 3 stalled in Prometheus")
+
+            p = _cli("llm-7", "--prometheus", prom.url, "--json")
+            assert p.returncode == 1, p.stdout + p.stderr
+            out = json.loads(p.stdout)
+            assert out["counts"] == {"up": 1, "stalled": 1, "dead": 1, "oom_killed": 1,
+                                     "missing": 0}
+            assert out["nodes"] == sorted([a.address, b.address])
+            assert out["world_size"] == 4
+            first = out["first_to_fail"]
+            assert (first["rank"], first["instance"], first["state"]) == ("2", b.address,
+                                                                          "oom_killed")
+            assert (first["oom_comm"], first["oom_killer"], first["pid"]) == ("python", "kernel",
+                                                                              "2000")
+            # dated by the scrape that first saw the kill (1 s scrapes)
+            assert t_kill - 0.5 <= first["failed_at"] <= t_kill + 2.5
+            assert sorted(w["rank"] for w in out["waiting"]) == ["1", "3"]
+            by_rank = {r["rank"]: r for r in out["ranks"]}
+            assert set(by_rank) == {"0", "1", "2", "3"}
+            assert by_rank["0"]["state"] == "dead" and by_rank["0"]["failed_at"] > first["failed_at"]
+            assert by_rank["3"]["state"] == "stalled"
+            assert by_rank["1"]["gpu_memory_bytes"] == 40 * 2**30
+
+            text = _cli("llm-7", "--prometheus", prom.url)
+            assert text.returncode == 1
+            assert f"first to fail: rank 2 on {b.address} OOM-killed (python, by kernel)" in text.stdout
+            assert "2 ranks are waiting on it" in text.stdout
+            print(text.stdout)
+
+            unknown = _cli("no-such-job", "--prometheus", prom.url)
+            assert unknown.returncode == 2
+            assert "no rank of job 'no-such-job'" in unknown.stderr
+
+            # node B stops being scraped: its ranks are "missing", rank 2 stays OOM-killed
+            b.server.shutdown()
+            b.server.server_close()
+            wait_until(lambda: not prom.query('gpuwatch_rank_up{job_id="llm-7",rank="3"}'), 15,
+                       "node B's series stale")
+            gone = json.loads(_cli("llm-7", "--prometheus", prom.url, "--json").stdout)
+            states = {r["rank"]: r["state"] for r in gone["ranks"]}
+            assert states == {"0": "dead", "1": "up", "2": "oom_killed", "3": "missing"}
+            assert gone["first_to_fail"]["rank"] == "2"
