@@ -1,0 +1,84 @@
+"""rank_oom_killed: a rank (or one of its workers) was killed by the kernel OOM killer,
+systemd-oomd or earlyoom.
+
+Reads the recent kernel events the kernel-log subsystem puts in ``ctx.extras["kernel_events"]``
+(gpuwatchd/kernel_events.py) and the joined rank states (for the peers still alive). Pure; costs
+nothing. Shell equivalent: ``dmesg -T | grep -i 'killed process'`` and matching the PID against the
+launcher's rank map by hand.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from gpuwatchd.events import Event
+from gpuwatchd.findings import FindingContext, fmt_bytes
+from gpuwatchd.model import PAGE, Finding
+
+# A kill stays a finding for as long as the GPURankOOMKilled rule looks back (increase()[10m]),
+# and for as long as the killed rank stays registered and dead.
+ACTIVE_SECONDS = 600.0
+
+_BY = {"kernel": "the kernel OOM killer", "systemd-oomd": "systemd-oomd", "earlyoom": "earlyoom"}
+
+
+def _still_down(ctx: FindingContext, ev: Event) -> bool:
+    return any(
+        r.job_id == ev.job_id and str(r.rank) == ev.rank and not r.alive and r.pid == ev.pid
+        for r in ctx.ranks
+    )
+
+
+def explain(ev: Event, peers_alive: int) -> str:
+    f = ev.fields
+    when = time.strftime("%H:%M:%S", time.localtime(ev.time))
+    if ev.worker:
+        who = (
+            f"worker pid {ev.pid} ({ev.comm}) of rank {ev.rank} of job {ev.job_id} "
+            f"(rank pid {f.get('rank_pid', '?')})"
+        )
+    else:
+        who = f"rank {ev.rank} of job {ev.job_id} (pid {ev.pid}, {ev.comm})"
+    text = f"{who} was killed by {_BY.get(ev.killer, ev.killer)} at {when}"
+    rss = f.get("rss_bytes")
+    if isinstance(rss, int):
+        text += f" holding {fmt_bytes(rss)} RSS"
+    if f.get("memcg"):
+        text += f" in memory cgroup {f['memcg']}"
+    if peers_alive:
+        text += f"; {peers_alive} peers alive: they will wait in their next collective"
+    else:
+        text += "; no peer of the job is alive on this node"
+    return text
+
+
+def find(ctx: FindingContext) -> Iterable[Finding]:
+    events: Iterable[Event] = ctx.extras.get("kernel_events", ())
+    for ev in events:
+        if ev.kind != "oom_kill" or not ev.job_id:
+            continue
+        if ctx.now - ev.time > ACTIVE_SECONDS and not _still_down(ctx, ev):
+            continue
+        peers = sum(
+            1 for r in ctx.ranks if r.job_id == ev.job_id and str(r.rank) != ev.rank and r.alive
+        )
+        yield Finding(
+            kind="rank_oom_killed",
+            severity=PAGE,
+            explanation=explain(ev, peers),
+            job_id=ev.job_id,
+            rank=ev.rank,
+            pid=str(ev.pid) if ev.pid is not None else "",
+            evidence={
+                "killer": ev.killer,
+                "comm": ev.comm,
+                "worker": ev.worker,
+                "time": ev.time,
+                "rss_bytes": ev.fields.get("rss_bytes"),
+                "memcg": ev.fields.get("memcg", ""),
+                "peers_alive": peers,
+                "event": ev.key,
+            },
+            since=ev.time,
+        )

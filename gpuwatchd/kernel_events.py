@@ -1,0 +1,806 @@
+"""Kernel log records -> OOM-kill and Xid events, attributed to ranks, counted exactly once.
+
+Pure logic plus the event log; the I/O (kmsg, journal, /proc/vmstat) is in sources/kernel_log.py.
+
+- Grouping: one kill prints a header, a memory dump, the ``oom-kill:`` summary (4.19+) and the
+  ``Killed process`` line (plus later ``oom_reaper``). They become ONE event, emitted the moment the
+  decisive ``Killed process`` line arrives (no waiting); a summary whose kill line was lost (ring
+  overrun) becomes an event on its own after ``group_timeout``.
+- Attribution: the victim is dead when its line arrives, so its PID is looked up in a short-lived
+  record of the rank process trees the daemon saw in recent cycles (``RankTreeRecord``). PID reuse
+  is guarded by start time: a process that started after the kill cannot be its victim. Children
+  of a rank (DataLoader workers) are attributed to that rank and marked ``worker``.
+- Exactly once: every event has a key (boot id + kernel timestamp + PID), is appended to
+  ``state_dir/events.jsonl`` before it is counted, and the counters are rebuilt from that file at
+  start. The source's resume position (kmsg seq + boot id, journal cursor) keeps re-reading small.
+- Nothing silently lost: ``/proc/vmstat oom_kill`` counts every kernel OOM kill since boot; kills
+  it counts that no parsed line explains (ring overrun, source down) become ``unattributed``
+  events after a grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gpuwatchd.counters import CounterStore
+from gpuwatchd.events import EVENTS_FILE, Event, EventBus, read_events
+from gpuwatchd.model import INFO, PAGE, WARNING, ProcessInfo, RankState, frozen_map
+from gpuwatchd.sources.kernel_log import (
+    KILLER_EARLYOOM,
+    KILLER_KERNEL,
+    KILLER_OOMD,
+    LogRecord,
+    Parsed,
+    parse_message,
+    rss_bytes,
+)
+
+log = logging.getLogger(__name__)
+
+# Xids that page: the same set as the GPUXidCritical rule (deploy/prometheus/gpuwatchd.rules.yml,
+# after the NVIDIA Xid catalog and shared/research/gil-hang-oom.md §4.5): broken GPU, memory or
+# links. App-level faults (13, 31, 43) and informational ones (45) are counted but do not page.
+CRITICAL_XIDS = frozenset(
+    {48, 56, 57, 58, 62, 63, 64, 65, 68, 69, 73, 74, 79, 80, 81, 92, 94, 95, 119, 120}
+)
+
+RECORD_FILE = "rank_trees.json"
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "unknown"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_time(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+# ---------------------------------------------------------------------------------------------
+# Attribution record
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TreeMember:
+    """A process seen in a rank's tree: the rank process itself or a descendant (worker)."""
+
+    pid: int
+    start_time: float | None  # Unix seconds; None when unknown
+    job_id: str
+    rank: int
+    rank_pid: int
+    worker: bool
+    comm: str
+    last_seen: float
+    cgroup: str = ""
+    world_size: int | None = None
+
+
+def members_from(
+    ranks: Iterable[RankState],
+    processes: Mapping[int, ProcessInfo],
+    now: float,
+    cgroups: Mapping[int, str] | None = None,
+) -> list[TreeMember]:
+    """The live members of every rank tree of one cycle."""
+    out: list[TreeMember] = []
+    for r in ranks:
+        if not r.alive:
+            continue
+        tree = r.tree or (r.pid,)
+        for pid in tree:
+            p = processes.get(pid) or (r.process if pid == r.pid else None)
+            out.append(
+                TreeMember(
+                    pid=pid,
+                    start_time=p.start_time if p is not None else None,
+                    job_id=r.job_id,
+                    rank=r.rank,
+                    rank_pid=r.pid,
+                    worker=pid != r.pid,
+                    comm=p.comm if p is not None else "",
+                    last_seen=now,
+                    cgroup=(cgroups or {}).get(pid, "") if pid == r.pid else "",
+                    world_size=r.world_size,
+                )
+            )
+    return out
+
+
+class RankTreeRecord:
+    """Recently seen rank-tree members, kept ``ttl`` seconds after they were last seen alive and
+    persisted in ``state_dir`` so that a kill that happens while the daemon is down is still
+    attributed when it starts again."""
+
+    # A kill's timestamp and a process's start time come from different clocks (printk's
+    # local_clock vs btime + start ticks, btime is whole seconds): allow this much disagreement.
+    SLACK_SECONDS = 2.0
+
+    def __init__(self, path: str | None = None, ttl_seconds: float = 900.0) -> None:
+        self.path = path
+        self.ttl = ttl_seconds
+        self._lock = threading.Lock()
+        self._members: dict[tuple[int, float | None], TreeMember] = {}
+        self._saved_at = 0.0
+        self._saved_keys: frozenset[tuple[int, float | None]] = frozenset()
+        if path:
+            self._load(path)
+
+    def _load(self, path: str) -> None:
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            for d in data.get("members", []):
+                m = TreeMember(**d)
+                self._members[(m.pid, m.start_time)] = m
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            if not isinstance(e, FileNotFoundError):
+                log.warning("rank tree record %s unreadable, starting empty: %s", path, e)
+
+    def update(self, members: Iterable[TreeMember], now: float) -> None:
+        with self._lock:
+            for m in members:
+                self._members[(m.pid, m.start_time)] = m
+            for k in [k for k, m in self._members.items() if m.last_seen < now - self.ttl]:
+                del self._members[k]
+            keys = frozenset(self._members)
+            if self.path and (keys != self._saved_keys or now - self._saved_at > 60.0):
+                self._save(now, keys)
+
+    def _save(self, now: float, keys: frozenset[tuple[int, float | None]]) -> None:
+        assert self.path is not None
+        data = {"members": [m.__dict__ for m in self._members.values()]}
+        tmp = f"{self.path}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(data, f)
+            os.replace(tmp, self.path)
+            self._saved_at, self._saved_keys = now, keys
+        except OSError as e:
+            log.warning("cannot save rank tree record: %s", e)
+
+    def lookup(self, pid: int, at: float) -> TreeMember | None:
+        """The member that was ``pid`` at time ``at``: seen alive within ``ttl`` before it and not
+        started after it. With PID reuse the latest such process wins."""
+        best: TreeMember | None = None
+        with self._lock:
+            for m in self._members.values():
+                if m.pid != pid or m.last_seen < at - self.ttl:
+                    continue
+                if m.start_time is not None and m.start_time > at + self.SLACK_SECONDS:
+                    continue  # started after the kill: a reused PID
+                if best is None or (m.start_time or 0.0) > (best.start_time or 0.0):
+                    best = m
+        return best
+
+    def ranks_in_cgroup(self, cgroup: str, at: float) -> list[TreeMember]:
+        """Rank processes whose cgroup is ``cgroup`` or below it (systemd-oomd kills a cgroup)."""
+        prefix = cgroup.rstrip("/") + "/"
+        with self._lock:
+            return [
+                m
+                for m in self._members.values()
+                if not m.worker
+                and m.cgroup
+                and (m.cgroup == cgroup or m.cgroup.startswith(prefix))
+                and m.last_seen >= at - self.ttl
+            ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouping the lines of one kill
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Kill:
+    pid: int
+    comm: str
+    killer: str
+    boot_id: str
+    time: float  # Unix seconds
+    monotonic_usec: int | None
+    rss_bytes: int | None = None
+    memcg: str = ""  # the victim's memory cgroup (task_memcg)
+    oom_memcg: str = ""  # the cgroup whose limit was hit ("" for a global OOM)
+    constraint: str = ""  # CONSTRAINT_MEMCG | CONSTRAINT_NONE | ... | "" (old kernels)
+    scope: str = ""  # "Out of memory" | "Memory cgroup out of memory" | ... as printed
+    detail: str = ""
+    source: str = ""
+
+    @property
+    def key(self) -> str:
+        stamp = self.monotonic_usec if self.monotonic_usec is not None else int(self.time * 1e6)
+        return f"{self.boot_id}:{self.killer}:{self.pid}:{stamp}"
+
+
+class KillGrouper:
+    """Feeds kernel records of any format; returns complete kills. Not thread-safe (one reader)."""
+
+    def __init__(self, group_timeout: float = 2.0, dedup_seconds: float = 30.0) -> None:
+        self.group_timeout = group_timeout
+        self.dedup_seconds = dedup_seconds
+        # pid -> (summary fields, record) of an oom-kill: summary still waiting for its kill line
+        self._summaries: dict[tuple[str, int], tuple[Parsed, LogRecord]] = {}
+        self._memcg = ""  # "Memory cgroup stats for X" / "Task in X killed ..." of the current dump
+        self._recent: deque[tuple[float, str, str, int]] = deque()  # (time, boot, killer, pid)
+        self._seqs: dict[tuple[str, int], int] = {}
+
+    def oldest_pending_seq(self) -> int | None:
+        return min(self._seqs.values()) if self._seqs else None
+
+    def _seen_recently(self, boot: str, killer: str, pid: int, t: float) -> bool:
+        while self._recent and self._recent[0][0] < t - self.dedup_seconds:
+            self._recent.popleft()
+        return any(b == boot and k == killer and p == pid for _, b, k, p in self._recent)
+
+    def _done(self, kill: Kill) -> list[Kill]:
+        if self._seen_recently(kill.boot_id, kill.killer, kill.pid, kill.time):
+            return []  # a second report of the same kill (earlyoom SIGTERM then SIGKILL, ...)
+        self._recent.append((kill.time, kill.boot_id, kill.killer, kill.pid))
+        return [kill]
+
+    def feed(self, rec: LogRecord, p: Parsed) -> list[Kill]:
+        out = self.flush(rec.realtime)
+        if p.kind in ("memcg_stats", "oom_group"):
+            self._memcg = p.fields.get("memcg", "")
+        elif p.kind == "task_in":
+            self._memcg = p.fields.get("task_memcg", "")
+        elif p.kind == "invoked":
+            self._memcg = ""
+        elif p.kind == "summary" and p.pid is not None:
+            self._summaries[(rec.boot_id, p.pid)] = (p, rec)
+            if rec.seq is not None:
+                self._seqs[(rec.boot_id, p.pid)] = rec.seq
+        elif p.kind == "killed" and p.pid is not None:
+            summary = self._summaries.pop((rec.boot_id, p.pid), None)
+            self._seqs.pop((rec.boot_id, p.pid), None)
+            sf: Mapping[str, str] = summary[0].fields if summary else {}
+            scope = p.fields.get("kind", "")
+            memcg = sf.get("task_memcg", "") or self._memcg
+            oom_memcg = sf.get("oom_memcg", "")
+            if not oom_memcg and scope == "Memory cgroup out of memory":
+                oom_memcg = self._memcg
+            out += self._done(
+                Kill(
+                    pid=p.pid,
+                    comm=p.comm,
+                    killer=KILLER_KERNEL,
+                    boot_id=rec.boot_id,
+                    time=rec.realtime,
+                    monotonic_usec=rec.monotonic_usec,
+                    rss_bytes=rss_bytes(p),
+                    memcg=memcg,
+                    oom_memcg=oom_memcg,
+                    constraint=sf.get("constraint", ""),
+                    scope=scope,
+                    source=rec.source,
+                )
+            )
+        elif p.kind == "earlyoom" and p.pid is not None:
+            out += self._done(
+                Kill(
+                    pid=p.pid,
+                    comm=p.comm,
+                    killer=KILLER_EARLYOOM,
+                    boot_id=rec.boot_id,
+                    time=rec.realtime,
+                    monotonic_usec=None,
+                    rss_bytes=rss_bytes(p),
+                    detail=p.fields.get("signal", ""),
+                    source=rec.source,
+                )
+            )
+        return out
+
+    def flush(self, now: float) -> list[Kill]:
+        """Summaries whose kill line never came (lost to an overrun) become kills on their own."""
+        out: list[Kill] = []
+        for k, (p, rec) in list(self._summaries.items()):
+            if now - rec.realtime < self.group_timeout:
+                continue
+            del self._summaries[k]
+            self._seqs.pop(k, None)
+            if p.pid is None:
+                continue
+            out += self._done(
+                Kill(
+                    pid=p.pid,
+                    comm=p.comm,
+                    killer=KILLER_KERNEL,
+                    boot_id=rec.boot_id,
+                    time=rec.realtime,
+                    monotonic_usec=rec.monotonic_usec,
+                    memcg=p.fields.get("task_memcg", ""),
+                    oom_memcg=p.fields.get("oom_memcg", ""),
+                    constraint=p.fields.get("constraint", ""),
+                    detail="kill line missing",
+                    source=rec.source,
+                )
+            )
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The processor: records in, events and counters out
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _RankView:
+    alive: bool
+    world_size: int | None
+
+
+class KernelEventProcessor:
+    """Thread-safe: ``handle`` runs in the kernel-log thread, ``observe``/``cross_check``/``tick``
+    in the daemon's cycle, ``recent`` in outputs."""
+
+    def __init__(
+        self,
+        counters: CounterStore,
+        state_dir: str,
+        bus: EventBus | None = None,
+        boot_id: str = "",
+        record: RankTreeRecord | None = None,
+        xid_dedup: Any = None,  # gpuwatchd.xid_dedup.XidDeduper (shared with the NVML watcher)
+        group_timeout: float = 2.0,
+        unexplained_grace: float = 10.0,
+        recent_seconds: float = 3600.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.counters = counters
+        self.state_dir = state_dir
+        self.bus = bus
+        self.boot_id = boot_id
+        self.record = record or RankTreeRecord(os.path.join(state_dir, RECORD_FILE))
+        self.xid_dedup = xid_dedup
+        self.unexplained_grace = unexplained_grace
+        self.recent_seconds = recent_seconds
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._grouper = KillGrouper(group_timeout)
+        self._keys: set[str] = set()
+        self._recent: deque[Event] = deque(maxlen=10000)
+        self._boot_kernel_kills = 0  # kernel OOM kills (parsed + unexplained) stored this boot
+        self._deficit_since: float | None = None
+        self._ranks: dict[tuple[str, int], _RankView] = {}
+        self._pci_uuid: dict[str, str] = {}
+        self.events_path = os.path.join(state_dir, EVENTS_FILE)
+        os.makedirs(state_dir, exist_ok=True)
+        self._rebuild()
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def _rebuild(self) -> None:
+        """Counters continue across restarts: re-add every stored event's increment."""
+        horizon = self.clock() - self.recent_seconds
+        for ev in read_events(self.events_path):
+            if ev.key in self._keys:
+                continue
+            self._account(ev)
+            if ev.time >= horizon:
+                self._recent.append(ev)
+
+    def _account(self, ev: Event) -> None:
+        self._keys.add(ev.key)
+        if ev.counter:
+            try:
+                self.counters.inc(ev.counter, tuple(ev.labels), float(ev.count))
+            except (KeyError, ValueError) as e:
+                log.warning("event %s: cannot count %s%s: %s", ev.key, ev.counter, ev.labels, e)
+        kernel_kill = ev.kind in ("oom_kill", "oom_kill_unexplained") and ev.killer == KILLER_KERNEL
+        if kernel_kill and ev.boot_id == self.boot_id:
+            self._boot_kernel_kills += ev.count
+
+    def _store(self, ev: Event) -> bool:
+        """Persist, count, fan out. False when the event was already stored (a duplicate)."""
+        with self._lock:
+            if ev.key in self._keys:
+                return False
+            if self.bus is not None:
+                self.bus.emit(ev)  # JSONL first: durable before it is counted
+            self._account(ev)
+            self._recent.append(ev)
+        return True
+
+    # -- the kernel-log thread --------------------------------------------------------------
+
+    def handle(self, rec: LogRecord) -> list[Event]:
+        p = parse_message(rec.message, rec.identifier)
+        if p is None:
+            return []
+        with self._lock:
+            if p.kind == "xid":
+                return [e for e in [self._xid(rec, p)] if e is not None]
+            if p.kind == "gpu_at":
+                self._pci_uuid[p.fields["pci"]] = p.fields["uuid"]
+                return []
+            if p.kind == "oomd":
+                return self._oomd(rec, p)
+            kills = self._grouper.feed(rec, p)
+            return [e for k in kills for e in [self._kill_event(k)] if e is not None]
+
+    def tick(self, now: float | None = None) -> list[Event]:
+        """Each cycle: emit kills whose decisive line never arrived."""
+        with self._lock:
+            kills = self._grouper.flush(self.clock() if now is None else now)
+            return [e for k in kills for e in [self._kill_event(k)] if e is not None]
+
+    def oldest_pending_seq(self) -> int | None:
+        with self._lock:
+            return self._grouper.oldest_pending_seq()
+
+    def _peers_alive(self, job_id: str, rank: int) -> tuple[int, int | None]:
+        alive = sum(1 for (j, r), v in self._ranks.items() if j == job_id and r != rank and v.alive)
+        view = self._ranks.get((job_id, rank))
+        return alive, view.world_size if view else None
+
+    def _kill_event(self, k: Kill) -> Event | None:
+        m = self.record.lookup(k.pid, k.time)
+        job_id, rank_s = (m.job_id, str(m.rank)) if m else ("", "")
+        fields: dict[str, Any] = {
+            "rss_bytes": k.rss_bytes,
+            "memcg": k.memcg,
+            "oom_memcg": k.oom_memcg,
+            "constraint": k.constraint,
+            "scope": k.scope,
+            "source": k.source,
+            "monotonic_usec": k.monotonic_usec,
+        }
+        if k.detail:
+            fields["detail"] = k.detail
+        by = {
+            KILLER_KERNEL: "the kernel OOM killer",
+            KILLER_EARLYOOM: "earlyoom",
+            KILLER_OOMD: "systemd-oomd",
+        }[k.killer]
+        where = f" in memory cgroup {k.memcg}" if k.memcg else ""
+        holding = f" holding {fmt_bytes(k.rss_bytes)} RSS" if k.rss_bytes is not None else ""
+        if m is None:
+            summary = (
+                f"pid {k.pid} ({k.comm}) was killed by {by} at {fmt_time(k.time)}{holding}{where}"
+                "; it belonged to no known rank"
+            )
+            severity, alert = WARNING, False
+        else:
+            peers, world = self._peers_alive(m.job_id, m.rank)
+            fields.update(peers_alive=peers, rank_pid=m.rank_pid)
+            if world:
+                fields["world_size"] = world
+            subject = f"rank {m.rank} of job {m.job_id} (pid {k.pid}, {k.comm})"
+            if m.worker:
+                subject = (
+                    f"worker pid {k.pid} ({k.comm}) of rank {m.rank} of job {m.job_id} "
+                    f"(rank pid {m.rank_pid})"
+                )
+            summary = f"{subject} was killed by {by} at {fmt_time(k.time)}{holding}{where}"
+            if peers:
+                summary += f"; {peers} peers alive: they will wait in their next collective"
+            severity, alert = PAGE, True
+        return self._emit(
+            Event(
+                key=k.key,
+                kind="oom_kill",
+                time=k.time,
+                severity=severity,
+                summary=summary,
+                job_id=job_id,
+                rank=rank_s,
+                pid=k.pid,
+                comm=k.comm,
+                killer=k.killer,
+                worker=bool(m and m.worker),
+                boot_id=k.boot_id,
+                counter="oom_kills",
+                labels=(job_id, rank_s, k.comm, k.killer),
+                fields=frozen_map(fields),
+                alert=alert,
+            )
+        )
+
+    def _emit(self, ev: Event) -> Event | None:
+        return ev if self._store(ev) else None
+
+    def _oomd(self, rec: LogRecord, p: Parsed) -> list[Event]:
+        """systemd-oomd kills a whole cgroup: one event per rank process that lived in it."""
+        cgroup = p.fields.get("cgroup", "")
+        victims = self.record.ranks_in_cgroup(cgroup, rec.realtime)
+        stamp = int(rec.realtime * 1e6)
+        out: list[Event] = []
+        if not victims:
+            k = Kill(0, "", KILLER_OOMD, rec.boot_id, rec.realtime, None, memcg=cgroup)
+            ev = Event(
+                key=f"{rec.boot_id}:{KILLER_OOMD}:{cgroup}:{stamp}",
+                kind="oom_kill",
+                time=k.time,
+                severity=WARNING,
+                summary=f"systemd-oomd killed cgroup {cgroup} at {fmt_time(k.time)} "
+                f"({p.fields.get('reason', '')}); no known rank lived in it",
+                killer=KILLER_OOMD,
+                boot_id=rec.boot_id,
+                counter="oom_kills",
+                labels=("", "", "", KILLER_OOMD),
+                fields=frozen_map({"memcg": cgroup, "source": rec.source}),
+            )
+            return [e for e in [self._emit(ev)] if e is not None]
+        for m in victims:
+            peers, _ = self._peers_alive(m.job_id, m.rank)
+            summary = (
+                f"rank {m.rank} of job {m.job_id} (pid {m.pid}, {m.comm}) was killed by "
+                f"systemd-oomd at {fmt_time(rec.realtime)} with its cgroup {cgroup} "
+                f"({p.fields.get('reason', '')})"
+            )
+            if peers:
+                summary += f"; {peers} peers alive: they will wait in their next collective"
+            ev = Event(
+                key=f"{rec.boot_id}:{KILLER_OOMD}:{m.pid}:{stamp}",
+                kind="oom_kill",
+                time=rec.realtime,
+                severity=PAGE,
+                summary=summary,
+                job_id=m.job_id,
+                rank=str(m.rank),
+                pid=m.pid,
+                comm=m.comm,
+                killer=KILLER_OOMD,
+                boot_id=rec.boot_id,
+                counter="oom_kills",
+                labels=(m.job_id, str(m.rank), m.comm, KILLER_OOMD),
+                fields=frozen_map({"memcg": cgroup, "peers_alive": peers, "source": rec.source}),
+                alert=True,
+            )
+            out += [e for e in [self._emit(ev)] if e is not None]
+        return out
+
+    def _xid(self, rec: LogRecord, p: Parsed) -> Event | None:
+        f = p.fields
+        pci = f.get("pci", "")
+        try:
+            xid = int(f.get("xid", ""))
+        except ValueError:
+            return None
+        stamp = rec.monotonic_usec if rec.monotonic_usec is not None else int(rec.realtime * 1e6)
+        key = f"{rec.boot_id}:xid:{pci}:{xid}:{stamp}"
+        if key in self._keys:
+            return None
+        gpu, uuid = "", self._pci_uuid.get(pci, "")
+        count = True
+        if self.xid_dedup is not None:
+            count = bool(self.xid_dedup.record(pci, xid, rec.realtime, "kernel"))
+            g, u = self.xid_dedup.labels_for(pci)
+            gpu, uuid = g or gpu, u or uuid
+        m = self.record.lookup(p.pid, rec.realtime) if p.pid is not None else None
+        critical = xid in CRITICAL_XIDS
+        who = ""
+        if m is not None:
+            who = f", process of rank {m.rank} of job {m.job_id} (pid {p.pid})"
+        elif p.pid is not None:
+            who = f", pid {p.pid} ({p.comm})"
+        gpu_txt = f"GPU {gpu}" if gpu else "GPU"
+        summary = (
+            f"{gpu_txt} at PCI {pci}{' ' + uuid if uuid else ''} reported Xid {xid} at "
+            f"{fmt_time(rec.realtime)}{who}: {f.get('rest', '')[:200]}"
+        )
+        fields = {"xid": xid, "gpu": gpu, "uuid": uuid, "pci": pci, "source": rec.source}
+        for k in ("gi", "ci"):
+            if k in f:
+                fields["mig_" + k] = f[k]
+        return self._emit(
+            Event(
+                key=key,
+                kind="xid",
+                time=rec.realtime,
+                severity=PAGE if critical else INFO,
+                summary=summary,
+                job_id=m.job_id if m else "",
+                rank=str(m.rank) if m else "",
+                pid=p.pid,
+                comm=p.comm,
+                boot_id=rec.boot_id,
+                # counted by the NVML watcher already: stored (once), not counted again
+                counter="gpu_xid_errors" if count else "",
+                labels=(gpu, uuid, str(xid)) if count else (),
+                fields=frozen_map(fields),
+                alert=critical,
+            )
+        )
+
+    # -- the daemon's cycle ------------------------------------------------------------------
+
+    def observe(
+        self,
+        ranks: Sequence[RankState],
+        processes: Mapping[int, ProcessInfo],
+        now: float,
+        cgroups: Mapping[int, str] | None = None,
+    ) -> None:
+        """Give the record this cycle's rank trees; create every live rank's counter at 0."""
+        members = members_from(ranks, processes, now, cgroups)
+        self.record.update(members, now)
+        with self._lock:
+            self._ranks = {(r.job_id, r.rank): _RankView(r.alive, r.world_size) for r in ranks}
+        for r in ranks:
+            if r.alive and r.process is not None:
+                self.counters.ensure(
+                    "oom_kills", (r.job_id, str(r.rank), r.process.comm, KILLER_KERNEL)
+                )
+
+    def cross_check(self, vmstat_oom_kill: int | None, now: float) -> list[Event]:
+        """Kernel kills counted by /proc/vmstat that no parsed line explains, after a grace period
+        (the line may still be on its way), become one unattributed event."""
+        if vmstat_oom_kill is None:
+            return []
+        with self._lock:
+            missing = vmstat_oom_kill - self._boot_kernel_kills
+            if missing <= 0:
+                self._deficit_since = None
+                return []
+            if self._deficit_since is None:
+                self._deficit_since = now
+            if now - self._deficit_since < self.unexplained_grace:
+                return []
+            self._deficit_since = None
+            ev = Event(
+                key=f"{self.boot_id}:unexplained:{vmstat_oom_kill}",
+                kind="oom_kill_unexplained",
+                time=now,
+                severity=WARNING,
+                summary=f"the kernel counted {missing} OOM kill(s) that no kernel log line "
+                "explains (log overrun or source down); counted as unattributed",
+                killer=KILLER_KERNEL,
+                boot_id=self.boot_id,
+                counter="oom_kills",
+                labels=("", "", "", KILLER_KERNEL),
+                count=missing,
+                fields=frozen_map({"vmstat_oom_kill": vmstat_oom_kill}),
+            )
+            return [e for e in [self._emit(ev)] if e is not None]
+
+    def recent(self, since: float | None = None) -> list[Event]:
+        with self._lock:
+            return [e for e in self._recent if since is None or e.time >= since]
+
+    def with_peers(self, ev: Event) -> Event:
+        """``ev`` with the peers-alive count of now (for findings shown long after the kill)."""
+        if not ev.job_id:
+            return ev
+        peers, _ = self._peers_alive(ev.job_id, int(ev.rank))
+        return replace(ev, fields=frozen_map({**ev.fields, "peers_alive_now": peers}))
+
+
+# ---------------------------------------------------------------------------------------------
+# The daemon's subsystem: source thread + processor, wired to the cycle
+# ---------------------------------------------------------------------------------------------
+
+
+class KernelLogSubsystem:
+    """Runs the kernel-log source in its own thread (``kernel_log`` config key) and connects the
+    processor to the daemon's cycle (duck-typed ``daemon.Subsystem``):
+
+    - ``before_join``: flush incomplete kills, cross-check /proc/vmstat, hand the recent events to
+      the findings (``extras["kernel_events"]``) and report the ``kernel_log`` collector status;
+    - ``after_join``: give the attribution record this cycle's rank trees.
+    """
+
+    name = "kernel_log"
+    RETRY_SECONDS = 30.0
+
+    def __init__(self, journal_path: str | None = None, bus: EventBus | None = None) -> None:
+        self.journal_path = journal_path
+        self.processor: KernelEventProcessor | None = None
+        self.source: Any = None
+        self.bus = bus
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._error = ""
+        self._last_ok: float | None = None
+        self._processes: Mapping[int, ProcessInfo] = {}
+
+    def start(self, daemon: Any) -> None:
+        from gpuwatchd.events import build_bus, derive_instance
+        from gpuwatchd.sources.kernel_log import read_boot_id
+
+        cfg = daemon.config
+        paths = daemon.paths
+        if self.bus is None:
+            am = cfg.alertmanager
+            self.bus = build_bus(
+                cfg.state_dir,
+                alertmanager_url=am.url,
+                instance=getattr(am, "instance", None) or derive_instance(cfg.web.listen_address),
+                timeout_seconds=am.timeout_seconds,
+            )
+        self.processor = KernelEventProcessor(
+            daemon.counters, cfg.state_dir, bus=self.bus, boot_id=read_boot_id(paths),
+            clock=daemon.clock,
+        )
+        daemon.counters.ensure("kernel_log_overruns", ())
+        if cfg.kernel_log == "off":
+            return
+        self._thread = threading.Thread(
+            target=self._run, args=(daemon,), name="kernel-log", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, daemon: Any) -> None:
+        from gpuwatchd.sources.kernel_log import KernelLogUnavailable, open_kernel_log
+
+        counters: CounterStore = daemon.counters
+        while not self._stop.is_set():
+            try:
+                self.source = open_kernel_log(
+                    daemon.config.kernel_log,
+                    daemon.paths,
+                    daemon.config.state_dir,
+                    journal_path=self.journal_path,
+                    on_reject=lambda r: counters.inc("kernel_log_lines_rejected", (r,)),
+                    on_overrun=lambda: counters.inc("kernel_log_overruns", ()),
+                )
+                if self.source is None or self.processor is None:
+                    return
+                self.source.hold_cursor(self.processor.oldest_pending_seq)
+                if self._stop.is_set():
+                    return
+                self._error = ""
+                self.source.run(self.processor.handle)
+            except (OSError, KernelLogUnavailable) as e:
+                self._error = str(e)
+                log.warning("kernel log source failed: %s; retrying in %.0fs", e, self.RETRY_SECONDS)
+            self._stop.wait(self.RETRY_SECONDS)
+
+    def before_join(self, daemon: Any, partial: Mapping[str, Any]) -> Mapping[str, Any]:
+        from gpuwatchd.model import CollectorStatus
+        from gpuwatchd.sources.kernel_log import read_vmstat_oom_kill
+
+        if self.processor is None:
+            return {}
+        t0 = time.monotonic()
+        now = daemon.clock()
+        self._processes = partial.get("processes", {})
+        self.processor.tick(now)
+        self.processor.cross_check(read_vmstat_oom_kill(daemon.paths), now)
+        running = self._thread is not None and self._thread.is_alive() and not self._error
+        if running:
+            self._last_ok = now
+        status = CollectorStatus(
+            name="kernel_log",
+            success=running,
+            duration_seconds=time.monotonic() - t0,
+            last_success_timestamp=self._last_ok,
+            error=self._error if self._thread is not None else "kernel_log: off",
+        )
+        return {
+            "extras": {"kernel_events": tuple(self.processor.recent(now - 3600.0))},
+            "collectors": (status,),
+        }
+
+    def after_join(self, daemon: Any, state: Any) -> None:
+        from gpuwatchd.sources.kernel_log import read_cgroup
+
+        if self.processor is None:
+            return
+        cgroups = {r.pid: read_cgroup(daemon.paths, r.pid) for r in state.ranks if r.alive}
+        self.processor.observe(state.ranks, self._processes, daemon.clock(), cgroups)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.source is not None:
+            self.source.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        if self.bus is not None:
+            self.bus.close()
