@@ -1,0 +1,77 @@
+"""fork_after_cuda: a rank that holds a CUDA context forked a child (e.g. a DataLoader worker with
+the ``fork`` start method) that inherited its ``/dev/nvidia*`` descriptors.
+
+CUDA does not survive fork: the child's copy of the context is unusable and any CUDA call in it
+fails or corrupts state (CUDA C Programming Guide, "Initialization"; PyTorch "CUDA in
+multiprocessing" note). How fork is told from spawn/forkserver, from /proc only
+(``ctx.extras["fork_evidence"]``: pid -> ``sources.devfds.ProcEvidence``), all three must hold:
+
+1. the parent holds a CUDA context: ``/dev/nvidiactl`` or ``/dev/nvidia-uvm`` open;
+2. no fresh exec in the child: same ``/proc/PID/exe`` *and* identical ``/proc/PID/cmdline`` as the
+   parent. A fork child keeps the parent's argv; a ``spawn`` child is exec'd as
+   ``python -c 'from multiprocessing.spawn import spawn_main; ...'``; a ``forkserver`` child is a
+   child of the forkserver process (itself exec'd, without CUDA), not of the rank;
+3. the child has the parent's NVIDIA fds at the *same fd numbers* (inherited, not re-opened).
+
+Measured on an H200 (tests/fixtures/nvml/README.md): the fork workers of a DataLoader showed the
+rank's cmdline and the same 31 /dev/nvidia* fds (8 -> /dev/nvidiactl, 9 -> /dev/nvidia-uvm, ...);
+spawn workers had a different cmdline and no /dev/nvidia* fd at all.
+Shell equivalent: ``ls -l /proc/{RANK,CHILD}/fd | grep nvidia; cat /proc/CHILD/cmdline``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from gpuwatchd.findings import FindingContext, rank_label
+from gpuwatchd.model import WARNING, Finding
+from gpuwatchd.sources.devfds import ProcEvidence
+
+
+def forked_children(
+    parent: ProcEvidence, candidates: Iterable[ProcEvidence]
+) -> list[ProcEvidence]:
+    if not parent.holds_cuda_device:
+        return []
+    inherited = set(parent.nvidia_fds)
+    out = []
+    for c in candidates:
+        if c.ppid != parent.pid or c.pid == parent.pid:
+            continue
+        if c.exe != parent.exe or c.cmdline_digest != parent.cmdline_digest:
+            continue  # fresh exec: spawn / forkserver / a subprocess
+        if not inherited.intersection(c.nvidia_fds):
+            continue
+        out.append(c)
+    return out
+
+
+def find(ctx: FindingContext) -> Iterable[Finding]:
+    evidence: Mapping[int, ProcEvidence] = ctx.extras.get("fork_evidence", {})
+    if not evidence:
+        return
+    for r in ctx.ranks:
+        if not r.alive:
+            continue
+        tree = [evidence[p] for p in r.tree if p in evidence]
+        for parent in tree:
+            kids = forked_children(parent, tree)
+            if not kids:
+                continue
+            pids = ", ".join(str(k.pid) for k in kids)
+            shared = sorted({t for k in kids for _, t in k.nvidia_fds})
+            who = rank_label(r) if parent.pid == r.pid else f"PID {parent.pid} in {rank_label(r)}"
+            yield Finding(
+                kind="fork_after_cuda",
+                severity=WARNING,
+                job_id=r.job_id,
+                rank=str(r.rank),
+                pid=str(parent.pid),
+                explanation=(
+                    f"{who} holds a CUDA context and forked {len(kids)} child process(es) "
+                    f"(PID {pids}) that inherited its NVIDIA device descriptors "
+                    f"({', '.join(shared[:4])}); use the 'spawn' or 'forkserver' start method "
+                    f"(DataLoader(multiprocessing_context='spawn'))"
+                ),
+                evidence={"children": [k.pid for k in kids], "devices": shared},
+            )

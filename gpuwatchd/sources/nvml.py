@@ -1,0 +1,385 @@
+"""NVML source: GPUs, the processes that hold memory on them, and Xid critical-error events.
+
+Reads (through nvidia-ml-py, imported as ``pynvml``) per device: index, UUID, name, PCI bus id,
+memory total/used, utilisation; the compute *and* graphics processes with their used memory;
+per-process SM utilisation where the driver gives it. NVML's "not available" (``None`` /
+``NVML_VALUE_NOT_AVAILABLE``, as for processes inside a MIG instance) is kept as ``None`` =
+unknown, never 0.
+
+Cost: about a dozen NVML calls per GPU per cycle; each is an ioctl into the driver (see
+``bench/nvml_poll.py`` for the measured cost). NVML calls can block for seconds when a GPU falls off
+the bus, so ``read()`` is a plain synchronous call that the daemon runs off the scrape path under a
+time-out; it never runs on a scrape.
+
+Privilege: any user can read device data; listing *other users'* processes needs root or
+CAP_SYS_ADMIN on some drivers (otherwise NVML returns only the caller's own processes).
+
+Shell equivalent::
+
+    nvidia-smi --query-gpu=index,uuid,name,pci.bus_id,memory.total,memory.used,utilization.gpu \
+        --format=csv
+    nvidia-smi --query-compute-apps=pid,gpu_uuid,used_memory --format=csv
+
+No driver (CI, CPU nodes) raises ``NvmlNotPresent``: the collector is down, the daemon runs on.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from gpuwatchd.isolation import NotPresent
+from gpuwatchd.model import GpuDevice, GpuProcess
+from gpuwatchd.xid_dedup import SOURCE_NVML, XidDeduper, normalize_pci_bus_id
+
+log = logging.getLogger(__name__)
+
+Reading = tuple[tuple[GpuDevice, ...], tuple[GpuProcess, ...]]
+
+# NVML return codes (nvml.h); kept here so that a fake/fixture need not import pynvml.
+NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NO_PERMISSION = 4
+NVML_ERROR_NOT_FOUND = 6
+NVML_ERROR_DRIVER_NOT_LOADED = 9
+NVML_ERROR_TIMEOUT = 10
+NVML_ERROR_LIBRARY_NOT_FOUND = 12
+NVML_ERROR_GPU_IS_LOST = 15
+NVML_ERROR_NO_DATA = 26
+_NOT_PRESENT_CODES = frozenset({NVML_ERROR_DRIVER_NOT_LOADED, NVML_ERROR_LIBRARY_NOT_FOUND})
+# Per-field "the driver does not say": the value becomes None, the reading goes on.
+_UNKNOWN_CODES = frozenset({NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_NO_PERMISSION, NVML_ERROR_NO_DATA})
+# 2**64-1 and 2**32-1: NVML_VALUE_NOT_AVAILABLE for unsigned long long / unsigned int fields.
+_NA_VALUES = frozenset({(1 << 64) - 1, (1 << 32) - 1})
+
+
+class NvmlNotPresent(NotPresent):
+    """No NVIDIA driver / libnvidia-ml on this host: not an error, the collector is simply down."""
+
+
+class NvmlReadError(RuntimeError):
+    """NVML is present but a call failed (GPU lost, driver error, time-out)."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class NvmlReader(Protocol):
+    """What the daemon polls: one synchronous reading, devices then processes."""
+
+    def read(self) -> Reading: ...
+
+
+def load_pynvml() -> Any:
+    """Import nvidia-ml-py; its absence is "not present", like a missing driver."""
+    try:
+        import pynvml
+    except ImportError as exc:  # the wheel is a hard dependency, but be explicit about it
+        raise NvmlNotPresent(f"nvidia-ml-py is not installed: {exc}") from exc
+    return pynvml
+
+
+def _code(exc: BaseException) -> int | None:
+    value = getattr(exc, "value", None)
+    return value if isinstance(value, int) else None
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _known(value: Any) -> int | None:
+    """NVML's N/A (None or the all-ones sentinel) -> None; otherwise the integer."""
+    if value is None:
+        return None
+    number = int(value)
+    return None if number in _NA_VALUES else number
+
+
+class NvmlSource:
+    """The real reader. ``pynvml`` is a constructor argument so tests can pass a recorded double."""
+
+    def __init__(self, pynvml: Any = None, clock: Callable[[], float] = time.time):
+        self._nvml = pynvml
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._initialised = False
+        # last timestamp (µs) per device handed to nvmlDeviceGetProcessUtilization
+        self._util_since: dict[int, int] = {}
+        self._util_last: dict[int, dict[int, float]] = {}  # index -> pid -> last SM ratio
+        # index -> reason for the devices the last read() could not read (lost, driver error)
+        self.device_errors: dict[int, str] = {}
+        self.driver_version: str = ""
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def _lib(self) -> Any:
+        if self._nvml is None:
+            self._nvml = load_pynvml()
+        return self._nvml
+
+    def _ensure_init(self) -> Any:
+        nv = self._lib()
+        if self._initialised:
+            return nv
+        try:
+            nv.nvmlInit()
+        except nv.NVMLError as exc:
+            if _code(exc) in _NOT_PRESENT_CODES:
+                raise NvmlNotPresent(f"NVML not present on this host: {exc}") from exc
+            raise NvmlReadError(f"nvmlInit failed: {exc}", _code(exc)) from exc
+        self._initialised = True
+        try:
+            self.driver_version = _text(nv.nvmlSystemGetDriverVersion())
+        except nv.NVMLError:
+            self.driver_version = ""
+        return nv
+
+    def reinit(self) -> None:
+        """Shut NVML down so the next read() initialises it again (devices came or went)."""
+        with self._lock:
+            self._shutdown_locked()
+
+    def close(self) -> None:
+        with self._lock:
+            self._shutdown_locked()
+
+    def _shutdown_locked(self) -> None:
+        if self._initialised and self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except self._nvml.NVMLError as exc:
+                log.debug("nvmlShutdown: %s", exc)
+        self._initialised = False
+        self._util_since.clear()
+        self._util_last.clear()
+
+    # -- reading ------------------------------------------------------------------------------
+    def read(self) -> Reading:
+        with self._lock:
+            nv = self._ensure_init()
+            try:
+                count = int(nv.nvmlDeviceGetCount())
+            except nv.NVMLError as exc:
+                self._shutdown_locked()  # a driver reload needs a fresh init
+                raise NvmlReadError(f"nvmlDeviceGetCount failed: {exc}", _code(exc)) from exc
+            devices: list[GpuDevice] = []
+            processes: list[GpuProcess] = []
+            errors: dict[int, str] = {}
+            for index in range(count):
+                try:
+                    device, procs = self._read_device(nv, index)
+                except nv.NVMLError as exc:
+                    # One lost GPU must not hide the others: record it, read on.
+                    errors[index] = str(exc)
+                    continue
+                devices.append(device)
+                processes.extend(procs)
+            self.device_errors = errors
+            if count and not devices:
+                raise NvmlReadError(
+                    "no GPU could be read: "
+                    + "; ".join(f"GPU {i}: {e}" for i, e in sorted(errors.items()))
+                )
+            return tuple(devices), tuple(processes)
+
+    def _optional(self, nv: Any, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except nv.NVMLError as exc:
+            if _code(exc) in _UNKNOWN_CODES:
+                return None
+            raise
+
+    def _read_device(self, nv: Any, index: int) -> tuple[GpuDevice, list[GpuProcess]]:
+        handle = nv.nvmlDeviceGetHandleByIndex(index)
+        uuid = _text(nv.nvmlDeviceGetUUID(handle))
+        name = _text(nv.nvmlDeviceGetName(handle))
+        pci = nv.nvmlDeviceGetPciInfo(handle)
+        bus_id = _text(getattr(pci, "busId", "") or getattr(pci, "busIdLegacy", ""))
+        mem = self._optional(nv, lambda: nv.nvmlDeviceGetMemoryInfo(handle))
+        util = self._optional(nv, lambda: nv.nvmlDeviceGetUtilizationRates(handle))
+        gpu_util = _known(getattr(util, "gpu", None)) if util is not None else None
+        device = GpuDevice(
+            index=index,
+            uuid=uuid,
+            name=name,
+            pci_bus_id=bus_id,
+            memory_total_bytes=_known(mem.total) if mem is not None else None,
+            memory_used_bytes=_known(mem.used) if mem is not None else None,
+            utilization_ratio=None if gpu_util is None else gpu_util / 100.0,
+        )
+        sm = self._process_utilization(nv, index, handle)
+        procs: list[GpuProcess] = []
+        seen: set[tuple[int, str]] = set()
+        for kind, getter in (
+            ("compute", nv.nvmlDeviceGetComputeRunningProcesses),
+            ("graphics", nv.nvmlDeviceGetGraphicsRunningProcesses),
+        ):
+            listed = self._optional(nv, functools.partial(getter, handle)) or []
+            for p in listed:
+                pid = int(p.pid)
+                if (pid, kind) in seen:
+                    continue
+                seen.add((pid, kind))
+                procs.append(
+                    GpuProcess(
+                        gpu_index=index,
+                        uuid=uuid,
+                        pid=pid,
+                        used_memory_bytes=_known(getattr(p, "usedGpuMemory", None)),
+                        kind=kind,
+                        sm_utilization_ratio=sm.get(pid),
+                    )
+                )
+        listed_pids = {p.pid for p in procs}
+        cache = self._util_last.get(index, {})
+        for pid in [p for p in cache if p not in listed_pids]:
+            del cache[pid]
+        return device, procs
+
+    def _process_utilization(self, nv: Any, index: int, handle: Any) -> dict[int, float]:
+        """SM utilisation per PID from NVML's sample buffer; {} where the driver does not say.
+
+        NVML returns only samples newer than the timestamp we pass, so a cycle with no new sample
+        (NVML_ERROR_NOT_FOUND) keeps the last value seen for that PID.
+        """
+        since = self._util_since.get(index, 0)
+        last = self._util_last.setdefault(index, {})
+        try:
+            samples = nv.nvmlDeviceGetProcessUtilization(handle, since)
+        except nv.NVMLError as exc:
+            if _code(exc) == NVML_ERROR_NOT_FOUND:
+                return dict(last)
+            if _code(exc) in _UNKNOWN_CODES:
+                return {}
+            raise
+        newest = since
+        fresh: dict[int, float] = {}
+        for s in samples:
+            newest = max(newest, int(s.timeStamp))
+            value = _known(s.smUtil)
+            if value is not None:
+                fresh[int(s.pid)] = max(fresh.get(int(s.pid), 0.0), value / 100.0)
+        last.update(fresh)
+        self._util_since[index] = newest
+        return dict(last)
+
+
+class XidEventWatcher:
+    """Streams NVML Xid critical-error events into the ``gpu_xid_errors`` counter.
+
+    One thread blocks in ``nvmlEventSetWait`` (1 s waits so that ``stop()`` is prompt). Each event
+    goes through the shared ``XidDeduper`` so that the same Xid also logged by the kernel
+    (``NVRM: Xid (PCI:0000:3b:00): 79, ...``) counts once. ``inc`` is ``CounterStore.inc``.
+    """
+
+    def __init__(
+        self,
+        inc: Callable[[str, tuple[str, ...]], None],
+        deduper: XidDeduper,
+        pynvml: Any = None,
+        clock: Callable[[], float] = time.time,
+        wait_ms: int = 1000,
+    ) -> None:
+        self._inc = inc
+        self._dedup = deduper
+        self._nvml = pynvml
+        self._clock = clock
+        self._wait_ms = wait_ms
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: str = ""
+        self.events_seen = 0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="gpuwatchd-xid", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 3.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        nv = self._nvml if self._nvml is not None else load_pynvml()
+        try:
+            nv.nvmlInit()
+        except nv.NVMLError as exc:
+            self.error = f"NVML not available for Xid events: {exc}"
+            return
+        try:
+            event_set = self._register(nv)
+            if event_set is None:
+                return
+            try:
+                while not self._stop.is_set():
+                    self.poll_once(nv, event_set)
+            finally:
+                nv.nvmlEventSetFree(event_set)
+        except nv.NVMLError as exc:
+            self.error = f"Xid event wait failed: {exc}"
+        finally:
+            nv.nvmlShutdown()
+
+    def _register(self, nv: Any) -> Any:
+        event_set = nv.nvmlEventSetCreate()
+        registered = 0
+        for index in range(int(nv.nvmlDeviceGetCount())):
+            handle = nv.nvmlDeviceGetHandleByIndex(index)
+            try:
+                nv.nvmlDeviceRegisterEvents(handle, nv.nvmlEventTypeXidCriticalError, event_set)
+                registered += 1
+            except nv.NVMLError as exc:  # e.g. NOT_SUPPORTED inside some VMs
+                log.info("GPU %d: Xid events not supported: %s", index, exc)
+        if not registered:
+            self.error = "no GPU supports Xid events"
+            nv.nvmlEventSetFree(event_set)
+            return None
+        return event_set
+
+    def poll_once(self, nv: Any, event_set: Any) -> bool:
+        """Wait up to wait_ms for one event; True when one was counted."""
+        try:
+            data = nv.nvmlEventSetWait_v2(event_set, self._wait_ms)
+        except nv.NVMLError as exc:
+            if _code(exc) == NVML_ERROR_TIMEOUT:
+                return False
+            raise
+        if int(data.eventType) != int(nv.nvmlEventTypeXidCriticalError):
+            return False
+        self.events_seen += 1
+        xid = int(data.eventData)
+        uuid = _text(nv.nvmlDeviceGetUUID(data.device))
+        index = int(nv.nvmlDeviceGetIndex(data.device))
+        bus = _text(nv.nvmlDeviceGetPciInfo(data.device).busId)
+        self._dedup.learn_device(bus, uuid, index)
+        if self._dedup.record(normalize_pci_bus_id(bus), xid, self._clock(), SOURCE_NVML):
+            self._inc("gpu_xid_errors", (str(index), uuid, str(xid)))
+            return True
+        return False
+
+
+def select_devices(
+    devices: Sequence[GpuDevice], selectors: Sequence[str]
+) -> tuple[GpuDevice, ...]:
+    """Devices named by index ("0") or UUID ("GPU-…", a unique prefix is enough); all if empty."""
+    if not selectors:
+        return tuple(devices)
+    chosen: list[GpuDevice] = []
+    for sel in selectors:
+        sel = sel.strip()
+        if not sel:
+            continue
+        if sel.isdigit():
+            match = [d for d in devices if d.index == int(sel)]
+        else:
+            match = [d for d in devices if d.uuid == sel or d.uuid.startswith(sel)]
+        if len(match) != 1:
+            raise ValueError(f"no single GPU matches {sel!r}")
+        if match[0] not in chosen:
+            chosen.append(match[0])
+    return tuple(chosen)

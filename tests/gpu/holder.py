@@ -1,0 +1,42 @@
+"""A process that holds GPU memory until killed (GPU suite helper, also used by bench/).
+
+    python3 tests/gpu/holder.py --gib 5 [--device 0] [--ready-file PATH]
+
+Allocates ``--gib`` GiB with torch on one CUDA device, writes its PID to the ready file (or prints
+``READY <pid>``), then sleeps. Exits 0 on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--ready-file", default="")
+    args = ap.parse_args()
+    import torch
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    block = torch.empty(int(args.gib * (1 << 30)), dtype=torch.uint8, device=f"cuda:{args.device}")
+    block.fill_(1)
+    torch.cuda.synchronize()
+    if args.ready_file:
+        tmp = args.ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(tmp, args.ready_file)
+    else:
+        print(f"READY {os.getpid()}", flush=True)
+    while True:
+        time.sleep(1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
