@@ -1,0 +1,132 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuwatchd.config import (
+    DEFAULT_PORT,
+    Config,
+    ConfigError,
+    load_config,
+    parse_config,
+    parse_listen_address,
+    with_overrides,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_defaults_match_design() -> None:
+    c = load_config(None)
+    assert c == Config()
+    assert c.interval_seconds == 5
+    assert c.rank_dir == "/run/gpuwatch/ranks"
+    assert c.state_dir == "/var/lib/gpuwatchd"
+    assert c.kernel_log == "auto"
+    assert (c.gil.enabled, c.gil.interval_seconds, c.gil.duration_seconds, c.gil.rate_hz,
+            c.gil.max_concurrent) == (True, 30, 5, 50, 2)
+    assert c.stall.after_seconds == 300
+    assert c.alertmanager.url is None
+    assert c.web.listen_address == f"0.0.0.0:{DEFAULT_PORT}"
+
+
+def test_example_config_is_valid_and_equals_defaults() -> None:
+    assert load_config(str(REPO / "config.example.yaml")) == Config()
+
+
+def test_every_problem_is_reported_with_its_dotted_key() -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_config({
+            "interval_seconds": "5s",
+            "web": {"listen_address": "localhost", "colour": "red"},
+            "gil": {"rate_hz": 0, "enabled": "yes", "unknown": 1},
+            "kernel_log": "dmesg",
+            "rank_dir": "relative/dir",
+            "alertmanager": {"url": "ftp://x"},
+            "stall": [],
+            "toplevel_typo": 1,
+        })
+    problems = "\n".join(e.value.problems)
+    for expected in ("interval_seconds: must be a number", "web.listen_address: must be HOST:PORT",
+                     "web.colour: unknown key", "gil.rate_hz: must be between 1 and 1000",
+                     "gil.enabled: must be true or false", "gil.unknown: unknown key",
+                     "kernel_log: must be one of", "rank_dir: must be an absolute path",
+                     "alertmanager.url: must be an http", "stall: must be a mapping",
+                     "toplevel_typo: unknown key"):
+        assert expected in problems, problems
+    assert len(e.value.problems) == 11
+
+
+@pytest.mark.parametrize("value,expected", [
+    ("0.0.0.0:9863", ("0.0.0.0", 9863)),
+    (":9863", ("0.0.0.0", 9863)),
+    ("[::1]:80", ("::1", 80)),
+    ("127.0.0.1:0", ("127.0.0.1", 0)),
+])
+def test_listen_address(value: str, expected: tuple[str, int]) -> None:
+    assert parse_listen_address(value) == expected
+
+
+@pytest.mark.parametrize("value", ["::1:80", "[zz]:80", "host:99999", "host", 9863, "host:-1"])
+def test_bad_listen_address(value: object) -> None:
+    with pytest.raises(ValueError):
+        parse_listen_address(value)
+
+
+def test_flag_overrides_file() -> None:
+    c = with_overrides(Config(), "127.0.0.1:1234")
+    assert c.web.listen_address == "127.0.0.1:1234"
+    with pytest.raises(ConfigError, match="--web.listen-address"):
+        with_overrides(Config(), "nonsense")
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x00garbage", b"a: [unclosed", b"- just\n- a list\n",
+                                     b"x" * (2 << 20)])
+def test_unreadable_files_are_config_errors(tmp_path: Path, content: bytes) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_bytes(content)
+    with pytest.raises(ConfigError):
+        load_config(str(p))
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config("/nonexistent/gpuwatchd.yaml")
+
+
+yaml_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.sampled_from(["web", "gil", "stall", "interval_seconds", "rank_dir", "nvml",
+                                        "discovery", "fds", "alertmanager", "orphans", "x"]),
+                       yaml_values, max_size=6))
+def test_any_yaml_gives_a_config_or_a_config_error(data: dict) -> None:
+    try:
+        cfg = parse_config(data)
+    except ConfigError as e:
+        assert e.problems and all(":" in p for p in e.problems)
+    else:
+        assert isinstance(cfg, Config)
+
+
+def test_config_check_cli(tmp_path: Path) -> None:
+    good = subprocess.run([sys.executable, "-m", "gpuwatchd", "config", "check",
+                           str(REPO / "config.example.yaml")], capture_output=True, text=True)
+    assert good.returncode == 0 and "OK" in good.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"gil": {"max_concurrent": 0}, "procfs": 3}))
+    r = subprocess.run([sys.executable, "-m", "gpuwatchd", "config", "check", str(bad)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "gil.max_concurrent" in r.stderr and "procfs" in r.stderr and "2 problem(s)" in r.stderr
