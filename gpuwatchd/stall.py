@@ -1,0 +1,319 @@
+"""Stall detection: is each rank alive *and* making progress, and if not, where is it stuck?
+
+Progress comes first from heartbeats: ``gpuwatchd.heartbeat(step)`` (or a shell ``touch``) updates
+the mtime of the rank's heartbeat file (the rank file's ``heartbeat`` field); that mtime is the
+progress timestamp and a rank is stalled when it is older than ``stall.after_seconds``.
+
+Without a heartbeat, progress is inferred from repeated non-blocking ``py-spy dump``s: a rank whose
+Python threads keep exactly the same frames (function, file, line), the same thread states and
+wchan, and the same set of CPU-burning threads across dumps spanning ``after_seconds`` is stalled.
+A hang is not always 0 % CPU (a CUDA spin-wait sits at 100 % in ``.item()``, research §3.1), so the
+CPU pattern is compared, not required to be zero. Without py-spy (absent, not permitted) the same
+comparison runs on the /proc thread view alone. A process in state ``T`` (SIGSTOP, a debugger) for
+``after_seconds`` is stalled whatever else it shows.
+
+On a node with several ranks of one job, the odd one out is named: when the peers all sit in the
+same place (typically one collective) and one rank is elsewhere, progressing alone, or dead, that
+rank is the suspect (research §3.2, NVIDIA/nccl#1063: "29 pods blocked in NCCL, 1 pod stuck in an
+arbitrary CUDA op").
+
+Reads: the heartbeat file's mtime, ``/proc/PID/task/*/{stat,status,wchan}``, ``py-spy dump``.
+Cost: one stat per heartbeat rank per cycle; one dump (~10 ms) per heartbeat-less or stalled rank
+every ``dump interval`` (after_seconds/5, at least one cycle, at most 60 s).
+Privilege: as sources/pyspy.py. Shell equivalent: ``stat -c %Y HB``; ``py-spy dump -p PID``
+three times a minute apart and ``diff``; ``cat /proc/PID/task/*/wchan``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuwatchd.paths import HostPaths
+from gpuwatchd.sources import pyspy
+from gpuwatchd.sources.pyspy import PySpy, PySpyError, ThreadInfo, ThreadStack
+
+log = logging.getLogger(__name__)
+
+SPIN_SHARE = 0.9  # a thread that used >= 90 % of a core between two looks is "burning CPU"
+# A thread between WORK_SHARE and SPIN_SHARE alternates between running and waiting: that is work
+# being done (a blocked thread uses ~0, a spin-wait ~1 core), and it counts as progress even when
+# every dump catches the same line (a loop that spends most of its time in one call).
+WORK_SHARE = 0.05
+MAX_FRAMES = 8
+
+
+@dataclass(frozen=True)
+class RankProbe:
+    """What the stall tracker needs to know about one rank this cycle."""
+
+    job_id: str
+    rank: int
+    pid: int
+    alive: bool
+    state: str = ""  # /proc state letter of the rank process
+    heartbeat: str | None = None
+    start_ticks: int | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.job_id, self.rank)
+
+
+@dataclass(frozen=True)
+class StallVerdict:
+    job_id: str
+    rank: int
+    pid: int
+    alive: bool
+    progress_timestamp: float | None  # last heartbeat / last observed change
+    stalled: bool
+    method: str  # "heartbeat" | "stack" | "proc" | "stopped" | "dead"
+    no_progress_seconds: float
+    stuck_frames: tuple[str, ...] = ()  # innermost first, of the thread that matters
+    threads_summary: str = ""  # e.g. "5 threads: 4 S futex_do_wait, 1 R; 1.0 cores"
+    location: tuple[str, ...] = ()  # frames without line numbers: "the same place"
+    suspect: bool = False
+    suspect_reason: str = ""
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.job_id, self.rank)
+
+
+@dataclass
+class _Track:
+    pid: int
+    start_ticks: int | None
+    first_seen: float
+    last_change: float
+    fingerprint: Any = None
+    identical: int = 0
+    last_dump_at: float = float("-inf")
+    stacks: tuple[ThreadStack, ...] = ()
+    threads: tuple[ThreadInfo, ...] = ()
+    threads_at: float = 0.0
+    spinning: frozenset[int] = frozenset()
+    worked: bool = False
+    stopped_since: float | None = None
+    errors: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+def main_stack(stacks: Iterable[ThreadStack]) -> ThreadStack | None:
+    """The thread a human looks at first: MainThread, else the GIL owner, else the first."""
+    stacks = tuple(stacks)
+    for s in stacks:
+        if s.name == "MainThread":
+            return s
+    for s in stacks:
+        if s.owns_gil:
+            return s
+    return stacks[0] if stacks else None
+
+
+def summarize_threads(threads: Iterable[ThreadInfo], spinning: Iterable[int] = ()) -> str:
+    """``5 threads: 4 S futex_do_wait, 1 R``; plus which burn CPU."""
+    threads = tuple(threads)
+    kinds = collections.Counter(f"{t.state} {t.wchan}".strip() for t in threads)
+    text = f"{len(threads)} threads: " + ", ".join(f"{n} {k}" for k, n in kinds.most_common(4))
+    spin = tuple(spinning)
+    if spin:
+        text += f"; {len(spin)} burning CPU"
+    return text
+
+
+class StallTracker:
+    """Per-rank progress memory. ``observe`` once per cycle; not thread-safe (one caller)."""
+
+    def __init__(
+        self,
+        after_seconds: float,
+        spy: PySpy | None,
+        *,
+        paths: HostPaths | None = None,
+        dump_interval_seconds: float | None = None,
+        cycle_seconds: float = 5.0,
+        stat: Callable[[str], os.stat_result] = os.stat,
+    ) -> None:
+        self.after = after_seconds
+        self.spy = spy
+        self.paths = paths or (spy.paths if spy else HostPaths())
+        if dump_interval_seconds is None:
+            dump_interval_seconds = min(max(after_seconds / 5, cycle_seconds), 60.0)
+        self.dump_interval = dump_interval_seconds
+        self.stat = stat
+        self._tracks: dict[tuple[str, int], _Track] = {}
+        self._clk_tck = os.sysconf("SC_CLK_TCK")
+        self.last_error = ""
+        self._dumps_disabled_until = float("-inf")
+
+    # -- inputs -----------------------------------------------------------------------------------
+
+    def _heartbeat_mtime(self, path: str) -> float | None:
+        try:
+            return self.stat(path).st_mtime
+        except OSError:
+            return None
+
+    def _dump(self, now: float, pid: int) -> tuple[ThreadStack, ...] | None:
+        """A non-blocking dump, or None. After a time-out, dumps pause for one interval so that a
+        hung py-spy cannot hold every cycle for ``dump_timeout`` per rank."""
+        if self.spy is None or now < self._dumps_disabled_until:
+            return None
+        try:
+            return self.spy.dump(pid)
+        except PySpyError as e:
+            self.last_error = str(e)
+            if e.reason == pyspy.TIMEOUT:
+                self._dumps_disabled_until = now + self.dump_interval
+            log.debug("stall dump of pid %d failed: %s", pid, e)
+            return None
+
+    # -- the cycle --------------------------------------------------------------------------------
+
+    def observe(self, now: float, probes: Iterable[RankProbe]) -> dict[tuple[str, int], StallVerdict]:
+        verdicts: dict[tuple[str, int], StallVerdict] = {}
+        seen = set()
+        for p in probes:
+            seen.add(p.key)
+            tr = self._tracks.get(p.key)
+            if tr is None or tr.pid != p.pid or (
+                p.start_ticks is not None and tr.start_ticks not in (None, p.start_ticks)
+            ):
+                tr = _Track(p.pid, p.start_ticks, first_seen=now, last_change=now)
+                self._tracks[p.key] = tr
+            verdicts[p.key] = self._observe_one(now, p, tr)
+        for key in set(self._tracks) - seen:
+            del self._tracks[key]
+        return name_suspects(verdicts)
+
+    def _observe_one(self, now: float, p: RankProbe, tr: _Track) -> StallVerdict:
+        if not p.alive:
+            return StallVerdict(p.job_id, p.rank, p.pid, False, None, False, "dead", 0.0)
+        # CPU pattern since the previous look, per thread
+        threads = pyspy.read_threads(self.paths, p.pid)
+        elapsed = now - tr.threads_at if tr.threads else 0.0
+        prev = {t.tid: t.cpu_ticks for t in tr.threads}
+        shares = {
+            t.tid: (t.cpu_ticks - prev[t.tid]) / self._clk_tck / elapsed
+            for t in threads if elapsed > 0 and t.tid in prev
+        }  # fmt: skip
+        spinning = frozenset(tid for tid, share in shares.items() if share >= SPIN_SHARE)
+        python_tids = {s.tid for s in tr.stacks} or set(shares)
+        if any(WORK_SHARE <= shares[t] < SPIN_SHARE for t in python_tids if t in shares):
+            tr.worked = True
+        tr.threads, tr.threads_at, tr.spinning = threads, now, spinning
+        stopped = p.state in ("T", "t")
+        if stopped:
+            tr.stopped_since = tr.stopped_since if tr.stopped_since is not None else now
+        else:
+            tr.stopped_since = None
+
+        hb_mtime = self._heartbeat_mtime(p.heartbeat) if p.heartbeat else None
+        stalled_so_far = False
+        if p.heartbeat:
+            method = "heartbeat"
+            progress = hb_mtime if hb_mtime is not None else tr.first_seen
+            stalled_so_far = now - progress > self.after
+        else:
+            method, progress = self._stack_progress(now, p, tr, threads, spinning)
+            stalled_so_far = tr.identical >= 2 and now - progress >= self.after
+        if stopped and tr.stopped_since is not None and now - tr.stopped_since >= self.after:
+            method, stalled_so_far = "stopped", True
+            progress = min(progress, tr.stopped_since)
+        if stalled_so_far and now - tr.last_dump_at >= self.dump_interval and p.heartbeat:
+            # the stuck frames for the explanation (heartbeat ranks are not dumped otherwise)
+            stacks = self._dump(now, p.pid)
+            if stacks is not None:
+                tr.stacks, tr.last_dump_at = stacks, now
+        main = main_stack(tr.stacks)
+        frames = tuple(str(f) for f in main.frames[:MAX_FRAMES]) if main else ()
+        location = tuple(f.where for f in main.frames[:3]) if main else ()
+        return StallVerdict(
+            job_id=p.job_id, rank=p.rank, pid=p.pid, alive=True, progress_timestamp=progress,
+            stalled=stalled_so_far, method=method, no_progress_seconds=max(0.0, now - progress),
+            stuck_frames=frames, threads_summary=summarize_threads(threads, spinning),
+            location=location,
+        )  # fmt: skip
+
+    def _stack_progress(
+        self, now: float, p: RankProbe, tr: _Track, threads: tuple[ThreadInfo, ...],
+        spinning: frozenset[int],
+    ) -> tuple[str, float]:  # fmt: skip
+        """Compare this look with the last one; returns (method, last change time)."""
+        if now - tr.last_dump_at < self.dump_interval and tr.fingerprint is not None:
+            return ("stack" if tr.stacks else "proc"), tr.last_change
+        stacks = self._dump(now, p.pid)
+        by_tid = {t.tid: t for t in threads}
+        if stacks:
+            tr.stacks, tr.last_dump_at = stacks, now
+            method = "stack"
+            # only Python threads: native helper threads (NCCL watchdog, CUDA) wake on their own
+            fp: Any = tuple(sorted(
+                (s.tid or -1, tuple((f.name, f.filename, f.line) for f in s.frames),
+                 by_tid[s.tid].state if s.tid in by_tid else "",
+                 by_tid[s.tid].wchan if s.tid in by_tid else "",
+                 s.tid in spinning)
+                for s in stacks
+            ))  # fmt: skip
+        else:
+            tr.last_dump_at = now
+            method = "proc"
+            fp = tuple((t.tid, t.state, t.wchan, t.tid in spinning) for t in threads)
+        if fp != tr.fingerprint or tr.worked:
+            if tr.fingerprint is not None:
+                tr.last_change = now
+            tr.worked = False
+            tr.fingerprint, tr.identical = fp, 0
+        else:
+            tr.identical += 1
+        return method, tr.last_change
+
+
+def name_suspects(
+    verdicts: Mapping[tuple[str, int], StallVerdict],
+) -> dict[tuple[str, int], StallVerdict]:
+    """Mark the odd one out per job: only when some rank of the job is stalled or dead.
+
+    Each rank gets a place: "dead", "progressing", or where it is stuck (its top frames without line
+    numbers). If one place holds a strict majority (at least two ranks), every rank elsewhere is a
+    suspect; a dead rank among live peers always is.
+    """
+    from dataclasses import replace
+
+    out = dict(verdicts)
+    jobs: dict[str, list[StallVerdict]] = collections.defaultdict(list)
+    for v in verdicts.values():
+        jobs[v.job_id].append(v)
+    for ranks in jobs.values():
+        if len(ranks) < 2 or not any(v.stalled or not v.alive for v in ranks):
+            continue
+
+        def place(v: StallVerdict) -> tuple[str, ...]:
+            if not v.alive:
+                return ("dead",)
+            if not v.stalled:
+                return ("progressing",)
+            return v.location or ("stalled",)
+
+        counts = collections.Counter(place(v) for v in ranks)
+        (top, n), *rest = counts.most_common()
+        majority = n >= 2 and all(n > m for _, m in rest)
+        for v in ranks:
+            where = place(v)
+            reason = ""
+            peers = [r.rank for r in ranks if r.rank != v.rank]
+            if where == ("dead",) and any(r.alive for r in ranks):
+                reason = f"dead while {len(peers)} peer(s) on this node are alive"
+            elif majority and where != top:
+                what = "progressing" if top == ("progressing",) else "stuck in " + " <- ".join(top)
+                mine = "still progressing" if where == ("progressing",) else (
+                    "stuck in " + " <- ".join(where))
+                reason = f"{mine}, while {n} peer(s) are {what}"
+            if reason:
+                out[v.key] = replace(v, suspect=True, suspect_reason=reason)
+    return out
