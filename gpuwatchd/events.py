@@ -17,6 +17,7 @@ is logged and counted, and the event still reaches the other sinks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -28,7 +29,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gpuwatchd.model import PAGE, frozen_map
@@ -76,7 +77,7 @@ class Event:
     alert: bool = False  # worth a page (pushed to Alertmanager when configured)
 
     def to_json(self) -> str:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["fields"] = dict(self.fields)
         d["labels"] = list(self.labels)
         return json.dumps(d, sort_keys=True, separators=(",", ":"))

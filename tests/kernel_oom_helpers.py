@@ -8,6 +8,7 @@ as a rank first. Everything is removed again by ``remove()``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -56,7 +57,7 @@ class MemCgroup:
             [sys.executable, "-c", code],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            preexec_fn=self._enter,  # noqa: PLW1509 - must run between fork and exec
+            preexec_fn=self._enter,
         )
         self.procs.append(p)
         return p
@@ -82,10 +83,8 @@ class MemCgroup:
         try:
             with open(os.path.join(self.path, "cgroup.procs")) as f:
                 for pid in f.read().split():
-                    try:
+                    with contextlib.suppress(ProcessLookupError):
                         os.kill(int(pid), signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
         except OSError:
             pass
         for _ in range(100):
