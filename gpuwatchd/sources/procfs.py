@@ -39,8 +39,18 @@ class ProcessGone(Exception):
 
 
 def _read(path: str, limit: int = 1 << 16) -> bytes:
+    """Read up to ``limit`` bytes. procfs hands out at most a page per read(2) for files such as
+    ``environ`` and ``children``, so loop until EOF."""
+    chunks: list[bytes] = []
+    total = 0
     with open(path, "rb", buffering=0) as f:
-        return f.read(limit)
+        while total < limit:
+            chunk = f.read(limit - total)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    return b"".join(chunks)
 
 
 class ProcfsReader:
@@ -50,6 +60,17 @@ class ProcfsReader:
         self.page_size = os.sysconf("SC_PAGE_SIZE")
         self.boot_time = self._boot_time()
         self._users: dict[int, str] = {}
+        self.fd_count_o1 = self._probe_fd_stat()
+
+    def _probe_fd_stat(self) -> bool:
+        """Does ``stat(/proc/PID/fd).st_size`` count fds here (procfs on Linux >= 6.2)? A recorded
+        tree on a normal filesystem reports the directory's block size instead."""
+        fd_dir = self.paths.proc("self", "fd")
+        try:
+            size = os.stat(fd_dir).st_size
+            return size > 0 and abs(size - len(os.listdir(fd_dir))) <= 1
+        except OSError:
+            return False
 
     def _boot_time(self) -> float:
         try:
@@ -93,9 +114,10 @@ class ProcfsReader:
     def fd_count(self, pid: int) -> int | None:
         fd_dir = self.paths.proc(pid, "fd")
         try:
-            size = os.stat(fd_dir).st_size
-            if size > 0:
-                return size
+            if self.fd_count_o1:
+                size = os.stat(fd_dir).st_size
+                if size > 0:
+                    return size
             return len(os.listdir(fd_dir))
         except OSError:
             return None
