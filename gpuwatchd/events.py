@@ -226,9 +226,9 @@ class JournalSink:
         self._send: Callable[..., Any] | None = None
         if socket_path is None:
             try:
-                from systemd import journal
+                import systemd.journal
 
-                self._send = journal.send
+                self._send = systemd.journal.send
             except ImportError:
                 self.socket_path = JOURNAL_SOCKET
 

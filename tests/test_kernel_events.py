@@ -198,7 +198,10 @@ def test_observe_creates_series_at_zero_and_counts_peers(tmp_path: Path) -> None
     ]
     p.observe(ranks, {os.getpid(): info}, time.time())
     assert oom_series(p.counters)[("llm-7", "0", info.comm, "kernel")] == 0
-    kill = f"Memory cgroup out of memory: Killed process {os.getpid()} ({info.comm}) total-vm:1kB, anon-rss:1048576kB, file-rss:0kB, shmem-rss:0kB, UID:0 pgtables:1kB oom_score_adj:0"
+    kill = (
+        f"Memory cgroup out of memory: Killed process {os.getpid()} ({info.comm}) total-vm:1kB, "
+        "anon-rss:1048576kB, file-rss:0kB, shmem-rss:0kB, UID:0 pgtables:1kB oom_score_adj:0"
+    )
     (ev,) = p.handle(rec(kill, time.time()))
     assert ev.job_id == "llm-7" and ev.rank == "0" and ev.severity == "page" and ev.alert
     assert ev.fields["peers_alive"] == 2

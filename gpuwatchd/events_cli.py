@@ -1,0 +1,109 @@
+"""``gpuwatchd events [--since WHEN] [--json]``: recent OOM kills and Xids, mapped to ranks.
+
+Reads ``state_dir/events.jsonl`` (what the daemon stored, gpuwatchd/events.py); needs read access
+to the state directory only, not a running daemon. Shell equivalent:
+``dmesg -T | grep -iE 'killed process|NVRM: Xid'`` plus matching PIDs to ranks by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import sys
+import time
+from typing import Any
+
+from gpuwatchd.events import EVENTS_FILE, Event, read_events
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
+_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_since(text: str, now: float) -> float:
+    """``10m`` / ``2h`` / ``7d`` ago, ``all``, a Unix timestamp or an ISO 8601 time -> Unix seconds."""
+    t = text.strip()
+    if t == "all":
+        return 0.0
+    m = _DURATION.match(t)
+    if m:
+        return now - float(m[1]) * _UNIT[m[2]]
+    try:
+        return float(t)
+    except ValueError:
+        pass
+    try:
+        when = dt.datetime.fromisoformat(t.replace("Z", "+00:00"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(
+            f"--since: {text!r} is not a duration (10m, 2h, 7d), 'all', a Unix time or ISO 8601"
+        ) from e
+    if when.tzinfo is None:
+        when = when.astimezone()  # local time, like journalctl --since
+    return when.timestamp()
+
+
+def load(state_dir: str, since: float) -> list[Event]:
+    return [e for e in read_events(os.path.join(state_dir, EVENTS_FILE)) if e.time >= since]
+
+
+def to_dict(e: Event) -> dict[str, Any]:
+    d: dict[str, Any] = json.loads(e.to_json())
+    d["time_iso"] = dt.datetime.fromtimestamp(e.time, dt.timezone.utc).isoformat()
+    return d
+
+
+def render(events: list[Event]) -> str:
+    if not events:
+        return "no events"
+    rows = [("TIME", "KIND", "BY", "JOB_ID", "RANK", "PID", "COMM", "WHAT")]
+    for e in events:
+        kind = e.kind + (" (worker)" if e.worker else "")
+        by = e.killer or (f"xid {e.fields.get('xid')}" if e.kind == "xid" else "")
+        rows.append(
+            (
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time)),
+                kind,
+                by,
+                e.job_id or "-",
+                e.rank or "-",
+                str(e.pid) if e.pid is not None else "-",
+                e.comm or "-",
+                e.summary,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    lines = []
+    for r in rows:
+        cells = [c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)]
+        lines.append("  ".join([*cells, r[-1]]))
+    return "\n".join(lines)
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    from gpuwatchd.cli import resolve_config
+
+    state_dir = args.state_dir or resolve_config(args).state_dir
+    since = parse_since(args.since, time.time())
+    events = load(state_dir, since)
+    if args.json:
+        json.dump([to_dict(e) for e in events], sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print(render(events))
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "events", help="recent OOM kills and Xid errors, mapped to jobs and ranks"
+    )
+    p.add_argument("--config.file", dest="config_file", default=None, help="YAML config")
+    p.add_argument("--state-dir", default=None, help="read this state_dir instead of the config's")
+    p.add_argument(
+        "--since", default="24h", help="10m, 2h, 7d, 'all', a Unix time or ISO 8601 (default 24h)"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON list of events")
+    p.set_defaults(func=cmd_events)
