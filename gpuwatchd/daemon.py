@@ -320,4 +320,6 @@ def state_to_json(state: NodeState) -> dict[str, Any]:
 
 def default_subsystems(config: Config) -> list[Subsystem]:
     """The subsystems a real daemon runs (NVML, kernel log, py-spy ...), as configured."""
-    return []
+    from gpuwatchd.gil import PySpySubsystem
+
+    return [PySpySubsystem(config)]

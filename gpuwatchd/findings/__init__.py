@@ -58,9 +58,9 @@ Rule = Callable[[FindingContext], Iterable[Finding]]
 
 
 def _rules() -> list[Rule]:
-    from gpuwatchd.findings import fds, nccl_env, rank_down, rankfile
+    from gpuwatchd.findings import fds, gil, nccl_env, rank_down, rankfile, stall
 
-    return [rank_down.find, fds.find, nccl_env.find, rankfile.find]
+    return [rank_down.find, fds.find, nccl_env.find, rankfile.find, gil.find, stall.find]
 
 
 RULES: list[Rule] = _rules()

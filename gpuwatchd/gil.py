@@ -1,0 +1,387 @@
+"""GIL sampling scheduler: every watched rank, on a jittered schedule, sooner on a convoy hint.
+
+Each rank gets a ``py-spy record --gil --nonblocking`` window of ``gil.duration_seconds`` every
+``gil.interval_seconds`` (±20 % jitter, first sample spread over one interval so that 64 ranks do
+not start together). Between samples a cheap /proc probe (``/proc/PID/task/*/stat``, ``wchan``; a
+few µs per thread, no ptrace) looks for the GIL-convoy signature measured in research §2.3: several
+threads each on CPU about 1/N of the time, the process at about one core in total, the waiters
+parked in ``futex``. A rank that shows it is sampled soon (not sooner than a quarter interval after
+its last sample), so that the counters catch contention without paying for constant sampling.
+
+Results are ``model.GilReading`` per (job_id, rank), kept with a short history for the
+``gil_saturated`` finding, and the counters ``rank_gil_samples`` / ``rank_gil_held_samples``
+(exported as ``gpuwatch_rank_gil_samples_total`` / ``..._held_samples_total``; the GIL-held ratio
+is ``rate(held) / rate(samples)``). Top GIL-holding functions stay in the reading (explanations,
+``doctor``), never in labels.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuwatchd.config import Config
+from gpuwatchd.counters import CounterStore
+from gpuwatchd.daemon import Subsystem
+from gpuwatchd.isolation import run_forever
+from gpuwatchd.model import CollectorStatus, GilReading, ProcessInfo
+from gpuwatchd.paths import HostPaths
+from gpuwatchd.sources import pyspy
+from gpuwatchd.sources.pyspy import PySpy, PySpyError, ThreadInfo
+from gpuwatchd.stall import RankProbe, StallTracker
+
+log = logging.getLogger(__name__)
+
+HISTORY = 4  # readings kept per rank (the finding looks at the last two)
+JITTER = 0.2
+
+
+@dataclass(frozen=True)
+class GilTarget:
+    job_id: str
+    rank: int
+    pid: int
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.job_id, self.rank)
+
+
+@dataclass(frozen=True)
+class ConvoyHint:
+    """The /proc convoy signature of one process over one probe window."""
+
+    busy_threads: int  # threads that got > 5 % of a core
+    total_cores: float  # CPU of all threads together, in cores
+    futex_parked: int  # busy threads that sat in a futex wait at the probe
+    convoy: bool
+
+
+@dataclass
+class _RankSchedule:
+    target: GilTarget
+    next_due: float
+    last_sample: float | None = None
+    in_flight: bool = False
+    probe: tuple[float, tuple[ThreadInfo, ...]] | None = None
+    history: deque[GilReading] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    by_thread: tuple[tuple[int, str, int], ...] = ()
+    convoy: ConvoyHint | None = None
+    error: str = ""
+
+
+def convoy_hint(
+    before: tuple[ThreadInfo, ...], after: tuple[ThreadInfo, ...], seconds: float, clk_tck: int
+) -> ConvoyHint:
+    """Compare two thread snapshots ``seconds`` apart (research §2.3).
+
+    Convoy: >= 2 busy threads, each within [0.4/N, 2.5/N] of a core, together 0.6-1.4 cores (they
+    share one GIL; real parallelism would add up to more), and at least half of them found parked
+    in a futex. Kernel wchan names differ (``futex_wait_queue_me`` <= 5.x, ``futex_do_wait`` 6.18),
+    so any wchan containing "futex" counts.
+    """
+    if seconds <= 0:
+        return ConvoyHint(0, 0.0, 0, False)
+    prev = {t.tid: t.cpu_ticks for t in before}
+    shares = []
+    parked = 0
+    for t in after:
+        if t.tid not in prev:
+            continue
+        share = (t.cpu_ticks - prev[t.tid]) / clk_tck / seconds
+        if share > 0.05:
+            shares.append(share)
+            if t.state == "S" and "futex" in t.wchan:
+                parked += 1
+    n = len(shares)
+    total = sum(shares)
+    convoy = (
+        n >= 2
+        and 0.6 <= total <= 1.4
+        and all(0.4 / n <= s <= 2.5 / n for s in shares)
+        and parked >= max(1, n // 2)
+    )
+    return ConvoyHint(n, round(total, 3), parked, convoy)
+
+
+class GilSampler:
+    """Schedules py-spy GIL samples over the watched ranks. Thread-safe.
+
+    ``update_targets`` each cycle with the live ranks; ``tick`` starts what is due (the daemon's
+    background thread calls it about once a second; tests call ``sample_now``).
+    """
+
+    def __init__(
+        self,
+        spy: PySpy,
+        counters: CounterStore,
+        *,
+        interval_seconds: float = 30.0,
+        duration_seconds: float = 5.0,
+        rate_hz: int = 50,
+        max_concurrent: int = 2,
+        paths: HostPaths | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+        probe_seconds: float = 2.0,
+    ) -> None:
+        self.spy = spy
+        self.counters = counters
+        self.interval = interval_seconds
+        self.duration = duration_seconds
+        self.rate_hz = rate_hz
+        self.paths = paths or spy.paths
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.probe_seconds = probe_seconds
+        self._pool = ThreadPoolExecutor(max(1, max_concurrent), thread_name_prefix="gil-sample")
+        self._lock = threading.Lock()
+        self._ranks: dict[tuple[str, int], _RankSchedule] = {}
+        self._clk_tck = os.sysconf("SC_CLK_TCK")
+        self._status = CollectorStatus(pyspy.COLLECTOR, True, 0.0, None, "")
+        self._ok_runs = 0
+        self._last_success: float | None = None
+
+    # -- targets and schedule ----------------------------------------------------------------
+
+    def update_targets(self, targets: Iterable[GilTarget]) -> None:
+        now = self.clock()
+        with self._lock:
+            wanted = {t.key: t for t in targets}
+            for key in list(self._ranks):
+                if key not in wanted or self._ranks[key].target.pid != wanted[key].pid:
+                    del self._ranks[key]
+            for key, t in wanted.items():
+                if key not in self._ranks:
+                    # spread first samples over one interval
+                    first = now + self.rng.uniform(0, self.interval)
+                    self._ranks[key] = _RankSchedule(t, next_due=first)
+                    labels = (t.job_id, str(t.rank))
+                    self.counters.ensure("rank_gil_samples", labels)
+                    self.counters.ensure("rank_gil_held_samples", labels)
+
+    def _probe(self, now: float) -> None:
+        """Cheap /proc probe of each rank; a convoy pulls its next sample forward."""
+        for sched in list(self._ranks.values()):
+            if sched.in_flight:
+                continue
+            last = sched.probe
+            if last is not None and now - last[0] < self.probe_seconds:
+                continue
+            threads = pyspy.read_threads(self.paths, sched.target.pid)
+            if last is not None and threads:
+                hint = convoy_hint(last[1], threads, now - last[0], self._clk_tck)
+                sched.convoy = hint
+                soonest = (sched.last_sample or -1e18) + self.interval / 4
+                if hint.convoy and sched.next_due > max(now, soonest):
+                    sched.next_due = max(now + self.rng.uniform(0, 1.0), soonest)
+                    log.debug("GIL convoy hint for %s: %s", sched.target, hint)
+            sched.probe = (now, threads)
+
+    def due(self) -> list[GilTarget]:
+        now = self.clock()
+        with self._lock:
+            self._probe(now)
+            return [s.target for s in self._ranks.values() if not s.in_flight and s.next_due <= now]
+
+    def tick(self) -> list[Future[None]]:
+        """Start every due sample on the pool; returns the futures (tests wait on them)."""
+        futures = []
+        for target in self.due():
+            with self._lock:
+                sched = self._ranks.get(target.key)
+                if sched is None or sched.in_flight:
+                    continue
+                sched.in_flight = True
+            futures.append(self._pool.submit(self._sample, target))
+        return futures
+
+    def sample_now(self, target: GilTarget) -> GilReading | None:
+        """Sample one target synchronously (tests, ``doctor``); also schedules it."""
+        if target.key not in self._ranks:
+            self.update_targets([*self.targets(), target])
+        with self._lock:
+            self._ranks[target.key].in_flight = True
+        self._sample(target)
+        return self.latest(target.key)
+
+    def targets(self) -> list[GilTarget]:
+        with self._lock:
+            return [s.target for s in self._ranks.values()]
+
+    # -- one sample ------------------------------------------------------------------------------
+
+    def _sample(self, target: GilTarget) -> None:
+        t0 = time.monotonic()
+        sample: pyspy.GilSample | None = None
+        error: PySpyError | None = None
+        try:
+            sample = self.spy.record_gil(target.pid, self.rate_hz, self.duration)
+        except PySpyError as e:
+            error = e
+        now = self.clock()
+        with self._lock:
+            sched = self._ranks.get(target.key)
+            if sched is not None:
+                sched.in_flight = False
+                sched.last_sample = now
+                sched.next_due = now + self.interval * self.rng.uniform(1 - JITTER, 1 + JITTER)
+            if sample is not None:
+                reading = sample.reading()
+                labels = (target.job_id, str(target.rank))
+                self.counters.inc("rank_gil_samples", labels, reading.samples)
+                self.counters.inc("rank_gil_held_samples", labels, reading.held)
+                if sched is not None:
+                    sched.history.append(reading)
+                    sched.by_thread = sample.by_thread
+                    sched.error = ""
+                self._last_success = time.time()
+                self._status = CollectorStatus(
+                    pyspy.COLLECTOR, True, time.monotonic() - t0, self._last_success, ""
+                )
+            elif error is not None:
+                if sched is not None:
+                    sched.error = str(error)
+                if error.collector_down or error.reason == pyspy.NOT_PYTHON:
+                    self._status = CollectorStatus(
+                        pyspy.COLLECTOR, False, time.monotonic() - t0, self._last_success,
+                        str(error)[:300],
+                    )  # fmt: skip
+                    log.warning("GIL sample of pid %d failed: %s", target.pid, error)
+                else:
+                    log.debug("GIL sample of pid %d skipped: %s", target.pid, error)
+
+    # -- results ---------------------------------------------------------------------------------
+
+    def latest(self, key: tuple[str, int]) -> GilReading | None:
+        with self._lock:
+            sched = self._ranks.get(key)
+            return sched.history[-1] if sched and sched.history else None
+
+    def readings(self) -> Mapping[tuple[str, int], tuple[GilReading, ...]]:
+        """(job_id, rank) -> its recent readings, oldest first (what findings/gil.py reads)."""
+        with self._lock:
+            return {k: tuple(s.history) for k, s in self._ranks.items() if s.history}
+
+    def convoys(self) -> Mapping[tuple[str, int], ConvoyHint]:
+        with self._lock:
+            return {k: s.convoy for k, s in self._ranks.items() if s.convoy is not None}
+
+    def status(self) -> CollectorStatus:
+        with self._lock:
+            return self._status
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class PySpySubsystem(Subsystem):
+    """The daemon's py-spy part: GIL sampling in background threads, stall verdicts per cycle.
+
+    ``before_join`` hands the join ``progress`` / ``stalled`` per (job_id, rank) (exported as
+    ``gpuwatch_rank_progress_timestamp_seconds`` / ``gpuwatch_rank_stalled``), the readings for
+    findings/gil.py and findings/stall.py in ``extras``, and the ``pyspy`` collector status.
+    """
+
+    name = "pyspy"
+
+    def __init__(self, config: Config, *, spy: PySpy | None = None,
+                 tick_seconds: float = 1.0) -> None:  # fmt: skip
+        self.config = config
+        self.spy = spy
+        self.sampler: GilSampler | None = None
+        self.stall: StallTracker | None = None
+        self.tick_seconds = tick_seconds
+        self._thread: threading.Thread | None = None
+
+    def _ensure(self, daemon: Any) -> None:
+        if self.stall is not None:
+            return
+        g = self.config.gil
+        if self.spy is None:
+            self.spy = PySpy.from_config(
+                g.pyspy_path, paths=daemon.paths, max_concurrent=g.max_concurrent,
+                timeout_seconds=g.timeout_seconds,
+                dump_timeout_seconds=min(5.0, max(1.0, self.config.interval_seconds / 2)),
+            )  # fmt: skip
+            if self.spy.binary is None:
+                log.warning("py-spy unavailable (%s): no GIL sampling, stall detection from "
+                            "heartbeats and /proc only", self.spy.unavailable_reason)  # fmt: skip
+        if g.enabled:
+            self.sampler = GilSampler(
+                self.spy, daemon.counters, interval_seconds=g.interval_seconds,
+                duration_seconds=g.duration_seconds, rate_hz=g.rate_hz,
+                max_concurrent=g.max_concurrent, paths=daemon.paths,
+            )  # fmt: skip
+        self.stall = StallTracker(self.config.stall.after_seconds, self.spy, paths=daemon.paths,
+                                  cycle_seconds=self.config.interval_seconds)  # fmt: skip
+
+    def start(self, daemon: Any) -> None:
+        self._ensure(daemon)
+        sampler = self.sampler
+        if sampler is None or self.spy is None or self.spy.binary is None:
+            return
+        stop: threading.Event = daemon.stop_event
+
+        def loop() -> None:
+            while not stop.is_set():
+                sampler.tick()
+                stop.wait(self.tick_seconds)
+
+        self._thread = threading.Thread(
+            target=run_forever, args=("gil-sampler", loop, stop), name="gil-scheduler", daemon=True
+        )
+        self._thread.start()
+
+    def before_join(self, daemon: Any, partial: Mapping[str, Any]) -> Mapping[str, Any]:
+        self._ensure(daemon)
+        assert self.stall is not None and self.spy is not None
+        processes: Mapping[int, ProcessInfo] = partial.get("processes", {})
+        seen: set[tuple[str, int]] = set()
+        probes: list[RankProbe] = []
+        for e in partial.get("entries", ()):
+            if (e.job_id, e.rank) in seen:
+                continue
+            seen.add((e.job_id, e.rank))
+            proc = processes.get(e.pid)
+            alive = proc is not None and proc.state not in ("Z", "X") and (
+                e.start_ticks is None or proc.start_ticks == e.start_ticks)  # fmt: skip
+            probes.append(RankProbe(
+                e.job_id, e.rank, e.pid, alive, proc.state if proc else "", e.heartbeat,
+                proc.start_ticks if proc else None,
+            ))  # fmt: skip
+        if self.sampler is not None:
+            self.sampler.update_targets(GilTarget(p.job_id, p.rank, p.pid) for p in probes
+                                        if p.alive)  # fmt: skip
+        verdicts = self.stall.observe(partial.get("now", time.time()), probes)
+        return {
+            "progress": {k: v.progress_timestamp for k, v in verdicts.items()
+                         if v.progress_timestamp is not None},
+            "stalled": {k: v.stalled for k, v in verdicts.items()},
+            "extras": {"gil": self.sampler.readings() if self.sampler else {}, "stall": verdicts},
+            "collectors": (self.status(),),
+        }
+
+    def status(self) -> CollectorStatus:
+        assert self.spy is not None
+        if self.spy.binary is None:
+            return CollectorStatus(pyspy.COLLECTOR, False, 0.0, None,
+                                   f"{pyspy.ABSENT}: {self.spy.unavailable_reason}"[:300])  # fmt: skip
+        if self.sampler is not None:
+            return self.sampler.status()
+        return CollectorStatus(pyspy.COLLECTOR, True, 0.0, None, "")
+
+    def after_join(self, daemon: Any, state: Any) -> None:
+        """Nothing to do: readings flow in through ``before_join``."""
+
+    def stop(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
