@@ -6,6 +6,7 @@ latest immutable state plus a snapshot of the counters: it never calls NVML, /pr
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
@@ -35,6 +36,19 @@ COUNTER_HELP: Mapping[str, str] = {
 }
 
 
+def _checked(build: Callable[[], list[Metric]]) -> list[Metric]:
+    """Fail at build time, inside the isolation wrapper, on a value the text format cannot carry,
+    rather than half-way through writing the response."""
+    families = build()
+    for fam in families:
+        for sample in fam.samples:
+            float(sample.value)
+            for v in sample.labels.values():
+                if not isinstance(v, str):
+                    raise TypeError(f"{sample.name}: label value {v!r} is not a string")
+    return families
+
+
 def _g(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
     return GaugeMetricFamily(P + name, doc, labels=list(labels))
 
@@ -58,7 +72,7 @@ class StateCollector(Collector):
             ]
         nothing: list[Metric] = []
         for name, build in builders:
-            yield from guarded(f"building metric family {name}", build, nothing)
+            yield from guarded(f"building metric family {name}", functools.partial(_checked, build), nothing)
 
     def _build_info(self) -> list[Metric]:
         m = _g("build_info", "Always 1; the version label says which gpuwatchd is running.", ["version"])
