@@ -354,6 +354,11 @@ def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
         fams.setdefault(name, (typ, []))[1].append((labels, value))
 
     add("gpuwatch_build_info", "gauge", {"version": "0.1.0"}, 1)
+    add("gpuwatch_cycle_duration_seconds", "gauge", {}, 0.004)
+    add("gpuwatch_last_cycle_timestamp_seconds", "gauge", {}, now)
+    add("gpuwatch_kernel_log_overruns_total", "counter", {}, 0)
+    add("gpuwatch_finding", "gauge", {"kind": "bad_rank_file", "severity": "warning", "job_id": "",
+                                      "rank": "", "pid": ""}, 1)
     for c in ("procfs", "rankfiles", "nvml", "kernel_log", "pyspy"):
         add("gpuwatch_collector_success", "gauge", {"collector": c}, 1)
         add("gpuwatch_collector_duration_seconds", "gauge", {"collector": c}, 0.002)
@@ -406,3 +411,52 @@ def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
                 seen.add(line.split(" ")[0])
                 out.append(line)
     return "\n".join(out) + "\n"
+
+
+# --- dashboard and rule expressions --------------------------------------------------------------
+DASHBOARDS = REPO / "grafana" / "dashboards"
+RULES = REPO / "deploy" / "prometheus" / "gpuwatchd.rules.yml"
+
+# Grafana's variables as a query of the e2e tests fills them in.
+GRAFANA_VARS = {
+    "$__rate_interval": "4s",
+    "$__interval": "1s",
+    "$__range": "10m",
+}
+
+
+def dashboard_panels() -> list[tuple[str, str, str]]:
+    """(dashboard file, panel title, expr) for every query target of every dashboard."""
+    out = []
+    for path in sorted(DASHBOARDS.glob("*.json")):
+        d = json.loads(path.read_text())
+        for panel in d["panels"]:
+            for t in panel.get("targets", []):
+                out.append((path.name, panel["title"], t["expr"]))
+    return out
+
+
+def dashboard_variable_queries() -> list[tuple[str, str, str]]:
+    """(dashboard file, variable name, the PromQL inside label_values(...))."""
+    out = []
+    for path in sorted(DASHBOARDS.glob("*.json")):
+        d = json.loads(path.read_text())
+        for v in d["templating"]["list"]:
+            if v["type"] == "query":
+                q = v["query"]["query"] if isinstance(v["query"], dict) else v["query"]
+                inner = q[len("label_values(") : q.rindex(",")]
+                out.append((path.name, v["name"], inner))
+    return out
+
+
+def rule_exprs() -> list[tuple[str, str]]:
+    doc = yaml.safe_load(RULES.read_text())
+    return [(r.get("alert") or r["record"], r["expr"]) for g in doc["groups"] for r in g["rules"]]
+
+
+def fill_vars(expr: str, **values: str) -> str:
+    """``expr`` with Grafana's variables replaced (longest names first)."""
+    subs = {**GRAFANA_VARS, **{f"${k}": v for k, v in values.items()}}
+    for k in sorted(subs, key=len, reverse=True):
+        expr = expr.replace(k, subs[k])
+    return expr

@@ -1,0 +1,209 @@
+"""The Grafana dashboards: generated JSON is current and well-formed, every PromQL expression of
+the dashboards and the alert rules parses (promtool) and uses only series the daemon really
+exports (its /metrics output, read from a running `gpuwatchd run`), and every panel returns data
+from a real Prometheus scraping a node that has every kind of series."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from promstack import (
+    DASHBOARDS,
+    PROMTOOL,
+    REPO,
+    MetricsServer,
+    NodeRank,
+    dashboard_panels,
+    dashboard_variable_queries,
+    fill_vars,
+    free_port,
+    node_exposition,
+    prometheus,
+    rule_exprs,
+    run,
+    wait_until,
+)
+
+# Series Prometheus adds to every target itself (not the daemon's).
+PROMETHEUS_SERIES = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
+
+
+def _all_exprs() -> list[tuple[str, str]]:
+    out = [(f"{d} / {title}", fill_vars(e, instance="node1:9863", job_id="llm-7"))
+           for d, title, e in dashboard_panels()]
+    out += [(f"{d} / variable {name}", fill_vars(e)) for d, name, e in dashboard_variable_queries()]
+    out += [(f"rule {name}", e) for name, e in rule_exprs()]
+    return out
+
+
+def test_generated_dashboards_are_current() -> None:
+    p = run([sys.executable, str(REPO / "tools/gen_dashboards.py"), "--check"])
+    assert p.returncode == 0, p.stderr
+    assert {p.name for p in DASHBOARDS.glob("*.json")} == {
+        "gpuwatchd-node.json", "gpuwatchd-job.json", "gpuwatchd-health.json"}
+
+
+def test_dashboards_are_well_formed() -> None:
+    for path in DASHBOARDS.glob("*.json"):
+        d = json.loads(path.read_text())
+        assert d["uid"] and d["title"] and d["schemaVersion"] >= 36
+        ids = [p["id"] for p in d["panels"]]
+        assert len(ids) == len(set(ids)), path.name
+        variables = {v["name"] for v in d["templating"]["list"]}
+        assert "datasource" in variables
+        cells: set[tuple[int, int]] = set()
+        for p in d["panels"]:
+            g = p["gridPos"]
+            assert g["x"] >= 0 and g["x"] + g["w"] <= 24, (path.name, p["title"])
+            for x in range(g["x"], g["x"] + g["w"]):
+                for y in range(g["y"], g["y"] + g["h"]):
+                    assert (x, y) not in cells, f"{path.name}: {p['title']} overlaps"
+                    cells.add((x, y))
+            if p["type"] == "row":
+                continue
+            assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+            assert p["targets"], p["title"]
+            for t in p["targets"]:
+                used = set(re.findall(r"\$(\w+)", t["expr"])) - {
+                    "__rate_interval", "__range", "__interval"}
+                assert used <= variables, (path.name, p["title"], used)
+    # the Job dashboard is the cross-node view: every query is scoped to $job_id
+    job = json.loads((DASHBOARDS / "gpuwatchd-job.json").read_text())
+    for p in job["panels"]:
+        for t in p.get("targets", []):
+            assert 'job_id="$job_id"' in t["expr"], p["title"]
+
+
+def test_provisioning_points_at_the_dashboards() -> None:
+    prov = yaml.safe_load((REPO / "grafana/provisioning/dashboards/gpuwatchd.yml").read_text())
+    assert prov["apiVersion"] == 1
+    assert prov["providers"][0]["type"] == "file"
+    ds = yaml.safe_load((REPO / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert ds["datasources"][0]["type"] == "prometheus"
+
+
+def test_every_expression_parses(tmp_path: Path) -> None:
+    """promtool parses each expression as a recording rule: one bad expression fails the check
+    and names itself."""
+    exprs = _all_exprs()
+    rules = {"groups": [{"name": "parse", "rules": [
+        {"record": f"parse:expr_{i}", "expr": e} for i, (_, e) in enumerate(exprs)]}]}
+    f = tmp_path / "exprs.yml"
+    f.write_text(yaml.safe_dump(rules))
+    p = run([PROMTOOL, "check", "rules", str(f)])
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"SUCCESS: {len(exprs)} rules found" in p.stdout
+    # and the check can fail
+    f.write_text(yaml.safe_dump({"groups": [{"name": "bad", "rules": [
+        {"record": "parse:bad", "expr": "rate(gpuwatch_rank_up[5m]"}]}]}))
+    assert run([PROMTOOL, "check", "rules", str(f)]).returncode != 0
+
+
+def _real_daemon_metric_names(tmp_path: Path) -> set[str]:
+    """Metric names in the real daemon's /metrics: `gpuwatchd run` with one registered rank and
+    a bad rank file, plus the exporter fed one value per counter of the daemon's CounterStore
+    (counters appear once they count something: Xids, kernel-log rejects ...)."""
+    from prometheus_client import generate_latest
+
+    from gpuwatchd.counters import CounterStore
+    from gpuwatchd.exporter import make_registry
+    from gpuwatchd.model import COUNTER_LABELS, NodeState
+
+    port = free_port()
+    ranks = tmp_path / "ranks"
+    state = tmp_path / "state"
+    ranks.mkdir()
+    state.mkdir()
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "web": {"listen_address": f"127.0.0.1:{port}"}, "interval_seconds": 1,
+        "rank_dir": str(ranks), "state_dir": str(state), "kernel_log": "off",
+        "nvml": {"enabled": False}}))
+    (ranks / "broken.json").write_text("{not json")
+    sleeper = subprocess.Popen(["sleep", "60"])
+    gw = str(Path(sys.executable).with_name("gpuwatchd"))
+    daemon = subprocess.Popen([gw, "run", "--config.file", str(cfg)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        run([gw, "register", "--job-id", "names", "--rank", "0", "--pid", str(sleeper.pid),
+             "--rank-dir", str(ranks)])
+        import urllib.request
+
+        def scrape() -> str | None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                    text = r.read().decode()
+            except OSError:
+                return None
+            return text if 'gpuwatch_rank_up{job_id="names"' in text else None
+
+        text = wait_until(scrape, 20, "the daemon's /metrics with the rank")
+    finally:
+        daemon.terminate()
+        sleeper.kill()
+        daemon.wait(timeout=10)
+        sleeper.wait(timeout=5)
+    counters = CounterStore()
+    for name, labels in COUNTER_LABELS.items():
+        counters.inc(name, tuple("x" for _ in labels))
+    text += generate_latest(make_registry(lambda: NodeState(timestamp=time.time()),
+                                          counters)).decode()
+    names: set[str] = set()
+    for fam in text_string_to_metric_families(text):
+        names.add(fam.name)
+        names.update(s.name for s in fam.samples)
+    return names
+
+
+def test_expressions_use_only_series_the_daemon_exports(tmp_path: Path) -> None:
+    exported = _real_daemon_metric_names(tmp_path)
+    assert "gpuwatch_rank_up" in exported and "gpuwatch_oom_kills_total" in exported
+    missing: dict[str, set[str]] = {}
+    for where, expr in _all_exprs():
+        names = set(re.findall(r"\bgpuwatch_\w+", expr))
+        # any other selector (an identifier followed by {) must be one Prometheus adds itself
+        others = set(re.findall(r"\b([a-z_:][a-z0-9_:]*)\{", expr)) - names
+        bad = (names - exported) | (others - PROMETHEUS_SERIES)
+        if bad:
+            missing[where] = bad
+    assert not missing, f"not exported by the daemon: {missing}"
+
+
+def test_every_panel_returns_data_from_prometheus(tmp_path: Path) -> None:
+    """A real Prometheus scrapes a stand-in node that has every kind of series (one rank
+    OOM-killed, one stalled): each panel's query, variables filled in, returns data.
+    tests/test_e2e_alerting.py does the same against the real daemons."""
+    ranks = [NodeRank("llm-7", 0, 100, 3, gpu=0), NodeRank("llm-7", 1, 101, 3, gpu=1),
+             NodeRank("llm-7", 2, 102, 3, gpu=2)]
+    for r in ranks:
+        r.gil_samples, r.gil_held = 50, 10
+    with MetricsServer(node_exposition(ranks)) as node, prometheus(tmp_path, [node.address]) as prom:
+        wait_until(lambda: prom.query("gpuwatch_rank_up"), 20, "first scrape")
+        time.sleep(2)
+        for r in ranks:
+            r.gil_samples, r.gil_held = 150, 40
+        ranks[1].oom_kills, ranks[1].up = 1, False
+        node.text = node_exposition(ranks)
+        time.sleep(3)
+        ranks[2].stalled = True
+        node.text = node_exposition(ranks)
+        wait_until(lambda: prom.query("gpuwatch_rank_stalled == 1"), 10, "stall scraped")
+        time.sleep(5)  # $__rate_interval (4s) worth of samples after the changes
+        empty = []
+        for d, title, expr in dashboard_panels():
+            q = fill_vars(expr, instance=node.address, job_id="llm-7")
+            if not prom.query(q):
+                empty.append((d, title, q))
+        assert not empty, empty
+        for d, name, q in dashboard_variable_queries():
+            assert prom.query(q), (d, name)
+        first = [p for p in dashboard_panels() if p[1] == "First rank to fail"]
+        (res,) = prom.query(fill_vars(first[0][2], job_id="llm-7"))
+        assert res["metric"]["rank"] == "1"

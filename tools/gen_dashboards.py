@@ -1,0 +1,432 @@
+#!/usr/bin/env python3
+"""Generate the Grafana dashboards in grafana/dashboards/ from the panel lists below.
+
+    python3 tools/gen_dashboards.py           # write grafana/dashboards/*.json
+    python3 tools/gen_dashboards.py --check   # exit 1 if the committed JSON differs (CI)
+
+Plain Python and the standard library, so that a panel is one line in a list and the JSON stays
+reviewable; the generated files are committed and provisioned by grafana/provisioning/.
+Every expression uses only gpuwatch_* series the daemon exports (tests/test_dashboards.py checks
+them against the daemon's real /metrics and parses each one with promtool).
+
+Variables used in expressions: $instance (Node), $job_id (Job), $__rate_interval, $__range and
+$__interval (Grafana built-ins).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).resolve().parent.parent / "grafana" / "dashboards"
+DS = {"type": "prometheus", "uid": "${datasource}"}
+
+
+@dataclass
+class Target:
+    expr: str
+    legend: str = ""
+    instant: bool = False
+    fmt: str = "time_series"  # or "table"
+
+
+@dataclass
+class Panel:
+    title: str
+    kind: str  # timeseries | stat | table
+    targets: list[Target]
+    unit: str = "short"
+    width: int = 12
+    height: int = 8
+    description: str = ""
+    thresholds: list[tuple[float | None, str]] = field(
+        default_factory=lambda: [(None, "green")]
+    )
+    min: float | None = None
+    max: float | None = None
+    overrides: list[dict[str, Any]] = field(default_factory=list)
+    transformations: list[dict[str, Any]] = field(default_factory=list)
+
+
+def graph(expr: str, legend: str = "") -> Target:
+    """A range query for a time-series panel."""
+    return Target(expr, legend)
+
+
+def table(expr: str, legend: str = "") -> Target:
+    """An instant query shown as a table."""
+    return Target(expr, legend, instant=True, fmt="table")
+
+
+def stat(expr: str, legend: str = "") -> Target:
+    """An instant query for a stat panel."""
+    return Target(expr, legend, instant=True)
+
+
+def _panel_json(p: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
+    steps = [{"color": c, "value": v} for v, c in p.thresholds]
+    defaults: dict[str, Any] = {"unit": p.unit, "thresholds": {"mode": "absolute", "steps": steps}}
+    if p.min is not None:
+        defaults["min"] = p.min
+    if p.max is not None:
+        defaults["max"] = p.max
+    if p.kind == "timeseries":
+        defaults["custom"] = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10,
+                              "showPoints": "never", "spanNulls": False}
+    if p.kind == "stat":
+        defaults["color"] = {"mode": "thresholds"}
+    out: dict[str, Any] = {
+        "id": pid,
+        "type": p.kind,
+        "title": p.title,
+        "description": p.description,
+        "datasource": DS,
+        "gridPos": {"h": p.height, "w": p.width, "x": x, "y": y},
+        "fieldConfig": {"defaults": defaults, "overrides": p.overrides},
+        "targets": [
+            {
+                "refId": chr(ord("A") + i),
+                "datasource": DS,
+                "expr": t.expr,
+                "legendFormat": t.legend,
+                "instant": t.instant,
+                "range": not t.instant,
+                "format": t.fmt,
+            }
+            for i, t in enumerate(p.targets)
+        ],
+    }
+    if p.kind == "timeseries":
+        out["options"] = {"legend": {"displayMode": "table", "placement": "bottom",
+                                     "calcs": ["lastNotNull", "max"]},
+                          "tooltip": {"mode": "multi", "sort": "desc"}}
+    elif p.kind == "stat":
+        out["options"] = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "",
+                                            "values": False},
+                          "colorMode": "background", "graphMode": "none", "textMode": "auto"}
+    elif p.kind == "table":
+        out["options"] = {"showHeader": True, "cellHeight": "sm"}
+        out["transformations"] = p.transformations or [
+            {"id": "organize", "options": {"excludeByName": {"Time": True, "__name__": True,
+                                                             "job": True}}}
+        ]
+    return out
+
+
+def dashboard(uid: str, title: str, description: str, variables: list[dict[str, Any]],
+              rows: list[tuple[str, list[Panel]]], tags: list[str]) -> dict[str, Any]:
+    panels: list[dict[str, Any]] = []
+    pid = 1
+    y = 0
+    for row_title, row_panels in rows:
+        panels.append({"id": pid, "type": "row", "title": row_title, "collapsed": False,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+        pid += 1
+        y += 1
+        x = 0
+        row_h = 0
+        for p in row_panels:
+            if x + p.width > 24:
+                x, y = 0, y + row_h
+                row_h = 0
+            panels.append(_panel_json(p, pid, x, y))
+            pid += 1
+            x += p.width
+            row_h = max(row_h, p.height)
+        y += row_h
+    return {
+        "uid": uid,
+        "title": title,
+        "description": description,
+        "tags": ["gpuwatchd", *tags],
+        "editable": True,
+        "graphTooltip": 1,
+        "refresh": "30s",
+        "schemaVersion": 39,
+        "version": 1,
+        "time": {"from": "now-3h", "to": "now"},
+        "timezone": "utc",
+        "links": [
+            {"type": "dashboards", "tags": ["gpuwatchd"], "asDropdown": True,
+             "title": "gpuwatchd", "includeVars": False, "keepTime": True}
+        ],
+        "annotations": {"list": [{
+            "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+            "enable": True, "hide": True, "iconColor": "rgba(0, 211, 255, 1)",
+            "name": "Annotations & Alerts", "type": "dashboard"}]},
+        "templating": {"list": [DATASOURCE_VAR, *variables]},
+        "panels": panels,
+    }
+
+
+DATASOURCE_VAR: dict[str, Any] = {
+    "name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
+    "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": [],
+}
+
+
+def query_var(name: str, label: str, query: str, multi: bool = False) -> dict[str, Any]:
+    return {
+        "name": name, "label": label, "type": "query", "datasource": DS,
+        "query": {"query": query, "refId": f"{name}-var"}, "definition": query,
+        "refresh": 2, "sort": 1, "multi": multi, "includeAll": False, "current": {},
+        "hide": 0, "options": [], "regex": "",
+    }
+
+
+# --- Node ---------------------------------------------------------------------------------------
+N = 'instance="$instance"'
+RED_AT_1 = [(None, "green"), (1, "red")]
+
+NODE_ROWS: list[tuple[str, list[Panel]]] = [
+    ("Node", [
+        Panel("Ranks up", "stat", [stat(f"count(gpuwatch_rank_up{{{N}}} == 1) or vector(0)")],
+              width=4, height=4, thresholds=[(None, "blue")]),
+        Panel("Ranks down", "stat", [stat(f"count(gpuwatch_rank_up{{{N}}} == 0) or vector(0)")],
+              width=4, height=4, thresholds=RED_AT_1),
+        Panel("Stalled ranks", "stat",
+              [stat(f"count(gpuwatch_rank_stalled{{{N}}} == 1) or vector(0)")],
+              width=4, height=4, thresholds=RED_AT_1),
+        Panel("OOM kills (range)", "stat",
+              [stat(f"sum(increase(gpuwatch_oom_kills_total{{{N}}}[$__range])) or vector(0)")],
+              width=4, height=4, thresholds=RED_AT_1, unit="none",
+              description="Kernel, systemd-oomd and earlyoom kills on this node in the time range, "
+                          "attributed or not."),
+        Panel("Orphan GPU memory", "stat",
+              [stat(f"sum(gpuwatch_orphan_gpu_memory_bytes{{{N}}}) or vector(0)")],
+              width=4, height=4, unit="bytes", thresholds=[(None, "green"), (1, "orange")]),
+        Panel("Active findings", "stat",
+              [stat(f"count(gpuwatch_finding{{{N}}} == 1) or vector(0)")],
+              width=4, height=4, thresholds=[(None, "green"), (1, "orange")]),
+        Panel("Active findings", "table",
+              [table(f"gpuwatch_finding{{{N}}} == 1")], width=24, height=7,
+              description="One row per active diagnosis; `gpuwatchd ps` on the node prints each "
+                          "one's explanation."),
+    ]),
+    ("GPUs", [
+        Panel("GPU memory used", "timeseries",
+              [graph(f"gpuwatch_gpu_memory_used_bytes{{{N}}}", "GPU {{gpu}} used"),
+               graph(f"gpuwatch_gpu_memory_total_bytes{{{N}}}", "GPU {{gpu}} total")],
+              unit="bytes", min=0),
+        Panel("GPU utilization", "timeseries",
+              [graph(f"gpuwatch_gpu_utilization_ratio{{{N}}}", "GPU {{gpu}}")],
+              unit="percentunit", min=0, max=1),
+        Panel("GPU memory by rank", "timeseries",
+              [graph(f"sum by (job_id, rank, gpu) (gpuwatch_rank_gpu_memory_bytes{{{N}}})",
+                 "{{job_id}} rank {{rank}} GPU {{gpu}}")],
+              unit="bytes", min=0,
+              description="Sum over each rank's process tree (rank and DataLoader workers)."),
+        Panel("GPU memory held by orphans", "timeseries",
+              [graph(f"gpuwatch_orphan_gpu_memory_bytes{{{N}}}",
+                 "GPU {{gpu}} pid {{pid}} {{comm}} ({{reason}})")],
+              unit="bytes", min=0,
+              description="Processes that hold GPU memory but belong to no live rank: "
+                          "`gpuwatchd check --kill` frees them."),
+        Panel("GPU processes", "table",
+              [table(f"gpuwatch_gpu_process_memory_bytes{{{N}}}")], unit="bytes", width=24,
+              height=7),
+        Panel("Xid errors", "timeseries",
+              [graph(f"increase(gpuwatch_gpu_xid_errors_total{{{N}}}[$__rate_interval])",
+                 "GPU {{gpu}} Xid {{xid}}")], unit="none", width=24, height=6),
+    ]),
+    ("Ranks", [
+        Panel("Open fds / limit", "timeseries",
+              [graph(f"gpuwatch_rank_open_fds{{{N}}} / gpuwatch_rank_max_fds{{{N}}}",
+                 "{{job_id}} rank {{rank}}")],
+              unit="percentunit", min=0, max=1,
+              thresholds=[(None, "green"), (0.9, "red")]),
+        Panel("GIL held (py-spy samples)", "timeseries",
+              [graph(f"rate(gpuwatch_rank_gil_held_samples_total{{{N}}}[$__rate_interval]) / "
+                 f"rate(gpuwatch_rank_gil_samples_total{{{N}}}[$__rate_interval])",
+                 "{{job_id}} rank {{rank}}")],
+              unit="percentunit", min=0, max=1),
+        Panel("Rank CPU", "timeseries",
+              [graph(f"rate(gpuwatch_rank_cpu_seconds_total{{{N}}}[$__rate_interval])",
+                 "{{job_id}} rank {{rank}}")], unit="percentunit", min=0),
+        Panel("Rank resident memory", "timeseries",
+              [graph(f"gpuwatch_rank_resident_memory_bytes{{{N}}}", "{{job_id}} rank {{rank}}")],
+              unit="bytes", min=0),
+        Panel("Rank threads", "timeseries",
+              [graph(f"gpuwatch_rank_threads{{{N}}}", "{{job_id}} rank {{rank}}")], min=0),
+        Panel("OOM kills", "timeseries",
+              [graph(f"gpuwatch_oom_kills_total{{{N}}}",
+                 "{{job_id}} rank {{rank}} {{comm}} ({{killer}})")], unit="none", min=0),
+    ]),
+]
+
+# --- Job ----------------------------------------------------------------------------------------
+J = 'job_id="$job_id"'
+# Time at which each rank first failed in the range: dead, stalled, or OOM-killed. The earliest is
+# the rank the others wait for (DESIGN §1: one rank dies, its peers hang in a collective).
+FAILED_AT = (
+    f"min by (instance, rank) (min_over_time(timestamp("
+    f"gpuwatch_rank_up{{{J}}} == 0 or gpuwatch_rank_stalled{{{J}}} == 1"
+    f" or gpuwatch_oom_kills_total{{{J}}} > 0"
+    f")[$__range:$__interval]))"
+)
+
+JOB_ROWS: list[tuple[str, list[Panel]]] = [
+    ("Job", [
+        Panel("Ranks up", "stat", [stat(f"count(gpuwatch_rank_up{{{J}}} == 1) or vector(0)")],
+              width=4, height=4, thresholds=[(None, "blue")]),
+        Panel("Ranks down", "stat", [stat(f"count(gpuwatch_rank_up{{{J}}} == 0) or vector(0)")],
+              width=4, height=4, thresholds=RED_AT_1),
+        Panel("Stalled ranks", "stat",
+              [stat(f"count(gpuwatch_rank_stalled{{{J}}} == 1) or vector(0)")],
+              width=4, height=4, thresholds=RED_AT_1),
+        Panel("OOM kills", "stat",
+              [stat(f"sum(gpuwatch_oom_kills_total{{{J}}}) or vector(0)")],
+              width=4, height=4, thresholds=RED_AT_1, unit="none",
+              description="OOM kills of this job's ranks and their workers, on every node."),
+        Panel("Nodes", "stat",
+              [stat(f"count(count by (instance) (gpuwatch_rank_info{{{J}}}))")],
+              width=4, height=4, thresholds=[(None, "blue")]),
+        Panel("Ranks waiting on a failed rank", "stat",
+              [stat(f"(count(gpuwatch_rank_up{{{J}}} == 1) or vector(0))"
+                 f" and on () (count(gpuwatch_rank_up{{{J}}} == 0)"
+                 f" or count(gpuwatch_rank_stalled{{{J}}} == 1))")],
+              width=4, height=4, thresholds=[(None, "orange")],
+              description="Live ranks while some rank is dead or stalled: they wait for it in "
+                          "their next collective."),
+        Panel("First rank to fail", "table",
+              [table(f"bottomk(1, {FAILED_AT}) * 1000")], unit="dateTimeAsIso", width=12, height=5,
+              description="The rank whose failure (death, OOM kill or stall) came first in the "
+                          "time range: the one the other ranks wait for. `gpuwatchd job JOB_ID "
+                          "--prometheus URL` says the same from a shell."),
+        Panel("Failed ranks, in order", "table",
+              [table(f"sort({FAILED_AT}) * 1000")], unit="dateTimeAsIso", width=12, height=5),
+        Panel("Ranks", "table",
+              [table(f"gpuwatch_rank_info{{{J}}}")], width=24, height=8,
+              description="Every registered rank of the job on every node (pid, local rank)."),
+    ]),
+    ("State over time", [
+        Panel("Ranks up / down", "timeseries",
+              [graph(f"count(gpuwatch_rank_up{{{J}}} == 1) or vector(0)", "up"),
+               graph(f"count(gpuwatch_rank_up{{{J}}} == 0) or vector(0)", "down")], min=0),
+        Panel("Stalled ranks", "timeseries",
+              [graph(f"gpuwatch_rank_stalled{{{J}}}", "rank {{rank}} ({{instance}})")], min=0, max=1),
+        Panel("OOM kills by rank", "timeseries",
+              [graph(f"sum by (instance, rank, comm, killer) (gpuwatch_oom_kills_total{{{J}}})",
+                 "rank {{rank}} {{comm}} ({{killer}}, {{instance}})")], unit="none", min=0),
+        Panel("Active findings", "table", [table(f"gpuwatch_finding{{{J}}} == 1")]),
+    ]),
+    ("Resources", [
+        Panel("GPU memory per rank", "timeseries",
+              [graph(f"sum by (instance, rank) (gpuwatch_rank_gpu_memory_bytes{{{J}}})",
+                 "rank {{rank}} ({{instance}})")], unit="bytes", min=0),
+        Panel("GIL held per rank", "timeseries",
+              [graph(f"rate(gpuwatch_rank_gil_held_samples_total{{{J}}}[$__rate_interval]) / "
+                 f"rate(gpuwatch_rank_gil_samples_total{{{J}}}[$__rate_interval])",
+                 "rank {{rank}} ({{instance}})")], unit="percentunit", min=0, max=1),
+        Panel("Open fds / limit per rank", "timeseries",
+              [graph(f"gpuwatch_rank_open_fds{{{J}}} / gpuwatch_rank_max_fds{{{J}}}",
+                 "rank {{rank}} ({{instance}})")], unit="percentunit", min=0, max=1,
+              thresholds=[(None, "green"), (0.9, "red")]),
+        Panel("Resident memory per rank", "timeseries",
+              [graph(f"gpuwatch_rank_resident_memory_bytes{{{J}}}", "rank {{rank}} ({{instance}})")],
+              unit="bytes", min=0),
+    ]),
+]
+
+# --- gpuwatchd health ---------------------------------------------------------------------------
+UPJ = 'job=~"gpuwatchd.*"'
+HEALTH_ROWS: list[tuple[str, list[Panel]]] = [
+    ("Daemons", [
+        Panel("Daemons scraped", "stat", [stat(f"sum(up{{{UPJ}}})")], width=6, height=4,
+              thresholds=[(None, "blue")]),
+        Panel("Daemons down", "stat", [stat(f"count(up{{{UPJ}}} == 0) or vector(0)")],
+              width=6, height=4, thresholds=RED_AT_1),
+        Panel("Failing collectors", "stat",
+              [stat("count(gpuwatch_collector_success == 0) or vector(0)")],
+              width=6, height=4, thresholds=[(None, "green"), (1, "orange")]),
+        Panel("Versions", "table", [table("count by (version) (gpuwatch_build_info)")],
+              width=6, height=4),
+    ]),
+    ("Collectors", [
+        Panel("Collector success", "timeseries",
+              [graph("gpuwatch_collector_success", "{{instance}} {{collector}}")], min=0, max=1),
+        Panel("Collector duration", "timeseries",
+              [graph("gpuwatch_collector_duration_seconds", "{{instance}} {{collector}}")],
+              unit="s", min=0),
+        Panel("Time since last success", "timeseries",
+              [graph("time() - gpuwatch_collector_last_success_timestamp_seconds",
+                 "{{instance}} {{collector}}")], unit="s", min=0),
+        Panel("Collectors, failing first", "table", [table("sort(gpuwatch_collector_success)")],
+              description="1: the collector's last run succeeded; 0: it failed (or its source "
+                          "is absent on this node, e.g. nvml without a driver)."),
+    ]),
+    ("Cycle and scrape", [
+        Panel("Cycle duration", "timeseries",
+              [graph("gpuwatch_cycle_duration_seconds", "{{instance}}")], unit="s", min=0),
+        Panel("Time since last cycle", "timeseries",
+              [graph("time() - gpuwatch_last_cycle_timestamp_seconds", "{{instance}}")],
+              unit="s", min=0),
+        Panel("Scrape duration", "timeseries",
+              [graph(f"scrape_duration_seconds{{{UPJ}}}", "{{instance}}")], unit="s", min=0),
+        Panel("Series per scrape", "timeseries",
+              [graph(f"scrape_samples_scraped{{{UPJ}}}", "{{instance}}")], min=0),
+    ]),
+    ("Errors", [
+        Panel("Kernel log overruns", "timeseries",
+              [graph("increase(gpuwatch_kernel_log_overruns_total[$__rate_interval])",
+                 "{{instance}}")], unit="none", min=0,
+              description="/dev/kmsg ring overruns (EPIPE): kernel lines lost before gpuwatchd "
+                          "read them."),
+        Panel("Bad rank files and other findings of the daemon", "table",
+              [table('gpuwatch_finding{kind="bad_rank_file"} == 1')],
+              description="Rank files the daemon rejected (schema, owner, symlink, size)."),
+    ]),
+]
+
+
+def build() -> dict[str, dict[str, Any]]:
+    return {
+        "gpuwatchd-node.json": dashboard(
+            "gpuwatchd-node", "gpuwatchd / Node",
+            "One GPU node: GPUs, GPU memory by rank and by orphan, fds, GIL, OOM kills, findings.",
+            [query_var("instance", "Node", "label_values(gpuwatch_build_info, instance)")],
+            NODE_ROWS, ["node"]),
+        "gpuwatchd-job.json": dashboard(
+            "gpuwatchd-job", "gpuwatchd / Job",
+            "One training job across every node: ranks up/down/stalled/OOM-killed, the first rank "
+            "to fail, per-rank GPU memory, GIL and fds.",
+            [query_var("job_id", "Job", "label_values(gpuwatch_rank_info, job_id)")],
+            JOB_ROWS, ["job"]),
+        "gpuwatchd-health.json": dashboard(
+            "gpuwatchd-health", "gpuwatchd / Daemon health",
+            "The daemons themselves: scrapes, collectors, cycle time, errors.",
+            [], HEALTH_ROWS, ["health"]),
+    }
+
+
+def render(d: dict[str, Any]) -> str:
+    return json.dumps(d, indent=2, sort_keys=False) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="fail if the committed JSON is stale")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+    stale = []
+    for name, d in build().items():
+        path = args.out / name
+        text = render(d)
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(str(path))
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    if stale:
+        print("stale, run tools/gen_dashboards.py: " + ", ".join(stale), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
