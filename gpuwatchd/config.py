@@ -61,6 +61,9 @@ class StallConfig:
 class AlertmanagerConfig:
     url: str | None = None
     timeout_seconds: float = 2.0
+    # labels of pushed alerts that Prometheus would attach (so Alertmanager merges both paths):
+    instance: str | None = None  # default: this host's name + web.listen_address's port
+    job: str = "gpuwatchd"  # the scrape job's name in prometheus.yml
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,12 @@ def _optional(check: Check) -> Check:
     return wrapped
 
 
+def _label_value(v: Any) -> str:
+    if not isinstance(v, str) or not v or len(v) > 128:
+        raise ValueError(f"must be a non-empty string of at most 128 characters, got {v!r}")
+    return v
+
+
 def _choice(*options: str) -> Check:
     def check(v: Any) -> str:
         if v not in options:
@@ -231,7 +240,8 @@ SCHEMA: Mapping[str, Any] = {
     "stall": (StallConfig, {"after_seconds": _number(0.0)}),
     "alertmanager": (
         AlertmanagerConfig,
-        {"url": _optional(_url), "timeout_seconds": _number(0.0, maximum=60)},
+        {"url": _optional(_url), "timeout_seconds": _number(0.0, maximum=60),
+         "instance": _optional(_listen), "job": _label_value},
     ),
     "nvml": (
         NvmlConfig,

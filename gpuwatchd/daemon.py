@@ -321,5 +321,6 @@ def state_to_json(state: NodeState) -> dict[str, Any]:
 def default_subsystems(config: Config) -> list[Subsystem]:
     """The subsystems a real daemon runs (NVML, kernel log, py-spy ...), as configured."""
     from gpuwatchd.gil import PySpySubsystem
+    from gpuwatchd.kernel_log_subsystem import KernelLogSubsystem
 
-    return [PySpySubsystem(config)]
+    return [PySpySubsystem(config), KernelLogSubsystem()]

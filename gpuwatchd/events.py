@@ -415,11 +415,14 @@ def build_bus(
     instance: str = "",
     timeout_seconds: float = 2.0,
     journal: bool | None = None,
+    scrape_job: str = "gpuwatchd",
 ) -> EventBus:
     """The daemon's sinks: JSONL always, the journal when journald runs, Alertmanager when set."""
     sinks: list[EventSink] = [JsonlSink(state_dir)]
     if journal if journal is not None else JournalSink.available():
         sinks.append(JournalSink())
     if alertmanager_url:
-        sinks.append(AlertmanagerSink(alertmanager_url, instance, timeout_seconds))
+        sinks.append(
+            AlertmanagerSink(alertmanager_url, instance, timeout_seconds, scrape_job=scrape_job)
+        )
     return EventBus(sinks)

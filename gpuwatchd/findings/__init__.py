@@ -58,9 +58,10 @@ Rule = Callable[[FindingContext], Iterable[Finding]]
 
 
 def _rules() -> list[Rule]:
-    from gpuwatchd.findings import fds, gil, nccl_env, rank_down, rankfile, stall
+    from gpuwatchd.findings import fds, gil, nccl_env, oom, rank_down, rankfile, stall, xid
 
-    return [rank_down.find, fds.find, nccl_env.find, rankfile.find, gil.find, stall.find]
+    return [rank_down.find, fds.find, nccl_env.find, rankfile.find, gil.find, stall.find,
+            oom.find, xid.find]
 
 
 RULES: list[Rule] = _rules()

@@ -1,0 +1,145 @@
+"""The kernel-log subsystem of the daemon: the source thread and the processor, wired to the cycle.
+
+Reads /dev/kmsg or the journal (sources/kernel_log.py) in its own thread, event-driven; each cycle
+it reads ``/proc/vmstat`` (one small file) for the OOM-kill cross-check and ``/proc/PID/cgroup``
+of each live rank (for systemd-oomd attribution). Privilege and shell equivalents: see
+sources/kernel_log.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from gpuwatchd.counters import CounterStore
+from gpuwatchd.daemon import Daemon, Subsystem
+from gpuwatchd.events import EventBus, build_bus, derive_instance
+from gpuwatchd.kernel_events import KernelEventProcessor
+from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo
+from gpuwatchd.sources.kernel_log import (
+    KernelLogUnavailable,
+    open_kernel_log,
+    read_boot_id,
+    read_cgroup,
+    read_vmstat_oom_kill,
+)
+from gpuwatchd.xid_dedup import XidDeduper
+
+log = logging.getLogger(__name__)
+
+
+class KernelLogSubsystem(Subsystem):
+    """Runs the kernel-log source in its own thread (``kernel_log`` config key) and connects the
+    processor to the daemon's cycle (duck-typed ``daemon.Subsystem``):
+
+    - ``before_join``: flush incomplete kills, cross-check /proc/vmstat, hand the recent events to
+      the findings (``extras["kernel_events"]``) and report the ``kernel_log`` collector status;
+    - ``after_join``: give the attribution record this cycle's rank trees.
+    """
+
+    name = "kernel_log"
+    RETRY_SECONDS = 30.0
+
+    def __init__(self, journal_path: str | None = None, bus: EventBus | None = None) -> None:
+        self.journal_path = journal_path
+        self.processor: KernelEventProcessor | None = None
+        self.source: Any = None
+        self.bus = bus
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._error = ""
+        self._last_ok: float | None = None
+        self._processes: Mapping[int, ProcessInfo] = {}
+
+    def start(self, daemon: Daemon) -> None:
+        cfg = daemon.config
+        paths = daemon.paths
+        if self.bus is None:
+            am = cfg.alertmanager
+            self.bus = build_bus(
+                cfg.state_dir,
+                alertmanager_url=am.url,
+                instance=am.instance or derive_instance(cfg.web.listen_address),
+                timeout_seconds=am.timeout_seconds,
+                scrape_job=am.job,
+            )
+        dedup = getattr(daemon, "xid_dedup", None)  # shared with the NVML Xid watcher
+        if dedup is None:
+            dedup = XidDeduper()
+            daemon.xid_dedup = dedup  # type: ignore[attr-defined]
+        self.processor = KernelEventProcessor(
+            daemon.counters, cfg.state_dir, bus=self.bus, boot_id=read_boot_id(paths),
+            xid_dedup=dedup, clock=daemon.clock,
+        )
+        daemon.counters.ensure("kernel_log_overruns", ())
+        if cfg.kernel_log == "off":
+            return
+        self._thread = threading.Thread(
+            target=self._run, args=(daemon,), name="kernel-log", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, daemon: Daemon) -> None:
+        counters: CounterStore = daemon.counters
+        while not self._stop.is_set():
+            try:
+                self.source = open_kernel_log(
+                    daemon.config.kernel_log,
+                    daemon.paths,
+                    daemon.config.state_dir,
+                    journal_path=self.journal_path,
+                    on_reject=lambda r: counters.inc("kernel_log_lines_rejected", (r,)),
+                    on_overrun=lambda: counters.inc("kernel_log_overruns", ()),
+                )
+                if self.source is None or self.processor is None:
+                    return
+                self.source.hold_cursor(self.processor.oldest_pending_seq)
+                if self._stop.is_set():
+                    return
+                self._error = ""
+                self.source.run(self.processor.handle)
+            except (OSError, KernelLogUnavailable) as e:
+                self._error = str(e)
+                log.warning("kernel log source failed: %s; retrying in %.0fs", e, self.RETRY_SECONDS)
+            self._stop.wait(self.RETRY_SECONDS)
+
+    def before_join(self, daemon: Daemon, partial: Mapping[str, Any]) -> Mapping[str, Any]:
+        if self.processor is None:
+            return {}
+        t0 = time.monotonic()
+        now = daemon.clock()
+        self._processes = partial.get("processes", {})
+        self.processor.tick(now)
+        self.processor.cross_check(read_vmstat_oom_kill(daemon.paths), now)
+        running = self._thread is not None and self._thread.is_alive() and not self._error
+        if running:
+            self._last_ok = now
+        status = CollectorStatus(
+            name="kernel_log",
+            success=running,
+            duration_seconds=time.monotonic() - t0,
+            last_success_timestamp=self._last_ok,
+            error=self._error if self._thread is not None else "kernel_log: off",
+        )
+        return {
+            "extras": {"kernel_events": tuple(self.processor.recent(now - 3600.0))},
+            "collectors": (status,),
+        }
+
+    def after_join(self, daemon: Daemon, state: NodeState) -> None:
+        if self.processor is None:
+            return
+        cgroups = {r.pid: read_cgroup(daemon.paths, r.pid) for r in state.ranks if r.alive}
+        self.processor.observe(state.ranks, self._processes, daemon.clock(), cgroups)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.source is not None:
+            self.source.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        if self.bus is not None:
+            self.bus.close()
