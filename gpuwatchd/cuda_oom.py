@@ -260,8 +260,26 @@ def _parse(doc: Any, path: str) -> OomEvent:
     )
 
 
+def _read_one(path: str) -> OomEvent:
+    """One event file; OSError (e.g. ELOOP for a symbolic link) or ValueError when refused."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not statmod.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        raw = os.read(fd, MAX_EVENT_BYTES + 1)
+    finally:
+        os.close(fd)
+    if not raw or len(raw) > MAX_EVENT_BYTES:
+        raise ValueError(f"empty or larger than {MAX_EVENT_BYTES} bytes")
+    try:
+        return _parse(json.loads(raw), path)
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"bad event: {exc!r}") from exc
+
+
 def read_events(rank_dir: str, remove: bool = True) -> tuple[list[OomEvent], list[str]]:
-    """Read (and remove) the event files; returns (events, problems). Never raises for bad files."""
+    """Read (and remove, bad ones too) the event files; returns (events, problems). Never raises
+    for a bad file."""
     events: list[OomEvent] = []
     problems: list[str] = []
     try:
@@ -273,23 +291,10 @@ def read_events(rank_dir: str, remove: bool = True) -> tuple[list[OomEvent], lis
     for name in names[:MAX_EVENTS_PER_SCAN]:
         path = os.path.join(rank_dir, name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            events.append(_read_one(path))
         except OSError as exc:
             problems.append(f"{path}: {exc.strerror}")
-            continue
-        try:
-            st = os.fstat(fd)
-            raw = os.read(fd, MAX_EVENT_BYTES + 1) if statmod.S_ISREG(st.st_mode) else b""
-        except OSError as exc:
-            problems.append(f"{path}: {exc.strerror}")
-            raw = b""
-        finally:
-            os.close(fd)
-        try:
-            if len(raw) > MAX_EVENT_BYTES or not raw:
-                raise ValueError("empty, too large or not a regular file")
-            events.append(_parse(json.loads(raw), path))
-        except (ValueError, KeyError, TypeError) as exc:
+        except ValueError as exc:  # json.JSONDecodeError is a ValueError
             problems.append(f"{path}: {exc}")
         if remove:
             try:

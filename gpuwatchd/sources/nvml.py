@@ -329,12 +329,12 @@ class XidEventWatcher:
         event_set = nv.nvmlEventSetCreate()
         registered = 0
         for index in range(int(nv.nvmlDeviceGetCount())):
-            handle = nv.nvmlDeviceGetHandleByIndex(index)
             try:
+                handle = nv.nvmlDeviceGetHandleByIndex(index)
                 nv.nvmlDeviceRegisterEvents(handle, nv.nvmlEventTypeXidCriticalError, event_set)
                 registered += 1
-            except nv.NVMLError as exc:  # e.g. NOT_SUPPORTED inside some VMs
-                log.info("GPU %d: Xid events not supported: %s", index, exc)
+            except nv.NVMLError as exc:  # NOT_SUPPORTED inside some VMs, or a lost GPU
+                log.info("GPU %d: no Xid events: %s", index, exc)
         if not registered:
             self.error = "no GPU supports Xid events"
             nv.nvmlEventSetFree(event_set)

@@ -1,0 +1,154 @@
+"""The daemon's GPU part: NVML collector, orphans, fork evidence, CUDA OOM events, Xid, udev.
+
+Wires the GPU sources into the daemon's cycle (duck-typed ``daemon.Subsystem``):
+
+- ``before_join``: one NVML reading through the isolation wrapper (collector ``nvml``, time-out
+  ``nvml.timeout_seconds``; a hung driver call never blocks the cycle or a scrape); /proc identity
+  of each GPU process outside the rank trees; the orphan tracker (``orphans.grace_seconds``);
+  fork evidence for the processes of ranks that hold a CUDA context; CUDA OOM event files from the
+  ranks' hook; ``gpu_lost`` findings from udev.
+- streaming: the NVML Xid event thread (``gpu_xid_errors``, de-duplicated against the kernel log
+  through the daemon's shared ``XidDeduper``) and the udev thread.
+
+Returns ``gpus``, ``gpu_processes``, ``orphans``, ``processes`` (GPU PIDs), ``extra_findings`` and
+``extras`` (``fork_evidence``, ``orphan_jobs``) for the join.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from gpuwatchd.cuda_oom import OomTracker
+from gpuwatchd.isolation import Collector
+from gpuwatchd.model import Finding, GpuDevice, GpuProcess, NodeState, ProcessInfo
+from gpuwatchd.orphans import OrphanTracker, trees_from_entries
+from gpuwatchd.sources.devfds import ProcEvidence, read_evidence
+from gpuwatchd.sources.nvml import NvmlSource, XidEventWatcher
+from gpuwatchd.sources.nvml_fixture import open_nvml_source
+from gpuwatchd.sources.udev import GpuUevent, UdevWatcher, lost_finding
+from gpuwatchd.xid_dedup import XidDeduper, normalize_pci_bus_id
+
+log = logging.getLogger(__name__)
+
+Reading = tuple[tuple[GpuDevice, ...], tuple[GpuProcess, ...]]
+
+
+class GpuSubsystem:
+    name = "nvml"
+
+    def __init__(self, source: NvmlSource | None = None, watch_xid: bool = True,
+                 watch_udev: bool = True) -> None:
+        self.source = source
+        self.watch_xid = watch_xid
+        self.watch_udev = watch_udev
+        self.collector: Collector[Reading] | None = None
+        self.tracker: OrphanTracker | None = None
+        self.oom: OomTracker | None = None
+        self.xid: XidEventWatcher | None = None
+        self.udev: UdevWatcher | None = None
+        self._lost: dict[str, Finding] = {}
+        self._lock = threading.Lock()
+        self._devices: tuple[GpuDevice, ...] = ()
+        self._last_state: NodeState | None = None
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def start(self, daemon: Any) -> None:
+        cfg = daemon.config
+        if self.source is None:
+            self.source = open_nvml_source(cfg.nvml.fixture)
+        timeout = cfg.nvml.timeout_seconds
+        interval = cfg.interval_seconds
+        self.collector = Collector("nvml", self.source.read, timeout,
+                                   3 * interval + timeout, daemon.clock)
+        self.tracker = OrphanTracker(cfg.orphans.grace_seconds)
+        self.oom = OomTracker(cfg.rank_dir, daemon.clock)
+        dedup = getattr(daemon, "xid_dedup", None)
+        if dedup is None:
+            dedup = XidDeduper()
+            daemon.xid_dedup = dedup
+        self.dedup = dedup
+        if self.watch_xid:
+            lib = getattr(self.source, "_nvml", None) if cfg.nvml.fixture else None
+            self.xid = XidEventWatcher(daemon.counters.inc, dedup, pynvml=lib, clock=daemon.clock)
+            self.xid.start()
+        if self.watch_udev and not cfg.nvml.fixture:
+            self.udev = UdevWatcher(self._on_uevent, clock=daemon.clock)
+            self.udev.start()
+
+    def stop(self) -> None:
+        if self.xid is not None:
+            self.xid.stop()
+        if self.udev is not None:
+            self.udev.stop()
+        if self.source is not None:
+            self.source.close()
+
+    def _on_uevent(self, ev: GpuUevent) -> None:
+        gpu = next((d for d in self._devices
+                    if normalize_pci_bus_id(d.pci_bus_id) == ev.pci_bus_id), None)
+        with self._lock:
+            if ev.lost:
+                self._lost[ev.pci_bus_id] = lost_finding(
+                    ev, str(gpu.index) if gpu else "", gpu.uuid if gpu else "")
+            else:
+                self._lost.pop(ev.pci_bus_id, None)
+        if self.source is not None:
+            self.source.reinit()
+
+    # -- one cycle ----------------------------------------------------------------------------
+    def before_join(self, daemon: Any, partial: Mapping[str, Any]) -> Mapping[str, Any]:
+        if self.collector is None or self.tracker is None or self.oom is None:
+            return {}
+        reading = self.collector.run()
+        out: dict[str, Any] = {"collectors": (self.collector.status,)}
+        devices, procs = reading if reading is not None else ((), ())
+        self._devices = devices
+        self.dedup.learn_devices(devices)
+        processes: dict[int, ProcessInfo] = dict(partial.get("processes", {}))
+        missing = sorted({p.pid for p in procs} - set(processes))
+        extra = daemon.procfs.read_many(missing) if missing else {}
+        processes.update(extra)
+        entries = partial.get("entries", ())
+        descendants = partial.get("descendants", {})
+        trees = trees_from_entries(entries, processes, descendants)
+        now = partial.get("now", daemon.clock())
+        orphans = self.tracker.update(procs, processes, trees, now)
+        orphan_jobs = {}
+        for o in orphans:
+            p = processes.get(o.pid)
+            job = self.tracker.past_job(o.pid, p.start_ticks if p else None)
+            if job:
+                orphan_jobs[o.pid] = job
+        # fork evidence: only the trees of ranks whose processes hold a CUDA context
+        evidence: dict[int, ProcEvidence] = {}
+        gpu_pids = {p.pid for p in procs}
+        for e in entries:
+            tree = (e.pid, *descendants.get(e.pid, ()))
+            if e.pid not in processes or len(tree) < 2:
+                continue
+            if not gpu_pids.intersection(tree) and reading is not None:
+                continue
+            for pid in tree:
+                ev = read_evidence(daemon.paths, pid)
+                if ev is not None:
+                    evidence[pid] = ev
+        findings = list(self.oom.poll(daemon.counters.inc, self._last_state,
+                                      {o.pid: o.reason for o in orphans},
+                                      {pid: p.comm for pid, p in processes.items()}))
+        with self._lock:
+            findings += list(self._lost.values())
+        out.update(
+            gpus=devices,
+            gpu_processes=procs,
+            orphans=orphans,
+            processes=extra,
+            extra_findings=tuple(findings),
+            extras={"fork_evidence": evidence, "orphan_jobs": orphan_jobs},
+        )
+        return out
+
+    def after_join(self, daemon: Any, state: NodeState) -> None:
+        self._last_state = state

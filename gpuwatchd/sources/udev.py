@@ -1,0 +1,150 @@
+"""udev: NVIDIA GPUs that fall off the bus (or come back), seen at once.
+
+Listens to kernel uevents (pyudev netlink monitor, ``source="kernel"``: works without a udev daemon,
+as in containers) for subsystem ``pci`` with vendor 10DE and a display/3D class (``PCI_CLASS``
+03xxxx). ``remove``/``unbind`` becomes a ``gpu_lost`` finding immediately (through a callback, not
+at the next cycle) and any add/remove/bind/unbind asks the NVML source to re-initialise, since
+NVML's device list is fixed at ``nvmlInit``.
+
+Cost: one blocking ``poll`` on a netlink socket; nothing while no uevent arrives.
+Privilege: reading kernel uevents needs no privilege. Shell equivalent: ``udevadm monitor --kernel
+--subsystem-match=pci``; ``cat /sys/bus/pci/devices/*/uevent``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpuwatchd.model import PAGE, Finding
+from gpuwatchd.xid_dedup import normalize_pci_bus_id
+
+log = logging.getLogger(__name__)
+
+NVIDIA_VENDOR = "10DE"
+LOST_ACTIONS = frozenset({"remove", "unbind"})
+CHANGE_ACTIONS = frozenset({"add", "remove", "bind", "unbind"})
+
+
+@dataclass(frozen=True)
+class GpuUevent:
+    action: str
+    pci_bus_id: str  # normalised "0000:3b:00"
+    slot: str  # as the kernel names it, "0000:3b:00.0"
+    driver: str
+    timestamp: float
+
+    @property
+    def lost(self) -> bool:
+        return self.action in LOST_ACTIONS
+
+
+def parse_uevent_file(text: str) -> dict[str, str]:
+    """``/sys/bus/pci/devices/X/uevent`` (KEY=VALUE lines) -> properties."""
+    props: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            props[key.strip()] = value.strip()
+    return props
+
+
+def classify(action: str, props: Mapping[str, str], now: float,
+             vendor: str = NVIDIA_VENDOR) -> GpuUevent | None:
+    """A GPU uevent, or None for every other device/action."""
+    if action not in CHANGE_ACTIONS:
+        return None
+    pci_id = props.get("PCI_ID", "")
+    if not pci_id.upper().startswith(vendor.upper() + ":"):
+        return None
+    if not props.get("PCI_CLASS", "").startswith("3"):  # 03xxxx: display / 3D controller
+        return None
+    slot = props.get("PCI_SLOT_NAME", "")
+    return GpuUevent(action, normalize_pci_bus_id(slot), slot, props.get("DRIVER", ""), now)
+
+
+def lost_finding(ev: GpuUevent, gpu_index: str = "", uuid: str = "") -> Finding:
+    name = f"GPU {gpu_index} ({uuid}, PCI {ev.slot})" if gpu_index else f"GPU at PCI {ev.slot}"
+    return Finding(
+        kind="gpu_lost",
+        severity=PAGE,
+        explanation=(f"{name} disappeared from the PCI bus ({ev.action} uevent at "
+                     f"{time.strftime('%H:%M:%S', time.localtime(ev.timestamp))}); processes on "
+                     f"it will fail; check 'dmesg' for Xid 79 and the node's hardware"),
+        evidence={"pci_bus_id": ev.slot, "action": ev.action, "gpu": gpu_index, "uuid": uuid},
+        since=ev.timestamp,
+    )
+
+
+class UdevWatcher:
+    """Thread that turns GPU uevents into callbacks. ``monitor`` is a pyudev Monitor (a
+    constructor argument so tests can pass one filtered differently)."""
+
+    def __init__(
+        self,
+        on_event: Callable[[GpuUevent], None],
+        monitor: Any = None,
+        vendor: str = NVIDIA_VENDOR,
+        clock: Callable[[], float] = time.time,
+        poll_seconds: float = 1.0,
+    ) -> None:
+        self.on_event = on_event
+        self.monitor = monitor
+        self.vendor = vendor
+        self.clock = clock
+        self.poll_seconds = poll_seconds
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error = ""
+
+    def open(self) -> None:
+        if self.monitor is None:
+            try:
+                import pyudev
+            except ImportError as exc:
+                self.error = f"pyudev not installed: {exc}"
+                return
+            try:
+                context = pyudev.Context()
+                self.monitor = pyudev.Monitor.from_netlink(context, source="kernel")
+                self.monitor.filter_by("pci")
+            except (OSError, ImportError) as exc:  # libudev missing, netlink refused
+                self.error = f"udev monitor unavailable: {exc}"
+                self.monitor = None
+                return
+        self.monitor.start()
+
+    def start(self) -> None:
+        self.open()
+        if self.monitor is None:
+            log.info("udev: %s", self.error)
+            return
+        self._thread = threading.Thread(target=self._run, name="gpuwatchd-udev", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 3.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                device = self.monitor.poll(timeout=self.poll_seconds)
+            except OSError as exc:
+                self.error = f"udev poll failed: {exc}"
+                return
+            if device is None:
+                continue
+            self.handle(device.action or "", dict(device.properties))
+
+    def handle(self, action: str, props: Mapping[str, str]) -> GpuUevent | None:
+        ev = classify(action, props, self.clock(), self.vendor)
+        if ev is not None:
+            log.warning("udev: GPU %s %s", ev.slot, ev.action)
+            self.on_event(ev)
+        return ev
