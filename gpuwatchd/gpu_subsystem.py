@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuwatchd.cuda_oom import OomTracker
+from gpuwatchd.daemon import Subsystem
 from gpuwatchd.isolation import Collector
 from gpuwatchd.model import Finding, GpuDevice, GpuProcess, NodeState, ProcessInfo
 from gpuwatchd.orphans import OrphanTracker, trees_from_entries
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 Reading = tuple[tuple[GpuDevice, ...], tuple[GpuProcess, ...]]
 
 
-class GpuSubsystem:
+class GpuSubsystem(Subsystem):
     name = "nvml"
 
     def __init__(self, source: NvmlSource | None = None, watch_xid: bool = True,

@@ -58,10 +58,21 @@ Rule = Callable[[FindingContext], Iterable[Finding]]
 
 
 def _rules() -> list[Rule]:
-    from gpuwatchd.findings import fds, gil, nccl_env, oom, rank_down, rankfile, stall, xid
+    from gpuwatchd.findings import (
+        fds,
+        fork,
+        gil,
+        nccl_env,
+        oom,
+        orphans,
+        rank_down,
+        rankfile,
+        stall,
+        xid,
+    )
 
     return [rank_down.find, fds.find, nccl_env.find, rankfile.find, gil.find, stall.find,
-            oom.find, xid.find]
+            oom.find, xid.find, orphans.find, fork.find]
 
 
 RULES: list[Rule] = _rules()
