@@ -456,3 +456,103 @@ def test_journal_real_kill_while_daemon_down_counted_once(tmp_path: Path, cgroup
         assert kills_for(pl3.counters, job) == {(job, "2", COMM, "kernel"): 1.0}
     finally:
         pl3.stop()
+
+
+# --- through the real daemon process and a real /metrics scrape ----------------------------------
+
+
+def register_rank(cfg: dict[str, Any], job: str, rank: int, pid: int) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "register", "--rank-dir", cfg["rank_dir"], "--job-id", job,
+         "--rank", str(rank), "--pid", str(pid), "--world-size", "8"],
+        check=True, capture_output=True, cwd=Path(__file__).resolve().parent.parent,
+    )
+
+
+def oom_value(d: Any, job: str, rank: str) -> float | None:
+    return d.value("gpuwatch_oom_kills_total", job_id=job, rank=rank)  # type: ignore[no-any-return]
+
+
+def test_daemon_counts_a_real_rank_oom_kill_once_within_1s(tmp_path: Path, cgroup: MemCgroup) -> None:
+    from daemonutil import DaemonProc, has_finding, write_config
+
+    path, cfg = write_config(tmp_path, kernel_log="kmsg")
+    job = f"job-{uuid.uuid4().hex[:6]}"
+    d = DaemonProc(path, cfg)
+    try:
+        rank = cgroup.spawn()
+        peer = cgroup.spawn()  # rank 1 of the same job, stays alive (never told to allocate)
+        register_rank(cfg, job, 0, rank.pid)
+        register_rank(cfg, job, 1, peer.pid)
+        d.wait_for(lambda: oom_value(d, job, "0") == 0.0, what="the rank's series at 0")
+        go(rank)
+        assert rank.wait(20) == -9
+        t_dead = time.monotonic()
+        while oom_value(d, job, "0") != 1.0:
+            assert time.monotonic() - t_dead < 5, d.text()
+            time.sleep(0.01)
+        assert time.monotonic() - t_dead <= 1.0  # kill -> /metrics within 1 s
+        assert d.value("gpuwatch_oom_kills_total", job_id=job, rank="0", comm=COMM, killer="kernel") == 1.0
+        d.wait_for(lambda: has_finding(d, "rank_oom_killed", job_id=job, rank="0"), what="finding")
+        time.sleep(1.5)  # several cycles later: still exactly once
+        assert oom_value(d, job, "0") == 1.0 and oom_value(d, job, "1") == 0.0
+        state = json.loads((Path(cfg["state_dir"]) / "state.json").read_text())
+        (f,) = [f for f in state["findings"] if f["kind"] == "rank_oom_killed" and f["job_id"] == job]
+        assert f["severity"] == "page"
+        assert "1 peers alive: they will wait in their next collective" in f["explanation"]
+        assert f"in memory cgroup {cgroup.kernel_path}" in f["explanation"] and "RSS" in f["explanation"]
+    finally:
+        d.stop()
+
+
+def test_daemon_attributes_a_killed_worker_to_its_rank(tmp_path: Path, cgroup: MemCgroup) -> None:
+    from daemonutil import DaemonProc, write_config
+
+    path, cfg = write_config(tmp_path, kernel_log="kmsg")
+    job = f"job-{uuid.uuid4().hex[:6]}"
+    d = DaemonProc(path, cfg)
+    try:
+        rank = cgroup.spawn(RANK_WITH_WORKER_CODE)
+        assert rank.stdout is not None
+        worker = int(rank.stdout.readline())
+        register_rank(cfg, job, 5, rank.pid)
+        # the worker must have been seen in the rank's tree by a cycle before it dies
+        tree_file = Path(cfg["state_dir"]) / "rank_trees.json"
+        d.wait_for(lambda: tree_file.exists() and f'"pid": {worker},' in tree_file.read_text(),
+                   what="the worker in the rank tree record")
+        go(rank)
+        assert int(rank.stdout.readline()) == -9
+        d.wait_for(lambda: (oom_value(d, job, "5") or 0) >= 1.0, what="worker kill counted", timeout=5)
+        assert d.value("gpuwatch_oom_kills_total", job_id=job, rank="5", killer="kernel") == 1.0
+        events = [json.loads(x) for x in (Path(cfg["state_dir"]) / "events.jsonl").read_text().splitlines()]
+        (e,) = [e for e in events if e["job_id"] == job]
+        assert e["worker"] and e["pid"] == worker and e["fields"]["rank_pid"] == rank.pid
+    finally:
+        d.stop()
+
+
+def test_daemon_restart_counts_a_kill_while_down_once(tmp_path: Path, cgroup: MemCgroup) -> None:
+    from daemonutil import DaemonProc, write_config
+
+    path, cfg = write_config(tmp_path, kernel_log="kmsg")
+    job = f"job-{uuid.uuid4().hex[:6]}"
+    d = DaemonProc(path, cfg)
+    rank = cgroup.spawn()
+    register_rank(cfg, job, 7, rank.pid)
+    try:
+        d.wait_for(lambda: oom_value(d, job, "7") == 0.0, what="the rank's series at 0")
+    finally:
+        assert d.stop() == 0
+    go(rank)
+    assert rank.wait(20) == -9  # killed while the daemon is down
+    d2 = DaemonProc(path, cfg)
+    try:
+        d2.wait_for(lambda: oom_value(d2, job, "7") == 1.0, what="the kill counted after restart", timeout=5)
+    finally:
+        d2.stop()
+    d3 = DaemonProc(path, cfg)
+    try:
+        time.sleep(1.5)
+        assert oom_value(d3, job, "7") == 1.0  # second restart: not again
+    finally:
+        d3.stop()
