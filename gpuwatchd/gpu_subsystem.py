@@ -72,7 +72,7 @@ class GpuSubsystem(Subsystem):
             daemon.xid_dedup = dedup
         self.dedup = dedup
         if self.watch_xid:
-            lib = getattr(self.source, "_nvml", None) if cfg.nvml.fixture else None
+            lib = getattr(self.source, "_nvml", None)  # the replay when reading a fixture
             self.xid = XidEventWatcher(daemon.counters.inc, dedup, pynvml=lib, clock=daemon.clock)
             self.xid.start()
         if self.watch_udev and not cfg.nvml.fixture:

@@ -1,0 +1,117 @@
+"""The GPU subsystem inside the real daemon: NVML replayed from the H200 recording, real local
+processes as rank and stale holder, real rank files, the real join, findings and exporter."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from prometheus_client import generate_latest
+
+from gpuwatchd.config import load_config
+from gpuwatchd.daemon import Daemon
+from gpuwatchd.gpu_subsystem import GpuSubsystem
+from gpuwatchd.sources.nvml_fixture import fixture_source
+from gpuwatchd.sources.rankfiles import write_rank_file
+
+FIX = Path(__file__).parent / "fixtures" / "nvml"
+UUID = "GPU-d6a79800-1da5-699b-0f9c-f55eb218f8b2"
+
+
+def _daemon(tmp_path: Path, fixture: Path, pid_map: dict[int, int],
+            watch_xid: bool = True) -> tuple[Daemon, GpuSubsystem]:
+    cfg_file = tmp_path / "config.yaml"
+    cfg_file.write_text(
+        f"rank_dir: {tmp_path / 'ranks'}\nstate_dir: {tmp_path / 'state'}\n"
+        "orphans:\n  grace_seconds: 0\ngil:\n  enabled: false\ndiscovery:\n  enabled: false\n"
+    )
+    cfg = load_config(str(cfg_file))
+    # the fixture's Xid events replay through the same RecordedNvml
+    sub = GpuSubsystem(source=fixture_source(str(fixture), pid_map), watch_xid=watch_xid,
+                       watch_udev=False)
+    d = Daemon(cfg, subsystems=[sub])
+    sub.start(d)
+    return d, sub
+
+
+def test_daemon_joins_gpu_memory_to_ranks_and_flags_the_orphan(tmp_path: Path) -> None:
+    # the rank and two children (DataLoader-like workers): its process tree
+    rank = subprocess.Popen(
+        [sys.executable, "-c",
+         "import subprocess,sys,time; cs=[subprocess.Popen([sys.executable,'-c',"
+         "'import time; time.sleep(120)']) for _ in range(2)]; "
+         "print(*[c.pid for c in cs], flush=True); time.sleep(120)"], stdout=subprocess.PIPE)
+    assert rank.stdout is not None
+    kids = [int(x) for x in rank.stdout.readline().split()]
+    wrapper = subprocess.Popen(
+        ["sh", "-c", f"nohup {sys.executable} -c 'import time; time.sleep(120)' >/dev/null 2>&1 &"
+                     " echo $!; wait"], stdout=subprocess.PIPE)
+    assert wrapper.stdout is not None
+    stale = int(wrapper.stdout.readline())
+    wrapper.kill()
+    wrapper.wait()
+    write_rank_file(str(tmp_path / "ranks"), {"version": 1, "job_id": "dflash", "world_size": 1,
+                                              "ranks": [{"rank": 0, "pid": rank.pid}]},
+                    "dflash.json")
+    d, sub = _daemon(tmp_path, FIX / "derived_gpu_lost_xid.json",
+                     {447: rank.pid, 449: kids[0], 450: kids[1], 453: stale})
+    try:
+        state = d.cycle()
+        deadline = time.monotonic() + 5
+        while d.counters.get("gpu_xid_errors", ("0", UUID, "79")) < 1 and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        state = d.cycle()
+        text = generate_latest(d.registry).decode()
+    finally:
+        sub.stop()
+        for pid in (stale, *kids):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        rank.kill()
+        rank.wait()
+    assert [g.index for g in state.gpus] == [0]  # GPU 1 of this recording is lost
+    nvml = next(c for c in state.collectors if c.name == "nvml")
+    assert nvml.success
+    rows = {r.pid: r for r in state.gpu_processes}
+    assert rows[rank.pid].job_id == "dflash" and rows[rank.pid].rank == "0"
+    assert rows[stale].job_id == ""
+    assert [(o.pid, o.reason) for o in state.orphans] == [(stale, "reparented_to_init")]
+    kinds = {f.kind for f in state.findings}
+    assert "orphan_gpu_memory" in kinds
+    assert (f'gpuwatch_orphan_gpu_memory_bytes{{comm="{rows[stale].comm}",gpu="0",pid="{stale}",'
+            f'reason="reparented_to_init",user="root",uuid="{UUID}"}} 6.00834048e+09') in text
+    # the rank's tree (rank + 2 children) holds the memory of recorded PIDs 447, 449 and 450
+    assert {r.pid for r in state.gpu_processes if r.job_id == "dflash"} == {rank.pid, *kids}
+    held = sum(r.used_memory_bytes or 0 for r in state.gpu_processes if r.job_id == "dflash")
+    assert held == 2787115008 + 2 * 660602880
+    assert 'gpuwatch_rank_gpu_memory_bytes{gpu="0",job_id="dflash",rank="0"} 4.108320768e+09' \
+        in text
+    assert f'gpuwatch_gpu_xid_errors_total{{gpu="0",uuid="{UUID}",xid="79"}} 1.0' in text
+    assert 'gpuwatch_collector_success{collector="nvml"} 1.0' in text
+    assert 'gpuwatch_gpu_info{gpu="0",name="NVIDIA H200",pci_bus_id="00000000:00:06.0"' in text
+
+
+def test_nvml_failing_mid_run_marks_the_collector_down_and_the_daemon_goes_on(
+        tmp_path: Path) -> None:
+    # no Xid thread here: its registration would consume one replayed cycle
+    d, sub = _daemon(tmp_path, FIX / "derived_raise_mid_cycle.json", {}, watch_xid=False)
+    try:
+        first = d.cycle()
+        second = d.cycle()  # GPU_IS_LOST on the only GPU
+        third = d.cycle()  # nvmlDeviceGetCount fails
+        fourth = d.cycle()  # re-initialised, reading again
+    finally:
+        sub.stop()
+    status = [next(c for c in s.collectors if c.name == "nvml") for s in
+              (first, second, third, fourth)]
+    assert [s.success for s in status] == [True, False, False, True]
+    assert "GPU 0" in status[1].error
+    assert second.gpus == first.gpus  # last good reading kept while recent
+    assert fourth.gpus and json.dumps([g.uuid for g in fourth.gpus]) == json.dumps([UUID])
