@@ -83,9 +83,10 @@ def convoy_hint(
 ) -> ConvoyHint:
     """Compare two thread snapshots ``seconds`` apart (research §2.3).
 
-    Convoy: >= 2 busy threads, each within [0.4/N, 2.5/N] of a core, together 0.6-1.4 cores (they
-    share one GIL; real parallelism would add up to more), and at least half of them found parked
-    in a futex. Kernel wchan names differ (``futex_wait_queue_me`` <= 5.x, ``futex_do_wait`` 6.18),
+    Convoy: >= 2 busy threads sharing the CPU about evenly (each 0.4-2.5 times the mean share),
+    together 0.3-1.4 cores (they share one GIL; real parallelism adds up to more; the lower bound is
+    low because a loaded node gives the convoy less than a core), and at least half of them found
+    parked in a futex. Kernel wchan names differ (``futex_wait_queue_me`` <= 5.x, ``futex_do_wait`` 6.18),
     so any wchan containing "futex" counts.
     """
     if seconds <= 0:
@@ -105,8 +106,8 @@ def convoy_hint(
     total = sum(shares)
     convoy = (
         n >= 2
-        and 0.6 <= total <= 1.4
-        and all(0.4 / n <= s <= 2.5 / n for s in shares)
+        and 0.3 <= total <= 1.4
+        and all(0.4 * total / n <= s <= 2.5 * total / n for s in shares)
         and parked >= max(1, n // 2)
     )
     return ConvoyHint(n, round(total, 3), parked, convoy)

@@ -60,7 +60,7 @@ def stand_in(tmp_path: Path, body: str, name: str = "py-spy") -> str:
 
 
 def test_resolves_the_real_elf_binary_not_a_shim(tmp_path: Path) -> None:
-    assert open(BINARY, "rb").read(4) == b"\x7fELF"
+    assert Path(BINARY).read_bytes()[:4] == b"\x7fELF"
     shim = stand_in(tmp_path, 'exec py-spy "$@"')
     with pytest.raises(PySpyError) as e:
         pyspy.resolve_pyspy(search=[shim])
@@ -186,7 +186,7 @@ def test_target_in_a_pid_namespace_gets_host_thread_ids(procs: list) -> None:
     )  # fmt: skip
     try:
         assert outer.stdout is not None and outer.stdout.readline().strip() == "ready"
-        inner = int(open(f"/proc/{outer.pid}/task/{outer.pid}/children").read().split()[0])
+        inner = int(Path(f"/proc/{outer.pid}/task/{outer.pid}/children").read_text().split()[0])
         assert pyspy.in_nested_pid_namespace(HostPaths(), inner)
         threads = PySpy(BINARY).dump(inner)
         assert {t.tid for t in threads} == {int(t) for t in os.listdir(f"/proc/{inner}/task")}

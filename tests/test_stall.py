@@ -38,7 +38,7 @@ def ranks(tmp_path: Path) -> Iterator[Callable[..., tuple[subprocess.Popen[str],
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         (doc_path,) = glob.glob(str(tmp_path / f"{job}*{rank}*.json")) or glob.glob(
             str(tmp_path / "*.json"))  # fmt: skip
-        entry = next(e for e in json.load(open(doc_path))["ranks"] if e["rank"] == rank)
+        entry = next(e for e in json.loads(Path(doc_path).read_text())["ranks"] if e["rank"] == rank)
         assert entry["pid"] == p.pid
         return p, RankProbe(job, rank, p.pid, True, "S", entry.get("heartbeat"))
 
@@ -74,7 +74,7 @@ def spy() -> PySpy:
 
 
 def test_heartbeat_stops_while_blocked_on_a_lock(ranks: Callable) -> None:
-    p, rp = ranks("beat_then_lock")
+    _p, rp = ranks("beat_then_lock")
     assert rp.heartbeat and rp.heartbeat.endswith("stall-test.0.hb")
     tracker = StallTracker(AFTER, spy(), dump_interval_seconds=CYCLE)
     now, v = run_until(tracker, [rp], 6.0, lambda v: v[rp.key].stalled)
@@ -84,12 +84,12 @@ def test_heartbeat_stops_while_blocked_on_a_lock(ranks: Callable) -> None:
     assert verdict.progress_timestamp == last_beat
     # stalled within after_seconds plus one cycle of the last heartbeat (plus scheduling slack)
     assert now - last_beat <= AFTER + CYCLE + 0.3, now - last_beat
-    assert open(rp.heartbeat).read() != "0"  # heartbeat(step) wrote the step
+    assert Path(rp.heartbeat).read_text() != "0"  # heartbeat(step) wrote the step
     assert any(f.startswith("wait_for_peer (rank.py:") for f in verdict.stuck_frames)
 
 
 def test_healthy_beating_rank_is_never_stalled(ranks: Callable) -> None:
-    p, rp = ranks("beat")
+    _p, rp = ranks("beat")
     tracker = StallTracker(AFTER, spy(), dump_interval_seconds=CYCLE)
     t0 = time.time()
     seen = []
@@ -116,7 +116,7 @@ def test_sigstopped_rank_is_stalled(ranks: Callable, mode: str) -> None:
 
 
 def test_rank_without_heartbeat_stuck_in_the_same_frames(ranks: Callable) -> None:
-    p, rp = ranks("stuck")
+    _p, rp = ranks("stuck")
     assert rp.heartbeat is None
     tracker = StallTracker(AFTER, spy(), dump_interval_seconds=CYCLE)
     t0 = time.time()
@@ -130,7 +130,7 @@ def test_rank_without_heartbeat_stuck_in_the_same_frames(ranks: Callable) -> Non
 
 
 def test_without_pyspy_the_proc_view_still_sees_the_stuck_rank(ranks: Callable) -> None:
-    p, rp = ranks("stuck")
+    _p, rp = ranks("stuck")
     tracker = StallTracker(AFTER, PySpy(None), dump_interval_seconds=CYCLE)
     _, v = run_until(tracker, [rp], 6.0, lambda v: v[rp.key].stalled)
     assert v[rp.key].stalled and v[rp.key].method == "proc" and v[rp.key].stuck_frames == ()
