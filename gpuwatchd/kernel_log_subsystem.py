@@ -16,11 +16,13 @@ from typing import Any
 
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon import Daemon, Subsystem
-from gpuwatchd.events import EventBus, build_bus, derive_instance
+from gpuwatchd.events import Event, EventBus, build_bus, derive_instance
+from gpuwatchd.isolation import guarded, run_forever
 from gpuwatchd.kernel_events import KernelEventProcessor
 from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo
 from gpuwatchd.sources.kernel_log import (
     KernelLogUnavailable,
+    LogRecord,
     open_kernel_log,
     read_boot_id,
     read_cgroup,
@@ -51,6 +53,7 @@ class KernelLogSubsystem(Subsystem):
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._error = ""
+        self._running = False
         self._last_ok: float | None = None
         self._processes: Mapping[int, ProcessInfo] = {}
 
@@ -83,28 +86,43 @@ class KernelLogSubsystem(Subsystem):
         self._thread.start()
 
     def _run(self, daemon: Daemon) -> None:
+        # run_forever is the daemon's isolation for streaming sources: a crash restarts the
+        # source after RETRY_SECONDS (resuming from the persisted position), never the daemon.
+        run_forever("kernel_log", lambda: self._run_once(daemon), self._stop, self.RETRY_SECONDS)
+
+    def _handle(self, rec: LogRecord) -> None:
+        # One record that trips a bug is logged and skipped; the reader keeps reading.
+        processor = self.processor
+        if processor is not None:
+            none: list[Event] = []
+            guarded("kernel log record", lambda: processor.handle(rec), none)
+
+    def _run_once(self, daemon: Daemon) -> None:
         counters: CounterStore = daemon.counters
-        while not self._stop.is_set():
-            try:
-                self.source = open_kernel_log(
-                    daemon.config.kernel_log,
-                    daemon.paths,
-                    daemon.config.state_dir,
-                    journal_path=self.journal_path,
-                    on_reject=lambda r: counters.inc("kernel_log_lines_rejected", (r,)),
-                    on_overrun=lambda: counters.inc("kernel_log_overruns", ()),
-                )
-                if self.source is None or self.processor is None:
-                    return
-                self.source.hold_cursor(self.processor.oldest_pending_seq)
-                if self._stop.is_set():
-                    return
-                self._error = ""
-                self.source.run(self.processor.handle)
-            except (OSError, KernelLogUnavailable) as e:
-                self._error = str(e)
-                log.warning("kernel log source failed: %s; retrying in %.0fs", e, self.RETRY_SECONDS)
-            self._stop.wait(self.RETRY_SECONDS)
+        try:
+            self.source = open_kernel_log(
+                daemon.config.kernel_log,
+                daemon.paths,
+                daemon.config.state_dir,
+                journal_path=self.journal_path,
+                on_reject=lambda r: counters.inc("kernel_log_lines_rejected", (r,)),
+                on_overrun=lambda: counters.inc("kernel_log_overruns", ()),
+            )
+        except KernelLogUnavailable as e:
+            self._error = str(e)
+            raise
+        if self.source is None or self.processor is None or self._stop.is_set():
+            return
+        self.source.hold_cursor(self.processor.oldest_pending_seq)
+        self._error = ""
+        self._running = True
+        try:
+            self.source.run(self._handle)
+        except OSError as e:
+            self._error = str(e)
+            raise
+        finally:
+            self._running = False
 
     def before_join(self, daemon: Daemon, partial: Mapping[str, Any]) -> Mapping[str, Any]:
         if self.processor is None:
@@ -114,7 +132,7 @@ class KernelLogSubsystem(Subsystem):
         self._processes = partial.get("processes", {})
         self.processor.tick(now)
         self.processor.cross_check(read_vmstat_oom_kill(daemon.paths), now)
-        running = self._thread is not None and self._thread.is_alive() and not self._error
+        running = self._running
         if running:
             self._last_ok = now
         status = CollectorStatus(
