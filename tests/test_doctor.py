@@ -1,0 +1,158 @@
+"""`gpuwatchd doctor PID` on real processes: threads, fds vs limit, Python stack with the GIL
+owner, NCCL environment, fork checks (a real fork inheriting a stand-in device fd), daemon state."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpuwatchd import doctor
+from gpuwatchd.config import Config
+from gpuwatchd.paths import HostPaths
+
+PROGRAMS = Path(__file__).parent / "fixtures" / "pyspy" / "programs"
+SECRET = "s3cr3t-token-value-never-printed"
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def _low_fd_limit() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+
+def test_doctor_on_a_gil_bound_misconfigured_rank(tmp_path: Path, procs: list) -> None:
+    prog = tmp_path / "leaky.py"
+    prog.write_text(textwrap.dedent(f"""
+        import os, runpy, sys
+        held = [open(os.devnull) for _ in range(58)]   # close to the soft limit of 64
+        sys.argv = ["cpu4.py"]
+        runpy.run_path({str(PROGRAMS / "cpu4.py")!r}, run_name="__main__")
+    """))
+    env = {"PATH": "/usr/bin:/bin", "NCCL_ASYNC_ERROR_HANDLING": "1",
+           "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "WANDB_API_KEY": SECRET}  # fmt: skip
+    p = subprocess.Popen([sys.executable, str(prog)], stdout=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=_low_fd_limit)  # fmt: skip
+    procs.append(p)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    r = doctor.collect(p.pid, Config())
+    assert r["state"] in ("S", "R") and r["fds"]["soft_limit"] == 64
+    assert r["fds"]["open"] >= 58 and r["fds"]["ratio"] >= 0.9
+    names = {t["python_thread"] for t in r["threads"]}
+    assert names >= {"MainThread", "cpu-0", "cpu-1", "cpu-2", "cpu-3"}
+    assert {t["tid"] for t in r["threads"]} == {int(t) for t in os.listdir(f"/proc/{p.pid}/task")}
+    assert sum(t["owns_gil"] for t in r["threads"]) <= 1
+    cpu0 = next(t for t in r["python"]["threads"] if t["name"] == "cpu-0")
+    assert cpu0["frames"][0].startswith("burn (cpu4.py:")
+    nccl = {c["variable"]: c["verdict"] for c in r["nccl"]}
+    assert nccl["TORCH_NCCL_ASYNC_ERROR_HANDLING"].startswith("0: no error handling")
+    assert "legacy name" in nccl["NCCL_ASYNC_ERROR_HANDLING"]
+    kinds = {f["kind"] for f in r["findings"]}
+    assert kinds >= {"fd_exhaustion", "nccl_legacy_env", "nccl_error_handling_off"}
+    text = doctor.render(r)
+    assert "GIL owner:" in text and "THREADS (5)" in text and "fd_exhaustion" in text
+    assert SECRET not in text and SECRET not in json.dumps(r)
+
+
+def test_doctor_sees_a_fork_that_inherited_the_device_fd(tmp_path: Path, procs: list) -> None:
+    """A real fork after opening a stand-in for /dev/nvidiactl (HostPaths.devfs = tmp_path)."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "nvidiactl").write_text("")
+    prog = tmp_path / "forker.py"
+    prog.write_text(textwrap.dedent(f"""
+        import os, time
+        ctl = open({str(dev / "nvidiactl")!r})          # what a CUDA context keeps open
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+        print("ready", flush=True)
+        time.sleep(60)
+    """))
+    p = subprocess.Popen([sys.executable, str(prog)], stdout=subprocess.PIPE, text=True,
+                         start_new_session=True)  # fmt: skip
+    procs.append(p)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        r = doctor.collect(p.pid, Config(), paths=HostPaths(devfs=str(dev)))
+        assert r["fork"]["holds_cuda_context"]
+        assert len(r["fork"]["children"]) == 1
+        assert r["fork"]["forked_after_cuda"] == r["fork"]["children"]
+        assert "fork_after_cuda" in {f["kind"] for f in r["findings"]}
+        # with the real /dev the same process holds no NVIDIA device: no fork finding
+        r2 = doctor.collect(p.pid, Config())
+        assert not r2["fork"]["holds_cuda_context"] and r2["fork"]["forked_after_cuda"] == []
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_doctor_cli_with_daemon_state(tmp_path: Path, procs: list) -> None:
+    p = subprocess.Popen([sys.executable, str(PROGRAMS / "io4.py")], stdout=subprocess.PIPE,
+                         text=True)  # fmt: skip
+    procs.append(p)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    state = {
+        "timestamp": time.time(),
+        "ranks": [{"job_id": "llm-7", "rank": 3, "pid": p.pid, "tree": [p.pid], "alive": True,
+                   "stalled": True, "progress_timestamp": time.time() - 400}],
+        "gpus": [{"index": 0, "uuid": "GPU-aaaa", "name": "NVIDIA H200"}],
+        "gpu_processes": [{"gpu_index": 0, "uuid": "GPU-aaaa", "pid": p.pid,
+                           "used_memory_bytes": 55 << 30}],
+        "findings": [{"kind": "rank_stalled", "severity": "page", "job_id": "llm-7", "rank": "3",
+                      "pid": str(p.pid), "explanation": "rank 3 of job llm-7 made no progress"}],
+        "counters": {"rank_gil_samples": [{"labels": ["llm-7", "3"], "value": 200.0}],
+                     "rank_gil_held_samples": [{"labels": ["llm-7", "3"], "value": 10.0}]},
+    }  # fmt: skip
+    (state_dir / "state.json").write_text(json.dumps(state))
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump({"state_dir": str(state_dir), "interval_seconds": 5}))
+    out = subprocess.run([sys.executable, "-m", "gpuwatchd", "doctor", "--config.file", str(cfg),
+                          str(p.pid)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "rank 3 of job llm-7 (STALLED)" in out.stdout
+    assert "GPU memory: GPU 0 55.0 GiB" in out.stdout
+    assert "GIL held 5% of 200 sampled ticks" in out.stdout
+    assert "[page] rank_stalled: rank 3 of job llm-7 made no progress" in out.stdout
+    assert 'Thread ' in out.stdout and '"lock"' in out.stdout
+    js = subprocess.run([sys.executable, "-m", "gpuwatchd", "doctor", "--config.file", str(cfg),
+                         "--json", str(p.pid)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    data = json.loads(js.stdout)
+    assert data["rank"]["job_id"] == "llm-7" and data["gpu_memory"][0]["used_memory_bytes"] == 55 << 30
+    assert data["python"]["gil_owner"] is None  # every thread is blocked
+    gone = subprocess.run([sys.executable, "-m", "gpuwatchd", "doctor", "--config.file", str(cfg),
+                           "999999999"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert gone.returncode == 1 and "no process 999999999" in gone.stdout
+
+
+def test_doctor_without_pyspy_still_reports_the_rest(procs: list) -> None:
+    p = subprocess.Popen([sys.executable, str(PROGRAMS / "io4.py")], stdout=subprocess.PIPE,
+                         text=True)  # fmt: skip
+    procs.append(p)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    from gpuwatchd.config import GilConfig
+
+    r = doctor.collect(p.pid, Config(gil=GilConfig(pyspy_path="/nonexistent/py-spy")))
+    assert "absent" in r["python"]["error"]
+    assert len(r["threads"]) == 5 and all(t["python_thread"] is None for t in r["threads"])
+    assert "unavailable: absent" in doctor.render(r)
