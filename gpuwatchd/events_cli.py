@@ -46,7 +46,9 @@ def parse_since(text: str, now: float) -> float:
 
 
 def load(state_dir: str, since: float) -> list[Event]:
-    return [e for e in read_events(os.path.join(state_dir, EVENTS_FILE)) if e.time >= since]
+    path = os.path.join(state_dir, EVENTS_FILE)
+    # "counter_base" records are older events folded into counters (kernel_events compaction)
+    return [e for e in read_events(path) if e.time >= since and e.kind != "counter_base"]
 
 
 def to_dict(e: Event) -> dict[str, Any]:

@@ -338,6 +338,28 @@ class KillGrouper:
 # The processor: records in, events and counters out
 # ---------------------------------------------------------------------------------------------
 
+BASE_KIND = "counter_base"
+
+
+def _increments(ev: Event) -> list[tuple[str, tuple[str, ...], float, dict[str, int]]]:
+    """(counter, labels, value, {boot id: kernel OOM kills}) that one stored event stands for."""
+    if ev.kind == BASE_KIND:
+        out: list[tuple[str, tuple[str, ...], float, dict[str, int]]] = []
+        for item in ev.fields.get("counters", []):
+            try:
+                name, labels, value = item
+                out.append((str(name), tuple(str(x) for x in labels), float(value), {}))
+            except (TypeError, ValueError):
+                continue
+        boots = ev.fields.get("boot_kernel_kills", {})
+        if isinstance(boots, dict):
+            clean = {str(b): int(n) for b, n in boots.items() if isinstance(n, int)}
+            out.append(("", (), 0.0, clean))
+        return out
+    kernel_kill = ev.kind in ("oom_kill", "oom_kill_unexplained") and ev.killer == KILLER_KERNEL
+    boot = {ev.boot_id: ev.count} if kernel_kill else {}
+    return [(ev.counter, tuple(ev.labels), float(ev.count), boot)]
+
 
 @dataclass
 class _RankView:
@@ -361,7 +383,11 @@ class KernelEventProcessor:
         unexplained_grace: float = 10.0,
         recent_seconds: float = 3600.0,
         clock: Callable[[], float] = time.time,
+        max_log_bytes: int = 16 << 20,
+        keep_events: int = 10000,
     ) -> None:
+        self.max_log_bytes = max_log_bytes
+        self.keep_events = keep_events
         self.counters = counters
         self.state_dir = state_dir
         self.bus = bus
@@ -388,23 +414,67 @@ class KernelEventProcessor:
     def _rebuild(self) -> None:
         """Counters continue across restarts: re-add every stored event's increment."""
         horizon = self.clock() - self.recent_seconds
+        events: list[Event] = []
         for ev in read_events(self.events_path):
             if ev.key in self._keys:
                 continue
             self._account(ev)
-            if ev.time >= horizon:
+            events.append(ev)
+            if ev.time >= horizon and ev.kind != BASE_KIND:
                 self._recent.append(ev)
+        try:
+            too_big = os.path.getsize(self.events_path) > self.max_log_bytes
+        except OSError:
+            too_big = False
+        if too_big and len(events) > self.keep_events:
+            self._compact(events)
+
+    def _compact(self, events: list[Event]) -> None:
+        """Fold all but the newest ``keep_events`` events into one ``counter_base`` record that
+        carries their increments, so the log stays bounded and the counters stay exact."""
+        dropped, kept = events[: -self.keep_events], events[-self.keep_events :]
+        totals: dict[tuple[str, tuple[str, ...]], float] = {}
+        boots: dict[str, int] = {}
+        for ev in dropped:
+            for name, labels, value, boot_kills in _increments(ev):
+                if name:
+                    totals[(name, labels)] = totals.get((name, labels), 0.0) + value
+                for b, n in boot_kills.items():
+                    boots[b] = boots.get(b, 0) + n
+        base = Event(
+            key=f"base:{dropped[-1].key}",
+            kind=BASE_KIND,
+            time=dropped[-1].time,
+            severity=INFO,
+            summary=f"{len(dropped)} older events folded into counters",
+            fields=frozen_map(
+                {
+                    "counters": [[n, list(ls), v] for (n, ls), v in sorted(totals.items())],
+                    "boot_kernel_kills": boots,
+                }
+            ),
+        )
+        tmp = f"{self.events_path}.compact"
+        try:
+            with open(tmp, "w") as f:
+                for ev in [base, *kept]:
+                    f.write(ev.to_json() + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.events_path)
+            log.info("event log compacted: %d events folded, %d kept", len(dropped), len(kept))
+        except OSError as e:
+            log.warning("event log compaction failed: %s", e)
 
     def _account(self, ev: Event) -> None:
         self._keys.add(ev.key)
-        if ev.counter:
-            try:
-                self.counters.inc(ev.counter, tuple(ev.labels), float(ev.count))
-            except (KeyError, ValueError) as e:
-                log.warning("event %s: cannot count %s%s: %s", ev.key, ev.counter, ev.labels, e)
-        kernel_kill = ev.kind in ("oom_kill", "oom_kill_unexplained") and ev.killer == KILLER_KERNEL
-        if kernel_kill and ev.boot_id == self.boot_id:
-            self._boot_kernel_kills += ev.count
+        for name, labels, value, boot_kills in _increments(ev):
+            if name:
+                try:
+                    self.counters.inc(name, labels, value)
+                except (KeyError, ValueError) as e:
+                    log.warning("event %s: cannot count %s%s: %s", ev.key, name, labels, e)
+            self._boot_kernel_kills += boot_kills.get(self.boot_id, 0)
 
     def _store(self, ev: Event) -> bool:
         """Persist, count, fan out. False when the event was already stored (a duplicate)."""

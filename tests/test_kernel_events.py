@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kernel_oom_helpers import RANK_WITH_WORKER_CODE, MemCgroup, go
 
 from gpuwatchd.counters import CounterStore
@@ -187,6 +189,32 @@ def test_restart_rebuilds_counters_from_the_event_log(tmp_path: Path) -> None:
     assert len(list(read_events(str(tmp_path / "events.jsonl")))) == 1
 
 
+def test_event_log_compaction_keeps_counters_exact(tmp_path: Path) -> None:
+    p = proc(tmp_path)
+    t = 2000.0
+    for i in range(60):  # 60 kills of 3 ranks' pids, 20 Xids
+        p.record.update([member(100 + i % 3, 1.0, rank=i % 3, last_seen=t)], t)
+        line = (f"Memory cgroup out of memory: Killed process {100 + i % 3} (python3) total-vm:1kB, "
+                "anon-rss:1kB, file-rss:0kB, shmem-rss:0kB, UID:0 pgtables:1kB oom_score_adj:0")
+        p.handle(rec(line, t, usec=10**8 + i))
+        if i % 3 == 0:
+            p.handle(rec(FORMATS["xids"][0]["line"], t, usec=10**8 + i))
+        t += 60  # past the duplicate window of one PID
+    before = p.counters.snapshot()
+    size = (tmp_path / "events.jsonl").stat().st_size
+    p2 = proc(tmp_path, max_log_bytes=size // 2, keep_events=10)  # compacts on start
+    assert p2.counters.snapshot() == before
+    assert (tmp_path / "events.jsonl").stat().st_size < size // 2
+    stored = list(read_events(str(tmp_path / "events.jsonl")))
+    assert stored[0].kind == "counter_base" and len(stored) == 11
+    p3 = proc(tmp_path)  # and again after the compaction
+    assert p3.counters.snapshot() == before
+    assert p3.cross_check(60, t) == [] and p3.cross_check(60, t + 100) == []  # boot tally kept
+    from gpuwatchd.events_cli import load
+
+    assert all(e.kind != "counter_base" for e in load(str(tmp_path), 0.0))
+
+
 def test_observe_creates_series_at_zero_and_counts_peers(tmp_path: Path) -> None:
     p = proc(tmp_path)
     info = ProcfsReader(HostPaths()).read_process(os.getpid())
@@ -207,6 +235,25 @@ def test_observe_creates_series_at_zero_and_counts_peers(tmp_path: Path) -> None
     assert ev.fields["peers_alive"] == 2
     assert "2 peers alive: they will wait in their next collective" in ev.summary
     assert "holding 1.0 GiB RSS" in ev.summary
+
+
+LINES = [line for g in FORMATS["kills"] for line in g["lines"]] + [x["line"] for x in FORMATS["xids"]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(LINES), st.integers(0, 80), st.text(max_size=30),
+                          st.sampled_from(["kernel", "earlyoom", "systemd-oomd"])), max_size=12))
+def test_fuzz_mangled_records_never_break_the_processor(tmp_path_factory: Any, cases: list[Any]) -> None:
+    p = proc(tmp_path_factory.mktemp("fuzz"))
+    t = 1000.0
+    for line, cut, junk, ident in cases:
+        mangled = line[:cut] + junk + line[cut:] if cut % 2 else line[: len(line) - cut] + junk
+        t += 0.001
+        for e in p.handle(rec(mangled, t, ident)):
+            assert e.counter in ("oom_kills", "gpu_xid_errors", "")
+    p.tick(t + 10)
+    p.cross_check(10**6, t + 20)
+    p.cross_check(10**6, t + 40)
 
 
 # --- real OOM kills: memory cgroup + /dev/kmsg ---------------------------------------------------
@@ -556,3 +603,26 @@ def test_daemon_restart_counts_a_kill_while_down_once(tmp_path: Path, cgroup: Me
         assert oom_value(d3, job, "7") == 1.0  # second restart: not again
     finally:
         d3.stop()
+
+
+def test_daemon_ignores_a_spoofed_kill_and_reports_it(tmp_path: Path) -> None:
+    from daemonutil import DaemonProc, write_config
+
+    path, cfg = write_config(tmp_path, kernel_log="kmsg")
+    d = DaemonProc(path, cfg)
+    try:
+        d.wait_for(lambda: d.value("gpuwatch_collector_success", collector="kernel_log") == 1.0,
+                   what="kernel_log collector up")
+        before = d.value("gpuwatch_kernel_log_lines_rejected_total", reason="not_kernel") or 0.0
+        fd = os.open("/dev/kmsg", os.O_WRONLY)
+        try:  # a userspace write claiming to be a kernel OOM kill of PID 1
+            os.write(fd, b"<3>Out of memory: Killed process 1 (systemd) total-vm:1kB, anon-rss:1kB, "
+                         b"file-rss:0kB, shmem-rss:0kB, UID:0 pgtables:1kB oom_score_adj:0\n")
+        finally:
+            os.close(fd)
+        d.wait_for(lambda: (d.value("gpuwatch_kernel_log_lines_rejected_total", reason="not_kernel")
+                            or 0.0) > before, what="the spoof rejected", timeout=5)
+        assert d.value("gpuwatch_oom_kills_total", comm="systemd") is None
+        assert d.proc.poll() is None
+    finally:
+        d.stop()
