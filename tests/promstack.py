@@ -13,8 +13,10 @@ import http.server
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -97,6 +99,16 @@ class _Server:
 
 
 class Prometheus(_Server):
+    config: Path
+
+    def send_alerts_to(self, alertmanager_url: str) -> None:
+        """Add an Alertmanager to the running server's config and reload it (SIGHUP)."""
+        cfg = yaml.safe_load(self.config.read_text())
+        hostport = alertmanager_url.split("://", 1)[1]
+        cfg["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [hostport]}]}]}
+        self.config.write_text(yaml.safe_dump(cfg))
+        self.proc.send_signal(signal.SIGHUP)
+
     def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
         params = {"query": expr}
         if at is not None:
@@ -152,6 +164,8 @@ def prometheus(
                 f"--config.file={d / 'prometheus.yml'}",
                 f"--storage.tsdb.path={d / 'data'}",
                 f"--web.listen-address=127.0.0.1:{port}",
+                # firing alerts are re-sent every evaluation (default: at most once a minute)
+                "--rules.alert.resend-delay=1s",
                 "--log.level=warn",
             ],
             stdout=out,
@@ -159,6 +173,7 @@ def prometheus(
             cwd=d,
         )
     srv = Prometheus(proc, f"http://127.0.0.1:{port}", log)
+    srv.config = d / "prometheus.yml"
     try:
         srv.wait_ready("/-/ready")
         yield srv
@@ -460,3 +475,97 @@ def fill_vars(expr: str, **values: str) -> str:
     for k in sorted(subs, key=len, reverse=True):
         expr = expr.replace(k, subs[k])
     return expr
+
+
+# --- real gpuwatchd daemons ------------------------------------------------------------------------
+H200_RECORDING = REPO / "tests" / "fixtures" / "nvml" / "h200_orphan_dataloader.json"
+
+
+def derived_nvml_fixture(path: Path, pids: dict[int, int], xid: int | None = None) -> Path:
+    """The H200 recording with its recorded PIDs replaced by live ones (``pids``: recorded ->
+    live; recorded PIDs not in ``pids`` are dropped), optionally followed by one Xid event:
+    the GPU is the only thing this machine lacks."""
+    doc = json.loads(H200_RECORDING.read_text())
+    for cycle in doc["cycles"]:
+        for dev in cycle["devices"]:
+            for key in ("compute", "graphics", "process_utilization"):
+                dev[key] = [dict(p, pid=pids[p["pid"]]) for p in dev.get(key, [])
+                            if p["pid"] in pids]
+        cycle["nvidia_smi_compute_apps"] = [
+            dict(p, pid=pids[p["pid"]]) for p in cycle.get("nvidia_smi_compute_apps", [])
+            if p["pid"] in pids]
+    if xid is not None:
+        doc["xid_events"] = [{"device": 0, "xid": xid}]
+    doc["note"] = "DERIVED at test time from h200_orphan_dataloader.json: PIDs of live processes"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+class Daemon:
+    """``gpuwatchd run`` as a separate node: own port, rank dir and state dir."""
+
+    def __init__(self, tmp: Path, name: str, **config: Any) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.dir = tmp / f"node-{name}"
+        self.rank_dir = self.dir / "ranks"
+        self.state_dir = self.dir / "state"
+        self.rank_dir.mkdir(parents=True)
+        self.state_dir.mkdir()
+        cfg: dict[str, Any] = {
+            "web": {"listen_address": self.address},
+            "interval_seconds": 0.5,
+            "rank_dir": str(self.rank_dir),
+            "state_dir": str(self.state_dir),
+            "kernel_log": "kmsg",
+            "discovery": {"enabled": False},
+            "nvml": {"enabled": False},
+            "gil": {"enabled": False},
+        }
+        for k, v in config.items():
+            cfg[k] = {**cfg[k], **v} if isinstance(v, dict) and isinstance(cfg.get(k), dict) else v
+        self.config = self.dir / "config.yaml"
+        self.config.write_text(yaml.safe_dump(cfg))
+        self.log = self.dir / "daemon.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.gpuwatchd = str(Path(sys.executable).with_name("gpuwatchd"))
+
+    def register(self, job_id: str, rank: int, pid: int, world_size: int,
+                 gpus: str | None = None) -> None:
+        cmd = [self.gpuwatchd, "register", "--job-id", job_id, "--rank", str(rank),
+               "--pid", str(pid), "--world-size", str(world_size), "--local-rank", str(rank),
+               "--rank-dir", str(self.rank_dir)]
+        if gpus is not None:
+            cmd += ["--gpus", gpus]
+        p = run(cmd)
+        assert p.returncode == 0, p.stderr
+
+    def start(self) -> Daemon:
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen([self.gpuwatchd, "run", "--config.file", str(self.config)],
+                                         stdout=out, stderr=subprocess.STDOUT)
+        wait_until(lambda: _ready(f"http://{self.address}/metrics") or self._died(), 30,
+                   f"daemon {self.address}")
+        assert self.proc.poll() is None, self.log.read_text()[-3000:]
+        return self
+
+    def _died(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://{self.address}/metrics", timeout=5) as r:
+            return str(r.read().decode())
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+
+def sleeper() -> subprocess.Popen[bytes]:
+    """A live rank that just waits (as a peer blocked in a collective would)."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
