@@ -194,3 +194,26 @@ def test_real_alertmanager_groups_per_job_and_inhibits(tmp_path: Path) -> None:
         )
         assert names == [("GPURankDown", "1"), ("GPURankOOMKilled", "3")]
         assert not [r for r in hook.received if r[1] == "/ticket"]
+
+
+def test_rules_agree_with_the_daemon() -> None:
+    """One truth: the rule's critical-Xid list is the kernel-log parser's, the push path's alert
+    names and runbook links are the rules', and the kinds the rules select are findings the
+    daemon's code raises."""
+    from gpuwatchd import events
+    from gpuwatchd.kernel_events import CRITICAL_XIDS
+
+    rules = _rules()
+    xid_expr = rules["GPUXidCritical"]["expr"]
+    lists = set(re.findall(r'xid=~"([0-9|]+)"', xid_expr))
+    assert len(lists) == 1
+    assert {int(x) for x in lists.pop().split("|")} == set(CRITICAL_XIDS)
+    for kind, name in events.ALERT_NAMES.items():
+        assert name in rules
+        url = rules[name]["annotations"]["runbook_url"]
+        assert url == f"{events.RUNBOOK_BASE}#{events.RUNBOOK_ANCHORS[kind]}"
+    source = "\n".join(p.read_text() for p in (REPO / "gpuwatchd").rglob("*.py"))
+    for expr in (r["expr"] for r in rules.values()):
+        for kinds in re.findall(r'kind=~?"([a-z_|]+)"', expr):
+            for kind in kinds.split("|"):
+                assert f'kind="{kind}"' in source, f"no finding of kind {kind} in gpuwatchd/"
