@@ -531,12 +531,15 @@ class Daemon:
         self.gpuwatchd = str(Path(sys.executable).with_name("gpuwatchd"))
 
     def register(self, job_id: str, rank: int, pid: int, world_size: int,
-                 gpus: str | None = None) -> None:
+                 gpus: str | None = None, heartbeat: Path | None = None) -> None:
         cmd = [self.gpuwatchd, "register", "--job-id", job_id, "--rank", str(rank),
                "--pid", str(pid), "--world-size", str(world_size), "--local-rank", str(rank),
                "--rank-dir", str(self.rank_dir)]
         if gpus is not None:
             cmd += ["--gpus", gpus]
+        if heartbeat is not None:
+            heartbeat.touch()
+            cmd += ["--heartbeat", str(heartbeat)]
         p = run(cmd)
         assert p.returncode == 0, p.stderr
 

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from promstack import (
@@ -106,6 +107,11 @@ def test_every_expression_parses(tmp_path: Path) -> None:
     assert run([PROMTOOL, "check", "rules", str(f)]).returncode != 0
 
 
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
+    return _real_daemon_metric_names(tmp_path_factory.mktemp("names"))
+
+
 def _real_daemon_metric_names(tmp_path: Path) -> set[str]:
     """Metric names in the real daemon's /metrics: `gpuwatchd run` with one registered rank and
     a bad rank file, plus the exporter fed one value per counter of the daemon's CounterStore
@@ -162,8 +168,7 @@ def _real_daemon_metric_names(tmp_path: Path) -> set[str]:
     return names
 
 
-def test_expressions_use_only_series_the_daemon_exports(tmp_path: Path) -> None:
-    exported = _real_daemon_metric_names(tmp_path)
+def test_expressions_use_only_series_the_daemon_exports(exported: set[str]) -> None:
     assert "gpuwatch_rank_up" in exported and "gpuwatch_oom_kills_total" in exported
     missing: dict[str, set[str]] = {}
     for where, expr in _all_exprs():
@@ -174,6 +179,14 @@ def test_expressions_use_only_series_the_daemon_exports(tmp_path: Path) -> None:
         if bad:
             missing[where] = bad
     assert not missing, f"not exported by the daemon: {missing}"
+
+
+def test_every_series_the_daemon_exports_is_on_a_dashboard(exported: set[str]) -> None:
+    on_panels = {n for _, _, e in dashboard_panels() for n in re.findall(r"\bgpuwatch_\w+", e)}
+    samples = {n for n in exported if n.startswith("gpuwatch_")}
+    # a counter family is listed by its name without _total and its samples with it
+    samples = {n for n in samples if (n + "_total") not in samples}
+    assert samples - on_panels == set(), "exported but on no dashboard panel"
 
 
 def test_every_panel_returns_data_from_prometheus(tmp_path: Path) -> None:

@@ -103,8 +103,8 @@ def test_oom_kill_pages_through_prometheus_and_alertmanager_and_every_panel_has_
         gil={"enabled": True, "interval_seconds": 1, "duration_seconds": 0.5, "rate_hz": 20,
              "timeout_seconds": 5},
     )
-    node.register(job_id, 0, peer.pid, 2, gpus="0")
-    node.register(job_id, 1, victim.pid, 2, gpus="0")
+    node.register(job_id, 0, peer.pid, 2, gpus="0", heartbeat=tmp_path / "rank0.heartbeat")
+    node.register(job_id, 1, victim.pid, 2, gpus="0", heartbeat=tmp_path / "rank1.heartbeat")
     (node.rank_dir / "broken.json").write_text('{"version": 1, "job_id": ')  # bad_rank_file
     with Webhook() as hook, \
             alertmanager(tmp_path, shipped_alertmanager_config(hook.url)) as am:

@@ -226,6 +226,11 @@ NODE_ROWS: list[tuple[str, list[Panel]]] = [
               unit="bytes", min=0,
               description="Processes that hold GPU memory but belong to no live rank: "
                           "`gpuwatchd check --kill` frees them."),
+        Panel("GPUs", "table", [table(f"gpuwatch_gpu_info{{{N}}}")], width=12, height=5),
+        Panel("CUDA out-of-memory errors (range)", "stat",
+              [stat(f"sum(increase(gpuwatch_cuda_oom_errors_total{{{N}}}[$__range])) or vector(0)")],
+              width=12, height=5, unit="none", thresholds=[(None, "green"), (1, "orange")],
+              description="CUDA OOM exceptions the ranks reported (GPU memory, not host memory)."),
         Panel("GPU processes", "table",
               [table(f"gpuwatch_gpu_process_memory_bytes{{{N}}}")], unit="bytes", width=24,
               height=7),
@@ -313,6 +318,15 @@ JOB_ROWS: list[tuple[str, list[Panel]]] = [
               [graph(f"sum by (instance, rank, comm, killer) (gpuwatch_oom_kills_total{{{J}}})",
                  "rank {{rank}} {{comm}} ({{killer}}, {{instance}})")], unit="none", min=0),
         Panel("Active findings", "table", [table(f"gpuwatch_finding{{{J}}} == 1")]),
+        Panel("Time since last progress", "timeseries",
+              [graph(f"time() - gpuwatch_rank_progress_timestamp_seconds{{{J}}}",
+                     "rank {{rank}} ({{instance}})")], unit="s", min=0,
+              description="Age of each rank's last heartbeat / observed progress; a rank is "
+                          "stalled when this passes stall.after_seconds."),
+        Panel("CUDA out-of-memory errors", "stat",
+              [stat(f"sum(gpuwatch_cuda_oom_errors_total{{{J}}}) or vector(0)")], unit="none",
+              thresholds=[(None, "green"), (1, "orange")],
+              description="CUDA OOM exceptions the job's ranks reported (GPU memory)."),
     ]),
     ("Resources", [
         Panel("GPU memory per rank", "timeseries",
@@ -376,7 +390,12 @@ HEALTH_ROWS: list[tuple[str, list[Panel]]] = [
                  "{{instance}}")], unit="none", min=0,
               description="/dev/kmsg ring overruns (EPIPE): kernel lines lost before gpuwatchd "
                           "read them."),
-        Panel("Bad rank files and other findings of the daemon", "table",
+        Panel("Rejected kernel log records (range)", "stat",
+              [stat("sum by (reason) (increase(gpuwatch_kernel_log_lines_rejected_total"
+                    "[$__range])) or vector(0)", "{{reason}}")], unit="none",
+              description="Malformed or too long records, and userspace writes to /dev/kmsg that "
+                          "looked like an OOM kill or Xid (not_kernel)."),
+        Panel("Bad rank files", "table",
               [table('gpuwatch_finding{kind="bad_rank_file"} == 1')],
               description="Rank files the daemon rejected (schema, owner, symlink, size)."),
     ]),
