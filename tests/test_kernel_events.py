@@ -626,3 +626,43 @@ def test_daemon_ignores_a_spoofed_kill_and_reports_it(tmp_path: Path) -> None:
         assert d.proc.poll() is None
     finally:
         d.stop()
+
+
+# --- findings ---------------------------------------------------------------------------------------
+
+
+def test_findings_rank_oom_killed_and_xid_critical(tmp_path: Path) -> None:
+    from gpuwatchd.config import Config
+    from gpuwatchd.findings import FindingContext, oom, xid
+
+    p = proc(tmp_path)
+    now = time.time()
+    p.record.update([member(4321, now - 100, rank=3, last_seen=now),
+                     member(4400, now - 50, rank=3, worker=True, rank_pid=4321, comm="pt_data_worker",
+                            last_seen=now)], now)
+    kill = FORMATS["kills"][3]["lines"]  # global OOM of pid 8001 ...
+    lines = [x.replace("8001", "4321").replace("pt_main_thread", "python3") for x in kill]
+    for i, line in enumerate(lines):
+        p.handle(rec(line, now + i * 0.001))
+    p.handle(rec(FORMATS["xids"][0]["line"], now + 1))
+    p.handle(rec(FORMATS["xids"][1]["line"], now + 2))  # Xid 13: no finding
+    events = tuple(p.recent())
+    alive = [RankState("llm-7", r, 5000 + r, r, 16, True, None, ()) for r in range(4, 19)]
+    dead = RankState("llm-7", 3, 4321, 3, 16, False, None, ())
+    ctx = FindingContext(now=now + 5, config=Config(), ranks=(dead, *alive),
+                         extras={"kernel_events": events})
+    (f,) = list(oom.find(ctx))
+    assert (f.kind, f.severity, f.job_id, f.rank, f.pid) == ("rank_oom_killed", "page", "llm-7", "3", "4321")
+    assert "was killed by the kernel OOM killer at" in f.explanation
+    assert "holding 80.3 GiB RSS" in f.explanation
+    assert "in memory cgroup /user.slice/user-1000.slice/session-3.scope" in f.explanation
+    assert f.explanation.endswith("15 peers alive: they will wait in their next collective")
+    # 20 minutes later the rank is still registered and dead: still a finding; once it is gone, not
+    later = FindingContext(now=now + 1200, config=Config(), ranks=(dead,), extras={"kernel_events": events})
+    assert len(list(oom.find(later))) == 1
+    gone = FindingContext(now=now + 1200, config=Config(), ranks=(), extras={"kernel_events": events})
+    assert list(oom.find(gone)) == []
+    (x,) = list(xid.find(ctx))
+    assert (x.kind, x.severity, x.evidence["xid"]) == ("xid_critical", "page", 79)
+    assert "Xid 79" in x.explanation and "GPU has fallen off the bus" in x.explanation
+    assert list(xid.find(FindingContext(now=now + 700, config=Config(), extras={"kernel_events": events}))) == []
