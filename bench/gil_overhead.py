@@ -1,0 +1,194 @@
+"""GIL sampling overhead: throughput of a many-thread Python target with sampling on vs off.
+
+Usage: python bench/gil_overhead.py [--threads 64] [--workers 1] [--window 3] [--pairs 8]
+                                    [--rate 50] [--pyspy PATH] [--json]
+
+The target (started here) runs ``--workers`` threads counting in a Python loop plus idle threads
+(``Event.wait``) up to ``--threads`` in total, and reports its cumulative iteration count every
+0.1 s. The benchmark alternates windows without and with sampling (``--pairs`` of each, order
+alternating so that drift cancels), where "with" runs exactly what the daemon runs:
+``sources.pyspy.PySpy.record_gil`` = ``py-spy record --gil --nonblocking --format raw --threads
+-r RATE -d WINDOW``. It prints the target's throughput in both conditions (median and mean of the
+windows), the loss, and py-spy's own CPU (user+sys from rusage) per sampled second.
+
+For contrast, ``--blocking`` adds windows with py-spy's default blocking mode (what the daemon
+never does): research/gil-hang-oom.md §1.4 measured ~80 % loss with 65 threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpuwatchd.sources.pyspy import PySpy, resolve_pyspy
+
+TARGET = r"""
+import sys, threading, time
+threads, workers = int(sys.argv[1]), int(sys.argv[2])
+counts = [0] * workers
+stop = threading.Event()
+def work(i):
+    n = 0
+    while True:
+        for _ in range(1000):
+            n += 1
+        counts[i] = n
+def idle():
+    stop.wait()
+for i in range(workers):
+    threading.Thread(target=work, args=(i,), name=f"work-{i}", daemon=True).start()
+for i in range(threads - workers - 1):
+    threading.Thread(target=idle, name=f"idle-{i}", daemon=True).start()
+print("ready", threading.active_count(), flush=True)
+while True:
+    time.sleep(0.1)
+    print(time.time(), sum(counts), flush=True)
+"""
+
+
+class Target:
+    def __init__(self, threads: int, workers: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", TARGET, str(threads), str(workers)],
+                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
+        assert self.proc.stdout is not None
+        first = self.proc.stdout.readline().split()
+        assert first[0] == "ready", first
+        self.threads = int(first[1])
+        self.samples: list[tuple[float, int]] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            t, n = line.split()
+            with self._lock:
+                self.samples.append((float(t), int(n)))
+
+    def rate(self, t0: float, t1: float) -> float:
+        """Iterations per second between two wall-clock instants (nearest reports inside)."""
+        with self._lock:
+            inside = [(t, n) for t, n in self.samples if t0 <= t <= t1]
+        if len(inside) < 2:
+            raise RuntimeError("target did not report inside the window")
+        (ta, na), (tb, nb) = inside[0], inside[-1]
+        return (nb - na) / (tb - ta)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def blocking_record(binary: str, pid: int, rate: int, seconds: int) -> float:
+    """py-spy's default record (blocking, all active threads): what a human typically runs, for
+    contrast only; returns its CPU seconds."""
+    with tempfile.TemporaryDirectory(prefix="gpuwatchd-bench-") as tmp:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run([binary, "record", "--format", "raw", "--hideprogress", "-r",
+                        str(rate), "-d", str(seconds), "-o", os.path.join(tmp, "o"), "-p",
+                        str(pid)], capture_output=True, check=False)  # fmt: skip
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=64)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--window", type=int, default=3, help="seconds per window (py-spy -d)")
+    ap.add_argument("--pairs", type=int, default=8)
+    ap.add_argument("--rate", type=int, default=50)
+    ap.add_argument("--pyspy", default=None)
+    ap.add_argument("--blocking", action="store_true", help="also measure blocking mode")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    binary = resolve_pyspy(args.pyspy)
+    spy = PySpy(binary, timeout_seconds=args.window + 30)
+    target = Target(args.threads, args.workers)
+    time.sleep(1.0)
+    off: list[float] = []
+    on: list[float] = []
+    blocking: list[float] = []
+    ratios: list[float] = []
+    cpu = sampled = 0.0
+    block_cpu = 0.0
+    try:
+        for i in range(args.pairs):
+            order = ("off", "on") if i % 2 == 0 else ("on", "off")
+            if args.blocking:
+                order = (*order, "blocking")
+            for cond in order:
+                t0 = time.time()
+                if cond == "on":
+                    s = spy.record_gil(target.proc.pid, args.rate, args.window)
+                    cpu += s.pyspy_cpu_seconds
+                    sampled += args.window
+                    ratios.append(s.ratio)
+                elif cond == "blocking":
+                    block_cpu += blocking_record(binary, target.proc.pid, args.rate, args.window)
+                else:
+                    time.sleep(args.window)
+                t1 = time.time()
+                rate = target.rate(t0 + 0.2, t1)  # skip py-spy's start-up (attach) instant
+                {"off": off, "on": on, "blocking": blocking}[cond].append(rate)
+    finally:
+        target.close()
+
+    def loss(xs: list[float]) -> float:
+        return 1 - statistics.median(xs) / statistics.median(off)
+
+    result = {
+        "target_threads": target.threads,
+        "workers": args.workers,
+        "windows_per_condition": args.pairs,
+        "window_seconds": args.window,
+        "rate_hz": args.rate,
+        "throughput_off_median": round(statistics.median(off)),
+        "throughput_on_median": round(statistics.median(on)),
+        "throughput_off_mean": round(statistics.fmean(off)),
+        "throughput_on_mean": round(statistics.fmean(on)),
+        "loss_median_percent": round(100 * loss(on), 2),
+        "loss_mean_percent": round(100 * (1 - statistics.fmean(on) / statistics.fmean(off)), 2),
+        "window_noise_percent": round(100 * statistics.pstdev(off) / statistics.fmean(off), 2),
+        "pyspy_cpu_seconds_per_sampled_second": round(cpu / sampled, 4) if sampled else None,
+        "gil_held_ratio_mean": round(statistics.fmean(ratios), 3) if ratios else None,
+        "cpus": os.cpu_count(),
+    }
+    if args.blocking:
+        result["throughput_blocking_median"] = round(statistics.median(blocking))
+        result["loss_blocking_percent"] = round(100 * loss(blocking), 2)
+        result["blocking_pyspy_cpu_per_sampled_second"] = round(
+            block_cpu / (args.pairs * args.window), 4)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"target: {target.threads} threads ({args.workers} counting), py-spy {binary}")
+        print(f"  {args.pairs} windows of {args.window} s per condition, sampling at {args.rate} Hz")
+        print(f"  throughput off  (median): {result['throughput_off_median']:>12,} it/s")
+        print(f"  throughput on   (median): {result['throughput_on_median']:>12,} it/s")
+        print(f"  loss with --gil --nonblocking: {result['loss_median_percent']:+.2f} % (median), "
+              f"{result['loss_mean_percent']:+.2f} % (mean); window noise "
+              f"{result['window_noise_percent']:.2f} %")  # fmt: skip
+        if args.blocking:
+            print(f"  blocking mode (never used by gpuwatchd): {result['loss_blocking_percent']:+.2f} "
+                  f"% loss")  # fmt: skip
+        print(f"  py-spy CPU per sampled second: "
+              f"{result['pyspy_cpu_seconds_per_sampled_second']} s")  # fmt: skip
+        print(f"  GIL-held ratio measured: {result['gil_held_ratio_mean']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
