@@ -143,7 +143,8 @@ class GilSampler:
         self.clock = clock
         self.rng = rng or random.Random()
         self.probe_seconds = probe_seconds
-        self._pool = ThreadPoolExecutor(max(1, max_concurrent), thread_name_prefix="gil-sample")
+        # one py-spy slot stays free for the stall detector's short dumps when there are two or more
+        self._pool = ThreadPoolExecutor(max(1, max_concurrent - 1), thread_name_prefix="gil-sample")
         self._lock = threading.Lock()
         self._ranks: dict[tuple[str, int], _RankSchedule] = {}
         self._clk_tck = os.sysconf("SC_CLK_TCK")

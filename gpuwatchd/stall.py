@@ -159,19 +159,24 @@ class StallTracker:
         except OSError:
             return None
 
-    def _dump(self, now: float, pid: int) -> tuple[ThreadStack, ...] | None:
-        """A non-blocking dump, or None. After a time-out, dumps pause for one interval so that a
-        hung py-spy cannot hold every cycle for ``dump_timeout`` per rank."""
-        if self.spy is None or now < self._dumps_disabled_until:
-            return None
+    def _dump(self, now: float, pid: int) -> tuple[tuple[ThreadStack, ...] | None, bool]:
+        """(a non-blocking dump or None, whether py-spy cannot help with this rank at all).
+
+        Never waits for a py-spy slot (the GIL sampler may hold them): a busy slot is "no dump
+        this time". After a time-out, dumps pause for one interval so that a hung py-spy cannot
+        hold every cycle for ``dump_timeout`` per rank."""
+        if self.spy is None or self.spy.binary is None:
+            return None, True
+        if now < self._dumps_disabled_until:
+            return None, False
         try:
-            return self.spy.dump(pid)
+            return self.spy.dump(pid, slot_wait=0.0), False
         except PySpyError as e:
             self.last_error = str(e)
             if e.reason == pyspy.TIMEOUT:
                 self._dumps_disabled_until = now + self.dump_interval
             log.debug("stall dump of pid %d failed: %s", pid, e)
-            return None
+            return None, e.reason in (pyspy.ABSENT, pyspy.PERMISSION_DENIED, pyspy.NOT_PYTHON)
 
     # -- the cycle --------------------------------------------------------------------------------
 
@@ -227,7 +232,7 @@ class StallTracker:
             progress = min(progress, tr.stopped_since)
         if stalled_so_far and now - tr.last_dump_at >= self.dump_interval and p.heartbeat:
             # the stuck frames for the explanation (heartbeat ranks are not dumped otherwise)
-            stacks = self._dump(now, p.pid)
+            stacks, _ = self._dump(now, p.pid)
             if stacks is not None:
                 tr.stacks, tr.last_dump_at = stacks, now
         main = main_stack(tr.stacks)
@@ -247,7 +252,10 @@ class StallTracker:
         """Compare this look with the last one; returns (method, last change time)."""
         if now - tr.last_dump_at < self.dump_interval and tr.fingerprint is not None:
             return ("stack" if tr.stacks else "proc"), tr.last_change
-        stacks = self._dump(now, p.pid)
+        stacks, hopeless = self._dump(now, p.pid)
+        if stacks is None and not hopeless and tr.stacks:
+            # busy / timed out / odd output this time: compare at the next look, change nothing
+            return "stack", tr.last_change
         by_tid = {t.tid: t for t in threads}
         if stacks:
             tr.stacks, tr.last_dump_at = stacks, now

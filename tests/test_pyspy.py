@@ -318,3 +318,19 @@ def test_unreadable_dump_output_is_a_failure_reason(tmp_path: Path, procs: list)
     # and a clean JSON list that is not py-spy's shape is still handled
     assert PySpy(stand_in(tmp_path, "echo '[]'", "ok")).dump(p.pid) == ()
     assert json.loads("[]") == []
+
+
+def test_dump_never_waits_for_a_busy_slot_when_asked_not_to(tmp_path: Path, procs: list) -> None:
+    p = start("io4.py")
+    procs.append(p)
+    slow = stand_in(tmp_path, "sleep 1.5\necho '[]'")
+    spy = PySpy(slow, max_concurrent=1)
+    holder = threading.Thread(target=spy.dump, args=(p.pid,))
+    holder.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    with pytest.raises(PySpyError) as e:
+        spy.dump(p.pid, slot_wait=0.0)
+    assert e.value.reason == pyspy.BUSY and time.monotonic() - t0 < 0.2
+    holder.join()
+    assert spy.dump(p.pid, slot_wait=0.0) == ()  # free again

@@ -495,11 +495,15 @@ class PySpy:
                 timestamp=self._clock(),
             )
 
-    def dump(self, pid: int) -> tuple[ThreadStack, ...]:
-        """Every Python thread's stack, innermost frame first, with the GIL owner marked."""
+    def dump(self, pid: int, slot_wait: float | None = None) -> tuple[ThreadStack, ...]:
+        """Every Python thread's stack, innermost frame first, with the GIL owner marked.
+
+        ``slot_wait``: how long to wait for a free slot (default: the dump time-out); the daemon's
+        cycle passes 0 so that it never waits behind running GIL records (reason BUSY instead).
+        """
         threads_before = read_threads(self.paths, pid)
         res = self._run(pid, ["dump", "--json", "--nonblocking", "-p", str(pid)],
-                        self.dump_timeout_seconds)  # fmt: skip
+                        self.dump_timeout_seconds, slot_wait)  # fmt: skip
         if res.returncode != 0:
             self._fail(pid, res.stderr or res.stdout)
         try:
@@ -546,10 +550,12 @@ class PySpy:
         reason, detail = classify_failure(output, alive)
         raise PySpyError(reason, detail)
 
-    def _run(self, pid: int, args: list[str], timeout: float) -> RunResult:
+    def _run(self, pid: int, args: list[str], timeout: float,
+             slot_wait: float | None = None) -> RunResult:  # fmt: skip
         if self.binary is None:
             raise self._count(PySpyError(ABSENT, self.unavailable_reason))
-        if not self._slots.acquire(timeout=timeout):
+        wait = timeout if slot_wait is None else slot_wait
+        if not (self._slots.acquire(timeout=wait) if wait > 0 else self._slots.acquire(False)):
             raise self._count(PySpyError(BUSY, "all py-spy slots busy"))
         try:
             state_before = process_state(self.paths, pid)
