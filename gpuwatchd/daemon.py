@@ -13,7 +13,6 @@ config keeps the old one running and logs every problem.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -34,7 +33,7 @@ from gpuwatchd.model import BadRankFile, NodeState, ProcessInfo, RankEntry
 from gpuwatchd.notify import notify, watchdog_interval
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.procfs import ProcfsReader
-from gpuwatchd.sources.rankfiles import RankFileReader, discover
+from gpuwatchd.sources.rankfiles import RankFileReader, cap_ranks, discover, heartbeat_mtime
 
 log = logging.getLogger("gpuwatchd")
 STATE_FILE = "state.json"
@@ -125,7 +124,7 @@ class Daemon:
             self._discovered = discover(self.procfs, d.launchers)
         elif not d.enabled:
             self._discovered = []
-        return [*entries, *self._discovered], bad
+        return cap_ranks([*entries, *self._discovered], bad)
 
     def _read_procfs(self) -> ProcReading:
         entries = self._entries
@@ -150,9 +149,9 @@ class Daemon:
                 self._env_cache[key] = self.procfs.env_flags(e.pid)
             env_flags[e.pid] = self._env_cache[key]
         for e in entries:
-            if e.heartbeat:
-                with contextlib.suppress(OSError):
-                    progress[(e.job_id, e.rank)] = os.stat(e.heartbeat).st_mtime
+            mtime = heartbeat_mtime(e, self.paths.procfs)
+            if mtime is not None:
+                progress[(e.job_id, e.rank)] = mtime
         for stale in set(self._env_cache) - live_keys:
             del self._env_cache[stale]
         return ProcReading(processes, descendants, env_flags, progress)

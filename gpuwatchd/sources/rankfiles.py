@@ -34,6 +34,11 @@ MAX_FILE_BYTES = 256 * 1024
 MAX_DEPTH = 8
 MAX_RANKS_PER_FILE = 4096
 MAX_FILES = 4096
+# Series budget: every accepted rank becomes about a dozen series on /metrics, so the ranks one
+# job (and one rank-file owner) may claim on one node are capped; the excess is refused with a
+# bad_rank_file finding instead of flooding Prometheus. A node runs at most a few dozen ranks.
+MAX_RANKS_PER_JOB = 256
+MAX_RANKS_PER_OWNER = 1024
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 GPU_RE = re.compile(r"^(?:\d{1,3}|(?:GPU|MIG)-[A-Za-z0-9-]{1,80})$")
 TOP_KEYS = {"version", "job_id", "world_size", "ranks"}
@@ -242,6 +247,60 @@ def write_rank_file(rank_dir: str, doc: Mapping[str, Any], name: str) -> str:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def cap_ranks(entries: Iterable[RankEntry], bad: Iterable[BadRankFile] = (),
+              per_job: int = MAX_RANKS_PER_JOB,
+              per_owner: int = MAX_RANKS_PER_OWNER) -> tuple[list[RankEntry], list[BadRankFile]]:
+    """Keep at most ``per_job`` ranks of a job and ``per_owner`` ranks from one non-root
+    rank-file owner (lowest ranks first); each cap that is hit adds one BadRankFile naming it."""
+    kept: list[RankEntry] = []
+    out_bad = list(bad)
+    per_job_n: dict[str, int] = {}
+    per_owner_n: dict[int, int] = {}
+    hit: dict[str, BadRankFile] = {}
+    for e in sorted(entries, key=lambda e: (e.source != "rankfile", e.job_id, e.rank, e.pid)):
+        n = per_job_n.get(e.job_id, 0)
+        if n >= per_job:
+            hit.setdefault(f"job\0{e.job_id}", BadRankFile(
+                e.path or "discovery",
+                f"job {e.job_id} claims more than {per_job} ranks on this node; ranks above the "
+                f"cap are ignored (series limit)"))
+            continue
+        owner = e.owner_uid if e.source == "rankfile" else None
+        if owner is not None and owner != 0:
+            if per_owner_n.get(owner, 0) >= per_owner:
+                hit.setdefault(f"uid\0{owner}", BadRankFile(
+                    e.path, f"rank files of uid {owner} claim more than {per_owner} ranks on this "
+                    f"node; ranks above the cap are ignored (series limit)"))
+                continue
+            per_owner_n[owner] = per_owner_n.get(owner, 0) + 1
+        per_job_n[e.job_id] = n + 1
+        kept.append(e)
+    return kept, out_bad + list(hit.values())
+
+
+def heartbeat_mtime(entry: RankEntry, procfs: str = "/proc") -> float | None:
+    """mtime of a rank's heartbeat file, or None.
+
+    The path is resolved in the rank's own mount namespace (``/proc/PID/root/PATH``), so a
+    heartbeat in the job's /tmp or container is found although the daemon runs with
+    PrivateTmp=yes; the daemon's own view is the fallback. A heartbeat named in a non-root rank
+    file counts only when that same uid owns it: the daemon (CAP_DAC_READ_SEARCH) must not reveal
+    the mtime of another user's file to whoever reads /metrics.
+    """
+    if not entry.heartbeat:
+        return None
+    for path in (os.path.join(procfs, str(entry.pid), "root", entry.heartbeat.lstrip("/")),
+                 entry.heartbeat):
+        try:
+            st = os.stat(path)
+        except (OSError, ValueError):
+            continue
+        if entry.owner_uid not in (None, 0) and st.st_uid != entry.owner_uid:
+            return None
+        return st.st_mtime
+    return None
 
 
 # --- discovery from /proc/PID/environ ------------------------------------------------------------
