@@ -204,3 +204,41 @@ def test_heartbeat_file_missing_counts_from_first_sight(tmp_path: Path) -> None:
     # a dead rank is never "stalled" (rank_down says it), and a new pid resets the memory
     dead = RankProbe("j", 0, os.getpid(), False)
     assert not tracker.observe(1010.0, [dead])[p.key].stalled
+
+
+def test_daemon_names_the_odd_rank_of_a_hung_job(tmp_path: Path) -> None:
+    """Four ranks without heartbeats through the real daemon: three wait in all_reduce, one is
+    stuck in load_batch; every rank is stalled and the findings name rank 3 as the suspect."""
+    from daemonutil import DaemonProc, write_config
+
+    cfg_path, cfg = write_config(tmp_path, stall={"after_seconds": 1.5})
+    rank_dir = cfg["rank_dir"]
+    started = []
+    try:
+        for r, mode in enumerate(["barrier", "barrier", "barrier", "elsewhere"]):
+            p = subprocess.Popen([sys.executable, str(PROGRAMS / "rank.py"), mode, rank_dir,
+                                  "llm-7", str(r)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+            started.append(p)
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        d = DaemonProc(cfg_path, cfg)
+        try:
+            d.wait_for(lambda: all(d.value("gpuwatch_rank_stalled", job_id="llm-7", rank=str(r))
+                                   == 1.0 for r in range(4)), timeout=30,
+                       what="all four ranks stalled")  # fmt: skip
+            assert d.value("gpuwatch_collector_success", collector="pyspy") == 1.0
+
+            def findings() -> dict[str, str]:
+                state = json.loads((Path(cfg["state_dir"]) / "state.json").read_text())
+                return {f["rank"]: f["explanation"] for f in state["findings"]
+                        if f["kind"] == "rank_stalled"}  # fmt: skip
+
+            d.wait_for(lambda: len(findings()) == 4, what="four rank_stalled findings")
+            f = findings()
+            assert "odd one out" in f["3"] and "load_batch (rank.py" in f["3"]
+            assert "suspect: rank 3" in f["0"] and "all_reduce (rank.py:" in f["0"]
+        finally:
+            assert d.stop() == 0
+    finally:
+        for p in started:
+            p.kill()
+            p.wait()
