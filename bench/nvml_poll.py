@@ -77,6 +77,9 @@ def main() -> int:
     ap.add_argument("--interval", type=float, default=5.0)
     ap.add_argument("--out", default="")
     ap.add_argument("--record", default="", help="also record the NVML readings to this JSON")
+    ap.add_argument("--baseline", action="store_true",
+                    help="also run a third process: gpuwatchd with nvml.enabled false, to "
+                    "attribute the daemon's CPU to its GPU part")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="gpuwatch-bench-"))
     rank_dir = tmp / "ranks"
@@ -141,14 +144,21 @@ def main() -> int:
                            check=True)
 
         # --- 2. daemon vs nvitop-exporter ---------------------------------------------------
-        cfg = tmp / "config.yaml"
-        cfg.write_text(f"rank_dir: {rank_dir}\nstate_dir: {tmp / 'state'}\ninterval_seconds: "
-                       f"{args.interval}\nkernel_log: 'off'\ngil:\n  enabled: false\n"
-                       f"web:\n  listen_address: '127.0.0.1:19863'\n")
-        daemon = subprocess.Popen([sys.executable, "-m", "gpuwatchd", "run", "--config.file",
-                                   str(cfg)], env=env, cwd=str(REPO),
-                                  stdout=subprocess.DEVNULL, stderr=logs.enter_context((tmp / "d.log").open("wb")))
-        servers.append(daemon)
+        daemons: dict[str, subprocess.Popen[bytes]] = {}
+        variants = [("gpuwatchd", 19863, "")]
+        if args.baseline:
+            variants.append(("gpuwatchd-nvml-off", 19865, "nvml:\n  enabled: false\n"))
+        for name, port, extra in variants:
+            cfg = tmp / f"{name}.yaml"
+            cfg.write_text(f"rank_dir: {rank_dir}\nstate_dir: {tmp / name}\ninterval_seconds: "
+                           f"{args.interval}\nkernel_log: 'off'\ngil:\n  enabled: false\n"
+                           f"web:\n  listen_address: '127.0.0.1:{port}'\n{extra}")
+            daemons[name] = subprocess.Popen(
+                [sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg)], env=env,
+                cwd=str(REPO), stdout=subprocess.DEVNULL,
+                stderr=logs.enter_context((tmp / f"{name}.log").open("wb")))
+            servers.append(daemons[name])
+        daemon = daemons["gpuwatchd"]
         exporter_bin = shutil.which("nvitop-exporter")
         exporter_cmd = [exporter_bin] if exporter_bin else [sys.executable, "-m",
                                                             "nvitop_exporter"]
@@ -158,10 +168,12 @@ def main() -> int:
         servers.append(nvitop)
         urls = {"gpuwatchd": "http://127.0.0.1:19863/metrics",
                 "nvitop-exporter": "http://127.0.0.1:19864/metrics"}
+        if args.baseline:
+            urls["gpuwatchd-nvml-off"] = "http://127.0.0.1:19865/metrics"
         for u in urls.values():
             wait_http(u)
         time.sleep(args.interval)  # warm-up: one full cycle each
-        pids = {"gpuwatchd": daemon.pid, "nvitop-exporter": nvitop.pid}
+        pids = {**{k: p.pid for k, p in daemons.items()}, "nvitop-exporter": nvitop.pid}
         start = {k: cpu_seconds(p) for k, p in pids.items()}
         t0 = time.monotonic()
         scrapes: dict[str, list[float]] = {k: [] for k in urls}
@@ -182,6 +194,7 @@ def main() -> int:
             "nvitop_exporter_cpu_seconds": cpu["nvitop-exporter"],
             "gpuwatchd_cpu_percent_of_core": 100 * cpu["gpuwatchd"] / wall,
             "nvitop_exporter_cpu_percent_of_core": 100 * cpu["nvitop-exporter"] / wall,
+            "cpu_seconds_all": cpu,
             "ratio_gpuwatchd_over_nvitop": cpu["gpuwatchd"] / cpu["nvitop-exporter"]
             if cpu["nvitop-exporter"] else None,
             "gpuwatchd_rss_mib": rss_mib(daemon.pid),
@@ -204,6 +217,8 @@ def main() -> int:
               f"({c['nvitop_exporter_cpu_percent_of_core']:.2f} %, RSS "
               f"{c['nvitop_exporter_rss_mib']:.0f} MiB); ratio gpuwatchd/nvitop = "
               f"{c['ratio_gpuwatchd_over_nvitop']:.2f}", flush=True)
+        print(f"CPU seconds of each process in the same window: {c['cpu_seconds_all']}",
+              flush=True)
         print(f"scrape mean ms: {c['scrape_ms_mean']}; gpuwatchd process series "
               f"{c['gpuwatchd_process_series']}; {c['gpuwatchd_nvml_collector_line']}", flush=True)
     finally:
@@ -217,7 +232,7 @@ def main() -> int:
                 p.kill()
                 p.wait()
         logs.close()
-        for name in ("d.log", "n.log"):
+        for name in ("gpuwatchd.log", "gpuwatchd-nvml-off.log", "n.log"):
             log = tmp / name
             if log.exists() and log.stat().st_size:
                 print(f"--- {name} (tail)\n{log.read_text()[-1500:]}")
