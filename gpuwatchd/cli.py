@@ -160,6 +160,13 @@ def cmd_ps(args: argparse.Namespace) -> int:
         print(f"GPU {gpu['index']} {gpu['name']} {_fmt_bytes(gpu.get('memory_used_bytes'))}/"
               f"{_fmt_bytes(gpu.get('memory_total_bytes'))} util "
               f"{'-' if util is None else format(util, '.0%')}")
+        # GPU memory held outside every rank's process tree (stale processes: gpuwatchd check)
+        stale = {(o["pid"], o["uuid"]): o["reason"] for o in state.get("orphans", [])}
+        for p in state.get("gpu_processes", []):
+            if p.get("uuid") == gpu.get("uuid") and not p.get("job_id"):
+                why = stale.get((p["pid"], p["uuid"]), "not in any rank")
+                print(f"  pid {p['pid']:>7} {p.get('comm') or '?':<15} {p.get('user') or '?':<10} "
+                      f"{_fmt_bytes(p.get('used_memory_bytes')):>8}  {why}")
     node_findings = list(state.get("findings", []))
     if node_findings:
         print("\nFINDINGS")
