@@ -36,6 +36,15 @@ from promstack import (
 
 
 @pytest.fixture
+def report(capsys: pytest.CaptureFixture[str]) -> Any:
+    """print() that shows in CI's log too (past pytest's output capture)."""
+    def out(text: str) -> None:
+        with capsys.disabled():
+            print(text, flush=True)
+    return out
+
+
+@pytest.fixture
 def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
     out: list[subprocess.Popen[bytes]] = []
     yield out
@@ -89,7 +98,8 @@ def _kill(victim: subprocess.Popen[bytes]) -> float:
 
 
 def test_oom_kill_pages_through_prometheus_and_alertmanager_and_every_panel_has_data(
-        tmp_path: Path, procs: list[subprocess.Popen[bytes]], cgroups: list[MemCgroup]) -> None:
+        tmp_path: Path, procs: list[subprocess.Popen[bytes]], cgroups: list[MemCgroup],
+        report: Any) -> None:
     job_id = "e2e-llm-7"
     victim = _oom_victim(cgroups, procs)
     peer = sleeper()
@@ -118,8 +128,13 @@ def test_oom_kill_pages_through_prometheus_and_alertmanager_and_every_panel_has_
                 got = wait_until(lambda: _oom_page(hook, job_id, "1"), 60, "the OOM page")
                 latency = got[0] - t0
                 alert = got[1]
-                print(f"\nOOM kill -> webhook page through Prometheus + Alertmanager: "
-                      f"{latency:.2f} s")
+                kill_wall = time.time() - (time.monotonic() - t0)
+                (series,) = prom.query(
+                    f'gpuwatch_oom_kills_total{{job_id="{job_id}",rank="1"}}[2m]')
+                scraped = min(float(ts) for ts, v in series["values"] if float(v) == 1)
+                report(f"\nOOM kill -> counter at 1 in Prometheus (1 s scrapes): "
+                       f"{scraped - kill_wall:.2f} s; -> webhook page through Prometheus "
+                       f"(1 s evaluation) + Alertmanager (1 s group_wait): {latency:.2f} s")
                 lab = alert["labels"]
                 assert lab["severity"] == "page"
                 assert lab["instance"] == node.address
@@ -143,7 +158,7 @@ def test_oom_kill_pages_through_prometheus_and_alertmanager_and_every_panel_has_
                 for d, name, q in dashboard_variable_queries():
                     if not prom.query(q):
                         empty.append(f"{d} / variable {name}: {q}")
-                print(f"dashboard queries: {len(dashboard_panels())} panels, "
+                report(f"dashboard queries: {len(dashboard_panels())} panels, "
                       f"{len(empty)} without data")
                 assert not empty, "\n".join(empty)
         finally:
@@ -151,7 +166,8 @@ def test_oom_kill_pages_through_prometheus_and_alertmanager_and_every_panel_has_
 
 
 def test_direct_push_and_rule_arrive_as_one_alert(
-        tmp_path: Path, procs: list[subprocess.Popen[bytes]], cgroups: list[MemCgroup]) -> None:
+        tmp_path: Path, procs: list[subprocess.Popen[bytes]], cgroups: list[MemCgroup],
+        report: Any) -> None:
     """With alertmanager.url set the daemon pushes the page itself (Prometheus does not send
     alerts yet, so the page can only come from the push); then Prometheus's rule sends its copy:
     Alertmanager merges the two into one GPURankOOMKilled alert, not two."""
@@ -171,7 +187,7 @@ def test_direct_push_and_rule_arrive_as_one_alert(
                            "rank 1's OOM counter scraped at 0")
                 t0 = _kill(victim)
                 t, pushed = wait_until(lambda: _oom_page(hook, job_id, "1"), 30, "the pushed page")
-                print(f"\nOOM kill -> webhook page by direct push: {t - t0:.2f} s")
+                report(f"\nOOM kill -> webhook page by direct push: {t - t0:.2f} s")
                 assert pushed["labels"]["instance"] == node.address
                 assert (pushed["labels"]["comm"], pushed["labels"]["killer"]) == ("python",
                                                                                   "kernel")
@@ -204,7 +220,8 @@ def test_direct_push_and_rule_arrive_as_one_alert(
 
 
 def test_several_nodes_one_job_first_oom_killed_rank_is_the_cause(
-        tmp_path: Path, procs: list[subprocess.Popen[bytes]], cgroups: list[MemCgroup]) -> None:
+        tmp_path: Path, procs: list[subprocess.Popen[bytes]], cgroups: list[MemCgroup],
+        report: Any) -> None:
     """Ranks 0-5 of one job on three daemons acting as nodes (own ports, rank and state dirs),
     one Prometheus. Rank 3 (node b) is OOM-killed first, rank 0 (node a) 4 s later: the Job
     dashboard's queries and `gpuwatchd job` both name rank 3 as the cause and count the four live
@@ -269,7 +286,7 @@ def test_several_nodes_one_job_first_oom_killed_rank_is_the_cause(
             text = subprocess.run(
                 [sys.executable, "-m", "gpuwatchd", "job", job_id, "--prometheus", prom.url],
                 capture_output=True, text=True, timeout=60, cwd=REPO).stdout
-            print("\n" + text)
+            report("\n" + text)
             assert f"first to fail: rank 3 on {nodes[1].address} OOM-killed" in text
             assert "4 ranks are waiting on it" in text
     finally:
