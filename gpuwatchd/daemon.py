@@ -33,7 +33,7 @@ from gpuwatchd.model import BadRankFile, NodeState, ProcessInfo, RankEntry
 from gpuwatchd.notify import notify, watchdog_interval
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.procfs import ProcfsReader
-from gpuwatchd.sources.rankfiles import RankFileReader, cap_ranks, discover, heartbeat_mtime
+from gpuwatchd.sources.rankfiles import RankFileReader, discover, guard_entries, heartbeat_mtime
 
 log = logging.getLogger("gpuwatchd")
 STATE_FILE = "state.json"
@@ -124,7 +124,7 @@ class Daemon:
             self._discovered = discover(self.procfs, d.launchers)
         elif not d.enabled:
             self._discovered = []
-        return cap_ranks([*entries, *self._discovered], bad)
+        return guard_entries([*entries, *self._discovered], bad, self.paths.procfs)
 
     def _read_procfs(self) -> ProcReading:
         entries = self._entries
@@ -149,7 +149,7 @@ class Daemon:
                 self._env_cache[key] = self.procfs.env_flags(e.pid)
             env_flags[e.pid] = self._env_cache[key]
         for e in entries:
-            mtime = heartbeat_mtime(e, self.paths.procfs)
+            mtime = heartbeat_mtime(e)
             if mtime is not None:
                 progress[(e.job_id, e.rank)] = mtime
         for stale in set(self._env_cache) - live_keys:

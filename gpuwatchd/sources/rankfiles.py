@@ -17,6 +17,7 @@ Shell equivalent: ``cat /run/gpuwatch/ranks/*.json``;
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -280,27 +281,52 @@ def cap_ranks(entries: Iterable[RankEntry], bad: Iterable[BadRankFile] = (),
     return kept, out_bad + list(hit.values())
 
 
-def heartbeat_mtime(entry: RankEntry, procfs: str = "/proc") -> float | None:
-    """mtime of a rank's heartbeat file, or None.
+def heartbeat_path(entry: RankEntry, procfs: str = "/proc") -> str | None:
+    """The path to stat for a rank's heartbeat, or None when it may not be used.
 
     The path is resolved in the rank's own mount namespace (``/proc/PID/root/PATH``), so a
     heartbeat in the job's /tmp or container is found although the daemon runs with
     PrivateTmp=yes; the daemon's own view is the fallback. A heartbeat named in a non-root rank
-    file counts only when that same uid owns it: the daemon (CAP_DAC_READ_SEARCH) must not reveal
-    the mtime of another user's file to whoever reads /metrics.
+    file is used only when that same uid owns the file: the daemon (CAP_DAC_READ_SEARCH) must not
+    reveal the mtime of another user's file to whoever reads /metrics.
     """
     if not entry.heartbeat:
         return None
-    for path in (os.path.join(procfs, str(entry.pid), "root", entry.heartbeat.lstrip("/")),
-                 entry.heartbeat):
+    in_ns = os.path.join(procfs, str(entry.pid), "root", entry.heartbeat.lstrip("/"))
+    for path in (in_ns, entry.heartbeat):
         try:
             st = os.stat(path)
         except (OSError, ValueError):
             continue
-        if entry.owner_uid not in (None, 0) and st.st_uid != entry.owner_uid:
+        if entry.owner_uid is not None and entry.owner_uid != 0 and st.st_uid != entry.owner_uid:
             return None
-        return st.st_mtime
-    return None
+        return path
+    return in_ns  # not written yet: look where the rank will write it
+
+
+def heartbeat_mtime(entry: RankEntry) -> float | None:
+    """mtime of ``entry.heartbeat`` (already resolved by ``guard_entries``), with the owner rule
+    checked again at the moment of reading."""
+    if not entry.heartbeat:
+        return None
+    try:
+        st = os.stat(entry.heartbeat)
+    except (OSError, ValueError):
+        return None
+    if entry.owner_uid is not None and entry.owner_uid != 0 and st.st_uid != entry.owner_uid:
+        return None
+    return st.st_mtime
+
+
+def guard_entries(entries: Iterable[RankEntry], bad: Iterable[BadRankFile] = (),
+                  procfs: str = "/proc") -> tuple[list[RankEntry], list[BadRankFile]]:
+    """What every consumer of one cycle's rank entries sees: ``cap_ranks`` applied, and each
+    heartbeat replaced by ``heartbeat_path`` (None where the owner rule forbids it)."""
+    kept, out_bad = cap_ranks(entries, bad)
+    return [
+        dataclasses.replace(e, heartbeat=heartbeat_path(e, procfs)) if e.heartbeat else e
+        for e in kept
+    ], out_bad
 
 
 # --- discovery from /proc/PID/environ ------------------------------------------------------------
