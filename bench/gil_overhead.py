@@ -36,24 +36,22 @@ from gpuwatchd.sources.pyspy import PySpy, resolve_pyspy
 TARGET = r"""
 import sys, threading, time
 threads, workers = int(sys.argv[1]), int(sys.argv[2])
-counts = [0] * workers
 stop = threading.Event()
 def work(i):
+    # reports from the worker itself: no other thread wakes up and competes for the GIL
     n = 0
     while True:
-        for _ in range(1000):
+        for _ in range(1_000_000):
             n += 1
-        counts[i] = n
+        print(i, time.time(), n, flush=True)
 def idle():
     stop.wait()
-for i in range(workers):
-    threading.Thread(target=work, args=(i,), name=f"work-{i}", daemon=True).start()
 for i in range(threads - workers - 1):
     threading.Thread(target=idle, name=f"idle-{i}", daemon=True).start()
+for i in range(workers):
+    threading.Thread(target=work, args=(i,), name=f"work-{i}", daemon=True).start()
 print("ready", threading.active_count(), flush=True)
-while True:
-    time.sleep(0.1)
-    print(time.time(), sum(counts), flush=True)
+stop.wait()
 """
 
 
@@ -65,25 +63,28 @@ class Target:
         first = self.proc.stdout.readline().split()
         assert first[0] == "ready", first
         self.threads = int(first[1])
-        self.samples: list[tuple[float, int]] = []
+        self.samples: dict[int, list[tuple[float, int]]] = {}
         self._lock = threading.Lock()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            t, n = line.split()
+            i, t, n = line.split()
             with self._lock:
-                self.samples.append((float(t), int(n)))
+                self.samples.setdefault(int(i), []).append((float(t), int(n)))
 
     def rate(self, t0: float, t1: float) -> float:
-        """Iterations per second between two wall-clock instants (nearest reports inside)."""
+        """Iterations per second between two wall-clock instants, summed over the workers."""
+        total = 0.0
         with self._lock:
-            inside = [(t, n) for t, n in self.samples if t0 <= t <= t1]
-        if len(inside) < 2:
-            raise RuntimeError("target did not report inside the window")
-        (ta, na), (tb, nb) = inside[0], inside[-1]
-        return (nb - na) / (tb - ta)
+            for series in self.samples.values():
+                inside = [(t, n) for t, n in series if t0 <= t <= t1]
+                if len(inside) < 2:
+                    raise RuntimeError("target did not report inside the window")
+                (ta, na), (tb, nb) = inside[0], inside[-1]
+                total += (nb - na) / (tb - ta)
+        return total
 
     def close(self) -> None:
         self.proc.kill()
@@ -149,6 +150,11 @@ def main() -> int:
     def loss(xs: list[float]) -> float:
         return 1 - statistics.median(xs) / statistics.median(off)
 
+    # each "on" window against the "off" window next to it: drift and load changes cancel
+    pair_loss = [1 - a / b for a, b in zip(on, off, strict=True)]
+    pair_mean = statistics.fmean(pair_loss)
+    pair_ci = 1.96 * statistics.stdev(pair_loss) / len(pair_loss) ** 0.5 if len(on) > 1 else 0.0
+
     result = {
         "target_threads": target.threads,
         "workers": args.workers,
@@ -162,6 +168,8 @@ def main() -> int:
         "loss_median_percent": round(100 * loss(on), 2),
         "loss_mean_percent": round(100 * (1 - statistics.fmean(on) / statistics.fmean(off)), 2),
         "window_noise_percent": round(100 * statistics.pstdev(off) / statistics.fmean(off), 2),
+        "paired_loss_percent": round(100 * pair_mean, 2),
+        "paired_loss_ci95_percent": round(100 * pair_ci, 2),
         "pyspy_cpu_seconds_per_sampled_second": round(cpu / sampled, 4) if sampled else None,
         "gil_held_ratio_mean": round(statistics.fmean(ratios), 3) if ratios else None,
         "cpus": os.cpu_count(),
@@ -181,6 +189,8 @@ def main() -> int:
         print(f"  loss with --gil --nonblocking: {result['loss_median_percent']:+.2f} % (median), "
               f"{result['loss_mean_percent']:+.2f} % (mean); window noise "
               f"{result['window_noise_percent']:.2f} %")  # fmt: skip
+        print(f"  paired loss (on vs adjacent off): {result['paired_loss_percent']:+.2f} % "
+              f"± {result['paired_loss_ci95_percent']:.2f} % (95 % CI)")
         if args.blocking:
             print(f"  blocking mode (never used by gpuwatchd): {result['loss_blocking_percent']:+.2f} "
                   f"% loss")  # fmt: skip
