@@ -57,6 +57,8 @@ def test_dashboards_are_well_formed() -> None:
         assert d["uid"] and d["title"] and d["schemaVersion"] >= 36
         ids = [p["id"] for p in d["panels"]]
         assert len(ids) == len(set(ids)), path.name
+        titles = [p["title"] for p in d["panels"]]
+        assert len(titles) == len(set(titles)), f"{path.name}: panel titles repeat"
         variables = {v["name"] for v in d["templating"]["list"]}
         assert "datasource" in variables
         cells: set[tuple[int, int]] = set()
