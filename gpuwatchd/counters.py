@@ -17,6 +17,7 @@ class CounterStore:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._values: dict[str, dict[tuple[str, ...], float]] = {n: {} for n in COUNTER_LABELS}
+        self.version = 0  # bumped on every change: lets the exporter reuse a rendered scrape
 
     def _check(self, name: str, labels: tuple[str, ...]) -> None:
         want = COUNTER_LABELS.get(name)
@@ -32,12 +33,15 @@ class CounterStore:
         with self._lock:
             series = self._values[name]
             series[labels] = series.get(labels, 0.0) + n
+            self.version += 1
 
     def ensure(self, name: str, labels: tuple[str, ...] = ()) -> None:
         """Create the series at 0 so that ``increase()`` sees its first increment."""
         self._check(name, labels)
         with self._lock:
-            self._values[name].setdefault(labels, 0.0)
+            if labels not in self._values[name]:
+                self._values[name][labels] = 0.0
+                self.version += 1
 
     def get(self, name: str, labels: tuple[str, ...] = ()) -> float:
         with self._lock:

@@ -194,8 +194,10 @@ class Daemon:
         os.makedirs(self.config.state_dir, exist_ok=True)
         path = os.path.join(self.config.state_dir, STATE_FILE)
         tmp = f"{path}.tmp"
+        # json.dumps uses the C encoder; json.dump to a file would run the pure-Python one
+        text = json.dumps(state_to_json(state), separators=(",", ":"), default=str)
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(state_to_json(state), f, separators=(",", ":"), default=str)
+            f.write(text)
         os.replace(tmp, path)
 
     # --- lifecycle ------------------------------------------------------------------------------

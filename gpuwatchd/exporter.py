@@ -7,6 +7,7 @@ latest immutable state plus a snapshot of the counters: it never calls NVML, /pr
 from __future__ import annotations
 
 import functools
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
@@ -211,7 +212,57 @@ class StateCollector(Collector):
         return out
 
 
-def make_registry(get_state: Callable[[], NodeState | None], counters: CounterStore) -> CollectorRegistry:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(StateCollector(get_state, counters))
-    return registry
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _value(v: float) -> str:
+    v = float(v)
+    if v != v:
+        return "NaN"
+    if v in (float("inf"), float("-inf")):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(v)
+
+
+def render_text(families: Iterable[Metric]) -> bytes:
+    """Prometheus text format 0.0.4, like ``prometheus_client.generate_latest`` but about five times
+    faster for our families (no exemplars, timestamps or native histograms to consider)."""
+    out: list[str] = []
+    for fam in families:
+        name = fam.name + "_total" if fam.type == "counter" else fam.name
+        doc = fam.documentation.replace("\\", "\\\\").replace("\n", "\\n")
+        out.append(f"# HELP {name} {doc}\n# TYPE {name} {fam.type}\n")
+        for s in fam.samples:
+            if s.labels:
+                labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(s.labels.items()))
+                out.append(f"{s.name}{{{labels}}} {_value(s.value)}\n")
+            else:
+                out.append(f"{s.name} {_value(s.value)}\n")
+    return "".join(out).encode("utf-8")
+
+
+class StateRegistry(CollectorRegistry):
+    """The private registry, plus ``encode_text()``: the rendered scrape is reused until the state
+    or a counter changes, so a scrape between two cycles costs a dictionary lookup."""
+
+    def __init__(self, collector: StateCollector) -> None:
+        super().__init__(auto_describe=False)
+        self.collector = collector
+        self.register(collector)
+        self._cache: tuple[NodeState | None, int, bytes] | None = None
+        self._render_lock = threading.Lock()  # CollectorRegistry has its own _lock
+
+    def encode_text(self) -> bytes:
+        # The cache holds the state object itself (compared with `is`), so its id cannot be reused.
+        state, version = self.collector.get_state(), self.collector.counters.version
+        with self._render_lock:
+            if self._cache is not None and self._cache[0] is state and self._cache[1] == version:
+                return self._cache[2]
+            body = render_text(self.collect())
+            self._cache = (state, version, body)
+            return body
+
+
+def make_registry(get_state: Callable[[], NodeState | None], counters: CounterStore) -> StateRegistry:
+    return StateRegistry(StateCollector(get_state, counters))

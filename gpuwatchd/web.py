@@ -56,7 +56,7 @@ from urllib.parse import parse_qs, urlsplit
 import bcrypt
 import yaml
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import choose_encoder, generate_latest
 
 log = logging.getLogger(__name__)
 
@@ -562,7 +562,11 @@ class _Handler(BaseHTTPRequestHandler):
         registry: Any = self.server.registry
         if "name[]" in params:
             registry = registry.restricted_registry(params["name[]"])
-        body = encoder(registry)
+            body = encoder(registry)
+        elif encoder is generate_latest and hasattr(registry, "encode_text"):
+            body = registry.encode_text()  # gpuwatchd's StateRegistry: cached between cycles
+        else:
+            body = encoder(registry)
         self._send(200, body, content_type)
 
     def _method_not_allowed(self) -> None:

@@ -134,3 +134,35 @@ def test_one_broken_family_does_not_break_the_scrape() -> None:
 def test_scrape_before_first_cycle() -> None:
     text = exposition(None, CounterStore())
     assert "gpuwatch_build_info" in text
+
+
+def test_fast_renderer_equals_prometheus_client_and_passes_promtool() -> None:
+    state, counters = full_state()
+    reg = make_registry(lambda: state, counters)
+    fast = reg.encode_text().decode()
+    ref = generate_latest(reg).decode()
+
+    def parsed(text: str) -> dict:
+        return {(f.name, f.type, f.documentation, tuple((s.name, tuple(sorted(s.labels.items())), s.value)
+                                                        for s in f.samples))
+                for f in text_string_to_metric_families(text)}
+
+    assert parsed(fast) == parsed(ref)
+    r = subprocess.run([shutil.which("promtool") or "promtool", "check", "metrics"], input=fast,
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
+
+
+def test_rendered_scrape_is_reused_until_state_or_counters_change() -> None:
+    state, counters = full_state()
+    holder = {"s": state}
+    reg = make_registry(lambda: holder["s"], counters)
+    first = reg.encode_text()
+    assert reg.encode_text() is first
+    counters.inc("oom_kills", ("llm-7", "0", "python", "kernel"))
+    second = reg.encode_text()
+    assert second is not first and b'killer="kernel",rank="0"} 1.0' in second
+    from dataclasses import replace
+
+    holder["s"] = replace(state, timestamp=state.timestamp + 5)
+    assert reg.encode_text() is not second

@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""Benchmark of the per-cycle cost (issue 2, DESIGN §7), side by side with process-exporter.
+
+For N in (16, 64, 256): starts N real processes holding ~1000 open fds each, registers them as
+ranks, then measures
+  * gpuwatchd: CPU seconds per cycle (the real Daemon.cycle(): rank files, /proc, join), in-process
+    with nothing else running in this process;
+  * /metrics latency p50/p99 of a real `gpuwatchd run` scraped over loopback, and its RSS;
+  * Debian's prometheus-process-exporter watching exactly the same processes (matched by a marker in
+    their command line): CPU seconds per scrape, from its /proc/PID/stat utime+stime;
+and prints the ratio. Also the /metrics latency for a synthetic 8 GPU x 64 process state.
+
+    .venv/bin/python bench/bench_daemon.py [--sizes 16,64,256] [--cycles 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from gpuwatchd.config import Config, DiscoveryConfig, GilConfig, NvmlConfig, WebConfig  # noqa: E402
+from gpuwatchd.counters import CounterStore  # noqa: E402
+from gpuwatchd.daemon import Daemon  # noqa: E402
+from gpuwatchd.exporter import make_registry  # noqa: E402
+from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, ProcessInfo, RankState  # noqa: E402
+from gpuwatchd.sources.rankfiles import write_rank_file  # noqa: E402
+
+MARKER = "gpuwatchd-bench-rank"
+CHILD = (
+    "import os, resource, sys, time\n"
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (2048, 2048))\n"
+    "fds = [os.open('/dev/null', os.O_RDONLY) for _ in range(1000)]\n"
+    "sys.stdout.write('ok\\n'); sys.stdout.flush()\n"
+    "time.sleep(3600)\n"
+)
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_of(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK
+
+
+def rss_of(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def start_ranks(n: int) -> list[subprocess.Popen[str]]:
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, MARKER], stdout=subprocess.PIPE, text=True)
+             for _ in range(n)]
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ok"
+    return procs
+
+
+def scrape_latencies(url: str, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(url, timeout=10) as r:
+            r.read()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def bench_gpuwatchd(n: int, rank_dir: str, state_dir: str, cycles: int) -> dict[str, float]:
+    cfg = Config(rank_dir=rank_dir, state_dir=state_dir, interval_seconds=5, kernel_log="off",
+                 gil=GilConfig(enabled=False), nvml=NvmlConfig(enabled=False),
+                 discovery=DiscoveryConfig(enabled=False), web=WebConfig(listen_address="127.0.0.1:0"))
+    d = Daemon(cfg, subsystems=[])
+    d.cycle()  # warm: rank files parsed, environ read once per rank
+    t0 = time.process_time()
+    w0 = time.perf_counter()
+    for _ in range(cycles):
+        state = d.cycle()
+    cpu = (time.process_time() - t0) / cycles
+    wall = (time.perf_counter() - w0) / cycles
+    assert sum(r.alive for r in state.ranks) == n, "every rank must be seen alive"
+    assert all(r.process and r.process.open_fds and r.process.open_fds >= 1000 for r in state.ranks)
+    return {"cpu_per_cycle_s": cpu, "wall_per_cycle_s": wall}
+
+
+def bench_daemon_process(rank_dir: str, state_dir: str, scrapes: int) -> dict[str, float]:
+    port = free_port()
+    cfg_path = Path(state_dir) / "bench.yaml"
+    cfg_path.write_text(
+        f"web: {{listen_address: '127.0.0.1:{port}'}}\ninterval_seconds: 5\nrank_dir: {rank_dir}\n"
+        f"state_dir: {state_dir}\nkernel_log: 'off'\ngil: {{enabled: false}}\nnvml: {{enabled: false}}\n"
+        "discovery: {enabled: false}\n")
+    p = subprocess.Popen([sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg_path)],
+                         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if b"gpuwatch_rank_up" in r.read():
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("daemon did not come up")
+            time.sleep(0.2)
+        lat = scrape_latencies(url, scrapes)
+        idle_c0, idle_t0 = cpu_of(p.pid), time.monotonic()
+        time.sleep(10)  # two cycles at 5 s, no scrapes: the steady-state CPU share
+        share = (cpu_of(p.pid) - idle_c0) / (time.monotonic() - idle_t0)
+        return {"p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3, "rss_mb": rss_of(p.pid) / 1e6,
+                "cpu_share_at_5s": share}
+    finally:
+        p.terminate()
+        p.wait(10)
+
+
+def bench_process_exporter(n: int, scrapes: int) -> dict[str, float] | None:
+    exe = shutil.which("prometheus-process-exporter") or shutil.which("process-exporter")
+    if exe is None:
+        print("  process-exporter not installed (apt install prometheus-process-exporter): skipped")
+        return None
+    port = free_port()
+    with tempfile.NamedTemporaryFile("w", suffix=".yml", delete=False) as f:
+        f.write("process_names:\n  - name: '{{.PID}}'\n    cmdline:\n    - '" + MARKER + "'\n")
+        cfg = f.name
+    p = subprocess.Popen([exe, "-config.path", cfg, "-web.listen-address", f"127.0.0.1:{port}"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    body = r.read().decode()
+                groups = body.count("namedprocess_namegroup_num_procs{")
+                if groups >= n:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"process-exporter saw {groups} of {n} processes")
+            time.sleep(0.2)
+        assert "namedprocess_namegroup_open_filedesc" in body
+        c0 = cpu_of(p.pid)
+        lat = scrape_latencies(url, scrapes)
+        return {"cpu_per_scrape_s": (cpu_of(p.pid) - c0) / scrapes, "p50_ms": pct(lat, 0.5) * 1e3,
+                "p99_ms": pct(lat, 0.99) * 1e3}
+    finally:
+        p.terminate()
+        p.wait(10)
+        os.unlink(cfg)
+
+
+def bench_synthetic_scrape(scrapes: int) -> dict[str, float]:
+    """/metrics for 8 GPUs x 64 processes (64 ranks, one GPU process each plus workers)."""
+    from gpuwatchd import web
+
+    proc = ProcessInfo(1, 1, "python", "S", 0, "root", 1, 1.0, 1.0, 1 << 30, 40, 1000, 2048, 2048)
+    gpus = tuple(GpuDevice(i, f"GPU-{i:08x}", "NVIDIA H200", f"0000:{i:02x}:00.0", 150 << 30, 90 << 30, 0.9)
+                 for i in range(8))
+    ranks = tuple(RankState("bench", r, 1000 + r, r % 8, 64, True, proc, (1000 + r,)) for r in range(64))
+    rows = tuple(GpuProcessRow(r % 8, f"GPU-{r % 8:08x}", 1000 + r, 10 << 30, "python", "root", "bench", str(r))
+                 for r in range(64))
+    state = NodeState(timestamp=time.time(), ranks=ranks, gpus=gpus, gpu_processes=rows)
+    counters = CounterStore()
+    server = web.serve(make_registry(lambda: state, counters), "127.0.0.1:0", None)
+    host, port = server.address[:2]
+    try:
+        lat = scrape_latencies(f"http://{host}:{port}/metrics", scrapes)
+    finally:
+        server.close()
+    return {"p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="16,64,256")
+    ap.add_argument("--cycles", type=int, default=50)
+    ap.add_argument("--scrapes", type=int, default=200)
+    args = ap.parse_args()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 4096), max(hard, 4096)))
+    print(f"host: {os.cpu_count()} CPUs, kernel {os.uname().release}, python {sys.version.split()[0]}")
+    rows = []
+    for n in (int(x) for x in args.sizes.split(",")):
+        procs = start_ranks(n)
+        with tempfile.TemporaryDirectory() as tmp:
+            rank_dir, state_dir = f"{tmp}/ranks", f"{tmp}/state"
+            for i, p in enumerate(procs):
+                write_rank_file(rank_dir, {"version": 1, "job_id": "bench", "world_size": n,
+                                           "ranks": [{"rank": i, "pid": p.pid}]}, f"bench.{i}.json")
+            try:
+                g = bench_gpuwatchd(n, rank_dir, state_dir, args.cycles)
+                dp = bench_daemon_process(rank_dir, state_dir, args.scrapes)
+                pe = bench_process_exporter(n, max(20, args.scrapes // 10))
+            finally:
+                for p in procs:
+                    p.kill()
+                    p.wait()
+        ratio = pe["cpu_per_scrape_s"] / g["cpu_per_cycle_s"] if pe else float("nan")
+        rows.append((n, g, dp, pe, ratio))
+        print(f"N={n:4d}: gpuwatchd {g['cpu_per_cycle_s'] * 1e3:7.2f} ms CPU/cycle "
+              f"({g['cpu_per_cycle_s'] / n * 1e6:6.1f} us/process), /metrics p50 {dp['p50_ms']:.2f} ms "
+              f"p99 {dp['p99_ms']:.2f} ms, RSS {dp['rss_mb']:.1f} MB, CPU share at 5 s cycle "
+              f"{dp['cpu_share_at_5s'] * 100:.3f} % of a core"
+              + (f" | process-exporter {pe['cpu_per_scrape_s'] * 1e3:7.2f} ms CPU/scrape "
+                 f"(p99 {pe['p99_ms']:.1f} ms) -> process-exporter/gpuwatchd = {ratio:.1f}x" if pe else ""))
+    s = bench_synthetic_scrape(args.scrapes)
+    print(f"synthetic 8 GPUs x 64 processes: /metrics p50 {s['p50_ms']:.2f} ms p99 {s['p99_ms']:.2f} ms "
+          "(budget p99 <= 5 ms)")
+    if len(rows) >= 2:
+        (n0, g0, *_), (n1, g1, *_) = rows[0], rows[-1]
+        print(f"scaling: {n1 / n0:.0f}x processes -> {g1['cpu_per_cycle_s'] / g0['cpu_per_cycle_s']:.1f}x CPU/cycle")
+
+
+if __name__ == "__main__":
+    main()
