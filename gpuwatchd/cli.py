@@ -176,7 +176,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpuwatchd", description=__doc__.splitlines()[0] if __doc__ else "")
+    parser = argparse.ArgumentParser(prog="gpuwatchd", description="Per-node monitoring of GPU training ranks.")
     parser.add_argument("--version", action="version", version=f"gpuwatchd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
