@@ -125,3 +125,24 @@ def test_nvml_failing_mid_run_marks_the_collector_down_and_the_daemon_goes_on(
     assert "GPU 0" in status[1].error
     assert second.gpus == first.gpus  # last good reading kept while recent
     assert fourth.gpus and json.dumps([g.uuid for g in fourth.gpus]) == json.dumps([UUID])
+
+
+def test_udev_remove_raises_gpu_lost_at_once_and_reinitialises_nvml(tmp_path: Path) -> None:
+    from gpuwatchd.sources.udev import classify, parse_uevent_file
+
+    d, sub = _daemon(tmp_path, FIX / "h200_orphan_dataloader.json", {}, watch_xid=False)
+    try:
+        d.cycle()
+        lib = sub.source._nvml  # type: ignore[union-attr]
+        assert lib.init_calls == 1
+        props = parse_uevent_file((FIX / "h200_pci_uevent.txt").read_text())
+        sub._on_uevent(classify("remove", props, 1234.0))  # type: ignore[arg-type]
+        state = d.cycle()
+        (lost,) = [f for f in state.findings if f.kind == "gpu_lost"]
+        assert lost.severity == "page" and f"GPU 0 ({UUID}, PCI 0000:00:06.0)" in lost.explanation
+        assert lib.init_calls == 2  # NVML re-initialised: its device list is fixed at nvmlInit
+        sub._on_uevent(classify("add", props, 1240.0))  # type: ignore[arg-type]
+        state = d.cycle()
+        assert not [f for f in state.findings if f.kind == "gpu_lost"]
+    finally:
+        sub.stop()
