@@ -20,7 +20,6 @@ import os
 import resource
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -89,7 +88,7 @@ def scrape_latencies(url: str, n: int) -> list[float]:
 
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
 def bench_gpuwatchd(n: int, rank_dir: str, state_dir: str, cycles: int) -> dict[str, float]:

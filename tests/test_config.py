@@ -82,7 +82,7 @@ def test_bad_listen_address(value: object) -> None:
 def test_flag_overrides_file() -> None:
     c = with_overrides(Config(), "127.0.0.1:1234")
     assert c.web.listen_address == "127.0.0.1:1234"
-    with pytest.raises(ConfigError, match="--web.listen-address"):
+    with pytest.raises(ConfigError, match=r"--web\.listen-address"):
         with_overrides(Config(), "nonsense")
 
 

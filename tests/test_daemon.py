@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from daemonutil import DaemonProc, has_finding, write_config
 
 # Opens fds in steps of 100 up to 900 under a soft limit of 1024, then waits.
@@ -102,7 +101,8 @@ def test_nccl_legacy_and_error_handling_off(daemon: DaemonProc) -> None:
 BAD_FILES: dict[str, bytes] = {
     "truncated.json": b'{"version": 1, "job_id": "x", "ranks": [{"rank": 0, "pid": 1',
     "wrong-types.json": b'{"version": 1, "job_id": 7, "ranks": [{"rank": "zero", "pid": "1"}]}',
-    "unicode.json": "{\"version\": 1, \"job_id\": \"\u202e\u0000\udcff\", \"ranks\": []}".encode("utf-8", "surrogatepass"),
+    "unicode.json": "{\"version\": 1, \"job_id\": \"\u202e\u0000\udcff\", \"ranks\": []}".encode(
+        "utf-8", "surrogatepass"),
     "binary.json": bytes(range(256)) * 4,
     "huge.json": b'{"version": 1, "job_id": "' + b"a" * (300 * 1024) + b'"}',
     "deep.json": b"[" * 100000 + b"]" * 100000,
@@ -179,7 +179,7 @@ def test_bad_config_at_start_exits_2_naming_every_key(tmp_path: Path) -> None:
 def test_listen_address_flag_overrides_file(tmp_path: Path) -> None:
     from daemonutil import free_port
 
-    path, cfg = write_config(tmp_path)
+    path, _ = write_config(tmp_path)
     port = free_port()
     log = open(tmp_path / "flag.log", "wb")  # noqa: SIM115
     p = subprocess.Popen([sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(path),

@@ -106,7 +106,8 @@ def test_fd_ratio_and_growth() -> None:
 
 def test_nccl_findings_from_flags() -> None:
     s, _ = run(10, [entry(0, 10), entry(1, 11)], [proc(10), proc(11)],
-               env_flags={10: ("NCCL_ASYNC_ERROR_HANDLING", "NCCL_DESYNC_DEBUG"), 11: ("TORCH_NCCL_ASYNC_ERROR_HANDLING=0",)})
+               env_flags={10: ("NCCL_ASYNC_ERROR_HANDLING", "NCCL_DESYNC_DEBUG"),
+                          11: ("TORCH_NCCL_ASYNC_ERROR_HANDLING=0",)})
     k = kinds(s)
     assert ("nccl_legacy_env", "0") in k and ("nccl_error_handling_off", "1") in k
     legacy = next(f for f in s.findings if f.kind == "nccl_legacy_env")

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from daemonutil import DaemonProc, write_config
+
 from gpuwatchd import notify
 
 

@@ -130,7 +130,8 @@ def test_any_json_document_parses_or_raises_rankfileerror(value: object) -> None
 
 @pytest.mark.parametrize("env,expected", [
     ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "llm-7"}, ("llm-7", 3, 1, 8)),
-    ({"RANK": "3", "TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0"}, ("4242", 3, None, None)),
+    ({"RANK": "3", "TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0"},
+     ("4242", 3, None, None)),
     ({"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "99", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8"},
      ("99.0", 5, 1, 8)),
     ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4",
