@@ -11,6 +11,7 @@ import re
 import shutil
 import stat
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -260,3 +261,93 @@ def test_anchor_fixtures_are_documented() -> None:
     for p in ANCHORS.glob("*.service"):
         assert p.name in readme
     assert os.path.getsize(ANCHORS / "nvidia-dcgm-exporter.service") > 0
+
+
+# --- the system-call filter: py-spy without ptrace(2) ------------------------------------------
+
+# exec argv[1:] under a seccomp filter answering EPERM to the given system calls (what systemd's
+# SystemCallFilter= with SystemCallErrorNumber=EPERM does for the unit).
+SECCOMP_EXEC = r"""
+import ctypes, os, platform, struct, sys
+NR = {"x86_64": {"ptrace": 101, "process_vm_writev": 311},
+      "aarch64": {"ptrace": 117, "process_vm_writev": 271}}[platform.machine()]
+deny = [NR[name] for name in sys.argv[1].split(",")]
+ins = [(0x20, 0, 0, 0)]  # A = seccomp_data.nr
+for i, nr in enumerate(deny):
+    ins.append((0x15, len(deny) - i, 0, nr))  # A == nr -> the ERRNO return below
+ins += [(0x06, 0, 0, 0x7FFF0000), (0x06, 0, 0, 0x00050001)]  # ALLOW, ERRNO(EPERM)
+buf = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in ins))
+class Prog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+prog = Prog(len(ins), ctypes.cast(buf, ctypes.c_void_p))
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
+assert libc.prctl(22, 2, ctypes.byref(prog), 0, 0) == 0  # PR_SET_SECCOMP, FILTER
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+DENIED = "ptrace,process_vm_writev"
+
+
+def _filtered(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["/usr/bin/python3", "-c", SECCOMP_EXEC, DENIED, *argv],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_unit_allows_no_ptrace_and_denies_process_vm_writev() -> None:
+    text = UNIT.read_text()
+    allow = [v for v in _unit_values(text, "SystemCallFilter") if not v.startswith("~")]
+    deny = [v for v in _unit_values(text, "SystemCallFilter") if v.startswith("~")]
+    assert allow == ["@system-service"]
+    assert "process_vm_writev" in " ".join(deny).split()
+    assert _unit_values(text, "SystemCallErrorNumber") == ["EPERM"]
+    groups = {}
+    for name in ("@system-service", "@ipc", "@debug"):
+        out = subprocess.run(["systemd-analyze", "syscall-filter", name], capture_output=True,
+                             text=True, timeout=60)
+        groups[name] = out.stdout.split()
+    assert "@ipc" in groups["@system-service"] and "@debug" not in groups["@system-service"]
+    assert "process_vm_readv" in groups["@ipc"] and "process_vm_writev" in groups["@ipc"]
+    assert "ptrace" in groups["@debug"] and "ptrace" not in groups["@ipc"]
+
+
+def test_pyspy_nonblocking_works_without_ptrace_or_memory_writes() -> None:
+    """The daemon's two py-spy invocations (gpuwatchd/sources/pyspy.py) succeed with ptrace(2)
+    and process_vm_writev(2) refused, while the filter really refuses them."""
+    target = subprocess.Popen(
+        ["/usr/bin/python3", "-c",
+         "import threading, time\n"
+         "def spin():\n"
+         "    while True:\n"
+         "        sum(range(10000))\n"
+         "threading.Thread(target=spin, daemon=True).start()\n"
+         "print('ready', flush=True)\n"
+         "time.sleep(120)\n"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert target.stdout is not None and target.stdout.readline().strip() == "ready"
+        time.sleep(0.3)
+        dump = _filtered(str(PY_SPY), "dump", "--json", "--nonblocking", "-p", str(target.pid))
+        assert dump.returncode == 0, dump.stderr
+        stacks = json.loads(dump.stdout)
+        assert any(f["name"] == "spin" for t in stacks for f in t["frames"]), dump.stdout[:500]
+        with tempfile.TemporaryDirectory(prefix="gw-h7-") as d:
+            out = Path(d) / "raw.txt"
+            rec = _filtered(str(PY_SPY), "record", "--gil", "--nonblocking", "--format", "raw",
+                            "--threads", "--hideprogress", "-r", "50", "-d", "1", "-o", str(out),
+                            "-p", str(target.pid))
+            assert rec.returncode == 0, rec.stderr
+            assert "spin" in out.read_text()
+        probe = _filtered(
+            "/usr/bin/python3", "-c",
+            "import ctypes, sys\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            f"r1 = libc.ptrace(16, {target.pid}, 0, 0)\n"  # PTRACE_ATTACH
+            "e1 = ctypes.get_errno()\n"
+            f"r2 = libc.syscall(311 if __import__('platform').machine() == 'x86_64' else 271,"
+            f" {target.pid}, 0, 0, 0, 0, 0)\n"
+            "e2 = ctypes.get_errno()\n"
+            "print(r1, e1, r2, e2)\n")
+        assert probe.stdout.split() == ["-1", "1", "-1", "1"], probe.stdout + probe.stderr
+    finally:
+        target.kill()
+        target.wait(10)
