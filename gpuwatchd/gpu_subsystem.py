@@ -24,7 +24,7 @@ from typing import Any
 from gpuwatchd.cuda_oom import OomTracker
 from gpuwatchd.daemon import Subsystem
 from gpuwatchd.isolation import Collector
-from gpuwatchd.model import Finding, GpuDevice, GpuProcess, NodeState, ProcessInfo
+from gpuwatchd.model import PAGE, Finding, GpuDevice, GpuProcess, NodeState, ProcessInfo
 from gpuwatchd.orphans import OrphanTracker, trees_from_entries
 from gpuwatchd.sources.devfds import ProcEvidence, read_evidence
 from gpuwatchd.sources.nvml import NvmlSource, XidEventWatcher
@@ -53,6 +53,7 @@ class GpuSubsystem(Subsystem):
         self._lost: dict[str, Finding] = {}
         self._lock = threading.Lock()
         self._devices: tuple[GpuDevice, ...] = ()
+        self._known: dict[int, GpuDevice] = {}  # last good reading of each GPU index
         self._last_state: NodeState | None = None
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -107,6 +108,9 @@ class GpuSubsystem(Subsystem):
         out: dict[str, Any] = {"collectors": (self.collector.status,)}
         devices, procs = reading if reading is not None else ((), ())
         self._devices = devices
+        self._known.update((d.index, d) for d in devices)
+        lost_now = [nvml_lost_finding(i, self._known.get(i), daemon.clock())
+                    for i in sorted(self.source.lost_devices if self.source else ())]
         self.dedup.learn_devices(devices)
         processes: dict[int, ProcessInfo] = dict(partial.get("processes", {}))
         missing = sorted({p.pid for p in procs} - set(processes))
@@ -140,7 +144,15 @@ class GpuSubsystem(Subsystem):
                                       {o.pid: o.reason for o in orphans},
                                       {pid: p.comm for pid, p in processes.items()}))
         with self._lock:
-            findings += list(self._lost.values())
+            lost = list(self._lost.values())
+        lost += lost_now
+        if lost:
+            # one gpu_lost finding per node (a finding's identity has no GPU label)
+            findings.append(Finding(
+                kind="gpu_lost", severity=PAGE,
+                explanation="; ".join(f.explanation for f in lost),
+                evidence={"gpus": [dict(f.evidence) for f in lost]},
+                since=min(f.since for f in lost)))
         out.update(
             gpus=devices,
             gpu_processes=procs,
@@ -153,3 +165,16 @@ class GpuSubsystem(Subsystem):
 
     def after_join(self, daemon: Any, state: NodeState) -> None:
         self._last_state = state
+
+
+def nvml_lost_finding(index: int, known: GpuDevice | None, now: float) -> Finding:
+    """NVML answered NVML_ERROR_GPU_IS_LOST for this GPU (it fell off the bus or hung)."""
+    name = f"GPU {index}" + (f" ({known.uuid}, PCI {known.pci_bus_id})" if known else "")
+    return Finding(
+        kind="gpu_lost",
+        severity=PAGE,
+        explanation=(f"{name}: NVML reports the GPU is lost (NVML_ERROR_GPU_IS_LOST); its "
+                     f"processes will fail; check 'dmesg' for Xid 79 and the node's hardware"),
+        evidence={"gpu": str(index), "uuid": known.uuid if known else "", "source": "nvml"},
+        since=now,
+    )

@@ -146,3 +146,16 @@ def test_udev_remove_raises_gpu_lost_at_once_and_reinitialises_nvml(tmp_path: Pa
         assert not [f for f in state.findings if f.kind == "gpu_lost"]
     finally:
         sub.stop()
+
+
+def test_nvml_gpu_is_lost_becomes_one_gpu_lost_finding(tmp_path: Path) -> None:
+    d, sub = _daemon(tmp_path, FIX / "derived_gpu_lost_xid.json", {}, watch_xid=False)
+    try:
+        state = d.cycle()
+    finally:
+        sub.stop()
+    assert [g.index for g in state.gpus] == [0]
+    (lost,) = [f for f in state.findings if f.kind == "gpu_lost"]
+    assert lost.explanation.startswith("GPU 1: NVML reports the GPU is lost")
+    nvml = next(c for c in state.collectors if c.name == "nvml")
+    assert nvml.success  # the other GPU is still read

@@ -113,6 +113,7 @@ class NvmlSource:
         self._util_last: dict[int, dict[int, float]] = {}  # index -> pid -> last SM ratio
         # index -> reason for the devices the last read() could not read (lost, driver error)
         self.device_errors: dict[int, str] = {}
+        self.lost_devices: frozenset[int] = frozenset()  # NVML_ERROR_GPU_IS_LOST at last read()
         self.driver_version: str = ""
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -169,16 +170,20 @@ class NvmlSource:
             devices: list[GpuDevice] = []
             processes: list[GpuProcess] = []
             errors: dict[int, str] = {}
+            lost: set[int] = set()
             for index in range(count):
                 try:
                     device, procs = self._read_device(nv, index)
                 except nv.NVMLError as exc:
                     # One lost GPU must not hide the others: record it, read on.
                     errors[index] = str(exc)
+                    if _code(exc) == NVML_ERROR_GPU_IS_LOST:
+                        lost.add(index)
                     continue
                 devices.append(device)
                 processes.extend(procs)
             self.device_errors = errors
+            self.lost_devices = frozenset(lost)
             if count and not devices:
                 raise NvmlReadError(
                     "no GPU could be read: "
