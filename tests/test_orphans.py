@@ -205,3 +205,21 @@ def test_pid_reuse_restarts_the_grace_period(procs: list) -> None:
     reused = info.__class__(**{**info.__dict__, "start_ticks": info.start_ticks + 1})
     assert tracker.update([gp], {a.pid: reused}, trees, 11.0) == ()  # new process: new grace
     assert len(tracker.update([gp], {a.pid: reused}, trees, 21.5)) == 1
+
+
+def test_adoption_by_a_sub_reaper_is_noticed_as_reparenting(procs: list) -> None:
+    """Where a sub-reaper (systemd --user, a container init) adopts the orphan, PPID is not 1;
+    the tracker still sees the parent change since first sight."""
+    from dataclasses import replace
+
+    from gpuwatchd.model import GpuProcess
+
+    a = _sleep()
+    procs.append(a)
+    info = procfs.read_process(a.pid)
+    gp = GpuProcess(gpu_index=0, uuid="GPU-x", pid=a.pid, used_memory_bytes=5 << 30)
+    trees = RankTrees(known_jobs=frozenset({"j"}))
+    tracker = OrphanTracker(grace_seconds=0)
+    assert [o.reason for o in tracker.update([gp], {a.pid: info}, trees, 0.0)] == [UNREGISTERED]
+    adopted = replace(info, ppid=info.ppid + 100000)  # the sub-reaper's PID
+    assert [o.reason for o in tracker.update([gp], {a.pid: adopted}, trees, 1.0)] == [REPARENTED]
