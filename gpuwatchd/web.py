@@ -107,8 +107,6 @@ TLS_KEYS = {
 TLS_UNSUPPORTED_KEYS = {"cert", "key", "client_ca", "cipher_suites", "curve_preferences"}
 BCRYPT_RE = re.compile(r"^\$2[aby]?\$\d\d\$[./A-Za-z0-9]{53}$")
 DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
-# A bcrypt hash of a random password: unknown users cost the same time as known ones.
-_DUMMY_HASH = bcrypt.hashpw(os.urandom(16).hex().encode(), bcrypt.gensalt(4))
 
 
 class WebConfigError(ValueError):
@@ -412,7 +410,10 @@ class _AuthCache:
     def check(self, users: Mapping[str, bytes], user: str, password: bytes) -> bool:
         hashed = users.get(user)
         if hashed is None:
-            bcrypt.checkpw(password, _DUMMY_HASH)
+            # Check against a configured user's hash anyway: an unknown user name costs the same
+            # time as a wrong password, so timing does not reveal which users exist.
+            with contextlib.suppress(ValueError):
+                bcrypt.checkpw(password, next(iter(users.values())))
             return False
         key = hashlib.sha256(user.encode() + b"\0" + password + b"\0" + hashed).digest()
         with self._lock:
