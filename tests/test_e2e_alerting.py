@@ -1,7 +1,8 @@
 """End to end, all on loopback: real `gpuwatchd run` daemons, a real Prometheus scraping them with
 the shipped rules (1 s scrape and evaluation), a real Alertmanager with the shipped routing and
 inhibitions, and a webhook receiver here. A registered rank is OOM-killed by the kernel inside a
-memory cgroup; the page must arrive with the right job_id, rank and explanation. The GPU is the one
+memory cgroup; the page must arrive with the right job_id, rank and explanation, once: the rank's
+GPURankDown and its peer's GPURankStalled that follow are inhibited. The GPU is the one
 thing this machine lacks: NVML is the recorded H200 replay with live PIDs put in.
 
 Latencies are printed (pytest -s shows them)."""
@@ -97,7 +98,7 @@ def _kill(victim: subprocess.Popen[bytes]) -> float:
     return t0
 
 
-def test_oom_kill_pages_through_prometheus_and_alertmanager_and_every_panel_has_data(
+def test_oom_kill_pages_once_through_prometheus_and_alertmanager_every_panel_has_data(
         tmp_path: Path, procs: list[subprocess.Popen[bytes]], cgroups: list[MemCgroup],
         report: Any) -> None:
     job_id = "e2e-llm-7"
@@ -112,6 +113,7 @@ def test_oom_kill_pages_through_prometheus_and_alertmanager_and_every_panel_has_
         orphans={"grace_seconds": 0},
         gil={"enabled": True, "interval_seconds": 1, "duration_seconds": 0.5, "rate_hz": 20,
              "timeout_seconds": 5},
+        stall={"after_seconds": 8},  # the peer's heartbeat is touched once: it stalls
     )
     node.register(job_id, 0, peer.pid, 2, gpus="0", heartbeat=tmp_path / "rank0.heartbeat")
     node.register(job_id, 1, victim.pid, 2, gpus="0", heartbeat=tmp_path / "rank1.heartbeat")
@@ -159,8 +161,32 @@ def test_oom_kill_pages_through_prometheus_and_alertmanager_and_every_panel_has_
                     if not prom.query(q):
                         empty.append(f"{d} / variable {name}: {q}")
                 report(f"dashboard queries: {len(dashboard_panels())} panels, "
-                      f"{len(empty)} without data")
+                       f"{len(empty)} without data")
                 assert not empty, "\n".join(empty)
+
+                # A minute later the killed rank is GPURankDown and its peer GPURankStalled in
+                # Prometheus; Alertmanager inhibits both under the OOM page: no second page.
+                def firing(name: str, rank: str) -> bool:
+                    return any(a["labels"]["alertname"] == name and a["state"] == "firing"
+                               and a["labels"].get("job_id") == job_id
+                               and a["labels"].get("rank") == rank for a in prom.alerts())
+
+                wait_until(lambda: firing("GPURankDown", "1") and firing("GPURankStalled", "0"),
+                           120, "GPURankDown and GPURankStalled firing in Prometheus", step=1)
+
+                def suppressed() -> dict[str, list[str]] | None:
+                    got = {a["labels"]["alertname"]: a["status"]["inhibitedBy"]
+                           for a in am.alerts() if a["labels"].get("job_id") == job_id}
+                    ok = {"GPURankDown", "GPURankStalled"} <= set(got) and all(
+                        got[n] for n in ("GPURankDown", "GPURankStalled"))
+                    return got if ok else None
+
+                wait_until(suppressed, 15, "both inhibited in Alertmanager")
+                time.sleep(3)  # a notification would have gone out by now (1 s group_interval)
+                paged = {(a["labels"]["alertname"], a["labels"].get("rank"))
+                         for _, _, a in hook.alerts("/page")
+                         if a["labels"].get("job_id") == job_id}
+                assert paged == {("GPURankOOMKilled", "1")}, paged
         finally:
             node.stop()
 
