@@ -109,13 +109,9 @@ def register_rank(job_id: str | None = None, rank: int | None = None, *,
 
 
 def _install_cuda_oom_hook(rank_dir: str, job_id: str, rank: int) -> None:
-    try:
-        from gpuwatchd import cuda_oom  # type: ignore[attr-defined]
-    except ImportError:
-        return
-    install = getattr(cuda_oom, "install_hook", None)
-    if install is not None:
-        install(rank_dir=rank_dir, job_id=job_id, rank=rank)
+    from gpuwatchd import cuda_oom
+
+    cuda_oom.install_hook(rank_dir=rank_dir, job_id=job_id, rank=rank)
 
 
 def _touch(path: str, content: str) -> None:
