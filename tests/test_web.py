@@ -20,6 +20,7 @@ from pathlib import Path
 
 import bcrypt
 import pytest
+from pkiutil import make_pki
 from prometheus_client import CollectorRegistry, Gauge
 
 from gpuwatchd import web
@@ -28,43 +29,9 @@ PASSWORD = "correct horse battery staple"
 HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def _make_ca(d: Path, name: str) -> None:
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.crt", "-days", "2", "-subj", f"/CN={name}",
-             "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=d)
-
-
-def _make_leaf(d: Path, ca: str, name: str, ext: str) -> None:
-    (d / f"{name}.ext").write_text(
-        ext + "\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n"
-        "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
-    )
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
-             "-CAcreateserial", "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext",
-             cwd=d)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("pki-helper7")
-    _make_ca(d, "ca")
-    _make_leaf(d, "ca", "server",
-               "subjectAltName=DNS:localhost,IP:127.0.0.1,IP:::1\nextendedKeyUsage=serverAuth")
-    _make_leaf(d, "ca", "client",
-               "subjectAltName=DNS:prometheus.example\nextendedKeyUsage=clientAuth")
-    _make_leaf(d, "ca", "other-client",
-               "subjectAltName=DNS:intruder.example\nextendedKeyUsage=clientAuth")
-    _make_ca(d, "rogue-ca")
-    _make_leaf(d, "rogue-ca", "rogue-client",
-               "subjectAltName=DNS:prometheus.example\nextendedKeyUsage=clientAuth")
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki-helper7"))
 
 
 @pytest.fixture
