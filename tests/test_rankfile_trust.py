@@ -7,6 +7,7 @@ refusal as a bad_rank_file finding, and keep its /metrics bounded and well-forme
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -27,7 +28,9 @@ from gpuwatchd.sources.rankfiles import (
     MAX_RANKS_PER_JOB,
     RankFileReader,
     cap_ranks,
+    guard_entries,
     heartbeat_mtime,
+    heartbeat_path,
 )
 
 USER = "gw-h7-trust"
@@ -261,3 +264,29 @@ def test_heartbeat_owner_rule(user: int, world: Path, processes: tuple[int, int]
     gone = RankEntry(job_id="j", rank=0, pid=user_pid, heartbeat="/nonexistent/x.hb",
                      owner_uid=user, source="rankfile")
     assert heartbeat_mtime(gone) is None
+
+
+def test_heartbeat_is_found_in_the_ranks_own_mount_namespace(tmp_path: Path) -> None:
+    """The daemon runs with PrivateTmp=yes, so a heartbeat in the job's /tmp is not in its own
+    view; heartbeat_path resolves it through /proc/PID/root. Here the rank lives in a private
+    mount namespace whose tmpfs holds the heartbeat, invisible from the test's namespace."""
+    hidden = tmp_path / "job-tmp"
+    hidden.mkdir()
+    rank = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f"mount -t tmpfs gw-h7 {hidden} && touch -d @1700000000 {hidden}/hb && echo ok"
+         " && exec sleep 120"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout is not None and rank.stdout.readline().strip() == "ok"
+        assert not (hidden / "hb").exists()  # not in our view
+        entry = RankEntry(job_id="ns", rank=0, pid=rank.pid, heartbeat=str(hidden / "hb"),
+                          owner_uid=0, source="rankfile")
+        path = heartbeat_path(entry)
+        assert path == f"/proc/{rank.pid}/root{hidden}/hb"
+        assert heartbeat_mtime(dataclasses.replace(entry, heartbeat=path)) == 1_700_000_000.0
+        [guarded], bad = guard_entries([entry])
+        assert bad == [] and guarded.heartbeat == path
+    finally:
+        rank.kill()
+        rank.wait(10)

@@ -13,6 +13,7 @@ import shutil
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -462,9 +463,17 @@ def test_web_config_check_command(pki: Path, tmp_path: Path,
     assert "basic_auth_users.bob" in err and "hunter2" not in err
 
 
-def test_web_config_hash_command(capsys: pytest.CaptureFixture[str]) -> None:
-    ns = argparse.Namespace(cost=4)
-    assert web._cmd_hash(ns, read=lambda: "s3cret\n") == 0
-    hashed = capsys.readouterr().out.strip()
-    assert bcrypt.checkpw(b"s3cret", hashed.encode())
-    assert web.parse_web_config({"basic_auth_users": {"u": hashed}}).basic_auth_users["u"]
+def test_web_config_commands_through_the_real_cli(pki: Path, tmp_path: Path) -> None:
+    def gw(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "gpuwatchd", "web-config", *args],
+                              input=stdin, capture_output=True, text=True, timeout=60)
+
+    out = gw("hash", "--cost", "4", stdin="s3cret\n")
+    assert out.returncode == 0, out.stderr
+    hashed = out.stdout.strip()
+    assert bcrypt.checkpw(b"s3cret", hashed.encode()) and "s3cret" not in out.stdout
+    cfg = _write_config(tmp_path, f"basic_auth_users:\n  alice: {hashed}\n")
+    out = gw("check", cfg)
+    assert out.returncode == 0 and "basic auth for 1 user(s)" in out.stdout
+    out = gw("check", _write_config(tmp_path, "tls_server_config:\n  cert_file: x.crt\n"))
+    assert out.returncode == 1 and "tls_server_config.key_file" in out.stderr
