@@ -9,10 +9,14 @@ import json
 import os
 import re
 import shutil
+import signal
+import socket
 import stat
 import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -351,3 +355,119 @@ def test_pyspy_nonblocking_works_without_ptrace_or_memory_writes() -> None:
     finally:
         target.kill()
         target.wait(10)
+
+
+def _expand(group: str, cache: dict[str, frozenset[str]]) -> frozenset[str]:
+    """A systemd syscall group, nested groups expanded (systemd-analyze syscall-filter)."""
+    if group not in cache:
+        out = subprocess.run(["systemd-analyze", "syscall-filter", group], capture_output=True,
+                             text=True, timeout=60, check=True).stdout
+        names: set[str] = set()
+        for line in out.splitlines()[1:]:
+            t = line.strip()
+            if t and not t.startswith("#"):
+                names |= _expand(t, cache) if t.startswith("@") else {t}
+        cache[group] = frozenset(names)
+    return cache[group]
+
+
+def _unit_allowed_syscalls() -> set[str]:
+    cache: dict[str, frozenset[str]] = {}
+    allowed: set[str] = set()
+    for value in _unit_values(UNIT.read_text(), "SystemCallFilter"):
+        items = value.lstrip("~").split()
+        names = set().union(*(_expand(i, cache) if i.startswith("@") else {i} for i in items))
+        allowed = allowed - names if value.startswith("~") else allowed | names
+    return allowed
+
+
+def test_syscall_filter_admits_everything_the_daemon_does(tmp_path: Path) -> None:
+    """Runs the real daemon under strace -f for a while - discovery, rank files, /proc, GIL
+    sampling and stall dumps with py-spy, /dev/kmsg, a scrape, a SIGHUP reload - and checks that
+    every system call it and its py-spy children made is one the unit's SystemCallFilter= admits
+    (systemd would answer the others with EPERM)."""
+    strace = shutil.which("strace")
+    assert strace is not None, "strace is installed (scripts/test)"
+    allowed = _unit_allowed_syscalls()
+    assert "process_vm_readv" in allowed and "ptrace" not in allowed
+    assert "process_vm_writev" not in allowed and "setuid" not in allowed
+
+    target = subprocess.Popen(
+        ["/usr/bin/python3", "-c",
+         "import threading, time\n"
+         "def spin():\n"
+         "    while True:\n"
+         "        sum(range(10000))\n"
+         "threading.Thread(target=spin, daemon=True).start()\n"
+         "print('ready', flush=True)\n"
+         "time.sleep(120)\n"],
+        stdout=subprocess.PIPE, text=True,
+        env={"PATH": "/usr/bin:/bin", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+             "TORCHELASTIC_RUN_ID": "straced", "NCCL_ASYNC_ERROR_HANDLING": "1"})
+    port = _free_port()
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        f'web: {{listen_address: "127.0.0.1:{port}"}}\n'
+        f"interval_seconds: 0.5\nrank_dir: {tmp_path / 'ranks'}\nstate_dir: {tmp_path / 'state'}\n"
+        "kernel_log: kmsg\nnvml: {enabled: false}\n"
+        "gil: {enabled: true, interval_seconds: 1, duration_seconds: 1}\n"
+        "discovery: {enabled: true, interval_seconds: 1}\n")
+    summary = tmp_path / "strace.txt"
+    tracer = None
+    try:
+        assert target.stdout is not None and target.stdout.readline().strip() == "ready"
+        tracer = subprocess.Popen(
+            [strace, "-f", "-qq", "-c", "-o", str(summary), sys.executable, "-m", "gpuwatchd",
+             "run", "--config.file", str(cfg)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+        daemon_pid = _child_of(tracer.pid)
+        url = f"http://127.0.0.1:{port}/metrics"
+        deadline = time.monotonic() + 60
+        text = ""
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    text = r.read().decode()
+            except OSError:
+                text = ""
+            if re.search(r'gpuwatch_rank_gil_samples_total\{job_id="straced",rank="0"\} [1-9]',
+                         text):
+                break
+            time.sleep(0.5)
+        assert 'gpuwatch_rank_up{job_id="straced",rank="0"} 1.0' in text, text[-2000:]
+        assert re.search(r'gpuwatch_rank_gil_samples_total\{job_id="straced",rank="0"\} [1-9]',
+                         text), "py-spy sampled the rank under strace"
+        os.kill(daemon_pid, signal.SIGHUP)
+        time.sleep(1.5)
+        with urllib.request.urlopen(url, timeout=5) as r:
+            assert r.status == 200
+        os.kill(daemon_pid, signal.SIGTERM)
+        tracer.wait(30)
+    finally:
+        if tracer is not None and tracer.poll() is None:
+            tracer.kill()
+            tracer.wait(10)
+        target.kill()
+        target.wait(10)
+    used = {line.split()[-1] for line in summary.read_text().splitlines()
+            if line.split() and line.split()[0][0].isdigit() and line.split()[-1] != "total"}
+    assert {"process_vm_readv", "accept4", "openat"} <= used, sorted(used)
+    assert sorted(used - allowed) == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child_of(pid: int, timeout: float = 20.0) -> int:
+    """The first child of ``pid`` (strace's tracee), from /proc/PID/task/*/children."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            kids = (task / "children").read_text().split()
+            if kids:
+                return int(kids[0])
+        time.sleep(0.05)
+    raise AssertionError(f"no child of {pid}")
