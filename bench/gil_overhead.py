@@ -1,7 +1,7 @@
 """GIL sampling overhead: throughput of a many-thread Python target with sampling on vs off.
 
 Usage: python bench/gil_overhead.py [--threads 64] [--workers 1] [--window 3] [--pairs 8]
-                                    [--rate 50] [--pyspy PATH] [--json]
+                                    [--rate 50] [--pyspy PATH] [--pin CPU] [--blocking] [--json]
 
 The target (started here) runs ``--workers`` threads counting in a Python loop plus idle threads
 (``Event.wait``) up to ``--threads`` in total, and reports its cumulative iteration count every
@@ -38,12 +38,21 @@ import sys, threading, time
 threads, workers = int(sys.argv[1]), int(sys.argv[2])
 stop = threading.Event()
 def work(i):
-    # reports from the worker itself: no other thread wakes up and competes for the GIL
+    # reports from the worker itself: no other thread wakes up and competes for the GIL.
+    # A ptrace stop (blocking py-spy) or a preemption shows as a gap > 1 ms between two
+    # checks that are normally ~50 us apart; the summed gap time is reported too.
     n = 0
+    gaps = 0.0
+    last = time.perf_counter()
     while True:
-        for _ in range(1_000_000):
+        for _ in range(1000):
             n += 1
-        print(i, time.time(), n, flush=True)
+        now = time.perf_counter()
+        if now - last > 0.001:
+            gaps += now - last
+        last = now
+        if n % 1_000_000 == 0:
+            print(i, time.time(), n, gaps, flush=True)
 def idle():
     stop.wait()
 for i in range(threads - workers - 1):
@@ -56,35 +65,40 @@ stop.wait()
 
 
 class Target:
-    def __init__(self, threads: int, workers: int) -> None:
+    def __init__(self, threads: int, workers: int, cpus: set[int] | None = None) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", TARGET, str(threads), str(workers)],
                                      stdout=subprocess.PIPE, text=True)  # fmt: skip
+        if cpus:
+            for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+                os.sched_setaffinity(int(tid), cpus)
         assert self.proc.stdout is not None
         first = self.proc.stdout.readline().split()
         assert first[0] == "ready", first
         self.threads = int(first[1])
-        self.samples: dict[int, list[tuple[float, int]]] = {}
+        self.samples: dict[int, list[tuple[float, int, float]]] = {}
         self._lock = threading.Lock()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            i, t, n = line.split()
+            i, t, n, gaps = line.split()
             with self._lock:
-                self.samples.setdefault(int(i), []).append((float(t), int(n)))
+                self.samples.setdefault(int(i), []).append((float(t), int(n), float(gaps)))
 
-    def rate(self, t0: float, t1: float) -> float:
-        """Iterations per second between two wall-clock instants, summed over the workers."""
-        total = 0.0
+    def rate(self, t0: float, t1: float) -> tuple[float, float]:
+        """(iterations per second, stalled seconds per second) between two wall-clock instants,
+        summed over the workers."""
+        total = stalled = 0.0
         with self._lock:
             for series in self.samples.values():
-                inside = [(t, n) for t, n in series if t0 <= t <= t1]
+                inside = [x for x in series if t0 <= x[0] <= t1]
                 if len(inside) < 2:
                     raise RuntimeError("target did not report inside the window")
-                (ta, na), (tb, nb) = inside[0], inside[-1]
+                (ta, na, ga), (tb, nb, gb) = inside[0], inside[-1]
                 total += (nb - na) / (tb - ta)
-        return total
+                stalled += (gb - ga) / (tb - ta)
+        return total, stalled
 
     def close(self) -> None:
         self.proc.kill()
@@ -113,16 +127,29 @@ def main() -> int:
     ap.add_argument("--pyspy", default=None)
     ap.add_argument("--blocking", action="store_true", help="also measure blocking mode")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--pin", type=int, default=None, metavar="CPU",
+                    help="pin the target to CPUs CPU..CPU+workers, everything else elsewhere")
     args = ap.parse_args()
 
     binary = resolve_pyspy(args.pyspy)
     spy = PySpy(binary, timeout_seconds=args.window + 30)
-    target = Target(args.threads, args.workers)
+    cpus: set[int] | None = None
+    if args.pin is not None:
+        # the target on its own core(s), this script and py-spy on the others: less migration
+        # noise, and any cost py-spy adds to the target is a stall, not CPU competition
+        cpus = set(range(args.pin, args.pin + args.workers + 1))
+        os.sched_setaffinity(0, set(os.sched_getaffinity(0)) - cpus)
+    target = Target(args.threads, args.workers, cpus)
+    if cpus:
+        time.sleep(0.5)
+        for tid in os.listdir(f"/proc/{target.proc.pid}/task"):  # threads started after ready
+            os.sched_setaffinity(int(tid), cpus)
     time.sleep(1.0)
     off: list[float] = []
     on: list[float] = []
     blocking: list[float] = []
     ratios: list[float] = []
+    stalls: dict[str, list[float]] = {"off": [], "on": [], "blocking": []}
     cpu = sampled = 0.0
     block_cpu = 0.0
     try:
@@ -142,8 +169,9 @@ def main() -> int:
                 else:
                     time.sleep(args.window)
                 t1 = time.time()
-                rate = target.rate(t0 + 0.2, t1)  # skip py-spy's start-up (attach) instant
+                rate, stall = target.rate(t0 + 0.2, t1)  # skip py-spy's start-up instant
                 {"off": off, "on": on, "blocking": blocking}[cond].append(rate)
+                stalls[cond].append(stall)
     finally:
         target.close()
 
@@ -170,6 +198,8 @@ def main() -> int:
         "window_noise_percent": round(100 * statistics.pstdev(off) / statistics.fmean(off), 2),
         "paired_loss_percent": round(100 * pair_mean, 2),
         "paired_loss_ci95_percent": round(100 * pair_ci, 2),
+        "stalled_ms_per_s_off": round(1000 * statistics.median(stalls["off"]), 2),
+        "stalled_ms_per_s_on": round(1000 * statistics.median(stalls["on"]), 2),
         "pyspy_cpu_seconds_per_sampled_second": round(cpu / sampled, 4) if sampled else None,
         "gil_held_ratio_mean": round(statistics.fmean(ratios), 3) if ratios else None,
         "cpus": os.cpu_count(),
@@ -177,6 +207,7 @@ def main() -> int:
     if args.blocking:
         result["throughput_blocking_median"] = round(statistics.median(blocking))
         result["loss_blocking_percent"] = round(100 * loss(blocking), 2)
+        result["stalled_ms_per_s_blocking"] = round(1000 * statistics.median(stalls["blocking"]), 2)
         result["blocking_pyspy_cpu_per_sampled_second"] = round(
             block_cpu / (args.pairs * args.window), 4)
     if args.json:
@@ -191,9 +222,11 @@ def main() -> int:
               f"{result['window_noise_percent']:.2f} %")  # fmt: skip
         print(f"  paired loss (on vs adjacent off): {result['paired_loss_percent']:+.2f} % "
               f"± {result['paired_loss_ci95_percent']:.2f} % (95 % CI)")
+        print(f"  target stalled (gaps > 1 ms, median ms per s): off "
+              f"{result['stalled_ms_per_s_off']}, on {result['stalled_ms_per_s_on']}")
         if args.blocking:
             print(f"  blocking mode (never used by gpuwatchd): {result['loss_blocking_percent']:+.2f} "
-                  f"% loss")  # fmt: skip
+                  f"% loss, stalled {result['stalled_ms_per_s_blocking']} ms per s")  # fmt: skip
         print(f"  py-spy CPU per sampled second: "
               f"{result['pyspy_cpu_seconds_per_sampled_second']} s")  # fmt: skip
         print(f"  GIL-held ratio measured: {result['gil_held_ratio_mean']}")
