@@ -34,7 +34,8 @@ def resolve_config(args: argparse.Namespace) -> Config:
     if path is None and os.path.exists(DEFAULT_CONFIG):
         path = DEFAULT_CONFIG
     cfg = load_config(path)
-    return with_overrides(cfg, getattr(args, "listen_address", None))
+    return with_overrides(cfg, getattr(args, "listen_address", None),
+                          getattr(args, "web_config_file", None))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -47,7 +48,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         else "%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     path = args.config_file or (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
-    daemon = Daemon(cfg, config_path=path, listen_override=args.listen_address)
+    daemon = Daemon(cfg, config_path=path, listen_override=args.listen_address,
+                    web_config_override=args.web_config_file)
     daemon.run()
     return 0
 
@@ -184,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arg(p)
     p.add_argument("--web.listen-address", dest="listen_address", default=None,
                    help="HOST:PORT for /metrics (overrides web.listen_address)")
+    p.add_argument("--web.config.file", dest="web_config_file", default=None,
+                   help="exporter web-config file: TLS, basic auth (overrides web.config_file)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("config", help="configuration tools")

@@ -316,8 +316,11 @@ def load_config(path: str | None) -> Config:
     return parse_config(data, path)
 
 
-def with_overrides(cfg: Config, listen_address: str | None = None) -> Config:
+def with_overrides(cfg: Config, listen_address: str | None = None,
+                   web_config_file: str | None = None) -> Config:
     """Apply command-line flags, which win over the file (Prometheus exporter convention)."""
+    if web_config_file is not None:
+        cfg = dataclasses.replace(cfg, web=dataclasses.replace(cfg.web, config_file=web_config_file))
     if listen_address is not None:
         try:
             _listen(listen_address)

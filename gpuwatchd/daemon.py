@@ -77,6 +77,7 @@ class Daemon:
         *,
         config_path: str | None = None,
         listen_override: str | None = None,
+        web_config_override: str | None = None,
         paths: HostPaths | None = None,
         clock: Callable[[], float] = time.time,
         counters: CounterStore | None = None,
@@ -85,6 +86,7 @@ class Daemon:
         self.config = config
         self.config_path = config_path
         self.listen_override = listen_override
+        self.web_config_override = web_config_override
         self.paths = paths or HostPaths(procfs=config.procfs)
         self.clock = clock
         self.counters = counters or CounterStore()
@@ -206,7 +208,10 @@ class Daemon:
         """Start the web server and the subsystems (``run`` calls this)."""
         from gpuwatchd import web
 
-        self.web = web.serve(self.registry, self.config.web.listen_address, self.config.web.config_file)
+        try:
+            self.web = web.serve(self.registry, self.config.web.listen_address, self.config.web.config_file)
+        except web.WebConfigError as e:  # exit 2 naming every bad key, like the config file
+            raise ConfigError([f"web.config_file: {p}" for p in e.problems], e.path) from None
         for sub in self.subsystems:
             guarded(f"starting subsystem {sub.name}", functools.partial(sub.start, self), None)
 
@@ -224,7 +229,15 @@ class Daemon:
             log.info("SIGHUP: no config file to reload")
             return False
         try:
-            new = with_overrides(load_config(self.config_path), self.listen_override)
+            new = with_overrides(load_config(self.config_path), self.listen_override,
+                                 self.web_config_override)
+            if new.web != self.config.web and new.web.config_file:
+                from gpuwatchd import web
+
+                try:  # before the running server is closed, so a bad file leaves it serving
+                    web.load_web_config(new.web.config_file)
+                except web.WebConfigError as e:
+                    raise ConfigError([f"web.config_file: {p}" for p in e.problems], e.path) from None
         except ConfigError as e:
             log.error("reload refused, keeping the running config:\n%s", e)
             notify(f"STATUS=reload refused: {len(e.problems)} problem(s) in {self.config_path}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import http.client
+import signal
 import ssl
 import subprocess
 import sys
@@ -143,3 +144,75 @@ def test_real_prometheus_scrapes_over_mtls_with_basic_auth(tls_daemon: dict[str,
         assert len(result) == 1 and result[0]["value"][1] == "1"
     finally:
         prom.stop()
+
+
+def _wait_plain(port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
+    def ok() -> bool:
+        assert proc.poll() is None, log.read_text()
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/metrics")
+            return conn.getresponse().status == 200
+        except (OSError, http.client.HTTPException):
+            return False
+
+    wait_until(ok, 30, "plain /metrics")
+
+
+def test_web_config_flag_bad_file_at_start_and_on_reload(tmp_path: Path) -> None:
+    (tmp_path / "pki").mkdir()
+    pki = make_pki(tmp_path / "pki")
+    hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()
+    good = pki / "web-config.yml"
+    good.write_text("tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
+                    "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: ca.crt\n"
+                    f"basic_auth_users:\n  prometheus: {hashed}\n")
+    bad = pki / "bad-web-config.yml"
+    bad.write_text("basic_auth_users:\n  prometheus: hunter2\ntls_server_config:\n"
+                   "  cert_file: server.crt\n")
+    port = free_port()
+    path, cfg = write_config(tmp_path, web={"listen_address": f"127.0.0.1:{port}"})
+    run = [sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(path)]
+
+    # A bad web-config at start: exit 2, every bad key named, the password never echoed.
+    out = subprocess.run([*run, "--web.config.file", str(bad)], capture_output=True, text=True,
+                         timeout=60, cwd=REPO)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "web.config_file: basic_auth_users.prometheus: not a bcrypt hash" in out.stderr
+    assert "tls_server_config.key_file" in out.stderr and "hunter2" not in out.stderr
+
+    # --web.config.file overrides the file's (absent) web.config_file.
+    info = {"pki": pki, "port": port}
+    log_path = tmp_path / "flag.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([*run, "--web.config.file", str(good)], stdout=log,
+                                stderr=subprocess.STDOUT, cwd=REPO)
+        try:
+            wait_until(lambda: _ready({**info, "proc": proc, "log": log_path}), 30, "TLS via flag")
+            assert _scrape(info, password="wrong")[0] == 401
+        finally:
+            proc.terminate()
+            proc.wait(15)
+
+    # SIGHUP: a broken web-config is refused and the running server keeps serving; a good one
+    # is applied (TLS from then on).
+    log_path = tmp_path / "reload.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(run, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        try:
+            _wait_plain(port, proc, log_path)
+            cfg["web"]["config_file"] = str(bad)
+            path.write_text(yaml.safe_dump(cfg))
+            proc.send_signal(signal.SIGHUP)
+            wait_until(lambda: "reload refused" in log_path.read_text(), 15, "reload refused")
+            assert "web.config_file: basic_auth_users.prometheus" in log_path.read_text()
+            _wait_plain(port, proc, log_path)
+            cfg["web"]["config_file"] = str(good)
+            path.write_text(yaml.safe_dump(cfg))
+            proc.send_signal(signal.SIGHUP)
+            wait_until(lambda: _ready({**info, "proc": proc, "log": log_path}), 30,
+                       "TLS after reload")
+            assert proc.poll() is None
+        finally:
+            proc.terminate()
+            proc.wait(15)
