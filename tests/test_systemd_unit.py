@@ -471,3 +471,99 @@ def _child_of(pid: int, timeout: float = 20.0) -> int:
                 return int(kids[0])
         time.sleep(0.05)
     raise AssertionError(f"no child of {pid}")
+
+
+# What systemd's MemoryDenyWriteExecute=yes installs: mmap() asking for PROT_WRITE|PROT_EXEC and
+# mprotect()/pkey_mprotect() adding PROT_EXEC fail with EPERM.
+MDWE_EXEC = r"""
+import ctypes, os, platform, struct, sys
+MMAP, MPROTECT, PKEY_MPROTECT = {"x86_64": (9, 10, 329), "aarch64": (222, 226, 288)}[platform.machine()]
+EPERM, ALLOW = 0x00050001, 0x7FFF0000
+ins = [
+    (0x20, 0, 0, 0),              # 0: A = nr
+    (0x15, 0, 3, MMAP),           # 1: mmap? else 5
+    (0x20, 0, 0, 32),             # 2: A = prot (args[2], low word)
+    (0x54, 0, 0, 6),              # 3: A &= PROT_WRITE|PROT_EXEC
+    (0x15, 5, 6, 6),              # 4: both -> 10 (EPERM) else 11
+    (0x15, 1, 0, MPROTECT),       # 5: mprotect -> 7
+    (0x15, 0, 4, PKEY_MPROTECT),  # 6: pkey_mprotect? else 11
+    (0x20, 0, 0, 32),             # 7: A = prot
+    (0x54, 0, 0, 4),              # 8: A &= PROT_EXEC
+    (0x15, 0, 1, 4),              # 9: set -> 10 else 11
+    (0x06, 0, 0, EPERM),          # 10
+    (0x06, 0, 0, ALLOW),          # 11
+]
+buf = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in ins))
+class Prog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+prog = Prog(len(ins), ctypes.cast(buf, ctypes.c_void_p))
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.prctl(38, 1, 0, 0, 0) == 0
+assert libc.prctl(22, 2, ctypes.byref(prog), 0, 0) == 0
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+def test_daemon_runs_under_memory_deny_write_execute(tmp_path: Path) -> None:
+    """MemoryDenyWriteExecute=yes must not break Python (ctypes callbacks, NVML bindings), the
+    TLS stack, bcrypt or py-spy: the real daemon runs under the same restriction, samples a rank
+    with py-spy and serves /metrics."""
+    assert _unit_values(UNIT.read_text(), "MemoryDenyWriteExecute") == ["yes"]
+    probe = subprocess.run(
+        ["/usr/bin/python3", "-c", MDWE_EXEC, sys.executable, "-c",
+         "import mmap, ctypes\n"
+         "try:\n"
+         "    mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
+         "    print('wx-allowed')\n"
+         "except OSError:\n"
+         "    print('wx-refused')\n"
+         "f = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(lambda x: x + 1)\n"
+         "import pynvml, bcrypt, ssl, yaml, psutil, prometheus_client\n"
+         "print('callback', f(41))\n"],
+        capture_output=True, text=True, timeout=60)
+    assert probe.stdout.split() == ["wx-refused", "callback", "42"], probe.stdout + probe.stderr
+
+    target = subprocess.Popen(
+        ["/usr/bin/python3", "-c",
+         "import threading, time\n"
+         "def spin():\n"
+         "    while True:\n"
+         "        sum(range(10000))\n"
+         "threading.Thread(target=spin, daemon=True).start()\n"
+         "print('ready', flush=True)\n"
+         "time.sleep(120)\n"],
+        stdout=subprocess.PIPE, text=True,
+        env={"PATH": "/usr/bin:/bin", "RANK": "0", "TORCHELASTIC_RUN_ID": "mdwe"})
+    port = _free_port()
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        f'web: {{listen_address: "127.0.0.1:{port}"}}\n'
+        f"interval_seconds: 0.5\nrank_dir: {tmp_path / 'ranks'}\nstate_dir: {tmp_path / 'state'}\n"
+        "kernel_log: kmsg\nnvml: {enabled: false}\n"
+        "gil: {enabled: true, interval_seconds: 1, duration_seconds: 1}\n"
+        "discovery: {enabled: true, interval_seconds: 1}\n")
+    daemon = None
+    try:
+        assert target.stdout is not None and target.stdout.readline().strip() == "ready"
+        daemon = subprocess.Popen(
+            ["/usr/bin/python3", "-c", MDWE_EXEC, sys.executable, "-m", "gpuwatchd", "run",
+             "--config.file", str(cfg)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+        want = re.compile(r'gpuwatch_rank_gil_samples_total\{job_id="mdwe",rank="0"\} [1-9]')
+        deadline = time.monotonic() + 60
+        text = ""
+        while time.monotonic() < deadline and not want.search(text):
+            assert daemon.poll() is None, "the daemon died under MemoryDenyWriteExecute"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                    text = r.read().decode()
+            except OSError:
+                pass
+            time.sleep(0.5)
+        assert want.search(text), text[-2000:]
+    finally:
+        if daemon is not None:
+            daemon.terminate()
+            daemon.wait(15)
+        target.kill()
+        target.wait(10)
