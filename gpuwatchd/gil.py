@@ -41,6 +41,11 @@ from gpuwatchd.stall import RankProbe, StallTracker
 log = logging.getLogger(__name__)
 
 HISTORY = 4  # readings kept per rank (the finding looks at the last two)
+# The daemon's sampling budget: py-spy costs ~0.012-0.018 CPU-s per sampled second
+# (bench/gil_overhead.py), so sampling at most 30 % of the time keeps py-spy under 0.6 % of a core
+# however many ranks are watched; with many ranks each is sampled less often than
+# gil.interval_seconds, and convoy hints go first.
+MAX_SAMPLING_DUTY = 0.3
 JITTER = 0.2
 
 
@@ -133,8 +138,14 @@ class GilSampler:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         probe_seconds: float = 2.0,
+        max_duty: float | None = None,
     ) -> None:
+        """``max_duty``: at most this many sampled seconds per wall-clock second over all ranks
+        (a token bucket); None: bounded by ``max_concurrent`` only."""
         self.spy = spy
+        self.max_duty = max_duty
+        self._tokens = 2 * duration_seconds
+        self._tokens_at = clock()
         self.counters = counters
         self.interval = interval_seconds
         self.duration = duration_seconds
@@ -189,10 +200,27 @@ class GilSampler:
             sched.probe = (now, threads)
 
     def due(self) -> list[GilTarget]:
+        """Targets whose sample is due, most overdue first (convoy hints first of all), limited
+        by the sampling budget when one is set."""
         now = self.clock()
         with self._lock:
             self._probe(now)
-            return [s.target for s in self._ranks.values() if not s.in_flight and s.next_due <= now]
+            ready = sorted(
+                (s for s in self._ranks.values() if not s.in_flight and s.next_due <= now),
+                key=lambda s: (not (s.convoy and s.convoy.convoy), s.next_due),
+            )
+            if self.max_duty is not None:
+                cap = 2 * self.duration
+                self._tokens = min(cap, self._tokens + (now - self._tokens_at) * self.max_duty)
+                self._tokens_at = now
+                allowed = []
+                for s in ready:
+                    if self._tokens < self.duration:
+                        break
+                    self._tokens -= self.duration
+                    allowed.append(s)
+                ready = allowed
+            return [s.target for s in ready]
 
     def tick(self) -> list[Future[None]]:
         """Start every due sample on the pool; returns the futures (tests wait on them)."""
@@ -321,7 +349,7 @@ class PySpySubsystem(Subsystem):
             self.sampler = GilSampler(
                 self.spy, daemon.counters, interval_seconds=g.interval_seconds,
                 duration_seconds=g.duration_seconds, rate_hz=g.rate_hz,
-                max_concurrent=g.max_concurrent, paths=daemon.paths,
+                max_concurrent=g.max_concurrent, paths=daemon.paths, max_duty=MAX_SAMPLING_DUTY,
             )  # fmt: skip
         self.stall = StallTracker(self.config.stall.after_seconds, self.spy, paths=daemon.paths,
                                   cycle_seconds=self.config.interval_seconds)  # fmt: skip

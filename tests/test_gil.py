@@ -128,6 +128,23 @@ def test_schedule_is_jittered_and_spread() -> None:
     assert [t.key for t in s.targets()] == [("j", 0)]
 
 
+def test_sampling_budget_limits_the_duty_cycle() -> None:
+    clock = FakeClock()
+    s = GilSampler(PySpy(None), CounterStore(), interval_seconds=30, duration_seconds=5,
+                   clock=clock, rng=random.Random(3), max_duty=0.25)  # fmt: skip
+    s.update_targets(GilTarget("j", r, 10_000_000 + r) for r in range(64))
+    clock.t += 31  # every rank is due
+    started = 0
+    for _ in range(120):  # two simulated minutes, one tick per second
+        for t in s.due():
+            s._ranks[t.key].in_flight = True
+            s._sample(t)  # fails fast (no py-spy) and reschedules
+            started += 1
+        clock.t += 1
+    # 10 s of burst capacity plus 0.25 sampled s per s over 120 s = 40 s = 8 samples of 5 s
+    assert 6 <= started <= 9, started
+
+
 def test_sample_counts_into_counters(procs: list) -> None:
     p = start(procs, "cpu4.py")
     counters = CounterStore()
