@@ -5,12 +5,15 @@ for something the daemon does, and the three together suffice."""
 
 from __future__ import annotations
 
+import base64
+import http.client
 import json
 import os
 import re
 import shutil
 import signal
 import socket
+import ssl
 import stat
 import subprocess
 import sys
@@ -20,7 +23,10 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import bcrypt
 import pytest
+import sandboxutil
+from pkiutil import make_pki
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "gpuwatchd.service"
@@ -561,6 +567,90 @@ def test_daemon_runs_under_memory_deny_write_execute(tmp_path: Path) -> None:
                 pass
             time.sleep(0.5)
         assert want.search(text), text[-2000:]
+    finally:
+        if daemon is not None:
+            daemon.terminate()
+            daemon.wait(15)
+        target.kill()
+        target.wait(10)
+
+
+def test_sandbox_fixture_matches_the_unit() -> None:
+    """tests/sandboxutil.py enforces the unit's allow list from a fixture (so it runs where
+    systemd is absent); the fixture must be what systemd expands the unit's filter to."""
+    assert sandboxutil.allowed_names() == sorted(_unit_allowed_syscalls())
+    numbers = json.loads(sandboxutil.NUMBERS.read_text())
+    assert numbers["process_vm_readv"] == 310 and numbers["ptrace"] == 101
+
+
+def test_daemon_works_inside_the_units_seccomp_sandbox(tmp_path: Path) -> None:
+    """The real daemon runs with the unit's SystemCallFilter= and MemoryDenyWriteExecute= in
+    force (sandboxutil), with discovery, GIL sampling and stall dumps (py-spy), /dev/kmsg, TLS
+    with client certificates and basic auth on /metrics, and a SIGHUP reload - and it works."""
+    (tmp_path / "pki").mkdir()
+    pki = make_pki(tmp_path / "pki")
+    hashed = bcrypt.hashpw(b"pw", bcrypt.gensalt(4)).decode()
+    (pki / "web.yml").write_text(
+        "tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
+        "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: ca.crt\n"
+        f"basic_auth_users:\n  prometheus: {hashed}\n")
+    target = subprocess.Popen(
+        ["/usr/bin/python3", "-c",
+         "import threading, time\n"
+         "def spin():\n"
+         "    while True:\n"
+         "        sum(range(10000))\n"
+         "threading.Thread(target=spin, daemon=True).start()\n"
+         "print('ready', flush=True)\n"
+         "time.sleep(120)\n"],
+        stdout=subprocess.PIPE, text=True,
+        env={"PATH": "/usr/bin:/bin", "RANK": "0", "TORCHELASTIC_RUN_ID": "boxed"})
+    port = _free_port()
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        f'web: {{listen_address: "127.0.0.1:{port}", config_file: "{pki / "web.yml"}"}}\n'
+        f"interval_seconds: 0.5\nrank_dir: {tmp_path / 'ranks'}\nstate_dir: {tmp_path / 'state'}\n"
+        "kernel_log: kmsg\nnvml: {enabled: false}\n"
+        "gil: {enabled: true, interval_seconds: 1, duration_seconds: 1}\n"
+        "discovery: {enabled: true, interval_seconds: 1}\n")
+    ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+    ctx.load_cert_chain(str(pki / "client.crt"), str(pki / "client.key"))
+    auth = {"Authorization": "Basic " + base64.b64encode(b"prometheus:pw").decode()}
+    want = re.compile(r'gpuwatch_rank_gil_samples_total\{job_id="boxed",rank="0"\} [1-9]')
+    log = tmp_path / "daemon.log"
+    daemon = None
+    try:
+        assert target.stdout is not None and target.stdout.readline().strip() == "ready"
+        with log.open("wb") as out:
+            daemon = subprocess.Popen(
+                sandboxutil.sandboxed([sys.executable, "-m", "gpuwatchd", "run", "--config.file",
+                                       str(cfg)]), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+
+        def scrape() -> str:
+            assert daemon is not None and daemon.poll() is None, log.read_text()
+            conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=5)
+            try:
+                conn.request("GET", "/metrics", headers=auth)
+                return conn.getresponse().read().decode()
+            except (OSError, http.client.HTTPException):
+                return ""
+            finally:
+                conn.close()
+
+        deadline = time.monotonic() + 60
+        text = ""
+        while time.monotonic() < deadline and not want.search(text):
+            text = scrape()
+            time.sleep(0.5)
+        assert want.search(text), text[-2000:] + log.read_text()[-3000:]
+        assert 'gpuwatch_collector_success{collector="kernel_log"} 1.0' in text
+        daemon.send_signal(signal.SIGHUP)
+        wait_deadline = time.monotonic() + 15
+        while "configuration reloaded" not in log.read_text():
+            assert time.monotonic() < wait_deadline, log.read_text()
+            time.sleep(0.2)
+        assert "gpuwatch_build_info" in scrape()
+        assert "Operation not permitted" not in log.read_text()
     finally:
         if daemon is not None:
             daemon.terminate()
