@@ -28,6 +28,7 @@ rule of tests/gpu still applies under pytest).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import select
@@ -305,13 +306,16 @@ def test_same_job_with_the_legacy_variable_raises_nccl_legacy_env(tmp_path: Path
         job = start_job(tmp_path, d, job_id, LEGACY)
         try:
             t0 = time.time()
+            lines = []
             for r in (0, 1):
-                wait_until(lambda r=r: on_metrics(d, "nccl_legacy_env", job_id, r), 10,
+                wait_until(functools.partial(on_metrics, d, "nccl_legacy_env", job_id, r), 10,
                            f"nccl_legacy_env for rank {r}", job, d)  # fmt: skip
                 f = finding(d, "nccl_legacy_env", job_id, r)
                 assert f is not None and f["evidence"]["variables"] == [LEGACY]
                 assert f"{LEGACY} (use {CURRENT})" in f["explanation"]
+                assert not on_metrics(d, "nccl_error_handling_off", job_id, r)
+                lines.append(f"     finding: {f['explanation']}")
             print(f"\nPASS nccl_legacy_env on both ranks ({time.time() - t0:.2f} s after both were "
-                  f"up)\n     finding: {f['explanation']}", flush=True)  # fmt: skip
+                  "up)\n" + "\n".join(lines), flush=True)  # fmt: skip
         finally:
             job.close()
