@@ -458,6 +458,9 @@ def journal_available(paths: HostPaths | None = None) -> bool:
     try:
         import systemd.journal  # noqa: F401
     except ImportError:
+        log.warning("journald runs but systemd-python is not installed (pip install "
+                    "'gpuwatchd[journal]', which needs libsystemd-dev and pkg-config): reading the "
+                    "kernel log from /dev/kmsg instead, without systemd-oomd and earlyoom kills")
         return False
     return True
 
