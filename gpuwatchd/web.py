@@ -656,7 +656,13 @@ class _HTTPServer(ThreadingHTTPServer):
                         client_address[0])
             self.shutdown_request(request)
             return
-        super().process_request(request, client_address)
+        try:
+            super().process_request(request, client_address)
+        except RuntimeError:  # no thread to be had (TasksMax= reached): drop this client only
+            log.warning("cannot start a thread for %s; connection refused", client_address[0])
+            with self._lock:
+                self._conns.pop(request, None)
+            self.shutdown_request(request)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         conn = request
