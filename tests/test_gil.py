@@ -301,3 +301,44 @@ def test_daemon_without_pyspy_reports_the_collector_down(tmp_path: Path, procs: 
     finally:
         assert d.stop() == 0
     assert "py-spy unavailable" in d.log_path.read_text(errors="replace")
+
+
+def test_daemon_with_a_hanging_pyspy_stays_healthy(tmp_path: Path, procs: list) -> None:
+    """A stand-in py-spy that never exits: every run is killed at the time-out with its process
+    group, the collector says why, and heartbeat stall detection and scrapes keep working."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    hang = tmp_path / "py-spy"
+    hang.write_text(f"#!/bin/sh\necho $$ > {pids}/$$\nsleep 1000 &\necho $! > {pids}/$!\nwait\n")
+    hang.chmod(0o755)
+    cfg_path, cfg = write_config(
+        tmp_path, gil={"enabled": True, "interval_seconds": 1, "duration_seconds": 1,
+                       "timeout_seconds": 2, "pyspy_path": str(hang)},
+        stall={"after_seconds": 1.0},
+    )  # fmt: skip
+    rank_dir = cfg["rank_dir"]
+    start(procs, "rank.py", "beat_then_lock", rank_dir, "hang-job", "0")
+    cpu4 = start(procs, "cpu4.py")
+    api.register_rank("gil-job", 0, pid=cpu4.pid, rank_dir=rank_dir, heartbeat=False,
+                      cuda_oom_hook=False, strict=True)  # fmt: skip
+    d = DaemonProc(cfg_path, cfg)
+    try:
+        d.wait_for(lambda: d.value("gpuwatch_collector_success", collector="pyspy") == 0.0,
+                   timeout=30, what="pyspy collector down (timeout)")  # fmt: skip
+        d.wait_for(lambda: has_finding(d, "rank_stalled", job_id="hang-job", rank="0"),
+                   timeout=20, what="rank_stalled with a hanging py-spy")  # fmt: skip
+        t0 = time.monotonic()
+        d.text()
+        assert time.monotonic() - t0 < 1.0  # a scrape never waits for py-spy
+        cycle = d.value("gpuwatch_cycle_duration_seconds")
+        assert cycle is not None and cycle < 2.0  # dumps never wait for a busy py-spy slot
+    finally:
+        assert d.stop() == 0
+    log = d.log_path.read_text(errors="replace")
+    assert "timeout" in log and "Traceback" not in log
+    time.sleep(0.5)
+    started = [int(p.name) for p in pids.iterdir()]
+    assert len(started) >= 2
+    alive = [p for p in started if os.path.exists(f"/proc/{p}")
+             and "sleep" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+    assert alive == [], f"stand-in processes survived: {alive}"
