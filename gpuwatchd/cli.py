@@ -19,6 +19,7 @@ from typing import Any
 
 from gpuwatchd import __version__
 from gpuwatchd.config import Config, ConfigError, load_config, with_overrides
+from gpuwatchd.units import fmt_bytes
 
 PLUGIN_MODULES = ("events_cli", "doctor", "check", "job", "web")
 DEFAULT_CONFIG = "/etc/gpuwatchd/config.yaml"
@@ -110,15 +111,6 @@ def load_state(cfg: Config) -> tuple[dict[str, Any], str]:
     return state_to_json(d.cycle()), "daemon not running: live /proc view, no GPU/kernel/GIL data"
 
 
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f}{unit}"
-    return f"{int(n)}B"
-
-
 def cmd_ps(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     state, origin = load_state(cfg)
@@ -143,8 +135,8 @@ def cmd_ps(args: argparse.Namespace) -> int:
     for f in state.get("findings", []):
         by_rank.setdefault((f["job_id"], f["rank"]), []).append(f["kind"])
     print(f"# {origin}")
-    hdr = (f"{'JOB':<20} {'RANK':>4} {'PID':>7} {'ST':<2} {'CPU s':>8} {'RSS':>7} {'FDS':>11} "
-           f"{'GPU MEM':>8} {'GIL':>5}  FINDINGS")
+    hdr = (f"{'JOB':<20} {'RANK':>4} {'PID':>7} {'ST':<2} {'CPU s':>8} {'RSS':>9} {'FDS':>11} "
+           f"{'GPU MEM':>9} {'GIL':>5}  FINDINGS")
     print(hdr)
     for r in state.get("ranks", []):
         p = r.get("process") or {}
@@ -155,12 +147,12 @@ def cmd_ps(args: argparse.Namespace) -> int:
         st = "--" if not r["alive"] else ("ST" if r.get("stalled") else p.get("state", "?"))
         cpu = f"{p['cpu_seconds']:.1f}" if p else "-"
         print(f"{r['job_id'][:20]:<20} {r['rank']:>4} {r['pid']:>7} {st:<2} {cpu:>8} "
-              f"{_fmt_bytes(p.get('rss_bytes')) if p else '-':>7} {fds:>11} "
-              f"{_fmt_bytes(gpu_mem.get(key)):>8} {gil_s:>5}  {','.join(by_rank.get(key, [])) or '-'}")
+              f"{fmt_bytes(p.get('rss_bytes'), '-') if p else '-':>9} {fds:>11} "
+              f"{fmt_bytes(gpu_mem.get(key), '-'):>9} {gil_s:>5}  {','.join(by_rank.get(key, [])) or '-'}")
     for gpu in state.get("gpus", []):
         util = gpu.get("utilization_ratio")
-        print(f"GPU {gpu['index']} {gpu['name']} {_fmt_bytes(gpu.get('memory_used_bytes'))}/"
-              f"{_fmt_bytes(gpu.get('memory_total_bytes'))} util "
+        print(f"GPU {gpu['index']} {gpu['name']} {fmt_bytes(gpu.get('memory_used_bytes'))}/"
+              f"{fmt_bytes(gpu.get('memory_total_bytes'))} util "
               f"{'-' if util is None else format(util, '.0%')}")
         # GPU memory held outside every rank's process tree (stale processes: gpuwatchd check)
         stale = {(o["pid"], o["uuid"]): o["reason"] for o in state.get("orphans", [])}
@@ -168,7 +160,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
             if p.get("uuid") == gpu.get("uuid") and not p.get("job_id"):
                 why = stale.get((p["pid"], p["uuid"]), "not in any rank")
                 print(f"  pid {p['pid']:>7} {p.get('comm') or '?':<15} {p.get('user') or '?':<10} "
-                      f"{_fmt_bytes(p.get('used_memory_bytes')):>8}  {why}")
+                      f"{fmt_bytes(p.get('used_memory_bytes')):>8}  {why}")
     node_findings = list(state.get("findings", []))
     if node_findings:
         print("\nFINDINGS")

@@ -221,7 +221,8 @@ SCHEMA: Mapping[str, Any] = {
     "interval_seconds": _number(0.05, maximum=3600),
     "rank_dir": _path,
     "state_dir": _path,
-    "kernel_log": _choice("auto", "journal", "kmsg", "off"),
+    # YAML 1.1 reads an unquoted `off` as false: accept that spelling of "off"
+    "kernel_log": lambda v: "off" if v is False else _choice("auto", "journal", "kmsg", "off")(v),
     "procfs": _path,
     "log_level": _choice("debug", "info", "warning", "error"),
     "gil": (

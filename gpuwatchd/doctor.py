@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -28,6 +29,7 @@ from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import devfds, pyspy
 from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.sources.pyspy import PySpy, PySpyError
+from gpuwatchd.units import fmt_bytes
 
 STATES = {
     "R": "running", "S": "sleeping", "D": "uninterruptible (disk / driver)", "Z": "zombie",
@@ -82,8 +84,11 @@ def collect(
     spy: PySpy | None = None,
     state: Mapping[str, Any] | None = None,
     state_origin: str = "",
+    nvml: Any = None,
 ) -> dict[str, Any]:
-    """The report as plain JSON-able data; ``state`` is the daemon's latest state (or empty)."""
+    """The report as plain JSON-able data; ``state`` is the daemon's latest state (or empty).
+    ``nvml``: a pynvml-like module for a direct reading when the state has no GPU data (tests pass
+    a recorded replay; default: the real library, or ``nvml.fixture`` when configured)."""
     paths = paths or HostPaths(procfs=cfg.procfs)
     procfs = ProcfsReader(paths)
     info = procfs.read_process(pid)
@@ -146,11 +151,14 @@ def collect(
                              "held_samples": n["rank_gil_held_samples"],
                              "held_ratio": round(n["rank_gil_held_samples"]
                                                  / n["rank_gil_samples"], 3)}  # fmt: skip
-    gpu_rows = [g for g in state.get("gpu_processes", []) if g.get("pid") == pid]
-    report["gpu_memory"] = [
-        {"gpu": g["gpu_index"], "uuid": g["uuid"], "used_memory_bytes": g["used_memory_bytes"]}
-        for g in gpu_rows
-    ] if state.get("gpus") else None  # fmt: skip
+    if state.get("gpus"):
+        report["gpu_memory"] = [
+            {"gpu": g["gpu_index"], "uuid": g["uuid"], "used_memory_bytes": g["used_memory_bytes"]}
+            for g in state.get("gpu_processes", []) if g.get("pid") == pid
+        ]  # fmt: skip
+        report["gpu_memory_source"] = "daemon state"
+    else:
+        report["gpu_memory"], report["gpu_memory_source"] = _gpu_memory_now(pid, cfg, nvml)
     # NCCL environment and fork checks
     env = procfs.environ(pid, NCCL_VARS)
     report["nccl"] = nccl_checks(env)
@@ -189,13 +197,38 @@ def collect(
     return report
 
 
-def _bytes(n: float | None) -> str:
-    if n is None:
-        return "unknown"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
+def _gpu_memory_now(pid: int, cfg: Config, nvml: Any) -> tuple[list[dict[str, Any]] | None, str]:
+    """Read NVML once, in a worker thread with the configured time-out (a wedged driver must not
+    hang the command)."""
+    from gpuwatchd.isolation import NotPresent
+    from gpuwatchd.sources.nvml import NvmlReadError, NvmlSource
+    from gpuwatchd.sources.nvml_fixture import RecordedNvml
+
+    if not cfg.nvml.enabled and nvml is None:
+        return None, "nvml disabled in the config"
+    if nvml is None and cfg.nvml.fixture:
+        nvml = RecordedNvml.from_file(cfg.nvml.fixture)
+    result: list[Any] = []
+
+    def read() -> None:
+        try:
+            result.append(NvmlSource(pynvml=nvml).read())
+        except NotPresent as e:
+            result.append(f"no NVIDIA driver ({e})")
+        except (NvmlReadError, OSError) as e:
+            result.append(f"NVML failed: {e}")
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(cfg.nvml.timeout_seconds)
+    if not result:
+        return None, f"NVML did not answer within {cfg.nvml.timeout_seconds:g}s"
+    if isinstance(result[0], str):
+        return None, result[0]
+    _, processes = result[0]
+    rows = [{"gpu": p.gpu_index, "uuid": p.uuid, "used_memory_bytes": p.used_memory_bytes}
+            for p in processes if p.pid == pid]  # fmt: skip
+    return rows, "NVML now"
 
 
 def render(r: Mapping[str, Any]) -> str:
@@ -203,7 +236,7 @@ def render(r: Mapping[str, Any]) -> str:
         return f"gpuwatchd doctor: {r['error']}"
     lines = [
         f"PID {r['pid']} ({r['comm']}) user {r['user']} ppid {r['ppid']}: "
-        f"{r['state']} {r['state_meaning']}, {r['cpu_seconds']:.1f} CPU-s, RSS {_bytes(r['rss_bytes'])}",
+        f"{r['state']} {r['state_meaning']}, {r['cpu_seconds']:.1f} CPU-s, RSS {fmt_bytes(r['rss_bytes'])}",
     ]
     if r.get("rank"):
         rk = r["rank"]
@@ -217,13 +250,14 @@ def render(r: Mapping[str, Any]) -> str:
         lines.append(f"GIL held {g['held_ratio']:.0%} of {g['samples']:.0f} sampled ticks "
                      "since the daemon started (py-spy record --gil --nonblocking)")
     gm = r["gpu_memory"]
+    src = r.get("gpu_memory_source", "")
     if gm is None:
-        lines.append("GPU memory: unknown (no daemon state with GPU data)")
+        lines.append(f"GPU memory: unknown ({src})")
     elif not gm:
-        lines.append("GPU memory: none held")
+        lines.append(f"GPU memory: none held ({src})")
     else:
         lines.append("GPU memory: " + ", ".join(
-            f"GPU {g['gpu']} {_bytes(g['used_memory_bytes'])}" for g in gm))  # fmt: skip
+            f"GPU {g['gpu']} {fmt_bytes(g['used_memory_bytes'])}" for g in gm) + f" ({src})")  # fmt: skip
     lines.append(f"\nTHREADS ({len(r['threads'])})")
     lines.append(f"  {'TID':>7} {'ST':<2} {'WCHAN':<22} {'CPU s':>8}  PYTHON")
     for t in r["threads"]:

@@ -32,6 +32,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gpuwatchd.units import fmt_bytes
+
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 DURATION_RE = re.compile(r"^[0-9]+[smhdw]$")
 
@@ -263,16 +265,6 @@ def _fmt_time(t: float | None) -> str:
     return time.strftime("%H:%M:%S", time.gmtime(t)) + f".{int((t % 1) * 1000):03d}Z"
 
 
-def _fmt_bytes(b: float | None) -> str:
-    if b is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(b) < 1024 or unit == "TiB":
-            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.1f} {unit}"
-        b /= 1024
-    return f"{b:.1f} TiB"
-
-
 def describe_failure(r: RankView) -> str:
     what = {
         OOM_KILLED: f"OOM-killed ({r.oom_comm or '?'}, by {r.oom_killer or '?'})",
@@ -309,7 +301,7 @@ def render_text(jv: JobView) -> str:
             r.state + (" (first)" if r is jv.first_to_fail else ""),
             _fmt_time(r.failed_at),
             r.pid or "-",
-            _fmt_bytes(r.gpu_memory_bytes),
+            fmt_bytes(r.gpu_memory_bytes, none="-"),
             str(r.oom_kills),
         )
         for r in jv.ranks

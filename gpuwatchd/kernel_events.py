@@ -42,6 +42,7 @@ from gpuwatchd.sources.kernel_log import (
     parse_message,
     rss_bytes,
 )
+from gpuwatchd.units import fmt_bytes
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +54,6 @@ CRITICAL_XIDS = frozenset(
 )
 
 RECORD_FILE = "rank_trees.json"
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "unknown"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def fmt_time(t: float) -> str:

@@ -130,3 +130,9 @@ def test_config_check_cli(tmp_path: Path) -> None:
                        capture_output=True, text=True)
     assert r.returncode == 2
     assert "gil.max_concurrent" in r.stderr and "procfs" in r.stderr and "2 problem(s)" in r.stderr
+
+
+def test_unquoted_off_means_off() -> None:
+    assert parse_config(yaml.safe_load("kernel_log: off")).kernel_log == "off"
+    with pytest.raises(ConfigError, match="kernel_log"):
+        parse_config(yaml.safe_load("kernel_log: on"))

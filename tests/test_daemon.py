@@ -86,7 +86,8 @@ def test_nccl_legacy_and_error_handling_off(daemon: DaemonProc) -> None:
                         what="nccl_legacy_env")
         daemon.wait_for(lambda: has_finding(daemon, "nccl_error_handling_off", job_id="nccl", rank="1"),
                         what="nccl_error_handling_off")
-        assert daemon.value("gpuwatch_rank_up", job_id="nccl", rank="2") == 1
+        daemon.wait_for(lambda: daemon.value("gpuwatch_rank_up", job_id="nccl", rank="2") == 1,
+                        what="rank 2 up")
         assert not has_finding(daemon, "nccl_legacy_env", rank="2")
         assert not has_finding(daemon, "nccl_error_handling_off", rank="2")
         assert not has_finding(daemon, "nccl_legacy_env", rank="1")

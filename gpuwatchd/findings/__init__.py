@@ -22,6 +22,7 @@ from gpuwatchd.model import (
     RankState,
     frozen_map,
 )
+from gpuwatchd.units import fmt_bytes
 
 
 @dataclass(frozen=True)
@@ -41,18 +42,11 @@ class FindingContext:
     extras: Mapping[str, Any] = field(default_factory=frozen_map)
 
 
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "unknown"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
-
 def rank_label(r: RankState) -> str:
     return f"rank {r.rank} of job {r.job_id} (pid {r.pid})"
 
+
+__all__ = ["FindingContext", "evaluate", "fmt_bytes", "rank_label"]
 
 Rule = Callable[[FindingContext], Iterable[Finding]]
 
