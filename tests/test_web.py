@@ -477,3 +477,61 @@ def test_web_config_commands_through_the_real_cli(pki: Path, tmp_path: Path) -> 
     assert out.returncode == 0 and "basic auth for 1 user(s)" in out.stdout
     out = gw("check", _write_config(tmp_path, "tls_server_config:\n  cert_file: x.crt\n"))
     assert out.returncode == 1 and "tls_server_config.key_file" in out.stderr
+
+
+SERVER_SCRIPT = """
+import sys, time
+from prometheus_client import CollectorRegistry, Gauge
+from gpuwatchd import web
+reg = CollectorRegistry()
+Gauge("gpuwatch_test_value", "A value.", registry=reg).set(42)
+s = web.serve(reg, "127.0.0.1:0", None, web.Limits(request_timeout=1.0))
+print(s.address[1], flush=True)
+time.sleep(300)
+"""
+
+
+def test_thread_exhaustion_drops_clients_not_the_server(tmp_path: Path) -> None:
+    """In a pids cgroup that allows only a few tasks (systemd's TasksMax=), connections beyond
+    what threads can be made for are dropped one by one; the server never stops accepting."""
+    cg = Path(f"/sys/fs/cgroup/pids/gw-h7-web-{os.getpid()}")
+    cg.mkdir()
+    server = None
+    try:
+        (cg / "pids.max").write_text("5\n")  # main, serve_forever, reaper + 2 connections
+        server = subprocess.Popen(
+            ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" -c "$1"', sys.executable,
+             SERVER_SCRIPT], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        for _ in range(4):  # 4 x 30 > the 64 connection slots, were dropped clients leaking them
+            idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(30)]
+            time.sleep(0.3)
+            assert int((cg / "pids.current").read_text()) <= 5
+            for s in idle:
+                s.close()
+            time.sleep(1.5)  # the reaper ends the silent ones after request_timeout
+        # Threads available again: the dropped clients left no slot taken, so five idle clients
+        # and a scrape fit in the 64 connection slots at once.
+        (cg / "pids.max").write_text("max\n")
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(5)]
+        time.sleep(0.3)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("GET", "/metrics")
+        resp = conn.getresponse()
+        assert resp.status == 200 and b"gpuwatch_test_value 42.0" in resp.read()
+        conn.close()
+        for s in idle:
+            s.close()
+        assert server.poll() is None
+    finally:
+        if server is not None:
+            server.kill()
+            server.wait(10)
+        deadline = time.monotonic() + 10
+        while cg.exists():
+            try:
+                cg.rmdir()
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
