@@ -156,3 +156,24 @@ def test_doctor_without_pyspy_still_reports_the_rest(procs: list) -> None:
     assert "absent" in r["python"]["error"]
     assert len(r["threads"]) == 5 and all(t["python_thread"] is None for t in r["threads"])
     assert "unavailable: absent" in doctor.render(r)
+
+
+def test_doctor_reads_gpu_memory_from_nvml_when_no_daemon_runs(procs: list) -> None:
+    """No daemon state: one NVML reading, here the replay recorded on the H200 with the recorded
+    DataLoader parent (pid 453, 6008340480 bytes) mapped onto a real local process."""
+    from gpuwatchd.sources.nvml_fixture import RecordedNvml
+
+    p = subprocess.Popen([sys.executable, str(PROGRAMS / "io4.py")], stdout=subprocess.PIPE,
+                         text=True)  # fmt: skip
+    procs.append(p)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    fixture = Path(__file__).parent / "fixtures" / "nvml" / "h200_orphan_dataloader.json"
+    replay = RecordedNvml.from_file(str(fixture), pid_map={453: p.pid})
+    r = doctor.collect(p.pid, Config(), nvml=replay)
+    assert r["gpu_memory_source"] == "NVML now"
+    assert r["gpu_memory"] == [{"gpu": 0, "uuid": r["gpu_memory"][0]["uuid"],
+                                "used_memory_bytes": 6008340480}]  # fmt: skip
+    assert "GPU memory: GPU 0 5.6 GiB (NVML now)" in doctor.render(r)
+    # this host has no NVIDIA driver: said so, nothing else changes
+    r = doctor.collect(p.pid, Config())
+    assert r["gpu_memory"] is None and "no NVIDIA driver" in r["gpu_memory_source"]
