@@ -6,6 +6,7 @@ for something the daemon does, and the three together suffice."""
 from __future__ import annotations
 
 import base64
+import fnmatch
 import http.client
 import json
 import os
@@ -657,3 +658,95 @@ def test_daemon_works_inside_the_units_seccomp_sandbox(tmp_path: Path) -> None:
             daemon.wait(15)
         target.kill()
         target.wait(10)
+
+
+# DevicePolicy=closed always admits these (systemd src/core/cgroup.c, auto_devices + char-pts).
+CLOSED_POLICY_DEVICES = ["c 1:3 rwm", "c 1:5 rwm", "c 1:7 rwm", "c 1:8 rwm", "c 1:9 rwm",
+                         "c 5:0 rwm", "c 5:2 rwm", "c 136:* rw"]
+
+
+def _device_rules(text: str) -> list[str]:
+    """The device-cgroup rules DevicePolicy=closed + the unit's DeviceAllow= lines amount to."""
+    rules = list(CLOSED_POLICY_DEVICES)
+    char_groups: list[tuple[int, str]] = []
+    section = ""
+    for line in Path("/proc/devices").read_text().splitlines():
+        if line.endswith(":"):
+            section = line
+        elif section.startswith("Character") and line.strip():
+            major, name = line.split(None, 1)
+            char_groups.append((int(major), name))
+    for value in _unit_values(text, "DeviceAllow"):
+        spec, access = value.split()
+        if spec.startswith("/dev/"):
+            rdev = os.stat(spec).st_rdev
+            rules.append(f"c {os.major(rdev)}:{os.minor(rdev)} {access}")
+        else:
+            assert spec.startswith("char-"), spec
+            rules += [f"c {major}:* {access}" for major, name in char_groups
+                      if fnmatch.fnmatch(name, spec[len("char-"):])]
+    return rules
+
+
+def _daemon_in_device_cgroup(tmp_path: Path, rules: list[str], name: str) -> str:
+    """Run the daemon (kernel_log: kmsg) in a v1 devices cgroup holding ``rules``; return its
+    /metrics once two cycles have passed."""
+    cg = Path(f"/sys/fs/cgroup/devices/gw-h7-{name}-{os.getpid()}")
+    cg.mkdir()
+    port = _free_port()
+    cfg = tmp_path / f"{name}.yaml"
+    cfg.write_text(
+        f'web: {{listen_address: "127.0.0.1:{port}"}}\n'
+        f"interval_seconds: 0.5\nrank_dir: {tmp_path / 'ranks'}\n"
+        f"state_dir: {tmp_path / name}\nkernel_log: kmsg\nnvml: {{enabled: false}}\n"
+        "gil: {enabled: false}\n")
+    daemon = None
+    try:
+        (cg / "devices.deny").write_text("a\n")
+        for rule in rules:
+            (cg / "devices.allow").write_text(rule + "\n")
+        daemon = subprocess.Popen(
+            ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" -m gpuwatchd run'
+             f' --config.file "$1"', sys.executable, str(cfg)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+        deadline = time.monotonic() + 30
+        text = ""
+        while time.monotonic() < deadline:
+            assert daemon.poll() is None
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                    text = r.read().decode()
+            except OSError:
+                text = ""
+            if 'collector_success{collector="kernel_log"}' in text:
+                time.sleep(1.0)
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                    return str(r.read().decode())
+            time.sleep(0.3)
+        raise AssertionError(f"daemon in {cg} never reported its kernel_log collector")
+    finally:
+        if daemon is not None:
+            daemon.terminate()
+            daemon.wait(15)
+        deadline = time.monotonic() + 10
+        while cg.exists():
+            try:
+                cg.rmdir()
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+
+
+def test_device_policy_admits_what_the_daemon_opens_and_kmsg_needs_its_rule(
+        tmp_path: Path) -> None:
+    """DevicePolicy=closed plus the unit's DeviceAllow= lines, as a real v1 devices cgroup: the
+    daemon reads /dev/kmsg and works; without the /dev/kmsg rule its kernel-log collector fails
+    (and the rest still works), so that rule is both needed and sufficient."""
+    rules = _device_rules(UNIT.read_text())
+    assert "c 1:11 r" in rules
+    ok = _daemon_in_device_cgroup(tmp_path, rules, "devok")
+    assert 'gpuwatch_collector_success{collector="kernel_log"} 1.0' in ok
+    assert 'gpuwatch_collector_success{collector="procfs"} 1.0' in ok
+    blind = _daemon_in_device_cgroup(tmp_path, [r for r in rules if r != "c 1:11 r"], "devno")
+    assert 'gpuwatch_collector_success{collector="kernel_log"} 0.0' in blind
+    assert 'gpuwatch_collector_success{collector="procfs"} 1.0' in blind
