@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import base64
 import fnmatch
+import grp
 import http.client
 import json
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -750,3 +752,111 @@ def test_device_policy_admits_what_the_daemon_opens_and_kmsg_needs_its_rule(
     blind = _daemon_in_device_cgroup(tmp_path, [r for r in rules if r != "c 1:11 r"], "devno")
     assert 'gpuwatch_collector_success{collector="kernel_log"} 0.0' in blind
     assert 'gpuwatch_collector_success{collector="procfs"} 1.0' in blind
+
+
+def test_the_daemon_as_the_unit_runs_it(users: None) -> None:
+    """Everything the unit sets that can be set without systemd, at once: the dedicated user
+    (with the journal group), exactly the three ambient capabilities, NoNewPrivileges, UMask,
+    the seccomp filter (SystemCallFilter= + MemoryDenyWriteExecute=) and the device cgroup
+    (DevicePolicy=closed + DeviceAllow=). The daemon must still discover another user's rank from
+    its environment, see its NCCL variable, sample its GIL with py-spy, count its fds, read
+    /dev/kmsg and write its state."""
+    world = Path(tempfile.mkdtemp(prefix="gw-h7-unit-", dir="/tmp"))
+    world.chmod(0o755)
+    cg = Path(f"/sys/fs/cgroup/devices/gw-h7-unit-{os.getpid()}")
+    rank = daemon = None
+    try:
+        (world / "ranks").mkdir()
+        (world / "ranks").chmod(0o1777)
+        (world / "state").mkdir()
+        shutil.chown(world / "state", DAEMON_USER, DAEMON_USER)
+        (world / "state").chmod(0o750)
+        port = _free_port()
+        cfg = world / "config.yaml"
+        cfg.write_text(
+            f'web: {{listen_address: "127.0.0.1:{port}"}}\n'
+            f"interval_seconds: 0.5\nrank_dir: {world / 'ranks'}\nstate_dir: {world / 'state'}\n"
+            "kernel_log: kmsg\nnvml: {enabled: false}\n"
+            f"gil: {{enabled: true, interval_seconds: 1, duration_seconds: 1,"
+            f" pyspy_path: {PY_SPY}}}\n"
+            "discovery: {enabled: true, interval_seconds: 1}\n")
+        cfg.chmod(0o644)
+        rank = subprocess.Popen(
+            ["setpriv", f"--reuid={RANK_USER}", f"--regid={RANK_USER}", "--clear-groups",
+             "/usr/bin/python3", "-c",
+             "import threading, time\n"
+             "files = [open('/dev/null') for _ in range(40)]\n"
+             "def spin():\n"
+             "    while True:\n"
+             "        sum(range(10000))\n"
+             "threading.Thread(target=spin, daemon=True).start()\n"
+             "print('ready', flush=True)\n"
+             "time.sleep(120)\n"],
+            stdout=subprocess.PIPE, text=True,
+            env={"PATH": "/usr/bin:/bin", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                 "TORCHELASTIC_RUN_ID": "unitjob", "NCCL_ASYNC_ERROR_HANDLING": "1"})
+        assert rank.stdout is not None and rank.stdout.readline().strip() == "ready"
+
+        text = UNIT.read_text()
+        caps = sorted(" ".join(_unit_values(text, "AmbientCapabilities")).split())
+        spec = ",".join(["-all", *(f"+{c.removeprefix('CAP_').lower()}" for c in caps)])
+        journal_gid = grp.getgrnam(_unit_values(text, "SupplementaryGroups")[0]).gr_gid
+        umask = _unit_values(text, "UMask")[0]
+        cg.mkdir()
+        (cg / "devices.deny").write_text("a\n")
+        for rule in _device_rules(text):
+            (cg / "devices.allow").write_text(rule + "\n")
+        site = next((ROOT / ".venv" / "lib").glob("python3.*")) / "site-packages"
+        inner = sandboxutil.sandboxed(["/usr/bin/python3", "-m", "gpuwatchd", "run",
+                                       "--config.file", str(cfg)])
+        daemon = subprocess.Popen(
+            ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && umask {umask} && exec "$@"', "sh",
+             "setpriv", f"--reuid={DAEMON_USER}", f"--regid={DAEMON_USER}",
+             f"--groups={journal_gid}", f"--inh-caps={spec}", f"--ambient-caps={spec}",
+             f"--bounding-set={spec}", "--no-new-privs", *inner],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/",
+            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{site}:{ROOT}"})
+        want = [
+            re.compile(r'gpuwatch_rank_up\{job_id="unitjob",rank="0"\} 1\.0'),
+            re.compile(r'gpuwatch_collector_success\{collector="kernel_log"\} 1\.0'),
+            re.compile(r'gpuwatch_finding\{(?=[^}]*job_id="unitjob")(?=[^}]*kind="nccl_legacy_env")'
+                       r'[^}]*\} 1\.0'),
+            re.compile(r'gpuwatch_rank_gil_samples_total\{job_id="unitjob",rank="0"\} [1-9]'),
+        ]
+        fds = re.compile(r'gpuwatch_rank_open_fds\{job_id="unitjob",rank="0"\} (\d+)')
+        deadline = time.monotonic() + 60
+        metrics = ""
+        while time.monotonic() < deadline:
+            assert daemon.poll() is None, daemon.communicate()[0][-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                    metrics = r.read().decode()
+            except OSError:
+                metrics = ""
+            if all(w.search(metrics) for w in want):
+                break
+            time.sleep(0.5)
+        for w in want:
+            assert w.search(metrics), (w.pattern, metrics[-3000:])
+        m = fds.search(metrics)
+        assert m and int(m.group(1)) >= 40, metrics[-3000:]
+        state = world / "state" / "state.json"
+        assert state.stat().st_uid == pwd.getpwnam(DAEMON_USER).pw_uid
+        assert stat.S_IMODE(state.stat().st_mode) & 0o077 == 0  # UMask=0077
+    finally:
+        for p in (daemon, rank):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+        deadline = time.monotonic() + 10
+        while cg.exists():
+            try:
+                cg.rmdir()
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        shutil.rmtree(world, ignore_errors=True)
