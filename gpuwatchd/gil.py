@@ -189,7 +189,7 @@ class GilSampler:
             last = sched.probe
             if last is not None and now - last[0] < self.probe_seconds:
                 continue
-            threads = pyspy.read_threads(self.paths, sched.target.pid)
+            threads = pyspy.read_threads(self.paths, sched.target.pid, detail=False)
             if last is not None and threads:
                 hint = convoy_hint(last[1], threads, now - last[0], self._clk_tck)
                 sched.convoy = hint
@@ -386,7 +386,7 @@ class PySpySubsystem(Subsystem):
                 e.start_ticks is None or proc.start_ticks == e.start_ticks)  # fmt: skip
             probes.append(RankProbe(
                 e.job_id, e.rank, e.pid, alive, proc.state if proc else "", e.heartbeat,
-                proc.start_ticks if proc else None,
+                proc.start_ticks if proc else None, e.owner_uid,
             ))  # fmt: skip
         if self.sampler is not None:
             self.sampler.update_targets(GilTarget(p.job_id, p.rank, p.pid) for p in probes

@@ -58,6 +58,9 @@ class RankProbe:
     state: str = ""  # /proc state letter of the rank process
     heartbeat: str | None = None
     start_ticks: int | None = None
+    # uid owning the rank file; a heartbeat file owned by someone else is ignored (the daemon must
+    # not reveal the mtime of another user's file: docs/security.md)
+    owner_uid: int | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -153,11 +156,15 @@ class StallTracker:
 
     # -- inputs -----------------------------------------------------------------------------------
 
-    def _heartbeat_mtime(self, path: str) -> float | None:
+    def _heartbeat_mtime(self, path: str, owner_uid: int | None = None) -> float | None:
+        """mtime, with the owner rule of sources/rankfiles.py checked at the moment of reading."""
         try:
-            return self.stat(path).st_mtime
-        except OSError:
+            st = self.stat(path)
+        except (OSError, ValueError):
             return None
+        if owner_uid is not None and owner_uid != 0 and st.st_uid != owner_uid:
+            return None
+        return st.st_mtime
 
     def _dump(self, now: float, pid: int) -> tuple[tuple[ThreadStack, ...] | None, bool]:
         """(a non-blocking dump or None, whether py-spy cannot help with this rank at all).
@@ -199,8 +206,14 @@ class StallTracker:
     def _observe_one(self, now: float, p: RankProbe, tr: _Track) -> StallVerdict:
         if not p.alive:
             return StallVerdict(p.job_id, p.rank, p.pid, False, None, False, "dead", 0.0)
+        stopped = p.state in ("T", "t")
+        hb_mtime = self._heartbeat_mtime(p.heartbeat, p.owner_uid) if p.heartbeat else None
+        if p.heartbeat and not stopped and now - (hb_mtime or tr.first_seen) <= self.after:
+            # a beating rank: its heartbeat says it all, no need to look at its threads
+            return StallVerdict(p.job_id, p.rank, p.pid, True, hb_mtime or tr.first_seen, False,
+                                "heartbeat", max(0.0, now - (hb_mtime or tr.first_seen)))
         # CPU pattern since the previous look, per thread
-        threads = pyspy.read_threads(self.paths, p.pid)
+        threads = pyspy.read_threads(self.paths, p.pid, detail=False)
         elapsed = now - tr.threads_at if tr.threads else 0.0
         prev = {t.tid: t.cpu_ticks for t in tr.threads}
         shares = {
@@ -212,13 +225,11 @@ class StallTracker:
         if any(WORK_SHARE <= shares[t] < SPIN_SHARE for t in python_tids if t in shares):
             tr.worked = True
         tr.threads, tr.threads_at, tr.spinning = threads, now, spinning
-        stopped = p.state in ("T", "t")
         if stopped:
             tr.stopped_since = tr.stopped_since if tr.stopped_since is not None else now
         else:
             tr.stopped_since = None
 
-        hb_mtime = self._heartbeat_mtime(p.heartbeat) if p.heartbeat else None
         stalled_so_far = False
         if p.heartbeat:
             method = "heartbeat"

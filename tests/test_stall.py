@@ -242,3 +242,28 @@ def test_daemon_names_the_odd_rank_of_a_hung_job(tmp_path: Path) -> None:
         for p in started:
             p.kill()
             p.wait()
+
+
+def test_heartbeat_owned_by_another_user_is_ignored(tmp_path: Path) -> None:
+    """A rank file of uid U naming a heartbeat owned by someone else: its mtime is never used
+    (it would leak through gpuwatch_rank_progress_timestamp_seconds), even if it is fresh."""
+    import pwd
+
+    try:
+        other = pwd.getpwnam("gw-pyspy-target").pw_uid
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                        "gw-pyspy-target"], check=True)  # fmt: skip
+        other = pwd.getpwnam("gw-pyspy-target").pw_uid
+    hb = tmp_path / "someone-elses.hb"
+    hb.write_text("1")
+    os.utime(hb, (5010.0, 5010.0))  # "fresh": later than every observation below
+    tracker = StallTracker(AFTER, None)
+    p = RankProbe("j", 0, os.getpid(), True, "R", str(hb), owner_uid=other)
+    v = tracker.observe(5000.0, [p])[p.key]
+    assert v.progress_timestamp == 5000.0  # first sight, not the file
+    v = tracker.observe(5000.0 + AFTER + 1, [p])[p.key]
+    assert v.stalled and v.progress_timestamp == 5000.0
+    os.chown(hb, other, -1)
+    v = tracker.observe(5000.0 + AFTER + 2, [p])[p.key]
+    assert v.progress_timestamp == 5010.0 and not v.stalled  # now the owner's own file
