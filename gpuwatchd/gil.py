@@ -280,7 +280,10 @@ class GilSampler:
             elif error is not None:
                 if sched is not None:
                     sched.error = str(error)
-                if error.collector_down or error.reason == pyspy.NOT_PYTHON:
+                    if error.reason == pyspy.NOT_PYTHON:
+                        # a shell or native rank: nothing to sample, ask again much later
+                        sched.next_due = now + 10 * self.interval
+                if error.collector_down:
                     self._status = CollectorStatus(
                         pyspy.COLLECTOR, False, time.monotonic() - t0, self._last_success,
                         str(error)[:300],

@@ -145,6 +145,23 @@ def test_sampling_budget_limits_the_duty_cycle() -> None:
     assert 6 <= started <= 9, started
 
 
+def test_non_python_rank_is_skipped_not_a_collector_failure() -> None:
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        clock = FakeClock()
+        s = GilSampler(PySpy(BINARY), CounterStore(), interval_seconds=30, duration_seconds=1,
+                       clock=clock)  # fmt: skip
+        assert s.sample_now(GilTarget("sh-job", 0, sleeper.pid)) is None
+        assert s.status().success  # py-spy works; this rank just is not Python
+        assert s._ranks[("sh-job", 0)].next_due >= clock.t + 300
+        assert "not_python" in s._ranks[("sh-job", 0)].error
+        assert s.counters.get("rank_gil_samples", ("sh-job", "0")) == 0.0
+        s.close()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
 def test_sample_counts_into_counters(procs: list) -> None:
     p = start(procs, "cpu4.py")
     counters = CounterStore()
