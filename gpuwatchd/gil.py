@@ -8,6 +8,12 @@ threads each on CPU about 1/N of the time, the process at about one core in tota
 parked in ``futex``. A rank that shows it is sampled soon (not sooner than a quarter interval after
 its last sample), so that the counters catch contention without paying for constant sampling.
 
+Bounds: at most ``gil.max_concurrent - 1`` records at once (one py-spy slot stays free for the
+stall detector's dumps), and at most ``MAX_SAMPLING_DUTY`` sampled seconds per second over all
+ranks (a token bucket: with many ranks each is sampled less often than the interval, convoy hints
+first). A non-Python rank is retried ten intervals later. Cost on the daemon's side: py-spy used
+0.012-0.018 CPU-s per sampled second (bench/gil_overhead.py); on the target: no stop at all.
+
 Results are ``model.GilReading`` per (job_id, rank), kept with a short history for the
 ``gil_saturated`` finding, and the counters ``rank_gil_samples`` / ``rank_gil_held_samples``
 (exported as ``gpuwatch_rank_gil_samples_total`` / ``..._held_samples_total``; the GIL-held ratio
