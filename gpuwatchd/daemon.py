@@ -142,13 +142,16 @@ class Daemon:
             if info is None:
                 continue
             processes[e.pid] = info
-            kids = tuple(self.procfs.descendants(e.pid))
-            descendants[e.pid] = kids
+            kids = self.procfs.descendants(e.pid)
             processes.update(self.procfs.read_many(k for k in kids if k not in processes))
+            descendants[e.pid] = tuple(k for k in kids if k in processes)  # drop those gone meanwhile
             key = (e.pid, info.start_ticks)
             live_keys.add(key)
             if key not in self._env_cache:
-                self._env_cache[key] = self.procfs.env_flags(e.pid)
+                flags = self.procfs.env_flags(e.pid)
+                if flags is None:  # not readable yet (mid-exec) or not permitted: try next cycle
+                    continue
+                self._env_cache[key] = flags
             env_flags[e.pid] = self._env_cache[key]
         for e in entries:
             mtime = heartbeat_mtime(e)
@@ -156,6 +159,7 @@ class Daemon:
                 progress[(e.job_id, e.rank)] = mtime
         for stale in set(self._env_cache) - live_keys:
             del self._env_cache[stale]
+        self.procfs.forget(live_keys | {(p.pid, p.start_ticks) for p in processes.values()})
         return ProcReading(processes, descendants, env_flags, progress)
 
     # --- one cycle ------------------------------------------------------------------------------
@@ -310,10 +314,20 @@ def _merge(partial: dict[str, Any], extra: Mapping[str, Any]) -> None:
             partial[key] = value
 
 
+_FIELDS: dict[type, tuple[str, ...]] = {}
+_PLAIN = (str, int, float, bool, type(None))
+
+
 def to_jsonable(obj: Any) -> Any:
     """Dataclasses, mappings (also read-only ones) and tuples -> plain JSON values."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    cls = type(obj)
+    if cls in _PLAIN:
+        return obj
+    names = _FIELDS.get(cls)
+    if names is None and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(obj))
+    if names is not None:
+        return {n: to_jsonable(getattr(obj, n)) for n in names}
     if isinstance(obj, Mapping):
         return {str(k): to_jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple, set, frozenset)):

@@ -184,7 +184,7 @@ def collect(
     )  # fmt: skip
     ctx = FindingContext(
         now=time.time(), config=cfg, ranks=(pseudo,), processes={pid: info},
-        env_flags={pid: procfs.env_flags(pid)},
+        env_flags={pid: procfs.env_flags(pid) or ()},
         extras={"fork_evidence": {e.pid: e for e in ([me] if me else []) + kids}},
     )  # fmt: skip
     kinds = {f["kind"] for f in found}

@@ -30,6 +30,7 @@ from gpuwatchd.sources.kernel_log import (
 )
 from gpuwatchd.xid_dedup import XidDeduper
 
+CGROUP_TTL = 30.0
 log = logging.getLogger(__name__)
 
 
@@ -47,6 +48,7 @@ class KernelLogSubsystem(Subsystem):
 
     def __init__(self, journal_path: str | None = None, bus: EventBus | None = None) -> None:
         self.journal_path = journal_path
+        self._cgroups: dict[tuple[int, int], tuple[float, Any]] = {}  # (pid, start) -> (read at, cgroup)
         self.processor: KernelEventProcessor | None = None
         self.source: Any = None
         self.bus = bus
@@ -150,8 +152,19 @@ class KernelLogSubsystem(Subsystem):
     def after_join(self, daemon: Daemon, state: NodeState) -> None:
         if self.processor is None:
             return
-        cgroups = {r.pid: read_cgroup(daemon.paths, r.pid) for r in state.ranks if r.alive}
-        self.processor.observe(state.ranks, self._processes, daemon.clock(), cgroups)
+        now = daemon.clock()
+        cache = self._cgroups
+        fresh: dict[tuple[int, int], tuple[float, Any]] = {}
+        for r in state.ranks:
+            if r.alive and r.process is not None:
+                key = (r.pid, r.process.start_ticks)
+                hit = cache.get(key)
+                # a rank's cgroup rarely changes: re-read it every CGROUP_TTL seconds, not every cycle
+                fresh[key] = hit if hit is not None and now - hit[0] < CGROUP_TTL else (
+                    now, read_cgroup(daemon.paths, r.pid))
+        self._cgroups = fresh
+        cgroups = {pid: cg for (pid, _), (_, cg) in fresh.items()}
+        self.processor.observe(state.ranks, self._processes, now, cgroups)
 
     def stop(self) -> None:
         self._stop.set()

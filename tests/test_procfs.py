@@ -76,7 +76,12 @@ def test_environ_flags_names_only() -> None:
     env = {**os.environ, "NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "SECRET": "hunter2"}
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env)
     try:
-        assert R.env_flags(p.pid) == ("NCCL_BLOCKING_WAIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING=0")
+        deadline = time.monotonic() + 5
+        flags = R.env_flags(p.pid)
+        while flags is None and time.monotonic() < deadline:  # empty for a moment while exec runs
+            time.sleep(0.01)
+            flags = R.env_flags(p.pid)
+        assert flags == ("NCCL_BLOCKING_WAIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING=0")
     finally:
         p.kill()
         p.wait()

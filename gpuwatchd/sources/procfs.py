@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import time
 from collections.abc import Iterable, Mapping
 
 from gpuwatchd.model import ProcessInfo
@@ -32,6 +33,8 @@ NCCL_LEGACY_VARS = (
     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
 )
 MAX_ENVIRON_BYTES = 1 << 20
+LIMITS_TTL = 30.0
+THREAD_CHILDREN_TTL = 30.0
 
 
 class ProcessGone(Exception):
@@ -61,6 +64,11 @@ class ProcfsReader:
         self.boot_time = self._boot_time()
         self._users: dict[int, str] = {}
         self.fd_count_o1 = self._probe_fd_stat()
+        # (pid, start ticks) -> (read at, soft, hard): limits change only through prlimit(2), so
+        # they are re-read every LIMITS_TTL seconds rather than every cycle
+        self._limits: dict[tuple[int, int], tuple[float, int | None, int | None]] = {}
+        # pid -> (read at, children of all its threads); see children()
+        self._thread_children: dict[int, tuple[float, list[int]]] = {}
 
     def _probe_fd_stat(self) -> bool:
         """Does ``stat(/proc/PID/fd).st_size`` count fds here (procfs on Linux >= 6.2)? A recorded
@@ -157,17 +165,49 @@ class ProcfsReader:
             )
         except (ProcessGone, OSError, IndexError, ValueError):
             return None
-        soft, hard = self.fd_limits(pid)
+        now = time.monotonic()
+        cached = self._limits.get((pid, start_ticks))
+        if cached is not None and now - cached[0] < LIMITS_TTL:
+            soft, hard = cached[1], cached[2]
+        else:
+            soft, hard = self.fd_limits(pid)
+            self._limits[(pid, start_ticks)] = (now, soft, hard)
         fds = self.fd_count(pid)
-        # Re-check identity: if the PID was reused while we read, drop the reading.
-        if self.start_ticks(pid) != start_ticks:
-            return None
         return ProcessInfo(**{**info.__dict__, "open_fds": fds, "max_fds_soft": soft,
                               "max_fds_hard": hard})
 
+    def forget(self, live: set[tuple[int, int]]) -> None:
+        """Drop cached limits of processes not in ``live`` ((pid, start ticks) pairs)."""
+        for key in set(self._limits) - live:
+            del self._limits[key]
+        pids = {pid for pid, _ in live}
+        for pid in set(self._thread_children) - pids:
+            del self._thread_children[pid]
+
     def children(self, pid: int) -> list[int]:
-        """Direct children, from every thread's ``children`` file (a child belongs to the thread
-        that forked it)."""
+        """Direct children. A child is listed in the ``children`` file of the *thread* that forked
+        it; the main thread's file is read every time, all threads' files (a torch process has a
+        hundred) every THREAD_CHILDREN_TTL seconds, and the two are merged."""
+        out = self._read_children(self.paths.proc(pid, "task", pid, "children"))
+        if out is None:  # the process is gone
+            self._thread_children.pop(pid, None)
+            return []
+        now = time.monotonic()
+        cached = self._thread_children.get(pid)
+        if cached is None or now - cached[0] >= THREAD_CHILDREN_TTL:
+            cached = (now, self._all_thread_children(pid))
+            self._thread_children[pid] = cached
+        return out + [c for c in cached[1] if c not in out]
+
+    def _read_children(self, path: str) -> list[int] | None:
+        try:
+            return [int(x) for x in _read(path).split()]
+        except OSError:
+            return None
+        except ValueError:
+            return []
+
+    def _all_thread_children(self, pid: int) -> list[int]:
         out: list[int] = []
         task_dir = self.paths.proc(pid, "task")
         try:
@@ -211,8 +251,16 @@ class ProcfsReader:
                 env[key] = value.decode("utf-8", "replace")
         return env
 
-    def env_flags(self, pid: int) -> tuple[str, ...]:
-        """Names of NCCL-related settings worth a finding (no values, except the decisive '0')."""
+    def env_flags(self, pid: int) -> tuple[str, ...] | None:
+        """Names of NCCL-related settings worth a finding (no values, except the decisive '0').
+
+        None when the environment cannot be read (yet): right after fork/exec ``environ`` reads
+        empty for a moment, and a caller must not remember that as "no flags"."""
+        try:
+            if not _read(self.paths.proc(pid, "environ"), 1):
+                return None
+        except OSError:
+            return None
         env = self.environ(pid, (*NCCL_LEGACY_VARS, "TORCH_NCCL_ASYNC_ERROR_HANDLING"))
         flags = [name for name in NCCL_LEGACY_VARS if name in env]
         if env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "").strip() == "0":
