@@ -91,18 +91,20 @@ def register_rank(job_id: str | None = None, rank: int | None = None, *,
                                 "(RANK/TORCHELASTIC_RUN_ID, SLURM_PROCID/SLURM_JOB_ID, "
                                 "OMPI_COMM_WORLD_RANK) are set")
         hb = os.path.join(rank_dir, f"{job_id}.{rank}.hb") if heartbeat else None
+        # The heartbeat path is published in the rank file only at the first heartbeat() call: a
+        # script that never calls heartbeat() is judged by its stacks, not seen as "stalled".
         doc = build_document(job_id, rank, pid, local_rank=local_rank, world_size=world_size,
                              gpus=list(gpus) if gpus is not None else _visible_gpus(env, local_rank),
-                             heartbeat=hb, start_ticks=_start_ticks(pid))
+                             start_ticks=_start_ticks(pid))
         path = write_rank_file(rank_dir, doc, rank_file_name(job_id, rank))
-        if hb:
-            _touch(hb, "0")
     except (RankFileError, OSError) as e:
         if strict:
             raise
         log.warning("gpuwatchd: could not register rank: %s", e)
         return None
-    _registered.update(path=path, heartbeat=hb, job_id=job_id, rank=rank)
+    _registered.clear()
+    _registered.update(path=path, heartbeat=hb, job_id=job_id, rank=rank, doc=doc,
+                       rank_dir=rank_dir, published=False)
     if cuda_oom_hook:
         _install_cuda_oom_hook(rank_dir, job_id, rank)
     return path
@@ -128,7 +130,12 @@ def heartbeat(step: int | None = None) -> None:
         return
     try:
         _touch(path, "" if step is None else str(int(step)))
-    except OSError as e:
+        if not _registered.get("published"):
+            doc = _registered["doc"]
+            doc["ranks"][0]["heartbeat"] = path
+            write_rank_file(_registered["rank_dir"], doc, os.path.basename(_registered["path"]))
+            _registered["published"] = True
+    except (OSError, RankFileError) as e:
         log.debug("gpuwatchd heartbeat failed: %s", e)
 
 

@@ -171,9 +171,15 @@ def test_python_api_register_heartbeat_unregister(tmp_path: Path, monkeypatch: p
         monkeypatch.setenv(k, v)
     path = register_rank(rank_dir=str(tmp_path), cuda_oom_hook=False)
     assert path is not None
-    (e,) = RankFileReader(str(tmp_path)).scan()[0]
+    reader = RankFileReader(str(tmp_path))
+    (e,) = reader.scan()[0]
     assert (e.job_id, e.rank, e.local_rank, e.world_size, e.pid, e.gpus) == ("api-job", 2, 0, 4, os.getpid(), ("5",))
-    assert e.heartbeat and os.path.exists(e.heartbeat) and e.start_ticks is not None
+    assert e.start_ticks is not None
+    # no heartbeat path until the script beats: one that never calls heartbeat() is not "stalled"
+    assert e.heartbeat is None
+    heartbeat(16)
+    (e,) = reader.scan()[0]
+    assert e.heartbeat == str(tmp_path / "api-job.2.hb")
     before = os.stat(e.heartbeat).st_mtime_ns
     time.sleep(0.01)
     heartbeat(17)
