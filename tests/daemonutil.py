@@ -58,7 +58,11 @@ class DaemonProc:
             [sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(config_path)],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=REPO,
         )
-        self.wait_ready()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()  # never leak a daemon from a failed start
+            raise
 
     def wait_ready(self, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout

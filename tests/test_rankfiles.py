@@ -152,12 +152,13 @@ def test_discovery_from_real_processes_skips_inheriting_children() -> None:
     # A "rank" with a DataLoader-like child that inherits its environment.
     code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', "
             "'import time; time.sleep(30)']); print(c.pid, flush=True); time.sleep(30)")
-    env = {**os.environ, "RANK": "4", "LOCAL_RANK": "0", "WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "disc-test"}
+    job = f"disc-test-{os.getpid()}"  # unique: other processes on the host may run this test too
+    env = {**os.environ, "RANK": "4", "LOCAL_RANK": "0", "WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": job}
     p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None
         child = int(p.stdout.readline())
-        found = [e for e in discover(ProcfsReader(HostPaths()), ("torchrun",)) if e.job_id == "disc-test"]
+        found = [e for e in discover(ProcfsReader(HostPaths()), ("torchrun",)) if e.job_id == job]
         assert [(e.rank, e.pid, e.source) for e in found] == [(4, p.pid, "environ")]
         assert child != p.pid and found[0].start_ticks is not None
     finally:
