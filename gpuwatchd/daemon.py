@@ -348,9 +348,11 @@ def state_to_json(state: NodeState) -> dict[str, Any]:
 
 def default_subsystems(config: Config) -> list[Subsystem]:
     """The subsystems a real daemon runs (NVML, kernel log, py-spy ...), as configured."""
+    from gpuwatchd.finding_events import FindingEventsSubsystem
     from gpuwatchd.gil import PySpySubsystem
     from gpuwatchd.gpu_subsystem import GpuSubsystem
     from gpuwatchd.kernel_log_subsystem import KernelLogSubsystem
 
     gpu: list[Subsystem] = [GpuSubsystem()] if config.nvml.enabled else []
-    return [PySpySubsystem(config), KernelLogSubsystem(), *gpu]
+    kernel = KernelLogSubsystem()
+    return [PySpySubsystem(config), kernel, *gpu, FindingEventsSubsystem(kernel)]

@@ -100,7 +100,7 @@ def cmd_events(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
-        "events", help="recent OOM kills and Xid errors, mapped to jobs and ranks"
+        "events", help="recent OOM kills, Xid errors, rank deaths and other findings, mapped to jobs and ranks"
     )
     p.add_argument("--config.file", dest="config_file", default=None, help="YAML config")
     p.add_argument("--state-dir", default=None, help="read this state_dir instead of the config's")

@@ -479,6 +479,11 @@ class KernelEventProcessor:
             self._recent.append(ev)
         return True
 
+    def record_event(self, ev: Event) -> bool:
+        """Store an event from elsewhere in the daemon (finding transitions: rank deaths, stalls)
+        in the same durable log, so `gpuwatchd events` shows one timeline. False if a duplicate."""
+        return self._store(ev)
+
     # -- the kernel-log thread --------------------------------------------------------------
 
     def handle(self, rec: LogRecord) -> list[Event]:
