@@ -102,7 +102,7 @@ def test_daemon_joins_gpu_memory_to_ranks_and_flags_the_orphan(tmp_path: Path) -
                         timeout=60, cwd=str(Path(__file__).parent.parent))
     assert ps.returncode == 0, ps.stderr
     (rank_line,) = [ln for ln in ps.stdout.splitlines() if ln.startswith("dflash")]
-    assert " 3.8G " in rank_line, ps.stdout
+    assert " 3.8 GiB " in rank_line, ps.stdout
     (stale_line,) = [ln for ln in ps.stdout.splitlines() if f"pid {stale:>7}" in ln]
     assert "reparented_to_init" in stale_line and "5.6" in stale_line
     assert 'gpuwatch_gpu_info{gpu="0",name="NVIDIA H200",pci_bus_id="00000000:00:06.0"' in text

@@ -6,6 +6,7 @@ for something the daemon does, and the three together suffice."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import fnmatch
 import grp
 import http.client
@@ -454,6 +455,8 @@ def test_syscall_filter_admits_everything_the_daemon_does(tmp_path: Path) -> Non
         tracer.wait(30)
     finally:
         if tracer is not None and tracer.poll() is None:
+            with contextlib.suppress(ProcessLookupError, UnboundLocalError):
+                os.kill(daemon_pid, signal.SIGKILL)  # a killed strace would leave its tracee running
             tracer.kill()
             tracer.wait(10)
         target.kill()
@@ -470,16 +473,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _child_of(pid: int, timeout: float = 20.0) -> int:
-    """The first child of ``pid`` (strace's tracee), from /proc/PID/task/*/children."""
+def _child_of(pid: int, timeout: float = 20.0, marker: bytes = b"gpuwatchd") -> int:
+    """The child of ``pid`` that runs ``marker`` (strace's tracee). strace forks short-lived
+    children of its own at start (to probe ptrace options), still running strace with the same
+    arguments: those are skipped."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for task in Path(f"/proc/{pid}/task").iterdir():
-            kids = (task / "children").read_text().split()
-            if kids:
-                return int(kids[0])
+            for kid in (task / "children").read_text().split():
+                try:
+                    argv = Path(f"/proc/{kid}/cmdline").read_bytes().split(b"\0")
+                    if b"strace" not in argv[0] and marker in b" ".join(argv):
+                        return int(kid)
+                except OSError:
+                    continue
         time.sleep(0.05)
-    raise AssertionError(f"no child of {pid}")
+    raise AssertionError(f"no child of {pid} running {marker!r}")
 
 
 # What systemd's MemoryDenyWriteExecute=yes installs: mmap() asking for PROT_WRITE|PROT_EXEC and
