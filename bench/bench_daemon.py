@@ -43,7 +43,11 @@ CHILD = (
     "resource.setrlimit(resource.RLIMIT_NOFILE, (2048, 2048))\n"
     "fds = [os.open('/dev/null', os.O_RDONLY) for _ in range(1000)]\n"
     "sys.stdout.write('ok\\n'); sys.stdout.flush()\n"
-    "time.sleep(3600)\n"
+    "hb = sys.argv[2] if len(sys.argv) > 2 else ''\n"
+    "while True:\n"
+    "    if hb:\n"
+    "        open(hb, 'w').close()  # what gpuwatchd.heartbeat(step) does, once a second\n"
+    "    time.sleep(1)\n"
 )
 CLK = os.sysconf("SC_CLK_TCK")
 
@@ -70,9 +74,10 @@ def rss_of(pid: int) -> int:
     return 0
 
 
-def start_ranks(n: int) -> list[subprocess.Popen[str]]:
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, MARKER], stdout=subprocess.PIPE, text=True)
-             for _ in range(n)]
+def start_ranks(n: int, hb_dir: str | None = None) -> list[subprocess.Popen[str]]:
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, MARKER, *([f"{hb_dir}/{i}.hb"] if hb_dir else [])],
+                              stdout=subprocess.PIPE, text=True)
+             for i in range(n)]
     for p in procs:
         assert p.stdout is not None and p.stdout.readline().strip() == "ok"
     return procs
@@ -214,6 +219,8 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=50)
     ap.add_argument("--scrapes", type=int, default=200)
     ap.add_argument("--window", type=float, default=30.0, help="seconds over which daemon CPU is measured")
+    ap.add_argument("--no-heartbeat", action="store_true",
+                    help="ranks send no heartbeats (stall detection then samples their stacks)")
     ap.add_argument("--full", action="store_true",
                     help="also run the daemon with the shipped defaults (GIL sampling on) at each size")
     args = ap.parse_args()
@@ -222,12 +229,16 @@ def main() -> None:
     print(f"host: {os.cpu_count()} CPUs, kernel {os.uname().release}, python {sys.version.split()[0]}")
     rows = []
     for n in (int(x) for x in args.sizes.split(",")):
-        procs = start_ranks(n)
         with tempfile.TemporaryDirectory() as tmp:
             rank_dir, state_dir = f"{tmp}/ranks", f"{tmp}/state"
+            os.makedirs(rank_dir)
+            procs = start_ranks(n, None if args.no_heartbeat else rank_dir)
             for i, p in enumerate(procs):
+                entry: dict[str, object] = {"rank": i, "pid": p.pid}
+                if not args.no_heartbeat:
+                    entry["heartbeat"] = f"{rank_dir}/{i}.hb"
                 write_rank_file(rank_dir, {"version": 1, "job_id": "bench", "world_size": n,
-                                           "ranks": [{"rank": i, "pid": p.pid}]}, f"bench.{i}.json")
+                                           "ranks": [entry]}, f"bench.{i}.json")
             try:
                 g = bench_gpuwatchd(n, rank_dir, state_dir, args.cycles)
                 dp = bench_daemon_process(rank_dir, state_dir, args.scrapes, args.window)

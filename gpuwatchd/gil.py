@@ -359,6 +359,8 @@ class PySpySubsystem(Subsystem):
                 self.spy, daemon.counters, interval_seconds=g.interval_seconds,
                 duration_seconds=g.duration_seconds, rate_hz=g.rate_hz,
                 max_concurrent=g.max_concurrent, paths=daemon.paths, max_duty=MAX_SAMPLING_DUTY,
+                # the /proc convoy probe reads every thread of every rank: once per cycle is enough
+                probe_seconds=max(2.0, self.config.interval_seconds),
             )  # fmt: skip
         self.stall = StallTracker(self.config.stall.after_seconds, self.spy, paths=daemon.paths,
                                   cycle_seconds=self.config.interval_seconds)  # fmt: skip

@@ -261,6 +261,13 @@ class StallTracker:
         spinning: frozenset[int],
     ) -> tuple[str, float]:  # fmt: skip
         """Compare this look with the last one; returns (method, last change time)."""
+        if tr.worked and tr.fingerprint is not None:
+            # Python threads used CPU in the working band since the last look: that is progress
+            # whatever a stack dump would show, so spare the target and ourselves the py-spy run.
+            tr.worked = False
+            tr.identical = 0
+            tr.last_change = now
+            return ("stack" if tr.stacks else "proc"), now
         if now - tr.last_dump_at < self.dump_interval and tr.fingerprint is not None:
             return ("stack" if tr.stacks else "proc"), tr.last_change
         stacks, hopeless = self._dump(now, p.pid)
