@@ -37,6 +37,9 @@ from gpuwatchd.sources.rankfiles import RankFileReader, discover, guard_entries,
 
 log = logging.getLogger("gpuwatchd")
 STATE_FILE = "state.json"
+# Config sections that SIGHUP does not apply (the subsystems read them once, at start).
+RESTART_SECTIONS = ("gil", "stall", "alertmanager", "nvml", "orphans", "kernel_log", "state_dir",
+                    "procfs")
 
 
 class Subsystem:
@@ -257,7 +260,13 @@ class Daemon:
 
             self.web.close()
             self.web = web.serve(self.registry, new.web.listen_address, new.web.config_file)
-        log.info("configuration reloaded from %s", self.config_path)
+        # The subsystems (py-spy, kernel log, NVML, events) read their sections once, at start.
+        later = [name for name in RESTART_SECTIONS if getattr(new, name) != getattr(old, name)]
+        if later:
+            log.warning("configuration reloaded from %s; changes to %s take effect at the next "
+                        "restart", self.config_path, ", ".join(later))
+        else:
+            log.info("configuration reloaded from %s", self.config_path)
         return True
 
     def install_signal_handlers(self) -> None:

@@ -163,6 +163,10 @@ def test_sighup_reload_keeps_old_config_when_new_is_bad(tmp_path: Path) -> None:
         finally:
             sleeper.kill()
             sleeper.wait()
+        # sections the subsystems read once at start are named, not silently ignored
+        path.write_text(original.replace(str(tmp_path / "ranks"), str(new_dir)) + "stall: {after_seconds: 7}\n")
+        d.signal(signal.SIGHUP)
+        d.wait_for(lambda: "changes to stall take effect at the next restart" in d.log(), what="restart note")
     finally:
         assert d.stop() == 0
 
