@@ -58,7 +58,12 @@ def test_doctor_on_a_gil_bound_misconfigured_rank(tmp_path: Path, procs: list) -
     assert r["state"] in ("S", "R") and r["fds"]["soft_limit"] == 64
     assert r["fds"]["open"] >= 58 and r["fds"]["ratio"] >= 0.9
     names = {t["python_thread"] for t in r["threads"]}
-    assert names >= {"MainThread", "cpu-0", "cpu-1", "cpu-2", "cpu-3"}
+    py_names = {t["name"] for t in r["python"]["threads"]}
+    assert py_names >= {"MainThread", "cpu-0", "cpu-1", "cpu-2", "cpu-3"}
+    if sys.version_info >= (3, 11):
+        # OS thread <-> Python thread needs PyThreadState.native_thread_id (3.11+); on 3.10 py-spy
+        # --nonblocking reports os_thread_id null (py-spy issue #567), so the join is not possible
+        assert names >= py_names
     assert {t["tid"] for t in r["threads"]} == {int(t) for t in os.listdir(f"/proc/{p.pid}/task")}
     assert sum(t["owns_gil"] for t in r["threads"]) <= 1
     cpu0 = next(t for t in r["python"]["threads"] if t["name"] == "cpu-0")
