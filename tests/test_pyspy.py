@@ -148,7 +148,9 @@ def test_four_cpu_bound_threads_hold_the_gil(procs: list) -> None:
     assert s.ratio >= 0.8, s
     assert s.top_functions[0][0].startswith("burn (cpu4.py)")
     tasks = {int(t) for t in os.listdir(f"/proc/{p.pid}/task")}
-    assert {tid for tid, _, _ in s.by_thread} <= tasks
+    tids = {tid for tid, _, _ in s.by_thread}
+    # 3.11+ gives py-spy the native thread id; on 3.10 it cannot say which task held it (#567)
+    assert tids <= tasks if sys.version_info >= (3, 11) else tids == {0}
     r = s.reading()
     assert r.pid == p.pid and r.samples == s.ticks and r.held == s.held
 
@@ -175,8 +177,12 @@ def test_dump_of_live_process_names_threads_and_maps_tids(procs: list) -> None:
     by_name = {t.name: t for t in threads}
     assert set(by_name) == {"MainThread", "sleeper", "pipe", "sock", "lock"}
     assert by_name["lock"].frames[0].name in ("lock_waiter", "acquire")
-    assert {t.tid for t in threads} == {int(t) for t in os.listdir(f"/proc/{p.pid}/task")}
-    assert not any(t.active for t in threads)
+    if sys.version_info >= (3, 11):
+        assert {t.tid for t in threads} == {int(t) for t in os.listdir(f"/proc/{p.pid}/task")}
+        assert not any(t.active for t in threads)  # from the host task states
+    else:  # no native thread id before 3.11: py-spy --nonblocking reports none (py-spy #567),
+        # so neither the host tid nor the host task state can be attached
+        assert {t.tid for t in threads} == {None}
 
 
 def test_target_in_a_pid_namespace_gets_host_thread_ids(procs: list) -> None:
@@ -189,8 +195,11 @@ def test_target_in_a_pid_namespace_gets_host_thread_ids(procs: list) -> None:
         inner = int(Path(f"/proc/{outer.pid}/task/{outer.pid}/children").read_text().split()[0])
         assert pyspy.in_nested_pid_namespace(HostPaths(), inner)
         threads = PySpy(BINARY).dump(inner)
-        assert {t.tid for t in threads} == {int(t) for t in os.listdir(f"/proc/{inner}/task")}
-        assert sorted(t.ns_tid or 0 for t in threads) == [1, 2, 3, 4, 5]
+        if sys.version_info >= (3, 11):
+            assert {t.tid for t in threads} == {int(t) for t in os.listdir(f"/proc/{inner}/task")}
+            assert sorted(t.ns_tid or 0 for t in threads) == [1, 2, 3, 4, 5]
+        else:  # no native thread id before 3.11 (py-spy #567): nothing to map
+            assert {t.tid for t in threads} == {None}
         # py-spy alone would call them all active; the host task state says they all sleep
         assert not any(t.active for t in threads)
         s = PySpy(BINARY).record_gil(inner, 50, 1)

@@ -124,7 +124,7 @@ class GilSample:
     held: int  # py-spy's "Samples": with --gil at most one trace per tick
     errors: int
     top_functions: tuple[tuple[str, int], ...]  # leaf function (no line) -> GIL-held ticks
-    by_thread: tuple[tuple[int, str, int], ...]  # (host tid, thread name, ticks) most first
+    by_thread: tuple[tuple[int, str, int], ...]  # (host tid or 0 if unknown, thread name, ticks)
     wall_seconds: float
     pyspy_cpu_seconds: float  # user+sys of the py-spy process (rusage)
     timestamp: float
@@ -485,6 +485,10 @@ class PySpy:
             raw = self._read_capped(out)
             tid_map = self._tid_map(pid, threads_before)
             top, by_thread = parse_record_raw(raw, tid_map)
+            # Python <= 3.10 has no native thread id: py-spy then labels threads with pthread ids
+            # (py-spy #567). Those are no task of the target; say "unknown" (0), never a wrong tid.
+            known = {t.tid for t in threads_before} | {t.tid for t in read_threads(self.paths, pid, False)}
+            by_thread = tuple((tid if tid in known else 0, name, n) for tid, name, n in by_thread)
             ticks = max(rate * duration - 1 - errors, 0)
             return GilSample(
                 pid=pid,
