@@ -219,6 +219,14 @@ class Kill:
         return f"{self.boot_id}:{self.killer}:{self.pid}:{stamp}"
 
 
+def _kill(p: Parsed, rec: LogRecord, killer: str, **fields: Any) -> Kill:
+    """A Kill of the victim ``p`` names, stamped with the record it was read from."""
+    assert p.pid is not None
+    base: dict[str, Any] = {"monotonic_usec": rec.monotonic_usec, **fields}
+    return Kill(pid=p.pid, comm=p.comm, killer=killer, boot_id=rec.boot_id, time=rec.realtime,
+                source=rec.source, **base)
+
+
 class KillGrouper:
     """Feeds kernel records of any format; returns complete kills. Not thread-safe (one reader)."""
 
@@ -266,36 +274,15 @@ class KillGrouper:
             oom_memcg = sf.get("oom_memcg", "")
             if not oom_memcg and scope == "Memory cgroup out of memory":
                 oom_memcg = self._memcg
-            out += self._done(
-                Kill(
-                    pid=p.pid,
-                    comm=p.comm,
-                    killer=KILLER_KERNEL,
-                    boot_id=rec.boot_id,
-                    time=rec.realtime,
-                    monotonic_usec=rec.monotonic_usec,
-                    rss_bytes=rss_bytes(p),
-                    memcg=memcg,
-                    oom_memcg=oom_memcg,
-                    constraint=sf.get("constraint", ""),
-                    scope=scope,
-                    source=rec.source,
-                )
-            )
+            out += self._done(_kill(
+                p, rec, KILLER_KERNEL, rss_bytes=rss_bytes(p), memcg=memcg, oom_memcg=oom_memcg,
+                constraint=sf.get("constraint", ""), scope=scope,
+            ))
         elif p.kind == "earlyoom" and p.pid is not None:
-            out += self._done(
-                Kill(
-                    pid=p.pid,
-                    comm=p.comm,
-                    killer=KILLER_EARLYOOM,
-                    boot_id=rec.boot_id,
-                    time=rec.realtime,
-                    monotonic_usec=None,
-                    rss_bytes=rss_bytes(p),
-                    detail=p.fields.get("signal", ""),
-                    source=rec.source,
-                )
-            )
+            out += self._done(_kill(
+                p, rec, KILLER_EARLYOOM, monotonic_usec=None, rss_bytes=rss_bytes(p),
+                detail=p.fields.get("signal", ""),
+            ))
         return out
 
     def flush(self, now: float) -> list[Kill]:
@@ -308,21 +295,11 @@ class KillGrouper:
             self._seqs.pop(k, None)
             if p.pid is None:
                 continue
-            out += self._done(
-                Kill(
-                    pid=p.pid,
-                    comm=p.comm,
-                    killer=KILLER_KERNEL,
-                    boot_id=rec.boot_id,
-                    time=rec.realtime,
-                    monotonic_usec=rec.monotonic_usec,
-                    memcg=p.fields.get("task_memcg", ""),
-                    oom_memcg=p.fields.get("oom_memcg", ""),
-                    constraint=p.fields.get("constraint", ""),
-                    detail="kill line missing",
-                    source=rec.source,
-                )
-            )
+            out += self._done(_kill(
+                p, rec, KILLER_KERNEL, memcg=p.fields.get("task_memcg", ""),
+                oom_memcg=p.fields.get("oom_memcg", ""), constraint=p.fields.get("constraint", ""),
+                detail="kill line missing",
+            ))
         return out
 
 
