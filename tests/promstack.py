@@ -24,7 +24,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -248,7 +248,27 @@ def alertmanager(tmp: Path, config: dict[str, Any]) -> Iterator[Alertmanager]:
         srv.stop()
 
 
-class Webhook:
+_S = TypeVar("_S", bound="_LoopbackServer")
+
+
+class _LoopbackServer:
+    """A threaded HTTP server on 127.0.0.1 (any free port), served while in a ``with`` block."""
+
+    def _serve(self, handler: type[http.server.BaseHTTPRequestHandler]) -> None:
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self: _S) -> _S:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Webhook(_LoopbackServer):
     """Records Alertmanager webhook notifications: (monotonic receive time, path, payload)."""
 
     def __init__(self) -> None:
@@ -268,17 +288,8 @@ class Webhook:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> Webhook:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self._serve(Handler)
+        self.url = f"http://{self.address}"
 
     def alerts(self, path: str | None = None) -> list[tuple[float, str, dict[str, Any]]]:
         """Every alert of every notification so far: (receive time, path, alert)."""
@@ -291,7 +302,7 @@ class Webhook:
             ]
 
 
-class MetricsServer:
+class MetricsServer(_LoopbackServer):
     """Serves ``self.text`` at /metrics in the Prometheus text format (a stand-in node)."""
 
     def __init__(self, text: str = "") -> None:
@@ -310,17 +321,7 @@ class MetricsServer:
             def log_message(self, *args: Any) -> None:
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.address = f"127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    def __enter__(self) -> MetricsServer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self._serve(Handler)
 
 
 def run(cmd: list[str], cwd: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
