@@ -328,14 +328,7 @@ def test_pyspy_nonblocking_works_without_ptrace_or_memory_writes() -> None:
     """The daemon's two py-spy invocations (gpuwatchd/sources/pyspy.py) succeed with ptrace(2)
     and process_vm_writev(2) refused, while the filter really refuses them."""
     target = subprocess.Popen(
-        ["/usr/bin/python3", "-c",
-         "import threading, time\n"
-         "def spin():\n"
-         "    while True:\n"
-         "        sum(range(10000))\n"
-         "threading.Thread(target=spin, daemon=True).start()\n"
-         "print('ready', flush=True)\n"
-         "time.sleep(120)\n"],
+        ["/usr/bin/python3", "-c", SPIN_RANK],
         stdout=subprocess.PIPE, text=True)
     try:
         assert target.stdout is not None and target.stdout.readline().strip() == "ready"
@@ -403,14 +396,7 @@ def test_syscall_filter_admits_everything_the_daemon_does(tmp_path: Path) -> Non
     assert "process_vm_writev" not in allowed and "setuid" not in allowed
 
     target = subprocess.Popen(
-        ["/usr/bin/python3", "-c",
-         "import threading, time\n"
-         "def spin():\n"
-         "    while True:\n"
-         "        sum(range(10000))\n"
-         "threading.Thread(target=spin, daemon=True).start()\n"
-         "print('ready', flush=True)\n"
-         "time.sleep(120)\n"],
+        ["/usr/bin/python3", "-c", SPIN_RANK],
         stdout=subprocess.PIPE, text=True,
         env={"PATH": "/usr/bin:/bin", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
              "TORCHELASTIC_RUN_ID": "straced", "NCCL_ASYNC_ERROR_HANDLING": "1"})
@@ -418,10 +404,7 @@ def test_syscall_filter_admits_everything_the_daemon_does(tmp_path: Path) -> Non
     cfg = tmp_path / "config.yaml"
     cfg.write_text(
         f'web: {{listen_address: "127.0.0.1:{port}"}}\n'
-        f"interval_seconds: 0.5\nrank_dir: {tmp_path / 'ranks'}\nstate_dir: {tmp_path / 'state'}\n"
-        "kernel_log: kmsg\nnvml: {enabled: false}\n"
-        "gil: {enabled: true, interval_seconds: 1, duration_seconds: 1}\n"
-        "discovery: {enabled: true, interval_seconds: 1}\n")
+        + _sampling_config(tmp_path))
     summary = tmp_path / "strace.txt"
     tracer = None
     try:
@@ -465,6 +448,26 @@ def test_syscall_filter_admits_everything_the_daemon_does(tmp_path: Path) -> Non
             if line.split() and line.split()[0][0].isdigit() and line.split()[-1] != "total"}
     assert {"process_vm_readv", "accept4", "openat"} <= used, sorted(used)
     assert sorted(used - allowed) == []
+
+
+# A Python "rank" whose one thread keeps the GIL busy: something for py-spy to sample.
+SPIN_RANK = (
+    "import threading, time\n"
+    "def spin():\n"
+    "    while True:\n"
+    "        sum(range(10000))\n"
+    "threading.Thread(target=spin, daemon=True).start()\n"
+    "print('ready', flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+def _sampling_config(tmp_path: Path) -> str:
+    """Config lines (after web:) that make every source busy: kmsg, discovery, GIL sampling."""
+    return (f"interval_seconds: 0.5\nrank_dir: {tmp_path / 'ranks'}\nstate_dir: {tmp_path / 'state'}\n"
+            "kernel_log: kmsg\nnvml: {enabled: false}\n"
+            "gil: {enabled: true, interval_seconds: 1, duration_seconds: 1}\n"
+            "discovery: {enabled: true, interval_seconds: 1}\n")
 
 
 def _free_port() -> int:
@@ -542,24 +545,14 @@ def test_daemon_runs_under_memory_deny_write_execute(tmp_path: Path) -> None:
     assert probe.stdout.split() == ["wx-refused", "callback", "42"], probe.stdout + probe.stderr
 
     target = subprocess.Popen(
-        ["/usr/bin/python3", "-c",
-         "import threading, time\n"
-         "def spin():\n"
-         "    while True:\n"
-         "        sum(range(10000))\n"
-         "threading.Thread(target=spin, daemon=True).start()\n"
-         "print('ready', flush=True)\n"
-         "time.sleep(120)\n"],
+        ["/usr/bin/python3", "-c", SPIN_RANK],
         stdout=subprocess.PIPE, text=True,
         env={"PATH": "/usr/bin:/bin", "RANK": "0", "TORCHELASTIC_RUN_ID": "mdwe"})
     port = _free_port()
     cfg = tmp_path / "config.yaml"
     cfg.write_text(
         f'web: {{listen_address: "127.0.0.1:{port}"}}\n'
-        f"interval_seconds: 0.5\nrank_dir: {tmp_path / 'ranks'}\nstate_dir: {tmp_path / 'state'}\n"
-        "kernel_log: kmsg\nnvml: {enabled: false}\n"
-        "gil: {enabled: true, interval_seconds: 1, duration_seconds: 1}\n"
-        "discovery: {enabled: true, interval_seconds: 1}\n")
+        + _sampling_config(tmp_path))
     daemon = None
     try:
         assert target.stdout is not None and target.stdout.readline().strip() == "ready"
@@ -607,24 +600,14 @@ def test_daemon_works_inside_the_units_seccomp_sandbox(tmp_path: Path) -> None:
         "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: ca.crt\n"
         f"basic_auth_users:\n  prometheus: {hashed}\n")
     target = subprocess.Popen(
-        ["/usr/bin/python3", "-c",
-         "import threading, time\n"
-         "def spin():\n"
-         "    while True:\n"
-         "        sum(range(10000))\n"
-         "threading.Thread(target=spin, daemon=True).start()\n"
-         "print('ready', flush=True)\n"
-         "time.sleep(120)\n"],
+        ["/usr/bin/python3", "-c", SPIN_RANK],
         stdout=subprocess.PIPE, text=True,
         env={"PATH": "/usr/bin:/bin", "RANK": "0", "TORCHELASTIC_RUN_ID": "boxed"})
     port = _free_port()
     cfg = tmp_path / "config.yaml"
     cfg.write_text(
         f'web: {{listen_address: "127.0.0.1:{port}", config_file: "{pki / "web.yml"}"}}\n'
-        f"interval_seconds: 0.5\nrank_dir: {tmp_path / 'ranks'}\nstate_dir: {tmp_path / 'state'}\n"
-        "kernel_log: kmsg\nnvml: {enabled: false}\n"
-        "gil: {enabled: true, interval_seconds: 1, duration_seconds: 1}\n"
-        "discovery: {enabled: true, interval_seconds: 1}\n")
+        + _sampling_config(tmp_path))
     ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
     ctx.load_cert_chain(str(pki / "client.crt"), str(pki / "client.key"))
     auth = {"Authorization": "Basic " + base64.b64encode(b"prometheus:pw").decode()}
