@@ -11,10 +11,8 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import yaml
 
 from gpuwatchd import doctor
@@ -23,16 +21,6 @@ from gpuwatchd.paths import HostPaths
 
 PROGRAMS = Path(__file__).parent / "fixtures" / "pyspy" / "programs"
 SECRET = "s3cr3t-token-value-never-printed"
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
 
 
 def _low_fd_limit() -> None:

@@ -46,16 +46,6 @@ def report(capsys: pytest.CaptureFixture[str]) -> Any:
 
 
 @pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
-    out: list[subprocess.Popen[bytes]] = []
-    yield out
-    for p in out:
-        if p.poll() is None:
-            p.kill()
-        p.wait(timeout=10)
-
-
-@pytest.fixture
 def cgroups() -> Iterator[list[MemCgroup]]:
     out: list[MemCgroup] = []
     yield out

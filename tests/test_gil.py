@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,17 +28,6 @@ from gpuwatchd.stall import StallVerdict
 
 PROGRAMS = Path(__file__).parent / "fixtures" / "pyspy" / "programs"
 BINARY = pyspy.resolve_pyspy()
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGCONT)
-            p.kill()
-        p.wait()
 
 
 def start(procs: list, program: str, *args: str) -> subprocess.Popen[str]:

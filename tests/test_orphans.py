@@ -12,10 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from gpuwatchd.config import Config
 from gpuwatchd.findings import FindingContext
@@ -68,16 +65,6 @@ def _wait_ppid(pid: int, not_ppid: int) -> None:
             return
         time.sleep(0.02)
     raise AssertionError(f"pid {pid} was not reparented")
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
-    started: list[subprocess.Popen[bytes]] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
 
 
 def _cycle(source, entries, tracker, now):  # type: ignore[no-untyped-def]

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,17 +34,6 @@ def start(program: str, *args: str, python: str = sys.executable, **kw: object
     assert proc.stdout.readline().strip() == "ready"
     time.sleep(0.3)
     return proc  # type: ignore[no-any-return]
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            os.kill(p.pid, signal.SIGCONT)
-            p.kill()
-        p.wait()
 
 
 def stand_in(tmp_path: Path, body: str, name: str = "py-spy") -> str:
