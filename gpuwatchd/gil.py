@@ -386,6 +386,7 @@ class PySpySubsystem(Subsystem):
         self._ensure(daemon)
         assert self.stall is not None and self.spy is not None
         processes: Mapping[int, ProcessInfo] = partial.get("processes", {})
+        beats: Mapping[tuple[str, int], float] = partial.get("progress", {})  # heartbeat mtimes
         seen: set[tuple[str, int]] = set()
         probes: list[RankProbe] = []
         for e in partial.get("entries", ()):
@@ -398,6 +399,7 @@ class PySpySubsystem(Subsystem):
             probes.append(RankProbe(
                 e.job_id, e.rank, e.pid, alive, proc.state if proc else "", e.heartbeat,
                 proc.start_ticks if proc else None, e.owner_uid,
+                beats.get((e.job_id, e.rank)), heartbeat_read=True,
             ))  # fmt: skip
         if self.sampler is not None:
             self.sampler.update_targets(GilTarget(p.job_id, p.rank, p.pid) for p in probes

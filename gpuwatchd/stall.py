@@ -61,6 +61,10 @@ class RankProbe:
     # uid owning the rank file; a heartbeat file owned by someone else is ignored (the daemon must
     # not reveal the mtime of another user's file: docs/security.md)
     owner_uid: int | None = None
+    # The daemon already stats each heartbeat once per cycle (with the owner rule): it passes
+    # that reading here so the file is not stat'ed twice. heartbeat_read=False: stat it here.
+    heartbeat_mtime: float | None = None
+    heartbeat_read: bool = False
 
     @property
     def key(self) -> tuple[str, int]:
@@ -207,7 +211,10 @@ class StallTracker:
         if not p.alive:
             return StallVerdict(p.job_id, p.rank, p.pid, False, None, False, "dead", 0.0)
         stopped = p.state in ("T", "t")
-        hb_mtime = self._heartbeat_mtime(p.heartbeat, p.owner_uid) if p.heartbeat else None
+        if p.heartbeat_read:
+            hb_mtime = p.heartbeat_mtime
+        else:
+            hb_mtime = self._heartbeat_mtime(p.heartbeat, p.owner_uid) if p.heartbeat else None
         if p.heartbeat and not stopped and now - (hb_mtime or tr.first_seen) <= self.after:
             # a beating rank: its heartbeat says it all, no need to look at its threads
             return StallVerdict(p.job_id, p.rank, p.pid, True, hb_mtime or tr.first_seen, False,
