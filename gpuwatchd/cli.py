@@ -106,8 +106,7 @@ def load_state(cfg: Config) -> tuple[dict[str, Any], str]:
             return data, f"daemon state {age:.0f}s old"
     except (OSError, ValueError):
         pass
-    d = Daemon(cfg, subsystems=[])
-    d._write_state = lambda state: None  # type: ignore[method-assign]  # a read-only command
+    d = Daemon(cfg, subsystems=[], write_state=False)
     return state_to_json(d.cycle()), "daemon not running: live /proc view, no GPU/kernel/GIL data"
 
 

@@ -85,6 +85,7 @@ class Daemon:
         clock: Callable[[], float] = time.time,
         counters: CounterStore | None = None,
         subsystems: list[Subsystem] | None = None,
+        write_state: bool = True,
     ) -> None:
         self.config = config
         self.config_path = config_path
@@ -99,6 +100,7 @@ class Daemon:
         self.reload_requested = threading.Event()
         self.state: NodeState | None = None
         self.memory = JoinMemory()
+        self.write_state = write_state  # False for read-only users (gpuwatchd ps)
         self.subsystems: list[Subsystem] = subsystems if subsystems is not None else default_subsystems(config)
         self.registry = make_registry(lambda: self.state, self.counters)
         self.web: Any = None
@@ -196,7 +198,8 @@ class Daemon:
             self.state = state
             for sub in self.subsystems:
                 guarded(f"subsystem {sub.name} after_join", functools.partial(sub.after_join, self, state), None)
-            guarded("writing state file", lambda: self._write_state(state), None)
+            if self.write_state:
+                guarded("writing state file", lambda: self._write_state(state), None)
             return state
 
     def _write_state(self, state: NodeState) -> None:
