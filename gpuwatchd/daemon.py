@@ -219,7 +219,8 @@ class Daemon:
         from gpuwatchd import web
 
         try:
-            self.web = web.serve(self.registry, self.config.web.listen_address, self.config.web.config_file)
+            self.web = web.serve(self.registry, self.config.web.listen_address,
+                                 self.config.web.config_file, counters=self.counters)
         except web.WebConfigError as e:  # exit 2 naming every bad key, like the config file
             raise ConfigError([f"web.config_file: {p}" for p in e.problems], e.path) from None
         for sub in self.subsystems:
@@ -241,13 +242,8 @@ class Daemon:
         try:
             new = with_overrides(load_config(self.config_path), self.listen_override,
                                  self.web_config_override)
-            if new.web != self.config.web and new.web.config_file:
-                from gpuwatchd import web
-
-                try:  # before the running server is closed, so a bad file leaves it serving
-                    web.load_web_config(new.web.config_file)
-                except web.WebConfigError as e:
-                    raise ConfigError([f"web.config_file: {p}" for p in e.problems], e.path) from None
+            if new.web != self.config.web and self.web is not None:
+                self.web = self._reload_web(new)  # the last step that can fail
         except ConfigError as e:
             log.error("reload refused, keeping the running config:\n%s", e)
             notify(f"STATUS=reload refused: {len(e.problems)} problem(s) in {self.config_path}")
@@ -258,11 +254,6 @@ class Daemon:
             self.rankfiles = RankFileReader(new.rank_dir)
         if new.interval_seconds != old.interval_seconds:
             self._make_collectors()
-        if new.web != old.web and self.web is not None:
-            from gpuwatchd import web
-
-            self.web.close()
-            self.web = web.serve(self.registry, new.web.listen_address, new.web.config_file)
         # The subsystems (py-spy, kernel log, NVML, events) read their sections once, at start.
         later = [name for name in RESTART_SECTIONS if getattr(new, name) != getattr(old, name)]
         if later:
@@ -271,6 +262,21 @@ class Daemon:
         else:
             log.info("configuration reloaded from %s", self.config_path)
         return True
+
+    def _reload_web(self, new: Config) -> Any:
+        """The server for ``new.web``; the running one keeps serving when that is impossible
+        (a bad web-config, an address in use): ConfigError then."""
+        from gpuwatchd import web
+
+        try:
+            return self.web.reload(new.web.listen_address, new.web.config_file)
+        except web.WebConfigError as e:
+            raise ConfigError([f"web.config_file: {p}" for p in e.problems], e.path) from None
+        except (OSError, ValueError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise ConfigError([f"web.listen_address: cannot listen on {new.web.listen_address}:"
+                               f" {why}; still serving {self.web.url}"],
+                              self.config_path or "config") from None
 
     def install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -281,9 +287,7 @@ class Daemon:
 
     def run(self) -> None:
         self.install_signal_handlers()
-        self.start()
-        host, port = self.web.address[:2]
-        log.info("serving metrics on http://%s:%d/metrics", host, port)
+        self.start()  # logs the URL it serves, https:// with TLS
         wd = watchdog_interval()
         first = True
         next_at = time.monotonic()

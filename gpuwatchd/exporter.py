@@ -34,6 +34,9 @@ COUNTER_HELP: Mapping[str, str] = {
     "kernel_log_overruns": "Times the kernel ring buffer overwrote records before gpuwatchd read "
     "them (EPIPE on /dev/kmsg).",
     "kernel_log_lines_rejected": "Kernel log records that could not be used, by reason.",
+    "web_connections_dropped": "Connections to /metrics that the server closed unanswered, by "
+    "reason: limit (the oldest waiting one made room for a new one), timeout (no complete request "
+    "or response in time), no_thread (no worker thread could be started).",
 }
 
 

@@ -181,6 +181,7 @@ COUNTER_LABELS: Mapping[str, tuple[str, ...]] = frozen_map(
         "rank_gil_held_samples": ("job_id", "rank"),
         "kernel_log_overruns": (),
         "kernel_log_lines_rejected": ("reason",),
+        "web_connections_dropped": ("reason",),
     }
 )
 

@@ -18,13 +18,14 @@ Like exporter-toolkit, the file (and the certificates it names) is looked at aga
 connection, so certificates rotate without a restart; unlike it, a file that became invalid is
 logged and the last good configuration keeps serving instead of failing every scrape.
 
-Cost: one thread per open connection, at most ``MAX_CONNECTIONS``; a scrape costs what the
-registry's collectors cost (gpuwatchd's collector only reads the latest NodeState). bcrypt checks
-(~70 ms at cost 10) are cached per (user, password) after the first success.
-Robustness: every connection has a deadline (TLS handshake and request headers within
-``REQUEST_TIMEOUT``, the response within ``WRITE_TIMEOUT``, keep-alive idle ``IDLE_TIMEOUT``); a
-reaper thread shuts down connections past their deadline, so slow or garbage clients cost a
-bounded number of threads for a bounded time and never stop the server.
+Cost: connections are accepted, handshaken and read by one loop thread (``web_listener``), so
+a waiting connection costs an fd and a small buffer, not a thread; complete requests are answered
+by at most ``Limits.max_workers`` threads. A scrape costs what the registry's collectors cost
+(gpuwatchd's collector only reads the latest NodeState). bcrypt checks (~70 ms at cost 10) are
+cached per (user, password) after the first success.
+Robustness: every connection has a deadline (``Limits``), at most ``Limits.max_connections`` are
+open and a new one replaces the oldest waiting one, so slow, silent or garbage clients cost
+bounded resources for a bounded time, never stop the server and never keep a scraper out.
 Privilege: none (binding a port >= 1024).
 Shell equivalent: ``curl --cacert ca.crt --cert client.crt --key client.key -u prometheus
 https://node:9958/metrics``.
@@ -39,6 +40,7 @@ import contextlib
 import getpass
 import hashlib
 import html
+import io
 import logging
 import os
 import re
@@ -47,9 +49,9 @@ import ssl
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -57,26 +59,16 @@ import bcrypt
 import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder, generate_latest
+from prometheus_client.metrics_core import Metric
+
+from gpuwatchd.counters import CounterStore
+from gpuwatchd.isolation import guarded
+from gpuwatchd.web_listener import DROP_REASONS, MAX_REQUEST_LINE, Conn, Limits, Listener, bind
 
 log = logging.getLogger(__name__)
 
-MAX_CONNECTIONS = 64
-REQUEST_TIMEOUT = 10.0
-WRITE_TIMEOUT = 30.0
-IDLE_TIMEOUT = 60.0
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Per-connection bounds (node_exporter's --web.max-requests is 40; Go's http.Server
-    ReadHeaderTimeout/WriteTimeout/IdleTimeout play the same role)."""
-
-    max_connections: int = MAX_CONNECTIONS
-    request_timeout: float = REQUEST_TIMEOUT  # TLS handshake + request line + headers
-    write_timeout: float = WRITE_TIMEOUT  # building and sending one response
-    idle_timeout: float = IDLE_TIMEOUT  # keep-alive wait for the next request
-MAX_REQUEST_LINE = 8192
 MAX_HEADERS = 64
+MAX_QUERY_PARAMETERS = 64
 
 CLIENT_AUTH_TYPES = {
     "NoClientCert": ssl.CERT_NONE,
@@ -462,31 +454,53 @@ LANDING_PAGE = """<!DOCTYPE html>
 """
 
 
+class _Writer:
+    """The handler's ``wfile``: every write sent whole (``SocketIO.write`` may send part)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def write(self, data: bytes) -> int:
+        self.sock.sendall(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
 class _Handler(BaseHTTPRequestHandler):
+    """Answers one request whose head the listener has read already (``conn.head``)."""
+
     protocol_version = "HTTP/1.1"
     # Answer garbage with a status line; HTTP/0.9 (no status line, no headers) has no clients.
     default_request_version = "HTTP/1.0"
     server_version = "gpuwatchd"
     sys_version = ""
-    timeout = REQUEST_TIMEOUT  # per socket operation; the reaper bounds the total
-    server: _HTTPServer
+    server: _Site  # type: ignore[assignment]
     raw_requestline: bytes
-    _served: bool = False
 
-    def handle_one_request(self) -> None:
-        limits = self.server.limits
-        self.server.set_deadline(
-            self.connection, limits.idle_timeout if self._served else limits.request_timeout
-        )
-        super().handle_one_request()
-        self._served = True
+    def __init__(self, conn: Conn, site: _Site) -> None:
+        self.conn = conn
+        super().__init__(conn.sock, (conn.addr, 0), site)  # type: ignore[arg-type]
 
     def setup(self) -> None:
-        super().setup()
-        self.connection.settimeout(self.server.limits.request_timeout)
+        self.connection = self.conn.sock
+        self.rfile = io.BytesIO(self.conn.head)
+        self.wfile = _Writer(self.conn.sock)  # type: ignore[assignment]
+
+    def handle(self) -> None:
+        self.handle_one_request()
+
+    def finish(self) -> None:
+        """The listener keeps or closes the connection."""
 
     def parse_request(self) -> bool:
         if len(self.raw_requestline) > MAX_REQUEST_LINE:
+            # What BaseHTTPRequestHandler.parse_request sets before anything else; send_error
+            # needs them.
+            self.command = None  # type: ignore[assignment]
+            self.request_version = self.default_request_version
+            self.close_connection = True
             self.send_error(414)
             return False
         ok = super().parse_request()
@@ -536,7 +550,6 @@ class _Handler(BaseHTTPRequestHandler):
         return self.server.auth_cache.check(users, name, password)
 
     def do_GET(self) -> None:
-        self.server.set_deadline(self.connection, self.server.limits.write_timeout)
         self._active = self.server.config.current()
         bucket = self.server.bucket_for(self._active.config)
         if bucket is not None and not bucket.take():
@@ -558,12 +571,16 @@ class _Handler(BaseHTTPRequestHandler):
     do_HEAD = do_GET
 
     def _metrics(self, query: str) -> None:
-        params = parse_qs(query, max_num_fields=64)
+        try:
+            params = parse_qs(query, max_num_fields=MAX_QUERY_PARAMETERS)
+        except ValueError:
+            self._send(400, f"at most {MAX_QUERY_PARAMETERS} query parameters\n".encode(),
+                       "text/plain; charset=utf-8")
+            return
         encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
         registry: Any = self.server.registry
         if "name[]" in params:
-            registry = registry.restricted_registry(params["name[]"])
-            body = encoder(registry)
+            body = encoder(_Restricted(registry, params["name[]"]))
         elif encoder is generate_latest and hasattr(registry, "encode_text"):
             body = registry.encode_text()  # gpuwatchd's StateRegistry: cached between cycles
         else:
@@ -583,45 +600,34 @@ class _Handler(BaseHTTPRequestHandler):
     )
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
-    allow_reuse_address = True
-    request_queue_size = 128
+class _Restricted:
+    """client_python's ``name[]`` filter: the samples whose name is listed (``x_total`` of a
+    counter, ``x_bucket`` of a histogram), taken from what the registry collects rather than from
+    what its collectors describe (gpuwatchd's collector describes nothing, so client_python's
+    ``restricted_registry`` finds no names in it and returns an empty body)."""
 
-    def __init__(self, address: tuple[str, int], family: socket.AddressFamily,
-                 registry: CollectorRegistry, config: _ConfigHolder, limits: Limits) -> None:
-        self.address_family = family
-        self.limits = limits
-        super().__init__(address, _Handler, bind_and_activate=False)
-        if family == socket.AF_INET6:
-            # "[::]:port" serves IPv4 too, like Go's listener; a specific v6 address does not.
-            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY,
-                                   0 if address[0] == "::" else 1)
-        try:
-            self.server_bind()
-            self.server_activate()
-        except OSError:
-            self.server_close()
-            raise
+    def __init__(self, registry: CollectorRegistry, names: list[str]) -> None:
+        self.registry = registry
+        self.names = set(names)
+
+    def collect(self) -> Iterator[Metric]:
+        for fam in self.registry.collect():
+            samples = [s for s in fam.samples if s.name in self.names]
+            if samples:
+                m = Metric(fam.name, fam.documentation, fam.type)
+                m.samples = samples
+                yield m
+
+
+class _Site:
+    """What a request is answered from: shared by the workers of one listener."""
+
+    def __init__(self, registry: CollectorRegistry, config: _ConfigHolder) -> None:
         self.registry = registry
         self.config = config
         self.auth_cache = _AuthCache()
         self._buckets: dict[RateLimit, _TokenBucket] = {}
-        self._conns: dict[socket.socket, float] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._reaper = threading.Thread(target=self._reap, name="gpuwatchd-web-reaper",
-                                        daemon=True)
-        self._reaper.start()
-
-    def server_bind(self) -> None:
-        # HTTPServer.server_bind calls socket.getfqdn(), a reverse DNS lookup that can hang.
-        socket.socket.setsockopt(self.socket, socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.socket.bind(self.server_address)
-        self.server_address = self.socket.getsockname()
-        self.server_name = str(self.server_address[0])
-        self.server_port = int(self.server_address[1])
 
     def bucket_for(self, cfg: WebConfig) -> _TokenBucket | None:
         if cfg.rate_limit is None:
@@ -632,85 +638,31 @@ class _HTTPServer(ThreadingHTTPServer):
                 b = self._buckets[cfg.rate_limit] = _TokenBucket(cfg.rate_limit)
             return b
 
-    def set_deadline(self, conn: socket.socket, seconds: float) -> None:
-        with self._lock:
-            if conn in self._conns:
-                self._conns[conn] = time.monotonic() + seconds
+    def tls(self) -> ssl.SSLContext | None:
+        return self.config.current().ssl_context
 
-    def _reap(self) -> None:
-        while not self._stop.wait(min(0.5, self.limits.request_timeout / 4)):
-            now = time.monotonic()
-            with self._lock:
-                late = [c for c, d in self._conns.items() if d < now]
-            for c in late:
-                with contextlib.suppress(OSError):
-                    c.shutdown(socket.SHUT_RDWR)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        with self._lock:
-            full = len(self._conns) >= self.limits.max_connections
-            if not full:
-                self._conns[request] = time.monotonic() + self.limits.request_timeout
-        if full:
-            log.warning("more than %d open connections; refusing %s", self.limits.max_connections,
-                        client_address[0])
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except RuntimeError:  # no thread to be had (TasksMax= reached): drop this client only
-            log.warning("cannot start a thread for %s; connection refused", client_address[0])
-            with self._lock:
-                self._conns.pop(request, None)
-            self.shutdown_request(request)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        conn = request
-        try:
-            # Headers and body leave in separate writes; without TCP_NODELAY the body of every
-            # keep-alive response waits for the client's delayed ACK (~40 ms; measured with
-            # bench/bench_web.py).
-            request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            active = self.config.current()
-            if active.ssl_context is not None:
-                request.settimeout(self.limits.request_timeout)
-                conn = active.ssl_context.wrap_socket(request, server_side=True,
-                                                      do_handshake_on_connect=False)
-                conn.do_handshake()
-                if not self._san_allowed(conn, active.config):
-                    log.info("client certificate of %s has no allowed SAN", client_address[0])
-                    return
-            self.finish_request(conn, client_address)
-        except (OSError, ssl.SSLError, ValueError) as e:
-            # A client that hangs up, speaks garbage or fails the handshake ends its own
-            # connection only.
-            log.debug("connection from %s ended: %s", client_address[0], e)
-        finally:
-            with self._lock:
-                self._conns.pop(request, None)
-            self.shutdown_request(conn)
-
-    @staticmethod
-    def _san_allowed(conn: ssl.SSLSocket, cfg: WebConfig) -> bool:
-        allowed = cfg.tls.client_allowed_sans if cfg.tls else ()
+    def san_allowed(self, conn: ssl.SSLSocket) -> bool:
+        tls = self.config.current().config.tls
+        allowed = tls.client_allowed_sans if tls else ()
         if not allowed:
             return True
         cert: Any = conn.getpeercert() or {}
         sans = {str(pair[1]) for pair in cert.get("subjectAltName", ())}
         return bool(sans & set(allowed))
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        log.exception("error while serving %s", client_address[0])
+    def serve(self, conn: Conn) -> bool:
+        """Answer ``conn.head`` (in a worker thread); True to keep the connection."""
+        if conn.ctx is not self.tls():
+            # Accepted under other TLS settings (web-config changed since): not ours to answer.
+            return False
+        return guarded(f"answering {conn.addr}", lambda: self._answer(conn), False)
 
-    def stop(self) -> None:
-        self._stop.set()
-        self.shutdown()
-        self.server_close()
-        with self._lock:
-            conns = list(self._conns)
-        for c in conns:
-            with contextlib.suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)
+    def _answer(self, conn: Conn) -> bool:
+        try:
+            return not _Handler(conn, self).close_connection
+        except (OSError, ValueError) as e:  # a client that hangs up ends its own connection
+            log.debug("connection from %s ended: %s", conn.addr, e)
+            return False
 
 
 def parse_listen_address(addr: str) -> tuple[str, int]:
@@ -742,14 +694,20 @@ def _resolve(host: str, port: int) -> tuple[socket.AddressFamily, tuple[str, int
 class WebServer:
     """A running /metrics server; ``address`` is the (host, port) actually bound."""
 
-    def __init__(self, server: _HTTPServer, thread: threading.Thread, tls: bool) -> None:
-        self._server = server
-        self._thread = thread
-        self.tls = tls
+    def __init__(self, listener: Listener, site: _Site, requested: tuple[Any, ...],
+                 counters: CounterStore | None) -> None:
+        self._listener = listener
+        self._site = site
+        self._requested = requested
+        self._counters = counters
 
     @property
     def address(self) -> tuple[str, int]:
-        return self._server.server_name, self._server.server_port
+        return self._listener.address
+
+    @property
+    def tls(self) -> bool:
+        return self._site.tls() is not None
 
     @property
     def url(self) -> str:
@@ -758,26 +716,59 @@ class WebServer:
         return f"{'https' if self.tls else 'http'}://{shown}:{port}/metrics"
 
     def close(self) -> None:
-        self._server.stop()
-        self._thread.join(timeout=5)
+        self._listener.stop()
+
+    def reload(self, listen_address: str, web_config_file: str | None) -> WebServer:
+        """Serve with a new address or web-config, never losing the running server: the file is
+        validated and a new address bound before the old one is given up. Returns the server now
+        running (this one when the address is unchanged); raises like ``serve`` and then this
+        server is untouched."""
+        host, port = parse_listen_address(listen_address)
+        config = _ConfigHolder(web_config_file)
+        family, addr = _resolve(host, port)
+        if (family, addr) == self._requested:
+            # Same address: the same socket serves on, under the new web-config; connections
+            # accepted under other TLS settings are closed at their next request.
+            self._site.config = config
+            log.info("serving %s", self.url)
+            return self
+        new = _start(self._site.registry, family, addr, config, self._listener.limits,
+                     self._counters)
+        self.close()
+        return new
+
+
+def _start(registry: CollectorRegistry, family: socket.AddressFamily, addr: tuple[str, int],
+           config: _ConfigHolder, limits: Limits, counters: CounterStore | None) -> WebServer:
+    sock = bind(family, addr)
+    site = _Site(registry, config)
+
+    def dropped(reason: str) -> None:
+        if counters is not None:
+            counters.inc("web_connections_dropped", (reason,))
+
+    listener = Listener(sock, limits, site.tls, site.san_allowed, site.serve, dropped)
+    listener.start()
+    ws = WebServer(listener, site, (family, addr), counters)
+    log.info("serving %s", ws.url)
+    return ws
 
 
 def serve(registry: CollectorRegistry, listen_address: str,
-          web_config_file: str | None = None, limits: Limits | None = None) -> WebServer:
-    """Start serving ``registry`` on ``listen_address`` in background threads.
+          web_config_file: str | None = None, limits: Limits | None = None,
+          counters: CounterStore | None = None) -> WebServer:
+    """Start serving ``registry`` on ``listen_address`` in background threads; connections
+    dropped (see ``web_listener``) are counted in ``counters`` when given.
 
     Raises ValueError for a bad address, WebConfigError for a bad web-config file, OSError when
     the address cannot be bound."""
     host, port = parse_listen_address(listen_address)
     config = _ConfigHolder(web_config_file)
     family, addr = _resolve(host, port)
-    server = _HTTPServer(addr, family, registry, config, limits or Limits())
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5},
-                              name="gpuwatchd-web", daemon=True)
-    thread.start()
-    ws = WebServer(server, thread, config.current().ssl_context is not None)
-    log.info("serving %s", ws.url)
-    return ws
+    if counters is not None:
+        for reason in DROP_REASONS:
+            counters.ensure("web_connections_dropped", (reason,))
+    return _start(registry, family, addr, config, limits or Limits(), counters)
 
 
 # --- command line: gpuwatchd web-config check FILE | hash ----------------------------------------

@@ -360,25 +360,30 @@ def test_garbage_on_the_tls_port(pki: Path, registry: CollectorRegistry,
 
 def test_slow_clients_are_cut_off_and_cannot_exhaust_the_server(
         registry: CollectorRegistry, served: list[web.WebServer]) -> None:
-    limits = web.Limits(max_connections=4, request_timeout=0.6, write_timeout=5, idle_timeout=1)
+    limits = web.Limits(max_connections=4, request_timeout=1.5, write_timeout=5, idle_timeout=1)
     server = web.serve(registry, "127.0.0.1:0", None, limits)
     served.append(server)
     port = server.address[1]
     # Four clients that connect and say nothing (slowloris) fill every slot...
     idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(4)]
     time.sleep(0.2)
-    # ...so the fifth is closed at once instead of queueing a thread.
+    # ...so a fifth, a scraper, takes the place of the oldest of them and is answered.
     with socket.create_connection(("127.0.0.1", port), timeout=5) as fifth:
         fifth.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-        with contextlib.suppress(ConnectionResetError):
-            assert fifth.recv(100) == b""
-    # The silent ones are disconnected after request_timeout.
+        assert fifth.recv(100).startswith(b"HTTP/1.1 200")
+    with contextlib.suppress(ConnectionResetError):
+        assert idle[0].recv(100) == b""
+    idle[1].setblocking(False)
+    with pytest.raises(BlockingIOError):  # the younger ones are still open: only the oldest went
+        idle[1].recv(100)
+    idle[1].settimeout(5)
+    # The other silent ones are disconnected after request_timeout.
     t0 = time.monotonic()
     for s in idle:
         with contextlib.suppress(ConnectionResetError):
             assert s.recv(100) == b""
         s.close()
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < 4.0
     # A client trickling one header byte at a time is cut off too.
     with socket.create_connection(("127.0.0.1", port), timeout=5) as trickle:
         t0 = time.monotonic()

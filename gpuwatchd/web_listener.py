@@ -1,0 +1,424 @@
+"""Connections of the /metrics server: accepted, TLS-handshaken and read up to a complete request
+head by one thread (an epoll loop), so that a connection which sends nothing, or a byte at a
+time (slowloris), costs a file descriptor and a small buffer, never a thread.
+
+Only a connection whose request head is complete goes to a worker thread (at most
+``max_workers``); the worker answers from memory, writes the response and gives the connection
+back to the loop for keep-alive. When ``max_connections`` are open, a new connection takes the
+place of the oldest one that is still *waiting* (handshake, request head or keep-alive idle): a
+client holding many half-open connections only ever pushes out its own oldest ones, while a
+scraper, which sends its request as it connects, is read within one turn of the loop and never
+is the oldest. The listen backlog (``BACKLOG``) is larger than that limit, so the kernel keeps
+accepting SYNs while the loop catches up and a scraper's connect is not left to SYN retries.
+
+Deadlines: TLS handshake and request head within ``request_timeout`` of the accept, the response
+within ``write_timeout``, keep-alive idle ``idle_timeout``. Connections dropped for lack of room,
+for a missed deadline or for lack of a thread are passed to ``on_drop(reason)`` (the daemon
+counts them in ``gpuwatch_web_connections_dropped_total``) and logged as one warning per
+``log_interval`` seconds, however many there were.
+
+Cost: two threads (this loop and, while requests arrive, up to ``max_workers`` workers); per open
+connection one fd and at most ``max_head_bytes`` of buffer; a turn of the loop at least every
+0.25 s to enforce the deadlines. Privilege: none.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import logging
+import re
+import selectors
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+log = logging.getLogger("gpuwatchd.web")
+
+BACKLOG = 1024  # capped by net.core.somaxconn (4096 since Linux 5.4)
+ACCEPT_BATCH = 32  # accepts per loop turn, so a connect flood cannot starve the reads
+MAX_REQUEST_LINE = 8192
+# Where the request head ends: an empty line; http.server also accepts bare LF line ends.
+HEAD_END = re.compile(rb"\r?\n\r?\n")
+DROP_REASONS = ("limit", "timeout", "no_thread")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds of the /metrics server (node_exporter's --web.max-requests is 40; Go's http.Server
+    ReadHeaderTimeout/WriteTimeout/IdleTimeout play the same role as the timeouts)."""
+
+    max_connections: int = 256  # open connections, waiting or being answered
+    max_workers: int = 8  # requests answered at once, one thread each
+    request_timeout: float = 10.0  # TLS handshake + request line + headers
+    write_timeout: float = 30.0  # building and sending one response
+    idle_timeout: float = 60.0  # keep-alive wait for the next request
+    max_head_bytes: int = 32768  # request line + headers
+    log_interval: float = 10.0  # at most one warning about dropped connections per interval
+
+
+class Conn:
+    """One client connection. ``phase``: handshake, head, idle (waiting, owned by the loop),
+    ready (queued for a worker), active (a worker is answering it)."""
+
+    __slots__ = ("addr", "buf", "ctx", "cut", "deadline", "eof", "head", "phase", "sock")
+
+    def __init__(self, sock: socket.socket, addr: str, ctx: ssl.SSLContext | None,
+                 deadline: float) -> None:
+        self.sock = sock
+        self.addr = addr
+        self.ctx = ctx  # the TLS context this connection was accepted under (None: plain)
+        self.buf = bytearray()
+        self.head = b""
+        self.phase = "handshake" if ctx is not None else "head"
+        self.deadline = deadline
+        self.eof = False  # the client closed its side after sending
+        self.cut = False  # shut down by the loop for a missed deadline
+
+    def take_head(self) -> bool:
+        m = HEAD_END.search(self.buf)
+        if m is None:
+            return False
+        self.head = bytes(self.buf[:m.end()])
+        del self.buf[:m.end()]
+        return True
+
+
+class DropLog:
+    """Counts dropped connections by reason; logs them as one warning per interval."""
+
+    def __init__(self, on_drop: Callable[[str], None], interval: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.on_drop = on_drop
+        self.interval = interval
+        self.clock = clock
+        self.pending: collections.Counter[str] = collections.Counter()
+        self.latest = ""
+        self.next_log = float("-inf")
+
+    def drop(self, reason: str, addr: str) -> None:
+        self.on_drop(reason)
+        self.pending[reason] += 1
+        self.latest = addr
+        self.flush()
+
+    def flush(self) -> None:
+        now = self.clock()
+        if not self.pending or now < self.next_log:
+            return
+        counts = ", ".join(f"{n} {r}" for r, n in sorted(self.pending.items()))
+        log.warning("dropped %d connection(s) to /metrics (%s), the latest from %s; counted in "
+                    "gpuwatch_web_connections_dropped_total, logged at most every %gs",
+                    sum(self.pending.values()), counts, self.latest, self.interval)
+        self.pending.clear()
+        self.next_log = now + self.interval
+
+
+def bind(family: socket.AddressFamily, address: tuple[str, int]) -> socket.socket:
+    """A listening, non-blocking TCP socket; raises OSError (e.g. EADDRINUSE)."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            # "[::]:port" serves IPv4 too, like Go's listener; a specific v6 address does not.
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY,
+                            0 if address[0] == "::" else 1)
+        sock.bind(address)
+        sock.listen(BACKLOG)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _shutdown(sock: socket.socket) -> None:
+    # The plain socket's shutdown, also for an SSLSocket: SSLSocket.shutdown() would drop the TLS
+    # object under a worker that is writing through it.
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
+_LISTEN = object()
+_WAKE = object()
+
+
+class Listener:
+    """Runs the loop on its own thread once ``start()`` is called; ``serve(conn)`` (in a worker
+    thread, must not raise) answers ``conn.head`` and says whether to keep the connection."""
+
+    def __init__(self, sock: socket.socket, limits: Limits,
+                 tls: Callable[[], ssl.SSLContext | None],
+                 allowed: Callable[[ssl.SSLSocket], bool],
+                 serve: Callable[[Conn], bool], on_drop: Callable[[str], None]) -> None:
+        self.sock = sock
+        self.limits = limits
+        self.tls = tls
+        self.allowed = allowed
+        self.serve = serve
+        self.drops = DropLog(on_drop, limits.log_interval)
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._waiting: collections.OrderedDict[Conn, None] = collections.OrderedDict()  # oldest first
+        self._busy: dict[Conn, None] = {}  # ready or active; only the loop changes these two
+        self._back: collections.deque[tuple[Conn, bool]] = collections.deque()  # from workers
+        self._ready: collections.deque[Conn] = collections.deque()
+        self._cv = threading.Condition()
+        self._idle_workers = 0
+        self._workers: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self._accept_paused_until = 0.0
+        self._thread = threading.Thread(target=self._run, name="gpuwatchd-web", daemon=True)
+        name = sock.getsockname()
+        self.address: tuple[str, int] = (str(name[0]), int(name[1]))
+
+    def start(self) -> None:
+        self._sel.register(self.sock, selectors.EVENT_READ, _LISTEN)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, _WAKE)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake()
+        with self._cv:
+            self._cv.notify_all()
+        self._thread.join(timeout=5)  # the loop shuts every connection down as it ends
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        tick = min(0.25, self.limits.request_timeout / 4)
+        try:
+            while not self._stop.is_set():
+                for key, _ in self._sel.select(tick):
+                    if key.data is _LISTEN:
+                        self._accept()
+                    elif key.data is _WAKE:
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(4096)
+                    elif isinstance(key.data, Conn):
+                        self._on_event(key.data)
+                self._take_back()
+                self._expire(time.monotonic())
+                self.drops.flush()
+        finally:
+            for conn in [*self._waiting, *self._busy]:
+                _shutdown(conn.sock)
+                conn.sock.close()
+            self._sel.close()
+            self.sock.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full: the loop is awake already
+            self._wake_w.send(b"\0")
+
+    def _accept(self) -> None:
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, addr = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE) and not self._evict_oldest():
+                    # Out of file descriptors and nothing to give up: stop accepting for a
+                    # moment instead of spinning on a listening socket that stays readable.
+                    self._sel.unregister(self.sock)
+                    self._accept_paused_until = time.monotonic() + 0.2
+                    return
+                continue
+            host = str(addr[0])
+            if len(self._waiting) + len(self._busy) >= self.limits.max_connections \
+                    and not self._evict_oldest():
+                sock.close()  # every connection is being answered: the newest waits its turn
+                self.drops.drop("limit", host)
+                continue
+            self._add(sock, host)
+
+    def _add(self, sock: socket.socket, host: str) -> None:
+        sock.setblocking(False)
+        # Headers and body leave in separate writes; without TCP_NODELAY the body of every
+        # keep-alive response waits for the client's delayed ACK (~40 ms; bench/bench_web.py).
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        ctx = self.tls()
+        deadline = time.monotonic() + self.limits.request_timeout
+        if ctx is not None:
+            try:
+                sock = ctx.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            except (OSError, ValueError) as e:
+                log.debug("connection from %s ended: %s", host, e)
+                sock.close()
+                return
+        conn = Conn(sock, host, ctx, deadline)
+        self._waiting[conn] = None
+        self._sel.register(sock, selectors.EVENT_READ, conn)
+        if ctx is None:
+            self._read(conn)  # a scraper's request usually arrived with its connection
+
+    def _evict_oldest(self) -> bool:
+        for conn in self._waiting:
+            self._close(conn)
+            self.drops.drop("limit", conn.addr)
+            return True
+        return False
+
+    def _on_event(self, conn: Conn) -> None:
+        if conn.phase == "handshake":
+            sock = conn.sock
+            assert isinstance(sock, ssl.SSLSocket)
+            try:
+                sock.do_handshake()
+            except ssl.SSLWantReadError:
+                self._sel.modify(sock, selectors.EVENT_READ, conn)
+                return
+            except ssl.SSLWantWriteError:
+                self._sel.modify(sock, selectors.EVENT_WRITE, conn)
+                return
+            except (OSError, ValueError) as e:  # a client that fails the handshake ends itself
+                log.debug("TLS handshake with %s failed: %s", conn.addr, e)
+                self._close(conn)
+                return
+            if not self.allowed(sock):
+                log.info("client certificate of %s has no allowed SAN", conn.addr)
+                self._close(conn)
+                return
+            conn.phase = "head"
+            self._sel.modify(sock, selectors.EVENT_READ, conn)
+        self._read(conn)  # after a handshake too: its last flight may have carried the request
+
+    def _read(self, conn: Conn) -> None:
+        while len(conn.buf) <= self.limits.max_head_bytes:
+            try:
+                chunk = conn.sock.recv(16384)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError,
+                    ssl.SSLWantWriteError):
+                break
+            except (OSError, ValueError) as e:
+                log.debug("connection from %s ended: %s", conn.addr, e)
+                self._close(conn)
+                return
+            if not chunk:
+                conn.eof = True
+                break
+            if conn.phase == "idle":  # the next request began: its head has request_timeout
+                conn.phase = "head"
+                conn.deadline = time.monotonic() + self.limits.request_timeout
+            conn.buf += chunk
+        self._advance(conn)
+
+    def _advance(self, conn: Conn) -> None:
+        if conn.take_head():
+            self._sel.unregister(conn.sock)
+            del self._waiting[conn]
+            self._busy[conn] = None
+            self._dispatch(conn)
+        elif conn.eof:
+            self._close(conn)
+        elif conn.buf.find(b"\n", 0, MAX_REQUEST_LINE + 2) < 0 and len(conn.buf) > MAX_REQUEST_LINE:
+            self._refuse(conn, "414 URI Too Long")
+        elif len(conn.buf) > self.limits.max_head_bytes:
+            self._refuse(conn, "431 Request Header Fields Too Large")
+
+    def _refuse(self, conn: Conn, status: str) -> None:
+        body = status.split(" ", 1)[1].encode() + b"\n"
+        with contextlib.suppress(OSError, ValueError):
+            conn.sock.send(b"HTTP/1.1 %s\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                           b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+                           % (status.encode(), len(body), body))
+        log.debug("%s from %s", status, conn.addr)
+        self._close(conn)
+
+    def _close(self, conn: Conn) -> None:
+        if conn in self._waiting:
+            del self._waiting[conn]
+            self._sel.unregister(conn.sock)
+        _shutdown(conn.sock)
+        conn.sock.close()
+
+    def _expire(self, now: float) -> None:
+        if self._accept_paused_until and now >= self._accept_paused_until:
+            self._accept_paused_until = 0.0
+            self._sel.register(self.sock, selectors.EVENT_READ, _LISTEN)
+        late = [c for c in self._waiting if c.deadline < now]
+        for conn in late:
+            self._close(conn)
+            if conn.phase != "idle":  # an idle keep-alive connection ending is normal
+                self.drops.drop("timeout", conn.addr)
+        for conn in self._busy:
+            if conn.phase == "active" and conn.deadline < now and not conn.cut:
+                conn.cut = True  # the worker's blocked write fails and it gives the conn back
+                _shutdown(conn.sock)
+                self.drops.drop("timeout", conn.addr)
+
+    # --- workers --------------------------------------------------------------------------------
+
+    def _dispatch(self, conn: Conn) -> None:
+        conn.phase = "ready"
+        with self._cv:
+            self._ready.append(conn)
+            need = len(self._ready) > self._idle_workers
+            self._cv.notify()
+        if not need or len(self._workers) >= self.limits.max_workers:
+            return
+        t = threading.Thread(target=self._work, name="gpuwatchd-web-worker", daemon=True)
+        try:
+            t.start()
+        except RuntimeError:  # no thread to be had (TasksMax= reached)
+            if self._workers:
+                return  # the running workers will get to it
+            with self._cv:
+                self._ready.remove(conn)
+            del self._busy[conn]
+            conn.sock.close()
+            self.drops.drop("no_thread", conn.addr)
+            return
+        self._workers.append(t)
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                self._idle_workers += 1
+                while not self._ready and not self._stop.is_set():
+                    self._cv.wait()
+                self._idle_workers -= 1
+                if self._stop.is_set():
+                    return
+                conn = self._ready.popleft()
+            conn.phase = "active"
+            conn.deadline = time.monotonic() + self.limits.write_timeout
+            keep = False
+            with contextlib.suppress(OSError):
+                conn.sock.settimeout(self.limits.write_timeout)
+                keep = self.serve(conn)
+            self._back.append((conn, keep))
+            self._wake()
+
+    def _take_back(self) -> None:
+        now = time.monotonic()
+        while self._back:
+            conn, keep = self._back.popleft()
+            del self._busy[conn]
+            if not keep or conn.eof or conn.cut or self._stop.is_set():
+                _shutdown(conn.sock)
+                conn.sock.close()
+                continue
+            conn.sock.setblocking(False)
+            self._waiting[conn] = None  # the youngest waiting connection again
+            self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+            if conn.buf:  # pipelined: the next request is here already
+                conn.phase = "head"
+                conn.deadline = now + self.limits.request_timeout
+                self._advance(conn)
+            else:
+                conn.phase = "idle"
+                conn.deadline = now + self.limits.idle_timeout
+                if isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending():
+                    self._read(conn)  # decrypted bytes that epoll cannot see
