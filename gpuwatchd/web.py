@@ -495,15 +495,13 @@ class _Handler(BaseHTTPRequestHandler):
         """The listener keeps or closes the connection."""
 
     def parse_request(self) -> bool:
-        if len(self.raw_requestline) > MAX_REQUEST_LINE:
-            # What BaseHTTPRequestHandler.parse_request sets before anything else; send_error
-            # needs them.
-            self.command = None  # type: ignore[assignment]
-            self.request_version = self.default_request_version
+        # Checked after BaseHTTPRequestHandler.parse_request: send_error needs the attributes it
+        # sets (requestline, command, request_version), else AttributeError, no reply.
+        ok = super().parse_request()
+        if ok and len(self.raw_requestline) > MAX_REQUEST_LINE:
             self.close_connection = True
             self.send_error(414)
             return False
-        ok = super().parse_request()
         if ok and len(self.headers) > MAX_HEADERS:
             self.send_error(431)
             return False
