@@ -14,6 +14,7 @@ config keeps the old one running and logs every problem.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import json
 import logging
@@ -274,6 +275,8 @@ class Daemon:
             raise ConfigError([f"web.config_file: {p}" for p in e.problems], e.path) from None
         except (OSError, ValueError) as e:
             why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
+                why += " (to move to an address that overlaps the running one, restart)"
             raise ConfigError([f"web.listen_address: cannot listen on {new.web.listen_address}:"
                                f" {why}; still serving {self.web.url}"],
                               self.config_path or "config") from None

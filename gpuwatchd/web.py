@@ -724,7 +724,7 @@ class WebServer:
         host, port = parse_listen_address(listen_address)
         config = _ConfigHolder(web_config_file)
         family, addr = _resolve(host, port)
-        if (family, addr) == self._requested:
+        if (family, addr) == self._requested or addr == self.address:
             # Same address: the same socket serves on, under the new web-config; connections
             # accepted under other TLS settings are closed at their next request.
             self._site.config = config
