@@ -63,7 +63,15 @@ from prometheus_client.metrics_core import Metric
 
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.isolation import guarded
-from gpuwatchd.web_listener import DROP_REASONS, MAX_REQUEST_LINE, Conn, Limits, Listener, bind
+from gpuwatchd.web_listener import (
+    DROP_REASONS,
+    MAX_REQUEST_LINE,
+    Conn,
+    Limits,
+    Listener,
+    Writer,
+    bind,
+)
 
 log = logging.getLogger(__name__)
 
@@ -454,22 +462,9 @@ LANDING_PAGE = """<!DOCTYPE html>
 """
 
 
-class _Writer:
-    """The handler's ``wfile``: every write sent whole (``SocketIO.write`` may send part)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-
-    def write(self, data: bytes) -> int:
-        self.sock.sendall(data)
-        return len(data)
-
-    def flush(self) -> None:
-        pass
-
-
 class _Handler(BaseHTTPRequestHandler):
-    """Answers one request whose head the listener has read already (``conn.head``)."""
+    """Answers one request whose head the listener has read already (``conn.head``), into
+    ``conn.out``, which the listener sends: no socket operation happens here."""
 
     protocol_version = "HTTP/1.1"
     # Answer garbage with a status line; HTTP/0.9 (no status line, no headers) has no clients.
@@ -486,7 +481,7 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         self.connection = self.conn.sock
         self.rfile = io.BytesIO(self.conn.head)
-        self.wfile = _Writer(self.conn.sock)  # type: ignore[assignment]
+        self.wfile = Writer(self.conn.out)  # type: ignore[assignment]
 
     def handle(self) -> None:
         self.handle_one_request()
@@ -653,14 +648,12 @@ class _Site:
         if conn.ctx is not self.tls():
             # Accepted under other TLS settings (web-config changed since): not ours to answer.
             return False
-        return guarded(f"answering {conn.addr}", lambda: self._answer(conn), False)
-
-    def _answer(self, conn: Conn) -> bool:
-        try:
-            return not _Handler(conn, self).close_connection
-        except (OSError, ValueError) as e:  # a client that hangs up ends its own connection
-            log.debug("connection from %s ended: %s", conn.addr, e)
+        keep = guarded(f"answering {conn.addr}", lambda: not _Handler(conn, self).close_connection,
+                       None)
+        if keep is None:
+            conn.out.clear()  # never half a response: the client sees the connection close
             return False
+        return keep
 
 
 def parse_listen_address(addr: str) -> tuple[str, int]:

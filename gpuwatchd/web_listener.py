@@ -1,29 +1,32 @@
-"""Connections of the /metrics server: accepted, TLS-handshaken and read up to a complete request
-head by one thread (an epoll loop), so that a connection which sends nothing, or a byte at a
-time (slowloris), costs a file descriptor and a small buffer, never a thread.
+"""Connections of the /metrics server: accepted, TLS-handshaken, read up to a complete request
+head and written to by one thread (an epoll loop), so that a connection which sends nothing, a
+byte at a time (slowloris), or reads its answer slowly costs a file descriptor and a small
+buffer, never a thread.
 
 Only a connection whose request head is complete goes to a worker thread (at most
-``max_workers``); the worker answers from memory, writes the response and gives the connection
-back to the loop for keep-alive. When ``max_connections`` are open, a new connection takes the
-place of the oldest one that is still *waiting* (handshake, request head or keep-alive idle): a
-client holding many half-open connections only ever pushes out its own oldest ones, while a
-scraper, which sends its request as it connects, is read long before it could become the oldest:
-no connection is pushed out sooner than ``eviction_grace`` (0.2 s) after it began to wait, and
-newcomers wait in the listen backlog meanwhile (``BACKLOG``, larger than the limit, so the kernel
-keeps completing handshakes and a scraper's connect is not left to SYN retries). Each turn of the
-loop reads the connections that have data before it accepts new ones. Under such an attack a
-scraper waits about (hostile connections - max_connections) * eviction_grace / max_connections
-in the backlog: 0.4 s for 200 against 64.
+``max_workers``); the worker builds the response in memory (the body is the exporter's cached
+bytes, shared, not copied) and gives it back to the loop, which writes it and keeps the
+connection for the next request: no worker ever waits on a client. When ``max_connections`` are
+open, a new connection takes the place of the oldest one that is *waiting on its client*
+(handshake, request head, response not yet read, keep-alive idle): a client holding many
+half-open connections only ever pushes out its own oldest ones, while a scraper, which sends its
+request as it connects, is read long before it could become the oldest: no connection is pushed
+out sooner than ``eviction_grace`` (0.2 s) after it began to wait, and newcomers wait in the
+listen backlog meanwhile (``BACKLOG``, larger than the limit, so the kernel keeps completing
+handshakes and a scraper's connect is not left to SYN retries). Each turn of the loop reads the
+connections that have data before it accepts new ones. Under such an attack a scraper waits
+about (hostile connections - max_connections) * eviction_grace / max_connections in the
+backlog: 0.4 s for 200 against 64.
 
 Deadlines: TLS handshake and request head within ``request_timeout`` of the accept, the response
-within ``write_timeout``, keep-alive idle ``idle_timeout``. Connections dropped for lack of room,
-for a missed deadline or for lack of a thread are passed to ``on_drop(reason)`` (the daemon
-counts them in ``gpuwatch_web_connections_dropped_total``) and logged as one warning per
-``log_interval`` seconds, however many there were.
+read by the client within ``write_timeout``, keep-alive idle ``idle_timeout``. Connections dropped
+for lack of room, for a missed deadline or for lack of a thread are passed to ``on_drop(reason)``
+(the daemon counts them in ``gpuwatch_web_connections_dropped_total``) and logged as one warning
+per ``log_interval`` seconds, however many there were.
 
-Cost: two threads (this loop and, while requests arrive, up to ``max_workers`` workers); per open
-connection one fd and at most ``max_head_bytes`` of buffer; a turn of the loop at least every
-0.25 s to enforce the deadlines. Privilege: none.
+Cost: one thread for this loop and, once requests arrive, up to ``max_workers`` workers; per open
+connection one fd, at most ``max_head_bytes`` of request and the headers of its response; a turn
+of the loop at least every 0.25 s to enforce the deadlines. Privilege: none.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class Limits:
     max_connections: int = 256  # open connections, waiting or being answered
     max_workers: int = 8  # requests answered at once, one thread each
     request_timeout: float = 10.0  # TLS handshake + request line + headers
-    write_timeout: float = 30.0  # building and sending one response
+    write_timeout: float = 30.0  # the client reading one response
     idle_timeout: float = 60.0  # keep-alive wait for the next request
     max_head_bytes: int = 32768  # request line + headers
     log_interval: float = 10.0  # at most one warning about dropped connections per interval
@@ -67,10 +70,10 @@ class Limits:
 
 
 class Conn:
-    """One client connection. ``phase``: handshake, head, idle (waiting, owned by the loop),
-    ready (queued for a worker), active (a worker is answering it)."""
+    """One client connection. ``phase``: handshake, head, write, idle (waiting on the client,
+    owned by the loop), ready (queued for a worker), active (a worker is answering it)."""
 
-    __slots__ = ("addr", "buf", "ctx", "cut", "deadline", "eof", "head", "phase", "since", "sock")
+    __slots__ = ("addr", "buf", "ctx", "deadline", "eof", "head", "out", "phase", "since", "sock")
 
     def __init__(self, sock: socket.socket, addr: str, ctx: ssl.SSLContext | None,
                  deadline: float) -> None:
@@ -83,7 +86,7 @@ class Conn:
         self.deadline = deadline
         self.since = time.monotonic()  # when it began to wait; the oldest is pushed out first
         self.eof = False  # the client closed its side after sending
-        self.cut = False  # shut down by the loop for a missed deadline
+        self.out: collections.deque[memoryview] = collections.deque()  # response not yet sent
 
     def take_head(self) -> bool:
         m = HEAD_END.search(self.buf)
@@ -143,10 +146,25 @@ def bind(family: socket.AddressFamily, address: tuple[str, int]) -> socket.socke
 
 
 def _shutdown(sock: socket.socket) -> None:
-    # The plain socket's shutdown, also for an SSLSocket: SSLSocket.shutdown() would drop the TLS
-    # object under a worker that is writing through it.
+    # The plain socket's shutdown, also for an SSLSocket (no close_notify: the peer is hostile or
+    # gone, and SSLSocket.shutdown() would block or raise on a non-blocking socket).
     with contextlib.suppress(OSError):
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
+class Writer:
+    """A handler's ``wfile``: collects the response for the loop to send."""
+
+    def __init__(self, out: collections.deque[memoryview]) -> None:
+        self.out = out
+
+    def write(self, data: bytes) -> int:
+        if data:
+            self.out.append(memoryview(data))
+        return len(data)
+
+    def flush(self) -> None:
+        pass
 
 
 _LISTEN = object()
@@ -155,7 +173,8 @@ _WAKE = object()
 
 class Listener:
     """Runs the loop on its own thread once ``start()`` is called; ``serve(conn)`` (in a worker
-    thread, must not raise) answers ``conn.head`` and says whether to keep the connection."""
+    thread, must not raise) answers ``conn.head`` by writing to ``Writer(conn.out)`` and says
+    whether to keep the connection afterwards."""
 
     def __init__(self, sock: socket.socket, limits: Limits,
                  tls: Callable[[], ssl.SSLContext | None],
@@ -296,6 +315,9 @@ class Listener:
         return False
 
     def _on_event(self, conn: Conn) -> None:
+        if conn.phase == "write":
+            self._flush(conn)
+            return
         if conn.phase == "handshake":
             sock = conn.sock
             assert isinstance(sock, ssl.SSLSocket)
@@ -377,11 +399,6 @@ class Listener:
             self._close(conn)
             if conn.phase != "idle":  # an idle keep-alive connection ending is normal
                 self.drops.drop("timeout", conn.addr)
-        for conn in self._busy:
-            if conn.phase == "active" and conn.deadline < now and not conn.cut:
-                conn.cut = True  # the worker's blocked write fails and it gives the conn back
-                _shutdown(conn.sock)
-                self.drops.drop("timeout", conn.addr)
 
     # --- workers --------------------------------------------------------------------------------
 
@@ -418,11 +435,7 @@ class Listener:
                     return
                 conn = self._ready.popleft()
             conn.phase = "active"
-            conn.deadline = time.monotonic() + self.limits.write_timeout
-            keep = False
-            with contextlib.suppress(OSError):
-                conn.sock.settimeout(self.limits.write_timeout)
-                keep = self.serve(conn)
+            keep = self.serve(conn)
             self._back.append((conn, keep))
             self._wake()
 
@@ -431,20 +444,51 @@ class Listener:
         while self._back:
             conn, keep = self._back.popleft()
             del self._busy[conn]
-            if not keep or conn.eof or conn.cut or self._stop.is_set():
+            if self._stop.is_set() or (not conn.out and (not keep or conn.eof)):
                 _shutdown(conn.sock)
                 conn.sock.close()
                 continue
-            conn.sock.setblocking(False)
-            self._waiting[conn] = None  # the youngest waiting connection again
-            conn.since = now
-            self._sel.register(conn.sock, selectors.EVENT_READ, conn)
-            if conn.buf:  # pipelined: the next request is here already
-                conn.phase = "head"
-                conn.deadline = now + self.limits.request_timeout
-                self._advance(conn)
-            else:
-                conn.phase = "idle"
-                conn.deadline = now + self.limits.idle_timeout
-                if isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending():
-                    self._read(conn)  # decrypted bytes that epoll cannot see
+            if not keep or conn.eof:
+                conn.buf.clear()  # nothing after this answer is read
+                conn.eof = True
+            conn.phase = "write"
+            conn.deadline = now + self.limits.write_timeout
+            conn.since = now  # the youngest waiting connection again
+            self._waiting[conn] = None
+            self._sel.register(conn.sock, selectors.EVENT_WRITE, conn)
+            self._flush(conn)
+
+    def _flush(self, conn: Conn) -> None:
+        """Send what the client will take now; then wait for its next request, or close."""
+        while conn.out:
+            chunk = conn.out[0][:65536]
+            try:
+                n = conn.sock.send(chunk)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError):
+                self._sel.modify(conn.sock, selectors.EVENT_WRITE, conn)
+                return
+            except ssl.SSLWantReadError:  # TLS 1.3 key update or renegotiation: read first
+                self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+                return
+            except (OSError, ValueError) as e:
+                log.debug("connection from %s ended: %s", conn.addr, e)
+                self._close(conn)
+                return
+            # A TLS send that raised WANT_WRITE is retried with the same bytes, as OpenSSL needs.
+            conn.out[0] = conn.out[0][n:]
+            if not conn.out[0]:
+                conn.out.popleft()
+        if conn.eof:
+            self._close(conn)
+            return
+        now = time.monotonic()
+        self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+        if conn.buf:  # pipelined: the next request is here already
+            conn.phase = "head"
+            conn.deadline = now + self.limits.request_timeout
+            self._advance(conn)
+        else:
+            conn.phase = "idle"
+            conn.deadline = now + self.limits.idle_timeout
+            if isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending():
+                self._read(conn)  # decrypted bytes that epoll cannot see

@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuwatchd import web
@@ -215,3 +216,42 @@ def test_name_filter_works_like_client_pythons(
     assert status == 200 and b"gpuwatch_build_info{" in body and body.endswith(b"# EOF\n")
     status, body = _get(port, "/metrics?name[]=no_such_metric")
     assert status == 200 and body == b""
+
+
+class _Cached(CollectorRegistry):
+    """A registry whose text exposition is rendered once, like the daemon's StateRegistry."""
+
+    def __init__(self, body: bytes) -> None:
+        super().__init__()
+        self.body = body
+
+    def encode_text(self) -> bytes:
+        return self.body
+
+
+def test_clients_that_never_read_their_answer_hold_no_worker(served: list[web.WebServer]) -> None:
+    """80 clients (more than the 8 workers, more than the 64 threads of the old server) ask for
+    a 1 MB exposition with a 4 KiB receive window and never read it: a scraper still gets it,
+    because the loop, not a worker, waits for them to read."""
+    body = b"# HELP gpuwatch_pad Padding.\n# TYPE gpuwatch_pad gauge\n" + b"".join(
+        b'gpuwatch_pad{i="%d"} 1.0\n' % i for i in range(40000))
+    server = web.serve(_Cached(body), "127.0.0.1:0", None)
+    served.append(server)
+    port = server.address[1]
+    readers = []
+    try:
+        for _ in range(80):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.settimeout(5)
+            s.connect(("127.0.0.1", port))
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            readers.append(s)
+        time.sleep(0.5)  # their answers are stuck in 4 KiB windows
+        t0 = time.monotonic()
+        status, got = _get(port)
+        assert status == 200 and got == body
+        assert time.monotonic() - t0 < 5
+    finally:
+        for s in readers:
+            s.close()
