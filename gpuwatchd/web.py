@@ -645,15 +645,17 @@ class _Site:
 
     def serve(self, conn: Conn) -> bool:
         """Answer ``conn.head`` (in a worker thread); True to keep the connection."""
-        if conn.ctx is not self.tls():
-            # Accepted under other TLS settings (web-config changed since): not ours to answer.
-            return False
-        keep = guarded(f"answering {conn.addr}", lambda: not _Handler(conn, self).close_connection,
-                       None)
+        keep = guarded(f"answering {conn.addr}", lambda: self._answer(conn), None)
         if keep is None:
             conn.out.clear()  # never half a response: the client sees the connection close
             return False
         return keep
+
+    def _answer(self, conn: Conn) -> bool:
+        if conn.ctx is not self.tls():
+            # Accepted under other TLS settings (web-config changed since): not ours to answer.
+            return False
+        return not _Handler(conn, self).close_connection
 
 
 def parse_listen_address(addr: str) -> tuple[str, int]:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
+import functools
 import logging
 import re
 import selectors
@@ -43,6 +44,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from gpuwatchd.isolation import guarded
 
 log = logging.getLogger("gpuwatchd.web")
 
@@ -221,23 +224,8 @@ class Listener:
         tick = min(0.25, self.limits.request_timeout / 4)
         try:
             while not self._stop.is_set():
-                accept = False
-                timeout = tick
-                if self._accept_paused_until:
-                    timeout = max(0.0, min(tick, self._accept_paused_until - time.monotonic()))
-                for key, _ in self._sel.select(timeout):
-                    if key.data is _LISTEN:
-                        accept = True
-                    elif key.data is _WAKE:
-                        with contextlib.suppress(OSError):
-                            self._wake_r.recv(4096)
-                    elif isinstance(key.data, Conn):
-                        self._on_event(key.data)
-                if accept:  # after the reads: a request that has arrived is read before newcomers
-                    self._accept()
-                self._take_back()
-                self._expire(time.monotonic())
-                self.drops.flush()
+                # A bug met by one turn must not end the loop (and with it the server).
+                guarded("web server loop", lambda: self._turn(tick), None)
         finally:
             for conn in [*self._waiting, *self._busy]:
                 _shutdown(conn.sock)
@@ -246,6 +234,37 @@ class Listener:
             self.sock.close()
             self._wake_r.close()
             self._wake_w.close()
+
+    def _turn(self, tick: float) -> None:
+        accept = False
+        timeout = tick
+        if self._accept_paused_until:
+            timeout = max(0.0, min(tick, self._accept_paused_until - time.monotonic()))
+        for key, _ in self._sel.select(timeout):
+            if key.data is _LISTEN:
+                accept = True
+            elif key.data is _WAKE:
+                with contextlib.suppress(OSError):
+                    self._wake_r.recv(4096)
+            elif isinstance(key.data, Conn):
+                conn = key.data
+                if not guarded(f"connection from {conn.addr}",
+                               functools.partial(self._on_event, conn), False):
+                    self._discard(conn)
+        if accept:  # after the reads: a request that has arrived is read before newcomers
+            self._accept()
+        self._take_back()
+        self._expire(time.monotonic())
+        self.drops.flush()
+
+    def _discard(self, conn: Conn) -> None:
+        """Forget a connection whatever state a bug left it in."""
+        self._waiting.pop(conn, None)
+        self._busy.pop(conn, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(conn.sock)
+        _shutdown(conn.sock)
+        conn.sock.close()
 
     def _wake(self) -> None:
         with contextlib.suppress(OSError):  # full: the loop is awake already
@@ -314,10 +333,11 @@ class Listener:
             return True
         return False
 
-    def _on_event(self, conn: Conn) -> None:
+    def _on_event(self, conn: Conn) -> bool:
+        """Act on a readable or writable connection; True (False only through an exception)."""
         if conn.phase == "write":
             self._flush(conn)
-            return
+            return True
         if conn.phase == "handshake":
             sock = conn.sock
             assert isinstance(sock, ssl.SSLSocket)
@@ -325,21 +345,22 @@ class Listener:
                 sock.do_handshake()
             except ssl.SSLWantReadError:
                 self._sel.modify(sock, selectors.EVENT_READ, conn)
-                return
+                return True
             except ssl.SSLWantWriteError:
                 self._sel.modify(sock, selectors.EVENT_WRITE, conn)
-                return
+                return True
             except (OSError, ValueError) as e:  # a client that fails the handshake ends itself
                 log.debug("TLS handshake with %s failed: %s", conn.addr, e)
                 self._close(conn)
-                return
+                return True
             if not self.allowed(sock):
                 log.info("client certificate of %s has no allowed SAN", conn.addr)
                 self._close(conn)
-                return
+                return True
             conn.phase = "head"
             self._sel.modify(sock, selectors.EVENT_READ, conn)
         self._read(conn)  # after a handshake too: its last flight may have carried the request
+        return True
 
     def _read(self, conn: Conn) -> None:
         while len(conn.buf) <= self.limits.max_head_bytes:
@@ -435,7 +456,7 @@ class Listener:
                     return
                 conn = self._ready.popleft()
             conn.phase = "active"
-            keep = self.serve(conn)
+            keep = guarded(f"answering {conn.addr}", functools.partial(self.serve, conn), False)
             self._back.append((conn, keep))
             self._wake()
 
