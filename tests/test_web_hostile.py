@@ -9,12 +9,15 @@ from __future__ import annotations
 import http.client
 import logging
 import socket
+import ssl
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from pkiutil import make_pki
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -23,11 +26,13 @@ from gpuwatchd.counters import CounterStore
 from gpuwatchd.exporter import StateRegistry, make_registry
 from gpuwatchd.model import NodeState
 
-# Keeps `n` connections open that each send half a request head and wait; every one the server
-# drops is opened again at once. Loopback only, bounded by `seconds`; prints how many it opened.
+# Keeps `n` connections open that each send half a request head (or half a TLS ClientHello) and
+# wait; every one the server drops is opened again at once. Loopback only, bounded by `seconds`;
+# prints how many it opened.
 SLOWLORIS = r"""
 import selectors, socket, sys, time
 port, n, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+half = bytes.fromhex(sys.argv[4])
 sel = selectors.DefaultSelector()
 opened = 0
 
@@ -47,7 +52,7 @@ while time.monotonic() < end:
         s = key.fileobj
         if events & selectors.EVENT_WRITE:
             try:
-                s.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+                s.send(half)
                 sel.modify(s, selectors.EVENT_READ)
                 continue
             except OSError:
@@ -83,8 +88,10 @@ def served() -> Iterator[list[web.WebServer]]:
 
 
 def _get(port: int, path: str = "/metrics", timeout: float = 5.0,
-         headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+         headers: dict[str, str] | None = None,
+         ctx: ssl.SSLContext | None = None) -> tuple[int, bytes]:
+    conn = (http.client.HTTPSConnection("127.0.0.1", port, timeout=timeout, context=ctx)
+            if ctx is not None else http.client.HTTPConnection("127.0.0.1", port, timeout=timeout))
     try:
         conn.request("GET", path, headers=headers or {})
         resp = conn.getresponse()
@@ -110,21 +117,37 @@ def _samples(body: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float
             for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
 
 
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_pki(tmp_path_factory.mktemp("pki-trust-web"))
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 def test_scrapes_succeed_while_200_slowloris_connections_churn(
         daemon_registry: tuple[StateRegistry, CounterStore], served: list[web.WebServer],
-        caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture, pki: Path, tls: bool) -> None:
     """Issue 11 item 6: 200 half-open connections re-opened as soon as they are dropped, against
     a server with room for 64: every scrape is answered, the drops are counted in
-    gpuwatch_web_connections_dropped_total and logged at most once per log_interval."""
+    gpuwatch_web_connections_dropped_total and logged at most once per log_interval. With TLS
+    the hostile connections stop half way through their ClientHello."""
     registry, counters = daemon_registry
     limits = web.Limits(max_connections=64, log_interval=2.0)
-    server = web.serve(registry, "127.0.0.1:0", None, limits, counters=counters)
+    config = None
+    half = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: "
+    ctx = None
+    if tls:
+        config = str(pki / "web-config.yml")
+        Path(config).write_text("tls_server_config:\n  cert_file: server.crt\n"
+                                "  key_file: server.key\n")
+        half = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"  # a ClientHello's first bytes
+        ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+    server = web.serve(registry, "127.0.0.1:0", config, limits, counters=counters)
     served.append(server)
     port = server.address[1]
     seconds = 8.0
     caplog.set_level(logging.WARNING, logger="gpuwatchd.web")
-    hostile = subprocess.Popen([sys.executable, "-c", SLOWLORIS, str(port), "200", str(seconds)],
-                               stdout=subprocess.PIPE, text=True)
+    hostile = subprocess.Popen([sys.executable, "-c", SLOWLORIS, str(port), "200", str(seconds),
+                                half.hex()], stdout=subprocess.PIPE, text=True)
     try:
         time.sleep(1.0)  # let the 200 connections fill the server
         statuses: list[int | str] = []
@@ -133,7 +156,7 @@ def test_scrapes_succeed_while_200_slowloris_connections_churn(
         while time.monotonic() - t0 < seconds - 2:
             t = time.monotonic()
             try:
-                statuses.append(_get(port)[0])
+                statuses.append(_get(port, ctx=ctx)[0])
             except (OSError, http.client.HTTPException) as e:
                 statuses.append(type(e).__name__)
             took.append(time.monotonic() - t)
@@ -149,7 +172,7 @@ def test_scrapes_succeed_while_200_slowloris_connections_churn(
           f" {took[-1]:.3f} s; the hostile client opened {out.strip()} connections")
     assert len(statuses) >= 5 and statuses == [200] * len(statuses), statuses
     assert opened > 400, "the hostile client really churned"
-    status, body = _get(port)
+    status, body = _get(port, ctx=ctx)
     assert status == 200
     values = _samples(body)
     dropped = values[("gpuwatch_web_connections_dropped_total", (("reason", "limit"),))]
