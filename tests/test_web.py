@@ -497,27 +497,35 @@ time.sleep(300)
 
 
 def test_thread_exhaustion_drops_clients_not_the_server(tmp_path: Path) -> None:
-    """In a pids cgroup that allows only a few tasks (systemd's TasksMax=), connections beyond
-    what threads can be made for are dropped one by one; the server never stops accepting."""
+    """In a pids cgroup that allows only a few tasks (systemd's TasksMax=): silent clients cost
+    no thread at all (the connection loop holds them); a request for which no worker thread can
+    be made is dropped alone; the server never stops accepting."""
     cg = Path(f"/sys/fs/cgroup/pids/gw-h7-web-{os.getpid()}")
     cg.mkdir()
     server = None
     try:
-        (cg / "pids.max").write_text("5\n")  # main, serve_forever, reaper + 2 connections
+        (cg / "pids.max").write_text("5\n")  # main, the connection loop + 3 workers
         server = subprocess.Popen(
             ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" -c "$1"', sys.executable,
              SERVER_SCRIPT], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
         assert server.stdout is not None
         port = int(server.stdout.readline())
-        for _ in range(4):  # 4 x 30 > the 64 connection slots, were dropped clients leaking them
+        for _ in range(4):  # 4 x 30 silent clients, far more than the 5 tasks allowed
             idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(30)]
             time.sleep(0.3)
-            assert int((cg / "pids.current").read_text()) <= 5
+            assert int((cg / "pids.current").read_text()) <= 2  # main and the loop, no more
             for s in idle:
                 s.close()
-            time.sleep(1.5)  # the reaper ends the silent ones after request_timeout
+            time.sleep(1.5)  # the loop ends the silent ones after request_timeout
+        # Not one more task: no worker can be started, so the request is dropped, not the server.
+        (cg / "pids.max").write_text((cg / "pids.current").read_text())
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        with pytest.raises((http.client.HTTPException, ConnectionError)):
+            conn.request("GET", "/metrics")
+            conn.getresponse().read()
+        conn.close()
         # Threads available again: the dropped clients left no slot taken, so five idle clients
-        # and a scrape fit in the 64 connection slots at once.
+        # and a scrape are served at once.
         (cg / "pids.max").write_text("max\n")
         idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(5)]
         time.sleep(0.3)
