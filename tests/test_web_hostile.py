@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from daemonutil import DaemonProc, write_config
 from pkiutil import make_pki
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
@@ -278,3 +279,40 @@ def test_clients_that_never_read_their_answer_hold_no_worker(served: list[web.We
     finally:
         for s in readers:
             s.close()
+
+
+def test_the_daemon_with_its_defaults_answers_scrapes_under_300_slowloris_connections(
+        tmp_path: Path) -> None:
+    """The real daemon (`gpuwatchd run`, default limits: room for 256) against 300 churning
+    half-open connections: scrapes are answered and the drops are in its own /metrics."""
+    path, cfg = write_config(tmp_path)
+    d = DaemonProc(path, cfg)
+    try:
+        port = int(cfg["web"]["listen_address"].rsplit(":", 1)[1])
+        assert d.value("gpuwatch_web_connections_dropped_total", reason="limit") == 0
+        seconds = 6.0
+        half = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: "
+        hostile = subprocess.Popen([sys.executable, "-c", SLOWLORIS, str(port), "300",
+                                    str(seconds), half.hex()], stdout=subprocess.PIPE, text=True)
+        try:
+            time.sleep(1.0)
+            statuses = []
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < seconds - 2:
+                try:
+                    statuses.append(_get(port)[0])
+                except (OSError, http.client.HTTPException) as e:
+                    statuses.append(type(e).__name__)
+                time.sleep(0.2)
+            hostile.communicate(timeout=30)
+        finally:
+            if hostile.poll() is None:
+                hostile.kill()
+                hostile.wait(10)
+        assert len(statuses) >= 3 and statuses == [200] * len(statuses), statuses
+        dropped = d.value("gpuwatch_web_connections_dropped_total", reason="limit")
+        assert dropped is not None and dropped > 44  # at least the 300 - 256 that did not fit
+        assert d.proc.poll() is None
+        assert d.log().count("dropped") <= seconds / 10 + 2  # one warning per 10 s
+    finally:
+        d.stop()
