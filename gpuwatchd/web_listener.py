@@ -76,7 +76,8 @@ class Conn:
     """One client connection. ``phase``: handshake, head, write, idle (waiting on the client,
     owned by the loop), ready (queued for a worker), active (a worker is answering it)."""
 
-    __slots__ = ("addr", "buf", "ctx", "deadline", "eof", "head", "out", "phase", "since", "sock")
+    __slots__ = ("addr", "buf", "ctx", "deadline", "eof", "head", "line_ok", "out", "phase",
+                 "scanned", "since", "sock")
 
     def __init__(self, sock: socket.socket, addr: str, ctx: ssl.SSLContext | None,
                  deadline: float) -> None:
@@ -85,6 +86,10 @@ class Conn:
         self.ctx = ctx  # the TLS context this connection was accepted under (None: plain)
         self.buf = bytearray()
         self.head = b""
+        # How far ``buf`` has been searched for the end of the head, and whether its request line
+        # ended within MAX_REQUEST_LINE: each byte is looked at once, however slowly it arrives.
+        self.scanned = 0
+        self.line_ok = False
         self.phase = "handshake" if ctx is not None else "head"
         self.deadline = deadline
         self.since = time.monotonic()  # when it began to wait; the oldest is pushed out first
@@ -92,12 +97,21 @@ class Conn:
         self.out: collections.deque[memoryview] = collections.deque()  # response not yet sent
 
     def take_head(self) -> bool:
-        m = HEAD_END.search(self.buf)
+        m = HEAD_END.search(self.buf, max(0, self.scanned - 3))
         if m is None:
+            self.scanned = len(self.buf)
             return False
         self.head = bytes(self.buf[:m.end()])
         del self.buf[:m.end()]
+        self.scanned = 0
+        self.line_ok = False
         return True
+
+    def request_line_too_long(self) -> bool:
+        if self.line_ok or len(self.buf) <= MAX_REQUEST_LINE:
+            return False
+        self.line_ok = self.buf.find(b"\n", 0, MAX_REQUEST_LINE + 2) >= 0
+        return not self.line_ok
 
 
 class DropLog:
@@ -224,8 +238,10 @@ class Listener:
         tick = min(0.25, self.limits.request_timeout / 4)
         try:
             while not self._stop.is_set():
-                # A bug met by one turn must not end the loop (and with it the server).
-                guarded("web server loop", lambda: self._turn(tick), None)
+                # A bug met by one turn must not end the loop (and with it the server), nor spin
+                # it writing the same error as fast as it can.
+                if not guarded("web server loop", lambda: self._turn(tick), False):
+                    self._stop.wait(0.1)
         finally:
             for conn in [*self._waiting, *self._busy]:
                 _shutdown(conn.sock)
@@ -235,7 +251,7 @@ class Listener:
             self._wake_r.close()
             self._wake_w.close()
 
-    def _turn(self, tick: float) -> None:
+    def _turn(self, tick: float) -> bool:
         accept = False
         timeout = tick
         if self._accept_paused_until:
@@ -256,6 +272,7 @@ class Listener:
         self._take_back()
         self._expire(time.monotonic())
         self.drops.flush()
+        return True
 
     def _discard(self, conn: Conn) -> None:
         """Forget a connection whatever state a bug left it in."""
@@ -390,7 +407,7 @@ class Listener:
             self._dispatch(conn)
         elif conn.eof:
             self._close(conn)
-        elif conn.buf.find(b"\n", 0, MAX_REQUEST_LINE + 2) < 0 and len(conn.buf) > MAX_REQUEST_LINE:
+        elif conn.request_line_too_long():
             self._refuse(conn, "414 URI Too Long")
         elif len(conn.buf) > self.limits.max_head_bytes:
             self._refuse(conn, "431 Request Header Fields Too Large")
