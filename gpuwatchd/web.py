@@ -68,6 +68,7 @@ log = logging.getLogger(__name__)
 MAX_HEADERS = 64
 MAX_QUERY_PARAMETERS = 64
 
+
 class _AuthCache:
     """Remembers (user, password, hash) triples that passed bcrypt, bounded in size."""
 
@@ -276,7 +277,7 @@ class _Restricted:
         for fam in self.registry.collect():
             samples = [s for s in fam.samples if s.name in self.names]
             if samples:
-                m = Metric(fam.name, fam.documentation, fam.type)
+                m = Metric(fam.name, fam.documentation, fam.type, fam.unit)
                 m.samples = samples
                 yield m
 
