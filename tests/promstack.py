@@ -373,6 +373,7 @@ def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
     add("gpuwatch_cycle_duration_seconds", "gauge", {}, 0.004)
     add("gpuwatch_last_cycle_timestamp_seconds", "gauge", {}, now)
     add("gpuwatch_kernel_log_overruns_total", "counter", {}, 0)
+    add("gpuwatch_web_connections_dropped_total", "counter", {"reason": "limit"}, 0)
     add("gpuwatch_finding", "gauge", {"kind": "bad_rank_file", "severity": "warning", "job_id": "",
                                       "rank": "", "pid": ""}, 1)
     for c in ("procfs", "rankfiles", "nvml", "kernel_log", "pyspy"):

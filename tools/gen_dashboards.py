@@ -395,6 +395,12 @@ HEALTH_ROWS: list[tuple[str, list[Panel]]] = [
                     "[$__range])) or vector(0)", "{{reason}}")], unit="none",
               description="Malformed or too long records, and userspace writes to /dev/kmsg that "
                           "looked like an OOM kill or Xid (not_kernel)."),
+        Panel("Dropped /metrics connections", "timeseries",
+              [graph("sum by (instance, reason) (increase(gpuwatch_web_connections_dropped_total"
+                     "[$__rate_interval]))", "{{instance}} {{reason}}")], unit="none", min=0,
+              description="Connections the /metrics server closed unanswered: limit (the oldest "
+                          "waiting one made room), timeout, no_thread. A steady rise is a client "
+                          "holding connections open (slowloris); scrapes are still answered."),
         Panel("Bad rank files", "table",
               [table('gpuwatch_finding{kind="bad_rank_file"} == 1')],
               description="Rank files the daemon rejected (schema, owner, symlink, size)."),
