@@ -275,8 +275,9 @@ class Daemon:
             raise ConfigError([f"web.config_file: {p}" for p in e.problems], e.path) from None
         except (OSError, ValueError) as e:
             why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
-                why += " (to move to an address that overlaps the running one, restart)"
+            if isinstance(e, OSError) and e.errno == errno.EADDRINUSE and \
+                    web.parse_listen_address(new.web.listen_address)[1] == self.web.address[1]:
+                why += " (by the running server: to move to an overlapping address, restart)"
             raise ConfigError([f"web.listen_address: cannot listen on {new.web.listen_address}:"
                                f" {why}; still serving {self.web.url}"],
                               self.config_path or "config") from None

@@ -145,3 +145,22 @@ def test_start_up_log_says_https_when_tls_is_on(tmp_path: Path) -> None:
     log = log_path.read_text()
     assert f"serving https://127.0.0.1:{port}/metrics" in log, log
     assert "http://" not in log, log
+
+
+def test_reload_to_an_address_overlapping_the_running_one_is_refused() -> None:
+    """127.0.0.1:P -> 0.0.0.0:P cannot be bound while the running server holds P: refused,
+    and the running server is untouched."""
+    reg = CollectorRegistry()
+    Gauge("gpuwatch_test_value", "A value for the reload test.", registry=reg).set(7)
+    server = web.serve(reg, "127.0.0.1:0", None)
+    try:
+        port = server.address[1]
+        with pytest.raises(OSError):
+            server.reload(f"0.0.0.0:{port}", None)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("GET", "/metrics")
+        resp = conn.getresponse()
+        assert resp.status == 200 and b"gpuwatch_test_value 7.0" in resp.read()
+        conn.close()
+    finally:
+        server.close()
