@@ -58,7 +58,8 @@ class RankEntry:
     start_ticks: int | None = None  # as written at registration; None: learnt at first sight
     source: str = "rankfile"  # "rankfile" | "environ"
     path: str = ""  # the rank file it came from ("" for discovery)
-    owner_uid: int | None = None  # owner of the rank file (trust: root or the PID's own uid)
+    # owner of the rank file, or the uid of a discovered process (trust: gpuwatchd/rank_claims.py)
+    owner_uid: int | None = None
     env_flags: tuple[str, ...] = ()  # NCCL/TORCH variable *names* (never values) of interest
 
 

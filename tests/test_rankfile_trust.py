@@ -13,12 +13,12 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from daemonutil import DaemonProc, write_config
+from userutil import as_user, system_user, user_writes
 
 from gpuwatchd.join import select_entries
 from gpuwatchd.model import RankEntry
@@ -36,27 +36,10 @@ from gpuwatchd.sources.rankfiles import (
 USER = "gw-h7-trust"
 
 
-def _locked(cmd: list[str]) -> None:
-    for _ in range(50):
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-        if out.returncode == 0:
-            return
-        if "lock" not in out.stderr:
-            raise AssertionError(f"{cmd}: {out.stderr}")
-        time.sleep(0.2)
-    raise AssertionError(f"{cmd}: /etc/passwd stayed locked")
-
-
 @pytest.fixture(scope="module")
 def user() -> Iterator[int]:
-    created = subprocess.run(["id", "-u", USER], capture_output=True, timeout=10).returncode != 0
-    if created:
-        _locked(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", USER])
-    uid = int(subprocess.run(["id", "-u", USER], capture_output=True, text=True, check=True,
-                             timeout=10).stdout)
-    yield uid
-    if created:
-        _locked(["userdel", USER])
+    with system_user(USER) as uid:
+        yield uid
 
 
 @pytest.fixture
@@ -71,17 +54,11 @@ def world() -> Iterator[Path]:
 
 
 def _as_user(*argv: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups", *argv],
-        input=stdin, capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"},
-    )
+    return as_user(USER, *argv, stdin=stdin)
 
 
 def _user_writes(path: Path, content: str) -> None:
-    out = _as_user("/usr/bin/python3", "-c",
-                   "import sys; open(sys.argv[1], 'w').write(sys.stdin.read())", str(path),
-                   stdin=content)
-    assert out.returncode == 0, out.stderr
+    user_writes(USER, path, content)
 
 
 def _doc(job: str, ranks: list[dict[str, object]]) -> str:

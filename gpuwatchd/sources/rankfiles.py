@@ -4,8 +4,10 @@ Reads every ``*.json`` in ``rank_dir`` (schema v1, ``docs/rankfile.schema.json``
 again only when its (inode, size, mtime) changes, so a cycle costs one ``scandir`` plus one ``lstat``
 per file. Files that are symlinks, hard links, not regular, larger than ``MAX_FILE_BYTES``, nested
 deeper than ``MAX_DEPTH`` or invalid are returned as ``BadRankFile`` with a reason; they never stop
-the good files beside them. Ownership (root or the PID's own uid) is checked in the join, where the
-process's uid is known.
+the good files beside them, and nothing in one file (numbers of any size, NaN, odd Unicode, deep
+nesting, duplicate keys) can raise out of ``scan``. Ownership (root or the PID's own uid, and who
+owns the job: ``gpuwatchd/rank_claims.py``) is checked in the join, where the process's uid is
+known. A ``rank_dir`` that cannot be listed raises ``RankDirMissing`` (the collector is down).
 
 Discovery (``discover``) lists /proc and reads ``environ`` of each process: it runs at
 ``discovery.interval_seconds``, not every cycle. It needs CAP_SYS_PTRACE/CAP_DAC_READ_SEARCH for
@@ -48,6 +50,54 @@ RANK_KEYS = {"rank", "local_rank", "pid", "gpus", "heartbeat", "start_ticks"}
 
 class RankFileError(ValueError):
     pass
+
+
+class RankDirMissing(OSError):
+    """``rank_dir`` cannot be listed (gone, not a directory, not readable): the rankfiles
+    collector is down until it is back, rather than reporting "no ranks" as a success."""
+
+
+# No JSON number a valid rank file needs is longer than this (PIDs, ranks, start ticks < 2**62):
+# longer literals are refused before int() sees them (CPython refuses > 4300 digits with a plain
+# ValueError; below that a 4000-digit int still costs quadratic time to convert).
+MAX_NUMBER_CHARS = 24
+
+
+def _parse_int(text: str) -> int:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise RankFileError(f"a number of {len(text)} digits (at most {MAX_NUMBER_CHARS})")
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise RankFileError(f"a number of {len(text)} characters (at most {MAX_NUMBER_CHARS})")
+    return float(text)  # 1e400 -> inf: refused later, no field takes a float
+
+
+def _parse_constant(name: str) -> Any:
+    raise RankFileError(f"{name} is not a number JSON allows")
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise RankFileError(f"key {key!r:.40} appears twice in one object")
+        out[key] = value
+    return out
+
+
+def loads_strict(text: str) -> Any:
+    """``json.loads`` for untrusted rank files: NaN/Infinity, over-long numbers and duplicate keys
+    raise RankFileError; bad JSON raises JSONDecodeError; deep nesting RecursionError."""
+    return json.loads(text, parse_int=_parse_int, parse_float=_parse_float,
+                      parse_constant=_parse_constant, object_pairs_hook=_no_duplicate_keys)
+
+
+def _bad_name(name: str) -> bool:
+    """Names that cannot be shown or logged as they are (not UTF-8, control characters)."""
+    return not name.isprintable()  # surrogate escapes of non-UTF-8 bytes are not printable
 
 
 def _depth(obj: Any, limit: int = MAX_DEPTH, level: int = 1) -> int:
@@ -116,9 +166,9 @@ def parse_rank_document(doc: Any, path: str = "", owner_uid: int | None = None) 
         heartbeat = r.get("heartbeat")
         if heartbeat is not None and (
             not isinstance(heartbeat, str) or not os.path.isabs(heartbeat) or len(heartbeat) > 4096
-            or "\x00" in heartbeat
+            or not heartbeat.isprintable()
         ):
-            raise RankFileError(f"{where}.heartbeat must be an absolute path")
+            raise RankFileError(f"{where}.heartbeat must be an absolute path of printable characters")
         start_ticks = r.get("start_ticks")
         if start_ticks is not None:
             start_ticks = _int(start_ticks, f"{where}.start_ticks", 0, 1 << 62)
@@ -152,17 +202,25 @@ class RankFileReader:
         try:
             with os.scandir(self.rank_dir) as it:
                 names = sorted(e.name for e in it if e.name.endswith(".json"))
-        except FileNotFoundError:
+        except OSError as e:
             self._cache.clear()
-            return entries, bad
+            raise RankDirMissing(e.errno, f"rank_dir {self.rank_dir}: {e.strerror}") from None
         if len(names) > MAX_FILES:
             bad.append(BadRankFile(self.rank_dir, f"more than {MAX_FILES} rank files; extra ignored"))
             names = names[:MAX_FILES]
         live = set()
         for name in names:
             path = os.path.join(self.rank_dir, name)
+            if _bad_name(name):
+                bad.append(BadRankFile(os.path.join(self.rank_dir, ascii(name)[1:-1]),
+                                       "name is not printable UTF-8 (refused)"))
+                continue
             live.add(path)
-            got, error = self._read(path)
+            try:
+                got, error = self._read(path)
+            except Exception as e:  # noqa: BLE001 - one file's content never affects another
+                self._cache.pop(path, None)
+                got, error = [], f"could not be read ({type(e).__name__})"
             if error is not None:
                 bad.append(BadRankFile(path, error))
             entries.extend(got)
@@ -210,17 +268,21 @@ class RankFileReader:
         if len(raw) > MAX_FILE_BYTES:
             return [], f"larger than the {MAX_FILE_BYTES}-byte cap"
         try:
-            doc = json.loads(raw.decode("utf-8"))
+            doc = loads_strict(raw.decode("utf-8"))
         except UnicodeDecodeError:
             return [], "is not UTF-8 text"
         except json.JSONDecodeError as e:
             return [], f"is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
-        except RecursionError:
-            return [], f"nested deeper than {MAX_DEPTH} levels"
-        try:
-            return parse_rank_document(doc, path, fst.st_uid), None
         except RankFileError as e:
             return [], str(e)
+        except RecursionError:
+            return [], f"nested deeper than {MAX_DEPTH} levels"
+        except ValueError as e:  # any other refusal of the decoder: this file only
+            return [], f"is not valid JSON ({e!s:.80})"
+        try:
+            return parse_rank_document(doc, path, fst.st_uid), None
+        except (RankFileError, RecursionError) as e:
+            return [], str(e) if isinstance(e, RankFileError) else "nested too deeply"
 
 
 def rank_file_name(job_id: str, rank: int | None = None) -> str:
@@ -390,6 +452,7 @@ def discover(procfs: ProcfsReader, launchers: Iterable[str]) -> list[RankEntry]:
     launchers = tuple(launchers)
     claims: dict[int, tuple[str, int, int | None, int | None]] = {}
     parents: dict[int, int] = {}
+    uids: dict[int, int] = {}  # the claimant of a discovered rank is its process's uid
     for pid in procfs.pids():
         env = procfs.environ(pid, DISCOVERY_VARS)
         if not env:
@@ -399,7 +462,8 @@ def discover(procfs: ProcfsReader, launchers: Iterable[str]) -> list[RankEntry]:
             continue
         try:
             parents[pid] = int(procfs.read_stat(pid)[1][1])
-        except (ValueError, IndexError, ProcessGone):
+            uids[pid] = os.stat(procfs.paths.proc(pid)).st_uid
+        except (ValueError, IndexError, ProcessGone, OSError):
             continue
         claims[pid] = claim
     out: list[RankEntry] = []
@@ -410,7 +474,7 @@ def discover(procfs: ProcfsReader, launchers: Iterable[str]) -> list[RankEntry]:
         out.append(
             RankEntry(
                 job_id=job_id, rank=rank, pid=pid, local_rank=local_rank, world_size=world_size,
-                source="environ", start_ticks=procfs.start_ticks(pid),
+                source="environ", start_ticks=procfs.start_ticks(pid), owner_uid=uids[pid],
             )
         )
     return out
