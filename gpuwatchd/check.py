@@ -75,6 +75,7 @@ class Inputs:
 def default_inputs(cfg: Any, rank_dir: str | None, timeout: float | None) -> Inputs:
     from gpuwatchd.sources.nvml_fixture import open_nvml_source
     from gpuwatchd.sources.procfs import ProcfsReader
+    from gpuwatchd.sources.pidns import PidNamespaces
     from gpuwatchd.sources.rankfiles import RankDirMissing, RankFileReader
 
     paths = HostPaths(procfs=cfg.procfs)
@@ -89,6 +90,9 @@ def default_inputs(cfg: Any, rank_dir: str | None, timeout: float | None) -> Inp
             entries, _bad = RankFileReader(rank_dir or cfg.rank_dir).scan()
         except RankDirMissing:  # no rank directory: no rank registered on this node
             entries = []
+        # ranks registered inside containers name their in-container PID: map to host PIDs,
+        # which is what NVML reports
+        entries, _refused = PidNamespaces(procfs).resolve(entries)
         procs = procfs.read_many(e.pid for e in entries)
         desc = {e.pid: tuple(procfs.descendants(e.pid)) for e in entries if e.pid in procs}
         for kids in desc.values():

@@ -32,6 +32,7 @@ from gpuwatchd.join import CycleInputs, JoinMemory, build_state
 from gpuwatchd.model import BadRankFile, NodeState, ProcessInfo, RankEntry
 from gpuwatchd.notify import notify, watchdog_interval
 from gpuwatchd.paths import HostPaths
+from gpuwatchd.sources.pidns import PidNamespaces
 from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.sources.rankfiles import RankFileReader, discover, guard_entries, heartbeat_mtime
 
@@ -96,6 +97,7 @@ class Daemon:
         self.counters = counters or CounterStore()
         self.procfs = ProcfsReader(self.paths)
         self.rankfiles = RankFileReader(config.rank_dir)
+        self.pidns = PidNamespaces(self.procfs)  # rank files written inside containers
         self.stop_event = threading.Event()
         self.reload_requested = threading.Event()
         self.state: NodeState | None = None
@@ -131,7 +133,7 @@ class Daemon:
             self._discovered = discover(self.procfs, d.launchers)
         elif not d.enabled:
             self._discovered = []
-        return guard_entries([*entries, *self._discovered], bad, self.paths.procfs)
+        return guard_entries([*entries, *self._discovered], bad, self.paths.procfs, self.pidns)
 
     def _read_procfs(self) -> ProcReading:
         entries = self._entries

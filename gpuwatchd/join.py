@@ -118,7 +118,7 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
             world_size=e.world_size, alive=alive, process=proc if alive else None, tree=tree,
             gpus=e.gpus, progress_timestamp=inputs.progress.get((e.job_id, e.rank)),
             stalled=bool(inputs.stalled.get((e.job_id, e.rank), False)) and alive,
-            died_at=died_at.get(key),
+            died_at=died_at.get(key), ns_pid=e.ns_pid, container=e.container,
         ))
 
     rows: list[GpuProcessRow] = []
