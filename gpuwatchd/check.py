@@ -74,8 +74,8 @@ class Inputs:
 
 def default_inputs(cfg: Any, rank_dir: str | None, timeout: float | None) -> Inputs:
     from gpuwatchd.sources.nvml_fixture import open_nvml_source
-    from gpuwatchd.sources.procfs import ProcfsReader
     from gpuwatchd.sources.pidns import PidNamespaces
+    from gpuwatchd.sources.procfs import ProcfsReader
     from gpuwatchd.sources.rankfiles import RankDirMissing, RankFileReader
 
     paths = HostPaths(procfs=cfg.procfs)

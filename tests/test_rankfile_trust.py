@@ -7,7 +7,6 @@ refusal as a bad_rank_file finding, and keep its /metrics bounded and well-forme
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil

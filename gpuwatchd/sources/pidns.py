@@ -42,7 +42,9 @@ INIT_PID_NS = 0xEFFFFFFC  # PROC_PID_INIT_INO: the inode of the host's (initial)
 MAX_LINKS = 40  # like the kernel's MAXSYMLINKS
 RETRY_SECONDS = 30.0
 
-Key = tuple[int, int, int]  # (pid namespace inode, pid in it, start ticks)
+# (pid namespace inode, pid in it, start ticks, rank-file owner): the owner is part of the key, so
+# that a user's copy of another pod's claim never inherits its resolution
+Key = tuple[int, int, int, int | None]
 
 
 def _split(path: str) -> list[str]:
@@ -110,6 +112,9 @@ class PidNamespaces:
         self._resolved: dict[Key, int] = {}  # also after the process ended: it is then "dead"
         self._missed: dict[Key, float] = {}  # when a pass over /proc last failed to find it
         self._facts: dict[tuple[int, int], _Facts] = {}
+        # (job_id, rank, host pid) -> (ns_pid, container) last seen alive: a dead rank keeps them
+        self._shown: dict[tuple[str, int, int], tuple[int | None, str]] = {}
+        self._shown_now: set[tuple[str, int, int]] = set()
         self.scans = 0  # passes over /proc so far (tests and benchmarks read it)
 
     def _facts_of(self, pid: int, start: int) -> _Facts | None:
@@ -151,16 +156,21 @@ class PidNamespaces:
         return index
 
     def _annotate(self, e: RankEntry, live: set[tuple[int, int]]) -> RankEntry:
-        """Add the in-container PID and the container's identity of a host-PID entry."""
+        """Add the in-container PID and the container's identity of a host-PID entry (those it
+        had when last seen alive, once it is gone)."""
+        shown = (e.job_id, e.rank, e.pid)
+        self._shown_now.add(shown)
         start = self.procfs.start_ticks(e.pid)
-        if start is None or (e.start_ticks is not None and start != e.start_ticks):
-            return e
-        live.add((e.pid, start))
-        facts = self._facts_of(e.pid, start)
+        facts = None
+        if start is not None and (e.start_ticks is None or start == e.start_ticks):
+            live.add((e.pid, start))
+            facts = self._facts_of(e.pid, start)
         if facts is None:
-            return e
+            ns_pid, container = self._shown.get(shown, (e.ns_pid, e.container))
+            return dataclasses.replace(e, ns_pid=ns_pid, container=container)
         ns_pid = e.ns_pid if e.ns_pid is not None else (facts.nspid[-1] if len(facts.nspid) > 1
                                                         else None)
+        self._shown[shown] = (ns_pid, facts.container)
         return dataclasses.replace(e, ns_pid=ns_pid, container=facts.container)
 
     def resolve(self, entries: Iterable[RankEntry]) -> tuple[list[RankEntry], list[BadRankFile]]:
@@ -179,7 +189,7 @@ class PidNamespaces:
                 bad.append(BadRankFile(e.path, f"rank {e.rank} of job {e.job_id}: a pid of another "
                                        f"PID namespace needs start_ticks (refused)"))
                 continue
-            key = (e.pid_ns, e.pid, e.start_ticks)
+            key = (e.pid_ns, e.pid, e.start_ticks, e.owner_uid)
             keys.add(key)
             host = self._resolved.get(key)
             if host is not None and self._matches(host, e):
@@ -200,7 +210,7 @@ class PidNamespaces:
                 self._missed[key] = now
             host = self._resolved.get(key)
             if host is not None:  # resolved before, gone now: the join sees a dead rank
-                out.append(dataclasses.replace(e, pid=host, ns_pid=e.pid))
+                out.append(self._annotate(dataclasses.replace(e, pid=host, ns_pid=e.pid), live))
             else:
                 bad.append(BadRankFile(e.path, f"rank {e.rank} of job {e.job_id}: no process is pid "
                                        f"{e.pid} of PID namespace {e.pid_ns} with start_ticks "
@@ -212,4 +222,7 @@ class PidNamespaces:
             del self._missed[k]
         for f in set(self._facts) - live:
             del self._facts[f]
+        for s in set(self._shown) - self._shown_now:
+            del self._shown[s]
+        self._shown_now = set()
         return out, bad
