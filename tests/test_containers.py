@@ -51,7 +51,10 @@ def torchrun(job: str, rank: int) -> dict[str, str]:
 
 
 def _state(d: DaemonProc) -> dict[str, Any]:
-    return dict(json.loads((Path(d.cfg["state_dir"]) / "state.json").read_text()))
+    """The daemon's state file (written just after /metrics shows a cycle: wait for the first)."""
+    path = Path(d.cfg["state_dir"]) / "state.json"
+    d.wait_for(path.exists, what="state.json")
+    return dict(json.loads(path.read_text()))
 
 
 def _findings(d: DaemonProc, kind: str) -> list[dict[str, Any]]:
@@ -208,9 +211,15 @@ def test_oom_kill_of_a_containerised_rank_is_attributed_to_it(
         d.wait_for(lambda: bool(_findings(d, "rank_oom_killed")), what="the finding")
         [oom] = _findings(d, "rank_oom_killed")
         downs = _findings(d, "rank_down")
+        events = Path(cfg["state_dir"]) / "events.jsonl"
+        d.wait_for(lambda: events.exists() and any(
+            json.loads(x).get("kind") == "rank_down" and f"Kubernetes pod {pod_uid}" in x
+            for x in events.read_text().splitlines()), what="the rank_down event naming the pod")
     finally:
         d.stop()
     assert oom["job_id"] == "oompod" and oom["pid"] == str(c.pid), oom
+    assert f"(pid {c.pid}," in oom["explanation"], oom
+    assert oom["explanation"].endswith(f"; rank pid 1 in its container, Kubernetes pod {pod_uid}")
     assert all(f"Kubernetes pod {pod_uid}" in f["explanation"] for f in downs), downs
 
 

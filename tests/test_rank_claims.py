@@ -60,7 +60,10 @@ def _as_user_popen(procs: list[subprocess.Popen[Any]], argv: list[str],
 
 
 def _state(d: DaemonProc) -> dict[str, Any]:
-    return dict(json.loads((Path(d.cfg["state_dir"]) / "state.json").read_text()))
+    """The daemon's state file (written just after /metrics shows a cycle: wait for the first)."""
+    path = Path(d.cfg["state_dir"]) / "state.json"
+    d.wait_for(path.exists, what="state.json")
+    return dict(json.loads(path.read_text()))
 
 
 def _findings(d: DaemonProc, kind: str) -> list[dict[str, Any]]:

@@ -134,8 +134,9 @@ def test_rank_file_attacks_by_a_second_user(user: int, world: Path,
     path, cfg = write_config(world, rank_dir=str(ranks))
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id="honest", rank="0") == 1.0,
-                   what="the honest rank")
+        # /metrics shows a cycle's state before that cycle has written state.json: wait for both
+        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id="honest", rank="0") == 1.0
+                   and (world / "state" / "state.json").exists(), what="the honest rank")
         samples = d.samples()
         text = d.text()
         state = json.loads((world / "state" / "state.json").read_text())

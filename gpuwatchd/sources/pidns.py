@@ -115,6 +115,7 @@ class PidNamespaces:
         # (job_id, rank, host pid) -> (ns_pid, container) last seen alive: a dead rank keeps them
         self._shown: dict[tuple[str, int, int], tuple[int | None, str]] = {}
         self._shown_now: set[tuple[str, int, int]] = set()
+        self._ticks: dict[int, int | None] = {}  # this call's start-time reads (one per PID)
         self.scans = 0  # passes over /proc so far (tests and benchmarks read it)
 
     def _facts_of(self, pid: int, start: int) -> _Facts | None:
@@ -131,8 +132,13 @@ class PidNamespaces:
             self._facts[(pid, start)] = facts
         return facts
 
+    def _start_ticks(self, pid: int) -> int | None:
+        if pid not in self._ticks:
+            self._ticks[pid] = self.procfs.start_ticks(pid)
+        return self._ticks[pid]
+
     def _matches(self, host: int, e: RankEntry) -> _Facts | None:
-        start = self.procfs.start_ticks(host)
+        start = self._start_ticks(host)
         if start is None or start != e.start_ticks:
             return None
         facts = self._facts_of(host, start)
@@ -160,7 +166,7 @@ class PidNamespaces:
         had when last seen alive, once it is gone)."""
         shown = (e.job_id, e.rank, e.pid)
         self._shown_now.add(shown)
-        start = self.procfs.start_ticks(e.pid)
+        start = self._start_ticks(e.pid)
         facts = None
         if start is not None and (e.start_ticks is None or start == e.start_ticks):
             live.add((e.pid, start))
@@ -176,6 +182,7 @@ class PidNamespaces:
     def resolve(self, entries: Iterable[RankEntry]) -> tuple[list[RankEntry], list[BadRankFile]]:
         """Entries with host PIDs (and ``ns_pid``/``container`` where known), and the refusals of
         entries whose namespace PID matches no process."""
+        self._ticks = {}
         out: list[RankEntry] = []
         bad: list[BadRankFile] = []
         pending: list[tuple[Key, RankEntry]] = []
@@ -225,4 +232,5 @@ class PidNamespaces:
         for s in set(self._shown) - self._shown_now:
             del self._shown[s]
         self._shown_now = set()
+        self._ticks = {}
         return out, bad

@@ -393,14 +393,14 @@ def heartbeat_mtime(entry: RankEntry) -> float | None:
 def guard_entries(entries: Iterable[RankEntry], bad: Iterable[BadRankFile] = (),
                   procfs: str = "/proc", namespaces: PidNamespaces | None = None,
                   ) -> tuple[list[RankEntry], list[BadRankFile]]:
-    """What every consumer of one cycle's rank entries sees: PIDs of other PID namespaces
-    resolved to host PIDs (``namespaces``), ``cap_ranks`` applied, and each heartbeat's
-    ``heartbeat_root`` set (the heartbeat dropped where the owner rule forbids it)."""
-    bad = list(bad)
-    if namespaces is not None:
-        entries, refused = namespaces.resolve(entries)
-        bad += refused
+    """What every consumer of one cycle's rank entries sees: ``cap_ranks`` applied, PIDs of other
+    PID namespaces resolved to host PIDs (``namespaces``, after the caps: its cost is bounded by
+    them), and each heartbeat's ``heartbeat_root`` set (the heartbeat dropped where the owner
+    rule forbids it)."""
     kept, out_bad = cap_ranks(entries, bad)
+    if namespaces is not None:
+        kept, refused = namespaces.resolve(kept)
+        out_bad += refused
     out = []
     for e in kept:
         if e.heartbeat:
