@@ -195,21 +195,29 @@ def test_discovery_does_not_adopt_another_users_process_into_roots_job(
 
 def test_vanished_rank_dir_is_reported_and_recovered(world: Path,
                                                      procs: list[subprocess.Popen[Any]]) -> None:
+    """The collector is down while rank_dir is gone (ranks discovered from /proc stay watched),
+    and the rank files' ranks are back in the first cycle after it returns."""
     ranks = world / "ranks"
     rank = subprocess.Popen(SLEEP)
     procs.append(rank)
+    found = subprocess.Popen(SLEEP, env={"TORCHELASTIC_RUN_ID": "gwtrustrank-env", "RANK": "0"})
+    procs.append(found)
     doc = _doc("job", [{"rank": 0, "pid": rank.pid}])
     (ranks / "job.0.json").write_text(doc)
-    path, cfg = write_config(world, rank_dir=str(ranks))
+    path, cfg = write_config(world, rank_dir=str(ranks),
+                             discovery={"enabled": True, "interval_seconds": 1})
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id="job", rank="0") == 1.0,
-                   what="rank up")
+        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id="job", rank="0") == 1.0
+                   and d.value("gpuwatch_rank_up", job_id="gwtrustrank-env", rank="0") == 1.0,
+                   what="both ranks up")
         shutil.rmtree(ranks)
         d.wait_for(lambda: d.value("gpuwatch_collector_success", collector="rankfiles") == 0.0,
                    what="the rankfiles collector down")
         status = [c for c in _state(d)["collectors"] if c["name"] == "rankfiles"]
         assert str(ranks) in status[0]["error"], status
+        _hold("the discovered rank watched", lambda: d.value(
+            "gpuwatch_rank_up", job_id="gwtrustrank-env", rank="0") == 1.0, 2.0, d)
         ranks.mkdir()
         os.chmod(ranks, 0o1777)
         (ranks / "job.0.json").write_text(doc)
