@@ -79,14 +79,16 @@ def _start_ticks(pid: int) -> int | None:
         return None
 
 
-def pid_namespace(pid: int) -> int | None:
-    """The inode of ``pid``'s PID namespace when it is not the host's (a container), else None.
+def pid_namespace() -> int | None:
+    """The inode of the writer's own PID namespace (in which the PIDs it writes are numbered)
+    when it is not the host's (a container), else None.
 
     Written into the rank file as ``pid_ns``, so that the daemon can find the host PID of a rank
     that only knows its in-container PID (docs/rankfile.md). On the host it is left out, and rank
-    files stay readable by daemons that predate the field."""
+    files stay readable by daemons that predate the field. (A host-side ``gpuwatchd register
+    --pid HOSTPID`` of a containerised process therefore writes a host PID, as it should.)"""
     try:
-        ino = os.stat(f"{_proc(pid)}/ns/pid").st_ino
+        ino = os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return None
     return None if ino == INIT_PID_NS else ino
@@ -125,7 +127,7 @@ def register_rank(job_id: str | None = None, rank: int | None = None, *,
         # script that never calls heartbeat() is judged by its stacks, not seen as "stalled".
         doc = build_document(job_id, rank, pid, local_rank=local_rank, world_size=world_size,
                              gpus=list(gpus) if gpus is not None else _visible_gpus(env, local_rank),
-                             start_ticks=_start_ticks(pid), pid_ns=pid_namespace(pid))
+                             start_ticks=_start_ticks(pid), pid_ns=pid_namespace())
         path = write_rank_file(rank_dir, doc, rank_file_name(job_id, rank))
     except (RankFileError, OSError) as e:
         if strict:

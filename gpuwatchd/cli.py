@@ -72,7 +72,7 @@ def cmd_register(args: argparse.Namespace) -> int:
     hb = args.heartbeat
     doc = build_document(args.job_id, args.rank, args.pid, local_rank=args.local_rank,
                          world_size=args.world_size, gpus=gpus, heartbeat=hb,
-                         start_ticks=_start_ticks(args.pid), pid_ns=pid_namespace(args.pid))
+                         start_ticks=_start_ticks(args.pid), pid_ns=pid_namespace())
     try:
         path = write_rank_file(rank_dir, doc, rank_file_name(args.job_id, args.rank))
     except RankFileError as e:

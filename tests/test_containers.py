@@ -310,3 +310,27 @@ def test_an_unresolvable_claim_costs_one_pass_over_proc_per_retry(containers: li
     now[0] += 30.0
     resolver.resolve([good, ghost])
     assert resolver.scans == 2
+
+
+def test_host_side_registration_of_a_container_process(world: Path,
+                                                       containers: list[Container]) -> None:
+    """A prolog on the host registers a container's process by its host PID (`gpuwatchd register
+    --pid HOSTPID`): the file carries no pid_ns (the writer is on the host), the PID is taken as
+    the host's, and the in-container PID is still shown."""
+    from gpuwatchd.paths import HostPaths
+    from gpuwatchd.sources.pidns import PidNamespaces
+    from gpuwatchd.sources.procfs import ProcfsReader
+    from gpuwatchd.sources.rankfiles import RankFileReader, guard_entries
+
+    ranks = world / "ranks"
+    c = Container({"GW_REGISTER": "0"})
+    containers.append(c)
+    out = subprocess.run([sys.executable, "-m", "gpuwatchd", "register", "--rank-dir", str(ranks),
+                          "--job-id", "hostreg", "--rank", "0", "--pid", str(c.pid)],
+                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    [entry] = json.loads((ranks / "hostreg.0.json").read_text())["ranks"]
+    assert entry["pid"] == c.pid and "pid_ns" not in entry
+    entries, bad = RankFileReader(str(ranks)).scan()
+    got, bad = guard_entries(entries, bad, "/proc", PidNamespaces(ProcfsReader(HostPaths())))
+    assert bad == [] and [(e.job_id, e.pid, e.ns_pid) for e in got] == [("hostreg", c.pid, 1)]
