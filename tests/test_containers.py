@@ -5,6 +5,7 @@ memory-cgroup OOM kills and a real second user, through the real daemon, ``ps``,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -160,31 +161,41 @@ def test_two_containers_both_pid_1_are_told_apart(world: Path, containers: list[
             d.stop()
 
 
-@pytest.fixture
-def pod_cgroup() -> Iterator[tuple[str, str]]:
-    """A real memory cgroup at a kubelet-style path (cgroupfs driver), limit 64 MiB."""
+@contextlib.contextmanager
+def memory_cgroup(*parts: str, limit: int | None = None) -> Iterator[str]:
+    """A real memory cgroup at a path like kubelet's or slurmd's (below a unique top directory),
+    removed afterwards; ``limit`` in bytes on the leaf."""
     v1 = Path("/sys/fs/cgroup/memory/cgroup.procs").exists()
     top = Path("/sys/fs/cgroup/memory" if v1 else "/sys/fs/cgroup") / f"gwtrustrank-{uuid.uuid4().hex[:8]}"
-    pod_uid = str(uuid.uuid4())
-    leaf = top / "kubepods" / "burstable" / f"pod{pod_uid}" / ("c" * 64)
-    if not v1:  # v2: controllers must be enabled down the path
-        for d in (top, *list(leaf.parents)[: len(leaf.relative_to(top).parts) - 1][::-1]):
-            d.mkdir(exist_ok=True)
+    chain = [top]
+    for part in parts:
+        chain.append(chain[-1] / part)
+    for d in chain:
+        d.mkdir()
+        if not v1 and d != chain[-1]:  # v2: the controller must be enabled down the path
             (d / "cgroup.subtree_control").write_text("+memory")
-    leaf.mkdir(parents=True)
-    (leaf / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(str(64 << 20))
-    yield str(leaf), pod_uid
-    for _ in range(100):
-        try:
-            for d in [leaf, *leaf.parents]:
-                if d == top.parent:
+    if limit is not None:
+        (chain[-1] / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(str(limit))
+    try:
+        yield str(chain[-1])
+    finally:
+        for d in reversed(chain):
+            for _ in range(100):
+                try:
+                    d.rmdir()
                     break
-                d.rmdir()
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.05)
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.05)
+
+
+@pytest.fixture
+def pod_cgroup() -> Iterator[tuple[str, str]]:
+    """A memory cgroup at a kubelet-style path (cgroupfs driver), limit 64 MiB."""
+    pod_uid = str(uuid.uuid4())
+    with memory_cgroup("kubepods", "burstable", f"pod{pod_uid}", "c" * 64, limit=64 << 20) as leaf:
+        yield leaf, pod_uid
 
 
 def test_oom_kill_of_a_containerised_rank_is_attributed_to_it(
@@ -231,10 +242,18 @@ def test_discovery_and_slurm_tasks_in_containers(world: Path, containers: list[C
                              discovery={"enabled": True, "interval_seconds": 1})
     found = Container({**torchrun("envpod", 0), "GW_REGISTER": "0"})
     containers.append(found)
-    slurm = Container({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
-                       "SLURM_LOCALID": "0", "SLURM_NTASKS": "1"},
-                      {str(ranks): "/run/gpuwatch/ranks"})
-    containers.append(slurm)
+    with memory_cgroup("slurm", "uid_0", "job_4242", "step_0", "task_0") as task_cgroup:
+        slurm = Container({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
+                           "SLURM_LOCALID": "0", "SLURM_NTASKS": "1"},
+                          {str(ranks): "/run/gpuwatch/ranks"}, cgroup=task_cgroup)
+        containers.append(slurm)
+        try:
+            _discover_both(path, cfg, found, slurm)
+        finally:
+            slurm.close()
+
+
+def _discover_both(path: Path, cfg: dict[str, Any], found: Container, slurm: Container) -> None:
     d = DaemonProc(path, cfg)
     try:
         d.wait_for(lambda: d.value("gpuwatch_rank_info", job_id="envpod", pid=str(found.pid)) == 1.0
@@ -242,6 +261,7 @@ def test_discovery_and_slurm_tasks_in_containers(world: Path, containers: list[C
                    what="the discovered and the Slurm rank by host PID", timeout=20)
         by_job = {r["job_id"]: r for r in _state(d)["ranks"]}
         assert by_job["envpod"]["ns_pid"] == 1 and by_job["4242.0"]["ns_pid"] == 1
+        assert by_job["4242.0"]["container"] == "Slurm job 4242 step 0"  # from its real cgroup
         assert len([r for r in _state(d)["ranks"] if r["job_id"] == "4242.0"]) == 1
         _beating(d, "4242.0", 1.0)
     finally:
@@ -334,3 +354,25 @@ def test_host_side_registration_of_a_container_process(world: Path,
     entries, bad = RankFileReader(str(ranks)).scan()
     got, bad = guard_entries(entries, bad, "/proc", PidNamespaces(ProcfsReader(HostPaths())))
     assert bad == [] and [(e.job_id, e.pid, e.ns_pid) for e in got] == [("hostreg", c.pid, 1)]
+
+
+@pytest.mark.parametrize("cgroup,expected", [
+    # kubelet, systemd cgroup driver (cgroup v2), as /proc/PID/cgroup shows it
+    ("0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod0b8d2c4e_3f7a_4e8b_9a1c_"
+     "2d3e4f5a6b7c.slice/cri-containerd-" + "ab" * 32 + ".scope\n",
+     "Kubernetes pod 0b8d2c4e-3f7a-4e8b-9a1c-2d3e4f5a6b7c"),
+    # kubelet, cgroupfs driver, guaranteed QoS (cgroup v1, several hierarchies)
+    ("12:memory:/kubepods/pod0b8d2c4e-3f7a-4e8b-9a1c-2d3e4f5a6b7c/" + "cd" * 32 + "\n"
+     "11:cpu,cpuacct:/kubepods/pod0b8d2c4e-3f7a-4e8b-9a1c-2d3e4f5a6b7c/" + "cd" * 32 + "\n",
+     "Kubernetes pod 0b8d2c4e-3f7a-4e8b-9a1c-2d3e4f5a6b7c"),
+    # slurmd, cgroup v2
+    ("0::/system.slice/slurmstepd.scope/job_1234/step_0/user/task_0\n", "Slurm job 1234 step 0"),
+    ("0::/system.slice/slurmstepd.scope/job_1234/step_batch/user/task_0\n", "Slurm job 1234 step batch"),
+    ("0::/system.slice/docker-" + "0123456789ab" + "e" * 52 + ".scope\n", "Docker container 0123456789ab"),
+    ("0::/user.slice/user-1000.slice/session-3.scope\n", ""),
+    ("garbage", ""),
+])
+def test_container_identity_from_cgroup_paths(cgroup: str, expected: str) -> None:
+    from gpuwatchd.sources.containers import identity
+
+    assert identity(cgroup) == expected
