@@ -119,7 +119,8 @@ def test_pod_spec_path_rank_is_watched_then_rank_down(world: Path,
         [down] = _findings(d, "rank_down")
     finally:
         d.stop()
-    assert took < 2 * cfg["interval_seconds"] + 1.0, took  # the next cycle (plus scrape slack)
+    # the next cycle sees it (interval 0.5 s); the bound leaves room for a loaded CI machine
+    assert took < 3.0, took
     assert f"pid {c.pid} (1 in its container)" in down["explanation"]
     assert down["pid"] == str(c.pid)
 
