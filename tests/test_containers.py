@@ -120,6 +120,7 @@ def test_pod_spec_path_rank_is_watched_then_rank_down(world: Path,
     finally:
         d.stop()
     # the next cycle sees it (interval 0.5 s); the bound leaves room for a loaded CI machine
+    print(f"rank_down {took:.2f} s after the kill")
     assert took < 3.0, took
     assert f"pid {c.pid} (1 in its container)" in down["explanation"]
     assert down["pid"] == str(c.pid)
