@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gpuwatchd.sources.pidns import INIT_PID_NS
 from gpuwatchd.sources.rankfiles import (
     RankFileError,
     claim_from_env,
@@ -45,8 +46,11 @@ def _visible_gpus(env: Mapping[str, str], local_rank: int | None) -> list[str]:
 
 def build_document(job_id: str, rank: int, pid: int, *, local_rank: int | None = None,
                    world_size: int | None = None, gpus: Sequence[str] = (),
-                   heartbeat: str | None = None, start_ticks: int | None = None) -> dict[str, Any]:
+                   heartbeat: str | None = None, start_ticks: int | None = None,
+                   pid_ns: int | None = None) -> dict[str, Any]:
     entry: dict[str, Any] = {"rank": rank, "pid": pid}
+    if pid_ns is not None:
+        entry["pid_ns"] = pid_ns
     if local_rank is not None:
         entry["local_rank"] = local_rank
     if gpus:
@@ -61,21 +65,46 @@ def build_document(job_id: str, rank: int, pid: int, *, local_rank: int | None =
     return doc
 
 
+def _proc(pid: int) -> str:
+    # /proc/self is this process in any /proc: also where /proc is not the container's own
+    return "/proc/self" if pid == os.getpid() else f"/proc/{pid}"
+
+
 def _start_ticks(pid: int) -> int | None:
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open(f"{_proc(pid)}/stat", "rb") as f:
             raw = f.read().decode("utf-8", "replace")
         return int(raw[raw.rfind(")") + 2 :].split()[19])
     except (OSError, ValueError, IndexError):
         return None
 
 
+def pid_namespace() -> int | None:
+    """The inode of the writer's own PID namespace (in which the PIDs it writes are numbered)
+    when it is not the host's (a container), else None.
+
+    Written into the rank file as ``pid_ns``, so that the daemon can find the host PID of a rank
+    that only knows its in-container PID (docs/rankfile.md). On the host it is left out, and rank
+    files stay readable by daemons that predate the field. (A host-side ``gpuwatchd register
+    --pid HOSTPID`` of a containerised process therefore writes a host PID, as it should.)"""
+    try:
+        ino = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+    return None if ino == INIT_PID_NS else ino
+
+
 def register_rank(job_id: str | None = None, rank: int | None = None, *,
                   local_rank: int | None = None, world_size: int | None = None,
                   gpus: Sequence[str] | None = None, pid: int | None = None,
-                  rank_dir: str | None = None, heartbeat: bool = True,
+                  rank_dir: str | None = None, heartbeat: bool | str = True,
                   cuda_oom_hook: bool = True, strict: bool = False) -> str | None:
-    """Register this process (or ``pid``) as a rank. Missing values come from the environment."""
+    """Register this process (or ``pid``) as a rank. Missing values come from the environment.
+
+    ``heartbeat``: True for a heartbeat file next to the rank file, an absolute path for one
+    elsewhere (e.g. in the container's own /tmp: the daemon reads it through /proc/PID/root),
+    False for none. Inside a container (its own PID namespace) the rank file names the PID the
+    container sees and the namespace (``pid_ns``); the daemon maps it to the host PID."""
     env = dict(os.environ)
     claim = claim_from_env(env, ("torchrun", "slurm", "openmpi"))
     if claim is not None:
@@ -90,12 +119,15 @@ def register_rank(job_id: str | None = None, rank: int | None = None, *,
             raise RankFileError("job_id and rank are not given and no launcher variables "
                                 "(RANK/TORCHELASTIC_RUN_ID, SLURM_PROCID/SLURM_JOB_ID, "
                                 "OMPI_COMM_WORLD_RANK) are set")
-        hb = os.path.join(rank_dir, f"{job_id}.{rank}.hb") if heartbeat else None
+        if isinstance(heartbeat, str) and not os.path.isabs(heartbeat):
+            raise RankFileError(f"heartbeat must be an absolute path, got {heartbeat!r}")
+        hb = (heartbeat if isinstance(heartbeat, str)
+              else os.path.join(rank_dir, f"{job_id}.{rank}.hb") if heartbeat else None)
         # The heartbeat path is published in the rank file only at the first heartbeat() call: a
         # script that never calls heartbeat() is judged by its stacks, not seen as "stalled".
         doc = build_document(job_id, rank, pid, local_rank=local_rank, world_size=world_size,
                              gpus=list(gpus) if gpus is not None else _visible_gpus(env, local_rank),
-                             start_ticks=_start_ticks(pid))
+                             start_ticks=_start_ticks(pid), pid_ns=pid_namespace())
         path = write_rank_file(rank_dir, doc, rank_file_name(job_id, rank))
     except (RankFileError, OSError) as e:
         if strict:

@@ -74,8 +74,9 @@ class Inputs:
 
 def default_inputs(cfg: Any, rank_dir: str | None, timeout: float | None) -> Inputs:
     from gpuwatchd.sources.nvml_fixture import open_nvml_source
+    from gpuwatchd.sources.pidns import PidNamespaces
     from gpuwatchd.sources.procfs import ProcfsReader
-    from gpuwatchd.sources.rankfiles import RankFileReader
+    from gpuwatchd.sources.rankfiles import RankDirMissing, RankFileReader
 
     paths = HostPaths(procfs=cfg.procfs)
     procfs = ProcfsReader(paths)
@@ -85,7 +86,13 @@ def default_inputs(cfg: Any, rank_dir: str | None, timeout: float | None) -> Inp
     def trees() -> RankTrees:
         # Rank files only, no environ discovery: a stale rank from an earlier launch still has
         # RANK/TORCHELASTIC_RUN_ID in its environment, which is exactly what check must not trust.
-        entries, _bad = RankFileReader(rank_dir or cfg.rank_dir).scan()
+        try:
+            entries, _bad = RankFileReader(rank_dir or cfg.rank_dir).scan()
+        except RankDirMissing:  # no rank directory: no rank registered on this node
+            entries = []
+        # ranks registered inside containers name their in-container PID: map to host PIDs,
+        # which is what NVML reports
+        entries, _refused = PidNamespaces(procfs).resolve(entries)
         procs = procfs.read_many(e.pid for e in entries)
         desc = {e.pid: tuple(procfs.descendants(e.pid)) for e in entries if e.pid in procs}
         for kids in desc.values():

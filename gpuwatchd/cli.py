@@ -63,7 +63,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 
 def cmd_register(args: argparse.Namespace) -> int:
-    from gpuwatchd.api import _start_ticks, build_document
+    from gpuwatchd.api import _start_ticks, build_document, pid_namespace
     from gpuwatchd.sources.rankfiles import RankFileError, rank_file_name, write_rank_file
 
     cfg = resolve_config(args)
@@ -72,7 +72,7 @@ def cmd_register(args: argparse.Namespace) -> int:
     hb = args.heartbeat
     doc = build_document(args.job_id, args.rank, args.pid, local_rank=args.local_rank,
                          world_size=args.world_size, gpus=gpus, heartbeat=hb,
-                         start_ticks=_start_ticks(args.pid))
+                         start_ticks=_start_ticks(args.pid), pid_ns=pid_namespace())
     try:
         path = write_rank_file(rank_dir, doc, rank_file_name(args.job_id, args.rank))
     except RankFileError as e:
@@ -111,6 +111,8 @@ def load_state(cfg: Config) -> tuple[dict[str, Any], str]:
 
 
 def cmd_ps(args: argparse.Namespace) -> int:
+    from gpuwatchd.sources.pidns import pid_text
+
     cfg = resolve_config(args)
     state, origin = load_state(cfg)
     if args.json:
@@ -148,6 +150,9 @@ def cmd_ps(args: argparse.Namespace) -> int:
         print(f"{r['job_id'][:20]:<20} {r['rank']:>4} {r['pid']:>7} {st:<2} {cpu:>8} "
               f"{fmt_bytes(p.get('rss_bytes'), '-') if p else '-':>9} {fds:>11} "
               f"{fmt_bytes(gpu_mem.get(key), '-'):>9} {gil_s:>5}  {','.join(by_rank.get(key, [])) or '-'}")
+        if r.get("ns_pid") is not None or r.get("container"):  # a rank in a container
+            print(f"{'':<26}{pid_text(r['pid'], r.get('ns_pid'))}"
+                  f"{', ' + r['container'] if r.get('container') else ''}")
     for gpu in state.get("gpus", []):
         util = gpu.get("utilization_ratio")
         print(f"GPU {gpu['index']} {gpu['name']} {fmt_bytes(gpu.get('memory_used_bytes'))}/"

@@ -23,6 +23,7 @@ reads it. Shell equivalent: ``grep -n 'CUDA out of memory' train.log; nvidia-smi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import logging
@@ -317,6 +318,12 @@ def explain(
     comms: Mapping[int, str] | None = None,
 ) -> tuple[str, Finding]:
     """(gpu index label, finding) for one event, naming who else held memory on that GPU."""
+    # A rank in a container wrote the PID it sees; NVML (co-tenants, the state) has host PIDs.
+    ns_pid = None
+    for r in state.ranks if state else ():
+        if (r.job_id, r.rank, r.ns_pid) == (event.job_id, event.rank, event.pid):
+            event, ns_pid = dataclasses.replace(event, pid=r.pid), r.ns_pid
+            break
     gpus = state.gpus if state else ()
     rows = state.gpu_processes if state else ()
     gpu = next((g for g in gpus if g.uuid == event.device_uuid), None)
@@ -344,7 +351,8 @@ def explain(
         others.append((pid, used, f"PID {pid} ({name}{whose}) held {_fmt(used)} there"))
     where = f"GPU {gpu_label}" if gpu_label else f"GPU {event.device_uuid or '?'}"
     ask = f" (tried to allocate {_fmt(event.requested_bytes)})" if event.requested_bytes else ""
-    head = f"rank {event.rank} of job {event.job_id} (pid {event.pid}) hit CUDA OOM on {where}{ask}"
+    in_ctr = f" ({ns_pid} in its container)" if ns_pid is not None else ""
+    head = f"rank {event.rank} of job {event.job_id} (pid {event.pid}{in_ctr}) hit CUDA OOM on {where}{ask}"
     tail = "; ".join(o[2] for o in others) if others else "no other process held memory there"
     finding = Finding(
         kind="cuda_oom",

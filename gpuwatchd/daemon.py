@@ -28,13 +28,20 @@ from typing import Any
 from gpuwatchd.config import Config, ConfigError, load_config, with_overrides
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.exporter import make_registry
-from gpuwatchd.isolation import Collector, guarded
+from gpuwatchd.isolation import Collector, PartialReading, guarded
 from gpuwatchd.join import CycleInputs, JoinMemory, build_state
 from gpuwatchd.model import BadRankFile, NodeState, ProcessInfo, RankEntry
 from gpuwatchd.notify import notify, watchdog_interval
 from gpuwatchd.paths import HostPaths
+from gpuwatchd.sources.pidns import PidNamespaces
 from gpuwatchd.sources.procfs import ProcfsReader
-from gpuwatchd.sources.rankfiles import RankFileReader, discover, guard_entries, heartbeat_mtime
+from gpuwatchd.sources.rankfiles import (
+    RankDirMissing,
+    RankFileReader,
+    discover,
+    guard_entries,
+    heartbeat_mtime,
+)
 
 log = logging.getLogger("gpuwatchd")
 STATE_FILE = "state.json"
@@ -97,6 +104,7 @@ class Daemon:
         self.counters = counters or CounterStore()
         self.procfs = ProcfsReader(self.paths)
         self.rankfiles = RankFileReader(config.rank_dir)
+        self.pidns = PidNamespaces(self.procfs)  # rank files written inside containers
         self.stop_event = threading.Event()
         self.reload_requested = threading.Event()
         self.state: NodeState | None = None
@@ -124,7 +132,11 @@ class Daemon:
         self._entries: list[RankEntry] = []
 
     def _read_rank_files(self) -> tuple[list[RankEntry], list[BadRankFile]]:
-        entries, bad = self.rankfiles.scan()
+        missing: RankDirMissing | None = None
+        try:
+            entries, bad = self.rankfiles.scan()
+        except RankDirMissing as e:  # down, but discovery below still counts
+            entries, bad, missing = [], [], e
         d = self.config.discovery
         now = time.monotonic()
         if d.enabled and now - self._last_discovery >= d.interval_seconds:
@@ -132,7 +144,10 @@ class Daemon:
             self._discovered = discover(self.procfs, d.launchers)
         elif not d.enabled:
             self._discovered = []
-        return guard_entries([*entries, *self._discovered], bad, self.paths.procfs)
+        reading = guard_entries([*entries, *self._discovered], bad, self.paths.procfs, self.pidns)
+        if missing is not None:
+            raise PartialReading(reading, str(missing))
+        return reading
 
     def _read_procfs(self) -> ProcReading:
         entries = self._entries

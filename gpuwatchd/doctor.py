@@ -26,7 +26,8 @@ from gpuwatchd.config import Config
 from gpuwatchd.findings import FindingContext, fds, fork, nccl_env
 from gpuwatchd.model import RankState
 from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources import devfds, pyspy
+from gpuwatchd.sources import containers, devfds, pyspy
+from gpuwatchd.sources.pidns import pid_text
 from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.sources.pyspy import PySpy, PySpyError
 from gpuwatchd.units import fmt_bytes
@@ -96,8 +97,10 @@ def collect(
         return {"pid": pid, "error": f"no process {pid}"}
     state = state or {}
     clk = os.sysconf("SC_CLK_TCK")
+    nspid = procfs.nspid(pid) or (pid,)
     report: dict[str, Any] = {
-        "pid": pid, "comm": info.comm, "user": info.user, "ppid": info.ppid,
+        "pid": pid, "ns_pid": nspid[-1] if len(nspid) > 1 else None,
+        "container": containers.identity(procfs.cgroup(pid)), "comm": info.comm, "user": info.user, "ppid": info.ppid,
         "state": info.state, "state_meaning": STATES.get(info.state, "?"),
         "started": info.start_time, "cpu_seconds": info.cpu_seconds, "rss_bytes": info.rss_bytes,
         "fds": {"open": info.open_fds, "soft_limit": info.max_fds_soft,
@@ -234,8 +237,10 @@ def _gpu_memory_now(pid: int, cfg: Config, nvml: Any) -> tuple[list[dict[str, An
 def render(r: Mapping[str, Any]) -> str:
     if "error" in r:
         return f"gpuwatchd doctor: {r['error']}"
+    who = "P" + pid_text(r["pid"], r.get("ns_pid"))[1:].replace("id", "ID", 1)  # "PID 48213 (1 in ...)"
     lines = [
-        f"PID {r['pid']} ({r['comm']}) user {r['user']} ppid {r['ppid']}: "
+        f"{who}{', ' + r['container'] if r.get('container') else ''} ({r['comm']}) user {r['user']} "
+        f"ppid {r['ppid']}: "
         f"{r['state']} {r['state_meaning']}, {r['cpu_seconds']:.1f} CPU-s, RSS {fmt_bytes(r['rss_bytes'])}",
     ]
     if r.get("rank"):

@@ -28,6 +28,16 @@ class NotPresent(Exception):
     """
 
 
+class PartialReading(Exception):
+    """Raised by a source that read part of its subject: ``value`` is used for this cycle, the
+    collector is reported down with the message (e.g. the rank directory is gone while discovery
+    from /proc still works). The last good reading is not replaced by a partial one."""
+
+    def __init__(self, value: Any, message: str) -> None:
+        super().__init__(message)
+        self.value = value
+
+
 @dataclass
 class _Call(Generic[T]):
     thread: threading.Thread
@@ -84,6 +94,9 @@ class Collector(Generic[T]):
         duration = time.monotonic() - call.started
         if call.error is not None:
             e = call.error
+            if isinstance(e, PartialReading):
+                self._fail(str(e), duration)
+                return e.value
             if isinstance(e, NotPresent):
                 if self._logged_error != str(e):
                     log.debug("collector %s: not present: %s", self.name, e)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gpuwatchd import findings
+from gpuwatchd import findings, rank_claims
 from gpuwatchd.config import Config
 from gpuwatchd.model import (
     BadRankFile,
@@ -61,49 +61,24 @@ class JoinMemory:
     died_at: Mapping[RankKey, float] = field(default_factory=frozen_map)
     fd_first: Mapping[RankKey, tuple[float, int]] = field(default_factory=frozen_map)
     finding_since: Mapping[tuple[str, str, str, str], float] = field(default_factory=frozen_map)
+    # job_id -> uid that owns it (first trusted claim keeps it), for jobs that still have ranks
+    job_owners: Mapping[str, int] = field(default_factory=frozen_map)
 
 
 def select_entries(
-    entries: tuple[RankEntry, ...], processes: Mapping[int, ProcessInfo]
+    entries: tuple[RankEntry, ...], processes: Mapping[int, ProcessInfo],
+    job_owners: Mapping[str, int] | None = None,
 ) -> tuple[list[RankEntry], list[BadRankFile]]:
-    """Apply the trust rules and resolve duplicates.
-
-    A rank-file entry is accepted only when the file's owner is root or the uid of the process it
-    names (a user cannot make their job look like someone else's). Rank files win over discovery
-    for the same (job_id, rank) or PID.
-    """
-    accepted: dict[tuple[str, int], RankEntry] = {}
-    refused: list[BadRankFile] = []
-    claimed_pids: set[int] = set()
-    for e in sorted(entries, key=lambda e: (e.source != "rankfile", e.path, e.job_id, e.rank)):
-        proc = processes.get(e.pid)
-        if e.source == "rankfile" and e.owner_uid not in (0, None) and proc is not None \
-                and proc.uid != e.owner_uid:
-            refused.append(BadRankFile(
-                e.path,
-                f"owner uid {e.owner_uid} may not claim pid {e.pid} (owned by uid {proc.uid}); "
-                f"entry for rank {e.rank} of job {e.job_id} refused",
-            ))
-            continue
-        key = (e.job_id, e.rank)
-        if key in accepted:
-            if e.source == "rankfile" and accepted[key].source == "rankfile" and \
-                    accepted[key].pid != e.pid:
-                refused.append(BadRankFile(
-                    e.path, f"rank {e.rank} of job {e.job_id} is already claimed by "
-                    f"{accepted[key].path or 'discovery'}; duplicate ignored"))
-            continue
-        if e.source != "rankfile" and e.pid in claimed_pids:
-            continue
-        accepted[key] = e
-        claimed_pids.add(e.pid)
-    return list(accepted.values()), refused
+    """Apply the trust rules and resolve duplicates (``gpuwatchd.rank_claims``)."""
+    accepted, refused, _owners = rank_claims.select(entries, processes, job_owners)
+    return accepted, refused
 
 
 def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[NodeState, JoinMemory]:
     memory = memory or JoinMemory()
     now = inputs.now
-    entries, refused = select_entries(inputs.entries, inputs.processes)
+    entries, refused, job_owners = rank_claims.select(inputs.entries, inputs.processes,
+                                                      memory.job_owners)
 
     start_ticks: dict[RankKey, int] = {}
     died_at: dict[RankKey, float] = {}
@@ -143,7 +118,7 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
             world_size=e.world_size, alive=alive, process=proc if alive else None, tree=tree,
             gpus=e.gpus, progress_timestamp=inputs.progress.get((e.job_id, e.rank)),
             stalled=bool(inputs.stalled.get((e.job_id, e.rank), False)) and alive,
-            died_at=died_at.get(key),
+            died_at=died_at.get(key), ns_pid=e.ns_pid, container=e.container,
         ))
 
     rows: list[GpuProcessRow] = []
@@ -177,5 +152,6 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
         counters=inputs.counters, cycle_seconds=inputs.cycle_seconds,
     )
     return state, JoinMemory(
-        start_ticks=start_ticks, died_at=died_at, fd_first=fd_first, finding_since=since
+        start_ticks=start_ticks, died_at=died_at, fd_first=fd_first, finding_since=since,
+        job_owners=job_owners,
     )

@@ -58,8 +58,16 @@ class RankEntry:
     start_ticks: int | None = None  # as written at registration; None: learnt at first sight
     source: str = "rankfile"  # "rankfile" | "environ"
     path: str = ""  # the rank file it came from ("" for discovery)
-    owner_uid: int | None = None  # owner of the rank file (trust: root or the PID's own uid)
+    # owner of the rank file, or the uid of a discovered process (trust: gpuwatchd/rank_claims.py)
+    owner_uid: int | None = None
     env_flags: tuple[str, ...] = ()  # NCCL/TORCH variable *names* (never values) of interest
+    # Containers (sources/pidns.py): the writer's PID namespace inode; once resolved ``pid`` is the
+    # host PID and ``ns_pid`` the PID the container sees; ``container`` says which one (cgroup).
+    pid_ns: int | None = None
+    ns_pid: int | None = None
+    container: str = ""
+    # where ``heartbeat`` is resolved: the rank's own root (/proc/PID/root), "" = the daemon's view
+    heartbeat_root: str | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,8 @@ class RankState:
     progress_timestamp: float | None = None
     stalled: bool = False
     died_at: float | None = None  # first cycle at which it was seen dead
+    ns_pid: int | None = None  # the PID inside its container (None: the same as ``pid``)
+    container: str = ""  # e.g. "Kubernetes pod UID", from the cgroup path (sources/containers.py)
 
 
 @dataclass(frozen=True)

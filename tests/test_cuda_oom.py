@@ -120,6 +120,23 @@ def test_explanation_names_the_co_tenant_and_why_it_is_there() -> None:
     )
 
 
+def test_a_rank_in_a_container_is_named_by_its_host_pid() -> None:
+    """The rank wrote the PID its container sees (1); NVML's co-tenant list has host PIDs."""
+    import dataclasses
+
+    from gpuwatchd.model import RankState
+
+    rank = RankState("dflash", 0, 447, 0, 1, True, None, ns_pid=1)
+    state = dataclasses.replace(_state(), ranks=(rank,))
+    ev = cuda_oom.OomEvent("dflash", 0, 1, 100.0, UUID, 50 << 30,
+                           ((447, 2787115008), (460, 1 << 30)))
+    _, f = cuda_oom.explain(ev, state)
+    assert f.pid == "447"
+    assert f.explanation == (
+        "rank 0 of job dflash (pid 447 (1 in its container)) hit CUDA OOM on GPU 0 (tried to "
+        "allocate 50.0 GiB); PID 460 (python3, rank 2 of job other) held 1.0 GiB there")
+
+
 def test_without_snapshot_the_daemons_reading_is_used() -> None:
     ev = cuda_oom.OomEvent("dflash", 0, 447, 100.0, UUID, None, None)
     _, f = cuda_oom.explain(ev, _state())

@@ -7,18 +7,17 @@ refusal as a bad_rank_file finding, and keep its /metrics bounded and well-forme
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from daemonutil import DaemonProc, write_config
+from userutil import as_user, system_user, user_writes
 
 from gpuwatchd.join import select_entries
 from gpuwatchd.model import RankEntry
@@ -30,33 +29,21 @@ from gpuwatchd.sources.rankfiles import (
     cap_ranks,
     guard_entries,
     heartbeat_mtime,
-    heartbeat_path,
 )
+
+
+def _beat(entry: RankEntry) -> float | None:
+    """The heartbeat mtime the daemon would use: guarded as in a cycle, then read."""
+    [guarded], _ = guard_entries([entry])
+    return heartbeat_mtime(guarded)
 
 USER = "gw-h7-trust"
 
 
-def _locked(cmd: list[str]) -> None:
-    for _ in range(50):
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-        if out.returncode == 0:
-            return
-        if "lock" not in out.stderr:
-            raise AssertionError(f"{cmd}: {out.stderr}")
-        time.sleep(0.2)
-    raise AssertionError(f"{cmd}: /etc/passwd stayed locked")
-
-
 @pytest.fixture(scope="module")
 def user() -> Iterator[int]:
-    created = subprocess.run(["id", "-u", USER], capture_output=True, timeout=10).returncode != 0
-    if created:
-        _locked(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", USER])
-    uid = int(subprocess.run(["id", "-u", USER], capture_output=True, text=True, check=True,
-                             timeout=10).stdout)
-    yield uid
-    if created:
-        _locked(["userdel", USER])
+    with system_user(USER) as uid:
+        yield uid
 
 
 @pytest.fixture
@@ -71,17 +58,11 @@ def world() -> Iterator[Path]:
 
 
 def _as_user(*argv: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups", *argv],
-        input=stdin, capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"},
-    )
+    return as_user(USER, *argv, stdin=stdin)
 
 
 def _user_writes(path: Path, content: str) -> None:
-    out = _as_user("/usr/bin/python3", "-c",
-                   "import sys; open(sys.argv[1], 'w').write(sys.stdin.read())", str(path),
-                   stdin=content)
-    assert out.returncode == 0, out.stderr
+    user_writes(USER, path, content)
 
 
 def _doc(job: str, ranks: list[dict[str, object]]) -> str:
@@ -153,8 +134,9 @@ def test_rank_file_attacks_by_a_second_user(user: int, world: Path,
     path, cfg = write_config(world, rank_dir=str(ranks))
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id="honest", rank="0") == 1.0,
-                   what="the honest rank")
+        # /metrics shows a cycle's state before that cycle has written state.json: wait for both
+        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id="honest", rank="0") == 1.0
+                   and (world / "state" / "state.json").exists(), what="the honest rank")
         samples = d.samples()
         text = d.text()
         state = json.loads((world / "state" / "state.json").read_text())
@@ -253,17 +235,17 @@ def test_heartbeat_owner_rule(user: int, world: Path, processes: tuple[int, int]
     root_file.write_text("")
     entry = RankEntry(job_id="j", rank=0, pid=user_pid, heartbeat=str(own), owner_uid=user,
                       source="rankfile")
-    assert heartbeat_mtime(entry) == own.stat().st_mtime
+    assert _beat(entry) == own.stat().st_mtime
     peek = RankEntry(job_id="j", rank=0, pid=user_pid, heartbeat=str(root_file),
                      owner_uid=user, source="rankfile")
-    assert heartbeat_mtime(peek) is None
+    assert _beat(peek) is None
     by_root = RankEntry(job_id="j", rank=0, pid=user_pid, heartbeat=str(root_file), owner_uid=0,
                         source="rankfile")
-    assert heartbeat_mtime(by_root) == root_file.stat().st_mtime
+    assert _beat(by_root) == root_file.stat().st_mtime
     # Resolved in the rank's mount namespace: a path only the rank's /proc/PID/root shows.
     gone = RankEntry(job_id="j", rank=0, pid=user_pid, heartbeat="/nonexistent/x.hb",
                      owner_uid=user, source="rankfile")
-    assert heartbeat_mtime(gone) is None
+    assert _beat(gone) is None
 
 
 def test_heartbeat_is_found_in_the_ranks_own_mount_namespace(tmp_path: Path) -> None:
@@ -282,11 +264,42 @@ def test_heartbeat_is_found_in_the_ranks_own_mount_namespace(tmp_path: Path) -> 
         assert not (hidden / "hb").exists()  # not in our view
         entry = RankEntry(job_id="ns", rank=0, pid=rank.pid, heartbeat=str(hidden / "hb"),
                           owner_uid=0, source="rankfile")
-        path = heartbeat_path(entry)
-        assert path == f"/proc/{rank.pid}/root{hidden}/hb"
-        assert heartbeat_mtime(dataclasses.replace(entry, heartbeat=path)) == 1_700_000_000.0
         [guarded], bad = guard_entries([entry])
-        assert bad == [] and guarded.heartbeat == path
+        assert bad == [] and guarded.heartbeat_root == f"/proc/{rank.pid}/root"
+        assert heartbeat_mtime(guarded) == 1_700_000_000.0
+    finally:
+        rank.kill()
+        rank.wait(10)
+
+
+def test_heartbeat_links_never_leave_the_ranks_root(tmp_path: Path) -> None:
+    """A rank in its own root (chroot, as in a container) whose heartbeat path is a symlink: an
+    absolute target or a run of '..' is resolved inside that root, never in the daemon's tree
+    (where a plain stat of /proc/PID/root/... would find it)."""
+    root = tmp_path / "croot"
+    root.mkdir()
+    (root / "hb").write_text("")
+    os.utime(root / "hb", (1_700_000_000, 1_700_000_000))
+    outside = tmp_path / "daemon-only"
+    outside.write_text("")
+    os.utime(outside, (1_600_000_000, 1_600_000_000))
+    (root / "inner").symlink_to("/hb")
+    (root / "escape").symlink_to(outside)
+    (root / "dotdot").symlink_to("../" * 20 + str(outside).lstrip("/"))
+    rank = subprocess.Popen(
+        ["/usr/bin/python3", "-c", "import os, sys, time; os.chroot(sys.argv[1]); os.chdir('/'); "
+         "print('ok', flush=True); time.sleep(120)", str(root)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout is not None and rank.stdout.readline().strip() == "ok"
+        assert os.stat(f"/proc/{rank.pid}/root/escape").st_mtime == 1_600_000_000.0  # the hole
+
+        def beat(path: str) -> float | None:
+            return _beat(RankEntry(job_id="c", rank=0, pid=rank.pid, heartbeat=path, owner_uid=0,
+                                   ns_pid=1, source="rankfile"))
+
+        assert beat("/hb") == beat("/inner") == 1_700_000_000.0
+        assert beat("/escape") is None and beat("/dotdot") is None
+        assert beat("/../../hb") == 1_700_000_000.0  # '..' stops at the rank's root
     finally:
         rank.kill()
         rank.wait(10)

@@ -217,5 +217,8 @@ def test_schema_document_matches_parser() -> None:
     schema = json.loads((REPO / "docs" / "rankfile.schema.json").read_text())
     assert set(schema["properties"]) == {"version", "job_id", "world_size", "ranks"}
     assert set(schema["properties"]["ranks"]["items"]["properties"]) == {
-        "rank", "local_rank", "pid", "gpus", "heartbeat", "start_ticks"}
+        "rank", "local_rank", "pid", "gpus", "heartbeat", "start_ticks", "pid_ns"}
+    from gpuwatchd.sources.rankfiles import RANK_KEYS
+
+    assert set(schema["properties"]["ranks"]["items"]["properties"]) == RANK_KEYS
     assert schema["properties"]["job_id"]["pattern"] == "^[A-Za-z0-9._:@-]{1,128}$"

@@ -43,7 +43,9 @@ class FindingContext:
 
 
 def rank_label(r: RankState) -> str:
-    return f"rank {r.rank} of job {r.job_id} (pid {r.pid})"
+    """"rank 0 of job llm (pid 48213 (1 in its container), Kubernetes pod 0b8d...)"."""
+    pid = f"pid {r.pid}" + (f" ({r.ns_pid} in its container)" if r.ns_pid is not None else "")
+    return f"rank {r.rank} of job {r.job_id} ({pid}{', ' + r.container if r.container else ''})"
 
 
 __all__ = ["FindingContext", "evaluate", "fmt_bytes", "rank_label"]

@@ -53,6 +53,16 @@ def explain(ev: Event, peers_alive: int) -> str:
     return text
 
 
+def _container_note(ctx: FindingContext, ev: Event) -> str:
+    """"; pid 1 in its container, Kubernetes pod UID" for a rank in a container (the kernel
+    names host PIDs only)."""
+    for r in ctx.ranks:
+        if r.job_id == ev.job_id and str(r.rank) == ev.rank and (r.ns_pid is not None or r.container):
+            inner = f"rank pid {r.ns_pid} in its container" if r.ns_pid is not None else ""
+            return "; " + ", ".join(x for x in (inner, r.container) if x)
+    return ""
+
+
 def find(ctx: FindingContext) -> Iterable[Finding]:
     events: Iterable[Event] = ctx.extras.get("kernel_events", ())
     for ev in events:
@@ -66,7 +76,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         yield Finding(
             kind="rank_oom_killed",
             severity=PAGE,
-            explanation=explain(ev, peers),
+            explanation=explain(ev, peers) + _container_note(ctx, ev),
             job_id=ev.job_id,
             rank=ev.rank,
             pid=str(ev.pid) if ev.pid is not None else "",

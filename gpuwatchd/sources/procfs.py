@@ -7,9 +7,10 @@ f1f1f2569901 "fs/proc: add the st_size of /proc/PID/fd"); older kernels report 0
 listing the directory. Descendants come from ``/proc/PID/task/TID/children`` (CONFIG_PROC_CHILDREN),
 so a cycle never lists every PID on the host; only discovery (slower cadence) does.
 
-Cost: ~5 small reads per watched process per cycle. Privilege: other users' ``fd``, ``limits`` and
-``environ`` need CAP_DAC_READ_SEARCH / CAP_SYS_PTRACE (the systemd unit grants them); without them
-those fields are None and the rest still works.
+Cost: ~5 small reads per watched process per cycle. ``nspid``, ``pid_ns`` and ``cgroup`` (one read
+each) serve the PID-namespace resolution of containerised ranks (sources/pidns.py). Privilege:
+other users' ``fd``, ``limits`` and ``environ`` need CAP_DAC_READ_SEARCH / CAP_SYS_PTRACE (the
+systemd unit grants them); without them those fields are None and the rest still works.
 Shell equivalent: ``ps -o pid,ppid,stat,user,comm,time,rss,nlwp -p PID; ls /proc/PID/fd | wc -l;
 grep 'open files' /proc/PID/limits; cat /proc/PID/task/*/children``.
 """
@@ -266,6 +267,36 @@ class ProcfsReader:
         if env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "").strip() == "0":
             flags.append("TORCH_NCCL_ASYNC_ERROR_HANDLING=0")
         return tuple(flags)
+
+    def nspid(self, pid: int) -> tuple[int, ...] | None:
+        """The ``NSpid`` line of /proc/PID/status: the PID in each PID namespace, outermost (the
+        host's) first, innermost (the container's own) last. None when the process is gone."""
+        try:
+            raw = _read(self.paths.proc(pid, "status"), 1 << 14)
+        except OSError:
+            return None
+        for line in raw.splitlines():
+            if line.startswith(b"NSpid:"):
+                try:
+                    return tuple(int(x) for x in line.split()[1:])
+                except ValueError:
+                    return None
+        return (pid,)  # kernels before 4.1 have no NSpid: no nested namespaces to report
+
+    def pid_ns(self, pid: int | str) -> int | None:
+        """Inode of the process's PID namespace (``/proc/PID/ns/pid`` -> ``pid:[INODE]``); needs
+        PTRACE_MODE_READ on the process (CAP_SYS_PTRACE for other users')."""
+        try:
+            return os.stat(self.paths.proc(pid, "ns", "pid")).st_ino
+        except OSError:
+            return None
+
+    def cgroup(self, pid: int) -> str | None:
+        """/proc/PID/cgroup as text (one line per hierarchy), or None when gone."""
+        try:
+            return _read(self.paths.proc(pid, "cgroup"), 1 << 14).decode("utf-8", "replace")
+        except OSError:
+            return None
 
     def pids(self) -> list[int]:
         """Every PID on the host (discovery only: not on the per-cycle path)."""

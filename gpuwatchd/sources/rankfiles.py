@@ -4,14 +4,15 @@ Reads every ``*.json`` in ``rank_dir`` (schema v1, ``docs/rankfile.schema.json``
 again only when its (inode, size, mtime) changes, so a cycle costs one ``scandir`` plus one ``lstat``
 per file. Files that are symlinks, hard links, not regular, larger than ``MAX_FILE_BYTES``, nested
 deeper than ``MAX_DEPTH`` or invalid are returned as ``BadRankFile`` with a reason; they never stop
-the good files beside them. Ownership (root or the PID's own uid) is checked in the join, where the
-process's uid is known.
+the good files beside them, and nothing in one file (numbers of any size, NaN, odd Unicode, deep
+nesting, duplicate keys) can raise out of ``scan``. Ownership (root or the PID's own uid, and who
+owns the job: ``gpuwatchd/rank_claims.py``) is checked in the join, where the process's uid is
+known. A ``rank_dir`` that cannot be listed raises ``RankDirMissing`` (the collector is down).
 
-Discovery (``discover``) lists /proc and reads ``environ`` of each process: it runs at
-``discovery.interval_seconds``, not every cycle. It needs CAP_SYS_PTRACE/CAP_DAC_READ_SEARCH for
-other users' processes.
-Shell equivalent: ``cat /run/gpuwatch/ranks/*.json``;
-``tr '\\0' '\\n' < /proc/PID/environ | grep -E '^(RANK|LOCAL_RANK|SLURM_PROCID|OMPI_COMM_WORLD_RANK)='``.
+Entries written inside a container (``pid_ns``) are resolved to host PIDs by ``guard_entries``
+with ``sources/pidns.py``; heartbeats are read inside the rank's own root. Discovery from the
+environment lives in ``sources/discovery.py``.
+Shell equivalent: ``cat /run/gpuwatch/ranks/*.json``.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuwatchd.model import BadRankFile, RankEntry
-from gpuwatchd.sources.procfs import ProcessGone, ProcfsReader
+from gpuwatchd.sources.discovery import DISCOVERY_VARS, claim_from_env, discover
+from gpuwatchd.sources.pidns import PidNamespaces, stat_in_root
 
+__all__ = ["DISCOVERY_VARS", "claim_from_env", "discover"]  # re-exported: moved to discovery.py
 SCHEMA_VERSION = 1
 MAX_FILE_BYTES = 256 * 1024
 MAX_DEPTH = 8
@@ -43,11 +46,59 @@ MAX_RANKS_PER_OWNER = 1024
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 GPU_RE = re.compile(r"^(?:\d{1,3}|(?:GPU|MIG)-[A-Za-z0-9-]{1,80})$")
 TOP_KEYS = {"version", "job_id", "world_size", "ranks"}
-RANK_KEYS = {"rank", "local_rank", "pid", "gpus", "heartbeat", "start_ticks"}
+RANK_KEYS = {"rank", "local_rank", "pid", "gpus", "heartbeat", "start_ticks", "pid_ns"}
 
 
 class RankFileError(ValueError):
     pass
+
+
+class RankDirMissing(OSError):
+    """``rank_dir`` cannot be listed (gone, not a directory, not readable): the rankfiles
+    collector is down until it is back, rather than reporting "no ranks" as a success."""
+
+
+# No JSON number a valid rank file needs is longer than this (PIDs, ranks, start ticks < 2**62):
+# longer literals are refused before int() sees them (CPython refuses > 4300 digits with a plain
+# ValueError; below that a 4000-digit int still costs quadratic time to convert).
+MAX_NUMBER_CHARS = 24
+
+
+def _parse_int(text: str) -> int:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise RankFileError(f"a number of {len(text)} digits (at most {MAX_NUMBER_CHARS})")
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise RankFileError(f"a number of {len(text)} characters (at most {MAX_NUMBER_CHARS})")
+    return float(text)  # 1e400 -> inf: refused later, no field takes a float
+
+
+def _parse_constant(name: str) -> Any:
+    raise RankFileError(f"{name} is not a number JSON allows")
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise RankFileError(f"key {key!r:.40} appears twice in one object")
+        out[key] = value
+    return out
+
+
+def loads_strict(text: str) -> Any:
+    """``json.loads`` for untrusted rank files: NaN/Infinity, over-long numbers and duplicate keys
+    raise RankFileError; bad JSON raises JSONDecodeError; deep nesting RecursionError."""
+    return json.loads(text, parse_int=_parse_int, parse_float=_parse_float,
+                      parse_constant=_parse_constant, object_pairs_hook=_no_duplicate_keys)
+
+
+def _bad_name(name: str) -> bool:
+    """Names that cannot be shown or logged as they are (not UTF-8, control characters)."""
+    return not name.isprintable()  # surrogate escapes of non-UTF-8 bytes are not printable
 
 
 def _depth(obj: Any, limit: int = MAX_DEPTH, level: int = 1) -> int:
@@ -116,17 +167,20 @@ def parse_rank_document(doc: Any, path: str = "", owner_uid: int | None = None) 
         heartbeat = r.get("heartbeat")
         if heartbeat is not None and (
             not isinstance(heartbeat, str) or not os.path.isabs(heartbeat) or len(heartbeat) > 4096
-            or "\x00" in heartbeat
+            or not heartbeat.isprintable()
         ):
-            raise RankFileError(f"{where}.heartbeat must be an absolute path")
+            raise RankFileError(f"{where}.heartbeat must be an absolute path of printable characters")
         start_ticks = r.get("start_ticks")
         if start_ticks is not None:
             start_ticks = _int(start_ticks, f"{where}.start_ticks", 0, 1 << 62)
+        pid_ns = r.get("pid_ns")
+        if pid_ns is not None:
+            pid_ns = _int(pid_ns, f"{where}.pid_ns", 1, (1 << 32) - 1)
         out.append(
             RankEntry(
                 job_id=job_id, rank=rank, pid=pid, local_rank=local_rank, world_size=world_size,
                 gpus=tuple(gpus), heartbeat=heartbeat, start_ticks=start_ticks, source="rankfile",
-                path=path, owner_uid=owner_uid,
+                path=path, owner_uid=owner_uid, pid_ns=pid_ns,
             )
         )
     return out
@@ -152,17 +206,25 @@ class RankFileReader:
         try:
             with os.scandir(self.rank_dir) as it:
                 names = sorted(e.name for e in it if e.name.endswith(".json"))
-        except FileNotFoundError:
+        except OSError as e:
             self._cache.clear()
-            return entries, bad
+            raise RankDirMissing(e.errno, f"rank_dir {self.rank_dir}: {e.strerror}") from None
         if len(names) > MAX_FILES:
             bad.append(BadRankFile(self.rank_dir, f"more than {MAX_FILES} rank files; extra ignored"))
             names = names[:MAX_FILES]
         live = set()
         for name in names:
             path = os.path.join(self.rank_dir, name)
+            if _bad_name(name):
+                bad.append(BadRankFile(os.path.join(self.rank_dir, ascii(name)[1:-1]),
+                                       "name is not printable UTF-8 (refused)"))
+                continue
             live.add(path)
-            got, error = self._read(path)
+            try:
+                got, error = self._read(path)
+            except Exception as e:  # noqa: BLE001 - one file's content never affects another
+                self._cache.pop(path, None)
+                got, error = [], f"could not be read ({type(e).__name__})"
             if error is not None:
                 bad.append(BadRankFile(path, error))
             entries.extend(got)
@@ -210,17 +272,21 @@ class RankFileReader:
         if len(raw) > MAX_FILE_BYTES:
             return [], f"larger than the {MAX_FILE_BYTES}-byte cap"
         try:
-            doc = json.loads(raw.decode("utf-8"))
+            doc = loads_strict(raw.decode("utf-8"))
         except UnicodeDecodeError:
             return [], "is not UTF-8 text"
         except json.JSONDecodeError as e:
             return [], f"is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
-        except RecursionError:
-            return [], f"nested deeper than {MAX_DEPTH} levels"
-        try:
-            return parse_rank_document(doc, path, fst.st_uid), None
         except RankFileError as e:
             return [], str(e)
+        except RecursionError:
+            return [], f"nested deeper than {MAX_DEPTH} levels"
+        except ValueError as e:  # any other refusal of the decoder: this file only
+            return [], f"is not valid JSON ({e!s:.80})"
+        try:
+            return parse_rank_document(doc, path, fst.st_uid), None
+        except (RankFileError, RecursionError) as e:
+            return [], str(e) if isinstance(e, RankFileError) else "nested too deeply"
 
 
 def rank_file_name(job_id: str, rank: int | None = None) -> str:
@@ -281,136 +347,65 @@ def cap_ranks(entries: Iterable[RankEntry], bad: Iterable[BadRankFile] = (),
     return kept, out_bad + list(hit.values())
 
 
-def heartbeat_path(entry: RankEntry, procfs: str = "/proc") -> str | None:
-    """The path to stat for a rank's heartbeat, or None when it may not be used.
+def _owner_may_see(entry: RankEntry, st: os.stat_result) -> bool:
+    return entry.owner_uid is None or entry.owner_uid == 0 or st.st_uid == entry.owner_uid
 
-    The path is resolved in the rank's own mount namespace (``/proc/PID/root/PATH``), so a
-    heartbeat in the job's /tmp or container is found although the daemon runs with
-    PrivateTmp=yes; the daemon's own view is the fallback. A heartbeat named in a non-root rank
-    file is used only when that same uid owns the file: the daemon (CAP_DAC_READ_SEARCH) must not
-    reveal the mtime of another user's file to whoever reads /metrics.
+
+def heartbeat_root(entry: RankEntry, procfs: str = "/proc") -> str | None:
+    """Where to look for a rank's heartbeat, or None when it may not be used.
+
+    The path is resolved in the rank's own mount namespace and root (``/proc/PID/root``, with
+    ``stat_in_root``: symlinks never lead out of the rank's root), so a heartbeat in the job's
+    /tmp or container is found although the daemon runs with PrivateTmp=yes. For a process of the
+    daemon's own PID namespace the daemon's view ("") is the fallback. A heartbeat named in a
+    non-root rank file is used only when that same uid owns the file: the daemon
+    (CAP_DAC_READ_SEARCH) must not reveal the mtime of another user's file to whoever reads
+    /metrics.
     """
     if not entry.heartbeat:
         return None
-    in_ns = os.path.join(procfs, str(entry.pid), "root", entry.heartbeat.lstrip("/"))
-    for path in (in_ns, entry.heartbeat):
+    root = f"{procfs.rstrip('/')}/{entry.pid}/root"
+    try:
+        return root if _owner_may_see(entry, stat_in_root(root, entry.heartbeat)) else None
+    except (OSError, ValueError):
+        pass
+    if entry.ns_pid is None:
         try:
-            st = os.stat(path)
+            return "" if _owner_may_see(entry, os.stat(entry.heartbeat)) else None
         except (OSError, ValueError):
-            continue
-        if entry.owner_uid is not None and entry.owner_uid != 0 and st.st_uid != entry.owner_uid:
-            return None
-        return path
-    return in_ns  # not written yet: look where the rank will write it
+            pass
+    return root  # not written yet: look where the rank will write it
 
 
 def heartbeat_mtime(entry: RankEntry) -> float | None:
-    """mtime of ``entry.heartbeat`` (already resolved by ``guard_entries``), with the owner rule
-    checked again at the moment of reading."""
-    if not entry.heartbeat:
+    """mtime of ``entry.heartbeat`` where ``guard_entries`` said to look (``heartbeat_root``),
+    with the owner rule checked again at the moment of reading."""
+    if not entry.heartbeat or entry.heartbeat_root is None:
         return None
     try:
-        st = os.stat(entry.heartbeat)
+        st = (stat_in_root(entry.heartbeat_root, entry.heartbeat) if entry.heartbeat_root
+              else os.stat(entry.heartbeat))
     except (OSError, ValueError):
         return None
-    if entry.owner_uid is not None and entry.owner_uid != 0 and st.st_uid != entry.owner_uid:
-        return None
-    return st.st_mtime
+    return st.st_mtime if _owner_may_see(entry, st) else None
 
 
 def guard_entries(entries: Iterable[RankEntry], bad: Iterable[BadRankFile] = (),
-                  procfs: str = "/proc") -> tuple[list[RankEntry], list[BadRankFile]]:
-    """What every consumer of one cycle's rank entries sees: ``cap_ranks`` applied, and each
-    heartbeat replaced by ``heartbeat_path`` (None where the owner rule forbids it)."""
+                  procfs: str = "/proc", namespaces: PidNamespaces | None = None,
+                  ) -> tuple[list[RankEntry], list[BadRankFile]]:
+    """What every consumer of one cycle's rank entries sees: ``cap_ranks`` applied, PIDs of other
+    PID namespaces resolved to host PIDs (``namespaces``, after the caps: its cost is bounded by
+    them), and each heartbeat's ``heartbeat_root`` set (the heartbeat dropped where the owner
+    rule forbids it)."""
     kept, out_bad = cap_ranks(entries, bad)
-    return [
-        dataclasses.replace(e, heartbeat=heartbeat_path(e, procfs)) if e.heartbeat else e
-        for e in kept
-    ], out_bad
-
-
-# --- discovery from /proc/PID/environ ------------------------------------------------------------
-
-DISCOVERY_VARS = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID",
-    "SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NTASKS",
-    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE",
-    "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE",
-)
-
-
-def _maybe_int(s: str | None) -> int | None:
-    if s is None:
-        return None
-    s = s.strip()
-    return int(s) if s.isdigit() and len(s) < 9 else None
-
-
-def _safe_job_id(s: str) -> str | None:
-    s = re.sub(r"[^A-Za-z0-9._:@-]", "_", s.strip())[:128]
-    return s or None
-
-
-def claim_from_env(env: Mapping[str, str], launchers: Iterable[str]) -> tuple[str, int, int | None, int | None] | None:
-    """(job_id, rank, local_rank, world_size) that a launcher's variables say, or None.
-
-    torchrun wins over Slurm (``srun torchrun`` gives every worker both; SLURM_PROCID is then the
-    agent's task, RANK the worker's), Slurm over Open MPI.
-    """
-    enabled = set(launchers)
-    slurm_job = env.get("SLURM_JOB_ID")
-    if "torchrun" in enabled and "TORCHELASTIC_RUN_ID" in env and _maybe_int(env.get("RANK")) is not None:
-        run_id = env.get("TORCHELASTIC_RUN_ID", "")
-        job = run_id if run_id and run_id != "none" else (slurm_job or "torchrun")
-        job_id = _safe_job_id(job)
-        rank = _maybe_int(env.get("RANK"))
-        if job_id and rank is not None:
-            return job_id, rank, _maybe_int(env.get("LOCAL_RANK")), _maybe_int(env.get("WORLD_SIZE"))
-    if "slurm" in enabled and slurm_job and _maybe_int(env.get("SLURM_PROCID")) is not None:
-        step = env.get("SLURM_STEP_ID")
-        job_id = _safe_job_id(f"{slurm_job}.{step}" if step else slurm_job)
-        rank = _maybe_int(env.get("SLURM_PROCID"))
-        if job_id and rank is not None:
-            return (job_id, rank, _maybe_int(env.get("SLURM_LOCALID")),
-                    _maybe_int(env.get("SLURM_NTASKS")))
-    if "openmpi" in enabled and _maybe_int(env.get("OMPI_COMM_WORLD_RANK")) is not None:
-        job = env.get("OMPI_MCA_ess_base_jobid") or env.get("PMIX_NAMESPACE") or "openmpi"
-        job_id = _safe_job_id(job)
-        rank = _maybe_int(env.get("OMPI_COMM_WORLD_RANK"))
-        if job_id and rank is not None:
-            return (job_id, rank, _maybe_int(env.get("OMPI_COMM_WORLD_LOCAL_RANK")),
-                    _maybe_int(env.get("OMPI_COMM_WORLD_SIZE")))
-    return None
-
-
-def discover(procfs: ProcfsReader, launchers: Iterable[str]) -> list[RankEntry]:
-    """Ranks found from launcher variables. Children inherit their rank's environment (DataLoader
-    workers), so of the processes that claim one (job, rank) the one whose parent does not claim it
-    is the rank."""
-    launchers = tuple(launchers)
-    claims: dict[int, tuple[str, int, int | None, int | None]] = {}
-    parents: dict[int, int] = {}
-    for pid in procfs.pids():
-        env = procfs.environ(pid, DISCOVERY_VARS)
-        if not env:
-            continue
-        claim = claim_from_env(env, launchers)
-        if claim is None:
-            continue
-        try:
-            parents[pid] = int(procfs.read_stat(pid)[1][1])
-        except (ValueError, IndexError, ProcessGone):
-            continue
-        claims[pid] = claim
-    out: list[RankEntry] = []
-    for pid, (job_id, rank, local_rank, world_size) in sorted(claims.items()):
-        parent_claim = claims.get(parents.get(pid, 0))
-        if parent_claim is not None and parent_claim[:2] == (job_id, rank):
-            continue
-        out.append(
-            RankEntry(
-                job_id=job_id, rank=rank, pid=pid, local_rank=local_rank, world_size=world_size,
-                source="environ", start_ticks=procfs.start_ticks(pid),
-            )
-        )
-    return out
+    if namespaces is not None:
+        kept, refused = namespaces.resolve(kept)
+        out_bad += refused
+    out = []
+    for e in kept:
+        if e.heartbeat:
+            root = heartbeat_root(e, procfs)
+            e = dataclasses.replace(e, heartbeat_root=root, heartbeat=e.heartbeat if root is not None
+                                    else None)
+        out.append(e)
+    return out, out_bad

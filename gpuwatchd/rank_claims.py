@@ -1,0 +1,102 @@
+"""Who may claim a ``(job_id, rank)``: the trust rules applied to one cycle's rank entries.
+
+Pure: reads only the entries and the processes /proc showed this cycle. The rules (README "Trust
+rules", docs/security.md §4):
+
+1. A rank-file entry counts only when the file's owner is root or the uid of the process it names.
+2. A job belongs to one uid: the uid of the process of its first trusted live claim (a root-owned
+   file, a user's file naming that user's own live process, or a discovered live process; the
+   earliest-started process first). Once learnt it is kept (``owners``) while the job has ranks.
+   A claim by any other uid for that job (a user's file, even for the user's own process, or a
+   discovered process of another user) is refused; root-owned files are never refused by this.
+3. Of several claims on one ``(job_id, rank)`` the most trusted wins: root-owned files, then
+   users' files whose PID is alive and theirs, then discovery of a live process, then claims
+   whose PID does not exist (unverifiable: they never displace a verified one).
+
+Every refusal is returned as a ``BadRankFile`` (a ``bad_rank_file`` finding, severity info):
+it is never a rank, so it can never page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from gpuwatchd.model import BadRankFile, ProcessInfo, RankEntry
+
+ROOT_FILE, VERIFIED_FILE, DISCOVERED, UNVERIFIED = range(4)
+
+
+def _tier(e: RankEntry, proc: ProcessInfo | None) -> int:
+    if e.source == "rankfile" and e.owner_uid in (0, None):
+        return ROOT_FILE
+    if proc is None:
+        return UNVERIFIED
+    return VERIFIED_FILE if e.source == "rankfile" else DISCOVERED
+
+
+def _where(e: RankEntry) -> str:
+    return e.path or f"discovery (pid {e.pid})"
+
+
+def job_owners(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
+               known: Mapping[str, int]) -> dict[str, int]:
+    """job_id -> owning uid: ``known`` first, then the first trusted live claim of each job."""
+    owners = dict(known)
+    live: list[tuple[int, int, str, int, RankEntry, ProcessInfo]] = []
+    for e in entries:
+        proc = processes.get(e.pid)
+        if proc is None:
+            continue
+        tier = _tier(e, proc)
+        if tier == VERIFIED_FILE and proc.uid != e.owner_uid:
+            continue  # rule 1 refuses it
+        live.append((tier, proc.start_ticks, e.path, e.pid, e, proc))
+    for *_, e, proc in sorted(live, key=lambda t: t[:4]):
+        owners.setdefault(e.job_id, proc.uid)
+    return owners
+
+
+def select(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
+           known_owners: Mapping[str, int] | None = None,
+           ) -> tuple[list[RankEntry], list[BadRankFile], dict[str, int]]:
+    """(accepted entries, refusals, job owners of the accepted jobs)."""
+    entries = list(entries)
+    owners = job_owners(entries, processes, known_owners or {})
+    accepted: dict[tuple[str, int], RankEntry] = {}
+    refused: list[BadRankFile] = []
+    claimed_pids: set[int] = set()
+    ranked = sorted(entries, key=lambda e: (_tier(e, processes.get(e.pid)), e.path, e.job_id,
+                                            e.rank, e.pid))
+    for e in ranked:
+        proc = processes.get(e.pid)
+        tier = _tier(e, proc)
+        if tier == VERIFIED_FILE and proc is not None and proc.uid != e.owner_uid:
+            refused.append(BadRankFile(
+                e.path,
+                f"owner uid {e.owner_uid} may not claim pid {e.pid} (owned by uid {proc.uid}); "
+                f"entry for rank {e.rank} of job {e.job_id} refused",
+            ))
+            continue
+        claimant = proc.uid if e.source != "rankfile" and proc is not None else e.owner_uid
+        owner = owners.get(e.job_id)
+        if tier != ROOT_FILE and owner is not None and claimant is not None and claimant != owner:
+            refused.append(BadRankFile(
+                _where(e),
+                f"job {e.job_id} belongs to uid {owner}; claim of rank {e.rank} (pid {e.pid}) by "
+                f"uid {claimant} refused (rank_conflict)",
+            ))
+            continue
+        key = (e.job_id, e.rank)
+        if key in accepted:
+            first = accepted[key]
+            if e.source == "rankfile" and first.pid != e.pid:
+                refused.append(BadRankFile(
+                    e.path, f"rank {e.rank} of job {e.job_id} is already claimed by "
+                    f"{_where(first)}; duplicate ignored"))
+            continue
+        if e.source != "rankfile" and e.pid in claimed_pids:
+            continue
+        accepted[key] = e
+        claimed_pids.add(e.pid)
+    kept_jobs = {e.job_id for e in accepted.values()}
+    return list(accepted.values()), refused, {j: u for j, u in owners.items() if j in kept_jobs}

@@ -1,0 +1,52 @@
+"""A real second user for trust tests: created with useradd (retried while another test holds
+/etc/passwd's lock), removed afterwards if the test created it, and commands run as that user."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def run_locked(cmd: list[str]) -> None:
+    """useradd/userdel, retried while another process holds /etc/passwd's lock."""
+    for _ in range(50):
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        if out.returncode == 0:
+            return
+        if "lock" not in out.stderr:
+            raise AssertionError(f"{cmd}: {out.stderr}")
+        time.sleep(0.2)
+    raise AssertionError(f"{cmd}: /etc/passwd stayed locked")
+
+
+@contextlib.contextmanager
+def system_user(name: str) -> Iterator[int]:
+    """The uid of user ``name``, created for the block when absent (and then removed)."""
+    created = subprocess.run(["id", "-u", name], capture_output=True, timeout=10).returncode != 0
+    if created:
+        run_locked(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name])
+    try:
+        yield int(subprocess.run(["id", "-u", name], capture_output=True, text=True, check=True,
+                                 timeout=10).stdout)
+    finally:
+        if created:
+            run_locked(["userdel", name])
+
+
+def as_user(user: str, *argv: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *argv],
+        input=stdin, capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"},
+    )
+
+
+def user_writes(user: str, path: Path, content: str | bytes) -> None:
+    """Write ``content`` to ``path`` as ``user`` (bytes are passed hex-encoded, exactly)."""
+    data = content.hex() if isinstance(content, bytes) else content.encode().hex()
+    out = as_user(user, "/usr/bin/python3", "-c",
+                  "import sys; open(sys.argv[1], 'wb').write(bytes.fromhex(sys.stdin.read()))",
+                  str(path), stdin=data)
+    assert out.returncode == 0, out.stderr
