@@ -15,7 +15,8 @@ Pure logic plus the event log; the I/O (kmsg, journal, /proc/vmstat) is in sourc
   start. The source's resume position (kmsg seq + boot id, journal cursor) keeps re-reading small.
 - Nothing silently lost: ``/proc/vmstat oom_kill`` counts every kernel OOM kill since boot; kills
   it counts that no parsed line explains (ring overrun, source down) become ``unattributed``
-  events after a grace period.
+  events after a grace period. Kills before the daemon's first start in a boot are history: the
+  baseline is taken then and the cross-check counts only beyond it (oom_history.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ from typing import Any
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.events import EVENTS_FILE, Event, EventBus, read_events
 from gpuwatchd.model import INFO, PAGE, WARNING, ProcessInfo, RankState, frozen_map
+from gpuwatchd.oom_history import (
+    BASELINE_FILE,
+    Baseline,
+    History,
+    HistoryKill,
+    load_baseline,
+    save_baseline,
+)
 from gpuwatchd.sources.kernel_log import (
     KILLER_EARLYOOM,
     KILLER_KERNEL,
@@ -374,6 +383,8 @@ class KernelEventProcessor:
         self._deficit_since: float | None = None
         self._ranks: dict[tuple[str, int], _RankView] = {}
         self._pci_uuid: dict[str, str] = {}
+        self.baseline: Baseline | None = None  # None: no baseline taken (every kill is new)
+        self.history: History | None = None  # set on the first start in a boot
         self.events_path = os.path.join(state_dir, EVENTS_FILE)
         os.makedirs(state_dir, exist_ok=True)
         self._rebuild()
@@ -461,6 +472,65 @@ class KernelEventProcessor:
         in the same durable log, so `gpuwatchd events` shows one timeline. False if a duplicate."""
         return self._store(ev)
 
+    def take_baseline(self, vmstat_oom_kill: int | None, now: float) -> bool:
+        """Before the source starts: load this boot's baseline, or take it (first start in this
+        boot). True when taken now: the kills the source replays from before ``now`` are history
+        (oom_history.py). Kernel kills already stored for this boot (a daemon that ran before the
+        baseline existed) stay accounted for."""
+        path = os.path.join(self.state_dir, BASELINE_FILE)
+        with self._lock:
+            b, damage = load_baseline(path, self.boot_id)
+            if b is not None:
+                self.baseline = b
+                return False
+            if damage:
+                log.warning("OOM baseline %s %s: taking a new one; kills logged before now are "
+                            "treated as history", path, damage)
+            base = None if vmstat_oom_kill is None else max(
+                0, vmstat_oom_kill - self._boot_kernel_kills)
+            self.baseline = Baseline(self.boot_id, base, now)
+            self.history = History()
+            try:
+                save_baseline(path, self.baseline)
+            except OSError as e:
+                log.warning("cannot save OOM baseline %s: %s", path, e)
+            return True
+
+    def history_event(self, source: str) -> Event | None:
+        """Once, after the first start's replay (``source``: kmsg | journal, "" when the log could
+        not be read): one info event that says what the kernel counted and the buffer held."""
+        with self._lock:
+            b, h = self.baseline, self.history
+            if b is None or h is None:
+                return None
+            self.history = None
+            shown = [{"pid": k.pid, "comm": k.comm, "killer": k.killer, "time": k.time,
+                      "rss_bytes": k.rss_bytes, "memcg": k.memcg} for k in h.shown]
+            ev = Event(
+                key=f"{b.boot_id}:history:{b.time}",
+                kind="oom_kill_history",
+                time=b.time,
+                severity=INFO,
+                summary=h.summary(b, source, fmt_time),
+                boot_id=b.boot_id,
+                fields=frozen_map({
+                    "vmstat_oom_kill": b.vmstat_oom_kill, "replayed_kills": h.count,
+                    "replayed_kernel_kills": h.kernel, "oldest": h.oldest, "newest": h.newest,
+                    "kills": shown, "source": source,
+                }),
+            )
+        log.info("%s", ev.summary)
+        return self._emit(ev)
+
+    def _is_history(self, k: Kill) -> bool:
+        """Logged before the first start's baseline: collected for the history event, not counted."""
+        b = self.baseline
+        if b is None or k.time >= b.time:
+            return False
+        if self.history is not None:
+            self.history.add(HistoryKill(k.pid, k.comm, k.killer, k.time, k.rss_bytes, k.memcg))
+        return True
+
     # -- the kernel-log thread --------------------------------------------------------------
 
     def handle(self, rec: LogRecord) -> list[Event]:
@@ -494,6 +564,8 @@ class KernelEventProcessor:
         return alive, view.world_size if view else None
 
     def _kill_event(self, k: Kill) -> Event | None:
+        if self._is_history(k):
+            return None
         m = self.record.lookup(k.pid, k.time)
         job_id, rank_s = (m.job_id, str(m.rank)) if m else ("", "")
         fields: dict[str, Any] = {
@@ -562,6 +634,8 @@ class KernelEventProcessor:
     def _oomd(self, rec: LogRecord, p: Parsed) -> list[Event]:
         """systemd-oomd kills a whole cgroup: one event per rank process that lived in it."""
         cgroup = p.fields.get("cgroup", "")
+        if self._is_history(Kill(0, "", KILLER_OOMD, rec.boot_id, rec.realtime, None, memcg=cgroup)):
+            return []
         victims = self.record.ranks_in_cgroup(cgroup, rec.realtime)
         stamp = int(rec.realtime * 1e6)
         out: list[Event] = []
@@ -689,7 +763,8 @@ class KernelEventProcessor:
         if vmstat_oom_kill is None:
             return []
         with self._lock:
-            missing = vmstat_oom_kill - self._boot_kernel_kills
+            base = self.baseline.vmstat_oom_kill if self.baseline is not None else None
+            missing = vmstat_oom_kill - (base or 0) - self._boot_kernel_kills
             if missing <= 0:
                 self._deficit_since = None
                 return []
