@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from gpuwatchd.bus_lost import BusLostDedup
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.events import EVENTS_FILE, Event, EventBus, read_events
 from gpuwatchd.model import INFO, PAGE, WARNING, ProcessInfo, RankState, frozen_map
@@ -67,6 +68,19 @@ RECORD_FILE = "rank_trees.json"
 
 def fmt_time(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+def scope_phrase(scope: str, constraint: str, oom_memcg: str, memcg: str = "") -> str:
+    """Why the kernel killed: a memory cgroup's limit (a container / job limit) or the whole node
+    out of memory; "" when the log does not say (a summary whose kill line was lost)."""
+    if constraint == "CONSTRAINT_MEMCG" or scope == "Memory cgroup out of memory":
+        if oom_memcg and oom_memcg != memcg:
+            return f" (limit of memory cgroup {oom_memcg} reached)"
+        return " (the cgroup's memory limit was reached)" if memcg else \
+            " (its memory cgroup's limit was reached)"
+    if constraint == "CONSTRAINT_NONE" or scope.startswith("Out of memory"):
+        return " (the node ran out of memory)"
+    return ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,6 +259,10 @@ class KillGrouper:
         # pid -> (summary fields, record) of an oom-kill: summary still waiting for its kill line
         self._summaries: dict[tuple[str, int], tuple[Parsed, LogRecord]] = {}
         self._memcg = ""  # "Memory cgroup stats for X" / "Task in X killed ..." of the current dump
+        # (scope, time) of the last pre-4.19 "<scope>: Kill process N ... or sacrifice child" line:
+        # those kernels print the scope there, not on the "Killed process" line that follows (its
+        # PID differs when a child was sacrificed)
+        self._old_scope: tuple[str, float] | None = None
         self._recent: deque[tuple[float, str, str, int]] = deque()  # (time, boot, killer, pid)
         self._seqs: dict[tuple[str, int], int] = {}
 
@@ -270,6 +288,9 @@ class KillGrouper:
             self._memcg = p.fields.get("task_memcg", "")
         elif p.kind == "invoked":
             self._memcg = ""
+            self._old_scope = None
+        elif p.kind == "kill_old":
+            self._old_scope = (p.fields.get("kind", ""), rec.realtime)
         elif p.kind == "summary" and p.pid is not None:
             self._summaries[(rec.boot_id, p.pid)] = (p, rec)
             if rec.seq is not None:
@@ -279,6 +300,10 @@ class KillGrouper:
             self._seqs.pop((rec.boot_id, p.pid), None)
             sf: Mapping[str, str] = summary[0].fields if summary else {}
             scope = p.fields.get("kind", "")
+            if not scope and self._old_scope is not None and \
+                    rec.realtime - self._old_scope[1] <= self.group_timeout:
+                scope = self._old_scope[0]
+            self._old_scope = None
             memcg = sf.get("task_memcg", "") or self._memcg
             oom_memcg = sf.get("oom_memcg", "")
             if not oom_memcg and scope == "Memory cgroup out of memory":
@@ -383,6 +408,7 @@ class KernelEventProcessor:
         self._deficit_since: float | None = None
         self._ranks: dict[tuple[str, int], _RankView] = {}
         self._pci_uuid: dict[str, str] = {}
+        self._bus_lost = BusLostDedup()
         self.baseline: Baseline | None = None  # None: no baseline taken (every kill is new)
         self.history: History | None = None  # set on the first start in a boot
         self.events_path = os.path.join(state_dir, EVENTS_FILE)
@@ -543,6 +569,11 @@ class KernelEventProcessor:
             if p.kind == "gpu_at":
                 self._pci_uuid[p.fields["pci"]] = p.fields["uuid"]
                 return []
+            if p.kind == "gpu_named":
+                self._bus_lost.named(p.fields["pci"], rec.realtime)
+                return []
+            if p.kind == "bus_lost":
+                return [e for e in [self._lost(rec, p)] if e is not None]
             if p.kind == "oomd":
                 return self._oomd(rec, p)
             kills = self._grouper.feed(rec, p)
@@ -585,6 +616,8 @@ class KernelEventProcessor:
             KILLER_OOMD: "systemd-oomd",
         }[k.killer]
         where = f" in memory cgroup {k.memcg}" if k.memcg else ""
+        if k.killer == KILLER_KERNEL:
+            where += scope_phrase(k.scope, k.constraint, k.oom_memcg, k.memcg)
         holding = f" holding {fmt_bytes(k.rss_bytes)} RSS" if k.rss_bytes is not None else ""
         if m is None:
             summary = (
@@ -684,6 +717,12 @@ class KernelEventProcessor:
             out += [e for e in [self._emit(ev)] if e is not None]
         return out
 
+    def _lost(self, rec: LogRecord, p: Parsed) -> Event | None:
+        """A GPU fell off the bus, said without an Xid number: an Xid 79 event (bus_lost.py)."""
+        pci = self._bus_lost.pci_for(p.fields.get("pci", ""), rec.realtime)
+        f = {**p.fields, "pci": pci, "xid": "79"}
+        return self._xid(rec, replace(p, fields=f))
+
     def _xid(self, rec: LogRecord, p: Parsed) -> Event | None:
         f = p.fields
         pci = f.get("pci", "")
@@ -692,12 +731,13 @@ class KernelEventProcessor:
         except ValueError:
             return None
         stamp = rec.monotonic_usec if rec.monotonic_usec is not None else int(rec.realtime * 1e6)
-        key = f"{rec.boot_id}:xid:{pci}:{xid}:{stamp}"
+        no_xid = p.kind == "bus_lost"
+        key = f"{rec.boot_id}:{'bus_lost' if no_xid else 'xid'}:{pci}:{xid}:{stamp}"
         if key in self._keys:
             return None
         gpu, uuid = "", self._pci_uuid.get(pci, "")
-        count = True
-        if self.xid_dedup is not None:
+        count = xid != 79 or self._bus_lost.count(pci, rec.realtime, no_xid)
+        if self.xid_dedup is not None and count:
             count = bool(self.xid_dedup.record(pci, xid, rec.realtime, "kernel"))
             g, u = self.xid_dedup.labels_for(pci)
             gpu, uuid = g or gpu, u or uuid
@@ -713,10 +753,19 @@ class KernelEventProcessor:
             f"{gpu_txt} at PCI {pci}{' ' + uuid if uuid else ''} reported Xid {xid} at "
             f"{fmt_time(rec.realtime)}{who}: {f.get('rest', '')[:200]}"
         )
+        if no_xid:
+            rest = " ".join(x.strip() for x in f.get("rest", "").replace("\\x0a", "\n").split("\n"))
+            summary = (
+                f"{gpu_txt} at PCI {pci or 'unknown'}{' ' + uuid if uuid else ''} fell off the bus "
+                f"at {fmt_time(rec.realtime)} (driver message without an Xid number, counted as "
+                f"Xid 79): {rest[:200]}"
+            )
         fields = {"xid": xid, "gpu": gpu, "uuid": uuid, "pci": pci, "source": rec.source}
         for k in ("gi", "ci"):
             if k in f:
                 fields["mig_" + k] = f[k]
+        if no_xid:
+            fields.update(detail="fallen off the bus, no Xid number", pci_id=f.get("pci_id", ""))
         return self._emit(
             Event(
                 key=key,
