@@ -409,6 +409,7 @@ class KernelEventProcessor:
         self._ranks: dict[tuple[str, int], _RankView] = {}
         self._pci_uuid: dict[str, str] = {}
         self._bus_lost = BusLostDedup()
+        self._snapshots: dict[tuple[str, str, int], Event] = {}  # (job_id, rank, rank pid) -> last
         self.baseline: Baseline | None = None  # None: no baseline taken (every kill is new)
         self.history: History | None = None  # set on the first start in a boot
         self.events_path = os.path.join(state_dir, EVENTS_FILE)
@@ -474,6 +475,8 @@ class KernelEventProcessor:
 
     def _account(self, ev: Event) -> None:
         self._keys.add(ev.key)
+        if ev.kind == "memory_snapshot" and ev.pid is not None:
+            self._note_snapshot(ev)
         for name, labels, value, boot_kills in _increments(ev):
             if name:
                 try:
@@ -492,6 +495,14 @@ class KernelEventProcessor:
             self._account(ev)
             self._recent.append(ev)
         return True
+
+    def _note_snapshot(self, ev: Event) -> None:
+        """The last memory snapshot per rank process (memory_evidence.py), for the kill that may
+        follow; older than ``recent_seconds`` is dropped, so this stays as small as the live jobs."""
+        horizon = ev.time - self.recent_seconds
+        for k in [k for k, e in self._snapshots.items() if e.time < horizon]:
+            del self._snapshots[k]
+        self._snapshots[(ev.job_id, ev.rank, ev.pid or 0)] = ev
 
     def record_event(self, ev: Event) -> bool:
         """Store an event from elsewhere in the daemon (finding transitions: rank deaths, stalls)
@@ -639,6 +650,10 @@ class KernelEventProcessor:
             summary = f"{subject} was killed by {by} at {fmt_time(k.time)}{holding}{where}"
             if peers:
                 summary += f"; {peers} peers alive: they will wait in their next collective"
+            snap = self._snapshots.get((m.job_id, str(m.rank), m.rank_pid))
+            if snap is not None and snap.time <= k.time + 1.0:
+                fields.update(memory_snapshot=snap.key, memory_snapshot_summary=snap.summary)
+                summary += f"; last memory snapshot (event {snap.key}): {snap.summary}"
             severity, alert = PAGE, True
         return self._emit(
             Event(

@@ -54,6 +54,8 @@ def explain(ev: Event, peers_alive: int) -> str:
         text += f"; {peers_alive} peers alive: they will wait in their next collective"
     else:
         text += "; no peer of the job is alive on this node"
+    if f.get("memory_snapshot_summary"):  # memory_evidence.py: what it was doing before
+        text += f". Before the kill: {f['memory_snapshot_summary']}"
     return text
 
 
@@ -83,6 +85,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
                 "memcg": ev.fields.get("memcg", ""),
                 "peers_alive": peers,
                 "event": ev.key,
+                "memory_snapshot": ev.fields.get("memory_snapshot", ""),
             },
             since=ev.time,
         )
