@@ -57,7 +57,7 @@ def snapshot_event(
     words = f"at {time.strftime('%H:%M:%S', time.localtime(at))}, {level}, rank {m.rank}"
     chosen = _thread_of_interest(stacks or ())
     if chosen is not None:
-        words += f" was in {chosen.frames[0]}"
+        words += f" was in {str(chosen.frames[0])[:160]}"
     else:
         words += f" (stack unavailable: {stack_error or 'no Python frames'})"
     growers = [p for p in m.top if p.gained_bytes > 0]

@@ -104,7 +104,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         if a is None:
             continue
         yield Finding(
-            kind=KIND, severity=WARNING, explanation=explain(m, node, a, ctx.now),
+            kind="rank_memory_pressure", severity=WARNING, explanation=explain(m, node, a, ctx.now),
             job_id=m.job_id, rank=str(m.rank), pid=str(m.pid),
             evidence={**a, "cgroup": m.cgroup, "limit_bytes": m.limit_bytes,
                       "working_set_bytes": m.working_set_bytes, "tree_rss_bytes": m.tree_rss_bytes,
