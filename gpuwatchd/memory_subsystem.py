@@ -80,6 +80,7 @@ class MemorySubsystem(Subsystem):
         readings: list[RankMemory] = []
         live: list[RankKey] = []
         seen: set[tuple[str, int]] = set()
+        memo: dict[tuple[int, str], Any] = {}  # cgroup levels read this cycle, shared by ranks
         for e in partial.get("entries", ()):
             proc = processes.get(e.pid)
             if (e.job_id, e.rank) in seen or proc is None or proc.state in ("Z", "X") or (
@@ -89,7 +90,7 @@ class MemorySubsystem(Subsystem):
             key: RankKey = (e.job_id, e.rank, e.pid, proc.start_ticks)
             live.append(key)
             where = self._cgroup_paths(e.pid, proc.start_ticks, now)
-            cg = self.reader.read(where) if where is not None else None
+            cg = self.reader.read(where, memo) if where is not None else None
             tree = (e.pid, *descendants.get(e.pid, ()))
             readings.append(self.tracker.observe(now, key, tree, processes, cg,
                                                  cfg.window_seconds, cfg.min_window_seconds))

@@ -83,7 +83,7 @@ def explain(m: RankMemory, node: NodeMemoryState | None, a: dict[str, float | st
                 "OOM-kills the largest process")
     share = float(a["share"])
     text = (f"{who} is at {share * 100:.0f} % of the {fmt_bytes(m.limit_bytes)} limit of memory "
-            f"cgroup {m.cgroup} (working set {fmt_bytes(m.working_set_bytes)})")
+            f"cgroup {m.cgroup[:200]} (working set {fmt_bytes(m.working_set_bytes)})")
     g = m.cgroup_growth_bytes_per_second
     if "seconds_to_limit" in a and g:
         ttl = float(a["seconds_to_limit"])

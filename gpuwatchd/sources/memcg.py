@@ -175,16 +175,19 @@ class MemcgReader:
         text = _read(self.paths.proc(pid, "cgroup"))
         return parse_cgroup_file(text) if text is not None else None
 
-    def read(self, where: CgroupPaths) -> CgroupMemory | None:
-        """The bounding level of ``where``'s memory cgroup; None when no memory controller."""
+    def read(self, where: CgroupPaths, memo: dict[tuple[int, str], CgroupMemory | None] | None = None
+             ) -> CgroupMemory | None:
+        """The bounding level of ``where``'s memory cgroup; None when no memory controller.
+        ``memo``: levels already read this cycle (ranks of one job share their job's cgroup)."""
+        memo = {} if memo is None else memo
         psi = None
         if self.v2_root is not None and where.unified:
             psi = parse_psi(_read(self._dir(self.v2_root, where.unified, "memory.pressure")))
         if self.v1 and where.memory_v1:
-            got = self._tightest(1, os.path.join(self.root, "memory"), where.memory_v1)
+            got = self._tightest(1, os.path.join(self.root, "memory"), where.memory_v1, memo)
         elif self.v2_root is not None and where.unified and \
                 os.path.isfile(self._dir(self.v2_root, where.unified, "memory.current")):
-            got = self._tightest(2, self.v2_root, where.unified)
+            got = self._tightest(2, self.v2_root, where.unified, memo)
         else:
             return None
         if got is None:
@@ -197,15 +200,18 @@ class MemcgReader:
         rel = os.path.normpath("/" + path).lstrip("/")  # never above the hierarchy's root
         return os.path.join(base, rel, name)
 
-    def _level(self, version: int, base: str, path: str) -> CgroupMemory | None:
+    def _level(self, version: int, base: str, path: str, own: bool) -> CgroupMemory | None:
+        """One level; an ancestor without a limit is not read further (it cannot bound)."""
+        limit = _int(_read(self._dir(base, path, "memory.limit_in_bytes" if version == 1
+                                     else "memory.max")))
+        if not own and (limit is None or limit >= UNLIMITED):
+            return None
         if version == 1:
             usage = _int(_read(self._dir(base, path, "memory.usage_in_bytes")))
-            limit = _int(_read(self._dir(base, path, "memory.limit_in_bytes")))
             high = None
             inactive = _stat_value(_read(self._dir(base, path, "memory.stat")), "total_inactive_file")
         else:
             usage = _int(_read(self._dir(base, path, "memory.current")))
-            limit = _int(_read(self._dir(base, path, "memory.max")))
             high = _int(_read(self._dir(base, path, "memory.high")))
             inactive = _stat_value(_read(self._dir(base, path, "memory.stat")), "inactive_file")
         if usage is None:
@@ -216,15 +222,27 @@ class MemcgReader:
             high if high is not None and high < UNLIMITED else None,
         )
 
-    def _tightest(self, version: int, base: str, path: str) -> CgroupMemory | None:
+    def _tightest(self, version: int, base: str, path: str,
+                  memo: dict[tuple[int, str], CgroupMemory | None]) -> CgroupMemory | None:
         """The rank's own level, unless an ancestor with a limit has less headroom."""
-        parts = [p for p in os.path.normpath("/" + path).split("/") if p][:MAX_DEPTH]
-        own = self._level(version, base, "/" + "/".join(parts))
+        parts = [p for p in os.path.normpath("/" + path).split("/") if p]
+        if len(parts) > MAX_DEPTH:
+            return None
+
+        def level_at(depth: int) -> CgroupMemory | None:
+            rel = "/" + "/".join(parts[:depth])
+            own = depth == len(parts)
+            key = (version, rel + ("" if own else "/.."))  # an ancestor's read skips unlimited
+            if key not in memo:
+                memo[key] = self._level(version, base, rel, own)
+            return memo[key]
+
+        own = level_at(len(parts))
         if own is None:
             return None
         best = own
         for depth in range(len(parts), 0, -1):
-            level = own if depth == len(parts) else self._level(version, base, "/" + "/".join(parts[:depth]))
+            level = own if depth == len(parts) else level_at(depth)
             if level is None or level.limit_bytes is None:
                 continue
             room = level.limit_bytes - level.working_set_bytes
