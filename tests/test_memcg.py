@@ -187,3 +187,32 @@ def test_node_reader_on_this_machine() -> None:
     assert node is not None and 0 < node.available_bytes <= node.total_bytes
     out = subprocess.run([sys.executable, "-c", "print(1)"], capture_output=True, check=True)
     assert out.stdout == b"1\n" and os.path.exists("/proc/pressure/memory") == (node.pressure is not None)
+
+
+def test_kill_links_to_the_last_snapshot_of_its_rank_across_a_restart(tmp_path: Path) -> None:
+    from gpuwatchd.counters import CounterStore
+    from gpuwatchd.events import EventBus, JsonlSink
+    from gpuwatchd.kernel_events import KernelEventProcessor, TreeMember
+    from gpuwatchd.sources import kernel_log as kl
+
+    def processor() -> KernelEventProcessor:
+        return KernelEventProcessor(CounterStore(), str(tmp_path), bus=EventBus([JsonlSink(str(tmp_path))]),
+                                    boot_id="boot")
+
+    now = time.time()
+    m = RankMemory("llm-7", 3, 4321, 80 << 30, cgroup="/job_7", limit_bytes=80 << 30,
+                   working_set_bytes=76 << 30,
+                   top=(TreeProcessMemory(4400, "pt_data_worker", 9 << 30, 9 << 30, 300.0, True),))
+    (f,) = finding.find(FindingContext(now=now, config=Config(), extras={"memory": (m,)}))
+    p = processor()
+    other = RankMemory(**{**m.__dict__, "pid": 9999})  # same job and rank, another process
+    p.record_event(snapshot_event(f, m, now - 60, None, "absent", 1))
+    p.record_event(snapshot_event(f, m, now - 30, None, "absent", 2))
+    p.record_event(snapshot_event(f, other, now - 10, None, "absent", 3))
+    p2 = processor()  # restarted: the snapshots come back from the event log
+    p2.record.update([TreeMember(4400, now - 100, "llm-7", 3, 4321, True, "pt_data_worker", now)], now)
+    line = ("Memory cgroup out of memory: Killed process 4400 (pt_data_worker) total-vm:1kB, "
+            "anon-rss:9437184kB, file-rss:0kB, shmem-rss:0kB, UID:0 pgtables:1kB oom_score_adj:0")
+    (kill,) = p2.handle(kl.LogRecord(line, "kernel", "boot", 10**9, now, "test"))
+    assert kill.fields["memory_snapshot"].endswith(":2")  # the last of this rank process, not 9999's
+    assert "rank 3 (stack unavailable: absent); worker 4400 (pt_data_worker) had grown 9.0 GiB" in kill.summary
