@@ -5,8 +5,9 @@ processes held and gained the memory.
 
 A snapshot is one event in ``state_dir/events.jsonl``: a non-blocking ``py-spy dump`` of the rank
 process (the frame it was in, and up to ``MAX_THREADS`` threads of ``MAX_FRAMES`` frames), the
-``TOP_PROCESSES`` largest growers of its tree, and the cgroup numbers. Bounded: per rank process at
-most ``memory.snapshots_per_rank``, at least ``memory.snapshot_min_interval_seconds`` apart, one
+``TOP_PROCESSES`` largest growers of its tree, and the cgroup numbers. A new one is taken when the
+headroom or the time left has halved since the last. Bounded: per rank process at most
+``memory.snapshots_per_rank``, at least ``memory.snapshot_min_interval_seconds`` apart, one
 py-spy dump at a time (a second request while one runs is dropped); the event log's compaction
 bounds the total.
 
@@ -96,9 +97,10 @@ def snapshot_event(
 
 
 def worse(f: Finding, last: Finding) -> bool:
-    """Worth a new snapshot: the share rose 5 points, or the time left halved."""
+    """Worth a new snapshot: the headroom left below the limit halved, or the time left halved.
+    Halving keeps the count small (logarithmic) and puts the last snapshots close to the kill."""
     s, s0 = f.evidence.get("share"), last.evidence.get("share")
-    if isinstance(s, float) and isinstance(s0, float) and s >= s0 + 0.05:
+    if isinstance(s, float) and isinstance(s0, float) and 1.0 - s <= (1.0 - s0) / 2:
         return True
     for key in ("seconds_to_limit", "seconds_to_node_end"):
         t, t0 = f.evidence.get(key), last.evidence.get(key)
