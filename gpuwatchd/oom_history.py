@@ -127,6 +127,9 @@ class History:
         for k in reversed(self.shown):
             rss = f", {fmt_bytes(k.rss_bytes)} RSS" if k.rss_bytes is not None else ""
             where = f" in {k.memcg}" if k.memcg else ""
-            names.append(f"pid {k.pid} ({k.comm}) by {k.killer} at {fmt_time(k.time)}{rss}{where}")
+            victim = f"pid {k.pid} ({k.comm})" if k.pid else f"cgroup {k.memcg}"  # oomd: a cgroup
+            if not k.pid:
+                where = ""
+            names.append(f"{victim} by {k.killer} at {fmt_time(k.time)}{rss}{where}")
         more = f", and {self.count - len(self.shown)} more" if self.count > len(self.shown) else ""
         return f"{text}: {'; '.join(names)}{more}"

@@ -192,3 +192,24 @@ def test_baseline_round_trip_and_other_boot(tmp_path: Path) -> None:
     assert load_baseline(path, "other boot") == (None, "")
     save_baseline(path, Baseline("B", None, 1.0))  # RHEL 7: no oom_kill in /proc/vmstat
     assert load_baseline(path, "B") == (Baseline("B", None, 1.0), "")
+
+
+def test_history_summary_names_each_kind_of_kill() -> None:
+    from gpuwatchd.oom_history import History, HistoryKill
+
+    h = History()
+    h.add(HistoryKill(4242, "python3", "kernel", 100.0, 2 << 30, "/job_7"))
+    h.add(HistoryKill(0, "", "systemd-oomd", 200.0, None, "/user.slice/app.scope"))
+    for i in range(20):
+        h.add(HistoryKill(5000 + i, "stress", "earlyoom", 300.0 + i, None, ""))
+    text = h.summary(Baseline("B", 79, 1000.0), "journal", lambda t: f"T{t:.0f}")
+    assert text.startswith("first start of gpuwatchd in this boot (at T1000): the kernel had counted "
+                           "79 OOM kill(s) since boot; kills before now are history, not counted; the "
+                           "kernel log (journal) still held 22 kill(s) (78 older kernel kill(s) had left it)")
+    assert "pid 5019 (stress) by earlyoom at T319" in text and text.endswith(", and 12 more")
+    assert "pid 4242" not in text  # only the newest SHOWN_KILLS are named
+    h2 = History()
+    h2.add(HistoryKill(0, "", "systemd-oomd", 200.0, None, "/user.slice/app.scope"))
+    assert "cgroup /user.slice/app.scope by systemd-oomd at T200" in h2.summary(
+        Baseline("B", None, 1.0), "journal", lambda t: f"T{t:.0f}")
+    assert "this kernel does not count OOM kills" in h2.summary(Baseline("B", None, 1.0), "", str)
