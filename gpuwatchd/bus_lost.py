@@ -26,6 +26,10 @@ class BusLostDedup:
         self._named: tuple[str, float] | None = None  # split records: the GPU line before the loss
         self._reports: dict[str, tuple[float, bool]] = {}  # pci -> (time, from a no-Xid message)
 
+    def __len__(self) -> int:
+        """GPU addresses remembered now (at most MAX_GPUS)."""
+        return len(self._reports)
+
     def named(self, pci: str, at: float) -> None:
         self._named = (pci, at)
 
@@ -42,6 +46,8 @@ class BusLostDedup:
         self._prune(at)
         last = self._reports.get(pci)
         if last is not None and (no_xid_message or last[1]):
+            if not no_xid_message:  # the numbered line absorbed the message: the next one counts
+                self._reports[pci] = (at, False)
             return False
         if len(self._reports) < MAX_GPUS or pci in self._reports:
             self._reports[pci] = (at, no_xid_message)

@@ -752,8 +752,9 @@ class KernelEventProcessor:
             return None
         gpu, uuid = "", self._pci_uuid.get(pci, "")
         count = xid != 79 or self._bus_lost.count(pci, rec.realtime, no_xid)
-        if self.xid_dedup is not None and count:
-            count = bool(self.xid_dedup.record(pci, xid, rec.realtime, "kernel"))
+        if self.xid_dedup is not None:
+            if count:
+                count = bool(self.xid_dedup.record(pci, xid, rec.realtime, "kernel"))
             g, u = self.xid_dedup.labels_for(pci)
             gpu, uuid = g or gpu, u or uuid
         m = self.record.lookup(p.pid, rec.realtime) if p.pid is not None else None

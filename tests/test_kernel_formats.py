@@ -176,3 +176,19 @@ def test_gpu_fallen_off_the_bus_without_xid_through_the_journal(tmp_path: Path) 
 def test_bus_lost_odd_records(msg: str) -> None:
     got: Any = kernel_formats.parse_bus_lost(msg[:kl.MAX_MESSAGE])
     assert got is None or got[1] == ""
+
+
+def test_bus_lost_dedup_rules() -> None:
+    from gpuwatchd.bus_lost import MAX_GPUS, BusLostDedup
+
+    d = BusLostDedup(window=30.0)
+    assert d.count("0000:3b:00", 0.0, no_xid_message=True)  # the message first: counted
+    assert not d.count("0000:3b:00", 1.0, no_xid_message=False)  # its Xid 79 line: the same loss
+    assert d.count("0000:3b:00", 2.0, no_xid_message=False)  # a further Xid 79 line: a new one
+    assert not d.count("0000:3b:00", 3.0, no_xid_message=True)  # a message beside it: not again
+    assert not d.count("0000:3b:00", 4.0, no_xid_message=True)  # repeated messages: one per window
+    assert d.count("0000:3b:00", 100.0, no_xid_message=True)
+    for i in range(MAX_GPUS * 3):  # hostile addresses: memory stays bounded
+        d.count(f"{i:04x}:00:00", 200.0, no_xid_message=True)
+    assert len(d) <= MAX_GPUS
+    assert d.pci_for("", 1000.0) == "" and d.pci_for("0000:01:00", 0.0) == "0000:01:00"
