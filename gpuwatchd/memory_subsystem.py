@@ -95,7 +95,8 @@ class MemorySubsystem(Subsystem):
             readings.append(self.tracker.observe(now, key, tree, processes, cg,
                                                  cfg.window_seconds, cfg.min_window_seconds))
         self.tracker.forget(live, ((p.pid, p.start_ticks) for p in processes.values()))
-        self._paths = {k: v for k, v in self._paths.items() if k in {(k2[2], k2[3]) for k2 in live}}
+        live_pids = {(k[2], k[3]) for k in live}
+        self._paths = {k: v for k, v in self._paths.items() if k in live_pids}
         self._readings = {(m.job_id, m.rank, m.pid): m for m in readings}
         n = self.reader.node()
         node = None if n is None else NodeMemoryState(

@@ -18,7 +18,7 @@ from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import memory as finding
 from gpuwatchd.memory_evidence import snapshot_event, worse
 from gpuwatchd.memory_tracker import MemoryTracker, slope
-from gpuwatchd.model import NodeMemoryState, ProcessInfo, RankMemory, TreeProcessMemory
+from gpuwatchd.model import NodeMemoryState, ProcessInfo, RankMemory, RankState, TreeProcessMemory
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import memcg
 from gpuwatchd.sources.pyspy import Frame, ThreadStack
@@ -26,6 +26,12 @@ from gpuwatchd.sources.pyspy import Frame, ThreadStack
 FIX = Path(__file__).parent / "fixtures" / "memcg" / "v2"
 GiB = 1 << 30
 TASK = "/system.slice/slurmstepd.scope/job_7/step_0/user/task_3"
+
+
+def ctx_for(m: RankMemory, now: float = 0.0, alive: bool = True) -> FindingContext:
+    """The finding's context with ``m``'s rank accepted by the join (alive or not)."""
+    rank = RankState(m.job_id, m.rank, m.pid, None, None, alive, None)
+    return FindingContext(now=now, config=Config(), ranks=(rank,), extras={"memory": (m,)})
 
 
 def v2_reader(root: Path = FIX) -> memcg.MemcgReader:
@@ -57,8 +63,7 @@ def test_v2_fixture_finding_in_words() -> None:
     t = MemoryTracker()
     p = ProcessInfo(4242, 1, "python", "S", 0, "root", 1, 1.0, 1.0, int(60 * GiB), 40, 10, 1024, 4096)
     m = t.observe(1000.0, ("llm-7", 3, 4242, 1), (4242,), {4242: p}, cg, 300, 60)
-    ctx = FindingContext(now=1000.0, config=Config(), extras={"memory": (m,)})
-    (f,) = finding.find(ctx)
+    (f,) = finding.find(ctx_for(m, 1000.0))
     assert (f.kind, f.severity, f.job_id, f.rank, f.pid) == ("rank_memory_pressure", "warning", "llm-7", "3", "4242")
     assert f.evidence["reason"] == "share"
     assert f.explanation.startswith(
@@ -152,8 +157,7 @@ def test_snapshot_event_is_bounded_and_names_the_grower() -> None:
     m = RankMemory("llm-7", 3, 48213, 80 << 30, cgroup="/job_7", limit_bytes=80 << 30,
                    working_set_bytes=int(74.4 * GiB),
                    top=(TreeProcessMemory(48222, "pt_data_worker", 9 << 30, 9 << 30, 300.0, True),))
-    f = finding.find(FindingContext(now=0.0, config=Config(), extras={"memory": (m,)}))
-    (f1,) = list(f)
+    (f1,) = list(finding.find(ctx_for(m)))
     frames = tuple(Frame(f"fn{i}" * 50, "x.py", i) for i in range(100))
     stacks = tuple(ThreadStack(i, i, "t" * 500, False, i == 3, frames if i else ()) for i in range(50))
     ev = snapshot_event(f1, m, time.mktime((2026, 12, 1, 14, 21, 50, 0, 0, -1)), stacks, "", 1)
@@ -204,7 +208,7 @@ def test_kill_links_to_the_last_snapshot_of_its_rank_across_a_restart(tmp_path: 
     m = RankMemory("llm-7", 3, 4321, 80 << 30, cgroup="/job_7", limit_bytes=80 << 30,
                    working_set_bytes=76 << 30,
                    top=(TreeProcessMemory(4400, "pt_data_worker", 9 << 30, 9 << 30, 300.0, True),))
-    (f,) = finding.find(FindingContext(now=now, config=Config(), extras={"memory": (m,)}))
+    (f,) = finding.find(ctx_for(m, now))
     p = processor()
     other = RankMemory(**{**m.__dict__, "pid": 9999})  # same job and rank, another process
     p.record_event(snapshot_event(f, m, now - 60, None, "absent", 1))
@@ -217,3 +221,24 @@ def test_kill_links_to_the_last_snapshot_of_its_rank_across_a_restart(tmp_path: 
     (kill,) = p2.handle(kl.LogRecord(line, "kernel", "boot", 10**9, now, "test"))
     assert kill.fields["memory_snapshot"].endswith(":2")  # the last of this rank process, not 9999's
     assert "rank 3 (stack unavailable: absent); worker 4400 (pt_data_worker) had grown 9.0 GiB" in kill.summary
+
+
+def test_only_accepted_live_ranks_get_the_finding() -> None:
+    m = RankMemory("j", 1, 9, 50 << 30, cgroup="/c", working_set_bytes=79 << 30, limit_bytes=80 << 30)
+    assert len(list(finding.find(ctx_for(m)))) == 1
+    assert list(finding.find(ctx_for(m, alive=False))) == []  # dead (or its PID reused)
+    refused = FindingContext(now=0.0, config=Config(), extras={"memory": (m,)})  # not accepted
+    assert list(finding.find(refused)) == []
+
+
+def test_join_exports_host_memory_of_accepted_live_ranks_only() -> None:
+    from gpuwatchd.join import CycleInputs, build_state
+    from gpuwatchd.model import RankEntry
+
+    me = ProcessInfo(os.getpid(), 1, "python", "S", 0, "root", 1, 1.0, 1.0, 1 << 20, 1, 1, 1, 1)
+    claimed = RankMemory("j", 0, os.getpid(), 1 << 20)
+    stranger = RankMemory("j", 1, 4242, 1 << 20)  # a claim the join never accepted
+    state, _ = build_state(CycleInputs(now=1.0, config=Config(),
+                                       entries=(RankEntry("j", 0, os.getpid()),),
+                                       processes={os.getpid(): me}, rank_memory=(claimed, stranger)))
+    assert state.rank_memory == (claimed,)

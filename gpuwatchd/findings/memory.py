@@ -99,7 +99,11 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
     readings: Iterable[RankMemory] = ctx.extras.get("memory", ())
     node: NodeMemoryState | None = ctx.extras.get("node_memory")
     cfg = ctx.config.memory
+    # only ranks the join accepted (trust rules, PID reuse) and found alive
+    live = {(r.job_id, r.rank, r.pid) for r in ctx.ranks if r.alive}
     for m in readings:
+        if (m.job_id, m.rank, m.pid) not in live:
+            continue
         a = assess(m, node, cfg.ratio_threshold, cfg.horizon_seconds)
         if a is None:
             continue
