@@ -28,8 +28,6 @@ def memory_families(s: NodeState) -> list[Metric]:
             "cache, in bytes: what is compared with the limit.", JR)
     limit = _g("rank_memory_cgroup_limit_bytes", "The limit of that cgroup (v1 "
                "memory.limit_in_bytes, v2 memory.max) in bytes; absent when unlimited.", JR)
-    high = _g("rank_memory_cgroup_high_bytes", "memory.high of that cgroup (cgroup v2: reclaim "
-              "throttling starts there) in bytes; absent when unset.", JR)
     waiting = CounterMetricFamily(P + "rank_memory_pressure_waiting_seconds", "Seconds some task "
                                   "of the rank's cgroup waited for memory (PSI memory.pressure "
                                   "'some' total); absent where the kernel has no cgroup PSI.",
@@ -46,8 +44,6 @@ def memory_families(s: NodeState) -> list[Metric]:
             ws.add_metric(labels, m.working_set_bytes)
         if m.limit_bytes is not None:
             limit.add_metric(labels, m.limit_bytes)
-        if m.high_bytes is not None:
-            high.add_metric(labels, m.high_bytes)
         if m.pressure_some_seconds is not None:
             waiting.add_metric(labels, m.pressure_some_seconds)
         if m.pressure_full_seconds is not None:
@@ -69,4 +65,4 @@ def memory_families(s: NodeState) -> list[Metric]:
             n_wait.add_metric([], n.pressure_some_seconds)
         if n.pressure_full_seconds is not None:
             n_stall.add_metric([], n.pressure_full_seconds)
-    return [tree, usage, ws, limit, high, waiting, stalled, total, avail, n_wait, n_stall]
+    return [tree, usage, ws, limit, waiting, stalled, total, avail, n_wait, n_stall]

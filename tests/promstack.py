@@ -417,7 +417,6 @@ def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
         add("gpuwatch_rank_memory_cgroup_usage_bytes", "gauge", jr, 70 * 2**30)
         add("gpuwatch_rank_memory_cgroup_working_set_bytes", "gauge", jr, 66 * 2**30)
         add("gpuwatch_rank_memory_cgroup_limit_bytes", "gauge", jr, 80 * 2**30)
-        add("gpuwatch_rank_memory_cgroup_high_bytes", "gauge", jr, 78 * 2**30)
         add("gpuwatch_rank_memory_pressure_waiting_seconds_total", "counter", jr, now % 1000 / 10)
         add("gpuwatch_rank_memory_pressure_stalled_seconds_total", "counter", jr, now % 1000 / 100)
     add("gpuwatch_node_memory_total_bytes", "gauge", {}, 2048 * 2**30)

@@ -242,3 +242,10 @@ def test_join_exports_host_memory_of_accepted_live_ranks_only() -> None:
                                        entries=(RankEntry("j", 0, os.getpid()),),
                                        processes={os.getpid(): me}, rank_memory=(claimed, stranger)))
     assert state.rank_memory == (claimed,)
+
+
+def test_above_memory_high_is_said() -> None:
+    m = RankMemory("j", 1, 9, 50 << 30, cgroup="/c", cgroup_version=2, working_set_bytes=79 << 30,
+                   limit_bytes=80 << 30, high_bytes=78 << 30)
+    (f,) = finding.find(ctx_for(m))
+    assert f.explanation.endswith("; it is above its memory.high of 78.0 GiB: the kernel throttles it")

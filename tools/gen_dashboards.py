@@ -275,8 +275,6 @@ NODE_ROWS: list[tuple[str, list[Panel]]] = [
                  "{{job_id}} rank {{rank}} working set"),
                graph(f"gpuwatch_rank_memory_cgroup_usage_bytes{{{N}}}",
                  "{{job_id}} rank {{rank}} usage (with file cache)"),
-               graph(f"gpuwatch_rank_memory_cgroup_high_bytes{{{N}}}",
-                 "{{job_id}} rank {{rank}} memory.high"),
                graph(f"gpuwatch_rank_memory_cgroup_limit_bytes{{{N}}}",
                  "{{job_id}} rank {{rank}} limit")], unit="bytes", min=0),
         Panel("Rank tree resident memory", "timeseries",

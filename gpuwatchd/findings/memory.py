@@ -92,6 +92,9 @@ def explain(m: RankMemory, node: NodeMemoryState | None, a: dict[str, float | st
                  "OOM-kills a process of the cgroup")
     else:
         text += "; it is not growing, but little headroom is left before the kernel OOM-kills"
+    if m.high_bytes is not None and m.working_set_bytes is not None and \
+            m.working_set_bytes >= m.high_bytes:  # cgroup v2: reclaim throttles it already
+        text += f"; it is above its memory.high of {fmt_bytes(m.high_bytes)}: the kernel throttles it"
     return text
 
 
