@@ -59,12 +59,13 @@ def main():
 
 main()
 '''
-STEADY_PROGRAM = "import sys; held = bytearray(120 << 20); print(flush=True); sys.stdin.read()"
+STEADY_LIMIT = 256 << 20
+STEADY_PROGRAM = "import sys; held = bytearray(200 << 20); print(flush=True); sys.stdin.read()"
 
 
 @pytest.fixture
 def cgroups() -> Iterator[tuple[MemCgroup, MemCgroup]]:
-    grow, steady = MemCgroup("gwmemory_grow", LIMIT), MemCgroup("gwmemory_steady", LIMIT)
+    grow, steady = MemCgroup("gwmemory_grow", LIMIT), MemCgroup("gwmemory_steady", STEADY_LIMIT)
     try:
         yield grow, steady
     finally:
@@ -118,7 +119,7 @@ def test_growing_rank_warned_before_its_oom_kill_with_evidence(tmp_path: Path,
     try:
         assert rank.stdout is not None and steady.stdout is not None
         worker = int(rank.stdout.readline())
-        steady.stdout.readline()  # its 120 MiB are held: 62 % of the limit, and steady
+        steady.stdout.readline()  # its 200 MiB are held: ~82 % of the limit, and steady
         register(tmp_path, job, 3, rank.pid)
         register(tmp_path, steady_job, 0, steady.pid)
         first: tuple[float, Finding] | None = None
@@ -152,8 +153,13 @@ def test_growing_rank_warned_before_its_oom_kill_with_evidence(tmp_path: Path,
     assert f"of the 192.0 MiB limit of memory cgroup {grow_cg.kernel_path}" in f.explanation
     assert "it reaches the limit in about" in f.explanation
     print("\nFINDING:", f.explanation)
-    # -- the steady rank near its limit got none -----------------------------------------------------
+    # -- the steady rank near its limit got none, though it was measured all along -------------------
     assert steady_findings == []
+    (calm,) = [m for m in state.rank_memory if m.job_id == steady_job]
+    assert calm.limit_bytes == STEADY_LIMIT and calm.working_set_bytes is not None
+    assert 0.78 <= calm.working_set_bytes / STEADY_LIMIT < 0.9
+    assert calm.cgroup_growth_bytes_per_second is not None and \
+        abs(calm.cgroup_growth_bytes_per_second) < 64 << 10
     # -- evidence: the snapshot holds the rank's frame and the growing worker -----------------------
     snaps = [e for e in events(tmp_path) if e.kind == "memory_snapshot" and e.job_id == job]
     assert 1 <= len(snaps) <= 5
