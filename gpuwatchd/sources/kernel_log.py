@@ -13,6 +13,8 @@ Shell equivalent: ``dmesg -T | grep -iE 'killed process|oom-kill:|NVRM: Xid'`` o
 
 Line formats and regexes: shared/research/gil-hang-oom.md §4 (kernels 3.x to 6.18, drivers with
 and without ``PCI:``/MIG instance ids), tested on the recorded lines in tests/fixtures/kernel/.
+Formats found missing in public reports (RHEL 6/7 ``Killed process N, UID U``, pre-1.6 earlyoom,
+a GPU fallen off the bus without an Xid number) are parsed in sources/kernel_formats.py.
 """
 
 from __future__ import annotations
