@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_kernel_events import Pipeline, export_entry, wait_until, write_journal
 
 from gpuwatchd.config import Config
@@ -192,3 +194,24 @@ def test_bus_lost_dedup_rules() -> None:
         d.count(f"{i:04x}:00:00", 200.0, no_xid_message=True)
     assert len(d) <= MAX_GPUS
     assert d.pci_for("", 1000.0) == "" and d.pci_for("0000:01:00", 0.0) == "0000:01:00"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.text(max_size=400),
+    st.sampled_from(["NVRM: The NVIDIA GPU 0000:3b:00.0", "fallen off the bus", "killing process 1 \"",
+                     "Killing process '", "sending SIGTERM to process 7 \"", "Killed process 5, UID 0, (",
+                     "Kill process 3 (x) score 1 or sacrifice child"]),
+    st.text(max_size=400),
+)
+def test_fuzz_new_formats_around_keywords(a: str, keyword: str, b: str) -> None:
+    for ident in (kl.KILLER_KERNEL, kl.KILLER_EARLYOOM):
+        kl.parse_message(a + keyword + b, ident)
+
+
+def test_worst_case_bus_lost_record_is_fast() -> None:
+    msg = ("NVRM: GPU 0000:3b:00.0 " * 200)[: kl.MAX_MESSAGE - 30] + " fallen off the bus"
+    t0 = time.monotonic()
+    for _ in range(20):
+        kl.parse_message(msg)
+    assert time.monotonic() - t0 < 2.0
