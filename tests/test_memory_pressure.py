@@ -87,7 +87,7 @@ def daemon(tmp_path: Path, **memory: float) -> tuple[Daemon, list[object]]:
     kernel = KernelLogSubsystem(bus=EventBus([JsonlSink(cfg.state_dir)]))
     mem = MemorySubsystem(cfg, kernel, spy=PySpy(resolve_pyspy(), max_concurrent=1))
     subs: list[object] = [kernel, mem]
-    d = Daemon(cfg, subsystems=[kernel, mem], write_state=False)
+    d = Daemon(cfg, subsystems=[kernel, mem])
     for s in (kernel, mem):
         s.start(d)
     return d, subs
@@ -136,6 +136,9 @@ def test_growing_rank_warned_before_its_oom_kill_with_evidence(tmp_path: Path,
             time.sleep(0.5)
         assert kill is not None, "the worker was never OOM-killed"
         state = d.cycle()  # the finding the kill raises
+        ps = subprocess.run([sys.executable, "-m", "gpuwatchd", "ps", "--config.file",
+                             str(tmp_path / "config.yaml")], capture_output=True, text=True,
+                            cwd=REPO, timeout=60, check=True).stdout
     finally:
         for s in subs:
             s.stop()  # type: ignore[attr-defined]
@@ -177,6 +180,9 @@ def test_growing_rank_warned_before_its_oom_kill_with_evidence(tmp_path: Path,
     assert killed.explanation.endswith(f"Before the kill: {snap.summary}")
     assert killed.evidence["memory_snapshot"] == snap.key
     print("KILL:", killed.explanation)
+    # -- `gpuwatchd ps` shows each rank's cgroup use of its limit ----------------------------------
+    (line,) = [x for x in ps.splitlines() if x.startswith(steady_job)]
+    assert "% of 256.0 MiB" in line, ps
     # -- `gpuwatchd events` shows both, linked -------------------------------------------------------
     out = subprocess.run([sys.executable, "-m", "gpuwatchd", "events", "--state-dir",
                           str(tmp_path / "state"), "--since", "all", "--json"],
