@@ -19,7 +19,7 @@ import pytest
 from kernel_oom_helpers import MemCgroup
 
 from gpuwatchd.config import load_config
-from gpuwatchd.daemon import Daemon
+from gpuwatchd.daemon import Daemon, Subsystem
 from gpuwatchd.events import Event, EventBus, JsonlSink, read_events
 from gpuwatchd.kernel_log_subsystem import KernelLogSubsystem
 from gpuwatchd.memory_subsystem import MemorySubsystem
@@ -73,7 +73,7 @@ def cgroups() -> Iterator[tuple[MemCgroup, MemCgroup]]:
         steady.remove()
 
 
-def daemon(tmp_path: Path, **memory: float) -> tuple[Daemon, list[object]]:
+def daemon(tmp_path: Path, **memory: float) -> tuple[Daemon, list[Subsystem]]:
     cfg_file = tmp_path / "config.yaml"
     settings = {"min_window_seconds": 4, "window_seconds": 30, "horizon_seconds": 120,
                 "snapshot_min_interval_seconds": 2, **memory}
@@ -86,9 +86,9 @@ def daemon(tmp_path: Path, **memory: float) -> tuple[Daemon, list[object]]:
     cfg = load_config(str(cfg_file))
     kernel = KernelLogSubsystem(bus=EventBus([JsonlSink(cfg.state_dir)]))
     mem = MemorySubsystem(cfg, kernel, spy=PySpy(resolve_pyspy(), max_concurrent=1))
-    subs: list[object] = [kernel, mem]
-    d = Daemon(cfg, subsystems=[kernel, mem])
-    for s in (kernel, mem):
+    subs: list[Subsystem] = [kernel, mem]
+    d = Daemon(cfg, subsystems=subs)
+    for s in subs:
         s.start(d)
     return d, subs
 
@@ -141,7 +141,7 @@ def test_growing_rank_warned_before_its_oom_kill_with_evidence(tmp_path: Path,
                             cwd=REPO, timeout=60, check=True).stdout
     finally:
         for s in subs:
-            s.stop()  # type: ignore[attr-defined]
+            s.stop()
         for p in (rank, steady):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signal.SIGKILL)
