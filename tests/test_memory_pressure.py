@@ -63,14 +63,27 @@ STEADY_LIMIT = 256 << 20
 STEADY_PROGRAM = "import sys; held = bytearray(200 << 20); print(flush=True); sys.stdin.read()"
 
 
+UNIFIED = Path("/sys/fs/cgroup/unified")  # this host's v2 hierarchy (hybrid): PSI, no controllers
+
+
 @pytest.fixture
-def cgroups() -> Iterator[tuple[MemCgroup, MemCgroup]]:
+def cgroups() -> Iterator[tuple[MemCgroup, MemCgroup, Path]]:
+    """The growing rank's v1 memory cgroup, the steady rank's, and a v2 cgroup for the growing
+    rank's own PSI (memory.pressure)."""
     grow, steady = MemCgroup("gwmemory_grow", LIMIT), MemCgroup("gwmemory_steady", STEADY_LIMIT)
+    psi = UNIFIED / f"gwmemory_psi_{uuid.uuid4().hex[:8]}"
+    psi.mkdir()
     try:
-        yield grow, steady
+        yield grow, steady, psi
     finally:
         grow.remove()
         steady.remove()
+        for _ in range(100):  # empty once the killed tree is reaped
+            try:
+                psi.rmdir()
+                break
+            except OSError:
+                time.sleep(0.05)
 
 
 def daemon(tmp_path: Path, **memory: float) -> tuple[Daemon, list[Subsystem]]:
@@ -106,14 +119,19 @@ def pressure(state: NodeState, job: str) -> list[Finding]:
     return [f for f in state.findings if f.kind == "rank_memory_pressure" and f.job_id == job]
 
 
-def test_growing_rank_warned_before_its_oom_kill_with_evidence(tmp_path: Path,
-                                                              cgroups: tuple[MemCgroup, MemCgroup]) -> None:
-    grow_cg, steady_cg = cgroups
+def test_growing_rank_warned_before_its_oom_kill_with_evidence(
+        tmp_path: Path, cgroups: tuple[MemCgroup, MemCgroup, Path]) -> None:
+    grow_cg, steady_cg, psi_cg = cgroups
     (tmp_path / "data.py").write_text(RANK_PROGRAM)
     job, steady_job = f"llm-{uuid.uuid4().hex[:6]}", f"calm-{uuid.uuid4().hex[:6]}"
     d, subs = daemon(tmp_path)
+
+    def enter() -> None:  # in the child before exec: the v1 memory cgroup and the v2 one
+        for procs in (Path(grow_cg.path) / "cgroup.procs", psi_cg / "cgroup.procs"):
+            procs.write_text(str(os.getpid()))
+
     rank = subprocess.Popen([sys.executable, str(tmp_path / "data.py")], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, preexec_fn=grow_cg._enter)
+                            stdout=subprocess.PIPE, preexec_fn=enter)
     grow_cg.procs.append(rank)
     steady = steady_cg.spawn(STEADY_PROGRAM)
     try:
@@ -123,6 +141,7 @@ def test_growing_rank_warned_before_its_oom_kill_with_evidence(tmp_path: Path,
         register(tmp_path, job, 3, rank.pid)
         register(tmp_path, steady_job, 0, steady.pid)
         first: tuple[float, Finding] | None = None
+        last_reading = None
         steady_findings: list[Finding] = []
         kill: Event | None = None
         deadline = time.monotonic() + 90
@@ -130,6 +149,7 @@ def test_growing_rank_warned_before_its_oom_kill_with_evidence(tmp_path: Path,
             state = d.cycle()
             steady_findings += pressure(state, steady_job)
             found = pressure(state, job)
+            last_reading = next((m for m in state.rank_memory if m.job_id == job), last_reading)
             if found and first is None:
                 first = (time.time(), found[0])
             kill = next((e for e in events(tmp_path) if e.kind == "oom_kill" and e.job_id == job), None)
@@ -156,6 +176,9 @@ def test_growing_rank_warned_before_its_oom_kill_with_evidence(tmp_path: Path,
     assert f"of the 192.0 MiB limit of memory cgroup {grow_cg.kernel_path}" in f.explanation
     assert "it reaches the limit in about" in f.explanation
     print("\nFINDING:", f.explanation)
+    # -- the rank's own PSI (its v2 cgroup) saw the reclaim stalls before the kill --------------------
+    assert last_reading is not None and last_reading.pressure_some_seconds is not None
+    print("PSI some total of the rank's cgroup before the kill:", last_reading.pressure_some_seconds)
     # -- the steady rank near its limit got none, though it was measured all along -------------------
     assert steady_findings == []
     (calm,) = [m for m in state.rank_memory if m.job_id == steady_job]
