@@ -35,14 +35,7 @@ from gpuwatchd.bus_lost import BusLostDedup
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.events import EVENTS_FILE, Event, EventBus, read_events
 from gpuwatchd.model import INFO, PAGE, WARNING, ProcessInfo, RankState, frozen_map
-from gpuwatchd.oom_history import (
-    BASELINE_FILE,
-    Baseline,
-    History,
-    HistoryKill,
-    load_baseline,
-    save_baseline,
-)
+from gpuwatchd.oom_history import HistoryKill, OomBaseline
 from gpuwatchd.sources.kernel_log import (
     KILLER_EARLYOOM,
     KILLER_KERNEL,
@@ -410,8 +403,7 @@ class KernelEventProcessor:
         self._pci_uuid: dict[str, str] = {}
         self._bus_lost = BusLostDedup()
         self._snapshots: dict[tuple[str, str, int], Event] = {}  # (job_id, rank, rank pid) -> last
-        self.baseline: Baseline | None = None  # None: no baseline taken (every kill is new)
-        self.history: History | None = None  # set on the first start in a boot
+        self.oom_baseline = OomBaseline(state_dir, boot_id)  # kills before the first start
         self.events_path = os.path.join(state_dir, EVENTS_FILE)
         os.makedirs(state_dir, exist_ok=True)
         self._rebuild()
@@ -511,62 +503,22 @@ class KernelEventProcessor:
 
     def take_baseline(self, vmstat_oom_kill: int | None, now: float) -> bool:
         """Before the source starts: load this boot's baseline, or take it (first start in this
-        boot). True when taken now: the kills the source replays from before ``now`` are history
-        (oom_history.py). Kernel kills already stored for this boot (a daemon that ran before the
-        baseline existed) stay accounted for."""
-        path = os.path.join(self.state_dir, BASELINE_FILE)
+        boot; True): kills the source replays from before ``now`` are history (oom_history.py)."""
         with self._lock:
-            b, damage = load_baseline(path, self.boot_id)
-            if b is not None:
-                self.baseline = b
-                return False
-            if damage:
-                log.warning("OOM baseline %s %s: taking a new one; kills logged before now are "
-                            "treated as history", path, damage)
-            base = None if vmstat_oom_kill is None else max(
-                0, vmstat_oom_kill - self._boot_kernel_kills)
-            self.baseline = Baseline(self.boot_id, base, now)
-            self.history = History()
-            try:
-                save_baseline(path, self.baseline)
-            except OSError as e:
-                log.warning("cannot save OOM baseline %s: %s", path, e)
-            return True
+            return self.oom_baseline.take(vmstat_oom_kill, self._boot_kernel_kills, now)
 
     def history_event(self, source: str) -> Event | None:
         """Once, after the first start's replay (``source``: kmsg | journal, "" when the log could
         not be read): one info event that says what the kernel counted and the buffer held."""
         with self._lock:
-            b, h = self.baseline, self.history
-            if b is None or h is None:
-                return None
-            self.history = None
-            shown = [{"pid": k.pid, "comm": k.comm, "killer": k.killer, "time": k.time,
-                      "rss_bytes": k.rss_bytes, "memcg": k.memcg} for k in h.shown]
-            ev = Event(
-                key=f"{b.boot_id}:history:{b.time}",
-                kind="oom_kill_history",
-                time=b.time,
-                severity=INFO,
-                summary=h.summary(b, source, fmt_time),
-                boot_id=b.boot_id,
-                fields=frozen_map({
-                    "vmstat_oom_kill": b.vmstat_oom_kill, "replayed_kills": h.count,
-                    "replayed_kernel_kills": h.kernel, "oldest": h.oldest, "newest": h.newest,
-                    "kills": shown, "source": source,
-                }),
-            )
-        log.info("%s", ev.summary)
-        return self._emit(ev)
+            ev = self.oom_baseline.history_event(source, fmt_time)
+        if ev is not None:
+            log.info("%s", ev.summary)
+        return self._emit(ev) if ev is not None else None
 
     def _is_history(self, k: Kill) -> bool:
-        """Logged before the first start's baseline: collected for the history event, not counted."""
-        b = self.baseline
-        if b is None or k.time >= b.time:
-            return False
-        if self.history is not None:
-            self.history.add(HistoryKill(k.pid, k.comm, k.killer, k.time, k.rss_bytes, k.memcg))
-        return True
+        return self.oom_baseline.is_history(
+            HistoryKill(k.pid, k.comm, k.killer, k.time, k.rss_bytes, k.memcg))
 
     # -- the kernel-log thread --------------------------------------------------------------
 
@@ -828,8 +780,7 @@ class KernelEventProcessor:
         if vmstat_oom_kill is None:
             return []
         with self._lock:
-            base = self.baseline.vmstat_oom_kill if self.baseline is not None else None
-            missing = vmstat_oom_kill - (base or 0) - self._boot_kernel_kills
+            missing = vmstat_oom_kill - self.oom_baseline.kernel_kills() - self._boot_kernel_kills
             if missing <= 0:
                 self._deficit_since = None
                 return []

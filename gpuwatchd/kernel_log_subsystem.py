@@ -158,7 +158,7 @@ class KernelLogSubsystem(Subsystem):
 
     def _report_history(self) -> None:
         """The first start's history event, once the source has replayed its buffer."""
-        if self.processor is None or self.processor.history is None:
+        if self.processor is None or self.processor.oom_baseline.history is None:
             return
         source = self.source
         if source is not None and source.ready.is_set():

@@ -23,6 +23,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gpuwatchd.events import Event
+from gpuwatchd.model import INFO, frozen_map
 from gpuwatchd.units import fmt_bytes
 
 log = logging.getLogger(__name__)
@@ -133,3 +135,70 @@ class History:
             names.append(f"{victim} by {k.killer} at {fmt_time(k.time)}{rss}{where}")
         more = f", and {self.count - len(self.shown)} more" if self.count > len(self.shown) else ""
         return f"{text}: {'; '.join(names)}{more}"
+
+
+class OomBaseline:
+    """The baseline of this boot and, on the first start, the history the source replays.
+    Not thread-safe: the kernel-event processor calls it under its lock."""
+
+    def __init__(self, state_dir: str, boot_id: str) -> None:
+        self.path = os.path.join(state_dir, BASELINE_FILE)
+        self.boot_id = boot_id
+        self.baseline: Baseline | None = None  # None: none taken (every kill is new)
+        self.history: History | None = None  # set on the first start in a boot, until reported
+
+    def take(self, vmstat_oom_kill: int | None, stored_kernel_kills: int, now: float) -> bool:
+        """Load this boot's baseline, or take it now (True). Kernel kills already stored for this
+        boot (a daemon that ran before baselines existed) stay accounted for."""
+        b, damage = load_baseline(self.path, self.boot_id)
+        if b is not None:
+            self.baseline = b
+            return False
+        if damage:
+            log.warning("OOM baseline %s %s: taking a new one; kills logged before now are "
+                        "treated as history", self.path, damage)
+        base = None if vmstat_oom_kill is None else max(0, vmstat_oom_kill - stored_kernel_kills)
+        self.baseline = Baseline(self.boot_id, base, now)
+        self.history = History()
+        try:
+            save_baseline(self.path, self.baseline)
+        except OSError as e:
+            log.warning("cannot save OOM baseline %s: %s", self.path, e)
+        return True
+
+    def kernel_kills(self) -> int:
+        """Kernel kills of this boot from before the baseline (0 without one)."""
+        if self.baseline is None or self.baseline.vmstat_oom_kill is None:
+            return 0
+        return self.baseline.vmstat_oom_kill
+
+    def is_history(self, k: HistoryKill) -> bool:
+        """Logged before the baseline: collected for the history event, never counted."""
+        b = self.baseline
+        if b is None or k.time >= b.time:
+            return False
+        if self.history is not None:
+            self.history.add(k)
+        return True
+
+    def history_event(self, source: str, fmt_time: Callable[[float], str]) -> Event | None:
+        """The one ``oom_kill_history`` event of a first start (None once reported)."""
+        b, h = self.baseline, self.history
+        if b is None or h is None:
+            return None
+        self.history = None
+        shown = [{"pid": k.pid, "comm": k.comm, "killer": k.killer, "time": k.time,
+                  "rss_bytes": k.rss_bytes, "memcg": k.memcg} for k in h.shown]
+        return Event(
+            key=f"{b.boot_id}:history:{b.time}",
+            kind="oom_kill_history",
+            time=b.time,
+            severity=INFO,
+            summary=h.summary(b, source, fmt_time),
+            boot_id=b.boot_id,
+            fields=frozen_map({
+                "vmstat_oom_kill": b.vmstat_oom_kill, "replayed_kills": h.count,
+                "replayed_kernel_kills": h.kernel, "oldest": h.oldest, "newest": h.newest,
+                "kills": shown, "source": source,
+            }),
+        )
