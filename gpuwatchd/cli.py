@@ -132,12 +132,17 @@ def cmd_ps(args: argparse.Namespace) -> int:
         key = (s["labels"][0], s["labels"][1])
         if key in gil:
             gil[key] = (gil[key][0], s["value"])
+    memcg: dict[tuple[str, str], str] = {}  # host memory: working set / limit of the rank's cgroup
+    for m in state.get("rank_memory") or []:
+        ws, limit = m.get("working_set_bytes"), m.get("limit_bytes")
+        if isinstance(ws, int) and isinstance(limit, int) and limit > 0:
+            memcg[(m["job_id"], str(m["rank"]))] = f"{ws / limit:.0%} of {fmt_bytes(limit)}"
     by_rank: dict[tuple[str, str], list[str]] = {}
     for f in state.get("findings", []):
         by_rank.setdefault((f["job_id"], f["rank"]), []).append(f["kind"])
     print(f"# {origin}")
-    hdr = (f"{'JOB':<20} {'RANK':>4} {'PID':>7} {'ST':<2} {'CPU s':>8} {'RSS':>9} {'FDS':>11} "
-           f"{'GPU MEM':>9} {'GIL':>5}  FINDINGS")
+    hdr = (f"{'JOB':<20} {'RANK':>4} {'PID':>7} {'ST':<2} {'CPU s':>8} {'RSS':>9} {'MEMCG':>15} "
+           f"{'FDS':>11} {'GPU MEM':>9} {'GIL':>5}  FINDINGS")
     print(hdr)
     for r in state.get("ranks", []):
         p = r.get("process") or {}
@@ -148,7 +153,7 @@ def cmd_ps(args: argparse.Namespace) -> int:
         st = "--" if not r["alive"] else ("ST" if r.get("stalled") else p.get("state", "?"))
         cpu = f"{p['cpu_seconds']:.1f}" if p else "-"
         print(f"{r['job_id'][:20]:<20} {r['rank']:>4} {r['pid']:>7} {st:<2} {cpu:>8} "
-              f"{fmt_bytes(p.get('rss_bytes'), '-') if p else '-':>9} {fds:>11} "
+              f"{fmt_bytes(p.get('rss_bytes'), '-') if p else '-':>9} {memcg.get(key, '-'):>15} {fds:>11} "
               f"{fmt_bytes(gpu_mem.get(key), '-'):>9} {gil_s:>5}  {','.join(by_rank.get(key, [])) or '-'}")
         if r.get("ns_pid") is not None or r.get("container"):  # a rank in a container
             print(f"{'':<26}{pid_text(r['pid'], r.get('ns_pid'))}"

@@ -94,6 +94,20 @@ class FdsConfig:
 
 
 @dataclass(frozen=True)
+class MemoryConfig:
+    """Host memory per rank (memory_subsystem.py) and the rank_memory_pressure finding."""
+
+    enabled: bool = True
+    ratio_threshold: float = 0.9  # working set / memory cgroup limit that raises the finding
+    horizon_seconds: float = 900.0  # growth reaching the limit (or the node's end) this soon
+    window_seconds: float = 300.0  # growth measured over this much history
+    min_window_seconds: float = 60.0  # ... and over at least this long, so a burst is no trend
+    cgroup_root: str | None = None  # where the cgroup file systems are (default /sys/fs/cgroup)
+    snapshots_per_rank: int = 5  # py-spy evidence snapshots per rank process, at most
+    snapshot_min_interval_seconds: float = 30.0  # between two snapshots of one rank
+
+
+@dataclass(frozen=True)
 class Config:
     web: WebConfig = field(default_factory=WebConfig)
     interval_seconds: float = 5.0
@@ -109,6 +123,7 @@ class Config:
     orphans: OrphansConfig = field(default_factory=OrphansConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     fds: FdsConfig = field(default_factory=FdsConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
 # --- value checkers: return the converted value or raise ValueError(reason) -----------------------
@@ -253,6 +268,14 @@ SCHEMA: Mapping[str, Any] = {
         DiscoveryConfig,
         {"enabled": _boolean, "interval_seconds": _number(0.0), "launchers": _launchers},
     ),
+    "memory": (
+        MemoryConfig,
+        {"enabled": _boolean, "ratio_threshold": _number(0.0, maximum=1.0),
+         "horizon_seconds": _number(0.0), "window_seconds": _number(0.0, maximum=86400),
+         "min_window_seconds": _number(0.0, exclusive=False), "cgroup_root": _optional(_path),
+         "snapshots_per_rank": _integer(0, 100),
+         "snapshot_min_interval_seconds": _number(0.0, exclusive=False)},
+    ),
     "fds": (
         FdsConfig,
         {"ratio_threshold": _number(0.0, maximum=1.0), "horizon_seconds": _number(0.0),
@@ -288,6 +311,8 @@ def _build(cls: Any, schema: Mapping[str, Any], data: Any, prefix: str, problems
 def parse_config(data: Any, source: str = "config") -> Config:
     problems: list[str] = []
     cfg = _build(Config, SCHEMA, data, "", problems)
+    if cfg.memory.min_window_seconds > cfg.memory.window_seconds:
+        problems.append("memory.min_window_seconds: must not exceed memory.window_seconds")
     if cfg.gil.duration_seconds >= cfg.gil.timeout_seconds:
         problems.append("gil.timeout_seconds: must be larger than gil.duration_seconds")
     if problems:

@@ -389,5 +389,8 @@ def default_subsystems(config: Config) -> list[Subsystem]:
     from gpuwatchd.kernel_log_subsystem import KernelLogSubsystem
 
     gpu: list[Subsystem] = [GpuSubsystem()] if config.nvml.enabled else []
+    from gpuwatchd.memory_subsystem import MemorySubsystem
+
     kernel = KernelLogSubsystem()
-    return [PySpySubsystem(config), kernel, *gpu, FindingEventsSubsystem(kernel)]
+    memory: list[Subsystem] = [MemorySubsystem(config, kernel)] if config.memory.enabled else []
+    return [PySpySubsystem(config), kernel, *gpu, *memory, FindingEventsSubsystem(kernel)]

@@ -45,6 +45,8 @@ MESSAGE_IDS: Mapping[str, str] = frozen_map(
         "oom_kill": "9c5f1d0e6a2b4f7e8d3c1b0a59e4f2d7",
         "xid": "4e2a7c9b1d8f4a6c9b0e3d5f7a1c2e48",
         "oom_kill_unexplained": "b7d94e1c3a5f4b2e8c6d0a9f1e3b5c7d",
+        "oom_kill_history": "d5d1bc7a5afe49e592eae3ff8d587a3f",
+        "memory_snapshot": "b4123e60439d4076944d6c22d1ced6b1",
     }
 )
 ALERT_NAMES: Mapping[str, str] = frozen_map({"oom_kill": "GPURankOOMKilled", "xid": "GPUXidCritical"})
@@ -59,7 +61,7 @@ class Event:
     boot id + kernel timestamp + PID), so that it is stored and counted at most once."""
 
     key: str
-    kind: str  # oom_kill | xid | oom_kill_unexplained
+    kind: str  # oom_kill | xid | oom_kill_unexplained | oom_kill_history | memory_snapshot | ...
     time: float  # Unix seconds of the occurrence (the kernel's timestamp, not when we read it)
     severity: str
     summary: str  # the one line a human reads

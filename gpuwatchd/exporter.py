@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from gpuwatchd import __version__
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.isolation import guarded
+from gpuwatchd.memory_metrics import memory_families
 from gpuwatchd.model import COUNTER_LABELS, NodeState
 
 P = "gpuwatch_"
@@ -72,6 +73,7 @@ class StateCollector(Collector):
                 ("gpu_processes", lambda: self._gpu_processes(state)),
                 ("ranks", lambda: self._ranks(state)),
                 ("findings", lambda: self._findings(state)),
+                ("memory", lambda: memory_families(state)),
                 ("counters", lambda: self._counters(state)),
             ]
         nothing: list[Metric] = []

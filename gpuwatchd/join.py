@@ -21,10 +21,12 @@ from gpuwatchd.model import (
     GpuDevice,
     GpuProcess,
     GpuProcessRow,
+    NodeMemoryState,
     NodeState,
     Orphan,
     ProcessInfo,
     RankEntry,
+    RankMemory,
     RankState,
     frozen_map,
 )
@@ -53,6 +55,8 @@ class CycleInputs:
     extra_findings: tuple[Finding, ...] = ()
     extras: Mapping[str, Any] = field(default_factory=frozen_map)
     cycle_seconds: float = 0.0
+    rank_memory: tuple[RankMemory, ...] = ()
+    node_memory: NodeMemoryState | None = None
 
 
 @dataclass(frozen=True)
@@ -146,10 +150,13 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
         since.setdefault(f.key, start)
         stamped.append(replace(f, since=since[f.key]))
 
+    live = {(r.job_id, r.rank, r.pid) for r in ranks if r.alive}  # host memory: accepted ranks only
     state = NodeState(
         timestamp=now, ranks=tuple(ranks), gpus=inputs.gpus, gpu_processes=tuple(rows),
         orphans=inputs.orphans, findings=tuple(stamped), collectors=inputs.collectors,
         counters=inputs.counters, cycle_seconds=inputs.cycle_seconds,
+        rank_memory=tuple(m for m in inputs.rank_memory if (m.job_id, m.rank, m.pid) in live),
+        node_memory=inputs.node_memory,
     )
     return state, JoinMemory(
         start_ticks=start_ticks, died_at=died_at, fd_first=fd_first, finding_since=since,

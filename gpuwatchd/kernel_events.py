@@ -15,7 +15,8 @@ Pure logic plus the event log; the I/O (kmsg, journal, /proc/vmstat) is in sourc
   start. The source's resume position (kmsg seq + boot id, journal cursor) keeps re-reading small.
 - Nothing silently lost: ``/proc/vmstat oom_kill`` counts every kernel OOM kill since boot; kills
   it counts that no parsed line explains (ring overrun, source down) become ``unattributed``
-  events after a grace period.
+  events after a grace period. Kills before the daemon's first start in a boot are history: the
+  baseline is taken then and the cross-check counts only beyond it (oom_history.py).
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from gpuwatchd.bus_lost import BusLostDedup
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.events import EVENTS_FILE, Event, EventBus, read_events
 from gpuwatchd.model import INFO, PAGE, WARNING, ProcessInfo, RankState, frozen_map
+from gpuwatchd.oom_history import HistoryKill, OomBaseline
 from gpuwatchd.sources.kernel_log import (
     KILLER_EARLYOOM,
     KILLER_KERNEL,
@@ -58,6 +61,19 @@ RECORD_FILE = "rank_trees.json"
 
 def fmt_time(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+def scope_phrase(scope: str, constraint: str, oom_memcg: str, memcg: str = "") -> str:
+    """Why the kernel killed: a memory cgroup's limit (a container / job limit) or the whole node
+    out of memory; "" when the log does not say (a summary whose kill line was lost)."""
+    if constraint == "CONSTRAINT_MEMCG" or scope == "Memory cgroup out of memory":
+        if oom_memcg and oom_memcg != memcg:
+            return f" (limit of memory cgroup {oom_memcg} reached)"
+        return " (the cgroup's memory limit was reached)" if memcg else \
+            " (its memory cgroup's limit was reached)"
+    if constraint == "CONSTRAINT_NONE" or scope.startswith("Out of memory"):
+        return " (the node ran out of memory)"
+    return ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,6 +252,10 @@ class KillGrouper:
         # pid -> (summary fields, record) of an oom-kill: summary still waiting for its kill line
         self._summaries: dict[tuple[str, int], tuple[Parsed, LogRecord]] = {}
         self._memcg = ""  # "Memory cgroup stats for X" / "Task in X killed ..." of the current dump
+        # (scope, time) of the last pre-4.19 "<scope>: Kill process N ... or sacrifice child" line:
+        # those kernels print the scope there, not on the "Killed process" line that follows (its
+        # PID differs when a child was sacrificed)
+        self._old_scope: tuple[str, float] | None = None
         self._recent: deque[tuple[float, str, str, int]] = deque()  # (time, boot, killer, pid)
         self._seqs: dict[tuple[str, int], int] = {}
 
@@ -261,6 +281,9 @@ class KillGrouper:
             self._memcg = p.fields.get("task_memcg", "")
         elif p.kind == "invoked":
             self._memcg = ""
+            self._old_scope = None
+        elif p.kind == "kill_old":
+            self._old_scope = (p.fields.get("kind", ""), rec.realtime)
         elif p.kind == "summary" and p.pid is not None:
             self._summaries[(rec.boot_id, p.pid)] = (p, rec)
             if rec.seq is not None:
@@ -270,6 +293,10 @@ class KillGrouper:
             self._seqs.pop((rec.boot_id, p.pid), None)
             sf: Mapping[str, str] = summary[0].fields if summary else {}
             scope = p.fields.get("kind", "")
+            if not scope and self._old_scope is not None and \
+                    rec.realtime - self._old_scope[1] <= self.group_timeout:
+                scope = self._old_scope[0]
+            self._old_scope = None
             memcg = sf.get("task_memcg", "") or self._memcg
             oom_memcg = sf.get("oom_memcg", "")
             if not oom_memcg and scope == "Memory cgroup out of memory":
@@ -374,6 +401,9 @@ class KernelEventProcessor:
         self._deficit_since: float | None = None
         self._ranks: dict[tuple[str, int], _RankView] = {}
         self._pci_uuid: dict[str, str] = {}
+        self._bus_lost = BusLostDedup()
+        self._snapshots: dict[tuple[str, str, int], Event] = {}  # (job_id, rank, rank pid) -> last
+        self.oom_baseline = OomBaseline(state_dir, boot_id)  # kills before the first start
         self.events_path = os.path.join(state_dir, EVENTS_FILE)
         os.makedirs(state_dir, exist_ok=True)
         self._rebuild()
@@ -437,6 +467,8 @@ class KernelEventProcessor:
 
     def _account(self, ev: Event) -> None:
         self._keys.add(ev.key)
+        if ev.kind == "memory_snapshot" and ev.pid is not None:
+            self._note_snapshot(ev)
         for name, labels, value, boot_kills in _increments(ev):
             if name:
                 try:
@@ -456,10 +488,37 @@ class KernelEventProcessor:
             self._recent.append(ev)
         return True
 
+    def _note_snapshot(self, ev: Event) -> None:
+        """The last memory snapshot per rank process (memory_evidence.py), for the kill that may
+        follow; older than ``recent_seconds`` is dropped, so this stays as small as the live jobs."""
+        horizon = ev.time - self.recent_seconds
+        for k in [k for k, e in self._snapshots.items() if e.time < horizon]:
+            del self._snapshots[k]
+        self._snapshots[(ev.job_id, ev.rank, ev.pid or 0)] = ev
+
     def record_event(self, ev: Event) -> bool:
         """Store an event from elsewhere in the daemon (finding transitions: rank deaths, stalls)
         in the same durable log, so `gpuwatchd events` shows one timeline. False if a duplicate."""
         return self._store(ev)
+
+    def take_baseline(self, vmstat_oom_kill: int | None, now: float) -> bool:
+        """Before the source starts: load this boot's baseline, or take it (first start in this
+        boot; True): kills the source replays from before ``now`` are history (oom_history.py)."""
+        with self._lock:
+            return self.oom_baseline.take(vmstat_oom_kill, self._boot_kernel_kills, now)
+
+    def history_event(self, source: str) -> Event | None:
+        """Once, after the first start's replay (``source``: kmsg | journal, "" when the log could
+        not be read): one info event that says what the kernel counted and the buffer held."""
+        with self._lock:
+            ev = self.oom_baseline.history_event(source, fmt_time)
+        if ev is not None:
+            log.info("%s", ev.summary)
+        return self._emit(ev) if ev is not None else None
+
+    def _is_history(self, k: Kill) -> bool:
+        return self.oom_baseline.is_history(
+            HistoryKill(k.pid, k.comm, k.killer, k.time, k.rss_bytes, k.memcg))
 
     # -- the kernel-log thread --------------------------------------------------------------
 
@@ -473,6 +532,11 @@ class KernelEventProcessor:
             if p.kind == "gpu_at":
                 self._pci_uuid[p.fields["pci"]] = p.fields["uuid"]
                 return []
+            if p.kind == "gpu_named":
+                self._bus_lost.named(p.fields["pci"], rec.realtime)
+                return []
+            if p.kind == "bus_lost":
+                return [e for e in [self._lost(rec, p)] if e is not None]
             if p.kind == "oomd":
                 return self._oomd(rec, p)
             kills = self._grouper.feed(rec, p)
@@ -494,6 +558,8 @@ class KernelEventProcessor:
         return alive, view.world_size if view else None
 
     def _kill_event(self, k: Kill) -> Event | None:
+        if self._is_history(k):
+            return None
         m = self.record.lookup(k.pid, k.time)
         job_id, rank_s = (m.job_id, str(m.rank)) if m else ("", "")
         fields: dict[str, Any] = {
@@ -513,6 +579,8 @@ class KernelEventProcessor:
             KILLER_OOMD: "systemd-oomd",
         }[k.killer]
         where = f" in memory cgroup {k.memcg}" if k.memcg else ""
+        if k.killer == KILLER_KERNEL:
+            where += scope_phrase(k.scope, k.constraint, k.oom_memcg, k.memcg)
         holding = f" holding {fmt_bytes(k.rss_bytes)} RSS" if k.rss_bytes is not None else ""
         if m is None:
             summary = (
@@ -534,6 +602,10 @@ class KernelEventProcessor:
             summary = f"{subject} was killed by {by} at {fmt_time(k.time)}{holding}{where}"
             if peers:
                 summary += f"; {peers} peers alive: they will wait in their next collective"
+            snap = self._snapshots.get((m.job_id, str(m.rank), m.rank_pid))
+            if snap is not None and snap.time <= k.time + 1.0:
+                fields.update(memory_snapshot=snap.key, memory_snapshot_summary=snap.summary)
+                summary += f"; last memory snapshot (event {snap.key}): {snap.summary}"
             severity, alert = PAGE, True
         return self._emit(
             Event(
@@ -562,6 +634,8 @@ class KernelEventProcessor:
     def _oomd(self, rec: LogRecord, p: Parsed) -> list[Event]:
         """systemd-oomd kills a whole cgroup: one event per rank process that lived in it."""
         cgroup = p.fields.get("cgroup", "")
+        if self._is_history(Kill(0, "", KILLER_OOMD, rec.boot_id, rec.realtime, None, memcg=cgroup)):
+            return []
         victims = self.record.ranks_in_cgroup(cgroup, rec.realtime)
         stamp = int(rec.realtime * 1e6)
         out: list[Event] = []
@@ -610,6 +684,12 @@ class KernelEventProcessor:
             out += [e for e in [self._emit(ev)] if e is not None]
         return out
 
+    def _lost(self, rec: LogRecord, p: Parsed) -> Event | None:
+        """A GPU fell off the bus, said without an Xid number: an Xid 79 event (bus_lost.py)."""
+        pci = self._bus_lost.pci_for(p.fields.get("pci", ""), rec.realtime)
+        f = {**p.fields, "pci": pci, "xid": "79"}
+        return self._xid(rec, replace(p, fields=f))
+
     def _xid(self, rec: LogRecord, p: Parsed) -> Event | None:
         f = p.fields
         pci = f.get("pci", "")
@@ -618,13 +698,15 @@ class KernelEventProcessor:
         except ValueError:
             return None
         stamp = rec.monotonic_usec if rec.monotonic_usec is not None else int(rec.realtime * 1e6)
-        key = f"{rec.boot_id}:xid:{pci}:{xid}:{stamp}"
+        no_xid = p.kind == "bus_lost"
+        key = f"{rec.boot_id}:{'bus_lost' if no_xid else 'xid'}:{pci}:{xid}:{stamp}"
         if key in self._keys:
             return None
         gpu, uuid = "", self._pci_uuid.get(pci, "")
-        count = True
+        count = xid != 79 or self._bus_lost.count(pci, rec.realtime, no_xid)
         if self.xid_dedup is not None:
-            count = bool(self.xid_dedup.record(pci, xid, rec.realtime, "kernel"))
+            if count:
+                count = bool(self.xid_dedup.record(pci, xid, rec.realtime, "kernel"))
             g, u = self.xid_dedup.labels_for(pci)
             gpu, uuid = g or gpu, u or uuid
         m = self.record.lookup(p.pid, rec.realtime) if p.pid is not None else None
@@ -639,10 +721,19 @@ class KernelEventProcessor:
             f"{gpu_txt} at PCI {pci}{' ' + uuid if uuid else ''} reported Xid {xid} at "
             f"{fmt_time(rec.realtime)}{who}: {f.get('rest', '')[:200]}"
         )
+        if no_xid:
+            rest = " ".join(x.strip() for x in f.get("rest", "").replace("\\x0a", "\n").split("\n"))
+            summary = (
+                f"{gpu_txt} at PCI {pci or 'unknown'}{' ' + uuid if uuid else ''} fell off the bus "
+                f"at {fmt_time(rec.realtime)} (driver message without an Xid number, counted as "
+                f"Xid 79): {rest[:200]}"
+            )
         fields = {"xid": xid, "gpu": gpu, "uuid": uuid, "pci": pci, "source": rec.source}
         for k in ("gi", "ci"):
             if k in f:
                 fields["mig_" + k] = f[k]
+        if no_xid:
+            fields.update(detail="fallen off the bus, no Xid number", pci_id=f.get("pci_id", ""))
         return self._emit(
             Event(
                 key=key,
@@ -689,7 +780,7 @@ class KernelEventProcessor:
         if vmstat_oom_kill is None:
             return []
         with self._lock:
-            missing = vmstat_oom_kill - self._boot_kernel_kills
+            missing = vmstat_oom_kill - self.oom_baseline.kernel_kills() - self._boot_kernel_kills
             if missing <= 0:
                 self._deficit_since = None
                 return []

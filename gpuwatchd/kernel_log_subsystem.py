@@ -45,6 +45,7 @@ class KernelLogSubsystem(Subsystem):
 
     name = "kernel_log"
     RETRY_SECONDS = 30.0
+    HISTORY_WAIT_SECONDS = 60.0  # a replay not finished by then is reported as unknown
 
     def __init__(self, journal_path: str | None = None, bus: EventBus | None = None) -> None:
         self.journal_path = journal_path
@@ -58,6 +59,7 @@ class KernelLogSubsystem(Subsystem):
         self._running = False
         self._last_ok: float | None = None
         self._processes: Mapping[int, ProcessInfo] = {}
+        self._history_due = 0.0
 
     def start(self, daemon: Daemon) -> None:
         cfg = daemon.config
@@ -80,7 +82,11 @@ class KernelLogSubsystem(Subsystem):
             xid_dedup=dedup, clock=daemon.clock,
         )
         daemon.counters.ensure("kernel_log_overruns", ())
+        # First start in this boot: what the kernel counted and the log replays is history.
+        self._history_due = self.HISTORY_WAIT_SECONDS + time.monotonic()
+        self.processor.take_baseline(read_vmstat_oom_kill(paths), daemon.clock())
         if cfg.kernel_log == "off":
+            self.processor.history_event("")
             return
         self._thread = threading.Thread(
             target=self._run, args=(daemon,), name="kernel-log", daemon=True
@@ -133,6 +139,7 @@ class KernelLogSubsystem(Subsystem):
         now = daemon.clock()
         self._processes = partial.get("processes", {})
         self.processor.tick(now)
+        self._report_history()
         self.processor.cross_check(read_vmstat_oom_kill(daemon.paths), now)
         running = self._running
         if running:
@@ -148,6 +155,16 @@ class KernelLogSubsystem(Subsystem):
             "extras": {"kernel_events": tuple(self.processor.recent(now - 3600.0))},
             "collectors": (status,),
         }
+
+    def _report_history(self) -> None:
+        """The first start's history event, once the source has replayed its buffer."""
+        if self.processor is None or self.processor.oom_baseline.history is None:
+            return
+        source = self.source
+        if source is not None and source.ready.is_set():
+            self.processor.history_event(source.name)
+        elif time.monotonic() > self._history_due:
+            self.processor.history_event("")
 
     def after_join(self, daemon: Daemon, state: NodeState) -> None:
         if self.processor is None:

@@ -197,6 +197,50 @@ COUNTER_LABELS: Mapping[str, tuple[str, ...]] = frozen_map(
 
 
 @dataclass(frozen=True)
+class TreeProcessMemory:
+    """One process of a rank's tree: what it holds and what it gained over the tracker's window."""
+
+    pid: int
+    comm: str
+    rss_bytes: int
+    gained_bytes: int
+    over_seconds: float
+    worker: bool  # a descendant of the rank process, not the rank itself
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Host memory of one rank (memory_tracker.py): its memory cgroup's bounding level, its whole
+    tree's RSS, and their growth over ``memory.window_seconds`` (None until measured long enough)."""
+
+    job_id: str
+    rank: int
+    pid: int
+    tree_rss_bytes: int
+    tree_growth_bytes_per_second: float | None = None
+    cgroup: str = ""  # path of the level whose limit bounds the rank ("" without memory cgroup)
+    cgroup_version: int | None = None
+    usage_bytes: int | None = None
+    working_set_bytes: int | None = None  # usage minus inactive file cache (compared with limit)
+    limit_bytes: int | None = None
+    high_bytes: int | None = None
+    cgroup_growth_bytes_per_second: float | None = None  # of the working set
+    pressure_some_avg10: float | None = None  # 0..1 (PSI memory.pressure of the rank's cgroup)
+    pressure_some_seconds: float | None = None  # PSI totals
+    pressure_full_seconds: float | None = None
+    top: tuple[TreeProcessMemory, ...] = ()  # the tree's largest holders and growers
+
+
+@dataclass(frozen=True)
+class NodeMemoryState:
+    total_bytes: int
+    available_bytes: int
+    pressure_some_avg10: float | None = None
+    pressure_some_seconds: float | None = None
+    pressure_full_seconds: float | None = None
+
+
+@dataclass(frozen=True)
 class NodeState:
     timestamp: float
     ranks: tuple[RankState, ...] = ()
@@ -208,3 +252,5 @@ class NodeState:
     # counter name -> {label values tuple -> value}; see COUNTER_LABELS
     counters: Mapping[str, Mapping[tuple[str, ...], float]] = field(default_factory=frozen_map)
     cycle_seconds: float = 0.0
+    rank_memory: tuple[RankMemory, ...] = ()  # memory_subsystem.py; () when off
+    node_memory: NodeMemoryState | None = None

@@ -414,6 +414,16 @@ def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
         add("gpuwatch_rank_progress_timestamp_seconds", "gauge", jr, now - (600 if r.stalled else 1))
         add("gpuwatch_rank_stalled", "gauge", jr, 1 if r.stalled else 0)
         add("gpuwatch_cuda_oom_errors_total", "counter", {**jr, "gpu": str(r.gpu)}, 0)
+        add("gpuwatch_rank_tree_resident_memory_bytes", "gauge", jr, 6 * 2**30)
+        add("gpuwatch_rank_memory_cgroup_usage_bytes", "gauge", jr, 70 * 2**30)
+        add("gpuwatch_rank_memory_cgroup_working_set_bytes", "gauge", jr, 66 * 2**30)
+        add("gpuwatch_rank_memory_cgroup_limit_bytes", "gauge", jr, 80 * 2**30)
+        add("gpuwatch_rank_memory_pressure_waiting_seconds_total", "counter", jr, now % 1000 / 10)
+        add("gpuwatch_rank_memory_pressure_stalled_seconds_total", "counter", jr, now % 1000 / 100)
+    add("gpuwatch_node_memory_total_bytes", "gauge", {}, 2048 * 2**30)
+    add("gpuwatch_node_memory_available_bytes", "gauge", {}, 900 * 2**30)
+    add("gpuwatch_node_memory_pressure_waiting_seconds_total", "counter", {}, now % 1000 / 10)
+    add("gpuwatch_node_memory_pressure_stalled_seconds_total", "counter", {}, now % 1000 / 100)
     add("gpuwatch_orphan_gpu_memory_bytes", "gauge",
         {"gpu": "7", "uuid": "GPU-0007", "pid": "11223", "comm": "python", "user": "alice",
          "reason": "reparented_to_init"}, 55 * 2**30)

@@ -93,7 +93,9 @@ def test_oom_kill_pages_once_through_prometheus_and_alertmanager_every_panel_has
         report: Any) -> None:
     job_id = "e2e-llm-7"
     victim = _oom_victim(cgroups, procs)
-    peer = sleeper()
+    peer_cg = MemCgroup("h6e2epeer", 1 << 30)  # the peer's job limit: the host-memory panels
+    cgroups.append(peer_cg)
+    peer = peer_cg.spawn("import time; time.sleep(600)")
     orphan = sleeper()  # holds GPU memory in the replay but belongs to no rank
     procs += [peer, orphan]
     node = Daemon(
@@ -189,7 +191,9 @@ def test_direct_push_and_rule_arrive_as_one_alert(
     Alertmanager merges the two into one GPURankOOMKilled alert, not two."""
     job_id = "e2e-push"
     victim = _oom_victim(cgroups, procs)
-    peer = sleeper()
+    peer_cg = MemCgroup("h6e2epeer", 1 << 30)  # the peer's job limit: the host-memory panels
+    cgroups.append(peer_cg)
+    peer = peer_cg.spawn("import time; time.sleep(600)")
     procs.append(peer)
     with Webhook() as hook, \
             alertmanager(tmp_path, shipped_alertmanager_config(hook.url)) as am:

@@ -17,9 +17,11 @@ from gpuwatchd.model import (
     Finding,
     GpuDevice,
     GpuProcessRow,
+    NodeMemoryState,
     NodeState,
     Orphan,
     ProcessInfo,
+    RankMemory,
     RankState,
 )
 
@@ -55,8 +57,13 @@ def full_state() -> tuple[NodeState, CounterStore]:
     counters.inc("kernel_log_overruns")
     counters.inc("kernel_log_lines_rejected", ("not_kernel_facility",))
     counters.inc("web_connections_dropped", ("limit",))
+    memory = (RankMemory("llm-7", 0, 10, 3 << 30, 1e6, cgroup="/slurm/job_7", cgroup_version=2,
+                         usage_bytes=75 << 30, working_set_bytes=74 << 30, limit_bytes=80 << 30,
+                         high_bytes=78 << 30, pressure_some_seconds=12.5, pressure_full_seconds=1.5),)
+    node = NodeMemoryState(2 << 40, 40 << 30, 0.01, 100.0, 20.0)
     state = NodeState(timestamp=1700000002.0, ranks=ranks, gpus=gpus, gpu_processes=rows, orphans=orphans,
-                      findings=findings, collectors=collectors, cycle_seconds=0.004)
+                      findings=findings, collectors=collectors, cycle_seconds=0.004,
+                      rank_memory=memory, node_memory=node)
     return state, counters
 
 

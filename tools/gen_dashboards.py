@@ -261,6 +261,44 @@ NODE_ROWS: list[tuple[str, list[Panel]]] = [
               [graph(f"gpuwatch_oom_kills_total{{{N}}}",
                  "{{job_id}} rank {{rank}} {{comm}} ({{killer}})")], unit="none", min=0),
     ]),
+    ("Host memory", [
+        Panel("Memory cgroup use / limit per rank", "timeseries",
+              [graph(f"gpuwatch_rank_memory_cgroup_working_set_bytes{{{N}}} / "
+                 f"gpuwatch_rank_memory_cgroup_limit_bytes{{{N}}}", "{{job_id}} rank {{rank}}")],
+              unit="percentunit", min=0, max=1, thresholds=[(None, "green"), (0.9, "red")],
+              description="Working set (usage minus inactive file cache) of the memory cgroup that "
+                          "bounds each rank, over its limit: at 1 the kernel OOM-kills. "
+                          "rank_memory_pressure warns at memory.ratio_threshold or earlier when "
+                          "the trend reaches the limit within memory.horizon_seconds."),
+        Panel("Memory cgroup working set and limit", "timeseries",
+              [graph(f"gpuwatch_rank_memory_cgroup_working_set_bytes{{{N}}}",
+                 "{{job_id}} rank {{rank}} working set"),
+               graph(f"gpuwatch_rank_memory_cgroup_usage_bytes{{{N}}}",
+                 "{{job_id}} rank {{rank}} usage (with file cache)"),
+               graph(f"gpuwatch_rank_memory_cgroup_limit_bytes{{{N}}}",
+                 "{{job_id}} rank {{rank}} limit")], unit="bytes", min=0),
+        Panel("Rank tree resident memory", "timeseries",
+              [graph(f"gpuwatch_rank_tree_resident_memory_bytes{{{N}}}", "{{job_id}} rank {{rank}}")],
+              unit="bytes", min=0,
+              description="RSS of each rank's whole process tree (rank plus DataLoader workers); "
+                          "which worker grew is in the memory_snapshot events (gpuwatchd events)."),
+        Panel("Memory pressure (PSI, time waiting for memory)", "timeseries",
+              [graph(f"rate(gpuwatch_rank_memory_pressure_waiting_seconds_total{{{N}}}"
+                 f"[$__rate_interval])", "{{job_id}} rank {{rank}}"),
+               graph(f"rate(gpuwatch_rank_memory_pressure_stalled_seconds_total{{{N}}}"
+                 f"[$__rate_interval])", "{{job_id}} rank {{rank}} (all tasks stalled)"),
+               graph(f"rate(gpuwatch_node_memory_pressure_waiting_seconds_total{{{N}}}"
+                 f"[$__rate_interval])", "node"),
+               graph(f"rate(gpuwatch_node_memory_pressure_stalled_seconds_total{{{N}}}"
+                 f"[$__rate_interval])", "node (all tasks stalled)")],
+              unit="percentunit", min=0,
+              description="Share of time some task waited for memory (reclaim, swap-in): rises "
+                          "before an OOM kill; absent where the kernel has no PSI."),
+        Panel("Node memory available", "timeseries",
+              [graph(f"gpuwatch_node_memory_available_bytes{{{N}}}", "available"),
+               graph(f"gpuwatch_node_memory_total_bytes{{{N}}}", "total")],
+              unit="bytes", min=0, width=24, height=6),
+    ]),
 ]
 
 # --- Job ----------------------------------------------------------------------------------------

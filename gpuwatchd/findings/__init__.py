@@ -58,6 +58,7 @@ def _rules() -> list[Rule]:
         fds,
         fork,
         gil,
+        memory,
         nccl_env,
         oom,
         orphans,
@@ -68,7 +69,7 @@ def _rules() -> list[Rule]:
     )
 
     return [rank_down.find, fds.find, nccl_env.find, rankfile.find, gil.find, stall.find,
-            oom.find, xid.find, orphans.find, fork.find]
+            oom.find, xid.find, orphans.find, fork.find, memory.find]
 
 
 RULES: list[Rule] = _rules()

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 from gpuwatchd.events import Event
 from gpuwatchd.findings import FindingContext, fmt_bytes
+from gpuwatchd.kernel_events import scope_phrase
 from gpuwatchd.model import PAGE, Finding
 
 # A kill stays a finding for as long as the GPURankOOMKilled rule looks back (increase()[10m]),
@@ -46,10 +47,15 @@ def explain(ev: Event, peers_alive: int) -> str:
         text += f" holding {fmt_bytes(rss)} RSS"
     if f.get("memcg"):
         text += f" in memory cgroup {f['memcg']}"
+    if ev.killer == "kernel":
+        text += scope_phrase(str(f.get("scope", "")), str(f.get("constraint", "")),
+                             str(f.get("oom_memcg", "")), str(f.get("memcg", "")))
     if peers_alive:
         text += f"; {peers_alive} peers alive: they will wait in their next collective"
     else:
         text += "; no peer of the job is alive on this node"
+    if f.get("memory_snapshot_summary"):  # memory_evidence.py: what it was doing before
+        text += f". Before the kill: {f['memory_snapshot_summary']}"
     return text
 
 
@@ -89,6 +95,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
                 "memcg": ev.fields.get("memcg", ""),
                 "peers_alive": peers,
                 "event": ev.key,
+                "memory_snapshot": ev.fields.get("memory_snapshot", ""),
             },
             since=ev.time,
         )

@@ -13,6 +13,8 @@ Shell equivalent: ``dmesg -T | grep -iE 'killed process|oom-kill:|NVRM: Xid'`` o
 
 Line formats and regexes: shared/research/gil-hang-oom.md §4 (kernels 3.x to 6.18, drivers with
 and without ``PCI:``/MIG instance ids), tested on the recorded lines in tests/fixtures/kernel/.
+Formats found missing in public reports (RHEL 6/7 ``Killed process N, UID U``, pre-1.6 earlyoom,
+a GPU fallen off the bus without an Xid number) are parsed in sources/kernel_formats.py.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatchd.paths import HostPaths
+from gpuwatchd.sources import kernel_formats
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,9 @@ KMSG = re.compile(
 OOM_KILLED = re.compile(
     r"(?:(?P<kind>Out of memory|Memory cgroup out of memory|"
     r"Out of memory \(oom_kill_allocating_task\)): )?"
-    r"Killed process (?P<pid>\d{1,10}) \((?P<comm>[^\n]{0,64}?)\) total-vm:(?P<total_vm_kb>\d+)kB, "
+    # RHEL/CentOS 6 put ", UID U," before the comm, RHEL/CentOS 7 after it (Red Hat backports)
+    r"Killed process (?P<pid>\d{1,10})(?:, UID (?P<uid_el6>\d{1,10}),)? \((?P<comm>[^\n]{0,64}?)\)"
+    r"(?:, UID (?P<uid_el7>\d{1,10}),)? total-vm:(?P<total_vm_kb>\d+)kB, "
     r"anon-rss:(?P<anon_rss_kb>\d+)kB, file-rss:(?P<file_rss_kb>\d+)kB"
     r"(?:, shmem-rss:(?P<shmem_rss_kb>\d+)kB)?"
     r"(?:, UID:(?P<uid>\d+))?(?: pgtables:(?P<pgtables_kb>\d+)kB)?"
@@ -81,7 +86,8 @@ OOM_TASK_IN = re.compile(
 OOM_GROUP = re.compile(
     r"^Tasks in (?P<memcg>\S+) are going to be killed due to memory\.oom\.group set"
 )
-MEMCG_STATS = re.compile(r"^Memory cgroup stats for (?P<memcg>\S+?):?$")
+# 3.10 prints the statistics on the same line ("... for /kubepods/x: cache:32KB rss:...")
+MEMCG_STATS = re.compile(r"^Memory cgroup stats for (?P<memcg>\S+?)(?::\s|:?$)")
 XID = re.compile(
     r"NVRM: Xid \((?:PCI:)?(?P<pci>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})"
     r"(?: GPU-I:(?P<gi>\d+))?(?: GPU-CI:(?P<ci>\d+))?\): (?P<xid>\d{1,5}), "
@@ -98,7 +104,9 @@ EARLYOOM_KILL = re.compile(
 )
 EARLYOOM_RSS = re.compile(r"VmRSS (?P<mib>\d+) MiB")
 # Message shapes that matter; a non-kernel record that looks like one of them is a spoof attempt.
-INTERESTING = re.compile(r"Killed process|Kill process|oom-kill:|invoked oom-killer|NVRM: Xid")
+INTERESTING = re.compile(
+    r"Killed process|Kill process|oom-kill:|invoked oom-killer|NVRM: Xid|fallen off the bus"
+)
 
 
 @dataclass(frozen=True)
@@ -135,7 +143,7 @@ class Parsed:
     """One recognised log message. ``kind`` selects which of the fields are meaningful."""
 
     kind: str  # killed | kill_old | summary | invoked | reaper | task_in | oom_group |
-    #            memcg_stats | xid | gpu_at | oomd | earlyoom
+    #            memcg_stats | xid | gpu_at | bus_lost | gpu_named | oomd | earlyoom
     pid: int | None = None
     comm: str = ""
     fields: Mapping[str, str] = field(default_factory=dict)
@@ -161,6 +169,11 @@ def parse_message(message: str, identifier: str = KILLER_KERNEL) -> Parsed | Non
             if rss:
                 f["rss_kb"] = str(int(rss["mib"]) * 1024)
             return Parsed("earlyoom", pid=int(m["pid"]), comm=m["comm"], fields=f)
+        old = kernel_formats.parse_earlyoom_old(msg)
+        if old is not None:
+            victim, name, signal, rss_kb = old
+            f = {"signal": signal} if rss_kb is None else {"signal": signal, "rss_kb": str(rss_kb)}
+            return Parsed("earlyoom", pid=victim, comm=name, fields=f)
         return None
     if identifier != KILLER_KERNEL:
         return None
@@ -179,11 +192,19 @@ def parse_message(message: str, identifier: str = KILLER_KERNEL) -> Parsed | Non
         m = NVRM_GPU_AT.search(msg)
         if m:
             return Parsed("gpu_at", fields={"pci": m["pci"].lower(), "uuid": m["uuid"]})
+        lost = kernel_formats.parse_bus_lost(msg)
+        if lost is not None:
+            kind, pci, pci_id = lost
+            return Parsed(kind, fields={"pci": pci, "pci_id": pci_id, "rest": msg[:400]})
         return None
     if "ill" in msg:  # cheap pre-filter: Killed / Kill / oom-kill / killer
         m = OOM_KILLED.search(msg)
         if m:
             f = {k: v for k, v in m.groupdict().items() if v is not None}
+            uid_el6, uid_el7 = f.pop("uid_el6", None), f.pop("uid_el7", None)
+            uid = uid_el6 or uid_el7
+            if uid is not None:
+                f.setdefault("uid", uid)
             return Parsed("killed", pid=int(m["pid"]), comm=m["comm"], fields=f)
         m = OOM_SUMMARY.search(msg)
         if m:

@@ -1,0 +1,175 @@
+"""The memory subsystem of the daemon: host memory per rank and per node, each cycle, and the
+evidence snapshots of ``rank_memory_pressure``.
+
+``before_join``: for every live rank, the memory cgroup level that bounds it, its tree's RSS and
+their growth (sources/memcg.py, memory_tracker.py), plus the node's MemAvailable and PSI; handed to
+the join as ``rank_memory`` / ``node_memory`` (exported) and in ``extras`` (findings/memory.py),
+with the ``memory`` collector status. ``after_join``: when ``rank_memory_pressure`` is raised for a
+rank, or gets worse, one snapshot (memory_evidence.py) is taken in the background: a non-blocking
+py-spy dump never holds up the cycle. Snapshots go into the kernel-log subsystem's event log (one
+writer), where a following OOM kill of the rank links to the last one.
+
+Cost: a few small /sys and /proc reads per rank per cycle (sources/memcg.py); one py-spy dump per
+snapshot (~10-100 ms of py-spy's CPU, nothing measurable on the target: ``--nonblocking``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from gpuwatchd.config import Config
+from gpuwatchd.daemon import Daemon, Subsystem
+from gpuwatchd.findings.memory import KIND
+from gpuwatchd.isolation import guarded
+from gpuwatchd.kernel_log_subsystem import KernelLogSubsystem
+from gpuwatchd.memory_evidence import snapshot_event, worse
+from gpuwatchd.memory_tracker import MemoryTracker, RankKey
+from gpuwatchd.model import CollectorStatus, Finding, NodeMemoryState, NodeState, ProcessInfo, RankMemory
+from gpuwatchd.sources.memcg import CgroupPaths, MemcgReader
+from gpuwatchd.sources.pyspy import PySpy, PySpyError
+
+log = logging.getLogger(__name__)
+CGROUP_TTL = 30.0  # a rank's cgroup rarely changes: re-read /proc/PID/cgroup this often
+
+
+class MemorySubsystem(Subsystem):
+    name = "memory"
+
+    def __init__(self, config: Config, kernel: KernelLogSubsystem, *,
+                 reader: MemcgReader | None = None, spy: PySpy | None = None) -> None:
+        self.config = config
+        self.kernel = kernel  # owns the event log
+        self.reader = reader
+        self.spy = spy
+        self.tracker = MemoryTracker()
+        self._paths: dict[tuple[int, int], tuple[float, CgroupPaths | None]] = {}
+        self._readings: dict[tuple[str, int, int], RankMemory] = {}
+        # per rank process: (snapshots taken, last snapshot time, the finding it was taken for)
+        self._snaps: dict[tuple[str, str, str], tuple[int, float, Finding]] = {}
+        self._busy = threading.Lock()  # one py-spy dump at a time; a second request is dropped
+        self._seq = 0
+        self._last_ok: float | None = None
+
+    def start(self, daemon: Daemon) -> None:
+        if self.reader is None:
+            self.reader = MemcgReader(daemon.paths, self.config.memory.cgroup_root)
+        if self.spy is None:  # share the py-spy runner (and its concurrency limit) of GIL sampling
+            for sub in daemon.subsystems:
+                spy = getattr(sub, "spy", None)
+                if isinstance(spy, PySpy):
+                    self.spy = spy
+        if self.spy is None:
+            self.spy = PySpy.from_config(self.config.gil.pyspy_path, paths=daemon.paths,
+                                         max_concurrent=1)
+
+    # -- each cycle --------------------------------------------------------------------------
+
+    def before_join(self, daemon: Daemon, partial: Mapping[str, Any]) -> Mapping[str, Any]:
+        if self.reader is None:
+            self.start(daemon)
+        assert self.reader is not None
+        t0 = time.monotonic()
+        now = float(partial.get("now", daemon.clock()))
+        cfg = daemon.config.memory
+        processes: Mapping[int, ProcessInfo] = partial.get("processes", {})
+        descendants: Mapping[int, tuple[int, ...]] = partial.get("descendants", {})
+        readings: list[RankMemory] = []
+        live: list[RankKey] = []
+        seen: set[tuple[str, int]] = set()
+        memo: dict[tuple[int, str], Any] = {}  # cgroup levels read this cycle, shared by ranks
+        for e in partial.get("entries", ()):
+            proc = processes.get(e.pid)
+            if (e.job_id, e.rank) in seen or proc is None or proc.state in ("Z", "X") or (
+                    e.start_ticks is not None and proc.start_ticks != e.start_ticks):
+                continue
+            seen.add((e.job_id, e.rank))
+            key: RankKey = (e.job_id, e.rank, e.pid, proc.start_ticks)
+            live.append(key)
+            where = self._cgroup_paths(e.pid, proc.start_ticks, now)
+            cg = self.reader.read(where, memo) if where is not None else None
+            tree = (e.pid, *descendants.get(e.pid, ()))
+            readings.append(self.tracker.observe(now, key, tree, processes, cg,
+                                                 cfg.window_seconds, cfg.min_window_seconds))
+        self.tracker.forget(live, ((p.pid, p.start_ticks) for p in processes.values()))
+        live_pids = {(k[2], k[3]) for k in live}
+        self._paths = {k: v for k, v in self._paths.items() if k in live_pids}
+        self._readings = {(m.job_id, m.rank, m.pid): m for m in readings}
+        n = self.reader.node()
+        node = None if n is None else NodeMemoryState(
+            n.total_bytes, n.available_bytes,
+            n.pressure.some_avg10 if n.pressure else None,
+            n.pressure.some_total_seconds if n.pressure else None,
+            n.pressure.full_total_seconds if n.pressure else None,
+        )
+        ok = node is not None
+        if ok:
+            self._last_ok = now
+        status = CollectorStatus("memory", ok, time.monotonic() - t0, self._last_ok,
+                                 "" if ok else "cannot read /proc/meminfo")
+        return {"rank_memory": tuple(readings), "node_memory": node,
+                "extras": {"memory": tuple(readings), "node_memory": node},
+                "collectors": (status,)}
+
+    def _cgroup_paths(self, pid: int, start_ticks: int, now: float) -> CgroupPaths | None:
+        assert self.reader is not None
+        hit = self._paths.get((pid, start_ticks))
+        if hit is not None and now - hit[0] < CGROUP_TTL:
+            return hit[1]
+        where = self.reader.cgroup_of(pid)
+        self._paths[(pid, start_ticks)] = (now, where)
+        return where
+
+    def after_join(self, daemon: Daemon, state: NodeState) -> None:
+        cfg = daemon.config.memory
+        now = daemon.clock()
+        current = {(f.job_id, f.rank, f.pid): f for f in state.findings if f.kind == KIND}
+        live = {(r.job_id, str(r.rank), str(r.pid)) for r in state.ranks if r.alive}
+        self._snaps = {k: v for k, v in self._snaps.items() if k in live}  # bounded by live ranks
+        for k, f in current.items():
+            count, last_t, last_f = self._snaps.get(k, (0, float("-inf"), f))
+            raised = count == 0
+            if count >= cfg.snapshots_per_rank or now - last_t < cfg.snapshot_min_interval_seconds:
+                continue
+            if not raised and not worse(f, last_f):
+                continue
+            m = self._readings.get((f.job_id, int(f.rank), int(f.pid)))
+            if m is not None and self._snapshot(f, m, now):
+                self._snaps[k] = (count + 1, now, f)
+
+    # -- evidence ----------------------------------------------------------------------------
+
+    def _snapshot(self, f: Finding, m: RankMemory, now: float) -> bool:
+        """Start one snapshot in the background; False when one is still running."""
+        if not self._busy.acquire(blocking=False):
+            return False
+        self._seq += 1
+        seq = self._seq
+
+        def run() -> None:
+            try:
+                guarded("memory snapshot", lambda: self._take(f, m, now, seq), None)
+            finally:
+                self._busy.release()
+
+        threading.Thread(target=run, name="memory-snapshot", daemon=True).start()
+        return True
+
+    def _take(self, f: Finding, m: RankMemory, now: float, seq: int) -> None:
+        stacks, error = None, ""
+        if self.spy is not None:
+            try:
+                stacks = self.spy.dump(m.pid, slot_wait=2.0)  # off the cycle: may wait a little
+            except PySpyError as e:
+                error = f"{e.reason}: {e.detail}"[:200]
+        ev = snapshot_event(f, m, now, stacks, error, seq)
+        processor = self.kernel.processor
+        if processor is not None:
+            processor.record_event(ev)
+        log.info("memory snapshot: %s", ev.summary)
+
+    def stop(self) -> None:
+        """Nothing to release: a running snapshot thread ends with its py-spy run."""
