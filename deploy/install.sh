@@ -91,10 +91,12 @@ put() {  # put MODE SOURCE DEST: install when absent or different
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 
-# 1. unit, with ExecStart pointing at the installed console script
-sed "s#^ExecStart=/usr/local/bin/gpuwatchd #ExecStart=$BIN #" \
+# 1. unit, with ExecStart and ExecReload pointing at the installed console script
+sed -e "s#^ExecStart=/usr/local/bin/gpuwatchd #ExecStart=$BIN #" \
+    -e "s#^ExecReload=/usr/local/bin/gpuwatchd #ExecReload=$BIN #" \
     "$SRC/systemd/gpuwatchd.service" > "$TMP/gpuwatchd.service"
 grep -q "^ExecStart=$BIN run " "$TMP/gpuwatchd.service" || die "could not set ExecStart"
+grep -q "^ExecReload=$BIN config check " "$TMP/gpuwatchd.service" || die "could not set ExecReload"
 put 0644 "$TMP/gpuwatchd.service" "$R/etc/systemd/system/gpuwatchd.service"
 UNIT_CHANGED=$CHANGED
 put 0644 "$SRC/systemd/gpuwatchd.tmpfiles.conf" "$R/etc/tmpfiles.d/gpuwatchd.conf"

@@ -70,6 +70,17 @@ if grep -q '^gpuwatchd:' "$R/etc/group" 2>/dev/null; then
     groupdel --root "$ROOT" gpuwatchd
     say "removed group gpuwatchd"
 fi
+# userdel and systemd-sysusers keep the previous account files as passwd-, shadow-, ...: drop
+# the gpuwatchd entries there too (in place: the backups keep their owner and mode), so that
+# no trace of the account remains (found by tests/test_systemd_boot.py).
+for f in passwd group shadow gshadow; do
+    b="$R/etc/$f-"
+    if [ -f "$b" ] && grep -q '^gpuwatchd:' "$b"; then
+        kept=$(grep -v '^gpuwatchd:' "$b" || true)
+        printf '%s\n' "$kept" | sed '/^$/d' > "$b"
+        say "removed gpuwatchd from /etc/$f-"
+    fi
+done
 
 # 4. what install.sh created where nothing was before: files first, then directories, deepest
 #    first, and only when empty (something else may have moved in since).

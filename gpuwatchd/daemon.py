@@ -108,6 +108,7 @@ class Daemon:
         self._last_discovery = float("-inf")
         self._env_cache: dict[tuple[int, int], tuple[str, ...]] = {}
         self._cycle_lock = threading.Lock()
+        self.exit_status = 0  # what `gpuwatchd run` exits with (request_exit)
         self._make_collectors()
 
     # --- sources --------------------------------------------------------------------------------
@@ -238,6 +239,16 @@ class Daemon:
         if self.config_path is None:
             log.info("SIGHUP: no config file to reload")
             return False
+        # Type=notify-reload (systemd >= 253) holds `systemctl reload` open from RELOADING=1 to
+        # READY=1; under Type=notify these only mark the unit "reloading" meanwhile.
+        notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        try:
+            return self._reload()
+        finally:
+            notify("READY=1")
+
+    def _reload(self) -> bool:
+        assert self.config_path is not None
         try:
             new = with_overrides(load_config(self.config_path), self.listen_override,
                                  self.web_config_override)
@@ -271,6 +282,13 @@ class Daemon:
         else:
             log.info("configuration reloaded from %s", self.config_path)
         return True
+
+    def request_exit(self, status: int, why: str) -> None:
+        """End ``run()`` after this cycle and exit with ``status`` (for systemd's Restart=)."""
+        log.error("%s", why)
+        notify(f"STATUS={why[:200]}")
+        self.exit_status = status
+        self.stop_event.set()
 
     def install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():

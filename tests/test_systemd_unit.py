@@ -48,7 +48,8 @@ def _unit_values(text: str, key: str) -> list[str]:
 
 
 def _stub_unit(tmp_path: Path) -> Path:
-    """The unit with ExecStart pointing at an executable that exists (verify checks it)."""
+    """The unit with ExecStart and ExecReload pointing at an executable that exists (verify
+    checks it)."""
     stub = tmp_path / "bin" / "gpuwatchd"
     stub.parent.mkdir(parents=True, exist_ok=True)
     stub.write_text("#!/bin/sh\nexit 0\n")
@@ -56,7 +57,8 @@ def _stub_unit(tmp_path: Path) -> Path:
     text = UNIT.read_text()
     assert "ExecStart=/usr/local/bin/gpuwatchd " in text
     unit = tmp_path / "gpuwatchd.service"
-    unit.write_text(text.replace("ExecStart=/usr/local/bin/gpuwatchd ", f"ExecStart={stub} "))
+    unit.write_text(text.replace("ExecStart=/usr/local/bin/gpuwatchd ", f"ExecStart={stub} ")
+                    .replace("ExecReload=/usr/local/bin/gpuwatchd ", f"ExecReload={stub} "))
     return unit
 
 
