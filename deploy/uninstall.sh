@@ -5,6 +5,9 @@
 # account files install.sh created where nothing was before (its manifest). The Python package
 # itself stays: `pip uninstall gpuwatchd` removes it.
 #
+# Verified under a booted systemd 252 (Debian 12) by tests/test_systemd_boot.py, as a new user
+# runs it; what is verified where, and what is not: docs/security.md section 8.
+#
 # Options:
 #   --root DIR      uninstall from DIR instead of / (images, tests)
 #   --keep-config   keep /etc/gpuwatchd (config.yaml, web-config, certificates)
@@ -21,7 +24,7 @@ while [ $# -gt 0 ]; do
         --root) ROOT=${2:?--root needs a directory}; shift 2 ;;
         --root=*) ROOT=${1#--root=}; shift ;;
         --keep-config) KEEP_CONFIG=1; shift ;;
-        -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown option $1 (see --help)" ;;
     esac
 done
