@@ -25,6 +25,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -141,9 +142,10 @@ def build_wheelhouse(source: Path, dest: Path) -> Path:
 
 
 def _dependencies(pyproject: str) -> list[str]:
-    import tomllib
-
-    return list(tomllib.loads(pyproject)["project"]["dependencies"])
+    """[project] dependencies (tomllib is Python >= 3.11 only; the list is plain strings)."""
+    block = re.search(r"^dependencies = \[(.*?)^\]", pyproject, re.M | re.S)
+    assert block, "no dependencies = [...] in pyproject.toml"
+    return re.findall(r'"([^"]+)"', block.group(1))
 
 
 # --- cgroups ----------------------------------------------------------------------------------

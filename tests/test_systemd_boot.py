@@ -9,7 +9,8 @@ journal, and an uninstall that leaves nothing.
 
 The tests share one booted container and run in file order (install first, uninstall last).
 Needs root, cgroup v1, apt (mmdebstrap) and PyPI the first time (the rootfs and dependency wheels
-are cached under /var/cache/gpuwatchd-test-rootfs). About a minute with the cache warm.
+are cached under /var/cache/gpuwatchd-test-rootfs). About 2 minutes with the cache warm,
+2.5 minutes cold (measured on the 2-core CI machine).
 """
 
 from __future__ import annotations
@@ -367,7 +368,7 @@ def test_stop_is_clean(box: Box) -> None:
     assert took < 10, took
     procs = box.cgroup_dir("pids", f"/system.slice/{UNIT}") / "cgroup.procs"
     assert not procs.exists() or not procs.read_text().split()
-    assert "SIGKILL" not in journal(box)[-2000:]
+    assert "timed out. Killing" not in journal(box)  # systemd's words when SIGTERM was not enough
 
 
 def test_uninstall_leaves_nothing(box: Box) -> None:
