@@ -240,12 +240,16 @@ class Daemon:
             log.info("SIGHUP: no config file to reload")
             return False
         # Type=notify-reload (systemd >= 253) holds `systemctl reload` open from RELOADING=1 to
-        # READY=1; under Type=notify these only mark the unit "reloading" meanwhile.
-        notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        # READY=1; under Type=notify these only mark the unit "reloading" meanwhile. Not before
+        # the first cycle: READY=1 would then announce a daemon that has not read anything yet.
+        started = self.state is not None
+        if started:
+            notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
         try:
             return self._reload()
         finally:
-            notify("READY=1")
+            if started:
+                notify("READY=1")
 
     def _reload(self) -> bool:
         assert self.config_path is not None
