@@ -7,7 +7,8 @@ from /dev/kmsg with a real memcg OOM kill, DeviceAllow=/dev/kmsg necessary, the 
 policy expanded after a late driver (fake nodes, crafted /proc/devices), a clean stop, the
 journal, and an uninstall that leaves nothing.
 
-The tests share one booted container and run in file order (install first, uninstall last).
+The tests share one booted container with gpuwatchd installed (the fixture) and run in file order
+(uninstall last); each sets the config and drop-in it needs, so one can also run alone (-k).
 Needs root, cgroup v1, apt (mmdebstrap) and PyPI the first time (the rootfs and dependency wheels
 are cached under /var/cache/gpuwatchd-test-rootfs). About 2 minutes with the cache warm,
 2.5 minutes cold (measured on the 2-core CI machine).
@@ -66,6 +67,7 @@ def box() -> Iterator[Box]:
             ".pytest_cache", ".dev", "build"))
         share.chmod(0o755)
         container = bootsystemd.BootedSystemd(rootfs, share)
+        container.install_output = _install(container)
         yield container
     finally:
         if container is not None:
@@ -160,14 +162,21 @@ def oom_kill(box: Box) -> str:
 
 # --- the tests, in order --------------------------------------------------------------------
 
-def test_install_sh_as_a_new_user_runs_it_and_notify_readiness(box: Box) -> None:
+def _install(box: Box) -> str:
+    """As a new user would: a venv, `pip install gpuwatchd`, deploy/install.sh (after a snapshot
+    of the files and accounts, for the uninstall test). Returns install.sh's output."""
     box.sh(f"{SNAPSHOT} > /etc/gpuwatchd-test-snapshot; "
            f"cat {' '.join(ACCOUNT_FILES)} > /etc/gpuwatchd-test-snapshot.accounts")
     box.run(["python3", "-m", "venv", "--system-site-packages", VENV])
     box.run([f"{VENV}/bin/pip", "install", "-q", "--no-index", "--find-links", "/srv/gw/wheels",
              "gpuwatchd"], timeout=180)
-    res = box.run(["/srv/gw/src/deploy/install.sh", "--bin", BIN], timeout=120)
-    assert "running: systemctl status gpuwatchd" in res.stdout, res.stdout
+    return box.run(["/srv/gw/src/deploy/install.sh", "--bin", BIN], timeout=120).stdout
+
+
+def test_install_sh_as_a_new_user_runs_it_and_notify_readiness(box: Box) -> None:
+    out = box.install_output  # set by the fixture
+    assert "installed /etc/systemd/system/gpuwatchd.service" in out, out
+    assert "running: systemctl status gpuwatchd" in out, out
     # Type=notify: `systemctl start` returned only after READY=1, and STATUS= is the cycle's
     props = show(box, "Type", "ActiveState", "SubState", "StatusText", "NotifyAccess",
                  "UnitFileState", "ExecMainStartTimestampMonotonic",
@@ -210,6 +219,7 @@ def test_sandbox_is_really_in_force(box: Box) -> None:
 
 
 def test_metrics_on_loopback_and_kernel_log_from_the_journal_with_an_oom_kill(box: Box) -> None:
+    restart_with(box, config=_config("journal"))
     wait(lambda: sample(box, "gpuwatch_collector_success", collector="kernel_log") == 1.0, 30,
          "the kernel_log collector (journal) to succeed")
     assert sample(box, "gpuwatch_collector_success", collector="procfs") == 1.0
