@@ -125,6 +125,12 @@ def test_unit_contract() -> None:
         assert not _unit_values(text, key), key
     # The config path matches what deploy/install.sh installs.
     assert "--config.file /etc/gpuwatchd/config.yaml" in _unit_values(text, "ExecStart")[0]
+    # A reload validates the file before signalling (a bad config fails `systemctl reload`), and
+    # the unit starts after the driver's units (tests/test_systemd_boot.py runs both for real).
+    assert _unit_values(text, "ExecReload") == [
+        "/usr/local/bin/gpuwatchd config check /etc/gpuwatchd/config.yaml", "/bin/kill -HUP $MAINPID"]
+    assert "nvidia-persistenced.service" in " ".join(_unit_values(text, "After")).split()
+    assert _unit_values(text, "Restart") == ["on-failure"]  # the daemon's exit 75 is restarted
 
 
 def test_tmpfiles_creates_the_sticky_world_writable_rank_dir(tmp_path: Path) -> None:
