@@ -1,6 +1,6 @@
 """Boot a real systemd (Debian 12, systemd 252) in private namespaces, for tests/test_systemd_boot.py.
 
-How (facts in docs/security.md, "Where the unit is verified"): a Debian 12 minbase rootfs built
+How (what it verifies: docs/security.md section 8): a Debian 12 minbase rootfs built
 once with ``mmdebstrap`` (apt) and cached under ``/var/cache/gpuwatchd-test-rootfs/<hash of the
 recipe>``; each boot mounts a fresh overlay on it (nothing written reaches the cache). A launcher
 moves itself into a child cgroup of its own in every v1 hierarchy (so systemd's memory, CPU, task
@@ -152,21 +152,24 @@ def _dependencies(pyproject: str) -> list[str]:
 
 def _hierarchies() -> dict[str, Path]:
     """The v1/v2 hierarchy of each line of /proc/self/cgroup -> our cgroup's directory in it."""
-    mounts: dict[str, Path] = {}
+    known = {line.split()[0] for line in Path("/proc/cgroups").read_text().splitlines()[1:]}
+    mounts: dict[str, tuple[Path, str]] = {}  # hierarchy -> (mount point, its root in it)
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         left, _, right = line.partition(" - ")
         fields, rfields = left.split(), right.split()
         if rfields[0] == "cgroup2":
-            mounts["0"] = Path(fields[4])
-        elif rfields[0] == "cgroup":
-            opts = [o for o in rfields[2].split(",") if o not in ("rw", "ro")]
-            mounts[",".join(sorted(opts))] = Path(fields[4])
+            mounts["0"] = (Path(fields[4]), fields[3])
+        elif rfields[0] == "cgroup":  # super options: controllers, name=..., and others (xattr)
+            opts = [o for o in rfields[2].split(",") if o in known or o.startswith("name=")]
+            mounts[",".join(sorted(opts))] = (Path(fields[4]), fields[3])
     out: dict[str, Path] = {}
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         hid, controllers, path = line.split(":", 2)
         key = "0" if hid == "0" else ",".join(sorted(controllers.split(",")))
         if key in mounts:
-            out[controllers or "unified"] = mounts[key] / path.lstrip("/")
+            point, root = mounts[key]
+            rel = os.path.relpath(path, root)
+            out[controllers or "unified"] = point if rel == "." else point / rel
     return out
 
 
@@ -272,11 +275,10 @@ class BootedSystemd:
         (self.work / "upper").mkdir()
         (self.work / "work").mkdir()
         (self.work / "root").mkdir()
+        # the launcher's and setup script's output (systemd itself logs to the container's journal)
         self.console = open(self.work / "console.log", "wb")  # noqa: SIM115 - closed in close()
         self.cgroups = make_cgroups(self.name)
-        specs = []
-        for controllers in _hierarchies():
-            specs.append(controllers)
+        specs = list(_hierarchies())  # what to mount inside: v1 controllers, name=systemd, unified
         join = " ".join(shlex.quote(str(cg / "cgroup.procs")) for cg in self.cgroups)
         launcher = (f"for f in {join}; do echo $$ > \"$f\"; done; exec unshare --fork --pid "
                     "--mount --uts --ipc --net --cgroup --propagation private -- /bin/bash -c "
