@@ -214,6 +214,29 @@ def remove_cgroups(cgroups: Sequence[Path], timeout: float = 20.0) -> None:
                 os.rmdir(d)
 
 
+def reap_stale() -> None:
+    """Leftovers of a boot whose test process died without cleaning up (SIGKILL, a crashed CI
+    job): our own cgroups and work directories (``gwsystemd-boot-<pid>-...``) whose <pid> is gone.
+    What still runs in such a cgroup is killed by the PIDs it lists."""
+    owner = re.compile(rf"{re.escape(PREFIX)}-(\d+)-[0-9a-f]{{8}}\Z")
+
+    def dead(name: str) -> bool:
+        m = owner.match(name)
+        return bool(m) and not os.path.exists(f"/proc/{m.group(1)}")
+
+    stale: dict[str, list[Path]] = {}
+    for base in _hierarchies().values():
+        with contextlib.suppress(OSError):
+            for child in base.iterdir():
+                if child.is_dir() and dead(child.name):
+                    stale.setdefault(child.name, []).append(child)
+    for cgroups in stale.values():
+        remove_cgroups(cgroups)
+    for work in Path("/var/tmp").glob(f"{PREFIX}-*"):
+        if dead(work.name.rsplit("-", 1)[0]) and work.is_dir():
+            shutil.rmtree(work, ignore_errors=True)
+
+
 # --- the container ----------------------------------------------------------------------------
 
 _SETUP = r"""
@@ -270,6 +293,7 @@ class BootedSystemd:
     """One booted container. ``run()``/``sh()`` execute inside it; ``close()`` powers it off."""
 
     def __init__(self, rootfs: Path, share: Path, boot_timeout: float = 90.0) -> None:
+        reap_stale()
         self.name = f"{PREFIX}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.work = Path(tempfile.mkdtemp(prefix=f"{self.name}-", dir="/var/tmp"))
         (self.work / "upper").mkdir()
