@@ -65,6 +65,8 @@ class DevicePolicyGuard:
         if found is None or not found.restart_helps:
             return ""
         key = self._key(found)
+        if self._said_stuck == key:  # known, and said: no file read per cycle
+            return ""
         path = os.path.join(self.state_dir, MARKER)
         try:
             with open(path, encoding="utf-8") as f:
