@@ -10,6 +10,9 @@
 # place (an edited config is never overwritten); the service is restarted only when the unit
 # changed. deploy/uninstall.sh removes all of it.
 #
+# Verified under a booted systemd 252 (Debian 12) by tests/test_systemd_boot.py, as a new user
+# runs it; what is verified where, and what is not: docs/security.md section 8.
+#
 # Options:
 #   --root DIR   install into DIR instead of / (images, tests); never touches the running system
 #   --bin PATH   the gpuwatchd executable (default: `command -v gpuwatchd`)
@@ -31,7 +34,7 @@ while [ $# -gt 0 ]; do
         --bin) BIN=${2:?--bin needs a path}; shift 2 ;;
         --bin=*) BIN=${1#--bin=}; shift ;;
         --no-start) START=0; shift ;;
-        -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown option $1 (see --help)" ;;
     esac
 done
@@ -91,10 +94,12 @@ put() {  # put MODE SOURCE DEST: install when absent or different
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 
-# 1. unit, with ExecStart pointing at the installed console script
-sed "s#^ExecStart=/usr/local/bin/gpuwatchd #ExecStart=$BIN #" \
+# 1. unit, with ExecStart and ExecReload pointing at the installed console script
+sed -e "s#^ExecStart=/usr/local/bin/gpuwatchd #ExecStart=$BIN #" \
+    -e "s#^ExecReload=/usr/local/bin/gpuwatchd #ExecReload=$BIN #" \
     "$SRC/systemd/gpuwatchd.service" > "$TMP/gpuwatchd.service"
 grep -q "^ExecStart=$BIN run " "$TMP/gpuwatchd.service" || die "could not set ExecStart"
+grep -q "^ExecReload=$BIN config check " "$TMP/gpuwatchd.service" || die "could not set ExecReload"
 put 0644 "$TMP/gpuwatchd.service" "$R/etc/systemd/system/gpuwatchd.service"
 UNIT_CHANGED=$CHANGED
 put 0644 "$SRC/systemd/gpuwatchd.tmpfiles.conf" "$R/etc/tmpfiles.d/gpuwatchd.conf"

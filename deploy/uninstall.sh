@@ -5,6 +5,9 @@
 # account files install.sh created where nothing was before (its manifest). The Python package
 # itself stays: `pip uninstall gpuwatchd` removes it.
 #
+# Verified under a booted systemd 252 (Debian 12) by tests/test_systemd_boot.py, as a new user
+# runs it; what is verified where, and what is not: docs/security.md section 8.
+#
 # Options:
 #   --root DIR      uninstall from DIR instead of / (images, tests)
 #   --keep-config   keep /etc/gpuwatchd (config.yaml, web-config, certificates)
@@ -21,7 +24,7 @@ while [ $# -gt 0 ]; do
         --root) ROOT=${2:?--root needs a directory}; shift 2 ;;
         --root=*) ROOT=${1#--root=}; shift ;;
         --keep-config) KEEP_CONFIG=1; shift ;;
-        -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown option $1 (see --help)" ;;
     esac
 done
@@ -70,6 +73,17 @@ if grep -q '^gpuwatchd:' "$R/etc/group" 2>/dev/null; then
     groupdel --root "$ROOT" gpuwatchd
     say "removed group gpuwatchd"
 fi
+# userdel and systemd-sysusers keep the previous account files as passwd-, shadow-, ...: drop
+# the gpuwatchd entries there too (in place: the backups keep their owner and mode), so that
+# no trace of the account remains (found by tests/test_systemd_boot.py).
+for f in passwd group shadow gshadow; do
+    b="$R/etc/$f-"
+    if [ -f "$b" ] && grep -q '^gpuwatchd:' "$b"; then
+        kept=$(grep -v '^gpuwatchd:' "$b" || true)
+        printf '%s\n' "$kept" | sed '/^$/d' > "$b"
+        say "removed gpuwatchd from /etc/$f-"
+    fi
+done
 
 # 4. what install.sh created where nothing was before: files first, then directories, deepest
 #    first, and only when empty (something else may have moved in since).

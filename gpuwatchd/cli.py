@@ -52,11 +52,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     daemon = Daemon(cfg, config_path=path, listen_override=args.listen_address,
                     web_config_override=args.web_config_file)
     daemon.run()
-    return 0
+    return daemon.exit_status
 
 
 def cmd_config_check(args: argparse.Namespace) -> int:
+    """What a reload (SIGHUP) would accept: the unit's ExecReload= runs this before signalling."""
     cfg = load_config(args.file)
+    if cfg.web.config_file:
+        from gpuwatchd import web
+
+        try:  # the daemon refuses a reload whose web-config file is bad: so does the check
+            web.load_web_config(cfg.web.config_file)
+        except web.WebConfigError as e:
+            raise ConfigError([f"web.config_file: {p}" for p in e.problems], args.file) from None
     print(f"{args.file}: OK (interval {cfg.interval_seconds:g}s, listen {cfg.web.listen_address}, "
           f"rank_dir {cfg.rank_dir})")
     return 0

@@ -117,6 +117,7 @@ class Daemon:
         self._last_discovery = float("-inf")
         self._env_cache: dict[tuple[int, int], tuple[str, ...]] = {}
         self._cycle_lock = threading.Lock()
+        self.exit_status = 0  # what `gpuwatchd run` exits with (request_exit)
         self._make_collectors()
 
     # --- sources --------------------------------------------------------------------------------
@@ -255,6 +256,20 @@ class Daemon:
         if self.config_path is None:
             log.info("SIGHUP: no config file to reload")
             return False
+        # Type=notify-reload (systemd >= 253) holds `systemctl reload` open from RELOADING=1 to
+        # READY=1; under Type=notify these only mark the unit "reloading" meanwhile. Not before
+        # the first cycle: READY=1 would then announce a daemon that has not read anything yet.
+        started = self.state is not None
+        if started:
+            notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        try:
+            return self._reload()
+        finally:
+            if started:
+                notify("READY=1")
+
+    def _reload(self) -> bool:
+        assert self.config_path is not None
         try:
             new = with_overrides(load_config(self.config_path), self.listen_override,
                                  self.web_config_override)
@@ -296,6 +311,12 @@ class Daemon:
             raise ConfigError([f"web.listen_address: cannot listen on {new.web.listen_address}:"
                                f" {why}; still serving {self.web.url}"],
                               self.config_path or "config") from None
+    def request_exit(self, status: int, why: str) -> None:
+        """End ``run()`` after this cycle and exit with ``status`` (for systemd's Restart=)."""
+        log.error("%s", why)
+        notify(f"STATUS={why[:200]}")
+        self.exit_status = status
+        self.stop_event.set()
 
     def install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():

@@ -7,6 +7,9 @@ Wires the GPU sources into the daemon's cycle (duck-typed ``daemon.Subsystem``):
   of each GPU process outside the rank trees; the orphan tracker (``orphans.grace_seconds``);
   fork evidence for the processes of ranks that hold a CUDA context; CUDA OOM event files from the
   ranks' hook; ``gpu_lost`` findings from udev.
+- when NVML fails: why /dev/nvidia* cannot be opened (``device_policy``: the device cgroup denies
+  them, e.g. DeviceAllow=char-nvidia* expanded before the driver loaded) as the collector's error,
+  and, when a restart would fix that, the daemon exits for systemd to restart it (once per boot).
 - streaming: the NVML Xid event thread (``gpu_xid_errors``, de-duplicated against the kernel log
   through the daemon's shared ``XidDeduper``) and the udev thread.
 
@@ -23,11 +26,14 @@ from typing import Any
 
 from gpuwatchd.cuda_oom import OomTracker
 from gpuwatchd.daemon import Subsystem
+from gpuwatchd.device_policy import EXIT_REEXPAND, DevicePolicyGuard
 from gpuwatchd.isolation import Collector
 from gpuwatchd.model import PAGE, Finding, GpuDevice, GpuProcess, NodeState, ProcessInfo
 from gpuwatchd.orphans import OrphanTracker, trees_from_entries
 from gpuwatchd.sources.devfds import ProcEvidence, read_evidence
-from gpuwatchd.sources.nvml import NvmlSource, XidEventWatcher
+from gpuwatchd.sources.kernel_log import read_boot_id
+from gpuwatchd.sources.nvidia_devices import probe
+from gpuwatchd.sources.nvml import NvmlReadError, NvmlSource, XidEventWatcher
 from gpuwatchd.sources.nvml_fixture import open_nvml_source
 from gpuwatchd.sources.udev import GpuUevent, UdevWatcher, lost_finding
 from gpuwatchd.xid_dedup import XidDeduper, normalize_pci_bus_id
@@ -41,8 +47,9 @@ class GpuSubsystem(Subsystem):
     name = "nvml"
 
     def __init__(self, source: NvmlSource | None = None, watch_xid: bool = True,
-                 watch_udev: bool = True) -> None:
+                 watch_udev: bool = True, guard: DevicePolicyGuard | None = None) -> None:
         self.source = source
+        self.guard = guard
         self.watch_xid = watch_xid
         self.watch_udev = watch_udev
         self.collector: Collector[Reading] | None = None
@@ -63,7 +70,12 @@ class GpuSubsystem(Subsystem):
             self.source = open_nvml_source(cfg.nvml.fixture)
         timeout = cfg.nvml.timeout_seconds
         interval = cfg.interval_seconds
-        self.collector = Collector("nvml", self.source.read, timeout,
+        if self.guard is None and not cfg.nvml.fixture:
+            paths = daemon.paths
+            self.guard = DevicePolicyGuard(
+                cfg.state_dir, read_boot_id(paths),
+                probe_fn=lambda: probe(paths.dev(), paths.proc("devices")))
+        self.collector = Collector("nvml", self._read, timeout,
                                    3 * interval + timeout, daemon.clock)
         self.tracker = OrphanTracker(cfg.orphans.grace_seconds)
         self.oom = OomTracker(cfg.rank_dir, daemon.clock)
@@ -101,10 +113,25 @@ class GpuSubsystem(Subsystem):
             self.source.reinit()
 
     # -- one cycle ----------------------------------------------------------------------------
+    def _read(self) -> Reading:
+        """NVML's reading; when it fails and /dev/nvidia* is denied, an error that says why."""
+        assert self.source is not None
+        try:
+            return self.source.read()
+        except Exception as exc:
+            why = self.guard.diagnose() if self.guard is not None else ""
+            if why:
+                raise NvmlDeviceDenied(f"{why} (NVML: {exc})") from exc
+            raise
+
     def before_join(self, daemon: Any, partial: Mapping[str, Any]) -> Mapping[str, Any]:
         if self.collector is None or self.tracker is None or self.oom is None:
             return {}
         reading = self.collector.run()
+        if reading is None and self.guard is not None:
+            why = self.guard.restart_reason()
+            if why:
+                daemon.request_exit(EXIT_REEXPAND, why)
         out: dict[str, Any] = {"collectors": (self.collector.status,)}
         devices, procs = reading if reading is not None else ((), ())
         self._devices = devices
@@ -165,6 +192,10 @@ class GpuSubsystem(Subsystem):
 
     def after_join(self, daemon: Any, state: NodeState) -> None:
         self._last_state = state
+
+
+class NvmlDeviceDenied(NvmlReadError):
+    """NVML failed and the device cgroup denies /dev/nvidia* (the message says which and why)."""
 
 
 def nvml_lost_finding(index: int, known: GpuDevice | None, now: float) -> Finding:

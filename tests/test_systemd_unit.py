@@ -48,7 +48,8 @@ def _unit_values(text: str, key: str) -> list[str]:
 
 
 def _stub_unit(tmp_path: Path) -> Path:
-    """The unit with ExecStart pointing at an executable that exists (verify checks it)."""
+    """The unit with ExecStart and ExecReload pointing at an executable that exists (verify
+    checks it)."""
     stub = tmp_path / "bin" / "gpuwatchd"
     stub.parent.mkdir(parents=True, exist_ok=True)
     stub.write_text("#!/bin/sh\nexit 0\n")
@@ -56,7 +57,8 @@ def _stub_unit(tmp_path: Path) -> Path:
     text = UNIT.read_text()
     assert "ExecStart=/usr/local/bin/gpuwatchd " in text
     unit = tmp_path / "gpuwatchd.service"
-    unit.write_text(text.replace("ExecStart=/usr/local/bin/gpuwatchd ", f"ExecStart={stub} "))
+    unit.write_text(text.replace("ExecStart=/usr/local/bin/gpuwatchd ", f"ExecStart={stub} ")
+                    .replace("ExecReload=/usr/local/bin/gpuwatchd ", f"ExecReload={stub} "))
     return unit
 
 
@@ -123,6 +125,12 @@ def test_unit_contract() -> None:
         assert not _unit_values(text, key), key
     # The config path matches what deploy/install.sh installs.
     assert "--config.file /etc/gpuwatchd/config.yaml" in _unit_values(text, "ExecStart")[0]
+    # A reload validates the file before signalling (a bad config fails `systemctl reload`), and
+    # the unit starts after the driver's units (tests/test_systemd_boot.py runs both for real).
+    assert _unit_values(text, "ExecReload") == [
+        "/usr/local/bin/gpuwatchd config check /etc/gpuwatchd/config.yaml", "/bin/kill -HUP $MAINPID"]
+    assert "nvidia-persistenced.service" in " ".join(_unit_values(text, "After")).split()
+    assert _unit_values(text, "Restart") == ["on-failure"]  # the daemon's exit 75 is restarted
 
 
 def test_tmpfiles_creates_the_sticky_world_writable_rank_dir(tmp_path: Path) -> None:
