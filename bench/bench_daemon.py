@@ -32,8 +32,8 @@ sys.path.insert(0, str(REPO))
 
 from gpuwatchd.config import Config, DiscoveryConfig, GilConfig, NvmlConfig, WebConfig  # noqa: E402
 from gpuwatchd.counters import CounterStore  # noqa: E402
-from gpuwatchd.daemon import Daemon  # noqa: E402
-from gpuwatchd.exporter import make_registry  # noqa: E402
+from gpuwatchd.daemon.core import Daemon  # noqa: E402
+from gpuwatchd.exporter.collector import make_registry  # noqa: E402
 from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, ProcessInfo, RankState  # noqa: E402
 from gpuwatchd.sources.rankfiles import write_rank_file  # noqa: E402
 
@@ -194,7 +194,7 @@ def bench_process_exporter(n: int, scrapes: int) -> dict[str, float] | None:
 
 def bench_synthetic_scrape(scrapes: int) -> dict[str, float]:
     """/metrics for 8 GPUs x 64 processes (64 ranks, one GPU process each plus workers)."""
-    from gpuwatchd import web
+    from gpuwatchd.web import server as web
 
     proc = ProcessInfo(1, 1, "python", "S", 0, "root", 1, 1.0, 1.0, 1 << 30, 40, 1000, 2048, 2048)
     gpus = tuple(GpuDevice(i, f"GPU-{i:08x}", "NVIDIA H200", f"0000:{i:02x}:00.0", 150 << 30, 90 << 30, 0.9)

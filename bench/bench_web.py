@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What TLS and basic auth cost on /metrics (gpuwatchd/web.py), over loopback.
+"""What TLS and basic auth cost on /metrics (gpuwatchd/web/server.py), over loopback.
 
 Serves a fixed ~57 KB exposition (900 series, about an 8 GPU x 64 process scrape), pre-rendered
 like gpuwatchd's StateRegistry.encode_text() between cycles, so the numbers are the web layer
@@ -30,11 +30,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gpuwatchd import web
+from gpuwatchd.web import server as web
 
 
 class Cached(CollectorRegistry):
-    """Like gpuwatchd.exporter.StateRegistry: the rendered text is reused until the state changes."""
+    """Like gpuwatchd.exporter.collector.StateRegistry: the rendered text is reused until the state changes."""
 
     def __init__(self, body: bytes) -> None:
         super().__init__()

@@ -25,9 +25,9 @@ sys.path.insert(0, str(REPO / "tests"))
 from kernel_oom_helpers import MemCgroup  # noqa: E402
 
 from gpuwatchd.config import Config, DiscoveryConfig, GilConfig, NvmlConfig  # noqa: E402
-from gpuwatchd.daemon import Daemon  # noqa: E402
-from gpuwatchd.kernel_log_subsystem import KernelLogSubsystem  # noqa: E402
-from gpuwatchd.memory_subsystem import MemorySubsystem  # noqa: E402
+from gpuwatchd.daemon.core import Daemon  # noqa: E402
+from gpuwatchd.daemon.kernel_log import KernelLogSubsystem  # noqa: E402
+from gpuwatchd.daemon.memory import MemorySubsystem  # noqa: E402
 from gpuwatchd.sources.pyspy import PySpy  # noqa: E402
 from gpuwatchd.sources.rankfiles import write_rank_file  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Immutable data that flows from sources through the join to the outputs.
 
 Sources produce the *reading* types (``ProcessInfo``, ``RankEntry``, ``GpuDevice``,
-``GpuProcess``, ``KernelEvent`` ...). The join (``gpuwatchd.join``) turns one cycle's readings
+``GpuProcess``, ``KernelEvent`` ...). The join (``gpuwatchd.join.state``) turns one cycle's readings
 into a ``NodeState``; the exporter, the event sinks and the CLI only ever read a ``NodeState``.
 Everything here is a frozen dataclass so that a scrape can read the latest state without a lock.
 """
@@ -58,7 +58,7 @@ class RankEntry:
     start_ticks: int | None = None  # as written at registration; None: learnt at first sight
     source: str = "rankfile"  # "rankfile" | "environ"
     path: str = ""  # the rank file it came from ("" for discovery)
-    # owner of the rank file, or the uid of a discovered process (trust: gpuwatchd/rank_claims.py)
+    # owner of the rank file, or the uid of a discovered process (trust: gpuwatchd/join/rank_claims.py)
     owner_uid: int | None = None
     env_flags: tuple[str, ...] = ()  # NCCL/TORCH variable *names* (never values) of interest
     # Containers (sources/pidns.py): the writer's PID namespace inode; once resolved ``pid`` is the

@@ -201,8 +201,8 @@ def test_rules_agree_with_the_daemon() -> None:
     """One truth: the rule's critical-Xid list is the kernel-log parser's, the push path's alert
     names and runbook links are the rules', and the kinds the rules select are findings the
     daemon's code raises."""
-    from gpuwatchd import events
-    from gpuwatchd.kernel_events import CRITICAL_XIDS
+    from gpuwatchd.events import log as events
+    from gpuwatchd.join.kernel_events import CRITICAL_XIDS
 
     rules = _rules()
     xid_expr = rules["GPUXidCritical"]["expr"]

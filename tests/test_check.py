@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd import check
-from gpuwatchd.cli import main
+from gpuwatchd.cli import check, main
 from gpuwatchd.sources.nvml import NvmlSource
 from gpuwatchd.sources.nvml_fixture import RecordedNvml
 from gpuwatchd.sources.rankfiles import write_rank_file

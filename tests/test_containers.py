@@ -277,7 +277,7 @@ def test_check_does_not_call_a_containerised_rank_an_orphan(world: Path,
     a real stale holder is."""
     import io
 
-    from gpuwatchd import check
+    from gpuwatchd.cli import check
     from gpuwatchd.config import load_config
     from gpuwatchd.sources.nvml import NvmlSource
     from gpuwatchd.sources.nvml_fixture import RecordedNvml

@@ -14,9 +14,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from gpuwatchd import cuda_oom
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, Orphan
+from gpuwatchd.rank import cuda_oom
 
 UUID = "GPU-d6a79800-1da5-699b-0f9c-f55eb218f8b2"
 TORCH_TEXT = (
@@ -31,7 +31,7 @@ def _rank_script(rank_dir: Path, body: str) -> str:
     return textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT)!r})
-        from gpuwatchd import cuda_oom
+        from gpuwatchd.rank import cuda_oom
         print(cuda_oom.install_hook({str(rank_dir)!r}, "dflash", 0), flush=True)
     """) + textwrap.dedent(body)
 

@@ -121,7 +121,7 @@ def _real_daemon_metric_names(tmp_path: Path) -> set[str]:
     from prometheus_client import generate_latest
 
     from gpuwatchd.counters import CounterStore
-    from gpuwatchd.exporter import make_registry
+    from gpuwatchd.exporter.collector import make_registry
     from gpuwatchd.model import COUNTER_LABELS, NodeState
 
     port = free_port()

@@ -1,4 +1,4 @@
-"""The NVIDIA device probe and the bounded restart for a late driver (gpuwatchd/device_policy.py),
+"""The NVIDIA device probe and the bounded restart for a late driver (gpuwatchd/daemon/device_policy.py),
 with real device nodes (mknod 195:255, 195:0, 511:1 in a temporary /dev) opened from a process in
 a real v1 devices cgroup: EPERM where the cgroup denies them, ENXIO where it allows them and no
 driver answers. The booted-systemd version (the unit, Restart=, re-expansion) is in
@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpuwatchd.device_policy import EXIT_REEXPAND, MARKER, DevicePolicyGuard
+from gpuwatchd.daemon.device_policy import EXIT_REEXPAND, MARKER, DevicePolicyGuard
 from gpuwatchd.sources.nvidia_devices import DeviceProbe, nvidia_drivers
 
 ROOT = Path(__file__).resolve().parent.parent

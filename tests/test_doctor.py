@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from gpuwatchd import doctor
+from gpuwatchd.cli import doctor
 from gpuwatchd.config import Config
 from gpuwatchd.paths import HostPaths
 

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gpuwatchd import events as ev
-from gpuwatchd.events_cli import parse_since, render
+from gpuwatchd.cli.events import parse_since, render
+from gpuwatchd.events import log as ev
 from gpuwatchd.model import frozen_map
 
 ROOT = Path(__file__).resolve().parent.parent

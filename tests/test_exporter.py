@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpuwatchd.counters import CounterStore
-from gpuwatchd.exporter import make_registry
+from gpuwatchd.exporter.collector import make_registry
 from gpuwatchd.model import (
     CollectorStatus,
     Finding,

@@ -13,18 +13,18 @@ from pathlib import Path
 import pytest
 from daemonutil import DaemonProc, has_finding, write_config
 
-from gpuwatchd import api
 from gpuwatchd.config import Config, GilConfig
 from gpuwatchd.counters import CounterStore
+from gpuwatchd.daemon.gil import GilSampler, GilTarget, convoy_hint
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import gil as gil_finding
 from gpuwatchd.findings import stall as stall_finding
-from gpuwatchd.gil import GilSampler, GilTarget, convoy_hint
+from gpuwatchd.join.stall import StallVerdict
 from gpuwatchd.model import GilReading, GpuDevice, RankState
 from gpuwatchd.paths import HostPaths
+from gpuwatchd.rank import api
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy, ThreadInfo
-from gpuwatchd.stall import StallVerdict
 
 PROGRAMS = Path(__file__).parent / "fixtures" / "pyspy" / "programs"
 BINARY = pyspy.resolve_pyspy()

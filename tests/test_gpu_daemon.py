@@ -15,8 +15,8 @@ from pathlib import Path
 from prometheus_client import generate_latest
 
 from gpuwatchd.config import load_config
-from gpuwatchd.daemon import Daemon
-from gpuwatchd.gpu_subsystem import GpuSubsystem
+from gpuwatchd.daemon.core import Daemon
+from gpuwatchd.daemon.gpu import GpuSubsystem
 from gpuwatchd.sources.nvml_fixture import fixture_source
 from gpuwatchd.sources.rankfiles import write_rank_file
 

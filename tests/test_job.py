@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from promstack import REPO, MetricsServer, NodeRank, node_exposition, prometheus, wait_until
 
-from gpuwatchd import job
+from gpuwatchd.cli import job
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from gpuwatchd.config import Config, FdsConfig
-from gpuwatchd.join import CycleInputs, JoinMemory, build_state
+from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
 from gpuwatchd.model import BadRankFile, GpuProcess, ProcessInfo, RankEntry
 
 CFG = Config()

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from kernel_oom_helpers import RANK_WITH_WORKER_CODE, MemCgroup, go
 
 from gpuwatchd.counters import CounterStore
-from gpuwatchd.events import EventBus, JsonlSink, read_events
-from gpuwatchd.kernel_events import (
+from gpuwatchd.events.log import EventBus, JsonlSink, read_events
+from gpuwatchd.join.kernel_events import (
     KernelEventProcessor,
     RankTreeRecord,
     TreeMember,
@@ -102,7 +102,7 @@ def test_xid_events_and_counter(tmp_path: Path) -> None:
 
 
 def test_xid_dedup_with_nvml(tmp_path: Path) -> None:
-    from gpuwatchd.xid_dedup import XidDeduper
+    from gpuwatchd.join.xid_dedup import XidDeduper
 
     d = XidDeduper()
     d.learn_device("00000000:3B:00.0", "GPU-abc", 2)
@@ -210,7 +210,7 @@ def test_event_log_compaction_keeps_counters_exact(tmp_path: Path) -> None:
     p3 = proc(tmp_path)  # and again after the compaction
     assert p3.counters.snapshot() == before
     assert p3.cross_check(60, t) == [] and p3.cross_check(60, t + 100) == []  # boot tally kept
-    from gpuwatchd.events_cli import load
+    from gpuwatchd.cli.events import load
 
     assert all(e.kind != "counter_base" for e in load(str(tmp_path), 0.0))
 

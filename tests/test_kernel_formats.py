@@ -15,9 +15,9 @@ from test_kernel_events import Pipeline, export_entry, wait_until, write_journal
 
 from gpuwatchd.config import Config
 from gpuwatchd.counters import CounterStore
-from gpuwatchd.events import Event, EventBus, JsonlSink
+from gpuwatchd.events.log import Event, EventBus, JsonlSink
 from gpuwatchd.findings import FindingContext, xid
-from gpuwatchd.kernel_events import KernelEventProcessor
+from gpuwatchd.join.kernel_events import KernelEventProcessor
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import kernel_formats
 from gpuwatchd.sources import kernel_log as kl
@@ -181,7 +181,7 @@ def test_bus_lost_odd_records(msg: str) -> None:
 
 
 def test_bus_lost_dedup_rules() -> None:
-    from gpuwatchd.bus_lost import MAX_GPUS, BusLostDedup
+    from gpuwatchd.join.bus_lost import MAX_GPUS, BusLostDedup
 
     d = BusLostDedup(window=30.0)
     assert d.count("0000:3b:00", 0.0, no_xid_message=True)  # the message first: counted

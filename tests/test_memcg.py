@@ -14,10 +14,10 @@ import pytest
 from kernel_oom_helpers import MemCgroup
 
 from gpuwatchd.config import Config, ConfigError, MemoryConfig, parse_config
+from gpuwatchd.daemon.memory_evidence import snapshot_event, worse
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import memory as finding
-from gpuwatchd.memory_evidence import snapshot_event, worse
-from gpuwatchd.memory_tracker import MemoryTracker, slope
+from gpuwatchd.join.memory_tracker import MemoryTracker, slope
 from gpuwatchd.model import NodeMemoryState, ProcessInfo, RankMemory, RankState, TreeProcessMemory
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import memcg
@@ -196,8 +196,8 @@ def test_node_reader_on_this_machine() -> None:
 
 def test_kill_links_to_the_last_snapshot_of_its_rank_across_a_restart(tmp_path: Path) -> None:
     from gpuwatchd.counters import CounterStore
-    from gpuwatchd.events import EventBus, JsonlSink
-    from gpuwatchd.kernel_events import KernelEventProcessor, TreeMember
+    from gpuwatchd.events.log import EventBus, JsonlSink
+    from gpuwatchd.join.kernel_events import KernelEventProcessor, TreeMember
     from gpuwatchd.sources import kernel_log as kl
 
     def processor() -> KernelEventProcessor:
@@ -232,7 +232,7 @@ def test_only_accepted_live_ranks_get_the_finding() -> None:
 
 
 def test_join_exports_host_memory_of_accepted_live_ranks_only() -> None:
-    from gpuwatchd.join import CycleInputs, build_state
+    from gpuwatchd.join.state import CycleInputs, build_state
     from gpuwatchd.model import RankEntry
 
     me = ProcessInfo(os.getpid(), 1, "python", "S", 0, "root", 1, 1.0, 1.0, 1 << 20, 1, 1, 1, 1)

@@ -19,10 +19,10 @@ import pytest
 from kernel_oom_helpers import MemCgroup
 
 from gpuwatchd.config import load_config
-from gpuwatchd.daemon import Daemon, Subsystem
-from gpuwatchd.events import Event, EventBus, JsonlSink, read_events
-from gpuwatchd.kernel_log_subsystem import KernelLogSubsystem
-from gpuwatchd.memory_subsystem import MemorySubsystem
+from gpuwatchd.daemon.core import Daemon, Subsystem
+from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
+from gpuwatchd.daemon.memory import MemorySubsystem
+from gpuwatchd.events.log import Event, EventBus, JsonlSink, read_events
 from gpuwatchd.model import Finding, NodeState
 from gpuwatchd.sources.pyspy import PySpy, resolve_pyspy
 from gpuwatchd.sources.rankfiles import write_rank_file

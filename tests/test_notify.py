@@ -9,7 +9,7 @@ from pathlib import Path
 
 from daemonutil import DaemonProc, write_config
 
-from gpuwatchd import notify
+from gpuwatchd.daemon import notify
 
 
 def receive_until(sock: socket.socket, wanted: str, timeout: float = 15.0) -> list[str]:

@@ -16,6 +16,7 @@ import pytest
 
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.isolation import Collector, NotPresent
+from gpuwatchd.join.xid_dedup import SOURCE_KERNEL, SOURCE_NVML, XidDeduper, normalize_pci_bus_id
 from gpuwatchd.sources.nvml import (
     NvmlNotPresent,
     NvmlReadError,
@@ -25,7 +26,6 @@ from gpuwatchd.sources.nvml import (
 )
 from gpuwatchd.sources.nvml_fixture import RecordedNvml, fixture_source
 from gpuwatchd.sources.udev import UdevWatcher, classify, lost_finding, parse_uevent_file
-from gpuwatchd.xid_dedup import SOURCE_KERNEL, SOURCE_NVML, XidDeduper, normalize_pci_bus_id
 
 FIX = Path(__file__).parent / "fixtures" / "nvml"
 H200 = FIX / "h200_orphan_dataloader.json"

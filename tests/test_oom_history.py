@@ -18,10 +18,10 @@ from kernel_oom_helpers import MemCgroup, go
 from test_kernel_events import COMM, export_entry, write_journal
 
 from gpuwatchd.config import load_config
-from gpuwatchd.daemon import Daemon
-from gpuwatchd.events import Event, EventBus, JsonlSink, read_events
-from gpuwatchd.kernel_log_subsystem import KernelLogSubsystem
-from gpuwatchd.oom_history import BASELINE_FILE, Baseline, load_baseline, save_baseline
+from gpuwatchd.daemon.core import Daemon
+from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
+from gpuwatchd.events.log import Event, EventBus, JsonlSink, read_events
+from gpuwatchd.join.oom_history import BASELINE_FILE, Baseline, load_baseline, save_baseline
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.kernel_log import read_boot_id, read_vmstat_oom_kill
 
@@ -195,7 +195,7 @@ def test_baseline_round_trip_and_other_boot(tmp_path: Path) -> None:
 
 
 def test_history_summary_names_each_kind_of_kill() -> None:
-    from gpuwatchd.oom_history import History, HistoryKill
+    from gpuwatchd.join.oom_history import History, HistoryKill
 
     h = History()
     h.add(HistoryKill(4242, "python3", "kernel", 100.0, 2 << 30, "/job_7"))

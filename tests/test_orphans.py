@@ -17,8 +17,7 @@ from pathlib import Path
 from gpuwatchd.config import Config
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import orphans as orphan_rule
-from gpuwatchd.model import RankEntry
-from gpuwatchd.orphans import (
+from gpuwatchd.join.orphans import (
     DEFUNCT,
     JOB_ENDED,
     REPARENTED,
@@ -28,6 +27,7 @@ from gpuwatchd.orphans import (
     offenders,
     trees_from_entries,
 )
+from gpuwatchd.model import RankEntry
 from gpuwatchd.sources.nvml_fixture import fixture_source
 from gpuwatchd.sources.procfs import ProcfsReader
 

@@ -19,7 +19,7 @@ import pytest
 from daemonutil import DaemonProc, write_config
 from userutil import as_user, system_user, user_writes
 
-from gpuwatchd.join import select_entries
+from gpuwatchd.join.state import select_entries
 from gpuwatchd.model import RankEntry
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.procfs import ProcfsReader

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpuwatchd.api import build_document, heartbeat, register_rank, unregister_rank
 from gpuwatchd.paths import HostPaths
+from gpuwatchd.rank.api import build_document, heartbeat, register_rank, unregister_rank
 from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.sources.rankfiles import (
     MAX_FILE_BYTES,

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatchd.join.stall import RankProbe, StallTracker, StallVerdict, name_suspects
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy
-from gpuwatchd.stall import RankProbe, StallTracker, StallVerdict, name_suspects
 
 PROGRAMS = Path(__file__).parent / "fixtures" / "pyspy" / "programs"
 AFTER = 1.0

@@ -24,7 +24,7 @@ import pytest
 from pkiutil import make_pki
 from prometheus_client import CollectorRegistry, Gauge
 
-from gpuwatchd import web
+from gpuwatchd.web import server as web
 
 PASSWORD = "correct horse battery staple"
 HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()
@@ -487,7 +487,7 @@ def test_web_config_commands_through_the_real_cli(pki: Path, tmp_path: Path) -> 
 SERVER_SCRIPT = """
 import sys, time
 from prometheus_client import CollectorRegistry, Gauge
-from gpuwatchd import web
+from gpuwatchd.web import server as web
 reg = CollectorRegistry()
 Gauge("gpuwatch_test_value", "A value.", registry=reg).set(42)
 s = web.serve(reg, "127.0.0.1:0", None, web.Limits(request_timeout=1.0))

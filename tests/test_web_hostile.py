@@ -22,10 +22,10 @@ from pkiutil import make_pki
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpuwatchd import web
 from gpuwatchd.counters import CounterStore
-from gpuwatchd.exporter import StateRegistry, make_registry
+from gpuwatchd.exporter.collector import StateRegistry, make_registry
 from gpuwatchd.model import NodeState
+from gpuwatchd.web import server as web
 
 # Keeps `n` connections open that each send half a request head (or half a TLS ClientHello) and
 # wait; every one the server drops is opened again at once. Loopback only, bounded by `seconds`;

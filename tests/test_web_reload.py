@@ -21,7 +21,7 @@ from pkiutil import make_pki
 from prometheus_client import CollectorRegistry, Gauge
 from promstack import wait_until
 
-from gpuwatchd import web
+from gpuwatchd.web import server as web
 
 TLS_CONFIG = "tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
 

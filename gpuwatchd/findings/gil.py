@@ -1,7 +1,7 @@
 """gil_saturated: a rank's Python threads hold the GIL nearly all the time while its GPU waits.
 
 Input: the GIL readings of the last samples per rank (``ctx.extras["gil"]``: (job_id, rank) ->
-``GilReading``s, oldest first, from gpuwatchd/gil.py) and the GPU utilisation of the rank's GPUs
+``GilReading``s, oldest first, from gpuwatchd/daemon/gil.py) and the GPU utilisation of the rank's GPUs
 when NVML knows it. Fires when the held ratio of each of the last two samples is at least
 ``gil.held_threshold`` and no GPU of the rank is busy (utilisation known and >= 60 % means the GPU
 is being fed, so a busy Python loop is not the bottleneck). The top GIL-holding functions go in

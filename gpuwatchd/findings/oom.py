@@ -2,7 +2,7 @@
 systemd-oomd or earlyoom.
 
 Reads the recent kernel events the kernel-log subsystem puts in ``ctx.extras["kernel_events"]``
-(gpuwatchd/kernel_events.py) and the joined rank states (for the peers still alive). Pure; costs
+(gpuwatchd/join/kernel_events.py) and the joined rank states (for the peers still alive). Pure; costs
 nothing. Shell equivalent: ``dmesg -T | grep -i 'killed process'`` and matching the PID against the
 launcher's rank map by hand.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from gpuwatchd.events import Event
+from gpuwatchd.events.log import Event
 from gpuwatchd.findings import FindingContext, fmt_bytes
-from gpuwatchd.kernel_events import scope_phrase
+from gpuwatchd.join.kernel_events import scope_phrase
 from gpuwatchd.model import PAGE, Finding
 
 # A kill stays a finding for as long as the GPURankOOMKilled rule looks back (increase()[10m]),

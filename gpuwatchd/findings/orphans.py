@@ -1,6 +1,6 @@
 """orphan_gpu_memory: GPU memory held by a process that belongs to no live rank.
 
-Input: ``ctx.orphans`` (decided by ``gpuwatchd.orphans.OrphanTracker`` after the grace period),
+Input: ``ctx.orphans`` (decided by ``gpuwatchd.join.orphans.OrphanTracker`` after the grace period),
 ``ctx.processes`` for the holder's age, ``ctx.extras["orphan_jobs"]`` (pid -> the job it belonged to
 while that job was alive). Shell equivalent: ``nvidia-smi --query-compute-apps=pid,used_memory
 --format=csv; ps -o pid,ppid,user,etime,comm -p PID``.
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gpuwatchd.findings import FindingContext, fmt_bytes
+from gpuwatchd.join.orphans import DEFUNCT, JOB_ENDED, REPARENTED, UNREGISTERED, fmt_age
 from gpuwatchd.model import WARNING, Finding, Orphan
-from gpuwatchd.orphans import DEFUNCT, JOB_ENDED, REPARENTED, UNREGISTERED, fmt_age
 
 _WHY = {
     REPARENTED: "its parent died and it was adopted by init",

@@ -1,6 +1,6 @@
 """rank_stalled: a rank that is alive but has made no progress for ``stall.after_seconds``.
 
-Input: the stall verdicts of gpuwatchd/stall.py (``ctx.extras["stall"]``: (job_id, rank) ->
+Input: the stall verdicts of gpuwatchd/join/stall.py (``ctx.extras["stall"]``: (job_id, rank) ->
 ``StallVerdict``: last progress, method, the stuck frames of the rank's main Python thread, the
 thread states, and whether it is the job's odd one out on this node). The explanation shows where
 the rank is stuck and names the suspect rank, so that the on-call engineer looks at the rank that
@@ -15,8 +15,8 @@ import time
 from collections.abc import Iterable, Mapping
 
 from gpuwatchd.findings import FindingContext, rank_label
+from gpuwatchd.join.stall import StallVerdict
 from gpuwatchd.model import PAGE, Finding
-from gpuwatchd.stall import StallVerdict
 
 HOW = {
     "heartbeat": "no heartbeat",

@@ -1,7 +1,7 @@
 """xid_critical: a GPU reported an Xid that means broken hardware, memory or links.
 
 Reads the recent kernel events the kernel-log subsystem puts in ``ctx.extras["kernel_events"]``
-(``NVRM: Xid`` lines, gpuwatchd/kernel_events.py). Pure; costs nothing. Shell equivalent:
+(``NVRM: Xid`` lines, gpuwatchd/join/kernel_events.py). Pure; costs nothing. Shell equivalent:
 ``dmesg -T | grep 'NVRM: Xid'`` and the NVIDIA Xid catalog.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from gpuwatchd.events import Event
+from gpuwatchd.events.log import Event
 from gpuwatchd.findings import FindingContext
-from gpuwatchd.kernel_events import CRITICAL_XIDS
+from gpuwatchd.join.kernel_events import CRITICAL_XIDS
 from gpuwatchd.model import PAGE, Finding
 
 # As long as the GPUXidCritical rule looks back (increase()[10m]).

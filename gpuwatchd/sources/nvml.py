@@ -33,8 +33,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from gpuwatchd.isolation import NotPresent
+from gpuwatchd.join.xid_dedup import SOURCE_NVML, XidDeduper, normalize_pci_bus_id
 from gpuwatchd.model import GpuDevice, GpuProcess
-from gpuwatchd.xid_dedup import SOURCE_NVML, XidDeduper, normalize_pci_bus_id
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ per file. Files that are symlinks, hard links, not regular, larger than ``MAX_FI
 deeper than ``MAX_DEPTH`` or invalid are returned as ``BadRankFile`` with a reason; they never stop
 the good files beside them, and nothing in one file (numbers of any size, NaN, odd Unicode, deep
 nesting, duplicate keys) can raise out of ``scan``. Ownership (root or the PID's own uid, and who
-owns the job: ``gpuwatchd/rank_claims.py``) is checked in the join, where the process's uid is
+owns the job: ``gpuwatchd/join/rank_claims.py``) is checked in the join, where the process's uid is
 known. A ``rank_dir`` that cannot be listed raises ``RankDirMissing`` (the collector is down).
 
 Entries written inside a container (``pid_ns``) are resolved to host PIDs by ``guard_entries``

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.config import load_config
-from gpuwatchd.daemon import Daemon
-from gpuwatchd.gpu_subsystem import GpuSubsystem
+from gpuwatchd.daemon.core import Daemon
+from gpuwatchd.daemon.gpu import GpuSubsystem
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable

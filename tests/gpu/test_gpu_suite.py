@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 
 from gpuwatchd.config import load_config
-from gpuwatchd.daemon import Daemon
-from gpuwatchd.gpu_subsystem import GpuSubsystem
+from gpuwatchd.daemon.core import Daemon
+from gpuwatchd.daemon.gpu import GpuSubsystem
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent

@@ -46,14 +46,14 @@ from prometheus_client.metrics_core import Metric
 
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.isolation import guarded
-from gpuwatchd.web_config import (
+from gpuwatchd.web.config import (
     ConfigHolder,
     RateLimit,
     WebConfig,
     WebConfigError,
     load_web_config,
 )
-from gpuwatchd.web_listener import (
+from gpuwatchd.web.listener import (
     DROP_REASONS,
     MAX_REQUEST_LINE,
     Conn,

@@ -12,8 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gpuwatchd import findings, rank_claims
+from gpuwatchd import findings
 from gpuwatchd.config import Config
+from gpuwatchd.join import rank_claims
 from gpuwatchd.model import (
     BadRankFile,
     CollectorStatus,
@@ -73,7 +74,7 @@ def select_entries(
     entries: tuple[RankEntry, ...], processes: Mapping[int, ProcessInfo],
     job_owners: Mapping[str, int] | None = None,
 ) -> tuple[list[RankEntry], list[BadRankFile]]:
-    """Apply the trust rules and resolve duplicates (``gpuwatchd.rank_claims``)."""
+    """Apply the trust rules and resolve duplicates (``gpuwatchd.join.rank_claims``)."""
     accepted, refused, _owners = rank_claims.select(entries, processes, job_owners)
     return accepted, refused
 

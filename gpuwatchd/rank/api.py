@@ -143,7 +143,7 @@ def register_rank(job_id: str | None = None, rank: int | None = None, *,
 
 
 def _install_cuda_oom_hook(rank_dir: str, job_id: str, rank: int) -> None:
-    from gpuwatchd import cuda_oom
+    from gpuwatchd.rank import cuda_oom
 
     cuda_oom.install_hook(rank_dir=rank_dir, job_id=job_id, rank=rank)
 

@@ -16,8 +16,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from gpuwatchd import __version__
 from gpuwatchd.counters import CounterStore
+from gpuwatchd.exporter.memory import memory_families
 from gpuwatchd.isolation import guarded
-from gpuwatchd.memory_metrics import memory_families
 from gpuwatchd.model import COUNTER_LABELS, NodeState
 
 P = "gpuwatch_"

@@ -15,10 +15,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuwatchd.counters import CounterStore
-from gpuwatchd.daemon import Daemon, Subsystem
-from gpuwatchd.events import Event, EventBus, build_bus, derive_instance
+from gpuwatchd.daemon.core import Daemon, Subsystem
+from gpuwatchd.events.log import Event, EventBus, build_bus, derive_instance
 from gpuwatchd.isolation import guarded, run_forever
-from gpuwatchd.kernel_events import KernelEventProcessor
+from gpuwatchd.join.kernel_events import KernelEventProcessor
+from gpuwatchd.join.xid_dedup import XidDeduper
 from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo
 from gpuwatchd.sources.kernel_log import (
     KernelLogUnavailable,
@@ -28,7 +29,6 @@ from gpuwatchd.sources.kernel_log import (
     read_cgroup,
     read_vmstat_oom_kill,
 )
-from gpuwatchd.xid_dedup import XidDeduper
 
 CGROUP_TTL = 30.0
 log = logging.getLogger(__name__)

@@ -36,13 +36,13 @@ from typing import Any
 
 from gpuwatchd.config import Config
 from gpuwatchd.counters import CounterStore
-from gpuwatchd.daemon import Subsystem
+from gpuwatchd.daemon.core import Subsystem
 from gpuwatchd.isolation import run_forever
+from gpuwatchd.join.stall import RankProbe, StallTracker
 from gpuwatchd.model import CollectorStatus, GilReading, ProcessInfo
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy, PySpyError, ThreadInfo
-from gpuwatchd.stall import RankProbe, StallTracker
 
 log = logging.getLogger(__name__)
 

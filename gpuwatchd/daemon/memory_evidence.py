@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gpuwatchd.events import Event
+from gpuwatchd.events.log import Event
 from gpuwatchd.findings.memory import fmt_span
 from gpuwatchd.model import INFO, Finding, RankMemory, frozen_map
 from gpuwatchd.sources.pyspy import ThreadStack

@@ -28,8 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpuwatchd.join.orphans import RankTrees, fmt_age, offenders, trees_from_entries
 from gpuwatchd.model import GpuDevice, GpuProcess, Orphan, ProcessInfo
-from gpuwatchd.orphans import RankTrees, fmt_age, offenders, trees_from_entries
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.nvml import NvmlNotPresent, NvmlReader, NvmlReadError, select_devices
 

@@ -1,6 +1,6 @@
 """``gpuwatchd events [--since WHEN] [--json]``: recent OOM kills and Xids, mapped to ranks.
 
-Reads ``state_dir/events.jsonl`` (what the daemon stored, gpuwatchd/events.py); needs read access
+Reads ``state_dir/events.jsonl`` (what the daemon stored, gpuwatchd/events/log.py); needs read access
 to the state directory only, not a running daemon. Shell equivalent:
 ``dmesg -T | grep -iE 'killed process|NVRM: Xid'`` plus matching PIDs to ranks by hand.
 """
@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from gpuwatchd.events import EVENTS_FILE, Event, read_events
+from gpuwatchd.events.log import EVENTS_FILE, Event, read_events
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}

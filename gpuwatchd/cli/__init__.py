@@ -21,7 +21,7 @@ from gpuwatchd import __version__
 from gpuwatchd.config import Config, ConfigError, load_config, with_overrides
 from gpuwatchd.units import fmt_bytes
 
-PLUGIN_MODULES = ("events_cli", "doctor", "check", "job", "web")
+PLUGIN_MODULES = ("cli.events", "cli.doctor", "cli.check", "cli.job", "web.server")
 DEFAULT_CONFIG = "/etc/gpuwatchd/config.yaml"
 
 
@@ -40,7 +40,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from gpuwatchd.daemon import Daemon
+    from gpuwatchd.daemon.core import Daemon
 
     cfg = resolve_config(args)
     logging.basicConfig(
@@ -59,7 +59,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     """What a reload (SIGHUP) would accept: the unit's ExecReload= runs this before signalling."""
     cfg = load_config(args.file)
     if cfg.web.config_file:
-        from gpuwatchd import web
+        from gpuwatchd.web import server as web
 
         try:  # the daemon refuses a reload whose web-config file is bad: so does the check
             web.load_web_config(cfg.web.config_file)
@@ -71,7 +71,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 
 def cmd_register(args: argparse.Namespace) -> int:
-    from gpuwatchd.api import _start_ticks, build_document, pid_namespace
+    from gpuwatchd.rank.api import _start_ticks, build_document, pid_namespace
     from gpuwatchd.sources.rankfiles import RankFileError, rank_file_name, write_rank_file
 
     cfg = resolve_config(args)
@@ -91,7 +91,7 @@ def cmd_register(args: argparse.Namespace) -> int:
 
 
 def cmd_unregister(args: argparse.Namespace) -> int:
-    from gpuwatchd.api import unregister_rank
+    from gpuwatchd.rank.api import unregister_rank
 
     cfg = resolve_config(args)
     removed = unregister_rank(args.job_id, args.rank, args.rank_dir or cfg.rank_dir)
@@ -103,7 +103,7 @@ def cmd_unregister(args: argparse.Namespace) -> int:
 
 def load_state(cfg: Config) -> tuple[dict[str, Any], str]:
     """The daemon's latest state (``state_dir/state.json``) when fresh, else one local cycle."""
-    from gpuwatchd.daemon import STATE_FILE, Daemon, state_to_json
+    from gpuwatchd.daemon.core import STATE_FILE, Daemon, state_to_json
 
     path = os.path.join(cfg.state_dir, STATE_FILE)
     try:

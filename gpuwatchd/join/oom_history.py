@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpuwatchd.events import Event
+from gpuwatchd.events.log import Event
 from gpuwatchd.model import INFO, frozen_map
 from gpuwatchd.units import fmt_bytes
 

@@ -31,11 +31,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gpuwatchd.bus_lost import BusLostDedup
 from gpuwatchd.counters import CounterStore
-from gpuwatchd.events import EVENTS_FILE, Event, EventBus, read_events
+from gpuwatchd.events.log import EVENTS_FILE, Event, EventBus, read_events
+from gpuwatchd.join.bus_lost import BusLostDedup
+from gpuwatchd.join.oom_history import HistoryKill, OomBaseline
 from gpuwatchd.model import INFO, PAGE, WARNING, ProcessInfo, RankState, frozen_map
-from gpuwatchd.oom_history import HistoryKill, OomBaseline
 from gpuwatchd.sources.kernel_log import (
     KILLER_EARLYOOM,
     KILLER_KERNEL,
@@ -374,7 +374,7 @@ class KernelEventProcessor:
         bus: EventBus | None = None,
         boot_id: str = "",
         record: RankTreeRecord | None = None,
-        xid_dedup: Any = None,  # gpuwatchd.xid_dedup.XidDeduper (shared with the NVML watcher)
+        xid_dedup: Any = None,  # gpuwatchd.join.xid_dedup.XidDeduper (shared with the NVML watcher)
         group_timeout: float = 2.0,
         unexplained_grace: float = 10.0,
         recent_seconds: float = 3600.0,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import time
 
-from gpuwatchd.daemon import Daemon, Subsystem
-from gpuwatchd.events import Event
-from gpuwatchd.kernel_log_subsystem import KernelLogSubsystem
+from gpuwatchd.daemon.core import Daemon, Subsystem
+from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
+from gpuwatchd.events.log import Event
 from gpuwatchd.model import INFO, Finding, NodeState
 
 # Already events of their own (kernel_events.py).

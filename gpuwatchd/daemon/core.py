@@ -27,11 +27,11 @@ from typing import Any
 
 from gpuwatchd.config import Config, ConfigError, load_config, with_overrides
 from gpuwatchd.counters import CounterStore
-from gpuwatchd.exporter import make_registry
+from gpuwatchd.daemon.notify import notify, watchdog_interval
+from gpuwatchd.exporter.collector import make_registry
 from gpuwatchd.isolation import Collector, PartialReading, guarded
-from gpuwatchd.join import CycleInputs, JoinMemory, build_state
+from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
 from gpuwatchd.model import BadRankFile, NodeState, ProcessInfo, RankEntry
-from gpuwatchd.notify import notify, watchdog_interval
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.pidns import PidNamespaces
 from gpuwatchd.sources.procfs import ProcfsReader
@@ -233,7 +233,7 @@ class Daemon:
 
     def start(self) -> None:
         """Start the web server and the subsystems (``run`` calls this)."""
-        from gpuwatchd import web
+        from gpuwatchd.web import server as web
 
         try:
             self.web = web.serve(self.registry, self.config.web.listen_address,
@@ -297,7 +297,7 @@ class Daemon:
     def _reload_web(self, new: Config) -> Any:
         """The server for ``new.web``; the running one keeps serving when that is impossible
         (a bad web-config, an address in use): ConfigError then."""
-        from gpuwatchd import web
+        from gpuwatchd.web import server as web
 
         try:
             return self.web.reload(new.web.listen_address, new.web.config_file)
@@ -404,13 +404,13 @@ def state_to_json(state: NodeState) -> dict[str, Any]:
 
 def default_subsystems(config: Config) -> list[Subsystem]:
     """The subsystems a real daemon runs (NVML, kernel log, py-spy ...), as configured."""
-    from gpuwatchd.finding_events import FindingEventsSubsystem
-    from gpuwatchd.gil import PySpySubsystem
-    from gpuwatchd.gpu_subsystem import GpuSubsystem
-    from gpuwatchd.kernel_log_subsystem import KernelLogSubsystem
+    from gpuwatchd.daemon.finding_events import FindingEventsSubsystem
+    from gpuwatchd.daemon.gil import PySpySubsystem
+    from gpuwatchd.daemon.gpu import GpuSubsystem
+    from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 
     gpu: list[Subsystem] = [GpuSubsystem()] if config.nvml.enabled else []
-    from gpuwatchd.memory_subsystem import MemorySubsystem
+    from gpuwatchd.daemon.memory import MemorySubsystem
 
     kernel = KernelLogSubsystem()
     memory: list[Subsystem] = [MemorySubsystem(config, kernel)] if config.memory.enabled else []

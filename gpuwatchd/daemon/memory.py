@@ -22,12 +22,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuwatchd.config import Config
-from gpuwatchd.daemon import Daemon, Subsystem
+from gpuwatchd.daemon.core import Daemon, Subsystem
+from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
+from gpuwatchd.daemon.memory_evidence import snapshot_event, worse
 from gpuwatchd.findings.memory import KIND
 from gpuwatchd.isolation import guarded
-from gpuwatchd.kernel_log_subsystem import KernelLogSubsystem
-from gpuwatchd.memory_evidence import snapshot_event, worse
-from gpuwatchd.memory_tracker import MemoryTracker, RankKey
+from gpuwatchd.join.memory_tracker import MemoryTracker, RankKey
 from gpuwatchd.model import CollectorStatus, Finding, NodeMemoryState, NodeState, ProcessInfo, RankMemory
 from gpuwatchd.sources.memcg import CgroupPaths, MemcgReader
 from gpuwatchd.sources.pyspy import PySpy, PySpyError

@@ -24,19 +24,19 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from gpuwatchd.cuda_oom import OomTracker
-from gpuwatchd.daemon import Subsystem
-from gpuwatchd.device_policy import EXIT_REEXPAND, DevicePolicyGuard
+from gpuwatchd.daemon.core import Subsystem
+from gpuwatchd.daemon.device_policy import EXIT_REEXPAND, DevicePolicyGuard
 from gpuwatchd.isolation import Collector
+from gpuwatchd.join.orphans import OrphanTracker, trees_from_entries
+from gpuwatchd.join.xid_dedup import XidDeduper, normalize_pci_bus_id
 from gpuwatchd.model import PAGE, Finding, GpuDevice, GpuProcess, NodeState, ProcessInfo
-from gpuwatchd.orphans import OrphanTracker, trees_from_entries
+from gpuwatchd.rank.cuda_oom import OomTracker
 from gpuwatchd.sources.devfds import ProcEvidence, read_evidence
 from gpuwatchd.sources.kernel_log import read_boot_id
 from gpuwatchd.sources.nvidia_devices import probe
 from gpuwatchd.sources.nvml import NvmlReadError, NvmlSource, XidEventWatcher
 from gpuwatchd.sources.nvml_fixture import open_nvml_source
 from gpuwatchd.sources.udev import GpuUevent, UdevWatcher, lost_finding
-from gpuwatchd.xid_dedup import XidDeduper, normalize_pci_bus_id
 
 log = logging.getLogger(__name__)
 

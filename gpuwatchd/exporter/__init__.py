@@ -1,0 +1,1 @@
+"""NodeState -> Prometheus metric families (collector) and the memory families (memory)."""
