@@ -254,3 +254,8 @@ class NodeState:
     cycle_seconds: float = 0.0
     rank_memory: tuple[RankMemory, ...] = ()  # memory_subsystem.py; () when off
     node_memory: NodeMemoryState | None = None
+
+
+# Who reported an Xid (join/xid_dedup.py counts one reported by both once).
+SOURCE_NVML = "nvml"
+SOURCE_KERNEL = "kernel"

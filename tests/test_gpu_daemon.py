@@ -133,7 +133,7 @@ def test_udev_remove_raises_gpu_lost_at_once_and_reinitialises_nvml(tmp_path: Pa
     d, sub = _daemon(tmp_path, FIX / "h200_orphan_dataloader.json", {}, watch_xid=False)
     try:
         d.cycle()
-        lib = sub.source._nvml  # type: ignore[union-attr]
+        lib = sub.source.library  # type: ignore[union-attr]
         assert lib.init_calls == 1
         props = parse_uevent_file((FIX / "h200_pci_uevent.txt").read_text())
         sub._on_uevent(classify("remove", props, 1234.0))  # type: ignore[arg-type]

@@ -19,9 +19,10 @@ import pytest
 from kernel_oom_helpers import MemCgroup
 
 from gpuwatchd.config import load_config
-from gpuwatchd.daemon.core import Daemon, Subsystem
+from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem
+from gpuwatchd.daemon.subsystem import Subsystem
 from gpuwatchd.events.log import Event, EventBus, JsonlSink, read_events
 from gpuwatchd.model import Finding, NodeState
 from gpuwatchd.sources.pyspy import PySpy, resolve_pyspy

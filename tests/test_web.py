@@ -24,7 +24,9 @@ import pytest
 from pkiutil import make_pki
 from prometheus_client import CollectorRegistry, Gauge
 
+from gpuwatchd.cli import web_config as web_config_cli
 from gpuwatchd.web import server as web
+from gpuwatchd.web.config import WebConfigError
 
 PASSWORD = "correct horse battery staple"
 HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()
@@ -297,14 +299,14 @@ def test_bad_web_config_is_refused_naming_the_key(pki: Path, tmp_path: Path,
     for name in ("server.crt", "server.key", "client.key", "ca.crt"):
         shutil.copy(pki / name, d / name)
     path = _write_config(d, text)
-    with pytest.raises(web.WebConfigError) as err:
+    with pytest.raises(WebConfigError) as err:
         web.serve(registry, "127.0.0.1:0", path)
     assert named in str(err.value)
     assert err.value.path == path
 
 
 def test_unreadable_web_config(tmp_path: Path, registry: CollectorRegistry) -> None:
-    with pytest.raises(web.WebConfigError, match="cannot read"):
+    with pytest.raises(WebConfigError, match="cannot read"):
         web.serve(registry, "127.0.0.1:0", str(tmp_path / "absent.yml"))
 
 
@@ -452,7 +454,7 @@ def test_close_releases_the_port(registry: CollectorRegistry) -> None:
 
 def _cli(*argv: str) -> int:
     parser = argparse.ArgumentParser(prog="gpuwatchd")
-    web.register(parser.add_subparsers(dest="command"))
+    web_config_cli.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(list(argv))
     return int(args.func(args))
 
@@ -487,6 +489,7 @@ def test_web_config_commands_through_the_real_cli(pki: Path, tmp_path: Path) -> 
 SERVER_SCRIPT = """
 import sys, time
 from prometheus_client import CollectorRegistry, Gauge
+from gpuwatchd.cli import web_config as web_config_cli
 from gpuwatchd.web import server as web
 reg = CollectorRegistry()
 Gauge("gpuwatch_test_value", "A value.", registry=reg).set(42)

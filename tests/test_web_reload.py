@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from promstack import wait_until
 
 from gpuwatchd.web import server as web
+from gpuwatchd.web.config import WebConfigError
 
 TLS_CONFIG = "tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
 
@@ -106,7 +107,7 @@ def test_reload_on_the_same_address_turns_tls_on_and_ends_plain_connections(
         tls.close()
         # A bad web-config is refused before anything changes.
         (tmp_path / "bad.yml").write_text("tls_server_config:\n  cert_file: server.crt\n")
-        with pytest.raises(web.WebConfigError):
+        with pytest.raises(WebConfigError):
             server.reload(f"127.0.0.1:{port}", str(tmp_path / "bad.yml"))
         assert server.url.startswith("https://")
     finally:

@@ -1,43 +1,30 @@
 """Command line: argv -> subcommands. The only module that exits.
 
 Exit codes: 0 fine, 1 "found a problem" (check), 2 usage or configuration error.
-Subcommands that live in their own modules (events, doctor, check, job, web-config) plug in through
-a ``register(subparsers)`` function in that module (see ``PLUGIN_MODULES``).
+Subcommands that live in their own modules (events, doctor, check, job, web-config) add themselves
+through a ``register(subparsers)`` function in that module (see ``COMMAND_MODULES``); what they
+share (``--config.file``, the resolved config, the daemon's state) is in ``cli/common.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
 import sys
-import time
 from collections.abc import Sequence
-from typing import Any
 
 from gpuwatchd import __version__
-from gpuwatchd.config import Config, ConfigError, load_config, with_overrides
+from gpuwatchd.cli import check, doctor, events, job, web_config
+from gpuwatchd.cli.common import DEFAULT_CONFIG, load_state, resolve_config
+from gpuwatchd.cli.common import config_arg as _config_arg
+from gpuwatchd.config import ConfigError, load_config
 from gpuwatchd.units import fmt_bytes
 
-PLUGIN_MODULES = ("cli.events", "cli.doctor", "cli.check", "cli.job", "web.server")
-DEFAULT_CONFIG = "/etc/gpuwatchd/config.yaml"
-
-
-def _config_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config.file", dest="config_file", default=None,
-                   help=f"YAML config (default: {DEFAULT_CONFIG} if it exists, else built-in defaults)")
-
-
-def resolve_config(args: argparse.Namespace) -> Config:
-    path = getattr(args, "config_file", None)
-    if path is None and os.path.exists(DEFAULT_CONFIG):
-        path = DEFAULT_CONFIG
-    cfg = load_config(path)
-    return with_overrides(cfg, getattr(args, "listen_address", None),
-                          getattr(args, "web_config_file", None))
-
+# The commands that live in their own modules, in the order --help lists them. An explicit table:
+# a command whose module fails to import fails `gpuwatchd` loudly instead of vanishing from --help.
+COMMAND_MODULES = (events, doctor, check, job, web_config)
 
 def cmd_run(args: argparse.Namespace) -> int:
     from gpuwatchd.daemon.core import Daemon
@@ -59,11 +46,11 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     """What a reload (SIGHUP) would accept: the unit's ExecReload= runs this before signalling."""
     cfg = load_config(args.file)
     if cfg.web.config_file:
-        from gpuwatchd.web import server as web
+        from gpuwatchd.web.config import WebConfigError, load_web_config
 
         try:  # the daemon refuses a reload whose web-config file is bad: so does the check
-            web.load_web_config(cfg.web.config_file)
-        except web.WebConfigError as e:
+            load_web_config(cfg.web.config_file)
+        except WebConfigError as e:
             raise ConfigError([f"web.config_file: {p}" for p in e.problems], args.file) from None
     print(f"{args.file}: OK (interval {cfg.interval_seconds:g}s, listen {cfg.web.listen_address}, "
           f"rank_dir {cfg.rank_dir})")
@@ -99,23 +86,6 @@ def cmd_unregister(args: argparse.Namespace) -> int:
         print(f"gpuwatchd unregister: no rank file for job {args.job_id}"
               + (f" rank {args.rank}" if args.rank is not None else ""), file=sys.stderr)
     return 0
-
-
-def load_state(cfg: Config) -> tuple[dict[str, Any], str]:
-    """The daemon's latest state (``state_dir/state.json``) when fresh, else one local cycle."""
-    from gpuwatchd.daemon.core import STATE_FILE, Daemon, state_to_json
-
-    path = os.path.join(cfg.state_dir, STATE_FILE)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        age = time.time() - float(data.get("timestamp", 0))
-        if age <= 3 * cfg.interval_seconds + 5:
-            return data, f"daemon state {age:.0f}s old"
-    except (OSError, ValueError):
-        pass
-    d = Daemon(cfg, subsystems=[], write_state=False)
-    return state_to_json(d.cycle()), "daemon not running: live /proc view, no GPU/kernel/GIL data"
 
 
 def cmd_ps(args: argparse.Namespace) -> int:
@@ -229,14 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ps)
 
-    for name in PLUGIN_MODULES:
-        try:
-            module = importlib.import_module(f"gpuwatchd.{name}")
-        except ImportError:
-            continue
-        register = getattr(module, "register", None)
-        if callable(register):
-            register(sub)
+    for module in COMMAND_MODULES:
+        module.register(sub)
     return parser
 
 

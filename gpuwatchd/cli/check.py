@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gpuwatchd.cli.common import resolve_config
 from gpuwatchd.join.orphans import RankTrees, fmt_age, offenders, trees_from_entries
 from gpuwatchd.model import GpuDevice, GpuProcess, Orphan, ProcessInfo
 from gpuwatchd.paths import HostPaths
@@ -287,7 +288,6 @@ def _emit(out: Any, as_json: bool, doc: Mapping[str, Any], text: str) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from gpuwatchd.cli import resolve_config
 
     cfg = resolve_config(args)
     selectors = [s for s in (args.gpus or "").split(",") if s.strip()]

@@ -22,6 +22,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from gpuwatchd.cli.common import load_state, resolve_config
 from gpuwatchd.config import Config
 from gpuwatchd.findings import FindingContext, fds, fork, nccl_env
 from gpuwatchd.model import RankState
@@ -299,7 +300,6 @@ def render(r: Mapping[str, Any]) -> str:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from gpuwatchd.cli import load_state, resolve_config
 
     cfg = resolve_config(args)
     state, origin = load_state(cfg)

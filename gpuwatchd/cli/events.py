@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any
 
+from gpuwatchd.cli.common import resolve_config
 from gpuwatchd.events.log import EVENTS_FILE, Event, read_events
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
@@ -85,7 +86,6 @@ def render(events: list[Event]) -> str:
 
 
 def cmd_events(args: argparse.Namespace) -> int:
-    from gpuwatchd.cli import resolve_config
 
     state_dir = args.state_dir or resolve_config(args).state_dir
     since = parse_since(args.since, time.time())

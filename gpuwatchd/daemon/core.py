@@ -27,10 +27,17 @@ from typing import Any
 
 from gpuwatchd.config import Config, ConfigError, load_config, with_overrides
 from gpuwatchd.counters import CounterStore
+from gpuwatchd.daemon.finding_events import FindingEventsSubsystem
+from gpuwatchd.daemon.gil import PySpySubsystem
+from gpuwatchd.daemon.gpu import GpuSubsystem
+from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
+from gpuwatchd.daemon.memory import MemorySubsystem
 from gpuwatchd.daemon.notify import notify, watchdog_interval
+from gpuwatchd.daemon.subsystem import Subsystem
 from gpuwatchd.exporter.collector import make_registry
 from gpuwatchd.isolation import Collector, PartialReading, guarded
 from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
+from gpuwatchd.join.xid_dedup import XidDeduper
 from gpuwatchd.model import BadRankFile, NodeState, ProcessInfo, RankEntry
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.pidns import PidNamespaces
@@ -42,35 +49,13 @@ from gpuwatchd.sources.rankfiles import (
     guard_entries,
     heartbeat_mtime,
 )
+from gpuwatchd.web.config import WebConfigError
 
 log = logging.getLogger("gpuwatchd")
 STATE_FILE = "state.json"
 # Config sections that SIGHUP does not apply (the subsystems read them once, at start).
 RESTART_SECTIONS = ("gil", "stall", "alertmanager", "nvml", "orphans", "kernel_log", "state_dir",
                     "procfs")
-
-
-class Subsystem:
-    """A part of the daemon with its own threads or polled source (NVML, kernel log, GIL ...).
-
-    ``before_join`` returns keyword overrides for ``CycleInputs`` (e.g. ``gpus``, ``orphans``,
-    ``extra_findings``, ``progress``); tuples are concatenated, mappings merged. Each call runs
-    isolated: a subsystem that raises loses its contribution for that cycle, nothing else.
-    """
-
-    name = "subsystem"
-
-    def start(self, daemon: Daemon) -> None:
-        """Start threads; ``daemon.stop_event`` says when to end."""
-
-    def before_join(self, daemon: Daemon, partial: Mapping[str, Any]) -> Mapping[str, Any]:
-        return {}
-
-    def after_join(self, daemon: Daemon, state: NodeState) -> None:
-        """See the new state (e.g. remember rank trees, emit events for new findings)."""
-
-    def stop(self) -> None:
-        """Release resources; threads end on ``daemon.stop_event``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +91,7 @@ class Daemon:
         self.rankfiles = RankFileReader(config.rank_dir)
         self.pidns = PidNamespaces(self.procfs)  # rank files written inside containers
         self.stop_event = threading.Event()
+        self.xid_dedup = XidDeduper()  # shared by the NVML Xid watcher and the kernel log
         self.reload_requested = threading.Event()
         self.state: NodeState | None = None
         self.memory = JoinMemory()
@@ -238,7 +224,7 @@ class Daemon:
         try:
             self.web = web.serve(self.registry, self.config.web.listen_address,
                                  self.config.web.config_file, counters=self.counters)
-        except web.WebConfigError as e:  # exit 2 naming every bad key, like the config file
+        except WebConfigError as e:  # exit 2 naming every bad key, like the config file
             raise ConfigError([f"web.config_file: {p}" for p in e.problems], e.path) from None
         for sub in self.subsystems:
             guarded(f"starting subsystem {sub.name}", functools.partial(sub.start, self), None)
@@ -301,7 +287,7 @@ class Daemon:
 
         try:
             return self.web.reload(new.web.listen_address, new.web.config_file)
-        except web.WebConfigError as e:
+        except WebConfigError as e:
             raise ConfigError([f"web.config_file: {p}" for p in e.problems], e.path) from None
         except (OSError, ValueError) as e:
             why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
@@ -404,13 +390,7 @@ def state_to_json(state: NodeState) -> dict[str, Any]:
 
 def default_subsystems(config: Config) -> list[Subsystem]:
     """The subsystems a real daemon runs (NVML, kernel log, py-spy ...), as configured."""
-    from gpuwatchd.daemon.finding_events import FindingEventsSubsystem
-    from gpuwatchd.daemon.gil import PySpySubsystem
-    from gpuwatchd.daemon.gpu import GpuSubsystem
-    from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
-
     gpu: list[Subsystem] = [GpuSubsystem()] if config.nvml.enabled else []
-    from gpuwatchd.daemon.memory import MemorySubsystem
 
     kernel = KernelLogSubsystem()
     memory: list[Subsystem] = [MemorySubsystem(config, kernel)] if config.memory.enabled else []

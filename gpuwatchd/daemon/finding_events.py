@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 
-from gpuwatchd.daemon.core import Daemon, Subsystem
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
+from gpuwatchd.daemon.subsystem import DaemonContext, Subsystem
 from gpuwatchd.events.log import Event
 from gpuwatchd.model import INFO, Finding, NodeState
 
@@ -42,7 +42,7 @@ class FindingEventsSubsystem(Subsystem):
         # the daemon found when it started.
         self._active: dict[tuple[str, str, str, str], Finding] = {}
 
-    def after_join(self, daemon: Daemon, state: NodeState) -> None:
+    def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
         processor = self.kernel.processor
         if processor is None:
             return

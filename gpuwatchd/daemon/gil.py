@@ -36,7 +36,7 @@ from typing import Any
 
 from gpuwatchd.config import Config
 from gpuwatchd.counters import CounterStore
-from gpuwatchd.daemon.core import Subsystem
+from gpuwatchd.daemon.subsystem import DaemonContext, Subsystem
 from gpuwatchd.isolation import run_forever
 from gpuwatchd.join.stall import RankProbe, StallTracker
 from gpuwatchd.model import CollectorStatus, GilReading, ProcessInfo
@@ -341,7 +341,7 @@ class PySpySubsystem(Subsystem):
         self.tick_seconds = tick_seconds
         self._thread: threading.Thread | None = None
 
-    def _ensure(self, daemon: Any) -> None:
+    def _ensure(self, daemon: DaemonContext) -> None:
         if self.stall is not None:
             return
         g = self.config.gil
@@ -365,7 +365,7 @@ class PySpySubsystem(Subsystem):
         self.stall = StallTracker(self.config.stall.after_seconds, self.spy, paths=daemon.paths,
                                   cycle_seconds=self.config.interval_seconds)  # fmt: skip
 
-    def start(self, daemon: Any) -> None:
+    def start(self, daemon: DaemonContext) -> None:
         self._ensure(daemon)
         sampler = self.sampler
         if sampler is None or self.spy is None or self.spy.binary is None:
@@ -382,7 +382,7 @@ class PySpySubsystem(Subsystem):
         )
         self._thread.start()
 
-    def before_join(self, daemon: Any, partial: Mapping[str, Any]) -> Mapping[str, Any]:
+    def before_join(self, daemon: DaemonContext, partial: Mapping[str, Any]) -> Mapping[str, Any]:
         self._ensure(daemon)
         assert self.stall is not None and self.spy is not None
         processes: Mapping[int, ProcessInfo] = partial.get("processes", {})
@@ -422,7 +422,7 @@ class PySpySubsystem(Subsystem):
             return self.sampler.status()
         return CollectorStatus(pyspy.COLLECTOR, True, 0.0, None, "")
 
-    def after_join(self, daemon: Any, state: Any) -> None:
+    def after_join(self, daemon: DaemonContext, state: Any) -> None:
         """Nothing to do: readings flow in through ``before_join``."""
 
     def stop(self) -> None:

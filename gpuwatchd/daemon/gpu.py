@@ -24,11 +24,10 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from gpuwatchd.daemon.core import Subsystem
 from gpuwatchd.daemon.device_policy import EXIT_REEXPAND, DevicePolicyGuard
+from gpuwatchd.daemon.subsystem import DaemonContext, Subsystem
 from gpuwatchd.isolation import Collector
 from gpuwatchd.join.orphans import OrphanTracker, trees_from_entries
-from gpuwatchd.join.xid_dedup import XidDeduper, normalize_pci_bus_id
 from gpuwatchd.model import PAGE, Finding, GpuDevice, GpuProcess, NodeState, ProcessInfo
 from gpuwatchd.rank.cuda_oom import OomTracker
 from gpuwatchd.sources.devfds import ProcEvidence, read_evidence
@@ -37,6 +36,7 @@ from gpuwatchd.sources.nvidia_devices import probe
 from gpuwatchd.sources.nvml import NvmlReadError, NvmlSource, XidEventWatcher
 from gpuwatchd.sources.nvml_fixture import open_nvml_source
 from gpuwatchd.sources.udev import GpuUevent, UdevWatcher, lost_finding
+from gpuwatchd.units import normalize_pci_bus_id
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class GpuSubsystem(Subsystem):
         self._last_state: NodeState | None = None
 
     # -- life cycle ---------------------------------------------------------------------------
-    def start(self, daemon: Any) -> None:
+    def start(self, daemon: DaemonContext) -> None:
         cfg = daemon.config
         if self.source is None:
             self.source = open_nvml_source(cfg.nvml.fixture)
@@ -79,13 +79,10 @@ class GpuSubsystem(Subsystem):
                                    3 * interval + timeout, daemon.clock)
         self.tracker = OrphanTracker(cfg.orphans.grace_seconds)
         self.oom = OomTracker(cfg.rank_dir, daemon.clock)
-        dedup = getattr(daemon, "xid_dedup", None)
-        if dedup is None:
-            dedup = XidDeduper()
-            daemon.xid_dedup = dedup
+        dedup = daemon.xid_dedup
         self.dedup = dedup
         if self.watch_xid:
-            lib = getattr(self.source, "_nvml", None)  # the replay when reading a fixture
+            lib = self.source.library  # the replay when reading a fixture
             self.xid = XidEventWatcher(daemon.counters.inc, dedup, pynvml=lib, clock=daemon.clock)
             self.xid.start()
         if self.watch_udev and not cfg.nvml.fixture:
@@ -124,7 +121,7 @@ class GpuSubsystem(Subsystem):
                 raise NvmlDeviceDenied(f"{why} (NVML: {exc})") from exc
             raise
 
-    def before_join(self, daemon: Any, partial: Mapping[str, Any]) -> Mapping[str, Any]:
+    def before_join(self, daemon: DaemonContext, partial: Mapping[str, Any]) -> Mapping[str, Any]:
         if self.collector is None or self.tracker is None or self.oom is None:
             return {}
         reading = self.collector.run()
@@ -190,7 +187,7 @@ class GpuSubsystem(Subsystem):
         )
         return out
 
-    def after_join(self, daemon: Any, state: NodeState) -> None:
+    def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
         self._last_state = state
 
 

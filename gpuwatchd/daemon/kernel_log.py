@@ -15,11 +15,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuwatchd.counters import CounterStore
-from gpuwatchd.daemon.core import Daemon, Subsystem
+from gpuwatchd.daemon.subsystem import DaemonContext, Subsystem
 from gpuwatchd.events.log import Event, EventBus, build_bus, derive_instance
 from gpuwatchd.isolation import guarded, run_forever
 from gpuwatchd.join.kernel_events import KernelEventProcessor
-from gpuwatchd.join.xid_dedup import XidDeduper
 from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo
 from gpuwatchd.sources.kernel_log import (
     KernelLogUnavailable,
@@ -61,7 +60,7 @@ class KernelLogSubsystem(Subsystem):
         self._processes: Mapping[int, ProcessInfo] = {}
         self._history_due = 0.0
 
-    def start(self, daemon: Daemon) -> None:
+    def start(self, daemon: DaemonContext) -> None:
         cfg = daemon.config
         paths = daemon.paths
         if self.bus is None:
@@ -73,13 +72,9 @@ class KernelLogSubsystem(Subsystem):
                 timeout_seconds=am.timeout_seconds,
                 scrape_job=am.job,
             )
-        dedup = getattr(daemon, "xid_dedup", None)  # shared with the NVML Xid watcher
-        if dedup is None:
-            dedup = XidDeduper()
-            daemon.xid_dedup = dedup  # type: ignore[attr-defined]
         self.processor = KernelEventProcessor(
             daemon.counters, cfg.state_dir, bus=self.bus, boot_id=read_boot_id(paths),
-            xid_dedup=dedup, clock=daemon.clock,
+            xid_dedup=daemon.xid_dedup, clock=daemon.clock,  # shared with the NVML Xid watcher
         )
         daemon.counters.ensure("kernel_log_overruns", ())
         # First start in this boot: what the kernel counted and the log replays is history.
@@ -93,7 +88,7 @@ class KernelLogSubsystem(Subsystem):
         )
         self._thread.start()
 
-    def _run(self, daemon: Daemon) -> None:
+    def _run(self, daemon: DaemonContext) -> None:
         # run_forever is the daemon's isolation for streaming sources: a crash restarts the
         # source after RETRY_SECONDS (resuming from the persisted position), never the daemon.
         run_forever("kernel_log", lambda: self._run_once(daemon), self._stop, self.RETRY_SECONDS)
@@ -105,7 +100,7 @@ class KernelLogSubsystem(Subsystem):
             none: list[Event] = []
             guarded("kernel log record", lambda: processor.handle(rec), none)
 
-    def _run_once(self, daemon: Daemon) -> None:
+    def _run_once(self, daemon: DaemonContext) -> None:
         counters: CounterStore = daemon.counters
         try:
             self.source = open_kernel_log(
@@ -132,7 +127,7 @@ class KernelLogSubsystem(Subsystem):
         finally:
             self._running = False
 
-    def before_join(self, daemon: Daemon, partial: Mapping[str, Any]) -> Mapping[str, Any]:
+    def before_join(self, daemon: DaemonContext, partial: Mapping[str, Any]) -> Mapping[str, Any]:
         if self.processor is None:
             return {}
         t0 = time.monotonic()
@@ -166,7 +161,7 @@ class KernelLogSubsystem(Subsystem):
         elif time.monotonic() > self._history_due:
             self.processor.history_event("")
 
-    def after_join(self, daemon: Daemon, state: NodeState) -> None:
+    def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
         if self.processor is None:
             return
         now = daemon.clock()

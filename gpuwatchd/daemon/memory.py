@@ -22,9 +22,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuwatchd.config import Config
-from gpuwatchd.daemon.core import Daemon, Subsystem
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory_evidence import snapshot_event, worse
+from gpuwatchd.daemon.subsystem import DaemonContext, Subsystem
 from gpuwatchd.findings.memory import KIND
 from gpuwatchd.isolation import guarded
 from gpuwatchd.join.memory_tracker import MemoryTracker, RankKey
@@ -54,7 +54,7 @@ class MemorySubsystem(Subsystem):
         self._seq = 0
         self._last_ok: float | None = None
 
-    def start(self, daemon: Daemon) -> None:
+    def start(self, daemon: DaemonContext) -> None:
         if self.reader is None:
             self.reader = MemcgReader(daemon.paths, self.config.memory.cgroup_root)
         if self.spy is None:  # share the py-spy runner (and its concurrency limit) of GIL sampling
@@ -68,7 +68,7 @@ class MemorySubsystem(Subsystem):
 
     # -- each cycle --------------------------------------------------------------------------
 
-    def before_join(self, daemon: Daemon, partial: Mapping[str, Any]) -> Mapping[str, Any]:
+    def before_join(self, daemon: DaemonContext, partial: Mapping[str, Any]) -> Mapping[str, Any]:
         if self.reader is None:
             self.start(daemon)
         assert self.reader is not None
@@ -123,7 +123,7 @@ class MemorySubsystem(Subsystem):
         self._paths[(pid, start_ticks)] = (now, where)
         return where
 
-    def after_join(self, daemon: Daemon, state: NodeState) -> None:
+    def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
         cfg = daemon.config.memory
         now = daemon.clock()
         current = {(f.job_id, f.rank, f.pid): f for f in state.findings if f.kind == KIND}

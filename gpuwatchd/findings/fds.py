@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpuwatchd.findings import FindingContext, rank_label
+from gpuwatchd.findings.context import FindingContext, rank_label
 from gpuwatchd.model import WARNING, Finding
 
 

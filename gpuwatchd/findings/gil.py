@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from gpuwatchd.findings import FindingContext, rank_label
+from gpuwatchd.findings.context import FindingContext, rank_label
 from gpuwatchd.model import WARNING, Finding, GilReading, GpuDevice, RankState
 
 GPU_BUSY_RATIO = 0.6

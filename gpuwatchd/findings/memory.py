@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from gpuwatchd.findings import FindingContext, fmt_bytes
+from gpuwatchd.findings.context import FindingContext, fmt_bytes
 from gpuwatchd.model import WARNING, Finding, NodeMemoryState, RankMemory
 
 KIND = "rank_memory_pressure"

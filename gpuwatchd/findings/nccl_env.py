@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpuwatchd.findings import FindingContext, rank_label
+from gpuwatchd.findings.context import FindingContext, rank_label
 from gpuwatchd.model import INFO, WARNING, Finding
 
 # Legacy spellings that torch no longer reads (TORCH_NCCL_DEBUG_INFO_TEMP_FILE is the current name

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable
 
 from gpuwatchd.events.log import Event
-from gpuwatchd.findings import FindingContext, fmt_bytes
+from gpuwatchd.findings.context import FindingContext, fmt_bytes
 from gpuwatchd.join.kernel_events import scope_phrase
 from gpuwatchd.model import PAGE, Finding
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpuwatchd.findings import FindingContext, fmt_bytes
+from gpuwatchd.findings.context import FindingContext, fmt_bytes
 from gpuwatchd.join.orphans import DEFUNCT, JOB_ENDED, REPARENTED, UNREGISTERED, fmt_age
 from gpuwatchd.model import WARNING, Finding, Orphan
 

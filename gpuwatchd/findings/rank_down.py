@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from gpuwatchd.findings import FindingContext, rank_label
+from gpuwatchd.findings.context import FindingContext, rank_label
 from gpuwatchd.model import PAGE, Finding
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpuwatchd.findings import FindingContext
+from gpuwatchd.findings.context import FindingContext
 from gpuwatchd.model import INFO, Finding
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 
-from gpuwatchd.findings import FindingContext, rank_label
+from gpuwatchd.findings.context import FindingContext, rank_label
 from gpuwatchd.join.stall import StallVerdict
 from gpuwatchd.model import PAGE, Finding
 

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable
 
 from gpuwatchd.events.log import Event
-from gpuwatchd.findings import FindingContext
+from gpuwatchd.findings.context import FindingContext
 from gpuwatchd.join.kernel_events import CRITICAL_XIDS
 from gpuwatchd.model import PAGE, Finding
 

@@ -22,31 +22,16 @@ Kernel-log side usage::
 
 from __future__ import annotations
 
-import re
 import threading
 from collections import deque
 from collections.abc import Iterable
 
-from gpuwatchd.model import GpuDevice
+from gpuwatchd.model import SOURCE_KERNEL, SOURCE_NVML, GpuDevice
+from gpuwatchd.units import normalize_pci_bus_id
 
-SOURCE_NVML = "nvml"
-SOURCE_KERNEL = "kernel"
+__all__ = ["SOURCE_KERNEL", "SOURCE_NVML", "XidDeduper", "normalize_pci_bus_id"]
+
 DEFAULT_WINDOW_SECONDS = 30.0
-
-_PCI = re.compile(
-    r"(?:PCI:)?(?:(?P<domain>[0-9a-fA-F]{4,8}):)?(?P<bus>[0-9a-fA-F]{2}):(?P<dev>[0-9a-fA-F]{2})"
-    r"(?:\.(?P<fn>[0-7]))?"
-)
-
-
-def normalize_pci_bus_id(text: str) -> str:
-    """'00000000:3B:00.0', 'PCI:0000:3b:00', '3b:00.0' -> '0000:3b:00'; unknown text unchanged."""
-    m = _PCI.search(text.strip())
-    if m is None:
-        return text.strip().lower()
-    domain = (m.group("domain") or "0000")[-4:].lower()
-    return f"{domain}:{m.group('bus').lower()}:{m.group('dev').lower()}"
-
 
 class XidDeduper:
     def __init__(self, window_seconds: float = DEFAULT_WINDOW_SECONDS) -> None:

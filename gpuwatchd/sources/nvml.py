@@ -33,8 +33,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from gpuwatchd.isolation import NotPresent
-from gpuwatchd.join.xid_dedup import SOURCE_NVML, XidDeduper, normalize_pci_bus_id
-from gpuwatchd.model import GpuDevice, GpuProcess
+from gpuwatchd.model import SOURCE_NVML, GpuDevice, GpuProcess
+from gpuwatchd.units import normalize_pci_bus_id
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,15 @@ def _known(value: Any) -> int | None:
     return None if number in _NA_VALUES else number
 
 
+class XidRecorder(Protocol):
+    """Where the Xid watcher records what it saw (``join.xid_dedup.XidDeduper``): a source only
+    reports; the de-duplication against the kernel log lives in the join."""
+
+    def learn_device(self, pci_bus_id: str, uuid: str, index: int) -> None: ...
+
+    def record(self, gpu_key: str, xid: int, at: float, source: str) -> bool: ...
+
+
 class NvmlSource:
     """The real reader. ``pynvml`` is a constructor argument so tests can pass a recorded double."""
 
@@ -115,6 +124,11 @@ class NvmlSource:
         self.device_errors: dict[int, str] = {}
         self.lost_devices: frozenset[int] = frozenset()  # NVML_ERROR_GPU_IS_LOST at last read()
         self.driver_version: str = ""
+
+    @property
+    def library(self) -> Any:
+        """The pynvml module (or recorded replay) given to the constructor; None: load the real one."""
+        return self._nvml
 
     # -- life cycle ---------------------------------------------------------------------------
     def _lib(self) -> Any:
@@ -285,7 +299,7 @@ class XidEventWatcher:
     def __init__(
         self,
         inc: Callable[[str, tuple[str, ...]], None],
-        deduper: XidDeduper,
+        deduper: XidRecorder,
         pynvml: Any = None,
         clock: Callable[[], float] = time.time,
         wait_ms: int = 1000,

@@ -20,8 +20,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpuwatchd.join.xid_dedup import normalize_pci_bus_id
 from gpuwatchd.model import PAGE, Finding
+from gpuwatchd.units import normalize_pci_bus_id
 
 log = logging.getLogger(__name__)
 

@@ -20,21 +20,18 @@ https://node:9958/metrics``.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import binascii
 import contextlib
-import getpass
 import hashlib
 import html
 import io
 import logging
 import socket
 import ssl
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -50,8 +47,6 @@ from gpuwatchd.web.config import (
     ConfigHolder,
     RateLimit,
     WebConfig,
-    WebConfigError,
-    load_web_config,
 )
 from gpuwatchd.web.listener import (
     DROP_REASONS,
@@ -432,53 +427,3 @@ def serve(registry: CollectorRegistry, listen_address: str,
         for reason in DROP_REASONS:
             counters.ensure("web_connections_dropped", (reason,))
     return _start(registry, family, addr, config, limits or Limits(), counters)
-
-
-# --- command line: gpuwatchd web-config check FILE | hash ----------------------------------------
-
-def register(subparsers: Any) -> None:
-    """Add ``gpuwatchd web-config {check,hash}`` to the CLI."""
-    p = subparsers.add_parser("web-config", help="check a /metrics web-config file (TLS, auth)")
-    sub = p.add_subparsers(dest="web_config_command", required=True)
-    c = sub.add_parser("check", help="validate a web-config file and load its certificates")
-    c.add_argument("file")
-    c.set_defaults(func=_cmd_check)
-    h = sub.add_parser("hash", help="print a bcrypt hash for basic_auth_users (reads stdin)")
-    h.add_argument("--cost", type=int, default=10)
-    h.set_defaults(func=_cmd_hash)
-
-
-def _cmd_check(args: argparse.Namespace) -> int:
-    try:
-        cfg = load_web_config(args.file)
-    except WebConfigError as e:
-        print(f"{e.path}: invalid", file=sys.stderr)
-        for problem in e.problems:
-            print(f"  {problem}", file=sys.stderr)
-        return 1
-    parts = []
-    if cfg.tls:
-        parts.append(f"TLS (min {cfg.tls.min_version}, client certificates:"
-                     f" {cfg.tls.client_auth_type})")
-    else:
-        parts.append("plain HTTP")
-    if cfg.basic_auth_users:
-        parts.append(f"basic auth for {len(cfg.basic_auth_users)} user(s)")
-    if cfg.rate_limit:
-        parts.append(f"rate limit {cfg.rate_limit.burst} per {cfg.rate_limit.interval_seconds}s")
-    print(f"{args.file}: ok: " + ", ".join(parts))
-    return 0
-
-
-def _cmd_hash(args: argparse.Namespace, read: Callable[[], str] | None = None) -> int:
-    if not 4 <= args.cost <= 31:
-        print("--cost must be between 4 and 31", file=sys.stderr)
-        return 2
-    if read is None:
-        read = (lambda: getpass.getpass("password: ")) if sys.stdin.isatty() else sys.stdin.readline
-    password = read().rstrip("\n").encode()
-    if not password:
-        print("empty password", file=sys.stderr)
-        return 2
-    print(bcrypt.hashpw(password, bcrypt.gensalt(args.cost)).decode())
-    return 0
