@@ -35,7 +35,7 @@ from gpuwatchd.counters import CounterStore  # noqa: E402
 from gpuwatchd.daemon.core import Daemon  # noqa: E402
 from gpuwatchd.exporter.collector import make_registry  # noqa: E402
 from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, ProcessInfo, RankState  # noqa: E402
-from gpuwatchd.sources.rankfiles import write_rank_file  # noqa: E402
+from gpuwatchd.rank.rankfile import write_rank_file  # noqa: E402
 
 MARKER = "gpuwatchd-bench-rank"
 CHILD = (

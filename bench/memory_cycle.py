@@ -28,8 +28,8 @@ from gpuwatchd.config import Config, DiscoveryConfig, GilConfig, NvmlConfig  # n
 from gpuwatchd.daemon.core import Daemon  # noqa: E402
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem  # noqa: E402
 from gpuwatchd.daemon.memory import MemorySubsystem  # noqa: E402
+from gpuwatchd.rank.rankfile import write_rank_file  # noqa: E402
 from gpuwatchd.sources.pyspy import PySpy  # noqa: E402
-from gpuwatchd.sources.rankfiles import write_rank_file  # noqa: E402
 
 CHILD = "import sys; x = bytearray(8 << 20); print(flush=True); sys.stdin.read()"
 

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.cli import check, main
+from gpuwatchd.rank.rankfile import write_rank_file
 from gpuwatchd.sources.nvml import NvmlSource
 from gpuwatchd.sources.nvml_fixture import RecordedNvml
-from gpuwatchd.sources.rankfiles import write_rank_file
 
 H200 = Path(__file__).parent / "fixtures" / "nvml" / "h200_orphan_dataloader.json"
 

@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 from gpuwatchd.counters import CounterStore
+from gpuwatchd.join import cuda_oom as oom_reader
 from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, Orphan
 from gpuwatchd.rank import cuda_oom
 
@@ -78,7 +79,7 @@ def test_observer_records_at_allocation_time(tmp_path: Path) -> None:
     path = cuda_oom.record_event(hook, device=None, requested_bytes=50 << 30,
                                  free_bytes=38 << 30, source="allocator", now=10.0)
     assert path is not None
-    events, problems = cuda_oom.read_events(str(tmp_path))
+    events, problems = oom_reader.read_events(str(tmp_path))
     assert problems == [] and len(events) == 1
     ev = events[0]
     assert (ev.job_id, ev.rank, ev.requested_bytes, ev.timestamp) == ("j", 3, 50 << 30, 10.0)
@@ -91,7 +92,7 @@ def test_bad_event_files_are_skipped_not_fatal(tmp_path: Path) -> None:
     (tmp_path / "cuda_oom-c.event").write_bytes(b"x" * (cuda_oom.MAX_EVENT_BYTES + 10))
     os.symlink("/etc/passwd", tmp_path / "cuda_oom-d.event")
     (tmp_path / "dflash.json").write_text("{}")  # a rank file: not ours
-    events, problems = cuda_oom.read_events(str(tmp_path))
+    events, problems = oom_reader.read_events(str(tmp_path))
     assert events == [] and len(problems) == 4
     assert os.listdir(tmp_path) == ["dflash.json"]
 
@@ -108,9 +109,9 @@ def _state() -> NodeState:
 
 
 def test_explanation_names_the_co_tenant_and_why_it_is_there() -> None:
-    ev = cuda_oom.OomEvent("dflash", 0, 447, 100.0, UUID, 50 << 30,
+    ev = oom_reader.OomEvent("dflash", 0, 447, 100.0, UUID, 50 << 30,
                            ((447, 2787115008), (453, 59818579968), (460, 1 << 30)))
-    gpu, f = cuda_oom.explain(ev, _state())
+    gpu, f = oom_reader.explain(ev, _state())
     assert gpu == "0"
     assert f.kind == "cuda_oom" and (f.job_id, f.rank, f.pid) == ("dflash", "0", "447")
     assert f.explanation == (
@@ -128,9 +129,9 @@ def test_a_rank_in_a_container_is_named_by_its_host_pid() -> None:
 
     rank = RankState("dflash", 0, 447, 0, 1, True, None, ns_pid=1)
     state = dataclasses.replace(_state(), ranks=(rank,))
-    ev = cuda_oom.OomEvent("dflash", 0, 1, 100.0, UUID, 50 << 30,
+    ev = oom_reader.OomEvent("dflash", 0, 1, 100.0, UUID, 50 << 30,
                            ((447, 2787115008), (460, 1 << 30)))
-    _, f = cuda_oom.explain(ev, state)
+    _, f = oom_reader.explain(ev, state)
     assert f.pid == "447"
     assert f.explanation == (
         "rank 0 of job dflash (pid 447 (1 in its container)) hit CUDA OOM on GPU 0 (tried to "
@@ -138,8 +139,8 @@ def test_a_rank_in_a_container_is_named_by_its_host_pid() -> None:
 
 
 def test_without_snapshot_the_daemons_reading_is_used() -> None:
-    ev = cuda_oom.OomEvent("dflash", 0, 447, 100.0, UUID, None, None)
-    _, f = cuda_oom.explain(ev, _state())
+    ev = oom_reader.OomEvent("dflash", 0, 447, 100.0, UUID, None, None)
+    _, f = oom_reader.explain(ev, _state())
     assert "PID 453" in f.explanation and "55.7 GiB" in f.explanation
     assert "tried to allocate" not in f.explanation
 
@@ -147,13 +148,13 @@ def test_without_snapshot_the_daemons_reading_is_used() -> None:
 def test_tracker_counts_and_expires(tmp_path: Path) -> None:
     now = [1000.0]
     counters = CounterStore()
-    tr = cuda_oom.OomTracker(str(tmp_path), clock=lambda: now[0])
+    tr = oom_reader.OomTracker(str(tmp_path), clock=lambda: now[0])
     hook = cuda_oom._Hook(str(tmp_path), "dflash", 0)
     cuda_oom.record_event(hook, device=None, requested_bytes=1 << 30, source="allocator",
                           now=1000.0)
     (f,) = tr.poll(counters.inc, _state())
     assert counters.get("cuda_oom_errors", ("dflash", "0", "")) == 1  # no UUID: GPU unknown
     assert f.since == 1000.0
-    now[0] = 1000.0 + cuda_oom.FINDING_SECONDS + 1
+    now[0] = 1000.0 + oom_reader.FINDING_SECONDS + 1
     assert tr.poll(counters.inc, _state()) == []
     assert counters.get("cuda_oom_errors", ("dflash", "0", "")) == 1

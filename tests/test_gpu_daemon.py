@@ -17,8 +17,8 @@ from prometheus_client import generate_latest
 from gpuwatchd.config import load_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.gpu import GpuSubsystem
+from gpuwatchd.rank.rankfile import write_rank_file
 from gpuwatchd.sources.nvml_fixture import fixture_source
-from gpuwatchd.sources.rankfiles import write_rank_file
 
 FIX = Path(__file__).parent / "fixtures" / "nvml"
 UUID = "GPU-d6a79800-1da5-699b-0f9c-f55eb218f8b2"

@@ -25,8 +25,8 @@ from gpuwatchd.daemon.memory import MemorySubsystem
 from gpuwatchd.daemon.subsystem import Subsystem
 from gpuwatchd.events.log import Event, EventBus, JsonlSink, read_events
 from gpuwatchd.model import Finding, NodeState
+from gpuwatchd.rank.rankfile import write_rank_file
 from gpuwatchd.sources.pyspy import PySpy, resolve_pyspy
-from gpuwatchd.sources.rankfiles import write_rank_file
 
 REPO = Path(__file__).resolve().parent.parent
 LIMIT = 192 << 20

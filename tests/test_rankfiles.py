@@ -13,16 +13,9 @@ from hypothesis import strategies as st
 
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.rank.api import build_document, heartbeat, register_rank, unregister_rank
+from gpuwatchd.rank.rankfile import MAX_FILE_BYTES, RankFileError, claim_from_env, parse_rank_document, write_rank_file
 from gpuwatchd.sources.procfs import ProcfsReader
-from gpuwatchd.sources.rankfiles import (
-    MAX_FILE_BYTES,
-    RankFileError,
-    RankFileReader,
-    claim_from_env,
-    discover,
-    parse_rank_document,
-    write_rank_file,
-)
+from gpuwatchd.sources.rankfiles import RankFileReader, discover
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -218,7 +211,7 @@ def test_schema_document_matches_parser() -> None:
     assert set(schema["properties"]) == {"version", "job_id", "world_size", "ranks"}
     assert set(schema["properties"]["ranks"]["items"]["properties"]) == {
         "rank", "local_rank", "pid", "gpus", "heartbeat", "start_ticks", "pid_ns"}
-    from gpuwatchd.sources.rankfiles import RANK_KEYS
+    from gpuwatchd.rank.rankfile import RANK_KEYS
 
     assert set(schema["properties"]["ranks"]["items"]["properties"]) == RANK_KEYS
     assert schema["properties"]["job_id"]["pattern"] == "^[A-Za-z0-9._:@-]{1,128}$"

@@ -59,7 +59,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 def cmd_register(args: argparse.Namespace) -> int:
     from gpuwatchd.rank.api import _start_ticks, build_document, pid_namespace
-    from gpuwatchd.sources.rankfiles import RankFileError, rank_file_name, write_rank_file
+    from gpuwatchd.rank.rankfile import RankFileError, rank_file_name, write_rank_file
 
     cfg = resolve_config(args)
     rank_dir = args.rank_dir or cfg.rank_dir

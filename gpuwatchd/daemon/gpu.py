@@ -27,9 +27,9 @@ from typing import Any
 from gpuwatchd.daemon.device_policy import EXIT_REEXPAND, DevicePolicyGuard
 from gpuwatchd.daemon.subsystem import DaemonContext, Subsystem
 from gpuwatchd.isolation import Collector
+from gpuwatchd.join.cuda_oom import OomTracker
 from gpuwatchd.join.orphans import OrphanTracker, trees_from_entries
 from gpuwatchd.model import PAGE, Finding, GpuDevice, GpuProcess, NodeState, ProcessInfo
-from gpuwatchd.rank.cuda_oom import OomTracker
 from gpuwatchd.sources.devfds import ProcEvidence, read_evidence
 from gpuwatchd.sources.kernel_log import read_boot_id
 from gpuwatchd.sources.nvidia_devices import probe

@@ -16,8 +16,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpuwatchd.sources.pidns import INIT_PID_NS
-from gpuwatchd.sources.rankfiles import (
+from gpuwatchd.rank.rankfile import (
+    INIT_PID_NS,
     RankFileError,
     claim_from_env,
     rank_file_name,

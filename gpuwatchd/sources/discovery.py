@@ -10,63 +10,13 @@ Shell equivalent:
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 from gpuwatchd.model import RankEntry
+from gpuwatchd.rank.rankfile import DISCOVERY_VARS, claim_from_env
 from gpuwatchd.sources.procfs import ProcessGone, ProcfsReader
 
-DISCOVERY_VARS = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID",
-    "SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NTASKS",
-    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE",
-    "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE",
-)
-
-
-def _maybe_int(s: str | None) -> int | None:
-    if s is None:
-        return None
-    s = s.strip()
-    return int(s) if s.isdigit() and len(s) < 9 else None
-
-
-def _safe_job_id(s: str) -> str | None:
-    s = re.sub(r"[^A-Za-z0-9._:@-]", "_", s.strip())[:128]
-    return s or None
-
-
-def claim_from_env(env: Mapping[str, str], launchers: Iterable[str]) -> tuple[str, int, int | None, int | None] | None:
-    """(job_id, rank, local_rank, world_size) that a launcher's variables say, or None.
-
-    torchrun wins over Slurm (``srun torchrun`` gives every worker both; SLURM_PROCID is then the
-    agent's task, RANK the worker's), Slurm over Open MPI.
-    """
-    enabled = set(launchers)
-    slurm_job = env.get("SLURM_JOB_ID")
-    if "torchrun" in enabled and "TORCHELASTIC_RUN_ID" in env and _maybe_int(env.get("RANK")) is not None:
-        run_id = env.get("TORCHELASTIC_RUN_ID", "")
-        job = run_id if run_id and run_id != "none" else (slurm_job or "torchrun")
-        job_id = _safe_job_id(job)
-        rank = _maybe_int(env.get("RANK"))
-        if job_id and rank is not None:
-            return job_id, rank, _maybe_int(env.get("LOCAL_RANK")), _maybe_int(env.get("WORLD_SIZE"))
-    if "slurm" in enabled and slurm_job and _maybe_int(env.get("SLURM_PROCID")) is not None:
-        step = env.get("SLURM_STEP_ID")
-        job_id = _safe_job_id(f"{slurm_job}.{step}" if step else slurm_job)
-        rank = _maybe_int(env.get("SLURM_PROCID"))
-        if job_id and rank is not None:
-            return (job_id, rank, _maybe_int(env.get("SLURM_LOCALID")),
-                    _maybe_int(env.get("SLURM_NTASKS")))
-    if "openmpi" in enabled and _maybe_int(env.get("OMPI_COMM_WORLD_RANK")) is not None:
-        job = env.get("OMPI_MCA_ess_base_jobid") or env.get("PMIX_NAMESPACE") or "openmpi"
-        job_id = _safe_job_id(job)
-        rank = _maybe_int(env.get("OMPI_COMM_WORLD_RANK"))
-        if job_id and rank is not None:
-            return (job_id, rank, _maybe_int(env.get("OMPI_COMM_WORLD_LOCAL_RANK")),
-                    _maybe_int(env.get("OMPI_COMM_WORLD_SIZE")))
-    return None
-
+__all__ = ["DISCOVERY_VARS", "claim_from_env", "discover"]
 
 def discover(procfs: ProcfsReader, launchers: Iterable[str]) -> list[RankEntry]:
     """Ranks found from launcher variables. Children inherit their rank's environment (DataLoader

@@ -38,7 +38,6 @@ from gpuwatchd.model import BadRankFile, RankEntry
 from gpuwatchd.sources.containers import identity
 from gpuwatchd.sources.procfs import ProcfsReader
 
-INIT_PID_NS = 0xEFFFFFFC  # PROC_PID_INIT_INO: the inode of the host's (initial) PID namespace
 MAX_LINKS = 40  # like the kernel's MAXSYMLINKS
 RETRY_SECONDS = 30.0
 

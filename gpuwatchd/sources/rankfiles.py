@@ -17,180 +17,41 @@ Shell equivalent: ``cat /run/gpuwatch/ranks/*.json``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import re
 import stat as statmod
-import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from gpuwatchd.model import BadRankFile, RankEntry
-from gpuwatchd.sources.discovery import DISCOVERY_VARS, claim_from_env, discover
+from gpuwatchd.rank.rankfile import (
+    DISCOVERY_VARS,
+    MAX_DEPTH,
+    MAX_FILE_BYTES,
+    MAX_FILES,
+    MAX_RANKS_PER_JOB,
+    MAX_RANKS_PER_OWNER,
+    RankFileError,
+    _bad_name,
+    claim_from_env,
+    loads_strict,
+    parse_rank_document,
+)
+from gpuwatchd.sources.discovery import discover
 from gpuwatchd.sources.pidns import PidNamespaces, stat_in_root
 
 __all__ = ["DISCOVERY_VARS", "claim_from_env", "discover"]  # re-exported: moved to discovery.py
-SCHEMA_VERSION = 1
-MAX_FILE_BYTES = 256 * 1024
-MAX_DEPTH = 8
-MAX_RANKS_PER_FILE = 4096
-MAX_FILES = 4096
-# Series budget: every accepted rank becomes about a dozen series on /metrics, so the ranks one
-# job (and one rank-file owner) may claim on one node are capped; the excess is refused with a
-# bad_rank_file finding instead of flooding Prometheus. A node runs at most a few dozen ranks.
-MAX_RANKS_PER_JOB = 256
-MAX_RANKS_PER_OWNER = 1024
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
-GPU_RE = re.compile(r"^(?:\d{1,3}|(?:GPU|MIG)-[A-Za-z0-9-]{1,80})$")
-TOP_KEYS = {"version", "job_id", "world_size", "ranks"}
-RANK_KEYS = {"rank", "local_rank", "pid", "gpus", "heartbeat", "start_ticks", "pid_ns"}
-
-
-class RankFileError(ValueError):
-    pass
-
-
-class RankDirMissing(OSError):
-    """``rank_dir`` cannot be listed (gone, not a directory, not readable): the rankfiles
-    collector is down until it is back, rather than reporting "no ranks" as a success."""
-
-
-# No JSON number a valid rank file needs is longer than this (PIDs, ranks, start ticks < 2**62):
-# longer literals are refused before int() sees them (CPython refuses > 4300 digits with a plain
-# ValueError; below that a 4000-digit int still costs quadratic time to convert).
-MAX_NUMBER_CHARS = 24
-
-
-def _parse_int(text: str) -> int:
-    if len(text) > MAX_NUMBER_CHARS:
-        raise RankFileError(f"a number of {len(text)} digits (at most {MAX_NUMBER_CHARS})")
-    return int(text)
-
-
-def _parse_float(text: str) -> float:
-    if len(text) > MAX_NUMBER_CHARS:
-        raise RankFileError(f"a number of {len(text)} characters (at most {MAX_NUMBER_CHARS})")
-    return float(text)  # 1e400 -> inf: refused later, no field takes a float
-
-
-def _parse_constant(name: str) -> Any:
-    raise RankFileError(f"{name} is not a number JSON allows")
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise RankFileError(f"key {key!r:.40} appears twice in one object")
-        out[key] = value
-    return out
-
-
-def loads_strict(text: str) -> Any:
-    """``json.loads`` for untrusted rank files: NaN/Infinity, over-long numbers and duplicate keys
-    raise RankFileError; bad JSON raises JSONDecodeError; deep nesting RecursionError."""
-    return json.loads(text, parse_int=_parse_int, parse_float=_parse_float,
-                      parse_constant=_parse_constant, object_pairs_hook=_no_duplicate_keys)
-
-
-def _bad_name(name: str) -> bool:
-    """Names that cannot be shown or logged as they are (not UTF-8, control characters)."""
-    return not name.isprintable()  # surrogate escapes of non-UTF-8 bytes are not printable
-
-
-def _depth(obj: Any, limit: int = MAX_DEPTH, level: int = 1) -> int:
-    if level > limit:
-        raise RankFileError(f"nested deeper than {limit} levels")
-    if isinstance(obj, dict):
-        return max([level, *(_depth(v, limit, level + 1) for v in obj.values())])
-    if isinstance(obj, list):
-        return max([level, *(_depth(v, limit, level + 1) for v in obj)])
-    return level
-
-
-def _int(v: Any, what: str, lo: int, hi: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise RankFileError(f"{what} must be an integer in [{lo}, {hi}], got {v!r:.40}")
-    return v
-
-
-def parse_rank_document(doc: Any, path: str = "", owner_uid: int | None = None) -> list[RankEntry]:
-    """Validate one schema-v1 document; raises RankFileError naming the first problem."""
-    _depth(doc)
-    if not isinstance(doc, dict):
-        raise RankFileError("top level must be a JSON object")
-    unknown = set(doc) - TOP_KEYS
-    if unknown:
-        raise RankFileError(f"unknown key(s) {sorted(unknown)!r:.80}")
-    if doc.get("version") != SCHEMA_VERSION:
-        raise RankFileError(f"version must be {SCHEMA_VERSION}, got {doc.get('version')!r:.20}")
-    job_id = doc.get("job_id")
-    if not isinstance(job_id, str) or not JOB_ID_RE.match(job_id):
-        raise RankFileError("job_id must be 1-128 characters of [A-Za-z0-9._:@-]")
-    world_size = doc.get("world_size")
-    if world_size is not None:
-        world_size = _int(world_size, "world_size", 1, 1 << 20)
-    ranks = doc.get("ranks")
-    if not isinstance(ranks, list) or not ranks:
-        raise RankFileError("ranks must be a non-empty list")
-    if len(ranks) > MAX_RANKS_PER_FILE:
-        raise RankFileError(f"more than {MAX_RANKS_PER_FILE} ranks")
-    out: list[RankEntry] = []
-    seen: set[int] = set()
-    for i, r in enumerate(ranks):
-        where = f"ranks[{i}]"
-        if not isinstance(r, dict):
-            raise RankFileError(f"{where} must be an object")
-        unknown = set(r) - RANK_KEYS
-        if unknown:
-            raise RankFileError(f"{where}: unknown key(s) {sorted(unknown)!r:.80}")
-        rank = _int(r.get("rank"), f"{where}.rank", 0, (world_size or (1 << 20)) - 1)
-        if rank in seen:
-            raise RankFileError(f"{where}: rank {rank} listed twice")
-        seen.add(rank)
-        pid = _int(r.get("pid"), f"{where}.pid", 1, 1 << 22)
-        local_rank = r.get("local_rank")
-        if local_rank is not None:
-            local_rank = _int(local_rank, f"{where}.local_rank", 0, 1 << 16)
-        gpus_raw = r.get("gpus", [])
-        if not isinstance(gpus_raw, list) or len(gpus_raw) > 64:
-            raise RankFileError(f"{where}.gpus must be a list of at most 64 GPUs")
-        gpus: list[str] = []
-        for g in gpus_raw:
-            gs = str(g) if isinstance(g, int) and not isinstance(g, bool) else g
-            if not isinstance(gs, str) or not GPU_RE.match(gs):
-                raise RankFileError(f"{where}.gpus: {g!r:.40} is neither an index nor a GPU UUID")
-            gpus.append(gs)
-        heartbeat = r.get("heartbeat")
-        if heartbeat is not None and (
-            not isinstance(heartbeat, str) or not os.path.isabs(heartbeat) or len(heartbeat) > 4096
-            or not heartbeat.isprintable()
-        ):
-            raise RankFileError(f"{where}.heartbeat must be an absolute path of printable characters")
-        start_ticks = r.get("start_ticks")
-        if start_ticks is not None:
-            start_ticks = _int(start_ticks, f"{where}.start_ticks", 0, 1 << 62)
-        pid_ns = r.get("pid_ns")
-        if pid_ns is not None:
-            pid_ns = _int(pid_ns, f"{where}.pid_ns", 1, (1 << 32) - 1)
-        out.append(
-            RankEntry(
-                job_id=job_id, rank=rank, pid=pid, local_rank=local_rank, world_size=world_size,
-                gpus=tuple(gpus), heartbeat=heartbeat, start_ticks=start_ticks, source="rankfile",
-                path=path, owner_uid=owner_uid, pid_ns=pid_ns,
-            )
-        )
-    return out
-
-
 @dataclass
 class _Cached:
     key: tuple[int, int, int]
     entries: list[RankEntry]
     error: str | None
+
+
+class RankDirMissing(OSError):
+    """``rank_dir`` cannot be listed (gone, not a directory, not readable): the rankfiles
+    collector is down until it is back, rather than reporting "no ranks" as a success."""
 
 
 class RankFileReader:
@@ -287,33 +148,6 @@ class RankFileReader:
             return parse_rank_document(doc, path, fst.st_uid), None
         except (RankFileError, RecursionError) as e:
             return [], str(e) if isinstance(e, RankFileError) else "nested too deeply"
-
-
-def rank_file_name(job_id: str, rank: int | None = None) -> str:
-    return f"{job_id}.json" if rank is None else f"{job_id}.{rank}.json"
-
-
-def write_rank_file(rank_dir: str, doc: Mapping[str, Any], name: str) -> str:
-    """Validate ``doc`` and write it atomically (temp file in the same directory, then rename)."""
-    parse_rank_document(json.loads(json.dumps(doc)))
-    if "/" in name or name.startswith(".") or not name.endswith(".json"):
-        raise RankFileError(f"bad rank file name {name!r}")
-    os.makedirs(rank_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".partial", dir=rank_dir)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        final = os.path.join(rank_dir, name)
-        os.replace(tmp, final)
-        return final
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def cap_ranks(entries: Iterable[RankEntry], bad: Iterable[BadRankFile] = (),
