@@ -34,6 +34,10 @@ COUNTER_HELP: Mapping[str, str] = {
     "kernel_log_overruns": "Times the kernel ring buffer overwrote records before gpuwatchd read "
     "them (EPIPE on /dev/kmsg).",
     "kernel_log_lines_rejected": "Kernel log records that could not be used, by reason.",
+    "state_write_errors": "Writes of a file in state_dir that failed (disk full, read-only, "
+    "permission denied); file is the state file's name.",
+    "state_records_rejected": "Records read back from a file in state_dir that could not be used "
+    "and were skipped (torn, malformed or out-of-range lines), by file and reason.",
 }
 
 

@@ -181,6 +181,8 @@ COUNTER_LABELS: Mapping[str, tuple[str, ...]] = frozen_map(
         "rank_gil_held_samples": ("job_id", "rank"),
         "kernel_log_overruns": (),
         "kernel_log_lines_rejected": ("reason",),
+        "state_write_errors": ("file",),
+        "state_records_rejected": ("file", "reason"),
     }
 )
 
