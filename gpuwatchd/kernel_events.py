@@ -143,16 +143,23 @@ def tree_member(d: Any) -> TreeMember | None:
 class RankTreeRecord:
     """Recently seen rank-tree members, kept ``ttl`` seconds after they were last seen alive and
     persisted in ``state_dir`` so that a kill that happens while the daemon is down is still
-    attributed when it starts again."""
+    attributed when it starts again; a member seen to leave while the daemon runs is kept only
+    ``ended_grace_seconds`` (``retention.ended_rank_seconds``), so job churn does not grow it."""
 
     # A kill's timestamp and a process's start time come from different clocks (printk's
     # local_clock vs btime + start ticks, btime is whole seconds): allow this much disagreement.
     SLACK_SECONDS = 2.0
 
     def __init__(self, path: str | None = None, ttl_seconds: float = 900.0,
-                 files: StateFiles | None = None) -> None:
+                 files: StateFiles | None = None, ended_grace_seconds: float | None = None) -> None:
+        """``ended_grace_seconds``: a member that the daemon, running, saw leave its rank tree
+        (the process ended, the job churned away) is kept only this long (its kill line, if any,
+        arrives within seconds), not ``ttl_seconds``, which is for members last seen alive before
+        the daemon stopped (a kill while it was down). None: ``ttl_seconds`` for all."""
         self.path = path
         self.ttl = ttl_seconds
+        self.ended_grace = ended_grace_seconds
+        self._gone: dict[tuple[int, float | None], float] = {}  # member -> first update without it
         self.files = files or StateFiles()
         self._lock = threading.Lock()
         self._members: dict[tuple[int, float | None], TreeMember] = {}
@@ -193,10 +200,17 @@ class RankTreeRecord:
 
     def update(self, members: Iterable[TreeMember], now: float) -> None:
         with self._lock:
+            present = set()
             for m in members:
                 self._members[(m.pid, m.start_time)] = m
-            for k in [k for k, m in self._members.items() if m.last_seen < now - self.ttl]:
+                present.add((m.pid, m.start_time))
+            gone = {k: self._gone.get(k, now) for k in self._members if k not in present}
+            self._gone = gone
+            grace = self.ended_grace
+            for k in [k for k, m in self._members.items() if m.last_seen < now - self.ttl
+                      or (grace is not None and k in gone and now - gone[k] > grace)]:
                 del self._members[k]
+                self._gone.pop(k, None)
             keys = frozenset(self._members)
             if self.path and (keys != self._saved_keys or now - self._saved_at > 60.0):
                 self._save(now, keys)
@@ -441,6 +455,7 @@ class KernelEventProcessor:
         keep_events: int = 10000,
         retention_seconds: float = 1800.0,
         files: StateFiles | None = None,
+        ended_grace_seconds: float | None = None,
     ) -> None:
         """``retention_seconds``: how long a compaction keeps the folded counter of a rank that
         is no longer registered (``retention.oom_kill_seconds``, retention.py)."""
@@ -452,7 +467,8 @@ class KernelEventProcessor:
         self.state_dir = state_dir
         self.bus = bus
         self.boot_id = boot_id
-        self.record = record or RankTreeRecord(os.path.join(state_dir, RECORD_FILE), files=self.files)
+        self.record = record or RankTreeRecord(os.path.join(state_dir, RECORD_FILE), files=self.files,
+                                               ended_grace_seconds=ended_grace_seconds)
         self.xid_dedup = xid_dedup
         self.unexplained_grace = unexplained_grace
         self.recent_seconds = recent_seconds

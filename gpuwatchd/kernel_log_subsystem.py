@@ -80,6 +80,7 @@ class KernelLogSubsystem(Subsystem):
             daemon.counters, cfg.state_dir, bus=self.bus, boot_id=read_boot_id(paths),
             xid_dedup=dedup, clock=daemon.clock, files=daemon.state_files,
             retention_seconds=cfg.retention.oom_kill_seconds,
+            ended_grace_seconds=cfg.retention.ended_rank_seconds,
         )
         daemon.counters.ensure("kernel_log_overruns", ())
         if cfg.kernel_log == "off":

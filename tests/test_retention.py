@@ -166,6 +166,32 @@ def test_event_log_is_compacted_while_running(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("*.tmp*")) and not list(tmp_path.glob("*.compact"))
 
 
+def test_rank_tree_record_forgets_churned_members_but_keeps_those_of_a_restart(
+        tmp_path: Path) -> None:
+    from gpuwatchd.kernel_events import RankTreeRecord, TreeMember
+
+    def m(pid: int, t: float) -> TreeMember:
+        return TreeMember(pid, 100.0, f"job-{pid}", 0, pid, False, "python3", t)
+
+    path = str(tmp_path / "rank_trees.json")
+    rec = RankTreeRecord(path, ttl_seconds=900.0, ended_grace_seconds=120.0)
+    t = 1000.0
+    for i in range(600):  # one short job per second, each seen alive for 2 cycles
+        rec.update([m(10_000 + i, t), m(10_000 + i - 1, t)] if i else [m(10_000, t)], t)
+        t += 1.0
+    assert len(json.loads(Path(path).read_text())["members"]) <= 125  # not 600 (ttl 900 s)
+    assert rec.lookup(10_599, t) is not None  # a late kill line of a recent job: attributed
+    assert rec.lookup(10_100, t) is None
+    # members alive when the daemon stopped are kept for ttl, and a kill while it was down is
+    # attributed within the grace after the restart
+    rec2 = RankTreeRecord(path, ttl_seconds=900.0, ended_grace_seconds=120.0)
+    t += 600.0  # ten minutes down
+    rec2.update([], t)
+    assert rec2.lookup(10_599, t - 300.0) is not None
+    rec2.update([], t + 121.0)
+    assert rec2.lookup(10_599, t - 300.0) is None
+
+
 # --- the policy on its own: properties over any sequence of cycles ---------------------------
 
 CFG = RetentionConfig(ended_rank_seconds=120.0, oom_kill_seconds=1800.0)
