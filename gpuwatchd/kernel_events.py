@@ -497,21 +497,21 @@ class KernelEventProcessor:
     def _rebuild(self) -> None:
         """Counters continue across restarts: re-add every stored event's increment."""
         horizon = self.clock() - self.recent_seconds
-        events: list[Event] = []
         path = self.events_path
+        stored = 0
         for ev in read_events(path, on_reject=lambda why: self.files.rejected(path, why)):
             if self._seen(ev):
                 continue
             self._account(ev)
-            events.append(ev)
+            stored += 1
             if ev.time >= horizon and ev.kind in RECENT_KINDS:
                 self._recent.append(ev)
         try:
             self._log_bytes = os.path.getsize(path)
         except OSError:
             self._log_bytes = 0
-        if self._log_bytes > self.max_log_bytes and len(events) > self.keep_events:
-            self._compact(events)
+        if self._log_bytes > self.max_log_bytes and stored > self.keep_events:
+            self._compact()
         self.files.track(path)
 
     def _maybe_compact(self) -> None:
@@ -519,9 +519,7 @@ class KernelEventProcessor:
         the log passes ``max_log_bytes``, folding the counters of ranks long gone away."""
         if self._log_bytes <= self._compact_at:
             return
-        events = list(read_events(self.events_path))  # rejects were counted at start
-        if len(events) > self.keep_events:
-            self._compact(events, prune=True)
+        self._compact(prune=True)
         try:
             size = os.path.getsize(self.events_path)
         except OSError:
@@ -530,29 +528,42 @@ class KernelEventProcessor:
         self._log_bytes = size
         self._compact_at = max(self.max_log_bytes, size + self.max_log_bytes // 4)
 
-    def _compact(self, events: list[Event], prune: bool = False) -> None:
+    def _compact(self, prune: bool = False) -> None:
         """Fold all but the newest ``keep_events`` events into one ``counter_base`` record that
         carries their increments (and when each last changed), so the log stays bounded and the
         counters stay exact. ``prune``: leave out the counters of ranks not registered now whose
-        last increment is older than ``retention_seconds`` (retention.py dropped them already)."""
-        dropped, kept = events[: -self.keep_events], events[-self.keep_events :]
+        last increment is older than ``retention_seconds`` (retention.py dropped them already).
+        One streaming pass: only the kept events' lines are held, never the whole log."""
+        kept: deque[tuple[str, list[Increment], str, float]] = deque()
+        keys: set[str] = set()
         totals: dict[tuple[str, tuple[str, ...]], tuple[float, float]] = {}
         boots: dict[str, int] = {}
-        for ev in dropped:
-            for name, labels, value, boot_kills, at in _increments(ev):
+        dropped, last_key, last_time = 0, "", 0.0
+        for ev in read_events(self.events_path):  # lines that cannot be used are left out
+            if ev.key in keys:
+                continue
+            keys.add(ev.key)
+            kept.append((ev.to_json(), _increments(ev), ev.key, ev.time))
+            if len(kept) <= self.keep_events:
+                continue
+            _, increments, last_key, last_time = kept.popleft()
+            dropped += 1
+            for name, labels, value, boot_kills, at in increments:
                 if name:
                     v, last = totals.get((name, labels), (0.0, at))
                     totals[(name, labels)] = (v + value, max(last, at))
                 for b, n in boot_kills.items():
                     boots[b] = boots.get(b, 0) + n
+        if not dropped:
+            return
         if prune:
             totals = self._retained(totals)
         base = Event(
-            key=f"base:{dropped[-1].key}",
+            key=f"base:{last_key}",
             kind=BASE_KIND,
-            time=dropped[-1].time,
+            time=last_time,
             severity=INFO,
-            summary=f"{len(dropped)} older events folded into counters",
+            summary=f"{dropped} older events folded into counters",
             fields=frozen_map(
                 {
                     "counters": [[n, list(ls), v, t] for (n, ls), (v, t) in sorted(totals.items())],
@@ -560,9 +571,9 @@ class KernelEventProcessor:
                 }
             ),
         )
-        text = "".join(e.to_json() + "\n" for e in [base, *kept])
+        text = base.to_json() + "\n" + "".join(line + "\n" for line, _, _, _ in kept)
         if self.files.write(self.events_path, text, fsync=True):
-            log.info("event log compacted: %d events folded, %d kept", len(dropped), len(kept))
+            log.info("event log compacted: %d events folded, %d kept", dropped, len(kept))
 
     def _retained(self, totals: Mapping[tuple[str, tuple[str, ...]], tuple[float, float]]
                   ) -> dict[tuple[str, tuple[str, ...]], tuple[float, float]]:
