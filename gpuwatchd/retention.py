@@ -45,15 +45,14 @@ class SeriesRetention:
         live = set(registered)
         for key in live:
             self._last_registered[key] = now
-        longest = max(config.ended_rank_seconds, config.oom_kill_seconds)
-        for key in [k for k, t in self._last_registered.items() if now - t > longest]:
-            del self._last_registered[key]
         drop: list[Series] = []
+        kept: set[RankKey] = set()
         for name, labels, value, touched in self.counters.series():
             pos = self._positions.get(name)
             if pos is None or not labels[pos[0]]:
                 continue
             key = (labels[pos[0]], labels[pos[1]])
+            kept.add(key)
             if key in live:
                 continue
             last = max(touched, self._last_registered.get(key, float("-inf")))
@@ -61,6 +60,9 @@ class SeriesRetention:
                 else config.ended_rank_seconds
             if now - last > keep:
                 drop.append((name, labels))
+        # remember when a rank was last registered only while it has series (bounded by them)
+        for key in [k for k in self._last_registered if k not in kept]:
+            del self._last_registered[key]
         return drop
 
     def apply(self, registered: Iterable[RankKey], now: float, config: RetentionConfig) -> int:
