@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 EVENTS_FILE = "events.jsonl"
 MAX_LINE_BYTES = 64 << 10  # an event line is < 2 KiB; a longer one is not ours
 MAX_COUNT = 1 << 53  # the largest count a float counter holds exactly
+MAX_TIME = 253402300800.0  # year 10000: later times cannot be formatted (gpuwatchd events)
 RUNBOOK_BASE = "https://github.com/gpuwatchd/gpuwatchd/blob/main/docs/runbooks.md"
 
 # journalctl MESSAGE_ID=... ; generated once with `journalctl --new-id128`, never change them.
@@ -97,7 +98,8 @@ class Event:
             raise ValueError("bad fields")
         pid = d.get("pid")
         when = d.get("time", 0.0)
-        if isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when):
+        if isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when) \
+                or not 0 <= when < MAX_TIME:
             raise ValueError(f"bad time {when!r}"[:80])
         count = d.get("count", 1)
         if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_COUNT:
@@ -110,7 +112,8 @@ class Event:
             summary=str(d.get("summary", "")),
             job_id=str(d.get("job_id", "")),
             rank=str(d.get("rank", "")),
-            pid=pid if isinstance(pid, int) else None,
+            pid=pid if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 1 << 32
+            else None,
             comm=str(d.get("comm", "")),
             killer=str(d.get("killer", "")),
             worker=bool(d.get("worker", False)),

@@ -133,7 +133,7 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
-FIELDS = ["key", "kind", "time", "count", "counter", "labels", "fields", "pid", "job_id", "rank",
+FIELDS = ["key", "kind", "time", "time", "count", "counter", "labels", "fields", "pid", "job_id", "rank",
           "boot_id", "killer"]
 event_dicts = st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=8).map(
     lambda d: {"key": "k", "kind": "counter_base", **d} if len(d) % 2 else d)
@@ -148,6 +148,11 @@ def test_fuzz_event_log_lines_never_break_the_start(tmp_path: Path, lines: list[
     rejected: list[str] = []
     events = list(read_events(str(path), on_reject=rejected.append))
     assert all(math.isfinite(e.time) and e.count >= 0 for e in events)
+    from gpuwatchd.events_cli import load, render, to_dict
+
+    shown = load(str(tmp_path), 0.0)  # what `gpuwatchd events` prints, as text and as JSON
+    render(shown)
+    json.dumps([to_dict(e) for e in shown])
     counters = CounterStore()
     KernelEventProcessor(counters, str(tmp_path))  # rebuilds the counters from the log
     for series in counters.snapshot().values():
