@@ -135,6 +135,9 @@ class KernelLogSubsystem(Subsystem):
             return {}
         t0 = time.monotonic()
         now = daemon.clock()
+        retention = daemon.config.retention  # SIGHUP applies it here too
+        self.processor.retention_seconds = retention.oom_kill_seconds
+        self.processor.record.ended_grace = retention.ended_rank_seconds
         self._processes = partial.get("processes", {})
         self.processor.tick(now)
         self.processor.cross_check(read_vmstat_oom_kill(daemon.paths), now)

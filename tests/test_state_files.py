@@ -121,6 +121,24 @@ def test_a_subsystem_that_cannot_start_reads_down(tmp_path: Path) -> None:
     assert "starting subsystem kernel_log failed" in d.log_path.read_text()
 
 
+def test_temporaries_of_a_killed_daemon_are_removed_at_start(tmp_path: Path) -> None:
+    path, cfg = write_config(tmp_path)
+    state = Path(cfg["state_dir"])
+    state.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    left = [f"state.json.tmp.{dead}", "rank_trees.json.tmp", "events.jsonl.compact",
+            f"kmsg.json.tmp.{dead}"]
+    for name in [*left, "notes.tmp", f"state.json.tmp.{os.getppid()}"]:
+        (state / name).write_text("")
+    d = DaemonProc(path, cfg)
+    assert d.stop() == 0
+    names = set(os.listdir(state))
+    assert not names & set(left)
+    # not ours, or written by a live process (a second daemon on the same state_dir): kept
+    assert {"notes.tmp", f"state.json.tmp.{os.getppid()}"} <= names
+
+
 def test_kmsg_position_file_of_any_content_is_only_a_lost_position(tmp_path: Path) -> None:
     for content in (b"[" * 100_000, b"\xff\xfe", b'{"boot_id": 1e400, "seq": 1e400}', b"x" * 10**6):
         (tmp_path / "kmsg.json").write_bytes(content)
