@@ -403,11 +403,12 @@ HEALTH_ROWS: list[tuple[str, list[Panel]]] = [
                      "[$__rate_interval]))", "{{instance}} {{file}}")], unit="none", min=0,
               description="Failed writes of state_dir files (disk full, read-only): OOM kills are "
                           "still counted, but not persisted across a restart."),
-        Panel("Rejected state file records (range)", "stat",
-              [stat("sum by (file, reason) (increase(gpuwatch_state_records_rejected_total"
+        Panel("Rejected state file records", "stat",
+              [stat("sum by (file, reason) (max_over_time(gpuwatch_state_records_rejected_total"
                     "[$__range])) or vector(0)", "{{file}} {{reason}}")], unit="none",
               description="Lines of state_dir files (events.jsonl, rank_trees.json) that could not "
-                          "be used and were skipped when the daemon started."),
+                          "be used and were skipped when the daemon started (counted before the "
+                          "first scrape, so the counter's value, not its increase)."),
     ]),
 ]
 
