@@ -72,6 +72,7 @@ class KernelLogSubsystem(Subsystem):
                 instance=am.instance or derive_instance(cfg.web.listen_address),
                 timeout_seconds=am.timeout_seconds,
                 scrape_job=am.job,
+                files=daemon.state_files,
             )
         dedup = getattr(daemon, "xid_dedup", None)  # shared with the NVML Xid watcher
         if dedup is None:
@@ -79,7 +80,9 @@ class KernelLogSubsystem(Subsystem):
             daemon.xid_dedup = dedup  # type: ignore[attr-defined]
         self.processor = KernelEventProcessor(
             daemon.counters, cfg.state_dir, bus=self.bus, boot_id=read_boot_id(paths),
-            xid_dedup=dedup, clock=daemon.clock,
+            xid_dedup=dedup, clock=daemon.clock, files=daemon.state_files,
+            retention_seconds=cfg.retention.oom_kill_seconds,
+            ended_grace_seconds=cfg.retention.ended_rank_seconds,
         )
         daemon.counters.ensure("kernel_log_overruns", ())
         # First start in this boot: what the kernel counted and the log replays is history.
@@ -115,6 +118,7 @@ class KernelLogSubsystem(Subsystem):
                 journal_path=self.journal_path,
                 on_reject=lambda r: counters.inc("kernel_log_lines_rejected", (r,)),
                 on_overrun=lambda: counters.inc("kernel_log_overruns", ()),
+                files=daemon.state_files,
             )
         except KernelLogUnavailable as e:
             self._error = str(e)
@@ -137,6 +141,9 @@ class KernelLogSubsystem(Subsystem):
             return {}
         t0 = time.monotonic()
         now = daemon.clock()
+        retention = daemon.config.retention  # SIGHUP applies it here too
+        self.processor.retention_seconds = retention.oom_kill_seconds
+        self.processor.record.ended_grace = retention.ended_rank_seconds
         self._processes = partial.get("processes", {})
         self.processor.tick(now)
         self._report_history()
