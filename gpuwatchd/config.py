@@ -108,6 +108,17 @@ class MemoryConfig:
 
 
 @dataclass(frozen=True)
+class RetentionConfig:
+    """How long the counter series of a rank outlive it (retention.py)."""
+
+    # the GIL sample counters and the zero-valued OOM counters of a rank no longer registered
+    ended_rank_seconds: float = 120.0
+    # a non-zero OOM-kill / CUDA-OOM counter of such a rank: GPURankOOMKilled looks back 10m
+    # (increase(...[10m]), offset 10m); 30 min leaves a restart or a slow rule evaluation room
+    oom_kill_seconds: float = 1800.0
+
+
+@dataclass(frozen=True)
 class Config:
     web: WebConfig = field(default_factory=WebConfig)
     interval_seconds: float = 5.0
@@ -124,6 +135,7 @@ class Config:
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     fds: FdsConfig = field(default_factory=FdsConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
 
 
 # --- value checkers: return the converted value or raise ValueError(reason) -----------------------
@@ -281,6 +293,11 @@ SCHEMA: Mapping[str, Any] = {
         {"ratio_threshold": _number(0.0, maximum=1.0), "horizon_seconds": _number(0.0),
          "min_window_seconds": _number(0.0, exclusive=False)},
     ),
+    "retention": (
+        RetentionConfig,
+        {"ended_rank_seconds": _number(0.0, exclusive=False, maximum=86400),
+         "oom_kill_seconds": _number(0.0, exclusive=False, maximum=30 * 86400)},
+    ),
 }
 
 
@@ -315,6 +332,8 @@ def parse_config(data: Any, source: str = "config") -> Config:
         problems.append("memory.min_window_seconds: must not exceed memory.window_seconds")
     if cfg.gil.duration_seconds >= cfg.gil.timeout_seconds:
         problems.append("gil.timeout_seconds: must be larger than gil.duration_seconds")
+    if cfg.retention.oom_kill_seconds < cfg.retention.ended_rank_seconds:
+        problems.append("retention.oom_kill_seconds: must be at least retention.ended_rank_seconds")
     if problems:
         raise ConfigError(problems, source)
     assert isinstance(cfg, Config)

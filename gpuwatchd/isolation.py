@@ -128,6 +128,16 @@ def guarded(what: str, fn: Callable[[], T], default: T) -> T:
         return default
 
 
+def attempt(what: str, fn: Callable[[], T], default: T) -> tuple[T, str | None]:
+    """``guarded``, also saying what went wrong: (result, None) or (default, "Type: message"), so
+    that the caller can export the failure (a subsystem that does not start is down, not absent)."""
+    try:
+        return fn(), None
+    except Exception as e:
+        log.error("%s failed: %s: %s", what, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+        return default, f"{type(e).__name__}: {e}"[:300]
+
+
 def run_forever(name: str, fn: Callable[[], Any], stop: threading.Event, backoff: float = 5.0) -> None:
     """Keep a streaming source alive: restart it after a crash, with a pause, until ``stop``."""
     while not stop.is_set():

@@ -192,6 +192,8 @@ COUNTER_LABELS: Mapping[str, tuple[str, ...]] = frozen_map(
         "kernel_log_overruns": (),
         "kernel_log_lines_rejected": ("reason",),
         "web_connections_dropped": ("reason",),
+        "state_write_errors": ("file",),
+        "state_records_rejected": ("file", "reason"),
     }
 )
 

@@ -374,6 +374,8 @@ def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
     add("gpuwatch_last_cycle_timestamp_seconds", "gauge", {}, now)
     add("gpuwatch_kernel_log_overruns_total", "counter", {}, 0)
     add("gpuwatch_web_connections_dropped_total", "counter", {"reason": "limit"}, 0)
+    for f in ("state.json", "events.jsonl"):
+        add("gpuwatch_state_write_errors_total", "counter", {"file": f}, 0)
     add("gpuwatch_finding", "gauge", {"kind": "bad_rank_file", "severity": "warning", "job_id": "",
                                       "rank": "", "pid": ""}, 1)
     for c in ("procfs", "rankfiles", "nvml", "kernel_log", "pyspy"):

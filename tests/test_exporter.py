@@ -61,6 +61,8 @@ def full_state() -> tuple[NodeState, CounterStore]:
                          usage_bytes=75 << 30, working_set_bytes=74 << 30, limit_bytes=80 << 30,
                          high_bytes=78 << 30, pressure_some_seconds=12.5, pressure_full_seconds=1.5),)
     node = NodeMemoryState(2 << 40, 40 << 30, 0.01, 100.0, 20.0)
+    counters.inc("state_write_errors", ("state.json",))
+    counters.inc("state_records_rejected", ("events.jsonl", "malformed"))
     state = NodeState(timestamp=1700000002.0, ranks=ranks, gpus=gpus, gpu_processes=rows, orphans=orphans,
                       findings=findings, collectors=collectors, cycle_seconds=0.004,
                       rank_memory=memory, node_memory=node)

@@ -442,6 +442,17 @@ HEALTH_ROWS: list[tuple[str, list[Panel]]] = [
         Panel("Bad rank files", "table",
               [table('gpuwatch_finding{kind="bad_rank_file"} == 1')],
               description="Rank files the daemon rejected (schema, owner, symlink, size)."),
+        Panel("State file write errors", "timeseries",
+              [graph("sum by (instance, file) (increase(gpuwatch_state_write_errors_total"
+                     "[$__rate_interval]))", "{{instance}} {{file}}")], unit="none", min=0,
+              description="Failed writes of state_dir files (disk full, read-only): OOM kills are "
+                          "still counted, but not persisted across a restart."),
+        Panel("Rejected state file records", "stat",
+              [stat("sum by (file, reason) (max_over_time(gpuwatch_state_records_rejected_total"
+                    "[$__range])) or vector(0)", "{{file}} {{reason}}")], unit="none",
+              description="Lines of state_dir files (events.jsonl, rank_trees.json) that could not "
+                          "be used and were skipped when the daemon started (counted before the "
+                          "first scrape, so the counter's value, not its increase)."),
     ]),
 ]
 

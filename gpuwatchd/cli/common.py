@@ -38,10 +38,11 @@ def load_state(cfg: Config) -> tuple[dict[str, Any], str]:
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-        age = time.time() - float(data.get("timestamp", 0))
+        # a state file is untrusted input: anything but the daemon's document is not used
+        age = time.time() - float(data["timestamp"]) if isinstance(data, dict) else float("inf")
         if age <= 3 * cfg.interval_seconds + 5:
             return data, f"daemon state {age:.0f}s old"
-    except (OSError, ValueError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         pass
     d = Daemon(cfg, subsystems=[], write_state=False)
     return state_to_json(d.cycle()), "daemon not running: live /proc view, no GPU/kernel/GIL data"

@@ -33,12 +33,13 @@ from gpuwatchd.daemon.gpu import GpuSubsystem
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem
 from gpuwatchd.daemon.notify import notify, watchdog_interval
+from gpuwatchd.daemon.retention import RetentionSubsystem
 from gpuwatchd.daemon.subsystem import Subsystem
 from gpuwatchd.exporter.collector import make_registry
-from gpuwatchd.isolation import Collector, PartialReading, guarded
+from gpuwatchd.isolation import Collector, PartialReading, attempt, guarded
 from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
 from gpuwatchd.join.xid_dedup import XidDeduper
-from gpuwatchd.model import BadRankFile, NodeState, ProcessInfo, RankEntry
+from gpuwatchd.model import BadRankFile, CollectorStatus, NodeState, ProcessInfo, RankEntry
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.pidns import PidNamespaces
 from gpuwatchd.sources.procfs import ProcfsReader
@@ -49,6 +50,7 @@ from gpuwatchd.sources.rankfiles import (
     guard_entries,
     heartbeat_mtime,
 )
+from gpuwatchd.statefile import StateFiles, remove_temporaries
 from gpuwatchd.web.config import WebConfigError
 
 log = logging.getLogger("gpuwatchd")
@@ -87,6 +89,8 @@ class Daemon:
         self.paths = paths or HostPaths(procfs=config.procfs)
         self.clock = clock
         self.counters = counters or CounterStore()
+        # every write to state_dir goes through this: failures counted, no temporaries left
+        self.state_files = StateFiles(self.counters if write_state else None)
         self.procfs = ProcfsReader(self.paths)
         self.rankfiles = RankFileReader(config.rank_dir)
         self.pidns = PidNamespaces(self.procfs)  # rank files written inside containers
@@ -104,6 +108,8 @@ class Daemon:
         self._env_cache: dict[tuple[int, int], tuple[str, ...]] = {}
         self._cycle_lock = threading.Lock()
         self.exit_status = 0  # what `gpuwatchd run` exits with (request_exit)
+        # subsystem name -> why it did not start: exported as collector_success{collector=name} 0
+        self.failed_subsystems: dict[str, str] = {}
         self._make_collectors()
 
     # --- sources --------------------------------------------------------------------------------
@@ -186,12 +192,16 @@ class Daemon:
                 "progress": dict(proc.progress),
             }
             no_extra: Mapping[str, Any] = {}
+            down = dict(self.failed_subsystems)
             for sub in self.subsystems:
-                extra = guarded(f"subsystem {sub.name} before_join",
-                                functools.partial(sub.before_join, self, partial), no_extra)
+                extra, error = attempt(f"subsystem {sub.name} before_join",
+                                       functools.partial(sub.before_join, self, partial), no_extra)
                 _merge(partial, extra)
+                if error is not None:
+                    down.setdefault(sub.name, error)
             statuses = [self.rank_collector.status, self.proc_collector.status]
             statuses += partial.pop("collectors", ())
+            statuses += down_statuses(statuses, down)
             partial["collectors"] = tuple(statuses)
             partial["counters"] = self.counters.snapshot()
             partial["cycle_seconds"] = time.monotonic() - t0
@@ -206,14 +216,10 @@ class Daemon:
             return state
 
     def _write_state(self, state: NodeState) -> None:
-        os.makedirs(self.config.state_dir, exist_ok=True)
         path = os.path.join(self.config.state_dir, STATE_FILE)
-        tmp = f"{path}.tmp"
         # json.dumps uses the C encoder; json.dump to a file would run the pure-Python one
         text = json.dumps(state_to_json(state), separators=(",", ":"), default=str)
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        self.state_files.write(path, text)  # counted in gpuwatch_state_write_errors_total
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -226,8 +232,12 @@ class Daemon:
                                  self.config.web.config_file, counters=self.counters)
         except WebConfigError as e:  # exit 2 naming every bad key, like the config file
             raise ConfigError([f"web.config_file: {p}" for p in e.problems], e.path) from None
+        if self.write_state:
+            remove_temporaries(self.config.state_dir)  # of a daemon killed mid-write
         for sub in self.subsystems:
-            guarded(f"starting subsystem {sub.name}", functools.partial(sub.start, self), None)
+            _, error = attempt(f"starting subsystem {sub.name}", functools.partial(sub.start, self), None)
+            if error is not None:
+                self.failed_subsystems[sub.name] = f"failed to start: {error}"[:300]
 
     def shutdown(self) -> None:
         self.stop_event.set()
@@ -345,6 +355,15 @@ class Daemon:
         self.shutdown()
 
 
+def down_statuses(reported: list[CollectorStatus], down: Mapping[str, str]) -> list[CollectorStatus]:
+    """A subsystem that failed to start, or whose part of this cycle raised, is exported as a
+    collector that is down (``gpuwatch_collector_success{collector=<subsystem>} 0``) unless it
+    reported its own status: a failure must read 0, never make the series disappear."""
+    names = {c.name for c in reported}
+    return [CollectorStatus(name, False, 0.0, None, error) for name, error in down.items()
+            if name not in names]
+
+
 def _merge(partial: dict[str, Any], extra: Mapping[str, Any]) -> None:
     for key, value in extra.items():
         old = partial.get(key)
@@ -394,4 +413,5 @@ def default_subsystems(config: Config) -> list[Subsystem]:
 
     kernel = KernelLogSubsystem()
     memory: list[Subsystem] = [MemorySubsystem(config, kernel)] if config.memory.enabled else []
-    return [PySpySubsystem(config), kernel, *gpu, *memory, FindingEventsSubsystem(kernel)]
+    return [PySpySubsystem(config), kernel, *gpu, *memory, FindingEventsSubsystem(kernel),
+            RetentionSubsystem()]

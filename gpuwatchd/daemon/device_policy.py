@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 
 from gpuwatchd.sources.nvidia_devices import DeviceProbe, probe
+from gpuwatchd.statefile import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +84,7 @@ class DevicePolicyGuard:
             return ""
         try:
             os.makedirs(self.state_dir, exist_ok=True)
-            tmp = f"{path}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(key + "\n")
-            os.replace(tmp, path)
+            atomic_write(path, key + "\n")
         except OSError as e:  # without the marker the bound cannot hold: do not exit
             log.error("cannot write %s (%s): not restarting for the NVIDIA device policy", path, e)
             return ""

@@ -71,10 +71,14 @@ class KernelLogSubsystem(Subsystem):
                 instance=am.instance or derive_instance(cfg.web.listen_address),
                 timeout_seconds=am.timeout_seconds,
                 scrape_job=am.job,
+                files=daemon.state_files,
             )
         self.processor = KernelEventProcessor(
             daemon.counters, cfg.state_dir, bus=self.bus, boot_id=read_boot_id(paths),
             xid_dedup=daemon.xid_dedup, clock=daemon.clock,  # shared with the NVML Xid watcher
+            files=daemon.state_files,
+            retention_seconds=cfg.retention.oom_kill_seconds,
+            ended_grace_seconds=cfg.retention.ended_rank_seconds,
         )
         daemon.counters.ensure("kernel_log_overruns", ())
         # First start in this boot: what the kernel counted and the log replays is history.
@@ -110,6 +114,7 @@ class KernelLogSubsystem(Subsystem):
                 journal_path=self.journal_path,
                 on_reject=lambda r: counters.inc("kernel_log_lines_rejected", (r,)),
                 on_overrun=lambda: counters.inc("kernel_log_overruns", ()),
+                files=daemon.state_files,
             )
         except KernelLogUnavailable as e:
             self._error = str(e)
@@ -132,6 +137,9 @@ class KernelLogSubsystem(Subsystem):
             return {}
         t0 = time.monotonic()
         now = daemon.clock()
+        retention = daemon.config.retention  # SIGHUP applies it here too
+        self.processor.retention_seconds = retention.oom_kill_seconds
+        self.processor.record.ended_grace = retention.ended_rank_seconds
         self._processes = partial.get("processes", {})
         self.processor.tick(now)
         self._report_history()

@@ -3,7 +3,8 @@
 (daemon/core.py) both import it and never each other.
 
 ``DaemonContext`` is the part of ``daemon.core.Daemon`` a subsystem sees: its configuration, host
-paths, clock, counters, /proc reader, stop event, the shared Xid de-duplicator, and
+paths, clock, counters, /proc reader, stop event, the shared Xid de-duplicator, the state-file
+writer, and
 ``request_exit``. Nothing else of the daemon is reachable, and nothing is patched onto it.
 """
 
@@ -19,6 +20,7 @@ from gpuwatchd.join.xid_dedup import XidDeduper
 from gpuwatchd.model import NodeState
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.procfs import ProcfsReader
+from gpuwatchd.statefile import StateFiles
 
 
 class DaemonContext(Protocol):
@@ -33,6 +35,7 @@ class DaemonContext(Protocol):
     # One for the daemon's lifetime, created by the daemon: the NVML Xid watcher and the kernel
     # log both record into it, so that a critical Xid reported twice is counted once.
     xid_dedup: XidDeduper
+    state_files: StateFiles  # every state_dir write goes through it (counted write errors)
 
     @property
     def subsystems(self) -> Sequence[Subsystem]: ...

@@ -21,6 +21,7 @@ import dataclasses
 import datetime as dt
 import json
 import logging
+import math
 import os
 import queue
 import socket
@@ -37,6 +38,9 @@ from gpuwatchd.model import PAGE, frozen_map
 log = logging.getLogger(__name__)
 
 EVENTS_FILE = "events.jsonl"
+MAX_LINE_BYTES = 64 << 10  # an event line is < 2 KiB; a longer one is not ours
+MAX_COUNT = 1 << 53  # the largest count a float counter holds exactly
+MAX_TIME = 253402300800.0  # year 10000: later times cannot be formatted (gpuwatchd events)
 RUNBOOK_BASE = "https://github.com/gpuwatchd/gpuwatchd/blob/main/docs/runbooks.md"
 
 # journalctl MESSAGE_ID=... ; generated once with `journalctl --new-id128`, never change them.
@@ -95,42 +99,75 @@ class Event:
         if not isinstance(fields, dict):
             raise ValueError("bad fields")
         pid = d.get("pid")
+        when = d.get("time", 0.0)
+        if isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when) \
+                or not 0 <= when < MAX_TIME:
+            raise ValueError(f"bad time {when!r}"[:80])
+        count = d.get("count", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_COUNT:
+            raise ValueError(f"bad count {count!r}"[:80])
         return cls(
             key=d["key"],
             kind=d["kind"],
-            time=float(d.get("time", 0.0)),
+            time=float(when),
             severity=str(d.get("severity", "")),
             summary=str(d.get("summary", "")),
             job_id=str(d.get("job_id", "")),
             rank=str(d.get("rank", "")),
-            pid=pid if isinstance(pid, int) else None,
+            pid=pid if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 1 << 32
+            else None,
             comm=str(d.get("comm", "")),
             killer=str(d.get("killer", "")),
             worker=bool(d.get("worker", False)),
             boot_id=str(d.get("boot_id", "")),
             counter=str(d.get("counter", "")),
             labels=tuple(labels),
-            count=int(d.get("count", 1)),
+            count=count,
             fields=frozen_map(fields),
             alert=bool(d.get("alert", False)),
         )
 
 
-def read_events(path: str) -> Iterator[Event]:
-    """Every well-formed event of a JSONL log, in order; a torn or foreign line is skipped (a
-    crash in the middle of an append leaves at most one such line at the end)."""
+def _lines(f: Any, limit: int) -> Iterator[bytes | None]:
+    """The lines of ``f``; None for a line longer than ``limit`` (skipped without holding it)."""
+    while True:
+        raw = f.readline(limit + 1)
+        if not raw:
+            return
+        if len(raw) > limit and not raw.endswith(b"\n"):
+            while raw and not raw.endswith(b"\n"):  # the rest of the long line, in pieces
+                raw = f.readline(limit + 1)
+            yield None
+            continue
+        yield raw
+
+
+def read_events(path: str, on_reject: Callable[[str], None] | None = None) -> Iterator[Event]:
+    """Every well-formed event of a JSONL log, in order. Every line is untrusted input (a crash
+    in the middle of an append leaves a torn line; a disk error or a hand edit, anything): a line
+    that is not a usable event is skipped and reported to ``on_reject`` with the reason."""
     try:
         f = open(path, "rb")  # noqa: SIM115 - generator closes it
     except FileNotFoundError:
         return
     with f:
-        for raw in f:
-            try:
-                d = json.loads(raw)
-                if isinstance(d, dict):
-                    yield Event.from_dict(d)
-            except (ValueError, TypeError, UnicodeDecodeError):
-                continue
+        for raw in _lines(f, MAX_LINE_BYTES):
+            reason = "too_long"
+            if raw is not None:
+                if not raw.strip():
+                    continue
+                try:
+                    d = json.loads(raw)
+                    if isinstance(d, dict):
+                        yield Event.from_dict(d)
+                        continue
+                    reason = "not_an_object"
+                except (ValueError, TypeError, OverflowError, RecursionError):
+                    # UnicodeDecodeError and JSONDecodeError are ValueErrors; json turns 1e400
+                    # into inf (refused by from_dict), deep nesting raises RecursionError
+                    reason = "malformed"
+            if on_reject is not None:
+                on_reject(reason)
 
 
 class EventSink(Protocol):
@@ -143,12 +180,27 @@ class JsonlSink:
     """Append-only JSONL, fsync'd per event (events are rare; losing one is what we promise not
     to do)."""
 
-    def __init__(self, state_dir: str, filename: str = EVENTS_FILE) -> None:
-        os.makedirs(state_dir, exist_ok=True)
+    def __init__(self, state_dir: str, filename: str = EVENTS_FILE, files: Any = None) -> None:
+        """``files``: a ``statefile.StateFiles`` that counts and logs failed appends (a full or
+        read-only state_dir); without one a failure raises to the EventBus, which logs it."""
+        with contextlib.suppress(OSError):  # unwritable: each append fails, and is counted
+            os.makedirs(state_dir, exist_ok=True)
         self.path = os.path.join(state_dir, filename)
+        self.files = files
         self._lock = threading.Lock()
 
     def emit(self, event: Event) -> None:
+        if self.files is None:
+            self._append(event)
+            return
+        try:
+            self._append(event)
+        except OSError as e:
+            self.files.failed(self.path, e)
+        else:
+            self.files.succeeded(self.path)
+
+    def _append(self, event: Event) -> None:
         line = (event.to_json() + "\n").encode()
         with self._lock:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
@@ -418,9 +470,10 @@ def build_bus(
     timeout_seconds: float = 2.0,
     journal: bool | None = None,
     scrape_job: str = "gpuwatchd",
+    files: Any = None,
 ) -> EventBus:
     """The daemon's sinks: JSONL always, the journal when journald runs, Alertmanager when set."""
-    sinks: list[EventSink] = [JsonlSink(state_dir)]
+    sinks: list[EventSink] = [JsonlSink(state_dir, files=files)]
     if journal if journal is not None else JournalSink.available():
         sinks.append(JournalSink())
     if alertmanager_url:

@@ -38,6 +38,10 @@ COUNTER_HELP: Mapping[str, str] = {
     "web_connections_dropped": "Connections to /metrics that the server closed unanswered, by "
     "reason: limit (the oldest waiting one made room for a new one), timeout (no complete request "
     "or response in time), no_thread (no worker thread could be started).",
+    "state_write_errors": "Writes of a file in state_dir that failed (disk full, read-only, "
+    "permission denied); file is the state file's name.",
+    "state_records_rejected": "Records read back from a file in state_dir that could not be used "
+    "and were skipped (torn, malformed or out-of-range lines), by file and reason.",
 }
 
 

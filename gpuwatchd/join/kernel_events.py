@@ -21,8 +21,10 @@ Pure logic plus the event log; the I/O (kmsg, journal, /proc/vmstat) is in sourc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -31,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from gpuwatchd.counters import CounterStore
+from gpuwatchd.counters import CounterStore, rank_label_positions
 from gpuwatchd.events.log import EVENTS_FILE, Event, EventBus, read_events
 from gpuwatchd.join.bus_lost import BusLostDedup
 from gpuwatchd.join.oom_history import HistoryKill, OomBaseline
@@ -45,6 +47,7 @@ from gpuwatchd.sources.kernel_log import (
     parse_message,
     rss_bytes,
 )
+from gpuwatchd.statefile import StateFiles
 from gpuwatchd.units import fmt_bytes
 
 log = logging.getLogger(__name__)
@@ -128,18 +131,52 @@ def members_from(
     return out
 
 
+MAX_RECORD_BYTES = 64 << 20
+_MEMBER_TYPES: Mapping[str, tuple[type, ...]] = {
+    "pid": (int,), "start_time": (int, float, type(None)), "job_id": (str,), "rank": (int,),
+    "rank_pid": (int,), "worker": (bool,), "comm": (str,), "last_seen": (int, float),
+    "cgroup": (str,), "world_size": (int, type(None)),
+}
+_MEMBER_REQUIRED = ("pid", "start_time", "job_id", "rank", "rank_pid", "worker", "comm", "last_seen")
+
+
+def tree_member(d: Any) -> TreeMember | None:
+    """A stored member, or None when it is not one (missing or unknown keys, wrong types, numbers
+    out of range: 1e400 reads as inf, and an inf start time would match every later kill)."""
+    if not isinstance(d, dict) or not all(k in d for k in _MEMBER_REQUIRED):
+        return None
+    for k, v in d.items():
+        types = _MEMBER_TYPES.get(k)
+        if types is None or not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            return None
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+    if not (0 < d["pid"] < 1 << 32 and 0 < d["rank_pid"] < 1 << 32 and 0 <= d["rank"] < 1 << 31):
+        return None
+    return TreeMember(**d)
+
+
 class RankTreeRecord:
     """Recently seen rank-tree members, kept ``ttl`` seconds after they were last seen alive and
     persisted in ``state_dir`` so that a kill that happens while the daemon is down is still
-    attributed when it starts again."""
+    attributed when it starts again; a member seen to leave while the daemon runs is kept only
+    ``ended_grace_seconds`` (``retention.ended_rank_seconds``), so job churn does not grow it."""
 
     # A kill's timestamp and a process's start time come from different clocks (printk's
     # local_clock vs btime + start ticks, btime is whole seconds): allow this much disagreement.
     SLACK_SECONDS = 2.0
 
-    def __init__(self, path: str | None = None, ttl_seconds: float = 900.0) -> None:
+    def __init__(self, path: str | None = None, ttl_seconds: float = 900.0,
+                 files: StateFiles | None = None, ended_grace_seconds: float | None = None) -> None:
+        """``ended_grace_seconds``: a member that the daemon, running, saw leave its rank tree
+        (the process ended, the job churned away) is kept only this long (its kill line, if any,
+        arrives within seconds), not ``ttl_seconds``, which is for members last seen alive before
+        the daemon stopped (a kill while it was down). None: ``ttl_seconds`` for all."""
         self.path = path
         self.ttl = ttl_seconds
+        self.ended_grace = ended_grace_seconds
+        self._gone: dict[tuple[int, float | None], float] = {}  # member -> first update without it
+        self.files = files or StateFiles()
         self._lock = threading.Lock()
         self._members: dict[tuple[int, float | None], TreeMember] = {}
         self._saved_at = 0.0
@@ -148,22 +185,48 @@ class RankTreeRecord:
             self._load(path)
 
     def _load(self, path: str) -> None:
+        """Every member of the file that is well-formed; the others are skipped and counted (the
+        file is untrusted input: a crash, a disk error or an edit can leave anything in it)."""
         try:
-            with open(path) as f:
-                data = json.load(f)
-            for d in data.get("members", []):
-                m = TreeMember(**d)
-                self._members[(m.pid, m.start_time)] = m
-        except (OSError, ValueError, TypeError, AttributeError) as e:
-            if not isinstance(e, FileNotFoundError):
-                log.warning("rank tree record %s unreadable, starting empty: %s", path, e)
+            with open(path, "rb") as f:
+                raw = f.read(MAX_RECORD_BYTES + 1)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            log.warning("rank tree record %s unreadable, starting empty: %s", path, e)
+            self.files.rejected(path, "unreadable")
+            return
+        try:
+            if len(raw) > MAX_RECORD_BYTES:
+                raise ValueError(f"larger than {MAX_RECORD_BYTES} bytes")
+            data = json.loads(raw)
+            members = data.get("members") if isinstance(data, dict) else None
+            if not isinstance(members, list):
+                raise ValueError("no list of members")
+        except (ValueError, RecursionError) as e:
+            log.warning("rank tree record %s unusable, starting empty: %s", path, str(e)[:200])
+            self.files.rejected(path, "malformed")
+            return
+        for d in members:
+            m = tree_member(d)
+            if m is None:
+                self.files.rejected(path, "bad_member")
+                continue
+            self._members[(m.pid, m.start_time)] = m
 
     def update(self, members: Iterable[TreeMember], now: float) -> None:
         with self._lock:
+            present = set()
             for m in members:
                 self._members[(m.pid, m.start_time)] = m
-            for k in [k for k, m in self._members.items() if m.last_seen < now - self.ttl]:
+                present.add((m.pid, m.start_time))
+            gone = {k: self._gone.get(k, now) for k in self._members if k not in present}
+            self._gone = gone
+            grace = self.ended_grace
+            for k in [k for k, m in self._members.items() if m.last_seen < now - self.ttl
+                      or (grace is not None and k in gone and now - gone[k] > grace)]:
                 del self._members[k]
+                self._gone.pop(k, None)
             keys = frozenset(self._members)
             if self.path and (keys != self._saved_keys or now - self._saved_at > 60.0):
                 self._save(now, keys)
@@ -171,14 +234,8 @@ class RankTreeRecord:
     def _save(self, now: float, keys: frozenset[tuple[int, float | None]]) -> None:
         assert self.path is not None
         data = {"members": [m.__dict__ for m in self._members.values()]}
-        tmp = f"{self.path}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(data, f)
-            os.replace(tmp, self.path)
+        if self.files.write(self.path, json.dumps(data)):
             self._saved_at, self._saved_keys = now, keys
-        except OSError as e:
-            log.warning("cannot save rank tree record: %s", e)
 
     def lookup(self, pid: int, at: float) -> TreeMember | None:
         """The member that was ``pid`` at time ``at``: seen alive within ``ttl`` before it and not
@@ -337,24 +394,66 @@ class KillGrouper:
 BASE_KIND = "counter_base"
 
 
-def _increments(ev: Event) -> list[tuple[str, tuple[str, ...], float, dict[str, int]]]:
-    """(counter, labels, value, {boot id: kernel OOM kills}) that one stored event stands for."""
+Increment = tuple[str, tuple[str, ...], float, dict[str, int], float]
+
+
+def _finite(v: Any) -> float | None:
+    """``v`` as a finite float >= 0, or None (a stored line is untrusted input: 1e400, -1, "x")."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    f = float(v)
+    return f if 0.0 <= f < float("inf") else None
+
+
+def _increments(ev: Event) -> list[Increment]:
+    """(counter, labels, value, {boot id: kernel OOM kills}, when) that one stored event stands
+    for. Items of a ``counter_base`` record that cannot be used are skipped."""
     if ev.kind == BASE_KIND:
-        out: list[tuple[str, tuple[str, ...], float, dict[str, int]]] = []
-        for item in ev.fields.get("counters", []):
-            try:
-                name, labels, value = item
-                out.append((str(name), tuple(str(x) for x in labels), float(value), {}))
-            except (TypeError, ValueError):
+        out: list[Increment] = []
+        items = ev.fields.get("counters", [])
+        for item in items if isinstance(items, list) else []:
+            # [name, labels, value] or, since series retention, [name, labels, value, last time]
+            if not isinstance(item, list) or len(item) not in (3, 4) \
+                    or not isinstance(item[1], list):
                 continue
+            value = _finite(item[2])
+            at = _finite(item[3]) if len(item) == 4 else ev.time
+            if value is None or at is None:
+                continue
+            out.append((str(item[0]), tuple(str(x) for x in item[1]), value, {}, at))
         boots = ev.fields.get("boot_kernel_kills", {})
         if isinstance(boots, dict):
-            clean = {str(b): int(n) for b, n in boots.items() if isinstance(n, int)}
-            out.append(("", (), 0.0, clean))
+            clean = {str(b): int(n) for b, n in boots.items()
+                     if isinstance(n, int) and not isinstance(n, bool) and n >= 0}
+            out.append(("", (), 0.0, clean, ev.time))
         return out
     kernel_kill = ev.kind in ("oom_kill", "oom_kill_unexplained") and ev.killer == KILLER_KERNEL
     boot = {ev.boot_id: ev.count} if kernel_kill else {}
-    return [(ev.counter, tuple(ev.labels), float(ev.count), boot)]
+    return [(ev.counter, tuple(ev.labels), float(ev.count), boot, ev.time)]
+
+
+KERNEL_KEYS = 50_000  # keys of kernel events kept for exactly-once counting (an OOM storm)
+OTHER_KEYS = 5_000  # keys of finding transitions (churn makes many; a duplicate is harmless)
+RECENT_KINDS = frozenset({"oom_kill", "oom_kill_unexplained", "xid"})  # what the findings read
+
+
+class BoundedKeys:
+    """A set of the last ``limit`` keys added (insertion order; the oldest go first)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._keys: dict[str, None] = {}
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, key: str) -> None:
+        self._keys[key] = None
+        while len(self._keys) > self.limit:
+            del self._keys[next(iter(self._keys))]
 
 
 @dataclass
@@ -381,21 +480,33 @@ class KernelEventProcessor:
         clock: Callable[[], float] = time.time,
         max_log_bytes: int = 16 << 20,
         keep_events: int = 10000,
+        retention_seconds: float = 1800.0,
+        files: StateFiles | None = None,
+        ended_grace_seconds: float | None = None,
     ) -> None:
+        """``retention_seconds``: how long a compaction keeps the folded counter of a rank that
+        is no longer registered (``retention.oom_kill_seconds``, retention.py)."""
         self.max_log_bytes = max_log_bytes
         self.keep_events = keep_events
+        self.retention_seconds = retention_seconds
+        self.files = files or StateFiles()  # the daemon passes its own, which counts
         self.counters = counters
         self.state_dir = state_dir
         self.bus = bus
         self.boot_id = boot_id
-        self.record = record or RankTreeRecord(os.path.join(state_dir, RECORD_FILE))
+        self.record = record or RankTreeRecord(os.path.join(state_dir, RECORD_FILE), files=self.files,
+                                               ended_grace_seconds=ended_grace_seconds)
         self.xid_dedup = xid_dedup
         self.unexplained_grace = unexplained_grace
         self.recent_seconds = recent_seconds
         self.clock = clock
         self._lock = threading.RLock()
         self._grouper = KillGrouper(group_timeout)
-        self._keys: set[str] = set()
+        # Keys of stored events, for exactly-once counting: kernel events (a re-read after a
+        # restart or a lost cursor) and the rest (finding transitions), each bounded.
+        self._keys = BoundedKeys(KERNEL_KEYS)
+        self._other_keys = BoundedKeys(OTHER_KEYS)
+        # kernel events (kills, Xids) of the last recent_seconds, for the findings
         self._recent: deque[Event] = deque(maxlen=10000)
         self._boot_kernel_kills = 0  # kernel OOM kills (parsed + unexplained) stored this boot
         self._deficit_since: float | None = None
@@ -405,7 +516,10 @@ class KernelEventProcessor:
         self._snapshots: dict[tuple[str, str, int], Event] = {}  # (job_id, rank, rank pid) -> last
         self.oom_baseline = OomBaseline(state_dir, boot_id)  # kills before the first start
         self.events_path = os.path.join(state_dir, EVENTS_FILE)
-        os.makedirs(state_dir, exist_ok=True)
+        with contextlib.suppress(OSError):  # unwritable: kills are still counted, writes counted
+            os.makedirs(state_dir, exist_ok=True)
+        self._log_bytes = 0
+        self._compact_at = max_log_bytes
         self._rebuild()
 
     # -- start-up ----------------------------------------------------------------------------
@@ -413,66 +527,109 @@ class KernelEventProcessor:
     def _rebuild(self) -> None:
         """Counters continue across restarts: re-add every stored event's increment."""
         horizon = self.clock() - self.recent_seconds
-        events: list[Event] = []
-        for ev in read_events(self.events_path):
-            if ev.key in self._keys:
+        path = self.events_path
+        stored = 0
+        for ev in read_events(path, on_reject=lambda why: self.files.rejected(path, why)):
+            if self._seen(ev):
                 continue
             self._account(ev)
-            events.append(ev)
-            if ev.time >= horizon and ev.kind != BASE_KIND:
+            stored += 1
+            if ev.time >= horizon and ev.kind in RECENT_KINDS:
                 self._recent.append(ev)
         try:
-            too_big = os.path.getsize(self.events_path) > self.max_log_bytes
+            self._log_bytes = os.path.getsize(path)
         except OSError:
-            too_big = False
-        if too_big and len(events) > self.keep_events:
-            self._compact(events)
+            self._log_bytes = 0
+        if self._log_bytes > self.max_log_bytes and stored > self.keep_events:
+            self._compact()
+        self.files.track(path)
 
-    def _compact(self, events: list[Event]) -> None:
+    def _maybe_compact(self) -> None:
+        """While running (the log grows with finding transitions under job churn): compact when
+        the log passes ``max_log_bytes``, folding the counters of ranks long gone away."""
+        if self._log_bytes <= self._compact_at:
+            return
+        self._compact(prune=True)
+        try:
+            size = os.path.getsize(self.events_path)
+        except OSError:
+            size = self._log_bytes
+        # the kept events alone may exceed the limit: then wait for another quarter of it
+        self._log_bytes = size
+        self._compact_at = max(self.max_log_bytes, size + self.max_log_bytes // 4)
+
+    def _compact(self, prune: bool = False) -> None:
         """Fold all but the newest ``keep_events`` events into one ``counter_base`` record that
-        carries their increments, so the log stays bounded and the counters stay exact."""
-        dropped, kept = events[: -self.keep_events], events[-self.keep_events :]
-        totals: dict[tuple[str, tuple[str, ...]], float] = {}
+        carries their increments (and when each last changed), so the log stays bounded and the
+        counters stay exact. ``prune``: leave out the counters of ranks not registered now whose
+        last increment is older than ``retention_seconds`` (retention.py dropped them already).
+        One streaming pass: only the kept events' lines are held, never the whole log."""
+        kept: deque[tuple[str, list[Increment], str, float]] = deque()
+        keys: set[str] = set()
+        totals: dict[tuple[str, tuple[str, ...]], tuple[float, float]] = {}
         boots: dict[str, int] = {}
-        for ev in dropped:
-            for name, labels, value, boot_kills in _increments(ev):
+        dropped, last_key, last_time = 0, "", 0.0
+        for ev in read_events(self.events_path):  # lines that cannot be used are left out
+            if ev.key in keys:
+                continue
+            keys.add(ev.key)
+            kept.append((ev.to_json(), _increments(ev), ev.key, ev.time))
+            if len(kept) <= self.keep_events:
+                continue
+            _, increments, last_key, last_time = kept.popleft()
+            dropped += 1
+            for name, labels, value, boot_kills, at in increments:
                 if name:
-                    totals[(name, labels)] = totals.get((name, labels), 0.0) + value
+                    v, last = totals.get((name, labels), (0.0, at))
+                    totals[(name, labels)] = (v + value, max(last, at))
                 for b, n in boot_kills.items():
                     boots[b] = boots.get(b, 0) + n
+        if not dropped:
+            return
+        if prune:
+            totals = self._retained(totals)
         base = Event(
-            key=f"base:{dropped[-1].key}",
+            key=f"base:{last_key}",
             kind=BASE_KIND,
-            time=dropped[-1].time,
+            time=last_time,
             severity=INFO,
-            summary=f"{len(dropped)} older events folded into counters",
+            summary=f"{dropped} older events folded into counters",
             fields=frozen_map(
                 {
-                    "counters": [[n, list(ls), v] for (n, ls), v in sorted(totals.items())],
+                    "counters": [[n, list(ls), v, t] for (n, ls), (v, t) in sorted(totals.items())],
                     "boot_kernel_kills": boots,
                 }
             ),
         )
-        tmp = f"{self.events_path}.compact"
-        try:
-            with open(tmp, "w") as f:
-                for ev in [base, *kept]:
-                    f.write(ev.to_json() + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.events_path)
-            log.info("event log compacted: %d events folded, %d kept", len(dropped), len(kept))
-        except OSError as e:
-            log.warning("event log compaction failed: %s", e)
+        text = base.to_json() + "\n" + "".join(line + "\n" for line, _, _, _ in kept)
+        if self.files.write(self.events_path, text, fsync=True):
+            log.info("event log compacted: %d events folded, %d kept", dropped, len(kept))
+
+    def _retained(self, totals: Mapping[tuple[str, tuple[str, ...]], tuple[float, float]]
+                  ) -> dict[tuple[str, tuple[str, ...]], tuple[float, float]]:
+        positions = rank_label_positions()
+        horizon = self.clock() - self.retention_seconds
+        live = {(j, str(r)) for j, r in self._ranks}
+        out = {}
+        for (name, labels), (v, last) in totals.items():
+            pos = positions.get(name)
+            if pos is not None and labels[pos[0]] and last < horizon \
+                    and (labels[pos[0]], labels[pos[1]]) not in live:
+                continue
+            out[(name, labels)] = (v, last)
+        return out
+
+    def _seen(self, ev: Event) -> bool:
+        return ev.key in (self._keys if ev.boot_id or ev.counter else self._other_keys)
 
     def _account(self, ev: Event) -> None:
-        self._keys.add(ev.key)
+        (self._keys if ev.boot_id or ev.counter else self._other_keys).add(ev.key)
         if ev.kind == "memory_snapshot" and ev.pid is not None:
             self._note_snapshot(ev)
-        for name, labels, value, boot_kills in _increments(ev):
+        for name, labels, value, boot_kills, at in _increments(ev):
             if name:
                 try:
-                    self.counters.inc(name, labels, value)
+                    self.counters.inc(name, labels, value, at=at)
                 except (KeyError, ValueError) as e:
                     log.warning("event %s: cannot count %s%s: %s", ev.key, name, labels, e)
             self._boot_kernel_kills += boot_kills.get(self.boot_id, 0)
@@ -480,12 +637,15 @@ class KernelEventProcessor:
     def _store(self, ev: Event) -> bool:
         """Persist, count, fan out. False when the event was already stored (a duplicate)."""
         with self._lock:
-            if ev.key in self._keys:
+            if self._seen(ev):
                 return False
             if self.bus is not None:
                 self.bus.emit(ev)  # JSONL first: durable before it is counted
+                self._log_bytes += len(ev.to_json()) + 1
             self._account(ev)
-            self._recent.append(ev)
+            if ev.kind in RECENT_KINDS:
+                self._recent.append(ev)
+            self._maybe_compact()
         return True
 
     def _note_snapshot(self, ev: Event) -> None:

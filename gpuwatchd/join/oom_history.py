@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from gpuwatchd.events.log import Event
 from gpuwatchd.model import INFO, frozen_map
+from gpuwatchd.statefile import atomic_write
 from gpuwatchd.units import fmt_bytes
 
 log = logging.getLogger(__name__)
@@ -72,12 +73,9 @@ def load_baseline(path: str, boot_id: str) -> tuple[Baseline | None, str]:
 
 
 def save_baseline(path: str, b: Baseline) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"boot_id": b.boot_id, "vmstat_oom_kill": b.vmstat_oom_kill, "time": b.time}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Atomically, leaving no temporary behind when the disk is full or read-only."""
+    atomic_write(path, json.dumps({"boot_id": b.boot_id, "vmstat_oom_kill": b.vmstat_oom_kill,
+                                   "time": b.time}), fsync=True)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from typing import Any
 
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import kernel_formats
+from gpuwatchd.statefile import StateFiles, atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -296,15 +297,6 @@ def read_boot_id(paths: HostPaths) -> str:
         return ""
 
 
-def _atomic_write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class _Stopper:
     """A self-pipe: ``stop()`` wakes the reader out of ``poll()`` at once, without a timeout."""
 
@@ -348,7 +340,9 @@ class KmsgSource:
         on_overrun: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        files: StateFiles | None = None,
     ) -> None:
+        self.files = files  # counts failed position writes (statefile.py)
         self.paths = paths or HostPaths()
         self.device = device or self.paths.dev("kmsg")
         self.state_path = os.path.join(state_dir, "kmsg.json")
@@ -370,9 +364,9 @@ class KmsgSource:
     def load_position(self) -> int | None:
         """Last sequence number handled in this boot, or None (new boot / first start)."""
         try:
-            with open(self.state_path) as f:
-                st = json.load(f)
-        except (OSError, ValueError):
+            with open(self.state_path, "rb") as f:
+                st = json.loads(f.read(4096))  # a state file is untrusted input: bounded
+        except (OSError, ValueError, RecursionError):
             return None
         if not isinstance(st, dict) or st.get("boot_id") != self.boot_id or not self.boot_id:
             return None
@@ -385,7 +379,7 @@ class KmsgSource:
             seq = min(seq, held - 1)
         if seq < 0:
             return
-        _atomic_write(self.state_path, json.dumps({"boot_id": self.boot_id, "seq": seq}))
+        self._write(self.state_path, json.dumps({"boot_id": self.boot_id, "seq": seq}))
 
     def stop(self) -> None:
         self._stopper.stop()
@@ -463,12 +457,20 @@ class KmsgSource:
             os.close(fd)
             self._stopper.close()
 
+    def _write(self, path: str, text: str) -> None:
+        if self.files is not None:  # counted in gpuwatch_state_write_errors_total, logged once
+            if not self.files.write(path, text, fsync=True):
+                raise OSError(f"cannot write {path} (see gpuwatch_state_write_errors_total)")
+        else:
+            atomic_write(path, text, fsync=True)
+
     def _persist(self, seq: int) -> None:
         try:
             self.save_position(seq)
         except OSError as e:
             self.stats.last_error = f"cannot save kmsg position: {e}"
-            log.warning("%s", self.stats.last_error)
+            if self.files is None:
+                log.warning("%s", self.stats.last_error)
 
 
 def journal_available(paths: HostPaths | None = None) -> bool:
@@ -528,7 +530,9 @@ class JournalSource:
         on_reject: RejectHandler | None = None,
         paths: HostPaths | None = None,
         clock: Callable[[], float] = time.time,
+        files: StateFiles | None = None,
     ) -> None:
+        self.files = files  # counts failed cursor writes (statefile.py)
         self.path = path
         self.start = start
         self.state_path = os.path.join(state_dir, "journal.cursor")
@@ -564,8 +568,8 @@ class JournalSource:
 
     def _load_cursor(self) -> str | None:
         try:
-            with open(self.state_path) as f:
-                c = f.read().strip()
+            with open(self.state_path, errors="replace") as f:
+                c = f.read(4096).strip()  # a cursor is < 200 bytes; a state file is untrusted
         except OSError:
             return None
         return c or None
@@ -651,7 +655,11 @@ class JournalSource:
                     cursor = rec.cursor or cursor
                 if cursor:
                     try:
-                        _atomic_write(self.state_path, cursor)
+                        if self.files is not None:
+                            if not self.files.write(self.state_path, cursor, fsync=True):
+                                raise OSError(f"cannot write {self.state_path}")
+                        else:
+                            atomic_write(self.state_path, cursor, fsync=True)
                     except OSError as e:
                         self.stats.last_error = f"cannot save journal cursor: {e}"
                 self.ready.set()
@@ -678,6 +686,7 @@ def open_kernel_log(
     journal_path: str | None = None,
     on_reject: RejectHandler | None = None,
     on_overrun: Callable[[], None] | None = None,
+    files: StateFiles | None = None,
 ) -> KmsgSource | JournalSource | None:
     """``kernel_log`` config key -> a source. ``auto``: the journal when journald runs and
     systemd-python imports, else /dev/kmsg. ``off`` -> None."""
@@ -688,12 +697,14 @@ def open_kernel_log(
             import systemd.journal  # noqa: F401
         except ImportError as e:
             raise KernelLogUnavailable("kernel_log: journal needs systemd-python") from e
-        return JournalSource(state_dir, path=journal_path, on_reject=on_reject, paths=paths)
+        return JournalSource(state_dir, path=journal_path, on_reject=on_reject, paths=paths,
+                             files=files)
     if mode in ("kmsg", "auto"):
         dev = paths.dev("kmsg")
         if not os.path.exists(dev):
             raise KernelLogUnavailable(f"{dev} does not exist")
-        return KmsgSource(state_dir, paths=paths, on_reject=on_reject, on_overrun=on_overrun)
+        return KmsgSource(state_dir, paths=paths, on_reject=on_reject, on_overrun=on_overrun,
+                          files=files)
     raise KernelLogUnavailable(f"unknown kernel_log mode {mode!r}")
 
 
