@@ -108,7 +108,7 @@ def _findings(devfs: Path, rank_pid: int) -> list:
     rank = RankState(job_id="llm-7", rank=1, pid=rank_pid, local_rank=1, world_size=8,
                      alive=True, process=procfs.read_process(rank_pid), tree=tree)
     ctx = FindingContext(now=time.time(), config=Config(), ranks=(rank,),
-                         extras={"fork_evidence": evidence})
+                         fork_evidence=evidence)
     return list(fork_rule.find(ctx))
 
 

@@ -196,7 +196,7 @@ def _gpu(util: float | None) -> GpuDevice:
 def _ctx(ranks: tuple[RankState, ...], gpus: tuple[GpuDevice, ...] = (), **extras: object
          ) -> FindingContext:  # fmt: skip
     cfg = Config(gil=GilConfig(held_threshold=0.8))
-    return FindingContext(now=2000.0, config=cfg, ranks=ranks, gpus=gpus, extras=extras)
+    return FindingContext(now=2000.0, config=cfg, ranks=ranks, gpus=gpus, **extras)
 
 
 def test_gil_saturated_fires_only_when_the_gpu_waits() -> None:

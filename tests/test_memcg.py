@@ -31,7 +31,7 @@ TASK = "/system.slice/slurmstepd.scope/job_7/step_0/user/task_3"
 def ctx_for(m: RankMemory, now: float = 0.0, alive: bool = True) -> FindingContext:
     """The finding's context with ``m``'s rank accepted by the join (alive or not)."""
     rank = RankState(m.job_id, m.rank, m.pid, None, None, alive, None)
-    return FindingContext(now=now, config=Config(), ranks=(rank,), extras={"memory": (m,)})
+    return FindingContext(now=now, config=Config(), ranks=(rank,), rank_memory=(m,))
 
 
 def v2_reader(root: Path = FIX) -> memcg.MemcgReader:
@@ -227,7 +227,7 @@ def test_only_accepted_live_ranks_get_the_finding() -> None:
     m = RankMemory("j", 1, 9, 50 << 30, cgroup="/c", working_set_bytes=79 << 30, limit_bytes=80 << 30)
     assert len(list(finding.find(ctx_for(m)))) == 1
     assert list(finding.find(ctx_for(m, alive=False))) == []  # dead (or its PID reused)
-    refused = FindingContext(now=0.0, config=Config(), extras={"memory": (m,)})  # not accepted
+    refused = FindingContext(now=0.0, config=Config(), rank_memory=(m,))  # not accepted
     assert list(finding.find(refused)) == []
 
 

@@ -189,7 +189,7 @@ def collect(
     ctx = FindingContext(
         now=time.time(), config=cfg, ranks=(pseudo,), processes={pid: info},
         env_flags={pid: procfs.env_flags(pid) or ()},
-        extras={"fork_evidence": {e.pid: e for e in ([me] if me else []) + kids}},
+        fork_evidence={e.pid: e for e in ([me] if me else []) + kids},
     )  # fmt: skip
     kinds = {f["kind"] for f in found}
     for rule in (fds.find, nccl_env.find, fork.find):

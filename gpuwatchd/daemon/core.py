@@ -34,7 +34,7 @@ from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem
 from gpuwatchd.daemon.notify import notify, watchdog_interval
 from gpuwatchd.daemon.retention import RetentionSubsystem
-from gpuwatchd.daemon.subsystem import Subsystem
+from gpuwatchd.daemon.subsystem import NOTHING, Subsystem
 from gpuwatchd.exporter.collector import make_registry
 from gpuwatchd.isolation import Collector, PartialReading, attempt, guarded
 from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
@@ -185,27 +185,23 @@ class Daemon:
             entries, bad = rank_reading if rank_reading is not None else ([], [])
             self._entries = entries
             proc = self.proc_collector.run() or ProcReading({}, {}, {}, {})
-            partial: dict[str, Any] = {
-                "now": self.clock(), "config": self.config, "entries": tuple(entries),
-                "bad_files": tuple(bad), "processes": proc.processes,
-                "descendants": proc.descendants, "env_flags": proc.env_flags,
-                "progress": dict(proc.progress),
-            }
-            no_extra: Mapping[str, Any] = {}
+            inputs = CycleInputs(
+                now=self.clock(), config=self.config, entries=tuple(entries), bad_files=tuple(bad),
+                processes=proc.processes, descendants=proc.descendants, env_flags=proc.env_flags,
+                progress=dict(proc.progress),
+            )
             down = dict(self.failed_subsystems)
             for sub in self.subsystems:
                 extra, error = attempt(f"subsystem {sub.name} before_join",
-                                       functools.partial(sub.before_join, self, partial), no_extra)
-                _merge(partial, extra)
+                                       functools.partial(sub.before_join, self, inputs), NOTHING)
+                inputs = extra.merge_into(inputs)
                 if error is not None:
                     down.setdefault(sub.name, error)
-            statuses = [self.rank_collector.status, self.proc_collector.status]
-            statuses += partial.pop("collectors", ())
+            statuses = [self.rank_collector.status, self.proc_collector.status, *inputs.collectors]
             statuses += down_statuses(statuses, down)
-            partial["collectors"] = tuple(statuses)
-            partial["counters"] = self.counters.snapshot()
-            partial["cycle_seconds"] = time.monotonic() - t0
-            inputs = CycleInputs(**partial)
+            inputs = dataclasses.replace(inputs, collectors=tuple(statuses),
+                                         counters=self.counters.snapshot(),
+                                         cycle_seconds=time.monotonic() - t0)
             state, self.memory = build_state(inputs, self.memory)
             state = dataclasses.replace(state, cycle_seconds=time.monotonic() - t0)
             self.state = state
@@ -362,17 +358,6 @@ def down_statuses(reported: list[CollectorStatus], down: Mapping[str, str]) -> l
     names = {c.name for c in reported}
     return [CollectorStatus(name, False, 0.0, None, error) for name, error in down.items()
             if name not in names]
-
-
-def _merge(partial: dict[str, Any], extra: Mapping[str, Any]) -> None:
-    for key, value in extra.items():
-        old = partial.get(key)
-        if isinstance(old, tuple) and isinstance(value, tuple):
-            partial[key] = old + value
-        elif isinstance(old, Mapping) and isinstance(value, Mapping):
-            partial[key] = {**old, **value}
-        else:
-            partial[key] = value
 
 
 _FIELDS: dict[type, tuple[str, ...]] = {}

@@ -36,9 +36,10 @@ from typing import Any
 
 from gpuwatchd.config import Config
 from gpuwatchd.counters import CounterStore
-from gpuwatchd.daemon.subsystem import DaemonContext, Subsystem
+from gpuwatchd.daemon.subsystem import Contribution, DaemonContext, Subsystem
 from gpuwatchd.isolation import run_forever
 from gpuwatchd.join.stall import RankProbe, StallTracker
+from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import CollectorStatus, GilReading, ProcessInfo
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import pyspy
@@ -382,14 +383,14 @@ class PySpySubsystem(Subsystem):
         )
         self._thread.start()
 
-    def before_join(self, daemon: DaemonContext, partial: Mapping[str, Any]) -> Mapping[str, Any]:
+    def before_join(self, daemon: DaemonContext, cycle: CycleInputs) -> Contribution:
         self._ensure(daemon)
         assert self.stall is not None and self.spy is not None
-        processes: Mapping[int, ProcessInfo] = partial.get("processes", {})
-        beats: Mapping[tuple[str, int], float] = partial.get("progress", {})  # heartbeat mtimes
+        processes: Mapping[int, ProcessInfo] = cycle.processes
+        beats: Mapping[tuple[str, int], float] = cycle.progress  # heartbeat mtimes
         seen: set[tuple[str, int]] = set()
         probes: list[RankProbe] = []
-        for e in partial.get("entries", ()):
+        for e in cycle.entries:
             if (e.job_id, e.rank) in seen:
                 continue
             seen.add((e.job_id, e.rank))
@@ -404,14 +405,15 @@ class PySpySubsystem(Subsystem):
         if self.sampler is not None:
             self.sampler.update_targets(GilTarget(p.job_id, p.rank, p.pid) for p in probes
                                         if p.alive)  # fmt: skip
-        verdicts = self.stall.observe(partial.get("now", time.time()), probes)
-        return {
-            "progress": {k: v.progress_timestamp for k, v in verdicts.items()
-                         if v.progress_timestamp is not None},
-            "stalled": {k: v.stalled for k, v in verdicts.items()},
-            "extras": {"gil": self.sampler.readings() if self.sampler else {}, "stall": verdicts},
-            "collectors": (self.status(),),
-        }
+        verdicts = self.stall.observe(cycle.now, probes)
+        return Contribution(
+            progress={k: v.progress_timestamp for k, v in verdicts.items()
+                      if v.progress_timestamp is not None},
+            stalled={k: v.stalled for k, v in verdicts.items()},
+            gil=self.sampler.readings() if self.sampler else {},
+            stall=verdicts,
+            collectors=(self.status(),),
+        )
 
     def status(self) -> CollectorStatus:
         assert self.spy is not None

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
-from typing import Any
 
 from gpuwatchd.daemon.device_policy import EXIT_REEXPAND, DevicePolicyGuard
-from gpuwatchd.daemon.subsystem import DaemonContext, Subsystem
+from gpuwatchd.daemon.subsystem import NOTHING, Contribution, DaemonContext, Subsystem
 from gpuwatchd.isolation import Collector
 from gpuwatchd.join.cuda_oom import OomTracker
 from gpuwatchd.join.orphans import OrphanTracker, trees_from_entries
+from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import PAGE, Finding, GpuDevice, GpuProcess, NodeState, ProcessInfo
 from gpuwatchd.sources.devfds import ProcEvidence, read_evidence
 from gpuwatchd.sources.kernel_log import read_boot_id
@@ -121,29 +120,28 @@ class GpuSubsystem(Subsystem):
                 raise NvmlDeviceDenied(f"{why} (NVML: {exc})") from exc
             raise
 
-    def before_join(self, daemon: DaemonContext, partial: Mapping[str, Any]) -> Mapping[str, Any]:
+    def before_join(self, daemon: DaemonContext, cycle: CycleInputs) -> Contribution:
         if self.collector is None or self.tracker is None or self.oom is None:
-            return {}
+            return NOTHING
         reading = self.collector.run()
         if reading is None and self.guard is not None:
             why = self.guard.restart_reason()
             if why:
                 daemon.request_exit(EXIT_REEXPAND, why)
-        out: dict[str, Any] = {"collectors": (self.collector.status,)}
         devices, procs = reading if reading is not None else ((), ())
         self._devices = devices
         self._known.update((d.index, d) for d in devices)
         lost_now = [nvml_lost_finding(i, self._known.get(i), daemon.clock())
                     for i in sorted(self.source.lost_devices if self.source else ())]
         self.dedup.learn_devices(devices)
-        processes: dict[int, ProcessInfo] = dict(partial.get("processes", {}))
+        processes: dict[int, ProcessInfo] = dict(cycle.processes)
         missing = sorted({p.pid for p in procs} - set(processes))
         extra = daemon.procfs.read_many(missing) if missing else {}
         processes.update(extra)
-        entries = partial.get("entries", ())
-        descendants = partial.get("descendants", {})
+        entries = cycle.entries
+        descendants = cycle.descendants
         trees = trees_from_entries(entries, processes, descendants)
-        now = partial.get("now", daemon.clock())
+        now = cycle.now
         orphans = self.tracker.update(procs, processes, trees, now)
         orphan_jobs = {}
         for o in orphans:
@@ -177,15 +175,16 @@ class GpuSubsystem(Subsystem):
                 explanation="; ".join(f.explanation for f in lost),
                 evidence={"gpus": [dict(f.evidence) for f in lost]},
                 since=min(f.since for f in lost)))
-        out.update(
-            gpus=devices,
-            gpu_processes=procs,
-            orphans=orphans,
+        return Contribution(
+            collectors=(self.collector.status,),
+            gpus=tuple(devices),
+            gpu_processes=tuple(procs),
+            orphans=tuple(orphans),
             processes=extra,
             extra_findings=tuple(findings),
-            extras={"fork_evidence": evidence, "orphan_jobs": orphan_jobs},
+            fork_evidence=evidence,
+            orphan_jobs=orphan_jobs,
         )
-        return out
 
     def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
         self._last_state = state

@@ -15,10 +15,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuwatchd.counters import CounterStore
-from gpuwatchd.daemon.subsystem import DaemonContext, Subsystem
+from gpuwatchd.daemon.subsystem import NOTHING, Contribution, DaemonContext, Subsystem
 from gpuwatchd.events.log import Event, EventBus, build_bus, derive_instance
 from gpuwatchd.isolation import guarded, run_forever
 from gpuwatchd.join.kernel_events import KernelEventProcessor
+from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo
 from gpuwatchd.sources.kernel_log import (
     KernelLogUnavailable,
@@ -132,15 +133,15 @@ class KernelLogSubsystem(Subsystem):
         finally:
             self._running = False
 
-    def before_join(self, daemon: DaemonContext, partial: Mapping[str, Any]) -> Mapping[str, Any]:
+    def before_join(self, daemon: DaemonContext, cycle: CycleInputs) -> Contribution:
         if self.processor is None:
-            return {}
+            return NOTHING
         t0 = time.monotonic()
         now = daemon.clock()
         retention = daemon.config.retention  # SIGHUP applies it here too
         self.processor.retention_seconds = retention.oom_kill_seconds
         self.processor.record.ended_grace = retention.ended_rank_seconds
-        self._processes = partial.get("processes", {})
+        self._processes = cycle.processes
         self.processor.tick(now)
         self._report_history()
         self.processor.cross_check(read_vmstat_oom_kill(daemon.paths), now)
@@ -154,10 +155,8 @@ class KernelLogSubsystem(Subsystem):
             last_success_timestamp=self._last_ok,
             error=self._error if self._thread is not None else "kernel_log: off",
         )
-        return {
-            "extras": {"kernel_events": tuple(self.processor.recent(now - 3600.0))},
-            "collectors": (status,),
-        }
+        return Contribution(kernel_events=tuple(self.processor.recent(now - 3600.0)),
+                            collectors=(status,))
 
     def _report_history(self) -> None:
         """The first start's history event, once the source has replayed its buffer."""

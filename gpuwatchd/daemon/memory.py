@@ -24,10 +24,11 @@ from typing import Any
 from gpuwatchd.config import Config
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory_evidence import snapshot_event, worse
-from gpuwatchd.daemon.subsystem import DaemonContext, Subsystem
+from gpuwatchd.daemon.subsystem import Contribution, DaemonContext, Subsystem
 from gpuwatchd.findings.memory import KIND
 from gpuwatchd.isolation import guarded
 from gpuwatchd.join.memory_tracker import MemoryTracker, RankKey
+from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import CollectorStatus, Finding, NodeMemoryState, NodeState, ProcessInfo, RankMemory
 from gpuwatchd.sources.memcg import CgroupPaths, MemcgReader
 from gpuwatchd.sources.pyspy import PySpy, PySpyError
@@ -68,20 +69,20 @@ class MemorySubsystem(Subsystem):
 
     # -- each cycle --------------------------------------------------------------------------
 
-    def before_join(self, daemon: DaemonContext, partial: Mapping[str, Any]) -> Mapping[str, Any]:
+    def before_join(self, daemon: DaemonContext, cycle: CycleInputs) -> Contribution:
         if self.reader is None:
             self.start(daemon)
         assert self.reader is not None
         t0 = time.monotonic()
-        now = float(partial.get("now", daemon.clock()))
+        now = float(cycle.now)
         cfg = daemon.config.memory
-        processes: Mapping[int, ProcessInfo] = partial.get("processes", {})
-        descendants: Mapping[int, tuple[int, ...]] = partial.get("descendants", {})
+        processes: Mapping[int, ProcessInfo] = cycle.processes
+        descendants: Mapping[int, tuple[int, ...]] = cycle.descendants
         readings: list[RankMemory] = []
         live: list[RankKey] = []
         seen: set[tuple[str, int]] = set()
         memo: dict[tuple[int, str], Any] = {}  # cgroup levels read this cycle, shared by ranks
-        for e in partial.get("entries", ()):
+        for e in cycle.entries:
             proc = processes.get(e.pid)
             if (e.job_id, e.rank) in seen or proc is None or proc.state in ("Z", "X") or (
                     e.start_ticks is not None and proc.start_ticks != e.start_ticks):
@@ -110,9 +111,7 @@ class MemorySubsystem(Subsystem):
             self._last_ok = now
         status = CollectorStatus("memory", ok, time.monotonic() - t0, self._last_ok,
                                  "" if ok else "cannot read /proc/meminfo")
-        return {"rank_memory": tuple(readings), "node_memory": node,
-                "extras": {"memory": tuple(readings), "node_memory": node},
-                "collectors": (status,)}
+        return Contribution(rank_memory=tuple(readings), node_memory=node, collectors=(status,))
 
     def _cgroup_paths(self, pid: int, start_ticks: int, now: float) -> CgroupPaths | None:
         assert self.reader is not None

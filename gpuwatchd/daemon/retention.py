@@ -21,12 +21,12 @@ series per cycle; no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
 
 from gpuwatchd.config import RetentionConfig
 from gpuwatchd.counters import CounterStore, Series, rank_label_positions
-from gpuwatchd.daemon.subsystem import Subsystem
+from gpuwatchd.daemon.subsystem import NOTHING, Contribution, DaemonContext, Subsystem
+from gpuwatchd.join.state import CycleInputs
 
 EVENT_COUNTERS = frozenset({"oom_kills", "cuda_oom_errors"})
 RankKey = tuple[str, str]  # (job_id, rank) as label values
@@ -77,9 +77,9 @@ class RetentionSubsystem(Subsystem):
     def __init__(self) -> None:
         self.policy: SeriesRetention | None = None
 
-    def before_join(self, daemon: Any, partial: Mapping[str, Any]) -> Mapping[str, Any]:
+    def before_join(self, daemon: DaemonContext, cycle: CycleInputs) -> Contribution:
         if self.policy is None or self.policy.counters is not daemon.counters:
             self.policy = SeriesRetention(daemon.counters)
-        registered = [(e.job_id, str(e.rank)) for e in partial.get("entries", ())]
-        self.policy.apply(registered, float(partial["now"]), daemon.config.retention)
-        return {}
+        registered = [(e.job_id, str(e.rank)) for e in cycle.entries]
+        self.policy.apply(registered, cycle.now, daemon.config.retention)
+        return NOTHING

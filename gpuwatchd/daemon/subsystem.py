@@ -10,15 +10,33 @@ writer, and
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gpuwatchd.config import Config
 from gpuwatchd.counters import CounterStore
+from gpuwatchd.events.log import Event
+from gpuwatchd.join.stall import StallVerdict
+from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.join.xid_dedup import XidDeduper
-from gpuwatchd.model import NodeState
+from gpuwatchd.model import (
+    CollectorStatus,
+    Finding,
+    GilReading,
+    GpuDevice,
+    GpuProcess,
+    NodeMemoryState,
+    NodeState,
+    Orphan,
+    ProcessInfo,
+    RankMemory,
+    frozen_map,
+)
 from gpuwatchd.paths import HostPaths
+from gpuwatchd.sources.devfds import ProcEvidence
 from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.statefile import StateFiles
 
@@ -43,12 +61,55 @@ class DaemonContext(Protocol):
     def request_exit(self, status: int, why: str) -> None: ...
 
 
+@dataclass(frozen=True)
+class Contribution:
+    """What one subsystem adds to a cycle's ``CycleInputs`` (same field names and types).
+
+    ``merge_into`` concatenates tuples, merges mappings (the contribution wins on a key) and sets
+    ``node_memory`` when given; a field left at its default adds nothing.
+    """
+
+    gpus: tuple[GpuDevice, ...] = ()
+    gpu_processes: tuple[GpuProcess, ...] = ()
+    orphans: tuple[Orphan, ...] = ()
+    processes: Mapping[int, ProcessInfo] = field(default_factory=frozen_map)  # e.g. GPU PIDs
+    progress: Mapping[tuple[str, int], float] = field(default_factory=frozen_map)
+    stalled: Mapping[tuple[str, int], bool] = field(default_factory=frozen_map)
+    collectors: tuple[CollectorStatus, ...] = ()
+    extra_findings: tuple[Finding, ...] = ()
+    rank_memory: tuple[RankMemory, ...] = ()
+    node_memory: NodeMemoryState | None = None
+    kernel_events: tuple[Event, ...] = ()
+    orphan_jobs: Mapping[int, str] = field(default_factory=frozen_map)
+    fork_evidence: Mapping[int, ProcEvidence] = field(default_factory=frozen_map)
+    gil: Mapping[tuple[str, int], Sequence[GilReading]] = field(default_factory=frozen_map)
+    stall: Mapping[tuple[str, int], StallVerdict] = field(default_factory=frozen_map)
+
+    def merge_into(self, inputs: CycleInputs) -> CycleInputs:
+        changes: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None or (isinstance(value, (tuple, Mapping)) and not value):
+                continue
+            old = getattr(inputs, f.name)
+            if isinstance(value, tuple):
+                changes[f.name] = tuple(old) + value
+            elif isinstance(value, Mapping):
+                changes[f.name] = {**old, **value}
+            else:
+                changes[f.name] = value
+        return dataclasses.replace(inputs, **changes) if changes else inputs
+
+
+NOTHING = Contribution()
+
+
 class Subsystem:
     """A part of the daemon with its own threads or polled source (NVML, kernel log, GIL ...).
 
-    ``before_join`` returns keyword overrides for ``CycleInputs`` (e.g. ``gpus``, ``orphans``,
-    ``extra_findings``, ``progress``); tuples are concatenated, mappings merged. Each call runs
-    isolated: a subsystem that raises loses its contribution for that cycle, nothing else.
+    ``before_join`` sees the cycle's inputs so far (rank entries, /proc, and what the subsystems
+    before it added) and returns its ``Contribution``. Each call runs isolated: a subsystem that
+    raises loses its contribution for that cycle, nothing else.
     """
 
     name = "subsystem"
@@ -56,8 +117,8 @@ class Subsystem:
     def start(self, daemon: DaemonContext) -> None:
         """Start threads; ``daemon.stop_event`` says when to end."""
 
-    def before_join(self, daemon: DaemonContext, partial: Mapping[str, Any]) -> Mapping[str, Any]:
-        return {}
+    def before_join(self, daemon: DaemonContext, cycle: CycleInputs) -> Contribution:
+        return NOTHING
 
     def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
         """See the new state (e.g. remember rank trees, emit events for new findings)."""

@@ -5,20 +5,25 @@ another rule or ``findings/__init__``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from gpuwatchd.config import Config
+from gpuwatchd.events.log import Event
+from gpuwatchd.join.stall import StallVerdict
 from gpuwatchd.model import (
     BadRankFile,
+    GilReading,
     GpuDevice,
     GpuProcessRow,
+    NodeMemoryState,
     Orphan,
     ProcessInfo,
+    RankMemory,
     RankState,
     frozen_map,
 )
+from gpuwatchd.sources.devfds import ProcEvidence
 from gpuwatchd.units import fmt_bytes
 
 
@@ -36,7 +41,15 @@ class FindingContext:
     gpus: tuple[GpuDevice, ...] = ()
     gpu_processes: tuple[GpuProcessRow, ...] = ()
     orphans: tuple[Orphan, ...] = ()
-    extras: Mapping[str, Any] = field(default_factory=frozen_map)
+    rank_memory: tuple[RankMemory, ...] = ()  # RankMemory per live rank (memory subsystem)
+    node_memory: NodeMemoryState | None = None
+    # readings of the subsystems that only finding rules read (typed: a misspelt name is a mypy
+    # error, not a finding that silently never appears)
+    kernel_events: tuple[Event, ...] = ()  # recent OOM kills and Xids (kernel-log subsystem)
+    orphan_jobs: Mapping[int, str] = field(default_factory=frozen_map)  # orphan pid -> its past job
+    fork_evidence: Mapping[int, ProcEvidence] = field(default_factory=frozen_map)  # pid -> devfds evidence
+    gil: Mapping[tuple[str, int], Sequence[GilReading]] = field(default_factory=frozen_map)
+    stall: Mapping[tuple[str, int], StallVerdict] = field(default_factory=frozen_map)
 
 
 def rank_label(r: RankState) -> str:

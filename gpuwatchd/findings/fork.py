@@ -4,7 +4,7 @@ the ``fork`` start method) that inherited its ``/dev/nvidia*`` descriptors.
 CUDA does not survive fork: the child's copy of the context is unusable and any CUDA call in it
 fails or corrupts state (CUDA C Programming Guide, "Initialization"; PyTorch "CUDA in
 multiprocessing" note). How fork is told from spawn/forkserver, from /proc only
-(``ctx.extras["fork_evidence"]``: pid -> ``sources.devfds.ProcEvidence``), all three must hold:
+(``ctx.fork_evidence``: pid -> ``sources.devfds.ProcEvidence``), all three must hold:
 
 1. the parent holds a CUDA context: ``/dev/nvidiactl`` or ``/dev/nvidia-uvm`` open;
 2. no fresh exec in the child: same ``/proc/PID/exe`` *and* identical ``/proc/PID/cmdline`` as the
@@ -47,7 +47,7 @@ def forked_children(
 
 
 def find(ctx: FindingContext) -> Iterable[Finding]:
-    evidence: Mapping[int, ProcEvidence] = ctx.extras.get("fork_evidence", {})
+    evidence: Mapping[int, ProcEvidence] = ctx.fork_evidence
     if not evidence:
         return
     for r in ctx.ranks:

@@ -1,6 +1,6 @@
 """gil_saturated: a rank's Python threads hold the GIL nearly all the time while its GPU waits.
 
-Input: the GIL readings of the last samples per rank (``ctx.extras["gil"]``: (job_id, rank) ->
+Input: the GIL readings of the last samples per rank (``ctx.gil``: (job_id, rank) ->
 ``GilReading``s, oldest first, from gpuwatchd/daemon/gil.py) and the GPU utilisation of the rank's GPUs
 when NVML knows it. Fires when the held ratio of each of the last two samples is at least
 ``gil.held_threshold`` and no GPU of the rank is busy (utilisation known and >= 60 % means the GPU
@@ -46,7 +46,7 @@ def top_holders(readings: Sequence[GilReading], n: int = 3) -> list[tuple[str, f
 
 
 def find(ctx: FindingContext) -> Iterable[Finding]:
-    readings: Mapping[tuple[str, int], Sequence[GilReading]] = ctx.extras.get("gil", {})
+    readings: Mapping[tuple[str, int], Sequence[GilReading]] = ctx.gil
     threshold = ctx.config.gil.held_threshold
     for r in ctx.ranks:
         recent = list(readings.get((r.job_id, r.rank), ()))[-CONSECUTIVE:]

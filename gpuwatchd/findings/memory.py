@@ -5,8 +5,8 @@ Raised (warning) when the working set of the memory cgroup that bounds a rank pa
 ``memory.horizon_seconds``, or when the growth of the rank's whole tree would use up the node's
 MemAvailable within the horizon. The explanation says when, in words and clock time.
 
-Reads ``ctx.extras["memory"]`` (``RankMemory`` per live rank, memory_subsystem.py) and
-``ctx.extras["node_memory"]``. Pure; costs nothing. Shell equivalent:
+Reads ``ctx.rank_memory`` (``RankMemory`` per live rank, memory_subsystem.py) and
+``ctx.node_memory``. Pure; costs nothing. Shell equivalent:
 ``cat /sys/fs/cgroup/memory/<path>/memory.{usage_in_bytes,limit_in_bytes}`` twice, a minute
 apart, and dividing.
 """
@@ -99,8 +99,8 @@ def explain(m: RankMemory, node: NodeMemoryState | None, a: dict[str, float | st
 
 
 def find(ctx: FindingContext) -> Iterable[Finding]:
-    readings: Iterable[RankMemory] = ctx.extras.get("memory", ())
-    node: NodeMemoryState | None = ctx.extras.get("node_memory")
+    readings: Iterable[RankMemory] = ctx.rank_memory
+    node: NodeMemoryState | None = ctx.node_memory
     cfg = ctx.config.memory
     # only ranks the join accepted (trust rules, PID reuse) and found alive
     live = {(r.job_id, r.rank, r.pid) for r in ctx.ranks if r.alive}

@@ -1,7 +1,7 @@
 """orphan_gpu_memory: GPU memory held by a process that belongs to no live rank.
 
 Input: ``ctx.orphans`` (decided by ``gpuwatchd.join.orphans.OrphanTracker`` after the grace period),
-``ctx.processes`` for the holder's age, ``ctx.extras["orphan_jobs"]`` (pid -> the job it belonged to
+``ctx.processes`` for the holder's age, ``ctx.orphan_jobs`` (pid -> the job it belonged to
 while that job was alive). Shell equivalent: ``nvidia-smi --query-compute-apps=pid,used_memory
 --format=csv; ps -o pid,ppid,user,etime,comm -p PID``.
 """
@@ -26,7 +26,7 @@ def describe(o: Orphan, ctx: FindingContext) -> str:
     proc = ctx.processes.get(o.pid)
     age = f", running {fmt_age(ctx.now - proc.start_time)}" if proc is not None else ""
     who = f"{o.comm or '?'}, user {o.user or '?'}{age}"
-    job = ctx.extras.get("orphan_jobs", {}).get(o.pid)
+    job = ctx.orphan_jobs.get(o.pid)
     why = _WHY.get(o.reason, o.reason)
     if job and o.reason in (REPARENTED, JOB_ENDED):
         why += f" (it belonged to job {job})"

@@ -1,6 +1,6 @@
 """rank_stalled: a rank that is alive but has made no progress for ``stall.after_seconds``.
 
-Input: the stall verdicts of gpuwatchd/join/stall.py (``ctx.extras["stall"]``: (job_id, rank) ->
+Input: the stall verdicts of gpuwatchd/join/stall.py (``ctx.stall``: (job_id, rank) ->
 ``StallVerdict``: last progress, method, the stuck frames of the rank's main Python thread, the
 thread states, and whether it is the job's odd one out on this node). The explanation shows where
 the rank is stuck and names the suspect rank, so that the on-call engineer looks at the rank that
@@ -36,7 +36,7 @@ def _duration(seconds: float) -> str:
 
 
 def find(ctx: FindingContext) -> Iterable[Finding]:
-    verdicts: Mapping[tuple[str, int], StallVerdict] = ctx.extras.get("stall", {})
+    verdicts: Mapping[tuple[str, int], StallVerdict] = ctx.stall
     for r in ctx.ranks:
         v = verdicts.get((r.job_id, r.rank))
         if v is None or not r.alive or not r.stalled or not v.stalled or v.pid != r.pid:

@@ -8,17 +8,19 @@ when a rank was first seen dead, the first fd sample, when each finding started)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from gpuwatchd import findings
 from gpuwatchd.config import Config
+from gpuwatchd.events.log import Event
 from gpuwatchd.join import rank_claims
+from gpuwatchd.join.stall import StallVerdict
 from gpuwatchd.model import (
     BadRankFile,
     CollectorStatus,
     Finding,
+    GilReading,
     GpuDevice,
     GpuProcess,
     GpuProcessRow,
@@ -31,6 +33,7 @@ from gpuwatchd.model import (
     RankState,
     frozen_map,
 )
+from gpuwatchd.sources.devfds import ProcEvidence
 
 RankKey = tuple[str, int, int]  # (job_id, rank, pid)
 
@@ -54,10 +57,16 @@ class CycleInputs:
     collectors: tuple[CollectorStatus, ...] = ()
     counters: Mapping[str, Mapping[tuple[str, ...], float]] = field(default_factory=frozen_map)
     extra_findings: tuple[Finding, ...] = ()
-    extras: Mapping[str, Any] = field(default_factory=frozen_map)
     cycle_seconds: float = 0.0
     rank_memory: tuple[RankMemory, ...] = ()
     node_memory: NodeMemoryState | None = None
+    # readings of the subsystems that only finding rules read (typed: a misspelt name is a mypy
+    # error, not a finding that silently never appears)
+    kernel_events: tuple[Event, ...] = ()  # recent OOM kills and Xids (kernel-log subsystem)
+    orphan_jobs: Mapping[int, str] = field(default_factory=frozen_map)  # orphan pid -> its past job
+    fork_evidence: Mapping[int, ProcEvidence] = field(default_factory=frozen_map)  # pid -> devfds evidence
+    gil: Mapping[tuple[str, int], Sequence[GilReading]] = field(default_factory=frozen_map)
+    stall: Mapping[tuple[str, int], StallVerdict] = field(default_factory=frozen_map)
 
 
 @dataclass(frozen=True)
@@ -141,7 +150,9 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
         now=now, config=inputs.config, ranks=tuple(ranks), processes=inputs.processes,
         env_flags=inputs.env_flags, bad_files=inputs.bad_files, refused=tuple(refused),
         fd_rates=fd_rates, gpus=inputs.gpus, gpu_processes=tuple(rows), orphans=inputs.orphans,
-        extras=inputs.extras,
+        rank_memory=inputs.rank_memory, node_memory=inputs.node_memory,
+        kernel_events=inputs.kernel_events, orphan_jobs=inputs.orphan_jobs,
+        fork_evidence=inputs.fork_evidence, gil=inputs.gil, stall=inputs.stall,
     )
     found = [*findings.evaluate(ctx), *inputs.extra_findings]
     since: dict[tuple[str, str, str, str], float] = {}
