@@ -207,7 +207,7 @@ def test_register_cli_then_unregister(tmp_path: Path) -> None:
 
 
 def test_schema_document_matches_parser() -> None:
-    schema = json.loads((REPO / "docs" / "rankfile.schema.json").read_text())
+    schema = json.loads((REPO / "gpuwatchd" / "rank" / "rankfile.schema.json").read_text())
     assert set(schema["properties"]) == {"version", "job_id", "world_size", "ranks"}
     assert set(schema["properties"]["ranks"]["items"]["properties"]) == {
         "rank", "local_rank", "pid", "gpus", "heartbeat", "start_ticks", "pid_ns"}

@@ -1,4 +1,4 @@
-"""The rank file, schema v1 (DESIGN §3, docs/rankfile.md, ``gpuwatchd/rankfile.schema.json``):
+"""The rank file, schema v1 (DESIGN §3, docs/rankfile.md, ``rank/rankfile.schema.json``):
 what a rank writes (``write_rank_file``, used by ``gpuwatchd.register_rank()`` and ``gpuwatchd
 register``) and what the daemon accepts (``parse_rank_document``, used by sources/rankfiles.py),
 in one module so that writer and reader cannot drift apart. Also which launcher variables name a

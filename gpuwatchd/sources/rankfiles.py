@@ -1,8 +1,8 @@
 """Rank files (launcher -> daemon contract, DESIGN §3) and rank discovery from /proc/PID/environ.
 
-Reads every ``*.json`` in ``rank_dir`` (schema v1, ``docs/rankfile.schema.json``). A file is parsed
-again only when its (inode, size, mtime) changes, so a cycle costs one ``scandir`` plus one ``lstat``
-per file. Files that are symlinks, hard links, not regular, larger than ``MAX_FILE_BYTES``, nested
+Reads every ``*.json`` in ``rank_dir`` (schema v1, ``gpuwatchd/rank/rankfile.schema.json``, parsed
+by rank/rankfile.py). A file is parsed again only when its (inode, size, mtime) changes, so a cycle
+costs one ``scandir`` plus one ``lstat`` per file. Files that are symlinks, hard links, not regular, larger than ``MAX_FILE_BYTES``, nested
 deeper than ``MAX_DEPTH`` or invalid are returned as ``BadRankFile`` with a reason; they never stop
 the good files beside them, and nothing in one file (numbers of any size, NaN, odd Unicode, deep
 nesting, duplicate keys) can raise out of ``scan``. Ownership (root or the PID's own uid, and who
