@@ -2,12 +2,13 @@
 
 Reads every ``*.json`` in ``rank_dir`` (schema v1, ``gpuwatchd/rank/rankfile.schema.json``, parsed
 by rank/rankfile.py). A file is parsed again only when its (inode, size, mtime) changes, so a cycle
-costs one ``scandir`` plus one ``lstat`` per file. Files that are symlinks, hard links, not regular, larger than ``MAX_FILE_BYTES``, nested
-deeper than ``MAX_DEPTH`` or invalid are returned as ``BadRankFile`` with a reason; they never stop
-the good files beside them, and nothing in one file (numbers of any size, NaN, odd Unicode, deep
-nesting, duplicate keys) can raise out of ``scan``. Ownership (root or the PID's own uid, and who
-owns the job: ``gpuwatchd/join/rank_claims.py``) is checked in the join, where the process's uid is
-known. A ``rank_dir`` that cannot be listed raises ``RankDirMissing`` (the collector is down).
+costs one ``scandir`` plus one ``lstat`` per file. Files that are symlinks, hard links, not
+regular, larger than ``MAX_FILE_BYTES``, nested deeper than ``MAX_DEPTH`` or invalid are returned
+as ``BadRankFile`` with a reason; they never stop the good files beside them, and nothing in one
+file (numbers of any size, NaN, odd Unicode, deep nesting, duplicate keys) can raise out of
+``scan``. Ownership (root or the PID's own uid, and who owns the job:
+``gpuwatchd/join/rank_claims.py``) is checked in the join, where the process's uid is known. A
+``rank_dir`` that cannot be listed raises ``RankDirMissing`` (the collector is down).
 
 Entries written inside a container (``pid_ns``) are resolved to host PIDs by ``guard_entries``
 with ``sources/pidns.py``; heartbeats are read inside the rank's own root. Discovery from the
