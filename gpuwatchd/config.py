@@ -55,6 +55,9 @@ class GilConfig:
 @dataclass(frozen=True)
 class StallConfig:
     after_seconds: float = 300.0
+    # a rank in torch.compile / Inductor / Triton autotuning with its CPU busy is "compiling", and
+    # paged as stalled only after this long without progress (compiles of large models take long)
+    compile_after_seconds: float = 1800.0
 
 
 @dataclass(frozen=True)
@@ -238,7 +241,8 @@ SCHEMA: Mapping[str, Any] = {
             "timeout_seconds": _number(0.0, maximum=3600),
         },
     ),
-    "stall": (StallConfig, {"after_seconds": _number(0.0)}),
+    "stall": (StallConfig, {"after_seconds": _number(0.0),
+                            "compile_after_seconds": _number(0.0)}),
     "alertmanager": (
         AlertmanagerConfig,
         {"url": _optional(_url), "timeout_seconds": _number(0.0, maximum=60),

@@ -33,8 +33,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuwatchd.hang import HangAnalysis, WorkerView, analyze, worker_view
 from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources import pyspy
+from gpuwatchd.sources import pyspy, taskwait
 from gpuwatchd.sources.pyspy import PySpy, PySpyError, ThreadInfo, ThreadStack
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ SPIN_SHARE = 0.9  # a thread that used >= 90 % of a core between two looks is "b
 # every dump catches the same line (a loop that spends most of its time in one call).
 WORK_SHARE = 0.05
 MAX_FRAMES = 8
+MAX_WORKERS_REMEMBERED = 64  # worker pids remembered per rank (to tell "died" from "never had")
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,8 @@ class RankProbe:
     # that reading here so the file is not stat'ed twice. heartbeat_read=False: stat it here.
     heartbeat_mtime: float | None = None
     heartbeat_read: bool = False
+    # the rank's descendant processes (DataLoader / compile workers): (pid, state, CPU seconds)
+    workers: tuple[tuple[int, str, float], ...] = ()
 
     @property
     def key(self) -> tuple[str, int]:
@@ -86,6 +90,9 @@ class StallVerdict:
     location: tuple[str, ...] = ()  # frames without line numbers: "the same place"
     suspect: bool = False
     suspect_reason: str = ""
+    # every Python thread, folded, and the hang patterns (gpuwatchd/hang.py); None: not analysed
+    analysis: HangAnalysis | None = None
+    compiling: bool = False  # in torch.compile with the CPU busy: not stalled before compile_after
 
     @property
     def key(self) -> tuple[str, int]:
@@ -108,6 +115,10 @@ class _Track:
     worked: bool = False
     stopped_since: float | None = None
     errors: collections.Counter[str] = field(default_factory=collections.Counter)
+    shares: dict[int, float] = field(default_factory=dict)
+    workers_seen: dict[int, float] = field(default_factory=dict)  # pid -> last seen alive
+    worker_cpu: dict[int, float] = field(default_factory=dict)
+    worker_switches: dict[int, int] = field(default_factory=dict)  # read only while stalled
 
 
 def main_stack(stacks: Iterable[ThreadStack]) -> ThreadStack | None:
@@ -145,8 +156,13 @@ class StallTracker:
         dump_interval_seconds: float | None = None,
         cycle_seconds: float = 5.0,
         stat: Callable[[str], os.stat_result] = os.stat,
+        compile_after_seconds: float | None = None,
     ) -> None:
+        """``compile_after_seconds``: a rank still in torch.compile with its CPU busy is reported
+        as compiling, and stalled only after this long without progress (default 6x after)."""
         self.after = after_seconds
+        self.compile_after = (compile_after_seconds if compile_after_seconds is not None
+                              else 6 * after_seconds)  # fmt: skip
         self.spy = spy
         self.paths = paths or (spy.paths if spy else HostPaths())
         if dump_interval_seconds is None:
@@ -215,8 +231,15 @@ class StallTracker:
             hb_mtime = p.heartbeat_mtime
         else:
             hb_mtime = self._heartbeat_mtime(p.heartbeat, p.owner_uid) if p.heartbeat else None
-        if p.heartbeat and not stopped and now - (hb_mtime or tr.first_seen) <= self.after:
+        age = now - (hb_mtime or tr.first_seen)
+        if p.heartbeat and not stopped and age <= self.after / 2:
             # a beating rank: its heartbeat says it all, no need to look at its threads
+            return StallVerdict(p.job_id, p.rank, p.pid, True, hb_mtime or tr.first_seen, False,
+                                "heartbeat", max(0.0, age))
+        if p.heartbeat and not stopped and age <= self.after:
+            # late but not stalled yet: a look at its threads now gives each thread's CPU share
+            # at the first stalled look (one cycle later)
+            self._look(now, tr, pyspy.read_threads(self.paths, p.pid, detail=False))
             return StallVerdict(p.job_id, p.rank, p.pid, True, hb_mtime or tr.first_seen, False,
                                 "heartbeat", max(0.0, now - (hb_mtime or tr.first_seen)))
         # CPU pattern since the previous look, per thread
@@ -231,7 +254,8 @@ class StallTracker:
         python_tids = {s.tid for s in tr.stacks} or set(shares)
         if any(WORK_SHARE <= shares[t] < SPIN_SHARE for t in python_tids if t in shares):
             tr.worked = True
-        tr.threads, tr.threads_at, tr.spinning = threads, now, spinning
+        self._look(now, tr, threads, spinning, shares)
+        busiest_worker = self._worker_cpu(p, tr, elapsed)
         if stopped:
             tr.stopped_since = tr.stopped_since if tr.stopped_since is not None else now
         else:
@@ -256,12 +280,55 @@ class StallTracker:
         main = main_stack(tr.stacks)
         frames = tuple(str(f) for f in main.frames[:MAX_FRAMES]) if main else ()
         location = tuple(f.where for f in main.frames[:3]) if main else ()
+        analysis = None
+        compiling = False
+        if stalled_so_far and tr.stacks:
+            waits = taskwait.read_waits(self.paths, p.pid, [s.tid for s in tr.stacks if s.tid])
+            workers = self._workers(now, p, tr)
+            analysis = analyze(tr.stacks, threads, shares, waits, workers, busiest_worker)
+            if analysis.compiling and method != "stopped":
+                compiling = True
+                stalled_so_far = now - progress > self.compile_after
+                method = "compiling"
         return StallVerdict(
             job_id=p.job_id, rank=p.rank, pid=p.pid, alive=True, progress_timestamp=progress,
             stalled=stalled_so_far, method=method, no_progress_seconds=max(0.0, now - progress),
             stuck_frames=frames, threads_summary=summarize_threads(threads, spinning),
-            location=location,
+            location=location, analysis=analysis, compiling=compiling,
         )  # fmt: skip
+
+    @staticmethod
+    def _look(now: float, tr: _Track, threads: tuple[ThreadInfo, ...],
+              spinning: frozenset[int] = frozenset(), shares: dict[int, float] | None = None,
+              ) -> None:  # fmt: skip
+        tr.threads, tr.threads_at, tr.spinning, tr.shares = threads, now, spinning, shares or {}
+
+    def _worker_cpu(self, p: RankProbe, tr: _Track, elapsed: float) -> float | None:
+        """Every cycle (free: the daemon read the descendants anyway): remember which workers the
+        rank had, and return the busiest one's CPU share since the last look (Inductor compiles
+        in worker processes)."""
+        live = {pid: cpu for pid, state, cpu in p.workers if state not in ("Z", "X")}
+        for pid in live:
+            tr.workers_seen[pid] = tr.threads_at
+        if len(tr.workers_seen) > MAX_WORKERS_REMEMBERED:
+            for pid in sorted(tr.workers_seen, key=tr.workers_seen.__getitem__)[
+                    : len(tr.workers_seen) - MAX_WORKERS_REMEMBERED]:  # fmt: skip
+                del tr.workers_seen[pid]
+        busiest = max(((cpu - tr.worker_cpu[pid]) / elapsed for pid, cpu in live.items()
+                       if pid in tr.worker_cpu and elapsed > 0), default=None)  # fmt: skip
+        tr.worker_cpu = live
+        return busiest
+
+    def _workers(self, now: float, p: RankProbe, tr: _Track) -> WorkerView | None:
+        """Only for a rank judged stalled: which of its workers are dead, stopped, blocked (no
+        context switch at all since the previous look) or running."""
+        if not tr.workers_seen:
+            return None
+        live = {pid: (state, taskwait.context_switches(self.paths, pid))
+                for pid, state, _ in p.workers}  # fmt: skip
+        view = worker_view(tr.workers_seen, live, tr.worker_switches)
+        tr.worker_switches = {pid: sw for pid, (_, sw) in live.items() if sw is not None}
+        return view
 
     def _stack_progress(
         self, now: float, p: RankProbe, tr: _Track, threads: tuple[ThreadInfo, ...],
