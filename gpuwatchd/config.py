@@ -58,6 +58,9 @@ class StallConfig:
     # a rank in torch.compile / Inductor / Triton autotuning with its CPU busy is "compiling", and
     # paged as stalled only after this long without progress (compiles of large models take long)
     compile_after_seconds: float = 1800.0
+    # ask the ranks of a stalled job for their PyTorch flight-recorder dump (gpuwatchd/collectives.py)
+    flight_recorder: bool = True
+    flight_recorder_interval_seconds: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -242,7 +245,9 @@ SCHEMA: Mapping[str, Any] = {
         },
     ),
     "stall": (StallConfig, {"after_seconds": _number(0.0),
-                            "compile_after_seconds": _number(0.0)}),
+                            "compile_after_seconds": _number(0.0),
+                            "flight_recorder": _boolean,
+                            "flight_recorder_interval_seconds": _number(0.0)}),
     "alertmanager": (
         AlertmanagerConfig,
         {"url": _optional(_url), "timeout_seconds": _number(0.0, maximum=60),

@@ -360,6 +360,7 @@ def state_to_json(state: NodeState) -> dict[str, Any]:
 
 def default_subsystems(config: Config) -> list[Subsystem]:
     """The subsystems a real daemon runs (NVML, kernel log, py-spy ...), as configured."""
+    from gpuwatchd.collectives_subsystem import FlightRecorderSubsystem
     from gpuwatchd.finding_events import FindingEventsSubsystem
     from gpuwatchd.gil import PySpySubsystem
     from gpuwatchd.gpu_subsystem import GpuSubsystem
@@ -367,4 +368,7 @@ def default_subsystems(config: Config) -> list[Subsystem]:
 
     gpu: list[Subsystem] = [GpuSubsystem()] if config.nvml.enabled else []
     kernel = KernelLogSubsystem()
-    return [PySpySubsystem(config), kernel, *gpu, FindingEventsSubsystem(kernel)]
+    # the flight recorder reads the stall verdicts of the py-spy subsystem: it comes after it
+    fr: list[Subsystem] = ([FlightRecorderSubsystem(config.stall.flight_recorder_interval_seconds)]
+                           if config.stall.flight_recorder else [])  # fmt: skip
+    return [PySpySubsystem(config), *fr, kernel, *gpu, FindingEventsSubsystem(kernel)]

@@ -69,6 +69,7 @@ class StateCollector(Collector):
                 ("gpu_processes", lambda: self._gpu_processes(state)),
                 ("ranks", lambda: self._ranks(state)),
                 ("findings", lambda: self._findings(state)),
+                ("collectives", lambda: self._collectives(state)),
                 ("counters", lambda: self._counters(state)),
             ]
         nothing: list[Metric] = []
@@ -157,6 +158,8 @@ class StateCollector(Collector):
                   "(heartbeat); absent when the rank sends none.", jr)
         stalled = _g("rank_stalled", "1 when the rank is alive but has made no progress for "
                      "stall.after_seconds.", jr)
+        step = _g("rank_step", "The step the rank passed to its last gpuwatchd.heartbeat(step); "
+                  "deriv() of it is the rank's step rate. Absent when the rank sends no step.", jr)
         for r in s.ranks:
             labels = [r.job_id, str(r.rank)]
             info.add_metric([*labels, "" if r.local_rank is None else str(r.local_rank), str(r.pid),
@@ -165,6 +168,8 @@ class StateCollector(Collector):
             stalled.add_metric(labels, 1 if r.stalled else 0)
             if r.progress_timestamp is not None:
                 prog.add_metric(labels, r.progress_timestamp)
+            if r.step is not None:
+                step.add_metric(labels, r.step)
             p = r.process
             if p is None:
                 continue
@@ -175,7 +180,20 @@ class StateCollector(Collector):
             cpu.add_metric(labels, p.cpu_seconds)
             rss.add_metric(labels, p.rss_bytes)
             thr.add_metric(labels, p.threads)
-        return [info, up, fds, maxfds, cpu, rss, thr, prog, stalled]
+        return [info, up, fds, maxfds, cpu, rss, thr, prog, stalled, step]
+
+    def _collectives(self, s: NodeState) -> list[Metric]:
+        labels = ["job_id", "rank", "pg"]
+        started = _g("rank_collective_last_started_seq", "Highest collective sequence number the "
+                     "rank entered in the process group, from its PyTorch flight recorder (read "
+                     "when a rank of the job looks stalled).", labels)
+        done = _g("rank_collective_last_completed_seq", "Highest collective sequence number the "
+                  "rank completed in the process group, from its PyTorch flight recorder.", labels)
+        for c in s.collectives:
+            values = [c.job_id, str(c.rank), c.pg]
+            started.add_metric(values, c.last_started)
+            done.add_metric(values, c.last_completed)
+        return [started, done]
 
     def _findings(self, s: NodeState) -> list[Metric]:
         m = _g("finding", "1 per active finding (diagnosis); the explanation is in the events log, "

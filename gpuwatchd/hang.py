@@ -331,6 +331,8 @@ def analyze(
 ) -> HangAnalysis:
     """``shares``: tid -> cores since the previous look; ``tree_busy``: the busiest of the rank's
     descendant processes in cores (Inductor compiles in worker processes)."""
+    # gpuwatchd's own flight-recorder responder (gpuwatchd/flight_recorder.py) is no suspect
+    stacks = [s for s in stacks if s.name != "gpuwatchd-fr"]
     by_tid = {t.tid: t for t in threads}
     shares = shares or {}
     waits = waits or {}

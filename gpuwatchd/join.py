@@ -16,6 +16,7 @@ from gpuwatchd import findings
 from gpuwatchd.config import Config
 from gpuwatchd.model import (
     BadRankFile,
+    CollectiveStatus,
     CollectorStatus,
     Finding,
     GpuDevice,
@@ -53,6 +54,9 @@ class CycleInputs:
     extra_findings: tuple[Finding, ...] = ()
     extras: Mapping[str, Any] = field(default_factory=frozen_map)
     cycle_seconds: float = 0.0
+    # (job_id, rank) -> step of the last heartbeat(step); flight-recorder state per rank and group
+    steps: Mapping[tuple[str, int], int] = field(default_factory=frozen_map)
+    collectives: tuple[CollectiveStatus, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -143,7 +147,7 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
             world_size=e.world_size, alive=alive, process=proc if alive else None, tree=tree,
             gpus=e.gpus, progress_timestamp=inputs.progress.get((e.job_id, e.rank)),
             stalled=bool(inputs.stalled.get((e.job_id, e.rank), False)) and alive,
-            died_at=died_at.get(key),
+            died_at=died_at.get(key), step=inputs.steps.get((e.job_id, e.rank)) if alive else None,
         ))
 
     rows: list[GpuProcessRow] = []
@@ -175,6 +179,9 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
         timestamp=now, ranks=tuple(ranks), gpus=inputs.gpus, gpu_processes=tuple(rows),
         orphans=inputs.orphans, findings=tuple(stamped), collectors=inputs.collectors,
         counters=inputs.counters, cycle_seconds=inputs.cycle_seconds,
+        collectives=tuple(c for c in inputs.collectives
+                          if any(r.alive and (r.job_id, r.rank, r.pid) == (c.job_id, c.rank, c.pid)
+                                 for r in ranks)),
     )
     return state, JoinMemory(
         start_ticks=start_ticks, died_at=died_at, fd_first=fd_first, finding_since=since

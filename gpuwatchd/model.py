@@ -82,6 +82,7 @@ class RankState:
     progress_timestamp: float | None = None
     stalled: bool = False
     died_at: float | None = None  # first cycle at which it was seen dead
+    step: int | None = None  # the step of its last heartbeat(step), None when it sends none
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,20 @@ COUNTER_LABELS: Mapping[str, tuple[str, ...]] = frozen_map(
 
 
 @dataclass(frozen=True)
+class CollectiveStatus:
+    """One process group of one rank, from its flight-recorder dump (gpuwatchd/collectives.py)."""
+
+    job_id: str
+    rank: int
+    pid: int
+    pg: str  # process group id as the flight recorder names it ("0" = the default group)
+    last_started: int  # highest collective sequence number the rank entered (-1: none)
+    last_completed: int  # highest one it completed (-1: none)
+    last_name: str = ""  # profiling name of the last one entered, e.g. "gloo:all_reduce"
+    timestamp: float = 0.0  # when the rank wrote the dump
+
+
+@dataclass(frozen=True)
 class NodeState:
     timestamp: float
     ranks: tuple[RankState, ...] = ()
@@ -197,3 +212,4 @@ class NodeState:
     # counter name -> {label values tuple -> value}; see COUNTER_LABELS
     counters: Mapping[str, Mapping[tuple[str, ...], float]] = field(default_factory=frozen_map)
     cycle_seconds: float = 0.0
+    collectives: tuple[CollectiveStatus, ...] = ()

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.exporter import make_registry
 from gpuwatchd.model import (
+    CollectiveStatus,
     CollectorStatus,
     Finding,
     GpuDevice,
@@ -31,7 +32,7 @@ def full_state() -> tuple[NodeState, CounterStore]:
                     start_time=1.0, cpu_seconds=2.5, rss_bytes=1 << 30, threads=40, open_fds=900,
                     max_fds_soft=1024, max_fds_hard=4096)
     ranks = (
-        RankState("llm-7", 0, 10, 0, 2, True, p, (10, 11), ("0",), 1700000000.0, True),
+        RankState("llm-7", 0, 10, 0, 2, True, p, (10, 11), ("0",), 1700000000.0, True, step=1200),
         RankState("llm-7", 1, 12, 1, 2, False, None, died_at=1700000001.0),
     )
     gpus = (GpuDevice(0, "GPU-a", "NVIDIA H200", "00000000:3B:00.0", 150 << 30, 60 << 30, 0.97),
@@ -55,7 +56,8 @@ def full_state() -> tuple[NodeState, CounterStore]:
     counters.inc("kernel_log_overruns")
     counters.inc("kernel_log_lines_rejected", ("not_kernel_facility",))
     state = NodeState(timestamp=1700000002.0, ranks=ranks, gpus=gpus, gpu_processes=rows, orphans=orphans,
-                      findings=findings, collectors=collectors, cycle_seconds=0.004)
+                      findings=findings, collectors=collectors, cycle_seconds=0.004,
+                      collectives=(CollectiveStatus("llm-7", 0, 10, "0", 5, 4, "nccl:all_reduce"),))
     return state, counters
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 
+from gpuwatchd.collectives import compare
 from gpuwatchd.findings import FindingContext, fmt_bytes, rank_label
 from gpuwatchd.model import INFO, PAGE, Finding, RankState
 from gpuwatchd.stall import StallVerdict
@@ -120,6 +121,8 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         lead = f"{patterns}{gpu_wait_text(v, gpus)}; " if patterns else ""
         on_gpu = f"; {gpu_text(gpus)}" if gpus else ""
         threads = f"; threads: {v.analysis.threads_text()}" if v.analysis else ""
+        fr = compare(x for k, x in ctx.extras.get("collectives", {}).items() if k[0] == r.job_id)
+        lead += "".join(f"{x}; " for x in fr)
         yield Finding(
             kind="rank_stalled",
             severity=PAGE,
@@ -139,6 +142,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
                 "suspect": v.suspect,
                 "suspect_ranks": sorted(s.rank for s in suspects) or ([r.rank] if v.suspect else []),
                 "patterns": list(v.analysis.kinds) if v.analysis else [],
+                "flight_recorder": fr,
                 "gpus": [{"gpu": i, "utilization": u, "held_bytes": h} for i, u, h in gpus],
             },
         )
