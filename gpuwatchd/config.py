@@ -64,6 +64,17 @@ class StallConfig:
 
 
 @dataclass(frozen=True)
+class StragglerConfig:
+    """rank_straggler: a rank whose step rate (heartbeat(step)) stays below ``ratio`` times its
+    job's median on this node, measured over ``window_seconds``, for ``for_seconds``."""
+
+    enabled: bool = True
+    window_seconds: float = 300.0
+    ratio: float = 0.8
+    for_seconds: float = 300.0
+
+
+@dataclass(frozen=True)
 class AlertmanagerConfig:
     url: str | None = None
     timeout_seconds: float = 2.0
@@ -115,6 +126,7 @@ class Config:
     orphans: OrphansConfig = field(default_factory=OrphansConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     fds: FdsConfig = field(default_factory=FdsConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
 
 
 # --- value checkers: return the converted value or raise ValueError(reason) -----------------------
@@ -261,6 +273,11 @@ SCHEMA: Mapping[str, Any] = {
     "discovery": (
         DiscoveryConfig,
         {"enabled": _boolean, "interval_seconds": _number(0.0), "launchers": _launchers},
+    ),
+    "straggler": (
+        StragglerConfig,
+        {"enabled": _boolean, "window_seconds": _number(0.0), "ratio": _number(0.0, maximum=1.0),
+         "for_seconds": _number(0.0, exclusive=False)},
     ),
     "fds": (
         FdsConfig,

@@ -39,7 +39,7 @@ log = logging.getLogger("gpuwatchd")
 STATE_FILE = "state.json"
 # Config sections that SIGHUP does not apply (the subsystems read them once, at start).
 RESTART_SECTIONS = ("gil", "stall", "alertmanager", "nvml", "orphans", "kernel_log", "state_dir",
-                    "procfs")
+                    "procfs", "straggler")
 
 
 class Subsystem:
@@ -371,4 +371,7 @@ def default_subsystems(config: Config) -> list[Subsystem]:
     # the flight recorder reads the stall verdicts of the py-spy subsystem: it comes after it
     fr: list[Subsystem] = ([FlightRecorderSubsystem(config.stall.flight_recorder_interval_seconds)]
                            if config.stall.flight_recorder else [])  # fmt: skip
-    return [PySpySubsystem(config), *fr, kernel, *gpu, FindingEventsSubsystem(kernel)]
+    from gpuwatchd.straggler import StragglerSubsystem
+
+    slow: list[Subsystem] = [StragglerSubsystem(config.straggler)] if config.straggler.enabled else []
+    return [PySpySubsystem(config), *fr, *slow, kernel, *gpu, FindingEventsSubsystem(kernel)]

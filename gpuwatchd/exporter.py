@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from gpuwatchd import __version__
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.isolation import guarded
-from gpuwatchd.model import COUNTER_LABELS, NodeState
+from gpuwatchd.model import COUNTER_LABELS, THROTTLE_REASONS, NodeState
 
 P = "gpuwatch_"
 
@@ -106,16 +106,22 @@ class StateCollector(Collector):
         used = _g("gpu_memory_used_bytes", "Memory in use on the GPU in bytes (NVML, polled).", ["gpu", "uuid"])
         util = _g("gpu_utilization_ratio", "Fraction of the last sample period (0..1) during which "
                   "a kernel ran on the GPU (NVML, polled).", ["gpu", "uuid"])
+        throttle = _g("gpu_clock_throttled", "1 when NVML reports this reason for the GPU's clocks "
+                      "being below their maximum (nvmlDeviceGetCurrentClocksEventReasons), else 0; "
+                      "absent when the driver does not say.", ["gpu", "uuid", "reason"])
         for g in s.gpus:
             labels = [str(g.index), g.uuid]
             info.add_metric([*labels, g.name, g.pci_bus_id], 1)
+            if g.throttle_reasons is not None:
+                for reason, bit in THROTTLE_REASONS.items():
+                    throttle.add_metric([*labels, reason], 1 if g.throttle_reasons & bit else 0)
             if g.memory_total_bytes is not None:
                 total.add_metric(labels, g.memory_total_bytes)
             if g.memory_used_bytes is not None:
                 used.add_metric(labels, g.memory_used_bytes)
             if g.utilization_ratio is not None:
                 util.add_metric(labels, g.utilization_ratio)
-        return [info, total, used, util]
+        return [info, total, used, util, throttle]
 
     def _gpu_processes(self, s: NodeState) -> list[Metric]:
         pm = _g("gpu_process_memory_bytes", "GPU memory in bytes held by each process on each GPU; "

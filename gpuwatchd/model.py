@@ -13,6 +13,15 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+# nvml.h clocksEventReasons bits -> the reason label of gpuwatch_gpu_clock_throttled
+THROTTLE_REASONS: Mapping[str, int] = {
+    "gpu_idle": 0x1, "applications_clocks": 0x2, "sw_power_cap": 0x4, "hw_slowdown": 0x8,
+    "sync_boost": 0x10, "sw_thermal": 0x20, "hw_thermal": 0x40, "hw_power_brake": 0x80,
+    "display_clocks": 0x100,
+}  # fmt: skip
+# the reasons that slow a busy GPU down (the others are idle, settings or benign)
+SLOWING_REASONS = ("sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake")
+
 # Severities map one to one onto the Alertmanager routing in deploy/alertmanager/.
 PAGE = "page"
 WARNING = "warning"
@@ -94,6 +103,8 @@ class GpuDevice:
     memory_total_bytes: int | None
     memory_used_bytes: int | None
     utilization_ratio: float | None  # 0..1; None when the driver does not say
+    # nvmlDeviceGetCurrentClocksEventReasons bit mask (why clocks are below maximum); None: unknown
+    throttle_reasons: int | None = None
 
 
 @dataclass(frozen=True)

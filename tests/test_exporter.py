@@ -35,7 +35,8 @@ def full_state() -> tuple[NodeState, CounterStore]:
         RankState("llm-7", 0, 10, 0, 2, True, p, (10, 11), ("0",), 1700000000.0, True, step=1200),
         RankState("llm-7", 1, 12, 1, 2, False, None, died_at=1700000001.0),
     )
-    gpus = (GpuDevice(0, "GPU-a", "NVIDIA H200", "00000000:3B:00.0", 150 << 30, 60 << 30, 0.97),
+    gpus = (GpuDevice(0, "GPU-a", "NVIDIA H200", "00000000:3B:00.0", 150 << 30, 60 << 30, 0.97,
+                      throttle_reasons=0x44),
             GpuDevice(1, "GPU-b", "NVIDIA H200", "00000000:3C:00.0", None, None, None))
     rows = (GpuProcessRow(0, "GPU-a", 10, 40 << 30, "python", "root", "llm-7", "0"),
             GpuProcessRow(0, "GPU-a", 11, 1 << 30, "pt_data_worker", "root", "llm-7", "0"),
