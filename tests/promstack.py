@@ -412,6 +412,12 @@ def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
         add("gpuwatch_rank_gil_held_samples_total", "counter", jr, r.gil_held)
         add("gpuwatch_rank_progress_timestamp_seconds", "gauge", jr, now - (600 if r.stalled else 1))
         add("gpuwatch_rank_stalled", "gauge", jr, 1 if r.stalled else 0)
+        add("gpuwatch_rank_step", "gauge", jr, int(now * (10 - r.rank)) if not r.stalled else 100)
+        add("gpuwatch_rank_collective_last_started_seq", "gauge", {**jr, "pg": "0"},
+            4 if r.stalled else 5)
+        add("gpuwatch_rank_collective_last_completed_seq", "gauge", {**jr, "pg": "0"}, 4)
+        for reason in ("gpu_idle", "sw_power_cap", "hw_slowdown", "hw_thermal"):
+            add("gpuwatch_gpu_clock_throttled", "gauge", {**g, "reason": reason}, 0)
         add("gpuwatch_cuda_oom_errors_total", "counter", {**jr, "gpu": str(r.gpu)}, 0)
     add("gpuwatch_orphan_gpu_memory_bytes", "gauge",
         {"gpu": "7", "uuid": "GPU-0007", "pid": "11223", "comm": "python", "user": "alice",
