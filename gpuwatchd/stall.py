@@ -227,6 +227,7 @@ class StallTracker:
         if not p.alive:
             return StallVerdict(p.job_id, p.rank, p.pid, False, None, False, "dead", 0.0)
         stopped = p.state in ("T", "t")
+        self._remember_workers(now, tr, p)
         if p.heartbeat_read:
             hb_mtime = p.heartbeat_mtime
         else:
@@ -303,17 +304,23 @@ class StallTracker:
               ) -> None:  # fmt: skip
         tr.threads, tr.threads_at, tr.spinning, tr.shares = threads, now, spinning, shares or {}
 
+    @staticmethod
+    def _remember_workers(now: float, tr: _Track, p: RankProbe) -> None:
+        """Every cycle, beating or not (no I/O: the daemon read the descendants anyway), so that
+        workers that die while the rank still beats are known as dead when it starves."""
+        for pid, state, _ in p.workers:
+            if state not in ("Z", "X"):
+                tr.workers_seen[pid] = now
+        if len(tr.workers_seen) > MAX_WORKERS_REMEMBERED:
+            for pid in sorted(tr.workers_seen, key=tr.workers_seen.__getitem__)[
+                    : len(tr.workers_seen) - MAX_WORKERS_REMEMBERED]:  # fmt: skip
+                del tr.workers_seen[pid]
+
     def _worker_cpu(self, p: RankProbe, tr: _Track, elapsed: float) -> float | None:
         """Every cycle (free: the daemon read the descendants anyway): remember which workers the
         rank had, and return the busiest one's CPU share since the last look (Inductor compiles
         in worker processes)."""
         live = {pid: cpu for pid, state, cpu in p.workers if state not in ("Z", "X")}
-        for pid in live:
-            tr.workers_seen[pid] = tr.threads_at
-        if len(tr.workers_seen) > MAX_WORKERS_REMEMBERED:
-            for pid in sorted(tr.workers_seen, key=tr.workers_seen.__getitem__)[
-                    : len(tr.workers_seen) - MAX_WORKERS_REMEMBERED]:  # fmt: skip
-                del tr.workers_seen[pid]
         busiest = max(((cpu - tr.worker_cpu[pid]) / elapsed for pid, cpu in live.items()
                        if pid in tr.worker_cpu and elapsed > 0), default=None)  # fmt: skip
         tr.worker_cpu = live

@@ -157,6 +157,23 @@ def test_starved_by_stopped_workers_then_by_dead_workers(rank: Callable, tmp_pat
     assert f"2 dead (pid {workers[0]}, {workers[1]})" in text
 
 
+def test_workers_killed_while_the_rank_still_beats(rank: Callable, tmp_path: Path) -> None:
+    """The workers die while the rank's heartbeat is fresh (it is not looked at then): when the
+    queue runs dry and the rank stalls, it is starved by dead workers it had."""
+    p, pids = rank("starve")
+    workers = [int(x) for x in pids]
+    hb = heartbeat_path(tmp_path)
+    tracker = StallTracker(AFTER, PySpy(pyspy.resolve_pyspy()), dump_interval_seconds=CYCLE)
+    for _ in range(3):
+        assert not tracker.observe(time.time(), [probe(p.pid, hb)])[("hang-job", 0)].stalled
+        time.sleep(CYCLE)
+    for w in workers:
+        os.kill(w, signal.SIGKILL)
+    v = until_stalled(tracker, p.pid, hb, want="starved")
+    text = next(x.text for x in v.analysis.patterns if x.kind == "starved")  # type: ignore[union-attr]
+    assert f"2 dead (pid {workers[0]}, {workers[1]})" in text, text
+
+
 def test_running_workers_do_not_make_a_queue_wait_starved(rank: Callable, tmp_path: Path) -> None:
     """The same rank with its heartbeat judged stalled on purpose (after_seconds tiny): its
     workers run, so the analysis must not call it starved."""
