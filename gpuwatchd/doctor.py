@@ -24,9 +24,10 @@ from typing import Any
 
 from gpuwatchd.config import Config
 from gpuwatchd.findings import FindingContext, fds, fork, nccl_env
-from gpuwatchd.hang import analyze, worker_view
+from gpuwatchd.hang import analyze
 from gpuwatchd.model import RankState
 from gpuwatchd.paths import HostPaths
+from gpuwatchd.rank_workers import worker_view
 from gpuwatchd.sources import devfds, pyspy, taskwait
 from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.sources.pyspy import PySpy, PySpyError

@@ -341,25 +341,3 @@ def analyze(
         for s in stacks
     )
     return HangAnalysis(views, fold(views), tuple(_patterns(views, workers, tree_busy)))
-
-
-def worker_view(
-    seen: Iterable[int], now: Mapping[int, tuple[str, int | None]], before: Mapping[int, int],
-) -> WorkerView:
-    """``seen``: every worker pid remembered for this rank process; ``now``: pid -> (state,
-    context switches or None) of the live ones; ``before``: pid -> context switches at the previous
-    look. A worker that was not woken once in between (no voluntary or involuntary switch) is
-    blocked; CPU time cannot tell, a producer that sleeps between batches uses ~0 CPU too."""
-    seen = tuple(sorted(set(seen) | set(now)))
-    gone = tuple(p for p in seen if p not in now or now[p][0] in ("Z", "X"))
-    stopped = tuple(p for p in seen if p in now and now[p][0] in ("T", "t"))
-    blocked, running = [], []
-    for p in seen:
-        if p in gone or p in stopped:
-            continue
-        state, switches = now[p]
-        if state != "R" and switches is not None and before.get(p) == switches:
-            blocked.append(p)
-        else:
-            running.append(p)
-    return WorkerView(len(seen), gone, stopped, tuple(blocked), tuple(running))

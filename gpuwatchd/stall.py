@@ -33,8 +33,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuwatchd.hang import HangAnalysis, WorkerView, analyze, worker_view
+from gpuwatchd.hang import HangAnalysis, analyze
 from gpuwatchd.paths import HostPaths
+from gpuwatchd.rank_workers import RankWorkers
 from gpuwatchd.sources import pyspy, taskwait
 from gpuwatchd.sources.pyspy import PySpy, PySpyError, ThreadInfo, ThreadStack
 
@@ -46,7 +47,6 @@ SPIN_SHARE = 0.9  # a thread that used >= 90 % of a core between two looks is "b
 # every dump catches the same line (a loop that spends most of its time in one call).
 WORK_SHARE = 0.05
 MAX_FRAMES = 8
-MAX_WORKERS_REMEMBERED = 64  # worker pids remembered per rank (to tell "died" from "never had")
 
 
 @dataclass(frozen=True)
@@ -116,9 +116,7 @@ class _Track:
     stopped_since: float | None = None
     errors: collections.Counter[str] = field(default_factory=collections.Counter)
     shares: dict[int, float] = field(default_factory=dict)
-    workers_seen: dict[int, float] = field(default_factory=dict)  # pid -> last seen alive
-    worker_cpu: dict[int, float] = field(default_factory=dict)
-    worker_switches: dict[int, int] = field(default_factory=dict)  # read only while stalled
+    workers: RankWorkers = field(default_factory=RankWorkers)
 
 
 def main_stack(stacks: Iterable[ThreadStack]) -> ThreadStack | None:
@@ -227,7 +225,7 @@ class StallTracker:
         if not p.alive:
             return StallVerdict(p.job_id, p.rank, p.pid, False, None, False, "dead", 0.0)
         stopped = p.state in ("T", "t")
-        self._remember_workers(now, tr, p)
+        tr.workers.remember(now, p.workers)
         if p.heartbeat_read:
             hb_mtime = p.heartbeat_mtime
         else:
@@ -256,7 +254,7 @@ class StallTracker:
         if any(WORK_SHARE <= shares[t] < SPIN_SHARE for t in python_tids if t in shares):
             tr.worked = True
         self._look(now, tr, threads, spinning, shares)
-        busiest_worker = self._worker_cpu(p, tr, elapsed)
+        busiest_worker = tr.workers.busiest(p.workers, elapsed)
         if stopped:
             tr.stopped_since = tr.stopped_since if tr.stopped_since is not None else now
         else:
@@ -285,7 +283,7 @@ class StallTracker:
         compiling = False
         if stalled_so_far and tr.stacks:
             waits = taskwait.read_waits(self.paths, p.pid, [s.tid for s in tr.stacks if s.tid])
-            workers = self._workers(now, p, tr)
+            workers = tr.workers.view(self.paths, p.workers)
             analysis = analyze(tr.stacks, threads, shares, waits, workers, busiest_worker)
             if analysis.compiling and method != "stopped":
                 compiling = True
@@ -303,39 +301,6 @@ class StallTracker:
               spinning: frozenset[int] = frozenset(), shares: dict[int, float] | None = None,
               ) -> None:  # fmt: skip
         tr.threads, tr.threads_at, tr.spinning, tr.shares = threads, now, spinning, shares or {}
-
-    @staticmethod
-    def _remember_workers(now: float, tr: _Track, p: RankProbe) -> None:
-        """Every cycle, beating or not (no I/O: the daemon read the descendants anyway), so that
-        workers that die while the rank still beats are known as dead when it starves."""
-        for pid, state, _ in p.workers:
-            if state not in ("Z", "X"):
-                tr.workers_seen[pid] = now
-        if len(tr.workers_seen) > MAX_WORKERS_REMEMBERED:
-            for pid in sorted(tr.workers_seen, key=tr.workers_seen.__getitem__)[
-                    : len(tr.workers_seen) - MAX_WORKERS_REMEMBERED]:  # fmt: skip
-                del tr.workers_seen[pid]
-
-    def _worker_cpu(self, p: RankProbe, tr: _Track, elapsed: float) -> float | None:
-        """Every cycle (free: the daemon read the descendants anyway): remember which workers the
-        rank had, and return the busiest one's CPU share since the last look (Inductor compiles
-        in worker processes)."""
-        live = {pid: cpu for pid, state, cpu in p.workers if state not in ("Z", "X")}
-        busiest = max(((cpu - tr.worker_cpu[pid]) / elapsed for pid, cpu in live.items()
-                       if pid in tr.worker_cpu and elapsed > 0), default=None)  # fmt: skip
-        tr.worker_cpu = live
-        return busiest
-
-    def _workers(self, now: float, p: RankProbe, tr: _Track) -> WorkerView | None:
-        """Only for a rank judged stalled: which of its workers are dead, stopped, blocked (no
-        context switch at all since the previous look) or running."""
-        if not tr.workers_seen:
-            return None
-        live = {pid: (state, taskwait.context_switches(self.paths, pid))
-                for pid, state, _ in p.workers}  # fmt: skip
-        view = worker_view(tr.workers_seen, live, tr.worker_switches)
-        tr.worker_switches = {pid: sw for pid, (_, sw) in live.items() if sw is not None}
-        return view
 
     def _stack_progress(
         self, now: float, p: RankProbe, tr: _Track, threads: tuple[ThreadInfo, ...],

@@ -8,13 +8,16 @@ times, prints "ready", then:
   deadlock_gpu  seed 003: 2 GiB held on the GPU, two threads deadlocked on two locks, main joins
   idle_wait     torch.cuda.synchronize() behind a stream that waits for a value nobody writes
                 (cuStreamWaitValue32): the GPU is idle, the launch never completes
-  compile       torch.compile of a small model, then trains (heartbeats resume after compiling)
+  compile       torch.compile of a small model, then trains (heartbeats resume after compiling);
+                GW_DEVICE=cpu compiles for the CPU (Inductor's C++ backend), for a machine
+                without a GPU
   gloo          rank RANK of a 2-rank gloo job (TCP on 127.0.0.1:PORT): four all_reduces
                 together, then rank 1 stops before collective #5 and rank 0 waits in it
 """
 
 import ctypes
 import datetime
+import os
 import sys
 import threading
 import time
@@ -88,12 +91,13 @@ elif mode == "compile":
     layers = []
     for _ in range(6):
         layers += [torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.LayerNorm(512)]
-    net = torch.nn.Sequential(*layers).cuda()
+    device = os.environ.get("GW_DEVICE", "cuda")
+    net = torch.nn.Sequential(*layers).to(device)
     f = torch.compile(net)
     ready()
     step = 3
     while True:
-        f(torch.randn(64, 512, device="cuda")).sum().item()
+        f(torch.randn(64, 512, device=device)).sum().item()
         gpuwatchd.heartbeat(step)
         print(f"step {step}", flush=True)
         step += 1
