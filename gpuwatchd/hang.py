@@ -41,6 +41,9 @@ MAX_FRAMES = 3
 # File prefixes of PyTorch's compiler stack (short file names as py-spy prints them).
 COMPILE_FILES = ("torch/_dynamo/", "torch/_inductor/", "torch/_functorch/", "triton/",
                  "torch/fx/", "torch/_export/")  # fmt: skip
+# where a compile thread waits for the compiler's workers (Inductor's async compile pools)
+COMPILER_POOLS = ("torch/_inductor/async_compile.py", "torch/_inductor/compile_worker/subproc_pool.py",
+                  "torch/_inductor/runtime/compile_tasks.py", "subprocess.py")  # fmt: skip
 # Python-level functions that wait for the GPU (torch.cuda.synchronize, Stream/Event.synchronize).
 GPU_WAIT_FUNCS = ("synchronize", "item", "tolist", "cpu", "numpy", "to", "copy_", "wait_stream",
                   "_local_scalar_dense")  # fmt: skip
@@ -146,6 +149,11 @@ class HangAnalysis:
     @property
     def compiling(self) -> bool:
         return "compiling" in self.kinds
+
+    @property
+    def in_compile(self) -> bool:
+        """Some thread is in torch.compile frames (busy or not)."""
+        return any(t.kind == "compile" for t in self.threads)
 
     def threads_text(self) -> str:
         shown = [g.text() for g in self.groups[:MAX_GROUPS]]
@@ -265,12 +273,21 @@ def _patterns(views: Sequence[ThreadView], workers: WorkerView | None,
     if tree_busy is not None:
         busy = max(busy, tree_busy)
     compiling = [v for v in views if v.kind == "compile"]
-    if compiling and busy >= WORK_SHARE:
+    # Inductor runs the C++ compiler as a child process (cpp_builder -> subprocess), Triton
+    # compiles in a pool of workers (concurrent.futures): a compile thread waiting there is
+    # waiting for the compiler, whose CPU the rank's own threads do not show.
+    waits_for_compiler = [v for v in compiling if v.frames and (
+        v.frames[0].filename.endswith("subprocess.py")
+        or (v.frames[0].filename.endswith(("concurrent/futures/_base.py", "threading.py"))
+        and any(f.filename.endswith(COMPILER_POOLS) for f in v.frames[:6])))]  # fmt: skip
+    if compiling and (busy >= WORK_SHARE or waits_for_compiler):
         v = next((c for c in compiling if c.name == "MainThread"), compiling[0])
         inner = next((f for f in v.frames if _is_compile(f)), v.frames[0])
+        how = (f"with {busy:.0%} of a core busy" if busy >= WORK_SHARE else
+               f"waiting for the compiler in {v.frames[0]}")
         out.append(Pattern("compiling", (
-            f'still compiling, not hung: "{v.name}" is in torch.compile ({inner}) with '
-            f"{busy:.0%} of a core busy"), tuple(c.name for c in compiling)))
+            f'still compiling, not hung: "{v.name}" is in torch.compile ({inner}) {how}'),
+            tuple(c.name for c in compiling)))
         return out  # the rest of a compiling rank's threads wait for the compiler
     locks = [v for v in views if v.kind == "lock" and (v.cpu_share or 0.0) <= IDLE_SHARE]
     progressing = [v for v in views if v.kind in ("running", "native_spin")

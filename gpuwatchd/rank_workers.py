@@ -46,7 +46,7 @@ def worker_view(
 @dataclass
 class RankWorkers:
     seen: dict[int, float] = field(default_factory=dict)  # pid -> last time seen alive
-    cpu: dict[int, float] = field(default_factory=dict)
+    cpu: dict[int, float] | None = None  # None before the first look
     switches: dict[int, int] = field(default_factory=dict)
 
     def remember(self, now: float, workers: Sequence[Worker]) -> None:
@@ -58,10 +58,14 @@ class RankWorkers:
                 del self.seen[pid]
 
     def busiest(self, workers: Sequence[Worker], elapsed: float) -> float | None:
-        """The busiest worker's CPU share since the previous call (None: none known)."""
+        """The busiest worker's CPU share since the previous call (None: none known). A worker
+        that appeared since then counts with all its CPU: Inductor runs the C++ compiler (and
+        Triton its compile workers) as short-lived children, a new pid every few seconds."""
         live = {pid: cpu for pid, state, cpu in workers if state not in ("Z", "X")}
-        out = max(((cpu - self.cpu[pid]) / elapsed for pid, cpu in live.items()
-                   if pid in self.cpu and elapsed > 0), default=None)  # fmt: skip
+        out = None
+        if elapsed > 0 and self.cpu is not None:
+            out = max(((cpu - self.cpu.get(pid, 0.0)) / elapsed for pid, cpu in live.items()),
+                      default=None)  # fmt: skip
         self.cpu = live
         return out
 

@@ -117,6 +117,7 @@ class _Track:
     errors: collections.Counter[str] = field(default_factory=collections.Counter)
     shares: dict[int, float] = field(default_factory=dict)
     workers: RankWorkers = field(default_factory=RankWorkers)
+    compile_busy_at: float = float("-inf")  # last look at which it compiled with the CPU busy
 
 
 def main_stack(stacks: Iterable[ThreadStack]) -> ThreadStack | None:
@@ -232,15 +233,12 @@ class StallTracker:
             hb_mtime = self._heartbeat_mtime(p.heartbeat, p.owner_uid) if p.heartbeat else None
         age = now - (hb_mtime or tr.first_seen)
         if p.heartbeat and not stopped and age <= self.after / 2:
-            # a beating rank: its heartbeat says it all, no need to look at its threads
+            # a beating rank: its heartbeat says it all, no need to look at its threads. One
+            # that is late (past half the bound) is looked at like a stalled one, so that the
+            # first stalled look already knows each thread's CPU share, the workers' CPU and
+            # whether it was compiling.
             return StallVerdict(p.job_id, p.rank, p.pid, True, hb_mtime or tr.first_seen, False,
                                 "heartbeat", max(0.0, age))
-        if p.heartbeat and not stopped and age <= self.after:
-            # late but not stalled yet: a look at its threads now gives each thread's CPU share
-            # at the first stalled look (one cycle later)
-            self._look(now, tr, pyspy.read_threads(self.paths, p.pid, detail=False))
-            return StallVerdict(p.job_id, p.rank, p.pid, True, hb_mtime or tr.first_seen, False,
-                                "heartbeat", max(0.0, now - (hb_mtime or tr.first_seen)))
         # CPU pattern since the previous look, per thread
         threads = pyspy.read_threads(self.paths, p.pid, detail=False)
         elapsed = now - tr.threads_at if tr.threads else 0.0
@@ -271,7 +269,8 @@ class StallTracker:
         if stopped and tr.stopped_since is not None and now - tr.stopped_since >= self.after:
             method, stalled_so_far = "stopped", True
             progress = min(progress, tr.stopped_since)
-        if stalled_so_far and now - tr.last_dump_at >= self.dump_interval and p.heartbeat:
+        late = bool(p.heartbeat) and not stalled_so_far
+        if (stalled_so_far or late) and now - tr.last_dump_at >= self.dump_interval and p.heartbeat:
             # the stuck frames for the explanation (heartbeat ranks are not dumped otherwise)
             stacks, _ = self._dump(now, p.pid)
             if stacks is not None:
@@ -281,11 +280,19 @@ class StallTracker:
         location = tuple(f.where for f in main.frames[:3]) if main else ()
         analysis = None
         compiling = False
-        if stalled_so_far and tr.stacks:
+        if (stalled_so_far or late) and tr.stacks:
             waits = taskwait.read_waits(self.paths, p.pid, [s.tid for s in tr.stacks if s.tid])
             workers = tr.workers.view(self.paths, p.workers)
             analysis = analyze(tr.stacks, threads, shares, waits, workers, busiest_worker)
-            if analysis.compiling and method != "stopped":
+            if analysis.compiling:
+                tr.compile_busy_at = now
+            # The compiler's CPU moves between short-lived children (g++, Triton workers) and
+            # the rank itself, and a dump may catch it in C code without a Python frame: within
+            # after_seconds of a busy compiling look, it is still compiling unless it now shows
+            # another hang (a lock, a collective, the GPU, a starved queue).
+            other = {"deadlock", "lock_wait", "collective", "gpu_wait", "starved"}
+            if stalled_so_far and now - tr.compile_busy_at <= self.after and \
+                    not other & set(analysis.kinds) and method != "stopped":
                 compiling = True
                 stalled_so_far = now - progress > self.compile_after
                 method = "compiling"
@@ -298,9 +305,8 @@ class StallTracker:
 
     @staticmethod
     def _look(now: float, tr: _Track, threads: tuple[ThreadInfo, ...],
-              spinning: frozenset[int] = frozenset(), shares: dict[int, float] | None = None,
-              ) -> None:  # fmt: skip
-        tr.threads, tr.threads_at, tr.spinning, tr.shares = threads, now, spinning, shares or {}
+              spinning: frozenset[int], shares: dict[int, float]) -> None:
+        tr.threads, tr.threads_at, tr.spinning, tr.shares = threads, now, spinning, shares
 
     def _stack_progress(
         self, now: float, p: RankProbe, tr: _Track, threads: tuple[ThreadInfo, ...],

@@ -127,3 +127,28 @@ def test_bad_responses_are_refused_not_crashing() -> None:
                                                 {"collective_seq_id": -3}, "x"],
                                     "pg_status": {"0": {"last_completed_collective": "bad"}}}}
     assert parse_response(junk, "j", 0, 1).groups == ()
+
+
+def test_compile_waiting_for_the_cpp_compiler_is_compiling_not_hung() -> None:
+    """Recorded while Inductor ran g++: the rank's own threads at ~0 % CPU (the compiler is a
+    child process), MainThread in Popen.communicate under cpp_builder: still compiling."""
+    s = dump("compile_cpu")
+    a = analyze(s, procview(s, "S", "anon_pipe_read"), {x.tid: 0.0 for x in s})
+    assert a.kinds == ("compiling",) and a.in_compile
+    assert "still compiling, not hung" in a.patterns[0].text
+    assert "waiting for the compiler in Popen.communicate (subprocess.py:" in a.patterns[0].text
+    # the same frames with a busy child (tree_busy) say how busy
+    busy = analyze(s, procview(s, "S", "anon_pipe_read"), {x.tid: 0.0 for x in s}, tree_busy=0.9)
+    assert "with 90% of a core busy" in busy.patterns[0].text
+
+
+def test_a_plain_subprocess_wait_outside_torch_compile_is_not_compiling() -> None:
+    """The same wait without compile frames (a rank waiting for some child) is no compile."""
+    import dataclasses
+
+    s = dump("compile_cpu")
+    main = next(x for x in s if x.name == "MainThread")
+    plain = dataclasses.replace(main, frames=tuple(f for f in main.frames
+                                                    if not f.filename.startswith("torch/")))
+    a = analyze((plain,), procview((plain,), "S", "anon_pipe_read"), {plain.tid: 0.0})
+    assert "compiling" not in a.kinds and not a.in_compile
