@@ -7,7 +7,8 @@ times, prints "ready", then:
   item_busy     .item() behind the same kind of kernel
   deadlock_gpu  seed 003: 2 GiB held on the GPU, two threads deadlocked on two locks, main joins
   idle_wait     torch.cuda.synchronize() behind a stream that waits for a value nobody writes
-                (cuStreamWaitValue32): the GPU is idle, the launch never completes
+                (cuStreamWaitValue32): the GPU is idle, the launch never completes. NOT YET
+                SEEN WORKING: on the first device run this rank never printed "ready"
   compile       torch.compile of a small model, then trains (heartbeats resume after compiling);
                 GW_DEVICE=cpu compiles for the CPU (Inductor's C++ backend), for a machine
                 without a GPU

@@ -67,10 +67,18 @@ class World:
         return p
 
     @staticmethod
-    def ready(p: subprocess.Popen[str]) -> None:
+    def ready(p: subprocess.Popen[str], timeout: float = 90.0) -> None:
+        """Wait for the rank's "ready" line, bounded: on the first device run the idle_wait rank
+        never printed it and a plain readline() held the rest of the run until its time limit."""
         assert p.stdout is not None
-        line = p.stdout.readline()
-        assert line.strip() == "ready", line
+        got: list[str] = []
+        reader = threading.Thread(target=lambda: got.append(p.stdout.readline() if p.stdout else ""),
+                                  daemon=True)  # fmt: skip
+        reader.start()
+        reader.join(timeout)
+        if not got:
+            p.kill()
+        assert got and got[0].strip() == "ready", f"rank {p.args} not ready in {timeout:.0f} s: {got}"
 
     def findings(self, job: str) -> list[dict[str, Any]]:
         try:
