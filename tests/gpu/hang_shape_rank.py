@@ -13,7 +13,8 @@ times, prints "ready", then:
                 GW_DEVICE=cpu compiles for the CPU (Inductor's C++ backend), for a machine
                 without a GPU
   gloo          rank RANK of a 2-rank gloo job (TCP on 127.0.0.1:PORT): four all_reduces
-                together, then rank 1 stops before collective #5 and rank 0 waits in it
+                together, then rank 1 stops before collective #5 and rank 0 waits in it;
+                with GW_GLOO_DESYNC=1 rank 1 calls broadcast as #5 instead (a desync)
 """
 
 import ctypes
@@ -113,6 +114,8 @@ elif mode == "gloo":
         dist.all_reduce(t)
         gpuwatchd.heartbeat(step)
     ready()
-    if rank == 1:
+    if rank == 1 and os.environ.get("GW_GLOO_DESYNC"):
+        dist.broadcast(t, src=0)  # a desync: rank 0 calls all_reduce as collective #5
+    elif rank == 1:
         time.sleep(10**6)  # stops before collective #5
     dist.all_reduce(t)  # rank 0 waits here for rank 1
