@@ -48,7 +48,7 @@ log = logging.getLogger("gpuwatchd")
 STATE_FILE = "state.json"
 # Config sections that SIGHUP does not apply (the subsystems read them once, at start).
 RESTART_SECTIONS = ("gil", "stall", "alertmanager", "nvml", "orphans", "kernel_log", "state_dir",
-                    "procfs")
+                    "procfs", "straggler")
 
 
 class Subsystem:
@@ -422,6 +422,7 @@ def state_to_json(state: NodeState) -> dict[str, Any]:
 
 def default_subsystems(config: Config) -> list[Subsystem]:
     """The subsystems a real daemon runs (NVML, kernel log, py-spy ...), as configured."""
+    from gpuwatchd.collectives_subsystem import FlightRecorderSubsystem
     from gpuwatchd.finding_events import FindingEventsSubsystem
     from gpuwatchd.gil import PySpySubsystem
     from gpuwatchd.gpu_subsystem import GpuSubsystem
@@ -432,6 +433,12 @@ def default_subsystems(config: Config) -> list[Subsystem]:
     from gpuwatchd.memory_subsystem import MemorySubsystem
 
     kernel = KernelLogSubsystem()
+    # the flight recorder reads the stall verdicts of the py-spy subsystem: it comes after it
+    fr: list[Subsystem] = ([FlightRecorderSubsystem(config.stall.flight_recorder_interval_seconds)]
+                           if config.stall.flight_recorder else [])  # fmt: skip
+    from gpuwatchd.straggler import StragglerSubsystem
+
+    slow: list[Subsystem] = [StragglerSubsystem(config.straggler)] if config.straggler.enabled else []
     memory: list[Subsystem] = [MemorySubsystem(config, kernel)] if config.memory.enabled else []
-    return [PySpySubsystem(config), kernel, *gpu, *memory, FindingEventsSubsystem(kernel),
+    return [PySpySubsystem(config), *fr, *slow, kernel, *gpu, *memory, FindingEventsSubsystem(kernel),
             RetentionSubsystem()]

@@ -363,7 +363,8 @@ class PySpySubsystem(Subsystem):
                 probe_seconds=max(2.0, self.config.interval_seconds),
             )  # fmt: skip
         self.stall = StallTracker(self.config.stall.after_seconds, self.spy, paths=daemon.paths,
-                                  cycle_seconds=self.config.interval_seconds)  # fmt: skip
+                                  cycle_seconds=self.config.interval_seconds,
+                                  compile_after_seconds=self.config.stall.compile_after_seconds)  # fmt: skip
 
     def start(self, daemon: Any) -> None:
         self._ensure(daemon)
@@ -386,6 +387,7 @@ class PySpySubsystem(Subsystem):
         self._ensure(daemon)
         assert self.stall is not None and self.spy is not None
         processes: Mapping[int, ProcessInfo] = partial.get("processes", {})
+        descendants: Mapping[int, tuple[int, ...]] = partial.get("descendants", {})
         beats: Mapping[tuple[str, int], float] = partial.get("progress", {})  # heartbeat mtimes
         seen: set[tuple[str, int]] = set()
         probes: list[RankProbe] = []
@@ -400,6 +402,8 @@ class PySpySubsystem(Subsystem):
                 e.job_id, e.rank, e.pid, alive, proc.state if proc else "", e.heartbeat,
                 proc.start_ticks if proc else None, e.owner_uid,
                 beats.get((e.job_id, e.rank)), heartbeat_read=True,
+                workers=tuple((k, processes[k].state, processes[k].cpu_seconds)
+                              for k in descendants.get(e.pid, ()) if k in processes),
             ))  # fmt: skip
         if self.sampler is not None:
             self.sampler.update_targets(GilTarget(p.job_id, p.rank, p.pid) for p in probes

@@ -16,6 +16,7 @@ from gpuwatchd import findings, rank_claims
 from gpuwatchd.config import Config
 from gpuwatchd.model import (
     BadRankFile,
+    CollectiveStatus,
     CollectorStatus,
     Finding,
     GpuDevice,
@@ -57,6 +58,9 @@ class CycleInputs:
     cycle_seconds: float = 0.0
     rank_memory: tuple[RankMemory, ...] = ()
     node_memory: NodeMemoryState | None = None
+    # (job_id, rank) -> step of the last heartbeat(step); flight-recorder state per rank and group
+    steps: Mapping[tuple[str, int], int] = field(default_factory=frozen_map)
+    collectives: tuple[CollectiveStatus, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,7 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
             gpus=e.gpus, progress_timestamp=inputs.progress.get((e.job_id, e.rank)),
             stalled=bool(inputs.stalled.get((e.job_id, e.rank), False)) and alive,
             died_at=died_at.get(key), ns_pid=e.ns_pid, container=e.container,
+            step=inputs.steps.get((e.job_id, e.rank)) if alive else None,
         ))
 
     rows: list[GpuProcessRow] = []
@@ -157,6 +162,9 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
         counters=inputs.counters, cycle_seconds=inputs.cycle_seconds,
         rank_memory=tuple(m for m in inputs.rank_memory if (m.job_id, m.rank, m.pid) in live),
         node_memory=inputs.node_memory,
+        collectives=tuple(c for c in inputs.collectives
+                          if any(r.alive and (r.job_id, r.rank, r.pid) == (c.job_id, c.rank, c.pid)
+                                 for r in ranks)),
     )
     return state, JoinMemory(
         start_ticks=start_ticks, died_at=died_at, fd_first=fd_first, finding_since=since,

@@ -33,8 +33,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuwatchd.hang import HangAnalysis, analyze
 from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources import pyspy
+from gpuwatchd.rank_workers import RankWorkers
+from gpuwatchd.sources import pyspy, taskwait
 from gpuwatchd.sources.pyspy import PySpy, PySpyError, ThreadInfo, ThreadStack
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,8 @@ class RankProbe:
     # that reading here so the file is not stat'ed twice. heartbeat_read=False: stat it here.
     heartbeat_mtime: float | None = None
     heartbeat_read: bool = False
+    # the rank's descendant processes (DataLoader / compile workers): (pid, state, CPU seconds)
+    workers: tuple[tuple[int, str, float], ...] = ()
 
     @property
     def key(self) -> tuple[str, int]:
@@ -86,6 +90,9 @@ class StallVerdict:
     location: tuple[str, ...] = ()  # frames without line numbers: "the same place"
     suspect: bool = False
     suspect_reason: str = ""
+    # every Python thread, folded, and the hang patterns (gpuwatchd/hang.py); None: not analysed
+    analysis: HangAnalysis | None = None
+    compiling: bool = False  # in torch.compile with the CPU busy: not stalled before compile_after
 
     @property
     def key(self) -> tuple[str, int]:
@@ -108,6 +115,9 @@ class _Track:
     worked: bool = False
     stopped_since: float | None = None
     errors: collections.Counter[str] = field(default_factory=collections.Counter)
+    shares: dict[int, float] = field(default_factory=dict)
+    workers: RankWorkers = field(default_factory=RankWorkers)
+    compile_busy_at: float = float("-inf")  # last look at which it compiled with the CPU busy
 
 
 def main_stack(stacks: Iterable[ThreadStack]) -> ThreadStack | None:
@@ -145,8 +155,13 @@ class StallTracker:
         dump_interval_seconds: float | None = None,
         cycle_seconds: float = 5.0,
         stat: Callable[[str], os.stat_result] = os.stat,
+        compile_after_seconds: float | None = None,
     ) -> None:
+        """``compile_after_seconds``: a rank still in torch.compile with its CPU busy is reported
+        as compiling, and stalled only after this long without progress (default 6x after)."""
         self.after = after_seconds
+        self.compile_after = (compile_after_seconds if compile_after_seconds is not None
+                              else 6 * after_seconds)  # fmt: skip
         self.spy = spy
         self.paths = paths or (spy.paths if spy else HostPaths())
         if dump_interval_seconds is None:
@@ -211,14 +226,19 @@ class StallTracker:
         if not p.alive:
             return StallVerdict(p.job_id, p.rank, p.pid, False, None, False, "dead", 0.0)
         stopped = p.state in ("T", "t")
+        tr.workers.remember(now, p.workers)
         if p.heartbeat_read:
             hb_mtime = p.heartbeat_mtime
         else:
             hb_mtime = self._heartbeat_mtime(p.heartbeat, p.owner_uid) if p.heartbeat else None
-        if p.heartbeat and not stopped and now - (hb_mtime or tr.first_seen) <= self.after:
-            # a beating rank: its heartbeat says it all, no need to look at its threads
+        age = now - (hb_mtime or tr.first_seen)
+        if p.heartbeat and not stopped and age <= self.after / 2:
+            # a beating rank: its heartbeat says it all, no need to look at its threads. One
+            # that is late (past half the bound) is looked at like a stalled one, so that the
+            # first stalled look already knows each thread's CPU share, the workers' CPU and
+            # whether it was compiling.
             return StallVerdict(p.job_id, p.rank, p.pid, True, hb_mtime or tr.first_seen, False,
-                                "heartbeat", max(0.0, now - (hb_mtime or tr.first_seen)))
+                                "heartbeat", max(0.0, age))
         # CPU pattern since the previous look, per thread
         threads = pyspy.read_threads(self.paths, p.pid, detail=False)
         elapsed = now - tr.threads_at if tr.threads else 0.0
@@ -231,7 +251,8 @@ class StallTracker:
         python_tids = {s.tid for s in tr.stacks} or set(shares)
         if any(WORK_SHARE <= shares[t] < SPIN_SHARE for t in python_tids if t in shares):
             tr.worked = True
-        tr.threads, tr.threads_at, tr.spinning = threads, now, spinning
+        self._look(now, tr, threads, spinning, shares)
+        busiest_worker = tr.workers.busiest(p.workers, elapsed)
         if stopped:
             tr.stopped_since = tr.stopped_since if tr.stopped_since is not None else now
         else:
@@ -248,7 +269,8 @@ class StallTracker:
         if stopped and tr.stopped_since is not None and now - tr.stopped_since >= self.after:
             method, stalled_so_far = "stopped", True
             progress = min(progress, tr.stopped_since)
-        if stalled_so_far and now - tr.last_dump_at >= self.dump_interval and p.heartbeat:
+        late = bool(p.heartbeat) and not stalled_so_far
+        if (stalled_so_far or late) and now - tr.last_dump_at >= self.dump_interval and p.heartbeat:
             # the stuck frames for the explanation (heartbeat ranks are not dumped otherwise)
             stacks, _ = self._dump(now, p.pid)
             if stacks is not None:
@@ -256,12 +278,35 @@ class StallTracker:
         main = main_stack(tr.stacks)
         frames = tuple(str(f) for f in main.frames[:MAX_FRAMES]) if main else ()
         location = tuple(f.where for f in main.frames[:3]) if main else ()
+        analysis = None
+        compiling = False
+        if (stalled_so_far or late) and tr.stacks:
+            waits = taskwait.read_waits(self.paths, p.pid, [s.tid for s in tr.stacks if s.tid])
+            workers = tr.workers.view(self.paths, p.workers)
+            analysis = analyze(tr.stacks, threads, shares, waits, workers, busiest_worker)
+            if analysis.compiling:
+                tr.compile_busy_at = now
+            # The compiler's CPU moves between short-lived children (g++, Triton workers) and
+            # the rank itself, and a dump may catch it in C code without a Python frame: within
+            # after_seconds of a busy compiling look, it is still compiling unless it now shows
+            # another hang (a lock, a collective, the GPU, a starved queue).
+            other = {"deadlock", "lock_wait", "collective", "gpu_wait", "starved"}
+            if stalled_so_far and now - tr.compile_busy_at <= self.after and \
+                    not other & set(analysis.kinds) and method != "stopped":
+                compiling = True
+                stalled_so_far = now - progress > self.compile_after
+                method = "compiling"
         return StallVerdict(
             job_id=p.job_id, rank=p.rank, pid=p.pid, alive=True, progress_timestamp=progress,
             stalled=stalled_so_far, method=method, no_progress_seconds=max(0.0, now - progress),
             stuck_frames=frames, threads_summary=summarize_threads(threads, spinning),
-            location=location,
+            location=location, analysis=analysis, compiling=compiling,
         )  # fmt: skip
+
+    @staticmethod
+    def _look(now: float, tr: _Track, threads: tuple[ThreadInfo, ...],
+              spinning: frozenset[int], shares: dict[int, float]) -> None:
+        tr.threads, tr.threads_at, tr.spinning, tr.shares = threads, now, spinning, shares
 
     def _stack_progress(
         self, now: float, p: RankProbe, tr: _Track, threads: tuple[ThreadInfo, ...],

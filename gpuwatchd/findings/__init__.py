@@ -73,10 +73,25 @@ def _rules() -> list[Rule]:
 
 
 RULES: list[Rule] = _rules()
+# Rules that also read the findings of RULES (rank_straggler names gil_saturated or
+# rank_memory_pressure of the same rank as causes).
+LateRule = Callable[[FindingContext, tuple[Finding, ...]], Iterable[Finding]]
+
+
+def _late_rules() -> list[LateRule]:
+    from gpuwatchd.findings import straggler
+
+    return [straggler.find]
+
+
+LATE_RULES: list[LateRule] = _late_rules()
 
 
 def evaluate(ctx: FindingContext, rules: Iterable[Rule] | None = None) -> list[Finding]:
     out: list[Finding] = []
     for rule in RULES if rules is None else rules:
         out.extend(rule(ctx))
+    if rules is None:
+        for late in LATE_RULES:
+            out.extend(late(ctx, tuple(out)))
     return out
