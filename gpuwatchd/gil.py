@@ -23,6 +23,7 @@ is ``rate(held) / rate(samples)``). Top GIL-holding functions stay in the readin
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import random
@@ -42,7 +43,7 @@ from gpuwatchd.model import CollectorStatus, GilReading, ProcessInfo
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy, PySpyError, ThreadInfo
-from gpuwatchd.stall import RankProbe, StallTracker
+from gpuwatchd.stall import MAX_PROBE_THREADS, RankProbe, StallTracker
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,8 @@ HISTORY = 4  # readings kept per rank (the finding looks at the last two)
 # gil.interval_seconds, and convoy hints go first.
 MAX_SAMPLING_DUTY = 0.3
 JITTER = 0.2
+DEFERRED_KINDS = ("threads", "dump")
+CONVOY_CORES = (0.3, 1.4)  # a GIL convoy uses about one core in total (see convoy_hint)
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class _RankSchedule:
     by_thread: tuple[tuple[int, str, int], ...] = ()
     convoy: ConvoyHint | None = None
     error: str = ""
+    cpu_at: tuple[float, int] | None = None  # (probe time, process CPU ticks) of the last probe
 
 
 def convoy_hint(
@@ -117,7 +121,7 @@ def convoy_hint(
     total = sum(shares)
     convoy = (
         n >= 2
-        and 0.3 <= total <= 1.4
+        and CONVOY_CORES[0] <= total <= CONVOY_CORES[1]
         and all(0.4 * total / n <= s <= 2.5 * total / n for s in shares)
         and parked >= max(1, n // 2)
     )
@@ -188,14 +192,37 @@ class GilSampler:
                     self.counters.ensure("rank_gil_held_samples", labels)
 
     def _probe(self, now: float) -> None:
-        """Cheap /proc probe of each rank; a convoy pulls its next sample forward."""
+        """Cheap /proc probe of each rank; a convoy pulls its next sample forward.
+
+        Per process and probe: one ``/proc/PID/stat`` read; the per-thread look (capped at
+        ``stall.MAX_PROBE_THREADS`` tasks) only while the process as a whole uses CPU in the
+        convoy band (0.3-1.4 cores with two or more threads), because a convoy outside it is
+        impossible. A PID listed by several ranks is read once per probe round."""
+        cpu_memo: dict[int, tuple[int, int] | None] = {}
+        thread_memo: dict[int, tuple[ThreadInfo, ...]] = {}
         for sched in list(self._ranks.values()):
             if sched.in_flight:
                 continue
             last = sched.probe
-            if last is not None and now - last[0] < self.probe_seconds:
+            if sched.cpu_at is not None and now - sched.cpu_at[0] < self.probe_seconds:
                 continue
-            threads = pyspy.read_threads(self.paths, sched.target.pid, detail=False)
+            pid = sched.target.pid
+            if pid not in cpu_memo:
+                cpu_memo[pid] = pyspy.process_cpu(self.paths, pid)
+            cpu = cpu_memo[pid]
+            prev_cpu, sched.cpu_at = sched.cpu_at, (now, cpu[0]) if cpu is not None else None
+            in_band = (
+                cpu is not None and prev_cpu is not None and cpu[1] >= 2 and now > prev_cpu[0]
+                and CONVOY_CORES[0] <= (cpu[0] - prev_cpu[1]) / self._clk_tck / (now - prev_cpu[0])
+                <= CONVOY_CORES[1]
+            )  # fmt: skip
+            if not in_band:
+                sched.probe = None  # the next in-band look starts a fresh thread comparison
+                continue
+            if pid not in thread_memo:
+                thread_memo[pid] = pyspy.read_threads(self.paths, pid, detail=False,
+                                                      limit=MAX_PROBE_THREADS)  # fmt: skip
+            threads = thread_memo[pid]
             if last is not None and threads:
                 hint = convoy_hint(last[1], threads, now - last[0], self._clk_tck)
                 sched.convoy = hint
@@ -340,6 +367,7 @@ class PySpySubsystem(Subsystem):
         self.stall: StallTracker | None = None
         self.tick_seconds = tick_seconds
         self._thread: threading.Thread | None = None
+        self._deferred_seen: collections.Counter[str] = collections.Counter()
 
     def _ensure(self, daemon: Any) -> None:
         if self.stall is not None:
@@ -405,6 +433,12 @@ class PySpySubsystem(Subsystem):
             self.sampler.update_targets(GilTarget(p.job_id, p.rank, p.pid) for p in probes
                                         if p.alive)  # fmt: skip
         verdicts = self.stall.observe(partial.get("now", time.time()), probes)
+        for kind in DEFERRED_KINDS:  # what the cycle budget pushed to the next cycle
+            n = self.stall.deferred[kind] - self._deferred_seen[kind]
+            self._deferred_seen[kind] = self.stall.deferred[kind]
+            daemon.counters.ensure("cycle_deferred_probes", (kind,))
+            if n:
+                daemon.counters.inc("cycle_deferred_probes", (kind,), n)
         return {
             "progress": {k: v.progress_timestamp for k, v in verdicts.items()
                          if v.progress_timestamp is not None},

@@ -181,6 +181,7 @@ COUNTER_LABELS: Mapping[str, tuple[str, ...]] = frozen_map(
         "rank_gil_held_samples": ("job_id", "rank"),
         "kernel_log_overruns": (),
         "kernel_log_lines_rejected": ("reason",),
+        "cycle_deferred_probes": ("probe",),
     }
 )
 
@@ -197,3 +198,6 @@ class NodeState:
     # counter name -> {label values tuple -> value}; see COUNTER_LABELS
     counters: Mapping[str, Mapping[tuple[str, ...], float]] = field(default_factory=frozen_map)
     cycle_seconds: float = 0.0
+    # the daemon's own /proc/self/oom_score_adj (None where unreadable): shows that the unit's
+    # OOMScoreAdjust took effect
+    oom_score_adj: int | None = None

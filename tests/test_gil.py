@@ -178,7 +178,10 @@ def test_convoy_pulls_the_next_sample_forward(procs: list) -> None:
         time.sleep(1.1)
         due = s.due()
     assert [t.rank for t in due] == [0]  # the convoy is due within ~1 s of its hint; io4 is not
-    assert s.convoys()[("j", 0)].busy_threads >= 2 and not s.convoys()[("j", 1)].convoy
+    assert s.convoys()[("j", 0)].busy_threads >= 2
+    # io4 uses too little CPU for a convoy: its threads are not even read (one stat per probe)
+    io_hint = s.convoys().get(("j", 1))
+    assert io_hint is None or not io_hint.convoy
     s.close()
 
 
