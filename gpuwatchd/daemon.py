@@ -328,6 +328,10 @@ class Daemon:
         signal.signal(signal.SIGHUP, lambda *_: self.reload_requested.set())
 
     def run(self) -> None:
+        from gpuwatchd import reaper
+
+        # every child of the daemon is a py-spy run: orphans they leave are ours to kill and reap
+        reaper.CHILDREN.enable()
         self.install_signal_handlers()
         self.start()
         host, port = self.web.address[:2]

@@ -22,6 +22,8 @@ Safety rules (each one a lesson from an upstream issue, see the research notes Â
 - the real binary is resolved once (a pyenv shim costs ~100 ms per call and may be a different
   version); a configured path wins;
 - every run is its own session (process group) and is SIGKILLed as a group at the hard time-out;
+  what a run leaves outside its group (a helper that calls ``setsid``) is reparented to the
+  daemon, a child subreaper, and killed and reaped after the run (gpuwatchd/reaper.py);
 - at most ``max_concurrent`` runs at once (a semaphore);
 - stdout/stderr/output files are read up to a size cap;
 - after each run the target's state is compared with its state before: a target that we left in
@@ -52,6 +54,7 @@ from typing import Any, NoReturn
 
 from gpuwatchd.model import GilReading
 from gpuwatchd.paths import HostPaths
+from gpuwatchd.reaper import CHILDREN, ChildReaper
 
 log = logging.getLogger(__name__)
 
@@ -425,6 +428,7 @@ class PySpyStats:
     runs: int = 0
     timeouts: int = 0
     left_stopped: int = 0  # targets we found in T after a run and continued
+    strays_killed: int = 0  # processes a run left outside its process group, killed and reaped
     cpu_seconds: float = 0.0
     last_error: str = ""
     reasons: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -446,10 +450,13 @@ class PySpy:
         tmp_dir: str | None = None,
         unavailable_reason: str = "",
         clock: Callable[[], float] = time.time,
+        reaper: ChildReaper | None = None,
     ) -> None:
         """``binary`` None means absent (``unavailable_reason`` says why); ``run_as`` (uid, gid)
-        runs py-spy as that user (needs root), e.g. an unprivileged sampling account."""
+        runs py-spy as that user (needs root), e.g. an unprivileged sampling account;
+        ``reaper``: the registry of this process's children (default: the process-wide one)."""
         self.binary = binary
+        self.reaper = reaper if reaper is not None else CHILDREN
         self.paths = paths or HostPaths()
         self.timeout_seconds = timeout_seconds
         self.dump_timeout_seconds = dump_timeout_seconds
@@ -636,10 +643,12 @@ class PySpy:
         with tempfile.TemporaryFile() as out_f, tempfile.TemporaryFile() as err_f:
             t0 = time.monotonic()
             try:
-                proc = subprocess.Popen(
-                    argv, stdin=subprocess.DEVNULL, stdout=out_f, stderr=err_f, env=env,
-                    start_new_session=True, close_fds=True, **kw,
-                )  # fmt: skip
+                with self.reaper.spawning() as live:
+                    proc = subprocess.Popen(
+                        argv, stdin=subprocess.DEVNULL, stdout=out_f, stderr=err_f, env=env,
+                        start_new_session=True, close_fds=True, **kw,
+                    )  # fmt: skip
+                    live.add(proc.pid)
             except FileNotFoundError as e:
                 raise self._count(PySpyError(ABSENT, f"{argv[0]}: {e.strerror}")) from e
             except PermissionError as e:
@@ -667,8 +676,14 @@ class PySpy:
                 # the leader is dead; make sure nothing it started survives in its group
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-            _, status, rusage = os.wait4(proc.pid, 0)
+            status, rusage = self.reaper.reap(proc.pid)
             proc.returncode = os.waitstatus_to_exitcode(status)
+            # whatever the run left outside its group (a helper that called setsid) was
+            # reparented to the daemon (a child subreaper): kill and reap it now
+            strays = self.reaper.sweep()
+            if strays:
+                with self._stats_lock:
+                    self.stats.strays_killed += strays
             wall = time.monotonic() - t0
             return RunResult(
                 returncode=proc.returncode,
