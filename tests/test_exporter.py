@@ -54,8 +54,10 @@ def full_state() -> tuple[NodeState, CounterStore]:
     counters.inc("rank_gil_held_samples", ("llm-7", "0"), 240)
     counters.inc("kernel_log_overruns")
     counters.inc("kernel_log_lines_rejected", ("not_kernel_facility",))
+    counters.inc("cycle_deferred_probes", ("threads",), 3)
     state = NodeState(timestamp=1700000002.0, ranks=ranks, gpus=gpus, gpu_processes=rows, orphans=orphans,
-                      findings=findings, collectors=collectors, cycle_seconds=0.004)
+                      findings=findings, collectors=collectors, cycle_seconds=0.004,
+                      oom_score_adj=-900)
     return state, counters
 
 

@@ -8,6 +8,7 @@ that has ended must be killed and reaped too (the old code left one orphan per r
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -57,8 +58,8 @@ def test_helper_that_calls_setsid_leaves_no_orphans(tmp_path: Path,
         gil={"enabled": True, "pyspy_path": str(helper), "interval_seconds": 1,
              "duration_seconds": 1, "timeout_seconds": 2},
     )  # fmt: skip
-    (tmp_path / "ranks" / "j.json").write_text(
-        '{"version": 1, "job_id": "strays", "ranks": [{"rank": 0, "pid": %d}]}' % rank.pid)
+    (tmp_path / "ranks" / "j.json").write_text(json.dumps(
+        {"version": 1, "job_id": "strays", "ranks": [{"rank": 0, "pid": rank.pid}]}))
     d = DaemonProc(path, cfg)
     try:
         checked: set[int] = set()
