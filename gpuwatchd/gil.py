@@ -49,10 +49,16 @@ log = logging.getLogger(__name__)
 
 HISTORY = 4  # readings kept per rank (the finding looks at the last two)
 # The daemon's sampling budget: py-spy costs ~0.012-0.018 CPU-s per sampled second
-# (bench/gil_overhead.py), so sampling at most 30 % of the time keeps py-spy under 0.6 % of a core
-# however many ranks are watched; with many ranks each is sampled less often than
-# gil.interval_seconds, and convoy hints go first.
-MAX_SAMPLING_DUTY = 0.3
+# (bench/gil_overhead.py), so sampling at most 20 % of the time keeps py-spy under ~0.25 % of a
+# core however many ranks are watched (issue 14: <= 0.5 % with the daemon); with many ranks each
+# is sampled less often than gil.interval_seconds, convoy hints and GIL-bound ranks first.
+# Bound: a rank that becomes GIL-saturated is sampled within N * duration / MAX_SAMPLING_DUTY
+# (N ranks; sooner on a convoy hint), and, being hot, again ahead of the others once its next
+# sample is due (interval +- 20 %): gil_saturated is raised within
+# N * duration / MAX_SAMPLING_DUTY + 1.2 * interval + 2 * duration (64 ranks, defaults: 1646 s;
+# 8 ranks: 246 s).
+MAX_SAMPLING_DUTY = 0.2
+HOT_RATIO = 0.5  # a last sample at least this GIL-bound puts the rank ahead of the queue
 JITTER = 0.2
 DEFERRED_KINDS = ("threads", "dump")
 CONVOY_CORES = (0.3, 1.4)  # a GIL convoy uses about one core in total (see convoy_hint)
@@ -126,6 +132,11 @@ def convoy_hint(
         and parked >= max(1, n // 2)
     )
     return ConvoyHint(n, round(total, 3), parked, convoy)
+
+
+def _hot(sched: _RankSchedule) -> bool:
+    last = sched.history[-1] if sched.history else None
+    return last is not None and last.samples > 0 and last.held / last.samples >= HOT_RATIO
 
 
 class GilSampler:
@@ -240,7 +251,9 @@ class GilSampler:
             self._probe(now)
             ready = sorted(
                 (s for s in self._ranks.values() if not s.in_flight and s.next_due <= now),
-                key=lambda s: (not (s.convoy and s.convoy.convoy), s.next_due),
+                # convoy hints first, then ranks whose last sample held the GIL >= HOT_RATIO (the
+                # second high sample is what raises gil_saturated), then the most overdue
+                key=lambda s: (not (s.convoy and s.convoy.convoy), not _hot(s), s.next_due),
             )
             if self.max_duty is not None:
                 cap = 2 * self.duration

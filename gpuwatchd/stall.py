@@ -360,7 +360,11 @@ class StallTracker:
             tr.last_change = now
             tr.last_dump_at = now  # this look counts as the comparison: next one a dump interval on
             return ("stack" if tr.stacks else "proc"), now
-        if now - tr.last_dump_at < self.dump_interval and tr.fingerprint is not None:
+        # a rank already stalled is re-dumped every after_seconds, not every dump interval: its
+        # explanation stays fresh, and recovery shows sooner anyway through its CPU (worked)
+        settled = tr.identical >= 2 and now - tr.last_change >= self.after
+        every = max(self.dump_interval, self.after) if settled else self.dump_interval
+        if now - tr.last_dump_at < every and tr.fingerprint is not None:
             return ("stack" if tr.stacks else "proc"), tr.last_change
         if self._dump_memo and p.pid not in self._dump_memo and time.monotonic() > self._deadline:
             self.deferred["dump"] += 1
