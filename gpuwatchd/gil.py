@@ -182,6 +182,7 @@ class GilSampler:
         self._clk_tck = os.sysconf("SC_CLK_TCK")
         self._status = CollectorStatus(pyspy.COLLECTOR, True, 0.0, None, "")
         self._ok_runs = 0
+        self._closed = False
         self._last_success: float | None = None
 
     # -- targets and schedule ----------------------------------------------------------------
@@ -276,8 +277,10 @@ class GilSampler:
                 sched = self._ranks.get(target.key)
                 if sched is None or sched.in_flight:
                     continue
+                if self._closed:  # stopping: the pool takes no more work (not a crash)
+                    break
                 sched.in_flight = True
-            futures.append(self._pool.submit(self._sample, target))
+                futures.append(self._pool.submit(self._sample, target))
         return futures
 
     def sample_now(self, target: GilTarget) -> GilReading | None:
@@ -359,6 +362,8 @@ class GilSampler:
             return self._status
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
