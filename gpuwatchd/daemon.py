@@ -97,10 +97,15 @@ class Daemon:
         subsystems: list[Subsystem] | None = None,
         write_state: bool = True,
         liveness_seconds: float | None = None,
+        reap_strays: bool = False,
     ) -> None:
         """``liveness_seconds``: how long without a finished cycle the daemon still counts as
-        alive for the watchdog (default: ``2 * interval_seconds + CYCLE_TIME_LIMIT``)."""
+        alive for the watchdog (default: ``2 * interval_seconds + CYCLE_TIME_LIMIT``).
+        ``reap_strays``: make this process a child subreaper that kills and reaps every child
+        which is not a running py-spy (gpuwatchd/reaper.py); only for a process that is the
+        daemon and nothing else (``gpuwatchd run``), never one that starts children of its own."""
         self.config = config
+        self.reap_strays = reap_strays
         self.liveness_seconds = liveness_seconds
         self._last_cycle_end = time.monotonic()
         self.config_path = config_path
@@ -328,10 +333,11 @@ class Daemon:
         signal.signal(signal.SIGHUP, lambda *_: self.reload_requested.set())
 
     def run(self) -> None:
-        from gpuwatchd import reaper
+        if self.reap_strays:
+            from gpuwatchd import reaper
 
-        # every child of the daemon is a py-spy run: orphans they leave are ours to kill and reap
-        reaper.CHILDREN.enable()
+            # every child of the daemon is a py-spy run: orphans they leave are ours to kill
+            reaper.CHILDREN.enable()
         self.install_signal_handlers()
         self.start()
         host, port = self.web.address[:2]

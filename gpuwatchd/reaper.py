@@ -9,8 +9,9 @@ cannot be reused before the daemon reaps it, and killing it by pid is safe. ``sw
 reaps every child of the daemon that is not a registered, still running spawn.
 
 That rule needs a process whose every child is spawned through ``spawning``: the daemon (only
-py-spy spawns; ``Daemon.run`` enables it). A library user or a test process that starts children
-of its own never enables it, and then only the process-group kill applies.
+py-spy spawns; ``gpuwatchd run`` passes ``Daemon(reap_strays=True)``). A library user or a test
+process that starts children of its own never enables it, and then only the process-group kill
+applies.
 
 Reads: ``/proc/self/task/*/children`` (one small read per daemon thread) after each run.
 Privilege: none (a process may always signal and reap its own children).
