@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -126,6 +127,46 @@ def poll_cost(args: argparse.Namespace) -> dict[str, Any]:
     return poll
 
 
+def task_ticks(pid: int) -> dict[int, int]:
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            f = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[int(tid)] = int(f[11]) + int(f[12])
+    return out
+
+
+IDLE_LEAVES = ("wait (threading.py", "select (selectors.py", "sleep", "_wait_for_tstate_lock",
+               "accept (socket.py", "get (queue.py", "poll (selectors.py")
+
+
+def print_profile(path: Path, n: int, top: int = 25) -> None:
+    """Active samples of the daemon (leaves that only wait dropped): self and inclusive."""
+    if not path.exists():
+        print(f"  {n} ranks: no profile written", flush=True)
+        return
+    self_c: collections.Counter[str] = collections.Counter()
+    incl: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        frames = stack.split(";")[1:]  # [0] is the thread
+        if not frames or any(w in frames[-1] for w in IDLE_LEAVES):
+            continue
+        total += int(count)
+        self_c[frames[-1]] += int(count)
+        for f in set(frames):
+            incl[f] += int(count)
+    print(f"  {n} ranks: py-spy on gpuwatchd, {total} active samples at 100 Hz; self:", flush=True)
+    for f, c in self_c.most_common(top):
+        print(f"    {100 * c / max(total, 1):5.1f} % {f}")
+    print("  inclusive:")
+    for f, c in incl.most_common(top + 10):
+        print(f"    {100 * c / max(total, 1):5.1f} % {f}")
+
+
 def variants(args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
     """(name, code checkout, extra config, rank dir) of each daemon in the window.
 
@@ -146,6 +187,8 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
         if before:
             out.append(("gpuwatchd-before-defaults-hb", before, f"gil:\n{pyspy}" if pyspy else "",
                         "ranks-hb"))
+    if args.only:
+        out = [v for v in out if v[0] in args.only.split(",")]
     return out
 
 
@@ -178,6 +221,13 @@ def cpu_window(args: argparse.Namespace, tmp: Path, n: int, logs: contextlib.Exi
     for u in urls.values():
         wait_http(u)
     time.sleep(args.warmup)  # warm-up: first cycles, rank files parsed, environ read
+    prof = None
+    if args.profile and args.pyspy and "gpuwatchd" in procs:  # py-spy on the daemon itself
+        prof = subprocess.Popen([args.pyspy, "record", "--nonblocking", "--threads", "-r", "100",
+                                 "-d", str(int(args.seconds)), "--format", "raw", "-o",
+                                 str(tmp / f"prof-{n}.raw"), "-p", str(procs["gpuwatchd"].pid)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tasks0 = task_ticks(procs["gpuwatchd"].pid) if "gpuwatchd" in procs else {}
     own0 = {k: cpu_seconds(p.pid, children=False) for k, p in procs.items()}
     all0 = {k: cpu_seconds(p.pid) for k, p in procs.items()}
     t0 = time.monotonic()
@@ -190,6 +240,16 @@ def cpu_window(args: argparse.Namespace, tmp: Path, n: int, logs: contextlib.Exi
             sizes[k] = size
         time.sleep(args.interval)
     wall = time.monotonic() - t0
+    if "gpuwatchd" in procs:
+        tasks1 = task_ticks(procs["gpuwatchd"].pid)
+        tick = os.sysconf("SC_CLK_TCK")
+        per_thread = {t: (tasks1[t] - tasks0.get(t, 0)) / tick for t in tasks1}
+        print(f"  {n} ranks, gpuwatchd threads alive at the end, CPU s in the window: "
+              f"{sorted(per_thread.values(), reverse=True)[:6]} (main thread first by tid: "
+              f"{per_thread.get(procs['gpuwatchd'].pid, 0.0):.2f} s)", flush=True)
+    if prof is not None:
+        prof.wait(30)
+        print_profile(tmp / f"prof-{n}.raw", n)
     own = {k: cpu_seconds(p.pid, children=False) - own0[k] for k, p in procs.items()}
     tot = {k: cpu_seconds(p.pid) - all0[k] for k, p in procs.items()}
     rss = {k: rss_mib(p.pid) for k, p in procs.items()}
@@ -243,6 +303,9 @@ def main() -> int:
     ap.add_argument("--no-nvitop", action="store_true", help="(dry runs without a GPU)")
     ap.add_argument("--no-poll", action="store_true", help="skip the NVML poll timing")
     ap.add_argument("--holder", default=str(REPO / "tests/gpu/holder.py"))
+    ap.add_argument("--only", default="", help="comma-separated daemon variants to run")
+    ap.add_argument("--profile", action="store_true",
+                    help="py-spy record the 'gpuwatchd' variant during the window (needs --pyspy)")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else [args.procs]
     tmp = Path(tempfile.mkdtemp(prefix="gpuwatch-bench-"))
