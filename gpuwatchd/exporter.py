@@ -42,6 +42,8 @@ COUNTER_HELP: Mapping[str, str] = {
     "permission denied); file is the state file's name.",
     "state_records_rejected": "Records read back from a file in state_dir that could not be used "
     "and were skipped (torn, malformed or out-of-range lines), by file and reason.",
+    "cycle_deferred_probes": "Stall probes of ranks (per-thread looks, py-spy dumps) that the "
+    "cycle's time budget deferred to a later cycle instead of letting one input stall the cycle.",
 }
 
 
@@ -106,7 +108,13 @@ class StateCollector(Collector):
         cyc.add_metric([], s.cycle_seconds)
         ts = _g("last_cycle_timestamp_seconds", "Unix time at which the last polling cycle ended.")
         ts.add_metric([], s.timestamp)
-        return [ok, dur, last, cyc, ts]
+        out: list[Metric] = [ok, dur, last, cyc, ts]
+        if s.oom_score_adj is not None:
+            adj = _g("process_oom_score_adj", "The daemon's own oom_score_adj (/proc/self/"
+                     "oom_score_adj): -900 when the unit's OOMScoreAdjust took effect.")
+            adj.add_metric([], s.oom_score_adj)
+            out.append(adj)
+        return out
 
     def _gpus(self, s: NodeState) -> list[Metric]:
         info = _g("gpu_info", "Always 1, one series per GPU, naming it.", ["gpu", "uuid", "name", "pci_bus_id"])

@@ -206,6 +206,7 @@ COUNTER_LABELS: Mapping[str, tuple[str, ...]] = frozen_map(
         "web_connections_dropped": ("reason",),
         "state_write_errors": ("file",),
         "state_records_rejected": ("file", "reason"),
+        "cycle_deferred_probes": ("probe",),
     }
 )
 
@@ -283,3 +284,6 @@ class NodeState:
     rank_memory: tuple[RankMemory, ...] = ()  # memory_subsystem.py; () when off
     node_memory: NodeMemoryState | None = None
     collectives: tuple[CollectiveStatus, ...] = ()
+    # the daemon's own /proc/self/oom_score_adj (None where unreadable): shows that the unit's
+    # OOMScoreAdjust took effect
+    oom_score_adj: int | None = None

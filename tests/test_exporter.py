@@ -58,6 +58,7 @@ def full_state() -> tuple[NodeState, CounterStore]:
     counters.inc("rank_gil_held_samples", ("llm-7", "0"), 240)
     counters.inc("kernel_log_overruns")
     counters.inc("kernel_log_lines_rejected", ("not_kernel_facility",))
+    counters.inc("cycle_deferred_probes", ("threads",), 3)
     counters.inc("web_connections_dropped", ("limit",))
     memory = (RankMemory("llm-7", 0, 10, 3 << 30, 1e6, cgroup="/slurm/job_7", cgroup_version=2,
                          usage_bytes=75 << 30, working_set_bytes=74 << 30, limit_bytes=80 << 30,
@@ -68,7 +69,8 @@ def full_state() -> tuple[NodeState, CounterStore]:
     state = NodeState(timestamp=1700000002.0, ranks=ranks, gpus=gpus, gpu_processes=rows, orphans=orphans,
                       findings=findings, collectors=collectors, cycle_seconds=0.004,
                       rank_memory=memory, node_memory=node,
-                      collectives=(CollectiveStatus("llm-7", 0, 10, "0", 5, 4, "nccl:all_reduce"),))
+                      collectives=(CollectiveStatus("llm-7", 0, 10, "0", 5, 4, "nccl:all_reduce"),),
+                      oom_score_adj=-900)
     return state, counters
 
 
