@@ -39,9 +39,12 @@ from gpuwatchd.rank.rankfile import write_rank_file  # noqa: E402
 
 MARKER = "gpuwatchd-bench-rank"
 CHILD = (
-    "import os, resource, sys, time\n"
+    "import os, resource, sys, threading, time\n"
     "resource.setrlimit(resource.RLIMIT_NOFILE, (2048, 2048))\n"
     "fds = [os.open('/dev/null', os.O_RDONLY) for _ in range(1000)]\n"
+    "idle = threading.Event()\n"
+    "for _ in range(int(os.environ.get('BENCH_THREADS', '1')) - 1):\n"
+    "    threading.Thread(target=idle.wait, daemon=True).start()  # a torch rank has dozens\n"
     "sys.stdout.write('ok\\n'); sys.stdout.flush()\n"
     "hb = sys.argv[2] if len(sys.argv) > 2 else ''\n"
     "while True:\n"
@@ -74,9 +77,10 @@ def rss_of(pid: int) -> int:
     return 0
 
 
-def start_ranks(n: int, hb_dir: str | None = None) -> list[subprocess.Popen[str]]:
+def start_ranks(n: int, hb_dir: str | None = None, threads: int = 1) -> list[subprocess.Popen[str]]:
+    env = {**os.environ, "BENCH_THREADS": str(threads)}
     procs = [subprocess.Popen([sys.executable, "-c", CHILD, MARKER, *([f"{hb_dir}/{i}.hb"] if hb_dir else [])],
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, text=True, env=env)
              for i in range(n)]
     for p in procs:
         assert p.stdout is not None and p.stdout.readline().strip() == "ok"
@@ -98,16 +102,23 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
-def bench_gpuwatchd(n: int, rank_dir: str, state_dir: str, cycles: int) -> dict[str, float]:
-    cfg = Config(rank_dir=rank_dir, state_dir=state_dir, interval_seconds=5, kernel_log="off",
+def bench_gpuwatchd(n: int, rank_dir: str, state_dir: str, cycles: int,
+                    stall: bool = False, interval: float = 5.0) -> dict[str, float]:
+    """CPU per cycle of the real Daemon.cycle(). ``stall``: with the default subsystems (GIL
+    sampling and NVML off), i.e. with the stall tracker, cycles paced at ``interval`` as the
+    daemon paces them, so that its per-look cadence is what it is in production."""
+    cfg = Config(rank_dir=rank_dir, state_dir=state_dir, interval_seconds=interval, kernel_log="off",
                  gil=GilConfig(enabled=False), nvml=NvmlConfig(enabled=False),
                  discovery=DiscoveryConfig(enabled=False), web=WebConfig(listen_address="127.0.0.1:0"))
-    d = Daemon(cfg, subsystems=[])
+    d = Daemon(cfg, subsystems=None if stall else [])
     d.cycle()  # warm: rank files parsed, environ read once per rank
     t0 = time.process_time()
     w0 = time.perf_counter()
     for _ in range(cycles):
+        c0 = time.perf_counter()
         state = d.cycle()
+        if stall:
+            time.sleep(max(0.0, interval - (time.perf_counter() - c0)))
     cpu = (time.process_time() - t0) / cycles
     wall = (time.perf_counter() - w0) / cycles
     assert sum(r.alive for r in state.ranks) == n, "every rank must be seen alive"
@@ -221,6 +232,11 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=30.0, help="seconds over which daemon CPU is measured")
     ap.add_argument("--no-heartbeat", action="store_true",
                     help="ranks send no heartbeats (stall detection then samples their stacks)")
+    ap.add_argument("--threads", type=int, default=1, help="threads per rank process (torch: dozens)")
+    ap.add_argument("--stall-only", action="store_true",
+                    help="only the in-process CPU per cycle with the stall tracker, cycles paced at "
+                    "--interval (the issue-14 profile: 32 ranks x 48 threads at 1 s)")
+    ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("--full", action="store_true",
                     help="also run the daemon with the shipped defaults (GIL sampling on) at each size")
     args = ap.parse_args()
@@ -232,13 +248,25 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             rank_dir, state_dir = f"{tmp}/ranks", f"{tmp}/state"
             os.makedirs(rank_dir)
-            procs = start_ranks(n, None if args.no_heartbeat else rank_dir)
+            procs = start_ranks(n, None if args.no_heartbeat else rank_dir, args.threads)
             for i, p in enumerate(procs):
                 entry: dict[str, object] = {"rank": i, "pid": p.pid}
                 if not args.no_heartbeat:
                     entry["heartbeat"] = f"{rank_dir}/{i}.hb"
                 write_rank_file(rank_dir, {"version": 1, "job_id": "bench", "world_size": n,
                                            "ranks": [entry]}, f"bench.{i}.json")
+            if args.stall_only:
+                try:
+                    g = bench_gpuwatchd(n, rank_dir, state_dir, args.cycles, stall=True,
+                                        interval=args.interval)
+                finally:
+                    for p in procs:
+                        p.kill()
+                        p.wait()
+                print(f"N={n:4d} x {args.threads} threads, heartbeats "
+                      f"{'off' if args.no_heartbeat else 'on'}, {args.interval:g} s cycles with the "
+                      f"stall tracker: {g['cpu_per_cycle_s'] * 1e3:.2f} ms CPU/cycle")
+                continue
             try:
                 g = bench_gpuwatchd(n, rank_dir, state_dir, args.cycles)
                 dp = bench_daemon_process(rank_dir, state_dir, args.scrapes, args.window)
@@ -261,6 +289,8 @@ def main() -> None:
             print(f"        shipped defaults (GIL sampling on, kernel log, discovery): daemon "
                   f"{full['cpu_share_at_5s'] * 100:.2f} % of a core, with its py-spy runs "
                   f"{full['cpu_share_with_pyspy'] * 100:.2f} %, RSS {full['rss_mb']:.1f} MB")
+    if args.stall_only:
+        return
     s = bench_synthetic_scrape(args.scrapes)
     print(f"synthetic 8 GPUs x 64 processes: /metrics p50 {s['p50_ms']:.2f} ms p99 {s['p99_ms']:.2f} ms "
           "(budget p99 <= 5 ms)")

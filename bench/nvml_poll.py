@@ -1,21 +1,29 @@
 #!/usr/bin/env python3
 """Benchmark on a GPU node: NVML poll cost per cycle, and daemon CPU next to nvitop-exporter.
 
-    python3 bench/nvml_poll.py --procs 9 --gib 1 --seconds 60 --out bench.json
+    python3 bench/nvml_poll.py --sizes 32,64 --gib 1 --seconds 60 --out bench.json \
+        [--pyspy PATH] [--main-repo PATH] [--defaults]
 
-1. Starts ``--procs`` torch processes that each hold ``--gib`` GiB (tests/gpu/holder.py) and
-   registers them as ranks of one job (so the daemon does its whole per-rank work on them).
+1. Starts torch processes that each hold ``--gib`` GiB (tests/gpu/holder.py) and beat a heartbeat
+   file once a second, ``--sizes`` of them in steps (32, then 32 more to 64), and registers them
+   as ranks of one job twice: in a rank directory with their heartbeats and in one without (so
+   stall detection has to look at their threads / stacks), see ``variants``.
 2. Poll cost: ``NvmlSource.read()`` (devices + compute/graphics processes + per-process
    utilisation) timed over ``--polls`` cycles; ``nvidia-smi --query-compute-apps`` timed for scale.
-3. CPU: ``gpuwatchd run`` and ``nvitop-exporter`` side by side, both at ``--interval`` seconds and
-   both scraped every ``--interval`` seconds over loopback, watching the same processes for
-   ``--seconds``; CPU = utime+stime (+ reaped children) from /proc/PID/stat. Reports the ratio.
-GIL sampling is off for the daemon here (nvitop has no equivalent); everything else is on.
+3. CPU: at each size, side by side in one window, all at ``--interval`` seconds and all scraped
+   every ``--interval`` seconds over loopback, watching the same processes for ``--seconds``:
+   the daemon variants of ``variants`` (every feature but GIL sampling: NVML, /proc, stall
+   detection, kernel log off as nvitop has none; with and without heartbeats and py-spy),
+   ``nvitop-exporter``, with ``--main-repo`` the same run from another checkout ("before"), and
+   with ``--defaults`` the shipped defaults (GIL sampling, kernel log, discovery) of both. CPU = utime+stime
+   of the process ("own") and with its reaped children (py-spy runs) from /proc/PID/stat; RSS
+   from /proc/PID/status. Prints the ratios to nvitop-exporter.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -36,10 +44,11 @@ sys.path.insert(0, str(REPO))
 from gpuwatchd.sources.nvml import NvmlSource  # noqa: E402
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int, children: bool = True) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     tick = os.sysconf("SC_CLK_TCK")
-    return sum(int(fields[i]) for i in (11, 12, 13, 14)) / tick  # utime stime cutime cstime
+    # utime stime, plus cutime cstime (reaped children: py-spy runs)
+    return sum(int(fields[i]) for i in ((11, 12, 13, 14) if children else (11, 12))) / tick
 
 
 def rss_mib(pid: int) -> float:
@@ -68,159 +77,263 @@ def wait_http(url: str, timeout: float = 60) -> None:
             time.sleep(0.2)
 
 
+def start_holders(args: argparse.Namespace, tmp: Path, first: int, last: int,
+                  holders: list[subprocess.Popen[bytes]], env: dict[str, str]) -> None:
+    """Holders ``first..last-1``: started together, then registered as ranks of job 'bench'."""
+    for i in range(first, last):
+        hb = ["--heartbeat", str(tmp / f"h{i}.hb")]
+        holders.append(subprocess.Popen(
+            [sys.executable, args.holder, "--gib", str(args.gib), "--ready-file",
+             str(tmp / f"h{i}.pid"), *hb]))
+    deadline = time.monotonic() + 240
+    while not all((tmp / f"h{i}.pid").exists() for i in range(first, last)):
+        assert time.monotonic() < deadline, "holders did not start"
+        assert all(h.poll() is None for h in holders), "a holder died"
+        time.sleep(0.2)
+    for i in range(first, last):
+        pid = int((tmp / f"h{i}.pid").read_text())
+        for rank_dir, hb in (("ranks", []), ("ranks-hb", ["--heartbeat", str(tmp / f"h{i}.hb")])):
+            subprocess.run([sys.executable, "-m", "gpuwatchd", "register", "--job-id", "bench",
+                            "--rank", str(i), "--pid", str(pid), "--rank-dir", str(tmp / rank_dir),
+                            *hb], check=True, env=env, cwd=str(REPO), capture_output=True)
+
+
+def poll_cost(args: argparse.Namespace) -> dict[str, Any]:
+    src = NvmlSource()
+    devices, procs = src.read()
+    samples = []
+    for _ in range(args.polls):
+        t0 = time.perf_counter()
+        devices, procs = src.read()
+        samples.append(time.perf_counter() - t0)
+    src.close()
+    smi = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                        "--format=csv,noheader"], capture_output=True, check=True)
+        smi.append(time.perf_counter() - t0)
+    samples.sort()
+    poll = {
+        "gpus": len(devices), "gpu_processes": len(procs), "polls": len(samples),
+        "mean_ms": statistics.mean(samples) * 1e3, "p50_ms": samples[len(samples) // 2] * 1e3,
+        "p99_ms": samples[int(len(samples) * 0.99) - 1] * 1e3, "max_ms": samples[-1] * 1e3,
+        "nvidia_smi_query_mean_ms": statistics.mean(smi) * 1e3,
+    }
+    print(f"NVML poll: {len(procs)} GPU processes on {len(devices)} GPU(s): "
+          f"mean {poll['mean_ms']:.2f} ms, p50 {poll['p50_ms']:.2f} ms, p99 {poll['p99_ms']:.2f} ms "
+          f"per cycle (nvidia-smi --query-compute-apps: {poll['nvidia_smi_query_mean_ms']:.0f} ms)",
+          flush=True)
+    return poll
+
+
+def task_ticks(pid: int) -> dict[int, int]:
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            f = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[int(tid)] = int(f[11]) + int(f[12])
+    return out
+
+
+IDLE_LEAVES = ("wait (threading.py", "select (selectors.py", "sleep", "_wait_for_tstate_lock",
+               "accept (socket.py", "get (queue.py", "poll (selectors.py")
+
+
+def print_profile(path: Path, n: int, top: int = 25) -> None:
+    """Active samples of the daemon (leaves that only wait dropped): self and inclusive."""
+    if not path.exists():
+        print(f"  {n} ranks: no profile written", flush=True)
+        return
+    self_c: collections.Counter[str] = collections.Counter()
+    incl: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        frames = stack.split(";")[1:]  # [0] is the thread
+        if not frames or any(w in frames[-1] for w in IDLE_LEAVES):
+            continue
+        total += int(count)
+        self_c[frames[-1]] += int(count)
+        for f in set(frames):
+            incl[f] += int(count)
+    print(f"  {n} ranks: py-spy on gpuwatchd, {total} active samples at 100 Hz; self:", flush=True)
+    for f, c in self_c.most_common(top):
+        print(f"    {100 * c / max(total, 1):5.1f} % {f}")
+    print("  inclusive:")
+    for f, c in incl.most_common(top + 10):
+        print(f"    {100 * c / max(total, 1):5.1f} % {f}")
+
+
+def variants(args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
+    """(name, code checkout, extra config, rank dir) of each daemon in the window.
+
+    Two rank directories name the same holders: ``ranks-hb`` with heartbeat files (what
+    ``gpuwatchd.heartbeat`` gives), ``ranks`` without (stall detection then looks at threads and,
+    with py-spy, dumps stacks). Without ``pyspy_path`` and with none on PATH, py-spy is absent."""
+    pyspy = f"  pyspy_path: {args.pyspy}\n" if args.pyspy else ""
+    no_gil = "kernel_log: 'off'\ngil:\n  enabled: false\n"
+    here, before = str(REPO), args.main_repo
+    out = [("gpuwatchd", here, no_gil, "ranks")]
+    if before:
+        out.append(("gpuwatchd-before", before, no_gil, "ranks"))
+    if args.pyspy:
+        out.append(("gpuwatchd-hb-pyspy", here, no_gil + pyspy, "ranks-hb"))
+        out.append(("gpuwatchd-pyspy", here, no_gil + pyspy, "ranks"))
+    if args.defaults:  # shipped defaults: GIL sampling, kernel log, discovery, NVML
+        out.append(("gpuwatchd-defaults-hb", here, f"gil:\n{pyspy}" if pyspy else "", "ranks-hb"))
+        if before:
+            out.append(("gpuwatchd-before-defaults-hb", before, f"gil:\n{pyspy}" if pyspy else "",
+                        "ranks-hb"))
+    if args.only:
+        out = [v for v in out if v[0] in args.only.split(",")]
+    return out
+
+
+def cpu_window(args: argparse.Namespace, tmp: Path, n: int, logs: contextlib.ExitStack,
+               servers: list[subprocess.Popen[bytes]]) -> dict[str, Any]:
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    urls: dict[str, str] = {}
+    for k, (name, repo, extra, ranks) in enumerate(variants(args)):
+        port = 19870 + 10 * len(servers) + k
+        cfg = tmp / f"{name}-{n}.yaml"
+        cfg.write_text(f"rank_dir: {tmp / ranks}\nstate_dir: {tmp / name}-{n}\ninterval_seconds: "
+                       f"{args.interval}\nweb:\n  listen_address: '127.0.0.1:{port}'\n{extra}")
+        env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg)], env=env,
+            cwd=repo, stdout=subprocess.DEVNULL,
+            stderr=logs.enter_context((tmp / f"{name}-{n}.log").open("wb")))
+        urls[name] = f"http://127.0.0.1:{port}/metrics"
+    servers.extend(procs.values())
+    if not args.no_nvitop:
+        port = 19869 + 10 * len(servers)
+        exporter_bin = shutil.which("nvitop-exporter")
+        cmd = [exporter_bin] if exporter_bin else [sys.executable, "-m", "nvitop_exporter"]
+        procs["nvitop-exporter"] = subprocess.Popen(
+            [*cmd, "--bind-address", "127.0.0.1", "--port", str(port), "--interval",
+             str(args.interval)], stdout=subprocess.DEVNULL,
+            stderr=logs.enter_context((tmp / f"nvitop-{n}.log").open("wb")))
+        servers.append(procs["nvitop-exporter"])
+        urls["nvitop-exporter"] = f"http://127.0.0.1:{port}/metrics"
+    for u in urls.values():
+        wait_http(u)
+    time.sleep(args.warmup)  # warm-up: first cycles, rank files parsed, environ read
+    prof = None
+    if args.profile and args.pyspy and "gpuwatchd" in procs:  # py-spy on the daemon itself
+        prof = subprocess.Popen([args.pyspy, "record", "--nonblocking", "--threads", "-r", "100",
+                                 "-d", str(int(args.seconds)), "--format", "raw", "-o",
+                                 str(tmp / f"prof-{n}.raw"), "-p", str(procs["gpuwatchd"].pid)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tasks0 = task_ticks(procs["gpuwatchd"].pid) if "gpuwatchd" in procs else {}
+    own0 = {k: cpu_seconds(p.pid, children=False) for k, p in procs.items()}
+    all0 = {k: cpu_seconds(p.pid) for k, p in procs.items()}
+    t0 = time.monotonic()
+    sizes: dict[str, int] = {}
+    scrapes: dict[str, list[float]] = {k: [] for k in urls}
+    while time.monotonic() - t0 < args.seconds:
+        for k, u in urls.items():
+            dt, size = scrape(u)
+            scrapes[k].append(dt)
+            sizes[k] = size
+        time.sleep(args.interval)
+    wall = time.monotonic() - t0
+    if "gpuwatchd" in procs:
+        tasks1 = task_ticks(procs["gpuwatchd"].pid)
+        tick = os.sysconf("SC_CLK_TCK")
+        per_thread = {t: (tasks1[t] - tasks0.get(t, 0)) / tick for t in tasks1}
+        print(f"  {n} ranks, gpuwatchd threads alive at the end, CPU s in the window: "
+              f"{sorted(per_thread.values(), reverse=True)[:6]} (main thread first by tid: "
+              f"{per_thread.get(procs['gpuwatchd'].pid, 0.0):.2f} s)", flush=True)
+    if prof is not None:
+        prof.wait(30)
+        print_profile(tmp / f"prof-{n}.raw", n)
+    own = {k: cpu_seconds(p.pid, children=False) - own0[k] for k, p in procs.items()}
+    tot = {k: cpu_seconds(p.pid) - all0[k] for k, p in procs.items()}
+    rss = {k: rss_mib(p.pid) for k, p in procs.items()}
+    bodies = {k: urllib.request.urlopen(u, timeout=10).read().decode() for k, u in urls.items()
+              if k.startswith("gpuwatchd")}
+    for p in procs.values():
+        p.send_signal(signal.SIGTERM)
+    for p in procs.values():
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    res: dict[str, Any] = {"ranks": n, "seconds": wall, "interval_seconds": args.interval,
+                           "processes": {}}
+    ref = tot.get("nvitop-exporter")
+    for k in procs:
+        row = {"cpu_percent_own": 100 * own[k] / wall, "cpu_percent_with_children": 100 * tot[k] / wall,
+               "rss_mib": rss[k], "scrape_ms_mean": statistics.mean(scrapes[k]) * 1e3,
+               "exposition_bytes": sizes.get(k, 0)}
+        if ref:
+            row["ratio_to_nvitop"] = tot[k] / ref
+        if k in bodies:
+            row["ranks_up"] = sum(1 for line in bodies[k].splitlines()
+                                  if line.startswith("gpuwatch_rank_up{") and line.endswith(" 1.0"))
+            row["cycle_line"] = next((line for line in bodies[k].splitlines()
+                                      if line.startswith("gpuwatch_cycle_duration_seconds ")), "")
+        res["processes"][k] = row
+        print(f"  {n} ranks, {k:26s} CPU {row['cpu_percent_own']:.3f} % own, "
+              f"{row['cpu_percent_with_children']:.3f} % with py-spy children, RSS "
+              f"{rss[k]:.0f} MiB" + (f", ratio to nvitop-exporter {row['ratio_to_nvitop']:.2f}"
+                                     if ref else "")
+              + (f", ranks up {row['ranks_up']}" if "ranks_up" in row else ""), flush=True)
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--procs", type=int, default=9)
+    ap.add_argument("--procs", type=int, default=9, help="one size (see --sizes)")
+    ap.add_argument("--sizes", default="", help="e.g. 32,64: a CPU window at each")
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--polls", type=int, default=300)
     ap.add_argument("--seconds", type=float, default=60)
+    ap.add_argument("--warmup", type=float, default=10)
     ap.add_argument("--interval", type=float, default=5.0)
     ap.add_argument("--out", default="")
     ap.add_argument("--record", default="", help="also record the NVML readings to this JSON")
-    ap.add_argument("--baseline", action="store_true",
-                    help="also run a third process: gpuwatchd with nvml.enabled false, to "
-                    "attribute the daemon's CPU to its GPU part")
+    ap.add_argument("--pyspy", default="", help="py-spy binary for the daemons (gil.pyspy_path)")
+    ap.add_argument("--main-repo", default="", help="checkout whose daemon runs as 'before'")
+    ap.add_argument("--defaults", action="store_true", help="also the shipped defaults (GIL on)")
+    ap.add_argument("--no-nvitop", action="store_true", help="(dry runs without a GPU)")
+    ap.add_argument("--no-poll", action="store_true", help="skip the NVML poll timing")
+    ap.add_argument("--holder", default=str(REPO / "tests/gpu/holder.py"))
+    ap.add_argument("--only", default="", help="comma-separated daemon variants to run")
+    ap.add_argument("--profile", action="store_true",
+                    help="py-spy record the 'gpuwatchd' variant during the window (needs --pyspy)")
     args = ap.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else [args.procs]
     tmp = Path(tempfile.mkdtemp(prefix="gpuwatch-bench-"))
-    rank_dir = tmp / "ranks"
-    rank_dir.mkdir()
+    (tmp / "ranks").mkdir()
+    (tmp / "ranks-hb").mkdir()
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     holders: list[subprocess.Popen[bytes]] = []
     servers: list[subprocess.Popen[bytes]] = []
-    result: dict[str, Any] = {"procs": args.procs, "gib_each": args.gib}
+    result: dict[str, Any] = {"sizes": sizes, "gib_each": args.gib, "windows": []}
     logs = contextlib.ExitStack()
     try:
-        for i in range(args.procs):
-            holders.append(subprocess.Popen(
-                [sys.executable, str(REPO / "tests/gpu/holder.py"), "--gib", str(args.gib),
-                 "--ready-file", str(tmp / f"h{i}.pid")]))
-        deadline = time.monotonic() + 180
-        while not all((tmp / f"h{i}.pid").exists() for i in range(args.procs)):
-            assert time.monotonic() < deadline, "holders did not start"
-            time.sleep(0.2)
-        for i in range(args.procs):
-            pid = int((tmp / f"h{i}.pid").read_text())
-            subprocess.run([sys.executable, "-m", "gpuwatchd", "register", "--job-id", "bench",
-                            "--rank", str(i), "--pid", str(pid), "--rank-dir", str(rank_dir)],
-                           check=True, env=env, cwd=str(REPO), capture_output=True)
-
-        # --- 1. NVML poll cost -------------------------------------------------------------
-        src = NvmlSource()
-        devices, procs = src.read()
-        samples = []
-        for _ in range(args.polls):
-            t0 = time.perf_counter()
-            devices, procs = src.read()
-            samples.append(time.perf_counter() - t0)
-        src.close()
-        smi = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                            "--format=csv,noheader"], capture_output=True, check=True)
-            smi.append(time.perf_counter() - t0)
-        samples.sort()
-        result["poll"] = {
-            "gpus": len(devices),
-            "gpu_processes": len(procs),
-            "polls": len(samples),
-            "mean_ms": statistics.mean(samples) * 1e3,
-            "p50_ms": samples[len(samples) // 2] * 1e3,
-            "p99_ms": samples[int(len(samples) * 0.99) - 1] * 1e3,
-            "max_ms": samples[-1] * 1e3,
-            "nvidia_smi_query_mean_ms": statistics.mean(smi) * 1e3,
-        }
-        print(f"NVML poll: {len(procs)} GPU processes on {len(devices)} GPU(s): "
-              f"mean {result['poll']['mean_ms']:.2f} ms, p50 {result['poll']['p50_ms']:.2f} ms, "
-              f"p99 {result['poll']['p99_ms']:.2f} ms per cycle "
-              f"(nvidia-smi --query-compute-apps: {result['poll']['nvidia_smi_query_mean_ms']:.0f}"
-              f" ms)", flush=True)
-
-        if args.record:
-            subprocess.run([sys.executable, str(REPO / "tools/record_nvml.py"), "--cycles", "2",
-                            "--out", args.record, "--note",
-                            f"H200: {args.procs} torch processes holding {args.gib} GiB each, "
-                            "registered as ranks 0..N-1 of job 'bench' (bench/nvml_poll.py)"],
-                           check=True)
-
-        # --- 2. daemon vs nvitop-exporter ---------------------------------------------------
-        daemons: dict[str, subprocess.Popen[bytes]] = {}
-        variants = [("gpuwatchd", 19863, "")]
-        if args.baseline:
-            variants.append(("gpuwatchd-nvml-off", 19865, "nvml:\n  enabled: false\n"))
-        for name, port, extra in variants:
-            cfg = tmp / f"{name}.yaml"
-            cfg.write_text(f"rank_dir: {rank_dir}\nstate_dir: {tmp / name}\ninterval_seconds: "
-                           f"{args.interval}\nkernel_log: 'off'\ngil:\n  enabled: false\n"
-                           f"web:\n  listen_address: '127.0.0.1:{port}'\n{extra}")
-            daemons[name] = subprocess.Popen(
-                [sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg)], env=env,
-                cwd=str(REPO), stdout=subprocess.DEVNULL,
-                stderr=logs.enter_context((tmp / f"{name}.log").open("wb")))
-            servers.append(daemons[name])
-        daemon = daemons["gpuwatchd"]
-        exporter_bin = shutil.which("nvitop-exporter")
-        exporter_cmd = [exporter_bin] if exporter_bin else [sys.executable, "-m",
-                                                            "nvitop_exporter"]
-        nvitop = subprocess.Popen([*exporter_cmd, "--bind-address", "127.0.0.1", "--port",
-                                   "19864", "--interval", str(args.interval)], env=env,
-                                  stdout=subprocess.DEVNULL, stderr=logs.enter_context((tmp / "n.log").open("wb")))
-        servers.append(nvitop)
-        urls = {"gpuwatchd": "http://127.0.0.1:19863/metrics",
-                "nvitop-exporter": "http://127.0.0.1:19864/metrics"}
-        if args.baseline:
-            urls["gpuwatchd-nvml-off"] = "http://127.0.0.1:19865/metrics"
-        for u in urls.values():
-            wait_http(u)
-        time.sleep(args.interval)  # warm-up: one full cycle each
-        pids = {**{k: p.pid for k, p in daemons.items()}, "nvitop-exporter": nvitop.pid}
-        start = {k: cpu_seconds(p) for k, p in pids.items()}
-        t0 = time.monotonic()
-        scrapes: dict[str, list[float]] = {k: [] for k in urls}
-        sizes: dict[str, int] = {}
-        while time.monotonic() - t0 < args.seconds:
-            for k, u in urls.items():
-                dt, n = scrape(u)
-                scrapes[k].append(dt)
-                sizes[k] = n
-            time.sleep(args.interval)
-        wall = time.monotonic() - t0
-        cpu = {k: cpu_seconds(p) - start[k] for k, p in pids.items()}
-        body = urllib.request.urlopen(urls["gpuwatchd"], timeout=10).read().decode()
-        result["cpu"] = {
-            "seconds": wall,
-            "interval_seconds": args.interval,
-            "gpuwatchd_cpu_seconds": cpu["gpuwatchd"],
-            "nvitop_exporter_cpu_seconds": cpu["nvitop-exporter"],
-            "gpuwatchd_cpu_percent_of_core": 100 * cpu["gpuwatchd"] / wall,
-            "nvitop_exporter_cpu_percent_of_core": 100 * cpu["nvitop-exporter"] / wall,
-            "cpu_seconds_all": cpu,
-            "ratio_gpuwatchd_over_nvitop": cpu["gpuwatchd"] / cpu["nvitop-exporter"]
-            if cpu["nvitop-exporter"] else None,
-            "gpuwatchd_rss_mib": rss_mib(daemon.pid),
-            "nvitop_exporter_rss_mib": rss_mib(nvitop.pid),
-            "scrape_ms_mean": {k: statistics.mean(v) * 1e3 for k, v in scrapes.items()},
-            "exposition_bytes": sizes,
-            "gpuwatchd_process_series": sum(
-                1 for line in body.splitlines()
-                if line.startswith("gpuwatch_gpu_process_memory_bytes{")),
-            "gpuwatchd_nvml_collector_line": next(
-                (line for line in body.splitlines()
-                 if line.startswith('gpuwatch_collector_duration_seconds{collector="nvml"}')), ""),
-        }
-        c = result["cpu"]
-        print(f"CPU over {wall:.0f} s at {args.interval:g} s interval, scraped every "
-              f"{args.interval:g} s: gpuwatchd {c['gpuwatchd_cpu_seconds']:.2f} s "
-              f"({c['gpuwatchd_cpu_percent_of_core']:.2f} % of a core, RSS "
-              f"{c['gpuwatchd_rss_mib']:.0f} MiB), nvitop-exporter "
-              f"{c['nvitop_exporter_cpu_seconds']:.2f} s "
-              f"({c['nvitop_exporter_cpu_percent_of_core']:.2f} %, RSS "
-              f"{c['nvitop_exporter_rss_mib']:.0f} MiB); ratio gpuwatchd/nvitop = "
-              f"{c['ratio_gpuwatchd_over_nvitop']:.2f}", flush=True)
-        print(f"CPU seconds of each process in the same window: {c['cpu_seconds_all']}",
-              flush=True)
-        print(f"scrape mean ms: {c['scrape_ms_mean']}; gpuwatchd process series "
-              f"{c['gpuwatchd_process_series']}; {c['gpuwatchd_nvml_collector_line']}", flush=True)
+        have = 0
+        for n in sizes:
+            t0 = time.monotonic()
+            start_holders(args, tmp, have, n, holders, env)
+            have = n
+            print(f"{n} holders up ({time.monotonic() - t0:.0f} s to start the new ones)", flush=True)
+            if not args.no_poll and "poll" not in result:
+                result["poll"] = poll_cost(args)
+                if args.record:
+                    subprocess.run([sys.executable, str(REPO / "tools/record_nvml.py"), "--cycles",
+                                    "2", "--out", args.record, "--note",
+                                    f"H200: {n} torch processes holding {args.gib} GiB each, "
+                                    "registered as ranks 0..N-1 of job 'bench' (bench/nvml_poll.py)"],
+                                   check=True)
+            result["windows"].append(cpu_window(args, tmp, n, logs, servers))
+            if args.out:
+                Path(args.out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     finally:
         for p in servers + holders:
             if p.poll() is None:
@@ -232,10 +345,10 @@ def main() -> int:
                 p.kill()
                 p.wait()
         logs.close()
-        for name in ("gpuwatchd.log", "gpuwatchd-nvml-off.log", "n.log"):
-            log = tmp / name
-            if log.exists() and log.stat().st_size:
-                print(f"--- {name} (tail)\n{log.read_text()[-1500:]}")
+        for log in sorted(tmp.glob("*.log")):
+            text = log.read_text(errors="replace")
+            if "Traceback" in text or "ERROR" in text:
+                print(f"--- {log.name} (tail)\n{text[-1500:]}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     return 0

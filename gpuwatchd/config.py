@@ -55,6 +55,23 @@ class GilConfig:
 @dataclass(frozen=True)
 class StallConfig:
     after_seconds: float = 300.0
+    # a rank in torch.compile / Inductor / Triton autotuning with its CPU busy is "compiling", and
+    # paged as stalled only after this long without progress (compiles of large models take long)
+    compile_after_seconds: float = 1800.0
+    # ask the ranks of a stalled job for their PyTorch flight-recorder dump (gpuwatchd/join/collectives.py)
+    flight_recorder: bool = True
+    flight_recorder_interval_seconds: float = 60.0
+
+
+@dataclass(frozen=True)
+class StragglerConfig:
+    """rank_straggler: a rank whose step rate (heartbeat(step)) stays below ``ratio`` times its
+    job's median on this node, measured over ``window_seconds``, for ``for_seconds``."""
+
+    enabled: bool = True
+    window_seconds: float = 300.0
+    ratio: float = 0.8
+    for_seconds: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -136,6 +153,7 @@ class Config:
     fds: FdsConfig = field(default_factory=FdsConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     retention: RetentionConfig = field(default_factory=RetentionConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
 
 
 # --- value checkers: return the converted value or raise ValueError(reason) -----------------------
@@ -265,7 +283,10 @@ SCHEMA: Mapping[str, Any] = {
             "timeout_seconds": _number(0.0, maximum=3600),
         },
     ),
-    "stall": (StallConfig, {"after_seconds": _number(0.0)}),
+    "stall": (StallConfig, {"after_seconds": _number(0.0),
+                            "compile_after_seconds": _number(0.0),
+                            "flight_recorder": _boolean,
+                            "flight_recorder_interval_seconds": _number(0.0)}),
     "alertmanager": (
         AlertmanagerConfig,
         {"url": _optional(_url), "timeout_seconds": _number(0.0, maximum=60),
@@ -287,6 +308,11 @@ SCHEMA: Mapping[str, Any] = {
          "min_window_seconds": _number(0.0, exclusive=False), "cgroup_root": _optional(_path),
          "snapshots_per_rank": _integer(0, 100),
          "snapshot_min_interval_seconds": _number(0.0, exclusive=False)},
+    ),
+    "straggler": (
+        StragglerConfig,
+        {"enabled": _boolean, "window_seconds": _number(0.0), "ratio": _number(0.0, maximum=1.0),
+         "for_seconds": _number(0.0, exclusive=False)},
     ),
     "fds": (
         FdsConfig,

@@ -13,6 +13,15 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+# nvml.h clocksEventReasons bits -> the reason label of gpuwatch_gpu_clock_throttled
+THROTTLE_REASONS: Mapping[str, int] = {
+    "gpu_idle": 0x1, "applications_clocks": 0x2, "sw_power_cap": 0x4, "hw_slowdown": 0x8,
+    "sync_boost": 0x10, "sw_thermal": 0x20, "hw_thermal": 0x40, "hw_power_brake": 0x80,
+    "display_clocks": 0x100,
+}  # fmt: skip
+# the reasons that slow a busy GPU down (the others are idle, settings or benign)
+SLOWING_REASONS = ("sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake")
+
 # Severities map one to one onto the Alertmanager routing in deploy/alertmanager/.
 PAGE = "page"
 WARNING = "warning"
@@ -92,6 +101,7 @@ class RankState:
     died_at: float | None = None  # first cycle at which it was seen dead
     ns_pid: int | None = None  # the PID inside its container (None: the same as ``pid``)
     container: str = ""  # e.g. "Kubernetes pod UID", from the cgroup path (sources/containers.py)
+    step: int | None = None  # the step of its last heartbeat(step), None when it sends none
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,8 @@ class GpuDevice:
     memory_total_bytes: int | None
     memory_used_bytes: int | None
     utilization_ratio: float | None  # 0..1; None when the driver does not say
+    # nvmlDeviceGetCurrentClocksEventReasons bit mask (why clocks are below maximum); None: unknown
+    throttle_reasons: int | None = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +206,7 @@ COUNTER_LABELS: Mapping[str, tuple[str, ...]] = frozen_map(
         "web_connections_dropped": ("reason",),
         "state_write_errors": ("file",),
         "state_records_rejected": ("file", "reason"),
+        "cycle_deferred_probes": ("probe",),
     }
 )
 
@@ -243,6 +256,20 @@ class NodeMemoryState:
 
 
 @dataclass(frozen=True)
+class CollectiveStatus:
+    """One process group of one rank, from its flight-recorder dump (gpuwatchd/join/collectives.py)."""
+
+    job_id: str
+    rank: int
+    pid: int
+    pg: str  # process group id as the flight recorder names it ("0" = the default group)
+    last_started: int  # highest collective sequence number the rank entered (-1: none)
+    last_completed: int  # highest one it completed (-1: none)
+    last_name: str = ""  # profiling name of the last one entered, e.g. "gloo:all_reduce"
+    timestamp: float = 0.0  # when the rank wrote the dump
+
+
+@dataclass(frozen=True)
 class NodeState:
     timestamp: float
     ranks: tuple[RankState, ...] = ()
@@ -256,6 +283,10 @@ class NodeState:
     cycle_seconds: float = 0.0
     rank_memory: tuple[RankMemory, ...] = ()  # memory_subsystem.py; () when off
     node_memory: NodeMemoryState | None = None
+    collectives: tuple[CollectiveStatus, ...] = ()
+    # the daemon's own /proc/self/oom_score_adj (None where unreadable): shows that the unit's
+    # OOMScoreAdjust took effect
+    oom_score_adj: int | None = None
 
 
 # Who reported an Xid (join/xid_dedup.py counts one reported by both once).

@@ -49,8 +49,12 @@ class MemCgroup:
         return "/" + self.name
 
     def _enter(self) -> None:
+        self.adopt(os.getpid())
+
+    def adopt(self, pid: int) -> None:
+        """Move a running process (all its threads) into this cgroup."""
         with open(os.path.join(self.path, "cgroup.procs"), "w") as f:
-            f.write(str(os.getpid()))
+            f.write(str(pid))
 
     def spawn(self, code: str = RANK_CODE) -> subprocess.Popen[bytes]:
         p = subprocess.Popen(

@@ -415,6 +415,12 @@ def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
         add("gpuwatch_rank_gil_held_samples_total", "counter", jr, r.gil_held)
         add("gpuwatch_rank_progress_timestamp_seconds", "gauge", jr, now - (600 if r.stalled else 1))
         add("gpuwatch_rank_stalled", "gauge", jr, 1 if r.stalled else 0)
+        add("gpuwatch_rank_step", "gauge", jr, int(now * (10 - r.rank)) if not r.stalled else 100)
+        add("gpuwatch_rank_collective_last_started_seq", "gauge", {**jr, "pg": "0"},
+            4 if r.stalled else 5)
+        add("gpuwatch_rank_collective_last_completed_seq", "gauge", {**jr, "pg": "0"}, 4)
+        for reason in ("gpu_idle", "sw_power_cap", "hw_slowdown", "hw_thermal"):
+            add("gpuwatch_gpu_clock_throttled", "gauge", {**g, "reason": reason}, 0)
         add("gpuwatch_cuda_oom_errors_total", "counter", {**jr, "gpu": str(r.gpu)}, 0)
         add("gpuwatch_rank_tree_resident_memory_bytes", "gauge", jr, 6 * 2**30)
         add("gpuwatch_rank_memory_cgroup_usage_bytes", "gauge", jr, 70 * 2**30)
@@ -498,10 +504,12 @@ H200_RECORDING = REPO / "tests" / "fixtures" / "nvml" / "h200_orphan_dataloader.
 def derived_nvml_fixture(path: Path, pids: dict[int, int], xid: int | None = None) -> Path:
     """The H200 recording with its recorded PIDs replaced by live ones (``pids``: recorded ->
     live; recorded PIDs not in ``pids`` are dropped), optionally followed by one Xid event:
-    the GPU is the only thing this machine lacks."""
+    the GPU is the only thing this machine lacks. The recording predates clock event reasons:
+    they are set to 0 (clocks not held back), what an unthrottled busy GPU reports."""
     doc = json.loads(H200_RECORDING.read_text())
     for cycle in doc["cycles"]:
         for dev in cycle["devices"]:
+            dev.setdefault("clocks_event_reasons", 0)
             for key in ("compute", "graphics", "process_utilization"):
                 dev[key] = [dict(p, pid=pids[p["pid"]]) for p in dev.get(key, [])
                             if p["pid"] in pids]
@@ -583,6 +591,20 @@ class Daemon:
                 self.proc.wait(timeout=5)
 
 
-def sleeper() -> subprocess.Popen[bytes]:
-    """A live rank that just waits (as a peer blocked in a collective would)."""
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+FR_RECORDING = REPO / "tests" / "fixtures" / "hang" / "fr_gloo_rank0.json"
+
+
+def sleeper(flight_recorder: tuple[Path, str, int] | None = None) -> subprocess.Popen[bytes]:
+    """A live rank that just waits (as a peer blocked in a collective would). With
+    ``flight_recorder`` (rank_dir, job_id, rank) it also answers the daemon's flight-recorder
+    requests, as a registered rank's thread does, with the dump recorded on the H200 of a rank
+    waiting in collective #5 (tests/fixtures/hang/README.md)."""
+    if flight_recorder is None:
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    rank_dir, job_id, rank = flight_recorder
+    code = ("import json, sys, time\nfrom gpuwatchd import flight_recorder as fr\n"
+            "rec = json.load(open(sys.argv[1]))['trace']\n"
+            "fr.start(sys.argv[2], sys.argv[3], int(sys.argv[4]), dump=lambda: rec)\n"
+            "time.sleep(600)\n")
+    return subprocess.Popen([sys.executable, "-c", code, str(FR_RECORDING), str(rank_dir), job_id,
+                             str(rank)])

@@ -35,6 +35,7 @@ DESIGN_ALERTS = {
     "GPURankFDExhaustion": "warning",
     "GPURankMemoryPressure": "warning",
     "GPURankGILSaturated": "warning",
+    "GPURankStraggler": "warning",
     "GPURankMisconfigured": "info",
     "GpuwatchdCollectorFailing": "warning",
     "GpuwatchdDown": "warning",
@@ -100,7 +101,7 @@ def test_every_alert_is_unit_tested_firing_and_not_firing() -> None:
     assert silent == set(DESIGN_ALERTS)
     # label propagation: every firing expectation of a rank alert names job_id, rank and instance
     rank_alerts = {"GPURankOOMKilled", "GPURankDown", "GPURankStalled", "GPURankFDExhaustion",
-                   "GPURankGILSaturated", "GPURankMemoryPressure"}
+                   "GPURankGILSaturated", "GPURankMemoryPressure", "GPURankStraggler"}
     for t in doc["tests"]:
         for case in t.get("alert_rule_test", []):
             if case["alertname"] in rank_alerts:

@@ -161,8 +161,15 @@ def _real_daemon_metric_names(tmp_path: Path) -> set[str]:
     counters = CounterStore()
     for name, labels in COUNTER_LABELS.items():
         counters.inc(name, tuple("x" for _ in labels))
-    text += generate_latest(make_registry(lambda: NodeState(timestamp=time.time()),
-                                          counters)).decode()
+    # families that need a GPU (NVML), a heartbeat step or a flight-recorder answer
+    from gpuwatchd.model import CollectiveStatus, GpuDevice, RankState
+
+    fuller = NodeState(
+        timestamp=time.time(),
+        ranks=(RankState("x", 0, 1, 0, 1, True, None, step=1),),
+        gpus=(GpuDevice(0, "GPU-x", "n", "p", 1, 1, 0.5, throttle_reasons=0x40),),
+        collectives=(CollectiveStatus("x", 0, 1, "0", 5, 4),))
+    text += generate_latest(make_registry(lambda: fuller, counters)).decode()
     names: set[str] = set()
     for fam in text_string_to_metric_families(text):
         names.add(fam.name)

@@ -95,7 +95,9 @@ def test_oom_kill_pages_once_through_prometheus_and_alertmanager_every_panel_has
     victim = _oom_victim(cgroups, procs)
     peer_cg = MemCgroup("h6e2epeer", 1 << 30)  # the peer's job limit: the host-memory panels
     cgroups.append(peer_cg)
-    peer = peer_cg.spawn("import time; time.sleep(600)")
+    # the peer answers the flight-recorder request the daemon sends once it stalls
+    peer = sleeper(flight_recorder=(tmp_path / "node-a" / "ranks", job_id, 0))
+    peer_cg.adopt(peer.pid)
     orphan = sleeper()  # holds GPU memory in the replay but belongs to no rank
     procs += [peer, orphan]
     node = Daemon(
@@ -109,6 +111,8 @@ def test_oom_kill_pages_once_through_prometheus_and_alertmanager_every_panel_has
     )
     node.register(job_id, 0, peer.pid, 2, gpus="0", heartbeat=tmp_path / "rank0.heartbeat")
     node.register(job_id, 1, victim.pid, 2, gpus="0", heartbeat=tmp_path / "rank1.heartbeat")
+    for r in (0, 1):  # the step a heartbeat(step) writes: gpuwatch_rank_step for the step panels
+        (tmp_path / f"rank{r}.heartbeat").write_text("100\n")
     (node.rank_dir / "broken.json").write_text('{"version": 1, "job_id": ')  # bad_rank_file
     with Webhook() as hook, \
             alertmanager(tmp_path, shipped_alertmanager_config(hook.url)) as am:

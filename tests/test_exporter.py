@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.exporter.collector import make_registry
 from gpuwatchd.model import (
+    CollectiveStatus,
     CollectorStatus,
     Finding,
     GpuDevice,
@@ -33,10 +34,11 @@ def full_state() -> tuple[NodeState, CounterStore]:
                     start_time=1.0, cpu_seconds=2.5, rss_bytes=1 << 30, threads=40, open_fds=900,
                     max_fds_soft=1024, max_fds_hard=4096)
     ranks = (
-        RankState("llm-7", 0, 10, 0, 2, True, p, (10, 11), ("0",), 1700000000.0, True),
+        RankState("llm-7", 0, 10, 0, 2, True, p, (10, 11), ("0",), 1700000000.0, True, step=1200),
         RankState("llm-7", 1, 12, 1, 2, False, None, died_at=1700000001.0),
     )
-    gpus = (GpuDevice(0, "GPU-a", "NVIDIA H200", "00000000:3B:00.0", 150 << 30, 60 << 30, 0.97),
+    gpus = (GpuDevice(0, "GPU-a", "NVIDIA H200", "00000000:3B:00.0", 150 << 30, 60 << 30, 0.97,
+                      throttle_reasons=0x44),
             GpuDevice(1, "GPU-b", "NVIDIA H200", "00000000:3C:00.0", None, None, None))
     rows = (GpuProcessRow(0, "GPU-a", 10, 40 << 30, "python", "root", "llm-7", "0"),
             GpuProcessRow(0, "GPU-a", 11, 1 << 30, "pt_data_worker", "root", "llm-7", "0"),
@@ -56,6 +58,7 @@ def full_state() -> tuple[NodeState, CounterStore]:
     counters.inc("rank_gil_held_samples", ("llm-7", "0"), 240)
     counters.inc("kernel_log_overruns")
     counters.inc("kernel_log_lines_rejected", ("not_kernel_facility",))
+    counters.inc("cycle_deferred_probes", ("threads",), 3)
     counters.inc("web_connections_dropped", ("limit",))
     memory = (RankMemory("llm-7", 0, 10, 3 << 30, 1e6, cgroup="/slurm/job_7", cgroup_version=2,
                          usage_bytes=75 << 30, working_set_bytes=74 << 30, limit_bytes=80 << 30,
@@ -65,7 +68,9 @@ def full_state() -> tuple[NodeState, CounterStore]:
     counters.inc("state_records_rejected", ("events.jsonl", "malformed"))
     state = NodeState(timestamp=1700000002.0, ranks=ranks, gpus=gpus, gpu_processes=rows, orphans=orphans,
                       findings=findings, collectors=collectors, cycle_seconds=0.004,
-                      rank_memory=memory, node_memory=node)
+                      rank_memory=memory, node_memory=node,
+                      collectives=(CollectiveStatus("llm-7", 0, 10, "0", 5, 4, "nccl:all_reduce"),),
+                      oom_score_adj=-900)
     return state, counters
 
 

@@ -178,7 +178,10 @@ def test_convoy_pulls_the_next_sample_forward(procs: list) -> None:
         time.sleep(1.1)
         due = s.due()
     assert [t.rank for t in due] == [0]  # the convoy is due within ~1 s of its hint; io4 is not
-    assert s.convoys()[("j", 0)].busy_threads >= 2 and not s.convoys()[("j", 1)].convoy
+    assert s.convoys()[("j", 0)].busy_threads >= 2
+    # io4 uses too little CPU for a convoy: its threads are not even read (one stat per probe)
+    io_hint = s.convoys().get(("j", 1))
+    assert io_hint is None or not io_hint.convoy
     s.close()
 
 
@@ -346,3 +349,15 @@ def test_daemon_with_a_hanging_pyspy_stays_healthy(tmp_path: Path, procs: list) 
     alive = [p for p in started if os.path.exists(f"/proc/{p}")
              and "sleep" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
     assert alive == [], f"stand-in processes survived: {alive}"
+
+
+def test_tick_after_close_starts_nothing_and_raises_nothing() -> None:
+    # the daemon's scheduler thread may tick once more while shutdown closes the pool (device
+    # run: "gil-sampler crashed: RuntimeError: cannot schedule new futures after shutdown")
+    clock = FakeClock()
+    s = GilSampler(PySpy(None), CounterStore(), interval_seconds=30, clock=clock,
+                   rng=random.Random(7))  # fmt: skip
+    s.update_targets(GilTarget("j", r, 10_000_000 + r) for r in range(4))
+    clock.t = 1100.0
+    s.close()
+    assert s.tick() == []

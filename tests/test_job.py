@@ -129,3 +129,28 @@ def test_job_across_two_nodes_names_first_oom_killed_rank(tmp_path: Path) -> Non
             states = {r["rank"]: r["state"] for r in gone["ranks"]}
             assert states == {"0": "dead", "1": "up", "2": "oom_killed", "3": "missing"}
             assert gone["first_to_fail"]["rank"] == "2"
+
+
+def test_job_names_the_rank_behind_in_the_flight_recorder_and_the_straggler(
+        tmp_path: Path) -> None:  # fmt: skip
+    """Three ranks on a stand-in node: ranks 0 and 1 step on and entered collective #5; rank 2
+    stopped stepping and its flight recorder says #4. `gpuwatchd job` names rank 2 both as the
+    rank that never entered collective #5 and as the straggler (0 steps/s)."""
+    ranks = [NodeRank("fr-7", r, 2000 + r, 3, gpu=r) for r in range(3)]
+    ranks[2].stalled = True
+    with MetricsServer(node_exposition(ranks)) as node, prometheus(tmp_path, [node.address]) as prom:
+        wait_until(lambda: len(prom.query("deriv(gpuwatch_rank_step[10m])")) == 3, 30,
+                   "three step rates")  # fmt: skip
+        node.text = node_exposition(ranks)
+        time.sleep(2)
+        jv = job.job_view(job.Prometheus(prom.url), "fr-7")
+        assert [(r.rank, pg, seq, top) for r, pg, seq, top in jv.behind] == [("2", "0", 4, 5)]
+        assert [r.rank for r in jv.stragglers] == ["2"]
+        out = _cli("fr-7", "--prometheus", prom.url)
+        print(out.stdout)
+        assert out.returncode == 1, out.stderr  # a rank has failed (stalled)
+        assert f"flight recorder: rank 2 on {node.address} never entered collective #5 of " \
+            "process group 0 (its last: #4)" in out.stdout
+        assert f"straggler: rank 2 on {node.address} makes 0.00 steps/s" in out.stdout
+        doc = json.loads(_cli("fr-7", "--prometheus", prom.url, "--json").stdout)
+        assert doc["behind"][0]["rank"] == "2" and doc["stragglers"][0]["rank"] == "2"

@@ -181,6 +181,27 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def unresolved(root: Path) -> list[str]:
+    """Imports of the package that name no module of it (mypy's ignore_missing_imports would not
+    say so)."""
+    mods = modules(root)
+    out = []
+    for m, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = []
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            out += [f"{m}: {n}" for n in names
+                    if (n == root.name or n.startswith(root.name + ".")) and n not in mods]
+    return out
+
+
+def test_every_import_names_a_module() -> None:
+    assert unresolved(PKG) == []
+
+
 def test_every_module_has_a_layer() -> None:
     edges, _ = graph(PKG)
     assert [m for m in edges if m != "gpuwatchd" and layer_of(m) is None] == []
@@ -248,3 +269,5 @@ def test_the_checker_catches_each_kind_of_bad_import(tmp_path: Path) -> None:
         edges, external)
     assert finding_violations(edges) == ["gpuwatchd.findings.a imports gpuwatchd.findings.b"]
     assert ["gpuwatchd.daemon.core", "gpuwatchd.daemon.gpu"] in cycles(edges)
+    (root / "cli.py").write_text("from gpuwatchd.daemon.core.gone import x\n")
+    assert unresolved(root) == ["gpuwatchd.cli: gpuwatchd.daemon.core.gone"]

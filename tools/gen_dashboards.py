@@ -236,7 +236,13 @@ NODE_ROWS: list[tuple[str, list[Panel]]] = [
               height=7),
         Panel("Xid errors", "timeseries",
               [graph(f"increase(gpuwatch_gpu_xid_errors_total{{{N}}}[$__rate_interval])",
-                 "GPU {{gpu}} Xid {{xid}}")], unit="none", width=24, height=6),
+                 "GPU {{gpu}} Xid {{xid}}")], unit="none", width=12, height=6),
+        Panel("GPU clock throttle reasons", "timeseries",
+              [graph(f'gpuwatch_gpu_clock_throttled{{{N},reason=~"hw_.*|sw_.*"}}',
+                     "GPU {{gpu}} {{reason}}")], unit="none", width=12, height=6, min=0, max=1,
+              description="NVML's reasons for clocks below maximum (1 = active). hw_slowdown, "
+                          "hw_thermal, sw_thermal, sw_power_cap and hw_power_brake slow a busy "
+                          "GPU down: a rank on it becomes a straggler."),
     ]),
     ("Ranks", [
         Panel("Open fds / limit", "timeseries",
@@ -260,6 +266,10 @@ NODE_ROWS: list[tuple[str, list[Panel]]] = [
         Panel("OOM kills", "timeseries",
               [graph(f"gpuwatch_oom_kills_total{{{N}}}",
                  "{{job_id}} rank {{rank}} {{comm}} ({{killer}})")], unit="none", min=0),
+        Panel("Step rate per rank", "timeseries",
+              [graph(f"deriv(gpuwatch_rank_step{{{N}}}[5m])", "{{job_id}} rank {{rank}}")],
+              unit="none", min=0, width=24, height=6,
+              description="Steps per second from each rank's heartbeat(step)."),
     ]),
     ("Host memory", [
         Panel("Memory cgroup use / limit per rank", "timeseries",
@@ -311,6 +321,8 @@ FAILED_AT = (
     f" or gpuwatch_oom_kills_total{{{J}}} > 0"
     f")[$__range:$__interval]))"
 )
+
+STEP_RATE = f"deriv(gpuwatch_rank_step{{{J}}}[10m])"
 
 JOB_ROWS: list[tuple[str, list[Panel]]] = [
     ("Job", [
@@ -365,6 +377,30 @@ JOB_ROWS: list[tuple[str, list[Panel]]] = [
               [stat(f"sum(gpuwatch_cuda_oom_errors_total{{{J}}}) or vector(0)")], unit="none",
               thresholds=[(None, "green"), (1, "orange")],
               description="CUDA OOM exceptions the job's ranks reported (GPU memory)."),
+    ]),
+    ("Progress and stragglers", [
+        Panel("Step rate per rank", "timeseries",
+              [graph(f"deriv(gpuwatch_rank_step{{{J}}}[5m])", "rank {{rank}} ({{instance}})")],
+              unit="none", min=0,
+              description="Steps per second from each rank's gpuwatchd.heartbeat(step)."),
+        Panel("Step rate / job median", "timeseries",
+              [graph(f"{STEP_RATE} / on (job_id) group_left () "
+                     f"quantile by (job_id) (0.5, {STEP_RATE})", "rank {{rank}} ({{instance}})")],
+              unit="percentunit", min=0,
+              thresholds=[(None, "red"), (0.8, "green")],
+              description="Each rank's step rate over 10 m against the job's median across all "
+                          "nodes: below 0.8 for 10 m is the straggler (alert GPURankStraggler; "
+                          "the node's rank_straggler finding names the cause)."),
+        Panel("Slowest ranks", "table",
+              [table(f"bottomk(3, {STEP_RATE} / on (job_id) group_left () "
+                     f"quantile by (job_id) (0.5, {STEP_RATE}))")], unit="percentunit",
+              description="The three ranks furthest below the job's median step rate."),
+        Panel("Collective sequence per rank", "table",
+              [table(f"gpuwatch_rank_collective_last_started_seq{{{J}}}", "entered"),
+               table(f"gpuwatch_rank_collective_last_completed_seq{{{J}}}", "completed")],
+              description="Last collective each rank entered (flight recorder, read when the job "
+                          "looks stalled): the rank with the lowest number never entered the "
+                          "collective its peers wait in."),
     ]),
     ("Resources", [
         Panel("GPU memory per rank", "timeseries",

@@ -36,8 +36,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         else "%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     path = args.config_file or (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
+    # this process is the daemon and nothing else: every child it has is a py-spy run
     daemon = Daemon(cfg, config_path=path, listen_override=args.listen_address,
-                    web_config_override=args.web_config_file)
+                    web_config_override=args.web_config_file, reap_strays=True)
     daemon.run()
     return daemon.exit_status
 

@@ -25,9 +25,11 @@ from typing import Any
 from gpuwatchd.cli.common import load_state, resolve_config
 from gpuwatchd.config import Config
 from gpuwatchd.findings import FindingContext, fds, fork, nccl_env
+from gpuwatchd.join.hang import analyze
+from gpuwatchd.join.rank_workers import worker_view
 from gpuwatchd.model import RankState
 from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources import containers, devfds, pyspy
+from gpuwatchd.sources import containers, devfds, pyspy, taskwait
 from gpuwatchd.sources.pidns import pid_text
 from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.sources.pyspy import PySpy, PySpyError
@@ -114,6 +116,9 @@ def collect(
     spy = spy or PySpy.from_config(cfg.gil.pyspy_path, paths=paths)
     stacks: dict[int, pyspy.ThreadStack] = {}
     python: dict[str, Any] = {}
+    before = (time.monotonic(), pyspy.read_threads(paths, pid, detail=False),
+              {c: taskwait.context_switches(paths, c) for c in procfs.children(pid)})
+    dumped: tuple[pyspy.ThreadStack, ...] = ()
     try:
         dumped = spy.dump(pid)
         stacks = {s.tid: s for s in dumped if s.tid is not None}
@@ -129,7 +134,9 @@ def collect(
     except PySpyError as e:
         python = {"error": str(e)}
     report["python"] = python
+    time.sleep(max(0.0, HANG_WINDOW - (time.monotonic() - before[0])))
     threads = pyspy.read_threads(paths, pid)
+    report["hang"] = hang_report(paths, pid, dumped, before, threads, clk) if dumped else None
     report["threads"] = [
         {"tid": t.tid, "comm": t.comm, "state": t.state, "wchan": t.wchan,
          "cpu_seconds": round(t.cpu_ticks / clk, 2), "voluntary_switches": t.voluntary_switches,
@@ -201,6 +208,27 @@ def collect(
     return report
 
 
+HANG_WINDOW = 0.5  # seconds between the two looks that give each thread's CPU share
+
+
+def hang_report(paths: HostPaths, pid: int, dumped: tuple[pyspy.ThreadStack, ...],
+                before: tuple[float, tuple[pyspy.ThreadInfo, ...], Mapping[int, int | None]],
+                threads: tuple[pyspy.ThreadInfo, ...], clk: int) -> dict[str, Any]:  # fmt: skip
+    """Every Python thread folded, with the hang patterns (gpuwatchd/join/hang.py) over HANG_WINDOW."""
+    t0, first, switches = before
+    elapsed = max(time.monotonic() - t0, 1e-3)
+    prev = {t.tid: t.cpu_ticks for t in first}
+    shares = {t.tid: (t.cpu_ticks - prev[t.tid]) / clk / elapsed for t in threads if t.tid in prev}
+    waits = taskwait.read_waits(paths, pid, [s.tid for s in dumped if s.tid])
+    states = {c: pyspy.process_state(paths, c) or "X" for c in switches}
+    live = {c: (st, taskwait.context_switches(paths, c)) for c, st in states.items()}
+    known = {c: n for c, n in switches.items() if n is not None}
+    workers = worker_view(switches, live, known) if switches else None
+    a = analyze(dumped, threads, shares, waits, workers)
+    return {"patterns": [{"kind": p.kind, "text": p.text} for p in a.patterns],
+            "threads": [g.text() for g in a.groups]}
+
+
 def _gpu_memory_now(pid: int, cfg: Config, nvml: Any) -> tuple[list[dict[str, Any]] | None, str]:
     """Read NVML once, in a worker thread with the configured time-out (a wedged driver must not
     hang the command)."""
@@ -270,6 +298,11 @@ def render(r: Mapping[str, Any]) -> str:
         py = (t["python_thread"] or "-") + (" [GIL]" if t["owns_gil"] else "")
         lines.append(f"  {t['tid']:>7} {t['state']:<2} {(t['wchan'] or '-')[:22]:<22} "
                      f"{t['cpu_seconds']:>8.2f}  {py}")  # fmt: skip
+    if r.get("hang"):
+        lines.append("\nPYTHON THREADS (folded; CPU over 0.5 s)")
+        lines.extend(f"  {t}" for t in r["hang"]["threads"])
+        for p in r["hang"]["patterns"]:
+            lines.append(f"  => {p['text']}")
     py = r["python"]
     lines.append("\nPYTHON STACKS (py-spy dump --nonblocking)")
     if "error" in py:

@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import re
+import statistics
 import sys
 import time
 import urllib.error
@@ -45,6 +46,10 @@ MISSING = "missing"
 FAILED_STATES = (OOM_KILLED, DEAD, STALLED, MISSING)
 
 
+STEP_WINDOW = "10m"  # as the GPURankStraggler rule
+STRAGGLER_RATIO = 0.8
+
+
 class JobQueryError(Exception):
     """Prometheus could not be asked or answered something unusable."""
 
@@ -62,6 +67,7 @@ class RankView:
     oom_comm: str = ""
     oom_killer: str = ""
     gpu_memory_bytes: float | None = None
+    step_rate: float | None = None  # deriv(gpuwatch_rank_step[STEP_WINDOW]), steps per second
 
     @property
     def rank_number(self) -> float:
@@ -77,6 +83,10 @@ class JobView:
     ranks: list[RankView] = field(default_factory=list)
     first_to_fail: RankView | None = None
     waiting: list[RankView] = field(default_factory=list)
+    # flight recorder: (rank view, process group, its last collective entered, the peers' highest)
+    behind: list[tuple[RankView, str, int, int]] = field(default_factory=list)
+    median_step_rate: float | None = None
+    stragglers: list[RankView] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         out = {s: 0 for s in (UP, STALLED, DEAD, OOM_KILLED, MISSING)}
@@ -92,6 +102,11 @@ class JobView:
             "counts": self.counts(),
             "first_to_fail": asdict(self.first_to_fail) if self.first_to_fail else None,
             "waiting": [{"instance": r.instance, "rank": r.rank} for r in self.waiting],
+            "behind": [{"instance": r.instance, "rank": r.rank, "pg": pg, "last_entered": seq,
+                        "peers_entered": top} for r, pg, seq, top in self.behind],
+            "median_step_rate": self.median_step_rate,
+            "stragglers": [{"instance": r.instance, "rank": r.rank, "step_rate": r.step_rate}
+                           for r in self.stragglers],
             "ranks": [asdict(r) for r in self.ranks],
         }
 
@@ -248,8 +263,24 @@ def job_view(prom: Prometheus, job_id: str, lookback: str = "1h", at: float | No
             r.state = OOM_KILLED
             r.failed_at = first[0] if r.failed_at is None else min(first[0], r.failed_at)
 
+    for s in prom.query(f"deriv(gpuwatch_rank_step{sel}[{STEP_WINDOW}])", at):
+        view(s["metric"]).step_rate = float(s["value"][1])
+    seqs: dict[str, list[tuple[tuple[str, str], int]]] = {}
+    for s in prom.query(f"gpuwatch_rank_collective_last_started_seq{sel}", at):
+        seqs.setdefault(s["metric"].get("pg", ""), []).append(
+            (_key(s["metric"]), int(float(s["value"][1]))))
+
     order = sorted(ranks.values(), key=lambda r: (r.rank_number, r.rank, r.instance))
     jv = JobView(job_id=job_id, ranks=order)
+    for pg, entered in sorted(seqs.items()):
+        top = max(seq for _, seq in entered)
+        jv.behind += [(view({"instance": k[0], "rank": k[1]}), pg, seq, top)
+                      for k, seq in sorted(entered) if seq < top]  # fmt: skip
+    rates = [r.step_rate for r in jv.ranks if r.step_rate is not None]
+    if len(rates) >= 2:
+        jv.median_step_rate = statistics.median(rates)
+        jv.stragglers = [r for r in jv.ranks if r.step_rate is not None
+                         and r.step_rate < STRAGGLER_RATIO * jv.median_step_rate]  # fmt: skip
     failed = [r for r in jv.ranks if r.state in FAILED_STATES and r.failed_at is not None]
     if failed:
         jv.first_to_fail = min(failed, key=lambda r: (r.failed_at or 0.0, r.rank_number))
@@ -292,6 +323,13 @@ def render_text(jv: JobView) -> str:
         )
     else:
         lines.append("no rank has failed")
+    for r, pg, seq, top in jv.behind:
+        lines.append(f"flight recorder: rank {r.rank} on {r.instance} never entered collective "
+                     f"#{top} of process group {pg} (its last: #{seq})")
+    for r in jv.stragglers:
+        lines.append(f"straggler: rank {r.rank} on {r.instance} makes {r.step_rate:.2f} steps/s, "
+                     f"{(r.step_rate or 0) / (jv.median_step_rate or 1):.2f}x the job's median "
+                     f"{jv.median_step_rate:.2f} ({STEP_WINDOW})")
     lines.append("")
     header = ("RANK", "INSTANCE", "STATE", "SINCE", "PID", "GPU MEM", "OOM KILLS")
     rows = [

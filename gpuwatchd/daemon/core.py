@@ -9,6 +9,13 @@ their readings to the next cycle through ``Subsystem.before_join``.
 
 Signals: SIGTERM/SIGINT stop cleanly (STOPPING=1), SIGHUP reloads the config file; an invalid new
 config keeps the old one running and logs every problem.
+
+The systemd watchdog means liveness: a thread of its own sends WATCHDOG=1 every half
+WATCHDOG_USEC *while cycles keep finishing*, i.e. while the last cycle ended (or, before the first,
+the daemon started) less than ``liveness_seconds`` ago (default: two intervals plus
+``CYCLE_TIME_LIMIT``). One slow cycle therefore never restarts the daemon, and cycles that stopped
+for good (a wedged source, a deadlock) stop the pings, so systemd restarts it ``WatchdogSec``
+later; STATUS= says which.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from typing import Any
 
 from gpuwatchd.config import Config, ConfigError, load_config, with_overrides
 from gpuwatchd.counters import CounterStore
+from gpuwatchd.daemon.collectives import FlightRecorderSubsystem
+from gpuwatchd.daemon.straggler import StragglerSubsystem
 from gpuwatchd.daemon.finding_events import FindingEventsSubsystem
 from gpuwatchd.daemon.gil import PySpySubsystem
 from gpuwatchd.daemon.gpu import GpuSubsystem
@@ -57,7 +66,10 @@ log = logging.getLogger("gpuwatchd")
 STATE_FILE = "state.json"
 # Config sections that SIGHUP does not apply (the subsystems read them once, at start).
 RESTART_SECTIONS = ("gil", "stall", "alertmanager", "nvml", "orphans", "kernel_log", "state_dir",
-                    "procfs")
+                    "procfs", "straggler")
+# A cycle is bounded to seconds by its collectors' time-outs and the stall probe budget; one that
+# has not finished after this long is wedged, and the watchdog stops being fed.
+CYCLE_TIME_LIMIT = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +93,18 @@ class Daemon:
         counters: CounterStore | None = None,
         subsystems: list[Subsystem] | None = None,
         write_state: bool = True,
+        liveness_seconds: float | None = None,
+        reap_strays: bool = False,
     ) -> None:
+        """``liveness_seconds``: how long without a finished cycle the daemon still counts as
+        alive for the watchdog (default: ``2 * interval_seconds + CYCLE_TIME_LIMIT``).
+        ``reap_strays``: make this process a child subreaper that kills and reaps every child
+        which is not a running py-spy (gpuwatchd/sources/reaper.py); only for a process that is the
+        daemon and nothing else (``gpuwatchd run``), never one that starts children of its own."""
         self.config = config
+        self.reap_strays = reap_strays
+        self.liveness_seconds = liveness_seconds
+        self._last_cycle_end = time.monotonic()
         self.config_path = config_path
         self.listen_override = listen_override
         self.web_config_override = web_config_override
@@ -203,13 +225,46 @@ class Daemon:
                                          counters=self.counters.snapshot(),
                                          cycle_seconds=time.monotonic() - t0)
             state, self.memory = build_state(inputs, self.memory)
-            state = dataclasses.replace(state, cycle_seconds=time.monotonic() - t0)
+            state = dataclasses.replace(state, cycle_seconds=time.monotonic() - t0,
+                                        oom_score_adj=self._oom_score_adj())
             self.state = state
             for sub in self.subsystems:
                 guarded(f"subsystem {sub.name} after_join", functools.partial(sub.after_join, self, state), None)
             if self.write_state:
                 guarded("writing state file", lambda: self._write_state(state), None)
+            self._last_cycle_end = time.monotonic()
             return state
+
+    def liveness_bound(self) -> float:
+        if self.liveness_seconds is not None:
+            return self.liveness_seconds
+        return 2 * self.config.interval_seconds + CYCLE_TIME_LIMIT
+
+    def alive(self) -> bool:
+        """Do cycles keep finishing? (What WATCHDOG=1 asserts.)"""
+        return time.monotonic() - self._last_cycle_end <= self.liveness_bound()
+
+    def _watchdog(self, every: float) -> None:
+        """Feed the systemd watchdog while cycles keep finishing; stop (and say why) when not."""
+        starving = False
+        while not self.stop_event.wait(every):
+            if self.alive():
+                notify("WATCHDOG=1")
+                starving = False
+            elif not starving:
+                starving = True
+                since = time.monotonic() - self._last_cycle_end
+                log.error("no cycle finished for %.0f s (bound %.0f s): no longer feeding the "
+                          "systemd watchdog", since, self.liveness_bound())
+                notify(f"STATUS=no cycle finished for {since:.0f} s; watchdog not fed")
+
+    def _oom_score_adj(self) -> int | None:
+        """The daemon's own oom_score_adj (one small read: it can change at run time, choom)."""
+        try:
+            with open("/proc/self/oom_score_adj", "rb") as f:  # our own, not the watched procfs
+                return int(f.read(32))
+        except (OSError, ValueError):
+            return None
 
     def _write_state(self, state: NodeState) -> None:
         path = os.path.join(self.config.state_dir, STATE_FILE)
@@ -318,9 +373,18 @@ class Daemon:
         signal.signal(signal.SIGHUP, lambda *_: self.reload_requested.set())
 
     def run(self) -> None:
+        if self.reap_strays:
+            from gpuwatchd.sources import reaper
+
+            # every child of the daemon is a py-spy run: orphans they leave are ours to kill
+            reaper.CHILDREN.enable()
         self.install_signal_handlers()
         self.start()  # logs the URL it serves, https:// with TLS
+        log.info("oom_score_adj of the daemon: %s", self._oom_score_adj())
         wd = watchdog_interval()
+        self._last_cycle_end = time.monotonic()  # the first cycle gets the whole bound
+        if wd is not None:
+            threading.Thread(target=self._watchdog, args=(wd,), name="watchdog", daemon=True).start()
         first = True
         next_at = time.monotonic()
         while not self.stop_event.is_set():
@@ -333,20 +397,15 @@ class Daemon:
                 first = False
             alive = sum(1 for r in state.ranks if r.alive)
             notify(f"STATUS={alive}/{len(state.ranks)} ranks alive, {len(state.findings)} finding(s)")
-            if wd is not None:
-                notify("WATCHDOG=1")
             next_at += self.config.interval_seconds
             delay = next_at - time.monotonic()
             if delay < 0:  # fell behind: skip missed ticks rather than bursting
                 next_at = time.monotonic()
                 delay = 0
-            # wake for the watchdog or a reload even between cycles
+            # wake for a reload even between cycles
             while delay > 0 and not self.stop_event.is_set() and not self.reload_requested.is_set():
-                step = min(delay, wd) if wd else delay
-                self.stop_event.wait(step)
+                self.stop_event.wait(min(delay, 1.0))
                 delay = next_at - time.monotonic()
-                if wd is not None:
-                    notify("WATCHDOG=1")
         notify("STOPPING=1")
         self.shutdown()
 
@@ -397,6 +456,10 @@ def default_subsystems(config: Config) -> list[Subsystem]:
     gpu: list[Subsystem] = [GpuSubsystem()] if config.nvml.enabled else []
 
     kernel = KernelLogSubsystem()
+    # the flight recorder reads the stall verdicts of the py-spy subsystem: it comes after it
+    fr: list[Subsystem] = ([FlightRecorderSubsystem(config.stall.flight_recorder_interval_seconds)]
+                           if config.stall.flight_recorder else [])  # fmt: skip
+    slow: list[Subsystem] = [StragglerSubsystem(config.straggler)] if config.straggler.enabled else []
     memory: list[Subsystem] = [MemorySubsystem(config, kernel)] if config.memory.enabled else []
-    return [PySpySubsystem(config), kernel, *gpu, *memory, FindingEventsSubsystem(kernel),
+    return [PySpySubsystem(config), *fr, *slow, kernel, *gpu, *memory, FindingEventsSubsystem(kernel),
             RetentionSubsystem()]

@@ -23,6 +23,7 @@ is ``rate(held) / rate(samples)``). Top GIL-holding functions stay in the readin
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import random
@@ -38,7 +39,7 @@ from gpuwatchd.config import Config
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.subsystem import Contribution, DaemonContext, Subsystem
 from gpuwatchd.isolation import run_forever
-from gpuwatchd.join.stall import RankProbe, StallTracker
+from gpuwatchd.join.stall import MAX_PROBE_THREADS, RankProbe, StallTracker
 from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import CollectorStatus, GilReading, ProcessInfo
 from gpuwatchd.paths import HostPaths
@@ -49,11 +50,19 @@ log = logging.getLogger(__name__)
 
 HISTORY = 4  # readings kept per rank (the finding looks at the last two)
 # The daemon's sampling budget: py-spy costs ~0.012-0.018 CPU-s per sampled second
-# (bench/gil_overhead.py), so sampling at most 30 % of the time keeps py-spy under 0.6 % of a core
-# however many ranks are watched; with many ranks each is sampled less often than
-# gil.interval_seconds, and convoy hints go first.
-MAX_SAMPLING_DUTY = 0.3
+# (bench/gil_overhead.py), so sampling at most 20 % of the time keeps py-spy under ~0.25 % of a
+# core however many ranks are watched (issue 14: <= 0.5 % with the daemon); with many ranks each
+# is sampled less often than gil.interval_seconds, convoy hints and GIL-bound ranks first.
+# Bound: a rank that becomes GIL-saturated is sampled within N * duration / MAX_SAMPLING_DUTY
+# (N ranks; sooner on a convoy hint), and, being hot, again ahead of the others once its next
+# sample is due (interval +- 20 %): gil_saturated is raised within
+# N * duration / MAX_SAMPLING_DUTY + 1.2 * interval + 2 * duration (64 ranks, defaults: 1646 s;
+# 8 ranks: 246 s).
+MAX_SAMPLING_DUTY = 0.2
+HOT_RATIO = 0.5  # a last sample at least this GIL-bound puts the rank ahead of the queue
 JITTER = 0.2
+DEFERRED_KINDS = ("threads", "dump")
+CONVOY_CORES = (0.3, 1.4)  # a GIL convoy uses about one core in total (see convoy_hint)
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,7 @@ class _RankSchedule:
     by_thread: tuple[tuple[int, str, int], ...] = ()
     convoy: ConvoyHint | None = None
     error: str = ""
+    cpu_at: tuple[float, int] | None = None  # (probe time, process CPU ticks) of the last probe
 
 
 def convoy_hint(
@@ -118,11 +128,16 @@ def convoy_hint(
     total = sum(shares)
     convoy = (
         n >= 2
-        and 0.3 <= total <= 1.4
+        and CONVOY_CORES[0] <= total <= CONVOY_CORES[1]
         and all(0.4 * total / n <= s <= 2.5 * total / n for s in shares)
         and parked >= max(1, n // 2)
     )
     return ConvoyHint(n, round(total, 3), parked, convoy)
+
+
+def _hot(sched: _RankSchedule) -> bool:
+    last = sched.history[-1] if sched.history else None
+    return last is not None and last.samples > 0 and last.held / last.samples >= HOT_RATIO
 
 
 class GilSampler:
@@ -168,6 +183,7 @@ class GilSampler:
         self._clk_tck = os.sysconf("SC_CLK_TCK")
         self._status = CollectorStatus(pyspy.COLLECTOR, True, 0.0, None, "")
         self._ok_runs = 0
+        self._closed = False
         self._last_success: float | None = None
 
     # -- targets and schedule ----------------------------------------------------------------
@@ -189,14 +205,37 @@ class GilSampler:
                     self.counters.ensure("rank_gil_held_samples", labels)
 
     def _probe(self, now: float) -> None:
-        """Cheap /proc probe of each rank; a convoy pulls its next sample forward."""
+        """Cheap /proc probe of each rank; a convoy pulls its next sample forward.
+
+        Per process and probe: one ``/proc/PID/stat`` read; the per-thread look (capped at
+        ``stall.MAX_PROBE_THREADS`` tasks) only while the process as a whole uses CPU in the
+        convoy band (0.3-1.4 cores with two or more threads), because a convoy outside it is
+        impossible. A PID listed by several ranks is read once per probe round."""
+        cpu_memo: dict[int, tuple[int, int] | None] = {}
+        thread_memo: dict[int, tuple[ThreadInfo, ...]] = {}
         for sched in list(self._ranks.values()):
             if sched.in_flight:
                 continue
             last = sched.probe
-            if last is not None and now - last[0] < self.probe_seconds:
+            if sched.cpu_at is not None and now - sched.cpu_at[0] < self.probe_seconds:
                 continue
-            threads = pyspy.read_threads(self.paths, sched.target.pid, detail=False)
+            pid = sched.target.pid
+            if pid not in cpu_memo:
+                cpu_memo[pid] = pyspy.process_cpu(self.paths, pid)
+            cpu = cpu_memo[pid]
+            prev_cpu, sched.cpu_at = sched.cpu_at, (now, cpu[0]) if cpu is not None else None
+            in_band = (
+                cpu is not None and prev_cpu is not None and cpu[1] >= 2 and now > prev_cpu[0]
+                and CONVOY_CORES[0] <= (cpu[0] - prev_cpu[1]) / self._clk_tck / (now - prev_cpu[0])
+                <= CONVOY_CORES[1]
+            )  # fmt: skip
+            if not in_band:
+                sched.probe = None  # the next in-band look starts a fresh thread comparison
+                continue
+            if pid not in thread_memo:
+                thread_memo[pid] = pyspy.read_threads(self.paths, pid, detail=False,
+                                                      limit=MAX_PROBE_THREADS)  # fmt: skip
+            threads = thread_memo[pid]
             if last is not None and threads:
                 hint = convoy_hint(last[1], threads, now - last[0], self._clk_tck)
                 sched.convoy = hint
@@ -214,7 +253,9 @@ class GilSampler:
             self._probe(now)
             ready = sorted(
                 (s for s in self._ranks.values() if not s.in_flight and s.next_due <= now),
-                key=lambda s: (not (s.convoy and s.convoy.convoy), s.next_due),
+                # convoy hints first, then ranks whose last sample held the GIL >= HOT_RATIO (the
+                # second high sample is what raises gil_saturated), then the most overdue
+                key=lambda s: (not (s.convoy and s.convoy.convoy), not _hot(s), s.next_due),
             )
             if self.max_duty is not None:
                 cap = 2 * self.duration
@@ -237,8 +278,10 @@ class GilSampler:
                 sched = self._ranks.get(target.key)
                 if sched is None or sched.in_flight:
                     continue
+                if self._closed:  # stopping: the pool takes no more work (not a crash)
+                    break
                 sched.in_flight = True
-            futures.append(self._pool.submit(self._sample, target))
+                futures.append(self._pool.submit(self._sample, target))
         return futures
 
     def sample_now(self, target: GilTarget) -> GilReading | None:
@@ -320,6 +363,8 @@ class GilSampler:
             return self._status
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -328,7 +373,7 @@ class PySpySubsystem(Subsystem):
 
     ``before_join`` hands the join ``progress`` / ``stalled`` per (job_id, rank) (exported as
     ``gpuwatch_rank_progress_timestamp_seconds`` / ``gpuwatch_rank_stalled``), the readings for
-    findings/gil.py and findings/stall.py in ``extras``, and the ``pyspy`` collector status.
+    findings/gil.py and findings/stall.py (``Contribution.gil``, ``.stall``), and the ``pyspy`` collector status.
     """
 
     name = "pyspy"
@@ -341,6 +386,7 @@ class PySpySubsystem(Subsystem):
         self.stall: StallTracker | None = None
         self.tick_seconds = tick_seconds
         self._thread: threading.Thread | None = None
+        self._deferred_seen: collections.Counter[str] = collections.Counter()
 
     def _ensure(self, daemon: DaemonContext) -> None:
         if self.stall is not None:
@@ -364,7 +410,8 @@ class PySpySubsystem(Subsystem):
                 probe_seconds=max(2.0, self.config.interval_seconds),
             )  # fmt: skip
         self.stall = StallTracker(self.config.stall.after_seconds, self.spy, paths=daemon.paths,
-                                  cycle_seconds=self.config.interval_seconds)  # fmt: skip
+                                  cycle_seconds=self.config.interval_seconds,
+                                  compile_after_seconds=self.config.stall.compile_after_seconds)  # fmt: skip
 
     def start(self, daemon: DaemonContext) -> None:
         self._ensure(daemon)
@@ -387,6 +434,7 @@ class PySpySubsystem(Subsystem):
         self._ensure(daemon)
         assert self.stall is not None and self.spy is not None
         processes: Mapping[int, ProcessInfo] = cycle.processes
+        descendants: Mapping[int, tuple[int, ...]] = cycle.descendants
         beats: Mapping[tuple[str, int], float] = cycle.progress  # heartbeat mtimes
         seen: set[tuple[str, int]] = set()
         probes: list[RankProbe] = []
@@ -401,11 +449,19 @@ class PySpySubsystem(Subsystem):
                 e.job_id, e.rank, e.pid, alive, proc.state if proc else "", e.heartbeat,
                 proc.start_ticks if proc else None, e.owner_uid,
                 beats.get((e.job_id, e.rank)), heartbeat_read=True,
+                workers=tuple((k, processes[k].state, processes[k].cpu_seconds)
+                              for k in descendants.get(e.pid, ()) if k in processes),
             ))  # fmt: skip
         if self.sampler is not None:
             self.sampler.update_targets(GilTarget(p.job_id, p.rank, p.pid) for p in probes
                                         if p.alive)  # fmt: skip
         verdicts = self.stall.observe(cycle.now, probes)
+        for kind in DEFERRED_KINDS:  # what the cycle budget pushed to the next cycle
+            n = self.stall.deferred[kind] - self._deferred_seen[kind]
+            self._deferred_seen[kind] = self.stall.deferred[kind]
+            daemon.counters.ensure("cycle_deferred_probes", (kind,))
+            if n:
+                daemon.counters.inc("cycle_deferred_probes", (kind,), n)
         return Contribution(
             progress={k: v.progress_timestamp for k, v in verdicts.items()
                       if v.progress_timestamp is not None},

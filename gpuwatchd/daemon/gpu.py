@@ -14,7 +14,7 @@ Wires the GPU sources into the daemon's cycle (duck-typed ``daemon.Subsystem``):
   through the daemon's shared ``XidDeduper``) and the udev thread.
 
 Returns ``gpus``, ``gpu_processes``, ``orphans``, ``processes`` (GPU PIDs), ``extra_findings`` and
-``extras`` (``fork_evidence``, ``orphan_jobs``) for the join.
+``fork_evidence`` and ``orphan_jobs`` (a ``Contribution``) for the join.
 """
 
 from __future__ import annotations

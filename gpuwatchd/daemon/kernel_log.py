@@ -39,7 +39,7 @@ class KernelLogSubsystem(Subsystem):
     processor to the daemon's cycle (duck-typed ``daemon.Subsystem``):
 
     - ``before_join``: flush incomplete kills, cross-check /proc/vmstat, hand the recent events to
-      the findings (``extras["kernel_events"]``) and report the ``kernel_log`` collector status;
+      the findings (``Contribution.kernel_events``) and report the ``kernel_log`` collector status;
     - ``after_join``: give the attribution record this cycle's rank trees.
     """
 

@@ -19,10 +19,13 @@ from typing import Any, Protocol
 from gpuwatchd.config import Config
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.events.log import Event
+from gpuwatchd.join.collectives import FrReading
 from gpuwatchd.join.stall import StallVerdict
 from gpuwatchd.join.state import CycleInputs
+from gpuwatchd.join.straggler import RankRate
 from gpuwatchd.join.xid_dedup import XidDeduper
 from gpuwatchd.model import (
+    CollectiveStatus,
     CollectorStatus,
     Finding,
     GilReading,
@@ -76,6 +79,8 @@ class Contribution:
     progress: Mapping[tuple[str, int], float] = field(default_factory=frozen_map)
     stalled: Mapping[tuple[str, int], bool] = field(default_factory=frozen_map)
     collectors: tuple[CollectorStatus, ...] = ()
+    steps: Mapping[tuple[str, int], int] = field(default_factory=frozen_map)
+    collectives: tuple[CollectiveStatus, ...] = ()
     extra_findings: tuple[Finding, ...] = ()
     rank_memory: tuple[RankMemory, ...] = ()
     node_memory: NodeMemoryState | None = None
@@ -84,6 +89,8 @@ class Contribution:
     fork_evidence: Mapping[int, ProcEvidence] = field(default_factory=frozen_map)
     gil: Mapping[tuple[str, int], Sequence[GilReading]] = field(default_factory=frozen_map)
     stall: Mapping[tuple[str, int], StallVerdict] = field(default_factory=frozen_map)
+    flight_records: Mapping[tuple[str, int], FrReading] = field(default_factory=frozen_map)  # stalled jobs
+    straggler: Mapping[tuple[str, int], RankRate] = field(default_factory=frozen_map)  # step rates
 
     def merge_into(self, inputs: CycleInputs) -> CycleInputs:
         changes: dict[str, Any] = {}

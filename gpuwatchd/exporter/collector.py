@@ -18,7 +18,7 @@ from gpuwatchd import __version__
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.exporter.memory import memory_families
 from gpuwatchd.isolation import guarded
-from gpuwatchd.model import COUNTER_LABELS, NodeState
+from gpuwatchd.model import COUNTER_LABELS, THROTTLE_REASONS, NodeState
 
 P = "gpuwatch_"
 
@@ -42,6 +42,8 @@ COUNTER_HELP: Mapping[str, str] = {
     "permission denied); file is the state file's name.",
     "state_records_rejected": "Records read back from a file in state_dir that could not be used "
     "and were skipped (torn, malformed or out-of-range lines), by file and reason.",
+    "cycle_deferred_probes": "Stall probes of ranks (per-thread looks, py-spy dumps) that the "
+    "cycle's time budget deferred to a later cycle instead of letting one input stall the cycle.",
 }
 
 
@@ -78,6 +80,7 @@ class StateCollector(Collector):
                 ("ranks", lambda: self._ranks(state)),
                 ("findings", lambda: self._findings(state)),
                 ("memory", lambda: memory_families(state)),
+                ("collectives", lambda: self._collectives(state)),
                 ("counters", lambda: self._counters(state)),
             ]
         nothing: list[Metric] = []
@@ -105,7 +108,13 @@ class StateCollector(Collector):
         cyc.add_metric([], s.cycle_seconds)
         ts = _g("last_cycle_timestamp_seconds", "Unix time at which the last polling cycle ended.")
         ts.add_metric([], s.timestamp)
-        return [ok, dur, last, cyc, ts]
+        out: list[Metric] = [ok, dur, last, cyc, ts]
+        if s.oom_score_adj is not None:
+            adj = _g("process_oom_score_adj", "The daemon's own oom_score_adj (/proc/self/"
+                     "oom_score_adj): -900 when the unit's OOMScoreAdjust took effect.")
+            adj.add_metric([], s.oom_score_adj)
+            out.append(adj)
+        return out
 
     def _gpus(self, s: NodeState) -> list[Metric]:
         info = _g("gpu_info", "Always 1, one series per GPU, naming it.", ["gpu", "uuid", "name", "pci_bus_id"])
@@ -114,16 +123,22 @@ class StateCollector(Collector):
         used = _g("gpu_memory_used_bytes", "Memory in use on the GPU in bytes (NVML, polled).", ["gpu", "uuid"])
         util = _g("gpu_utilization_ratio", "Fraction of the last sample period (0..1) during which "
                   "a kernel ran on the GPU (NVML, polled).", ["gpu", "uuid"])
+        throttle = _g("gpu_clock_throttled", "1 when NVML reports this reason for the GPU's clocks "
+                      "being below their maximum (nvmlDeviceGetCurrentClocksEventReasons), else 0; "
+                      "absent when the driver does not say.", ["gpu", "uuid", "reason"])
         for g in s.gpus:
             labels = [str(g.index), g.uuid]
             info.add_metric([*labels, g.name, g.pci_bus_id], 1)
+            if g.throttle_reasons is not None:
+                for reason, bit in THROTTLE_REASONS.items():
+                    throttle.add_metric([*labels, reason], 1 if g.throttle_reasons & bit else 0)
             if g.memory_total_bytes is not None:
                 total.add_metric(labels, g.memory_total_bytes)
             if g.memory_used_bytes is not None:
                 used.add_metric(labels, g.memory_used_bytes)
             if g.utilization_ratio is not None:
                 util.add_metric(labels, g.utilization_ratio)
-        return [info, total, used, util]
+        return [info, total, used, util, throttle]
 
     def _gpu_processes(self, s: NodeState) -> list[Metric]:
         pm = _g("gpu_process_memory_bytes", "GPU memory in bytes held by each process on each GPU; "
@@ -166,6 +181,8 @@ class StateCollector(Collector):
                   "(heartbeat); absent when the rank sends none.", jr)
         stalled = _g("rank_stalled", "1 when the rank is alive but has made no progress for "
                      "stall.after_seconds.", jr)
+        step = _g("rank_step", "The step the rank passed to its last gpuwatchd.heartbeat(step); "
+                  "deriv() of it is the rank's step rate. Absent when the rank sends no step.", jr)
         for r in s.ranks:
             labels = [r.job_id, str(r.rank)]
             info.add_metric([*labels, "" if r.local_rank is None else str(r.local_rank), str(r.pid),
@@ -174,6 +191,8 @@ class StateCollector(Collector):
             stalled.add_metric(labels, 1 if r.stalled else 0)
             if r.progress_timestamp is not None:
                 prog.add_metric(labels, r.progress_timestamp)
+            if r.step is not None:
+                step.add_metric(labels, r.step)
             p = r.process
             if p is None:
                 continue
@@ -184,7 +203,20 @@ class StateCollector(Collector):
             cpu.add_metric(labels, p.cpu_seconds)
             rss.add_metric(labels, p.rss_bytes)
             thr.add_metric(labels, p.threads)
-        return [info, up, fds, maxfds, cpu, rss, thr, prog, stalled]
+        return [info, up, fds, maxfds, cpu, rss, thr, prog, stalled, step]
+
+    def _collectives(self, s: NodeState) -> list[Metric]:
+        labels = ["job_id", "rank", "pg"]
+        started = _g("rank_collective_last_started_seq", "Highest collective sequence number the "
+                     "rank entered in the process group, from its PyTorch flight recorder (read "
+                     "when a rank of the job looks stalled).", labels)
+        done = _g("rank_collective_last_completed_seq", "Highest collective sequence number the "
+                  "rank completed in the process group, from its PyTorch flight recorder.", labels)
+        for c in s.collectives:
+            values = [c.job_id, str(c.rank), c.pg]
+            started.add_metric(values, c.last_started)
+            done.add_metric(values, c.last_completed)
+        return [started, done]
 
     def _findings(self, s: NodeState) -> list[Metric]:
         m = _g("finding", "1 per active finding (diagnosis); the explanation is in the events log, "

@@ -20,6 +20,7 @@ from gpuwatchd.findings import (
     rank_down,
     rankfile,
     stall,
+    straggler,
     xid,
 )
 from gpuwatchd.findings.context import FindingContext, rank_label
@@ -32,9 +33,16 @@ Rule = Callable[[FindingContext], Iterable[Finding]]
 
 RULES: list[Rule] = [rank_down.find, fds.find, nccl_env.find, rankfile.find, gil.find, stall.find,
                      oom.find, xid.find, orphans.find, fork.find, memory.find]
+# Rules that also read the findings of RULES (rank_straggler names gil_saturated or
+# rank_memory_pressure of the same rank as causes).
+LateRule = Callable[[FindingContext, tuple[Finding, ...]], Iterable[Finding]]
+LATE_RULES: list[LateRule] = [straggler.find]
 
 def evaluate(ctx: FindingContext, rules: Iterable[Rule] | None = None) -> list[Finding]:
     out: list[Finding] = []
     for rule in RULES if rules is None else rules:
         out.extend(rule(ctx))
+    if rules is None:
+        for late in LATE_RULES:
+            out.extend(late(ctx, tuple(out)))
     return out

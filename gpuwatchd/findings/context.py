@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 
 from gpuwatchd.config import Config
 from gpuwatchd.events.log import Event
+from gpuwatchd.join.collectives import FrReading
 from gpuwatchd.join.stall import StallVerdict
+from gpuwatchd.join.straggler import RankRate
 from gpuwatchd.model import (
     BadRankFile,
     GilReading,
@@ -50,6 +52,8 @@ class FindingContext:
     fork_evidence: Mapping[int, ProcEvidence] = field(default_factory=frozen_map)  # pid -> devfds evidence
     gil: Mapping[tuple[str, int], Sequence[GilReading]] = field(default_factory=frozen_map)
     stall: Mapping[tuple[str, int], StallVerdict] = field(default_factory=frozen_map)
+    flight_records: Mapping[tuple[str, int], FrReading] = field(default_factory=frozen_map)  # stalled jobs
+    straggler: Mapping[tuple[str, int], RankRate] = field(default_factory=frozen_map)  # step rates
 
 
 def rank_label(r: RankState) -> str:
@@ -58,4 +62,18 @@ def rank_label(r: RankState) -> str:
     return f"rank {r.rank} of job {r.job_id} ({pid}{', ' + r.container if r.container else ''})"
 
 
-__all__ = ["FindingContext", "fmt_bytes", "rank_label"]
+def rank_gpus(r: RankState, ctx: FindingContext) -> list[tuple[str, float | None, int | None]]:
+    """(gpu index, utilisation or None, bytes held by the rank's tree or None) per GPU of the
+    rank: those named in its rank file and those its processes hold memory on."""
+    held: dict[str, int] = {}
+    for p in ctx.gpu_processes:
+        if p.job_id == r.job_id and p.rank == str(r.rank) and p.used_memory_bytes is not None:
+            held[str(p.gpu_index)] = held.get(str(p.gpu_index), 0) + p.used_memory_bytes
+    out = []
+    for g in ctx.gpus:
+        if str(g.index) in held or g.uuid in r.gpus or str(g.index) in r.gpus:
+            out.append((str(g.index), g.utilization_ratio, held.get(str(g.index))))
+    return out
+
+
+__all__ = ["FindingContext", "fmt_bytes", "rank_gpus", "rank_label"]

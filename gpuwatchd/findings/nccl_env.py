@@ -23,6 +23,9 @@ RENAMED = {
     "NCCL_DESYNC_DEBUG": "TORCH_NCCL_DESYNC_DEBUG",
     "NCCL_ENABLE_TIMING": "TORCH_NCCL_ENABLE_TIMING",
     "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "TORCH_NCCL_DEBUG_INFO_TEMP_FILE with TORCH_NCCL_TRACE_BUFFER_SIZE",
+    # the flight recorder's buffer: renamed for gloo and NCCL alike (torch 2.11 FlightRecorder.hpp
+    # reads TORCH_FR_BUFFER_SIZE first, the old name only as a deprecated alias)
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "TORCH_FR_BUFFER_SIZE",
 }
 
 

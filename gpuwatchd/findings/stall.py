@@ -2,9 +2,16 @@
 
 Input: the stall verdicts of gpuwatchd/join/stall.py (``ctx.stall``: (job_id, rank) ->
 ``StallVerdict``: last progress, method, the stuck frames of the rank's main Python thread, the
-thread states, and whether it is the job's odd one out on this node). The explanation shows where
-the rank is stuck and names the suspect rank, so that the on-call engineer looks at the rank that
-never reached the collective instead of the fifteen that wait in it.
+thread states, every Python thread folded with its hang pattern (gpuwatchd/join/hang.py), and whether
+it is the job's odd one out on this node), plus the GPUs of the join (utilisation, memory held by
+the rank's tree). The explanation says the pattern in words (likely deadlock, waiting on a busy
+or an idle GPU, in a collective, starved), names the rank's GPUs ("GPU 0 idle, 2.0 GiB held"),
+shows each thread that matters and names the suspect rank, so that the on-call engineer looks at
+the rank that never reached the collective instead of the fifteen that wait in it.
+
+``rank_compiling`` (info): the rank has not progressed for ``stall.after_seconds`` but sits in
+torch.compile / Inductor / Triton frames with its CPU busy; it becomes ``rank_stalled`` only after
+``stall.compile_after_seconds``.
 Shell equivalent: ``stat -c %y HEARTBEAT``; ``py-spy dump --nonblocking -p PID`` repeated;
 ``cat /proc/PID/task/*/wchan``.
 """
@@ -14,16 +21,52 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 
-from gpuwatchd.findings.context import FindingContext, rank_label
+from gpuwatchd.findings.context import FindingContext, fmt_bytes, rank_gpus, rank_label
+from gpuwatchd.join.collectives import compare
 from gpuwatchd.join.stall import StallVerdict
-from gpuwatchd.model import PAGE, Finding
+from gpuwatchd.model import INFO, PAGE, Finding, RankState
+
+GPU_IDLE_RATIO = 0.05  # below 5 % utilisation a GPU is idle
+GPU_BUSY_RATIO = 0.6
 
 HOW = {
     "heartbeat": "no heartbeat",
     "stack": "the same Python stack in every dump",
     "proc": "the same thread states, wchan and CPU pattern in every look",
     "stopped": "the process is stopped (state T, SIGSTOP or a debugger)",
+    "compiling": "no heartbeat while compiling",
 }
+
+
+def gpu_text(gpus: list[tuple[str, float | None, int | None]]) -> str:
+    """``GPU 0 idle, 2.0 GiB held`` / ``GPU 0 100 % busy, 2.0 GiB held``."""
+    parts = []
+    for index, util, held in gpus:
+        if util is None:
+            state = "utilisation unknown"
+        elif util < GPU_IDLE_RATIO:
+            state = "idle"
+        else:
+            state = f"{util * 100:.0f} % busy"
+        parts.append(f"GPU {index} {state}" + (f", {fmt_bytes(held)} held" if held else ""))
+    return ", ".join(parts)
+
+
+def gpu_wait_text(v: StallVerdict, gpus: list[tuple[str, float | None, int | None]]) -> str:
+    """Busy vs idle, when the rank waits on its GPU (or spins in native code holding one)."""
+    kinds = v.analysis.kinds if v.analysis else ()
+    holds = any(held for _, _, held in gpus)
+    if "gpu_wait" not in kinds and not ("native_spin" in kinds and holds):
+        return ""
+    utils = [u for _, u, _ in gpus if u is not None]
+    if not utils:
+        return "; the GPU's utilisation is unknown"
+    if max(utils) >= GPU_BUSY_RATIO:
+        return "; the GPU is busy: a long kernel, or an NCCL kernel spinning for a peer"
+    if max(utils) < GPU_IDLE_RATIO:
+        return ("; the GPU is idle: the work it waits for was never launched or never "
+                "completes (a lost launch, or a stream waiting on an event nobody records)")
+    return ""
 
 
 def _duration(seconds: float) -> str:
@@ -39,6 +82,9 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
     verdicts: Mapping[tuple[str, int], StallVerdict] = ctx.stall
     for r in ctx.ranks:
         v = verdicts.get((r.job_id, r.rank))
+        if v is not None and r.alive and v.compiling and not v.stalled and v.pid == r.pid:
+            yield _compiling(r, v, ctx)
+            continue
         if v is None or not r.alive or not r.stalled or not v.stalled or v.pid != r.pid:
             continue
         since = ""
@@ -56,6 +102,13 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
             )
         else:
             odd = ""
+        gpus = rank_gpus(r, ctx)
+        patterns = v.analysis.patterns_text() if v.analysis else ""
+        lead = f"{patterns}{gpu_wait_text(v, gpus)}; " if patterns else ""
+        on_gpu = f"; {gpu_text(gpus)}" if gpus else ""
+        threads = f"; threads: {v.analysis.threads_text()}" if v.analysis else ""
+        fr = compare(x for k, x in ctx.flight_records.items() if k[0] == r.job_id)
+        lead += "".join(f"{x}; " for x in fr)
         yield Finding(
             kind="rank_stalled",
             severity=PAGE,
@@ -64,7 +117,8 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
             pid=str(r.pid),
             explanation=(
                 f"{rank_label(r)} made no progress for {_duration(v.no_progress_seconds)}{since}: "
-                f"{HOW.get(v.method, v.method)}; stuck in {where}; {v.threads_summary}{odd}"
+                f"{HOW.get(v.method, v.method)}; {lead}stuck in {where}{on_gpu}{threads}; "
+                f"{v.threads_summary}{odd}"
             ),
             evidence={
                 "method": v.method,
@@ -73,5 +127,28 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
                 "threads": v.threads_summary,
                 "suspect": v.suspect,
                 "suspect_ranks": sorted(s.rank for s in suspects) or ([r.rank] if v.suspect else []),
+                "patterns": list(v.analysis.kinds) if v.analysis else [],
+                "flight_recorder": fr,
+                "gpus": [{"gpu": i, "utilization": u, "held_bytes": h} for i, u, h in gpus],
             },
         )
+
+
+def _compiling(r: RankState, v: StallVerdict, ctx: FindingContext) -> Finding:
+    gpus = rank_gpus(r, ctx)
+    on_gpu = f"; {gpu_text(gpus)}" if gpus else ""
+    text = v.analysis.patterns_text() if v.analysis else "in torch.compile"
+    return Finding(
+        kind="rank_compiling",
+        severity=INFO,
+        job_id=r.job_id,
+        rank=str(r.rank),
+        pid=str(r.pid),
+        explanation=(
+            f"{rank_label(r)} made no progress for {_duration(v.no_progress_seconds)} but is "
+            f"{text}{on_gpu}; paged as stalled only after "
+            f"{_duration(ctx.config.stall.compile_after_seconds)} (stall.compile_after_seconds)"
+        ),
+        evidence={"no_progress_seconds": round(v.no_progress_seconds, 1),
+                  "patterns": list(v.analysis.kinds) if v.analysis else []},
+    )

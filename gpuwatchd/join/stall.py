@@ -17,9 +17,15 @@ same place (typically one collective) and one rank is elsewhere, progressing alo
 rank is the suspect (research §3.2, NVIDIA/nccl#1063: "29 pods blocked in NCCL, 1 pod stuck in an
 arbitrary CUDA op").
 
-Reads: the heartbeat file's mtime, ``/proc/PID/task/*/{stat,status,wchan}``, ``py-spy dump``.
-Cost: one stat per heartbeat rank per cycle; one dump (~10 ms) per heartbeat-less or stalled rank
-every ``dump interval`` (after_seconds/5, at least one cycle, at most 60 s).
+Reads: the heartbeat file's mtime, ``/proc/PID/task/*/{stat,wchan}``, ``py-spy dump``.
+Cost: one stat per heartbeat rank per cycle (done by the daemon); per-thread reads and one dump
+(~10 ms) per heartbeat-less or stalled *process* every ``dump interval`` (after_seconds/5, at
+least one cycle, at most 60 s), never every cycle: between looks a rank's verdict comes from its
+last look and its heartbeat. Bounded whatever the input: a process listed by many ranks is looked
+at once per cycle (per-PID memo), at most ``max_threads`` of its tasks are read, and one
+``observe`` spends at most ``budget_seconds`` on looks; the looks over budget are deferred to the
+next cycle (least recently looked first) and counted in ``deferred`` (exported as
+``gpuwatch_cycle_deferred_probes_total``).
 Privilege: as sources/pyspy.py. Shell equivalent: ``stat -c %Y HB``; ``py-spy dump -p PID``
 three times a minute apart and ``diff``; ``cat /proc/PID/task/*/wchan``.
 """
@@ -29,12 +35,15 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuwatchd.join.hang import HangAnalysis, analyze
+from gpuwatchd.join.rank_workers import RankWorkers
 from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources import pyspy
+from gpuwatchd.sources import pyspy, taskwait
 from gpuwatchd.sources.pyspy import PySpy, PySpyError, ThreadInfo, ThreadStack
 
 log = logging.getLogger(__name__)
@@ -45,6 +54,9 @@ SPIN_SHARE = 0.9  # a thread that used >= 90 % of a core between two looks is "b
 # every dump catches the same line (a loop that spends most of its time in one call).
 WORK_SHARE = 0.05
 MAX_FRAMES = 8
+# At most this many tasks of one process are read per look: a process with 3000 threads costs the
+# same as one with 256 (the main thread and the oldest threads come first, by tid).
+MAX_PROBE_THREADS = 256
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,8 @@ class RankProbe:
     # that reading here so the file is not stat'ed twice. heartbeat_read=False: stat it here.
     heartbeat_mtime: float | None = None
     heartbeat_read: bool = False
+    # the rank's descendant processes (DataLoader / compile workers): (pid, state, CPU seconds)
+    workers: tuple[tuple[int, str, float], ...] = ()
 
     @property
     def key(self) -> tuple[str, int]:
@@ -86,6 +100,9 @@ class StallVerdict:
     location: tuple[str, ...] = ()  # frames without line numbers: "the same place"
     suspect: bool = False
     suspect_reason: str = ""
+    # every Python thread, folded, and the hang patterns (gpuwatchd/join/hang.py); None: not analysed
+    analysis: HangAnalysis | None = None
+    compiling: bool = False  # in torch.compile with the CPU busy: not stalled before compile_after
 
     @property
     def key(self) -> tuple[str, int]:
@@ -108,6 +125,12 @@ class _Track:
     worked: bool = False
     stopped_since: float | None = None
     errors: collections.Counter[str] = field(default_factory=collections.Counter)
+    shares: dict[int, float] = field(default_factory=dict)
+    workers: RankWorkers = field(default_factory=RankWorkers)
+    compile_busy_at: float = float("-inf")  # last look at which it compiled with the CPU busy
+    verdict: StallVerdict | None = None  # the last one, reused while a look is deferred
+    summary: str = ""  # summarize_threads of the last look
+    busiest_worker: float | None = None  # of the last look (rank_workers.py)
 
 
 def main_stack(stacks: Iterable[ThreadStack]) -> ThreadStack | None:
@@ -145,8 +168,21 @@ class StallTracker:
         dump_interval_seconds: float | None = None,
         cycle_seconds: float = 5.0,
         stat: Callable[[str], os.stat_result] = os.stat,
+        compile_after_seconds: float | None = None,
+        budget_seconds: float | None = None,
+        max_threads: int = MAX_PROBE_THREADS,
     ) -> None:
+        """``compile_after_seconds``: a rank still in torch.compile with its CPU busy is reported
+        as compiling, and stalled only after this long without progress (default 6x after).
+        ``budget_seconds``: the most one ``observe`` spends on thread looks and dumps (default
+        a fifth of a cycle, at least 50 ms); ``max_threads``: tasks read per process per look."""
         self.after = after_seconds
+        self.compile_after = (compile_after_seconds if compile_after_seconds is not None
+                              else 6 * after_seconds)  # fmt: skip
+        self.budget = budget_seconds if budget_seconds is not None else max(0.05, cycle_seconds / 5)
+        self.max_threads = max_threads
+        # looks deferred because the budget was spent, by kind ("threads", "dump"); cumulative
+        self.deferred: collections.Counter[str] = collections.Counter()
         self.spy = spy
         self.paths = paths or (spy.paths if spy else HostPaths())
         if dump_interval_seconds is None:
@@ -157,6 +193,11 @@ class StallTracker:
         self._clk_tck = os.sysconf("SC_CLK_TCK")
         self.last_error = ""
         self._dumps_disabled_until = float("-inf")
+        # per observe(): pid -> its thread view / dump, so that a PID listed by many ranks costs once
+        self._threads_memo: dict[int, tuple[ThreadInfo, ...]] = {}
+        self._dump_memo: dict[int, tuple[tuple[ThreadStack, ...] | None, bool]] = {}
+        self._task_count: dict[int, int] = {}
+        self._deadline = float("inf")
 
     # -- inputs -----------------------------------------------------------------------------------
 
@@ -180,21 +221,45 @@ class StallTracker:
             return None, True
         if now < self._dumps_disabled_until:
             return None, False
+        memo = self._dump_memo.get(pid)
+        if memo is not None:
+            return memo
         try:
-            return self.spy.dump(pid, slot_wait=0.0), False
+            out: tuple[tuple[ThreadStack, ...] | None, bool] = (self.spy.dump(pid, slot_wait=0.0), False)
         except PySpyError as e:
             self.last_error = str(e)
             if e.reason == pyspy.TIMEOUT:
                 self._dumps_disabled_until = now + self.dump_interval
             log.debug("stall dump of pid %d failed: %s", pid, e)
-            return None, e.reason in (pyspy.ABSENT, pyspy.PERMISSION_DENIED, pyspy.NOT_PYTHON)
+            out = None, e.reason in (pyspy.ABSENT, pyspy.PERMISSION_DENIED, pyspy.NOT_PYTHON)
+        self._dump_memo[pid] = out
+        return out
+
+    def _threads(self, pid: int) -> tuple[ThreadInfo, ...]:
+        memo = self._threads_memo.get(pid)
+        if memo is None:
+            tids = pyspy.task_ids(self.paths, pid)
+            self._task_count[pid] = len(tids)
+            memo = self._threads_memo[pid] = pyspy.read_threads(
+                self.paths, pid, detail=False, tids=tids[: self.max_threads])
+        return memo
+
+    def _over_budget(self, pid: int) -> bool:
+        """True when a new (not memoised) look at ``pid`` would exceed this cycle's budget. The
+        first look of a cycle always goes ahead, so every rank is looked at within (ranks needing
+        a look) cycles whatever the budget."""
+        return bool(self._threads_memo) and pid not in self._threads_memo and (
+            time.monotonic() > self._deadline)
 
     # -- the cycle --------------------------------------------------------------------------------
 
     def observe(self, now: float, probes: Iterable[RankProbe]) -> dict[tuple[str, int], StallVerdict]:
         verdicts: dict[tuple[str, int], StallVerdict] = {}
         seen = set()
+        work: list[tuple[RankProbe, _Track]] = []
         for p in probes:
+            if p.key in seen:
+                continue
             seen.add(p.key)
             tr = self._tracks.get(p.key)
             if tr is None or tr.pid != p.pid or (
@@ -202,36 +267,78 @@ class StallTracker:
             ):
                 tr = _Track(p.pid, p.start_ticks, first_seen=now, last_change=now)
                 self._tracks[p.key] = tr
-            verdicts[p.key] = self._observe_one(now, p, tr)
+            work.append((p, tr))
         for key in set(self._tracks) - seen:
             del self._tracks[key]
+        # least recently looked at first: what the budget defers this cycle goes first next cycle
+        work.sort(key=lambda pt: pt[1].threads_at)
+        self._threads_memo.clear()
+        self._dump_memo.clear()
+        self._task_count.clear()
+        self._deadline = time.monotonic() + self.budget
+        try:
+            for p, tr in work:
+                verdict = self._observe_one(now, p, tr)
+                tr.verdict = verdict
+                verdicts[p.key] = verdict
+        finally:
+            self._threads_memo.clear()
+            self._dump_memo.clear()
         return name_suspects(verdicts)
+
+    def _deferred(self, now: float, p: RankProbe, tr: _Track, kind: str) -> StallVerdict:
+        """The verdict of a rank whose look the budget defers: its last one, or "not yet"."""
+        self.deferred[kind] += 1
+        if tr.verdict is not None:
+            return tr.verdict
+        return StallVerdict(p.job_id, p.rank, p.pid, True, tr.first_seen, False,
+                            "heartbeat" if p.heartbeat else "proc", max(0.0, now - tr.first_seen))
 
     def _observe_one(self, now: float, p: RankProbe, tr: _Track) -> StallVerdict:
         if not p.alive:
             return StallVerdict(p.job_id, p.rank, p.pid, False, None, False, "dead", 0.0)
         stopped = p.state in ("T", "t")
+        tr.workers.remember(now, p.workers)
         if p.heartbeat_read:
             hb_mtime = p.heartbeat_mtime
         else:
             hb_mtime = self._heartbeat_mtime(p.heartbeat, p.owner_uid) if p.heartbeat else None
-        if p.heartbeat and not stopped and now - (hb_mtime or tr.first_seen) <= self.after:
-            # a beating rank: its heartbeat says it all, no need to look at its threads
+        age = now - (hb_mtime or tr.first_seen)
+        if p.heartbeat and not stopped and age <= self.after / 2:
+            # a beating rank: its heartbeat says it all, no need to look at its threads. One
+            # that is late (past half the bound) is looked at like a stalled one, so that the
+            # first stalled look already knows each thread's CPU share, the workers' CPU and
+            # whether it was compiling.
             return StallVerdict(p.job_id, p.rank, p.pid, True, hb_mtime or tr.first_seen, False,
-                                "heartbeat", max(0.0, now - (hb_mtime or tr.first_seen)))
-        # CPU pattern since the previous look, per thread
-        threads = pyspy.read_threads(self.paths, p.pid, detail=False)
-        elapsed = now - tr.threads_at if tr.threads else 0.0
-        prev = {t.tid: t.cpu_ticks for t in tr.threads}
-        shares = {
-            t.tid: (t.cpu_ticks - prev[t.tid]) / self._clk_tck / elapsed
-            for t in threads if elapsed > 0 and t.tid in prev
-        }  # fmt: skip
-        spinning = frozenset(tid for tid, share in shares.items() if share >= SPIN_SHARE)
-        python_tids = {s.tid for s in tr.stacks} or set(shares)
-        if any(WORK_SHARE <= shares[t] < SPIN_SHARE for t in python_tids if t in shares):
-            tr.worked = True
-        tr.threads, tr.threads_at, tr.spinning = threads, now, spinning
+                                "heartbeat", max(0.0, age))
+        # Per-thread detail only at the look cadence (the dump interval), not every cycle: between
+        # looks the verdict keeps the last look's thread view (issue 14: per-thread reads of every
+        # torch rank every cycle were most of the daemon's CPU).
+        look_due = tr.threads_at == 0.0 or now - tr.threads_at >= self.dump_interval
+        if look_due and self._over_budget(p.pid):
+            return self._deferred(now, p, tr, "threads")
+        if look_due:
+            # CPU pattern since the previous look, per thread
+            threads = self._threads(p.pid)
+            elapsed = now - tr.threads_at if tr.threads else 0.0
+            prev = {t.tid: t.cpu_ticks for t in tr.threads}
+            shares = {
+                t.tid: (t.cpu_ticks - prev[t.tid]) / self._clk_tck / elapsed
+                for t in threads if elapsed > 0 and t.tid in prev
+            }  # fmt: skip
+            spinning = frozenset(tid for tid, share in shares.items() if share >= SPIN_SHARE)
+            python_tids = {s.tid for s in tr.stacks} or set(shares)
+            if any(WORK_SHARE <= shares[t] < SPIN_SHARE for t in python_tids if t in shares):
+                tr.worked = True
+            self._look(now, tr, threads, spinning, shares)
+            tr.busiest_worker = tr.workers.busiest(p.workers, elapsed)
+            tr.summary = summarize_threads(threads, spinning)
+            total = self._task_count.get(p.pid, 0)
+            if total > len(threads):
+                tr.summary += f" (first {len(threads)} of {total} read)"
+        else:
+            threads, spinning, shares = tr.threads, tr.spinning, tr.shares
+        busiest_worker = tr.busiest_worker
         if stopped:
             tr.stopped_since = tr.stopped_since if tr.stopped_since is not None else now
         else:
@@ -248,7 +355,8 @@ class StallTracker:
         if stopped and tr.stopped_since is not None and now - tr.stopped_since >= self.after:
             method, stalled_so_far = "stopped", True
             progress = min(progress, tr.stopped_since)
-        if stalled_so_far and now - tr.last_dump_at >= self.dump_interval and p.heartbeat:
+        late = bool(p.heartbeat) and not stalled_so_far
+        if (stalled_so_far or late) and now - tr.last_dump_at >= self.dump_interval and p.heartbeat:
             # the stuck frames for the explanation (heartbeat ranks are not dumped otherwise)
             stacks, _ = self._dump(now, p.pid)
             if stacks is not None:
@@ -256,12 +364,35 @@ class StallTracker:
         main = main_stack(tr.stacks)
         frames = tuple(str(f) for f in main.frames[:MAX_FRAMES]) if main else ()
         location = tuple(f.where for f in main.frames[:3]) if main else ()
+        analysis = None
+        compiling = False
+        if (stalled_so_far or late) and tr.stacks:
+            waits = taskwait.read_waits(self.paths, p.pid, [s.tid for s in tr.stacks if s.tid])
+            workers = tr.workers.view(self.paths, p.workers)
+            analysis = analyze(tr.stacks, threads, shares, waits, workers, busiest_worker)
+            if analysis.compiling:
+                tr.compile_busy_at = now
+            # The compiler's CPU moves between short-lived children (g++, Triton workers) and
+            # the rank itself, and a dump may catch it in C code without a Python frame: within
+            # after_seconds of a busy compiling look, it is still compiling unless it now shows
+            # another hang (a lock, a collective, the GPU, a starved queue).
+            other = {"deadlock", "lock_wait", "collective", "gpu_wait", "starved"}
+            if stalled_so_far and now - tr.compile_busy_at <= self.after and \
+                    not other & set(analysis.kinds) and method != "stopped":
+                compiling = True
+                stalled_so_far = now - progress > self.compile_after
+                method = "compiling"
         return StallVerdict(
             job_id=p.job_id, rank=p.rank, pid=p.pid, alive=True, progress_timestamp=progress,
             stalled=stalled_so_far, method=method, no_progress_seconds=max(0.0, now - progress),
-            stuck_frames=frames, threads_summary=summarize_threads(threads, spinning),
-            location=location,
+            stuck_frames=frames, threads_summary=tr.summary,
+            location=location, analysis=analysis, compiling=compiling,
         )  # fmt: skip
+
+    @staticmethod
+    def _look(now: float, tr: _Track, threads: tuple[ThreadInfo, ...],
+              spinning: frozenset[int], shares: dict[int, float]) -> None:
+        tr.threads, tr.threads_at, tr.spinning, tr.shares = threads, now, spinning, shares
 
     def _stack_progress(
         self, now: float, p: RankProbe, tr: _Track, threads: tuple[ThreadInfo, ...],
@@ -274,8 +405,16 @@ class StallTracker:
             tr.worked = False
             tr.identical = 0
             tr.last_change = now
+            tr.last_dump_at = now  # this look counts as the comparison: next one a dump interval on
             return ("stack" if tr.stacks else "proc"), now
-        if now - tr.last_dump_at < self.dump_interval and tr.fingerprint is not None:
+        # a rank already stalled is re-dumped every after_seconds, not every dump interval: its
+        # explanation stays fresh, and recovery shows sooner anyway through its CPU (worked)
+        settled = tr.identical >= 2 and now - tr.last_change >= self.after
+        every = max(self.dump_interval, self.after) if settled else self.dump_interval
+        if now - tr.last_dump_at < every and tr.fingerprint is not None:
+            return ("stack" if tr.stacks else "proc"), tr.last_change
+        if self._dump_memo and p.pid not in self._dump_memo and time.monotonic() > self._deadline:
+            self.deferred["dump"] += 1
             return ("stack" if tr.stacks else "proc"), tr.last_change
         stacks, hopeless = self._dump(now, p.pid)
         if stacks is None and not hopeless and tr.stacks:

@@ -15,9 +15,12 @@ from gpuwatchd import findings
 from gpuwatchd.config import Config
 from gpuwatchd.events.log import Event
 from gpuwatchd.join import rank_claims
+from gpuwatchd.join.collectives import FrReading
 from gpuwatchd.join.stall import StallVerdict
+from gpuwatchd.join.straggler import RankRate
 from gpuwatchd.model import (
     BadRankFile,
+    CollectiveStatus,
     CollectorStatus,
     Finding,
     GilReading,
@@ -60,6 +63,9 @@ class CycleInputs:
     cycle_seconds: float = 0.0
     rank_memory: tuple[RankMemory, ...] = ()
     node_memory: NodeMemoryState | None = None
+    # (job_id, rank) -> step of the last heartbeat(step); flight-recorder state per rank and group
+    steps: Mapping[tuple[str, int], int] = field(default_factory=frozen_map)
+    collectives: tuple[CollectiveStatus, ...] = ()
     # readings of the subsystems that only finding rules read (typed: a misspelt name is a mypy
     # error, not a finding that silently never appears)
     kernel_events: tuple[Event, ...] = ()  # recent OOM kills and Xids (kernel-log subsystem)
@@ -67,6 +73,8 @@ class CycleInputs:
     fork_evidence: Mapping[int, ProcEvidence] = field(default_factory=frozen_map)  # pid -> devfds evidence
     gil: Mapping[tuple[str, int], Sequence[GilReading]] = field(default_factory=frozen_map)
     stall: Mapping[tuple[str, int], StallVerdict] = field(default_factory=frozen_map)
+    flight_records: Mapping[tuple[str, int], FrReading] = field(default_factory=frozen_map)  # stalled jobs
+    straggler: Mapping[tuple[str, int], RankRate] = field(default_factory=frozen_map)  # step rates
 
 
 @dataclass(frozen=True)
@@ -133,6 +141,7 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
             gpus=e.gpus, progress_timestamp=inputs.progress.get((e.job_id, e.rank)),
             stalled=bool(inputs.stalled.get((e.job_id, e.rank), False)) and alive,
             died_at=died_at.get(key), ns_pid=e.ns_pid, container=e.container,
+            step=inputs.steps.get((e.job_id, e.rank)) if alive else None,
         ))
 
     rows: list[GpuProcessRow] = []
@@ -153,6 +162,7 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
         rank_memory=inputs.rank_memory, node_memory=inputs.node_memory,
         kernel_events=inputs.kernel_events, orphan_jobs=inputs.orphan_jobs,
         fork_evidence=inputs.fork_evidence, gil=inputs.gil, stall=inputs.stall,
+        flight_records=inputs.flight_records, straggler=inputs.straggler,
     )
     found = [*findings.evaluate(ctx), *inputs.extra_findings]
     since: dict[tuple[str, str, str, str], float] = {}
@@ -169,6 +179,9 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
         counters=inputs.counters, cycle_seconds=inputs.cycle_seconds,
         rank_memory=tuple(m for m in inputs.rank_memory if (m.job_id, m.rank, m.pid) in live),
         node_memory=inputs.node_memory,
+        collectives=tuple(c for c in inputs.collectives
+                          if any(r.alive and (r.job_id, r.rank, r.pid) == (c.job_id, c.rank, c.pid)
+                                 for r in ranks)),
     )
     return state, JoinMemory(
         start_ticks=start_ticks, died_at=died_at, fd_first=fd_first, finding_since=since,

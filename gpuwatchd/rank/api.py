@@ -98,13 +98,17 @@ def register_rank(job_id: str | None = None, rank: int | None = None, *,
                   local_rank: int | None = None, world_size: int | None = None,
                   gpus: Sequence[str] | None = None, pid: int | None = None,
                   rank_dir: str | None = None, heartbeat: bool | str = True,
-                  cuda_oom_hook: bool = True, strict: bool = False) -> str | None:
+                  cuda_oom_hook: bool = True, strict: bool = False,
+                  flight_recorder: bool = True) -> str | None:
     """Register this process (or ``pid``) as a rank. Missing values come from the environment.
 
     ``heartbeat``: True for a heartbeat file next to the rank file, an absolute path for one
     elsewhere (e.g. in the container's own /tmp: the daemon reads it through /proc/PID/root),
     False for none. Inside a container (its own PID namespace) the rank file names the PID the
-    container sees and the namespace (``pid_ns``); the daemon maps it to the host PID."""
+    container sees and the namespace (``pid_ns``); the daemon maps it to the host PID.
+
+    ``flight_recorder``: answer the daemon's flight-recorder dump requests from a small thread
+    (gpuwatchd/rank/flight_recorder.py; only for this process, not for another ``pid``)."""
     env = dict(os.environ)
     claim = claim_from_env(env, ("torchrun", "slurm", "openmpi"))
     if claim is not None:
@@ -139,6 +143,10 @@ def register_rank(job_id: str | None = None, rank: int | None = None, *,
                        rank_dir=rank_dir, published=False)
     if cuda_oom_hook:
         _install_cuda_oom_hook(rank_dir, job_id, rank)
+    if flight_recorder and pid == os.getpid():
+        from gpuwatchd.rank import flight_recorder as fr
+
+        fr.start(rank_dir, job_id, rank)
     return path
 
 
@@ -181,7 +189,7 @@ def unregister_rank(job_id: str | None = None, rank: int | None = None,
     rank_dir = rank_dir or rank_dir_default()
     names = [rank_file_name(job_id, rank)] if rank is not None else [rank_file_name(job_id)]
     if rank is not None:
-        names.append(f"{job_id}.{rank}.hb")
+        names += [f"{job_id}.{rank}.hb", f"{job_id}.{rank}.fr"]  # heartbeat, flight-recorder answer
     removed = False
     for name in names:
         try:

@@ -222,6 +222,10 @@ class NvmlSource:
         mem = self._optional(nv, lambda: nv.nvmlDeviceGetMemoryInfo(handle))
         util = self._optional(nv, lambda: nv.nvmlDeviceGetUtilizationRates(handle))
         gpu_util = _known(getattr(util, "gpu", None)) if util is not None else None
+        # renamed "clocks event reasons" in NVML 12.x; the old name stays as an alias
+        reasons_fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+            nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
+        reasons = self._optional(nv, lambda: reasons_fn(handle)) if reasons_fn else None
         device = GpuDevice(
             index=index,
             uuid=uuid,
@@ -230,6 +234,7 @@ class NvmlSource:
             memory_total_bytes=_known(mem.total) if mem is not None else None,
             memory_used_bytes=_known(mem.used) if mem is not None else None,
             utilization_ratio=None if gpu_util is None else gpu_util / 100.0,
+            throttle_reasons=_known(reasons) if reasons is not None else None,
         )
         sm = self._process_utilization(nv, index, handle)
         procs: list[GpuProcess] = []

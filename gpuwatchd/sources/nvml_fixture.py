@@ -136,6 +136,11 @@ class RecordedNvml:
     def nvmlDeviceGetUtilizationRates(self, handle: int) -> SimpleNamespace:
         return SimpleNamespace(**_raise_if_error(self._device(handle)["utilization"]))
 
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: int) -> int:
+        # recordings made before this field was recorded: what a driver without it answers
+        return int(_raise_if_error(self._device(handle).get("clocks_event_reasons",
+                                                            {"error": 3})))  # NOT_SUPPORTED
+
     def _procs(self, handle: int, kind: str) -> list[SimpleNamespace]:
         listed = _raise_if_error(self._device(handle).get(kind, []))
         return [

@@ -22,6 +22,8 @@ Safety rules (each one a lesson from an upstream issue, see the research notes ย
 - the real binary is resolved once (a pyenv shim costs ~100 ms per call and may be a different
   version); a configured path wins;
 - every run is its own session (process group) and is SIGKILLed as a group at the hard time-out;
+  what a run leaves outside its group (a helper that calls ``setsid``) is reparented to the
+  daemon, a child subreaper, and killed and reaped after the run (gpuwatchd/sources/reaper.py);
 - at most ``max_concurrent`` runs at once (a semaphore);
 - stdout/stderr/output files are read up to a size cap;
 - after each run the target's state is compared with its state before: a target that we left in
@@ -52,6 +54,7 @@ from typing import Any, NoReturn
 
 from gpuwatchd.model import GilReading
 from gpuwatchd.paths import HostPaths
+from gpuwatchd.sources.reaper import CHILDREN, ChildReaper
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +193,17 @@ def process_state(paths: HostPaths, pid: int) -> str | None:
         return None
 
 
+def process_cpu(paths: HostPaths, pid: int) -> tuple[int, int] | None:
+    """(utime+stime ticks of all threads, number of threads) of a process: one read; None when
+    it is gone."""
+    try:
+        text = _read(paths.proc(pid, "stat"))
+        rest = text[text.rindex(")") + 2 :].split()
+        return int(rest[11]) + int(rest[12]), int(rest[17])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _status_fields(text: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for line in text.splitlines():
@@ -199,15 +213,18 @@ def _status_fields(text: str) -> dict[str, str]:
     return out
 
 
-def read_threads(paths: HostPaths, pid: int, detail: bool = True) -> tuple[ThreadInfo, ...]:
+def read_threads(paths: HostPaths, pid: int, detail: bool = True, limit: int | None = None,
+                 tids: Sequence[int] | None = None) -> tuple[ThreadInfo, ...]:
     """Every task of ``pid`` as /proc shows it now; tasks that vanish meanwhile are skipped.
 
     ``detail=False`` skips ``status`` (NSpid, context switches): two small reads per thread instead
-    of three, for the per-cycle probes of processes with a hundred threads (torch)."""
-    try:
-        tids = sorted(int(t) for t in os.listdir(paths.proc(pid, "task")) if t.isdigit())
-    except OSError:
-        return ()
+    of three, for the probes of processes with a hundred threads (torch). ``limit``: read at most
+    that many tasks (lowest tids first: the main thread and the oldest ones), so that the cost of
+    one look does not grow with a process's thread count. ``tids``: read these (already listed)."""
+    if tids is None:
+        tids = task_ids(paths, pid)
+    if limit is not None:
+        tids = tids[:limit]
     out = []
     for tid in tids:
         try:
@@ -233,6 +250,14 @@ def read_threads(paths: HostPaths, pid: int, detail: bool = True) -> tuple[Threa
             )
         )
     return tuple(out)
+
+
+def task_ids(paths: HostPaths, pid: int) -> list[int]:
+    """The thread ids of ``pid``, sorted (one directory listing; [] when it is gone)."""
+    try:
+        return sorted(int(t) for t in os.listdir(paths.proc(pid, "task")) if t.isdigit())
+    except OSError:
+        return []
 
 
 def in_nested_pid_namespace(paths: HostPaths, pid: int) -> bool:
@@ -403,6 +428,7 @@ class PySpyStats:
     runs: int = 0
     timeouts: int = 0
     left_stopped: int = 0  # targets we found in T after a run and continued
+    strays_killed: int = 0  # processes a run left outside its process group, killed and reaped
     cpu_seconds: float = 0.0
     last_error: str = ""
     reasons: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -424,10 +450,13 @@ class PySpy:
         tmp_dir: str | None = None,
         unavailable_reason: str = "",
         clock: Callable[[], float] = time.time,
+        reaper: ChildReaper | None = None,
     ) -> None:
         """``binary`` None means absent (``unavailable_reason`` says why); ``run_as`` (uid, gid)
-        runs py-spy as that user (needs root), e.g. an unprivileged sampling account."""
+        runs py-spy as that user (needs root), e.g. an unprivileged sampling account;
+        ``reaper``: the registry of this process's children (default: the process-wide one)."""
         self.binary = binary
+        self.reaper = reaper if reaper is not None else CHILDREN
         self.paths = paths or HostPaths()
         self.timeout_seconds = timeout_seconds
         self.dump_timeout_seconds = dump_timeout_seconds
@@ -469,7 +498,9 @@ class PySpy:
                 "record", "--gil", "--nonblocking", "--format", "raw", "--threads",
                 "--hideprogress", "-r", str(rate), "-d", str(duration), "-o", out, "-p", str(pid),
             ]  # fmt: skip
-            threads_before = read_threads(self.paths, pid)
+            nested = in_nested_pid_namespace(self.paths, pid)
+            threads_before = read_threads(self.paths, pid) if nested else ()
+            tids_before = task_ids(self.paths, pid)
             res = self._run(pid, args, max(self.timeout_seconds, duration + 1.0))
             combined = res.stdout + res.stderr
             if res.returncode != 0:
@@ -483,11 +514,11 @@ class PySpy:
                 # a measurement of anything.
                 raise PySpyError(TARGET_GONE, "target exited while being sampled")
             raw = self._read_capped(out)
-            tid_map = self._tid_map(pid, threads_before)
+            tid_map = self._tid_map(pid, threads_before) if nested else {}
             top, by_thread = parse_record_raw(raw, tid_map)
             # Python <= 3.10 has no native thread id: py-spy then labels threads with pthread ids
             # (py-spy #567). Those are no task of the target; say "unknown" (0), never a wrong tid.
-            known = {t.tid for t in threads_before} | {t.tid for t in read_threads(self.paths, pid, False)}
+            known = set(tids_before) | set(task_ids(self.paths, pid))
             by_thread = tuple((tid if tid in known else 0, name, n) for tid, name, n in by_thread)
             ticks = max(rate * duration - 1 - errors, 0)
             return GilSample(
@@ -508,17 +539,19 @@ class PySpy:
         ``slot_wait``: how long to wait for a free slot (default: the dump time-out); the daemon's
         cycle passes 0 so that it never waits behind running GIL records (reason BUSY instead).
         """
-        threads_before = read_threads(self.paths, pid)
+        # the NSpid map is needed only for a target in a nested pid namespace (a container)
+        nested = in_nested_pid_namespace(self.paths, pid)
+        threads_before = read_threads(self.paths, pid) if nested else ()
         res = self._run(pid, ["dump", "--json", "--nonblocking", "-p", str(pid)],
                         self.dump_timeout_seconds, slot_wait)  # fmt: skip
         if res.returncode != 0:
             self._fail(pid, res.stderr or res.stdout)
         try:
             stacks = parse_dump_json(res.stdout.decode("utf-8", "replace"),
-                                     self._tid_map(pid, threads_before))  # fmt: skip
+                                     self._tid_map(pid, threads_before) if nested else {})  # fmt: skip
         except (ValueError, json.JSONDecodeError) as e:
             raise PySpyError(FAILED, f"unreadable dump output: {e}") from e
-        if in_nested_pid_namespace(self.paths, pid):
+        if nested:
             # py-spy could not match namespace-local ids to /proc and calls every thread active
             # (research ยง1.6); use the host task state instead.
             state = {t.tid: t.state for t in read_threads(self.paths, pid)}
@@ -610,10 +643,12 @@ class PySpy:
         with tempfile.TemporaryFile() as out_f, tempfile.TemporaryFile() as err_f:
             t0 = time.monotonic()
             try:
-                proc = subprocess.Popen(
-                    argv, stdin=subprocess.DEVNULL, stdout=out_f, stderr=err_f, env=env,
-                    start_new_session=True, close_fds=True, **kw,
-                )  # fmt: skip
+                with self.reaper.spawning() as live:
+                    proc = subprocess.Popen(
+                        argv, stdin=subprocess.DEVNULL, stdout=out_f, stderr=err_f, env=env,
+                        start_new_session=True, close_fds=True, **kw,
+                    )  # fmt: skip
+                    live.add(proc.pid)
             except FileNotFoundError as e:
                 raise self._count(PySpyError(ABSENT, f"{argv[0]}: {e.strerror}")) from e
             except PermissionError as e:
@@ -641,8 +676,14 @@ class PySpy:
                 # the leader is dead; make sure nothing it started survives in its group
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-            _, status, rusage = os.wait4(proc.pid, 0)
+            status, rusage = self.reaper.reap(proc.pid)
             proc.returncode = os.waitstatus_to_exitcode(status)
+            # whatever the run left outside its group (a helper that called setsid) was
+            # reparented to the daemon (a child subreaper): kill and reap it now
+            strays = self.reaper.sweep()
+            if strays:
+                with self._stats_lock:
+                    self.stats.strays_killed += strays
             wall = time.monotonic() - t0
             return RunResult(
                 returncode=proc.returncode,

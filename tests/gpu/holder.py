@@ -20,6 +20,8 @@ def main() -> int:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--ready-file", default="")
+    ap.add_argument("--heartbeat", default="", help="touch this file every second (a rank's "
+                    "gpuwatchd.heartbeat)")
     args = ap.parse_args()
     import torch
 
@@ -35,6 +37,9 @@ def main() -> int:
     else:
         print(f"READY {os.getpid()}", flush=True)
     while True:
+        if args.heartbeat:
+            with open(args.heartbeat, "a"):
+                os.utime(args.heartbeat)
         time.sleep(1)
 
 

@@ -1,0 +1,113 @@
+"""The daemon's flight-recorder part: asks the ranks of stalled jobs for a dump and reads it.
+
+The protocol, the file rules and the comparison are in gpuwatchd/join/collectives.py (pure) and the
+rank side in gpuwatchd/rank/flight_recorder.py. This subsystem comes after the py-spy subsystem in the
+daemon's list: it reads that cycle's stall verdicts (``CycleInputs.stall``). It returns
+``flight_records`` ((job_id, rank) -> FrReading, for findings/stall.py) and
+``collectives`` (CollectiveStatus per rank and process group, for the exporter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gpuwatchd.daemon.subsystem import Contribution, DaemonContext, Subsystem
+from gpuwatchd.join.collectives import FrReading, parse_response, read_response, write_request
+from gpuwatchd.join.state import CycleInputs
+from gpuwatchd.model import ProcessInfo, RankEntry
+from gpuwatchd.rank.flight_recorder import request_path, response_path
+
+log = logging.getLogger(__name__)
+# The rank's thread polls every 0.5 s: an answer missing this long after the request is "no
+# answer" (a stopped rank, or Python threads blocked in native code holding the GIL).
+ANSWER_GRACE_SECONDS = 2.0
+
+
+@dataclass
+class _Ask:
+    pid: int
+    nonce: str
+    asked_at: float
+    answered: bool = False
+
+
+class FlightRecorderSubsystem(Subsystem):
+    """Requests and reads flight-recorder dumps for the ranks of stalled jobs (module docstring)."""
+
+    name = "flight_recorder"
+
+    def __init__(self, interval_seconds: float = 60.0) -> None:
+        self.interval = interval_seconds
+        self._asks: dict[tuple[str, int], _Ask] = {}
+        self._readings: dict[tuple[str, int], FrReading] = {}
+
+    def before_join(self, daemon: DaemonContext, cycle: CycleInputs) -> Contribution:
+        now = cycle.now
+        rank_dir = daemon.config.rank_dir
+        verdicts = cycle.stall
+        processes: Mapping[int, ProcessInfo] = cycle.processes
+        entries: list[RankEntry] = [e for e in cycle.entries if e.pid in processes]
+        stalled_jobs = {k[0] for k, v in verdicts.items() if v.stalled or v.suspect}
+        live = {(e.job_id, e.rank): e for e in entries}
+        for key in set(self._asks) | set(self._readings):
+            if key not in live or live[key].pid != (self._asks.get(key) or self._readings[key]).pid:
+                self._forget(rank_dir, key)
+        for key, e in live.items():
+            ask = self._asks.get(key)
+            if e.job_id in stalled_jobs and (ask is None or now - ask.asked_at >= self.interval):
+                self._ask(rank_dir, e, now)
+            elif ask is not None and not ask.answered:
+                self._collect(rank_dir, e, processes[e.pid].uid)
+                reading = self._readings.get(key)
+                if reading is not None and reading.error == "waiting" and \
+                        now - ask.asked_at >= ANSWER_GRACE_SECONDS:
+                    self._readings[key] = FrReading(e.job_id, e.rank, e.pid, error="no answer")
+        readings = {k: r for k, r in self._readings.items() if k[0] in stalled_jobs}
+        return Contribution(
+            flight_records=readings,
+            collectives=tuple(g for r in self._readings.values() for g in r.groups),
+        )
+
+    def _ask(self, rank_dir: str, e: RankEntry, now: float) -> None:
+        nonce = secrets.token_hex(8)
+        try:
+            write_request(request_path(rank_dir, e.job_id, e.rank), nonce)
+        except OSError as exc:
+            log.debug("flight-recorder request for %s/%d failed: %s", e.job_id, e.rank, exc)
+            return
+        self._asks[(e.job_id, e.rank)] = _Ask(e.pid, nonce, now)
+        if (e.job_id, e.rank) not in self._readings:
+            self._readings[(e.job_id, e.rank)] = FrReading(e.job_id, e.rank, e.pid, error="waiting")
+
+    def _collect(self, rank_dir: str, e: RankEntry, uid: int) -> None:
+        key = (e.job_id, e.rank)
+        ask = self._asks[key]
+        try:
+            doc = read_response(response_path(rank_dir, e.job_id, e.rank), {0, uid})
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            self._readings[key] = FrReading(e.job_id, e.rank, e.pid, error=f"refused: {exc}"[:200])
+            return
+        if not isinstance(doc, dict) or doc.get("nonce") != ask.nonce:
+            return  # an older answer: wait for this one
+        try:
+            if doc.get("pid") != e.pid:
+                raise ValueError(f"answered by pid {doc.get('pid')!r:.20}, not the rank's")
+            self._readings[key] = parse_response(doc, e.job_id, e.rank, e.pid)
+        except ValueError as exc:
+            self._readings[key] = FrReading(e.job_id, e.rank, e.pid, error=f"refused: {exc}"[:200])
+        ask.answered = True
+        with contextlib.suppress(OSError):
+            os.unlink(request_path(rank_dir, e.job_id, e.rank))
+
+    def _forget(self, rank_dir: str, key: tuple[str, int]) -> None:
+        self._readings.pop(key, None)
+        if self._asks.pop(key, None) is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(request_path(rank_dir, *key))

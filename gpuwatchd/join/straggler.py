@@ -1,0 +1,137 @@
+"""Slow, not stopped: each rank's step rate from ``heartbeat(step)``, against its job's median.
+
+Each cycle: the step of every heartbeat rank (read only when its heartbeat's mtime changed,
+sources/heartbeat_step.py) goes into a window of ``straggler.window_seconds``; its rate is the
+steps over the window divided by the time. A rank whose rate is below ``straggler.ratio`` times
+the median rate of its job's ranks on this node (at least two with a rate) at every cycle for
+``straggler.for_seconds`` is a straggler (findings/straggler.py says why, with the causes
+gpuwatchd can see). The same window keeps its cgroup's ``cpu.stat`` (sources/cgroup_cpu.py), so
+CPU throttling over the window is known when it is named a straggler. Across nodes the exported
+``gpuwatch_rank_step`` gives the alert rule ``GPURankStraggler`` the same comparison.
+
+``StragglerTracker.observe`` returns ``steps`` ((job_id, rank) -> step, exported as
+``gpuwatch_rank_step``) and the rates ((job_id, rank) -> ``RankRate``, ``FindingContext.straggler``);
+the daemon's part is daemon/straggler.py. Memory: at most ``MAX_SAMPLES`` samples
+per live rank; dead ranks are forgotten at once.
+Cost: one stat per heartbeat rank per cycle (already done by the daemon), one small read when it
+changed, two small reads of cpu.stat.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from gpuwatchd.config import StragglerConfig
+from gpuwatchd.model import RankEntry
+from gpuwatchd.paths import HostPaths
+from gpuwatchd.sources.cgroup_cpu import CpuStat, read_cpu_stat
+from gpuwatchd.sources.heartbeat_step import read_step
+
+MAX_SAMPLES = 512
+
+
+@dataclass(frozen=True)
+class RankRate:
+    job_id: str
+    rank: int
+    pid: int
+    rate: float | None  # steps per second over the window; None until the window is half full
+    window_seconds: float  # what the rate was measured over
+    median: float | None  # median rate of the job's ranks on this node with a rate
+    peers: tuple[int, ...]  # the ranks the median was taken over
+    below_since: float | None  # first cycle of the current run below ratio * median
+    straggler: bool
+    throttled_periods: int = 0  # cpu.stat over the window
+    periods: int = 0
+    throttled_seconds: float = 0.0
+
+
+@dataclass
+class _Rank:
+    pid: int
+    samples: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
+    cpu: deque[tuple[float, CpuStat]] = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
+    mtime: float | None = None
+    step: int | None = None
+    below_since: float | None = None
+
+
+class StragglerTracker:
+    def __init__(self, cfg: StragglerConfig, paths: HostPaths | None = None) -> None:
+        self.cfg = cfg
+        self.paths = paths or HostPaths()
+        self._ranks: dict[tuple[str, int], _Rank] = {}
+
+    def observe(self, now: float, entries: list[RankEntry], mtimes: Mapping[tuple[str, int], float],
+                ) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], RankRate]]:  # fmt: skip
+        window = self.cfg.window_seconds
+        live = {(e.job_id, e.rank): e for e in entries if e.heartbeat}
+        for key in set(self._ranks) - set(live):
+            del self._ranks[key]
+        steps: dict[tuple[str, int], int] = {}
+        rates: dict[tuple[str, int], tuple[float | None, float]] = {}
+        for key, e in live.items():
+            tr = self._ranks.get(key)
+            if tr is None or tr.pid != e.pid:
+                tr = self._ranks[key] = _Rank(e.pid)
+            mtime = mtimes.get(key)
+            if mtime is not None and mtime != tr.mtime and e.heartbeat:
+                tr.mtime = mtime
+                step = read_step(e.heartbeat, e.owner_uid)
+                if step is not None and (tr.step is None or step < tr.step):
+                    tr.samples.clear()  # first sight, or the job restarted from an earlier step
+                tr.step = step
+            if tr.step is not None:
+                steps[key] = tr.step
+                tr.samples.append((now, tr.step))
+            while tr.samples and now - tr.samples[0][0] > window:
+                tr.samples.popleft()
+            cpu = read_cpu_stat(self.paths, e.pid)
+            if cpu is not None:
+                tr.cpu.append((now, cpu))
+            while tr.cpu and now - tr.cpu[0][0] > window:
+                tr.cpu.popleft()
+            rates[key] = self._rate(tr, now)
+        return steps, self._judge(now, live, rates)
+
+    def _rate(self, tr: _Rank, now: float) -> tuple[float | None, float]:
+        if len(tr.samples) < 2:
+            return None, 0.0
+        (t0, s0), (t1, s1) = tr.samples[0], tr.samples[-1]
+        span = t1 - t0
+        if span < self.cfg.window_seconds / 2:
+            return None, span
+        return (s1 - s0) / span, span
+
+    def _judge(self, now: float, live: Mapping[tuple[str, int], RankEntry],
+               rates: Mapping[tuple[str, int], tuple[float | None, float]],
+               ) -> dict[tuple[str, int], RankRate]:  # fmt: skip
+        jobs: dict[str, list[tuple[int, float]]] = {}
+        for (job, rank), (rate, _) in rates.items():
+            if rate is not None:
+                jobs.setdefault(job, []).append((rank, rate))
+        out: dict[tuple[str, int], RankRate] = {}
+        for key, e in live.items():
+            tr = self._ranks[key]
+            rate, span = rates[key]
+            peers = jobs.get(e.job_id, [])
+            median = statistics.median(r for _, r in peers) if len(peers) >= 2 else None
+            below = rate is not None and median is not None and median > 0 and \
+                rate < self.cfg.ratio * median
+            if below:
+                tr.below_since = tr.below_since if tr.below_since is not None else now
+            else:
+                tr.below_since = None
+            straggler = tr.below_since is not None and now - tr.below_since >= self.cfg.for_seconds
+            first, last = (tr.cpu[0][1], tr.cpu[-1][1]) if tr.cpu else (None, None)
+            out[key] = RankRate(
+                e.job_id, e.rank, e.pid, rate, span, median, tuple(sorted(r for r, _ in peers)),
+                tr.below_since, straggler,
+                throttled_periods=(last.throttled_periods - first.throttled_periods) if first and last else 0,
+                periods=(last.periods - first.periods) if first and last else 0,
+                throttled_seconds=(last.throttled_seconds - first.throttled_seconds) if first and last else 0.0,
+            )  # fmt: skip
+        return out

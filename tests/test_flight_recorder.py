@@ -1,0 +1,168 @@
+"""The flight-recorder dump: rank side (gpuwatchd/rank/flight_recorder.py, real threads and files),
+the daemon side's file rules (gpuwatchd/join/collectives.py), and the whole path through the real
+daemon with two real rank processes that answer with the dumps recorded on the H200."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpuwatchd.join.collectives import read_response, write_request
+from gpuwatchd.rank import flight_recorder as fr
+
+PROGRAMS = Path(__file__).parent / "fixtures" / "pyspy" / "programs"
+FIX = Path(__file__).parent / "fixtures" / "hang"
+
+
+def test_responder_answers_each_new_nonce_once(tmp_path: Path) -> None:
+    calls = []
+
+    def dump() -> dict:
+        calls.append(1)
+        return json.loads((FIX / "fr_gloo_rank0.json").read_text())["trace"]
+
+    r = fr.Responder(str(tmp_path), "j", 0, dump=dump)
+    assert not r.poll_once()  # no request yet
+    write_request(fr.request_path(str(tmp_path), "j", 0), "n1")
+    assert r.poll_once() and not r.poll_once()
+    doc = read_response(fr.response_path(str(tmp_path), "j", 0), {os.getuid()})
+    assert doc["nonce"] == "n1" and doc["pid"] == os.getpid()
+    assert max(e["collective_seq_id"] for e in doc["trace"]["entries"]) == 5
+    write_request(fr.request_path(str(tmp_path), "j", 0), "n2")
+    assert r.poll_once() and len(calls) == 2
+
+
+def test_responder_without_torch_answers_with_the_reason(tmp_path: Path) -> None:
+    r = fr.Responder(str(tmp_path), "j", 1)  # the real torch_dump; torch is not imported here
+    assert "torch" not in sys.modules
+    write_request(fr.request_path(str(tmp_path), "j", 1), "n")
+    assert r.poll_once()
+    doc = json.loads(Path(fr.response_path(str(tmp_path), "j", 1)).read_text())
+    assert doc["error"] == "RuntimeError: torch is not imported in this process"
+
+
+def test_responder_keeps_answers_under_the_size_cap(tmp_path: Path) -> None:
+    big = {"entries": [{"collective_seq_id": i, "pg_id": i % 3, "profiling_name": "x" * 2000,
+                        "state": "completed"} for i in range(5000)]}
+    r = fr.Responder(str(tmp_path), "j", 0, dump=lambda: big)
+    write_request(fr.request_path(str(tmp_path), "j", 0), "n")
+    assert r.poll_once()
+    assert os.stat(fr.response_path(str(tmp_path), "j", 0)).st_size <= fr.MAX_BYTES
+
+
+def test_response_file_rules(tmp_path: Path) -> None:
+    good = tmp_path / "good.fr"
+    good.write_text(json.dumps({"version": 1}))
+    assert read_response(str(good), {os.getuid()}) == {"version": 1}
+    link = tmp_path / "link.fr"
+    link.symlink_to(good)
+    with pytest.raises(OSError):  # ELOOP: never followed
+        read_response(str(link), {os.getuid()})
+    with pytest.raises(ValueError, match="owned by uid"):
+        read_response(str(good), {12345})
+    hard = tmp_path / "hard.fr"
+    os.link(good, hard)
+    with pytest.raises(ValueError, match="one link"):
+        read_response(str(hard), {os.getuid()})
+    os.unlink(hard)
+    big = tmp_path / "big.fr"
+    big.write_text(" " * (fr.MAX_BYTES + 1))
+    with pytest.raises(ValueError, match="larger"):
+        read_response(str(big), {os.getuid()})
+    not_json = tmp_path / "pickle.fr"
+    not_json.write_bytes(b"\x80\x04\x95")  # a pickle is never unpickled: it is not JSON
+    with pytest.raises(ValueError):
+        read_response(str(not_json), {os.getuid()})
+
+
+def test_request_replaces_a_planted_symlink_never_follows_it(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    req = tmp_path / "j.0.frreq"
+    req.symlink_to(victim)
+    write_request(str(req), "nonce")
+    assert victim.read_text() == "keep"
+    assert not req.is_symlink() and req.read_text() == "nonce\n"
+
+
+def test_daemon_names_the_rank_that_never_entered_the_collective(tmp_path: Path) -> None:
+    """Two real ranks (heartbeat, then blocked) answering with the dumps recorded on the H200;
+    the real daemon asks once both are stalled, exports the sequence numbers, and rank 0's
+    explanation says rank 1 never entered collective #5 within one cycle of the answers."""
+    from daemonutil import DaemonProc, write_config
+
+    interval = 0.5
+    cfg_path, cfg = write_config(tmp_path, interval_seconds=interval,
+                                 stall={"after_seconds": 1.0})  # fmt: skip
+    ranks = []
+    try:
+        for r in (0, 1):
+            p = subprocess.Popen(
+                [sys.executable, str(PROGRAMS / "hang_rank.py"), "fr", cfg["rank_dir"], "fr-job",
+                 str(r)], stdout=subprocess.PIPE, text=True,
+                env={**os.environ, "GW_FR_RECORDING": str(FIX / f"fr_gloo_rank{r}.json")})
+            ranks.append(p)
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        d = DaemonProc(cfg_path, cfg)
+        try:
+            state = Path(cfg["state_dir"]) / "state.json"
+
+            def explanation() -> str:
+                try:
+                    doc = json.loads(state.read_text())
+                except (OSError, ValueError):  # not written yet
+                    return ""
+                return next((f["explanation"] for f in doc["findings"] if f["rank"] == "0"
+                             and "never entered" in f["explanation"]), "")  # fmt: skip
+
+            d.wait_for(lambda: bool(explanation()), timeout=30, what="flight recorder named")
+            seen = time.time()
+            answers = [Path(cfg["rank_dir"]) / f"fr-job.{r}.fr" for r in (0, 1)]
+            answered = max(a.stat().st_mtime for a in answers)
+            text = explanation()
+            print(text, f"\n{seen - answered:.2f} s after the answers")
+            assert "rank 1 never entered collective #5 (gloo:all_reduce) of process group 0 " \
+                "that rank 0 entered (last entered: rank 1 #4)" in text
+            assert seen - answered <= interval + 1.0  # one cycle (plus a loaded machine)
+            for r, seq in ((0, 5.0), (1, 4.0)):
+                assert d.value("gpuwatch_rank_collective_last_started_seq", job_id="fr-job",
+                               rank=str(r), pg="0") == seq  # fmt: skip
+                assert d.value("gpuwatch_rank_collective_last_completed_seq", job_id="fr-job",
+                               rank=str(r), pg="0") == 4.0  # fmt: skip
+            # answered requests are removed by the daemon
+            assert not list(Path(cfg["rank_dir"]).glob("*.frreq"))
+        finally:
+            assert d.stop() == 0
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+
+
+def test_trace_buffer_size_under_its_old_name_is_a_renamed_variable(procs: list) -> None:
+    """A real process started with TORCH_NCCL_TRACE_BUFFER_SIZE: /proc/PID/environ -> the
+    nccl_legacy_env finding tells to use TORCH_FR_BUFFER_SIZE."""
+    from gpuwatchd.config import Config
+    from gpuwatchd.findings import FindingContext, nccl_env
+    from gpuwatchd.model import RankState
+    from gpuwatchd.sources.procfs import ProcfsReader
+
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                         env={**os.environ, "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"})
+    procs.append(p)
+    reader = ProcfsReader()
+    deadline = time.monotonic() + 10
+    while (flags := reader.env_flags(p.pid)) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert flags is not None and "TORCH_NCCL_TRACE_BUFFER_SIZE" in flags
+    r = RankState("j", 0, p.pid, 0, 1, True, None)
+    (f,) = nccl_env.find(FindingContext(now=0.0, config=Config(), ranks=(r,),
+                                        env_flags={p.pid: flags}))
+    assert f.kind == "nccl_legacy_env"
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE (use TORCH_FR_BUFFER_SIZE)" in f.explanation

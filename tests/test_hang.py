@@ -1,0 +1,258 @@
+"""Hang analysis (gpuwatchd/join/hang.py) on real hung ranks, real py-spy dumps and the real /proc:
+seed 003's lock deadlock, and a training loop starved by stopped or dead queue workers; then the
+explanation of the rank_stalled finding, and the same through the real daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from gpuwatchd.config import Config
+from gpuwatchd.findings import FindingContext
+from gpuwatchd.findings import stall as stall_finding
+from gpuwatchd.join.stall import RankProbe, StallTracker, StallVerdict
+from gpuwatchd.model import GpuDevice, GpuProcessRow, RankState
+from gpuwatchd.paths import HostPaths
+from gpuwatchd.sources import pyspy
+from gpuwatchd.sources.procfs import ProcfsReader
+from gpuwatchd.sources.pyspy import PySpy
+
+PROGRAMS = Path(__file__).parent / "fixtures" / "pyspy" / "programs"
+AFTER = 1.0
+CYCLE = 0.25
+PROCFS = ProcfsReader(HostPaths())
+
+
+@pytest.fixture
+def rank(tmp_path: Path) -> Iterator[Callable[[str], tuple[subprocess.Popen[str], list[str]]]]:
+    started: list[subprocess.Popen[str]] = []
+
+    def launch(mode: str) -> tuple[subprocess.Popen[str], list[str]]:
+        p = subprocess.Popen([sys.executable, str(PROGRAMS / "hang_rank.py"), mode, str(tmp_path),
+                              "hang-job", "0"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+        started.append(p)
+        assert p.stdout is not None
+        words = p.stdout.readline().split()
+        assert words and words[0] == "ready", words
+        return p, words[1:]
+
+    yield launch
+    for p in started:
+        for kid in PROCFS.descendants(p.pid):
+            with_suppressed_kill(kid)
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+            p.kill()
+        p.wait()
+
+
+def with_suppressed_kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGCONT)
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def probe(pid: int, heartbeat: str) -> RankProbe:
+    """What the daemon hands the tracker each cycle: /proc state and the rank's descendants."""
+    info = PROCFS.read_process(pid)
+    kids = PROCFS.read_many(PROCFS.descendants(pid))
+    return RankProbe("hang-job", 0, pid, info is not None, info.state if info else "", heartbeat,
+                     workers=tuple((k, p.state, p.cpu_seconds) for k, p in kids.items()))  # fmt: skip
+
+
+def until_stalled(tracker: StallTracker, pid: int, hb: str, seconds: float = 20.0,
+                  want: str = "") -> StallVerdict:  # fmt: skip
+    deadline = time.monotonic() + seconds
+    while True:
+        v = tracker.observe(time.time(), [probe(pid, hb)])[("hang-job", 0)]
+        if v.stalled and v.analysis is not None and (not want or want in v.analysis.kinds):
+            return v
+        assert time.monotonic() < deadline, f"not stalled with {want or 'an analysis'}: {v}"
+        time.sleep(CYCLE)
+
+
+def explanation(v: StallVerdict, gpus: tuple[GpuDevice, ...] = (),
+                rows: tuple[GpuProcessRow, ...] = ()) -> str:  # fmt: skip
+    r = RankState("hang-job", 0, v.pid, 0, 1, True, None, stalled=True, gpus=("0",) if gpus else ())
+    ctx = FindingContext(now=time.time(), config=Config(), ranks=(r,), gpus=gpus,
+                         gpu_processes=rows, stall={v.key: v})  # fmt: skip
+    (f,) = stall_finding.find(ctx)
+    assert f.kind == "rank_stalled"
+    return f.explanation
+
+
+def heartbeat_path(tmp_path: Path) -> str:
+    return str(tmp_path / "hang-job.0.hb")
+
+
+def test_seed_003_lock_deadlock_names_both_threads_their_lines_and_the_word(
+        rank: Callable, tmp_path: Path) -> None:  # fmt: skip
+    p, _ = rank("deadlock")
+    tracker = StallTracker(AFTER, PySpy(pyspy.resolve_pyspy()), dump_interval_seconds=CYCLE)
+    v = until_stalled(tracker, p.pid, heartbeat_path(tmp_path), want="deadlock")
+    a = v.analysis
+    assert a is not None
+    dead = next(x for x in a.patterns if x.kind == "deadlock")
+    assert set(dead.threads) == {"loader", "writer"}
+    source = (PROGRAMS / "hang_rank.py").read_text().splitlines()
+    # each thread is named with the very line where it waits for the other's lock
+    for name, fn in (("loader", "loader"), ("writer", "writer")):
+        view = next(t for t in a.threads if t.name == name)
+        assert view.kind == "lock" and view.frames[0].name.endswith(fn), view
+        assert "never" in source[(view.frames[0].line or 0) - 1], view.frames[0]
+        assert f'"{name}" in {view.frames[0]}' in dead.text
+    assert "waiting on 2 different locks" in dead.text  # two futex words, from /proc/TID/syscall
+    assert '"MainThread" waits for them in Thread.join' in dead.text
+    text = explanation(v)
+    print(text)
+    assert "likely deadlock: 2 threads blocked acquiring locks at 0 % CPU, none progressing" in text
+    assert '"MainThread" (S, 0% CPU) waiting in Thread.join at Thread._wait_for_tstate_lock' in text
+    assert "threads: " in text and "Thread.join" in text
+
+
+def test_starved_by_stopped_workers_then_by_dead_workers(rank: Callable, tmp_path: Path) -> None:
+    p, pids = rank("starve")
+    workers = [int(x) for x in pids]
+    hb = heartbeat_path(tmp_path)
+    tracker = StallTracker(AFTER, PySpy(pyspy.resolve_pyspy()), dump_interval_seconds=CYCLE)
+    # healthy first: the queue is fed, the heartbeat moves, nothing is stalled
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.5:
+        v = tracker.observe(time.time(), [probe(p.pid, hb)])[("hang-job", 0)]
+        assert not v.stalled, v
+        time.sleep(CYCLE)
+    for w in workers:
+        os.kill(w, signal.SIGSTOP)
+    v = until_stalled(tracker, p.pid, hb, want="starved")
+    assert v.analysis is not None
+    starved = next(x for x in v.analysis.patterns if x.kind == "starved")
+    print(starved.text)
+    assert starved.threads == ("MainThread",)
+    assert "multiprocessing queue get" in starved.text and "get (multiprocessing/queues.py:" in starved.text
+    assert f"2 stopped (T) (pid {workers[0]}, {workers[1]})" in starved.text
+    assert "starved: " in explanation(v)
+    # the workers die: the rank is starved by dead workers (it remembers it had two)
+    for w in workers:
+        os.kill(w, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while True:
+        v = tracker.observe(time.time(), [probe(p.pid, hb)])[("hang-job", 0)]
+        text = next((x.text for x in (v.analysis.patterns if v.analysis else ())
+                     if x.kind == "starved"), "")  # fmt: skip
+        if "2 dead" in text:
+            break
+        assert time.monotonic() < deadline, v
+        time.sleep(CYCLE)
+    print(text)
+    assert f"2 dead (pid {workers[0]}, {workers[1]})" in text
+
+
+def test_workers_killed_while_the_rank_still_beats(rank: Callable, tmp_path: Path) -> None:
+    """The workers die while the rank's heartbeat is fresh (it is not looked at then): when the
+    queue runs dry and the rank stalls, it is starved by dead workers it had."""
+    p, pids = rank("starve")
+    workers = [int(x) for x in pids]
+    hb = heartbeat_path(tmp_path)
+    tracker = StallTracker(AFTER, PySpy(pyspy.resolve_pyspy()), dump_interval_seconds=CYCLE)
+    for _ in range(3):
+        assert not tracker.observe(time.time(), [probe(p.pid, hb)])[("hang-job", 0)].stalled
+        time.sleep(CYCLE)
+    for w in workers:
+        os.kill(w, signal.SIGKILL)
+    v = until_stalled(tracker, p.pid, hb, want="starved")
+    text = next(x.text for x in v.analysis.patterns if x.kind == "starved")  # type: ignore[union-attr]
+    assert f"2 dead (pid {workers[0]}, {workers[1]})" in text, text
+
+
+def test_running_workers_do_not_make_a_queue_wait_starved(rank: Callable, tmp_path: Path) -> None:
+    """The same rank with its heartbeat judged stalled on purpose (after_seconds tiny): its
+    workers run, so the analysis must not call it starved."""
+    p, _ = rank("starve")
+    tracker = StallTracker(0.01, PySpy(pyspy.resolve_pyspy()), dump_interval_seconds=CYCLE)
+    for _ in range(8):
+        v = tracker.observe(time.time(), [probe(p.pid, "/nonexistent/hb")])[("hang-job", 0)]
+        if v.analysis is not None:
+            assert "starved" not in v.analysis.kinds, v.analysis.patterns
+        time.sleep(CYCLE)
+
+
+def test_gpu_named_in_the_verdict(rank: Callable, tmp_path: Path) -> None:
+    """A stalled rank's explanation names its GPU with utilisation and the memory its tree
+    holds (the GPU part of the state comes from NVML; here a reading as the join sees it)."""
+    p, _ = rank("deadlock")
+    tracker = StallTracker(AFTER, PySpy(pyspy.resolve_pyspy()), dump_interval_seconds=CYCLE)
+    v = until_stalled(tracker, p.pid, heartbeat_path(tmp_path), want="deadlock")
+    gpu = GpuDevice(0, "GPU-0", "NVIDIA H200", "00000000:19:00.0", 150 << 30, 3 << 30, 0.0)
+    row = GpuProcessRow(0, "GPU-0", p.pid, 2 << 30, "python3", "root", "hang-job", "0")
+    assert "; GPU 0 idle, 2.0 GiB held" in explanation(v, (gpu,), (row,))
+    busy = GpuDevice(0, "GPU-0", "NVIDIA H200", "00000000:19:00.0", 150 << 30, 3 << 30, 1.0)
+    assert "; GPU 0 100 % busy, 2.0 GiB held" in explanation(v, (busy,), (row,))
+
+
+def test_daemon_explains_the_deadlock(tmp_path: Path) -> None:
+    """Through the real daemon (py-spy, /proc, rank files): the rank_stalled finding of the
+    deadlocked rank says "likely deadlock" and names both threads."""
+    from daemonutil import DaemonProc, write_config
+
+    cfg_path, cfg = write_config(tmp_path, stall={"after_seconds": 1.5})
+    p = subprocess.Popen([sys.executable, str(PROGRAMS / "hang_rank.py"), "deadlock",
+                          cfg["rank_dir"], "hang-job", "0"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        d = DaemonProc(cfg_path, cfg)
+        try:
+            def finding() -> str:
+                state = json.loads((Path(cfg["state_dir"]) / "state.json").read_text())
+                return next((f["explanation"] for f in state["findings"]
+                             if f["kind"] == "rank_stalled" and "deadlock" in f["explanation"]),
+                            "")  # fmt: skip
+
+            d.wait_for(lambda: bool(finding()), timeout=30, what="rank_stalled with a deadlock")
+            text = finding()
+            print(text)
+            assert '"loader" in deadlock.<locals>.loader (hang_rank.py:' in text
+            assert '"writer" in deadlock.<locals>.writer (hang_rank.py:' in text
+            assert "likely deadlock" in text and "waiting on 2 different locks" in text
+        finally:
+            assert d.stop() == 0
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_doctor_folds_identical_threads_and_names_the_deadlock(rank: Callable, tmp_path: Path,
+                                                               procs: list) -> None:  # fmt: skip
+    """``gpuwatchd doctor PID`` on the deadlocked rank says "likely deadlock"; on a process with
+    fourteen pool threads idle in queue.get they fold into one line."""
+    p, _ = rank("deadlock")
+    out = subprocess.run([sys.executable, "-m", "gpuwatchd", "doctor", str(p.pid)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "PYTHON THREADS (folded" in out.stdout
+    assert "=> likely deadlock: 2 threads blocked acquiring locks" in out.stdout, out.stdout
+    pool = tmp_path / "pool.py"
+    pool.write_text(
+        "import queue, threading\nq = queue.Queue()\n"
+        "for i in range(14):\n    threading.Thread(target=q.get, name=f'pool-{i}', daemon=True).start()\n"
+        "print('ready', flush=True)\nthreading.Event().wait()\n")
+    w = subprocess.Popen([sys.executable, str(pool)], stdout=subprocess.PIPE, text=True)
+    procs.append(w)
+    assert w.stdout is not None and w.stdout.readline().strip() == "ready"
+    report = json.loads(subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "doctor", "--json", str(w.pid)],
+        capture_output=True, text=True, timeout=60).stdout)  # fmt: skip
+    lines = report["hang"]["threads"]
+    print(lines)
+    assert any(t.startswith("14 threads (S, 0% CPU each) idle in queue.get at Condition.wait "
+                            "(threading.py:") and "<- Queue.get (queue.py:" in t for t in lines), lines
+    assert report["hang"]["patterns"] == []  # idle pool threads are no hang
