@@ -35,7 +35,6 @@ from typing import Any
 from gpuwatchd.config import Config, ConfigError, load_config, with_overrides
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.collectives import FlightRecorderSubsystem
-from gpuwatchd.daemon.straggler import StragglerSubsystem
 from gpuwatchd.daemon.finding_events import FindingEventsSubsystem
 from gpuwatchd.daemon.gil import PySpySubsystem
 from gpuwatchd.daemon.gpu import GpuSubsystem
@@ -43,6 +42,7 @@ from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem
 from gpuwatchd.daemon.notify import notify, watchdog_interval
 from gpuwatchd.daemon.retention import RetentionSubsystem
+from gpuwatchd.daemon.straggler import StragglerSubsystem
 from gpuwatchd.daemon.subsystem import NOTHING, Subsystem
 from gpuwatchd.exporter.collector import make_registry
 from gpuwatchd.isolation import Collector, PartialReading, attempt, guarded
