@@ -18,28 +18,21 @@ from typing import Any, Protocol
 
 from gpuwatchd.config import Config
 from gpuwatchd.counters import CounterStore
-from gpuwatchd.events.log import Event
-from gpuwatchd.join.collectives import FrReading
-from gpuwatchd.join.stall import StallVerdict
+from gpuwatchd.findings.context import RuleReadings
 from gpuwatchd.join.state import CycleInputs
-from gpuwatchd.join.straggler import RankRate
 from gpuwatchd.join.xid_dedup import XidDeduper
 from gpuwatchd.model import (
     CollectiveStatus,
     CollectorStatus,
     Finding,
-    GilReading,
     GpuDevice,
     GpuProcess,
-    NodeMemoryState,
     NodeState,
     Orphan,
     ProcessInfo,
-    RankMemory,
     frozen_map,
 )
 from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources.devfds import ProcEvidence
 from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.statefile import StateFiles
 
@@ -65,8 +58,9 @@ class DaemonContext(Protocol):
 
 
 @dataclass(frozen=True)
-class Contribution:
-    """What one subsystem adds to a cycle's ``CycleInputs`` (same field names and types).
+class Contribution(RuleReadings):
+    """What one subsystem adds to a cycle's ``CycleInputs`` (same field names and types; the
+    ``RuleReadings`` it extends go on unchanged to the finding rules).
 
     ``merge_into`` concatenates tuples, merges mappings (the contribution wins on a key) and sets
     ``node_memory`` when given; a field left at its default adds nothing.
@@ -82,15 +76,6 @@ class Contribution:
     steps: Mapping[tuple[str, int], int] = field(default_factory=frozen_map)
     collectives: tuple[CollectiveStatus, ...] = ()
     extra_findings: tuple[Finding, ...] = ()
-    rank_memory: tuple[RankMemory, ...] = ()
-    node_memory: NodeMemoryState | None = None
-    kernel_events: tuple[Event, ...] = ()
-    orphan_jobs: Mapping[int, str] = field(default_factory=frozen_map)
-    fork_evidence: Mapping[int, ProcEvidence] = field(default_factory=frozen_map)
-    gil: Mapping[tuple[str, int], Sequence[GilReading]] = field(default_factory=frozen_map)
-    stall: Mapping[tuple[str, int], StallVerdict] = field(default_factory=frozen_map)
-    flight_records: Mapping[tuple[str, int], FrReading] = field(default_factory=frozen_map)  # stalled jobs
-    straggler: Mapping[tuple[str, int], RankRate] = field(default_factory=frozen_map)  # step rates
 
     def merge_into(self, inputs: CycleInputs) -> CycleInputs:
         changes: dict[str, Any] = {}

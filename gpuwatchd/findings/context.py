@@ -6,7 +6,8 @@ another rule or ``findings/__init__``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from gpuwatchd.config import Config
 from gpuwatchd.events.log import Event
@@ -29,8 +30,30 @@ from gpuwatchd.sources.devfds import ProcEvidence
 from gpuwatchd.units import fmt_bytes
 
 
+@dataclass(frozen=True, kw_only=True)
+class RuleReadings:
+    """What the subsystems read for the finding rules only: carried unchanged from a subsystem's
+    ``Contribution`` through ``CycleInputs`` to ``FindingContext`` (all three extend this class).
+    Typed fields: a misspelt name is a mypy error, not a finding that silently never appears."""
+
+    rank_memory: tuple[RankMemory, ...] = ()  # RankMemory per live rank (memory subsystem)
+    node_memory: NodeMemoryState | None = None
+    kernel_events: tuple[Event, ...] = ()  # recent OOM kills and Xids (kernel-log subsystem)
+    orphan_jobs: Mapping[int, str] = field(default_factory=frozen_map)  # orphan pid -> its past job
+    fork_evidence: Mapping[int, ProcEvidence] = field(default_factory=frozen_map)  # pid -> devfds evidence
+    gil: Mapping[tuple[str, int], Sequence[GilReading]] = field(default_factory=frozen_map)
+    stall: Mapping[tuple[str, int], StallVerdict] = field(default_factory=frozen_map)
+    flight_records: Mapping[tuple[str, int], FrReading] = field(default_factory=frozen_map)  # stalled jobs
+    straggler: Mapping[tuple[str, int], RankRate] = field(default_factory=frozen_map)  # step rates
+
+
+def readings_of(r: RuleReadings) -> dict[str, Any]:
+    """The ``RuleReadings`` fields of ``r``, as keyword arguments for another ``RuleReadings``."""
+    return {f.name: getattr(r, f.name) for f in fields(RuleReadings)}
+
+
 @dataclass(frozen=True)
-class FindingContext:
+class FindingContext(RuleReadings):
     now: float
     config: Config
     ranks: tuple[RankState, ...] = ()
@@ -43,17 +66,6 @@ class FindingContext:
     gpus: tuple[GpuDevice, ...] = ()
     gpu_processes: tuple[GpuProcessRow, ...] = ()
     orphans: tuple[Orphan, ...] = ()
-    rank_memory: tuple[RankMemory, ...] = ()  # RankMemory per live rank (memory subsystem)
-    node_memory: NodeMemoryState | None = None
-    # readings of the subsystems that only finding rules read (typed: a misspelt name is a mypy
-    # error, not a finding that silently never appears)
-    kernel_events: tuple[Event, ...] = ()  # recent OOM kills and Xids (kernel-log subsystem)
-    orphan_jobs: Mapping[int, str] = field(default_factory=frozen_map)  # orphan pid -> its past job
-    fork_evidence: Mapping[int, ProcEvidence] = field(default_factory=frozen_map)  # pid -> devfds evidence
-    gil: Mapping[tuple[str, int], Sequence[GilReading]] = field(default_factory=frozen_map)
-    stall: Mapping[tuple[str, int], StallVerdict] = field(default_factory=frozen_map)
-    flight_records: Mapping[tuple[str, int], FrReading] = field(default_factory=frozen_map)  # stalled jobs
-    straggler: Mapping[tuple[str, int], RankRate] = field(default_factory=frozen_map)  # step rates
 
 
 def rank_label(r: RankState) -> str:
@@ -76,4 +88,4 @@ def rank_gpus(r: RankState, ctx: FindingContext) -> list[tuple[str, float | None
     return out
 
 
-__all__ = ["FindingContext", "fmt_bytes", "rank_gpus", "rank_label"]
+__all__ = ["FindingContext", "RuleReadings", "fmt_bytes", "rank_gpus", "rank_label", "readings_of"]

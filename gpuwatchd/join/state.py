@@ -8,41 +8,34 @@ when a rank was first seen dead, the first fd sample, when each finding started)
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from gpuwatchd import findings
 from gpuwatchd.config import Config
-from gpuwatchd.events.log import Event
+from gpuwatchd.findings.context import RuleReadings, readings_of
 from gpuwatchd.join import rank_claims
-from gpuwatchd.join.collectives import FrReading
-from gpuwatchd.join.stall import StallVerdict
-from gpuwatchd.join.straggler import RankRate
 from gpuwatchd.model import (
     BadRankFile,
     CollectiveStatus,
     CollectorStatus,
     Finding,
-    GilReading,
     GpuDevice,
     GpuProcess,
     GpuProcessRow,
-    NodeMemoryState,
     NodeState,
     Orphan,
     ProcessInfo,
     RankEntry,
-    RankMemory,
     RankState,
     frozen_map,
 )
-from gpuwatchd.sources.devfds import ProcEvidence
 
 RankKey = tuple[str, int, int]  # (job_id, rank, pid)
 
 
 @dataclass(frozen=True)
-class CycleInputs:
+class CycleInputs(RuleReadings):
     now: float
     config: Config
     entries: tuple[RankEntry, ...] = ()
@@ -61,20 +54,9 @@ class CycleInputs:
     counters: Mapping[str, Mapping[tuple[str, ...], float]] = field(default_factory=frozen_map)
     extra_findings: tuple[Finding, ...] = ()
     cycle_seconds: float = 0.0
-    rank_memory: tuple[RankMemory, ...] = ()
-    node_memory: NodeMemoryState | None = None
     # (job_id, rank) -> step of the last heartbeat(step); flight-recorder state per rank and group
     steps: Mapping[tuple[str, int], int] = field(default_factory=frozen_map)
     collectives: tuple[CollectiveStatus, ...] = ()
-    # readings of the subsystems that only finding rules read (typed: a misspelt name is a mypy
-    # error, not a finding that silently never appears)
-    kernel_events: tuple[Event, ...] = ()  # recent OOM kills and Xids (kernel-log subsystem)
-    orphan_jobs: Mapping[int, str] = field(default_factory=frozen_map)  # orphan pid -> its past job
-    fork_evidence: Mapping[int, ProcEvidence] = field(default_factory=frozen_map)  # pid -> devfds evidence
-    gil: Mapping[tuple[str, int], Sequence[GilReading]] = field(default_factory=frozen_map)
-    stall: Mapping[tuple[str, int], StallVerdict] = field(default_factory=frozen_map)
-    flight_records: Mapping[tuple[str, int], FrReading] = field(default_factory=frozen_map)  # stalled jobs
-    straggler: Mapping[tuple[str, int], RankRate] = field(default_factory=frozen_map)  # step rates
 
 
 @dataclass(frozen=True)
@@ -159,10 +141,7 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
         now=now, config=inputs.config, ranks=tuple(ranks), processes=inputs.processes,
         env_flags=inputs.env_flags, bad_files=inputs.bad_files, refused=tuple(refused),
         fd_rates=fd_rates, gpus=inputs.gpus, gpu_processes=tuple(rows), orphans=inputs.orphans,
-        rank_memory=inputs.rank_memory, node_memory=inputs.node_memory,
-        kernel_events=inputs.kernel_events, orphan_jobs=inputs.orphan_jobs,
-        fork_evidence=inputs.fork_evidence, gil=inputs.gil, stall=inputs.stall,
-        flight_records=inputs.flight_records, straggler=inputs.straggler,
+        **readings_of(inputs),
     )
     found = [*findings.evaluate(ctx), *inputs.extra_findings]
     since: dict[tuple[str, str, str, str], float] = {}
