@@ -91,8 +91,9 @@ class Prom:
     def start(self, timeout: float = 600) -> float:
         t0 = time.monotonic()
         log = (self.dir / "prometheus.log").open("ab")
+        # not niced (unlike the generator and promtool): its timings are the measurement
         self.proc = subprocess.Popen(
-            [*NICE, PROMETHEUS, f"--config.file={self.dir / 'prometheus.yml'}",
+            [PROMETHEUS, f"--config.file={self.dir / 'prometheus.yml'}",
              f"--storage.tsdb.path={self.data}", "--storage.tsdb.retention.time=30d",
              f"--web.listen-address=127.0.0.1:{self.port}", "--query.max-concurrency=2",
              "--query.timeout=2m", "--log.level=error"],
@@ -157,6 +158,10 @@ def fill(expr: str, subs: dict[str, str]) -> str:
     for k in sorted(subs, key=len, reverse=True):
         expr = expr.replace(k, subs[k])
     return expr
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -252,8 +257,10 @@ def bench_panels(prom: Prom, fleet: Fleet, args: argparse.Namespace,
     return rows
 
 
-def bench_rules(prom: Prom, evals: int, interval: float) -> dict[str, list[float]]:
-    """evaluationTime of each rule group after each of `evals` evaluations."""
+def bench_rules(prom: Prom, evals: int, interval: float,
+                per_rule: dict[str, list[float]]) -> dict[str, list[float]]:
+    """evaluationTime of each rule group (and of each rule, into `per_rule`) after each of
+    `evals` evaluations."""
     seen: dict[str, list[tuple[str, float]]] = {}
     deadline = time.monotonic() + interval * (evals + 3) + 60
     while time.monotonic() < deadline:
@@ -265,6 +272,9 @@ def bench_rules(prom: Prom, evals: int, interval: float) -> dict[str, list[float
                 continue
             if not runs or runs[-1][0] != g["lastEvaluation"]:
                 runs.append((g["lastEvaluation"], float(g["evaluationTime"])))
+                if len(runs) > 1:
+                    for r in g["rules"]:
+                        per_rule.setdefault(r["name"], []).append(float(r["evaluationTime"]))
         if seen and all(len(r) >= evals + 1 for r in seen.values()):
             break
         time.sleep(1)
@@ -277,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=1250)
     ap.add_argument("--hours", type=float, default=6.0, help="time span of the backfilled data")
     ap.add_argument("--interval", type=float, default=30.0, help="seconds between samples")
-    ap.add_argument("--margin-minutes", type=float, default=40.0,
+    ap.add_argument("--margin-minutes", type=float, default=60.0,
                     help="how far the data run past the start time (covers the run itself)")
     ap.add_argument("--eval-interval", default="15s", help="rule evaluation_interval (shipped: 15s)")
     ap.add_argument("--range-hours", type=float, default=3.0, help="dashboard time range")
@@ -353,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"\n== 4. dashboard panels: {args.runs} runs each, range {args.range_hours:g} h, "
             f"step {args.interval:g} s; $instance={node}, $job_id={job} "
             f"({fleet.jobs[0][1] * fleet.gpus} ranks)")
+        say(f"   load average before: {_load()} (the 2 cores are shared)")
         rows = bench_panels(prom, fleet, args, node, job)
         w = max(len(r[0]) for r in rows)
         say(f"   {'panel':<{w}}  {'p50 s':>7} {'p99 s':>7} {'series':>7}")
@@ -366,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
         say(f"\n== 5. rule groups: evaluationTime over {args.evals} evaluations "
             f"(evaluation_interval {args.eval_interval})")
         sec = float(args.eval_interval.rstrip("s"))
-        groups = bench_rules(prom, args.evals, sec)
+        say(f"   load average before: {_load()}")
+        per_rule: dict[str, list[float]] = {}
+        groups = bench_rules(prom, args.evals, sec, per_rule)
         total_p50 = total_max = 0.0
         for g, ts in sorted(groups.items()):
             total_p50 += statistics.median(ts)
@@ -374,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
             say(f"   {g:<45} p50 {statistics.median(ts):.3f} s  max {max(ts):.3f} s  "
                 f"({len(ts)} evaluations)")
         say(f"   whole rule set (sum of the groups): p50 {total_p50:.3f} s, max {total_max:.3f} s")
+        for name, ts in sorted(per_rule.items(), key=lambda x: -statistics.median(x[1])):
+            say(f"     rule {name:<55} p50 {statistics.median(ts):.3f} s  max {max(ts):.3f} s")
         _, body = prom.get("/api/v1/alerts", {})
         alerts = Counter((a["labels"]["alertname"], a["state"])
                          for a in json.loads(body)["data"]["alerts"])
