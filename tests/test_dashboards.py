@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from promstack import (
     DASHBOARDS,
     PROMTOOL,
+    RECORDING_RULES,
     REPO,
     MetricsServer,
     NodeRank,
@@ -35,7 +36,7 @@ from promstack import (
 # Series Prometheus adds to every target itself (not the daemon's).
 PROMETHEUS_SERIES = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
 # The dashboards' recording rules (fleet scale): panels may read these series.
-RECORDING = REPO / "deploy" / "prometheus" / "gpuwatchd.recording.yml"
+RECORDING = RECORDING_RULES
 
 
 def _recorded() -> dict[str, str]:
