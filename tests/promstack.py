@@ -451,6 +451,8 @@ def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
 # --- dashboard and rule expressions --------------------------------------------------------------
 DASHBOARDS = REPO / "grafana" / "dashboards"
 RULES = REPO / "deploy" / "prometheus" / "gpuwatchd.rules.yml"
+# what the Job and Health dashboards read (fleet scale): load it wherever panels are queried
+RECORDING_RULES = REPO / "deploy" / "prometheus" / "gpuwatchd.recording.yml"
 
 # Grafana's variables as a query of the e2e tests fills them in.
 GRAFANA_VARS = {
