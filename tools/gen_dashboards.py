@@ -494,6 +494,16 @@ HEALTH_ROWS: list[tuple[str, list[Panel]]] = [
               description="Lines of state_dir files (events.jsonl, rank_trees.json) that could not "
                           "be used and were skipped when the daemon started (counted before the "
                           "first scrape, so the counter's value, not its increase)."),
+        Panel("Deferred stall probes", "timeseries",
+              [graph("sum by (instance, probe) (increase(gpuwatch_cycle_deferred_probes_total"
+                     "[$__rate_interval]))", "{{instance}} {{probe}}")], unit="none", min=0,
+              description="Per-thread looks and py-spy dumps that the cycle's time budget moved to "
+                          "a later cycle: a node whose ranks have very many threads or listings. "
+                          "Cycles keep finishing; stall verdicts of those ranks come later."),
+        Panel("Daemon oom_score_adj", "stat",
+              [stat("gpuwatch_process_oom_score_adj", "{{instance}}")], unit="none",
+              description="The daemon's own /proc/self/oom_score_adj: -900 when the unit's "
+                          "OOMScoreAdjust took effect, so the kernel kills a rank, not the monitor."),
     ]),
 ]
 
