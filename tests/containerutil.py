@@ -14,6 +14,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
+from pathlib import Path
+
+REPO = str(Path(__file__).resolve().parent.parent)
 
 # Registers through the public API (launcher variables from the environment), prints its own
 # view, then beats 4 times a second. GW_WAIT_GO: wait for a byte on stdin, then allocate 256 MiB.
@@ -46,7 +49,15 @@ class Container:
         for host, inside in (binds or {}).items():
             script += [f"mkdir -p {shlex.quote(inside)}",
                        f"mount --bind {shlex.quote(host)} {shlex.quote(inside)}"]
+        # The container's own /tmp hides the host's; the interpreter and this checkout stay
+        # reachable where they were (CI may clone the repository under /tmp).
+        keep = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, REPO)
+                       if os.path.realpath(p).startswith("/tmp/")})
+        for i, path in enumerate(keep):
+            script += [f"mkdir -p /run/gwkeep{i}", f"mount --rbind {shlex.quote(path)} /run/gwkeep{i}"]
         script += ["mount -t tmpfs gwtrustrank-tmp /tmp"]
+        for i, path in enumerate(keep):
+            script += [f"mkdir -p {shlex.quote(path)}", f"mount --rbind /run/gwkeep{i} {shlex.quote(path)}"]
         # the environment is the container's own: unshare (standing in for the runtime) has none
         # of it, as containerd-shim has none of a pod's variables
         script += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]

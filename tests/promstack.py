@@ -376,6 +376,9 @@ def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
     add("gpuwatch_web_connections_dropped_total", "counter", {"reason": "limit"}, 0)
     for f in ("state.json", "events.jsonl"):
         add("gpuwatch_state_write_errors_total", "counter", {"file": f}, 0)
+    for probe in ("threads", "dump"):
+        add("gpuwatch_cycle_deferred_probes_total", "counter", {"probe": probe}, 0)
+    add("gpuwatch_process_oom_score_adj", "gauge", {}, -900)
     add("gpuwatch_finding", "gauge", {"kind": "bad_rank_file", "severity": "warning", "job_id": "",
                                       "rank": "", "pid": ""}, 1)
     for c in ("procfs", "rankfiles", "nvml", "kernel_log", "pyspy"):
@@ -451,6 +454,8 @@ def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
 # --- dashboard and rule expressions --------------------------------------------------------------
 DASHBOARDS = REPO / "grafana" / "dashboards"
 RULES = REPO / "deploy" / "prometheus" / "gpuwatchd.rules.yml"
+# what the Job and Health dashboards read (fleet scale): load it wherever panels are queried
+RECORDING_RULES = REPO / "deploy" / "prometheus" / "gpuwatchd.recording.yml"
 
 # Grafana's variables as a query of the e2e tests fills them in.
 GRAFANA_VARS = {

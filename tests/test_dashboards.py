@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from promstack import (
     DASHBOARDS,
     PROMTOOL,
+    RECORDING_RULES,
     REPO,
     MetricsServer,
     NodeRank,
@@ -34,6 +35,20 @@ from promstack import (
 
 # Series Prometheus adds to every target itself (not the daemon's).
 PROMETHEUS_SERIES = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
+# The dashboards' recording rules (fleet scale): panels may read these series.
+RECORDING = RECORDING_RULES
+
+
+def _recorded() -> dict[str, str]:
+    doc = yaml.safe_load(RECORDING.read_text())
+    return {r["record"]: r["expr"] for g in doc["groups"] for r in g["rules"]}
+
+
+def _expand(expr: str) -> str:
+    """``expr`` with each recorded series replaced by the expression that records it."""
+    for name, e in sorted(_recorded().items(), key=lambda x: -len(x[0])):
+        expr = re.sub(re.escape(name) + r"(\{[^}]*\})?", f"({e})", expr)
+    return expr
 
 
 def _all_exprs() -> list[tuple[str, str]]:
@@ -41,6 +56,7 @@ def _all_exprs() -> list[tuple[str, str]]:
            for d, title, e in dashboard_panels()]
     out += [(f"{d} / variable {name}", fill_vars(e)) for d, name, e in dashboard_variable_queries()]
     out += [(f"rule {name}", e) for name, e in rule_exprs()]
+    out += [(f"recording rule {name}", e) for name, e in _recorded().items()]
     return out
 
 
@@ -181,6 +197,7 @@ def test_expressions_use_only_series_the_daemon_exports(exported: set[str]) -> N
     assert "gpuwatch_rank_up" in exported and "gpuwatch_oom_kills_total" in exported
     missing: dict[str, set[str]] = {}
     for where, expr in _all_exprs():
+        expr = _expand(expr)
         names = set(re.findall(r"\bgpuwatch_\w+", expr))
         # any other selector (an identifier followed by {) must be one Prometheus adds itself
         others = set(re.findall(r"\b([a-z_:][a-z0-9_:]*)\{", expr)) - names
@@ -191,7 +208,8 @@ def test_expressions_use_only_series_the_daemon_exports(exported: set[str]) -> N
 
 
 def test_every_series_the_daemon_exports_is_on_a_dashboard(exported: set[str]) -> None:
-    on_panels = {n for _, _, e in dashboard_panels() for n in re.findall(r"\bgpuwatch_\w+", e)}
+    on_panels = {n for _, _, e in dashboard_panels()
+                 for n in re.findall(r"\bgpuwatch_\w+", _expand(e))}
     samples = {n for n in exported if n.startswith("gpuwatch_")}
     # a counter family is listed by its name without _total and its samples with it
     samples = {n for n in samples if (n + "_total") not in samples}
@@ -200,13 +218,15 @@ def test_every_series_the_daemon_exports_is_on_a_dashboard(exported: set[str]) -
 
 def test_every_panel_returns_data_from_prometheus(tmp_path: Path) -> None:
     """A real Prometheus scrapes a stand-in node that has every kind of series (one rank
-    OOM-killed, one stalled): each panel's query, variables filled in, returns data.
+    OOM-killed, one stalled) and evaluates the recording rules: each panel's query, variables
+    filled in, returns data.
     tests/test_e2e_alerting.py does the same against the real daemons."""
     ranks = [NodeRank("llm-7", 0, 100, 3, gpu=0), NodeRank("llm-7", 1, 101, 3, gpu=1),
              NodeRank("llm-7", 2, 102, 3, gpu=2)]
     for r in ranks:
         r.gil_samples, r.gil_held = 50, 10
-    with MetricsServer(node_exposition(ranks)) as node, prometheus(tmp_path, [node.address]) as prom:
+    with MetricsServer(node_exposition(ranks)) as node, \
+            prometheus(tmp_path, [node.address], rule_files=[RECORDING]) as prom:
         wait_until(lambda: prom.query("gpuwatch_rank_up"), 20, "first scrape")
         time.sleep(2)
         for r in ranks:

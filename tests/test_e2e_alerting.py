@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from kernel_oom_helpers import MemCgroup, go
 from promstack import (
+    RECORDING_RULES,
     REPO,
     RULES,
     Daemon,
@@ -118,7 +119,7 @@ def test_oom_kill_pages_once_through_prometheus_and_alertmanager_every_panel_has
             alertmanager(tmp_path, shipped_alertmanager_config(hook.url)) as am:
         node.start()
         try:
-            with prometheus(tmp_path, [node.address], rule_files=[RULES],
+            with prometheus(tmp_path, [node.address], rule_files=[RULES, RECORDING_RULES],
                             alertmanager_url=am.url) as prom:
                 wait_until(lambda: _scraped_at_zero(prom, job_id, "1"), 30,
                            "rank 1's OOM counter scraped at 0")

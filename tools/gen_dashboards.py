@@ -11,6 +11,10 @@ them against the daemon's real /metrics and parses each one with promtool).
 
 Variables used in expressions: $instance (Node), $job_id (Job), $__rate_interval, $__range and
 $__interval (Grafana built-ins).
+
+Panels whose query would touch every rank of a big job or every node of the fleet at each step
+read the recording rules of deploy/prometheus/gpuwatchd.recording.yml (`rank:...`,
+`collector:...`) instead, so that each stays under 1 s on 1,250 nodes (deploy/prometheus/FLEET.md).
 """
 
 from __future__ import annotations
@@ -365,11 +369,11 @@ JOB_ROWS: list[tuple[str, list[Panel]]] = [
         Panel("Stalled, per rank", "timeseries",
               [graph(f"gpuwatch_rank_stalled{{{J}}}", "rank {{rank}} ({{instance}})")], min=0, max=1),
         Panel("OOM kills by rank", "timeseries",
-              [graph(f"sum by (instance, rank, comm, killer) (gpuwatch_oom_kills_total{{{J}}})",
+              [graph(f"gpuwatch_oom_kills_total{{{J}}}",
                  "rank {{rank}} {{comm}} ({{killer}}, {{instance}})")], unit="none", min=0),
         Panel("Active findings", "table", [table(f"gpuwatch_finding{{{J}}} == 1")]),
         Panel("Time since last progress", "timeseries",
-              [graph(f"time() - gpuwatch_rank_progress_timestamp_seconds{{{J}}}",
+              [graph(f"rank:gpuwatch_rank_progress_timestamp_seconds:age{{{J}}}",
                      "rank {{rank}} ({{instance}})")], unit="s", min=0,
               description="Age of each rank's last heartbeat / observed progress; a rank is "
                           "stalled when this passes stall.after_seconds."),
@@ -404,14 +408,13 @@ JOB_ROWS: list[tuple[str, list[Panel]]] = [
     ]),
     ("Resources", [
         Panel("GPU memory per rank", "timeseries",
-              [graph(f"sum by (instance, rank) (gpuwatch_rank_gpu_memory_bytes{{{J}}})",
-                 "rank {{rank}} ({{instance}})")], unit="bytes", min=0),
+              [graph(f"gpuwatch_rank_gpu_memory_bytes{{{J}}}",
+                 "rank {{rank}} GPU {{gpu}} ({{instance}})")], unit="bytes", min=0),
         Panel("GIL held per rank", "timeseries",
-              [graph(f"rate(gpuwatch_rank_gil_held_samples_total{{{J}}}[$__rate_interval]) / "
-                 f"rate(gpuwatch_rank_gil_samples_total{{{J}}}[$__rate_interval])",
+              [graph(f"rank:gpuwatch_rank_gil_held_samples:ratio_rate5m{{{J}}}",
                  "rank {{rank}} ({{instance}})")], unit="percentunit", min=0, max=1),
         Panel("Open fds / limit per rank", "timeseries",
-              [graph(f"gpuwatch_rank_open_fds{{{J}}} / gpuwatch_rank_max_fds{{{J}}}",
+              [graph(f"rank:gpuwatch_rank_open_fds:ratio{{{J}}}",
                  "rank {{rank}} ({{instance}})")], unit="percentunit", min=0, max=1,
               thresholds=[(None, "green"), (0.9, "red")]),
         Panel("Resident memory per rank", "timeseries",
@@ -435,14 +438,16 @@ HEALTH_ROWS: list[tuple[str, list[Panel]]] = [
               width=6, height=4),
     ]),
     ("Collectors", [
-        Panel("Collector success", "timeseries",
-              [graph("gpuwatch_collector_success", "{{instance}} {{collector}}")], min=0, max=1),
-        Panel("Collector duration", "timeseries",
-              [graph("gpuwatch_collector_duration_seconds", "{{instance}} {{collector}}")],
+        Panel("Nodes with a failing collector", "timeseries",
+              [graph("collector:gpuwatch_collector_success:failing_count", "{{collector}}")],
+              min=0, description="Nodes whose collector's last run failed, per collector; the "
+                                 "table \"Collectors, failing first\" names them."),
+        Panel("Collector duration (slowest node)", "timeseries",
+              [graph("collector:gpuwatch_collector_duration_seconds:max", "{{collector}}")],
               unit="s", min=0),
-        Panel("Time since last success", "timeseries",
-              [graph("time() - gpuwatch_collector_last_success_timestamp_seconds",
-                 "{{instance}} {{collector}}")], unit="s", min=0),
+        Panel("Time since last success (oldest node)", "timeseries",
+              [graph("collector:gpuwatch_collector_last_success_timestamp_seconds:max_age",
+                 "{{collector}}")], unit="s", min=0),
         Panel("Collectors, failing first", "table", [table("sort(gpuwatch_collector_success)")],
               description="1: the collector's last run succeeded; 0: it failed (or its source "
                           "is absent on this node, e.g. nvml without a driver)."),
@@ -489,6 +494,16 @@ HEALTH_ROWS: list[tuple[str, list[Panel]]] = [
               description="Lines of state_dir files (events.jsonl, rank_trees.json) that could not "
                           "be used and were skipped when the daemon started (counted before the "
                           "first scrape, so the counter's value, not its increase)."),
+        Panel("Deferred stall probes", "timeseries",
+              [graph("sum by (instance, probe) (increase(gpuwatch_cycle_deferred_probes_total"
+                     "[$__rate_interval]))", "{{instance}} {{probe}}")], unit="none", min=0,
+              description="Per-thread looks and py-spy dumps that the cycle's time budget moved to "
+                          "a later cycle: a node whose ranks have very many threads or listings. "
+                          "Cycles keep finishing; stall verdicts of those ranks come later."),
+        Panel("Daemon oom_score_adj", "stat",
+              [stat("gpuwatch_process_oom_score_adj", "{{instance}}")], unit="none",
+              description="The daemon's own /proc/self/oom_score_adj: -900 when the unit's "
+                          "OOMScoreAdjust took effect, so the kernel kills a rank, not the monitor."),
     ]),
 ]
 
