@@ -22,14 +22,12 @@ Pure logic plus the event log; the I/O (kmsg, journal, /proc/vmstat) is in sourc
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import math
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -37,6 +35,8 @@ from gpuwatchd.counters import CounterStore, rank_label_positions
 from gpuwatchd.events.log import EVENTS_FILE, Event, EventBus, read_events
 from gpuwatchd.join.bus_lost import BusLostDedup
 from gpuwatchd.join.oom_history import HistoryKill, OomBaseline
+from gpuwatchd.join.oom_kills import Kill, KillGrouper
+from gpuwatchd.join.rank_trees import RankTreeRecord, TreeMember, members_from
 from gpuwatchd.model import INFO, PAGE, WARNING, ProcessInfo, RankState, frozen_map
 from gpuwatchd.sources.kernel_log import (
     KILLER_EARLYOOM,
@@ -45,12 +45,13 @@ from gpuwatchd.sources.kernel_log import (
     LogRecord,
     Parsed,
     parse_message,
-    rss_bytes,
 )
 from gpuwatchd.statefile import StateFiles
 from gpuwatchd.units import fmt_bytes
 
 log = logging.getLogger(__name__)
+__all__ = ["CRITICAL_XIDS", "KernelEventProcessor", "KillGrouper", "RankTreeRecord", "TreeMember",
+           "scope_phrase"]
 
 # Xids that page: the same set as the GPUXidCritical rule (deploy/prometheus/gpuwatchd.rules.yml,
 # after the NVIDIA Xid catalog and shared/research/gil-hang-oom.md §4.5): broken GPU, memory or
@@ -77,314 +78,6 @@ def scope_phrase(scope: str, constraint: str, oom_memcg: str, memcg: str = "") -
     if constraint == "CONSTRAINT_NONE" or scope.startswith("Out of memory"):
         return " (the node ran out of memory)"
     return ""
-
-
-# ---------------------------------------------------------------------------------------------
-# Attribution record
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TreeMember:
-    """A process seen in a rank's tree: the rank process itself or a descendant (worker)."""
-
-    pid: int
-    start_time: float | None  # Unix seconds; None when unknown
-    job_id: str
-    rank: int
-    rank_pid: int
-    worker: bool
-    comm: str
-    last_seen: float
-    cgroup: str = ""
-    world_size: int | None = None
-
-
-def members_from(
-    ranks: Iterable[RankState],
-    processes: Mapping[int, ProcessInfo],
-    now: float,
-    cgroups: Mapping[int, str] | None = None,
-) -> list[TreeMember]:
-    """The live members of every rank tree of one cycle."""
-    out: list[TreeMember] = []
-    for r in ranks:
-        if not r.alive:
-            continue
-        tree = r.tree or (r.pid,)
-        for pid in tree:
-            p = processes.get(pid) or (r.process if pid == r.pid else None)
-            out.append(
-                TreeMember(
-                    pid=pid,
-                    start_time=p.start_time if p is not None else None,
-                    job_id=r.job_id,
-                    rank=r.rank,
-                    rank_pid=r.pid,
-                    worker=pid != r.pid,
-                    comm=p.comm if p is not None else "",
-                    last_seen=now,
-                    cgroup=(cgroups or {}).get(pid, "") if pid == r.pid else "",
-                    world_size=r.world_size,
-                )
-            )
-    return out
-
-
-MAX_RECORD_BYTES = 64 << 20
-_MEMBER_TYPES: Mapping[str, tuple[type, ...]] = {
-    "pid": (int,), "start_time": (int, float, type(None)), "job_id": (str,), "rank": (int,),
-    "rank_pid": (int,), "worker": (bool,), "comm": (str,), "last_seen": (int, float),
-    "cgroup": (str,), "world_size": (int, type(None)),
-}
-_MEMBER_REQUIRED = ("pid", "start_time", "job_id", "rank", "rank_pid", "worker", "comm", "last_seen")
-
-
-def tree_member(d: Any) -> TreeMember | None:
-    """A stored member, or None when it is not one (missing or unknown keys, wrong types, numbers
-    out of range: 1e400 reads as inf, and an inf start time would match every later kill)."""
-    if not isinstance(d, dict) or not all(k in d for k in _MEMBER_REQUIRED):
-        return None
-    for k, v in d.items():
-        types = _MEMBER_TYPES.get(k)
-        if types is None or not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
-            return None
-        if isinstance(v, float) and not math.isfinite(v):
-            return None
-    if not (0 < d["pid"] < 1 << 32 and 0 < d["rank_pid"] < 1 << 32 and 0 <= d["rank"] < 1 << 31):
-        return None
-    return TreeMember(**d)
-
-
-class RankTreeRecord:
-    """Recently seen rank-tree members, kept ``ttl`` seconds after they were last seen alive and
-    persisted in ``state_dir`` so that a kill that happens while the daemon is down is still
-    attributed when it starts again; a member seen to leave while the daemon runs is kept only
-    ``ended_grace_seconds`` (``retention.ended_rank_seconds``), so job churn does not grow it."""
-
-    # A kill's timestamp and a process's start time come from different clocks (printk's
-    # local_clock vs btime + start ticks, btime is whole seconds): allow this much disagreement.
-    SLACK_SECONDS = 2.0
-
-    def __init__(self, path: str | None = None, ttl_seconds: float = 900.0,
-                 files: StateFiles | None = None, ended_grace_seconds: float | None = None) -> None:
-        """``ended_grace_seconds``: a member that the daemon, running, saw leave its rank tree
-        (the process ended, the job churned away) is kept only this long (its kill line, if any,
-        arrives within seconds), not ``ttl_seconds``, which is for members last seen alive before
-        the daemon stopped (a kill while it was down). None: ``ttl_seconds`` for all."""
-        self.path = path
-        self.ttl = ttl_seconds
-        self.ended_grace = ended_grace_seconds
-        self._gone: dict[tuple[int, float | None], float] = {}  # member -> first update without it
-        self.files = files or StateFiles()
-        self._lock = threading.Lock()
-        self._members: dict[tuple[int, float | None], TreeMember] = {}
-        self._saved_at = 0.0
-        self._saved_keys: frozenset[tuple[int, float | None]] = frozenset()
-        if path:
-            self._load(path)
-
-    def _load(self, path: str) -> None:
-        """Every member of the file that is well-formed; the others are skipped and counted (the
-        file is untrusted input: a crash, a disk error or an edit can leave anything in it)."""
-        try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_RECORD_BYTES + 1)
-        except FileNotFoundError:
-            return
-        except OSError as e:
-            log.warning("rank tree record %s unreadable, starting empty: %s", path, e)
-            self.files.rejected(path, "unreadable")
-            return
-        try:
-            if len(raw) > MAX_RECORD_BYTES:
-                raise ValueError(f"larger than {MAX_RECORD_BYTES} bytes")
-            data = json.loads(raw)
-            members = data.get("members") if isinstance(data, dict) else None
-            if not isinstance(members, list):
-                raise ValueError("no list of members")
-        except (ValueError, RecursionError) as e:
-            log.warning("rank tree record %s unusable, starting empty: %s", path, str(e)[:200])
-            self.files.rejected(path, "malformed")
-            return
-        for d in members:
-            m = tree_member(d)
-            if m is None:
-                self.files.rejected(path, "bad_member")
-                continue
-            self._members[(m.pid, m.start_time)] = m
-
-    def update(self, members: Iterable[TreeMember], now: float) -> None:
-        with self._lock:
-            present = set()
-            for m in members:
-                self._members[(m.pid, m.start_time)] = m
-                present.add((m.pid, m.start_time))
-            gone = {k: self._gone.get(k, now) for k in self._members if k not in present}
-            self._gone = gone
-            grace = self.ended_grace
-            for k in [k for k, m in self._members.items() if m.last_seen < now - self.ttl
-                      or (grace is not None and k in gone and now - gone[k] > grace)]:
-                del self._members[k]
-                self._gone.pop(k, None)
-            keys = frozenset(self._members)
-            if self.path and (keys != self._saved_keys or now - self._saved_at > 60.0):
-                self._save(now, keys)
-
-    def _save(self, now: float, keys: frozenset[tuple[int, float | None]]) -> None:
-        assert self.path is not None
-        data = {"members": [m.__dict__ for m in self._members.values()]}
-        if self.files.write(self.path, json.dumps(data)):
-            self._saved_at, self._saved_keys = now, keys
-
-    def lookup(self, pid: int, at: float) -> TreeMember | None:
-        """The member that was ``pid`` at time ``at``: seen alive within ``ttl`` before it and not
-        started after it. With PID reuse the latest such process wins."""
-        best: TreeMember | None = None
-        with self._lock:
-            for m in self._members.values():
-                if m.pid != pid or m.last_seen < at - self.ttl:
-                    continue
-                if m.start_time is not None and m.start_time > at + self.SLACK_SECONDS:
-                    continue  # started after the kill: a reused PID
-                if best is None or (m.start_time or 0.0) > (best.start_time or 0.0):
-                    best = m
-        return best
-
-    def ranks_in_cgroup(self, cgroup: str, at: float) -> list[TreeMember]:
-        """Rank processes whose cgroup is ``cgroup`` or below it (systemd-oomd kills a cgroup)."""
-        prefix = cgroup.rstrip("/") + "/"
-        with self._lock:
-            return [
-                m
-                for m in self._members.values()
-                if not m.worker
-                and m.cgroup
-                and (m.cgroup == cgroup or m.cgroup.startswith(prefix))
-                and m.last_seen >= at - self.ttl
-            ]
-
-
-# ---------------------------------------------------------------------------------------------
-# Grouping the lines of one kill
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Kill:
-    pid: int
-    comm: str
-    killer: str
-    boot_id: str
-    time: float  # Unix seconds
-    monotonic_usec: int | None
-    rss_bytes: int | None = None
-    memcg: str = ""  # the victim's memory cgroup (task_memcg)
-    oom_memcg: str = ""  # the cgroup whose limit was hit ("" for a global OOM)
-    constraint: str = ""  # CONSTRAINT_MEMCG | CONSTRAINT_NONE | ... | "" (old kernels)
-    scope: str = ""  # "Out of memory" | "Memory cgroup out of memory" | ... as printed
-    detail: str = ""
-    source: str = ""
-
-    @property
-    def key(self) -> str:
-        stamp = self.monotonic_usec if self.monotonic_usec is not None else int(self.time * 1e6)
-        return f"{self.boot_id}:{self.killer}:{self.pid}:{stamp}"
-
-
-def _kill(p: Parsed, rec: LogRecord, killer: str, **fields: Any) -> Kill:
-    """A Kill of the victim ``p`` names, stamped with the record it was read from."""
-    assert p.pid is not None
-    base: dict[str, Any] = {"monotonic_usec": rec.monotonic_usec, **fields}
-    return Kill(pid=p.pid, comm=p.comm, killer=killer, boot_id=rec.boot_id, time=rec.realtime,
-                source=rec.source, **base)
-
-
-class KillGrouper:
-    """Feeds kernel records of any format; returns complete kills. Not thread-safe (one reader)."""
-
-    def __init__(self, group_timeout: float = 2.0, dedup_seconds: float = 30.0) -> None:
-        self.group_timeout = group_timeout
-        self.dedup_seconds = dedup_seconds
-        # pid -> (summary fields, record) of an oom-kill: summary still waiting for its kill line
-        self._summaries: dict[tuple[str, int], tuple[Parsed, LogRecord]] = {}
-        self._memcg = ""  # "Memory cgroup stats for X" / "Task in X killed ..." of the current dump
-        # (scope, time) of the last pre-4.19 "<scope>: Kill process N ... or sacrifice child" line:
-        # those kernels print the scope there, not on the "Killed process" line that follows (its
-        # PID differs when a child was sacrificed)
-        self._old_scope: tuple[str, float] | None = None
-        self._recent: deque[tuple[float, str, str, int]] = deque()  # (time, boot, killer, pid)
-        self._seqs: dict[tuple[str, int], int] = {}
-
-    def oldest_pending_seq(self) -> int | None:
-        return min(self._seqs.values()) if self._seqs else None
-
-    def _seen_recently(self, boot: str, killer: str, pid: int, t: float) -> bool:
-        while self._recent and self._recent[0][0] < t - self.dedup_seconds:
-            self._recent.popleft()
-        return any(b == boot and k == killer and p == pid for _, b, k, p in self._recent)
-
-    def _done(self, kill: Kill) -> list[Kill]:
-        if self._seen_recently(kill.boot_id, kill.killer, kill.pid, kill.time):
-            return []  # a second report of the same kill (earlyoom SIGTERM then SIGKILL, ...)
-        self._recent.append((kill.time, kill.boot_id, kill.killer, kill.pid))
-        return [kill]
-
-    def feed(self, rec: LogRecord, p: Parsed) -> list[Kill]:
-        out = self.flush(rec.realtime)
-        if p.kind in ("memcg_stats", "oom_group"):
-            self._memcg = p.fields.get("memcg", "")
-        elif p.kind == "task_in":
-            self._memcg = p.fields.get("task_memcg", "")
-        elif p.kind == "invoked":
-            self._memcg = ""
-            self._old_scope = None
-        elif p.kind == "kill_old":
-            self._old_scope = (p.fields.get("kind", ""), rec.realtime)
-        elif p.kind == "summary" and p.pid is not None:
-            self._summaries[(rec.boot_id, p.pid)] = (p, rec)
-            if rec.seq is not None:
-                self._seqs[(rec.boot_id, p.pid)] = rec.seq
-        elif p.kind == "killed" and p.pid is not None:
-            summary = self._summaries.pop((rec.boot_id, p.pid), None)
-            self._seqs.pop((rec.boot_id, p.pid), None)
-            sf: Mapping[str, str] = summary[0].fields if summary else {}
-            scope = p.fields.get("kind", "")
-            if not scope and self._old_scope is not None and \
-                    rec.realtime - self._old_scope[1] <= self.group_timeout:
-                scope = self._old_scope[0]
-            self._old_scope = None
-            memcg = sf.get("task_memcg", "") or self._memcg
-            oom_memcg = sf.get("oom_memcg", "")
-            if not oom_memcg and scope == "Memory cgroup out of memory":
-                oom_memcg = self._memcg
-            out += self._done(_kill(
-                p, rec, KILLER_KERNEL, rss_bytes=rss_bytes(p), memcg=memcg, oom_memcg=oom_memcg,
-                constraint=sf.get("constraint", ""), scope=scope,
-            ))
-        elif p.kind == "earlyoom" and p.pid is not None:
-            out += self._done(_kill(
-                p, rec, KILLER_EARLYOOM, monotonic_usec=None, rss_bytes=rss_bytes(p),
-                detail=p.fields.get("signal", ""),
-            ))
-        return out
-
-    def flush(self, now: float) -> list[Kill]:
-        """Summaries whose kill line never came (lost to an overrun) become kills on their own."""
-        out: list[Kill] = []
-        for k, (p, rec) in list(self._summaries.items()):
-            if now - rec.realtime < self.group_timeout:
-                continue
-            del self._summaries[k]
-            self._seqs.pop(k, None)
-            if p.pid is None:
-                continue
-            out += self._done(_kill(
-                p, rec, KILLER_KERNEL, memcg=p.fields.get("task_memcg", ""),
-                oom_memcg=p.fields.get("oom_memcg", ""), constraint=p.fields.get("constraint", ""),
-                detail="kill line missing",
-            ))
-        return out
 
 
 # ---------------------------------------------------------------------------------------------
