@@ -1,0 +1,131 @@
+"""The cheap view of a process's threads: ``/proc/PID/task/*/{stat,status,wchan}`` (no ptrace).
+
+Used by the py-spy source (to check and map its results), the GIL sampler's convoy probe, the stall
+tracker and the hang analysis. Cost: a few µs per thread; every read bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gpuwatchd.paths import HostPaths
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ThreadInfo:
+    """One task of ``/proc/PID/task``: the cheap view (no ptrace)."""
+
+    tid: int
+    ns_tid: int  # innermost NSpid (== tid when the process is not in a nested pid namespace)
+    comm: str
+    state: str
+    wchan: str  # "" when 0 / unreadable
+    cpu_ticks: int  # utime + stime, clock ticks
+    voluntary_switches: int
+    involuntary_switches: int
+
+
+
+def _read(path: str, limit: int = 65536) -> str:
+    with open(path, "rb") as f:
+        return f.read(limit).decode("utf-8", "replace")
+
+
+def parse_stat(text: str) -> tuple[str, str, int]:
+    """``/proc/PID/stat`` -> (comm, state, utime+stime ticks); comm may hold spaces and ')'."""
+    lpar, rpar = text.index("("), text.rindex(")")
+    rest = text[rpar + 2 :].split()
+    return text[lpar + 1 : rpar], rest[0], int(rest[11]) + int(rest[12])
+
+
+def process_state(paths: HostPaths, pid: int) -> str | None:
+    """The state letter of a process, None when it is gone (or a zombie that was reaped)."""
+    try:
+        return parse_stat(_read(paths.proc(pid, "stat")))[1]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_cpu(paths: HostPaths, pid: int) -> tuple[int, int] | None:
+    """(utime+stime ticks of all threads, number of threads) of a process: one read; None when
+    it is gone."""
+    try:
+        text = _read(paths.proc(pid, "stat"))
+        rest = text[text.rindex(")") + 2 :].split()
+        return int(rest[11]) + int(rest[12]), int(rest[17])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _status_fields(text: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            out[key] = value.strip()
+    return out
+
+
+def read_threads(paths: HostPaths, pid: int, detail: bool = True, limit: int | None = None,
+                 tids: Sequence[int] | None = None) -> tuple[ThreadInfo, ...]:
+    """Every task of ``pid`` as /proc shows it now; tasks that vanish meanwhile are skipped.
+
+    ``detail=False`` skips ``status`` (NSpid, context switches): two small reads per thread instead
+    of three, for the probes of processes with a hundred threads (torch). ``limit``: read at most
+    that many tasks (lowest tids first: the main thread and the oldest ones), so that the cost of
+    one look does not grow with a process's thread count. ``tids``: read these (already listed)."""
+    if tids is None:
+        tids = task_ids(paths, pid)
+    if limit is not None:
+        tids = tids[:limit]
+    out = []
+    for tid in tids:
+        try:
+            comm, state, ticks = parse_stat(_read(paths.proc(pid, "task", tid, "stat")))
+            st = _status_fields(_read(paths.proc(pid, "task", tid, "status"))) if detail else {}
+            try:
+                wchan = _read(paths.proc(pid, "task", tid, "wchan"), 256).strip()
+            except OSError:
+                wchan = ""
+        except (OSError, ValueError, IndexError):
+            continue
+        nspid = st.get("NSpid", str(tid)).split()
+        out.append(
+            ThreadInfo(
+                tid=tid,
+                ns_tid=int(nspid[-1]) if nspid else tid,
+                comm=comm,
+                state=state,
+                wchan="" if wchan == "0" else wchan,
+                cpu_ticks=ticks,
+                voluntary_switches=int(st.get("voluntary_ctxt_switches", "0") or 0),
+                involuntary_switches=int(st.get("nonvoluntary_ctxt_switches", "0") or 0),
+            )
+        )
+    return tuple(out)
+
+
+def task_ids(paths: HostPaths, pid: int) -> list[int]:
+    """The thread ids of ``pid``, sorted (one directory listing; [] when it is gone)."""
+    try:
+        return sorted(int(t) for t in os.listdir(paths.proc(pid, "task")) if t.isdigit())
+    except OSError:
+        return []
+
+
+def in_nested_pid_namespace(paths: HostPaths, pid: int) -> bool:
+    """True when ``/proc/PID/status`` lists more than one NSpid (the target is in a child ns)."""
+    try:
+        return len(_status_fields(_read(paths.proc(pid, "status"))).get("NSpid", "").split()) > 1
+    except OSError:
+        return False
+
+
+def nspid_map(threads: Sequence[ThreadInfo]) -> dict[int, int]:
+    """Namespace-local thread id -> host thread id, from the tasks' NSpid lines."""
+    return {t.ns_tid: t.tid for t in threads}
