@@ -131,7 +131,7 @@ def build_wheelhouse(source: Path, dest: Path) -> Path:
     build = tempfile.mkdtemp(prefix=f"{PREFIX}-src-")
     try:  # build from a copy: setuptools writes build/ and *.egg-info into the tree
         shutil.copytree(source, build, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns(".venv", ".git", "__pycache__", "build",
+                        ignore=shutil.ignore_patterns(".venv", ".venv-*", ".git", "__pycache__", "build",
                                                       "*.egg-info", ".mypy_cache", ".ruff_cache",
                                                       ".pytest_cache", ".dev"))
         subprocess.run([*pip, "wheel", "--no-deps", "--wheel-dir",

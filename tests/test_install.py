@@ -9,6 +9,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 INSTALL = ROOT / "deploy" / "install.sh"
 UNINSTALL = ROOT / "deploy" / "uninstall.sh"
-BIN = ROOT / ".venv" / "bin" / "gpuwatchd"
+BIN = Path(sys.executable).parent / "gpuwatchd"  # the venv running the tests
 ACCOUNT_FILES = ("passwd", "group", "shadow", "gshadow")
 # shadow-utils (userdel, groupdel) rewrite their backup copies ("passwd-") on every change, as on
 # any host; their contents are the tools' business, their presence is compared like every file.

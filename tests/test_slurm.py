@@ -15,7 +15,7 @@ from gpuwatchd.sources.rankfiles import RankFileReader
 
 ROOT = Path(__file__).resolve().parent.parent
 SLURM = ROOT / "deploy" / "slurm"
-GW = str(ROOT / ".venv" / "bin" / "gpuwatchd")
+GW = str(Path(sys.executable).parent / "gpuwatchd")  # the venv running the tests
 NVML = ROOT / "tests" / "fixtures" / "nvml"
 
 

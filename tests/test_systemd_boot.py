@@ -63,7 +63,7 @@ def box() -> Iterator[Box]:
     try:
         bootsystemd.build_wheelhouse(ROOT, share / "wheels")
         shutil.copytree(ROOT, share / "src", ignore=shutil.ignore_patterns(
-            ".venv", ".git", "__pycache__", "*.egg-info", ".mypy_cache", ".ruff_cache",
+            ".venv", ".venv-*", ".git", "__pycache__", "*.egg-info", ".mypy_cache", ".ruff_cache",
             ".pytest_cache", ".dev", "build"))
         share.chmod(0o755)
         container = bootsystemd.BootedSystemd(rootfs, share)

@@ -37,7 +37,7 @@ UNIT = ROOT / "systemd" / "gpuwatchd.service"
 TMPFILES = ROOT / "systemd" / "gpuwatchd.tmpfiles.conf"
 SYSUSERS = ROOT / "systemd" / "gpuwatchd.sysusers.conf"
 ANCHORS = ROOT / "tests" / "fixtures" / "units"
-PY_SPY = ROOT / ".venv" / "bin" / "py-spy"
+PY_SPY = Path(sys.executable).parent / "py-spy"
 # Our unit must stay at or below this exposure (systemd-analyze: 0 = locked down, 10 = exposed).
 MAX_EXPOSURE = 3.0
 
