@@ -17,6 +17,9 @@ import pytest
 import yaml
 
 from gpuwatchd.cli.events import parse_since, render
+from gpuwatchd.events import alertmanager as am
+from gpuwatchd.events import bus as event_bus
+from gpuwatchd.events import journal
 from gpuwatchd.events import log as ev
 from gpuwatchd.model import frozen_map
 
@@ -61,7 +64,7 @@ def test_journal_native_protocol_to_a_real_socket(tmp_path: Path) -> None:
     server.settimeout(5)
     try:
         e = oom_event(summary="two\nlines")
-        ev.JournalSink(socket_path=path).emit(e)
+        journal.JournalSink(socket_path=path).emit(e)
         data = server.recv(65536)
     finally:
         server.close()
@@ -89,17 +92,17 @@ def test_journal_native_protocol_to_a_real_socket(tmp_path: Path) -> None:
 
 
 def test_journal_sink_without_journald_does_not_raise(tmp_path: Path) -> None:
-    s = ev.JournalSink(socket_path=str(tmp_path / "nobody-listens"))
+    s = journal.JournalSink(socket_path=str(tmp_path / "nobody-listens"))
     s.emit(oom_event())
     assert s.errors == 1
 
 
 def test_derive_instance() -> None:
-    assert ev.derive_instance("0.0.0.0:9863", "gpu-node-001") == "gpu-node-001:9863"
-    assert ev.derive_instance(":9863", "n1") == "n1:9863"
-    assert ev.derive_instance("[::]:9863", "n1") == "n1:9863"
-    assert ev.derive_instance("10.0.0.5:9863") == "10.0.0.5:9863"
-    assert ev.derive_instance("[::1]:9863") == "[::1]:9863"
+    assert am.derive_instance("0.0.0.0:9863", "gpu-node-001") == "gpu-node-001:9863"
+    assert am.derive_instance(":9863", "n1") == "n1:9863"
+    assert am.derive_instance("[::]:9863", "n1") == "n1:9863"
+    assert am.derive_instance("10.0.0.5:9863") == "10.0.0.5:9863"
+    assert am.derive_instance("[::1]:9863") == "[::1]:9863"
 
 
 def rule(name: str) -> dict[str, Any]:
@@ -112,7 +115,7 @@ def rule(name: str) -> dict[str, Any]:
 
 
 def test_alert_labels_match_the_prometheus_rule() -> None:
-    a = ev.alert_for(oom_event(), "n1:9863")
+    a = am.alert_for(oom_event(), "n1:9863")
     assert a is not None
     # the rule alert = the counter series' labels + job/instance (scrape) + the rule's labels
     series_labels = {"job_id", "rank", "comm", "killer", "instance", "job"}
@@ -123,11 +126,11 @@ def test_alert_labels_match_the_prometheus_rule() -> None:
     xid = ev.Event(key="x", kind="xid", time=time.time(), severity="page", summary="GPU 0 Xid 79",
                    fields=frozen_map({"xid": 79, "gpu": "0", "uuid": "GPU-1", "pci": "0000:3b:00"}),
                    alert=True)
-    ax = ev.alert_for(xid, "n1:9863")
+    ax = am.alert_for(xid, "n1:9863")
     assert ax is not None and ax["labels"]["alertname"] == "GPUXidCritical"
     assert set(ax["labels"]) == {"alertname", "instance", "job", "severity", "gpu", "uuid", "xid"}
     assert ax["annotations"]["runbook_url"] == rule("GPUXidCritical")["annotations"]["runbook_url"]
-    assert ev.alert_for(oom_event(alert=False), "n1:9863") is None
+    assert am.alert_for(oom_event(alert=False), "n1:9863") is None
 
 
 def free_port() -> int:
@@ -171,7 +174,7 @@ def am_alerts(url: str) -> list[dict[str, Any]]:
 
 
 def test_push_to_a_real_alertmanager(alertmanager: str) -> None:
-    sink = ev.AlertmanagerSink(alertmanager, "gpu-node-001:9863", timeout_seconds=2.0)
+    sink = am.AlertmanagerSink(alertmanager, "gpu-node-001:9863", timeout_seconds=2.0)
     try:
         t0 = time.monotonic()
         sink.emit(oom_event())
@@ -196,7 +199,7 @@ def test_push_to_a_real_alertmanager(alertmanager: str) -> None:
 
 
 def test_push_to_a_dead_alertmanager_gives_up_without_raising() -> None:
-    sink = ev.AlertmanagerSink(f"http://127.0.0.1:{free_port()}", "n:1", timeout_seconds=0.5,
+    sink = am.AlertmanagerSink(f"http://127.0.0.1:{free_port()}", "n:1", timeout_seconds=0.5,
                                retry_seconds=0.5)
     t0 = time.monotonic()
     sink.emit(oom_event())
@@ -214,7 +217,7 @@ def test_bus_isolates_a_failing_sink(tmp_path: Path) -> None:
             pass
 
     jsonl = ev.JsonlSink(str(tmp_path))
-    bus = ev.EventBus([Broken(), jsonl])
+    bus = event_bus.EventBus([Broken(), jsonl])
     bus.emit(oom_event())
     assert len(list(ev.read_events(jsonl.path))) == 1
 

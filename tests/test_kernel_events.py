@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from kernel_oom_helpers import RANK_WITH_WORKER_CODE, MemCgroup, go
 
 from gpuwatchd.counters import CounterStore
-from gpuwatchd.events.log import EventBus, JsonlSink, read_events
+from gpuwatchd.events.bus import EventBus
+from gpuwatchd.events.log import JsonlSink, read_events
 from gpuwatchd.join.kernel_events import (
     KernelEventProcessor,
     RankTreeRecord,

@@ -15,7 +15,8 @@ from test_kernel_events import Pipeline, export_entry, wait_until, write_journal
 
 from gpuwatchd.config import Config
 from gpuwatchd.counters import CounterStore
-from gpuwatchd.events.log import Event, EventBus, JsonlSink
+from gpuwatchd.events.bus import EventBus
+from gpuwatchd.events.log import Event, JsonlSink
 from gpuwatchd.findings import FindingContext, xid
 from gpuwatchd.join.kernel_events import KernelEventProcessor
 from gpuwatchd.paths import HostPaths

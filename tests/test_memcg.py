@@ -196,7 +196,8 @@ def test_node_reader_on_this_machine() -> None:
 
 def test_kill_links_to_the_last_snapshot_of_its_rank_across_a_restart(tmp_path: Path) -> None:
     from gpuwatchd.counters import CounterStore
-    from gpuwatchd.events.log import EventBus, JsonlSink
+    from gpuwatchd.events.bus import EventBus
+    from gpuwatchd.events.log import JsonlSink
     from gpuwatchd.join.kernel_events import KernelEventProcessor, TreeMember
     from gpuwatchd.sources import kernel_log as kl
 

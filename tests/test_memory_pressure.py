@@ -23,7 +23,8 @@ from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem
 from gpuwatchd.daemon.subsystem import Subsystem
-from gpuwatchd.events.log import Event, EventBus, JsonlSink, read_events
+from gpuwatchd.events.bus import EventBus
+from gpuwatchd.events.log import Event, JsonlSink, read_events
 from gpuwatchd.model import Finding, NodeState
 from gpuwatchd.rank.rankfile import write_rank_file
 from gpuwatchd.sources.pyspy import PySpy, resolve_pyspy

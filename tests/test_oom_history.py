@@ -20,7 +20,8 @@ from test_kernel_events import COMM, export_entry, write_journal
 from gpuwatchd.config import load_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
-from gpuwatchd.events.log import Event, EventBus, JsonlSink, read_events
+from gpuwatchd.events.bus import EventBus
+from gpuwatchd.events.log import Event, JsonlSink, read_events
 from gpuwatchd.join.oom_history import BASELINE_FILE, Baseline, load_baseline, save_baseline
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.kernel_log import read_boot_id, read_vmstat_oom_kill

@@ -24,7 +24,8 @@ from gpuwatchd.config import RetentionConfig
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.finding_events import finding_event
 from gpuwatchd.daemon.retention import SeriesRetention
-from gpuwatchd.events.log import EventBus, JsonlSink, read_events
+from gpuwatchd.events.bus import EventBus
+from gpuwatchd.events.log import JsonlSink, read_events
 from gpuwatchd.join.kernel_events import KernelEventProcessor
 from gpuwatchd.model import Finding, RankState
 from gpuwatchd.rank import api

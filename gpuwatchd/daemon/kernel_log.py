@@ -16,7 +16,9 @@ from typing import Any
 
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.subsystem import NOTHING, Contribution, DaemonContext, Subsystem
-from gpuwatchd.events.log import Event, EventBus, build_bus, derive_instance
+from gpuwatchd.events.alertmanager import derive_instance
+from gpuwatchd.events.bus import EventBus, build_bus
+from gpuwatchd.events.log import Event
 from gpuwatchd.isolation import guarded, run_forever
 from gpuwatchd.join.kernel_events import KernelEventProcessor
 from gpuwatchd.join.state import CycleInputs

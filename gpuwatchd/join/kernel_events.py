@@ -32,7 +32,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gpuwatchd.counters import CounterStore, rank_label_positions
-from gpuwatchd.events.log import EVENTS_FILE, Event, EventBus, read_events
+from gpuwatchd.events.bus import EventBus
+from gpuwatchd.events.log import EVENTS_FILE, Event, read_events
 from gpuwatchd.join.bus_lost import BusLostDedup
 from gpuwatchd.join.oom_history import HistoryKill, OomBaseline
 from gpuwatchd.join.oom_kills import Kill, KillGrouper
