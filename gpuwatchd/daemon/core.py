@@ -36,11 +36,11 @@ from gpuwatchd.config import Config, ConfigError, load_config, with_overrides
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.collectives import FlightRecorderSubsystem
 from gpuwatchd.daemon.finding_events import FindingEventsSubsystem
-from gpuwatchd.daemon.gil import PySpySubsystem
 from gpuwatchd.daemon.gpu import GpuSubsystem
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem
 from gpuwatchd.daemon.notify import notify, watchdog_interval
+from gpuwatchd.daemon.pyspy import PySpySubsystem
 from gpuwatchd.daemon.retention import RetentionSubsystem
 from gpuwatchd.daemon.straggler import StragglerSubsystem
 from gpuwatchd.daemon.subsystem import NOTHING, Subsystem

@@ -1,0 +1,145 @@
+"""The py-spy subsystem of the daemon: the GIL sampler (daemon/gil.py) and the stall tracker
+(join/stall.py) wired into the cycle. Each cycle it probes every live rank (heartbeat, /proc
+state), hands the live ranks to the sampler, and contributes the progress and stall verdicts,
+the GIL readings (for findings/gil.py and findings/stall.py) and the ``pyspy`` collector status.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from gpuwatchd.config import Config
+from gpuwatchd.daemon.gil import DEFERRED_KINDS, MAX_SAMPLING_DUTY, GilSampler, GilTarget
+from gpuwatchd.daemon.subsystem import Contribution, DaemonContext, Subsystem
+from gpuwatchd.isolation import run_forever
+from gpuwatchd.join.stall import RankProbe, StallTracker
+from gpuwatchd.join.state import CycleInputs
+from gpuwatchd.model import CollectorStatus, ProcessInfo
+from gpuwatchd.sources import pyspy
+from gpuwatchd.sources.pyspy import PySpy
+
+log = logging.getLogger(__name__)
+
+
+class PySpySubsystem(Subsystem):
+    """The daemon's py-spy part: GIL sampling in background threads, stall verdicts per cycle.
+
+    ``before_join`` hands the join ``progress`` / ``stalled`` per (job_id, rank) (exported as
+    ``gpuwatch_rank_progress_timestamp_seconds`` / ``gpuwatch_rank_stalled``), the readings for
+    findings/gil.py and findings/stall.py (``Contribution.gil``, ``.stall``), and the ``pyspy`` collector status.
+    """
+
+    name = "pyspy"
+
+    def __init__(self, config: Config, *, spy: PySpy | None = None,
+                 tick_seconds: float = 1.0) -> None:  # fmt: skip
+        self.config = config
+        self.spy = spy
+        self.sampler: GilSampler | None = None
+        self.stall: StallTracker | None = None
+        self.tick_seconds = tick_seconds
+        self._thread: threading.Thread | None = None
+        self._deferred_seen: collections.Counter[str] = collections.Counter()
+
+    def _ensure(self, daemon: DaemonContext) -> None:
+        if self.stall is not None:
+            return
+        g = self.config.gil
+        if self.spy is None:
+            self.spy = PySpy.from_config(
+                g.pyspy_path, paths=daemon.paths, max_concurrent=g.max_concurrent,
+                timeout_seconds=g.timeout_seconds,
+                dump_timeout_seconds=min(5.0, max(1.0, self.config.interval_seconds / 2)),
+            )  # fmt: skip
+            if self.spy.binary is None:
+                log.warning("py-spy unavailable (%s): no GIL sampling, stall detection from "
+                            "heartbeats and /proc only", self.spy.unavailable_reason)  # fmt: skip
+        if g.enabled:
+            self.sampler = GilSampler(
+                self.spy, daemon.counters, interval_seconds=g.interval_seconds,
+                duration_seconds=g.duration_seconds, rate_hz=g.rate_hz,
+                max_concurrent=g.max_concurrent, paths=daemon.paths, max_duty=MAX_SAMPLING_DUTY,
+                # the /proc convoy probe reads every thread of every rank: once per cycle is enough
+                probe_seconds=max(2.0, self.config.interval_seconds),
+            )  # fmt: skip
+        self.stall = StallTracker(self.config.stall.after_seconds, self.spy, paths=daemon.paths,
+                                  cycle_seconds=self.config.interval_seconds,
+                                  compile_after_seconds=self.config.stall.compile_after_seconds)  # fmt: skip
+
+    def start(self, daemon: DaemonContext) -> None:
+        self._ensure(daemon)
+        sampler = self.sampler
+        if sampler is None or self.spy is None or self.spy.binary is None:
+            return
+        stop: threading.Event = daemon.stop_event
+
+        def loop() -> None:
+            while not stop.is_set():
+                sampler.tick()
+                stop.wait(self.tick_seconds)
+
+        self._thread = threading.Thread(
+            target=run_forever, args=("gil-sampler", loop, stop), name="gil-scheduler", daemon=True
+        )
+        self._thread.start()
+
+    def before_join(self, daemon: DaemonContext, cycle: CycleInputs) -> Contribution:
+        self._ensure(daemon)
+        assert self.stall is not None and self.spy is not None
+        processes: Mapping[int, ProcessInfo] = cycle.processes
+        descendants: Mapping[int, tuple[int, ...]] = cycle.descendants
+        beats: Mapping[tuple[str, int], float] = cycle.progress  # heartbeat mtimes
+        seen: set[tuple[str, int]] = set()
+        probes: list[RankProbe] = []
+        for e in cycle.entries:
+            if (e.job_id, e.rank) in seen:
+                continue
+            seen.add((e.job_id, e.rank))
+            proc = processes.get(e.pid)
+            alive = proc is not None and proc.state not in ("Z", "X") and (
+                e.start_ticks is None or proc.start_ticks == e.start_ticks)  # fmt: skip
+            probes.append(RankProbe(
+                e.job_id, e.rank, e.pid, alive, proc.state if proc else "", e.heartbeat,
+                proc.start_ticks if proc else None, e.owner_uid,
+                beats.get((e.job_id, e.rank)), heartbeat_read=True,
+                workers=tuple((k, processes[k].state, processes[k].cpu_seconds)
+                              for k in descendants.get(e.pid, ()) if k in processes),
+            ))  # fmt: skip
+        if self.sampler is not None:
+            self.sampler.update_targets(GilTarget(p.job_id, p.rank, p.pid) for p in probes
+                                        if p.alive)  # fmt: skip
+        verdicts = self.stall.observe(cycle.now, probes)
+        for kind in DEFERRED_KINDS:  # what the cycle budget pushed to the next cycle
+            n = self.stall.deferred[kind] - self._deferred_seen[kind]
+            self._deferred_seen[kind] = self.stall.deferred[kind]
+            daemon.counters.ensure("cycle_deferred_probes", (kind,))
+            if n:
+                daemon.counters.inc("cycle_deferred_probes", (kind,), n)
+        return Contribution(
+            progress={k: v.progress_timestamp for k, v in verdicts.items()
+                      if v.progress_timestamp is not None},
+            stalled={k: v.stalled for k, v in verdicts.items()},
+            gil=self.sampler.readings() if self.sampler else {},
+            stall=verdicts,
+            collectors=(self.status(),),
+        )
+
+    def status(self) -> CollectorStatus:
+        assert self.spy is not None
+        if self.spy.binary is None:
+            return CollectorStatus(pyspy.COLLECTOR, False, 0.0, None,
+                                   f"{pyspy.ABSENT}: {self.spy.unavailable_reason}"[:300])  # fmt: skip
+        if self.sampler is not None:
+            return self.sampler.status()
+        return CollectorStatus(pyspy.COLLECTOR, True, 0.0, None, "")
+
+    def after_join(self, daemon: DaemonContext, state: Any) -> None:
+        """Nothing to do: readings flow in through ``before_join``."""
+
+    def stop(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
