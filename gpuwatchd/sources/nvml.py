@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 from gpuwatchd.isolation import NotPresent
 from gpuwatchd.model import SOURCE_NVML, GpuDevice, GpuProcess
+from gpuwatchd.sources.watcher import WatcherThread
 from gpuwatchd.units import normalize_pci_bus_id
 
 log = logging.getLogger(__name__)
@@ -293,13 +294,15 @@ class NvmlSource:
         return dict(last)
 
 
-class XidEventWatcher:
+class XidEventWatcher(WatcherThread):
     """Streams NVML Xid critical-error events into the ``gpu_xid_errors`` counter.
 
     One thread blocks in ``nvmlEventSetWait`` (1 s waits so that ``stop()`` is prompt). Each event
     goes through the shared ``XidDeduper`` so that the same Xid also logged by the kernel
     (``NVRM: Xid (PCI:0000:3b:00): 79, ...``) counts once. ``inc`` is ``CounterStore.inc``.
     """
+
+    thread_name = "gpuwatchd-xid"
 
     def __init__(
         self,
@@ -309,24 +312,16 @@ class XidEventWatcher:
         clock: Callable[[], float] = time.time,
         wait_ms: int = 1000,
     ) -> None:
+        super().__init__()
         self._inc = inc
         self._dedup = deduper
         self._nvml = pynvml
         self._clock = clock
         self._wait_ms = wait_ms
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.error: str = ""
         self.events_seen = 0
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="gpuwatchd-xid", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 3.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._start_thread()
 
     def _run(self) -> None:
         nv = self._nvml if self._nvml is not None else load_pynvml()

@@ -14,13 +14,13 @@ Privilege: reading kernel uevents needs no privilege. Shell equivalent: ``udevad
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from gpuwatchd.model import PAGE, Finding
+from gpuwatchd.sources.watcher import WatcherThread
 from gpuwatchd.units import normalize_pci_bus_id
 
 log = logging.getLogger(__name__)
@@ -80,9 +80,11 @@ def lost_finding(ev: GpuUevent, gpu_index: str = "", uuid: str = "") -> Finding:
     )
 
 
-class UdevWatcher:
+class UdevWatcher(WatcherThread):
     """Thread that turns GPU uevents into callbacks. ``monitor`` is a pyudev Monitor (a
     constructor argument so tests can pass one filtered differently)."""
+
+    thread_name = "gpuwatchd-udev"
 
     def __init__(
         self,
@@ -92,14 +94,12 @@ class UdevWatcher:
         clock: Callable[[], float] = time.time,
         poll_seconds: float = 1.0,
     ) -> None:
+        super().__init__()
         self.on_event = on_event
         self.monitor = monitor
         self.vendor = vendor
         self.clock = clock
         self.poll_seconds = poll_seconds
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.error = ""
 
     def open(self) -> None:
         if self.monitor is None:
@@ -123,13 +123,7 @@ class UdevWatcher:
         if self.monitor is None:
             log.info("udev: %s", self.error)
             return
-        self._thread = threading.Thread(target=self._run, name="gpuwatchd-udev", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 3.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._start_thread()
 
     def _run(self) -> None:
         while not self._stop.is_set():
