@@ -16,6 +16,7 @@ from gpuwatchd.join.stall import StallVerdict
 from gpuwatchd.join.straggler import RankRate
 from gpuwatchd.model import (
     BadRankFile,
+    Finding,
     GilReading,
     GpuDevice,
     GpuProcessRow,
@@ -74,6 +75,14 @@ def rank_label(r: RankState) -> str:
     return f"rank {r.rank} of job {r.job_id} ({pid}{', ' + r.container if r.container else ''})"
 
 
+def rank_finding(r: RankState, kind: str, severity: str, explanation: str,
+                 evidence: Mapping[str, Any] | None = None, since: float = 0.0) -> Finding:
+    """A finding about one rank: its job, rank and pid as the finding's identity."""
+    return Finding(kind=kind, severity=severity, explanation=explanation, job_id=r.job_id,
+                   rank=str(r.rank), pid=str(r.pid),
+                   evidence=frozen_map() if evidence is None else evidence, since=since)
+
+
 def rank_gpus(r: RankState, ctx: FindingContext) -> list[tuple[str, float | None, int | None]]:
     """(gpu index, utilisation or None, bytes held by the rank's tree or None) per GPU of the
     rank: those named in its rank file and those its processes hold memory on."""
@@ -88,4 +97,4 @@ def rank_gpus(r: RankState, ctx: FindingContext) -> list[tuple[str, float | None
     return out
 
 
-__all__ = ["FindingContext", "RuleReadings", "fmt_bytes", "rank_gpus", "rank_label", "readings_of"]
+__all__ = ["FindingContext", "RuleReadings", "fmt_bytes", "rank_finding", "rank_gpus", "rank_label", "readings_of"]

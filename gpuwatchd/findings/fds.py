@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpuwatchd.findings.context import FindingContext, rank_label
+from gpuwatchd.findings.context import FindingContext, rank_finding, rank_label
 from gpuwatchd.model import WARNING, Finding
 
 
@@ -32,12 +32,10 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
             )
         else:
             continue
-        yield Finding(
+        yield rank_finding(
+            r,
             kind="fd_exhaustion",
             severity=WARNING,
-            job_id=r.job_id,
-            rank=str(r.rank),
-            pid=str(r.pid),
             explanation=f"{rank_label(r)}: {why}; next open() fails with 'Too many open files'",
             evidence={"open_fds": p.open_fds, "soft_limit": p.max_fds_soft,
                       "fds_per_second": round(rate, 4)},

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from gpuwatchd.findings.context import FindingContext, rank_label
+from gpuwatchd.findings.context import FindingContext, rank_finding, rank_label
 from gpuwatchd.model import WARNING, Finding, GilReading, GpuDevice, RankState
 
 GPU_BUSY_RATIO = 0.6
@@ -65,12 +65,10 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         )  # fmt: skip
         tops = top_holders(recent)
         top_text = ", ".join(f"{fn} {share:.0%}" for fn, share in tops) or "unknown"
-        yield Finding(
+        yield rank_finding(
+            r,
             kind="gil_saturated",
             severity=WARNING,
-            job_id=r.job_id,
-            rank=str(r.rank),
-            pid=str(r.pid),
             explanation=(
                 f"{rank_label(r)}: Python held the GIL {held:.0%} of the sampled time over the "
                 f"last {len(recent)} samples ({', '.join(f'{x:.0%}' for x in ratios)}) {gpu_text}; "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpuwatchd.findings.context import FindingContext, rank_label
+from gpuwatchd.findings.context import FindingContext, rank_finding, rank_label
 from gpuwatchd.model import INFO, WARNING, Finding
 
 # Legacy spellings that torch no longer reads (TORCH_NCCL_DEBUG_INFO_TEMP_FILE is the current name
@@ -37,22 +37,18 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         legacy = [f for f in flags if f in RENAMED]
         if legacy:
             names = ", ".join(f"{f} (use {RENAMED[f]})" for f in legacy)
-            yield Finding(
+            yield rank_finding(
+                r,
                 kind="nccl_legacy_env",
                 severity=INFO,
-                job_id=r.job_id,
-                rank=str(r.rank),
-                pid=str(r.pid),
                 explanation=f"{rank_label(r)} sets legacy NCCL variable(s) that PyTorch ignores: {names}",
                 evidence={"variables": legacy},
             )
         if "TORCH_NCCL_ASYNC_ERROR_HANDLING=0" in flags:
-            yield Finding(
+            yield rank_finding(
+                r,
                 kind="nccl_error_handling_off",
                 severity=WARNING,
-                job_id=r.job_id,
-                rank=str(r.rank),
-                pid=str(r.pid),
                 explanation=(
                     f"{rank_label(r)} runs with TORCH_NCCL_ASYNC_ERROR_HANDLING=0: a failed or "
                     "timed-out collective will hang this rank forever instead of aborting it"

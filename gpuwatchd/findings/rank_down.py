@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from gpuwatchd.findings.context import FindingContext, rank_label
+from gpuwatchd.findings.context import FindingContext, rank_finding, rank_label
 from gpuwatchd.model import PAGE, Finding
 
 
@@ -24,12 +24,10 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
             if alive
             else ""
         )
-        yield Finding(
+        yield rank_finding(
+            r,
             kind="rank_down",
             severity=PAGE,
-            job_id=r.job_id,
-            rank=str(r.rank),
-            pid=str(r.pid),
             explanation=f"{rank_label(r)} is registered but its process is gone (seen dead at {when}){tail}",
             evidence={"died_at": r.died_at, "peers_alive": alive},
         )

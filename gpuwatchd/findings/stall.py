@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 
-from gpuwatchd.findings.context import FindingContext, fmt_bytes, rank_gpus, rank_label
+from gpuwatchd.findings.context import FindingContext, fmt_bytes, rank_finding, rank_gpus, rank_label
 from gpuwatchd.join.collectives import compare
 from gpuwatchd.join.stall import StallVerdict
 from gpuwatchd.model import INFO, PAGE, Finding, RankState
@@ -109,12 +109,10 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         threads = f"; threads: {v.analysis.threads_text()}" if v.analysis else ""
         fr = compare(x for k, x in ctx.flight_records.items() if k[0] == r.job_id)
         lead += "".join(f"{x}; " for x in fr)
-        yield Finding(
+        yield rank_finding(
+            r,
             kind="rank_stalled",
             severity=PAGE,
-            job_id=r.job_id,
-            rank=str(r.rank),
-            pid=str(r.pid),
             explanation=(
                 f"{rank_label(r)} made no progress for {_duration(v.no_progress_seconds)}{since}: "
                 f"{HOW.get(v.method, v.method)}; {lead}stuck in {where}{on_gpu}{threads}; "
@@ -138,12 +136,10 @@ def _compiling(r: RankState, v: StallVerdict, ctx: FindingContext) -> Finding:
     gpus = rank_gpus(r, ctx)
     on_gpu = f"; {gpu_text(gpus)}" if gpus else ""
     text = v.analysis.patterns_text() if v.analysis else "in torch.compile"
-    return Finding(
+    return rank_finding(
+        r,
         kind="rank_compiling",
         severity=INFO,
-        job_id=r.job_id,
-        rank=str(r.rank),
-        pid=str(r.pid),
         explanation=(
             f"{rank_label(r)} made no progress for {_duration(v.no_progress_seconds)} but is "
             f"{text}{on_gpu}; paged as stalled only after "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpuwatchd.findings.context import FindingContext, rank_gpus, rank_label
+from gpuwatchd.findings.context import FindingContext, rank_finding, rank_gpus, rank_label
 from gpuwatchd.model import SLOWING_REASONS, THROTTLE_REASONS, WARNING, Finding, RankState
 
 THROTTLED_SHARE = 0.1  # throttled in at least 10 % of the CFS periods of the window
@@ -61,12 +61,10 @@ def find(ctx: FindingContext, found: tuple[Finding, ...] = ()) -> Iterable[Findi
         why = causes(r, ctx, found)
         because = "; ".join(why) if why else (
             "no cause visible to gpuwatchd (look at its input pipeline, network, or the GPU itself)")
-        yield Finding(
+        yield rank_finding(
+            r,
             kind="rank_straggler",
             severity=WARNING,
-            job_id=r.job_id,
-            rank=str(r.rank),
-            pid=str(r.pid),
             explanation=(
                 f"{rank_label(r)} is a straggler: {rr.rate:.2f} steps/s over the last "
                 f"{rr.window_seconds:.0f} s, {rr.rate / rr.median:.2f}x its job's median of "
