@@ -193,6 +193,19 @@ def process_state(paths: HostPaths, pid: int) -> str | None:
         return None
 
 
+def stop_pending(paths: HostPaths, pid: int) -> bool:
+    """A SIGSTOP sent to the process that it has not acted on yet (``ShdPnd``/``SigPnd`` of
+    /proc/PID/status, proc(5)): a stop right before a check is seen before the state turns T."""
+    bit = 1 << (signal.SIGSTOP - 1)
+    try:
+        for line in _read(paths.proc(pid, "status")).splitlines():
+            if line.startswith(("ShdPnd:", "SigPnd:")) and int(line.split()[1], 16) & bit:
+                return True
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
+
+
 def process_cpu(paths: HostPaths, pid: int) -> tuple[int, int] | None:
     """(utime+stime ticks of all threads, number of threads) of a process: one read; None when
     it is gone."""
@@ -620,8 +633,12 @@ class PySpy:
         return err
 
     def _check_not_left_stopped(self, pid: int, state_before: str) -> None:
+        if state_before in ("T", "t"):
+            return  # stopped by its owner before the run: left as it was
         after = process_state(self.paths, pid)
-        if after in ("T", "t") and state_before not in ("T", "t"):
+        if after not in ("T", "t") and stop_pending(self.paths, pid):
+            after = "T (SIGSTOP pending)"
+        if after is not None and after[0] in ("T", "t"):
             log.warning("pid %d was left stopped (%s) after py-spy; sending SIGCONT", pid, after)
             with self._stats_lock:
                 self.stats.left_stopped += 1
