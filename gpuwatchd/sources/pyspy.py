@@ -85,6 +85,7 @@ from gpuwatchd.sources.threads import (
     process_cpu,
     process_state,
     read_threads,
+    stop_pending,
     task_ids,
 )
 
@@ -120,6 +121,7 @@ __all__ = [
     "process_state",
     "read_threads",
     "resolve_pyspy",
+    "stop_pending",
     "task_ids",
 ]
 
@@ -364,8 +366,12 @@ class PySpy:
         return err
 
     def _check_not_left_stopped(self, pid: int, state_before: str) -> None:
+        if state_before in ("T", "t"):
+            return  # stopped by its owner before the run: left as it was
         after = process_state(self.paths, pid)
-        if after in ("T", "t") and state_before not in ("T", "t"):
+        if after not in ("T", "t") and stop_pending(self.paths, pid):
+            after = "T (SIGSTOP pending)"
+        if after is not None and after[0] in ("T", "t"):
             log.warning("pid %d was left stopped (%s) after py-spy; sending SIGCONT", pid, after)
             with self._stats_lock:
                 self.stats.left_stopped += 1

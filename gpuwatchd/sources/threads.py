@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,6 +50,19 @@ def process_state(paths: HostPaths, pid: int) -> str | None:
         return parse_stat(_read(paths.proc(pid, "stat")))[1]
     except (OSError, ValueError, IndexError):
         return None
+
+
+def stop_pending(paths: HostPaths, pid: int) -> bool:
+    """A SIGSTOP sent to the process that it has not acted on yet (``ShdPnd``/``SigPnd`` of
+    /proc/PID/status, proc(5)): a stop right before a check is seen before the state turns T."""
+    bit = 1 << (signal.SIGSTOP - 1)
+    try:
+        for line in _read(paths.proc(pid, "status")).splitlines():
+            if line.startswith(("ShdPnd:", "SigPnd:")) and int(line.split()[1], 16) & bit:
+                return True
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
 
 
 def process_cpu(paths: HostPaths, pid: int) -> tuple[int, int] | None:
