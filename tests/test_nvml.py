@@ -17,13 +17,8 @@ import pytest
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.isolation import Collector, NotPresent
 from gpuwatchd.join.xid_dedup import SOURCE_KERNEL, SOURCE_NVML, XidDeduper, normalize_pci_bus_id
-from gpuwatchd.sources.nvml import (
-    NvmlNotPresent,
-    NvmlReadError,
-    NvmlSource,
-    XidEventWatcher,
-    select_devices,
-)
+from gpuwatchd.sources.nvml import NvmlNotPresent, NvmlReadError, NvmlSource, select_devices
+from gpuwatchd.sources.nvml_events import XidEventWatcher
 from gpuwatchd.sources.nvml_fixture import RecordedNvml, fixture_source
 from gpuwatchd.sources.udev import UdevWatcher, classify, lost_finding, parse_uevent_file
 

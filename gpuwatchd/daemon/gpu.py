@@ -32,7 +32,8 @@ from gpuwatchd.model import PAGE, Finding, GpuDevice, GpuProcess, NodeState, Pro
 from gpuwatchd.sources.devfds import ProcEvidence, read_evidence
 from gpuwatchd.sources.kernel_log import read_boot_id
 from gpuwatchd.sources.nvidia_devices import probe
-from gpuwatchd.sources.nvml import NvmlReadError, NvmlSource, XidEventWatcher
+from gpuwatchd.sources.nvml import NvmlReadError, NvmlSource
+from gpuwatchd.sources.nvml_events import XidEventWatcher
 from gpuwatchd.sources.nvml_fixture import open_nvml_source
 from gpuwatchd.sources.udev import GpuUevent, UdevWatcher, lost_finding
 from gpuwatchd.units import normalize_pci_bus_id

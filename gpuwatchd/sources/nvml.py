@@ -33,9 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from gpuwatchd.isolation import NotPresent
-from gpuwatchd.model import SOURCE_NVML, GpuDevice, GpuProcess
-from gpuwatchd.sources.watcher import WatcherThread
-from gpuwatchd.units import normalize_pci_bus_id
+from gpuwatchd.model import GpuDevice, GpuProcess
 
 log = logging.getLogger(__name__)
 
@@ -99,15 +97,6 @@ def _known(value: Any) -> int | None:
         return None
     number = int(value)
     return None if number in _NA_VALUES else number
-
-
-class XidRecorder(Protocol):
-    """Where the Xid watcher records what it saw (``join.xid_dedup.XidDeduper``): a source only
-    reports; the de-duplication against the kernel log lives in the join."""
-
-    def learn_device(self, pci_bus_id: str, uuid: str, index: int) -> None: ...
-
-    def record(self, gpu_key: str, xid: int, at: float, source: str) -> bool: ...
 
 
 class NvmlSource:
@@ -292,94 +281,6 @@ class NvmlSource:
         last.update(fresh)
         self._util_since[index] = newest
         return dict(last)
-
-
-class XidEventWatcher(WatcherThread):
-    """Streams NVML Xid critical-error events into the ``gpu_xid_errors`` counter.
-
-    One thread blocks in ``nvmlEventSetWait`` (1 s waits so that ``stop()`` is prompt). Each event
-    goes through the shared ``XidDeduper`` so that the same Xid also logged by the kernel
-    (``NVRM: Xid (PCI:0000:3b:00): 79, ...``) counts once. ``inc`` is ``CounterStore.inc``.
-    """
-
-    thread_name = "gpuwatchd-xid"
-
-    def __init__(
-        self,
-        inc: Callable[[str, tuple[str, ...]], None],
-        deduper: XidRecorder,
-        pynvml: Any = None,
-        clock: Callable[[], float] = time.time,
-        wait_ms: int = 1000,
-    ) -> None:
-        super().__init__()
-        self._inc = inc
-        self._dedup = deduper
-        self._nvml = pynvml
-        self._clock = clock
-        self._wait_ms = wait_ms
-        self.events_seen = 0
-
-    def start(self) -> None:
-        self._start_thread()
-
-    def _run(self) -> None:
-        nv = self._nvml if self._nvml is not None else load_pynvml()
-        try:
-            nv.nvmlInit()
-        except nv.NVMLError as exc:
-            self.error = f"NVML not available for Xid events: {exc}"
-            return
-        try:
-            event_set = self._register(nv)
-            if event_set is None:
-                return
-            try:
-                while not self._stop.is_set():
-                    self.poll_once(nv, event_set)
-            finally:
-                nv.nvmlEventSetFree(event_set)
-        except nv.NVMLError as exc:
-            self.error = f"Xid event wait failed: {exc}"
-        finally:
-            nv.nvmlShutdown()
-
-    def _register(self, nv: Any) -> Any:
-        event_set = nv.nvmlEventSetCreate()
-        registered = 0
-        for index in range(int(nv.nvmlDeviceGetCount())):
-            try:
-                handle = nv.nvmlDeviceGetHandleByIndex(index)
-                nv.nvmlDeviceRegisterEvents(handle, nv.nvmlEventTypeXidCriticalError, event_set)
-                registered += 1
-            except nv.NVMLError as exc:  # NOT_SUPPORTED inside some VMs, or a lost GPU
-                log.info("GPU %d: no Xid events: %s", index, exc)
-        if not registered:
-            self.error = "no GPU supports Xid events"
-            nv.nvmlEventSetFree(event_set)
-            return None
-        return event_set
-
-    def poll_once(self, nv: Any, event_set: Any) -> bool:
-        """Wait up to wait_ms for one event; True when one was counted."""
-        try:
-            data = nv.nvmlEventSetWait_v2(event_set, self._wait_ms)
-        except nv.NVMLError as exc:
-            if _code(exc) == NVML_ERROR_TIMEOUT:
-                return False
-            raise
-        if int(data.eventType) != int(nv.nvmlEventTypeXidCriticalError):
-            return False
-        self.events_seen += 1
-        xid = int(data.eventData)
-        uuid = _text(nv.nvmlDeviceGetUUID(data.device))
-        index = int(nv.nvmlDeviceGetIndex(data.device))
-        bus = _text(nv.nvmlDeviceGetPciInfo(data.device).busId)
-        self._dedup.learn_device(bus, uuid, index)
-        if self._dedup.record(normalize_pci_bus_id(bus), xid, self._clock(), SOURCE_NVML):
-            self._inc("gpu_xid_errors", (str(index), uuid, str(xid)))
-            return True
-        return False
 
 
 def select_devices(
