@@ -58,6 +58,22 @@ def _read(path: str, limit: int = 1 << 16) -> bytes:
     return b"".join(chunks)
 
 
+def thread_children(task_dir: str, limit: int = 1 << 16) -> list[int]:
+    """The children listed by every thread of a process (``task_dir`` is its /proc/PID/task):
+    a child is listed in the ``children`` file of the thread that forked it."""
+    out: list[int] = []
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            out.extend(int(x) for x in _read(os.path.join(task_dir, tid, "children"), limit).split())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 class ProcfsReader:
     def __init__(self, paths: HostPaths | None = None) -> None:
         self.paths = paths or HostPaths()
@@ -210,18 +226,7 @@ class ProcfsReader:
             return []
 
     def _all_thread_children(self, pid: int) -> list[int]:
-        out: list[int] = []
-        task_dir = self.paths.proc(pid, "task")
-        try:
-            tids = os.listdir(task_dir)
-        except OSError:
-            return out
-        for tid in tids:
-            try:
-                out.extend(int(x) for x in _read(os.path.join(task_dir, tid, "children")).split())
-            except (OSError, ValueError):
-                continue
-        return out
+        return thread_children(self.paths.proc(pid, "task"))
 
     def descendants(self, pid: int, limit: int = 4096) -> list[int]:
         """All live descendants of ``pid`` (breadth first), bounded by ``limit``."""

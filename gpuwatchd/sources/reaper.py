@@ -31,6 +31,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from gpuwatchd.sources.procfs import thread_children
+
 log = logging.getLogger(__name__)
 
 PR_SET_CHILD_SUBREAPER = 36
@@ -80,19 +82,7 @@ class ChildReaper:
         return status, rusage
 
     def children(self) -> list[int]:
-        out: list[int] = []
-        task_dir = os.path.join(self.procfs_self, "task")
-        try:
-            tids = os.listdir(task_dir)
-        except OSError:
-            return out
-        for tid in tids:
-            try:
-                with open(os.path.join(task_dir, tid, "children"), "rb") as f:
-                    out.extend(int(x) for x in f.read(1 << 20).split())
-            except (OSError, ValueError):
-                continue
-        return out
+        return thread_children(os.path.join(self.procfs_self, "task"), 1 << 20)
 
     def sweep(self) -> int:
         """Kill and reap every child that is not a running spawn; returns how many."""
