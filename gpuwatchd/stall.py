@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuwatchd.hang import HangAnalysis, analyze
+from gpuwatchd.hang import HangAnalysis, analyze, wait_tids
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.rank_workers import RankWorkers
 from gpuwatchd.sources import pyspy, taskwait
@@ -367,7 +367,7 @@ class StallTracker:
         analysis = None
         compiling = False
         if (stalled_so_far or late) and tr.stacks:
-            waits = taskwait.read_waits(self.paths, p.pid, [s.tid for s in tr.stacks if s.tid])
+            waits = taskwait.read_waits(self.paths, p.pid, wait_tids(tr.stacks, threads))
             workers = tr.workers.view(self.paths, p.workers)
             analysis = analyze(tr.stacks, threads, shares, waits, workers, busiest_worker)
             if analysis.compiling:
