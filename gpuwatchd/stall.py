@@ -327,7 +327,8 @@ class StallTracker:
                 for t in threads if elapsed > 0 and t.tid in prev
             }  # fmt: skip
             spinning = frozenset(tid for tid, share in shares.items() if share >= SPIN_SHARE)
-            python_tids = {s.tid for s in tr.stacks} or set(shares)
+            # Python 3.10 dumps carry no tid (py-spy #567): then any task's work band counts
+            python_tids = {s.tid for s in tr.stacks if s.tid} or set(shares)
             if any(WORK_SHARE <= shares[t] < SPIN_SHARE for t in python_tids if t in shares):
                 tr.worked = True
             self._look(now, tr, threads, spinning, shares)
