@@ -155,6 +155,25 @@ def test_busy_rank_without_heartbeat_is_not_stalled(tmp_path: Path) -> None:
         p.wait()
 
 
+def test_busy_rank_whose_dumps_never_change_is_not_stalled(tmp_path: Path) -> None:
+    """Its one Python thread works about half of the time in C (``sum``), so every dump shows the
+    same frame: only its CPU says it progresses. On Python 3.10 py-spy gives that thread no tid
+    (py-spy #567): the tracker then takes the CPU of the process's tasks."""
+    prog = tmp_path / "same.py"
+    prog.write_text("import time\nprint('ready', flush=True)\n"
+                    "while True: x = sum(range(1_000_000)); time.sleep(0.02)\n")  # fmt: skip
+    p = subprocess.Popen([sys.executable, str(prog)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        rp = RankProbe("same", 0, p.pid, True, "S", None)
+        tracker = StallTracker(AFTER, spy(), dump_interval_seconds=CYCLE)
+        _, v = run_until(tracker, [rp], 4 * AFTER, lambda v: v[rp.key].stalled)
+        assert not v[rp.key].stalled, v[rp.key]
+    finally:
+        p.kill()
+        p.wait()
+
+
 def test_odd_one_out_among_real_ranks(ranks: Callable) -> None:
     probes = [ranks("barrier", r, "llm-7")[1] for r in range(3)]
     probes.append(ranks("elsewhere", 3, "llm-7")[1])

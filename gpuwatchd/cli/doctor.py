@@ -25,7 +25,7 @@ from typing import Any
 from gpuwatchd.cli.common import load_state, resolve_config
 from gpuwatchd.config import Config
 from gpuwatchd.findings import FindingContext, fds, fork, nccl_env
-from gpuwatchd.join.hang import analyze
+from gpuwatchd.join.hang import analyze, wait_tids
 from gpuwatchd.join.rank_workers import worker_view
 from gpuwatchd.model import RankState
 from gpuwatchd.paths import HostPaths
@@ -219,7 +219,7 @@ def hang_report(paths: HostPaths, pid: int, dumped: tuple[pyspy.ThreadStack, ...
     elapsed = max(time.monotonic() - t0, 1e-3)
     prev = {t.tid: t.cpu_ticks for t in first}
     shares = {t.tid: (t.cpu_ticks - prev[t.tid]) / clk / elapsed for t in threads if t.tid in prev}
-    waits = taskwait.read_waits(paths, pid, [s.tid for s in dumped if s.tid])
+    waits = taskwait.read_waits(paths, pid, wait_tids(dumped, threads))
     states = {c: pyspy.process_state(paths, c) or "X" for c in switches}
     live = {c: (st, taskwait.context_switches(paths, c)) for c, st in states.items()}
     known = {c: n for c, n in switches.items() if n is not None}

@@ -190,16 +190,18 @@ def _collective(frames: Sequence[Frame]) -> Frame | None:
 
 
 def classify(s: ThreadStack, info: ThreadInfo | None, share: float | None,
-             wait: SyscallWait | None) -> ThreadView:  # fmt: skip
-    """What one thread is doing, from its frames, kernel state and CPU share."""
+             wait: SyscallWait | None, asleep: bool = False) -> ThreadView:  # fmt: skip
+    """What one thread is doing, from its frames, kernel state and CPU share. ``asleep``: the
+    thread has no task of its own (no tid), but every task of the process sleeps at ~0 CPU and
+    enough of them in untimed futex waits (``_unjoined_evidence``)."""
     frames = s.frames
     top = frames[0] if frames else Frame("", "", None)
-    state = info.state if info else ""
+    state = info.state if info else ("S" if asleep else "")
     wchan = info.wchan if info else ""
     futex = wait.address if wait is not None and wait.futex else None
     # unknown share (the first look at a rank): a thread asleep in the kernel is not running now
     idle_cpu = share <= IDLE_SHARE if share is not None else state == "S"
-    untimed = wait.untimed_futex if wait is not None else "futex" in wchan
+    untimed = wait.untimed_futex if wait is not None else "futex" in wchan or asleep
 
     def view(kind: str, waits_on: str = "") -> ThreadView:
         return ThreadView(s.tid, s.name or "?", state, wchan, share, s.owns_gil, frames, kind,
@@ -222,7 +224,8 @@ def classify(s: ThreadStack, info: ThreadInfo | None, share: float | None,
             return view("join", "Thread.join")
         if label == "a wait" and len(frames) > 1:
             outer = frames[1].name
-            if outer.endswith("Event.wait"):
+            # Python 3.10 has no qualified names: Event.wait is "wait" in threading.py there
+            if outer.endswith("Event.wait") or (outer == "wait" and _in(frames[1], IDLE_WAITS)):
                 return view("idle", "Event.wait")
             if untimed and idle_cpu:
                 return view("lock", "Condition.wait")
@@ -266,7 +269,7 @@ def _where(v: ThreadView) -> str:
 
 
 def _patterns(views: Sequence[ThreadView], workers: WorkerView | None,
-              tree_busy: float | None) -> list[Pattern]:  # fmt: skip
+              tree_busy: float | None, unjoined: str = "") -> list[Pattern]:  # fmt: skip
     out: list[Pattern] = []
     shares = [v.cpu_share for v in views if v.cpu_share is not None]
     busy = max(shares, default=0.0)
@@ -304,11 +307,12 @@ def _patterns(views: Sequence[ThreadView], workers: WorkerView | None,
         if len(locks) >= 2 and not progressing:
             out.append(Pattern("deadlock", (
                 f"likely deadlock: {len(locks)} threads blocked acquiring locks at 0 % CPU, none "
-                f"progressing: {names}{locks_text}{join_text}"), tuple(v.name for v in locks)))
+                f"progressing: {names}{locks_text}{join_text}{unjoined}"),
+                tuple(v.name for v in locks)))  # fmt: skip
         else:
             out.append(Pattern("lock_wait", (
                 f"lock wait: {len(locks)} thread(s) blocked acquiring a lock at 0 % CPU: "
-                f"{names}{locks_text}"), tuple(v.name for v in locks)))
+                f"{names}{locks_text}{unjoined}"), tuple(v.name for v in locks)))
     for v in views:
         if v.kind == "gpu":
             cpu = "" if v.cpu_share is None else f" at {v.cpu_share:.0%} CPU"
@@ -338,6 +342,29 @@ def _patterns(views: Sequence[ThreadView], workers: WorkerView | None,
     return out
 
 
+def wait_tids(stacks: Sequence[ThreadStack], threads: Sequence[ThreadInfo]) -> list[int]:
+    """The tasks whose /proc/TID/syscall the analysis needs: the dumped threads', or every task
+    read when py-spy gave some thread no tid (Python 3.10, py-spy #567)."""
+    if any(not s.tid for s in stacks):
+        return [t.tid for t in threads]
+    return [s.tid for s in stacks if s.tid]
+
+
+def _unjoined_evidence(threads: Sequence[ThreadInfo], shares: Mapping[int, float],
+                       waits: Mapping[int, SyscallWait]) -> tuple[int, str] | None:  # fmt: skip
+    """For Python threads without a tid (py-spy cannot join them to tasks on Python 3.10, #567):
+    when every task read sleeps (S) at ~0 CPU since the previous look, how many wait on a futex
+    with no time-out, and the words that say so; None when some task runs or is unknown."""
+    if not threads or any(t.state != "S" or shares.get(t.tid, 1.0) > IDLE_SHARE for t in threads):
+        return None
+    untimed = [w for t in threads if (w := waits.get(t.tid)) is not None and w.untimed_futex]
+    words = len({w.address for w in untimed})
+    return len(untimed), (
+        f" (thread ids not joinable on Python 3.10 (py-spy #567): all {len(threads)} tasks read "
+        f"asleep at 0 % CPU, {len(untimed)} in untimed futex waits on {words} different futex "
+        "words)")  # fmt: skip
+
+
 def analyze(
     stacks: Sequence[ThreadStack],
     threads: Sequence[ThreadInfo] = (),
@@ -357,4 +384,14 @@ def analyze(
         classify(s, by_tid.get(s.tid or -1), shares.get(s.tid or -1), waits.get(s.tid or -1))
         for s in stacks
     )
-    return HangAnalysis(views, fold(views), tuple(_patterns(views, workers, tree_busy)))
+    unjoined = ""
+    evidence = _unjoined_evidence(threads, shares, waits) if any(not s.tid for s in stacks) else None
+    if evidence is not None:
+        # no per-thread join: a thread whose frames show user code or a lock acquisition counts as
+        # lock-blocked when the whole process sleeps and there are untimed futex waits for each
+        asleep = tuple(classify(s, None, None, None, asleep=True) if not s.tid else v
+                       for s, v in zip(stacks, views, strict=True))  # fmt: skip
+        inferred = [a for a, v in zip(asleep, views, strict=True) if a.kind != v.kind]
+        if inferred and len(inferred) <= evidence[0]:
+            views, unjoined = asleep, evidence[1]
+    return HangAnalysis(views, fold(views), tuple(_patterns(views, workers, tree_busy, unjoined)))

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuwatchd.join.hang import HangAnalysis, analyze
+from gpuwatchd.join.hang import HangAnalysis, analyze, wait_tids
 from gpuwatchd.join.rank_workers import RankWorkers
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import pyspy, taskwait
@@ -327,7 +327,8 @@ class StallTracker:
                 for t in threads if elapsed > 0 and t.tid in prev
             }  # fmt: skip
             spinning = frozenset(tid for tid, share in shares.items() if share >= SPIN_SHARE)
-            python_tids = {s.tid for s in tr.stacks} or set(shares)
+            # Python 3.10 dumps carry no tid (py-spy #567): then any task's work band counts
+            python_tids = {s.tid for s in tr.stacks if s.tid} or set(shares)
             if any(WORK_SHARE <= shares[t] < SPIN_SHARE for t in python_tids if t in shares):
                 tr.worked = True
             self._look(now, tr, threads, spinning, shares)
@@ -367,7 +368,7 @@ class StallTracker:
         analysis = None
         compiling = False
         if (stalled_so_far or late) and tr.stacks:
-            waits = taskwait.read_waits(self.paths, p.pid, [s.tid for s in tr.stacks if s.tid])
+            waits = taskwait.read_waits(self.paths, p.pid, wait_tids(tr.stacks, threads))
             workers = tr.workers.view(self.paths, p.workers)
             analysis = analyze(tr.stacks, threads, shares, waits, workers, busiest_worker)
             if analysis.compiling:
