@@ -7,8 +7,8 @@ times, prints "ready", then:
   item_busy     .item() behind the same kind of kernel
   deadlock_gpu  seed 003: 2 GiB held on the GPU, two threads deadlocked on two locks, main joins
   idle_wait     torch.cuda.synchronize() behind a stream that waits for a value nobody writes
-                (cuStreamWaitValue32): the GPU is idle, the launch never completes. NOT YET
-                SEEN WORKING: on the first device run this rank never printed "ready"
+                (cuStreamWaitValue32, on a stream of its own): the GPU is idle, the wait
+                never completes
   compile       torch.compile of a small model, then trains (heartbeats resume after compiling);
                 GW_DEVICE=cpu compiles for the CPU (Inductor's C++ backend), for a machine
                 without a GPU
@@ -78,17 +78,22 @@ elif mode == "deadlock_gpu":
     for t in threads:
         t.join()
 elif mode == "idle_wait":
-    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    # On a stream of its own (the legacy default stream 0 serialises with every other stream):
+    # the stream waits for a value nobody writes, and synchronize() waits for that stream.
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     torch.cuda.synchronize()
     cuda = ctypes.CDLL("libcuda.so.1")
     fn = getattr(cuda, "cuStreamWaitValue32_v2", None) or cuda.cuStreamWaitValue32
+    fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-    stream = torch.cuda.current_stream().cuda_stream
-    rc = fn(ctypes.c_void_p(stream), ctypes.c_uint64(flag.data_ptr()), 1, 0x1)  # WAIT_VALUE_EQ
+    print("enqueue wait", flush=True, file=sys.stderr)
+    rc = fn(ctypes.c_void_p(side.cuda_stream), ctypes.c_uint64(flag.data_ptr()), 1, 0x1)  # EQ
+    print(f"cuStreamWaitValue32 rc={rc}", flush=True, file=sys.stderr)
     assert rc == 0, f"cuStreamWaitValue32 returned {rc}"
-    y = flag + 1  # queued behind the wait: never runs
     ready()
-    torch.cuda.synchronize()
+    side.synchronize()
 elif mode == "compile":
     layers = []
     for _ in range(6):
