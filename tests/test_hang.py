@@ -223,7 +223,8 @@ def test_daemon_explains_the_deadlock(tmp_path: Path) -> None:
             def finding() -> str:
                 state = json.loads((Path(cfg["state_dir"]) / "state.json").read_text())
                 return next((f["explanation"] for f in state["findings"]
-                             if f["kind"] == "rank_stalled" and "deadlock" in f["explanation"]),
+                             if f["kind"] == "rank_stalled"
+                             and "likely deadlock" in f["explanation"]),
                             "")  # fmt: skip
 
             d.wait_for(lambda: bool(finding()), timeout=30, what="rank_stalled with a deadlock")
