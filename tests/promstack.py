@@ -607,7 +607,7 @@ def sleeper(flight_recorder: tuple[Path, str, int] | None = None) -> subprocess.
     if flight_recorder is None:
         return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     rank_dir, job_id, rank = flight_recorder
-    code = ("import json, sys, time\nfrom gpuwatchd import flight_recorder as fr\n"
+    code = ("import json, sys, time\nfrom gpuwatchd.rank import flight_recorder as fr\n"
             "rec = json.load(open(sys.argv[1]))['trace']\n"
             "fr.start(sys.argv[2], sys.argv[3], int(sys.argv[4]), dump=lambda: rec)\n"
             "time.sleep(600)\n")
