@@ -342,7 +342,10 @@ class BootedSystemd:
             res = self.run(["systemctl", "is-system-running", "--wait"], check=False,
                            timeout=max(1.0, deadline - time.monotonic()))
             state = res.stdout.strip()
-            if state or time.monotonic() > deadline or self.launcher.poll() is not None:
+            # "offline" also while PID 1 has exec'd systemd but not yet made /run/systemd/system
+            # (seen once under load): keep asking until the deadline
+            if (state and state != "offline") or time.monotonic() > deadline \
+                    or self.launcher.poll() is not None:
                 break
             time.sleep(0.2)
         if state not in ("running", "degraded"):

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -11,15 +13,29 @@ from pathlib import Path
 
 
 def run_locked(cmd: list[str]) -> None:
-    """useradd/userdel, retried while another process holds /etc/passwd's lock."""
+    """useradd/userdel, retried while another process holds /etc/passwd's lock (and, for userdel,
+    while a process of the user is still exiting: a killed rank is gone a moment later)."""
     for _ in range(50):
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         if out.returncode == 0:
             return
-        if "lock" not in out.stderr:
+        if "lock" not in out.stderr and "currently used by process" not in out.stderr:
             raise AssertionError(f"{cmd}: {out.stderr}")
         time.sleep(0.2)
-    raise AssertionError(f"{cmd}: /etc/passwd stayed locked")
+    raise AssertionError(f"{cmd}: /etc/passwd stayed locked or the user's processes stayed: {out.stderr}")
+
+
+def _kill_processes_of(uid: int) -> None:
+    """SIGKILL what still runs as ``uid``: a user these tests created, so every process of it
+    was started by them (left over from a test that failed half way)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            status = (entry / "status").read_text()
+            real = int(next(ln for ln in status.splitlines() if ln.startswith("Uid:")).split()[1])
+            if real == uid:
+                os.kill(int(entry.name), signal.SIGKILL)
 
 
 @contextlib.contextmanager
@@ -28,11 +44,13 @@ def system_user(name: str) -> Iterator[int]:
     created = subprocess.run(["id", "-u", name], capture_output=True, timeout=10).returncode != 0
     if created:
         run_locked(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name])
+    uid = int(subprocess.run(["id", "-u", name], capture_output=True, text=True, check=True,
+                             timeout=10).stdout)
     try:
-        yield int(subprocess.run(["id", "-u", name], capture_output=True, text=True, check=True,
-                                 timeout=10).stdout)
+        yield uid
     finally:
         if created:
+            _kill_processes_of(uid)
             run_locked(["userdel", name])
 
 
