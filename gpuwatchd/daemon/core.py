@@ -21,7 +21,6 @@ later; STATUS= says which.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import functools
 import json
 import logging
@@ -32,7 +31,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gpuwatchd.config import Config, ConfigError, load_config, with_overrides
+from gpuwatchd.config import Config, ConfigError
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.collectives import FlightRecorderSubsystem
 from gpuwatchd.daemon.finding_events import FindingEventsSubsystem
@@ -41,7 +40,11 @@ from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem
 from gpuwatchd.daemon.notify import notify, watchdog_interval
 from gpuwatchd.daemon.pyspy import PySpySubsystem
+from gpuwatchd.daemon.reload import RESTART_SECTIONS as RESTART_SECTIONS
+from gpuwatchd.daemon.reload import ReloadMixin
 from gpuwatchd.daemon.retention import RetentionSubsystem
+from gpuwatchd.daemon.state_json import state_to_json as state_to_json
+from gpuwatchd.daemon.state_json import to_jsonable as to_jsonable
 from gpuwatchd.daemon.straggler import StragglerSubsystem
 from gpuwatchd.daemon.subsystem import NOTHING, Subsystem
 from gpuwatchd.exporter.collector import make_registry
@@ -64,9 +67,6 @@ from gpuwatchd.web.config import WebConfigError
 
 log = logging.getLogger("gpuwatchd")
 STATE_FILE = "state.json"
-# Config sections that SIGHUP does not apply (the subsystems read them once, at start).
-RESTART_SECTIONS = ("gil", "stall", "alertmanager", "nvml", "orphans", "kernel_log", "state_dir",
-                    "procfs", "straggler")
 # A cycle is bounded to seconds by its collectors' time-outs and the stall probe budget; one that
 # has not finished after this long is wedged, and the watchdog stops being fed.
 CYCLE_TIME_LIMIT = 30.0
@@ -80,7 +80,7 @@ class ProcReading:
     progress: Mapping[tuple[str, int], float]
 
 
-class Daemon:
+class Daemon(ReloadMixin):
     def __init__(
         self,
         config: Config,
@@ -298,66 +298,6 @@ class Daemon:
             self.web.close()
             self.web = None
 
-    def reload(self) -> bool:
-        """Re-read the config file. On any problem keep the running config and log why."""
-        if self.config_path is None:
-            log.info("SIGHUP: no config file to reload")
-            return False
-        # Type=notify-reload (systemd >= 253) holds `systemctl reload` open from RELOADING=1 to
-        # READY=1; under Type=notify these only mark the unit "reloading" meanwhile. Not before
-        # the first cycle: READY=1 would then announce a daemon that has not read anything yet.
-        started = self.state is not None
-        if started:
-            notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
-        try:
-            return self._reload()
-        finally:
-            if started:
-                notify("READY=1")
-
-    def _reload(self) -> bool:
-        assert self.config_path is not None
-        try:
-            new = with_overrides(load_config(self.config_path), self.listen_override,
-                                 self.web_config_override)
-            if new.web != self.config.web and self.web is not None:
-                self.web = self._reload_web(new)  # the last step that can fail
-        except ConfigError as e:
-            log.error("reload refused, keeping the running config:\n%s", e)
-            notify(f"STATUS=reload refused: {len(e.problems)} problem(s) in {self.config_path}")
-            return False
-        old = self.config
-        self.config = new
-        if new.rank_dir != old.rank_dir:
-            self.rankfiles = RankFileReader(new.rank_dir)
-        if new.interval_seconds != old.interval_seconds:
-            self._make_collectors()
-        # The subsystems (py-spy, kernel log, NVML, events) read their sections once, at start.
-        later = [name for name in RESTART_SECTIONS if getattr(new, name) != getattr(old, name)]
-        if later:
-            log.warning("configuration reloaded from %s; changes to %s take effect at the next "
-                        "restart", self.config_path, ", ".join(later))
-        else:
-            log.info("configuration reloaded from %s", self.config_path)
-        return True
-
-    def _reload_web(self, new: Config) -> Any:
-        """The server for ``new.web``; the running one keeps serving when that is impossible
-        (a bad web-config, an address in use): ConfigError then."""
-        from gpuwatchd.web import server as web
-
-        try:
-            return self.web.reload(new.web.listen_address, new.web.config_file)
-        except WebConfigError as e:
-            raise ConfigError([f"web.config_file: {p}" for p in e.problems], e.path) from None
-        except (OSError, ValueError) as e:
-            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-            if isinstance(e, OSError) and e.errno == errno.EADDRINUSE and \
-                    web.parse_listen_address(new.web.listen_address)[1] == self.web.address[1]:
-                why += " (by the running server: to move to an overlapping address, restart)"
-            raise ConfigError([f"web.listen_address: cannot listen on {new.web.listen_address}:"
-                               f" {why}; still serving {self.web.url}"],
-                              self.config_path or "config") from None
     def request_exit(self, status: int, why: str) -> None:
         """End ``run()`` after this cycle and exit with ``status`` (for systemd's Restart=)."""
         log.error("%s", why)
@@ -417,38 +357,6 @@ def down_statuses(reported: list[CollectorStatus], down: Mapping[str, str]) -> l
     names = {c.name for c in reported}
     return [CollectorStatus(name, False, 0.0, None, error) for name, error in down.items()
             if name not in names]
-
-
-_FIELDS: dict[type, tuple[str, ...]] = {}
-_PLAIN = (str, int, float, bool, type(None))
-
-
-def to_jsonable(obj: Any) -> Any:
-    """Dataclasses, mappings (also read-only ones) and tuples -> plain JSON values."""
-    cls = type(obj)
-    if cls in _PLAIN:
-        return obj
-    names = _FIELDS.get(cls)
-    if names is None and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(obj))
-    if names is not None:
-        return {n: to_jsonable(getattr(obj, n)) for n in names}
-    if isinstance(obj, Mapping):
-        return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return [to_jsonable(v) for v in obj]
-    if obj is None or isinstance(obj, (str, int, float, bool)):
-        return obj
-    return str(obj)
-
-
-def state_to_json(state: NodeState) -> dict[str, Any]:
-    data: dict[str, Any] = to_jsonable(state)
-    data["counters"] = {
-        name: [{"labels": list(k), "value": v} for k, v in series.items()]
-        for name, series in state.counters.items()
-    }
-    return data
 
 
 def default_subsystems(config: Config) -> list[Subsystem]:

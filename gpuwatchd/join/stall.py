@@ -15,7 +15,7 @@ comparison runs on the /proc thread view alone. A process in state ``T`` (SIGSTO
 On a node with several ranks of one job, the odd one out is named: when the peers all sit in the
 same place (typically one collective) and one rank is elsewhere, progressing alone, or dead, that
 rank is the suspect (research §3.2, NVIDIA/nccl#1063: "29 pods blocked in NCCL, 1 pod stuck in an
-arbitrary CUDA op").
+arbitrary CUDA op"; ``name_suspects`` in join/stall_verdicts.py, with the probe and verdict types).
 
 Reads: the heartbeat file's mtime, ``/proc/PID/task/*/{stat,wchan}``, ``py-spy dump``.
 Cost: one stat per heartbeat rank per cycle (done by the daemon); per-thread reads and one dump
@@ -36,12 +36,17 @@ import collections
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuwatchd.join.hang import HangAnalysis, analyze, wait_tids
+from gpuwatchd.join.hang import analyze, wait_tids
 from gpuwatchd.join.rank_workers import RankWorkers
+from gpuwatchd.join.stall_verdicts import RankProbe as RankProbe
+from gpuwatchd.join.stall_verdicts import StallVerdict as StallVerdict
+from gpuwatchd.join.stall_verdicts import main_stack as main_stack
+from gpuwatchd.join.stall_verdicts import name_suspects as name_suspects
+from gpuwatchd.join.stall_verdicts import summarize_threads as summarize_threads
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import pyspy, taskwait
 from gpuwatchd.sources.pyspy import PySpy, PySpyError, ThreadInfo, ThreadStack
@@ -57,56 +62,6 @@ MAX_FRAMES = 8
 # At most this many tasks of one process are read per look: a process with 3000 threads costs the
 # same as one with 256 (the main thread and the oldest threads come first, by tid).
 MAX_PROBE_THREADS = 256
-
-
-@dataclass(frozen=True)
-class RankProbe:
-    """What the stall tracker needs to know about one rank this cycle."""
-
-    job_id: str
-    rank: int
-    pid: int
-    alive: bool
-    state: str = ""  # /proc state letter of the rank process
-    heartbeat: str | None = None
-    start_ticks: int | None = None
-    # uid owning the rank file; a heartbeat file owned by someone else is ignored (the daemon must
-    # not reveal the mtime of another user's file: docs/security.md)
-    owner_uid: int | None = None
-    # The daemon already stats each heartbeat once per cycle (with the owner rule): it passes
-    # that reading here so the file is not stat'ed twice. heartbeat_read=False: stat it here.
-    heartbeat_mtime: float | None = None
-    heartbeat_read: bool = False
-    # the rank's descendant processes (DataLoader / compile workers): (pid, state, CPU seconds)
-    workers: tuple[tuple[int, str, float], ...] = ()
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.job_id, self.rank)
-
-
-@dataclass(frozen=True)
-class StallVerdict:
-    job_id: str
-    rank: int
-    pid: int
-    alive: bool
-    progress_timestamp: float | None  # last heartbeat / last observed change
-    stalled: bool
-    method: str  # "heartbeat" | "stack" | "proc" | "stopped" | "dead"
-    no_progress_seconds: float
-    stuck_frames: tuple[str, ...] = ()  # innermost first, of the thread that matters
-    threads_summary: str = ""  # e.g. "5 threads: 4 S futex_do_wait, 1 R; 1.0 cores"
-    location: tuple[str, ...] = ()  # frames without line numbers: "the same place"
-    suspect: bool = False
-    suspect_reason: str = ""
-    # every Python thread, folded, and the hang patterns (gpuwatchd/join/hang.py); None: not analysed
-    analysis: HangAnalysis | None = None
-    compiling: bool = False  # in torch.compile with the CPU busy: not stalled before compile_after
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.job_id, self.rank)
 
 
 @dataclass
@@ -131,29 +86,6 @@ class _Track:
     verdict: StallVerdict | None = None  # the last one, reused while a look is deferred
     summary: str = ""  # summarize_threads of the last look
     busiest_worker: float | None = None  # of the last look (rank_workers.py)
-
-
-def main_stack(stacks: Iterable[ThreadStack]) -> ThreadStack | None:
-    """The thread a human looks at first: MainThread, else the GIL owner, else the first."""
-    stacks = tuple(stacks)
-    for s in stacks:
-        if s.name == "MainThread":
-            return s
-    for s in stacks:
-        if s.owns_gil:
-            return s
-    return stacks[0] if stacks else None
-
-
-def summarize_threads(threads: Iterable[ThreadInfo], spinning: Iterable[int] = ()) -> str:
-    """``5 threads: 4 S futex_do_wait, 1 R``; plus which burn CPU."""
-    threads = tuple(threads)
-    kinds = collections.Counter(f"{t.state} {t.wchan}".strip() for t in threads)
-    text = f"{len(threads)} threads: " + ", ".join(f"{n} {k}" for k, n in kinds.most_common(4))
-    spin = tuple(spinning)
-    if spin:
-        text += f"; {len(spin)} burning CPU"
-    return text
 
 
 class StallTracker:
@@ -445,48 +377,3 @@ class StallTracker:
         else:
             tr.identical += 1
         return method, tr.last_change
-
-
-def name_suspects(
-    verdicts: Mapping[tuple[str, int], StallVerdict],
-) -> dict[tuple[str, int], StallVerdict]:
-    """Mark the odd one out per job: only when some rank of the job is stalled or dead.
-
-    Each rank gets a place: "dead", "progressing", or where it is stuck (its top frames without line
-    numbers). If one place holds a strict majority (at least two ranks), every rank elsewhere is a
-    suspect; a dead rank among live peers always is.
-    """
-    from dataclasses import replace
-
-    out = dict(verdicts)
-    jobs: dict[str, list[StallVerdict]] = collections.defaultdict(list)
-    for v in verdicts.values():
-        jobs[v.job_id].append(v)
-    for ranks in jobs.values():
-        if len(ranks) < 2 or not any(v.stalled or not v.alive for v in ranks):
-            continue
-
-        def place(v: StallVerdict) -> tuple[str, ...]:
-            if not v.alive:
-                return ("dead",)
-            if not v.stalled:
-                return ("progressing",)
-            return v.location or ("stalled",)
-
-        counts = collections.Counter(place(v) for v in ranks)
-        (top, n), *rest = counts.most_common()
-        majority = n >= 2 and all(n > m for _, m in rest)
-        for v in ranks:
-            where = place(v)
-            reason = ""
-            peers = [r.rank for r in ranks if r.rank != v.rank]
-            if where == ("dead",) and any(r.alive for r in ranks):
-                reason = f"dead while {len(peers)} peer(s) on this node are alive"
-            elif majority and where != top:
-                what = "progressing" if top == ("progressing",) else "stuck in " + " <- ".join(top)
-                mine = "still progressing" if where == ("progressing",) else (
-                    "stuck in " + " <- ".join(where))
-                reason = f"{mine}, while {n} peer(s) are {what}"
-            if reason:
-                out[v.key] = replace(v, suspect=True, suspect_reason=reason)
-    return out

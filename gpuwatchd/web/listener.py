@@ -36,159 +36,35 @@ import contextlib
 import errno
 import functools
 import logging
-import re
 import selectors
 import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from gpuwatchd.isolation import guarded
+from gpuwatchd.web.connection import BACKLOG as BACKLOG
+from gpuwatchd.web.connection import DROP_REASONS as DROP_REASONS
+from gpuwatchd.web.connection import HEAD_END as HEAD_END
+from gpuwatchd.web.connection import MAX_REQUEST_LINE as MAX_REQUEST_LINE
+from gpuwatchd.web.connection import Conn as Conn
+from gpuwatchd.web.connection import DropLog as DropLog
+from gpuwatchd.web.connection import Limits as Limits
+from gpuwatchd.web.connection import Writer as Writer
+from gpuwatchd.web.connection import _shutdown
+from gpuwatchd.web.connection import bind as bind
+from gpuwatchd.web.workers import WorkersMixin
 
 log = logging.getLogger("gpuwatchd.web")
 
-BACKLOG = 1024  # capped by net.core.somaxconn (4096 since Linux 5.4)
 ACCEPT_BATCH = 32  # accepts per loop turn, so a connect flood cannot starve the reads
-MAX_REQUEST_LINE = 8192
-# Where the request head ends: an empty line; http.server also accepts bare LF line ends.
-HEAD_END = re.compile(rb"\r?\n\r?\n")
-DROP_REASONS = ("limit", "timeout", "no_thread")
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Bounds of the /metrics server (node_exporter's --web.max-requests is 40; Go's http.Server
-    ReadHeaderTimeout/WriteTimeout/IdleTimeout play the same role as the timeouts)."""
-
-    max_connections: int = 256  # open connections, waiting or being answered
-    max_workers: int = 8  # requests answered at once, one thread each
-    request_timeout: float = 10.0  # TLS handshake + request line + headers
-    write_timeout: float = 30.0  # the client reading one response
-    idle_timeout: float = 60.0  # keep-alive wait for the next request
-    max_head_bytes: int = 32768  # request line + headers
-    log_interval: float = 10.0  # at most one warning about dropped connections per interval
-    eviction_grace: float = 0.2  # a waiting connection is never pushed out sooner
-
-
-class Conn:
-    """One client connection. ``phase``: handshake, head, write, idle (waiting on the client,
-    owned by the loop), ready (queued for a worker), active (a worker is answering it)."""
-
-    __slots__ = ("addr", "buf", "ctx", "deadline", "eof", "head", "line_ok", "out", "phase",
-                 "scanned", "since", "sock")
-
-    def __init__(self, sock: socket.socket, addr: str, ctx: ssl.SSLContext | None,
-                 deadline: float) -> None:
-        self.sock = sock
-        self.addr = addr
-        self.ctx = ctx  # the TLS context this connection was accepted under (None: plain)
-        self.buf = bytearray()
-        self.head = b""
-        # How far ``buf`` has been searched for the end of the head, and whether its request line
-        # ended within MAX_REQUEST_LINE: each byte is looked at once, however slowly it arrives.
-        self.scanned = 0
-        self.line_ok = False
-        self.phase = "handshake" if ctx is not None else "head"
-        self.deadline = deadline
-        self.since = time.monotonic()  # when it began to wait; the oldest is pushed out first
-        self.eof = False  # the client closed its side after sending
-        self.out: collections.deque[memoryview] = collections.deque()  # response not yet sent
-
-    def take_head(self) -> bool:
-        m = HEAD_END.search(self.buf, max(0, self.scanned - 3))
-        if m is None:
-            self.scanned = len(self.buf)
-            return False
-        self.head = bytes(self.buf[:m.end()])
-        del self.buf[:m.end()]
-        self.scanned = 0
-        self.line_ok = False
-        return True
-
-    def request_line_too_long(self) -> bool:
-        if self.line_ok or len(self.buf) <= MAX_REQUEST_LINE:
-            return False
-        self.line_ok = self.buf.find(b"\n", 0, MAX_REQUEST_LINE + 2) >= 0
-        return not self.line_ok
-
-
-class DropLog:
-    """Counts dropped connections by reason; logs them as one warning per interval."""
-
-    def __init__(self, on_drop: Callable[[str], None], interval: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.on_drop = on_drop
-        self.interval = interval
-        self.clock = clock
-        self.pending: collections.Counter[str] = collections.Counter()
-        self.latest = ""
-        self.next_log = float("-inf")
-
-    def drop(self, reason: str, addr: str) -> None:
-        self.on_drop(reason)
-        self.pending[reason] += 1
-        self.latest = addr
-        self.flush()
-
-    def flush(self) -> None:
-        now = self.clock()
-        if not self.pending or now < self.next_log:
-            return
-        counts = ", ".join(f"{n} {r}" for r, n in sorted(self.pending.items()))
-        log.warning("dropped %d connection(s) to /metrics (%s), the latest from %s; counted in "
-                    "gpuwatch_web_connections_dropped_total, logged at most every %gs",
-                    sum(self.pending.values()), counts, self.latest, self.interval)
-        self.pending.clear()
-        self.next_log = now + self.interval
-
-
-def bind(family: socket.AddressFamily, address: tuple[str, int]) -> socket.socket:
-    """A listening, non-blocking TCP socket; raises OSError (e.g. EADDRINUSE)."""
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            # "[::]:port" serves IPv4 too, like Go's listener; a specific v6 address does not.
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY,
-                            0 if address[0] == "::" else 1)
-        sock.bind(address)
-        sock.listen(BACKLOG)
-        sock.setblocking(False)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def _shutdown(sock: socket.socket) -> None:
-    # The plain socket's shutdown, also for an SSLSocket (no close_notify: the peer is hostile or
-    # gone, and SSLSocket.shutdown() would block or raise on a non-blocking socket).
-    with contextlib.suppress(OSError):
-        socket.socket.shutdown(sock, socket.SHUT_RDWR)
-
-
-class Writer:
-    """A handler's ``wfile``: collects the response for the loop to send."""
-
-    def __init__(self, out: collections.deque[memoryview]) -> None:
-        self.out = out
-
-    def write(self, data: bytes) -> int:
-        if data:
-            self.out.append(memoryview(data))
-        return len(data)
-
-    def flush(self) -> None:
-        pass
-
 
 _LISTEN = object()
 _WAKE = object()
 
 
-class Listener:
+class Listener(WorkersMixin):
     """Runs the loop on its own thread once ``start()`` is called; ``serve(conn)`` (in a worker
     thread, must not raise) answers ``conn.head`` by writing to ``Writer(conn.out)`` and says
     whether to keep the connection afterwards."""
@@ -438,44 +314,7 @@ class Listener:
             if conn.phase != "idle":  # an idle keep-alive connection ending is normal
                 self.drops.drop("timeout", conn.addr)
 
-    # --- workers --------------------------------------------------------------------------------
-
-    def _dispatch(self, conn: Conn) -> None:
-        conn.phase = "ready"
-        with self._cv:
-            self._ready.append(conn)
-            need = len(self._ready) > self._idle_workers
-            self._cv.notify()
-        if not need or len(self._workers) >= self.limits.max_workers:
-            return
-        t = threading.Thread(target=self._work, name="gpuwatchd-web-worker", daemon=True)
-        try:
-            t.start()
-        except RuntimeError:  # no thread to be had (TasksMax= reached)
-            if self._workers:
-                return  # the running workers will get to it
-            with self._cv:
-                self._ready.remove(conn)
-            del self._busy[conn]
-            conn.sock.close()
-            self.drops.drop("no_thread", conn.addr)
-            return
-        self._workers.append(t)
-
-    def _work(self) -> None:
-        while True:
-            with self._cv:
-                self._idle_workers += 1
-                while not self._ready and not self._stop.is_set():
-                    self._cv.wait()
-                self._idle_workers -= 1
-                if self._stop.is_set():
-                    return
-                conn = self._ready.popleft()
-            conn.phase = "active"
-            keep = guarded(f"answering {conn.addr}", functools.partial(self.serve, conn), False)
-            self._back.append((conn, keep))
-            self._wake()
+    # --- answers handed back by the workers (web/workers.py) -----------------------------------
 
     def _take_back(self) -> None:
         now = time.monotonic()

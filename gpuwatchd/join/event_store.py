@@ -1,0 +1,256 @@
+"""The kernel-event processor's durable store: ``state_dir/events.jsonl`` as the source of its
+counters, each event counted exactly once, compacted before it outgrows ``max_log_bytes``.
+
+``KernelEventProcessor`` (join/kernel_events.py) inherits ``EventStoreMixin``: ``_store`` appends
+an event before it is counted (its key remembered in a ``BoundedKeys``), ``_rebuild`` re-adds every
+stored event's increment at start, and a compaction folds old events into one ``counter_base``
+record (counters of ranks gone longer than ``retention_seconds`` dropped). Cost: one append per
+event; a compaction rewrites at most ``keep_events`` events plus one record per counter series.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from gpuwatchd.counters import CounterStore, rank_label_positions
+from gpuwatchd.events.bus import EventBus
+from gpuwatchd.events.log import Event, read_events
+from gpuwatchd.model import INFO, frozen_map
+from gpuwatchd.sources.kernel_log import (
+    KILLER_KERNEL,
+)
+from gpuwatchd.statefile import StateFiles
+
+log = logging.getLogger("gpuwatchd.join.kernel_events")  # the log texts keep their logger
+
+BASE_KIND = "counter_base"
+
+
+Increment = tuple[str, tuple[str, ...], float, dict[str, int], float]
+
+
+def _finite(v: Any) -> float | None:
+    """``v`` as a finite float >= 0, or None (a stored line is untrusted input: 1e400, -1, "x")."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    f = float(v)
+    return f if 0.0 <= f < float("inf") else None
+
+
+def _increments(ev: Event) -> list[Increment]:
+    """(counter, labels, value, {boot id: kernel OOM kills}, when) that one stored event stands
+    for. Items of a ``counter_base`` record that cannot be used are skipped."""
+    if ev.kind == BASE_KIND:
+        out: list[Increment] = []
+        items = ev.fields.get("counters", [])
+        for item in items if isinstance(items, list) else []:
+            # [name, labels, value] or, since series retention, [name, labels, value, last time]
+            if not isinstance(item, list) or len(item) not in (3, 4) \
+                    or not isinstance(item[1], list):
+                continue
+            value = _finite(item[2])
+            at = _finite(item[3]) if len(item) == 4 else ev.time
+            if value is None or at is None:
+                continue
+            out.append((str(item[0]), tuple(str(x) for x in item[1]), value, {}, at))
+        boots = ev.fields.get("boot_kernel_kills", {})
+        if isinstance(boots, dict):
+            clean = {str(b): int(n) for b, n in boots.items()
+                     if isinstance(n, int) and not isinstance(n, bool) and n >= 0}
+            out.append(("", (), 0.0, clean, ev.time))
+        return out
+    kernel_kill = ev.kind in ("oom_kill", "oom_kill_unexplained") and ev.killer == KILLER_KERNEL
+    boot = {ev.boot_id: ev.count} if kernel_kill else {}
+    return [(ev.counter, tuple(ev.labels), float(ev.count), boot, ev.time)]
+
+
+KERNEL_KEYS = 50_000  # keys of kernel events kept for exactly-once counting (an OOM storm)
+OTHER_KEYS = 5_000  # keys of finding transitions (churn makes many; a duplicate is harmless)
+RECENT_KINDS = frozenset({"oom_kill", "oom_kill_unexplained", "xid"})  # what the findings read
+
+
+class BoundedKeys:
+    """A set of the last ``limit`` keys added (insertion order; the oldest go first)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._keys: dict[str, None] = {}
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, key: str) -> None:
+        self._keys[key] = None
+        while len(self._keys) > self.limit:
+            del self._keys[next(iter(self._keys))]
+
+
+class EventStoreMixin:
+    """The store side of ``KernelEventProcessor``: what of it the store reads and updates."""
+
+    max_log_bytes: int
+    keep_events: int
+    retention_seconds: float
+    recent_seconds: float
+    files: StateFiles
+    counters: CounterStore
+    bus: EventBus | None
+    boot_id: str
+    clock: Callable[[], float]
+    events_path: str
+    _lock: threading.RLock
+    _keys: BoundedKeys
+    _other_keys: BoundedKeys
+    _recent: deque[Event]
+    _boot_kernel_kills: int
+    _ranks: dict[tuple[str, int], Any]  # kernel_events._RankView
+    _snapshots: dict[tuple[str, str, int], Event]
+    _log_bytes: int
+    _compact_at: int
+
+    # -- start-up ----------------------------------------------------------------------------
+
+    def _rebuild(self) -> None:
+        """Counters continue across restarts: re-add every stored event's increment."""
+        horizon = self.clock() - self.recent_seconds
+        path = self.events_path
+        stored = 0
+        for ev in read_events(path, on_reject=lambda why: self.files.rejected(path, why)):
+            if self._seen(ev):
+                continue
+            self._account(ev)
+            stored += 1
+            if ev.time >= horizon and ev.kind in RECENT_KINDS:
+                self._recent.append(ev)
+        try:
+            self._log_bytes = os.path.getsize(path)
+        except OSError:
+            self._log_bytes = 0
+        if self._log_bytes > self.max_log_bytes and stored > self.keep_events:
+            self._compact()
+        self.files.track(path)
+
+    def _maybe_compact(self) -> None:
+        """While running (the log grows with finding transitions under job churn): compact when
+        the log passes ``max_log_bytes``, folding the counters of ranks long gone away."""
+        if self._log_bytes <= self._compact_at:
+            return
+        self._compact(prune=True)
+        try:
+            size = os.path.getsize(self.events_path)
+        except OSError:
+            size = self._log_bytes
+        # the kept events alone may exceed the limit: then wait for another quarter of it
+        self._log_bytes = size
+        self._compact_at = max(self.max_log_bytes, size + self.max_log_bytes // 4)
+
+    def _compact(self, prune: bool = False) -> None:
+        """Fold all but the newest ``keep_events`` events into one ``counter_base`` record that
+        carries their increments (and when each last changed), so the log stays bounded and the
+        counters stay exact. ``prune``: leave out the counters of ranks not registered now whose
+        last increment is older than ``retention_seconds`` (retention.py dropped them already).
+        One streaming pass: only the kept events' lines are held, never the whole log."""
+        kept: deque[tuple[str, list[Increment], str, float]] = deque()
+        keys: set[str] = set()
+        totals: dict[tuple[str, tuple[str, ...]], tuple[float, float]] = {}
+        boots: dict[str, int] = {}
+        dropped, last_key, last_time = 0, "", 0.0
+        for ev in read_events(self.events_path):  # lines that cannot be used are left out
+            if ev.key in keys:
+                continue
+            keys.add(ev.key)
+            kept.append((ev.to_json(), _increments(ev), ev.key, ev.time))
+            if len(kept) <= self.keep_events:
+                continue
+            _, increments, last_key, last_time = kept.popleft()
+            dropped += 1
+            for name, labels, value, boot_kills, at in increments:
+                if name:
+                    v, last = totals.get((name, labels), (0.0, at))
+                    totals[(name, labels)] = (v + value, max(last, at))
+                for b, n in boot_kills.items():
+                    boots[b] = boots.get(b, 0) + n
+        if not dropped:
+            return
+        if prune:
+            totals = self._retained(totals)
+        base = Event(
+            key=f"base:{last_key}",
+            kind=BASE_KIND,
+            time=last_time,
+            severity=INFO,
+            summary=f"{dropped} older events folded into counters",
+            fields=frozen_map(
+                {
+                    "counters": [[n, list(ls), v, t] for (n, ls), (v, t) in sorted(totals.items())],
+                    "boot_kernel_kills": boots,
+                }
+            ),
+        )
+        text = base.to_json() + "\n" + "".join(line + "\n" for line, _, _, _ in kept)
+        if self.files.write(self.events_path, text, fsync=True):
+            log.info("event log compacted: %d events folded, %d kept", dropped, len(kept))
+
+    def _retained(self, totals: Mapping[tuple[str, tuple[str, ...]], tuple[float, float]]
+                  ) -> dict[tuple[str, tuple[str, ...]], tuple[float, float]]:
+        positions = rank_label_positions()
+        horizon = self.clock() - self.retention_seconds
+        live = {(j, str(r)) for j, r in self._ranks}
+        out = {}
+        for (name, labels), (v, last) in totals.items():
+            pos = positions.get(name)
+            if pos is not None and labels[pos[0]] and last < horizon \
+                    and (labels[pos[0]], labels[pos[1]]) not in live:
+                continue
+            out[(name, labels)] = (v, last)
+        return out
+
+    def _seen(self, ev: Event) -> bool:
+        return ev.key in (self._keys if ev.boot_id or ev.counter else self._other_keys)
+
+    def _account(self, ev: Event) -> None:
+        (self._keys if ev.boot_id or ev.counter else self._other_keys).add(ev.key)
+        if ev.kind == "memory_snapshot" and ev.pid is not None:
+            self._note_snapshot(ev)
+        for name, labels, value, boot_kills, at in _increments(ev):
+            if name:
+                try:
+                    self.counters.inc(name, labels, value, at=at)
+                except (KeyError, ValueError) as e:
+                    log.warning("event %s: cannot count %s%s: %s", ev.key, name, labels, e)
+            self._boot_kernel_kills += boot_kills.get(self.boot_id, 0)
+
+    def _store(self, ev: Event) -> bool:
+        """Persist, count, fan out. False when the event was already stored (a duplicate)."""
+        with self._lock:
+            if self._seen(ev):
+                return False
+            if self.bus is not None:
+                self.bus.emit(ev)  # JSONL first: durable before it is counted
+                self._log_bytes += len(ev.to_json()) + 1
+            self._account(ev)
+            if ev.kind in RECENT_KINDS:
+                self._recent.append(ev)
+            self._maybe_compact()
+        return True
+
+    def _note_snapshot(self, ev: Event) -> None:
+        """The last memory snapshot per rank process (memory_evidence.py), for the kill that may
+        follow; older than ``recent_seconds`` is dropped, so this stays as small as the live jobs."""
+        horizon = ev.time - self.recent_seconds
+        for k in [k for k, e in self._snapshots.items() if e.time < horizon]:
+            del self._snapshots[k]
+        self._snapshots[(ev.job_id, ev.rank, ev.pid or 0)] = ev
+
+    def record_event(self, ev: Event) -> bool:
+        """Store an event from elsewhere in the daemon (finding transitions: rank deaths, stalls)
+        in the same durable log, so `gpuwatchd events` shows one timeline. False if a duplicate."""
+        return self._store(ev)

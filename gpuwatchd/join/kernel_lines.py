@@ -1,0 +1,178 @@
+"""Kernel log lines that are not an OOM kill of the kernel's own: a systemd-oomd cgroup kill, an
+Xid, a GPU fallen off the bus; each one -> events attributed to ranks and GPUs, counted once.
+
+``KernelEventProcessor`` (join/kernel_events.py) inherits ``KernelLinesMixin`` and calls these
+from ``handle`` in the kernel-log thread, under its lock. Cost: a dictionary look-up per line
+(ranks by cgroup, GPUs by PCI address), Xid de-duplication against the NVML watcher.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from gpuwatchd.events.log import Event
+from gpuwatchd.join.bus_lost import BusLostDedup
+from gpuwatchd.join.event_store import BoundedKeys
+from gpuwatchd.join.oom_kills import Kill
+from gpuwatchd.join.rank_trees import RankTreeRecord
+from gpuwatchd.model import INFO, PAGE, WARNING, frozen_map
+from gpuwatchd.sources.kernel_log import (
+    KILLER_OOMD,
+    LogRecord,
+    Parsed,
+)
+
+# Xids that page: the same set as the GPUXidCritical rule (deploy/prometheus/gpuwatchd.rules.yml,
+# after the NVIDIA Xid catalog and shared/research/gil-hang-oom.md §4.5): broken GPU, memory or
+# links. App-level faults (13, 31, 43) and informational ones (45) are counted but do not page.
+CRITICAL_XIDS = frozenset(
+    {48, 56, 57, 58, 62, 63, 64, 65, 68, 69, 73, 74, 79, 80, 81, 92, 94, 95, 119, 120}
+)
+
+
+def fmt_time(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+
+
+class KernelLinesMixin:
+    """The oomd/Xid side of ``KernelEventProcessor``: what of it these read."""
+
+    record: RankTreeRecord
+    xid_dedup: Any
+    _keys: BoundedKeys
+    _pci_uuid: dict[str, str]
+    _bus_lost: BusLostDedup
+
+    def _emit(self, ev: Event) -> Event | None:
+        raise NotImplementedError
+
+    def _is_history(self, k: Kill) -> bool:
+        raise NotImplementedError
+
+    def _peers_alive(self, job_id: str, rank: int) -> tuple[int, int | None]:
+        raise NotImplementedError
+
+    def _oomd(self, rec: LogRecord, p: Parsed) -> list[Event]:
+        """systemd-oomd kills a whole cgroup: one event per rank process that lived in it."""
+        cgroup = p.fields.get("cgroup", "")
+        if self._is_history(Kill(0, "", KILLER_OOMD, rec.boot_id, rec.realtime, None, memcg=cgroup)):
+            return []
+        victims = self.record.ranks_in_cgroup(cgroup, rec.realtime)
+        stamp = int(rec.realtime * 1e6)
+        out: list[Event] = []
+        if not victims:
+            k = Kill(0, "", KILLER_OOMD, rec.boot_id, rec.realtime, None, memcg=cgroup)
+            ev = Event(
+                key=f"{rec.boot_id}:{KILLER_OOMD}:{cgroup}:{stamp}",
+                kind="oom_kill",
+                time=k.time,
+                severity=WARNING,
+                summary=f"systemd-oomd killed cgroup {cgroup} at {fmt_time(k.time)} "
+                f"({p.fields.get('reason', '')}); no known rank lived in it",
+                killer=KILLER_OOMD,
+                boot_id=rec.boot_id,
+                counter="oom_kills",
+                labels=("", "", "", KILLER_OOMD),
+                fields=frozen_map({"memcg": cgroup, "source": rec.source}),
+            )
+            return [e for e in [self._emit(ev)] if e is not None]
+        for m in victims:
+            peers, _ = self._peers_alive(m.job_id, m.rank)
+            summary = (
+                f"rank {m.rank} of job {m.job_id} (pid {m.pid}, {m.comm}) was killed by "
+                f"systemd-oomd at {fmt_time(rec.realtime)} with its cgroup {cgroup} "
+                f"({p.fields.get('reason', '')})"
+            )
+            if peers:
+                summary += f"; {peers} peers alive: they will wait in their next collective"
+            ev = Event(
+                key=f"{rec.boot_id}:{KILLER_OOMD}:{m.pid}:{stamp}",
+                kind="oom_kill",
+                time=rec.realtime,
+                severity=PAGE,
+                summary=summary,
+                job_id=m.job_id,
+                rank=str(m.rank),
+                pid=m.pid,
+                comm=m.comm,
+                killer=KILLER_OOMD,
+                boot_id=rec.boot_id,
+                counter="oom_kills",
+                labels=(m.job_id, str(m.rank), m.comm, KILLER_OOMD),
+                fields=frozen_map({"memcg": cgroup, "peers_alive": peers, "source": rec.source}),
+                alert=True,
+            )
+            out += [e for e in [self._emit(ev)] if e is not None]
+        return out
+
+    def _lost(self, rec: LogRecord, p: Parsed) -> Event | None:
+        """A GPU fell off the bus, said without an Xid number: an Xid 79 event (bus_lost.py)."""
+        pci = self._bus_lost.pci_for(p.fields.get("pci", ""), rec.realtime)
+        f = {**p.fields, "pci": pci, "xid": "79"}
+        return self._xid(rec, replace(p, fields=f))
+
+    def _xid(self, rec: LogRecord, p: Parsed) -> Event | None:
+        f = p.fields
+        pci = f.get("pci", "")
+        try:
+            xid = int(f.get("xid", ""))
+        except ValueError:
+            return None
+        stamp = rec.monotonic_usec if rec.monotonic_usec is not None else int(rec.realtime * 1e6)
+        no_xid = p.kind == "bus_lost"
+        key = f"{rec.boot_id}:{'bus_lost' if no_xid else 'xid'}:{pci}:{xid}:{stamp}"
+        if key in self._keys:
+            return None
+        gpu, uuid = "", self._pci_uuid.get(pci, "")
+        count = xid != 79 or self._bus_lost.count(pci, rec.realtime, no_xid)
+        if self.xid_dedup is not None:
+            if count:
+                count = bool(self.xid_dedup.record(pci, xid, rec.realtime, "kernel"))
+            g, u = self.xid_dedup.labels_for(pci)
+            gpu, uuid = g or gpu, u or uuid
+        m = self.record.lookup(p.pid, rec.realtime) if p.pid is not None else None
+        critical = xid in CRITICAL_XIDS
+        who = ""
+        if m is not None:
+            who = f", process of rank {m.rank} of job {m.job_id} (pid {p.pid})"
+        elif p.pid is not None:
+            who = f", pid {p.pid} ({p.comm})"
+        gpu_txt = f"GPU {gpu}" if gpu else "GPU"
+        summary = (
+            f"{gpu_txt} at PCI {pci}{' ' + uuid if uuid else ''} reported Xid {xid} at "
+            f"{fmt_time(rec.realtime)}{who}: {f.get('rest', '')[:200]}"
+        )
+        if no_xid:
+            rest = " ".join(x.strip() for x in f.get("rest", "").replace("\\x0a", "\n").split("\n"))
+            summary = (
+                f"{gpu_txt} at PCI {pci or 'unknown'}{' ' + uuid if uuid else ''} fell off the bus "
+                f"at {fmt_time(rec.realtime)} (driver message without an Xid number, counted as "
+                f"Xid 79): {rest[:200]}"
+            )
+        fields = {"xid": xid, "gpu": gpu, "uuid": uuid, "pci": pci, "source": rec.source}
+        for k in ("gi", "ci"):
+            if k in f:
+                fields["mig_" + k] = f[k]
+        if no_xid:
+            fields.update(detail="fallen off the bus, no Xid number", pci_id=f.get("pci_id", ""))
+        return self._emit(
+            Event(
+                key=key,
+                kind="xid",
+                time=rec.realtime,
+                severity=PAGE if critical else INFO,
+                summary=summary,
+                job_id=m.job_id if m else "",
+                rank=str(m.rank) if m else "",
+                pid=p.pid,
+                comm=p.comm,
+                boot_id=rec.boot_id,
+                # counted by the NVML watcher already: stored (once), not counted again
+                counter="gpu_xid_errors" if count else "",
+                labels=(gpu, uuid, str(xid)) if count else (),
+                fields=frozen_map(fields),
+                alert=critical,
+            )
+        )
