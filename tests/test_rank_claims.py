@@ -15,7 +15,6 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 
 import pytest
 from daemonutil import DaemonProc, write_config
-from userutil import system_user, user_writes
+from userutil import shared_rank_world, system_user, user_writes
 
 USER = "gwtrustrank-u"
 NO_SUCH_PID = 4_100_000  # above any pid_max in use, within the schema's bound
@@ -38,13 +37,8 @@ def user() -> Iterator[int]:
 
 @pytest.fixture
 def world() -> Iterator[Path]:
-    """A directory the test user can reach (pytest's tmp_path is root-only), with ranks/ 1777."""
-    d = Path(tempfile.mkdtemp(prefix="gwtrustrank-", dir="/tmp"))
-    d.chmod(0o755)
-    (d / "ranks").mkdir()
-    (d / "ranks").chmod(0o1777)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    with shared_rank_world("gwtrustrank-") as d:
+        yield d
 
 
 def _doc(job: str, ranks: list[dict[str, Any]]) -> str:

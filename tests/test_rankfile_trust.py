@@ -11,13 +11,12 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from daemonutil import DaemonProc, write_config
-from userutil import as_user, system_user, user_writes
+from userutil import as_user, shared_rank_world, system_user, user_writes
 
 from gpuwatchd.join.state import select_entries
 from gpuwatchd.model import RankEntry
@@ -43,13 +42,8 @@ def user() -> Iterator[int]:
 
 @pytest.fixture
 def world() -> Iterator[Path]:
-    """A directory the test user can reach (pytest's tmp_path is root-only), with ranks/ 1777."""
-    d = Path(tempfile.mkdtemp(prefix="gw-h7-trust-", dir="/tmp"))
-    d.chmod(0o755)
-    (d / "ranks").mkdir()
-    (d / "ranks").chmod(0o1777)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    with shared_rank_world("gw-h7-trust-") as d:
+        yield d
 
 
 def _as_user(*argv: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:

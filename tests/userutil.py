@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,3 +70,17 @@ def user_writes(user: str, path: Path, content: str | bytes) -> None:
                   "import sys; open(sys.argv[1], 'wb').write(bytes.fromhex(sys.stdin.read()))",
                   str(path), stdin=data)
     assert out.returncode == 0, out.stderr
+
+
+@contextlib.contextmanager
+def shared_rank_world(prefix: str) -> Iterator[Path]:
+    """A directory a second user can reach (pytest's tmp_path is root-only), with ranks/ 1777 as
+    the shipped rank_dir is; removed afterwards."""
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    d.chmod(0o755)
+    (d / "ranks").mkdir()
+    (d / "ranks").chmod(0o1777)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
