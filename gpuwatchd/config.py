@@ -8,6 +8,7 @@ pass. ``gpuwatchd config check FILE`` runs exactly this code.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -26,6 +27,7 @@ from gpuwatchd.config_checks import (
     _optional,
     _path,
     _url,
+    check_mapping,
 )
 from gpuwatchd.config_checks import parse_listen_address as parse_listen_address
 
@@ -236,25 +238,12 @@ SCHEMA: Mapping[str, Any] = {
 
 
 def _build(cls: Any, schema: Mapping[str, Any], data: Any, prefix: str, problems: list[str]) -> Any:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        problems.append(f"{prefix or '(top level)'}: must be a mapping, got {type(data).__name__}")
-        return cls()
-    values: dict[str, Any] = {}
-    for key, raw in data.items():
-        dotted = f"{prefix}.{key}" if prefix else str(key)
-        spec = schema.get(key) if isinstance(key, str) else None
-        if spec is None:
-            problems.append(f"{dotted}: unknown key")
-            continue
-        if isinstance(spec, tuple):
-            values[key] = _build(spec[0], spec[1], raw, dotted, problems)
-            continue
-        try:
-            values[key] = spec(raw)
-        except ValueError as e:
-            problems.append(f"{dotted}: {e}")
+    checks = dict(schema)
+    for key, spec in schema.items():
+        if isinstance(spec, tuple):  # a section: its own dataclass, built under its dotted key
+            checks[key] = functools.partial(_build, spec[0], spec[1],
+                                            prefix=f"{prefix}.{key}" if prefix else key, problems=problems)
+    values = check_mapping(data, prefix, checks, problems)
     names = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in values.items() if k in names})
 

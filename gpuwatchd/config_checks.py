@@ -1,17 +1,22 @@
-"""The value checkers of the YAML configuration (``gpuwatchd.config``'s ``SCHEMA`` uses them).
+"""The value checkers of the YAML configuration files: ``gpuwatchd.config``'s ``SCHEMA`` and the
+``/metrics`` web-config (``gpuwatchd.web.config``) are built on them.
 
-Each takes one YAML value and returns it converted, or raises ``ValueError(reason)``; the reason
-becomes the text after the dotted key in ``ConfigError``. Pure functions, no I/O.
+Each checker takes one YAML value and returns it converted, or raises ``ValueError(reason)``; the
+reason becomes the text after the dotted key (``gil.rate_hz: must be a number > 0, got 'fast'``).
+``check_mapping`` applies a schema of them to one mapping and collects every problem. Pure
+functions, no I/O.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 Check = Callable[[Any], Any]
+Schema = Mapping[str, Check]  # key -> its checker (a section: a checker that calls check_mapping)
 
 
 def _number(minimum: float | None = None, exclusive: bool = True, maximum: float | None = None) -> Check:
@@ -29,11 +34,13 @@ def _number(minimum: float | None = None, exclusive: bool = True, maximum: float
     return check
 
 
-def _integer(minimum: int, maximum: int) -> Check:
+def _integer(minimum: int, maximum: int | None = None) -> Check:
     def check(v: Any) -> int:
         if isinstance(v, bool) or not isinstance(v, int):
             raise ValueError(f"must be an integer, got {v!r}")
-        if not minimum <= v <= maximum:
+        if maximum is None and v < minimum:
+            raise ValueError(f"must be >= {minimum}, got {v!r}")
+        if maximum is not None and not minimum <= v <= maximum:
             raise ValueError(f"must be between {minimum} and {maximum}, got {v!r}")
         return v
 
@@ -46,14 +53,19 @@ def _boolean(v: Any) -> bool:
     return v
 
 
-def _path(v: Any) -> str:
+def _path_string(v: Any) -> str:
+    """A file name, relative or absolute."""
     if not isinstance(v, str) or not v:
         raise ValueError(f"must be a non-empty path string, got {v!r}")
     if "\x00" in v:
         raise ValueError("must not contain NUL bytes")
-    if not os.path.isabs(v):
-        raise ValueError(f"must be an absolute path, got {v!r}")
     return v
+
+
+def _path(v: Any) -> str:
+    if not os.path.isabs(_path_string(v)):
+        raise ValueError(f"must be an absolute path, got {v!r}")
+    return str(v)
 
 
 def _optional(check: Check) -> Check:
@@ -67,6 +79,35 @@ def _label_value(v: Any) -> str:
     if not isinstance(v, str) or not v or len(v) > 128:
         raise ValueError(f"must be a non-empty string of at most 128 characters, got {v!r}")
     return v
+
+
+def _string_list(v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+        raise ValueError(f"must be a list of non-empty strings, got {v!r}")
+    return tuple(v)
+
+
+def _one_line(v: Any) -> str:
+    """A string that cannot split an HTTP header (no CR or LF)."""
+    if not isinstance(v, str) or "\n" in v or "\r" in v:
+        raise ValueError(f"must be a one-line string, got {v!r}")
+    return v
+
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def _duration(v: Any) -> float:
+    """Seconds: a number, or a duration string as Go writes it ("100ms", "1s", "5m", "1h")."""
+    if isinstance(v, str):
+        m = _DURATION.match(v)
+        if not m:
+            raise ValueError(f"must be a duration such as 1s or 100ms, got {v!r}")
+        v = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    elif isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"must be a duration such as 1s or 100ms, got {v!r}")
+    return _number(0.0)(v)
 
 
 def _choice(*options: str) -> Check:
@@ -112,3 +153,30 @@ def _launchers(v: Any) -> tuple[str, ...]:
     if not isinstance(v, list) or not all(isinstance(x, str) and x in allowed for x in v):
         raise ValueError(f"must be a list drawn from {', '.join(allowed)}, got {v!r}")
     return tuple(v)
+
+
+def check_mapping(data: Any, prefix: str, schema: Schema, problems: list[str], *,
+                  required: Iterable[str] = (), notes: Mapping[str, str] | None = None,
+                  unknown: str = "unknown key") -> dict[str, Any]:
+    """The converted values of the good keys of mapping ``data`` (None: empty), each checked by
+    its ``schema`` entry; every problem goes to ``problems`` as ``"prefix.key: why"``: a value its
+    checker refuses, a key the schema lacks (``notes[key]``, else ``unknown``), a ``required`` key
+    that is absent, or ``data`` that is not a mapping."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        problems.append(f"{prefix or '(top level)'}: must be a mapping, got {type(data).__name__}")
+        return {}
+    values: dict[str, Any] = {}
+    for key, raw in data.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        spec = schema.get(key) if isinstance(key, str) else None
+        if spec is None:
+            problems.append(f"{dotted}: {(notes or {}).get(str(key), unknown)}")
+            continue
+        try:
+            values[key] = spec(raw)
+        except ValueError as e:
+            problems.append(f"{dotted}: {e}")
+    problems += [f"{prefix}.{key}: required when {prefix} is set" for key in required if key not in data]
+    return values

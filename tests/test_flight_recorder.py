@@ -158,8 +158,11 @@ def test_trace_buffer_size_under_its_old_name_is_a_renamed_variable(procs: list)
     procs.append(p)
     reader = ProcfsReader()
     deadline = time.monotonic() + 10
-    while (flags := reader.env_flags(p.pid)) is None and time.monotonic() < deadline:
+    while (env := reader.environ_values(p.pid, nccl_env.WATCHED_VARS)) is None and \
+            time.monotonic() < deadline:
         time.sleep(0.05)
+    assert env is not None
+    flags = nccl_env.env_flags(env)
     assert flags is not None and "TORCH_NCCL_TRACE_BUFFER_SIZE" in flags
     r = RankState("j", 0, p.pid, 0, 1, True, None)
     (f,) = nccl_env.find(FindingContext(now=0.0, config=Config(), ranks=(r,),

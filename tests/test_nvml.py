@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.counters import CounterStore
+from gpuwatchd.findings.gpu_lost import lost_finding
 from gpuwatchd.isolation import Collector, NotPresent
 from gpuwatchd.join.xid_dedup import SOURCE_KERNEL, SOURCE_NVML, XidDeduper, normalize_pci_bus_id
 from gpuwatchd.sources.nvml import NvmlNotPresent, NvmlReadError, NvmlSource, select_devices
 from gpuwatchd.sources.nvml_events import XidEventWatcher
 from gpuwatchd.sources.nvml_fixture import RecordedNvml, fixture_source
-from gpuwatchd.sources.udev import UdevWatcher, classify, lost_finding, parse_uevent_file
+from gpuwatchd.sources.udev import UdevWatcher, classify, parse_uevent_file
 
 FIX = Path(__file__).parent / "fixtures" / "nvml"
 H200 = FIX / "h200_orphan_dataloader.json"

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from gpuwatchd.findings import nccl_env
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.procfs import ProcfsReader
 
@@ -73,14 +74,18 @@ def test_descendants_and_zombie_and_vanished() -> None:
 
 
 def test_environ_flags_names_only() -> None:
+    """procfs reads the values of the names it is asked for (findings/nccl_env.py's), the rule
+    module makes names of them."""
     env = {**os.environ, "NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "SECRET": "hunter2"}
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env)
     try:
         deadline = time.monotonic() + 5
-        flags = R.env_flags(p.pid)
-        while flags is None and time.monotonic() < deadline:  # empty for a moment while exec runs
+        values = R.environ_values(p.pid, nccl_env.WATCHED_VARS)
+        while values is None and time.monotonic() < deadline:  # empty for a moment while exec runs
             time.sleep(0.01)
-            flags = R.env_flags(p.pid)
+            values = R.environ_values(p.pid, nccl_env.WATCHED_VARS)
+        assert values is not None and "SECRET" not in values
+        flags = nccl_env.env_flags(values)
         assert flags == ("NCCL_BLOCKING_WAIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING=0")
     finally:
         p.kill()

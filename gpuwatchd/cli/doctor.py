@@ -195,7 +195,7 @@ def collect(
     )  # fmt: skip
     ctx = FindingContext(
         now=time.time(), config=cfg, ranks=(pseudo,), processes={pid: info},
-        env_flags={pid: procfs.env_flags(pid) or ()},
+        env_flags={pid: nccl_env.env_flags(env)},
         fork_evidence={e.pid: e for e in ([me] if me else []) + kids},
     )  # fmt: skip
     kinds = {f["kind"] for f in found}

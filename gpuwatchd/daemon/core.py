@@ -48,6 +48,7 @@ from gpuwatchd.daemon.state_json import to_jsonable as to_jsonable
 from gpuwatchd.daemon.straggler import StragglerSubsystem
 from gpuwatchd.daemon.subsystem import NOTHING, Subsystem
 from gpuwatchd.exporter.collector import make_registry
+from gpuwatchd.findings import nccl_env
 from gpuwatchd.isolation import Collector, PartialReading, attempt, guarded
 from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
 from gpuwatchd.join.xid_dedup import XidDeduper
@@ -184,10 +185,10 @@ class Daemon(ReloadMixin):
             key = (e.pid, info.start_ticks)
             live_keys.add(key)
             if key not in self._env_cache:
-                flags = self.procfs.env_flags(e.pid)
-                if flags is None:  # not readable yet (mid-exec) or not permitted: try next cycle
+                env = self.procfs.environ_values(e.pid, nccl_env.WATCHED_VARS)
+                if env is None:  # not readable yet (mid-exec) or not permitted: try next cycle
                     continue
-                self._env_cache[key] = flags
+                self._env_cache[key] = nccl_env.env_flags(env)  # names only: values end here
             env_flags[e.pid] = self._env_cache[key]
         for e in entries:
             mtime = heartbeat_mtime(e)

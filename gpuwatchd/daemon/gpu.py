@@ -6,15 +6,17 @@ Wires the GPU sources into the daemon's cycle (duck-typed ``daemon.Subsystem``):
   ``nvml.timeout_seconds``; a hung driver call never blocks the cycle or a scrape); /proc identity
   of each GPU process outside the rank trees; the orphan tracker (``orphans.grace_seconds``);
   fork evidence for the processes of ranks that hold a CUDA context; CUDA OOM event files from the
-  ranks' hook; ``gpu_lost`` findings from udev.
+  ranks' hook; the GPUs udev saw removed and those NVML reports lost, for the ``gpu_lost`` rule
+  (findings/gpu_lost.py).
 - when NVML fails: why /dev/nvidia* cannot be opened (``device_policy``: the device cgroup denies
   them, e.g. DeviceAllow=char-nvidia* expanded before the driver loaded) as the collector's error,
   and, when a restart would fix that, the daemon exits for systemd to restart it (once per boot).
 - streaming: the NVML Xid event thread (``gpu_xid_errors``, de-duplicated against the kernel log
   through the daemon's shared ``XidDeduper``) and the udev thread.
 
-Returns ``gpus``, ``gpu_processes``, ``orphans``, ``processes`` (GPU PIDs), ``extra_findings`` and
-``fork_evidence`` and ``orphan_jobs`` (a ``Contribution``) for the join.
+Returns ``gpus``, ``gpu_processes``, ``orphans``, ``processes`` (GPU PIDs), ``extra_findings`` (CUDA
+OOM), ``fork_evidence``, ``orphan_jobs``, ``gpus_removed`` and ``gpus_lost`` (a ``Contribution``)
+for the join.
 """
 
 from __future__ import annotations
@@ -24,18 +26,19 @@ import threading
 
 from gpuwatchd.daemon.device_policy import EXIT_REEXPAND, DevicePolicyGuard
 from gpuwatchd.daemon.subsystem import NOTHING, Contribution, DaemonContext, Subsystem
+from gpuwatchd.findings.context import GpuRemoved, NvmlLostGpu
 from gpuwatchd.isolation import Collector
 from gpuwatchd.join.cuda_oom import OomTracker
 from gpuwatchd.join.orphans import OrphanTracker, trees_from_entries
 from gpuwatchd.join.state import CycleInputs
-from gpuwatchd.model import PAGE, Finding, GpuDevice, GpuProcess, NodeState, ProcessInfo
+from gpuwatchd.model import GpuDevice, GpuProcess, NodeState, ProcessInfo
 from gpuwatchd.sources.devfds import ProcEvidence, read_evidence
 from gpuwatchd.sources.kernel_log import read_boot_id
 from gpuwatchd.sources.nvidia_devices import probe
 from gpuwatchd.sources.nvml import NvmlReadError, NvmlSource
 from gpuwatchd.sources.nvml_events import XidEventWatcher
 from gpuwatchd.sources.nvml_fixture import open_nvml_source
-from gpuwatchd.sources.udev import GpuUevent, UdevWatcher, lost_finding
+from gpuwatchd.sources.udev import GpuUevent, UdevWatcher
 from gpuwatchd.units import normalize_pci_bus_id
 
 log = logging.getLogger(__name__)
@@ -57,7 +60,8 @@ class GpuSubsystem(Subsystem):
         self.oom: OomTracker | None = None
         self.xid: XidEventWatcher | None = None
         self.udev: UdevWatcher | None = None
-        self._lost: dict[str, Finding] = {}
+        # PCI address -> its remove/unbind, from the udev thread until an add/bind of it
+        self._removed: dict[str, GpuRemoved] = {}
         self._lock = threading.Lock()
         self._devices: tuple[GpuDevice, ...] = ()
         self._known: dict[int, GpuDevice] = {}  # last good reading of each GPU index
@@ -102,10 +106,10 @@ class GpuSubsystem(Subsystem):
                     if normalize_pci_bus_id(d.pci_bus_id) == ev.pci_bus_id), None)
         with self._lock:
             if ev.lost:
-                self._lost[ev.pci_bus_id] = lost_finding(
+                self._removed[ev.pci_bus_id] = GpuRemoved(
                     ev, str(gpu.index) if gpu else "", gpu.uuid if gpu else "")
             else:
-                self._lost.pop(ev.pci_bus_id, None)
+                self._removed.pop(ev.pci_bus_id, None)
         if self.source is not None:
             self.source.reinit()
 
@@ -132,8 +136,8 @@ class GpuSubsystem(Subsystem):
         devices, procs = reading if reading is not None else ((), ())
         self._devices = devices
         self._known.update((d.index, d) for d in devices)
-        lost_now = [nvml_lost_finding(i, self._known.get(i), daemon.clock())
-                    for i in sorted(self.source.lost_devices if self.source else ())]
+        lost_now = tuple(NvmlLostGpu(i, self._known.get(i), daemon.clock())
+                         for i in sorted(self.source.lost_devices if self.source else ()))
         self.dedup.learn_devices(devices)
         processes: dict[int, ProcessInfo] = dict(cycle.processes)
         missing = sorted({p.pid for p in procs} - set(processes))
@@ -167,15 +171,7 @@ class GpuSubsystem(Subsystem):
                                       {o.pid: o.reason for o in orphans},
                                       {pid: p.comm for pid, p in processes.items()}))
         with self._lock:
-            lost = list(self._lost.values())
-        lost += lost_now
-        if lost:
-            # one gpu_lost finding per node (a finding's identity has no GPU label)
-            findings.append(Finding(
-                kind="gpu_lost", severity=PAGE,
-                explanation="; ".join(f.explanation for f in lost),
-                evidence={"gpus": [dict(f.evidence) for f in lost]},
-                since=min(f.since for f in lost)))
+            removed = tuple(self._removed.values())
         return Contribution(
             collectors=(self.collector.status,),
             gpus=tuple(devices),
@@ -185,6 +181,8 @@ class GpuSubsystem(Subsystem):
             extra_findings=tuple(findings),
             fork_evidence=evidence,
             orphan_jobs=orphan_jobs,
+            gpus_removed=removed,
+            gpus_lost=lost_now,
         )
 
     def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
@@ -194,15 +192,3 @@ class GpuSubsystem(Subsystem):
 class NvmlDeviceDenied(NvmlReadError):
     """NVML failed and the device cgroup denies /dev/nvidia* (the message says which and why)."""
 
-
-def nvml_lost_finding(index: int, known: GpuDevice | None, now: float) -> Finding:
-    """NVML answered NVML_ERROR_GPU_IS_LOST for this GPU (it fell off the bus or hung)."""
-    name = f"GPU {index}" + (f" ({known.uuid}, PCI {known.pci_bus_id})" if known else "")
-    return Finding(
-        kind="gpu_lost",
-        severity=PAGE,
-        explanation=(f"{name}: NVML reports the GPU is lost (NVML_ERROR_GPU_IS_LOST); its "
-                     f"processes will fail; check 'dmesg' for Xid 79 and the node's hardware"),
-        evidence={"gpu": str(index), "uuid": known.uuid if known else "", "source": "nvml"},
-        since=now,
-    )

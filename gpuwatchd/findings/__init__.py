@@ -13,6 +13,7 @@ from gpuwatchd.findings import (
     fds,
     fork,
     gil,
+    gpu_lost,
     memory,
     nccl_env,
     oom,
@@ -32,7 +33,7 @@ __all__ = ["RULES", "FindingContext", "evaluate", "fmt_bytes", "rank_label"]
 Rule = Callable[[FindingContext], Iterable[Finding]]
 
 RULES: list[Rule] = [rank_down.find, fds.find, nccl_env.find, rankfile.find, gil.find, stall.find,
-                     oom.find, xid.find, orphans.find, fork.find, memory.find]
+                     oom.find, xid.find, gpu_lost.find, orphans.find, fork.find, memory.find]
 # Rules that also read the findings of RULES (rank_straggler names gil_saturated or
 # rank_memory_pressure of the same rank as causes).
 LateRule = Callable[[FindingContext, tuple[Finding, ...]], Iterable[Finding]]

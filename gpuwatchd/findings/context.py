@@ -28,7 +28,28 @@ from gpuwatchd.model import (
     frozen_map,
 )
 from gpuwatchd.sources.devfds import ProcEvidence
+from gpuwatchd.sources.udev import GpuUevent
 from gpuwatchd.units import fmt_bytes
+
+
+@dataclass(frozen=True)
+class GpuRemoved:
+    """A GPU's udev ``remove``/``unbind`` (sources/udev.py) not undone by an ``add``/``bind`` of
+    the same PCI address since, with the index and UUID NVML last showed there ("" if none)."""
+
+    uevent: GpuUevent
+    gpu_index: str = ""
+    uuid: str = ""
+
+
+@dataclass(frozen=True)
+class NvmlLostGpu:
+    """NVML answered NVML_ERROR_GPU_IS_LOST for GPU ``index`` at this cycle's reading, seen at
+    ``seen_at``; ``known``: its last good reading, if any."""
+
+    index: int
+    known: GpuDevice | None
+    seen_at: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +67,8 @@ class RuleReadings:
     stall: Mapping[tuple[str, int], StallVerdict] = field(default_factory=frozen_map)
     flight_records: Mapping[tuple[str, int], FrReading] = field(default_factory=frozen_map)  # stalled jobs
     straggler: Mapping[tuple[str, int], RankRate] = field(default_factory=frozen_map)  # step rates
+    gpus_removed: tuple[GpuRemoved, ...] = ()  # udev: GPUs off the PCI bus (GPU subsystem)
+    gpus_lost: tuple[NvmlLostGpu, ...] = ()  # NVML: GPUs it reports lost (GPU subsystem)
 
 
 def readings_of(r: RuleReadings) -> dict[str, Any]:
@@ -97,4 +120,5 @@ def rank_gpus(r: RankState, ctx: FindingContext) -> list[tuple[str, float | None
     return out
 
 
-__all__ = ["FindingContext", "RuleReadings", "fmt_bytes", "rank_finding", "rank_gpus", "rank_label", "readings_of"]
+__all__ = ["FindingContext", "GpuRemoved", "NvmlLostGpu", "RuleReadings", "fmt_bytes", "rank_finding",
+           "rank_gpus", "rank_label", "readings_of"]

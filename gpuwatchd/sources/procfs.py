@@ -25,15 +25,6 @@ from collections.abc import Iterable, Mapping
 from gpuwatchd.model import ProcessInfo
 from gpuwatchd.paths import HostPaths
 
-# Variables whose *names* matter to findings; values are read only to decide, never exported.
-NCCL_LEGACY_VARS = (
-    "NCCL_ASYNC_ERROR_HANDLING",
-    "NCCL_BLOCKING_WAIT",
-    "NCCL_DESYNC_DEBUG",
-    "NCCL_ENABLE_TIMING",
-    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
-    "TORCH_NCCL_TRACE_BUFFER_SIZE",
-)
 MAX_ENVIRON_BYTES = 1 << 20
 LIMITS_TTL = 30.0
 THREAD_CHILDREN_TTL = 30.0
@@ -258,21 +249,17 @@ class ProcfsReader:
                 env[key] = value.decode("utf-8", "replace")
         return env
 
-    def env_flags(self, pid: int) -> tuple[str, ...] | None:
-        """Names of NCCL-related settings worth a finding (no values, except the decisive '0').
-
-        None when the environment cannot be read (yet): right after fork/exec ``environ`` reads
-        empty for a moment, and a caller must not remember that as "no flags"."""
+    def environ_values(self, pid: int, names: Iterable[str]) -> dict[str, str] | None:
+        """``environ`` of just ``names`` (the caller says which: findings/nccl_env.py's
+        ``WATCHED_VARS`` for the daemon), or None when the environment cannot be read (yet): right
+        after fork/exec ``environ`` reads empty for a moment, and a caller must not remember that
+        as "none of them set"."""
         try:
             if not _read(self.paths.proc(pid, "environ"), 1):
                 return None
         except OSError:
             return None
-        env = self.environ(pid, (*NCCL_LEGACY_VARS, "TORCH_NCCL_ASYNC_ERROR_HANDLING"))
-        flags = [name for name in NCCL_LEGACY_VARS if name in env]
-        if env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "").strip() == "0":
-            flags.append("TORCH_NCCL_ASYNC_ERROR_HANDLING=0")
-        return tuple(flags)
+        return self.environ(pid, names)
 
     def nspid(self, pid: int) -> tuple[int, ...] | None:
         """The ``NSpid`` line of /proc/PID/status: the PID in each PID namespace, outermost (the

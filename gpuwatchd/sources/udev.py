@@ -2,9 +2,11 @@
 
 Listens to kernel uevents (pyudev netlink monitor, ``source="kernel"``: works without a udev daemon,
 as in containers) for subsystem ``pci`` with vendor 10DE and a display/3D class (``PCI_CLASS``
-03xxxx). ``remove``/``unbind`` becomes a ``gpu_lost`` finding immediately (through a callback, not
-at the next cycle) and any add/remove/bind/unbind asks the NVML source to re-initialise, since
-NVML's device list is fixed at ``nvmlInit``.
+03xxxx). Each one is reported at once, as a ``GpuUevent`` (action, PCI address, driver, time),
+through a callback: the daemon's GPU subsystem keeps a ``remove``/``unbind`` for the gpu_lost rule
+(findings/gpu_lost.py) of the next cycle, without waiting for NVML to notice, and has the NVML
+source re-initialise on any add/remove/bind/unbind, since NVML's device list is fixed at
+``nvmlInit``. The source builds no finding.
 
 Cost: one blocking ``poll`` on a netlink socket; nothing while no uevent arrives.
 Privilege: reading kernel uevents needs no privilege. Shell equivalent: ``udevadm monitor --kernel
@@ -19,7 +21,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpuwatchd.model import PAGE, Finding
 from gpuwatchd.sources.watcher import WatcherThread
 from gpuwatchd.units import normalize_pci_bus_id
 
@@ -32,6 +33,8 @@ CHANGE_ACTIONS = frozenset({"add", "remove", "bind", "unbind"})
 
 @dataclass(frozen=True)
 class GpuUevent:
+    """What one GPU uevent said: ``lost`` for a remove/unbind (the GPU is off the bus)."""
+
     action: str
     pci_bus_id: str  # normalised "0000:3b:00"
     slot: str  # as the kernel names it, "0000:3b:00.0"
@@ -65,19 +68,6 @@ def classify(action: str, props: Mapping[str, str], now: float,
         return None
     slot = props.get("PCI_SLOT_NAME", "")
     return GpuUevent(action, normalize_pci_bus_id(slot), slot, props.get("DRIVER", ""), now)
-
-
-def lost_finding(ev: GpuUevent, gpu_index: str = "", uuid: str = "") -> Finding:
-    name = f"GPU {gpu_index} ({uuid}, PCI {ev.slot})" if gpu_index else f"GPU at PCI {ev.slot}"
-    return Finding(
-        kind="gpu_lost",
-        severity=PAGE,
-        explanation=(f"{name} disappeared from the PCI bus ({ev.action} uevent at "
-                     f"{time.strftime('%H:%M:%S', time.localtime(ev.timestamp))}); processes on "
-                     f"it will fail; check 'dmesg' for Xid 79 and the node's hardware"),
-        evidence={"pci_bus_id": ev.slot, "action": ev.action, "gpu": gpu_index, "uuid": uuid},
-        since=ev.timestamp,
-    )
 
 
 class UdevWatcher(WatcherThread):

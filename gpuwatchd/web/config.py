@@ -10,7 +10,9 @@ prometheus/exporter-toolkit ``docs/web-configuration.md``)::
     basic_auth_users:
       prometheus: $2b$10$...           # htpasswd -nBC 10 "" | tr -d ':\\n'
 
-Parsed into frozen dataclasses; ``WebConfigError`` names every bad key (never a value). Like
+Parsed into frozen dataclasses by the checkers of ``gpuwatchd.config_checks`` (as the main config
+is); ``WebConfigError`` names every bad key, as ``key.path: must be ..., got ...`` (never the value
+of a password hash). Like
 exporter-toolkit, the file (and the certificates it names) is looked at again on every new
 connection (``ConfigHolder.current``: three ``stat`` calls), so certificates rotate without a
 restart; unlike it, a file that became invalid is logged once and the last good configuration
@@ -22,6 +24,7 @@ Shell equivalent: ``gpuwatchd web-config check FILE``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -32,6 +35,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+
+from gpuwatchd.config_checks import (
+    Schema,
+    _boolean,
+    _choice,
+    _duration,
+    _integer,
+    _one_line,
+    _optional,
+    _path_string,
+    _string_list,
+    check_mapping,
+)
 
 log = logging.getLogger("gpuwatchd.web")
 
@@ -55,15 +71,11 @@ SECURITY_HEADERS = {
     "X-XSS-Protection",
     "Strict-Transport-Security",
 }
-TLS_KEYS = {
-    "cert_file", "key_file", "client_auth_type", "client_ca_file", "client_allowed_sans",
-    "min_version", "max_version", "prefer_server_cipher_suites",
-}
 # Keys of the exporter-toolkit format that this server does not implement: named in the error
 # rather than silently ignored, since each of them changes who may connect.
-TLS_UNSUPPORTED_KEYS = {"cert", "key", "client_ca", "cipher_suites", "curve_preferences"}
+TLS_UNSUPPORTED = dict.fromkeys(("cert", "key", "client_ca", "cipher_suites", "curve_preferences"),
+                                "not supported by gpuwatchd")
 BCRYPT_RE = re.compile(r"^\$2[aby]?\$\d\d\$[./A-Za-z0-9]{53}$")
-DURATION_RE = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
 
 
 class WebConfigError(ValueError):
@@ -109,154 +121,97 @@ class WebConfig:
         return tuple(names)
 
 
-def _duration(v: Any) -> float | None:
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
-        return float(v)
-    m = DURATION_RE.match(v) if isinstance(v, str) else None
-    if not m:
+def _client_auth_type(v: Any) -> str:
+    if isinstance(v, str) and v in UNSUPPORTED_CLIENT_AUTH:
+        raise ValueError(f"{v} is not supported (Python's ssl cannot request a certificate without"
+                         " verifying it); use RequireAndVerifyClientCert")
+    return str(_choice(*CLIENT_AUTH_TYPES)(v))
+
+
+def _bcrypt_hash(v: Any) -> bytes:
+    # never the value in the message: a plain password written where its hash belongs must not
+    # reach a log
+    if not isinstance(v, str) or not BCRYPT_RE.match(v):
+        raise ValueError("not a bcrypt hash ($2b$10$... , 60 characters; make one with"
+                         " `gpuwatchd web-config hash`)")
+    return v.encode()
+
+
+TLS_SCHEMA: Schema = {
+    "cert_file": _path_string, "key_file": _path_string,  # relative: to the web-config file
+    "client_auth_type": _optional(_client_auth_type), "client_ca_file": _optional(_path_string),
+    "client_allowed_sans": _optional(_string_list),
+    "min_version": _optional(_choice(*TLS_VERSIONS)), "max_version": _optional(_choice(*TLS_VERSIONS)),
+    "prefer_server_cipher_suites": _optional(_boolean),  # accepted; the server's order always wins
+}
+HEADERS_SCHEMA: Schema = dict.fromkeys(SECURITY_HEADERS, _one_line)
+RATE_LIMIT_SCHEMA: Schema = {"interval": _duration, "burst": _integer(1)}
+
+
+def _tls(t: Any, base: str, problems: list[str]) -> TLSConfig | None:
+    if t is None or t == {}:
         return None
-    scale = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}[m.group(2)]
-    return float(m.group(1)) * scale
+    v = check_mapping(t, "tls_server_config", TLS_SCHEMA, problems, required=("cert_file", "key_file"),
+                      notes=TLS_UNSUPPORTED)
+    if not isinstance(t, dict):
+        return None
+    auth = v.get("client_auth_type") or "NoClientCert"
+    if t.get("client_auth_type") is None or "client_auth_type" in v:  # a known type: check its needs
+        if auth != "NoClientCert" and t.get("client_ca_file") is None:
+            problems.append(f"tls_server_config.client_ca_file: required by client_auth_type {auth}")
+        if v.get("client_allowed_sans") and auth == "NoClientCert":
+            problems.append("tls_server_config.client_allowed_sans: needs a client_auth_type that"
+                            " verifies client certificates")
+    if "cert_file" not in v or "key_file" not in v:
+        return None
+    ca = v.get("client_ca_file")
+    return TLSConfig(
+        cert_file=os.path.join(base, v["cert_file"]), key_file=os.path.join(base, v["key_file"]),
+        client_auth_type=auth, client_ca_file=os.path.join(base, ca) if ca else None,
+        client_allowed_sans=v.get("client_allowed_sans") or (),
+        min_version=v.get("min_version") or "TLS12", max_version=v.get("max_version"),
+    )
+
+
+def _users(u: Any, problems: list[str]) -> dict[str, bytes]:
+    # the user names are the keys: each good one is checked as a bcrypt hash, the others are named
+    names = [n for n in u if isinstance(n, str) and n and ":" not in n] if isinstance(u, dict) else []
+    return check_mapping(u, "basic_auth_users", dict.fromkeys(names, _bcrypt_hash), problems,
+                         unknown="user names are non-empty and have no ':'")
+
+
+def _headers(h: Any, problems: list[str]) -> dict[str, str]:
+    headers = functools.partial(check_mapping, prefix="http_server_config.headers", schema=HEADERS_SCHEMA,
+                                problems=problems, unknown="not one of " + ", ".join(sorted(SECURITY_HEADERS)))
+    v = check_mapping(h, "http_server_config", {"http2": _boolean, "headers": headers}, problems)
+    return v.get("headers") or {}
+
+
+def _rate_limit(r: Any, problems: list[str]) -> RateLimit | None:
+    if r is None or r == {}:
+        return None
+    v = check_mapping(r, "rate_limit", RATE_LIMIT_SCHEMA, problems, required=("interval", "burst"))
+    return RateLimit(v["interval"], v["burst"]) if "interval" in v and "burst" in v else None
 
 
 def parse_web_config(doc: Any, path: str = "<web-config>") -> WebConfig:
-    """Validate a parsed web-config document; raises WebConfigError naming every bad key.
+    """Validate a parsed web-config document; raises WebConfigError naming every bad key, with
+    the checkers and the "key: must be ..., got ..." messages of ``gpuwatchd.config``
+    (config_checks.py); a password hash's value is never in a message.
 
     Certificates are not loaded here (``build_ssl_context`` does that)."""
     problems: list[str] = []
-    if doc is None:
-        return WebConfig()
-    if not isinstance(doc, dict):
-        raise WebConfigError(path, ["top level must be a mapping"])
     base = os.path.dirname(os.path.abspath(path))
-
-    def rel(p: str) -> str:
-        return p if os.path.isabs(p) else os.path.join(base, p)
-
-    for key in sorted(set(doc) - {"tls_server_config", "http_server_config", "basic_auth_users",
-                                  "rate_limit"}):
-        problems.append(f"{key}: unknown key")
-
-    tls: TLSConfig | None = None
-    t = doc.get("tls_server_config")
-    if t is not None and not isinstance(t, dict):
-        problems.append("tls_server_config: must be a mapping")
-    elif t:
-        for key in sorted(set(t) - TLS_KEYS):
-            what = "not supported by gpuwatchd" if key in TLS_UNSUPPORTED_KEYS else "unknown key"
-            problems.append(f"tls_server_config.{key}: {what}")
-        strs: dict[str, str] = {}
-        for key in ("cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version",
-                    "max_version"):
-            v = t.get(key)
-            if v is not None and (not isinstance(v, str) or not v):
-                problems.append(f"tls_server_config.{key}: must be a non-empty string")
-            elif v is not None:
-                strs[key] = v
-        for key in ("cert_file", "key_file"):
-            if key not in strs and f"tls_server_config.{key}: must be a non-empty string" not in (
-                problems
-            ):
-                problems.append(f"tls_server_config.{key}: required when tls_server_config is set")
-        auth = strs.get("client_auth_type", "NoClientCert")
-        if auth in UNSUPPORTED_CLIENT_AUTH:
-            problems.append(
-                f"tls_server_config.client_auth_type: {auth} is not supported (Python's ssl cannot"
-                " request a certificate without verifying it); use RequireAndVerifyClientCert"
-            )
-        elif auth not in CLIENT_AUTH_TYPES:
-            problems.append(
-                f"tls_server_config.client_auth_type: {auth!r} is not one of "
-                + ", ".join(sorted(set(CLIENT_AUTH_TYPES) | UNSUPPORTED_CLIENT_AUTH))
-            )
-        elif auth != "NoClientCert" and "client_ca_file" not in strs:
-            problems.append(
-                f"tls_server_config.client_ca_file: required by client_auth_type {auth}"
-            )
-        for key in ("min_version", "max_version"):
-            if key in strs and strs[key] not in TLS_VERSIONS:
-                problems.append(
-                    f"tls_server_config.{key}: {strs[key]!r} is not one of "
-                    + ", ".join(TLS_VERSIONS)
-                )
-        sans = t.get("client_allowed_sans", [])
-        if not isinstance(sans, list) or not all(isinstance(s, str) and s for s in sans):
-            problems.append("tls_server_config.client_allowed_sans: must be a list of strings")
-            sans = []
-        elif sans and auth == "NoClientCert":
-            problems.append("tls_server_config.client_allowed_sans: needs a client_auth_type that"
-                            " verifies client certificates")
-        psc = t.get("prefer_server_cipher_suites")
-        if psc is not None and not isinstance(psc, bool):
-            problems.append("tls_server_config.prefer_server_cipher_suites: must be true or false")
-        if "cert_file" in strs and "key_file" in strs:
-            tls = TLSConfig(
-                cert_file=rel(strs["cert_file"]),
-                key_file=rel(strs["key_file"]),
-                client_auth_type=auth,
-                client_ca_file=rel(strs["client_ca_file"]) if "client_ca_file" in strs else None,
-                client_allowed_sans=tuple(sans),
-                min_version=strs.get("min_version", "TLS12"),
-                max_version=strs.get("max_version"),
-            )
-
-    users: dict[str, bytes] = {}
-    u = doc.get("basic_auth_users")
-    if u is not None and not isinstance(u, dict):
-        problems.append("basic_auth_users: must be a mapping of user name to bcrypt hash")
-    elif u:
-        for name, hashed in u.items():
-            if not isinstance(name, str) or not name or ":" in name:
-                problems.append(
-                    f"basic_auth_users.{name}: user names are non-empty and have no ':'"
-                )
-            elif not isinstance(hashed, str) or not BCRYPT_RE.match(hashed):
-                problems.append(f"basic_auth_users.{name}: not a bcrypt hash ($2b$10$... , 60"
-                                " characters; make one with `gpuwatchd web-config hash`)")
-            else:
-                users[name] = hashed.encode()
-
-    headers: dict[str, str] = {}
-    h = doc.get("http_server_config")
-    if h is not None and not isinstance(h, dict):
-        problems.append("http_server_config: must be a mapping")
-    elif h:
-        for key in sorted(set(h) - {"http2", "headers"}):
-            problems.append(f"http_server_config.{key}: unknown key")
-        if "http2" in h and not isinstance(h["http2"], bool):
-            problems.append("http_server_config.http2: must be true or false")
-        hd = h.get("headers") or {}
-        if not isinstance(hd, dict):
-            problems.append("http_server_config.headers: must be a mapping")
-        else:
-            for name, value in hd.items():
-                if name not in SECURITY_HEADERS:
-                    problems.append(f"http_server_config.headers.{name}: not one of "
-                                    + ", ".join(sorted(SECURITY_HEADERS)))
-                elif not isinstance(value, str) or "\n" in value or "\r" in value:
-                    problems.append(f"http_server_config.headers.{name}: must be a one-line string")
-                else:
-                    headers[name] = value
-
-    rate: RateLimit | None = None
-    r = doc.get("rate_limit")
-    if r is not None and not isinstance(r, dict):
-        problems.append("rate_limit: must be a mapping")
-    elif r:
-        for key in sorted(set(r) - {"interval", "burst"}):
-            problems.append(f"rate_limit.{key}: unknown key")
-        interval = _duration(r.get("interval"))
-        burst = r.get("burst")
-        if interval is None:
-            problems.append("rate_limit.interval: must be a duration such as 1s or 100ms")
-        if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
-            problems.append("rate_limit.burst: must be a positive integer")
-        elif interval is not None:
-            rate = RateLimit(interval, burst)
-
+    v = check_mapping(doc, "", {
+        "tls_server_config": functools.partial(_tls, base=base, problems=problems),
+        "basic_auth_users": functools.partial(_users, problems=problems),
+        "http_server_config": functools.partial(_headers, problems=problems),
+        "rate_limit": functools.partial(_rate_limit, problems=problems),
+    }, problems)
     if problems:
         raise WebConfigError(path, problems)
-    return WebConfig(tls=tls, basic_auth_users=users, headers=headers, rate_limit=rate)
+    return WebConfig(tls=v.get("tls_server_config"), basic_auth_users=v.get("basic_auth_users") or {},
+                     headers=v.get("http_server_config") or {}, rate_limit=v.get("rate_limit"))
 
 
 def load_web_config(path: str) -> WebConfig:
