@@ -15,8 +15,9 @@ import textwrap
 from pathlib import Path
 
 from gpuwatchd.counters import CounterStore
+from gpuwatchd.findings import cuda_oom as oom_rule
 from gpuwatchd.join import cuda_oom as oom_reader
-from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, Orphan
+from gpuwatchd.model import Finding, GpuDevice, GpuProcessRow, NodeState, Orphan
 from gpuwatchd.rank import cuda_oom
 
 UUID = "GPU-d6a79800-1da5-699b-0f9c-f55eb218f8b2"
@@ -108,10 +109,16 @@ def _state() -> NodeState:
     return NodeState(timestamp=5.0, gpus=(gpu,), gpu_processes=rows, orphans=(orphan,))
 
 
+def _explain(ev: oom_reader.OomEvent, state: NodeState) -> tuple[str, Finding]:
+    """(gpu label, finding): the join attributes the event, the ``cuda_oom`` rule words it."""
+    oom = oom_reader.attribute(ev, state)
+    return oom.gpu, oom_rule.oom_finding(oom)
+
+
 def test_explanation_names_the_co_tenant_and_why_it_is_there() -> None:
     ev = oom_reader.OomEvent("dflash", 0, 447, 100.0, UUID, 50 << 30,
                            ((447, 2787115008), (453, 59818579968), (460, 1 << 30)))
-    gpu, f = oom_reader.explain(ev, _state())
+    gpu, f = _explain(ev, _state())
     assert gpu == "0"
     assert f.kind == "cuda_oom" and (f.job_id, f.rank, f.pid) == ("dflash", "0", "447")
     assert f.explanation == (
@@ -131,7 +138,7 @@ def test_a_rank_in_a_container_is_named_by_its_host_pid() -> None:
     state = dataclasses.replace(_state(), ranks=(rank,))
     ev = oom_reader.OomEvent("dflash", 0, 1, 100.0, UUID, 50 << 30,
                            ((447, 2787115008), (460, 1 << 30)))
-    _, f = oom_reader.explain(ev, state)
+    _, f = _explain(ev, state)
     assert f.pid == "447"
     assert f.explanation == (
         "rank 0 of job dflash (pid 447 (1 in its container)) hit CUDA OOM on GPU 0 (tried to "
@@ -140,7 +147,7 @@ def test_a_rank_in_a_container_is_named_by_its_host_pid() -> None:
 
 def test_without_snapshot_the_daemons_reading_is_used() -> None:
     ev = oom_reader.OomEvent("dflash", 0, 447, 100.0, UUID, None, None)
-    _, f = oom_reader.explain(ev, _state())
+    _, f = _explain(ev, _state())
     assert "PID 453" in f.explanation and "55.7 GiB" in f.explanation
     assert "tried to allocate" not in f.explanation
 

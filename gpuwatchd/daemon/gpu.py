@@ -6,7 +6,8 @@ Wires the GPU sources into the daemon's cycle (duck-typed ``daemon.Subsystem``):
   ``nvml.timeout_seconds``; a hung driver call never blocks the cycle or a scrape); /proc identity
   of each GPU process outside the rank trees; the orphan tracker (``orphans.grace_seconds``);
   fork evidence for the processes of ranks that hold a CUDA context; CUDA OOM event files from the
-  ranks' hook; the GPUs udev saw removed and those NVML reports lost, for the ``gpu_lost`` rule
+  ranks' hook (counted, attributed and kept for the ``cuda_oom`` rule, findings/cuda_oom.py); the
+  GPUs udev saw removed and those NVML reports lost, for the ``gpu_lost`` rule
   (findings/gpu_lost.py).
 - when NVML fails: why /dev/nvidia* cannot be opened (``device_policy``: the device cgroup denies
   them, e.g. DeviceAllow=char-nvidia* expanded before the driver loaded) as the collector's error,
@@ -14,9 +15,8 @@ Wires the GPU sources into the daemon's cycle (duck-typed ``daemon.Subsystem``):
 - streaming: the NVML Xid event thread (``gpu_xid_errors``, de-duplicated against the kernel log
   through the daemon's shared ``XidDeduper``) and the udev thread.
 
-Returns ``gpus``, ``gpu_processes``, ``orphans``, ``processes`` (GPU PIDs), ``extra_findings`` (CUDA
-OOM), ``fork_evidence``, ``orphan_jobs``, ``gpus_removed`` and ``gpus_lost`` (a ``Contribution``)
-for the join.
+Returns ``gpus``, ``gpu_processes``, ``orphans``, ``processes`` (GPU PIDs), ``fork_evidence``,
+``orphan_jobs``, ``gpus_removed``, ``gpus_lost`` and ``cuda_ooms`` (a ``Contribution``) for the join.
 """
 
 from __future__ import annotations
@@ -167,9 +167,9 @@ class GpuSubsystem(Subsystem):
                 ev = read_evidence(daemon.paths, pid)
                 if ev is not None:
                     evidence[pid] = ev
-        findings = list(self.oom.poll(daemon.counters.inc, self._last_state,
-                                      {o.pid: o.reason for o in orphans},
-                                      {pid: p.comm for pid, p in processes.items()}))
+        ooms = self.oom.poll(daemon.counters.inc, self._last_state,
+                             {o.pid: o.reason for o in orphans},
+                             {pid: p.comm for pid, p in processes.items()})
         with self._lock:
             removed = tuple(self._removed.values())
         return Contribution(
@@ -178,11 +178,11 @@ class GpuSubsystem(Subsystem):
             gpu_processes=tuple(procs),
             orphans=tuple(orphans),
             processes=extra,
-            extra_findings=tuple(findings),
             fork_evidence=evidence,
             orphan_jobs=orphan_jobs,
             gpus_removed=removed,
             gpus_lost=lost_now,
+            cuda_ooms=tuple(ooms),
         )
 
     def after_join(self, daemon: DaemonContext, state: NodeState) -> None:

@@ -24,7 +24,6 @@ from gpuwatchd.join.xid_dedup import XidDeduper
 from gpuwatchd.model import (
     CollectiveStatus,
     CollectorStatus,
-    Finding,
     GpuDevice,
     GpuProcess,
     NodeState,
@@ -75,7 +74,6 @@ class Contribution(RuleReadings):
     collectors: tuple[CollectorStatus, ...] = ()
     steps: Mapping[tuple[str, int], int] = field(default_factory=frozen_map)
     collectives: tuple[CollectiveStatus, ...] = ()
-    extra_findings: tuple[Finding, ...] = ()
 
     def merge_into(self, inputs: CycleInputs) -> CycleInputs:
         changes: dict[str, Any] = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from gpuwatchd.findings import (
+    cuda_oom,
     fds,
     fork,
     gil,
@@ -33,7 +34,8 @@ __all__ = ["RULES", "FindingContext", "evaluate", "fmt_bytes", "rank_label"]
 Rule = Callable[[FindingContext], Iterable[Finding]]
 
 RULES: list[Rule] = [rank_down.find, fds.find, nccl_env.find, rankfile.find, gil.find, stall.find,
-                     oom.find, xid.find, gpu_lost.find, orphans.find, fork.find, memory.find]
+                     oom.find, xid.find, gpu_lost.find, orphans.find, fork.find, memory.find,
+                     cuda_oom.find]
 # Rules that also read the findings of RULES (rank_straggler names gil_saturated or
 # rank_memory_pressure of the same rank as causes).
 LateRule = Callable[[FindingContext, tuple[Finding, ...]], Iterable[Finding]]

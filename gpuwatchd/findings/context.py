@@ -12,6 +12,7 @@ from typing import Any
 from gpuwatchd.config import Config
 from gpuwatchd.events.log import Event
 from gpuwatchd.join.collectives import FrReading
+from gpuwatchd.join.cuda_oom import AttributedOom
 from gpuwatchd.join.stall import StallVerdict
 from gpuwatchd.join.straggler import RankRate
 from gpuwatchd.model import (
@@ -69,6 +70,7 @@ class RuleReadings:
     straggler: Mapping[tuple[str, int], RankRate] = field(default_factory=frozen_map)  # step rates
     gpus_removed: tuple[GpuRemoved, ...] = ()  # udev: GPUs off the PCI bus (GPU subsystem)
     gpus_lost: tuple[NvmlLostGpu, ...] = ()  # NVML: GPUs it reports lost (GPU subsystem)
+    cuda_ooms: tuple[AttributedOom, ...] = ()  # ranks' CUDA OOM events in their window (GPU subsystem)
 
 
 def readings_of(r: RuleReadings) -> dict[str, Any]:

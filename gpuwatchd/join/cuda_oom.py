@@ -1,7 +1,8 @@
 """CUDA out-of-memory events, daemon side: read and remove the event files the rank hook wrote
 (rank/cuda_oom.py: ``cuda_oom-<job>-<rank>-<pid>-<ns>.event`` in the rank directory), count
-``cuda_oom_errors{job_id,rank,gpu}`` and explain each as a ``cuda_oom`` finding that names the
-co-tenants of the GPU.
+``cuda_oom_errors{job_id,rank,gpu}`` and attribute each (host PID, GPU index, who the co-tenants
+of the GPU were at that moment), kept ``FINDING_SECONDS`` for the ``cuda_oom`` rule
+(findings/cuda_oom.py), which builds the finding.
 
 Reads: the rank directory (one ``scandir`` per cycle; each file at most ``MAX_EVENT_BYTES``, opened
 with O_NOFOLLOW, at most ``MAX_EVENTS_PER_SCAN`` per cycle). A bad file is reported and removed,
@@ -20,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpuwatchd.model import WARNING, Finding, NodeState
+from gpuwatchd.model import NodeState
 from gpuwatchd.rank.cuda_oom import MAX_EVENT_BYTES, PREFIX, SUFFIX
 
 log = logging.getLogger(__name__)
@@ -110,19 +111,49 @@ def read_events(rank_dir: str, remove: bool = True) -> tuple[list[OomEvent], lis
     return events, problems
 
 
-def _fmt(n: float | None) -> str:
-    if n is None:
-        return "an unknown amount"
-    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
+@dataclass(frozen=True)
+class CoTenant:
+    """Another process that held memory on the GPU at the moment of the error, as the daemon knew
+    it then: its job and rank if a rank's tree holds it, else why it is an orphan ("" if none)."""
+
+    pid: int
+    used_memory_bytes: int | None
+    comm: str = ""
+    job_id: str = ""
+    rank: str = ""
+    orphan_reason: str = ""
 
 
-def explain(
+@dataclass(frozen=True)
+class AttributedOom:
+    """One CUDA OOM event attributed at the cycle that read it: ``event.pid`` is the host PID
+    (``ns_pid`` the PID the rank wrote from inside its container, if different), ``gpu`` the
+    NVML index of ``event.device_uuid`` ("" if unknown), ``co_tenants`` every process that held
+    memory there (the rank's snapshot, else the daemon's latest reading), the rank itself
+    included. What the ``cuda_oom`` rule (findings/cuda_oom.py) reads."""
+
+    event: OomEvent
+    gpu: str = ""
+    ns_pid: int | None = None
+    co_tenants: tuple[CoTenant, ...] = ()
+
+    @property
+    def since(self) -> float:
+        return self.event.timestamp
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.event.job_id, self.event.rank, self.event.pid)
+
+
+def attribute(
     event: OomEvent,
     state: NodeState | None,
     orphan_reasons: Mapping[int, str] | None = None,
     comms: Mapping[int, str] | None = None,
-) -> tuple[str, Finding]:
-    """(gpu index label, finding) for one event, naming who else held memory on that GPU."""
+) -> AttributedOom:
+    """Who was who on the event's GPU, from ``state`` (the latest NodeState), this cycle's orphan
+    reasons and command names: kept with the event, so the finding names them as they were."""
     # A rank in a container wrote the PID it sees; NVML (co-tenants, the state) has host PIDs.
     ns_pid = None
     for r in state.ranks if state else ():
@@ -132,7 +163,6 @@ def explain(
     gpus = state.gpus if state else ()
     rows = state.gpu_processes if state else ()
     gpu = next((g for g in gpus if g.uuid == event.device_uuid), None)
-    gpu_label = str(gpu.index) if gpu else ""
     orphan_reasons = dict(orphan_reasons or {})
     for o in state.orphans if state else ():
         orphan_reasons.setdefault(o.pid, o.reason)
@@ -141,57 +171,25 @@ def explain(
     else:  # no snapshot from the rank: the daemon's latest reading of that GPU
         tenants = [(r.pid, r.used_memory_bytes) for r in rows if r.uuid == event.device_uuid]
     row_by_pid = {r.pid: r for r in rows if r.uuid == event.device_uuid}
-    others = []
-    for pid, used in sorted(tenants, key=lambda t: -(t[1] or 0)):
-        if pid == event.pid:
-            continue
+    co = []
+    for pid, used in tenants:
         row = row_by_pid.get(pid)
         comm = (comms or {}).get(pid) or (row.comm if row else "")
         if row is not None and row.job_id:
-            whose = f"rank {row.rank} of job {row.job_id}"
+            co.append(CoTenant(pid, used, comm, row.job_id, row.rank))
         else:
-            reason = orphan_reasons.get(pid)
-            whose = "not in any job" + (f", {_REASON_TEXT.get(reason, reason)}" if reason else "")
-        name = f"{comm}, " if comm else ""
-        others.append((pid, used, f"PID {pid} ({name}{whose}) held {_fmt(used)} there"))
-    where = f"GPU {gpu_label}" if gpu_label else f"GPU {event.device_uuid or '?'}"
-    ask = f" (tried to allocate {_fmt(event.requested_bytes)})" if event.requested_bytes else ""
-    in_ctr = f" ({ns_pid} in its container)" if ns_pid is not None else ""
-    head = f"rank {event.rank} of job {event.job_id} (pid {event.pid}{in_ctr}) hit CUDA OOM on {where}{ask}"
-    tail = "; ".join(o[2] for o in others) if others else "no other process held memory there"
-    finding = Finding(
-        kind="cuda_oom",
-        severity=WARNING,
-        explanation=f"{head}; {tail}",
-        job_id=event.job_id,
-        rank=str(event.rank),
-        pid=str(event.pid),
-        evidence={
-            "gpu": gpu_label,
-            "uuid": event.device_uuid,
-            "requested_bytes": event.requested_bytes,
-            "co_tenants": [{"pid": p, "used_memory_bytes": u} for p, u, _ in others],
-        },
-        since=event.timestamp,
-    )
-    return gpu_label, finding
-
-
-_REASON_TEXT = {
-    "reparented_to_init": "its parent died and it was adopted by init",
-    "job_ended": "its job has ended",
-    "unregistered": "claimed by no registered rank",
-    "defunct": "gone or a zombie",
-}
+            co.append(CoTenant(pid, used, comm, orphan_reason=orphan_reasons.get(pid, "")))
+    return AttributedOom(event, str(gpu.index) if gpu else "", ns_pid, tuple(co))
 
 
 class OomTracker:
-    """Daemon-side: turns event files into counter increments and time-limited findings."""
+    """Daemon-side: turns event files into counter increments and attributed events, each kept
+    ``FINDING_SECONDS`` after the error (the newest per job, rank and PID)."""
 
     def __init__(self, rank_dir: str, clock: Callable[[], float] = time.time) -> None:
         self.rank_dir = rank_dir
         self.clock = clock
-        self.active: list[Finding] = []
+        self.active: list[AttributedOom] = []
 
     def poll(
         self,
@@ -199,16 +197,16 @@ class OomTracker:
         state: NodeState | None,
         orphan_reasons: Mapping[int, str] | None = None,
         comms: Mapping[int, str] | None = None,
-    ) -> list[Finding]:
+    ) -> list[AttributedOom]:
         events, problems = read_events(self.rank_dir)
         for p in problems:
             log.info("CUDA OOM event skipped: %s", p)
         for ev in events:
-            gpu, finding = explain(ev, state, orphan_reasons, comms)
-            inc("cuda_oom_errors", (ev.job_id, str(ev.rank), gpu))
-            self.active = [f for f in self.active if f.key != finding.key] + [finding]
+            oom = attribute(ev, state, orphan_reasons, comms)
+            inc("cuda_oom_errors", (ev.job_id, str(ev.rank), oom.gpu))
+            self.active = [a for a in self.active if a.key != oom.key] + [oom]
         now = self.clock()
-        self.active = [f for f in self.active if now - f.since <= FINDING_SECONDS]
+        self.active = [a for a in self.active if now - a.since <= FINDING_SECONDS]
         return list(self.active)
 
 

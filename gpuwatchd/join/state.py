@@ -52,7 +52,6 @@ class CycleInputs(RuleReadings):
     stalled: Mapping[tuple[str, int], bool] = field(default_factory=frozen_map)
     collectors: tuple[CollectorStatus, ...] = ()
     counters: Mapping[str, Mapping[tuple[str, ...], float]] = field(default_factory=frozen_map)
-    extra_findings: tuple[Finding, ...] = ()
     cycle_seconds: float = 0.0
     # (job_id, rank) -> step of the last heartbeat(step); flight-recorder state per rank and group
     steps: Mapping[tuple[str, int], int] = field(default_factory=frozen_map)
@@ -143,7 +142,7 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
         fd_rates=fd_rates, gpus=inputs.gpus, gpu_processes=tuple(rows), orphans=inputs.orphans,
         **readings_of(inputs),
     )
-    found = [*findings.evaluate(ctx), *inputs.extra_findings]
+    found = findings.evaluate(ctx)
     since: dict[tuple[str, str, str, str], float] = {}
     stamped: list[Finding] = []
     for f in found:

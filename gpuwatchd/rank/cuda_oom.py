@@ -10,8 +10,9 @@ memory" / "CUDA error: out of memory". Either writes one small JSON event file
 rank-file reader reads only ``*.json``), with a snapshot of which PIDs held memory on that GPU at
 that moment (NVML, when importable; best effort).
 
-Daemon side (``read_events`` + ``explain``, in join/cuda_oom.py): each cycle reads and removes the event files, counts
-``cuda_oom_errors{job_id,rank,gpu}`` and raises a ``cuda_oom`` finding that names the co-tenants,
+Daemon side (``read_events`` + ``attribute`` in join/cuda_oom.py, the rule in findings/cuda_oom.py):
+each cycle reads and removes the event files, counts ``cuda_oom_errors{job_id,rank,gpu}`` and
+raises a ``cuda_oom`` finding that names the co-tenants,
 e.g. "rank 0 of job dflash (pid 11641) hit CUDA OOM on GPU 0 (tried to allocate 50.1 GiB); PID 11223
 (python3, not in any job, its parent died and it was adopted by init) held 55.7 GiB there".
 
