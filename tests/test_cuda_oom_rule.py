@@ -5,14 +5,13 @@ NVML replayed from the H200 recording, and the finding's 600 s window on the dae
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from gpuwatchd.config import Config, parse_config
 from gpuwatchd.daemon.core import Daemon
@@ -94,53 +93,49 @@ def _comm(pid: int) -> str:
 
 
 def test_the_daemon_names_the_co_tenants_and_drops_the_finding_after_its_window(
-        tmp_path: Path) -> None:
+        tmp_path: Path, procs: list[subprocess.Popen[Any]]) -> None:
     """End to end: the event file a rank wrote -> counted once, attributed with the daemon's
     reading of the GPU (no snapshot in the event) -> the cuda_oom finding, kept 600 s."""
-    rank = subprocess.Popen(
-        [sys.executable, "-c",
-         "import subprocess,sys,time; cs=[subprocess.Popen([sys.executable,'-c',"
-         "'import time; time.sleep(120)']) for _ in range(2)]; "
-         "print(*[c.pid for c in cs], flush=True); time.sleep(120)"], stdout=subprocess.PIPE)
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    assert rank.stdout is not None
-    kids = [int(x) for x in rank.stdout.readline().split()]
+    for _ in range(4):  # ranks 0 and 1 of the job, two processes of no job
+        procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]))
+    rank0, rank1, stray1, stray2 = (p.pid for p in procs)
     rank_dir = tmp_path / "ranks"
-    write_rank_file(str(rank_dir), {"version": 1, "job_id": "dflash", "world_size": 1,
-                                    "ranks": [{"rank": 0, "pid": rank.pid}]}, "dflash.json")
+    write_rank_file(str(rank_dir), {"version": 1, "job_id": "dflash", "world_size": 2,
+                                    "ranks": [{"rank": 0, "pid": rank0}, {"rank": 1, "pid": rank1}]},
+                    "dflash.json")
     cfg = parse_config({"rank_dir": str(rank_dir), "state_dir": str(tmp_path / "state"),
                         "orphans": {"grace_seconds": 0}, "gil": {"enabled": False},
                         "discovery": {"enabled": False}})
     clock = [1.9e9]
-    sub = GpuSubsystem(source=fixture_source(str(FIX / "h200_orphan_dataloader.json"),
-                                             {447: rank.pid, 449: kids[0], 450: kids[1],
-                                              453: other.pid}),
+    # the recording's GPU 0: 447 2.6 GiB, 449 630 MiB, 450 630 MiB, 453 5.6 GiB
+    pid_map = {447: rank0, 449: rank1, 450: stray2, 453: stray1}
+    sub = GpuSubsystem(source=fixture_source(str(FIX / "h200_orphan_dataloader.json"), pid_map),
                        watch_xid=False, watch_udev=False)
     d = Daemon(cfg, subsystems=[sub], clock=lambda: clock[0])
     sub.start(d)
     try:
         first = d.cycle()
         assert [f for f in first.findings if f.kind == "cuda_oom"] == []
-        (orphan,) = first.orphans
-        assert orphan.pid == other.pid
+        reasons = {o.pid: cuda_oom.REASON_TEXT.get(o.reason, o.reason) for o in first.orphans}
+        assert set(reasons) == {stray1, stray2}
         event = {"version": 1, "kind": "cuda_oom", "job_id": "dflash", "rank": 0,
-                 "pid": rank.pid, "timestamp": clock[0] - 1, "device_uuid": UUID,
+                 "pid": rank0, "timestamp": clock[0] - 1, "device_uuid": UUID,
                  "requested_bytes": 1 << 30, "co_tenants": None}
-        (rank_dir / f"{PREFIX}dflash-0-{rank.pid}-1{SUFFIX}").write_text(json.dumps(event))
+        (rank_dir / f"{PREFIX}dflash-0-{rank0}-1{SUFFIX}").write_text(json.dumps(event))
         clock[0] += 10
         states = [d.cycle(), d.cycle()]  # read (and removed) once, kept on the next cycle
         assert d.counters.get("cuda_oom_errors", ("dflash", "0", "0")) == 1
-        comms = {pid: _comm(pid) for pid in (other.pid, *kids)}
+        comm = {pid: _comm(pid) for pid in (rank1, stray1, stray2)}
         for state in states:
             (f,) = [f for f in state.findings if f.kind == "cuda_oom"]
-            assert (f.severity, f.job_id, f.rank, f.pid) == ("warning", "dflash", "0", str(rank.pid))
+            assert (f.severity, f.job_id, f.rank, f.pid) == ("warning", "dflash", "0", str(rank0))
             assert f.since == event["timestamp"]
-            why = cuda_oom.REASON_TEXT.get(orphan.reason, orphan.reason)
             assert f.explanation == (
-                f"rank 0 of job dflash (pid {rank.pid}) hit CUDA OOM on GPU 0 (tried to allocate "
-                f"1.0 GiB); PID {other.pid} ({comms[other.pid]}, not in any job, {why}) held 5.6 GiB "
-                f"there; PID {kids[0]} ({comms[kids[0]]}, rank 0 of job dflash) held 630 MiB there; "
-                f"PID {kids[1]} ({comms[kids[1]]}, rank 0 of job dflash) held 630 MiB there")
+                f"rank 0 of job dflash (pid {rank0}) hit CUDA OOM on GPU 0 (tried to allocate "
+                f"1.0 GiB); PID {stray1} ({comm[stray1]}, not in any job, {reasons[stray1]}) held "
+                f"5.6 GiB there; PID {rank1} ({comm[rank1]}, rank 1 of job dflash) held 630 MiB "
+                f"there; PID {stray2} ({comm[stray2]}, not in any job, {reasons[stray2]}) held "
+                "630 MiB there")
         clock[0] = event["timestamp"] + FINDING_SECONDS + 1
         late = d.cycle()
         assert [f for f in late.findings if f.kind == "cuda_oom"] == []
@@ -148,9 +143,3 @@ def test_the_daemon_names_the_co_tenants_and_drops_the_finding_after_its_window(
         assert [n for n in os.listdir(rank_dir) if n.startswith(PREFIX)] == []
     finally:
         sub.stop()
-        for pid in kids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        for p in (rank, other):
-            p.kill()
-            p.wait()
