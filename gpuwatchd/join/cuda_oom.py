@@ -17,7 +17,7 @@ import logging
 import os
 import stat as statmod
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,7 +209,3 @@ class OomTracker:
         self.active = [a for a in self.active if now - a.since <= FINDING_SECONDS]
         return list(self.active)
 
-
-def tenants_of(events: Iterable[OomEvent]) -> set[int]:
-    """Every co-tenant PID named by ``events`` (the daemon reads their /proc identity)."""
-    return {pid for e in events for pid, _ in (e.co_tenants or ())}
