@@ -29,7 +29,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from gpuwatchd.config import Config, ConfigError
 from gpuwatchd.counters import CounterStore
@@ -41,7 +41,7 @@ from gpuwatchd.daemon.memory import MemorySubsystem
 from gpuwatchd.daemon.notify import notify, watchdog_interval
 from gpuwatchd.daemon.pyspy import PySpySubsystem
 from gpuwatchd.daemon.reload import RESTART_SECTIONS as RESTART_SECTIONS
-from gpuwatchd.daemon.reload import ReloadMixin
+from gpuwatchd.daemon.reload import ConfigSource, reload_config
 from gpuwatchd.daemon.retention import RetentionSubsystem
 from gpuwatchd.daemon.state_json import state_to_json as state_to_json
 from gpuwatchd.daemon.state_json import to_jsonable as to_jsonable
@@ -66,6 +66,9 @@ from gpuwatchd.sources.rankfiles import (
 from gpuwatchd.statefile import StateFiles, remove_temporaries
 from gpuwatchd.web.config import WebConfigError
 
+if TYPE_CHECKING:  # imported when the daemon starts serving (start), not before
+    from gpuwatchd.web.server import WebServer
+
 log = logging.getLogger("gpuwatchd")
 STATE_FILE = "state.json"
 # A cycle is bounded to seconds by its collectors' time-outs and the stall probe budget; one that
@@ -81,7 +84,7 @@ class ProcReading:
     progress: Mapping[tuple[str, int], float]
 
 
-class Daemon(ReloadMixin):
+class Daemon:
     def __init__(
         self,
         config: Config,
@@ -106,9 +109,7 @@ class Daemon(ReloadMixin):
         self.reap_strays = reap_strays
         self.liveness_seconds = liveness_seconds
         self._last_cycle_end = time.monotonic()
-        self.config_path = config_path
-        self.listen_override = listen_override
-        self.web_config_override = web_config_override
+        self.config_source = ConfigSource(config_path, listen_override, web_config_override)
         self.paths = paths or HostPaths(procfs=config.procfs)
         self.clock = clock
         self.counters = counters or CounterStore()
@@ -125,7 +126,7 @@ class Daemon(ReloadMixin):
         self.write_state = write_state  # False for read-only users (gpuwatchd ps)
         self.subsystems: list[Subsystem] = subsystems if subsystems is not None else default_subsystems(config)
         self.registry = make_registry(lambda: self.state, self.counters)
-        self.web: Any = None
+        self.web: WebServer | None = None
         self._discovered: list[RankEntry] = []
         self._last_discovery = float("-inf")
         self._env_cache: dict[tuple[int, int], tuple[str, ...]] = {}
@@ -272,6 +273,19 @@ class Daemon(ReloadMixin):
         # json.dumps uses the C encoder; json.dump to a file would run the pure-Python one
         text = json.dumps(state_to_json(state), separators=(",", ":"), default=str)
         self.state_files.write(path, text)  # counted in gpuwatch_state_write_errors_total
+
+    def reload(self) -> bool:
+        """SIGHUP: re-read the config file and apply what can change at run time (the rank
+        directory, the interval, the web server); on any problem keep the running config."""
+        done = reload_config(self.config, self.config_source, self.web, started=self.state is not None)
+        if done is None:
+            return False
+        old, self.config, self.web = self.config, done.config, done.web
+        if done.config.rank_dir != old.rank_dir:
+            self.rankfiles = RankFileReader(done.config.rank_dir)
+        if done.config.interval_seconds != old.interval_seconds:
+            self._make_collectors()
+        return True
 
     # --- lifecycle ------------------------------------------------------------------------------
 

@@ -141,7 +141,7 @@ class KernelLogSubsystem(Subsystem):
         t0 = time.monotonic()
         now = daemon.clock()
         retention = daemon.config.retention  # SIGHUP applies it here too
-        self.processor.retention_seconds = retention.oom_kill_seconds
+        self.processor.store.retention_seconds = retention.oom_kill_seconds
         self.processor.record.ended_grace = retention.ended_rank_seconds
         self._processes = cycle.processes
         self.processor.tick(now)

@@ -1,11 +1,13 @@
-"""The kernel-event processor's durable store: ``state_dir/events.jsonl`` as the source of its
-counters, each event counted exactly once, compacted before it outgrows ``max_log_bytes``.
+"""The durable event store: ``state_dir/events.jsonl`` as the source of the event counters, each
+event counted exactly once, compacted before it outgrows ``max_log_bytes``.
 
-``KernelEventProcessor`` (join/kernel_events.py) inherits ``EventStoreMixin``: ``_store`` appends
-an event before it is counted (its key remembered in a ``BoundedKeys``), ``_rebuild`` re-adds every
-stored event's increment at start, and a compaction folds old events into one ``counter_base``
-record (counters of ranks gone longer than ``retention_seconds`` dropped). Cost: one append per
-event; a compaction rewrites at most ``keep_events`` events plus one record per counter series.
+``EventStore`` is an object of its own; ``KernelEventProcessor`` (join/kernel_events.py) holds one
+and everything it reads is a constructor argument. ``add`` appends an event before it is counted
+(its key remembered in a ``BoundedKeys``), the constructor re-adds every stored event's increment
+(counters continue across restarts), and a compaction folds old events into one ``counter_base``
+record (counters of ranks gone longer than ``retention_seconds`` and not in ``live_ranks()``
+dropped). Thread-safe (its own lock). Cost: one append per event; a compaction rewrites at most
+``keep_events`` events plus one record per counter series.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from gpuwatchd.counters import CounterStore, rank_label_positions
@@ -93,28 +96,77 @@ class BoundedKeys:
             del self._keys[next(iter(self._keys))]
 
 
-class EventStoreMixin:
-    """The store side of ``KernelEventProcessor``: what of it the store reads and updates."""
+class EventStore:
+    """``events.jsonl`` and the counters it stands for (see the module docstring)."""
 
-    max_log_bytes: int
-    keep_events: int
-    retention_seconds: float
-    recent_seconds: float
-    files: StateFiles
-    counters: CounterStore
-    bus: EventBus | None
-    boot_id: str
-    clock: Callable[[], float]
-    events_path: str
-    _lock: threading.RLock
-    _keys: BoundedKeys
-    _other_keys: BoundedKeys
-    _recent: deque[Event]
-    _boot_kernel_kills: int
-    _ranks: dict[tuple[str, int], Any]  # kernel_events._RankView
-    _snapshots: dict[tuple[str, str, int], Event]
-    _log_bytes: int
-    _compact_at: int
+    def __init__(
+        self,
+        path: str,
+        counters: CounterStore,
+        *,
+        bus: EventBus | None = None,
+        boot_id: str = "",
+        clock: Callable[[], float] = time.time,
+        files: StateFiles | None = None,
+        max_log_bytes: int = 16 << 20,
+        keep_events: int = 10000,
+        retention_seconds: float = 1800.0,
+        recent_seconds: float = 3600.0,
+        live_ranks: Callable[[], Iterable[tuple[str, int]]] = tuple,
+    ) -> None:
+        """``bus``: where a new event goes (its JSONL sink writes ``path``; None: counted only).
+        ``boot_id``: this boot's, for the kernel OOM kills it counted. ``recent_seconds``: how
+        long ``recent`` keeps kernel events. ``live_ranks``: the (job id, rank) registered now,
+        whose counters a compaction keeps however old (``retention_seconds``: the others')."""
+        self.events_path = path
+        self.counters = counters
+        self.bus = bus
+        self.boot_id = boot_id
+        self.clock = clock
+        self.files = files or StateFiles()
+        self.max_log_bytes = max_log_bytes
+        self.keep_events = keep_events
+        self.retention_seconds = retention_seconds  # retention.oom_kill_seconds, set at start
+        self.recent_seconds = recent_seconds
+        self.live_ranks = live_ranks
+        self._lock = threading.RLock()
+        # Keys of stored events, for exactly-once counting: kernel events (a re-read after a
+        # restart or a lost cursor) and the rest (finding transitions), each bounded.
+        self._keys = BoundedKeys(KERNEL_KEYS)
+        self._other_keys = BoundedKeys(OTHER_KEYS)
+        # kernel events (kills, Xids) of the last recent_seconds, for the findings
+        self._recent: deque[Event] = deque(maxlen=10000)
+        self._boot_kernel_kills = 0  # kernel OOM kills (parsed + unexplained) stored this boot
+        self._snapshots: dict[tuple[str, str, int], Event] = {}  # (job_id, rank, rank pid) -> last
+        self._log_bytes = 0
+        self._compact_at = max_log_bytes
+        self._rebuild()
+
+    # -- what the processor reads ------------------------------------------------------------
+
+    def emit(self, ev: Event) -> Event | None:
+        """``ev`` when it was new and is now stored and counted; None for a duplicate."""
+        return ev if self.add(ev) else None
+
+    def has_kernel_key(self, key: str) -> bool:
+        """Is a kernel event (one with a boot id or a counter) of this key stored?"""
+        with self._lock:
+            return key in self._keys
+
+    def boot_kernel_kills(self) -> int:
+        """Kernel OOM kills (parsed and unexplained) stored for this boot."""
+        with self._lock:
+            return self._boot_kernel_kills
+
+    def recent(self, since: float | None = None) -> list[Event]:
+        """Kernel events (kills, Xids) of the last ``recent_seconds``, oldest first."""
+        with self._lock:
+            return [e for e in self._recent if since is None or e.time >= since]
+
+    def snapshot(self, job_id: str, rank: str, rank_pid: int) -> Event | None:
+        """The last memory snapshot event of that rank process, if any."""
+        with self._lock:
+            return self._snapshots.get((job_id, rank, rank_pid))
 
     # -- start-up ----------------------------------------------------------------------------
 
@@ -203,7 +255,7 @@ class EventStoreMixin:
                   ) -> dict[tuple[str, tuple[str, ...]], tuple[float, float]]:
         positions = rank_label_positions()
         horizon = self.clock() - self.retention_seconds
-        live = {(j, str(r)) for j, r in self._ranks}
+        live = {(j, str(r)) for j, r in self.live_ranks()}
         out = {}
         for (name, labels), (v, last) in totals.items():
             pos = positions.get(name)
@@ -228,7 +280,7 @@ class EventStoreMixin:
                     log.warning("event %s: cannot count %s%s: %s", ev.key, name, labels, e)
             self._boot_kernel_kills += boot_kills.get(self.boot_id, 0)
 
-    def _store(self, ev: Event) -> bool:
+    def add(self, ev: Event) -> bool:
         """Persist, count, fan out. False when the event was already stored (a duplicate)."""
         with self._lock:
             if self._seen(ev):
@@ -249,8 +301,3 @@ class EventStoreMixin:
         for k in [k for k, e in self._snapshots.items() if e.time < horizon]:
             del self._snapshots[k]
         self._snapshots[(ev.job_id, ev.rank, ev.pid or 0)] = ev
-
-    def record_event(self, ev: Event) -> bool:
-        """Store an event from elsewhere in the daemon (finding transitions: rank deaths, stalls)
-        in the same durable log, so `gpuwatchd events` shows one timeline. False if a duplicate."""
-        return self._store(ev)

@@ -12,11 +12,16 @@ Pure logic plus the event log; the I/O (kmsg, journal, /proc/vmstat) is in sourc
   of a rank (DataLoader workers) are attributed to that rank and marked ``worker``.
 - Exactly once: every event has a key (boot id + kernel timestamp + PID), is appended to
   ``state_dir/events.jsonl`` before it is counted, and the counters are rebuilt from that file at
-  start. The source's resume position (kmsg seq + boot id, journal cursor) keeps re-reading small.
+  start (``EventStore``, event_store.py: the processor's ``store``). The source's resume
+  position (kmsg seq + boot id, journal cursor) keeps re-reading small.
 - Nothing silently lost: ``/proc/vmstat oom_kill`` counts every kernel OOM kill since boot; kills
   it counts that no parsed line explains (ring overrun, source down) become ``unattributed``
   events after a grace period. Kills before the daemon's first start in a boot are history: the
   baseline is taken then and the cross-check counts only beyond it (oom_history.py).
+
+The processor is composed of those parts, each given what it reads: the ``EventStore``, the
+``RankTreeRecord``, the ``RankPeers`` of this cycle, the ``OomBaseline``, and ``KernelLines``
+(kernel_lines.py: systemd-oomd, Xid and fallen-off-the-bus lines), which takes the others.
 """
 
 from __future__ import annotations
@@ -26,21 +31,21 @@ import logging
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.events.bus import EventBus
 from gpuwatchd.events.log import EVENTS_FILE, Event
-from gpuwatchd.join.bus_lost import BusLostDedup
-from gpuwatchd.join.event_store import KERNEL_KEYS, OTHER_KEYS, BoundedKeys, EventStoreMixin
+from gpuwatchd.join.event_store import EventStore
 from gpuwatchd.join.kernel_lines import CRITICAL_XIDS as CRITICAL_XIDS
-from gpuwatchd.join.kernel_lines import KernelLinesMixin, fmt_time
-from gpuwatchd.join.oom_history import HistoryKill, OomBaseline
+from gpuwatchd.join.kernel_lines import KernelLines, fmt_time, is_history
+from gpuwatchd.join.oom_history import OomBaseline
 from gpuwatchd.join.oom_kills import Kill, KillGrouper
+from gpuwatchd.join.rank_peers import RankPeers
 from gpuwatchd.join.rank_trees import RankTreeRecord, TreeMember, members_from
+from gpuwatchd.join.xid_dedup import XidDeduper
 from gpuwatchd.model import PAGE, WARNING, ProcessInfo, RankState, frozen_map
 from gpuwatchd.sources.kernel_log import (
     KILLER_EARLYOOM,
@@ -76,13 +81,7 @@ def scope_phrase(scope: str, constraint: str, oom_memcg: str, memcg: str = "") -
 # The processor: records in, events and counters out
 # ---------------------------------------------------------------------------------------------
 
-@dataclass
-class _RankView:
-    alive: bool
-    world_size: int | None
-
-
-class KernelEventProcessor(EventStoreMixin, KernelLinesMixin):
+class KernelEventProcessor:
     """Thread-safe: ``handle`` runs in the kernel-log thread, ``observe``/``cross_check``/``tick``
     in the daemon's cycle, ``recent`` in outputs."""
 
@@ -93,7 +92,7 @@ class KernelEventProcessor(EventStoreMixin, KernelLinesMixin):
         bus: EventBus | None = None,
         boot_id: str = "",
         record: RankTreeRecord | None = None,
-        xid_dedup: Any = None,  # gpuwatchd.join.xid_dedup.XidDeduper (shared with the NVML watcher)
+        xid_dedup: XidDeduper | None = None,  # shared with the NVML watcher
         group_timeout: float = 2.0,
         unexplained_grace: float = 10.0,
         recent_seconds: float = 3600.0,
@@ -105,48 +104,35 @@ class KernelEventProcessor(EventStoreMixin, KernelLinesMixin):
         ended_grace_seconds: float | None = None,
     ) -> None:
         """``retention_seconds``: how long a compaction keeps the folded counter of a rank that
-        is no longer registered (``retention.oom_kill_seconds``, retention.py)."""
-        self.max_log_bytes = max_log_bytes
-        self.keep_events = keep_events
-        self.retention_seconds = retention_seconds
-        self.files = files or StateFiles()  # the daemon passes its own, which counts
+        is no longer registered (``retention.oom_kill_seconds``, retention.py; at run time it is
+        ``store.retention_seconds``)."""
+        files = files or StateFiles()  # the daemon passes its own, which counts
         self.counters = counters
         self.state_dir = state_dir
-        self.bus = bus
         self.boot_id = boot_id
-        self.record = record or RankTreeRecord(os.path.join(state_dir, RECORD_FILE), files=self.files,
+        self.record = record or RankTreeRecord(os.path.join(state_dir, RECORD_FILE), files=files,
                                                ended_grace_seconds=ended_grace_seconds)
-        self.xid_dedup = xid_dedup
         self.unexplained_grace = unexplained_grace
-        self.recent_seconds = recent_seconds
         self.clock = clock
         self._lock = threading.RLock()
         self._grouper = KillGrouper(group_timeout)
-        # Keys of stored events, for exactly-once counting: kernel events (a re-read after a
-        # restart or a lost cursor) and the rest (finding transitions), each bounded.
-        self._keys = BoundedKeys(KERNEL_KEYS)
-        self._other_keys = BoundedKeys(OTHER_KEYS)
-        # kernel events (kills, Xids) of the last recent_seconds, for the findings
-        self._recent: deque[Event] = deque(maxlen=10000)
-        self._boot_kernel_kills = 0  # kernel OOM kills (parsed + unexplained) stored this boot
         self._deficit_since: float | None = None
-        self._ranks: dict[tuple[str, int], _RankView] = {}
-        self._pci_uuid: dict[str, str] = {}
-        self._bus_lost = BusLostDedup()
-        self._snapshots: dict[tuple[str, str, int], Event] = {}  # (job_id, rank, rank pid) -> last
+        self.peers = RankPeers()
         self.oom_baseline = OomBaseline(state_dir, boot_id)  # kills before the first start
-        self.events_path = os.path.join(state_dir, EVENTS_FILE)
         with contextlib.suppress(OSError):  # unwritable: kills are still counted, writes counted
             os.makedirs(state_dir, exist_ok=True)
-        self._log_bytes = 0
-        self._compact_at = max_log_bytes
-        self._rebuild()
+        self.store = EventStore(
+            os.path.join(state_dir, EVENTS_FILE), counters, bus=bus, boot_id=boot_id, clock=clock,
+            files=files, max_log_bytes=max_log_bytes, keep_events=keep_events,
+            retention_seconds=retention_seconds, recent_seconds=recent_seconds,
+            live_ranks=self.peers.live)
+        self.lines = KernelLines(self.store, self.record, self.peers, self.oom_baseline, xid_dedup)
 
     def take_baseline(self, vmstat_oom_kill: int | None, now: float) -> bool:
         """Before the source starts: load this boot's baseline, or take it (first start in this
         boot; True): kills the source replays from before ``now`` are history (oom_history.py)."""
         with self._lock:
-            return self.oom_baseline.take(vmstat_oom_kill, self._boot_kernel_kills, now)
+            return self.oom_baseline.take(vmstat_oom_kill, self.store.boot_kernel_kills(), now)
 
     def history_event(self, source: str) -> Event | None:
         """Once, after the first start's replay (``source``: kmsg | journal, "" when the log could
@@ -155,11 +141,7 @@ class KernelEventProcessor(EventStoreMixin, KernelLinesMixin):
             ev = self.oom_baseline.history_event(source, fmt_time)
         if ev is not None:
             log.info("%s", ev.summary)
-        return self._emit(ev) if ev is not None else None
-
-    def _is_history(self, k: Kill) -> bool:
-        return self.oom_baseline.is_history(
-            HistoryKill(k.pid, k.comm, k.killer, k.time, k.rss_bytes, k.memcg))
+        return self.store.emit(ev) if ev is not None else None
 
     # -- the kernel-log thread --------------------------------------------------------------
 
@@ -169,17 +151,17 @@ class KernelEventProcessor(EventStoreMixin, KernelLinesMixin):
             return []
         with self._lock:
             if p.kind == "xid":
-                return [e for e in [self._xid(rec, p)] if e is not None]
+                return [e for e in [self.lines.xid(rec, p)] if e is not None]
             if p.kind == "gpu_at":
-                self._pci_uuid[p.fields["pci"]] = p.fields["uuid"]
+                self.lines.gpu_at(p.fields["pci"], p.fields["uuid"])
                 return []
             if p.kind == "gpu_named":
-                self._bus_lost.named(p.fields["pci"], rec.realtime)
+                self.lines.gpu_named(p.fields["pci"], rec.realtime)
                 return []
             if p.kind == "bus_lost":
-                return [e for e in [self._lost(rec, p)] if e is not None]
+                return [e for e in [self.lines.bus_lost(rec, p)] if e is not None]
             if p.kind == "oomd":
-                return self._oomd(rec, p)
+                return self.lines.oomd(rec, p)
             kills = self._grouper.feed(rec, p)
             return [e for k in kills for e in [self._kill_event(k)] if e is not None]
 
@@ -193,13 +175,8 @@ class KernelEventProcessor(EventStoreMixin, KernelLinesMixin):
         with self._lock:
             return self._grouper.oldest_pending_seq()
 
-    def _peers_alive(self, job_id: str, rank: int) -> tuple[int, int | None]:
-        alive = sum(1 for (j, r), v in self._ranks.items() if j == job_id and r != rank and v.alive)
-        view = self._ranks.get((job_id, rank))
-        return alive, view.world_size if view else None
-
     def _kill_event(self, k: Kill) -> Event | None:
-        if self._is_history(k):
+        if is_history(self.oom_baseline, k):
             return None
         m = self.record.lookup(k.pid, k.time)
         job_id, rank_s = (m.job_id, str(m.rank)) if m else ("", "")
@@ -230,7 +207,7 @@ class KernelEventProcessor(EventStoreMixin, KernelLinesMixin):
             )
             severity, alert = WARNING, False
         else:
-            peers, world = self._peers_alive(m.job_id, m.rank)
+            peers, world = self.peers.peers_alive(m.job_id, m.rank)
             fields.update(peers_alive=peers, rank_pid=m.rank_pid)
             if world:
                 fields["world_size"] = world
@@ -243,12 +220,12 @@ class KernelEventProcessor(EventStoreMixin, KernelLinesMixin):
             summary = f"{subject} was killed by {by} at {fmt_time(k.time)}{holding}{where}"
             if peers:
                 summary += f"; {peers} peers alive: they will wait in their next collective"
-            snap = self._snapshots.get((m.job_id, str(m.rank), m.rank_pid))
+            snap = self.store.snapshot(m.job_id, str(m.rank), m.rank_pid)
             if snap is not None and snap.time <= k.time + 1.0:
                 fields.update(memory_snapshot=snap.key, memory_snapshot_summary=snap.summary)
                 summary += f"; last memory snapshot (event {snap.key}): {snap.summary}"
             severity, alert = PAGE, True
-        return self._emit(
+        return self.store.emit(
             Event(
                 key=k.key,
                 kind="oom_kill",
@@ -269,9 +246,6 @@ class KernelEventProcessor(EventStoreMixin, KernelLinesMixin):
             )
         )
 
-    def _emit(self, ev: Event) -> Event | None:
-        return ev if self._store(ev) else None
-
     # -- the daemon's cycle ------------------------------------------------------------------
 
     def observe(
@@ -285,7 +259,7 @@ class KernelEventProcessor(EventStoreMixin, KernelLinesMixin):
         members = members_from(ranks, processes, now, cgroups)
         self.record.update(members, now)
         with self._lock:
-            self._ranks = {(r.job_id, r.rank): _RankView(r.alive, r.world_size) for r in ranks}
+            self.peers.update(ranks)
         for r in ranks:
             if r.alive and r.process is not None:
                 self.counters.ensure(
@@ -298,7 +272,7 @@ class KernelEventProcessor(EventStoreMixin, KernelLinesMixin):
         if vmstat_oom_kill is None:
             return []
         with self._lock:
-            missing = vmstat_oom_kill - self.oom_baseline.kernel_kills() - self._boot_kernel_kills
+            missing = vmstat_oom_kill - self.oom_baseline.kernel_kills() - self.store.boot_kernel_kills()
             if missing <= 0:
                 self._deficit_since = None
                 return []
@@ -321,16 +295,20 @@ class KernelEventProcessor(EventStoreMixin, KernelLinesMixin):
                 count=missing,
                 fields=frozen_map({"vmstat_oom_kill": vmstat_oom_kill}),
             )
-            return [e for e in [self._emit(ev)] if e is not None]
+            return [e for e in [self.store.emit(ev)] if e is not None]
 
     def recent(self, since: float | None = None) -> list[Event]:
-        with self._lock:
-            return [e for e in self._recent if since is None or e.time >= since]
+        return self.store.recent(since)
+
+    def record_event(self, ev: Event) -> bool:
+        """Store an event from elsewhere in the daemon (finding transitions: rank deaths, stalls)
+        in the same durable log, so `gpuwatchd events` shows one timeline. False if a duplicate."""
+        return self.store.add(ev)
 
     def with_peers(self, ev: Event) -> Event:
         """``ev`` with the peers-alive count of now (for findings shown long after the kill)."""
         if not ev.job_id:
             return ev
-        peers, _ = self._peers_alive(ev.job_id, int(ev.rank))
+        peers, _ = self.peers.peers_alive(ev.job_id, int(ev.rank))
         return replace(ev, fields=frozen_map({**ev.fields, "peers_alive_now": peers}))
 

@@ -1,8 +1,12 @@
 """Kernel log lines that are not an OOM kill of the kernel's own: a systemd-oomd cgroup kill, an
 Xid, a GPU fallen off the bus; each one -> events attributed to ranks and GPUs, counted once.
 
-``KernelEventProcessor`` (join/kernel_events.py) inherits ``KernelLinesMixin`` and calls these
-from ``handle`` in the kernel-log thread, under its lock. Cost: a dictionary look-up per line
+``KernelLines`` is a small object that ``KernelEventProcessor`` (join/kernel_events.py) holds and
+calls from ``handle`` in the kernel-log thread, under the processor's lock; what it reads is given
+to its constructor: the event store (exactly-once counting), the rank-tree record (who was which
+rank), the ranks of this cycle (peers alive), the boot's OOM baseline (history is not news) and
+the Xid de-duplicator shared with the NVML watcher. It keeps the GPUs' PCI-address -> UUID map the
+driver prints and the fallen-off-the-bus de-duplication. Cost: a dictionary look-up per line
 (ranks by cgroup, GPUs by PCI address), Xid de-duplication against the NVML watcher.
 """
 
@@ -10,13 +14,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any
 
 from gpuwatchd.events.log import Event
 from gpuwatchd.join.bus_lost import BusLostDedup
-from gpuwatchd.join.event_store import BoundedKeys
+from gpuwatchd.join.event_store import EventStore
+from gpuwatchd.join.oom_history import HistoryKill, OomBaseline
 from gpuwatchd.join.oom_kills import Kill
+from gpuwatchd.join.rank_peers import RankPeers
 from gpuwatchd.join.rank_trees import RankTreeRecord
+from gpuwatchd.join.xid_dedup import XidDeduper
 from gpuwatchd.model import INFO, PAGE, WARNING, frozen_map
 from gpuwatchd.sources.kernel_log import (
     KILLER_OOMD,
@@ -36,28 +42,37 @@ def fmt_time(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 
-class KernelLinesMixin:
-    """The oomd/Xid side of ``KernelEventProcessor``: what of it these read."""
+def is_history(baseline: OomBaseline, k: Kill) -> bool:
+    """Was ``k`` before this boot's first start of the daemon (oom_history.py)?"""
+    return baseline.is_history(HistoryKill(k.pid, k.comm, k.killer, k.time, k.rss_bytes, k.memcg))
 
-    record: RankTreeRecord
-    xid_dedup: Any
-    _keys: BoundedKeys
-    _pci_uuid: dict[str, str]
-    _bus_lost: BusLostDedup
 
-    def _emit(self, ev: Event) -> Event | None:
-        raise NotImplementedError
+class KernelLines:
+    """systemd-oomd, Xid and fallen-off-the-bus lines -> events (see the module docstring). Not
+    locked: the processor calls it under its own lock."""
 
-    def _is_history(self, k: Kill) -> bool:
-        raise NotImplementedError
+    def __init__(self, store: EventStore, record: RankTreeRecord, peers: RankPeers,
+                 baseline: OomBaseline, xid_dedup: XidDeduper | None) -> None:
+        self.store = store
+        self.record = record
+        self.peers = peers
+        self.baseline = baseline
+        self.xid_dedup = xid_dedup
+        self._pci_uuid: dict[str, str] = {}
+        self._bus_lost = BusLostDedup()
 
-    def _peers_alive(self, job_id: str, rank: int) -> tuple[int, int | None]:
-        raise NotImplementedError
+    def gpu_at(self, pci: str, uuid: str) -> None:
+        """The driver named the GPU at ``pci``: its UUID, for the Xids that name only the address."""
+        self._pci_uuid[pci] = uuid
 
-    def _oomd(self, rec: LogRecord, p: Parsed) -> list[Event]:
+    def gpu_named(self, pci: str, at: float) -> None:
+        """A driver line named the GPU at ``pci`` (a fallen-off-the-bus message may follow)."""
+        self._bus_lost.named(pci, at)
+
+    def oomd(self, rec: LogRecord, p: Parsed) -> list[Event]:
         """systemd-oomd kills a whole cgroup: one event per rank process that lived in it."""
         cgroup = p.fields.get("cgroup", "")
-        if self._is_history(Kill(0, "", KILLER_OOMD, rec.boot_id, rec.realtime, None, memcg=cgroup)):
+        if is_history(self.baseline, Kill(0, "", KILLER_OOMD, rec.boot_id, rec.realtime, None, memcg=cgroup)):
             return []
         victims = self.record.ranks_in_cgroup(cgroup, rec.realtime)
         stamp = int(rec.realtime * 1e6)
@@ -77,9 +92,9 @@ class KernelLinesMixin:
                 labels=("", "", "", KILLER_OOMD),
                 fields=frozen_map({"memcg": cgroup, "source": rec.source}),
             )
-            return [e for e in [self._emit(ev)] if e is not None]
+            return [e for e in [self.store.emit(ev)] if e is not None]
         for m in victims:
-            peers, _ = self._peers_alive(m.job_id, m.rank)
+            peers, _ = self.peers.peers_alive(m.job_id, m.rank)
             summary = (
                 f"rank {m.rank} of job {m.job_id} (pid {m.pid}, {m.comm}) was killed by "
                 f"systemd-oomd at {fmt_time(rec.realtime)} with its cgroup {cgroup} "
@@ -104,16 +119,16 @@ class KernelLinesMixin:
                 fields=frozen_map({"memcg": cgroup, "peers_alive": peers, "source": rec.source}),
                 alert=True,
             )
-            out += [e for e in [self._emit(ev)] if e is not None]
+            out += [e for e in [self.store.emit(ev)] if e is not None]
         return out
 
-    def _lost(self, rec: LogRecord, p: Parsed) -> Event | None:
+    def bus_lost(self, rec: LogRecord, p: Parsed) -> Event | None:
         """A GPU fell off the bus, said without an Xid number: an Xid 79 event (bus_lost.py)."""
         pci = self._bus_lost.pci_for(p.fields.get("pci", ""), rec.realtime)
         f = {**p.fields, "pci": pci, "xid": "79"}
-        return self._xid(rec, replace(p, fields=f))
+        return self.xid(rec, replace(p, fields=f))
 
-    def _xid(self, rec: LogRecord, p: Parsed) -> Event | None:
+    def xid(self, rec: LogRecord, p: Parsed) -> Event | None:
         f = p.fields
         pci = f.get("pci", "")
         try:
@@ -123,7 +138,7 @@ class KernelLinesMixin:
         stamp = rec.monotonic_usec if rec.monotonic_usec is not None else int(rec.realtime * 1e6)
         no_xid = p.kind == "bus_lost"
         key = f"{rec.boot_id}:{'bus_lost' if no_xid else 'xid'}:{pci}:{xid}:{stamp}"
-        if key in self._keys:
+        if self.store.has_kernel_key(key):
             return None
         gpu, uuid = "", self._pci_uuid.get(pci, "")
         count = xid != 79 or self._bus_lost.count(pci, rec.realtime, no_xid)
@@ -157,7 +172,7 @@ class KernelLinesMixin:
                 fields["mig_" + k] = f[k]
         if no_xid:
             fields.update(detail="fallen off the bus, no Xid number", pci_id=f.get("pci_id", ""))
-        return self._emit(
+        return self.store.emit(
             Event(
                 key=key,
                 kind="xid",

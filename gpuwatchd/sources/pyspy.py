@@ -74,7 +74,7 @@ from gpuwatchd.sources.pyspy_output import (
     parse_record_raw,
     parse_record_summary,
 )
-from gpuwatchd.sources.pyspy_spawn import SpawnMixin
+from gpuwatchd.sources.pyspy_spawn import spawn
 from gpuwatchd.sources.reaper import CHILDREN, ChildReaper
 from gpuwatchd.sources.threads import (
     ThreadInfo,
@@ -180,7 +180,7 @@ class PySpyStats:
     reasons: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
-class PySpy(SpawnMixin):
+class PySpy:
     """Runs the py-spy binary safely. Thread-safe; one instance per daemon."""
 
     def __init__(
@@ -347,7 +347,13 @@ class PySpy(SpawnMixin):
             state_before = process_state(self.paths, pid)
             if state_before is None:
                 raise self._count(PySpyError(TARGET_GONE, "no such process"))
-            res = self._spawn([self.binary, *args], timeout)
+            try:
+                res = spawn([self.binary, *args], timeout, reaper=self.reaper,
+                            output_cap_bytes=self.output_cap_bytes, run_as=self.run_as,
+                            on_strays=self._count_strays)
+            except PySpyError as e:
+                self._count(e)
+                raise
             self._check_not_left_stopped(pid, state_before)
         finally:
             self._slots.release()
@@ -364,6 +370,10 @@ class PySpy(SpawnMixin):
             self.stats.reasons[err.reason] += 1
             self.stats.last_error = str(err)
         return err
+
+    def _count_strays(self, n: int) -> None:
+        with self._stats_lock:
+            self.stats.strays_killed += n
 
     def _check_not_left_stopped(self, pid: int, state_before: str) -> None:
         if state_before in ("T", "t"):

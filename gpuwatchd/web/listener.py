@@ -27,6 +27,9 @@ per ``log_interval`` seconds, however many there were.
 Cost: one thread for this loop and, once requests arrive, up to ``max_workers`` workers; per open
 connection one fd, at most ``max_head_bytes`` of request and the headers of its response; a turn
 of the loop at least every 0.25 s to enforce the deadlines. Privilege: none.
+
+The workers are the listener's ``WorkerPool`` (web/workers.py): the loop submits a connection
+whose head is complete, a worker hands it back answered through ``Listener._hand_back``.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from gpuwatchd.web.connection import Limits as Limits
 from gpuwatchd.web.connection import Writer as Writer
 from gpuwatchd.web.connection import _shutdown
 from gpuwatchd.web.connection import bind as bind
-from gpuwatchd.web.workers import WorkersMixin
+from gpuwatchd.web.workers import WorkerPool
 
 log = logging.getLogger("gpuwatchd.web")
 
@@ -64,7 +67,7 @@ _LISTEN = object()
 _WAKE = object()
 
 
-class Listener(WorkersMixin):
+class Listener:
     """Runs the loop on its own thread once ``start()`` is called; ``serve(conn)`` (in a worker
     thread, must not raise) answers ``conn.head`` by writing to ``Writer(conn.out)`` and says
     whether to keep the connection afterwards."""
@@ -86,10 +89,7 @@ class Listener(WorkersMixin):
         self._waiting: collections.OrderedDict[Conn, None] = collections.OrderedDict()  # oldest first
         self._busy: dict[Conn, None] = {}  # ready or active; only the loop changes these two
         self._back: collections.deque[tuple[Conn, bool]] = collections.deque()  # from workers
-        self._ready: collections.deque[Conn] = collections.deque()
-        self._cv = threading.Condition()
-        self._idle_workers = 0
-        self._workers: list[threading.Thread] = []
+        self.workers = WorkerPool(limits.max_workers, serve, self._hand_back)
         self._stop = threading.Event()
         self._accept_paused_until = 0.0
         self._thread = threading.Thread(target=self._run, name="gpuwatchd-web", daemon=True)
@@ -104,8 +104,7 @@ class Listener(WorkersMixin):
     def stop(self) -> None:
         self._stop.set()
         self._wake()
-        with self._cv:
-            self._cv.notify_all()
+        self.workers.stop()
         self._thread.join(timeout=5)  # the loop shuts every connection down as it ends
 
     # --- the loop -------------------------------------------------------------------------------
@@ -280,7 +279,10 @@ class Listener(WorkersMixin):
             self._sel.unregister(conn.sock)
             del self._waiting[conn]
             self._busy[conn] = None
-            self._dispatch(conn)
+            if not self.workers.submit(conn):
+                del self._busy[conn]
+                conn.sock.close()
+                self.drops.drop("no_thread", conn.addr)
         elif conn.eof:
             self._close(conn)
         elif conn.request_line_too_long():
@@ -315,6 +317,11 @@ class Listener(WorkersMixin):
                 self.drops.drop("timeout", conn.addr)
 
     # --- answers handed back by the workers (web/workers.py) -----------------------------------
+
+    def _hand_back(self, conn: Conn, keep: bool) -> None:
+        """In a worker thread: ``conn`` is answered; the loop writes it (or closes it)."""
+        self._back.append((conn, keep))
+        self._wake()
 
     def _take_back(self) -> None:
         now = time.monotonic()

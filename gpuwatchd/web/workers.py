@@ -1,7 +1,11 @@
-"""The worker threads of the /metrics listener: at most ``Limits.max_workers``, started on demand,
-each answering one complete request at a time (``serve(conn)``) and handing the connection back
-to the loop; a thread that cannot be started (TasksMax=) drops the connection as ``no_thread``.
-``Listener`` (web/listener.py) inherits this; only its loop thread calls ``_dispatch``.
+"""The worker threads of the /metrics listener: at most ``max_workers``, started on demand, each
+answering one complete request at a time (``serve(conn)``) and handing the connection back through
+``done(conn, keep)``; a thread that cannot be started (TasksMax=) while none runs makes ``submit``
+say so, and the listener drops the connection as ``no_thread``.
+
+``WorkerPool`` is an object of its own: ``Listener`` (web/listener.py) holds one, and everything it
+reads is a constructor argument. Only the listener's loop thread calls ``submit``. Cost: up to
+``max_workers`` threads once requests arrive; one deque of connections ready to be answered.
 """
 
 from __future__ import annotations
@@ -12,47 +16,52 @@ import threading
 from collections.abc import Callable
 
 from gpuwatchd.isolation import guarded
-from gpuwatchd.web.connection import Conn, DropLog, Limits
+from gpuwatchd.web.connection import Conn
 
 
-class WorkersMixin:
-    """What of the ``Listener`` its workers share with the loop."""
+class WorkerPool:
+    """``serve(conn)`` (must not raise) answers ``conn.head``, saying whether to keep the
+    connection; ``done(conn, keep)`` hands the answered connection back to the loop."""
 
-    limits: Limits
-    serve: Callable[[Conn], bool]
-    drops: DropLog
-    _busy: dict[Conn, None]
-    _back: collections.deque[tuple[Conn, bool]]
-    _ready: collections.deque[Conn]
-    _cv: threading.Condition
-    _idle_workers: int
-    _workers: list[threading.Thread]
-    _stop: threading.Event
+    def __init__(self, max_workers: int, serve: Callable[[Conn], bool],
+                 done: Callable[[Conn, bool], None]) -> None:
+        self.max_workers = max_workers
+        self.serve = serve
+        self.done = done
+        self._ready: collections.deque[Conn] = collections.deque()
+        self._cv = threading.Condition()
+        self._idle_workers = 0
+        self._workers: list[threading.Thread] = []
+        self._stop = threading.Event()
 
-    def _wake(self) -> None:
-        raise NotImplementedError
-
-    def _dispatch(self, conn: Conn) -> None:
+    def submit(self, conn: Conn) -> bool:
+        """Queue ``conn`` for a worker, starting one if every running worker is busy. False when
+        no thread could be started and none runs: ``conn`` is not queued, the caller drops it."""
         conn.phase = "ready"
         with self._cv:
             self._ready.append(conn)
             need = len(self._ready) > self._idle_workers
             self._cv.notify()
-        if not need or len(self._workers) >= self.limits.max_workers:
-            return
+        if not need or len(self._workers) >= self.max_workers:
+            return True
         t = threading.Thread(target=self._work, name="gpuwatchd-web-worker", daemon=True)
         try:
             t.start()
         except RuntimeError:  # no thread to be had (TasksMax= reached)
             if self._workers:
-                return  # the running workers will get to it
+                return True  # the running workers will get to it
             with self._cv:
                 self._ready.remove(conn)
-            del self._busy[conn]
-            conn.sock.close()
-            self.drops.drop("no_thread", conn.addr)
-            return
+            return False
         self._workers.append(t)
+        return True
+
+    def stop(self) -> None:
+        """End every worker once its current answer is done; queued connections stay unanswered
+        (the listener closes them as its loop ends)."""
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
 
     def _work(self) -> None:
         while True:
@@ -66,5 +75,4 @@ class WorkersMixin:
                 conn = self._ready.popleft()
             conn.phase = "active"
             keep = guarded(f"answering {conn.addr}", functools.partial(self.serve, conn), False)
-            self._back.append((conn, keep))
-            self._wake()
+            self.done(conn, keep)
