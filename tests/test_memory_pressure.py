@@ -189,9 +189,13 @@ def test_growing_rank_warned_before_its_oom_kill_with_evidence(
     assert calm.cgroup_growth_bytes_per_second is not None and \
         abs(calm.cgroup_growth_bytes_per_second) < 64 << 10
     # -- evidence: the snapshot holds the rank's frame and the growing worker -----------------------
-    snaps = [e for e in events(tmp_path) if e.kind == "memory_snapshot" and e.job_id == job]
+    log = events(tmp_path)
+    snaps = [e for e in log if e.kind == "memory_snapshot" and e.job_id == job]
     assert 1 <= len(snaps) <= 5
-    snap = snaps[-1]
+    # the last one recorded before the kill: a dump still running when the kill line is read is
+    # recorded after it (the log's order), and the kill cannot link to what was not there yet
+    at_kill = next(i for i, e in enumerate(log) if e.key == kill.key)
+    snap = [e for e in log[:at_kill] if e in snaps][-1]
     assert "rank 3 was in load_shard (data.py:" in snap.summary, snap.summary
     assert f"worker {worker} (" in snap.summary and "had grown" in snap.summary
     grown = [p for p in snap.fields["processes"] if p["pid"] == worker]
