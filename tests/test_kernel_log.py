@@ -246,6 +246,9 @@ def test_kmsg_overrun_is_counted_and_reading_continues(tmp_path: Path) -> None:
 
     t = threading.Thread(target=src.run, args=(slow,), daemon=True)
     t.start()
+    # the reader holds /dev/kmsg open and sits in the handler before the flood: a reader that opens
+    # only after the ring wrapped (a loaded machine) starts past the loss and sees no EPIPE
+    assert wait_for(lambda: bool(sink.records), 10), "the reader read nothing"
     try:
         knob.write_text("on\n")
         tag = f"gw-h4-flood-{time.time_ns()}"
