@@ -121,7 +121,9 @@ def test_seed_003_lock_deadlock_names_both_threads_their_lines_and_the_word(
     text = explanation(v)
     print(text)
     assert "likely deadlock: 2 threads blocked acquiring locks at 0 % CPU, none progressing" in text
-    if sys.version_info >= (3, 11):
+    if sys.version_info >= (3, 13):  # Thread.join waits in _ThreadHandle.join (C): no frame of its own
+        assert '"MainThread" (S, 0% CPU) waiting in Thread.join at Thread.join (threading.py:' in text
+    elif sys.version_info >= (3, 11):
         assert '"MainThread" (S, 0% CPU) waiting in Thread.join at Thread._wait_for_tstate_lock' \
             in text
     else:  # per-thread CPU needs the tid; no qualified names before 3.11 (co_qualname)
@@ -278,3 +280,58 @@ def test_doctor_folds_identical_threads_and_names_the_deadlock(rank: Callable, t
                                 "(threading.py:") and "<- get (queue.py:" in t
                    for t in lines), lines  # fmt: skip
     assert report["hang"]["patterns"] == []  # idle pool threads are no hang
+
+
+def test_interpreter_exit_joining_deadlocked_threads_is_no_lock(rank: Callable, tmp_path: Path) -> None:
+    """Seed 003's deadlock in a script whose main thread returned: the interpreter's exit
+    (threading._shutdown) joins the two non-daemon threads. The main thread waits for threads,
+    not for a lock: it is named as the joiner, not counted in the cycle (every version)."""
+    p, _ = rank("exit_deadlock")
+    tracker = StallTracker(AFTER, PySpy(pyspy.resolve_pyspy()), dump_interval_seconds=CYCLE)
+    v = until_stalled(tracker, p.pid, heartbeat_path(tmp_path), want="deadlock")
+    assert v.analysis is not None
+    dead = next(x for x in v.analysis.patterns if x.kind == "deadlock")
+    print(dead.text)
+    assert set(dead.threads) == {"loader", "writer"}, dead.text
+    main = next(t for t in v.analysis.threads if t.name == "MainThread")
+    assert main.kind == "join" and main.frames[0].name == "_shutdown", main
+    assert "likely deadlock: 2 threads blocked acquiring locks" in dead.text
+    assert '"MainThread" waits for them in Thread.join' in dead.text
+    if sys.version_info >= (3, 11):
+        assert "(waiting on 2 different locks)" in dead.text
+    else:  # no native thread id before 3.11 (py-spy #567): the process-wide evidence, in words
+        assert " (thread ids not joinable on Python 3.10 (py-spy #567): all 4 tasks read asleep" \
+            in dead.text
+    cpu = "0% CPU" if sys.version_info >= (3, 11) else "CPU ?"  # per-thread CPU needs the tid
+    assert f'"MainThread" (S, {cpu}) waiting in Thread.join at _shutdown (threading.py:' in \
+        explanation(v)
+
+
+def test_lock_cycle_through_the_import_lock(rank: Callable, tmp_path: Path) -> None:
+    """A cycle of a threading.Lock and the import lock. Up to 3.12 the import lock is a
+    PyThread lock with its own futex word: two words, two locks. On 3.13 it is a PyMutex: its
+    waiter parks in CPython's parking lot on a semaphore on its own stack, so the futex word
+    names the waiter, not the lock; the explanation says what it cannot tell instead of
+    counting that word as a lock."""
+    p, _ = rank("import_lock")
+    tracker = StallTracker(AFTER, PySpy(pyspy.resolve_pyspy()), dump_interval_seconds=CYCLE)
+    v = until_stalled(tracker, p.pid, heartbeat_path(tmp_path), want="deadlock")
+    assert v.analysis is not None
+    dead = next(x for x in v.analysis.patterns if x.kind == "deadlock")
+    print(dead.text)
+    assert set(dead.threads) == {"holder", "other"}, dead.text
+    assert '"MainThread" waits for them in Thread.join' in dead.text
+    if sys.version_info >= (3, 13):
+        other = next(t for t in v.analysis.threads if t.name == "other")
+        assert other.parked and other.futex is None, other
+        assert (' ("other" parked in CPython\'s parking lot (a PyMutex wait, Python 3.13+, e.g. the '
+                "import lock): its futex word is on its own stack, so which lock it waits on is "
+                'unknown); "MainThread" waits') in dead.text
+        assert "different locks" not in dead.text  # one lock's word is known: no count of locks
+    elif sys.version_info >= (3, 11):
+        assert "(waiting on 2 different locks)" in dead.text
+    else:
+        assert " (thread ids not joinable on Python 3.10 (py-spy #567): all 4 tasks read asleep" \
+            in dead.text
+    if sys.version_info < (3, 13):
+        assert "parking lot" not in dead.text

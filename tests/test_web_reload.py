@@ -70,7 +70,9 @@ def test_sighup_to_an_address_in_use_keeps_the_running_server(tmp_path: Path) ->
         # The address is free now: the next SIGHUP moves the server there, the old one closes.
         d.signal(signal.SIGHUP)
         wait_until(lambda: _plain_ok(taken), 15, "the server on the new address")
-        assert _refused(port)
+        # The new server answers before reload() has closed the old one (it starts first, then
+        # the old listener's thread is stopped and closes its socket): poll for the close.
+        wait_until(lambda: _refused(port), 15, "the old address closed")
         assert d.proc.poll() is None
         assert f"serving http://127.0.0.1:{taken}/metrics" in d.log()
     finally:

@@ -9,7 +9,10 @@ rank's worker processes (DataLoader workers are the rank's descendants). Output:
 
 - ``deadlock`` / ``lock_wait``: threads blocked acquiring locks (``with lock:``, ``acquire``,
   ``Condition.wait``) at ~0 CPU; two or more and no Python thread progressing is a likely deadlock
-  (the futex addresses say whether they wait on different locks);
+  (the futex addresses say whether they wait on different locks, except for a wait in CPython
+  3.13's parking lot, whose futex word is the waiter's own: said so). A thread in ``Thread.join``
+  (or the interpreter's exit joining non-daemon threads) waits for threads, not a lock: it is no
+  part of a lock cycle;
 - ``gpu_wait``: blocked in ``synchronize`` / ``.item()`` / a CUDA copy; the caller adds whether
   the rank's GPU is busy (a long kernel, an NCCL spin) or idle (a lost launch);
 - ``native_spin``: a thread burning a core in native code without the GIL (a CUDA spin-wait when
@@ -29,6 +32,7 @@ import collections
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from gpuwatchd.join import lock_evidence
 from gpuwatchd.sources.pyspy import Frame, ThreadInfo, ThreadStack
 from gpuwatchd.sources.taskwait import SyscallWait
 
@@ -59,7 +63,9 @@ QUEUE_WAITS = {
 IDLE_WAITS = {
     ("wait", "threading.py"): "a wait",  # Event.wait / Condition.wait, refined below
     ("select", "selectors.py"): "select",
-    ("_wait_for_tstate_lock", "threading.py"): "Thread.join",
+    ("_wait_for_tstate_lock", "threading.py"): "Thread.join",  # 3.10-3.12
+    ("join", "threading.py"): "Thread.join",  # 3.13: _ThreadHandle.join (C) waits, no frame of its own
+    ("_shutdown", "threading.py"): "Thread.join",  # the main thread's exit joins non-daemon threads
     ("accept", "socket.py"): "socket accept",
     ("serve_forever", "socketserver.py"): "serve_forever",
     ("poll", "multiprocessing/connection.py"): "multiprocessing poll",
@@ -79,7 +85,8 @@ class ThreadView:
     frames: tuple[Frame, ...]  # innermost first
     kind: str  # compile | collective | gpu | queue | join | lock | idle | native_spin | running | waiting
     waits_on: str  # e.g. "queue.get", "a lock (futex 0x5649..)"
-    futex: int | None = None
+    futex: int | None = None  # the lock's futex word; None when unknown or not the lock's
+    parked: bool = False  # waits in CPython's parking lot (3.13+): its futex word is its own
 
 
 @dataclass(frozen=True)
@@ -193,19 +200,20 @@ def classify(s: ThreadStack, info: ThreadInfo | None, share: float | None,
              wait: SyscallWait | None, asleep: bool = False) -> ThreadView:  # fmt: skip
     """What one thread is doing, from its frames, kernel state and CPU share. ``asleep``: the
     thread has no task of its own (no tid), but every task of the process sleeps at ~0 CPU and
-    enough of them in untimed futex waits (``_unjoined_evidence``)."""
+    enough of them in untimed futex waits (``lock_evidence.unjoined``)."""
     frames = s.frames
     top = frames[0] if frames else Frame("", "", None)
     state = info.state if info else ("S" if asleep else "")
     wchan = info.wchan if info else ""
-    futex = wait.address if wait is not None and wait.futex else None
+    parked = wait is not None and wait.on_own_stack
+    futex = wait.address if wait is not None and wait.futex and not parked else None
     # unknown share (the first look at a rank): a thread asleep in the kernel is not running now
     idle_cpu = share <= IDLE_SHARE if share is not None else state == "S"
     untimed = wait.untimed_futex if wait is not None else "futex" in wchan or asleep
 
     def view(kind: str, waits_on: str = "") -> ThreadView:
         return ThreadView(s.tid, s.name or "?", state, wchan, share, s.owns_gil, frames, kind,
-                          waits_on, futex)  # fmt: skip
+                          waits_on, futex, parked)  # fmt: skip
 
     if any(_is_compile(f) for f in frames):
         return view("compile", "torch.compile")
@@ -298,8 +306,8 @@ def _patterns(views: Sequence[ThreadView], workers: WorkerView | None,
     joiners = [v for v in views if v.kind == "join"]
     if locks:
         names = ", ".join(f'"{v.name}" in {_where(v)}' for v in locks[:6])
-        addresses = {v.futex for v in locks if v.futex is not None}
-        locks_text = f" (waiting on {len(addresses)} different locks)" if len(addresses) > 1 else ""
+        locks_text = lock_evidence.locks_text({v.futex for v in locks if v.futex is not None},
+                                              [v.name for v in locks if v.parked])
         join_text = ""
         if joiners:
             join_text = "; " + ", ".join(f'"{j.name}"' for j in joiners[:3]) + \
@@ -350,21 +358,6 @@ def wait_tids(stacks: Sequence[ThreadStack], threads: Sequence[ThreadInfo]) -> l
     return [s.tid for s in stacks if s.tid]
 
 
-def _unjoined_evidence(threads: Sequence[ThreadInfo], shares: Mapping[int, float],
-                       waits: Mapping[int, SyscallWait]) -> tuple[int, str] | None:  # fmt: skip
-    """For Python threads without a tid (py-spy cannot join them to tasks on Python 3.10, #567):
-    when every task read sleeps (S) at ~0 CPU since the previous look, how many wait on a futex
-    with no time-out, and the words that say so; None when some task runs or is unknown."""
-    if not threads or any(t.state != "S" or shares.get(t.tid, 1.0) > IDLE_SHARE for t in threads):
-        return None
-    untimed = [w for t in threads if (w := waits.get(t.tid)) is not None and w.untimed_futex]
-    words = len({w.address for w in untimed})
-    return len(untimed), (
-        f" (thread ids not joinable on Python 3.10 (py-spy #567): all {len(threads)} tasks read "
-        f"asleep at 0 % CPU, {len(untimed)} in untimed futex waits on {words} different futex "
-        "words)")  # fmt: skip
-
-
 def analyze(
     stacks: Sequence[ThreadStack],
     threads: Sequence[ThreadInfo] = (),
@@ -385,7 +378,8 @@ def analyze(
         for s in stacks
     )
     unjoined = ""
-    evidence = _unjoined_evidence(threads, shares, waits) if any(not s.tid for s in stacks) else None
+    evidence = (lock_evidence.unjoined(threads, shares, waits, IDLE_SHARE)
+                if any(not s.tid for s in stacks) else None)  # fmt: skip
     if evidence is not None:
         # no per-thread join: a thread whose frames show user code or a lock acquisition counts as
         # lock-blocked when the whole process sleeps and there are untimed futex waits for each

@@ -4,7 +4,12 @@ A thread blocked in ``futex(2)`` shows ``202 ADDR OP VAL TIMEOUT ...`` (x86-64 n
 uses 98). ``threading.Lock.acquire()`` without a time-out parks in ``FUTEX_WAIT_BITSET|PRIVATE``
 (op 0x189) with a NULL time-out on the lock's own futex word, so two threads waiting on *different*
 addresses wait on different locks; the GIL condvar is a timed wait (research gil-hang-oom.md
-§2.3). Only the number, the first address and whether a time-out was given are kept.
+§2.3). CPython 3.13's parking lot (Python/parking_lot.c: ``Thread.join`` through
+``_ThreadHandle``/PyEvent, the import lock and other PyMutex waits) parks each waiter on a
+semaphore in a ``wait_entry`` on the waiter's own stack: that futex word lies a few hundred bytes
+above the thread's stack pointer (the file's 8th field) and names the waiter, not the lock
+(``on_own_stack``). Only the number, the first address, the stack pointer and whether a time-out
+was given are kept.
 
 Reads: one small file per thread (only for processes already judged stuck). Privilege:
 PTRACE_MODE_ATTACH on the target (same uid or CAP_SYS_PTRACE), like py-spy; unreadable -> no entry.
@@ -23,6 +28,9 @@ from dataclasses import dataclass
 from gpuwatchd.paths import HostPaths
 
 FUTEX_NR = {"x86_64": 202, "aarch64": 98}.get(platform.machine(), 202)
+# A parking-lot wait_entry is in the frame of _PyParkingLot_Park, right above the stack pointer of
+# the futex call (0x100 bytes on 3.13.0 x86-64); a lock's own word is on the heap.
+OWN_STACK_SPAN = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -30,6 +38,14 @@ class SyscallWait:
     nr: int  # -1: blocked outside a system call
     address: int | None  # first argument (the futex word for futex)
     timed: bool  # a time-out argument was given (futex: arg 4 non-NULL)
+    sp: int | None = None  # the thread's user stack pointer in the system call
+
+    @property
+    def on_own_stack(self) -> bool:
+        """A futex word on the waiter's own stack: a CPython parking-lot wait (3.13+), whose word
+        is the waiter's semaphore and so does not say which lock it waits for."""
+        return (self.futex and self.address is not None and self.sp is not None
+                and 0 <= self.address - self.sp < OWN_STACK_SPAN)  # fmt: skip
 
     @property
     def futex(self) -> bool:
@@ -42,18 +58,18 @@ class SyscallWait:
 
 
 def parse_syscall(text: str) -> SyscallWait | None:
-    """``202 0x7f.. 0x189 0x0 0x0 ...`` -> SyscallWait; ``running`` or junk -> None."""
+    """``202 0x7f.. 0x189 0x0 0x0 0x0 0x.. SP PC`` -> SyscallWait; ``running`` or junk -> None."""
     parts = text.split()
     if not parts or parts[0] == "running":
         return None
     try:
         nr = int(parts[0])
-        args = [int(p, 16) for p in parts[1:7]]
+        args = [int(p, 16) for p in parts[1:9]]
     except ValueError:
         return None
     if nr < 0 or len(args) < 4:
         return SyscallWait(nr, None, False)
-    return SyscallWait(nr, args[0], args[3] != 0)
+    return SyscallWait(nr, args[0], args[3] != 0, args[6] if len(args) > 6 else None)
 
 
 def read_waits(paths: HostPaths, pid: int, tids: Iterable[int]) -> Mapping[int, SyscallWait]:
