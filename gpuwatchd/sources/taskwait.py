@@ -16,13 +16,14 @@ Shell equivalent: ``for t in /proc/PID/task/*; do echo $t $(cat $t/syscall); don
 
 from __future__ import annotations
 
-import platform
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from gpuwatchd.paths import HostPaths
 
-FUTEX_NR = {"x86_64": 202, "aarch64": 98}.get(platform.machine(), 202)
+# os.uname() is what platform.machine() reads (platform itself is not worth importing)
+FUTEX_NR = {"x86_64": 202, "aarch64": 98}.get(os.uname().machine, 202)
 
 
 @dataclass(frozen=True)
