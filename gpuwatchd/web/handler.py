@@ -19,7 +19,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -31,6 +30,7 @@ from gpuwatchd.web.config import (
     RateLimit,
     WebConfig,
 )
+from gpuwatchd.web.http1 import RequestHandler
 from gpuwatchd.web.listener import (
     MAX_REQUEST_LINE,
     Conn,
@@ -115,7 +115,7 @@ LANDING_PAGE = """<!DOCTYPE html>
 """
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(RequestHandler):
     """Answers one request whose head the listener has read already (``conn.head``), into
     ``conn.out``, which the listener sends: no socket operation happens here."""
 
@@ -124,17 +124,17 @@ class _Handler(BaseHTTPRequestHandler):
     default_request_version = "HTTP/1.0"
     server_version = "gpuwatchd"
     sys_version = ""
-    server: _Site  # type: ignore[assignment]
+    server: _Site
     raw_requestline: bytes
 
     def __init__(self, conn: Conn, site: _Site) -> None:
         self.conn = conn
-        super().__init__(conn.sock, (conn.addr, 0), site)  # type: ignore[arg-type]
+        super().__init__(conn.sock, (conn.addr, 0), site)
 
     def setup(self) -> None:
         self.connection = self.conn.sock
         self.rfile = io.BytesIO(self.conn.head)
-        self.wfile = Writer(self.conn.out)  # type: ignore[assignment]
+        self.wfile = Writer(self.conn.out)
 
     def handle(self) -> None:
         self.handle_one_request()
@@ -143,7 +143,7 @@ class _Handler(BaseHTTPRequestHandler):
         """The listener keeps or closes the connection."""
 
     def parse_request(self) -> bool:
-        # Checked after BaseHTTPRequestHandler.parse_request: send_error needs the attributes it
+        # Checked after RequestHandler.parse_request: send_error needs the attributes it
         # sets (requestline, command, request_version), else AttributeError, no reply.
         ok = super().parse_request()
         if ok and len(self.raw_requestline) > MAX_REQUEST_LINE:
