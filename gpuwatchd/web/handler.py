@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
-import html
 import io
 import logging
 import threading
@@ -30,7 +29,7 @@ from gpuwatchd.web.config import (
     RateLimit,
     WebConfig,
 )
-from gpuwatchd.web.http1 import RequestHandler
+from gpuwatchd.web.http1 import RequestHandler, escape_html
 from gpuwatchd.web.listener import (
     MAX_REQUEST_LINE,
     Conn,
@@ -211,7 +210,7 @@ class _Handler(RequestHandler):
         elif url.path == "/":
             self._send(200, LANDING_PAGE.encode(), "text/html; charset=utf-8")
         else:
-            self._send(404, f"Not Found: {html.escape(url.path[:200])}\n".encode(),
+            self._send(404, f"Not Found: {escape_html(url.path[:200])}\n".encode(),
                        "text/plain; charset=utf-8")
 
     do_HEAD = do_GET

@@ -62,7 +62,9 @@ def _resolve(host: str, port: int) -> tuple[socket.AddressFamily, tuple[str, int
             except OSError:
                 pass
         return socket.AF_INET, ("0.0.0.0", port)
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    # An ASCII name as bytes: a str is encoded with the idna codec, which imports unicodedata.
+    name: str | bytes = host.encode("ascii") if host.isascii() else host
+    infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, sockaddr = infos[0][0], infos[0][4]
     return family, (str(sockaddr[0]), int(sockaddr[1]))
 
