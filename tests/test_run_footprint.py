@@ -27,7 +27,7 @@ FIXTURE = REPO / "tests/fixtures/nvml/h200_bench_9procs.json"
 # Modules the run path must not import (each loads OpenSSL, bcrypt or a big unused package).
 LAZY = ("ssl", "_ssl", "hashlib", "_hashlib", "hmac", "secrets", "bcrypt", "prometheus_client",
         "http.client", "http.server", "email", "urllib.request", "statistics", "decimal",
-        "platform", "html", "encodings.idna")
+        "platform", "html", "encodings.idna", "tempfile", "shutil", "bz2", "lzma", "ctypes.util")
 LIBS = ("libssl", "libcrypto", "/_ssl.", "/_hashlib.", "_bcrypt", "/_decimal.")
 PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
                      "application/openmetrics-text;version=0.0.1;q=0.5,text/plain;version=1.0.0;"

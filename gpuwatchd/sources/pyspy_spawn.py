@@ -12,7 +12,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 from typing import Any
@@ -51,6 +50,8 @@ class SpawnMixin:
         kw: dict[str, Any] = {}
         if self.run_as is not None:
             kw.update(user=self.run_as[0], group=self.run_as[1], extra_groups=[])
+        import tempfile  # here, not at the top: it imports shutil, bz2, lzma
+
         with tempfile.TemporaryFile() as out_f, tempfile.TemporaryFile() as err_f:
             t0 = time.monotonic()
             try:
