@@ -49,9 +49,10 @@ def escape_html(s: str, quote: bool = True) -> str:
 
 
 class HeadError(Exception):
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, explain: str) -> None:
         super().__init__(what)
         self.what = what
+        self.explain = explain  # http.client's exception text, the error page's explanation
 
 
 class Headers:
@@ -69,17 +70,18 @@ class Headers:
 
 
 def read_headers(rfile: io.BytesIO) -> Headers:
-    """``http.client.parse_headers``: raises HeadError("Line too long"/"Too many headers")."""
+    """``http.client.parse_headers``: raises HeadError (a line too long, too many lines)."""
     lines: list[str] = []
     while True:
         raw = rfile.readline(MAX_LINE + 1)
         if len(raw) > MAX_LINE:
-            raise HeadError("Line too long")
-        if raw in (b"\r\n", b"\n", b""):
-            break
+            raise HeadError("Line too long", f"got more than {MAX_LINE} bytes when reading header line")
         lines.append(raw.decode("iso-8859-1"))
-        if len(lines) > MAX_HEADER_LINES:
-            raise HeadError("Too many headers")
+        if len(lines) > MAX_HEADER_LINES:  # the empty line that ends them counts, as there
+            raise HeadError("Too many headers", f"got more than {MAX_HEADER_LINES} headers")
+        if raw in (b"\r\n", b"\n", b""):
+            lines.pop()
+            break
     items: list[tuple[str, list[str]]] = []
     for line in lines:
         if line[:1] in (" ", "\t"):
@@ -202,7 +204,7 @@ class RequestHandler:
         try:
             self.headers = read_headers(self.rfile)
         except HeadError as e:
-            self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, e.what)
+            self.send_error(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, e.what, e.explain)
             return False
         conntype = (self.headers.get("Connection") or "").lower()
         if conntype == "close":
@@ -215,9 +217,10 @@ class RequestHandler:
             self.end_headers()
         return True
 
-    def send_error(self, code: int, message: str | None = None) -> None:
-        short, explain = RESPONSES.get(code, ("???", "???"))
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        short, long = RESPONSES.get(code, ("???", "???"))
         message = short if message is None else message
+        explain = long if explain is None else explain
         self.log_error("code %d, message %s", code, message)
         self.send_response(code, message)
         self.send_header("Connection", "close")
