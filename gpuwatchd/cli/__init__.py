@@ -27,7 +27,10 @@ from gpuwatchd.units import fmt_bytes
 COMMAND_MODULES = (events, doctor, check, job, web_config)
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from gpuwatchd.daemon import allocator
     from gpuwatchd.daemon.core import Daemon
+
+    allocator.limit_arenas()  # before the daemon's threads: this process is the daemon
 
     cfg = resolve_config(args)
     logging.basicConfig(

@@ -23,12 +23,8 @@ import argparse
 import json
 import math
 import re
-import statistics
 import sys
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -122,6 +118,11 @@ class Prometheus:
         params = {"query": expr}
         if at is not None:
             params["time"] = f"{at:.3f}"
+        # Here, not at the top: urllib.request loads ssl, and `gpuwatchd run` imports this module.
+        import urllib.error
+        import urllib.parse
+        import urllib.request
+
         url = f"{self.url}/api/v1/query?{urllib.parse.urlencode(params)}"
         try:
             with urllib.request.urlopen(url, timeout=self.timeout) as resp:
@@ -278,6 +279,8 @@ def job_view(prom: Prometheus, job_id: str, lookback: str = "1h", at: float | No
                       for k, seq in sorted(entered) if seq < top]  # fmt: skip
     rates = [r.step_rate for r in jv.ranks if r.step_rate is not None]
     if len(rates) >= 2:
+        import statistics  # (decimal, fractions: not for `gpuwatchd run`)
+
         jv.median_step_rate = statistics.median(rates)
         jv.stragglers = [r for r in jv.ranks if r.step_rate is not None
                          and r.step_rate < STRAGGLER_RATIO * jv.median_step_rate]  # fmt: skip

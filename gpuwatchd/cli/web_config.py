@@ -6,12 +6,9 @@ web-config file (web/config.py) and load its certificates; print a bcrypt hash f
 from __future__ import annotations
 
 import argparse
-import getpass
 import sys
 from collections.abc import Callable
 from typing import Any
-
-import bcrypt
 
 from gpuwatchd.web.config import WebConfigError, load_web_config
 
@@ -54,6 +51,10 @@ def _cmd_hash(args: argparse.Namespace, read: Callable[[], str] | None = None) -
     if not 4 <= args.cost <= 31:
         print("--cost must be between 4 and 31", file=sys.stderr)
         return 2
+    import getpass
+
+    import bcrypt  # here: `gpuwatchd run` imports this module, and needs bcrypt only for basic auth
+
     if read is None:
         read = (lambda: getpass.getpass("password: ")) if sys.stdin.isatty() else sys.stdin.readline
     password = read().rstrip("\n").encode()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -74,7 +73,7 @@ class FlightRecorderSubsystem(Subsystem):
         )
 
     def _ask(self, rank_dir: str, e: RankEntry, now: float) -> None:
-        nonce = secrets.token_hex(8)
+        nonce = os.urandom(8).hex()  # secrets.token_hex, without loading libcrypto via hmac
         try:
             write_request(request_path(rank_dir, e.job_id, e.rank), nonce)
         except OSError as exc:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from gpuwatchd.config import Config, ConfigError
 from gpuwatchd.counters import CounterStore
+from gpuwatchd.daemon import allocator
 from gpuwatchd.daemon.collectives import FlightRecorderSubsystem
 from gpuwatchd.daemon.finding_events import FindingEventsSubsystem
 from gpuwatchd.daemon.gpu import GpuSubsystem
@@ -347,6 +348,7 @@ class Daemon:
                 self.reload_requested.clear()
                 self.reload()
             state = self.cycle()
+            allocator.trim()  # the cycle's freed temporaries back to the kernel
             if first:
                 notify("READY=1")
                 first = False

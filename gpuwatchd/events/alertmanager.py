@@ -12,8 +12,6 @@ import queue
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
@@ -111,6 +109,8 @@ class AlertmanagerSink:
             log.warning("alertmanager queue full; alert %s dropped", event.key)
 
     def post(self, alerts: Sequence[dict[str, Any]]) -> None:
+        import urllib.request  # here: it loads ssl, and most nodes configure no Alertmanager
+
         body = json.dumps(list(alerts)).encode()
         req = urllib.request.Request(
             self.endpoint, data=body, method="POST", headers={"Content-Type": "application/json"}
@@ -143,7 +143,7 @@ class AlertmanagerSink:
                 self.post(batch)
                 self.sent += len(batch)
                 return
-            except (OSError, urllib.error.URLError, ValueError) as e:
+            except (OSError, ValueError) as e:  # urllib's URLError and HTTPError are OSErrors
                 self.errors += 1
                 if time.monotonic() + delay > deadline:
                     log.warning("alertmanager push failed, %d alerts dropped: %s", len(batch), e)

@@ -1,5 +1,6 @@
-"""NodeState -> fresh Prometheus metric families on every scrape (a custom Collector on a private
-CollectorRegistry). Nothing here keeps long-lived Gauge objects, so the series of a process that
+"""NodeState -> fresh Prometheus metric families on every scrape (a custom collector on a private
+registry; both from exporter/families.py, not prometheus_client, which imports ssl and its HTTP
+servers). Nothing here keeps long-lived Gauge objects, so the series of a process that
 died simply stop appearing (nvitop-exporter's stale-series bug cannot happen). A scrape reads the
 latest immutable state plus a snapshot of the counters: it never calls NVML, /proc or py-spy.
 """
@@ -11,11 +12,10 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector, CollectorRegistry
-
 from gpuwatchd import __version__
 from gpuwatchd.counters import CounterStore
+from gpuwatchd.exporter.families import CounterMetricFamily, GaugeMetricFamily, Metric, Registry
+from gpuwatchd.exporter.formats import render_openmetrics
 from gpuwatchd.exporter.memory import memory_families
 from gpuwatchd.isolation import guarded
 from gpuwatchd.model import COUNTER_LABELS, THROTTLE_REASONS, NodeState
@@ -64,7 +64,7 @@ def _g(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
     return GaugeMetricFamily(P + name, doc, labels=list(labels))
 
 
-class StateCollector(Collector):
+class StateCollector:
     def __init__(self, get_state: Callable[[], NodeState | None], counters: CounterStore) -> None:
         self.get_state = get_state
         self.counters = counters
@@ -283,16 +283,17 @@ def render_text(families: Iterable[Metric]) -> bytes:
     return "".join(out).encode("utf-8")
 
 
-class StateRegistry(CollectorRegistry):
+class StateRegistry(Registry):
     """The private registry, plus ``encode_text()``: the rendered scrape is reused until the state
     or a counter changes, so a scrape between two cycles costs a dictionary lookup."""
 
     def __init__(self, collector: StateCollector) -> None:
-        super().__init__(auto_describe=False)
+        super().__init__()
         self.collector = collector
         self.register(collector)
         self._cache: tuple[NodeState | None, int, bytes] | None = None
-        self._render_lock = threading.Lock()  # CollectorRegistry has its own _lock
+        self._om_cache: tuple[NodeState | None, int, bytes] | None = None
+        self._render_lock = threading.Lock()  # Registry has its own _lock
 
     def encode_text(self) -> bytes:
         # The cache holds the state object itself (compared with `is`), so its id cannot be reused.
@@ -302,6 +303,17 @@ class StateRegistry(CollectorRegistry):
                 return self._cache[2]
             body = render_text(self.collect())
             self._cache = (state, version, body)
+            return body
+
+    def encode_openmetrics(self) -> bytes:
+        """``encode_text`` in OpenMetrics 1.0.0 (what Prometheus asks for first)."""
+        state, version = self.collector.get_state(), self.collector.counters.version
+        with self._render_lock:
+            c = self._om_cache
+            if c is not None and c[0] is state and c[1] == version:
+                return c[2]
+            body = render_openmetrics(self.collect())
+            self._om_cache = (state, version, body)
             return body
 
 

@@ -7,8 +7,7 @@ them hold and gained the memory is kept in the snapshots of the event log instea
 
 from __future__ import annotations
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-
+from gpuwatchd.exporter.families import CounterMetricFamily, GaugeMetricFamily, Metric
 from gpuwatchd.model import NodeState
 
 P = "gpuwatch_"

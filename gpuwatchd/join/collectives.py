@@ -26,7 +26,6 @@ import contextlib
 import json
 import os
 import stat as statmod
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,6 +116,8 @@ def read_response(path: str, allowed_uids: Iterable[int]) -> Any:
 def write_request(path: str, nonce: str) -> None:
     """Atomically (a private temp file renamed over the name: a planted symlink is replaced,
     never followed)."""
+    import tempfile  # here, not at the top: it imports shutil, bz2, lzma
+
     fd, tmp = tempfile.mkstemp(prefix=".gpuwatchd-frreq-", dir=os.path.dirname(path))
     try:
         with os.fdopen(fd, "w", encoding="ascii") as f:

@@ -19,7 +19,6 @@ changed, two small reads of cpu.stat.
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,6 +30,13 @@ from gpuwatchd.sources.cgroup_cpu import CpuStat, read_cpu_stat
 from gpuwatchd.sources.heartbeat_step import read_step
 
 MAX_SAMPLES = 512
+
+
+def _median(values: list[float]) -> float:
+    """statistics.median, without importing statistics (decimal, fractions) into the daemon."""
+    s = sorted(values)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
 @dataclass(frozen=True)
@@ -118,7 +124,7 @@ class StragglerTracker:
             tr = self._ranks[key]
             rate, span = rates[key]
             peers = jobs.get(e.job_id, [])
-            median = statistics.median(r for _, r in peers) if len(peers) >= 2 else None
+            median = _median([r for _, r in peers]) if len(peers) >= 2 else None
             below = rate is not None and median is not None and median > 0 and \
                 rate < self.cfg.ratio * median
             if below:

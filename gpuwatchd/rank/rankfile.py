@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -180,6 +179,8 @@ def write_rank_file(rank_dir: str, doc: Mapping[str, Any], name: str) -> str:
     if "/" in name or name.startswith(".") or not name.endswith(".json"):
         raise RankFileError(f"bad rank file name {name!r}")
     os.makedirs(rank_dir, exist_ok=True)
+    import tempfile  # here: the daemon reads rank files and never writes one
+
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".partial", dir=rank_dir)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

@@ -2,8 +2,10 @@
 
 Reads ``/proc/PID/fd/*`` link targets (only those under ``<devfs>/nvidia``: ``/dev/nvidiactl``,
 ``/dev/nvidia-uvm``, ``/dev/nvidiaN``, ``/dev/nvidia-caps/...``), ``/proc/PID/exe`` and
-``/proc/PID/cmdline``. The command line is reduced to a SHA-256 digest at once: it is compared,
-never kept or exported (it can hold secrets).
+``/proc/PID/cmdline``. The command line is reduced to a digest at once: it is compared, never
+kept or exported (it can hold secrets). The digest is Python's ``hash`` of the bytes (SipHash,
+keyed per process), enough for an equality test inside one daemon and, unlike ``hashlib``, it
+does not load libcrypto into the daemon (bench/rss.py).
 
 Cost: one readlink per open fd of each process in a rank tree (a rank holds ~100 fds).
 Privilege: other users' ``fd``/``exe`` need CAP_SYS_PTRACE (granted in the systemd unit); without it
@@ -14,7 +16,6 @@ Shell equivalent: ``ls -l /proc/PID/fd | grep nvidia; readlink /proc/PID/exe; tr
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 
@@ -44,7 +45,7 @@ def read_evidence(paths: HostPaths, pid: int) -> ProcEvidence | None:
         ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
         exe = os.readlink(paths.proc(pid, "exe"))
         with open(paths.proc(pid, "cmdline"), "rb") as f:
-            digest = hashlib.sha256(f.read(1 << 20)).hexdigest()
+            digest = f"{hash(f.read(1 << 20)) & 0xFFFF_FFFF_FFFF_FFFF:016x}"
         fd_dir = paths.proc(pid, "fd")
         names = os.listdir(fd_dir)
     except (OSError, ValueError, IndexError):

@@ -41,10 +41,8 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -128,6 +126,15 @@ __all__ = [
 # ----------------------------------------------------------------------------- the binary
 
 
+def _on_path(name: str) -> str | None:
+    """``shutil.which(name)``, without importing shutil (which imports bz2 and lzma)."""
+    for d in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        path = os.path.join(d, name)
+        if d and os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
+
+
 def _is_elf(path: str) -> bool:
     try:
         with open(path, "rb") as f:
@@ -150,7 +157,7 @@ def resolve_pyspy(configured: str | None = None, search: Sequence[str] | None = 
         raise PySpyError(ABSENT, f"gil.pyspy_path {configured} is not an executable file")
     candidates = list(search) if search is not None else [
         os.path.join(os.path.dirname(sys.executable), "py-spy"),
-        shutil.which("py-spy") or "",
+        _on_path("py-spy") or "",
     ]
     shims = []
     for cand in candidates:
@@ -237,6 +244,8 @@ class PySpy:
         """
         rate = max(1, int(rate_hz))
         duration = max(1, round(duration_seconds))
+        import tempfile  # here: with shutil it imports bz2 and lzma (bench/rss.py)
+
         with tempfile.TemporaryDirectory(prefix="gpuwatchd-pyspy-", dir=self._tmp_root) as tmp:
             out = os.path.join(tmp, "gil.raw")
             self._prepare_output(tmp, out)

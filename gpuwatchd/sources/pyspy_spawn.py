@@ -15,7 +15,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -47,6 +46,8 @@ def spawn(argv: list[str], timeout: float, *, reaper: ChildReaper, output_cap_by
     kw: dict[str, Any] = {}
     if run_as is not None:
         kw.update(user=run_as[0], group=run_as[1], extra_groups=[])
+    import tempfile  # here, not at the top: it imports shutil, bz2, lzma
+
     with tempfile.TemporaryFile() as out_f, tempfile.TemporaryFile() as err_f:
         t0 = time.monotonic()
         try:

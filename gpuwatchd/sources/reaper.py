@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import logging
 import os
 import signal
@@ -54,7 +53,9 @@ class ChildReaper:
     def enable(self) -> bool:
         """Become a child subreaper; False (and the group kill alone) where the kernel refuses."""
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            # The process's own symbols, libc's among them: ctypes.util.find_library would import
+            # shutil, tempfile and subprocess and may run ldconfig (bench/rss.py).
+            libc = ctypes.CDLL(None, use_errno=True)
             ok = libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
         except (OSError, AttributeError):
             ok = False

@@ -21,13 +21,14 @@ Shell equivalent: ``for t in /proc/PID/task/*; do echo $t $(cat $t/syscall); don
 
 from __future__ import annotations
 
-import platform
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from gpuwatchd.paths import HostPaths
 
-FUTEX_NR = {"x86_64": 202, "aarch64": 98}.get(platform.machine(), 202)
+# os.uname() is what platform.machine() reads (platform itself is not worth importing)
+FUTEX_NR = {"x86_64": 202, "aarch64": 98}.get(os.uname().machine, 202)
 # A parking-lot wait_entry is in the frame of _PyParkingLot_Park, right above the stack pointer of
 # the futex call (0x100 bytes on 3.13.0 x86-64); a lock's own word is on the heap.
 OWN_STACK_SPAN = 64 << 10

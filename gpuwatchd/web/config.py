@@ -28,11 +28,10 @@ import functools
 import logging
 import os
 import re
-import ssl
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -51,18 +50,23 @@ from gpuwatchd.config_checks import (
 
 log = logging.getLogger("gpuwatchd.web")
 
+if TYPE_CHECKING:
+    import ssl
+
+# Names in the ssl module, looked up when a TLS context is built: without TLS the daemon never
+# imports ssl (libssl, libcrypto: bench/rss.py).
 CLIENT_AUTH_TYPES = {
-    "NoClientCert": ssl.CERT_NONE,
-    "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
-    "RequireAndVerifyClientCert": ssl.CERT_REQUIRED,
+    "NoClientCert": "CERT_NONE",
+    "VerifyClientCertIfGiven": "CERT_OPTIONAL",
+    "RequireAndVerifyClientCert": "CERT_REQUIRED",
 }
 # Go's crypto/tls can ask for a certificate without verifying it; Python's ssl module cannot.
 UNSUPPORTED_CLIENT_AUTH = {"RequestClientCert", "RequireAnyClientCert"}
 TLS_VERSIONS = {
-    "TLS10": ssl.TLSVersion.TLSv1,
-    "TLS11": ssl.TLSVersion.TLSv1_1,
-    "TLS12": ssl.TLSVersion.TLSv1_2,
-    "TLS13": ssl.TLSVersion.TLSv1_3,
+    "TLS10": "TLSv1",
+    "TLS11": "TLSv1_1",
+    "TLS12": "TLSv1_2",
+    "TLS13": "TLSv1_3",
 }
 SECURITY_HEADERS = {
     "Content-Security-Policy",
@@ -234,10 +238,12 @@ def load_web_config(path: str) -> WebConfig:
 
 
 def build_ssl_context(tls: TLSConfig, path: str = "<web-config>") -> ssl.SSLContext:
+    import ssl
+
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = TLS_VERSIONS[tls.min_version]
+    ctx.minimum_version = ssl.TLSVersion[TLS_VERSIONS[tls.min_version]]
     if tls.max_version:
-        ctx.maximum_version = TLS_VERSIONS[tls.max_version]
+        ctx.maximum_version = ssl.TLSVersion[TLS_VERSIONS[tls.max_version]]
     ctx.options |= ssl.OP_CIPHER_SERVER_PREFERENCE | ssl.OP_NO_COMPRESSION
     try:
         ctx.load_cert_chain(tls.cert_file, tls.key_file)
@@ -247,7 +253,7 @@ def build_ssl_context(tls: TLSConfig, path: str = "<web-config>") -> ssl.SSLCont
     except (ssl.SSLError, OSError) as e:
         raise WebConfigError(path, [f"tls_server_config.cert_file/key_file: cannot load"
                                     f" {tls.cert_file} with {tls.key_file}: {e}"]) from None
-    ctx.verify_mode = CLIENT_AUTH_TYPES[tls.client_auth_type]
+    ctx.verify_mode = getattr(ssl, CLIENT_AUTH_TYPES[tls.client_auth_type])
     if tls.client_ca_file:
         try:
             ctx.load_verify_locations(cafile=tls.client_ca_file)

@@ -13,10 +13,11 @@ import contextlib
 import logging
 import re
 import socket
-import ssl
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 log = logging.getLogger("gpuwatchd.web")
 
@@ -26,6 +27,22 @@ MAX_REQUEST_LINE = 8192
 HEAD_END = re.compile(rb"\r?\n\r?\n")
 DROP_REASONS = ("limit", "timeout", "no_thread")
 
+if TYPE_CHECKING:
+    import ssl
+
+
+class _NotRaised(Exception):
+    """Stands for ssl's exceptions while ssl is not imported: nothing can raise them then."""
+
+
+def tls_retry_errors() -> tuple[type[Exception], type[Exception]]:
+    """(``ssl.SSLWantReadError``, ``ssl.SSLWantWriteError``), once a TLS listener has imported
+    ssl. Without TLS the daemon never imports it (libssl, libcrypto: bench/rss.py), and then no
+    socket can raise them."""
+    tls = sys.modules.get("ssl")
+    if tls is None:
+        return _NotRaised, _NotRaised
+    return tls.SSLWantReadError, tls.SSLWantWriteError
 
 
 @dataclass(frozen=True)

@@ -13,34 +13,31 @@ from __future__ import annotations
 import base64
 import binascii
 import contextlib
-import hashlib
-import html
 import io
 import logging
-import ssl
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from http.server import BaseHTTPRequestHandler
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
-import bcrypt
-from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder, generate_latest
-from prometheus_client.metrics_core import Metric
-
+from gpuwatchd.exporter.families import Collector, Metric
+from gpuwatchd.exporter.formats import negotiate
 from gpuwatchd.isolation import guarded
 from gpuwatchd.web.config import (
     ConfigHolder,
     RateLimit,
     WebConfig,
 )
+from gpuwatchd.web.http1 import RequestHandler, escape_html
 from gpuwatchd.web.listener import (
     MAX_REQUEST_LINE,
     Conn,
     Writer,
 )
+
+if TYPE_CHECKING:
+    import ssl
 
 log = logging.getLogger("gpuwatchd.web.server")  # the log texts keep their logger
 
@@ -57,6 +54,12 @@ class _AuthCache:
         self._lock = threading.Lock()
 
     def check(self, users: Mapping[str, bytes], user: str, password: bytes) -> bool:
+        # Here, not at the top: only a web-config with basic_auth_users needs them (bcrypt's
+        # library; hashlib loads libcrypto).
+        import hashlib
+
+        import bcrypt
+
         hashed = users.get(user)
         if hashed is None:
             # Check against a configured user's hash anyway: an unknown user name costs the same
@@ -111,7 +114,7 @@ LANDING_PAGE = """<!DOCTYPE html>
 """
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(RequestHandler):
     """Answers one request whose head the listener has read already (``conn.head``), into
     ``conn.out``, which the listener sends: no socket operation happens here."""
 
@@ -120,17 +123,17 @@ class _Handler(BaseHTTPRequestHandler):
     default_request_version = "HTTP/1.0"
     server_version = "gpuwatchd"
     sys_version = ""
-    server: _Site  # type: ignore[assignment]
+    server: _Site
     raw_requestline: bytes
 
     def __init__(self, conn: Conn, site: _Site) -> None:
         self.conn = conn
-        super().__init__(conn.sock, (conn.addr, 0), site)  # type: ignore[arg-type]
+        super().__init__(conn.sock, (conn.addr, 0), site)
 
     def setup(self) -> None:
         self.connection = self.conn.sock
         self.rfile = io.BytesIO(self.conn.head)
-        self.wfile = Writer(self.conn.out)  # type: ignore[assignment]
+        self.wfile = Writer(self.conn.out)
 
     def handle(self) -> None:
         self.handle_one_request()
@@ -139,7 +142,7 @@ class _Handler(BaseHTTPRequestHandler):
         """The listener keeps or closes the connection."""
 
     def parse_request(self) -> bool:
-        # Checked after BaseHTTPRequestHandler.parse_request: send_error needs the attributes it
+        # Checked after RequestHandler.parse_request: send_error needs the attributes it
         # sets (requestline, command, request_version), else AttributeError, no reply.
         ok = super().parse_request()
         if ok and len(self.raw_requestline) > MAX_REQUEST_LINE:
@@ -207,7 +210,7 @@ class _Handler(BaseHTTPRequestHandler):
         elif url.path == "/":
             self._send(200, LANDING_PAGE.encode(), "text/html; charset=utf-8")
         else:
-            self._send(404, f"Not Found: {html.escape(url.path[:200])}\n".encode(),
+            self._send(404, f"Not Found: {escape_html(url.path[:200])}\n".encode(),
                        "text/plain; charset=utf-8")
 
     do_HEAD = do_GET
@@ -219,14 +222,22 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(400, f"at most {MAX_QUERY_PARAMETERS} query parameters\n".encode(),
                        "text/plain; charset=utf-8")
             return
-        encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+        accept = self.headers.get("Accept", "")
         registry: Any = self.server.registry
-        if "name[]" in params:
-            body = encoder(_Restricted(registry, params["name[]"]))
-        elif encoder is generate_latest and hasattr(registry, "encode_text"):
-            body = registry.encode_text()  # gpuwatchd's StateRegistry: cached between cycles
+        choice = negotiate(accept)
+        if choice is not None and "name[]" not in params and hasattr(registry, "encode_text"):
+            # gpuwatchd's StateRegistry, rendered by gpuwatchd, cached between cycles
+            fmt, content_type = choice
+            body = registry.encode_text() if fmt == "text" else registry.encode_openmetrics()
         else:
-            body = encoder(registry)
+            # Another registry, another format or a name[] filter: client_python's encoders,
+            # imported here so that the daemon never loads prometheus_client (and its ssl,
+            # http.server, urllib.request) for the scrapes Prometheus makes.
+            from prometheus_client.exposition import choose_encoder
+
+            encoder, content_type = choose_encoder(accept)
+            source: Any = _Restricted(registry, params["name[]"]) if "name[]" in params else registry
+            body = encoder(source)
         self._send(200, body, content_type)
 
     def _method_not_allowed(self) -> None:
@@ -248,7 +259,7 @@ class _Restricted:
     what its collectors describe (gpuwatchd's collector describes nothing, so client_python's
     ``restricted_registry`` finds no names in it and returns an empty body)."""
 
-    def __init__(self, registry: CollectorRegistry, names: list[str]) -> None:
+    def __init__(self, registry: Collector, names: list[str]) -> None:
         self.registry = registry
         self.names = set(names)
 
@@ -264,7 +275,7 @@ class _Restricted:
 class _Site:
     """What a request is answered from: shared by the workers of one listener."""
 
-    def __init__(self, registry: CollectorRegistry, config: ConfigHolder) -> None:
+    def __init__(self, registry: Collector, config: ConfigHolder) -> None:
         self.registry = registry
         self.config = config
         self.auth_cache = _AuthCache()

@@ -41,10 +41,10 @@ import functools
 import logging
 import selectors
 import socket
-import ssl
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from gpuwatchd.isolation import guarded
 from gpuwatchd.web.connection import BACKLOG as BACKLOG
@@ -55,9 +55,12 @@ from gpuwatchd.web.connection import Conn as Conn
 from gpuwatchd.web.connection import DropLog as DropLog
 from gpuwatchd.web.connection import Limits as Limits
 from gpuwatchd.web.connection import Writer as Writer
-from gpuwatchd.web.connection import _shutdown
+from gpuwatchd.web.connection import _shutdown, tls_retry_errors
 from gpuwatchd.web.connection import bind as bind
 from gpuwatchd.web.workers import WorkerPool
+
+if TYPE_CHECKING:
+    import ssl
 
 log = logging.getLogger("gpuwatchd.web")
 
@@ -231,6 +234,8 @@ class Listener:
             self._flush(conn)
             return True
         if conn.phase == "handshake":
+            import ssl  # loaded already: this connection was wrapped in a TLS context
+
             sock = conn.sock
             assert isinstance(sock, ssl.SSLSocket)
             try:
@@ -255,11 +260,11 @@ class Listener:
         return True
 
     def _read(self, conn: Conn) -> None:
+        want_read, want_write = tls_retry_errors()
         while len(conn.buf) <= self.limits.max_head_bytes:
             try:
                 chunk = conn.sock.recv(16384)
-            except (BlockingIOError, InterruptedError, ssl.SSLWantReadError,
-                    ssl.SSLWantWriteError):
+            except (BlockingIOError, InterruptedError, want_read, want_write):
                 break
             except (OSError, ValueError) as e:
                 log.debug("connection from %s ended: %s", conn.addr, e)
@@ -344,14 +349,15 @@ class Listener:
 
     def _flush(self, conn: Conn) -> None:
         """Send what the client will take now; then wait for its next request, or close."""
+        want_read, want_write = tls_retry_errors()
         while conn.out:
             chunk = conn.out[0][:65536]
             try:
                 n = conn.sock.send(chunk)
-            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError):
+            except (BlockingIOError, InterruptedError, want_write):
                 self._sel.modify(conn.sock, selectors.EVENT_WRITE, conn)
                 return
-            except ssl.SSLWantReadError:  # TLS 1.3 key update or renegotiation: read first
+            except want_read:  # TLS 1.3 key update or renegotiation: read first
                 self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
                 return
             except (OSError, ValueError) as e:
@@ -374,5 +380,6 @@ class Listener:
         else:
             conn.phase = "idle"
             conn.deadline = now + self.limits.idle_timeout
-            if isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending():
+            pending = getattr(conn.sock, "pending", None)  # an ssl.SSLSocket's
+            if pending is not None and pending():
                 self._read(conn)  # decrypted bytes that epoll cannot see

@@ -1,6 +1,7 @@
 """HTTP(S) server for ``/metrics``, configured like every Prometheus exporter.
 
-Serves a prometheus_client ``CollectorRegistry`` over plain HTTP by default, or over TLS with
+Serves a registry (anything with ``collect()``: gpuwatchd's ``StateRegistry``, or a
+prometheus_client ``CollectorRegistry``) over plain HTTP by default, or over TLS with
 optional client certificates, bcrypt basic auth and a rate limit when given a web-config file in
 the exporter-toolkit format (``web_config``, which also says how it is reloaded). Connections are
 ``web_listener``'s; ``web/handler.py`` answers requests; this module holds ``serve`` and
@@ -25,9 +26,8 @@ import logging
 import socket
 from typing import Any
 
-from prometheus_client import CollectorRegistry
-
 from gpuwatchd.counters import CounterStore
+from gpuwatchd.exporter.families import Collector
 from gpuwatchd.web.config import (
     ConfigHolder,
 )
@@ -62,7 +62,9 @@ def _resolve(host: str, port: int) -> tuple[socket.AddressFamily, tuple[str, int
             except OSError:
                 pass
         return socket.AF_INET, ("0.0.0.0", port)
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    # An ASCII name as bytes: a str is encoded with the idna codec, which imports unicodedata.
+    name: str | bytes = host.encode("ascii") if host.isascii() else host
+    infos = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, sockaddr = infos[0][0], infos[0][4]
     return family, (str(sockaddr[0]), int(sockaddr[1]))
 
@@ -114,7 +116,7 @@ class WebServer:
         return new
 
 
-def _start(registry: CollectorRegistry, family: socket.AddressFamily, addr: tuple[str, int],
+def _start(registry: Collector, family: socket.AddressFamily, addr: tuple[str, int],
            config: ConfigHolder, limits: Limits, counters: CounterStore | None) -> WebServer:
     sock = bind(family, addr)
     site = _Site(registry, config)
@@ -130,7 +132,7 @@ def _start(registry: CollectorRegistry, family: socket.AddressFamily, addr: tupl
     return ws
 
 
-def serve(registry: CollectorRegistry, listen_address: str,
+def serve(registry: Collector, listen_address: str,
           web_config_file: str | None = None, limits: Limits | None = None,
           counters: CounterStore | None = None) -> WebServer:
     """Start serving ``registry`` on ``listen_address`` in background threads; connections

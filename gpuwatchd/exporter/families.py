@@ -1,0 +1,123 @@
+"""The metric families a scrape is built from, and the registry that collects them, without
+prometheus_client.
+
+``import prometheus_client`` runs its package ``__init__``, which imports its HTTP servers,
+push gateway and ASGI/WSGI apps: ssl (libssl, libcrypto), http.server, email, urllib.request,
+wsgiref, gzip. That was about 5 MiB of the daemon's resident memory for code a scrape never runs
+(bench/rss.py). These classes are the part of ``prometheus_client.metrics_core`` the exporter
+uses, with the same attribute names and sample tuples, so ``prometheus_client.generate_latest``
+and its parser still read them (tests compare the renderers with it). Families are counters and
+gauges only: no exemplars, native histograms or ``_created`` samples.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, NamedTuple, Protocol
+
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
+
+
+class Sample(NamedTuple):
+    """prometheus_client's ``Sample`` fields, in its order."""
+
+    name: str
+    labels: dict[str, str]
+    value: float
+    timestamp: float | None = None
+    exemplar: Any = None
+    native_histogram: Any = None
+
+
+class Metric:
+    """One metric family and its samples (``prometheus_client.Metric``'s attributes)."""
+
+    def __init__(self, name: str, documentation: str, typ: str, unit: str = "") -> None:
+        if unit and not name.endswith("_" + unit):
+            name += "_" + unit
+        if not _NAME.match(name):
+            raise ValueError(f"invalid metric name {name!r}")
+        if typ not in ("counter", "gauge", "unknown", "info"):
+            raise ValueError(f"metric type {typ!r} is not one gpuwatchd exports")
+        self.name = name
+        self.documentation = documentation
+        self.type = typ
+        self.unit = unit
+        self.samples: list[Sample] = []
+
+    def add_sample(self, name: str, labels: dict[str, str], value: float) -> None:
+        self.samples.append(Sample(name, labels, value))
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Metric) and (self.name, self.documentation, self.type, self.unit,
+                                               self.samples)
+                == (other.name, other.documentation, other.type, other.unit, other.samples))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like prometheus_client's
+
+    def __repr__(self) -> str:
+        return f"Metric({self.name}, {self.documentation}, {self.type}, {self.unit}, {self.samples})"
+
+
+class GaugeMetricFamily(Metric):
+    def __init__(self, name: str, documentation: str, value: float | None = None,
+                 labels: Sequence[str] | None = None, unit: str = "") -> None:
+        super().__init__(name, documentation, "gauge", unit)
+        if labels is not None and value is not None:
+            raise ValueError("give at most one of value and labels")
+        self._labelnames = tuple(labels or ())
+        if value is not None:
+            self.add_metric([], value)
+
+    def add_metric(self, labels: Sequence[str], value: float) -> None:
+        self.samples.append(Sample(self.name, dict(zip(self._labelnames, labels, strict=True)), value))
+
+
+class CounterMetricFamily(Metric):
+    """A counter: the family is named without ``_total``, its samples with it."""
+
+    def __init__(self, name: str, documentation: str, value: float | None = None,
+                 labels: Sequence[str] | None = None, unit: str = "") -> None:
+        if name.endswith("_total"):
+            name = name[:-6]
+        super().__init__(name, documentation, "counter", unit)
+        if labels is not None and value is not None:
+            raise ValueError("give at most one of value and labels")
+        self._labelnames = tuple(labels or ())
+        if value is not None:
+            self.add_metric([], value)
+
+    def add_metric(self, labels: Sequence[str], value: float) -> None:
+        self.samples.append(Sample(self.name + "_total", dict(zip(self._labelnames, labels, strict=True)),
+                                   value))
+
+
+class Collector(Protocol):
+    def collect(self) -> Iterable[Metric]: ...
+
+
+class Registry:
+    """Collects its collectors in the order registered (what ``CollectorRegistry.collect`` does
+    for collectors that describe nothing)."""
+
+    def __init__(self) -> None:
+        self._collectors: list[Collector] = []
+        self._lock = threading.Lock()
+
+    def register(self, collector: Collector) -> None:
+        with self._lock:
+            if collector in self._collectors:
+                raise ValueError(f"{collector!r} is registered already")
+            self._collectors.append(collector)
+
+    def unregister(self, collector: Collector) -> None:
+        with self._lock:
+            self._collectors.remove(collector)
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            collectors = list(self._collectors)
+        for c in collectors:
+            yield from c.collect()

@@ -1,0 +1,111 @@
+"""gpuwatchd's own exposition (exporter/families.py, exporter/formats.py) against client_python's:
+the same bytes, the same content-type choice, so dropping prometheus_client from the daemon's
+imports (bench/rss.py) changes no scrape."""
+
+from __future__ import annotations
+
+import functools
+import urllib.request
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.openmetrics import exposition as om
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+from test_exporter import full_state
+
+from gpuwatchd.counters import CounterStore
+from gpuwatchd.exporter.collector import make_registry
+from gpuwatchd.exporter.families import CounterMetricFamily, GaugeMetricFamily
+from gpuwatchd.exporter.formats import negotiate, render_openmetrics
+from gpuwatchd.web.server import serve
+
+ACCEPTS = [
+    "",
+    "*/*",
+    "text/plain",
+    "text/plain; version=0.0.4",
+    "text/plain;version=1.0.0;escaping=allow-utf-8",
+    "application/openmetrics-text",
+    "application/openmetrics-text; version=1.0.0",
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8",
+    "application/openmetrics-text;version=1.0.0;escaping=values",
+    "application/openmetrics-text;version=1.0.0;escaping=bogus",
+    "application/openmetrics-text;version=0.0.1",
+    "application/openmetrics-text;version=0.0.1,text/plain;version=0.0.4",
+    "application/openmetrics-text;version=2.0.0",
+    "application/openmetrics-text;version=1.0",
+    # Prometheus 2.x and 3.x scrape_protocols defaults
+    "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+    "text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,application/openmetrics"
+    "-text;version=0.0.1;q=0.5,text/plain;version=1.0.0;escaping=allow-utf-8;q=0.4,text/plain;"
+    "version=0.0.4;q=0.3,*/*;q=0.2",
+]
+
+
+@pytest.mark.parametrize("accept", ACCEPTS)
+def test_negotiate_chooses_what_client_python_chooses(accept: str) -> None:
+    choice = negotiate(accept)
+    encoder, content_type = choose_encoder(accept)
+    if choice is None:  # left to client_python: only for what gpuwatchd does not render
+        assert ("version=1.0.0" in content_type and "text/plain" in content_type) \
+            or "version=2.0.0" in content_type or "escaping=values" in content_type
+        return
+    fmt, ours = choice
+    assert ours == content_type
+    base = encoder.func if isinstance(encoder, functools.partial) else encoder
+    assert base is (om.generate_latest if fmt == "openmetrics" else generate_latest)
+
+
+def test_openmetrics_is_client_pythons_bytes_for_the_full_state() -> None:
+    state, counters = full_state()
+    reg = make_registry(lambda: state, counters)
+    ours = reg.encode_openmetrics()
+    assert ours == om.generate_latest(reg)
+    assert ours == render_openmetrics(reg.collect())
+    families = list(text_string_to_metric_families(ours.decode()))  # OpenMetrics parser: valid
+    assert {f.name for f in families} >= {"gpuwatch_rank_up", "gpuwatch_oom_kills"}
+
+
+def test_families_escape_and_format_like_client_python() -> None:
+    g = GaugeMetricFamily("gpuwatch_x", 'doc with \\ and "quotes"\nand a newline', labels=["a"])
+    g.add_metric(['v"\\\n'], 6008340480.0)
+    g.add_metric(["inf"], float("inf"))
+    g.add_metric(["nan"], float("nan"))
+    g.add_metric(["neg"], -1234567890.5)
+    c = CounterMetricFamily("gpuwatch_y_total", "a counter", value=3)
+
+    class Two:
+        def collect(self):
+            return [g, c]
+
+    assert render_openmetrics([g, c]) == om.generate_latest(Two())
+    assert c.name == "gpuwatch_y" and c.samples[0].name == "gpuwatch_y_total"
+    with pytest.raises(ValueError):
+        g.add_metric(["one", "two"], 1.0)  # more label values than label names
+
+
+def test_the_daemon_registry_answers_prometheus_in_openmetrics() -> None:
+    state, counters = full_state()
+    reg = make_registry(lambda: state, counters)
+    server = serve(reg, "127.0.0.1:0")
+    try:
+        port = server.address[1]
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={
+            "Accept": ACCEPTS[-2]})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            body, ctype = r.read(), r.headers["Content-Type"]
+        assert ctype == "application/openmetrics-text; version=1.0.0; charset=utf-8; " \
+            "escaping=underscores"
+        assert body == om.generate_latest(reg)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert r.read() == reg.encode_text()
+            assert r.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+    finally:
+        server.close()
+
+
+def test_openmetrics_before_the_first_cycle() -> None:
+    reg = make_registry(lambda: None, CounterStore())
+    assert reg.encode_openmetrics() == om.generate_latest(reg)

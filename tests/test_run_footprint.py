@@ -1,0 +1,109 @@
+"""What `gpuwatchd run` loads (issue 14: the daemon's RSS next to nvitop-exporter's).
+
+Without TLS, basic auth or an Alertmanager, the running daemon maps neither OpenSSL (libssl,
+libcrypto: 4 MiB resident, loaded by ssl, hashlib, hmac, http.client, urllib.request or
+prometheus_client) nor bcrypt, even after Prometheus-style OpenMetrics scrapes; and a fresh
+interpreter importing the run path imports none of the modules that pull them in. With TLS
+configured ssl is loaded (and serves): the cuts are lazy, not removals. bench/rss.py has the
+numbers."""
+
+from __future__ import annotations
+
+import base64
+import json
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import bcrypt
+import pytest
+from daemonutil import REPO, DaemonProc, write_config
+from pkiutil import make_pki
+
+FIXTURE = REPO / "tests/fixtures/nvml/h200_bench_9procs.json"
+# Modules the run path must not import (each loads OpenSSL, bcrypt or a big unused package).
+LAZY = ("ssl", "_ssl", "hashlib", "_hashlib", "hmac", "secrets", "bcrypt", "prometheus_client",
+        "http.client", "http.server", "email", "urllib.request", "statistics", "decimal",
+        "platform", "html", "encodings.idna", "tempfile", "shutil", "bz2", "lzma", "ctypes.util")
+LIBS = ("libssl", "libcrypto", "/_ssl.", "/_hashlib.", "_bcrypt", "/_decimal.")
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,"
+                     "application/openmetrics-text;version=0.0.1;q=0.5,text/plain;version=1.0.0;"
+                     "escaping=allow-utf-8;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2")
+
+
+def mapped(pid: int) -> set[str]:
+    return {line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+            if len(line.split()) >= 6 and any(k in line for k in LIBS)}
+
+
+def test_run_path_imports_nothing_that_loads_openssl() -> None:
+    code = ("import sys, json\nimport gpuwatchd.cli, gpuwatchd.daemon.core, gpuwatchd.web.server\n"
+            f"print(json.dumps(sorted(m for m in {LAZY!r} if m in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=REPO).stdout
+    assert json.loads(out) == []
+
+
+def test_running_daemon_maps_no_openssl_until_tls_is_configured(tmp_path: Path) -> None:
+    cfg_path, cfg = write_config(tmp_path, nvml={"enabled": True, "fixture": str(FIXTURE)})
+    d = DaemonProc(cfg_path, cfg)
+    try:
+        for accept in (PROMETHEUS_ACCEPT, ""):
+            req = urllib.request.Request(d.url, headers={"Accept": accept} if accept else {})
+            with urllib.request.urlopen(req, timeout=10) as r:
+                assert b"gpuwatch_gpu_info" in r.read()
+        assert mapped(d.proc.pid) == set()
+    finally:
+        assert d.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_pki(tmp_path_factory.mktemp("pki-rss"))
+
+
+def test_tls_and_basic_auth_still_load_ssl_and_bcrypt(tmp_path: Path, pki: Path) -> None:
+    web_cfg = tmp_path / "web.yml"
+    password = "hunter2 hunter2"
+    web_cfg.write_text(f"tls_server_config:\n  cert_file: {pki / 'server.crt'}\n"
+                       f"  key_file: {pki / 'server.key'}\nbasic_auth_users:\n"
+                       f"  prometheus: {bcrypt.hashpw(password.encode(), bcrypt.gensalt(4)).decode()}\n")
+    cfg_path, cfg = write_config(tmp_path, web={"config_file": str(web_cfg)})
+    url = f"https://{cfg['web']['listen_address']}/metrics"
+    ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+    token = base64.b64encode(f"prometheus:{password}".encode()).decode()
+    req = urllib.request.Request(url, headers={"Authorization": f"Basic {token}"})
+    log = (tmp_path / "daemon.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "gpuwatchd", "run", "--config.file",
+                             str(cfg_path)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        body = b""
+        deadline = time.monotonic() + 30
+        while not body:
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "daemon.log").read_text()
+            try:
+                with urllib.request.urlopen(req, timeout=5, context=ctx) as r:
+                    body = r.read()
+            except OSError:
+                time.sleep(0.2)
+        assert b"gpuwatch_build_info" in body
+        libs = " ".join(mapped(proc.pid))
+        assert "libssl" in libs and "_bcrypt" in libs, libs
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        log.close()
+
+
+def test_allocator_limits_arenas_and_trims_under_glibc() -> None:
+    """daemon/allocator.py: glibc takes M_ARENA_MAX (mallopt returns 1) and malloc_trim runs;
+    in a child, so the test process keeps its own allocator settings."""
+    code = ("from gpuwatchd.daemon import allocator\n"
+            "ok = allocator.limit_arenas()\nallocator.trim()\nprint(ok)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=REPO).stdout
+    assert out.strip() == "True"
