@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping, Sequence
 
 from gpuwatchd.daemon.device_policy import EXIT_REEXPAND, DevicePolicyGuard
 from gpuwatchd.daemon.subsystem import NOTHING, Contribution, DaemonContext, Subsystem
@@ -28,8 +29,16 @@ from gpuwatchd.isolation import Collector
 from gpuwatchd.join.cuda_oom import OomTracker
 from gpuwatchd.join.orphans import OrphanTracker, trees_from_entries
 from gpuwatchd.join.state import CycleInputs
-from gpuwatchd.model import PAGE, Finding, GpuDevice, GpuProcess, NodeState, ProcessInfo
-from gpuwatchd.sources.devfds import ProcEvidence, read_evidence
+from gpuwatchd.model import (
+    PAGE,
+    Finding,
+    GpuDevice,
+    GpuProcess,
+    NodeState,
+    ProcessInfo,
+    RankEntry,
+)
+from gpuwatchd.sources.devfds import EvidenceReader, ProcEvidence
 from gpuwatchd.sources.kernel_log import read_boot_id
 from gpuwatchd.sources.nvidia_devices import probe
 from gpuwatchd.sources.nvml import NvmlReadError, NvmlSource
@@ -55,6 +64,7 @@ class GpuSubsystem(Subsystem):
         self.collector: Collector[Reading] | None = None
         self.tracker: OrphanTracker | None = None
         self.oom: OomTracker | None = None
+        self.evidence: EvidenceReader | None = None
         self.xid: XidEventWatcher | None = None
         self.udev: UdevWatcher | None = None
         self._lost: dict[str, Finding] = {}
@@ -79,6 +89,7 @@ class GpuSubsystem(Subsystem):
                                    3 * interval + timeout, daemon.clock)
         self.tracker = OrphanTracker(cfg.orphans.grace_seconds)
         self.oom = OomTracker(cfg.rank_dir, daemon.clock)
+        self.evidence = EvidenceReader(daemon.paths)
         dedup = daemon.xid_dedup
         self.dedup = dedup
         if self.watch_xid:
@@ -122,7 +133,8 @@ class GpuSubsystem(Subsystem):
             raise
 
     def before_join(self, daemon: DaemonContext, cycle: CycleInputs) -> Contribution:
-        if self.collector is None or self.tracker is None or self.oom is None:
+        if (self.collector is None or self.tracker is None or self.oom is None
+                or self.evidence is None):
             return NOTHING
         reading = self.collector.run()
         if reading is None and self.guard is not None:
@@ -150,19 +162,9 @@ class GpuSubsystem(Subsystem):
             job = self.tracker.past_job(o.pid, p.start_ticks if p else None)
             if job:
                 orphan_jobs[o.pid] = job
-        # fork evidence: only the trees of ranks whose processes hold a CUDA context
-        evidence: dict[int, ProcEvidence] = {}
         gpu_pids = {p.pid for p in procs}
-        for e in entries:
-            tree = (e.pid, *descendants.get(e.pid, ()))
-            if e.pid not in processes or len(tree) < 2:
-                continue
-            if not gpu_pids.intersection(tree) and reading is not None:
-                continue
-            for pid in tree:
-                ev = read_evidence(daemon.paths, pid)
-                if ev is not None:
-                    evidence[pid] = ev
+        evidence = fork_evidence(self.evidence, entries, processes, descendants,
+                                 gpu_pids if reading is not None else None)
         findings = list(self.oom.poll(daemon.counters.inc, self._last_state,
                                       {o.pid: o.reason for o in orphans},
                                       {pid: p.comm for pid, p in processes.items()}))
@@ -189,6 +191,34 @@ class GpuSubsystem(Subsystem):
 
     def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
         self._last_state = state
+
+
+def fork_evidence(reader: EvidenceReader, entries: Sequence[RankEntry],
+                  processes: Mapping[int, ProcessInfo], descendants: Mapping[int, tuple[int, ...]],
+                  gpu_pids: set[int] | None) -> dict[int, ProcEvidence]:
+    """The devfds evidence the fork_after_cuda rule needs: of the trees of ranks with children
+    where a process holds a CUDA context (``gpu_pids``, NVML's process list; None when NVML gave
+    no reading: every tree), the processes NVML lists and the children of any process that holds
+    a CUDA device, in breadth-first order (a parent before its children). A child of a process
+    without one can be no fork-after-CUDA child, so its hundreds of fds are not looked at."""
+    evidence: dict[int, ProcEvidence] = {}
+    for e in entries:
+        tree = (e.pid, *descendants.get(e.pid, ()))
+        if e.pid not in processes or len(tree) < 2:
+            continue
+        if gpu_pids is not None and not gpu_pids.intersection(tree):
+            continue
+        for pid in tree:
+            if gpu_pids is not None and pid not in gpu_pids:
+                info = processes.get(pid)
+                parent = evidence.get(info.ppid) if info is not None else None
+                if parent is None or not parent.holds_cuda_device:
+                    continue
+            ev = reader.read(pid)
+            if ev is not None:
+                evidence[pid] = ev
+    reader.forget(evidence)
+    return evidence
 
 
 class NvmlDeviceDenied(NvmlReadError):

@@ -5,7 +5,9 @@ Reads ``/proc/PID/fd/*`` link targets (only those under ``<devfs>/nvidia``: ``/d
 ``/proc/PID/cmdline``. The command line is reduced to a SHA-256 digest at once: it is compared,
 never kept or exported (it can hold secrets).
 
-Cost: one readlink per open fd of each process in a rank tree (a rank holds ~100 fds).
+Cost: one readlink per open fd of each process in a rank tree (a rank holds ~100 fds), or, through
+``EvidenceReader``, only when the process's identity (start time, exe, cmdline) or its set of fd
+numbers changed, or every ``EVIDENCE_TTL`` seconds: a listing and three small reads otherwise.
 Privilege: other users' ``fd``/``exe`` need CAP_SYS_PTRACE (granted in the systemd unit); without it
 the evidence is None and nothing is flagged.
 Shell equivalent: ``ls -l /proc/PID/fd | grep nvidia; readlink /proc/PID/exe; tr '\\0' ' ' <
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gpuwatchd.paths import HostPaths
@@ -35,20 +39,39 @@ class ProcEvidence:
         return any(t.endswith(("/nvidiactl", "/nvidia-uvm")) for _, t in self.nvidia_fds)
 
 
+# A cached fd scan is redone at least this often, for an fd number closed and re-opened on
+# another file between two looks (the set of numbers alone does not show that).
+EVIDENCE_TTL = 30.0
+
+
 def read_evidence(paths: HostPaths, pid: int) -> ProcEvidence | None:
     """None when the process is gone or unreadable (not an error)."""
-    prefix = paths.dev("nvidia")
+    head = _identity(paths, pid)
+    if head is None:
+        return None
+    _start, ppid, exe, digest, names = head
+    return ProcEvidence(pid, ppid, exe, digest, _scan(paths, pid, names))
+
+
+def _identity(paths: HostPaths, pid: int) -> tuple[int, int, str, str, list[str]] | None:
+    """(start ticks, ppid, exe, cmdline digest, fd names) of one process; None when gone."""
     try:
         with open(paths.proc(pid, "stat"), "rb") as f:
             stat = f.read().decode("utf-8", "replace")
-        ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
+        fields = stat[stat.rfind(")") + 2 :].split()
         exe = os.readlink(paths.proc(pid, "exe"))
         with open(paths.proc(pid, "cmdline"), "rb") as f:
             digest = hashlib.sha256(f.read(1 << 20)).hexdigest()
-        fd_dir = paths.proc(pid, "fd")
-        names = os.listdir(fd_dir)
+        names = os.listdir(paths.proc(pid, "fd"))
+        return int(fields[19]), int(fields[1]), exe, digest, names
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _scan(paths: HostPaths, pid: int, names: list[str]) -> tuple[tuple[int, str], ...]:
+    """The fds of ``names`` that point at an NVIDIA device node (one readlink each)."""
+    prefix = paths.dev("nvidia")
+    fd_dir = paths.proc(pid, "fd")
     fds: list[tuple[int, str]] = []
     for name in names:
         try:
@@ -57,4 +80,44 @@ def read_evidence(paths: HostPaths, pid: int) -> ProcEvidence | None:
             continue  # closed while we listed
         if target.startswith(prefix):
             fds.append((int(name), target))
-    return ProcEvidence(pid, ppid, exe, digest, tuple(sorted(fds)))
+    return tuple(sorted(fds))
+
+
+class EvidenceReader:
+    """``read_evidence`` for the daemon's cycle, remembering each process's fd scan.
+
+    The readlink of every fd (a torch rank and each forked DataLoader worker hold hundreds) is
+    redone only when the process is another one (start time, exe or cmdline changed: a PID reused,
+    an exec) or its set of fd numbers changed (a device opened or closed shows there), and at
+    least every ``ttl`` seconds. ``forget`` drops what is not in a live tree any more, so the memory
+    is bounded by the watched processes. ``scans`` counts full fd scans (tests, benchmarks)."""
+
+    def __init__(self, paths: HostPaths, ttl: float = EVIDENCE_TTL,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.paths = paths
+        self.ttl = ttl
+        self.clock = clock
+        self.scans = 0
+        # pid -> (identity, fd names, scanned at, evidence)
+        self._seen: dict[int, tuple[tuple[int, str, str], frozenset[str], float, ProcEvidence]] = {}
+
+    def read(self, pid: int) -> ProcEvidence | None:
+        head = _identity(self.paths, pid)
+        if head is None:
+            self._seen.pop(pid, None)
+            return None
+        start, ppid, exe, digest, names = head
+        ident, fd_names, now = (start, exe, digest), frozenset(names), self.clock()
+        cached = self._seen.get(pid)
+        if (cached is not None and cached[0] == ident and cached[1] == fd_names
+                and now - cached[2] < self.ttl and cached[3].ppid == ppid):
+            return cached[3]
+        self.scans += 1
+        ev = ProcEvidence(pid, ppid, exe, digest, _scan(self.paths, pid, names))
+        self._seen[pid] = (ident, fd_names, now, ev)
+        return ev
+
+    def forget(self, live: Iterable[int]) -> None:
+        keep = set(live)
+        for pid in [p for p in self._seen if p not in keep]:
+            del self._seen[pid]

@@ -36,7 +36,9 @@ NCCL_LEGACY_VARS = (
 )
 MAX_ENVIRON_BYTES = 1 << 20
 LIMITS_TTL = 30.0
-THREAD_CHILDREN_TTL = 30.0
+# Every thread's children file (a torch rank has dozens of threads) is read this often; between
+# two such scans only the main thread's and those of the threads that had forked before.
+THREAD_CHILDREN_TTL = 120.0
 
 
 class ProcessGone(Exception):
@@ -85,8 +87,9 @@ class ProcfsReader:
         # (pid, start ticks) -> (read at, soft, hard): limits change only through prlimit(2), so
         # they are re-read every LIMITS_TTL seconds rather than every cycle
         self._limits: dict[tuple[int, int], tuple[float, int | None, int | None]] = {}
-        # pid -> (read at, children of all its threads); see children()
-        self._thread_children: dict[int, tuple[float, list[int]]] = {}
+        # pid -> (last full scan at, the threads that had children then); see children()
+        self._thread_children: dict[int, tuple[float, tuple[int, ...]]] = {}
+        self.thread_scans = 0  # full scans of every thread's children file (tests, benchmarks)
 
     def _probe_fd_stat(self) -> bool:
         """Does ``stat(/proc/PID/fd).st_size`` count fds here (procfs on Linux >= 6.2)? A recorded
@@ -204,8 +207,11 @@ class ProcfsReader:
 
     def children(self, pid: int) -> list[int]:
         """Direct children. A child is listed in the ``children`` file of the *thread* that forked
-        it; the main thread's file is read every time, all threads' files (a torch process has a
-        hundred) every THREAD_CHILDREN_TTL seconds, and the two are merged."""
+        it. Read every time: the main thread's file (DataLoader workers, subprocesses of the main
+        loop) and the files of the threads that had children at the last full scan (a thread that
+        forks once forks again: a pool's feeder, a launcher's watcher); every thread's file (a
+        torch process has a hundred) every THREAD_CHILDREN_TTL seconds, which finds a thread's
+        first child."""
         out = self._read_children(self.paths.proc(pid, "task", pid, "children"))
         if out is None:  # the process is gone
             self._thread_children.pop(pid, None)
@@ -213,9 +219,20 @@ class ProcfsReader:
         now = time.monotonic()
         cached = self._thread_children.get(pid)
         if cached is None or now - cached[0] >= THREAD_CHILDREN_TTL:
-            cached = (now, self._all_thread_children(pid))
+            by_thread = self._all_thread_children(pid)
+            cached = (now, tuple(t for t, kids in by_thread.items() if kids and t != pid))
             self._thread_children[pid] = cached
-        return out + [c for c in cached[1] if c not in out]
+            extra = [c for kids in by_thread.values() for c in kids]
+        else:
+            extra = []
+            for tid in cached[1]:
+                extra += self._read_children(self.paths.proc(pid, "task", tid, "children")) or []
+        seen = set(out)
+        for c in extra:
+            if c not in seen:
+                seen.add(c)
+                out.append(c)
+        return out
 
     def _read_children(self, path: str) -> list[int] | None:
         try:
@@ -225,8 +242,20 @@ class ProcfsReader:
         except ValueError:
             return []
 
-    def _all_thread_children(self, pid: int) -> list[int]:
-        return thread_children(self.paths.proc(pid, "task"))
+    def _all_thread_children(self, pid: int) -> dict[int, list[int]]:
+        """tid -> the children listed in that thread's file, for every thread of ``pid``."""
+        self.thread_scans += 1
+        task_dir = self.paths.proc(pid, "task")
+        try:
+            tids = [int(t) for t in os.listdir(task_dir) if t.isdigit()]
+        except OSError:
+            return {}
+        out: dict[int, list[int]] = {}
+        for tid in tids:
+            kids = self._read_children(os.path.join(task_dir, str(tid), "children"))
+            if kids is not None:
+                out[tid] = kids
+        return out
 
     def descendants(self, pid: int, limit: int = 4096) -> list[int]:
         """All live descendants of ``pid`` (breadth first), bounded by ``limit``."""

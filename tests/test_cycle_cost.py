@@ -1,0 +1,154 @@
+"""What the cycle reads of a torch-shaped rank, on real processes (issue 14: daemon CPU).
+
+A rank here is a real Python process with threads that fork real children; the only fake is the
+NVIDIA device nodes (regular files in a temporary devfs, opened with the driver's flags, as in
+tests/test_fork.py). The assertions are about *what is read* (counted by the readers), never time.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpuwatchd.daemon.gpu import fork_evidence
+from gpuwatchd.model import RankEntry
+from gpuwatchd.paths import HostPaths
+from gpuwatchd.sources.devfds import EvidenceReader
+from gpuwatchd.sources.procfs import ProcfsReader
+
+# Commands on stdin, one per line; each answers one line on stdout.
+RANK = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    dev = sys.argv[1]
+    me = os.getpid()
+    def child():
+        while os.getppid() == me:
+            time.sleep(0.1)
+        os._exit(0)
+    def fork():
+        pid = os.fork()
+        if pid == 0:
+            child()
+        return pid
+    jobs, answers = [], []
+    def forker():  # a long-lived thread that forks now and then (a pool's feeder)
+        while True:
+            job = jobs_ready.wait() and jobs.pop()
+            jobs_ready.clear()
+            answers.append(fork())
+            done.set()
+    jobs_ready, done = threading.Event(), threading.Event()
+    threading.Thread(target=forker, daemon=True).start()
+    idle = threading.Event()
+    for _ in range(30):  # a torch rank has dozens of threads that never fork
+        threading.Thread(target=idle.wait, daemon=True).start()
+    print("ready", flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "thread-fork":
+            done.clear(); jobs.append(1); jobs_ready.set(); done.wait()
+            print(answers.pop(), flush=True)
+        elif cmd == "fork":
+            print(fork(), flush=True)
+        elif cmd == "cuda":  # what a CUDA context keeps open (O_RDWR|O_CLOEXEC)
+            fds = [os.open(os.path.join(dev, n), os.O_RDWR | os.O_CLOEXEC)
+                   for n in ("nvidiactl", "nvidia-uvm", "nvidia0")]
+            print(fds[0], flush=True)
+        elif cmd == "open":
+            print(os.open("/dev/null", os.O_RDONLY), flush=True)
+    """
+)
+
+
+class Rank:
+    def __init__(self, tmp_path: Path, procs: list[subprocess.Popen[Any]]) -> None:
+        self.dev = tmp_path / "dev"
+        self.dev.mkdir(exist_ok=True)
+        for name in ("nvidiactl", "nvidia-uvm", "nvidia0"):
+            (self.dev / name).write_bytes(b"")
+        self.p = subprocess.Popen([sys.executable, "-c", RANK, str(self.dev)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        procs.append(self.p)
+        assert self.ask(None) == "ready"
+        self.pid = self.p.pid
+
+    def ask(self, cmd: str | None) -> str:
+        assert self.p.stdin is not None and self.p.stdout is not None
+        if cmd is not None:
+            self.p.stdin.write(cmd + "\n")
+            self.p.stdin.flush()
+        return self.p.stdout.readline().strip()
+
+
+@pytest.fixture
+def rank(tmp_path: Path, procs: list[subprocess.Popen[Any]]) -> Rank:
+    return Rank(tmp_path, procs)
+
+
+def test_a_forking_threads_next_child_is_seen_without_rescanning_every_thread(rank: Rank) -> None:
+    procfs = ProcfsReader()
+    first = int(rank.ask("thread-fork"))  # listed only in the forking thread's children file
+    assert first in procfs.children(rank.pid)  # the first look scans every thread
+    assert procfs.thread_scans == 1
+    main_child = int(rank.ask("fork"))
+    second = int(rank.ask("thread-fork"))
+    kids = procfs.children(rank.pid)
+    # seen at once (before, the thread's file was read again only after THREAD_CHILDREN_TTL)
+    assert {first, second, main_child} <= set(kids) and len(kids) == len(set(kids))
+    assert procfs.thread_scans == 1  # ...without reading the other 30-odd threads' files again
+    assert set(procfs.descendants(rank.pid)) >= {first, second, main_child}
+
+
+def test_fork_evidence_is_rescanned_only_when_the_fds_change(rank: Rank) -> None:
+    paths = HostPaths(devfs=str(rank.dev))
+    clock = [0.0]
+    reader = EvidenceReader(paths, ttl=30.0, clock=lambda: clock[0])
+    rank.ask("cuda")
+    child = int(rank.ask("fork"))
+    ev = reader.read(child)
+    assert ev is not None and ev.holds_cuda_device and reader.scans == 1
+    assert reader.read(child) is ev and reader.scans == 1  # nothing changed: no readlink of any fd
+    fd = int(rank.ask("open"))
+    parent = reader.read(rank.pid)
+    assert parent is not None and reader.scans == 2
+    assert reader.read(rank.pid) is parent and reader.scans == 2
+    rank.ask("cuda")  # the set of fd numbers changed: a new device shows at once
+    again = reader.read(rank.pid)
+    assert again is not None and reader.scans == 3 and len(again.nvidia_fds) == 6 and fd > 0
+    clock[0] = 31.0  # an fd number re-used for another file is caught within the TTL
+    assert reader.read(rank.pid) is not again and reader.scans == 4
+    reader.forget([])
+    assert reader.read(child) is not None and reader.scans == 5
+
+
+def test_children_of_a_process_without_a_cuda_device_are_not_scanned(rank: Rank) -> None:
+    """fork_after_cuda needs a parent that holds a CUDA device: the fds of the children of one
+    that holds none are never read (a rank's DataLoader workers hold hundreds)."""
+    paths = HostPaths(devfs=str(rank.dev))
+    procfs = ProcfsReader(paths)
+    kids = [int(rank.ask("fork")), int(rank.ask("thread-fork"))]
+    entry = RankEntry(job_id="j", rank=0, pid=rank.pid)
+    processes = procfs.read_many([rank.pid, *kids])
+    desc = {rank.pid: tuple(procfs.descendants(rank.pid))}
+    assert set(kids) <= set(desc[rank.pid])
+    reader = EvidenceReader(paths)
+    ev = fork_evidence(reader, [entry], processes, desc, {rank.pid})
+    assert set(ev) == {rank.pid} and reader.scans == 1  # the rank (NVML lists it) only
+    rank.ask("cuda")
+    cuda_kid = int(rank.ask("fork"))
+    processes = procfs.read_many([rank.pid, *kids, cuda_kid])
+    desc = {rank.pid: tuple(procfs.descendants(rank.pid))}
+    ev = fork_evidence(reader, [entry], processes, desc, {rank.pid})
+    assert set(ev) == {rank.pid, *kids, cuda_kid}  # now its children are looked at
+    assert ev[cuda_kid].holds_cuda_device and not ev[kids[0]].holds_cuda_device
+    # NVML gave no reading: every process of the tree, as before
+    everything = fork_evidence(EvidenceReader(paths), [entry], processes, desc, None)
+    assert set(everything) == set(ev)
+    assert os.getpid() not in everything
