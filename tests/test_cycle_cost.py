@@ -119,10 +119,10 @@ def test_fork_evidence_is_rescanned_only_when_the_fds_change(rank: Rank) -> None
     parent = reader.read(rank.pid)
     assert parent is not None and reader.scans == 2
     assert reader.read(rank.pid) is parent and reader.scans == 2
-    rank.ask("cuda")  # the set of fd numbers changed: a new device shows at once
+    rank.ask("cuda")  # the number of fds changed: a new device shows at once
     again = reader.read(rank.pid)
     assert again is not None and reader.scans == 3 and len(again.nvidia_fds) == 6 and fd > 0
-    clock[0] = 31.0  # an fd number re-used for another file is caught within the TTL
+    clock[0] = 31.0  # fds closed and others opened (same number) are caught within the TTL
     assert reader.read(rank.pid) is not again and reader.scans == 4
     reader.forget([])
     assert reader.read(child) is not None and reader.scans == 5
