@@ -257,6 +257,61 @@ def fold(raw: Path, top: int) -> None:
         print(f"    {100 * c / max(total, 1):5.1f} % {f}")
 
 
+def phases(cfg_path: Path, repo: str, cycles: int, interval: float) -> None:
+    """The cycle's CPU by part, in-process in a child interpreter running ``repo``'s code: the same
+    config (its web server on a free port), ``cycles`` cycles paced at ``interval``; each part timed
+    with time.thread_time() in the thread it runs in (collectors run in threads of their own)."""
+    code = PHASES_CODE.format(cfg=str(cfg_path), cycles=cycles, interval=interval)
+    env = {**os.environ, "PYTHONPATH": repo}
+    subprocess.run([sys.executable, "-c", code], env=env, cwd=repo, check=False)
+
+
+PHASES_CODE = r"""
+import collections, dataclasses, time
+import gpuwatchd.daemon.core as core
+from gpuwatchd.config import load_config
+cfg = load_config({cfg!r})
+cfg = dataclasses.replace(cfg, web=dataclasses.replace(cfg.web, listen_address="127.0.0.1:0"),
+                          state_dir=cfg.state_dir + "-phases")
+acc = collections.Counter()
+def timed(name, fn):
+    def w(*a, **k):
+        t0 = time.thread_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[name] += time.thread_time() - t0
+    return w
+core.build_state = timed("join (build_state + findings)", core.build_state)
+d = core.Daemon(cfg)
+d.start()
+d.rank_collector.fn = timed("rank files + discovery + guard", d.rank_collector.fn)
+d.proc_collector.fn = timed("procfs (ranks + descendants)", d.proc_collector.fn)
+d._write_state = timed("state.json", d._write_state)
+for sub in d.subsystems:
+    sub.before_join = timed(sub.name + ".before_join", sub.before_join)
+    sub.after_join = timed(sub.name + ".after_join", sub.after_join)
+    col = getattr(sub, "collector", None)
+    if col is not None:
+        col.fn = timed(sub.name + " collector thread", col.fn)
+for _ in range(2):
+    d.cycle()
+acc.clear()
+t0 = time.thread_time()
+for _ in range({cycles}):
+    c0 = time.monotonic()
+    d.cycle()
+    time.sleep(max(0.0, {interval} - (time.monotonic() - c0)))
+main = time.thread_time() - t0
+d.shutdown()
+n = {cycles}
+print(f"  in-process cycle parts, CPU ms per cycle over {{n}} cycles (main thread {{1e3 * main / n:.1f}}"
+      " ms; collector threads on top):")
+for name, v in acc.most_common():
+    print(f"    {{1e3 * v / n:6.2f}} ms  {{name}}")
+"""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=64)
@@ -272,6 +327,8 @@ def main() -> int:
     ap.add_argument("--config-extra", default="", help="YAML appended to both daemons' config")
     ap.add_argument("--profile", action="store_true", help="then py-spy record the first daemon")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--phases", type=int, default=0,
+                    help="then time this many cycles of each checkout in-process, by part")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="gwcpu-bench-"))
     logs = contextlib.ExitStack()
@@ -314,6 +371,10 @@ def main() -> int:
             print(f"  after/before: own {a['cpu_percent_own'] / b['cpu_percent_own']:.2f}, with "
                   f"children {a['cpu_percent_with_children'] / b['cpu_percent_with_children']:.2f}",
                   flush=True)
+        for name in ("gpuwatchd", "gpuwatchd-before")[: 1 + bool(args.main_repo)] if args.phases else ():
+            print(f"  {name}:", flush=True)
+            phases(tmp / f"{name}.yaml", str(REPO) if name == "gpuwatchd" else str(tmp / "before"),
+                   args.phases, args.interval)
         if args.profile:
             pyspy = args.pyspy or shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
             raw = tmp / "profile.txt"

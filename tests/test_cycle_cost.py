@@ -7,6 +7,7 @@ tests/test_fork.py). The assertions are about *what is read* (counted by the rea
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -152,3 +153,52 @@ def test_children_of_a_process_without_a_cuda_device_are_not_scanned(rank: Rank)
     everything = fork_evidence(EvidenceReader(paths), [entry], processes, desc, None)
     assert set(everything) == set(ev)
     assert os.getpid() not in everything
+
+
+def test_state_json_text_is_the_slow_encoding_byte_for_byte(tmp_path: Path) -> None:
+    """state.json is written every cycle: the C-encoder path must write exactly what the walk in
+    Python did, for the golden pipeline's state (ranks, GPU processes, orphans, findings,
+    counters, read-only mappings)."""
+    import json
+    import types
+
+    from test_golden_exposition import NVML, PROC, T0
+
+    from gpuwatchd.config import Config, NvmlConfig, OrphansConfig
+    from gpuwatchd.daemon.core import Daemon
+    from gpuwatchd.daemon.gpu import GpuSubsystem
+    from gpuwatchd.daemon.state_json import state_json_text, state_to_json
+    from gpuwatchd.model import Finding
+    from gpuwatchd.rank.rankfile import write_rank_file
+
+    write_rank_file(str(tmp_path / "ranks"), {
+        "version": 1, "job_id": "golden", "world_size": 1,
+        "ranks": [{"rank": 0, "local_rank": 0, "pid": 447, "gpus": ["0"], "start_ticks": 571200}],
+    }, "golden.json")
+    cfg = Config(rank_dir=str(tmp_path / "ranks"), state_dir=str(tmp_path / "state"),
+                 procfs=str(PROC), nvml=NvmlConfig(fixture=str(NVML)),
+                 orphans=OrphansConfig(grace_seconds=30.0))
+    now = [T0]
+    daemon = Daemon(cfg, paths=HostPaths(procfs=str(PROC), sysfs=str(tmp_path / "sys"),
+                                         devfs=str(tmp_path / "dev")),
+                    clock=lambda: now[0], write_state=False,
+                    subsystems=[GpuSubsystem(watch_xid=False, watch_udev=False)])
+    for sub in daemon.subsystems:
+        sub.start(daemon)
+    try:
+        for t in (T0, T0 + 5.0, T0 + 40.0):
+            now[0] = t
+            state = daemon.cycle()
+    finally:
+        for sub in daemon.subsystems:
+            sub.stop()
+    assert state.ranks and state.gpu_processes and state.orphans and state.findings
+    odd = Finding(kind="x", severity="warning", explanation="e",
+                  evidence={"ints": {3: 1}, "proxy": types.MappingProxyType({"a": (1, 2)}),
+                            "set": frozenset({"s"}), "float": float("nan")})
+    for s in (state, dataclasses.replace(state, findings=(*state.findings, odd))):
+        slow = json.dumps(state_to_json(s), separators=(",", ":"), default=str)
+        assert state_json_text(s) == slow
+    tuple_key = dataclasses.replace(state, findings=(dataclasses.replace(odd, evidence={(1, 2): 3}),))
+    assert state_json_text(tuple_key) == json.dumps(state_to_json(tuple_key), separators=(",", ":"),
+                                                    default=str)  # the slow path

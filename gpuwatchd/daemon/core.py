@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import os
 import signal
@@ -43,6 +42,7 @@ from gpuwatchd.daemon.pyspy import PySpySubsystem
 from gpuwatchd.daemon.reload import RESTART_SECTIONS as RESTART_SECTIONS
 from gpuwatchd.daemon.reload import ReloadMixin
 from gpuwatchd.daemon.retention import RetentionSubsystem
+from gpuwatchd.daemon.state_json import state_json_text
 from gpuwatchd.daemon.state_json import state_to_json as state_to_json
 from gpuwatchd.daemon.state_json import to_jsonable as to_jsonable
 from gpuwatchd.daemon.straggler import StragglerSubsystem
@@ -268,8 +268,7 @@ class Daemon(ReloadMixin):
 
     def _write_state(self, state: NodeState) -> None:
         path = os.path.join(self.config.state_dir, STATE_FILE)
-        # json.dumps uses the C encoder; json.dump to a file would run the pure-Python one
-        text = json.dumps(state_to_json(state), separators=(",", ":"), default=str)
+        text = state_json_text(state)  # the C encoder walks the state (state_json.py)
         self.state_files.write(path, text)  # counted in gpuwatch_state_write_errors_total
 
     # --- lifecycle ------------------------------------------------------------------------------
