@@ -202,3 +202,33 @@ def test_state_json_text_is_the_slow_encoding_byte_for_byte(tmp_path: Path) -> N
     tuple_key = dataclasses.replace(state, findings=(dataclasses.replace(odd, evidence={(1, 2): 3}),))
     assert state_json_text(tuple_key) == json.dumps(state_to_json(tuple_key), separators=(",", ":"),
                                                     default=str)  # the slow path
+
+
+def test_a_heartbeat_found_in_the_ranks_root_is_walked_once_a_cycle(tmp_path: Path,
+                                                                    rank: Rank) -> None:
+    from gpuwatchd.sources.rankfiles import HeartbeatRoots, guard_entries, heartbeat_mtime
+
+    hb = tmp_path / "r0.hb"
+    hb.write_text("")
+    clock = [0.0]
+    roots = HeartbeatRoots(ttl=30.0, clock=lambda: clock[0])
+    found = RankEntry(job_id="j", rank=0, pid=rank.pid, heartbeat=str(hb))
+    later = RankEntry(job_id="j", rank=1, pid=rank.pid, heartbeat=str(tmp_path / "r1.hb"))
+    other = RankEntry(job_id="j", rank=2, pid=rank.pid, heartbeat=str(hb),
+                      owner_uid=os.getuid() + 4242)  # not the file's owner: refused every cycle
+    for cycle in range(3):
+        got, _ = guard_entries([found, later, other], roots=roots)
+        assert got[0].heartbeat_root == f"/proc/{rank.pid}/root"
+        assert heartbeat_mtime(got[0]) == hb.stat().st_mtime  # still read (and checked) each cycle
+        assert got[1].heartbeat_root == f"/proc/{rank.pid}/root" and heartbeat_mtime(got[1]) is None
+        assert got[2].heartbeat is None
+        assert roots.walks == 1 + 2 * (cycle + 1)  # found: once; the other two: every cycle
+    (tmp_path / "r1.hb").write_text("")  # written now: found, then remembered too
+    guard_entries([found, later], roots=roots)
+    got, _ = guard_entries([found, later], roots=roots)
+    assert roots.walks == 8 and heartbeat_mtime(got[1]) is not None
+    clock[0] = 31.0  # looked for again after the TTL
+    guard_entries([found], roots=roots)
+    assert roots.walks == 9
+    guard_entries([found, later], roots=roots)  # `later` was forgotten when a cycle did not ask
+    assert roots.walks == 10

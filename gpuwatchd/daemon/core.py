@@ -56,6 +56,7 @@ from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.pidns import PidNamespaces
 from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.sources.rankfiles import (
+    HeartbeatRoots,
     RankDirMissing,
     RankFileReader,
     discover,
@@ -116,6 +117,7 @@ class Daemon(ReloadMixin):
         self.procfs = ProcfsReader(self.paths)
         self.rankfiles = RankFileReader(config.rank_dir)
         self.pidns = PidNamespaces(self.procfs)  # rank files written inside containers
+        self.heartbeat_roots = HeartbeatRoots()
         self.stop_event = threading.Event()
         self.xid_dedup = XidDeduper()  # shared by the NVML Xid watcher and the kernel log
         self.reload_requested = threading.Event()
@@ -159,7 +161,8 @@ class Daemon(ReloadMixin):
             self._discovered = discover(self.procfs, d.launchers)
         elif not d.enabled:
             self._discovered = []
-        reading = guard_entries([*entries, *self._discovered], bad, self.paths.procfs, self.pidns)
+        reading = guard_entries([*entries, *self._discovered], bad, self.paths.procfs, self.pidns,
+                                self.heartbeat_roots)
         if missing is not None:
             raise PartialReading(reading, str(missing))
         return reading
