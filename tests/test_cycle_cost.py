@@ -232,3 +232,22 @@ def test_a_heartbeat_found_in_the_ranks_root_is_walked_once_a_cycle(tmp_path: Pa
     assert roots.walks == 9
     guard_entries([found, later], roots=roots)  # `later` was forgotten when a cycle did not ask
     assert roots.walks == 10
+
+
+def test_environ_of_selected_names_reads_what_the_full_parse_reads(
+        procs: list[subprocess.Popen[Any]]) -> None:
+    """Discovery reads a few names of every process's environ each pass: found by search, not by
+    splitting the whole block; the same values as the full parse, look-alikes not matched."""
+    env = {"RANK": "3", "XRANK": "9", "OTHER": "RANK=7", "LOCAL_RANK": "", "WORLD_SIZE": "8",
+           "UTF": "é\udcff", "PATH": os.environ.get("PATH", "")}
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                         env={k: v.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+                              for k, v in env.items()})
+    procs.append(p)
+    procfs = ProcfsReader()
+    full = procfs.environ(p.pid)
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "UTF", "SLURM_PROCID", "ANK", "")
+    got = procfs.environ(p.pid, names)
+    assert got == {k: full[k] for k in names if k in full}
+    assert got["RANK"] == "3" and got["LOCAL_RANK"] == "" and "SLURM_PROCID" not in got
+    assert procfs.environ(p.pid + 10**7, names) == {}  # gone

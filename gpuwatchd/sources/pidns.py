@@ -176,6 +176,8 @@ class PidNamespaces:
         ns_pid = e.ns_pid if e.ns_pid is not None else (facts.nspid[-1] if len(facts.nspid) > 1
                                                         else None)
         self._shown[shown] = (ns_pid, facts.container)
+        if e.ns_pid == ns_pid and e.container == facts.container:
+            return e  # a host process's entry as it was read (no copy each cycle)
         return dataclasses.replace(e, ns_pid=ns_pid, container=facts.container)
 
     def resolve(self, entries: Iterable[RankEntry]) -> tuple[list[RankEntry], list[BadRankFile]]:

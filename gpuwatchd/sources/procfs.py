@@ -276,15 +276,22 @@ class ProcfsReader:
             raw = _read(self.paths.proc(pid, "environ"), MAX_ENVIRON_BYTES)
         except OSError:
             return {}
-        wanted = set(keys) if keys is not None else None
         env: dict[str, str] = {}
+        if keys is not None:  # a handful of names (discovery: every process, each pass): find them
+            raw = b"\x00" + raw
+            for key in keys:
+                name = key.encode()
+                at = raw.rfind(b"\x00" + name + b"=")  # the last one wins, as below
+                if at >= 0:
+                    start = at + len(name) + 2
+                    end = raw.find(b"\x00", start)
+                    env[key] = raw[start : end if end >= 0 else len(raw)].decode("utf-8", "replace")
+            return env
         for item in raw.split(b"\x00"):
             name, sep, value = item.partition(b"=")
             if not sep:
                 continue
-            key = name.decode("utf-8", "replace")
-            if wanted is None or key in wanted:
-                env[key] = value.decode("utf-8", "replace")
+            env[name.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
         return env
 
     def env_flags(self, pid: int) -> tuple[str, ...] | None:
