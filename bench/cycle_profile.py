@@ -229,6 +229,7 @@ IDLE = ("wait (threading.py", "select (selectors.py", "sleep", "_wait_for_tstate
 
 def fold(raw: Path, top: int) -> None:
     phase: collections.Counter[str] = collections.Counter()
+    by_thread: collections.Counter[str] = collections.Counter()
     self_c: collections.Counter[str] = collections.Counter()
     incl: collections.Counter[str] = collections.Counter()
     total = 0
@@ -236,11 +237,13 @@ def fold(raw: Path, top: int) -> None:
         stack, _, count = line.rpartition(" ")
         if not count.isdigit():
             continue
-        frames = [f for f in stack.split(";") if "(" in f]
+        parts = stack.split(";")
+        frames = [f for f in parts if "(" in f and not f.startswith("thread (")]
         if not frames or any(w in frames[-1] for w in IDLE):
             continue
         c = int(count)
         total += c
+        by_thread[next((f for f in frames if "threading.py" not in f), "?")] += c
         joined = ";".join(frames)
         phase[next((name for name, keys in PHASES if any(k in joined for k in keys)), "other")] += c
         self_c[frames[-1]] += c
@@ -249,6 +252,9 @@ def fold(raw: Path, top: int) -> None:
     print(f"  py-spy on the daemon: {total} active samples", flush=True)
     for name, c in phase.most_common():
         print(f"    phase {name:12s} {100 * c / max(total, 1):5.1f} %")
+    print("  by thread (its outermost frame outside threading.py):")
+    for f, c in by_thread.most_common(8):
+        print(f"    {100 * c / max(total, 1):5.1f} % {f}")
     print("  self (leaf frames):")
     for f, c in self_c.most_common(top):
         print(f"    {100 * c / max(total, 1):5.1f} % {f}")
@@ -378,7 +384,7 @@ def main() -> int:
         if args.profile:
             pyspy = args.pyspy or shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
             raw = tmp / "profile.txt"
-            subprocess.run([pyspy, "record", "--nonblocking", "-r", "200", "-d",
+            subprocess.run([pyspy, "record", "--nonblocking", "--threads", "-r", "200", "-d",
                             str(int(args.seconds)), "--format", "raw", "-o", str(raw), "-p",
                             str(daemons["gpuwatchd"][0].pid)],
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
