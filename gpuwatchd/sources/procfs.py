@@ -172,22 +172,8 @@ class ProcfsReader:
             comm, f = self.read_stat(pid)
             owner = os.stat(self.paths.proc(pid)).st_uid
             start_ticks = int(f[19])
-            info = ProcessInfo(
-                pid=pid,
-                ppid=int(f[1]),
-                comm=comm,
-                state=f[0],
-                uid=owner,
-                user=self.user_name(owner),
-                start_ticks=start_ticks,
-                start_time=self.boot_time + start_ticks / self.clk_tck,
-                cpu_seconds=(int(f[11]) + int(f[12])) / self.clk_tck,
-                rss_bytes=int(f[21]) * self.page_size,
-                threads=int(f[17]),
-                open_fds=None,
-                max_fds_soft=None,
-                max_fds_hard=None,
-            )
+            ppid, cpu = int(f[1]), (int(f[11]) + int(f[12])) / self.clk_tck
+            rss, threads = int(f[21]) * self.page_size, int(f[17])
         except (ProcessGone, OSError, IndexError, ValueError):
             return None
         now = time.monotonic()
@@ -197,9 +183,22 @@ class ProcfsReader:
         else:
             soft, hard = self.fd_limits(pid)
             self._limits[(pid, start_ticks)] = (now, soft, hard)
-        fds = self.fd_count(pid)
-        return ProcessInfo(**{**info.__dict__, "open_fds": fds, "max_fds_soft": soft,
-                              "max_fds_hard": hard})
+        return ProcessInfo(
+            pid=pid,
+            ppid=ppid,
+            comm=comm,
+            state=f[0],
+            uid=owner,
+            user=self.user_name(owner),
+            start_ticks=start_ticks,
+            start_time=self.boot_time + start_ticks / self.clk_tck,
+            cpu_seconds=cpu,
+            rss_bytes=rss,
+            threads=threads,
+            open_fds=self.fd_count(pid),
+            max_fds_soft=soft,
+            max_fds_hard=hard,
+        )
 
     def forget(self, live: set[tuple[int, int]]) -> None:
         """Drop cached limits of processes not in ``live`` ((pid, start ticks) pairs)."""
