@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from gpuwatchd.daemon.gpu import fork_evidence
+from gpuwatchd.daemon.fork_evidence import fork_evidence
 from gpuwatchd.model import RankEntry
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.devfds import EvidenceReader

@@ -21,24 +21,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
 
 from gpuwatchd.daemon.device_policy import EXIT_REEXPAND, DevicePolicyGuard
+from gpuwatchd.daemon.fork_evidence import fork_evidence
 from gpuwatchd.daemon.subsystem import NOTHING, Contribution, DaemonContext, Subsystem
 from gpuwatchd.isolation import Collector
 from gpuwatchd.join.cuda_oom import OomTracker
 from gpuwatchd.join.orphans import OrphanTracker, trees_from_entries
 from gpuwatchd.join.state import CycleInputs
-from gpuwatchd.model import (
-    PAGE,
-    Finding,
-    GpuDevice,
-    GpuProcess,
-    NodeState,
-    ProcessInfo,
-    RankEntry,
-)
-from gpuwatchd.sources.devfds import EvidenceReader, ProcEvidence
+from gpuwatchd.model import PAGE, Finding, GpuDevice, GpuProcess, NodeState, ProcessInfo
+from gpuwatchd.sources.devfds import EvidenceReader
 from gpuwatchd.sources.kernel_log import read_boot_id
 from gpuwatchd.sources.nvidia_devices import probe
 from gpuwatchd.sources.nvml import NvmlReadError, NvmlSource
@@ -191,34 +183,6 @@ class GpuSubsystem(Subsystem):
 
     def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
         self._last_state = state
-
-
-def fork_evidence(reader: EvidenceReader, entries: Sequence[RankEntry],
-                  processes: Mapping[int, ProcessInfo], descendants: Mapping[int, tuple[int, ...]],
-                  gpu_pids: set[int] | None) -> dict[int, ProcEvidence]:
-    """The devfds evidence the fork_after_cuda rule needs: of the trees of ranks with children
-    where a process holds a CUDA context (``gpu_pids``, NVML's process list; None when NVML gave
-    no reading: every tree), the processes NVML lists and the children of any process that holds
-    a CUDA device, in breadth-first order (a parent before its children). A child of a process
-    without one can be no fork-after-CUDA child, so its hundreds of fds are not looked at."""
-    evidence: dict[int, ProcEvidence] = {}
-    for e in entries:
-        tree = (e.pid, *descendants.get(e.pid, ()))
-        if e.pid not in processes or len(tree) < 2:
-            continue
-        if gpu_pids is not None and not gpu_pids.intersection(tree):
-            continue
-        for pid in tree:
-            if gpu_pids is not None and pid not in gpu_pids:
-                info = processes.get(pid)
-                parent = evidence.get(info.ppid) if info is not None else None
-                if parent is None or not parent.holds_cuda_device:
-                    continue
-            ev = reader.read(pid)
-            if ev is not None:
-                evidence[pid] = ev
-    reader.forget(evidence)
-    return evidence
 
 
 class NvmlDeviceDenied(NvmlReadError):
