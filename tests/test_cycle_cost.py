@@ -251,3 +251,31 @@ def test_environ_of_selected_names_reads_what_the_full_parse_reads(
     assert got == {k: full[k] for k in names if k in full}
     assert got["RANK"] == "3" and got["LOCAL_RANK"] == "" and "SLURM_PROCID" not in got
     assert procfs.environ(p.pid + 10**7, names) == {}  # gone
+
+
+def test_stat_in_root_with_links_on_the_way(tmp_path: Path) -> None:
+    """The heartbeat walk opens each directory on the way with one call now; links in the middle
+    (relative, absolute, climbing) still resolve inside the root, and errors stay the same."""
+    import errno
+
+    from gpuwatchd.sources.pidns import stat_in_root
+
+    root = tmp_path / "root"
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "a" / "b" / "f").write_text("x")
+    (tmp_path / "a" / "b").mkdir(parents=True)  # what an escape would find: the daemon's tree
+    (tmp_path / "a" / "b" / "f").write_text("outside")
+    (root / "rel").symlink_to("a")
+    (root / "abs").symlink_to("/a")  # absolute: starts again at the root
+    (root / "a" / "up").symlink_to("../../../../a")  # climbs: stops at the root
+    (root / "loop").symlink_to("loop")
+    want = (root / "a" / "b" / "f").stat()
+    for path in ("a/b/f", "rel/b/f", "/abs/b/f", "a/up/b/f", "a/b/../b/f", "../../a/b/f", "./a//b/f"):
+        st = stat_in_root(str(root), path)
+        assert (st.st_ino, st.st_dev) == (want.st_ino, want.st_dev), path
+    assert stat_in_root(str(root), "rel/b").st_ino == (root / "a" / "b").stat().st_ino
+    for path, code in (("a/b/f/x", errno.ENOTDIR), ("nope/f", errno.ENOENT),
+                       ("loop/f", errno.ELOOP), ("a/nope", errno.ENOENT)):
+        with pytest.raises(OSError) as e:
+            stat_in_root(str(root), path)
+        assert e.value.errno == code, path
