@@ -2,8 +2,10 @@
 
 Reads ``/proc/PID/fd/*`` link targets (only those under ``<devfs>/nvidia``: ``/dev/nvidiactl``,
 ``/dev/nvidia-uvm``, ``/dev/nvidiaN``, ``/dev/nvidia-caps/...``), ``/proc/PID/exe`` and
-``/proc/PID/cmdline``. The command line is reduced to a SHA-256 digest at once: it is compared,
-never kept or exported (it can hold secrets).
+``/proc/PID/cmdline``. The command line is reduced to a digest at once: it is compared, never
+kept or exported (it can hold secrets). The digest is Python's ``hash`` of the bytes (SipHash,
+keyed per process), enough for an equality test inside one daemon and, unlike ``hashlib``, it
+does not load libcrypto into the daemon (bench/rss.py).
 
 Cost: one readlink per open fd of each process in a rank tree (a rank holds ~100 fds), or, through
 ``EvidenceReader``, only when the process's identity (start time, exe, cmdline) or its number of
@@ -16,7 +18,6 @@ Shell equivalent: ``ls -l /proc/PID/fd | grep nvidia; readlink /proc/PID/exe; tr
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -65,7 +66,7 @@ def _identity(paths: HostPaths, pid: int) -> tuple[int, int, str, str] | None:
         fields = stat[stat.rfind(")") + 2 :].split()
         exe = os.readlink(paths.proc(pid, "exe"))
         with open(paths.proc(pid, "cmdline"), "rb") as f:
-            digest = hashlib.sha256(f.read(1 << 20)).hexdigest()
+            digest = f"{hash(f.read(1 << 20)) & 0xFFFF_FFFF_FFFF_FFFF:016x}"
         return int(fields[19]), int(fields[1]), exe, digest
     except (OSError, ValueError, IndexError):
         return None
