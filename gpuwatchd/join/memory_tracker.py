@@ -30,12 +30,16 @@ def slope(points: Iterable[tuple[float, float]]) -> float | None:
     n = len(pts)
     if n < 2:
         return None
-    mt = sum(t for t, _ in pts) / n
-    mv = sum(v for _, v in pts) / n
-    den = sum((t - mt) ** 2 for t, _ in pts)
+    # the same sums in the same order as the textbook form, over lists (two per rank per cycle)
+    ts = [t for t, _ in pts]
+    vs = [v for _, v in pts]
+    mt = sum(ts) / n
+    mv = sum(vs) / n
+    dts = [t - mt for t in ts]
+    den = sum([d ** 2 for d in dts])
     if den <= 0:
         return None
-    return sum((t - mt) * (v - mv) for t, v in pts) / den
+    return sum([d * (v - mv) for d, v in zip(dts, vs, strict=True)]) / den
 
 
 @dataclass

@@ -14,7 +14,8 @@ CPU throttling over the window is known when it is named a straggler. Across nod
 the daemon's part is daemon/straggler.py. Memory: at most ``MAX_SAMPLES`` samples
 per live rank; dead ranks are forgotten at once.
 Cost: one stat per heartbeat rank per cycle (already done by the daemon), one small read when it
-changed, two small reads of cpu.stat.
+changed, and the cgroup's cpu.stat: one read per cgroup per cycle (the ranks of a job share one),
+its path looked up from /proc/PID/cgroup once per rank every ``CGROUP_PATH_TTL`` seconds.
 """
 
 from __future__ import annotations
@@ -26,10 +27,13 @@ from dataclasses import dataclass, field
 from gpuwatchd.config import StragglerConfig
 from gpuwatchd.model import RankEntry
 from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources.cgroup_cpu import CpuStat, read_cpu_stat
+from gpuwatchd.sources.cgroup_cpu import CpuStat, cgroup_cpu_stat_path, read_cpu_stat_file
 from gpuwatchd.sources.heartbeat_step import read_step
 
 MAX_SAMPLES = 512
+# A process moves to another cgroup only when something moves it (rare for a training rank): its
+# cpu.stat path is looked up again this often, or at once when reading it fails.
+CGROUP_PATH_TTL = 60.0
 
 
 def _median(values: list[float]) -> float:
@@ -63,6 +67,8 @@ class _Rank:
     mtime: float | None = None
     step: int | None = None
     below_since: float | None = None
+    cpu_path: str | None = None
+    cpu_path_at: float | None = None  # when cpu_path was looked up
 
 
 class StragglerTracker:
@@ -78,6 +84,7 @@ class StragglerTracker:
         for key in set(self._ranks) - set(live):
             del self._ranks[key]
         steps: dict[tuple[str, int], int] = {}
+        stats: dict[str, CpuStat | None] = {}  # cpu.stat path -> this cycle's reading
         rates: dict[tuple[str, int], tuple[float | None, float]] = {}
         for key, e in live.items():
             tr = self._ranks.get(key)
@@ -95,13 +102,25 @@ class StragglerTracker:
                 tr.samples.append((now, tr.step))
             while tr.samples and now - tr.samples[0][0] > window:
                 tr.samples.popleft()
-            cpu = read_cpu_stat(self.paths, e.pid)
+            cpu = self._cpu_stat(tr, now, stats)
             if cpu is not None:
                 tr.cpu.append((now, cpu))
             while tr.cpu and now - tr.cpu[0][0] > window:
                 tr.cpu.popleft()
             rates[key] = self._rate(tr, now)
         return steps, self._judge(now, live, rates)
+
+    def _cpu_stat(self, tr: _Rank, now: float, stats: dict[str, CpuStat | None]) -> CpuStat | None:
+        if tr.cpu_path_at is None or abs(now - tr.cpu_path_at) >= CGROUP_PATH_TTL:
+            tr.cpu_path, tr.cpu_path_at = cgroup_cpu_stat_path(self.paths, tr.pid), now
+        if tr.cpu_path is None:
+            return None
+        if tr.cpu_path not in stats:
+            stats[tr.cpu_path] = read_cpu_stat_file(tr.cpu_path)
+        cpu = stats[tr.cpu_path]
+        if cpu is None:
+            tr.cpu_path_at = None  # gone (the cgroup was removed, the rank moved): look again
+        return cpu
 
     def _rate(self, tr: _Rank, now: float) -> tuple[float | None, float]:
         if len(tr.samples) < 2:

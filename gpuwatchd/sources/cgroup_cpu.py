@@ -78,8 +78,11 @@ def cgroup_cpu_stat_path(paths: HostPaths, pid: int) -> str | None:
 
 def read_cpu_stat(paths: HostPaths, pid: int) -> CpuStat | None:
     path = cgroup_cpu_stat_path(paths, pid)
-    if path is None:
-        return None
+    return None if path is None else read_cpu_stat_file(path)
+
+
+def read_cpu_stat_file(path: str) -> CpuStat | None:
+    """One cpu.stat (a path from ``cgroup_cpu_stat_path``); None when it is gone."""
     try:
         return parse_cpu_stat(_read(path))
     except OSError:

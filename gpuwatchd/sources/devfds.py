@@ -7,7 +7,9 @@ kept or exported (it can hold secrets). The digest is Python's ``hash`` of the b
 keyed per process), enough for an equality test inside one daemon and, unlike ``hashlib``, it
 does not load libcrypto into the daemon (bench/rss.py).
 
-Cost: one readlink per open fd of each process in a rank tree (a rank holds ~100 fds).
+Cost: one readlink per open fd of each process in a rank tree (a rank holds ~100 fds), or, through
+``EvidenceReader``, only when the process's identity (start time, exe, cmdline) or its number of
+open fds changed, or every ``EVIDENCE_TTL`` seconds: a stat and three small reads otherwise.
 Privilege: other users' ``fd``/``exe`` need CAP_SYS_PTRACE (granted in the systemd unit); without it
 the evidence is None and nothing is flagged.
 Shell equivalent: ``ls -l /proc/PID/fd | grep nvidia; readlink /proc/PID/exe; tr '\\0' ' ' <
@@ -17,6 +19,8 @@ Shell equivalent: ``ls -l /proc/PID/fd | grep nvidia; readlink /proc/PID/exe; tr
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gpuwatchd.paths import HostPaths
@@ -36,20 +40,42 @@ class ProcEvidence:
         return any(t.endswith(("/nvidiactl", "/nvidia-uvm")) for _, t in self.nvidia_fds)
 
 
+# A cached fd scan is redone at least this often, for fds closed and others opened between two
+# looks (the number alone does not show that).
+EVIDENCE_TTL = 30.0
+
+
 def read_evidence(paths: HostPaths, pid: int) -> ProcEvidence | None:
     """None when the process is gone or unreadable (not an error)."""
-    prefix = paths.dev("nvidia")
+    head = _identity(paths, pid)
+    if head is None:
+        return None
+    _start, ppid, exe, digest = head
+    try:
+        names = os.listdir(paths.proc(pid, "fd"))
+    except OSError:
+        return None
+    return ProcEvidence(pid, ppid, exe, digest, _scan(paths, pid, names))
+
+
+def _identity(paths: HostPaths, pid: int) -> tuple[int, int, str, str] | None:
+    """(start ticks, ppid, exe, cmdline digest) of one process; None when gone."""
     try:
         with open(paths.proc(pid, "stat"), "rb") as f:
             stat = f.read().decode("utf-8", "replace")
-        ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
+        fields = stat[stat.rfind(")") + 2 :].split()
         exe = os.readlink(paths.proc(pid, "exe"))
         with open(paths.proc(pid, "cmdline"), "rb") as f:
             digest = f"{hash(f.read(1 << 20)) & 0xFFFF_FFFF_FFFF_FFFF:016x}"
-        fd_dir = paths.proc(pid, "fd")
-        names = os.listdir(fd_dir)
+        return int(fields[19]), int(fields[1]), exe, digest
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _scan(paths: HostPaths, pid: int, names: list[str]) -> tuple[tuple[int, str], ...]:
+    """The fds of ``names`` that point at an NVIDIA device node (one readlink each)."""
+    prefix = paths.dev("nvidia")
+    fd_dir = paths.proc(pid, "fd")
     fds: list[tuple[int, str]] = []
     for name in names:
         try:
@@ -58,4 +84,75 @@ def read_evidence(paths: HostPaths, pid: int) -> ProcEvidence | None:
             continue  # closed while we listed
         if target.startswith(prefix):
             fds.append((int(name), target))
-    return ProcEvidence(pid, ppid, exe, digest, tuple(sorted(fds)))
+    return tuple(sorted(fds))
+
+
+class EvidenceReader:
+    """``read_evidence`` for the daemon's cycle, remembering each process's fd scan.
+
+    The readlink of every fd (a torch rank and each forked DataLoader worker hold hundreds) is
+    redone only when the process is another one (start time, exe or cmdline changed: a PID reused,
+    an exec) or its number of open fds changed (a CUDA context opens dozens of device fds; closing
+    them shows too), and at least every ``ttl`` seconds. The number is ``stat(/proc/PID/fd)``'s
+    size where the kernel gives it (Linux >= 6.2, see sources/procfs.py), else the listing.
+    ``forget`` drops what is not in a live tree any more, so the memory is bounded by the watched
+    processes. ``scans`` counts full fd scans (tests, benchmarks)."""
+
+    def __init__(self, paths: HostPaths, ttl: float = EVIDENCE_TTL,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.paths = paths
+        self.ttl = ttl
+        self.clock = clock
+        self.scans = 0
+        self._count_o1 = _fd_stat_counts(paths)
+        # pid -> (identity, fd count, scanned at, evidence)
+        self._seen: dict[int, tuple[tuple[int, int, str, str], int, float, ProcEvidence]] = {}
+
+    def _fd_count(self, pid: int) -> tuple[int, list[str] | None]:
+        fd_dir = self.paths.proc(pid, "fd")
+        if self._count_o1:
+            size = os.stat(fd_dir).st_size
+            if size > 0:
+                return size, None
+        names = os.listdir(fd_dir)
+        return len(names), names
+
+    def read(self, pid: int) -> ProcEvidence | None:
+        ident = _identity(self.paths, pid)
+        try:
+            if ident is None:
+                raise FileNotFoundError(pid)
+            count, names = self._fd_count(pid)
+        except OSError:
+            self._seen.pop(pid, None)
+            return None
+        now = self.clock()
+        cached = self._seen.get(pid)
+        if (cached is not None and cached[0] == ident and cached[1] == count
+                and now - cached[2] < self.ttl):
+            return cached[3]
+        try:
+            names = names if names is not None else os.listdir(self.paths.proc(pid, "fd"))
+        except OSError:
+            self._seen.pop(pid, None)
+            return None
+        self.scans += 1
+        _start, ppid, exe, digest = ident
+        ev = ProcEvidence(pid, ppid, exe, digest, _scan(self.paths, pid, names))
+        self._seen[pid] = (ident, count, now, ev)
+        return ev
+
+    def forget(self, live: Iterable[int]) -> None:
+        keep = set(live)
+        for pid in [p for p in self._seen if p not in keep]:
+            del self._seen[pid]
+
+
+def _fd_stat_counts(paths: HostPaths) -> bool:
+    """Does ``stat(/proc/PID/fd).st_size`` count the fds here (procfs, Linux >= 6.2)?"""
+    fd_dir = paths.proc("self", "fd")
+    try:
+        size = os.stat(fd_dir).st_size
+        return size > 0 and abs(size - len(os.listdir(fd_dir))) <= 1
+    except OSError:
+        return False

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from gpuwatchd.paths import HostPaths
 
@@ -175,14 +176,18 @@ class MemcgReader:
         text = _read(self.paths.proc(pid, "cgroup"))
         return parse_cgroup_file(text) if text is not None else None
 
-    def read(self, where: CgroupPaths, memo: dict[tuple[int, str], CgroupMemory | None] | None = None
+    def read(self, where: CgroupPaths, memo: dict[tuple[int, str], Any] | None = None
              ) -> CgroupMemory | None:
         """The bounding level of ``where``'s memory cgroup; None when no memory controller.
-        ``memo``: levels already read this cycle (ranks of one job share their job's cgroup)."""
+        ``memo``: levels (and pressure, version 0) already read this cycle: ranks of one job
+        share their job's cgroup."""
         memo = {} if memo is None else memo
         psi = None
         if self.v2_root is not None and where.unified:
-            psi = parse_psi(_read(self._dir(self.v2_root, where.unified, "memory.pressure")))
+            if (0, where.unified) not in memo:
+                memo[(0, where.unified)] = parse_psi(
+                    _read(self._dir(self.v2_root, where.unified, "memory.pressure")))
+            psi = memo[(0, where.unified)]
         if self.v1 and where.memory_v1:
             got = self._tightest(1, os.path.join(self.root, "memory"), where.memory_v1, memo)
         elif self.v2_root is not None and where.unified and \

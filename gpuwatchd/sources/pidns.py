@@ -50,6 +50,9 @@ def _split(path: str) -> list[str]:
     return [p for p in path.split("/") if p not in ("", ".")]
 
 
+_DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 def stat_in_root(root: str, path: str) -> os.stat_result:
     """``stat(2)`` of ``path`` as seen by the process whose root directory is ``root``
     (``/proc/PID/root``): symlinks are followed *within* that root (an absolute target starts
@@ -65,6 +68,13 @@ def stat_in_root(root: str, path: str) -> os.stat_result:
                 if len(stack) > 1:
                     os.close(stack.pop())
                 continue
+            if parts:  # a directory on the way: one open, unless it is a symbolic link
+                try:
+                    stack.append(os.open(name, _DIR_FLAGS, dir_fd=stack[-1]))
+                    continue
+                except OSError as e:  # O_NOFOLLOW|O_DIRECTORY on a link: ENOTDIR (or ELOOP)
+                    if e.errno not in (errno.ENOTDIR, errno.ELOOP):
+                        raise
             st = os.stat(name, dir_fd=stack[-1], follow_symlinks=False)
             if statmod.S_ISLNK(st.st_mode):
                 links += 1
@@ -78,8 +88,7 @@ def stat_in_root(root: str, path: str) -> os.stat_result:
                 continue
             if not parts:
                 return st
-            stack.append(os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                 dir_fd=stack[-1]))
+            stack.append(os.open(name, _DIR_FLAGS, dir_fd=stack[-1]))  # ENOTDIR: not a directory
         return os.fstat(stack[-1])
     finally:
         for fd in stack:
@@ -176,6 +185,8 @@ class PidNamespaces:
         ns_pid = e.ns_pid if e.ns_pid is not None else (facts.nspid[-1] if len(facts.nspid) > 1
                                                         else None)
         self._shown[shown] = (ns_pid, facts.container)
+        if e.ns_pid == ns_pid and e.container == facts.container:
+            return e  # a host process's entry as it was read (no copy each cycle)
         return dataclasses.replace(e, ns_pid=ns_pid, container=facts.container)
 
     def resolve(self, entries: Iterable[RankEntry]) -> tuple[list[RankEntry], list[BadRankFile]]:

@@ -27,7 +27,9 @@ from gpuwatchd.paths import HostPaths
 
 MAX_ENVIRON_BYTES = 1 << 20
 LIMITS_TTL = 30.0
-THREAD_CHILDREN_TTL = 30.0
+# Every thread's children file (a torch rank has dozens of threads) is read this often; between
+# two such scans only the main thread's and those of the threads that had forked before.
+THREAD_CHILDREN_TTL = 120.0
 
 
 class ProcessGone(Exception):
@@ -39,13 +41,17 @@ def _read(path: str, limit: int = 1 << 16) -> bytes:
     ``environ`` and ``children``, so loop until EOF."""
     chunks: list[bytes] = []
     total = 0
-    with open(path, "rb", buffering=0) as f:
+    # os.open/os.read, not open(): no file object per read (the cycle makes a thousand of these)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
         while total < limit:
-            chunk = f.read(limit - total)
+            chunk = os.read(fd, limit - total)
             if not chunk:
                 break
             chunks.append(chunk)
             total += len(chunk)
+    finally:
+        os.close(fd)
     return b"".join(chunks)
 
 
@@ -76,8 +82,9 @@ class ProcfsReader:
         # (pid, start ticks) -> (read at, soft, hard): limits change only through prlimit(2), so
         # they are re-read every LIMITS_TTL seconds rather than every cycle
         self._limits: dict[tuple[int, int], tuple[float, int | None, int | None]] = {}
-        # pid -> (read at, children of all its threads); see children()
-        self._thread_children: dict[int, tuple[float, list[int]]] = {}
+        # pid -> (last full scan at, the threads that had children then); see children()
+        self._thread_children: dict[int, tuple[float, tuple[int, ...]]] = {}
+        self.thread_scans = 0  # full scans of every thread's children file (tests, benchmarks)
 
     def _probe_fd_stat(self) -> bool:
         """Does ``stat(/proc/PID/fd).st_size`` count fds here (procfs on Linux >= 6.2)? A recorded
@@ -156,22 +163,8 @@ class ProcfsReader:
             comm, f = self.read_stat(pid)
             owner = os.stat(self.paths.proc(pid)).st_uid
             start_ticks = int(f[19])
-            info = ProcessInfo(
-                pid=pid,
-                ppid=int(f[1]),
-                comm=comm,
-                state=f[0],
-                uid=owner,
-                user=self.user_name(owner),
-                start_ticks=start_ticks,
-                start_time=self.boot_time + start_ticks / self.clk_tck,
-                cpu_seconds=(int(f[11]) + int(f[12])) / self.clk_tck,
-                rss_bytes=int(f[21]) * self.page_size,
-                threads=int(f[17]),
-                open_fds=None,
-                max_fds_soft=None,
-                max_fds_hard=None,
-            )
+            ppid, cpu = int(f[1]), (int(f[11]) + int(f[12])) / self.clk_tck
+            rss, threads = int(f[21]) * self.page_size, int(f[17])
         except (ProcessGone, OSError, IndexError, ValueError):
             return None
         now = time.monotonic()
@@ -181,9 +174,22 @@ class ProcfsReader:
         else:
             soft, hard = self.fd_limits(pid)
             self._limits[(pid, start_ticks)] = (now, soft, hard)
-        fds = self.fd_count(pid)
-        return ProcessInfo(**{**info.__dict__, "open_fds": fds, "max_fds_soft": soft,
-                              "max_fds_hard": hard})
+        return ProcessInfo(
+            pid=pid,
+            ppid=ppid,
+            comm=comm,
+            state=f[0],
+            uid=owner,
+            user=self.user_name(owner),
+            start_ticks=start_ticks,
+            start_time=self.boot_time + start_ticks / self.clk_tck,
+            cpu_seconds=cpu,
+            rss_bytes=rss,
+            threads=threads,
+            open_fds=self.fd_count(pid),
+            max_fds_soft=soft,
+            max_fds_hard=hard,
+        )
 
     def forget(self, live: set[tuple[int, int]]) -> None:
         """Drop cached limits of processes not in ``live`` ((pid, start ticks) pairs)."""
@@ -195,8 +201,11 @@ class ProcfsReader:
 
     def children(self, pid: int) -> list[int]:
         """Direct children. A child is listed in the ``children`` file of the *thread* that forked
-        it; the main thread's file is read every time, all threads' files (a torch process has a
-        hundred) every THREAD_CHILDREN_TTL seconds, and the two are merged."""
+        it. Read every time: the main thread's file (DataLoader workers, subprocesses of the main
+        loop) and the files of the threads that had children at the last full scan (a thread that
+        forks once forks again: a pool's feeder, a launcher's watcher); every thread's file (a
+        torch process has a hundred) every THREAD_CHILDREN_TTL seconds, which finds a thread's
+        first child."""
         out = self._read_children(self.paths.proc(pid, "task", pid, "children"))
         if out is None:  # the process is gone
             self._thread_children.pop(pid, None)
@@ -204,9 +213,20 @@ class ProcfsReader:
         now = time.monotonic()
         cached = self._thread_children.get(pid)
         if cached is None or now - cached[0] >= THREAD_CHILDREN_TTL:
-            cached = (now, self._all_thread_children(pid))
+            by_thread = self._all_thread_children(pid)
+            cached = (now, tuple(t for t, kids in by_thread.items() if kids and t != pid))
             self._thread_children[pid] = cached
-        return out + [c for c in cached[1] if c not in out]
+            extra = [c for kids in by_thread.values() for c in kids]
+        else:
+            extra = []
+            for tid in cached[1]:
+                extra += self._read_children(self.paths.proc(pid, "task", tid, "children")) or []
+        seen = set(out)
+        for c in extra:
+            if c not in seen:
+                seen.add(c)
+                out.append(c)
+        return out
 
     def _read_children(self, path: str) -> list[int] | None:
         try:
@@ -216,8 +236,20 @@ class ProcfsReader:
         except ValueError:
             return []
 
-    def _all_thread_children(self, pid: int) -> list[int]:
-        return thread_children(self.paths.proc(pid, "task"))
+    def _all_thread_children(self, pid: int) -> dict[int, list[int]]:
+        """tid -> the children listed in that thread's file, for every thread of ``pid``."""
+        self.thread_scans += 1
+        task_dir = self.paths.proc(pid, "task")
+        try:
+            tids = [int(t) for t in os.listdir(task_dir) if t.isdigit()]
+        except OSError:
+            return {}
+        out: dict[int, list[int]] = {}
+        for tid in tids:
+            kids = self._read_children(os.path.join(task_dir, str(tid), "children"))
+            if kids is not None:
+                out[tid] = kids
+        return out
 
     def descendants(self, pid: int, limit: int = 4096) -> list[int]:
         """All live descendants of ``pid`` (breadth first), bounded by ``limit``."""
@@ -238,15 +270,22 @@ class ProcfsReader:
             raw = _read(self.paths.proc(pid, "environ"), MAX_ENVIRON_BYTES)
         except OSError:
             return {}
-        wanted = set(keys) if keys is not None else None
         env: dict[str, str] = {}
+        if keys is not None:  # a handful of names (discovery: every process, each pass): find them
+            raw = b"\x00" + raw
+            for key in keys:
+                name = key.encode()
+                at = raw.rfind(b"\x00" + name + b"=")  # the last one wins, as below
+                if at >= 0:
+                    start = at + len(name) + 2
+                    end = raw.find(b"\x00", start)
+                    env[key] = raw[start : end if end >= 0 else len(raw)].decode("utf-8", "replace")
+            return env
         for item in raw.split(b"\x00"):
             name, sep, value = item.partition(b"=")
             if not sep:
                 continue
-            key = name.decode("utf-8", "replace")
-            if wanted is None or key in wanted:
-                env[key] = value.decode("utf-8", "replace")
+            env[name.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
         return env
 
     def environ_values(self, pid: int, names: Iterable[str]) -> dict[str, str] | None:

@@ -11,7 +11,8 @@ file (numbers of any size, NaN, odd Unicode, deep nesting, duplicate keys) can r
 ``rank_dir`` that cannot be listed raises ``RankDirMissing`` (the collector is down).
 
 Entries written inside a container (``pid_ns``) are resolved to host PIDs by ``guard_entries``
-with ``sources/pidns.py``; heartbeats are read inside the rank's own root. Discovery from the
+with ``sources/pidns.py``; heartbeats are read inside the rank's own root (where one was found
+there, ``HeartbeatRoots`` remembers it, so a cycle walks its path once, in ``heartbeat_mtime``). Discovery from the
 environment lives in ``sources/discovery.py``.
 Shell equivalent: ``cat /run/gpuwatch/ranks/*.json``.
 """
@@ -22,7 +23,8 @@ import dataclasses
 import json
 import os
 import stat as statmod
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gpuwatchd.model import BadRankFile, RankEntry
@@ -197,19 +199,63 @@ def heartbeat_root(entry: RankEntry, procfs: str = "/proc") -> str | None:
     (CAP_DAC_READ_SEARCH) must not reveal the mtime of another user's file to whoever reads
     /metrics.
     """
+    return _heartbeat_root(entry, procfs)[0]
+
+
+def _heartbeat_root(entry: RankEntry, procfs: str) -> tuple[str | None, bool]:
+    """(``heartbeat_root``'s answer, whether the heartbeat was found there in the rank's root)."""
     if not entry.heartbeat:
-        return None
+        return None, False
     root = f"{procfs.rstrip('/')}/{entry.pid}/root"
     try:
-        return root if _owner_may_see(entry, stat_in_root(root, entry.heartbeat)) else None
+        if _owner_may_see(entry, stat_in_root(root, entry.heartbeat)):
+            return root, True
+        return None, False
     except (OSError, ValueError):
         pass
     if entry.ns_pid is None:
         try:
-            return "" if _owner_may_see(entry, os.stat(entry.heartbeat)) else None
+            return ("" if _owner_may_see(entry, os.stat(entry.heartbeat)) else None), False
         except (OSError, ValueError):
             pass
-    return root  # not written yet: look where the rank will write it
+    return root, False  # not written yet: look where the rank will write it
+
+
+class HeartbeatRoots:
+    """``heartbeat_root`` for the daemon's cycle: a heartbeat found in the rank's own root (the
+    owner rule met) is looked for there again for ``ttl`` seconds without walking its path a
+    second time each cycle; ``heartbeat_mtime`` still walks it, and checks the owner, every
+    cycle. Every other answer (not there yet, only in the daemon's view, refused) is asked again
+    each cycle. Memory: the entries of the last cycle."""
+
+    def __init__(self, ttl: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl = ttl
+        self.clock = clock
+        self.walks = 0  # heartbeat_root lookups made (tests, benchmarks)
+        self._found: dict[tuple[int, int | None, str, int | None], float] = {}
+        self._seen: set[tuple[int, int | None, str, int | None]] = set()
+
+    def root(self, entry: RankEntry, procfs: str) -> str | None:
+        if not entry.heartbeat:
+            return None
+        key = (entry.pid, entry.start_ticks, entry.heartbeat, entry.owner_uid)
+        self._seen.add(key)
+        now = self.clock()
+        found_at = self._found.get(key)
+        if found_at is not None and now - found_at < self.ttl:
+            return f"{procfs.rstrip('/')}/{entry.pid}/root"
+        self.walks += 1
+        root, found = _heartbeat_root(entry, procfs)
+        if found:
+            self._found[key] = now
+        else:
+            self._found.pop(key, None)
+        return root
+
+    def end_cycle(self) -> None:
+        """Forget the entries this cycle did not ask about."""
+        self._found = {k: v for k, v in self._found.items() if k in self._seen}
+        self._seen = set()
 
 
 def heartbeat_mtime(entry: RankEntry) -> float | None:
@@ -227,6 +273,7 @@ def heartbeat_mtime(entry: RankEntry) -> float | None:
 
 def guard_entries(entries: Iterable[RankEntry], bad: Iterable[BadRankFile] = (),
                   procfs: str = "/proc", namespaces: PidNamespaces | None = None,
+                  roots: HeartbeatRoots | None = None,
                   ) -> tuple[list[RankEntry], list[BadRankFile]]:
     """What every consumer of one cycle's rank entries sees: ``cap_ranks`` applied, PIDs of other
     PID namespaces resolved to host PIDs (``namespaces``, after the caps: its cost is bounded by
@@ -239,8 +286,10 @@ def guard_entries(entries: Iterable[RankEntry], bad: Iterable[BadRankFile] = (),
     out = []
     for e in kept:
         if e.heartbeat:
-            root = heartbeat_root(e, procfs)
+            root = roots.root(e, procfs) if roots is not None else heartbeat_root(e, procfs)
             e = dataclasses.replace(e, heartbeat_root=root, heartbeat=e.heartbeat if root is not None
                                     else None)
         out.append(e)
+    if roots is not None:
+        roots.end_cycle()
     return out, out_bad

@@ -1,0 +1,414 @@
+#!/usr/bin/env python3
+"""Daemon CPU per cycle and per scrape at torch-shaped ranks, without a GPU (issue 14, goals 1-2).
+
+    .venv/bin/python bench/cycle_profile.py [--ranks 64] [--seconds 120] [--main-repo /work/main]
+        [--profile] [--config-extra YAML]
+
+Reproduces the shape of bench/nvml_poll.py's device workload on any Linux box:
+
+* ``--ranks`` real Python processes shaped like torch ranks: ``--threads`` threads each (a CUDA
+  torch rank has dozens), ``--children`` forked DataLoader-like workers (one of them forked from a
+  non-main thread, so it is listed only in that thread's ``/proc/PID/task/TID/children``),
+  ``--fds`` open fds, registered with ``gpuwatchd.register_rank()`` and beating
+  ``gpuwatchd.heartbeat(step)`` once a second (what ``ranks-hb`` of nvml_poll.py does);
+* NVML: a 1 GPU / N process replay derived from ``tests/fixtures/nvml/h200_bench_9procs.json``
+  (recorded on the H200 with 9 holders; its compute-process list is widened to the real PIDs of
+  the N ranks, 1 GiB + context each), through config ``nvml.fixture``: the real NvmlSource code;
+* a real ``gpuwatchd run`` with the shipped defaults otherwise (GIL sampling with py-spy, kernel
+  log, discovery), scraped every ``--interval`` seconds over loopback; with ``--main-repo`` the
+  same daemon from another checkout runs beside it in the same window ("before").
+
+Prints, per daemon: CPU % of a core (utime+stime from /proc/PID/stat; own, and with its reaped
+py-spy children), CPU ms per cycle (window CPU / cycles, scrapes included), CPU ms per scrape
+(a burst of back-to-back scrapes after the window), RSS, and the per-thread CPU of the window.
+``--profile``: a second window with ``py-spy record --format raw`` on the first daemon, folded by
+phase (cycle / scrape / GIL sampler / kernel log) and by our own functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURE = REPO / "tests/fixtures/nvml/h200_bench_9procs.json"
+CLK = os.sysconf("SC_CLK_TCK")
+
+RANK = r"""
+import os, sys, threading, time
+import gpuwatchd
+i, n, rank_dir, threads, children, fds, ready = sys.argv[1:8]
+i, n, threads, children, fds = int(i), int(n), int(threads), int(children), int(fds)
+held = [os.open('/dev/null', os.O_RDONLY) for _ in range(fds)]
+idle = threading.Event()
+def worker():  # a DataLoader worker: forked, sleeps, dies with its rank
+    while os.getppid() != 1:
+        time.sleep(1)
+    os._exit(0)
+def fork_worker():
+    if os.fork() == 0:
+        worker()
+for k in range(children):
+    if k == children - 1 and k > 0:  # forked by another thread: only in that thread's children file
+        t = threading.Thread(target=fork_worker); t.start(); t.join()
+    else:
+        fork_worker()
+for _ in range(threads - 2):
+    threading.Thread(target=idle.wait, daemon=True).start()
+gpuwatchd.register_rank(job_id='bench', rank=i, world_size=n, local_rank=i, rank_dir=rank_dir,
+                        cuda_oom_hook=False)  # + the flight-recorder thread: threads in all
+with open(ready + '.tmp', 'w') as f:
+    f.write(str(os.getpid()))
+os.replace(ready + '.tmp', ready)
+step = 0
+while True:
+    gpuwatchd.heartbeat(step)
+    step += 1
+    time.sleep(1)
+"""
+
+
+def cpu_s(pid: int, children: bool = False) -> float:
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(f[i]) for i in ((11, 12, 13, 14) if children else (11, 12))) / CLK
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def task_ticks(pid: int) -> dict[int, tuple[str, int]]:
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            raw = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            f = raw.rsplit(")", 1)[1].split()
+            out[int(tid)] = (raw[raw.find("(") + 1 : raw.rfind(")")], int(f[11]) + int(f[12]))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=20) as r:
+        return bytes(r.read())
+
+
+def derive_fixture(pids: list[int], out: Path) -> None:
+    """The 9-holder H200 recording, its process list widened to ``pids`` (same per-process
+    memory, utilisation samples for every second one, device memory summed)."""
+    doc = json.loads(FIXTURE.read_text())
+    for cycle in doc["cycles"]:
+        dev = cycle["devices"][0]
+        mem = dev["compute"][0]["usedGpuMemory"]
+        ts = dev["process_utilization"][0]["timeStamp"]
+        dev["compute"] = [{"pid": p, "usedGpuMemory": mem} for p in pids]
+        dev["process_utilization"] = [{"memUtil": 0, "pid": p, "smUtil": 1, "timeStamp": ts + k}
+                                      for k, p in enumerate(pids[::2])]
+        dev["memory"]["used"] = min(dev["memory"]["total"], mem * len(pids))
+        dev["memory"]["free"] = dev["memory"]["total"] - dev["memory"]["used"]
+        cycle.pop("nvidia_smi_compute_apps", None)
+        cycle.pop("proc", None)
+    doc["note"] = f"derived by bench/cycle_profile.py from {FIXTURE.name}: {len(pids)} processes"
+    out.write_text(json.dumps(doc))
+
+
+def overlay_replay(repo: Path, dest: Path) -> Path:
+    """A copy of ``repo``'s package with this checkout's NVML replay (sources/nvml_fixture.py):
+    the replay is test equipment, and an old one whose Xid wait returned at once would busy-loop
+    the Xid watcher and swamp what is measured."""
+    shutil.copytree(repo / "gpuwatchd", dest / "gpuwatchd",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(REPO / "gpuwatchd/sources/nvml_fixture.py", dest / "gpuwatchd/sources/nvml_fixture.py")
+    return dest
+
+
+def start_ranks(args: argparse.Namespace, tmp: Path) -> tuple[list[subprocess.Popen[bytes]], list[int]]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "GPUWATCHD_RANK_DIR": str(tmp / "ranks")}
+    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(i), str(args.ranks), str(tmp / "ranks"),
+                               str(args.threads), str(args.children), str(args.fds),
+                               str(tmp / f"r{i}.pid")], env=env, stdin=subprocess.DEVNULL)
+             for i in range(args.ranks)]
+    deadline = time.monotonic() + 120
+    while not all((tmp / f"r{i}.pid").exists() for i in range(args.ranks)):
+        assert time.monotonic() < deadline, "ranks did not start"
+        assert all(p.poll() is None for p in procs), "a rank died"
+        time.sleep(0.2)
+    return procs, [int((tmp / f"r{i}.pid").read_text()) for i in range(args.ranks)]
+
+
+def start_daemon(name: str, repo: str, args: argparse.Namespace, tmp: Path, fixture: Path,
+                 logs: contextlib.ExitStack) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    cfg = tmp / f"{name}.yaml"
+    pyspy = args.pyspy or shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    cfg.write_text(f"rank_dir: {tmp / 'ranks'}\nstate_dir: {tmp / name}\ninterval_seconds: "
+                   f"{args.interval}\nweb:\n  listen_address: '127.0.0.1:{port}'\nnvml:\n  fixture: "
+                   f"{fixture}\ngil:\n  pyspy_path: {pyspy}\n{args.config_extra}\n")
+    env = {**os.environ, "PYTHONPATH": repo}
+    p = subprocess.Popen([sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg)],
+                         env=env, cwd=repo, stdout=subprocess.DEVNULL,
+                         stderr=logs.enter_context((tmp / f"{name}.log").open("wb")))
+    return p, f"http://127.0.0.1:{port}/metrics"
+
+
+def ranks_up(body: bytes) -> int:
+    return sum(1 for line in body.decode().splitlines()
+               if line.startswith("gpuwatch_rank_up{") and line.endswith(" 1.0"))
+
+
+def cycles_seen(body: bytes) -> float:
+    for line in body.decode().splitlines():
+        if line.startswith("gpuwatch_last_cycle_timestamp_seconds "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def window(args: argparse.Namespace, daemons: dict[str, tuple[subprocess.Popen[bytes], str]],
+           seconds: float) -> dict[str, dict[str, Any]]:
+    pids = {k: p.pid for k, (p, _) in daemons.items()}
+    t0s = {k: task_ticks(pid) for k, pid in pids.items()}
+    own0 = {k: cpu_s(pid) for k, pid in pids.items()}
+    all0 = {k: cpu_s(pid, True) for k, pid in pids.items()}
+    ts0 = {k: cycles_seen(get(u)) for k, (_, u) in daemons.items()}
+    t0 = time.monotonic()
+    scrapes = 0
+    while time.monotonic() - t0 < seconds:
+        for _, u in daemons.values():
+            get(u)
+        scrapes += 1
+        time.sleep(max(0.0, t0 + scrapes * args.interval - time.monotonic()))
+    wall = time.monotonic() - t0
+    res: dict[str, dict[str, Any]] = {}
+    for k, pid in pids.items():
+        own, tot = cpu_s(pid) - own0[k], cpu_s(pid, True) - all0[k]
+        body = get(daemons[k][1])
+        cycles = max(1.0, round((cycles_seen(body) - ts0[k]) / args.interval))
+        t1 = task_ticks(pid)
+        threads = sorted(((t1[t][1] - t0s[k].get(t, ("", 0))[1]) / CLK, t, t1[t][0]) for t in t1)
+        res[k] = {"wall_s": wall, "cpu_percent_own": 100 * own / wall,
+                  "cpu_percent_with_children": 100 * tot / wall, "cycles": cycles,
+                  "scrapes": scrapes, "cpu_ms_per_cycle": 1e3 * own / cycles,
+                  "rss_mib": rss_mib(pid), "ranks_up": ranks_up(body), "exposition_bytes": len(body),
+                  "threads_cpu_s": [(round(c, 2), "main" if t == pid else n) for c, t, n in threads[::-1][:5]]}
+    for k, (p, u) in daemons.items():  # scrape cost: a burst, after the window
+        c0 = cpu_s(p.pid)
+        for _ in range(args.burst):
+            get(u)
+        res[k]["cpu_ms_per_scrape_burst"] = 1e3 * (cpu_s(p.pid) - c0) / args.burst
+    return res
+
+
+PHASES = (("scrape", ("Listener", "workers.py", "handler.py", "encode_text")),
+          ("gil sampler", ("gil.py",)), ("kernel log", ("kernel_log", "kmsg.py", "kernel_events")),
+          ("cycle", ("Daemon.cycle", "isolation.py")))
+IDLE = ("wait (threading.py", "select (selectors.py", "sleep", "_wait_for_tstate_lock",
+        "poll (", "epoll", "get (queue.py", "accept (", "_worker (concurrent",
+        "nvmlEventSetWait")  # the replay sleeps there as the driver blocks
+
+
+def fold(raw: Path, top: int) -> None:
+    phase: collections.Counter[str] = collections.Counter()
+    by_thread: collections.Counter[str] = collections.Counter()
+    self_c: collections.Counter[str] = collections.Counter()
+    incl: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        parts = stack.split(";")
+        frames = [f for f in parts if "(" in f and not f.startswith("thread (")]
+        if not frames or any(w in frames[-1] for w in IDLE):
+            continue
+        c = int(count)
+        total += c
+        by_thread[next((f for f in frames if "threading.py" not in f), "?")] += c
+        joined = ";".join(frames)
+        phase[next((name for name, keys in PHASES if any(k in joined for k in keys)), "other")] += c
+        self_c[frames[-1]] += c
+        for f in {f for f in frames if "gpuwatchd/" in f or "prometheus_client" in f}:
+            incl[f] += c
+    print(f"  py-spy on the daemon: {total} active samples", flush=True)
+    for name, c in phase.most_common():
+        print(f"    phase {name:12s} {100 * c / max(total, 1):5.1f} %")
+    print("  by thread (its outermost frame outside threading.py):")
+    for f, c in by_thread.most_common(8):
+        print(f"    {100 * c / max(total, 1):5.1f} % {f}")
+    print("  self (leaf frames):")
+    for f, c in self_c.most_common(top):
+        print(f"    {100 * c / max(total, 1):5.1f} % {f}")
+    print("  inclusive (our frames):")
+    for f, c in incl.most_common(top + 10):
+        print(f"    {100 * c / max(total, 1):5.1f} % {f}")
+
+
+def phases(cfg_path: Path, repo: str, cycles: int, interval: float) -> None:
+    """The cycle's CPU by part, in-process in a child interpreter running ``repo``'s code: the same
+    config (its web server on a free port), ``cycles`` cycles paced at ``interval``; each part timed
+    with time.thread_time() in the thread it runs in (collectors run in threads of their own)."""
+    code = PHASES_CODE.format(cfg=str(cfg_path), cycles=cycles, interval=interval)
+    env = {**os.environ, "PYTHONPATH": repo}
+    subprocess.run([sys.executable, "-c", code], env=env, cwd=repo, check=False)
+
+
+PHASES_CODE = r"""
+import collections, dataclasses, time
+import gpuwatchd.daemon.core as core
+from gpuwatchd.config import load_config
+cfg = load_config({cfg!r})
+cfg = dataclasses.replace(cfg, web=dataclasses.replace(cfg.web, listen_address="127.0.0.1:0"),
+                          state_dir=cfg.state_dir + "-phases")
+acc = collections.Counter()
+def timed(name, fn):
+    def w(*a, **k):
+        t0 = time.thread_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[name] += time.thread_time() - t0
+    return w
+core.build_state = timed("join (build_state + findings)", core.build_state)
+d = core.Daemon(cfg)
+d.start()
+d.rank_collector.fn = timed("rank files + discovery + guard", d.rank_collector.fn)
+d.proc_collector.fn = timed("procfs (ranks + descendants)", d.proc_collector.fn)
+d._write_state = timed("state.json", d._write_state)
+for sub in d.subsystems:
+    sub.before_join = timed(sub.name + ".before_join", sub.before_join)
+    sub.after_join = timed(sub.name + ".after_join", sub.after_join)
+    col = getattr(sub, "collector", None)
+    if col is not None:
+        col.fn = timed(sub.name + " collector thread", col.fn)
+for _ in range(2):
+    d.cycle()
+acc.clear()
+t0 = time.thread_time()
+for _ in range({cycles}):
+    c0 = time.monotonic()
+    d.cycle()
+    time.sleep(max(0.0, {interval} - (time.monotonic() - c0)))
+main = time.thread_time() - t0
+d.shutdown()
+n = {cycles}
+print(f"  in-process cycle parts, CPU ms per cycle over {{n}} cycles (main thread {{1e3 * main / n:.1f}}"
+      " ms; collector threads on top):")
+for name, v in acc.most_common():
+    print(f"    {{1e3 * v / n:6.2f}} ms  {{name}}")
+"""
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=48)
+    ap.add_argument("--children", type=int, default=3)
+    ap.add_argument("--fds", type=int, default=300)
+    ap.add_argument("--interval", type=float, default=5.0)
+    ap.add_argument("--seconds", type=float, default=120.0)
+    ap.add_argument("--warmup", type=float, default=20.0)
+    ap.add_argument("--burst", type=int, default=20, help="back-to-back scrapes after the window")
+    ap.add_argument("--main-repo", default="", help="checkout whose daemon runs beside as 'before'")
+    ap.add_argument("--pyspy", default="")
+    ap.add_argument("--config-extra", default="", help="YAML appended to both daemons' config")
+    ap.add_argument("--profile", action="store_true", help="then py-spy record the first daemon")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--phases", type=int, default=0,
+                    help="then time this many cycles of each checkout in-process, by part")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="gwcpu-bench-"))
+    logs = contextlib.ExitStack()
+    ranks: list[subprocess.Popen[bytes]] = []
+    daemons: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
+    try:
+        t0 = time.monotonic()
+        ranks, pids = start_ranks(args, tmp)
+        nthreads = [len(os.listdir(f"/proc/{p}/task")) for p in pids]
+        print(f"{args.ranks} ranks up in {time.monotonic() - t0:.0f} s: threads {min(nthreads)}-"
+              f"{max(nthreads)} each, {args.children} forked workers each, {args.fds}+ fds; "
+              f"interval {args.interval} s, scraped every {args.interval} s, {args.seconds:.0f} s "
+              f"window; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}", flush=True)
+        fixture = tmp / "nvml.json"
+        derive_fixture(pids, fixture)
+        daemons["gpuwatchd"] = start_daemon("gpuwatchd", str(REPO), args, tmp, fixture, logs)
+        if args.main_repo:
+            before = overlay_replay(Path(args.main_repo), tmp / "before")
+            daemons["gpuwatchd-before"] = start_daemon("gpuwatchd-before", str(before), args, tmp,
+                                                       fixture, logs)
+        deadline = time.monotonic() + 60
+        for _, u in daemons.values():
+            while True:
+                with contextlib.suppress(OSError):
+                    if ranks_up(get(u)) == args.ranks:
+                        break
+                assert time.monotonic() < deadline, "daemon did not see every rank"
+                time.sleep(0.5)
+        time.sleep(args.warmup)
+        res = window(args, daemons, args.seconds)
+        for k, r in res.items():
+            print(f"  {k:17s} CPU {r['cpu_percent_own']:.3f} % own, {r['cpu_percent_with_children']:.3f}"
+                  f" % with py-spy children; {r['cpu_ms_per_cycle']:.1f} ms CPU per cycle (scrape "
+                  f"included, {r['cycles']:.0f} cycles); {r['cpu_ms_per_scrape_burst']:.2f} ms per "
+                  f"back-to-back scrape; RSS {r['rss_mib']:.0f} MiB; ranks up {r['ranks_up']}; "
+                  f"{r['exposition_bytes']} B", flush=True)
+            print(f"  {'':17s} busiest threads (CPU s, comm): {r['threads_cpu_s']}", flush=True)
+        if "gpuwatchd-before" in res:
+            a, b = res["gpuwatchd"], res["gpuwatchd-before"]
+            print(f"  after/before: own {a['cpu_percent_own'] / b['cpu_percent_own']:.2f}, with "
+                  f"children {a['cpu_percent_with_children'] / b['cpu_percent_with_children']:.2f}",
+                  flush=True)
+        for name in ("gpuwatchd", "gpuwatchd-before")[: 1 + bool(args.main_repo)] if args.phases else ():
+            print(f"  {name}:", flush=True)
+            phases(tmp / f"{name}.yaml", str(REPO) if name == "gpuwatchd" else str(tmp / "before"),
+                   args.phases, args.interval)
+        if args.profile:
+            pyspy = args.pyspy or shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+            raw = tmp / "profile.txt"
+            subprocess.run([pyspy, "record", "--nonblocking", "--threads", "-r", "200", "-d",
+                            str(int(args.seconds)), "--format", "raw", "-o", str(raw), "-p",
+                            str(daemons["gpuwatchd"][0].pid)],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+            if raw.exists():
+                fold(raw, args.top)
+    finally:
+        for p, _ in daemons.values():
+            p.send_signal(signal.SIGTERM)
+        for p in ranks:
+            p.send_signal(signal.SIGTERM)
+        for p in [*(d for d, _ in daemons.values()), *ranks]:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        logs.close()
+        for log in sorted(tmp.glob("*.log")):
+            text = log.read_text(errors="replace")
+            if "Traceback" in text:
+                print(f"--- {log.name} (tail)\n{text[-1500:]}")
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
