@@ -1,0 +1,72 @@
+"""One rank's place in the GIL schedule (daemon/gil.py): the target, its schedule record, and
+why it is suspect. Pure values; the sampler holds its lock around every use of a record.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from gpuwatchd.daemon.gil_convoy import ConvoyHint
+from gpuwatchd.daemon.gil_signals import RankSignals
+from gpuwatchd.model import GilReading
+from gpuwatchd.sources.threads import ThreadInfo
+
+HISTORY = 4  # readings kept per rank (the finding looks at the last two)
+HOT_RATIO = 0.5  # a last sample at least this GIL-bound puts the rank ahead of the queue
+
+
+@dataclass(frozen=True)
+class GilTarget:
+    job_id: str
+    rank: int
+    pid: int
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.job_id, self.rank)
+
+
+@dataclass(frozen=True)
+class GilPlan:
+    """Where one rank stands in the schedule (``GilSampler.plan``): why it is suspect (empty:
+    healthy), whether its next sample is a full one, and when it is due (sampler clock)."""
+
+    key: tuple[str, int]
+    reasons: tuple[str, ...]
+    full: bool
+    next_due: float
+
+
+@dataclass
+class RankSchedule:
+    target: GilTarget
+    next_due: float
+    last_sample: float | None = None
+    in_flight: bool = False
+    probe: tuple[float, tuple[ThreadInfo, ...]] | None = None
+    history: deque[GilReading] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    by_thread: tuple[tuple[int, str, int], ...] = ()
+    convoy: ConvoyHint | None = None
+    error: str = ""
+    cpu_at: tuple[float, int] | None = None  # (probe time, process CPU ticks) of the last probe
+    signals: RankSignals | None = None  # the last cycle's (daemon/gil_signals.py)
+    last_full: float | None = None
+    suspect: bool = False  # at the last look (a turn to suspect pulls the next sample forward)
+
+
+def hot(sched: RankSchedule) -> bool:
+    last = sched.history[-1] if sched.history else None
+    return last is not None and last.samples > 0 and last.held / last.samples >= HOT_RATIO
+
+
+def reasons(sched: RankSchedule) -> tuple[str, ...]:
+    """Why ``sched`` is suspect; empty when it looks healthy."""
+    out = list(sched.signals.reasons) if sched.signals is not None else []
+    if sched.convoy is not None and sched.convoy.convoy:
+        out.append("convoy")
+    if sched.convoy is not None and sched.convoy.busy_thread:
+        out.append("busy_thread")
+    if hot(sched):
+        out.append("gil_bound")
+    return tuple(out)
