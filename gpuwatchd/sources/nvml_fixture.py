@@ -17,6 +17,7 @@ Shell equivalent: ``python3 tools/record_nvml.py --out FILE`` on the GPU node th
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
@@ -175,6 +176,9 @@ class RecordedNvml:
 
     def nvmlEventSetWait_v2(self, event_set: object, timeout_ms: int) -> SimpleNamespace:
         if not self._xid_queue:
+            # NVML blocks up to timeout_ms; a replay that returned at once made the Xid watcher
+            # spin (13 % of a core). Capped so that the watcher still stops within 0.1 s.
+            time.sleep(min(max(timeout_ms, 0), 100) / 1000)
             raise NVMLError(NVML_ERROR_TIMEOUT)
         ev = self._xid_queue.pop(0)
         return SimpleNamespace(device=int(ev["device"]), eventType=XID_CRITICAL_ERROR,
