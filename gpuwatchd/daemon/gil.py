@@ -47,6 +47,7 @@ from gpuwatchd.daemon.gil_schedule import (
     GilPlan,
     GilTarget,
     RankSchedule,
+    confirmed,
     hot,
     reasons,
 )
@@ -66,6 +67,9 @@ JITTER = 0.2
 DEFERRED_KINDS = ("threads", "dump")
 SCREEN_SECONDS = 1.0  # a healthy rank's screening sample (py-spy takes whole seconds)
 SCREEN_RATE_HZ = 20  # 19 ticks: enough to tell >= HOT_RATIO from a healthy rank
+# a rank whose finding is up: a full sample every 4 intervals while its signals stay the same
+# (a recovery shows there first: its CPU drops or its GPU gets busy)
+CONFIRMED_FACTOR = 4
 __all__ = ["CONVOY_CORES", "HOT_RATIO", "ConvoyHint", "GilPlan", "GilSampler", "GilTarget",
            "convoy_hint"]
 
@@ -94,11 +98,15 @@ class GilSampler:
         healthy_interval_seconds: float | None = None,
         screen_seconds: float = SCREEN_SECONDS,
         screen_rate_hz: int = SCREEN_RATE_HZ,
+        confirmed_ratio: float | None = None,
     ) -> None:
         """``max_duty``: at most this many sampled seconds per wall-clock second over all ranks
         (a token bucket); None: bounded by ``max_concurrent`` only. ``healthy_interval_seconds``:
         the adaptive schedule (healthy ranks screened this often); None: every rank in full every
-        ``interval_seconds``."""
+        ``interval_seconds``. ``confirmed_ratio`` (gil.held_threshold): a rank whose last two
+        samples held the GIL at least this much (gil_saturated is up) is sampled
+        ``CONFIRMED_FACTOR`` times less often while its signals stay the same."""
+        self.confirmed_ratio = confirmed_ratio
         self.spy = spy
         self.healthy_interval = healthy_interval_seconds
         self.screen_seconds = screen_seconds
@@ -144,9 +152,10 @@ class GilSampler:
                     self.counters.ensure("rank_gil_held_samples", labels)
 
     def update_signals(self, signals: Mapping[tuple[str, int], RankSignals]) -> None:
-        """The cycle's signals per (job_id, rank) (daemon/gil_signals.py). A rank that turns
-        suspect is due at once, but not sooner than a quarter interval after its last full
-        sample; a rank that turns healthy keeps the sample it has, the one after comes later."""
+        """The cycle's signals per (job_id, rank) (daemon/gil_signals.py). A rank whose signals
+        change while it is suspect or GIL-bound (it turns suspect, or recovers) is due at once,
+        but not sooner than a quarter interval after its last full sample; a rank that turns
+        healthy keeps the sample it has, the one after comes later."""
         now = self.clock()
         with self._lock:
             for key, sig in signals.items():
@@ -157,13 +166,14 @@ class GilSampler:
                 self._look(sched, now)
 
     def _look(self, sched: RankSchedule, now: float) -> None:
-        suspect = self._full(sched)
-        if suspect and not sched.suspect and not sched.in_flight:
+        seen = tuple(r for r in reasons(sched) if r != "gil_bound")
+        if (seen != sched.seen and self._full(sched) and not sched.in_flight
+                and self.healthy_interval is not None):  # fmt: skip
             soonest = (sched.last_full or -1e18) + self.interval / 4
             if sched.next_due > max(now, soonest):
                 sched.next_due = max(now, soonest)
                 log.debug("GIL sample of %s pulled forward: %s", sched.target, reasons(sched))
-        sched.suspect = suspect
+        sched.seen = seen
 
     def _full(self, sched: RankSchedule) -> bool:
         """Is the next sample of ``sched`` a full one (suspect, or no adaptive schedule)?"""
@@ -222,7 +232,8 @@ class GilSampler:
                 hint = convoy_hint(last[1], threads, now - last[0], self._clk_tck)
                 sched.convoy = hint
                 soonest = (sched.last_sample or -1e18) + self.interval / 4
-                if hint.convoy and sched.next_due > max(now, soonest):
+                # a rank whose last sample was GIL-bound already has its answer: interval cadence
+                if hint.convoy and not hot(sched) and sched.next_due > max(now, soonest):
                     sched.next_due = max(now + self.rng.uniform(0, 1.0), soonest)
                     log.debug("GIL convoy hint for %s: %s", sched.target, hint)
                 self._look(sched, now)
@@ -341,10 +352,12 @@ class GilSampler:
     def _reschedule(self, sched: RankSchedule, now: float, full: bool) -> None:
         if not full and hot(sched):
             sched.next_due = now  # a GIL-bound screening: the full sample at once
-        else:
-            every = self.interval if self._full(sched) else (self.healthy_interval or self.interval)
-            sched.next_due = now + every * self.rng.uniform(1 - JITTER, 1 + JITTER)
-        sched.suspect = self._full(sched)
+            return
+        every = self.interval if self._full(sched) else (self.healthy_interval or self.interval)
+        if (self.confirmed_ratio is not None and self.healthy_interval is not None
+                and confirmed(sched, self.confirmed_ratio)):  # fmt: skip
+            every = CONFIRMED_FACTOR * self.interval
+        sched.next_due = now + every * self.rng.uniform(1 - JITTER, 1 + JITTER)
 
     # -- results ---------------------------------------------------------------------------------
 

@@ -52,12 +52,18 @@ class RankSchedule:
     cpu_at: tuple[float, int] | None = None  # (probe time, process CPU ticks) of the last probe
     signals: RankSignals | None = None  # the last cycle's (daemon/gil_signals.py)
     last_full: float | None = None
-    suspect: bool = False  # at the last look (a turn to suspect pulls the next sample forward)
+    seen: tuple[str, ...] = ()  # the signals at the last look (a change pulls the next sample in)
 
 
 def hot(sched: RankSchedule) -> bool:
     last = sched.history[-1] if sched.history else None
     return last is not None and last.samples > 0 and last.held / last.samples >= HOT_RATIO
+
+
+def confirmed(sched: RankSchedule, ratio: float) -> bool:
+    """Its last two readings held the GIL >= ``ratio``: what gil_saturated needs to be up."""
+    last = list(sched.history)[-2:]
+    return len(last) == 2 and all(r.samples > 0 and r.held / r.samples >= ratio for r in last)
 
 
 def reasons(sched: RankSchedule) -> tuple[str, ...]:

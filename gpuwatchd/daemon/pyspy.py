@@ -69,6 +69,7 @@ class PySpySubsystem(Subsystem):
                 duration_seconds=g.duration_seconds, rate_hz=g.rate_hz,
                 max_concurrent=g.max_concurrent, paths=daemon.paths, max_duty=MAX_SAMPLING_DUTY,
                 healthy_interval_seconds=g.healthy_interval_seconds,
+                confirmed_ratio=g.held_threshold,
                 # the /proc convoy probe reads every thread of every rank: once per cycle is enough
                 probe_seconds=max(2.0, self.config.interval_seconds),
             )  # fmt: skip
