@@ -127,6 +127,16 @@ def test_healthy_ranks_are_spread_over_the_healthy_interval_and_suspects_pulled_
     assert not next(p for p in s.plan() if p.key == ("j", 8)).full
 
 
+def test_a_screening_fits_the_budget_when_full_samples_are_shorter() -> None:
+    """duration 0.3 s (tests): the token bucket holds 0.6 s, so a 1 s screening never ran."""
+    clock = FakeClock()
+    s = GilSampler(PySpy(None), CounterStore(), interval_seconds=0.5, duration_seconds=0.3,
+                   clock=clock, max_duty=0.2, healthy_interval_seconds=0.5)  # fmt: skip
+    s.update_targets([GilTarget("j", 0, 10_000_000)])
+    clock.t += 1
+    assert [t.rank for t in s.due()] == [0]
+
+
 def test_a_gil_bound_screening_asks_for_the_full_sample_at_once(procs: list) -> None:
     cpu4 = start(procs, "cpu4.py")
     clock = FakeClock()

@@ -109,7 +109,8 @@ class GilSampler:
         self.confirmed_ratio = confirmed_ratio
         self.spy = spy
         self.healthy_interval = healthy_interval_seconds
-        self.screen_seconds = screen_seconds
+        # never longer than a full sample: the token bucket holds two full samples' worth
+        self.screen_seconds = min(screen_seconds, duration_seconds)
         self.screen_rate_hz = min(screen_rate_hz, rate_hz)
         self.max_duty = max_duty
         self._tokens = 2 * duration_seconds
