@@ -2,8 +2,8 @@
 """GIL sampling's share of the daemon's CPU at shipped defaults, before and after the adaptive
 schedule, on real Python ranks with real py-spy.
 
-    python3 bench/gil_adaptive.py [--ranks 64] [--busy 2] [--seconds 120] [--warmup 15]
-                                  [--before-rev 6e08b57] [--skip-cost] [--out FILE]
+    python3 bench/gil_adaptive.py [--ranks 64] [--busy 2] [--convoys 0,1] [--seconds 120]
+                                  [--warmup 15] [--before-rev 6e08b57] [--skip-cost]
 
 1. py-spy's cost per run against duration x rate: ``PySpy.record_gil`` (what the daemon runs) on a
    41-thread target, three runs each; py-spy's own CPU (rusage of the run) and the caller's (this
@@ -14,8 +14,9 @@ schedule, on real Python ranks with real py-spy.
    with this checkout's NVML replay, whose Xid wait no longer spins),
    watching the same ``--ranks`` real Python ranks registered with ``gpuwatchd.register_rank``:
    light ranks (heartbeat twice a second, 8 idle threads, GPU 1: the H200 device's idle torch
-   holders), ``--busy`` busy healthy ranks (two threads at ~15 % each, GPU 0 busy) and one
-   GIL-convoyed rank (three threads burning in Python, GPU 1 idle). CPU = utime+stime of each
+   holders), ``--busy`` busy healthy ranks (two threads at ~15 % each, GPU 0 busy) and, per
+   ``--convoys`` window, that many GIL-convoyed ranks (three threads burning in Python, GPU 1
+   idle). CPU = utime+stime of each
    daemon ("own") and cutime+cstime (its reaped py-spy runs) from /proc/PID/stat over
    ``--seconds`` after ``--warmup``; the GIL samples taken (``gpuwatch_rank_gil_samples_total``)
    and when each daemon raised ``gil_saturated`` for the convoyed rank (from its start). A third
@@ -166,7 +167,7 @@ def saturated(text: str, rank: int) -> bool:
                for line in text.splitlines())  # fmt: skip
 
 
-def window(args: argparse.Namespace, tmp: Path) -> None:
+def window(args: argparse.Namespace, tmp: Path, convoy: int) -> None:
     rank_dir = tmp / "ranks"
     rank_dir.mkdir()
     fixture = tmp / "nvml.json"
@@ -183,7 +184,7 @@ def window(args: argparse.Namespace, tmp: Path) -> None:
         replay = "gpuwatchd/sources/nvml_fixture.py"
         (before / replay).write_bytes((REPO / replay).read_bytes())
         checkouts["before"] = (before, "")
-    kinds = ["convoy"] + ["busy"] * args.busy + ["light"] * (args.ranks - 1 - args.busy)
+    kinds = ["convoy"] * convoy + ["busy"] * args.busy + ["light"] * (args.ranks - convoy - args.busy)
     ranks: list[subprocess.Popen[str]] = []
     daemons: dict[str, subprocess.Popen[bytes]] = {}
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -216,7 +217,7 @@ def window(args: argparse.Namespace, tmp: Path) -> None:
                     text = scrape(url)
                 except OSError:
                     continue
-                if name not in found and saturated(text, 0):
+                if convoy and name not in found and saturated(text, 0):
                     found[name] = time.monotonic() - started[name]
 
         end = time.monotonic() + args.warmup
@@ -231,15 +232,16 @@ def window(args: argparse.Namespace, tmp: Path) -> None:
             poll()
             time.sleep(5)
         wall = time.monotonic() - t0
-        print(f"2. {args.ranks} real Python ranks (1 GIL-convoyed on an idle GPU, {args.busy} busy "
-              f"on a busy GPU, {args.ranks - 1 - args.busy} light), shipped defaults, "
+        print(f"2. {args.ranks} real Python ranks ({convoy} GIL-convoyed on an idle GPU, {args.busy} "
+              f"busy on a busy GPU, {args.ranks - convoy - args.busy} light), shipped defaults, "
               f"{wall:.0f} s window after {args.warmup:.0f} s")
         own_of = {name: cpu_seconds(p.pid, False) - own0[name] for name, p in daemons.items()}
         for name, p in daemons.items():
             own = own_of[name]
             kids = cpu_seconds(p.pid, True) - all0[name] - own
             taken = gil_samples(scrape(urls[name])) - samples0[name]
-            when = f"{found[name]:.0f} s after start" if name in found else "not in the run"
+            when = (f"{found[name]:.0f} s after start" if name in found
+                    else "not in the run" if convoy else "none (no convoyed rank)")  # fmt: skip
             print(f"   {name:6s} daemon own {100 * own / wall:.3f} % of a core, py-spy children "
                   f"{100 * kids / wall:.3f} %, total {100 * (own + kids) / wall:.3f} %; "
                   f"{taken:.0f} GIL ticks sampled; gil_saturated for the convoyed rank: {when}",
@@ -271,14 +273,16 @@ def main() -> int:
     ap.add_argument("--before-rev", default="6e08b57", help="'' for the after daemon only")
     ap.add_argument("--port", type=int, default=19930)
     ap.add_argument("--skip-cost", action="store_true")
+    ap.add_argument("--convoys", default="0,1", help="a window per value: GIL-convoyed ranks in it")
     ap.add_argument("--extra", default="", help="YAML appended to every daemon's config, e.g. "
                     "\"discovery:\\n  enabled: false\\n\" where /proc scans of other users' "
                     "processes dominate (a shared VM)")
     args = ap.parse_args()
     if not args.skip_cost:
         cost_model()
-    with tempfile.TemporaryDirectory(prefix="gwadaptive-bench-") as tmp:
-        window(args, Path(tmp))
+    for convoy in (int(c) for c in args.convoys.split(",")):
+        with tempfile.TemporaryDirectory(prefix="gwadaptive-bench-") as tmp:
+            window(args, Path(tmp), convoy)
     return 0
 
 
