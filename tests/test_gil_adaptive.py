@@ -186,6 +186,10 @@ def test_a_rank_whose_finding_is_up_is_sampled_less_until_its_signals_change(pro
     assert s.due() == []
     s.update_signals(on_cpu)  # the same signals: no change
     assert s.due() == []
+    # one more signal (a GIL-bound rank's heartbeat flickers): not a turn, no sample pulled in
+    s.update_signals({target.key: RankSignals(cpu4.pid, 1.0, False,
+                                              (GPU_IDLE_ON_CPU, HEARTBEAT_SLOWING))})  # fmt: skip
+    assert s.due() == []
     s.update_signals({target.key: _healthy(cpu4.pid)})  # its CPU dropped: recovering?
     assert [t.rank for t in s.due()] == [0]  # look again now, so the finding clears soon
     s.close()

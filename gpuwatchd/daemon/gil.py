@@ -153,8 +153,8 @@ class GilSampler:
                     self.counters.ensure("rank_gil_held_samples", labels)
 
     def update_signals(self, signals: Mapping[tuple[str, int], RankSignals]) -> None:
-        """The cycle's signals per (job_id, rank) (daemon/gil_signals.py). A rank whose signals
-        change while it is suspect or GIL-bound (it turns suspect, or recovers) is due at once,
+        """The cycle's signals per (job_id, rank) (daemon/gil_signals.py). A rank that turns
+        suspect, or loses its last signal while GIL-bound (it recovers), is due at once,
         but not sooner than a quarter interval after its last full sample; a rank that turns
         healthy keeps the sample it has, the one after comes later."""
         now = self.clock()
@@ -167,8 +167,10 @@ class GilSampler:
                 self._look(sched, now)
 
     def _look(self, sched: RankSchedule, now: float) -> None:
+        # a turn (no signal -> some, or some -> none), not a change among signals: a GIL-bound
+        # rank's heartbeat and convoy hints flicker, and each flicker would pull a sample in
         seen = tuple(r for r in reasons(sched) if r != "gil_bound")
-        if (seen != sched.seen and self._full(sched) and not sched.in_flight
+        if (bool(seen) != bool(sched.seen) and self._full(sched) and not sched.in_flight
                 and self.healthy_interval is not None):  # fmt: skip
             soonest = (sched.last_full or -1e18) + self.interval / 4
             if sched.next_due > max(now, soonest):
@@ -222,7 +224,8 @@ class GilSampler:
                     / (now - prev_cpu[0]) <= CONVOY_CORES[1]
                 )  # fmt: skip
             if not in_band:
-                sched.convoy = None
+                if sig is not None:  # out of the band now: no convoy (and no longer suspect)
+                    sched.convoy = None
                 sched.probe = None  # the next in-band look starts a fresh thread comparison
                 continue
             if pid not in thread_memo:
