@@ -6,9 +6,10 @@ a convoy hint, a thread at ~100 % of a core, a last sample that held the GIL >= 
 gets a full ``py-spy record --gil --nonblocking`` of ``gil.duration_seconds`` at ``gil.rate_hz``
 every ``gil.interval_seconds``, ahead of the others, and is sampled at once when it turns suspect
 (not sooner than a quarter interval after its last full sample). A healthy rank gets a screening
-(``SCREEN_SECONDS`` at ``SCREEN_RATE_HZ``; py-spy costs ~12 ms a run plus ~0.14 ms a tick,
+(``SCREEN_SECONDS`` at ``SCREEN_RATE_HZ``; py-spy costs ~11-16 ms a run plus ~0.17 ms a tick,
 bench/gil_adaptive.py) every ``gil.healthy_interval_seconds``; a GIL-bound screening asks for a
-full sample at once. Both readings count. Waits are jittered ±20 %; a new rank's first sample is
+full sample at once. Both readings count. A rank whose ``gil_saturated`` is up gets a full sample
+every ``CONFIRMED_FACTOR`` intervals until its signals turn. Waits are jittered ±20 %; a new rank's first sample is
 spread over one healthy interval (no burst when 64 ranks start). Worst-case time to
 ``gil_saturated``: ``gil_signals.saturation_bound`` (docs/architecture.md, "GIL sampling").
 Without ``healthy_interval_seconds`` every rank gets a full sample every interval.
@@ -44,6 +45,7 @@ from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.gil_convoy import CONVOY_CORES, ConvoyHint, convoy_hint
 from gpuwatchd.daemon.gil_schedule import (
     HOT_RATIO,
+    QUIET_CYCLES,
     GilPlan,
     GilTarget,
     RankSchedule,
@@ -164,19 +166,26 @@ class GilSampler:
                 if sched is None or sched.target.pid != sig.pid:
                     continue
                 sched.signals = sig
-                self._look(sched, now)
+                self._look(sched, now, cycle=True)
 
-    def _look(self, sched: RankSchedule, now: float) -> None:
-        # a turn (no signal -> some, or some -> none), not a change among signals: a GIL-bound
-        # rank's heartbeat and convoy hints flicker, and each flicker would pull a sample in
-        seen = tuple(r for r in reasons(sched) if r != "gil_bound")
-        if (bool(seen) != bool(sched.seen) and self._full(sched) and not sched.in_flight
+    def _look(self, sched: RankSchedule, now: float, cycle: bool = False) -> None:
+        # a turn (no signal -> some, or some -> none for QUIET_CYCLES cycles), not a change among
+        # signals: a GIL-bound rank's heartbeat, convoy hints and, on a loaded node, its CPU
+        # flicker, and each flicker would pull a full sample in
+        signalled = any(r != "gil_bound" for r in reasons(sched))
+        if cycle:
+            sched.quiet = 0 if signalled else sched.quiet + 1
+        turned = (signalled and not sched.signalled) or (
+            sched.signalled and not signalled and sched.quiet >= QUIET_CYCLES)
+        if not turned:
+            return
+        sched.signalled = signalled
+        if (self._full(sched) and not sched.in_flight
                 and self.healthy_interval is not None):  # fmt: skip
             soonest = (sched.last_full or -1e18) + self.interval / 4
             if sched.next_due > max(now, soonest):
                 sched.next_due = max(now, soonest)
                 log.debug("GIL sample of %s pulled forward: %s", sched.target, reasons(sched))
-        sched.seen = seen
 
     def _full(self, sched: RankSchedule) -> bool:
         """Is the next sample of ``sched`` a full one (suspect, or no adaptive schedule)?"""
@@ -362,6 +371,8 @@ class GilSampler:
                 and confirmed(sched, self.confirmed_ratio)):  # fmt: skip
             every = CONFIRMED_FACTOR * self.interval
         sched.next_due = now + every * self.rng.uniform(1 - JITTER, 1 + JITTER)
+        log.debug("GIL %s sample of %s done, next in %.0f s", "full" if full else "screening",
+                  sched.target, sched.next_due - now)
 
     # -- results ---------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from gpuwatchd.sources.threads import ThreadInfo
 
 HISTORY = 4  # readings kept per rank (the finding looks at the last two)
 HOT_RATIO = 0.5  # a last sample at least this GIL-bound puts the rank ahead of the queue
+QUIET_CYCLES = 3  # a signal that lapses for a cycle or two on a loaded node is no recovery
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,8 @@ class RankSchedule:
     cpu_at: tuple[float, int] | None = None  # (probe time, process CPU ticks) of the last probe
     signals: RankSignals | None = None  # the last cycle's (daemon/gil_signals.py)
     last_full: float | None = None
-    seen: tuple[str, ...] = ()  # the signals at the last look (a change pulls the next sample in)
+    signalled: bool = False  # had a signal at the last turn (a turn pulls the next sample in)
+    quiet: int = 0  # cycles in a row without a signal (a recovery needs QUIET_CYCLES of them)
 
 
 def hot(sched: RankSchedule) -> bool:
