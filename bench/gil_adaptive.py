@@ -23,8 +23,9 @@ schedule, on real Python ranks with real py-spy.
    daemon ("gil-off", this checkout with ``gil.enabled: false``) is the baseline that the GIL
    sampling's share (own CPU above it, plus the py-spy children) is measured against.
 
-The two daemons share the machine's cores with the ranks: compare them with each other, not
-with an idle machine. Output: plain text on stdout (kept in bench/results/).
+The daemons share the machine's cores with the ranks: compare them with each other, not with an
+idle machine. On a shared machine pass ``--extra 'discovery:\n  enabled: false\n'``: discovery
+would take other users' launcher processes for ranks (and sample them). Output: plain text on stdout (kept in bench/results/).
 """
 
 from __future__ import annotations
