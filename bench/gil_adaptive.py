@@ -25,7 +25,8 @@ schedule, on real Python ranks with real py-spy.
 
 The daemons share the machine's cores with the ranks: compare them with each other, not with an
 idle machine. On a shared machine pass ``--extra 'discovery:\n  enabled: false\n'``: discovery
-would take other users' launcher processes for ranks (and sample them). Output: plain text on stdout (kept in bench/results/).
+would take other users' launcher processes for ranks (and sample them). Output: plain text on
+stdout (kept in bench/results/).
 """
 
 from __future__ import annotations
