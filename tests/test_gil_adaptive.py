@@ -78,15 +78,23 @@ def test_signals_cpu_while_the_gpu_waits() -> None:
 def test_signals_heartbeat_slowing_and_stalled() -> None:
     tr = SignalTracker(cycle_seconds=5)
     t, step = 100.0, 0
+
+    def cpu(at: float) -> float:  # 0.2 of a core: on CPU, below the GPU-idle signal's 0.3
+        return 0.2 * (at - 100)
+
     for _ in range(6):  # 10 steps per second, heartbeat fresh
-        assert tr.observe(_state(t, 0.0, step=step, beat=t - 0.1))[("llm", 0)].reasons == ()
+        assert tr.observe(_state(t, cpu(t), step=step, beat=t - 0.1))[("llm", 0)].reasons == ()
         t, step = t + 5, step + 50
-    slow = tr.observe(_state(t, 0.0, step=step - 40, beat=t - 0.1))[("llm", 0)]
+    slow = tr.observe(_state(t, cpu(t), step=step - 40, beat=t - 0.1))[("llm", 0)]
     assert slow.reasons == (HEARTBEAT_SLOWING,)  # 2 steps per second against 10
     # a heartbeat that stopped: older than 3x its usual age plus a cycle
-    late = tr.observe(_state(t + 5, 0.0, beat=t - 0.1 - 30))[("llm", 0)]
+    late = tr.observe(_state(t + 5, cpu(t + 5), beat=t - 0.1 - 30))[("llm", 0)]
     assert HEARTBEAT_SLOWING in late.reasons
-    assert STALLED in tr.observe(_state(t + 10, 0.0, stalled=True))[("llm", 0)].reasons
+    stalled = tr.observe(_state(t + 10, cpu(t + 10), stalled=True))[("llm", 0)]
+    assert STALLED in stalled.reasons
+    # off CPU, a slow or stalled rank waits on something else: no GIL signal
+    idle = tr.observe(_state(t + 15, cpu(t + 10), beat=t - 60, stalled=True))[("llm", 0)]
+    assert idle.reasons == ()
     # a rank that went (or whose pid changed) is forgotten: no rate across two processes
     assert tr.observe(NodeState(timestamp=t + 15)) == {}
     assert tr.observe(_state(t + 20, 99.0, pid=999))[("llm", 0)].cpu_cores is None

@@ -13,6 +13,9 @@ A rank is *suspect* when a signal says its Python may be the bottleneck:
 - ``heartbeat_slowing``: its step rate fell below half its running average, or its heartbeat is
   older than three times its usual age plus one cycle;
 - ``stalled``: the stall tracker says so.
+The last two count only while the process uses at least ``BEAT_CPU_CORES``: a rank that slows
+down off CPU waits on something else (the stall detector's case), and on a loaded node every
+rank's heartbeat jitters, which would pull in a full sample of each.
 The sampler adds its own: a convoy hint, a thread at ~100 % of a core, a GIL-bound last sample.
 A rank with a GPU known busy (>= ``GPU_BUSY_RATIO``) is healthy whatever else: ``gil_saturated``
 cannot fire for it (findings/gil.py), and its threads are not read by the convoy probe either.
@@ -28,6 +31,7 @@ from gpuwatchd.findings.gil import GPU_BUSY_RATIO, rank_gpu_utilization
 from gpuwatchd.model import NodeState
 
 CPU_SUSPECT_CORES = 0.3  # the lower end of the convoy band (daemon/gil.py CONVOY_CORES)
+BEAT_CPU_CORES = 0.1  # a slowing heartbeat or a stall counts only with this much CPU
 RATE_DROP = 0.5  # step rate below this share of its running average: slowing
 AGE_FACTOR = 3.0  # heartbeat older than this many times its usual age (+ one cycle): slowing
 EWMA = 0.2
@@ -84,11 +88,12 @@ class SignalTracker:
             if cpu is not None and cpu >= CPU_SUSPECT_CORES and not gpu_busy:
                 reasons.append(GPU_IDLE_ON_CPU)
             track = _Track(r.pid, now, r.process.cpu_seconds, r.step)
+            on_cpu = cpu is not None and cpu >= BEAT_CPU_CORES
             if prev is not None:
                 track.step_rate, track.beat_age = prev.step_rate, prev.beat_age
-                if self._slowing(prev, track, now, r.progress_timestamp):
+                if self._slowing(prev, track, now, r.progress_timestamp) and on_cpu:
                     reasons.append(HEARTBEAT_SLOWING)
-            if r.stalled:
+            if r.stalled and on_cpu:
                 reasons.append(STALLED)
             self._tracks[key] = track
             out[key] = RankSignals(r.pid, cpu, gpu_busy, tuple(reasons))
