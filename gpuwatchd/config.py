@@ -61,6 +61,8 @@ class GilConfig:
     interval_seconds: float = 30.0
     duration_seconds: float = 5.0
     rate_hz: int = 50
+    # a rank with no suspicious signal (daemon/gil_signals.py) gets a 1 s screening this often
+    healthy_interval_seconds: float = 1800.0
     max_concurrent: int = 2
     held_threshold: float = 0.8
     pyspy_path: str | None = None
@@ -185,6 +187,7 @@ SCHEMA: Mapping[str, Any] = {
         {
             "enabled": _boolean,
             "interval_seconds": _number(0.0),
+            "healthy_interval_seconds": _number(0.0, maximum=86400),
             "duration_seconds": _number(0.0, maximum=600),
             "rate_hz": _integer(1, 1000),
             "max_concurrent": _integer(1, 64),
@@ -255,6 +258,8 @@ def parse_config(data: Any, source: str = "config") -> Config:
         problems.append("memory.min_window_seconds: must not exceed memory.window_seconds")
     if cfg.gil.duration_seconds >= cfg.gil.timeout_seconds:
         problems.append("gil.timeout_seconds: must be larger than gil.duration_seconds")
+    if cfg.gil.healthy_interval_seconds < cfg.gil.interval_seconds:
+        problems.append("gil.healthy_interval_seconds: must be at least gil.interval_seconds")
     if cfg.retention.oom_kill_seconds < cfg.retention.ended_rank_seconds:
         problems.append("retention.oom_kill_seconds: must be at least retention.ended_rank_seconds")
     if problems:

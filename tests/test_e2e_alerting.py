@@ -107,7 +107,7 @@ def test_oom_kill_pages_once_through_prometheus_and_alertmanager_every_panel_has
             tmp_path / "nvml.json", {447: peer.pid, 449: victim.pid, 453: orphan.pid}, xid=13))},
         orphans={"grace_seconds": 0},
         gil={"enabled": True, "interval_seconds": 1, "duration_seconds": 0.5, "rate_hz": 20,
-             "timeout_seconds": 5},
+             "timeout_seconds": 5, "healthy_interval_seconds": 1},  # every rank, for the panels
         stall={"after_seconds": 8},  # the peer's heartbeat is touched once: it stalls
     )
     node.register(job_id, 0, peer.pid, 2, gpus="0", heartbeat=tmp_path / "rank0.heartbeat")

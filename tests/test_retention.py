@@ -53,7 +53,8 @@ def test_churned_ranks_vanish_and_an_oom_kill_stays_for_its_window(
         tmp_path: Path, procs: list[subprocess.Popen[Any]], cgroup: MemCgroup) -> None:
     path, cfg = write_config(
         tmp_path, kernel_log="kmsg", interval_seconds=0.3,
-        gil={"enabled": True, "interval_seconds": 0.5, "duration_seconds": 0.3, "rate_hz": 50},
+        gil={"enabled": True, "interval_seconds": 0.5, "duration_seconds": 0.3, "rate_hz": 50,
+             "healthy_interval_seconds": 0.5},  # every rank sampled, healthy or not
         retention={"ended_rank_seconds": 2, "oom_kill_seconds": 10},
     )
     prefix = f"churn-{uuid.uuid4().hex[:6]}-"

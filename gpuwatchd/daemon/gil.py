@@ -1,18 +1,28 @@
-"""GIL sampling scheduler: every watched rank, on a jittered schedule, sooner on a convoy hint.
+"""GIL sampling scheduler: suspect ranks often and in full, healthy ones rarely and briefly.
 
-Each rank gets a ``py-spy record --gil --nonblocking`` window of ``gil.duration_seconds`` every
-``gil.interval_seconds`` (±20 % jitter, first sample spread over one interval so that 64 ranks do
-not start together). Between samples a cheap /proc probe (``/proc/PID/task/*/stat``, ``wchan``; a
-few µs per thread, no ptrace) looks for the GIL-convoy signature measured in research §2.3: several
-threads each on CPU about 1/N of the time, the process at about one core in total, the waiters
-parked in ``futex``. A rank that shows it is sampled soon (not sooner than a quarter interval after
-its last sample), so that the counters catch contention without paying for constant sampling.
+Adaptive (the daemon's mode, ``healthy_interval_seconds`` set): a *suspect* rank (a signal of
+daemon/gil_signals.py: on CPU while its GPU waits, heartbeat slowing, stalled; or of this module:
+a convoy hint, a thread at ~100 % of a core, a last sample that held the GIL >= ``HOT_RATIO``)
+gets a full ``py-spy record --gil --nonblocking`` of ``gil.duration_seconds`` at ``gil.rate_hz``
+every ``gil.interval_seconds``, ahead of the others, and is sampled at once when it turns suspect
+(not sooner than a quarter interval after its last full sample). A healthy rank gets a screening
+(``SCREEN_SECONDS`` at ``SCREEN_RATE_HZ``; py-spy costs ~11-16 ms a run plus ~0.17 ms a tick,
+bench/gil_adaptive.py) every ``gil.healthy_interval_seconds``; a GIL-bound screening asks for a
+full sample at once. Both readings count. A rank whose ``gil_saturated`` is up gets a full sample
+every ``CONFIRMED_FACTOR`` intervals until its signals turn. Waits are jittered ±20 %; a new rank's first sample is
+spread over one healthy interval (no burst when 64 ranks start). Worst-case time to
+``gil_saturated``: ``gil_signals.saturation_bound`` (docs/architecture.md, "GIL sampling").
+Without ``healthy_interval_seconds`` every rank gets a full sample every interval.
+
+Between samples a cheap /proc probe (``/proc/PID/task/*/stat``, ``wchan``; a few µs per thread,
+no ptrace) looks for the GIL-convoy signature (daemon/gil_convoy.py, research §2.3). It takes the
+process CPU from the cycle's signals when it has them, and reads threads only while that CPU is
+in the convoy band and no GPU of the rank is busy. A convoy pulls the next sample forward.
 
 Bounds: at most ``gil.max_concurrent - 1`` records at once (one py-spy slot stays free for the
 stall detector's dumps), and at most ``MAX_SAMPLING_DUTY`` sampled seconds per second over all
-ranks (a token bucket: with many ranks each is sampled less often than the interval, convoy hints
-first). A non-Python rank is retried ten intervals later. Cost on the daemon's side: py-spy used
-0.012-0.018 CPU-s per sampled second (bench/gil_overhead.py); on the target: no stop at all.
+ranks (a token bucket: convoy hints first, then GIL-bound ranks, then suspect ones). A non-Python
+rank is retried ten intervals later. On the target: no stop at all.
 
 Results are ``model.GilReading`` per (job_id, rank), kept with a short history for the
 ``gil_saturated`` finding, and the counters ``rank_gil_samples`` / ``rank_gil_held_samples``
@@ -28,12 +38,22 @@ import os
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from gpuwatchd.counters import CounterStore
+from gpuwatchd.daemon.gil_convoy import CONVOY_CORES, ConvoyHint, convoy_hint
+from gpuwatchd.daemon.gil_schedule import (
+    HOT_RATIO,
+    QUIET_CYCLES,
+    GilPlan,
+    GilTarget,
+    RankSchedule,
+    confirmed,
+    hot,
+    reasons,
+)
+from gpuwatchd.daemon.gil_signals import RankSignals
 from gpuwatchd.join.stall import MAX_PROBE_THREADS
 from gpuwatchd.model import CollectorStatus, GilReading
 from gpuwatchd.paths import HostPaths
@@ -42,96 +62,18 @@ from gpuwatchd.sources.pyspy import PySpy, PySpyError, ThreadInfo
 
 log = logging.getLogger(__name__)
 
-HISTORY = 4  # readings kept per rank (the finding looks at the last two)
-# The daemon's sampling budget: py-spy costs ~0.012-0.018 CPU-s per sampled second
-# (bench/gil_overhead.py), so sampling at most 20 % of the time keeps py-spy under ~0.25 % of a
-# core however many ranks are watched (issue 14: <= 0.5 % with the daemon); with many ranks each
-# is sampled less often than gil.interval_seconds, convoy hints and GIL-bound ranks first.
-# Bound: a rank that becomes GIL-saturated is sampled within N * duration / MAX_SAMPLING_DUTY
-# (N ranks; sooner on a convoy hint), and, being hot, again ahead of the others once its next
-# sample is due (interval +- 20 %): gil_saturated is raised within
-# N * duration / MAX_SAMPLING_DUTY + 1.2 * interval + 2 * duration (64 ranks, defaults: 1646 s;
-# 8 ranks: 246 s).
+# The daemon's sampling budget in sampled seconds per second over all ranks: with the adaptive
+# schedule it binds only when many ranks are suspect at once (gil_signals.saturation_bound).
 MAX_SAMPLING_DUTY = 0.2
-HOT_RATIO = 0.5  # a last sample at least this GIL-bound puts the rank ahead of the queue
 JITTER = 0.2
 DEFERRED_KINDS = ("threads", "dump")
-CONVOY_CORES = (0.3, 1.4)  # a GIL convoy uses about one core in total (see convoy_hint)
-
-
-@dataclass(frozen=True)
-class GilTarget:
-    job_id: str
-    rank: int
-    pid: int
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.job_id, self.rank)
-
-
-@dataclass(frozen=True)
-class ConvoyHint:
-    """The /proc convoy signature of one process over one probe window."""
-
-    busy_threads: int  # threads that got > 5 % of a core
-    total_cores: float  # CPU of all threads together, in cores
-    futex_parked: int  # busy threads that sat in a futex wait at the probe
-    convoy: bool
-
-
-@dataclass
-class _RankSchedule:
-    target: GilTarget
-    next_due: float
-    last_sample: float | None = None
-    in_flight: bool = False
-    probe: tuple[float, tuple[ThreadInfo, ...]] | None = None
-    history: deque[GilReading] = field(default_factory=lambda: deque(maxlen=HISTORY))
-    by_thread: tuple[tuple[int, str, int], ...] = ()
-    convoy: ConvoyHint | None = None
-    error: str = ""
-    cpu_at: tuple[float, int] | None = None  # (probe time, process CPU ticks) of the last probe
-
-
-def convoy_hint(
-    before: tuple[ThreadInfo, ...], after: tuple[ThreadInfo, ...], seconds: float, clk_tck: int
-) -> ConvoyHint:
-    """Compare two thread snapshots ``seconds`` apart (research §2.3).
-
-    Convoy: >= 2 busy threads sharing the CPU about evenly (each 0.4-2.5 times the mean share),
-    together 0.3-1.4 cores (they share one GIL; real parallelism adds up to more; the lower bound is
-    low because a loaded node gives the convoy less than a core), and at least half of them found
-    parked in a futex. Kernel wchan names differ (``futex_wait_queue_me`` <= 5.x, ``futex_do_wait`` 6.18),
-    so any wchan containing "futex" counts.
-    """
-    if seconds <= 0:
-        return ConvoyHint(0, 0.0, 0, False)
-    prev = {t.tid: t.cpu_ticks for t in before}
-    shares = []
-    parked = 0
-    for t in after:
-        if t.tid not in prev:
-            continue
-        share = (t.cpu_ticks - prev[t.tid]) / clk_tck / seconds
-        if share > 0.05:
-            shares.append(share)
-            if t.state == "S" and "futex" in t.wchan:
-                parked += 1
-    n = len(shares)
-    total = sum(shares)
-    convoy = (
-        n >= 2
-        and CONVOY_CORES[0] <= total <= CONVOY_CORES[1]
-        and all(0.4 * total / n <= s <= 2.5 * total / n for s in shares)
-        and parked >= max(1, n // 2)
-    )
-    return ConvoyHint(n, round(total, 3), parked, convoy)
-
-
-def _hot(sched: _RankSchedule) -> bool:
-    last = sched.history[-1] if sched.history else None
-    return last is not None and last.samples > 0 and last.held / last.samples >= HOT_RATIO
+SCREEN_SECONDS = 1.0  # a healthy rank's screening sample (py-spy takes whole seconds)
+SCREEN_RATE_HZ = 20  # 19 ticks: enough to tell >= HOT_RATIO from a healthy rank
+# a rank whose finding is up: a full sample every 4 intervals while its signals stay the same
+# (a recovery shows there first: its CPU drops or its GPU gets busy)
+CONFIRMED_FACTOR = 4
+__all__ = ["CONVOY_CORES", "HOT_RATIO", "ConvoyHint", "GilPlan", "GilSampler", "GilTarget",
+           "convoy_hint"]
 
 
 class GilSampler:
@@ -155,10 +97,23 @@ class GilSampler:
         rng: random.Random | None = None,
         probe_seconds: float = 2.0,
         max_duty: float | None = None,
+        healthy_interval_seconds: float | None = None,
+        screen_seconds: float = SCREEN_SECONDS,
+        screen_rate_hz: int = SCREEN_RATE_HZ,
+        confirmed_ratio: float | None = None,
     ) -> None:
         """``max_duty``: at most this many sampled seconds per wall-clock second over all ranks
-        (a token bucket); None: bounded by ``max_concurrent`` only."""
+        (a token bucket); None: bounded by ``max_concurrent`` only. ``healthy_interval_seconds``:
+        the adaptive schedule (healthy ranks screened this often); None: every rank in full every
+        ``interval_seconds``. ``confirmed_ratio`` (gil.held_threshold): a rank whose last two
+        samples held the GIL at least this much (gil_saturated is up) is sampled
+        ``CONFIRMED_FACTOR`` times less often while its signals stay the same."""
+        self.confirmed_ratio = confirmed_ratio
         self.spy = spy
+        self.healthy_interval = healthy_interval_seconds
+        # never longer than a full sample: the token bucket holds two full samples' worth
+        self.screen_seconds = min(screen_seconds, duration_seconds)
+        self.screen_rate_hz = min(screen_rate_hz, rate_hz)
         self.max_duty = max_duty
         self._tokens = 2 * duration_seconds
         self._tokens_at = clock()
@@ -173,7 +128,7 @@ class GilSampler:
         # one py-spy slot stays free for the stall detector's short dumps when there are two or more
         self._pool = ThreadPoolExecutor(max(1, max_concurrent - 1), thread_name_prefix="gil-sample")
         self._lock = threading.Lock()
-        self._ranks: dict[tuple[str, int], _RankSchedule] = {}
+        self._ranks: dict[tuple[str, int], RankSchedule] = {}
         self._clk_tck = os.sysconf("SC_CLK_TCK")
         self._status = CollectorStatus(pyspy.COLLECTOR, True, 0.0, None, "")
         self._ok_runs = 0
@@ -191,20 +146,68 @@ class GilSampler:
                     del self._ranks[key]
             for key, t in wanted.items():
                 if key not in self._ranks:
-                    # spread first samples over one interval
-                    first = now + self.rng.uniform(0, self.interval)
-                    self._ranks[key] = _RankSchedule(t, next_due=first)
+                    # spread first samples over one (healthy) interval; a rank that turns out
+                    # suspect is pulled forward by update_signals / the convoy probe
+                    first = now + self.rng.uniform(0, self.healthy_interval or self.interval)
+                    self._ranks[key] = RankSchedule(t, next_due=first)
                     labels = (t.job_id, str(t.rank))
                     self.counters.ensure("rank_gil_samples", labels)
                     self.counters.ensure("rank_gil_held_samples", labels)
 
+    def update_signals(self, signals: Mapping[tuple[str, int], RankSignals]) -> None:
+        """The cycle's signals per (job_id, rank) (daemon/gil_signals.py). A rank that turns
+        suspect, or loses its last signal while GIL-bound (it recovers), is due at once,
+        but not sooner than a quarter interval after its last full sample; a rank that turns
+        healthy keeps the sample it has, the one after comes later."""
+        now = self.clock()
+        with self._lock:
+            for key, sig in signals.items():
+                sched = self._ranks.get(key)
+                if sched is None or sched.target.pid != sig.pid:
+                    continue
+                sched.signals = sig
+                self._look(sched, now, cycle=True)
+
+    def _look(self, sched: RankSchedule, now: float, cycle: bool = False) -> None:
+        # a turn (no signal -> some, or some -> none for QUIET_CYCLES cycles), not a change among
+        # signals: a GIL-bound rank's heartbeat, convoy hints and, on a loaded node, its CPU
+        # flicker, and each flicker would pull a full sample in
+        signalled = any(r != "gil_bound" for r in reasons(sched))
+        if cycle:
+            sched.quiet = 0 if signalled else sched.quiet + 1
+        turned = (signalled and not sched.signalled) or (
+            sched.signalled and not signalled and sched.quiet >= QUIET_CYCLES)
+        if not turned:
+            return
+        sched.signalled = signalled
+        if (self._full(sched) and not sched.in_flight
+                and self.healthy_interval is not None):  # fmt: skip
+            soonest = (sched.last_full or -1e18) + self.interval / 4
+            if sched.next_due > max(now, soonest):
+                sched.next_due = max(now, soonest)
+                log.debug("GIL sample of %s pulled forward: %s", sched.target, reasons(sched))
+
+    def _full(self, sched: RankSchedule) -> bool:
+        """Is the next sample of ``sched`` a full one (suspect, or no adaptive schedule)?"""
+        return self.healthy_interval is None or bool(reasons(sched))
+
+    def _cost(self, sched: RankSchedule) -> float:
+        return self.duration if self._full(sched) else self.screen_seconds
+
+    def plan(self) -> list[GilPlan]:
+        """Every rank's place in the schedule (tests, ``doctor``, debugging)."""
+        with self._lock:
+            return [GilPlan(k, reasons(s), self._full(s), s.next_due)
+                    for k, s in self._ranks.items()]  # fmt: skip
+
     def _probe(self, now: float) -> None:
         """Cheap /proc probe of each rank; a convoy pulls its next sample forward.
 
-        Per process and probe: one ``/proc/PID/stat`` read; the per-thread look (capped at
-        ``stall.MAX_PROBE_THREADS`` tasks) only while the process as a whole uses CPU in the
-        convoy band (0.3-1.4 cores with two or more threads), because a convoy outside it is
-        impossible. A PID listed by several ranks is read once per probe round."""
+        Per process and probe: one ``/proc/PID/stat`` read, none when the cycle's signals give
+        the process CPU; the per-thread look (capped at ``stall.MAX_PROBE_THREADS`` tasks) only
+        while the process as a whole uses CPU in the convoy band (0.3-1.4 cores), because a
+        convoy outside it is impossible, and no GPU of the rank is known busy (gil_saturated
+        cannot fire then). A PID listed by several ranks is read once per probe round."""
         cpu_memo: dict[int, tuple[int, int] | None] = {}
         thread_memo: dict[int, tuple[ThreadInfo, ...]] = {}
         for sched in list(self._ranks.values()):
@@ -214,16 +217,24 @@ class GilSampler:
             if sched.cpu_at is not None and now - sched.cpu_at[0] < self.probe_seconds:
                 continue
             pid = sched.target.pid
-            if pid not in cpu_memo:
-                cpu_memo[pid] = pyspy.process_cpu(self.paths, pid)
-            cpu = cpu_memo[pid]
-            prev_cpu, sched.cpu_at = sched.cpu_at, (now, cpu[0]) if cpu is not None else None
-            in_band = (
-                cpu is not None and prev_cpu is not None and cpu[1] >= 2 and now > prev_cpu[0]
-                and CONVOY_CORES[0] <= (cpu[0] - prev_cpu[1]) / self._clk_tck / (now - prev_cpu[0])
-                <= CONVOY_CORES[1]
-            )  # fmt: skip
+            sig = sched.signals
+            if sig is not None:  # the cycle read the process already
+                sched.cpu_at = (now, 0)
+                in_band = (not sig.gpu_busy and sig.cpu_cores is not None
+                           and CONVOY_CORES[0] <= sig.cpu_cores <= CONVOY_CORES[1])  # fmt: skip
+            else:
+                if pid not in cpu_memo:
+                    cpu_memo[pid] = pyspy.process_cpu(self.paths, pid)
+                cpu = cpu_memo[pid]
+                prev_cpu, sched.cpu_at = sched.cpu_at, (now, cpu[0]) if cpu is not None else None
+                in_band = (
+                    cpu is not None and prev_cpu is not None and cpu[1] >= 2 and now > prev_cpu[0]
+                    and CONVOY_CORES[0] <= (cpu[0] - prev_cpu[1]) / self._clk_tck
+                    / (now - prev_cpu[0]) <= CONVOY_CORES[1]
+                )  # fmt: skip
             if not in_band:
+                if sig is not None:  # out of the band now: no convoy (and no longer suspect)
+                    sched.convoy = None
                 sched.probe = None  # the next in-band look starts a fresh thread comparison
                 continue
             if pid not in thread_memo:
@@ -234,14 +245,17 @@ class GilSampler:
                 hint = convoy_hint(last[1], threads, now - last[0], self._clk_tck)
                 sched.convoy = hint
                 soonest = (sched.last_sample or -1e18) + self.interval / 4
-                if hint.convoy and sched.next_due > max(now, soonest):
+                # a rank whose last sample was GIL-bound already has its answer: interval cadence
+                if hint.convoy and not hot(sched) and sched.next_due > max(now, soonest):
                     sched.next_due = max(now + self.rng.uniform(0, 1.0), soonest)
                     log.debug("GIL convoy hint for %s: %s", sched.target, hint)
+                self._look(sched, now)
             sched.probe = (now, threads)
 
     def due(self) -> list[GilTarget]:
-        """Targets whose sample is due, most overdue first (convoy hints first of all), limited
-        by the sampling budget when one is set."""
+        """Targets whose sample is due, most overdue first (convoy hints first of all, then
+        GIL-bound ranks, then suspect ones), limited by the sampling budget when one is set: a
+        full sample costs ``duration`` tokens, a screening ``screen_seconds``."""
         now = self.clock()
         with self._lock:
             self._probe(now)
@@ -249,17 +263,19 @@ class GilSampler:
                 (s for s in self._ranks.values() if not s.in_flight and s.next_due <= now),
                 # convoy hints first, then ranks whose last sample held the GIL >= HOT_RATIO (the
                 # second high sample is what raises gil_saturated), then the most overdue
-                key=lambda s: (not (s.convoy and s.convoy.convoy), not _hot(s), s.next_due),
-            )
+                key=lambda s: (not (s.convoy and s.convoy.convoy), not hot(s), not self._full(s),
+                               s.next_due),
+            )  # fmt: skip
             if self.max_duty is not None:
                 cap = 2 * self.duration
                 self._tokens = min(cap, self._tokens + (now - self._tokens_at) * self.max_duty)
                 self._tokens_at = now
                 allowed = []
                 for s in ready:
-                    if self._tokens < self.duration:
+                    cost = self._cost(s)
+                    if self._tokens < cost:
                         break
-                    self._tokens -= self.duration
+                    self._tokens -= cost
                     allowed.append(s)
                 ready = allowed
             return [s.target for s in ready]
@@ -284,7 +300,7 @@ class GilSampler:
             self.update_targets([*self.targets(), target])
         with self._lock:
             self._ranks[target.key].in_flight = True
-        self._sample(target)
+        self._sample(target, full=True)
         return self.latest(target.key)
 
     def targets(self) -> list[GilTarget]:
@@ -293,12 +309,18 @@ class GilSampler:
 
     # -- one sample ------------------------------------------------------------------------------
 
-    def _sample(self, target: GilTarget) -> None:
+    def _sample(self, target: GilTarget, full: bool | None = None) -> None:
         t0 = time.monotonic()
         sample: pyspy.GilSample | None = None
         error: PySpyError | None = None
+        if full is None:
+            with self._lock:
+                sched = self._ranks.get(target.key)
+                full = sched is None or self._full(sched)
+        rate, seconds = ((self.rate_hz, self.duration) if full
+                         else (self.screen_rate_hz, self.screen_seconds))  # fmt: skip
         try:
-            sample = self.spy.record_gil(target.pid, self.rate_hz, self.duration)
+            sample = self.spy.record_gil(target.pid, rate, seconds)
         except PySpyError as e:
             error = e
         now = self.clock()
@@ -307,7 +329,8 @@ class GilSampler:
             if sched is not None:
                 sched.in_flight = False
                 sched.last_sample = now
-                sched.next_due = now + self.interval * self.rng.uniform(1 - JITTER, 1 + JITTER)
+                if full:
+                    sched.last_full = now
             if sample is not None:
                 reading = sample.reading()
                 labels = (target.job_id, str(target.rank))
@@ -317,6 +340,9 @@ class GilSampler:
                     sched.history.append(reading)
                     sched.by_thread = sample.by_thread
                     sched.error = ""
+            if sched is not None:
+                self._reschedule(sched, now, full)
+            if sample is not None:
                 self._last_success = time.time()
                 self._status = CollectorStatus(
                     pyspy.COLLECTOR, True, time.monotonic() - t0, self._last_success, ""
@@ -335,6 +361,18 @@ class GilSampler:
                     log.warning("GIL sample of pid %d failed: %s", target.pid, error)
                 else:
                     log.debug("GIL sample of pid %d skipped: %s", target.pid, error)
+
+    def _reschedule(self, sched: RankSchedule, now: float, full: bool) -> None:
+        if not full and hot(sched):
+            sched.next_due = now  # a GIL-bound screening: the full sample at once
+            return
+        every = self.interval if self._full(sched) else (self.healthy_interval or self.interval)
+        if (self.confirmed_ratio is not None and self.healthy_interval is not None
+                and confirmed(sched, self.confirmed_ratio)):  # fmt: skip
+            every = CONFIRMED_FACTOR * self.interval
+        sched.next_due = now + every * self.rng.uniform(1 - JITTER, 1 + JITTER)
+        log.debug("GIL %s sample of %s done, next in %.0f s", "full" if full else "screening",
+                  sched.target, sched.next_due - now)
 
     # -- results ---------------------------------------------------------------------------------
 

@@ -2,6 +2,10 @@
 (join/stall.py) wired into the cycle. Each cycle it probes every live rank (heartbeat, /proc
 state), hands the live ranks to the sampler, and contributes the progress and stall verdicts,
 the GIL readings (for findings/gil.py and findings/stall.py) and the ``pyspy`` collector status.
+After the join it hands the sampler each rank's signals from the new ``NodeState``
+(daemon/gil_signals.py: CPU while the GPU waits, heartbeat slowing, stalled), which is what makes
+the schedule adaptive; the GPU readings come from subsystems after this one, so the state of the
+join is where they meet.
 """
 
 from __future__ import annotations
@@ -10,15 +14,15 @@ import collections
 import logging
 import threading
 from collections.abc import Mapping
-from typing import Any
 
 from gpuwatchd.config import Config
 from gpuwatchd.daemon.gil import DEFERRED_KINDS, MAX_SAMPLING_DUTY, GilSampler, GilTarget
+from gpuwatchd.daemon.gil_signals import SignalTracker
 from gpuwatchd.daemon.subsystem import Contribution, DaemonContext, Subsystem
 from gpuwatchd.isolation import run_forever
 from gpuwatchd.join.stall import RankProbe, StallTracker
 from gpuwatchd.join.state import CycleInputs
-from gpuwatchd.model import CollectorStatus, ProcessInfo
+from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy
 
@@ -44,6 +48,7 @@ class PySpySubsystem(Subsystem):
         self.tick_seconds = tick_seconds
         self._thread: threading.Thread | None = None
         self._deferred_seen: collections.Counter[str] = collections.Counter()
+        self.signals = SignalTracker(config.interval_seconds)
 
     def _ensure(self, daemon: DaemonContext) -> None:
         if self.stall is not None:
@@ -63,6 +68,8 @@ class PySpySubsystem(Subsystem):
                 self.spy, daemon.counters, interval_seconds=g.interval_seconds,
                 duration_seconds=g.duration_seconds, rate_hz=g.rate_hz,
                 max_concurrent=g.max_concurrent, paths=daemon.paths, max_duty=MAX_SAMPLING_DUTY,
+                healthy_interval_seconds=g.healthy_interval_seconds,
+                confirmed_ratio=g.held_threshold,
                 # the /proc convoy probe reads every thread of every rank: once per cycle is enough
                 probe_seconds=max(2.0, self.config.interval_seconds),
             )  # fmt: skip
@@ -137,8 +144,11 @@ class PySpySubsystem(Subsystem):
             return self.sampler.status()
         return CollectorStatus(pyspy.COLLECTOR, True, 0.0, None, "")
 
-    def after_join(self, daemon: DaemonContext, state: Any) -> None:
-        """Nothing to do: readings flow in through ``before_join``."""
+    def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
+        """Hand the sampler this cycle's signals per rank (readings flow in through
+        ``before_join``)."""
+        if self.sampler is not None:
+            self.sampler.update_signals(self.signals.observe(state))
 
     def stop(self) -> None:
         if self.sampler is not None:
