@@ -32,8 +32,13 @@ PROCESS_FAMILIES = {
     "gpuwatch_rank_gpu_memory_bytes", "gpuwatch_gpu_process_memory_bytes",
     "gpuwatch_rank_progress_timestamp_seconds", "gpuwatch_rank_stalled",
     "gpuwatch_rank_gil_samples_total", "gpuwatch_rank_gil_held_samples_total",
+    "gpuwatch_rank_step", "gpuwatch_rank_tree_resident_memory_bytes",
+    "gpuwatch_rank_memory_cgroup_usage_bytes", "gpuwatch_rank_memory_cgroup_working_set_bytes",
+    "gpuwatch_rank_memory_cgroup_limit_bytes", "gpuwatch_rank_memory_pressure_waiting_seconds_total",
+    "gpuwatch_rank_memory_pressure_stalled_seconds_total",
 }
 VARIANTS = 8  # node groups whose values move together
+STRAGGLER_SLOWDOWN = 0.5  # a straggler's step rate, as a fraction of its node group's
 STALL_AFTER = 300.0  # the daemon's default stall.after_seconds
 JOB_SIZES = (128, 64, 32, 16, 8, 8, 4, 4, 2, 2, 1, 1, 1, 1)  # nodes per job, repeated
 
@@ -65,7 +70,7 @@ def parse_exposition(text: str) -> list[Series]:
 
 @dataclass
 class Incident:
-    kind: str  # oom | stall | xid
+    kind: str  # oom | stall | xid | straggler
     node: int
     at: float
     local_rank: int = 0
@@ -162,6 +167,13 @@ class Fleet:
             return s.value + 50 * (age // 30)
         if n == "gpuwatch_rank_gil_held_samples_total":
             return s.value + (5 + variant) * (age // 30)
+        if n == "gpuwatch_rank_step":
+            return float(int(s.value + self.step_rate(variant) * age))
+        if "_memory_pressure_" in n:
+            return round(s.value + 0.001 * age, 3)
+        if n in ("gpuwatch_rank_tree_resident_memory_bytes", "gpuwatch_rank_memory_cgroup_usage_bytes",
+                 "gpuwatch_rank_memory_cgroup_working_set_bytes"):
+            return float(int(s.value + (4 + variant + math.sin(age / 1200)) * 2**30))
         if n == "gpuwatch_gpu_utilization_ratio":
             return round(0.8 + 0.19 * math.sin(age / 900 + phase * 6.28), 3)
         if n in ("gpuwatch_gpu_memory_used_bytes", "gpuwatch_rank_gpu_memory_bytes",
@@ -170,6 +182,10 @@ class Fleet:
         if n.endswith("_duration_seconds"):
             return round(s.value * (1 + 0.2 * math.sin(age / 300 + phase)), 6)
         return s.value
+
+    def step_rate(self, variant: int) -> float:
+        """Training steps per second of a node group (all within 0.8x of each other)."""
+        return 1.0 + 0.02 * variant
 
     def _scrape_values(self, variant: int, t: float) -> list[float]:
         n = float(len(self.template))
@@ -243,8 +259,14 @@ class Fleet:
                     else:
                         if s.name == "gpuwatch_rank_progress_timestamp_seconds":
                             vals[i] = inc.at
+                        elif s.name == "gpuwatch_rank_step":
+                            vals[i] = self._value(s, variant, inc.at)
                         elif s.name == "gpuwatch_rank_stalled" and t >= inc.at + STALL_AFTER:
                             vals[i] = 1.0
+                elif inc.kind == "straggler" and d.get("rank") == str(inc.local_rank) \
+                        and d.get("job_id") == self.t_job and s.name == "gpuwatch_rank_step":
+                    lost = (1 - STRAGGLER_SLOWDOWN) * self.step_rate(variant) * (t - inc.at)
+                    vals[i] = float(int(self._value(s, variant, t) - lost))
             if inc.kind == "oom":
                 extra.append((f'gpuwatch_finding{{{inst},kind="rank_oom_killed",severity="page",'
                               f'job_id="{jid}",rank="{rank}",pid="{pid}"}}', 1.0))
@@ -266,7 +288,8 @@ class Fleet:
 def default_incidents(fleet: Fleet, now: float) -> list[Incident]:
     """A few incidents spread over the fleet and over time, several of them after `now` (the
     data run into the future) so that some are recent whenever the rules are evaluated:
-    3 OOM kills (one in the largest job), 3 stalls, 4 critical Xids."""
+    3 OOM kills (one in the largest job), 3 stalls, 4 critical Xids, 2 stragglers (one in the
+    largest job: half its node group's step rate)."""
     n = fleet.nodes
     a, b, c = 0, n // 3, (2 * n) // 3
     m = 60.0
@@ -279,5 +302,7 @@ def default_incidents(fleet: Fleet, now: float) -> list[Incident]:
            Incident("xid", min(n - 1, a + 2), now + 8 * m, local_rank=4, xid=79),
            Incident("xid", min(n - 1, b + 2), now - 300 * m, local_rank=0, xid=48),
            Incident("xid", min(n - 1, c + 2), now + 16 * m, local_rank=7, xid=94),
-           Incident("xid", min(n - 1, c + 3), now + 24 * m, local_rank=2, xid=79)]
+           Incident("xid", min(n - 1, c + 3), now + 24 * m, local_rank=2, xid=79),
+           Incident("straggler", min(n - 1, a + 3), now - 40 * m, local_rank=5),
+           Incident("straggler", min(n - 1, b + 3), now - 90 * m, local_rank=1)]
     return [i for i in out if fleet.start <= i.at <= fleet.end]

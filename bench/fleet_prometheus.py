@@ -13,7 +13,8 @@ backfilled fleet of gpuwatchd nodes (issue 14, goal 4).
    `promtool tsdb create-blocks-from openmetrics` (one block) and the file is deleted. The data
    run `--margin-minutes` into the future so that the rules, evaluated at the real "now", see it.
 3. A real Prometheus on 127.0.0.1 (query concurrency 2, no scrape jobs) loads the blocks and the
-   shipped rule files. Recording rules are backfilled over the same range with `promtool tsdb
+   shipped rule files. Recording rules (of both files: gpuwatchd.rules.yml records a few beside
+   the alerts that use them) are backfilled over the same range with `promtool tsdb
    create-blocks-from rules` (as one would after adding them to a running fleet), then Prometheus
    restarts with those blocks as well.
 4. Every dashboard panel query (variables filled as Grafana does for the default 3 h range:
@@ -297,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args(argv)
 
+    say(f"== 0. machine: {os.cpu_count()} cores, load average {_load()} at the start (1, 5, 15 min;"
+        " other work on the machine shares the cores: every timing below is an upper bound)\n")
     text = measure_node()
     tpl = parse_exposition(text)
     now = time.time()
@@ -343,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             dt, out = run_timed([PROMTOOL, "tsdb", "create-blocks-from", "rules",
                                  f"--start={int(fleet.start)}", f"--end={int(fleet.end)}",
                                  f"--url={prom.url}", f"--eval-interval={int(args.interval)}s",
-                                 f"--output-dir={rec_dir}", str(RECORDING_RULES)])
+                                 f"--output-dir={rec_dir}", *map(str, rules)])
             say(f"   promtool create-blocks-from rules (backfill of the recording rules): {dt:.0f} s")
             prom.stop()
             for b in rec_dir.iterdir():
@@ -373,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         slow = [r for r in rows if r[3] >= 1]
         say(f"   {len(rows)} queries; slowest p99 {max(r[3] for r in rows):.3f} s "
             f"({max(rows, key=lambda r: r[3])[0]}); {len(slow)} over 1 s")
+        say(f"   load average after: {_load()}")
 
         say(f"\n== 5. rule groups: evaluationTime over {args.evals} evaluations "
             f"(evaluation_interval {args.eval_interval})")
@@ -389,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"   whole rule set (sum of the groups): p50 {total_p50:.3f} s, max {total_max:.3f} s")
         for name, ts in sorted(per_rule.items(), key=lambda x: -statistics.median(x[1])):
             say(f"     rule {name:<55} p50 {statistics.median(ts):.3f} s  max {max(ts):.3f} s")
+        say(f"   load average after: {_load()}")
         _, body = prom.get("/api/v1/alerts", {})
         alerts = Counter((a["labels"]["alertname"], a["state"])
                          for a in json.loads(body)["data"]["alerts"])

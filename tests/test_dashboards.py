@@ -20,6 +20,7 @@ from promstack import (
     PROMTOOL,
     RECORDING_RULES,
     REPO,
+    RULES,
     MetricsServer,
     NodeRank,
     dashboard_panels,
@@ -35,13 +36,15 @@ from promstack import (
 
 # Series Prometheus adds to every target itself (not the daemon's).
 PROMETHEUS_SERIES = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
-# The dashboards' recording rules (fleet scale): panels may read these series.
+# The dashboards' recording rules (fleet scale): panels may read these series, and those that
+# gpuwatchd.rules.yml records beside the alerts that use them.
 RECORDING = RECORDING_RULES
 
 
 def _recorded() -> dict[str, str]:
-    doc = yaml.safe_load(RECORDING.read_text())
-    return {r["record"]: r["expr"] for g in doc["groups"] for r in g["rules"]}
+    docs = [yaml.safe_load(f.read_text()) for f in (RULES, RECORDING)]
+    return {r["record"]: r["expr"] for doc in docs for g in doc["groups"] for r in g["rules"]
+            if "record" in r}
 
 
 def _expand(expr: str) -> str:
@@ -226,7 +229,7 @@ def test_every_panel_returns_data_from_prometheus(tmp_path: Path) -> None:
     for r in ranks:
         r.gil_samples, r.gil_held = 50, 10
     with MetricsServer(node_exposition(ranks)) as node, \
-            prometheus(tmp_path, [node.address], rule_files=[RECORDING]) as prom:
+            prometheus(tmp_path, [node.address], rule_files=[RULES, RECORDING]) as prom:
         wait_until(lambda: prom.query("gpuwatch_rank_up"), 20, "first scrape")
         time.sleep(2)
         for r in ranks:

@@ -36,12 +36,12 @@ def test_promtool_unit_tests_catch_a_wrong_recording_rule(tmp_path: Path) -> Non
     doc = yaml.safe_load(RECORDING.read_text())
     for g in doc["groups"]:
         for r in g["rules"]:
-            if r["record"] == "rank:gpuwatch_rank_open_fds:ratio":
-                r["expr"] = "gpuwatch_rank_max_fds / gpuwatch_rank_open_fds"
+            if r["record"] == "collector:gpuwatch_collector_duration_seconds:max":
+                r["expr"] = r["expr"].replace("max by", "min by")
     (tmp_path / RECORDING.name).write_text(yaml.safe_dump(doc))
     (tmp_path / RECORDING_TESTS.name).write_text(RECORDING_TESTS.read_text())
     p = run([PROMTOOL, "test", "rules", RECORDING_TESTS.name], cwd=tmp_path)
-    assert p.returncode != 0 and "rank:gpuwatch_rank_open_fds:ratio" in p.stdout + p.stderr
+    assert p.returncode != 0 and "collector:gpuwatch_collector_duration_seconds:max" in p.stdout + p.stderr
 
 
 def test_every_recorded_series_is_on_a_dashboard() -> None:

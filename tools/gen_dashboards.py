@@ -327,6 +327,9 @@ FAILED_AT = (
 )
 
 STEP_RATE = f"deriv(gpuwatch_rank_step{{{J}}}[10m])"
+# Each rank's step rate against its job's median (recorded: gpuwatchd.recording.yml), as
+# GPURankStraggler compares them.
+STEP_RATIO = f"{STEP_RATE} / on (job_id) group_left () job_id:gpuwatch_rank_step:deriv10m_median{{{J}}}"
 
 JOB_ROWS: list[tuple[str, list[Panel]]] = [
     ("Job", [
@@ -373,7 +376,7 @@ JOB_ROWS: list[tuple[str, list[Panel]]] = [
                  "rank {{rank}} {{comm}} ({{killer}}, {{instance}})")], unit="none", min=0),
         Panel("Active findings", "table", [table(f"gpuwatch_finding{{{J}}} == 1")]),
         Panel("Time since last progress", "timeseries",
-              [graph(f"rank:gpuwatch_rank_progress_timestamp_seconds:age{{{J}}}",
+              [graph(f"time() - gpuwatch_rank_progress_timestamp_seconds{{{J}}}",
                      "rank {{rank}} ({{instance}})")], unit="s", min=0,
               description="Age of each rank's last heartbeat / observed progress; a rank is "
                           "stalled when this passes stall.after_seconds."),
@@ -388,16 +391,14 @@ JOB_ROWS: list[tuple[str, list[Panel]]] = [
               unit="none", min=0,
               description="Steps per second from each rank's gpuwatchd.heartbeat(step)."),
         Panel("Step rate / job median", "timeseries",
-              [graph(f"{STEP_RATE} / on (job_id) group_left () "
-                     f"quantile by (job_id) (0.5, {STEP_RATE})", "rank {{rank}} ({{instance}})")],
+              [graph(STEP_RATIO, "rank {{rank}} ({{instance}})")],
               unit="percentunit", min=0,
               thresholds=[(None, "red"), (0.8, "green")],
               description="Each rank's step rate over 10 m against the job's median across all "
                           "nodes: below 0.8 for 10 m is the straggler (alert GPURankStraggler; "
                           "the node's rank_straggler finding names the cause)."),
         Panel("Slowest ranks", "table",
-              [table(f"bottomk(3, {STEP_RATE} / on (job_id) group_left () "
-                     f"quantile by (job_id) (0.5, {STEP_RATE}))")], unit="percentunit",
+              [table(f"bottomk(3, {STEP_RATIO})")], unit="percentunit",
               description="The three ranks furthest below the job's median step rate."),
         Panel("Collective sequence per rank", "table",
               [table(f"gpuwatch_rank_collective_last_started_seq{{{J}}}", "entered"),
@@ -411,10 +412,11 @@ JOB_ROWS: list[tuple[str, list[Panel]]] = [
               [graph(f"gpuwatch_rank_gpu_memory_bytes{{{J}}}",
                  "rank {{rank}} GPU {{gpu}} ({{instance}})")], unit="bytes", min=0),
         Panel("GIL held per rank", "timeseries",
-              [graph(f"rank:gpuwatch_rank_gil_held_samples:ratio_rate5m{{{J}}}",
+              [graph(f"rate(gpuwatch_rank_gil_held_samples_total{{{J}}}[5m])"
+                     f" / rate(gpuwatch_rank_gil_samples_total{{{J}}}[5m])",
                  "rank {{rank}} ({{instance}})")], unit="percentunit", min=0, max=1),
         Panel("Open fds / limit per rank", "timeseries",
-              [graph(f"rank:gpuwatch_rank_open_fds:ratio{{{J}}}",
+              [graph(f"gpuwatch_rank_open_fds{{{J}}} / gpuwatch_rank_max_fds{{{J}}}",
                  "rank {{rank}} ({{instance}})")], unit="percentunit", min=0, max=1,
               thresholds=[(None, "green"), (0.9, "red")]),
         Panel("Resident memory per rank", "timeseries",
@@ -425,6 +427,14 @@ JOB_ROWS: list[tuple[str, list[Panel]]] = [
 
 # --- gpuwatchd health ---------------------------------------------------------------------------
 UPJ = 'job=~"gpuwatchd.*"'
+def nonzero(counter: str, label: str) -> str:
+    """A fleet-wide graph of a rarely rising counter: only the nodes where it rose, a 0 line while
+    none did. Filtering before the sum keeps it under 1 s at 1,250 nodes x several label values
+    (bench/fleet_prometheus.py); thousands of flat 0 lines would say nothing more."""
+    return (f"sum by (instance, {label}) (increase({counter}[$__rate_interval]) > 0)"
+            " or on () vector(0)")
+
+
 HEALTH_ROWS: list[tuple[str, list[Panel]]] = [
     ("Daemons", [
         Panel("Daemons scraped", "stat", [stat(f"sum(up{{{UPJ}}})")], width=6, height=4,
@@ -475,8 +485,8 @@ HEALTH_ROWS: list[tuple[str, list[Panel]]] = [
               description="Malformed or too long records, and userspace writes to /dev/kmsg that "
                           "looked like an OOM kill or Xid (not_kernel)."),
         Panel("Dropped /metrics connections", "timeseries",
-              [graph("sum by (instance, reason) (increase(gpuwatch_web_connections_dropped_total"
-                     "[$__rate_interval]))", "{{instance}} {{reason}}")], unit="none", min=0,
+              [graph(nonzero("gpuwatch_web_connections_dropped_total", "reason"),
+                     "{{instance}} {{reason}}")], unit="none", min=0,
               description="Connections the /metrics server closed unanswered: limit (the oldest "
                           "waiting one made room), timeout, no_thread. A steady rise is a client "
                           "holding connections open (slowloris); scrapes are still answered."),
@@ -484,8 +494,8 @@ HEALTH_ROWS: list[tuple[str, list[Panel]]] = [
               [table('gpuwatch_finding{kind="bad_rank_file"} == 1')],
               description="Rank files the daemon rejected (schema, owner, symlink, size)."),
         Panel("State file write errors", "timeseries",
-              [graph("sum by (instance, file) (increase(gpuwatch_state_write_errors_total"
-                     "[$__rate_interval]))", "{{instance}} {{file}}")], unit="none", min=0,
+              [graph(nonzero("gpuwatch_state_write_errors_total", "file"), "{{instance}} {{file}}")],
+              unit="none", min=0,
               description="Failed writes of state_dir files (disk full, read-only): OOM kills are "
                           "still counted, but not persisted across a restart."),
         Panel("Rejected state file records", "stat",
@@ -495,8 +505,8 @@ HEALTH_ROWS: list[tuple[str, list[Panel]]] = [
                           "be used and were skipped when the daemon started (counted before the "
                           "first scrape, so the counter's value, not its increase)."),
         Panel("Deferred stall probes", "timeseries",
-              [graph("sum by (instance, probe) (increase(gpuwatch_cycle_deferred_probes_total"
-                     "[$__rate_interval]))", "{{instance}} {{probe}}")], unit="none", min=0,
+              [graph(nonzero("gpuwatch_cycle_deferred_probes_total", "probe"),
+                     "{{instance}} {{probe}}")], unit="none", min=0,
               description="Per-thread looks and py-spy dumps that the cycle's time budget moved to "
                           "a later cycle: a node whose ranks have very many threads or listings. "
                           "Cycles keep finishing; stall verdicts of those ranks come later."),
