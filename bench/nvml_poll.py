@@ -222,12 +222,13 @@ def cpu_window(args: argparse.Namespace, tmp: Path, n: int, logs: contextlib.Exi
         wait_http(u)
     time.sleep(args.warmup)  # warm-up: first cycles, rank files parsed, environ read
     prof = None
-    if args.profile and args.pyspy and "gpuwatchd" in procs:  # py-spy on the daemon itself
+    profiled = args.profile_variant
+    if args.profile and args.pyspy and profiled in procs:  # py-spy on the daemon itself
         prof = subprocess.Popen([args.pyspy, "record", "--nonblocking", "--threads", "-r", "100",
                                  "-d", str(int(args.seconds)), "--format", "raw", "-o",
-                                 str(tmp / f"prof-{n}.raw"), "-p", str(procs["gpuwatchd"].pid)],
+                                 str(tmp / f"prof-{n}.raw"), "-p", str(procs[profiled].pid)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    tasks0 = task_ticks(procs["gpuwatchd"].pid) if "gpuwatchd" in procs else {}
+    tasks0 = task_ticks(procs[profiled].pid) if profiled in procs else {}
     own0 = {k: cpu_seconds(p.pid, children=False) for k, p in procs.items()}
     all0 = {k: cpu_seconds(p.pid) for k, p in procs.items()}
     t0 = time.monotonic()
@@ -240,13 +241,13 @@ def cpu_window(args: argparse.Namespace, tmp: Path, n: int, logs: contextlib.Exi
             sizes[k] = size
         time.sleep(args.interval)
     wall = time.monotonic() - t0
-    if "gpuwatchd" in procs:
-        tasks1 = task_ticks(procs["gpuwatchd"].pid)
+    if profiled in procs:
+        tasks1 = task_ticks(procs[profiled].pid)
         tick = os.sysconf("SC_CLK_TCK")
         per_thread = {t: (tasks1[t] - tasks0.get(t, 0)) / tick for t in tasks1}
-        print(f"  {n} ranks, gpuwatchd threads alive at the end, CPU s in the window: "
+        print(f"  {n} ranks, {profiled} threads alive at the end, CPU s in the window: "
               f"{sorted(per_thread.values(), reverse=True)[:6]} (main thread first by tid: "
-              f"{per_thread.get(procs['gpuwatchd'].pid, 0.0):.2f} s)", flush=True)
+              f"{per_thread.get(procs[profiled].pid, 0.0):.2f} s)", flush=True)
     if prof is not None:
         prof.wait(30)
         print_profile(tmp / f"prof-{n}.raw", n)
@@ -304,6 +305,8 @@ def main() -> int:
     ap.add_argument("--no-poll", action="store_true", help="skip the NVML poll timing")
     ap.add_argument("--holder", default=str(REPO / "tests/gpu/holder.py"))
     ap.add_argument("--only", default="", help="comma-separated daemon variants to run")
+    ap.add_argument("--profile-variant", default="gpuwatchd",
+                    help="the daemon variant --profile and the per-thread CPU look at")
     ap.add_argument("--profile", action="store_true",
                     help="py-spy record the 'gpuwatchd' variant during the window (needs --pyspy)")
     args = ap.parse_args()
