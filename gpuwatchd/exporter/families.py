@@ -61,10 +61,14 @@ class Metric:
         return f"Metric({self.name}, {self.documentation}, {self.type}, {self.unit}, {self.samples})"
 
 
-class GaugeMetricFamily(Metric):
-    def __init__(self, name: str, documentation: str, value: float | None = None,
-                 labels: Sequence[str] | None = None, unit: str = "") -> None:
-        super().__init__(name, documentation, "gauge", unit)
+class _LabelledFamily(Metric):
+    """A family built like client_python's: one ``value``, or ``labels`` and ``add_metric`` calls."""
+
+    suffix = ""  # what each sample's name adds to the family's
+
+    def __init__(self, name: str, documentation: str, typ: str, value: float | None,
+                 labels: Sequence[str] | None, unit: str) -> None:
+        super().__init__(name, documentation, typ, unit)
         if labels is not None and value is not None:
             raise ValueError("give at most one of value and labels")
         self._labelnames = tuple(labels or ())
@@ -72,26 +76,24 @@ class GaugeMetricFamily(Metric):
             self.add_metric([], value)
 
     def add_metric(self, labels: Sequence[str], value: float) -> None:
-        self.samples.append(Sample(self.name, dict(zip(self._labelnames, labels, strict=True)), value))
+        self.samples.append(Sample(self.name + self.suffix,
+                                   dict(zip(self._labelnames, labels, strict=True)), value))
 
 
-class CounterMetricFamily(Metric):
+class GaugeMetricFamily(_LabelledFamily):
+    def __init__(self, name: str, documentation: str, value: float | None = None,
+                 labels: Sequence[str] | None = None, unit: str = "") -> None:
+        super().__init__(name, documentation, "gauge", value, labels, unit)
+
+
+class CounterMetricFamily(_LabelledFamily):
     """A counter: the family is named without ``_total``, its samples with it."""
 
+    suffix = "_total"
+
     def __init__(self, name: str, documentation: str, value: float | None = None,
                  labels: Sequence[str] | None = None, unit: str = "") -> None:
-        if name.endswith("_total"):
-            name = name[:-6]
-        super().__init__(name, documentation, "counter", unit)
-        if labels is not None and value is not None:
-            raise ValueError("give at most one of value and labels")
-        self._labelnames = tuple(labels or ())
-        if value is not None:
-            self.add_metric([], value)
-
-    def add_metric(self, labels: Sequence[str], value: float) -> None:
-        self.samples.append(Sample(self.name + "_total", dict(zip(self._labelnames, labels, strict=True)),
-                                   value))
+        super().__init__(name.removesuffix("_total"), documentation, "counter", value, labels, unit)
 
 
 class Collector(Protocol):
