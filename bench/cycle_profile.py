@@ -46,6 +46,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests/fixtures/nvml/h200_bench_9procs.json"
 CLK = os.sysconf("SC_CLK_TCK")
+SHIM = REPO / "bench/thread_names.py"  # names every thread (comm) and totals exited threads' CPU
 
 RANK = r"""
 import os, sys, threading, time
@@ -101,6 +102,32 @@ def task_ticks(pid: int) -> dict[int, tuple[str, int]]:
             f = raw.rsplit(")", 1)[1].split()
             out[int(tid)] = (raw[raw.find("(") + 1 : raw.rfind(")")], int(f[11]) + int(f[12]))
     return out
+
+
+def exited_cpu(path: Path) -> dict[str, list[float]]:
+    with contextlib.suppress(OSError, ValueError):
+        return dict(json.loads(path.read_text()))
+    return {}
+
+
+def by_name(pid: int, first: dict[int, tuple[str, int]], last: dict[int, tuple[str, int]],
+            exited0: dict[str, list[float]], exited1: dict[str, list[float]],
+            own: float) -> list[tuple[str, float, int]]:
+    """(thread name, CPU s in the window, threads) : threads sampled in /proc every second (alive
+    at a sample), plus those that exited (thread_time totals from the shim), plus what neither saw."""
+    rows: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    for tid, (comm, ticks) in last.items():
+        name = "main" if tid == pid else comm
+        rows[name][0] += (ticks - first.get(tid, (comm, 0))[1]) / CLK
+        rows[name][1] += 1
+    for name, (cpu, n) in exited1.items():
+        d_cpu, d_n = cpu - exited0.get(name, [0.0, 0])[0], n - exited0.get(name, [0.0, 0])[1]
+        if d_n:
+            rows[f"{name} (exited)"][0] += d_cpu
+            rows[f"{name} (exited)"][1] += d_n
+    rest = own - sum(c for c, _ in rows.values())
+    rows["unaccounted"] = [rest, 0]
+    return sorted(((k, c, int(n)) for k, (c, n) in rows.items()), key=lambda r: -r[1])
 
 
 def free_port() -> int:
@@ -165,8 +192,8 @@ def start_daemon(name: str, repo: str, args: argparse.Namespace, tmp: Path, fixt
     cfg.write_text(f"rank_dir: {tmp / 'ranks'}\nstate_dir: {tmp / name}\ninterval_seconds: "
                    f"{args.interval}\nweb:\n  listen_address: '127.0.0.1:{port}'\nnvml:\n  fixture: "
                    f"{fixture}\ngil:\n  pyspy_path: {pyspy}\n{args.config_extra}\n")
-    env = {**os.environ, "PYTHONPATH": repo}
-    p = subprocess.Popen([sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg)],
+    env = {**os.environ, "PYTHONPATH": repo, "GW_THREAD_CPU_FILE": str(tmp / f"{name}.threads.json")}
+    p = subprocess.Popen([sys.executable, str(SHIM), "run", "--config.file", str(cfg)],
                          env=env, cwd=repo, stdout=subprocess.DEVNULL,
                          stderr=logs.enter_context((tmp / f"{name}.log").open("wb")))
     return p, f"http://127.0.0.1:{port}/metrics"
@@ -188,6 +215,9 @@ def window(args: argparse.Namespace, daemons: dict[str, tuple[subprocess.Popen[b
            seconds: float) -> dict[str, dict[str, Any]]:
     pids = {k: p.pid for k, (p, _) in daemons.items()}
     t0s = {k: task_ticks(pid) for k, pid in pids.items()}
+    files = {k: Path(os.environ.get("GW_BENCH_TMP", "")) / f"{k}.threads.json" for k in pids}
+    ex0 = {k: exited_cpu(files[k]) for k in pids}
+    seen: dict[str, dict[int, tuple[str, int]]] = {k: dict(v) for k, v in t0s.items()}
     own0 = {k: cpu_s(pid) for k, pid in pids.items()}
     all0 = {k: cpu_s(pid, True) for k, pid in pids.items()}
     ts0 = {k: cycles_seen(get(u)) for k, (_, u) in daemons.items()}
@@ -197,7 +227,10 @@ def window(args: argparse.Namespace, daemons: dict[str, tuple[subprocess.Popen[b
         for _, u in daemons.values():
             get(u)
         scrapes += 1
-        time.sleep(max(0.0, t0 + scrapes * args.interval - time.monotonic()))
+        while (left := t0 + scrapes * args.interval - time.monotonic()) > 0:
+            time.sleep(min(1.0, left))  # sample every thread each second: short ones show too
+            for k, pid in pids.items():
+                seen[k].update(task_ticks(pid))
     wall = time.monotonic() - t0
     res: dict[str, dict[str, Any]] = {}
     for k, pid in pids.items():
@@ -205,12 +238,15 @@ def window(args: argparse.Namespace, daemons: dict[str, tuple[subprocess.Popen[b
         body = get(daemons[k][1])
         cycles = max(1.0, round((cycles_seen(body) - ts0[k]) / args.interval))
         t1 = task_ticks(pid)
+        seen[k].update(t1)
+        table = by_name(pid, t0s[k], seen[k], ex0[k], exited_cpu(files[k]), own)
         threads = sorted(((t1[t][1] - t0s[k].get(t, ("", 0))[1]) / CLK, t, t1[t][0]) for t in t1)
         res[k] = {"wall_s": wall, "cpu_percent_own": 100 * own / wall,
                   "cpu_percent_with_children": 100 * tot / wall, "cycles": cycles,
                   "scrapes": scrapes, "cpu_ms_per_cycle": 1e3 * own / cycles,
                   "rss_mib": rss_mib(pid), "ranks_up": ranks_up(body), "exposition_bytes": len(body),
-                  "threads_cpu_s": [(round(c, 2), "main" if t == pid else n) for c, t, n in threads[::-1][:5]]}
+                  "threads_cpu_s": [(round(c, 2), "main" if t == pid else n) for c, t, n in threads[::-1][:5]],
+                  "by_name": table}
     for k, (p, u) in daemons.items():  # scrape cost: a burst, after the window
         c0 = cpu_s(p.pid)
         for _ in range(args.burst):
@@ -337,6 +373,7 @@ def main() -> int:
                     help="then time this many cycles of each checkout in-process, by part")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="gwcpu-bench-"))
+    os.environ["GW_BENCH_TMP"] = str(tmp)
     logs = contextlib.ExitStack()
     ranks: list[subprocess.Popen[bytes]] = []
     daemons: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
@@ -372,6 +409,10 @@ def main() -> int:
                   f"back-to-back scrape; RSS {r['rss_mib']:.0f} MiB; ranks up {r['ranks_up']}; "
                   f"{r['exposition_bytes']} B", flush=True)
             print(f"  {'':17s} busiest threads (CPU s, comm): {r['threads_cpu_s']}", flush=True)
+            print(f"  {'':17s} CPU by thread name over the window ({r['wall_s']:.0f} s):", flush=True)
+            for name, c, n in r["by_name"]:
+                print(f"  {'':19s}{name:32s} {c:7.3f} s {100 * c / r['wall_s']:6.3f} %  "
+                      f"{n or '':>5} thread(s)", flush=True)
         if "gpuwatchd-before" in res:
             a, b = res["gpuwatchd"], res["gpuwatchd-before"]
             print(f"  after/before: own {a['cpu_percent_own'] / b['cpu_percent_own']:.2f}, with "
