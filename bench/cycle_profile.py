@@ -94,13 +94,16 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-def task_ticks(pid: int) -> dict[int, tuple[str, int]]:
+def task_ticks(pid: int) -> dict[int, tuple[str, int, int]]:
+    """tid -> (comm, utime+stime ticks, voluntary context switches: its wake-ups from sleep)."""
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(OSError, IndexError, ValueError):
             raw = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
             f = raw.rsplit(")", 1)[1].split()
-            out[int(tid)] = (raw[raw.find("(") + 1 : raw.rfind(")")], int(f[11]) + int(f[12]))
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            vol = int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+            out[int(tid)] = (raw[raw.find("(") + 1 : raw.rfind(")")], int(f[11]) + int(f[12]), vol)
     return out
 
 
@@ -110,24 +113,27 @@ def exited_cpu(path: Path) -> dict[str, list[float]]:
     return {}
 
 
-def by_name(pid: int, first: dict[int, tuple[str, int]], last: dict[int, tuple[str, int]],
+def by_name(pid: int, first: dict[int, tuple[str, int, int]], last: dict[int, tuple[str, int, int]],
             exited0: dict[str, list[float]], exited1: dict[str, list[float]],
-            own: float) -> list[tuple[str, float, int]]:
-    """(thread name, CPU s in the window, threads) : threads sampled in /proc every second (alive
-    at a sample), plus those that exited (thread_time totals from the shim), plus what neither saw."""
-    rows: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-    for tid, (comm, ticks) in last.items():
+            own: float) -> list[tuple[str, float, int, int]]:
+    """(thread name, CPU s in the window, threads, wake-ups): threads sampled in /proc every second
+    (alive at a sample), plus those that exited (the shim's thread_time and RUSAGE_THREAD totals),
+    plus what neither saw."""
+    rows: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0, 0])
+    for tid, (comm, ticks, vol) in last.items():
         name = "main" if tid == pid else comm
-        rows[name][0] += (ticks - first.get(tid, (comm, 0))[1]) / CLK
+        _, t0, v0 = first.get(tid, (comm, 0, 0))
+        rows[name][0] += (ticks - t0) / CLK
         rows[name][1] += 1
-    for name, (cpu, n) in exited1.items():
-        d_cpu, d_n = cpu - exited0.get(name, [0.0, 0])[0], n - exited0.get(name, [0.0, 0])[1]
-        if d_n:
-            rows[f"{name} (exited)"][0] += d_cpu
-            rows[f"{name} (exited)"][1] += d_n
-    rest = own - sum(c for c, _ in rows.values())
-    rows["unaccounted"] = [rest, 0]
-    return sorted(((k, c, int(n)) for k, (c, n) in rows.items()), key=lambda r: -r[1])
+        rows[name][2] += vol - v0
+    for name, row in exited1.items():
+        old = exited0.get(name, [0.0, 0, 0])
+        if row[1] - old[1]:
+            r = rows[f"{name} (exited)"]
+            for i in range(3):
+                r[i] += row[i] - (old[i] if i < len(old) else 0)
+    rows["unaccounted"] = [own - sum(r[0] for r in rows.values()), 0, 0]
+    return sorted(((k, r[0], int(r[1]), int(r[2])) for k, r in rows.items()), key=lambda r: -r[1])
 
 
 def free_port() -> int:
@@ -410,9 +416,11 @@ def main() -> int:
                   f"{r['exposition_bytes']} B", flush=True)
             print(f"  {'':17s} busiest threads (CPU s, comm): {r['threads_cpu_s']}", flush=True)
             print(f"  {'':17s} CPU by thread name over the window ({r['wall_s']:.0f} s):", flush=True)
-            for name, c, n in r["by_name"]:
-                print(f"  {'':19s}{name:32s} {c:7.3f} s {100 * c / r['wall_s']:6.3f} %  "
-                      f"{n or '':>5} thread(s)", flush=True)
+            print(f"  {'':19s}{'thread':32s} {'CPU s':>7s}   {'% core':>6s}  {'threads':>7s} "
+                  f"{'wake-ups/s':>10s}", flush=True)
+            for name, c, n, w in r["by_name"]:
+                print(f"  {'':19s}{name:32s} {c:7.3f} s {100 * c / r['wall_s']:6.3f} %  {n or '':>7} "
+                      f"{w / r['wall_s']:10.2f}", flush=True)
         if "gpuwatchd-before" in res:
             a, b = res["gpuwatchd"], res["gpuwatchd-before"]
             print(f"  after/before: own {a['cpu_percent_own'] / b['cpu_percent_own']:.2f}, with "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import resource
 import runpy
 import sys
 import threading
@@ -24,7 +25,7 @@ import time
 _PR_SET_NAME = 15
 _libc = ctypes.CDLL(None, use_errno=True)
 _out = os.environ.get("GW_THREAD_CPU_FILE", "")
-_exited: dict[str, list[float]] = {}  # name -> [cpu seconds, threads]
+_exited: dict[str, list[float]] = {}  # name -> [cpu seconds, threads, voluntary switches]
 _lock = threading.Lock()
 _last_write = [0.0]
 _run = threading.Thread.run
@@ -40,10 +41,12 @@ def run(self: threading.Thread) -> None:
         _run(self)
     finally:
         cpu = time.thread_time()
+        wakes = resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
         with _lock:
-            row = _exited.setdefault(_family(self.name), [0.0, 0])
+            row = _exited.setdefault(_family(self.name), [0.0, 0, 0])
             row[0] += cpu
             row[1] += 1
+            row[2] += wakes
             now = time.monotonic()
             if _out and now - _last_write[0] >= 1.0:
                 _last_write[0] = now
