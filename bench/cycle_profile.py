@@ -20,7 +20,9 @@ Reproduces the shape of bench/nvml_poll.py's device workload on any Linux box:
 
 Prints, per daemon: CPU % of a core (utime+stime from /proc/PID/stat; own, and with its reaped
 py-spy children), CPU ms per cycle (window CPU / cycles, scrapes included), CPU ms per scrape
-(a burst of back-to-back scrapes after the window), RSS, and the per-thread CPU of the window.
+(a burst of back-to-back scrapes after the window), RSS, and the window's CPU and wake-ups per
+second by thread name: the daemons run under bench/thread_names.py (comm = Python thread name;
+exited threads, e.g. one per collector run, report their thread_time), /proc sampled every second.
 ``--profile``: a second window with ``py-spy record --format raw`` on the first daemon, folded by
 phase (cycle / scrape / GIL sampler / kernel log) and by our own functions.
 """
