@@ -20,7 +20,9 @@ Reproduces the shape of bench/nvml_poll.py's device workload on any Linux box:
 
 Prints, per daemon: CPU % of a core (utime+stime from /proc/PID/stat; own, and with its reaped
 py-spy children), CPU ms per cycle (window CPU / cycles, scrapes included), CPU ms per scrape
-(a burst of back-to-back scrapes after the window), RSS, and the per-thread CPU of the window.
+(a burst of back-to-back scrapes after the window), RSS, and the window's CPU and wake-ups per
+second by thread name: the daemons run under bench/thread_names.py (comm = Python thread name;
+exited threads, e.g. one per collector run, report their thread_time), /proc sampled every second.
 ``--profile``: a second window with ``py-spy record --format raw`` on the first daemon, folded by
 phase (cycle / scrape / GIL sampler / kernel log) and by our own functions.
 """
@@ -46,6 +48,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests/fixtures/nvml/h200_bench_9procs.json"
 CLK = os.sysconf("SC_CLK_TCK")
+SHIM = REPO / "bench/thread_names.py"  # names every thread (comm) and totals exited threads' CPU
 
 RANK = r"""
 import os, sys, threading, time
@@ -93,14 +96,46 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-def task_ticks(pid: int) -> dict[int, tuple[str, int]]:
+def task_ticks(pid: int) -> dict[int, tuple[str, int, int]]:
+    """tid -> (comm, utime+stime ticks, voluntary context switches: its wake-ups from sleep)."""
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(OSError, IndexError, ValueError):
             raw = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
             f = raw.rsplit(")", 1)[1].split()
-            out[int(tid)] = (raw[raw.find("(") + 1 : raw.rfind(")")], int(f[11]) + int(f[12]))
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            vol = int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+            out[int(tid)] = (raw[raw.find("(") + 1 : raw.rfind(")")], int(f[11]) + int(f[12]), vol)
     return out
+
+
+def exited_cpu(path: Path) -> dict[str, list[float]]:
+    with contextlib.suppress(OSError, ValueError):
+        return dict(json.loads(path.read_text()))
+    return {}
+
+
+def by_name(pid: int, first: dict[int, tuple[str, int, int]], last: dict[int, tuple[str, int, int]],
+            exited0: dict[str, list[float]], exited1: dict[str, list[float]],
+            own: float) -> list[tuple[str, float, int, int]]:
+    """(thread name, CPU s in the window, threads, wake-ups): threads sampled in /proc every second
+    (alive at a sample), plus those that exited (the shim's thread_time and RUSAGE_THREAD totals),
+    plus what neither saw."""
+    rows: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0, 0])
+    for tid, (comm, ticks, vol) in last.items():
+        name = "main" if tid == pid else comm
+        _, t0, v0 = first.get(tid, (comm, 0, 0))
+        rows[name][0] += (ticks - t0) / CLK
+        rows[name][1] += 1
+        rows[name][2] += vol - v0
+    for name, row in exited1.items():
+        old = exited0.get(name, [0.0, 0, 0])
+        if row[1] - old[1]:
+            r = rows[f"{name} (exited)"]
+            for i in range(3):
+                r[i] += row[i] - (old[i] if i < len(old) else 0)
+    rows["unaccounted"] = [own - sum(r[0] for r in rows.values()), 0, 0]
+    return sorted(((k, r[0], int(r[1]), int(r[2])) for k, r in rows.items()), key=lambda r: -r[1])
 
 
 def free_port() -> int:
@@ -165,8 +200,8 @@ def start_daemon(name: str, repo: str, args: argparse.Namespace, tmp: Path, fixt
     cfg.write_text(f"rank_dir: {tmp / 'ranks'}\nstate_dir: {tmp / name}\ninterval_seconds: "
                    f"{args.interval}\nweb:\n  listen_address: '127.0.0.1:{port}'\nnvml:\n  fixture: "
                    f"{fixture}\ngil:\n  pyspy_path: {pyspy}\n{args.config_extra}\n")
-    env = {**os.environ, "PYTHONPATH": repo}
-    p = subprocess.Popen([sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg)],
+    env = {**os.environ, "PYTHONPATH": repo, "GW_THREAD_CPU_FILE": str(tmp / f"{name}.threads.json")}
+    p = subprocess.Popen([sys.executable, str(SHIM), "run", "--config.file", str(cfg)],
                          env=env, cwd=repo, stdout=subprocess.DEVNULL,
                          stderr=logs.enter_context((tmp / f"{name}.log").open("wb")))
     return p, f"http://127.0.0.1:{port}/metrics"
@@ -188,6 +223,9 @@ def window(args: argparse.Namespace, daemons: dict[str, tuple[subprocess.Popen[b
            seconds: float) -> dict[str, dict[str, Any]]:
     pids = {k: p.pid for k, (p, _) in daemons.items()}
     t0s = {k: task_ticks(pid) for k, pid in pids.items()}
+    files = {k: Path(os.environ.get("GW_BENCH_TMP", "")) / f"{k}.threads.json" for k in pids}
+    ex0 = {k: exited_cpu(files[k]) for k in pids}
+    seen: dict[str, dict[int, tuple[str, int]]] = {k: dict(v) for k, v in t0s.items()}
     own0 = {k: cpu_s(pid) for k, pid in pids.items()}
     all0 = {k: cpu_s(pid, True) for k, pid in pids.items()}
     ts0 = {k: cycles_seen(get(u)) for k, (_, u) in daemons.items()}
@@ -197,7 +235,10 @@ def window(args: argparse.Namespace, daemons: dict[str, tuple[subprocess.Popen[b
         for _, u in daemons.values():
             get(u)
         scrapes += 1
-        time.sleep(max(0.0, t0 + scrapes * args.interval - time.monotonic()))
+        while (left := t0 + scrapes * args.interval - time.monotonic()) > 0:
+            time.sleep(min(1.0, left))  # sample every thread each second: short ones show too
+            for k, pid in pids.items():
+                seen[k].update(task_ticks(pid))
     wall = time.monotonic() - t0
     res: dict[str, dict[str, Any]] = {}
     for k, pid in pids.items():
@@ -205,12 +246,15 @@ def window(args: argparse.Namespace, daemons: dict[str, tuple[subprocess.Popen[b
         body = get(daemons[k][1])
         cycles = max(1.0, round((cycles_seen(body) - ts0[k]) / args.interval))
         t1 = task_ticks(pid)
+        seen[k].update(t1)
+        table = by_name(pid, t0s[k], seen[k], ex0[k], exited_cpu(files[k]), own)
         threads = sorted(((t1[t][1] - t0s[k].get(t, ("", 0))[1]) / CLK, t, t1[t][0]) for t in t1)
         res[k] = {"wall_s": wall, "cpu_percent_own": 100 * own / wall,
                   "cpu_percent_with_children": 100 * tot / wall, "cycles": cycles,
                   "scrapes": scrapes, "cpu_ms_per_cycle": 1e3 * own / cycles,
                   "rss_mib": rss_mib(pid), "ranks_up": ranks_up(body), "exposition_bytes": len(body),
-                  "threads_cpu_s": [(round(c, 2), "main" if t == pid else n) for c, t, n in threads[::-1][:5]]}
+                  "threads_cpu_s": [(round(c, 2), "main" if t == pid else n) for c, t, n in threads[::-1][:5]],
+                  "by_name": table}
     for k, (p, u) in daemons.items():  # scrape cost: a burst, after the window
         c0 = cpu_s(p.pid)
         for _ in range(args.burst):
@@ -337,6 +381,7 @@ def main() -> int:
                     help="then time this many cycles of each checkout in-process, by part")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="gwcpu-bench-"))
+    os.environ["GW_BENCH_TMP"] = str(tmp)
     logs = contextlib.ExitStack()
     ranks: list[subprocess.Popen[bytes]] = []
     daemons: dict[str, tuple[subprocess.Popen[bytes], str]] = {}
@@ -372,6 +417,12 @@ def main() -> int:
                   f"back-to-back scrape; RSS {r['rss_mib']:.0f} MiB; ranks up {r['ranks_up']}; "
                   f"{r['exposition_bytes']} B", flush=True)
             print(f"  {'':17s} busiest threads (CPU s, comm): {r['threads_cpu_s']}", flush=True)
+            print(f"  {'':17s} CPU by thread name over the window ({r['wall_s']:.0f} s):", flush=True)
+            print(f"  {'':19s}{'thread':32s} {'CPU s':>7s}   {'% core':>6s}  {'threads':>7s} "
+                  f"{'wake-ups/s':>10s}", flush=True)
+            for name, c, n, w in r["by_name"]:
+                print(f"  {'':19s}{name:32s} {c:7.3f} s {100 * c / r['wall_s']:6.3f} %  {n or '':>7} "
+                      f"{w / r['wall_s']:10.2f}", flush=True)
         if "gpuwatchd-before" in res:
             a, b = res["gpuwatchd"], res["gpuwatchd-before"]
             print(f"  after/before: own {a['cpu_percent_own'] / b['cpu_percent_own']:.2f}, with "

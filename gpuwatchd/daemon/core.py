@@ -48,6 +48,7 @@ from gpuwatchd.daemon.state_json import state_to_json as state_to_json
 from gpuwatchd.daemon.state_json import to_jsonable as to_jsonable
 from gpuwatchd.daemon.straggler import StragglerSubsystem
 from gpuwatchd.daemon.subsystem import NOTHING, Subsystem
+from gpuwatchd.daemon.wake import LinkedEvent
 from gpuwatchd.exporter.collector import make_registry
 from gpuwatchd.findings import nccl_env
 from gpuwatchd.isolation import Collector, PartialReading, attempt, guarded
@@ -121,9 +122,10 @@ class Daemon:
         self.rankfiles = RankFileReader(config.rank_dir)
         self.pidns = PidNamespaces(self.procfs)  # rank files written inside containers
         self.heartbeat_roots = HeartbeatRoots()
-        self.stop_event = threading.Event()
+        self._wake = threading.Event()  # the main loop's sleep ends when either is set
+        self.stop_event: threading.Event = LinkedEvent(self._wake)
         self.xid_dedup = XidDeduper()  # shared by the NVML Xid watcher and the kernel log
-        self.reload_requested = threading.Event()
+        self.reload_requested: threading.Event = LinkedEvent(self._wake)
         self.state: NodeState | None = None
         self.memory = JoinMemory()
         self.write_state = write_state  # False for read-only users (gpuwatchd ps)
@@ -361,9 +363,10 @@ class Daemon:
             if delay < 0:  # fell behind: skip missed ticks rather than bursting
                 next_at = time.monotonic()
                 delay = 0
-            # wake for a reload even between cycles
+            # wake for a reload or a stop even between cycles (daemon/wake.py), not every second
             while delay > 0 and not self.stop_event.is_set() and not self.reload_requested.is_set():
-                self.stop_event.wait(min(delay, 1.0))
+                self._wake.wait(delay)
+                self._wake.clear()  # the flags are looked at again before the next wait
                 delay = next_at - time.monotonic()
         notify("STOPPING=1")
         self.shutdown()

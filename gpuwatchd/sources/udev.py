@@ -8,7 +8,8 @@ through a callback: the daemon's GPU subsystem keeps a ``remove``/``unbind`` for
 source re-initialise on any add/remove/bind/unbind, since NVML's device list is fixed at
 ``nvmlInit``. The source builds no finding.
 
-Cost: one blocking ``poll`` on a netlink socket; nothing while no uevent arrives.
+Cost: one blocking ``poll`` on the netlink socket and a self-pipe that ``stop()`` writes: no
+wake-up while no uevent arrives (it used to wake every second to look at its stop flag).
 Privilege: reading kernel uevents needs no privilege. Shell equivalent: ``udevadm monitor --kernel
 --subsystem-match=pci``; ``cat /sys/bus/pci/devices/*/uevent``.
 """
@@ -16,11 +17,13 @@ Privilege: reading kernel uevents needs no privilege. Shell equivalent: ``udevad
 from __future__ import annotations
 
 import logging
+import select
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gpuwatchd.sources.kmsg import _Stopper
 from gpuwatchd.sources.watcher import WatcherThread
 from gpuwatchd.units import normalize_pci_bus_id
 
@@ -82,14 +85,15 @@ class UdevWatcher(WatcherThread):
         monitor: Any = None,
         vendor: str = NVIDIA_VENDOR,
         clock: Callable[[], float] = time.time,
-        poll_seconds: float = 1.0,
+        poll_seconds: float | None = None,
     ) -> None:
         super().__init__()
         self.on_event = on_event
         self.monitor = monitor
         self.vendor = vendor
         self.clock = clock
-        self.poll_seconds = poll_seconds
+        self.poll_seconds = poll_seconds  # None: sleep until a uevent or stop()
+        self._stopper: _Stopper | None = None
 
     def open(self) -> None:
         if self.monitor is None:
@@ -113,18 +117,34 @@ class UdevWatcher(WatcherThread):
         if self.monitor is None:
             log.info("udev: %s", self.error)
             return
+        self._stopper = _Stopper()
         self._start_thread()
 
+    def stop(self, timeout: float = 3.0) -> None:
+        stopper = self._stopper
+        if stopper is not None:
+            stopper.stop()
+        super().stop(timeout)
+        if stopper is not None and not (self._thread and self._thread.is_alive()):
+            stopper.close()  # here, not in the thread: no write can reach a reused fd
+            self._stopper = None
+
     def _run(self) -> None:
+        assert self._stopper is not None
+        poller = select.poll()
+        poller.register(self.monitor.fileno(), select.POLLIN)
+        poller.register(self._stopper.fd, select.POLLIN)
+        wait_ms = None if self.poll_seconds is None else int(self.poll_seconds * 1000)
         while not self._stop.is_set():
             try:
-                device = self.monitor.poll(timeout=self.poll_seconds)
+                poller.poll(wait_ms)
+                device = self.monitor.poll(timeout=0)  # what is queued, without blocking
+                while device is not None and not self._stop.is_set():
+                    self.handle(device.action or "", dict(device.properties))
+                    device = self.monitor.poll(timeout=0)
             except OSError as exc:
                 self.error = f"udev poll failed: {exc}"
                 return
-            if device is None:
-                continue
-            self.handle(device.action or "", dict(device.properties))
 
     def handle(self, action: str, props: Mapping[str, str]) -> GpuUevent | None:
         ev = classify(action, props, self.clock(), self.vendor)

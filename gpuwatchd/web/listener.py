@@ -25,8 +25,9 @@ for lack of room, for a missed deadline or for lack of a thread are passed to ``
 per ``log_interval`` seconds, however many there were.
 
 Cost: one thread for this loop and, once requests arrive, up to ``max_workers`` workers; per open
-connection one fd, at most ``max_head_bytes`` of request and the headers of its response; a turn
-of the loop at least every 0.25 s to enforce the deadlines. Privilege: none.
+connection one fd, at most ``max_head_bytes`` of request and the headers of its response; the
+loop wakes for I/O, ``stop()`` (a self-pipe) and the nearest deadline, not while nothing waits
+(bench/cycle_profile.py). Privilege: none.
 
 The workers are the listener's ``WorkerPool`` (web/workers.py): the loop submits a connection
 whose head is complete, a worker hands it back answered through ``Listener._hand_back``.
@@ -129,11 +130,24 @@ class Listener:
             self._wake_r.close()
             self._wake_w.close()
 
+    def _timeout(self, tick: float) -> float | None:
+        """Sleep until the nearest deadline (a connection's, an accept pause's end, the next drop
+        log line; ``tick`` at most while a worker answers); None: only I/O or stop() wake it."""
+        due = [c.deadline for c in self._waiting]
+        if self._accept_paused_until:
+            due.append(self._accept_paused_until)
+        if self.drops.pending:
+            due.append(self.drops.next_log)
+        now = time.monotonic()
+        if self._busy:
+            due.append(now + tick)
+        if not due:
+            return None
+        return max(0.0, min(due) - now + 0.001)  # just past it: _expire closes what is strictly late
+
     def _turn(self, tick: float) -> bool:
         accept = False
-        timeout = tick
-        if self._accept_paused_until:
-            timeout = max(0.0, min(tick, self._accept_paused_until - time.monotonic()))
+        timeout = self._timeout(tick)
         for key, _ in self._sel.select(timeout):
             if key.data is _LISTEN:
                 accept = True
