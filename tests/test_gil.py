@@ -57,9 +57,15 @@ def test_convoy_hint_rules() -> None:
     one = (_t(0, 200, "R", ""), _t(1, 0), _t(2, 0), _t(3, 0))
     assert not convoy_hint(before, one, 2.0, 100).convoy
     # busy threads parked in something else than a futex
+    polling = tuple(_t(i, 0, "S", "do_sys_poll") for i in range(4))
     nofutex = tuple(_t(i, 50, "S", "do_sys_poll") for i in range(4))
-    assert not convoy_hint(before, nofutex, 2.0, 100).convoy
+    assert not convoy_hint(polling, nofutex, 2.0, 100).convoy
     assert not convoy_hint(before, after, 0.0, 100).convoy
+    # the waiters were parked at the first look and all runnable (woken to ask for the GIL, or
+    # queued for a core on a busy node) at the second: still a convoy
+    queued = tuple(_t(i, 50, "R", "") for i in range(4))
+    assert convoy_hint(before, queued, 2.0, 100).convoy
+    assert not convoy_hint(tuple(_t(i, 0, "R", "") for i in range(4)), queued, 2.0, 100).convoy
 
 
 def test_convoy_hint_on_real_processes(procs: list) -> None:

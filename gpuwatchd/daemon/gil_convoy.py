@@ -38,21 +38,23 @@ def convoy_hint(
     Convoy: >= 2 busy threads sharing the CPU about evenly (each 0.4-2.5 times the mean share),
     together 0.3-1.4 cores (they share one GIL; real parallelism adds up to more; the lower bound is
     low because a loaded node gives the convoy less than a core), and at least half of them found
-    parked in a futex. Kernel wchan names differ (``futex_wait_queue_me`` <= 5.x, ``futex_do_wait`` 6.18),
-    so any wchan containing "futex" counts.
+    parked in a futex at one of the two looks. Kernel wchan names differ (``futex_wait_queue_me``
+    <= 5.x, ``futex_do_wait`` 6.18), so any wchan containing "futex" counts.
     """
     if seconds <= 0:
         return ConvoyHint(0, 0.0, 0, False)
-    prev = {t.tid: t.cpu_ticks for t in before}
+    prev = {t.tid: t for t in before}
     shares = []
     parked = 0
     for t in after:
-        if t.tid not in prev:
+        if (b := prev.get(t.tid)) is None:
             continue
-        share = (t.cpu_ticks - prev[t.tid]) / clk_tck / seconds
+        share = (t.cpu_ticks - b.cpu_ticks) / clk_tck / seconds
         if share > 0.05:
             shares.append(share)
-            if t.state == "S" and "futex" in t.wchan:
+            # at either look: a thread waiting for the GIL is woken every switch interval to ask
+            # for it, so one look often finds it runnable (more so on a busy node), not parked
+            if any(x.state == "S" and "futex" in x.wchan for x in (b, t)):
                 parked += 1
     n = len(shares)
     total = sum(shares)
