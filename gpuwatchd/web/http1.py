@@ -22,6 +22,11 @@ from typing import Any
 MAX_LINE = 65536  # http.client._MAXLINE
 MAX_HEADER_LINES = 100  # http.client._MAXHEADERS
 RESPONSES = {s.value: (s.phrase, s.description) for s in HTTPStatus}
+# The same reason phrases on every interpreter: 3.13 renamed these (RFC 9110), 3.10-3.12 say
+# these, and an answer should not change with the Python the daemon runs on.
+for _code, _phrase in ((413, "Request Entity Too Large"), (414, "Request-URI Too Long"),
+                       (416, "Requested Range Not Satisfiable"), (422, "Unprocessable Entity")):
+    RESPONSES[_code] = (_phrase, RESPONSES[_code][1])
 ERROR_PAGE = """<!DOCTYPE HTML>
 <html lang="en">
     <head>
@@ -226,7 +231,7 @@ class RequestHandler:
         self.send_header("Connection", "close")
         body = b""
         if code >= 200 and code not in (204, 205, 304):
-            body = (ERROR_PAGE % {"code": code, "message": escape_html(message, quote=False),
+            body = (ERROR_PAGE % {"code": int(code), "message": escape_html(message, quote=False),
                                   "explain": escape_html(explain, quote=False)}).encode("utf-8", "replace")
             self.send_header("Content-Type", self.error_content_type)
             self.send_header("Content-Length", str(len(body)))
