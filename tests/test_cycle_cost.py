@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -245,7 +246,9 @@ def test_environ_of_selected_names_reads_what_the_full_parse_reads(
                               for k, v in env.items()})
     procs.append(p)
     procfs = ProcfsReader()
-    full = procfs.environ(p.pid)
+    deadline = time.monotonic() + 30  # right after fork, before exec, environ reads empty
+    while "PATH" not in (full := procfs.environ(p.pid)) and time.monotonic() < deadline:
+        time.sleep(0.01)
     names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "UTF", "SLURM_PROCID", "ANK", "")
     got = procfs.environ(p.pid, names)
     assert got == {k: full[k] for k in names if k in full}
