@@ -45,6 +45,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from nvml_poll import cpu_seconds, rss_mib  # bench/ is sys.path[0]: the same /proc readers
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests/fixtures/nvml/h200_bench_9procs.json"
 CLK = os.sysconf("SC_CLK_TCK")
@@ -85,15 +87,7 @@ while True:
 
 
 def cpu_s(pid: int, children: bool = False) -> float:
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return sum(int(f[i]) for i in ((11, 12, 13, 14) if children else (11, 12))) / CLK
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    return cpu_seconds(pid, children)
 
 
 def task_ticks(pid: int) -> dict[int, tuple[str, int, int]]:

@@ -8,13 +8,12 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from daemonutil import DaemonProc, has_finding, write_config
+from test_gil import BINARY, start
 
 from gpuwatchd.config import Config, ConfigError, GilConfig, parse_config
 from gpuwatchd.counters import CounterStore
@@ -30,20 +29,7 @@ from gpuwatchd.daemon.gil_signals import (
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import gil as gil_finding
 from gpuwatchd.model import GpuDevice, NodeState, ProcessInfo, RankState
-from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy
-
-PROGRAMS = Path(__file__).parent / "fixtures" / "pyspy" / "programs"
-BINARY = pyspy.resolve_pyspy()
-
-
-def start(procs: list, program: str, *args: str) -> subprocess.Popen[str]:
-    p = subprocess.Popen([sys.executable, str(PROGRAMS / program), *args],
-                         stdout=subprocess.PIPE, text=True)  # fmt: skip
-    procs.append(p)
-    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-    return p
-
 
 # ----------------------------------------------------------------------------- signals
 
