@@ -356,6 +356,67 @@ for name, v in acc.most_common():
 """
 
 
+def cprofile(cfg_path: Path, repo: str, cycles: int, top: int) -> None:
+    """``cycles`` back-to-back cycles, each followed by one scrape's render, in-process in a child
+    interpreter running ``repo``'s code, under cProfile: the functions by own time, and the time
+    the cyclic garbage collector took (gc.callbacks)."""
+    code = CPROFILE_CODE.format(cfg=str(cfg_path), cycles=cycles, top=top)
+    env = {**os.environ, "PYTHONPATH": repo}
+    subprocess.run([sys.executable, "-c", code], env=env, cwd=repo, check=False)
+
+
+CPROFILE_CODE = r"""
+import collections, cProfile, dataclasses, gc, io, pstats, time
+import gpuwatchd.daemon.core as core
+from gpuwatchd.config import load_config
+cfg = load_config({cfg!r})
+cfg = dataclasses.replace(cfg, web=dataclasses.replace(cfg.web, listen_address="127.0.0.1:0"),
+                          state_dir=cfg.state_dir + "-cprofile")
+d = core.Daemon(cfg)
+d.start()
+for _ in range(3):
+    d.cycle(); d.registry.encode_text()
+gc_t = [0.0, 0, 0.0]
+def on_gc(phase, info):
+    if phase == "start":
+        gc_t[2] = time.perf_counter()
+    else:
+        gc_t[0] += time.perf_counter() - gc_t[2]; gc_t[1] += 1
+gc.callbacks.append(on_gc)
+pr = cProfile.Profile()
+threaded = cProfile.Profile()  # the collectors' threads: a profiler is enabled per thread
+def in_thread(fn):
+    def w():
+        threaded.enable()
+        try:
+            return fn()
+        finally:
+            threaded.disable()
+    return w
+for col in [d.rank_collector, d.proc_collector] + [getattr(s, "collector", None) for s in d.subsystems]:
+    if col is not None:
+        col.fn = in_thread(col.fn)
+t0, w0 = time.thread_time(), time.perf_counter()
+render = 0.0
+for _ in range({cycles}):
+    pr.enable(); d.cycle(); r0 = time.thread_time(); d.registry.encode_text()
+    render += time.thread_time() - r0; pr.disable()
+n = {cycles}
+print(f"  {{n}} cycles + renders back to back: main thread {{1e3 * (time.thread_time() - t0) / n:.1f}} ms"
+      f" per cycle under cProfile (render {{1e3 * render / n:.1f}} ms); gc {{gc_t[1] / n:.1f}} collections, "
+      f"{{1e3 * gc_t[0] / n:.2f}} ms per cycle")
+d.shutdown()
+fams = collections.Counter()
+for line in d.registry.encode_text().decode().splitlines():
+    if not line.startswith("#"):
+        fams[line.split("{{")[0].split(" ")[0]] += 1
+print(f"  exposition: {{sum(fams.values())}} samples; by family: {{fams.most_common()}}")
+out = io.StringIO()
+pstats.Stats(pr, stream=out).add(threaded).sort_stats("tottime").print_stats({top})
+print(out.getvalue())
+"""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=64)
@@ -373,6 +434,8 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--phases", type=int, default=0,
                     help="then time this many cycles of each checkout in-process, by part")
+    ap.add_argument("--cprofile", type=int, default=0,
+                    help="then cProfile this many back-to-back cycles + renders in-process")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="gwcpu-bench-"))
     os.environ["GW_BENCH_TMP"] = str(tmp)
@@ -426,6 +489,8 @@ def main() -> int:
             print(f"  {name}:", flush=True)
             phases(tmp / f"{name}.yaml", str(REPO) if name == "gpuwatchd" else str(tmp / "before"),
                    args.phases, args.interval)
+        if args.cprofile:
+            cprofile(tmp / "gpuwatchd.yaml", str(REPO), args.cprofile, args.top)
         if args.profile:
             pyspy = args.pyspy or shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
             raw = tmp / "profile.txt"

@@ -9,6 +9,7 @@ scrape down. ``guarded`` does the same for one metric family at scrape time.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +20,10 @@ from gpuwatchd.model import CollectorStatus
 
 log = logging.getLogger("gpuwatchd")
 T = TypeVar("T")
+# A collector's worker thread that got no call for this long (or twice its time-out) ends; the
+# next run() starts another. The daemon calls each collector every cycle, so this only bounds the
+# threads of collectors nobody runs any more (a Daemon dropped without shutdown()).
+IDLE_WORKER_SECONDS = 60.0
 
 
 class NotPresent(Exception):
@@ -40,8 +45,8 @@ class PartialReading(Exception):
 
 @dataclass
 class _Call(Generic[T]):
-    thread: threading.Thread
     started: float
+    finished: threading.Event
     result: T | None = None
     error: BaseException | None = None
     done: bool = False
@@ -52,13 +57,17 @@ class Collector(Generic[T]):
 
     A call that outlives its time-out is left to finish in the background (a hung NVML call cannot
     be cancelled from Python); until it returns, no second call is started and the collector
-    reports ``timed out``.
+    reports ``timed out``. The worker thread (``collector-<name>``) sleeps in a queue between
+    calls, so a cycle does not pay for a new thread per collector; it ends after
+    ``idle_seconds`` (or two time-outs) without a call, or at ``close()`` (after the call it is in, if any).
     """
 
     def __init__(self, name: str, fn: Callable[[], T], timeout: float, max_age: float,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 idle_seconds: float = IDLE_WORKER_SECONDS) -> None:
         self.name = name
         self.fn = fn
+        self.idle_seconds = idle_seconds
         self.timeout = timeout
         self.max_age = max_age
         self.clock = clock
@@ -67,27 +76,56 @@ class Collector(Generic[T]):
         self.status = CollectorStatus(name, False, 0.0, None, "not run yet")
         self._call: _Call[T] | None = None
         self._logged_error = ""
+        self._requests: queue.SimpleQueue[_Call[T] | None] = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._lock = threading.Lock()  # who serves the queue: run() and an idle worker agree
 
-    def _target(self, call: _Call[T]) -> None:
-        try:
-            call.result = self.fn()
-        except BaseException as e:  # noqa: BLE001 - the isolation wrapper: every failure is data
-            call.error = e
-        finally:
-            call.done = True
+    def _serve(self) -> None:
+        me = threading.current_thread()
+        while True:
+            try:  # idle twice as long as a call may take: the next cycle comes first
+                call = self._requests.get(timeout=max(self.idle_seconds, 2 * self.timeout))
+            except queue.Empty:
+                with self._lock:  # nothing was queued meanwhile: end (run() starts another)
+                    if self._requests.empty():
+                        if self._worker is me:
+                            self._worker = None
+                        return
+                continue
+            if call is None:
+                return
+            try:
+                call.result = self.fn()
+            except BaseException as e:  # noqa: BLE001 - the isolation wrapper: every failure is data
+                call.error = e
+            finally:
+                call.done = True
+                call.finished.set()
+
+    def close(self) -> None:
+        """End the worker thread: at once when idle, else when its call returns."""
+        with self._lock:
+            if self._worker is not None:
+                self._requests.put(None)
+                self._worker = None
+
+    def _submit(self, call: _Call[T]) -> None:
+        with self._lock:
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._serve, name=f"collector-{self.name}",
+                                                daemon=True)
+                self._worker.start()
+            self._requests.put(call)
 
     def run(self) -> T | None:
         """One collection. Returns the fresh reading, or the last good one while it is recent."""
         t0 = time.monotonic()
         call = self._call
         if call is None or call.done:
-            call = _Call(threading.Thread(target=lambda: None), t0)
-            call.thread = threading.Thread(
-                target=self._target, args=(call,), name=f"collector-{self.name}", daemon=True
-            )
+            call = _Call(t0, threading.Event())
             self._call = call
-            call.thread.start()
-            call.thread.join(self.timeout)
+            self._submit(call)
+            call.finished.wait(self.timeout)
         if not call.done:
             error = f"timed out after {self.timeout:g}s (call still running)"
             return self._fail(error, time.monotonic() - t0)

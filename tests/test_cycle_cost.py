@@ -282,3 +282,69 @@ def test_stat_in_root_with_links_on_the_way(tmp_path: Path) -> None:
         with pytest.raises(OSError) as e:
             stat_in_root(str(root), path)
         assert e.value.errno == code, path
+
+
+def test_a_cycle_reads_each_ranks_stat_once(tmp_path: Path, rank: Rank,
+                                            procs: list[subprocess.Popen[Any]]) -> None:
+    """The rank files' PID-namespace check asks for the start time, /proc asks for the whole stat
+    line: one read of /proc/PID/stat per process per cycle serves both (and none is kept after)."""
+    import json
+
+    from daemonutil import write_config
+
+    from gpuwatchd.config import load_config
+    from gpuwatchd.daemon.core import Daemon
+
+    others = [subprocess.Popen(["sleep", "600"]) for _ in range(3)]
+    procs.extend(others)
+    path, _ = write_config(tmp_path, interval_seconds=1.0)
+    pids = [rank.pid] + [p.pid for p in others]
+    (tmp_path / "ranks" / "j.json").write_text(json.dumps(
+        {"version": 1, "job_id": "j", "ranks": [{"rank": i, "pid": p} for i, p in enumerate(pids)]}))
+    d = Daemon(load_config(str(path)), subsystems=[], write_state=False)
+    try:
+        d.cycle()
+        for _ in range(3):
+            before = d.procfs.stat_reads
+            state = d.cycle()
+            assert sum(r.alive for r in state.ranks) == len(pids)
+            assert d.procfs.stat_reads - before == len(pids)  # was 2 per rank
+        d.procfs.read_stat(rank.pid)
+        d.procfs.read_stat(rank.pid)  # outside a cycle: read each time
+        assert d.procfs.stat_reads - before == len(pids) + 2
+    finally:
+        d.shutdown()
+
+
+def test_collectors_reuse_one_worker_thread_and_end_it_when_idle() -> None:
+    """Each collector run used to start a thread (three a cycle); one worker now serves every run,
+    a hung call still blocks only its own collector, and an idle worker ends."""
+    import threading
+
+    from gpuwatchd.isolation import Collector
+
+    served: list[int] = []
+    release = threading.Event()
+
+    def read() -> int:
+        served.append(threading.get_ident())
+        if len(served) == 4:
+            release.wait(30)  # a hung source
+        return len(served)
+
+    col = Collector("probe", read, timeout=0.5, max_age=60.0, idle_seconds=0.2)
+    assert [col.run() for _ in range(3)] == [1, 2, 3]
+    assert len(set(served)) == 1  # one thread served all three
+    assert col.run() == 3 and "timed out" in col.status.error  # the last good reading, marked down
+    assert col.run() == 3 and len(served) == 4  # no second call while the first hangs
+    release.set()
+    deadline = time.monotonic() + 10
+    while col.run() != 5:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert col.status.success and len(set(served)) == 1
+    worker = next(t for t in threading.enumerate() if t.name == "collector-probe")
+    worker.join(10)  # idle for 2 time-outs: ended
+    assert not worker.is_alive()
+    assert col.run() == 6 and col.status.success  # a new worker for the next run
+    col.close()

@@ -17,7 +17,8 @@ from test_exporter import full_state
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.exporter.collector import make_registry
 from gpuwatchd.exporter.families import CounterMetricFamily, GaugeMetricFamily
-from gpuwatchd.exporter.formats import negotiate, render_openmetrics
+from gpuwatchd.exporter.formats import negotiate
+from gpuwatchd.exporter.render import render_openmetrics
 from gpuwatchd.web.server import serve
 
 ACCEPTS = [

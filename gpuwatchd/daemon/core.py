@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import logging
 import os
 import signal
@@ -144,14 +145,20 @@ class Daemon:
     # --- sources --------------------------------------------------------------------------------
 
     def _make_collectors(self) -> None:
-        interval = self.config.interval_seconds
-        timeout = max(2.0, interval)
-        max_age = 3 * interval + timeout
         self.rank_collector: Collector[tuple[list[RankEntry], list[BadRankFile]]] = Collector(
-            "rankfiles", self._read_rank_files, timeout, max_age, self.clock)
+            "rankfiles", self._read_rank_files, 0.0, 0.0, self.clock)
         self.proc_collector: Collector[ProcReading] = Collector(
-            "procfs", self._read_procfs, timeout, max_age, self.clock)
+            "procfs", self._read_procfs, 0.0, 0.0, self.clock)
         self._entries: list[RankEntry] = []
+        self._bound_collectors()
+
+    def _bound_collectors(self) -> None:
+        """The collectors' time-out and how long their last good reading is used, from the
+        interval (again after a reload that changed it)."""
+        interval = self.config.interval_seconds
+        for c in (self.rank_collector, self.proc_collector):
+            c.timeout = max(2.0, interval)
+            c.max_age = 3 * interval + c.timeout
 
     def _read_rank_files(self) -> tuple[list[RankEntry], list[BadRankFile]]:
         missing: RankDirMissing | None = None
@@ -211,10 +218,14 @@ class Daemon:
     def cycle(self) -> NodeState:
         with self._cycle_lock:
             t0 = time.monotonic()
-            rank_reading = self.rank_collector.run()
-            entries, bad = rank_reading if rank_reading is not None else ([], [])
-            self._entries = entries
-            proc = self.proc_collector.run() or ProcReading({}, {}, {}, {})
+            self.procfs.begin_cycle()  # each process's /proc/PID/stat read once in the two below
+            try:
+                rank_reading = self.rank_collector.run()
+                entries, bad = rank_reading if rank_reading is not None else ([], [])
+                self._entries = entries
+                proc = self.proc_collector.run() or ProcReading({}, {}, {}, {})
+            finally:
+                self.procfs.end_cycle()
             inputs = CycleInputs(
                 now=self.clock(), config=self.config, entries=tuple(entries), bad_files=tuple(bad),
                 processes=proc.processes, descendants=proc.descendants, env_flags=proc.env_flags,
@@ -289,7 +300,7 @@ class Daemon:
         if done.config.rank_dir != old.rank_dir:
             self.rankfiles = RankFileReader(done.config.rank_dir)
         if done.config.interval_seconds != old.interval_seconds:
-            self._make_collectors()
+            self._bound_collectors()
         return True
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -314,6 +325,8 @@ class Daemon:
         self.stop_event.set()
         for sub in self.subsystems:
             guarded(f"stopping subsystem {sub.name}", sub.stop, None)
+        self.rank_collector.close()
+        self.proc_collector.close()
         if self.web is not None:
             self.web.close()
             self.web = None
@@ -340,6 +353,9 @@ class Daemon:
             reaper.CHILDREN.enable()
         self.install_signal_handlers()
         self.start()  # logs the URL it serves, https:// with TLS
+        # What start-up built (modules, config, the web server) lives as long as the daemon: out
+        # of the cyclic collector's sight, so its full collections walk only what cycles make.
+        gc.freeze()
         log.info("oom_score_adj of the daemon: %s", self._oom_score_adj())
         wd = watchdog_interval()
         self._last_cycle_end = time.monotonic()  # the first cycle gets the whole bound

@@ -97,6 +97,8 @@ class GpuSubsystem(Subsystem):
             self.udev.start()
 
     def stop(self) -> None:
+        if self.collector is not None:
+            self.collector.close()
         if self.xid is not None:
             self.xid.stop()
         if self.udev is not None:

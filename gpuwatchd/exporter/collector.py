@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from gpuwatchd import __version__
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.exporter.families import CounterMetricFamily, GaugeMetricFamily, Metric, Registry
-from gpuwatchd.exporter.formats import render_openmetrics
 from gpuwatchd.exporter.memory import memory_families
+from gpuwatchd.exporter.render import Prefixes, render_openmetrics, render_text
 from gpuwatchd.isolation import guarded
 from gpuwatchd.model import COUNTER_LABELS, THROTTLE_REASONS, NodeState
 
@@ -49,10 +49,10 @@ COUNTER_HELP: Mapping[str, str] = {
 
 def _checked(build: Callable[[], list[Metric]]) -> list[Metric]:
     """Fail at build time, inside the isolation wrapper, on a value the text format cannot carry,
-    rather than half-way through writing the response."""
+    rather than half-way through writing the response (``add_metric`` checks its own rows)."""
     families = build()
     for fam in families:
-        for sample in fam.samples:
+        for sample in fam.plain_samples:
             float(sample.value)
             for v in sample.labels.values():
                 if not isinstance(v, str):
@@ -253,36 +253,6 @@ class StateCollector:
         return out
 
 
-def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _value(v: float) -> str:
-    v = float(v)
-    if v != v:
-        return "NaN"
-    if v in (float("inf"), float("-inf")):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(v)
-
-
-def render_text(families: Iterable[Metric]) -> bytes:
-    """Prometheus text format 0.0.4, like ``prometheus_client.generate_latest`` but about five times
-    faster for our families (no exemplars, timestamps or native histograms to consider)."""
-    out: list[str] = []
-    for fam in families:
-        name = fam.name + "_total" if fam.type == "counter" else fam.name
-        doc = fam.documentation.replace("\\", "\\\\").replace("\n", "\\n")
-        out.append(f"# HELP {name} {doc}\n# TYPE {name} {fam.type}\n")
-        for s in fam.samples:
-            if s.labels:
-                labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(s.labels.items()))
-                out.append(f"{s.name}{{{labels}}} {_value(s.value)}\n")
-            else:
-                out.append(f"{s.name} {_value(s.value)}\n")
-    return "".join(out).encode("utf-8")
-
-
 class StateRegistry(Registry):
     """The private registry, plus ``encode_text()``: the rendered scrape is reused until the state
     or a counter changes, so a scrape between two cycles costs a dictionary lookup."""
@@ -294,6 +264,7 @@ class StateRegistry(Registry):
         self._cache: tuple[NodeState | None, int, bytes] | None = None
         self._om_cache: tuple[NodeState | None, int, bytes] | None = None
         self._render_lock = threading.Lock()  # Registry has its own _lock
+        self._prefixes = Prefixes()  # every series' rendered name and labels (render.py)
 
     def encode_text(self) -> bytes:
         # The cache holds the state object itself (compared with `is`), so its id cannot be reused.
@@ -301,7 +272,7 @@ class StateRegistry(Registry):
         with self._render_lock:
             if self._cache is not None and self._cache[0] is state and self._cache[1] == version:
                 return self._cache[2]
-            body = render_text(self.collect())
+            body = render_text(self.collect(), self._prefixes)
             self._cache = (state, version, body)
             return body
 
@@ -312,7 +283,7 @@ class StateRegistry(Registry):
             c = self._om_cache
             if c is not None and c[0] is state and c[1] == version:
                 return c[2]
-            body = render_openmetrics(self.collect())
+            body = render_openmetrics(self.collect(), self._prefixes)
             self._om_cache = (state, version, body)
             return body
 

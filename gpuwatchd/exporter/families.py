@@ -45,10 +45,18 @@ class Metric:
         self.documentation = documentation
         self.type = typ
         self.unit = unit
-        self.samples: list[Sample] = []
+        self.plain_samples: list[Sample] = []
+
+    @property
+    def samples(self) -> list[Sample]:
+        return self.plain_samples
+
+    @samples.setter
+    def samples(self, samples: list[Sample]) -> None:
+        self.plain_samples = samples
 
     def add_sample(self, name: str, labels: dict[str, str], value: float) -> None:
-        self.samples.append(Sample(name, labels, value))
+        self.plain_samples.append(Sample(name, labels, value))
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, Metric) and (self.name, self.documentation, self.type, self.unit,
@@ -61,8 +69,15 @@ class Metric:
         return f"Metric({self.name}, {self.documentation}, {self.type}, {self.unit}, {self.samples})"
 
 
-class _LabelledFamily(Metric):
-    """A family built like client_python's: one ``value``, or ``labels`` and ``add_metric`` calls."""
+class LabelledFamily(Metric):
+    """A family built like client_python's: one ``value``, or ``labels`` and ``add_metric`` calls.
+
+    Its samples are kept as rows, (label values, float value): a scrape builds about twenty per
+    rank, and the renderers (exporter/render.py) read the rows directly, so no label dict or
+    ``Sample`` is made unless something reads ``samples`` (client_python's renderers, the
+    ``name[]`` filter). ``add_metric`` checks what the text formats cannot carry (a label value
+    that is not a string, a value ``float()`` refuses) when the family is built, inside the
+    scrape's isolation wrapper, rather than half-way through writing the response."""
 
     suffix = ""  # what each sample's name adds to the family's
 
@@ -71,22 +86,40 @@ class _LabelledFamily(Metric):
         super().__init__(name, documentation, typ, unit)
         if labels is not None and value is not None:
             raise ValueError("give at most one of value and labels")
-        self._labelnames = tuple(labels or ())
+        self.labelnames = tuple(labels or ())
+        self.sample_name = self.name + self.suffix
+        self.rows: list[tuple[tuple[str, ...], float]] = []
         if value is not None:
             self.add_metric([], value)
 
     def add_metric(self, labels: Sequence[str], value: float) -> None:
-        self.samples.append(Sample(self.name + self.suffix,
-                                   dict(zip(self._labelnames, labels, strict=True)), value))
+        values = tuple(labels)
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name}: {len(values)} label values for labels {self.labelnames}")
+        for v in values:
+            if type(v) is not str:
+                raise TypeError(f"{self.name}: label value {v!r} is not a string")
+        self.rows.append((values, float(value)))
+
+    @property
+    def samples(self) -> list[Sample]:
+        names, sample = self.labelnames, self.sample_name
+        rows = [Sample(sample, dict(zip(names, values, strict=True)), v) for values, v in self.rows]
+        return rows + self.plain_samples
+
+    @samples.setter
+    def samples(self, samples: list[Sample]) -> None:
+        self.rows = []
+        self.plain_samples = samples
 
 
-class GaugeMetricFamily(_LabelledFamily):
+class GaugeMetricFamily(LabelledFamily):
     def __init__(self, name: str, documentation: str, value: float | None = None,
                  labels: Sequence[str] | None = None, unit: str = "") -> None:
         super().__init__(name, documentation, "gauge", value, labels, unit)
 
 
-class CounterMetricFamily(_LabelledFamily):
+class CounterMetricFamily(LabelledFamily):
     """A counter: the family is named without ``_total``, its samples with it."""
 
     suffix = "_total"

@@ -85,6 +85,19 @@ class ProcfsReader:
         # pid -> (last full scan at, the threads that had children then); see children()
         self._thread_children: dict[int, tuple[float, tuple[int, ...]]] = {}
         self.thread_scans = 0  # full scans of every thread's children file (tests, benchmarks)
+        # pid -> its stat line, between begin_cycle() and end_cycle() only (see there)
+        self._stats: dict[int, tuple[str, list[str]]] | None = None
+        self.stat_reads = 0  # /proc/PID/stat files read (tests, benchmarks)
+
+    def begin_cycle(self) -> None:
+        """From now until ``end_cycle``, read each process's ``/proc/PID/stat`` once: the
+        daemon's cycle asks for a rank's start time first (rank files, PID namespaces), then for
+        its whole stat line (``read_process``); both see the same reading. Outside a cycle every
+        call reads the file again (the CLI, tests)."""
+        self._stats = {}
+
+    def end_cycle(self) -> None:
+        self._stats = None
 
     def _probe_fd_stat(self) -> bool:
         """Does ``stat(/proc/PID/fd).st_size`` count fds here (procfs on Linux >= 6.2)? A recorded
@@ -117,17 +130,24 @@ class ProcfsReader:
 
     def read_stat(self, pid: int) -> tuple[str, list[str]]:
         """(comm, fields after the comm) of /proc/PID/stat; raises ProcessGone."""
+        stats = self._stats
+        if stats is not None:
+            hit = stats.get(pid)
+            if hit is not None:
+                return hit
+        self.stat_reads += 1
         try:
             raw = _read(self.paths.proc(pid, "stat")).decode("utf-8", "replace")
-        except (FileNotFoundError, ProcessLookupError) as e:
-            raise ProcessGone(pid) from e
-        except OSError as e:
+        except OSError as e:  # ENOENT, ESRCH: gone (or never there)
             raise ProcessGone(pid) from e
         # comm may contain spaces and parentheses: it ends at the *last* ')'.
         open_i, close_i = raw.find("("), raw.rfind(")")
         if open_i < 0 or close_i < open_i:
             raise ProcessGone(pid)
-        return raw[open_i + 1 : close_i], raw[close_i + 2 :].split()
+        got = raw[open_i + 1 : close_i], raw[close_i + 2 :].split()
+        if stats is not None:
+            stats[pid] = got
+        return got
 
     def start_ticks(self, pid: int) -> int | None:
         try:
