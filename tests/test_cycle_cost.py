@@ -348,3 +348,39 @@ def test_collectors_reuse_one_worker_thread_and_end_it_when_idle() -> None:
     assert not worker.is_alive()
     assert col.run() == 6 and col.status.success  # a new worker for the next run
     col.close()
+
+
+def test_a_heartbeat_in_the_ranks_root_is_read_with_one_fstatat_a_cycle(tmp_path: Path,
+                                                                       rank: Rank) -> None:
+    """Reading a heartbeat in the rank's root used to open every directory on its path each
+    cycle; the directory is now kept (O_PATH) and the file read with one fstatat, the owner rule
+    checked each time, and the fd closed when the rank is no longer asked about."""
+    from gpuwatchd.sources.rankfiles import HeartbeatRoots, guard_entries, heartbeat_mtime
+
+    deep = tmp_path / "a" / "b" / "c"
+    deep.mkdir(parents=True)
+    hb = deep / "r0.hb"
+    hb.write_text("")
+    roots = HeartbeatRoots(ttl=30.0)
+    mine = RankEntry(job_id="j", rank=0, pid=rank.pid, heartbeat=str(hb))
+    theirs = RankEntry(job_id="j", rank=1, pid=rank.pid, heartbeat=str(hb),
+                       owner_uid=os.getuid() + 4242)
+    fds = len(os.listdir("/proc/self/fd"))
+    for cycle in range(3):
+        os.utime(hb, (1000.0 + cycle, 1000.0 + cycle))
+        got, _ = guard_entries([mine, theirs], roots=roots)
+        assert roots.mtime(got[0]) == heartbeat_mtime(got[0]) == 1000.0 + cycle
+        assert roots.mtime(got[1]) is None  # refused by the owner rule
+        roots.end_reads()
+    assert roots.dir_walks == 1  # one walk, then fstatat
+    assert len(os.listdir("/proc/self/fd")) == fds + 1  # one directory kept
+    again, _ = guard_entries([mine], roots=roots)
+    assert again[0] is got[0]  # the same rank file: last cycle's guarded entry, not a copy
+    hb.unlink()
+    assert roots.mtime(again[0]) is None  # gone: the fd is dropped, the path walked next time
+    hb.write_text("")
+    os.utime(hb, (2000.0, 2000.0))
+    assert roots.mtime(again[0]) == 2000.0 and roots.dir_walks == 2
+    roots.end_reads()
+    roots.end_reads()  # a cycle that asked for no heartbeat: the directory is closed
+    assert len(os.listdir("/proc/self/fd")) == fds

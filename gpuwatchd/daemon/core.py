@@ -65,7 +65,6 @@ from gpuwatchd.sources.rankfiles import (
     RankFileReader,
     discover,
     guard_entries,
-    heartbeat_mtime,
 )
 from gpuwatchd.statefile import StateFiles, remove_temporaries
 from gpuwatchd.web.config import WebConfigError
@@ -205,9 +204,10 @@ class Daemon:
                 self._env_cache[key] = nccl_env.env_flags(env)  # names only: values end here
             env_flags[e.pid] = self._env_cache[key]
         for e in entries:
-            mtime = heartbeat_mtime(e)
+            mtime = self.heartbeat_roots.mtime(e)
             if mtime is not None:
                 progress[(e.job_id, e.rank)] = mtime
+        self.heartbeat_roots.end_reads()
         for stale in set(self._env_cache) - live_keys:
             del self._env_cache[stale]
         self.procfs.forget(live_keys | {(p.pid, p.start_ticks) for p in processes.values()})
@@ -327,6 +327,7 @@ class Daemon:
             guarded(f"stopping subsystem {sub.name}", sub.stop, None)
         self.rank_collector.close()
         self.proc_collector.close()
+        self.heartbeat_roots.close()
         if self.web is not None:
             self.web.close()
             self.web = None

@@ -95,6 +95,49 @@ def stat_in_root(root: str, path: str) -> os.stat_result:
             os.close(fd)
 
 
+def open_parent_in_root(root: str, path: str) -> tuple[int, str]:
+    """An ``O_PATH`` fd of the directory holding ``path``'s last component, reached as
+    ``stat_in_root`` reaches it (symlinks on the way followed within ``root``), and that
+    component's name: a caller that stats the same file every cycle keeps the fd and makes one
+    ``fstatat`` instead of a walk. The caller closes the fd. Raises OSError, or ValueError for a
+    path that ends in ``..`` or names no file."""
+    stack = [os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)]
+    try:
+        parts = _split(path)
+        links = 0
+        while parts:
+            name = parts.pop(0)
+            if name == "..":
+                if not parts:
+                    raise ValueError(f"{path!r} ends in ..")
+                if len(stack) > 1:
+                    os.close(stack.pop())
+                continue
+            if not parts:
+                return stack.pop(), name  # kept open for the caller; the rest closed below
+            try:
+                stack.append(os.open(name, _DIR_FLAGS, dir_fd=stack[-1]))
+                continue
+            except OSError as e:  # O_NOFOLLOW|O_DIRECTORY on a link: ENOTDIR (or ELOOP)
+                if e.errno not in (errno.ENOTDIR, errno.ELOOP):
+                    raise
+            st = os.stat(name, dir_fd=stack[-1], follow_symlinks=False)
+            if not statmod.S_ISLNK(st.st_mode):
+                raise OSError(errno.ENOTDIR, "not a directory", path)
+            links += 1
+            if links > MAX_LINKS:
+                raise OSError(errno.ELOOP, "too many levels of symbolic links", path)
+            target = os.readlink(name, dir_fd=stack[-1])
+            if target.startswith("/"):
+                while len(stack) > 1:
+                    os.close(stack.pop())
+            parts = _split(target) + parts
+        raise ValueError(f"{path!r} names no file")
+    finally:
+        for fd in stack:
+            os.close(fd)
+
+
 @dataclass(frozen=True)
 class _Facts:
     """What does not change while one process lives (keyed by PID and start time)."""
