@@ -366,7 +366,7 @@ def cprofile(cfg_path: Path, repo: str, cycles: int, top: int) -> None:
 
 
 CPROFILE_CODE = r"""
-import collections, cProfile, dataclasses, gc, io, pstats, time
+import collections, cProfile, dataclasses, gc, io, pstats, sys, time
 import gpuwatchd.daemon.core as core
 from gpuwatchd.config import load_config
 cfg = load_config({cfg!r})
@@ -384,7 +384,9 @@ def on_gc(phase, info):
         gc_t[0] += time.perf_counter() - gc_t[2]; gc_t[1] += 1
 gc.callbacks.append(on_gc)
 pr = cProfile.Profile()
-threaded = cProfile.Profile()  # the collectors' threads: a profiler is enabled per thread
+# Before 3.12 a profiler sees the thread that enabled it only: the collectors' threads get one of
+# their own. From 3.12 on (sys.monitoring) one profiler sees every thread, and only one may run.
+threaded = cProfile.Profile() if sys.version_info < (3, 12) else None
 def in_thread(fn):
     def w():
         threaded.enable()
@@ -394,7 +396,7 @@ def in_thread(fn):
             threaded.disable()
     return w
 for col in [d.rank_collector, d.proc_collector] + [getattr(s, "collector", None) for s in d.subsystems]:
-    if col is not None:
+    if col is not None and threaded is not None:
         col.fn = in_thread(col.fn)
 t0, w0 = time.thread_time(), time.perf_counter()
 render = 0.0
@@ -412,7 +414,10 @@ for line in d.registry.encode_text().decode().splitlines():
         fams[line.split("{{")[0].split(" ")[0]] += 1
 print(f"  exposition: {{sum(fams.values())}} samples; by family: {{fams.most_common()}}")
 out = io.StringIO()
-pstats.Stats(pr, stream=out).add(threaded).sort_stats("tottime").print_stats({top})
+stats = pstats.Stats(pr, stream=out)
+if threaded is not None:
+    stats.add(threaded)
+stats.sort_stats("tottime").print_stats({top})
 print(out.getvalue())
 """
 

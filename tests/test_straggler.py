@@ -168,3 +168,39 @@ def test_tracker_needs_two_ranks_and_the_full_bound(tmp_path: Path) -> None:
     # alone, a rank has no median to be compared with
     _, solo = StragglerTracker(cfg).observe(1000.0, entries[:1], {("j", 0): 1000.0})
     assert solo[("j", 0)].median is None
+
+
+def test_a_cpu_stat_without_throttling_counters_is_not_looked_up_again_each_cycle(
+        tmp_path: Path) -> None:
+    """A cgroup v2 without the cpu controller (the H200 host of bench/nvml_poll.py) has a
+    cpu.stat of usage only: the rank's cgroup used to be looked up from /proc/PID/cgroup again
+    every cycle for every rank because of it. It is now looked up again only when the file is
+    gone (or after the TTL)."""
+    from gpuwatchd.join.straggler import StragglerTracker
+    from gpuwatchd.model import RankEntry
+    from gpuwatchd.paths import HostPaths
+
+    sys_root = tmp_path / "sys"
+    found = []
+    for line in Path(f"/proc/{os.getpid()}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)  # this process's real cgroup, v1 or v2
+        mount = "cpu,cpuacct" if "cpu" in controllers.split(",") else "" if controllers == "" else None
+        if mount is not None:
+            d = sys_root / "fs" / "cgroup" / mount / path.lstrip("/")
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "cpu.stat").write_text("usage_usec 10\nuser_usec 8\nsystem_usec 2\n")
+            found.append(d / "cpu.stat")
+    assert found
+    t = StragglerTracker(StragglerConfig(window_seconds=10.0), HostPaths(sysfs=str(sys_root)))
+    hb = tmp_path / "j.0.hb"
+    hb.write_text("1")
+    entries = [RankEntry("j", 0, os.getpid(), heartbeat=str(hb))]
+    for i in range(5):
+        t.observe(1000.0 + i, entries, {("j", 0): 1000.0 + i})
+    assert t.path_lookups == 1  # was 5
+    for f in found:
+        f.unlink()
+    t.observe(1005.0, entries, {("j", 0): 1005.0})
+    assert t.path_lookups == 1
+    t.observe(1006.0, entries, {("j", 0): 1006.0})
+    assert t.path_lookups == 2  # gone: looked for again at the next cycle

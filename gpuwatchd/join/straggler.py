@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from gpuwatchd.config import StragglerConfig
 from gpuwatchd.model import RankEntry
 from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources.cgroup_cpu import CpuStat, cgroup_cpu_stat_path, read_cpu_stat_file
+from gpuwatchd.sources.cgroup_cpu import CpuStat, cgroup_cpu_stat_path, read_cpu_stat_present
 from gpuwatchd.sources.heartbeat_step import read_step
 
 MAX_SAMPLES = 512
@@ -76,6 +76,7 @@ class StragglerTracker:
         self.cfg = cfg
         self.paths = paths or HostPaths()
         self._ranks: dict[tuple[str, int], _Rank] = {}
+        self.path_lookups = 0  # /proc/PID/cgroup reads for a cpu.stat path (tests, benchmarks)
 
     def observe(self, now: float, entries: list[RankEntry], mtimes: Mapping[tuple[str, int], float],
                 ) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], RankRate]]:  # fmt: skip
@@ -84,7 +85,7 @@ class StragglerTracker:
         for key in set(self._ranks) - set(live):
             del self._ranks[key]
         steps: dict[tuple[str, int], int] = {}
-        stats: dict[str, CpuStat | None] = {}  # cpu.stat path -> this cycle's reading
+        stats: dict[str, tuple[bool, CpuStat | None]] = {}  # cpu.stat path -> this cycle's reading
         rates: dict[tuple[str, int], tuple[float | None, float]] = {}
         for key, e in live.items():
             tr = self._ranks.get(key)
@@ -110,15 +111,17 @@ class StragglerTracker:
             rates[key] = self._rate(tr, now)
         return steps, self._judge(now, live, rates)
 
-    def _cpu_stat(self, tr: _Rank, now: float, stats: dict[str, CpuStat | None]) -> CpuStat | None:
+    def _cpu_stat(self, tr: _Rank, now: float,
+                  stats: dict[str, tuple[bool, CpuStat | None]]) -> CpuStat | None:
         if tr.cpu_path_at is None or abs(now - tr.cpu_path_at) >= CGROUP_PATH_TTL:
+            self.path_lookups += 1
             tr.cpu_path, tr.cpu_path_at = cgroup_cpu_stat_path(self.paths, tr.pid), now
         if tr.cpu_path is None:
             return None
         if tr.cpu_path not in stats:
-            stats[tr.cpu_path] = read_cpu_stat_file(tr.cpu_path)
-        cpu = stats[tr.cpu_path]
-        if cpu is None:
+            stats[tr.cpu_path] = read_cpu_stat_present(tr.cpu_path)
+        present, cpu = stats[tr.cpu_path]
+        if not present:
             tr.cpu_path_at = None  # gone (the cgroup was removed, the rank moved): look again
         return cpu
 

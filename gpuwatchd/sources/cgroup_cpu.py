@@ -82,8 +82,19 @@ def read_cpu_stat(paths: HostPaths, pid: int) -> CpuStat | None:
 
 
 def read_cpu_stat_file(path: str) -> CpuStat | None:
-    """One cpu.stat (a path from ``cgroup_cpu_stat_path``); None when it is gone."""
+    """One cpu.stat (a path from ``cgroup_cpu_stat_path``); None when it is gone or says nothing
+    of throttling."""
     try:
         return parse_cpu_stat(_read(path))
     except OSError:
         return None
+
+
+def read_cpu_stat_present(path: str) -> tuple[bool, CpuStat | None]:
+    """(is the file there, its throttling counters): a cgroup v2 whose ``cpu`` controller is not
+    enabled has a ``cpu.stat`` with usage only (None), which is not a reason to look for the
+    cgroup again; a file that is gone is."""
+    try:
+        return True, parse_cpu_stat(_read(path))
+    except OSError:
+        return False, None

@@ -190,8 +190,7 @@ class MemcgReader:
             psi = memo[(0, where.unified)]
         if self.v1 and where.memory_v1:
             got = self._tightest(1, os.path.join(self.root, "memory"), where.memory_v1, memo)
-        elif self.v2_root is not None and where.unified and \
-                os.path.isfile(self._dir(self.v2_root, where.unified, "memory.current")):
+        elif self.v2_root is not None and where.unified and self._has_memory(where.unified, memo):
             got = self._tightest(2, self.v2_root, where.unified, memo)
         else:
             return None
@@ -199,6 +198,14 @@ class MemcgReader:
             return None
         return CgroupMemory(got.version, got.path, got.usage_bytes, got.working_set_bytes,
                             got.limit_bytes, got.high_bytes, psi)
+
+    def _has_memory(self, unified: str, memo: dict[tuple[int, str], Any]) -> bool:
+        """Has this v2 cgroup the memory controller (``memory.current``)? Once per cycle."""
+        key = (3, unified)
+        if key not in memo:
+            assert self.v2_root is not None
+            memo[key] = os.path.isfile(self._dir(self.v2_root, unified, "memory.current"))
+        return bool(memo[key])
 
     @staticmethod
     def _dir(base: str, path: str, name: str) -> str:
