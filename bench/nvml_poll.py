@@ -107,6 +107,7 @@ def poll_cost(args: argparse.Namespace) -> dict[str, Any]:
         devices, procs = src.read()
         samples.append(time.perf_counter() - t0)
     src.close()
+    calls = nvml_call_costs(args.polls)
     smi = []
     for _ in range(5):
         t0 = time.perf_counter()
@@ -124,15 +125,53 @@ def poll_cost(args: argparse.Namespace) -> dict[str, Any]:
           f"mean {poll['mean_ms']:.2f} ms, p50 {poll['p50_ms']:.2f} ms, p99 {poll['p99_ms']:.2f} ms "
           f"per cycle (nvidia-smi --query-compute-apps: {poll['nvidia_smi_query_mean_ms']:.0f} ms)",
           flush=True)
+    print("NVML calls on GPU 0, CPU µs each: " + ", ".join(f"{k} {v:.0f}" for k, v in calls.items()),
+          flush=True)
+    poll["calls_us"] = calls
     return poll
 
 
-def task_ticks(pid: int) -> dict[int, int]:
+def nvml_call_costs(n: int) -> dict[str, float]:
+    """CPU time (µs, this thread) of each NVML call a poll makes, on GPU 0: which to cache."""
+    import pynvml as nv
+
+    nv.nvmlInit()
+    try:
+        h = nv.nvmlDeviceGetHandleByIndex(0)
+        reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+            nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        todo = {
+            "GetHandleByIndex": lambda: nv.nvmlDeviceGetHandleByIndex(0),
+            "GetUUID": lambda: nv.nvmlDeviceGetUUID(h), "GetName": lambda: nv.nvmlDeviceGetName(h),
+            "GetPciInfo": lambda: nv.nvmlDeviceGetPciInfo(h),
+            "GetMemoryInfo": lambda: nv.nvmlDeviceGetMemoryInfo(h),
+            "GetUtilizationRates": lambda: nv.nvmlDeviceGetUtilizationRates(h),
+            "GetClocksEventReasons": lambda: reasons(h),
+            "GetProcessUtilization": lambda: nv.nvmlDeviceGetProcessUtilization(h, 0),
+            "GetComputeRunningProcesses": lambda: nv.nvmlDeviceGetComputeRunningProcesses(h),
+            "GetGraphicsRunningProcesses": lambda: nv.nvmlDeviceGetGraphicsRunningProcesses(h),
+        }
+        out = {}
+        for name, fn in todo.items():
+            t0 = time.thread_time()
+            for _ in range(n):
+                with contextlib.suppress(nv.NVMLError):
+                    fn()
+            out[name] = (time.thread_time() - t0) / n * 1e6
+        return out
+    finally:
+        nv.nvmlShutdown()
+
+
+def task_ticks(pid: int) -> dict[int, tuple[str, int]]:
+    """tid -> (comm, utime+stime ticks); the daemons run under bench/thread_names.py, so a
+    thread's comm is its Python name."""
     out = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(OSError, IndexError, ValueError):
-            f = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-            out[int(tid)] = int(f[11]) + int(f[12])
+            raw = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            f = raw.rsplit(")", 1)[1].split()
+            out[int(tid)] = (raw[raw.find("(") + 1 : raw.rfind(")")], int(f[11]) + int(f[12]))
     return out
 
 
@@ -202,8 +241,9 @@ def cpu_window(args: argparse.Namespace, tmp: Path, n: int, logs: contextlib.Exi
         cfg.write_text(f"rank_dir: {tmp / ranks}\nstate_dir: {tmp / name}-{n}\ninterval_seconds: "
                        f"{args.interval}\nweb:\n  listen_address: '127.0.0.1:{port}'\n{extra}")
         env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg)], env=env,
+        procs[name] = subprocess.Popen(  # under the shim that names each thread (comm)
+            [sys.executable, str(REPO / "bench/thread_names.py"), "run", "--config.file", str(cfg)],
+            env=env,
             cwd=repo, stdout=subprocess.DEVNULL,
             stderr=logs.enter_context((tmp / f"{name}-{n}.log").open("wb")))
         urls[name] = f"http://127.0.0.1:{port}/metrics"
@@ -244,10 +284,14 @@ def cpu_window(args: argparse.Namespace, tmp: Path, n: int, logs: contextlib.Exi
     if profiled in procs:
         tasks1 = task_ticks(procs[profiled].pid)
         tick = os.sysconf("SC_CLK_TCK")
-        per_thread = {t: (tasks1[t] - tasks0.get(t, 0)) / tick for t in tasks1}
-        print(f"  {n} ranks, {profiled} threads alive at the end, CPU s in the window: "
-              f"{sorted(per_thread.values(), reverse=True)[:6]} (main thread first by tid: "
-              f"{per_thread.get(procs[profiled].pid, 0.0):.2f} s)", flush=True)
+        by_comm: dict[str, float] = {}
+        for t, (comm, ticks) in tasks1.items():
+            name = "main" if t == procs[profiled].pid else comm
+            by_comm[name] = by_comm.get(name, 0.0) + (ticks - tasks0.get(t, (comm, 0))[1]) / tick
+        rows = ", ".join(f"{k} {v:.2f}" for k, v in sorted(by_comm.items(), key=lambda kv: -kv[1])
+                         if v > 0)
+        print(f"  {n} ranks, {profiled} CPU s in the window by thread (alive at the end): {rows}",
+              flush=True)
     if prof is not None:
         prof.wait(30)
         print_profile(tmp / f"prof-{n}.raw", n)
