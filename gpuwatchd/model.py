@@ -126,7 +126,6 @@ class GpuProcess:
     pid: int
     used_memory_bytes: int | None
     kind: str = "compute"  # compute | graphics
-    sm_utilization_ratio: float | None = None
 
 
 @dataclass(frozen=True)

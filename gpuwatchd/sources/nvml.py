@@ -1,8 +1,10 @@
 """NVML source: GPUs, the processes that hold memory on them, and Xid critical-error events.
 
 Reads (through nvidia-ml-py, imported as ``pynvml``) per device: index, UUID, name, PCI bus id,
-memory total/used, utilisation; the compute *and* graphics processes with their used memory;
-per-process SM utilisation where the driver gives it. NVML's "not available" (``None`` /
+memory total/used, utilisation; the compute *and* graphics processes with their used memory.
+Not per-process SM utilisation: ``nvmlDeviceGetProcessUtilization`` cost 1.4 ms of CPU per GPU
+per cycle at 64 processes on the H200 (``bench/nvml_poll.py``), more than the process lists, for a
+value nothing exported or judged. NVML's "not available" (``None`` /
 ``NVML_VALUE_NOT_AVAILABLE``, as for processes inside a MIG instance) is kept as ``None`` =
 unknown, never 0.
 
@@ -107,9 +109,6 @@ class NvmlSource:
         self._clock = clock
         self._lock = threading.Lock()
         self._initialised = False
-        # last timestamp (µs) per device handed to nvmlDeviceGetProcessUtilization
-        self._util_since: dict[int, int] = {}
-        self._util_last: dict[int, dict[int, float]] = {}  # index -> pid -> last SM ratio
         # index -> reason for the devices the last read() could not read (lost, driver error)
         self.device_errors: dict[int, str] = {}
         self.lost_devices: frozenset[int] = frozenset()  # NVML_ERROR_GPU_IS_LOST at last read()
@@ -159,8 +158,6 @@ class NvmlSource:
             except self._nvml.NVMLError as exc:
                 log.debug("nvmlShutdown: %s", exc)
         self._initialised = False
-        self._util_since.clear()
-        self._util_last.clear()
 
     # -- reading ------------------------------------------------------------------------------
     def read(self) -> Reading:
@@ -226,7 +223,6 @@ class NvmlSource:
             utilization_ratio=None if gpu_util is None else gpu_util / 100.0,
             throttle_reasons=_known(reasons) if reasons is not None else None,
         )
-        sm = self._process_utilization(nv, index, handle)
         procs: list[GpuProcess] = []
         seen: set[tuple[int, str]] = set()
         for kind, getter in (
@@ -246,41 +242,9 @@ class NvmlSource:
                         pid=pid,
                         used_memory_bytes=_known(getattr(p, "usedGpuMemory", None)),
                         kind=kind,
-                        sm_utilization_ratio=sm.get(pid),
                     )
                 )
-        listed_pids = {p.pid for p in procs}
-        cache = self._util_last.get(index, {})
-        for pid in [p for p in cache if p not in listed_pids]:
-            del cache[pid]
         return device, procs
-
-    def _process_utilization(self, nv: Any, index: int, handle: Any) -> dict[int, float]:
-        """SM utilisation per PID from NVML's sample buffer; {} where the driver does not say.
-
-        NVML returns only samples newer than the timestamp we pass, so a cycle with no new sample
-        (NVML_ERROR_NOT_FOUND) keeps the last value seen for that PID.
-        """
-        since = self._util_since.get(index, 0)
-        last = self._util_last.setdefault(index, {})
-        try:
-            samples = nv.nvmlDeviceGetProcessUtilization(handle, since)
-        except nv.NVMLError as exc:
-            if _code(exc) == NVML_ERROR_NOT_FOUND:
-                return dict(last)
-            if _code(exc) in _UNKNOWN_CODES:
-                return {}
-            raise
-        newest = since
-        fresh: dict[int, float] = {}
-        for s in samples:
-            newest = max(newest, int(s.timeStamp))
-            value = _known(s.smUtil)
-            if value is not None:
-                fresh[int(s.pid)] = max(fresh.get(int(s.pid), 0.0), value / 100.0)
-        last.update(fresh)
-        self._util_since[index] = newest
-        return dict(last)
 
 
 def select_devices(
