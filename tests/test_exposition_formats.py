@@ -110,3 +110,45 @@ def test_the_daemon_registry_answers_prometheus_in_openmetrics() -> None:
 def test_openmetrics_before_the_first_cycle() -> None:
     reg = make_registry(lambda: None, CounterStore())
     assert reg.encode_openmetrics() == om.generate_latest(reg)
+
+
+def test_renders_reuse_what_did_not_change_and_forget_what_went() -> None:
+    """exporter/render.py keeps what the last render wrote: unchanged families are copied, known
+    series keep their rendered labels, and the bytes stay client_python's through value changes,
+    new and gone series and a -0.0 (== cannot tell it from 0.0)."""
+    from prometheus_client import generate_latest as text_latest
+
+    from gpuwatchd.exporter.render import Prefixes, render_text
+
+    def families(ranks: range, cpu: float, zero: float) -> list[GaugeMetricFamily]:
+        up = GaugeMetricFamily("gpuwatch_up", "up", labels=["job_id", "rank"])
+        used = GaugeMetricFamily("gpuwatch_cpu", "cpu", labels=["job_id", "rank"])
+        for r in ranks:
+            up.add_metric(["j", str(r)], 1)
+            used.add_metric(["j", str(r)], cpu + r)
+        z = GaugeMetricFamily("gpuwatch_zero", "zero", labels=["k"])
+        z.add_metric(["a"], zero)
+        return [up, used, z]
+
+    class Fixed:
+        def __init__(self, fams: list[GaugeMetricFamily]) -> None:
+            self.fams = fams
+
+        def collect(self) -> list[GaugeMetricFamily]:
+            return self.fams
+
+    text, om_cache = Prefixes(), Prefixes()
+    steps = [(range(64), 1.5, 0.0), (range(64), 2.5, 0.0), (range(64), 2.5, -0.0),
+             (range(8, 40), 3.5, 0.0), (range(8, 40), 3.5, 0.0)]
+    for k, step in enumerate(steps):
+        built, copied = text.built, text.copied
+        assert render_text(families(*step), text) == text_latest(Fixed(families(*step)))
+        assert render_openmetrics(families(*step), om_cache) == om.generate_latest(Fixed(families(*step)))
+        if k == 1:  # new cpu values: up copied, cpu rendered with the labels it had
+            assert text.built == built and text.copied == copied + 2
+        if k == 2:  # -0.0 is written anew
+            assert text.copied == copied + 2 and b"gpuwatch_zero{k=\"a\"} -0.0" in render_text(
+                families(*step), Prefixes())
+        if k == 4:
+            assert text.built == built and text.copied == copied + 3
+        assert len(text) == 2 * len(step[0]) + 1  # only the series of the last render are kept

@@ -264,7 +264,8 @@ class StateRegistry(Registry):
         self._cache: tuple[NodeState | None, int, bytes] | None = None
         self._om_cache: tuple[NodeState | None, int, bytes] | None = None
         self._render_lock = threading.Lock()  # Registry has its own _lock
-        self._prefixes = Prefixes()  # every series' rendered name and labels (render.py)
+        self._prefixes = Prefixes()  # what the last render wrote, per format (render.py)
+        self._om_prefixes = Prefixes()
 
     def encode_text(self) -> bytes:
         # The cache holds the state object itself (compared with `is`), so its id cannot be reused.
@@ -283,7 +284,7 @@ class StateRegistry(Registry):
             c = self._om_cache
             if c is not None and c[0] is state and c[1] == version:
                 return c[2]
-            body = render_openmetrics(self.collect(), self._prefixes)
+            body = render_openmetrics(self.collect(), self._om_prefixes)
             self._om_cache = (state, version, body)
             return body
 

@@ -12,6 +12,7 @@ gauges only: no exemplars, native histograms or ``_created`` samples.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -89,6 +90,7 @@ class LabelledFamily(Metric):
         self.labelnames = tuple(labels or ())
         self.sample_name = self.name + self.suffix
         self.rows: list[tuple[tuple[str, ...], float]] = []
+        self.negative_zero = False  # a -0.0 among the values (== cannot tell it from 0.0)
         if value is not None:
             self.add_metric([], value)
 
@@ -96,10 +98,13 @@ class LabelledFamily(Metric):
         values = tuple(labels)
         if len(values) != len(self.labelnames):
             raise ValueError(f"{self.name}: {len(values)} label values for labels {self.labelnames}")
-        for v in values:
-            if type(v) is not str:
-                raise TypeError(f"{self.name}: label value {v!r} is not a string")
-        self.rows.append((values, float(value)))
+        for label in values:
+            if type(label) is not str:
+                raise TypeError(f"{self.name}: label value {label!r} is not a string")
+        number = float(value)
+        if not number and math.copysign(1.0, number) < 0:
+            self.negative_zero = True
+        self.rows.append((values, number))
 
     @property
     def samples(self) -> list[Sample]:
