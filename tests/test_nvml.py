@@ -246,3 +246,48 @@ def test_udev_watcher_receives_a_real_kernel_uevent() -> None:
     finally:
         w.stop()
     assert seen and seen[0].action == "add" and seen[0].slot == name
+
+
+def test_graphics_processes_are_listed_again_on_a_cadence_or_when_memory_moves(
+        tmp_path: Path) -> None:
+    """The graphics-process list (0.9 ms of CPU per GPU per poll on the H200, usually empty on a
+    training node) is taken again every graphics_relist_seconds or when the GPU's used memory
+    moves by more than GRAPHICS_MEMORY_STEP; in between, the last list less the processes that
+    exited. The compute list is read every poll."""
+    import subprocess
+
+    from gpuwatchd.sources.nvml import GRAPHICS_MEMORY_STEP
+
+    holder = subprocess.Popen(["sleep", "600"])
+    try:
+        doc = _doc(H200.name)
+        cycle = doc["cycles"][0]
+        cycle["devices"][0]["graphics"] = [{"pid": holder.pid, "usedGpuMemory": 1 << 30}]
+        doc["cycles"] = [cycle, json.loads(json.dumps(cycle))]
+        doc["cycles"][1]["devices"][0]["memory"]["used"] += GRAPHICS_MEMORY_STEP + 1
+        replay = RecordedNvml(doc, loop=False)
+        src = NvmlSource(pynvml=replay, graphics_relist_seconds=3600)
+        _, procs = src.read()  # cycle 0: listed
+        assert [p.pid for p in procs if p.kind == "graphics"] == [holder.pid]
+        assert src.graphics_listings == 1
+        replay.cycles[1]["devices"][0]["graphics"] = []  # NVML would now say: none
+        replay.cycles[1]["devices"][0]["memory"]["used"] = cycle["devices"][0]["memory"]["used"]
+        _, procs = src.read()  # same memory, within the cadence: the last list
+        assert [p.pid for p in procs if p.kind == "graphics"] == [holder.pid]
+        assert src.graphics_listings == 1 and any(p.kind == "compute" for p in procs)
+        holder.kill()
+        holder.wait()
+        _, procs = src.read()  # exited: dropped without asking NVML
+        assert [p for p in procs if p.kind == "graphics"] == [] and src.graphics_listings == 1
+        replay.cycles[1]["devices"][0]["graphics"] = [{"pid": os.getpid(), "usedGpuMemory": 1}]
+        replay.cycles[1]["devices"][0]["memory"]["used"] += GRAPHICS_MEMORY_STEP + 1
+        _, procs = src.read()  # the memory moved: listed again
+        assert [p.pid for p in procs if p.kind == "graphics"] == [os.getpid()]
+        assert src.graphics_listings == 2
+        now_src = NvmlSource(pynvml=RecordedNvml(doc), graphics_relist_seconds=0.0)
+        for _ in range(3):
+            now_src.read()
+        assert now_src.graphics_listings == 3  # a cadence of 0: every poll, as before
+    finally:
+        holder.kill()
+        holder.wait()
