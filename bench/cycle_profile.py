@@ -366,7 +366,8 @@ def cprofile(cfg_path: Path, repo: str, cycles: int, top: int) -> None:
 
 
 CPROFILE_CODE = r"""
-import collections, cProfile, dataclasses, gc, io, pstats, sys, time
+import collections, cProfile, dataclasses, gc, io, os, pstats, sys, time
+SORT = os.environ.get("GW_CPROFILE_SORT", "tottime")
 import gpuwatchd.daemon.core as core
 from gpuwatchd.config import load_config
 cfg = load_config({cfg!r})
@@ -417,7 +418,7 @@ out = io.StringIO()
 stats = pstats.Stats(pr, stream=out)
 if threaded is not None:
     stats.add(threaded)
-stats.sort_stats("tottime").print_stats({top})
+stats.sort_stats(SORT).print_stats({top})
 print(out.getvalue())
 """
 

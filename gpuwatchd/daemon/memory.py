@@ -30,7 +30,7 @@ from gpuwatchd.isolation import guarded
 from gpuwatchd.join.memory_tracker import MemoryTracker, RankKey
 from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import CollectorStatus, Finding, NodeMemoryState, NodeState, ProcessInfo, RankMemory
-from gpuwatchd.sources.memcg import CgroupPaths, MemcgReader
+from gpuwatchd.sources.memcg import CgroupMemory, CgroupPaths, MemcgReader
 from gpuwatchd.sources.pyspy import PySpy, PySpyError
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ class MemorySubsystem(Subsystem):
         live: list[RankKey] = []
         seen: set[tuple[str, int]] = set()
         memo: dict[tuple[int, str], Any] = {}  # cgroup levels read this cycle, shared by ranks
+        shared: dict[CgroupPaths, CgroupMemory | None] = {}  # and each cgroup's bounding level
         for e in cycle.entries:
             proc = processes.get(e.pid)
             if (e.job_id, e.rank) in seen or proc is None or proc.state in ("Z", "X") or (
@@ -91,7 +92,9 @@ class MemorySubsystem(Subsystem):
             key: RankKey = (e.job_id, e.rank, e.pid, proc.start_ticks)
             live.append(key)
             where = self._cgroup_paths(e.pid, proc.start_ticks, now)
-            cg = self.reader.read(where, memo) if where is not None else None
+            if where is not None and where not in shared:  # the ranks of a job share one cgroup
+                shared[where] = self.reader.read(where, memo)
+            cg = shared[where] if where is not None else None
             tree = (e.pid, *descendants.get(e.pid, ()))
             readings.append(self.tracker.observe(now, key, tree, processes, cg,
                                                  cfg.window_seconds, cfg.min_window_seconds))
