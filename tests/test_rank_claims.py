@@ -4,7 +4,8 @@ second user (useradd, setpriv) and real processes:
 - no content of one rank file (huge numbers, NaN/Infinity, odd Unicode, deep nesting, duplicate
   keys, a name that is not UTF-8) affects any other file;
 - a user cannot take over a rank of someone else's job, neither with a rank file naming a PID that
-  does not exist nor with a process of their own that sets torchrun variables;
+  does not exist nor with a process of their own that sets torchrun variables (nor does a root
+  process of the job that switches to a user after it was discovered stay, or page, as a rank);
 - a vanished rank_dir is reported (collector down) and recovered from.
 """
 
@@ -194,6 +195,50 @@ def test_discovery_does_not_adopt_another_users_process_into_roots_job(
               lambda: not finding_jobs(d, "rank_down") & {shared, users}
               and d.value("gpuwatch_rank_up", job_id=shared, rank="1") is None, 3.0, d)
         assert d.value("gpuwatch_rank_info", job_id=users, rank="0", pid=str(own.pid)) == 1.0
+    finally:
+        d.stop()
+
+
+def test_a_discovered_process_that_drops_to_a_user_is_refused_alive_and_dead(
+        user: int, world: Path, procs: list[subprocess.Popen[Any]]) -> None:
+    """(c) A root process with root's job's variables (a wrapper such as setpriv or gosu before it
+    switches user) is discovered as root's rank 1, then drops to the user's uid: refused from then
+    on, and when it exits nothing pages. (The claim used to be judged alive by the process's uid
+    and, once gone, by the uid discovery had read: refused while alive, rank_down when dead.)"""
+    job = f"dropjob-{uuid.uuid4().hex[:8]}"
+    torchrun = {"TORCHELASTIC_RUN_ID": job, "WORLD_SIZE": "2", "PATH": "/usr/bin:/bin"}
+    rank0 = subprocess.Popen(SLEEP, env={**torchrun, "RANK": "0"})
+    procs.append(rank0)
+    time.sleep(0.05)  # root's rank 0 starts first: the job is root's
+    dropper = subprocess.Popen(
+        ["/usr/bin/python3", "-c", "import os, signal, sys, time\n"
+         "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})\n"
+         "print('ready', flush=True)\n"
+         "signal.sigwait({signal.SIGUSR1})\n"
+         "os.setgroups([]); os.setgid(int(sys.argv[1])); os.setuid(int(sys.argv[1]))\n"
+         "time.sleep(300)\n", str(user)],
+        env={**torchrun, "RANK": "1"}, stdout=subprocess.PIPE, text=True)
+    procs.append(dropper)
+    assert dropper.stdout is not None and dropper.stdout.readline() == "ready\n"
+    path, cfg = write_config(world, rank_dir=str(world / "ranks"),
+                             discovery={"enabled": True, "interval_seconds": 600})
+    d = DaemonProc(path, cfg)
+    try:
+        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id=job, rank="0") == 1.0
+                   and d.value("gpuwatch_rank_up", job_id=job, rank="1") == 1.0,
+                   what="both root ranks up")
+        dropper.send_signal(signal.SIGUSR1)
+        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id=job, rank="1") is None
+                   and any(f"discovery (pid {dropper.pid})" in f["explanation"]
+                           and f"by uid {user} refused" in f["explanation"]
+                           for f in _findings(d, "bad_rank_file")),
+                   what="rank 1 refused once it runs as the user")
+        dropper.kill()
+        dropper.wait(10)
+        _hold("no rank_down, rank 1 absent, rank 0 up",
+              lambda: job not in finding_jobs(d, "rank_down")
+              and d.value("gpuwatch_rank_up", job_id=job, rank="1") is None
+              and d.value("gpuwatch_rank_up", job_id=job, rank="0") == 1.0, 3.0, d)
     finally:
         d.stop()
 
