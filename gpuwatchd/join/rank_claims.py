@@ -15,7 +15,9 @@ rules", docs/security.md §4):
 
 A discovered claim is made by its process's uid as last seen alive (``claimant_uids``): a process
 that changes uid after discovery (a root wrapper that drops to a user) and is refused for it stays
-refused once it has exited, rather than being judged again by the uid discovery once read.
+refused once it has exited, rather than being judged again by the uid discovery once read; and a
+discovered rank that exited stays a dead rank (rank_down) when another user's process takes its
+PID, rather than becoming that process's refused claim.
 
 Every refusal is returned as a ``BadRankFile`` (a ``bad_rank_file`` finding, severity info):
 it is never a rank, so it can never page.
@@ -39,6 +41,16 @@ def _tier(e: RankEntry, proc: ProcessInfo | None) -> int:
     return VERIFIED_FILE if e.source == "rankfile" else DISCOVERED
 
 
+def _process(e: RankEntry, processes: Mapping[int, ProcessInfo]) -> ProcessInfo | None:
+    """The live process a claim names. For a discovered claim only the process discovery saw
+    (same start time): one that took its PID after it exited is not the claimant, and the claim
+    is that of a gone process (judged by its last uid: ``claimant_uids``)."""
+    proc = processes.get(e.pid)
+    if proc is not None and e.source != "rankfile" and e.start_ticks not in (None, proc.start_ticks):
+        return None
+    return proc
+
+
 def _where(e: RankEntry) -> str:
     return e.path or f"discovery (pid {e.pid})"
 
@@ -49,7 +61,7 @@ def job_owners(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo
     owners = dict(known)
     live: list[tuple[int, int, str, int, RankEntry, ProcessInfo]] = []
     for e in entries:
-        proc = processes.get(e.pid)
+        proc = _process(e, processes)
         if proc is None:
             continue
         tier = _tier(e, proc)
@@ -71,8 +83,8 @@ def claimant_uids(entries: Iterable[RankEntry], processes: Mapping[int, ProcessI
         if e.source == "rankfile":
             continue
         key = (e.pid, e.start_ticks)
-        proc = processes.get(e.pid)
-        if proc is not None and e.start_ticks in (None, proc.start_ticks):
+        proc = _process(e, processes)
+        if proc is not None:
             out[key] = proc.uid
         elif key in last:
             out[key] = last[key]
@@ -91,10 +103,10 @@ def select(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
     accepted: dict[tuple[str, int], RankEntry] = {}
     refused: list[BadRankFile] = []
     claimed_pids: set[int] = set()
-    ranked = sorted(entries, key=lambda e: (_tier(e, processes.get(e.pid)), e.path, e.job_id,
+    ranked = sorted(entries, key=lambda e: (_tier(e, _process(e, processes)), e.path, e.job_id,
                                             e.rank, e.pid))
     for e in ranked:
-        proc = processes.get(e.pid)
+        proc = _process(e, processes)
         tier = _tier(e, proc)
         if tier == VERIFIED_FILE and proc is not None and proc.uid != e.owner_uid:
             refused.append(BadRankFile(
