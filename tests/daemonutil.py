@@ -125,3 +125,11 @@ class DaemonProc:
 
 def has_finding(d: DaemonProc, kind: str, **labels: str) -> bool:
     return d.value("gpuwatch_finding", kind=kind, **labels) == 1.0
+
+
+def finding_jobs(d: DaemonProc, kind: str) -> set[str]:
+    """The job_ids that have a ``kind`` finding now. A daemon with discovery enabled watches every
+    process of the host, so ranks of other tests' jobs (another suite running at the same time)
+    show up beside a test's own: a test asks about its own jobs, never "no finding at all"."""
+    return {dict(labels).get("job_id", "") for (name, labels), value in d.samples().items()
+            if name == "gpuwatch_finding" and dict(labels).get("kind") == kind and value == 1.0}

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 from containerutil import Container
-from daemonutil import REPO, DaemonProc, write_config
+from daemonutil import REPO, DaemonProc, finding_jobs, write_config
 from userutil import system_user, user_writes
 
 USER = "gwtrustrank-c"
@@ -68,14 +68,17 @@ def _cli(cfg_path: Path, *args: str) -> str:
     return out.stdout + out.stderr
 
 
-def _beating(d: DaemonProc, job: str, seconds: float) -> None:
-    """For ``seconds``: up, progress advancing, never rank_down or stalled."""
+def _beating(d: DaemonProc, job: str, seconds: float, quiet: tuple[str, ...] | None = None) -> None:
+    """For ``seconds``: up, progress advancing, never stalled, and no rank_down: of any job, or,
+    where the daemon discovers ranks (it then sees the whole host, other suites' ranks too), of the
+    jobs ``quiet``."""
     end = time.monotonic() + seconds
     first = d.value("gpuwatch_rank_progress_timestamp_seconds", job_id=job, rank="0")
     assert first is not None, d.text()
     while time.monotonic() < end:
         assert d.value("gpuwatch_rank_up", job_id=job, rank="0") == 1.0, d.text()
-        assert d.value("gpuwatch_finding", kind="rank_down") is None, d.text()
+        down = finding_jobs(d, "rank_down")
+        assert not (down if quiet is None else down & set(quiet)), d.text()
         assert d.value("gpuwatch_finding", kind="rank_stalled", job_id=job) is None, d.text()
         time.sleep(0.2)
     last = d.value("gpuwatch_rank_progress_timestamp_seconds", job_id=job, rank="0")
@@ -238,34 +241,39 @@ def test_oom_kill_of_a_containerised_rank_is_attributed_to_it(
 
 def test_discovery_and_slurm_tasks_in_containers(world: Path, containers: list[Container]) -> None:
     """A container process that only has torchrun's variables is discovered by its host PID; a
-    Slurm task in a container (Apptainer --pid, Docker) registers from SLURM_* variables."""
+    Slurm task in a container (Apptainer --pid, Docker) registers from SLURM_* variables. The job
+    ids are this run's own: discovery sees the whole host, where another suite may run this test."""
     ranks = world / "ranks"
     path, cfg = write_config(world, rank_dir=str(ranks),
                              discovery={"enabled": True, "interval_seconds": 1})
-    found = Container({**torchrun("envpod", 0), "GW_REGISTER": "0"})
+    env_job, slurm_job = f"envpod-{uuid.uuid4().hex[:8]}", str(uuid.uuid4().int % 10**9)
+    found = Container({**torchrun(env_job, 0), "GW_REGISTER": "0"})
     containers.append(found)
-    with memory_cgroup("slurm", "uid_0", "job_4242", "step_0", "task_0") as task_cgroup:
-        slurm = Container({"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
+    with memory_cgroup("slurm", "uid_0", f"job_{slurm_job}", "step_0", "task_0") as task_cgroup:
+        slurm = Container({"SLURM_JOB_ID": slurm_job, "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
                            "SLURM_LOCALID": "0", "SLURM_NTASKS": "1"},
                           {str(ranks): "/run/gpuwatch/ranks"}, cgroup=task_cgroup)
         containers.append(slurm)
         try:
-            _discover_both(path, cfg, found, slurm)
+            _discover_both(path, cfg, (env_job, found), (slurm_job, slurm))
         finally:
             slurm.close()
 
 
-def _discover_both(path: Path, cfg: dict[str, Any], found: Container, slurm: Container) -> None:
+def _discover_both(path: Path, cfg: dict[str, Any], found: tuple[str, Container],
+                   slurm: tuple[str, Container]) -> None:
+    (env_job, env_c), (slurm_id, slurm_c) = found, slurm
+    slurm_job = f"{slurm_id}.0"
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_rank_info", job_id="envpod", pid=str(found.pid)) == 1.0
-                   and d.value("gpuwatch_rank_info", job_id="4242.0", pid=str(slurm.pid)) == 1.0,
+        d.wait_for(lambda: d.value("gpuwatch_rank_info", job_id=env_job, pid=str(env_c.pid)) == 1.0
+                   and d.value("gpuwatch_rank_info", job_id=slurm_job, pid=str(slurm_c.pid)) == 1.0,
                    what="the discovered and the Slurm rank by host PID", timeout=20)
         by_job = {r["job_id"]: r for r in _state(d)["ranks"]}
-        assert by_job["envpod"]["ns_pid"] == 1 and by_job["4242.0"]["ns_pid"] == 1
-        assert by_job["4242.0"]["container"] == "Slurm job 4242 step 0"  # from its real cgroup
-        assert len([r for r in _state(d)["ranks"] if r["job_id"] == "4242.0"]) == 1
-        _beating(d, "4242.0", 1.0)
+        assert by_job[env_job]["ns_pid"] == 1 and by_job[slurm_job]["ns_pid"] == 1
+        assert by_job[slurm_job]["container"] == f"Slurm job {slurm_id} step 0"  # its real cgroup
+        assert len([r for r in _state(d)["ranks"] if r["job_id"] == slurm_job]) == 1
+        _beating(d, slurm_job, 1.0, quiet=(env_job, slurm_job))
     finally:
         d.stop()
 

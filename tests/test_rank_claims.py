@@ -4,7 +4,8 @@ second user (useradd, setpriv) and real processes:
 - no content of one rank file (huge numbers, NaN/Infinity, odd Unicode, deep nesting, duplicate
   keys, a name that is not UTF-8) affects any other file;
 - a user cannot take over a rank of someone else's job, neither with a rank file naming a PID that
-  does not exist nor with a process of their own that sets torchrun variables;
+  does not exist nor with a process of their own that sets torchrun variables (nor does a root
+  process of the job that switches to a user after it was discovered stay, or page, as a rank);
 - a vanished rank_dir is reported (collector down) and recovered from.
 """
 
@@ -16,12 +17,13 @@ import shutil
 import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from daemonutil import DaemonProc, write_config
+from daemonutil import DaemonProc, finding_jobs, write_config
 from userutil import shared_rank_world, system_user, user_writes
 
 USER = "gwtrustrank-u"
@@ -158,31 +160,85 @@ def test_a_missing_pid_cannot_take_over_roots_rank(user: int, world: Path,
 def test_discovery_does_not_adopt_another_users_process_into_roots_job(
         user: int, world: Path, procs: list[subprocess.Popen[Any]]) -> None:
     """(b) Root's torchrun job runs rank 0; a user's process sets the same TORCHELASTIC_RUN_ID and
-    RANK=1. It is refused (bad_rank_file naming it), and when it exits nothing pages. The user's
-    own discovered job is watched as usual."""
+    RANK=1. It is refused (bad_rank_file naming it), and when it exits nothing pages, while a real
+    discovered rank of root's that exits beside it does. The user's own discovered job is watched
+    as usual. Job ids are this run's own: discovery sees the whole host, other suites' ranks too."""
     ranks = world / "ranks"
-    torchrun = {"TORCHELASTIC_RUN_ID": "sharedjob", "WORLD_SIZE": "2", "PATH": "/usr/bin:/bin"}
+    tag = uuid.uuid4().hex[:8]
+    shared, users, neighbour = f"sharedjob-{tag}", f"userjob-{tag}", f"neighbour-{tag}"
+    torchrun = {"TORCHELASTIC_RUN_ID": shared, "WORLD_SIZE": "2", "PATH": "/usr/bin:/bin"}
     root_proc = subprocess.Popen(SLEEP, env={**torchrun, "RANK": "0", "LOCAL_RANK": "0"})
     procs.append(root_proc)
     time.sleep(0.05)  # root's process starts first: a later process cannot own the job
     intruder = _as_user_popen(procs, SLEEP, {**torchrun, "RANK": "1", "LOCAL_RANK": "1"})
-    own = _as_user_popen(procs, SLEEP, {"TORCHELASTIC_RUN_ID": "userjob", "RANK": "0"})
+    own = _as_user_popen(procs, SLEEP, {"TORCHELASTIC_RUN_ID": users, "RANK": "0"})
+    other = subprocess.Popen(SLEEP, env={"TORCHELASTIC_RUN_ID": neighbour, "RANK": "0",
+                                         "PATH": "/usr/bin:/bin"})
+    procs.append(other)
     path, cfg = write_config(world, rank_dir=str(ranks),
                              discovery={"enabled": True, "interval_seconds": 600})
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id="sharedjob", rank="0") == 1.0
-                   and d.value("gpuwatch_rank_up", job_id="userjob", rank="0") == 1.0,
-                   what="root's rank 0 and the user's own job up")
-        assert d.value("gpuwatch_rank_up", job_id="sharedjob", rank="1") is None
+        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id=shared, rank="0") == 1.0
+                   and d.value("gpuwatch_rank_up", job_id=users, rank="0") == 1.0
+                   and d.value("gpuwatch_rank_up", job_id=neighbour, rank="0") == 1.0,
+                   what="root's rank 0, the user's own job and the neighbour up")
+        assert d.value("gpuwatch_rank_up", job_id=shared, rank="1") is None
         reasons = [f["explanation"] for f in _findings(d, "bad_rank_file")]
         assert any(f"discovery (pid {intruder.pid})" in r and "belongs to uid 0" in r
                    for r in reasons), reasons
-        intruder.send_signal(signal.SIGKILL)
-        intruder.wait(10)
-        _hold("no rank_down", lambda: d.value("gpuwatch_finding", kind="rank_down") is None
-              and d.value("gpuwatch_rank_up", job_id="sharedjob", rank="1") is None, 3.0, d)
-        assert d.value("gpuwatch_rank_info", job_id="userjob", rank="0", pid=str(own.pid)) == 1.0
+        for p in (intruder, other):
+            p.send_signal(signal.SIGKILL)
+            p.wait(10)
+        d.wait_for(lambda: neighbour in finding_jobs(d, "rank_down"), what="the neighbour paged")
+        _hold("no rank_down of root's or the user's job",
+              lambda: not finding_jobs(d, "rank_down") & {shared, users}
+              and d.value("gpuwatch_rank_up", job_id=shared, rank="1") is None, 3.0, d)
+        assert d.value("gpuwatch_rank_info", job_id=users, rank="0", pid=str(own.pid)) == 1.0
+    finally:
+        d.stop()
+
+
+def test_a_discovered_process_that_drops_to_a_user_is_refused_alive_and_dead(
+        user: int, world: Path, procs: list[subprocess.Popen[Any]]) -> None:
+    """(c) A root process with root's job's variables (a wrapper such as setpriv or gosu before it
+    switches user) is discovered as root's rank 1, then drops to the user's uid: refused from then
+    on, and when it exits nothing pages. (The claim used to be judged alive by the process's uid
+    and, once gone, by the uid discovery had read: refused while alive, rank_down when dead.)"""
+    job = f"dropjob-{uuid.uuid4().hex[:8]}"
+    torchrun = {"TORCHELASTIC_RUN_ID": job, "WORLD_SIZE": "2", "PATH": "/usr/bin:/bin"}
+    rank0 = subprocess.Popen(SLEEP, env={**torchrun, "RANK": "0"})
+    procs.append(rank0)
+    time.sleep(0.05)  # root's rank 0 starts first: the job is root's
+    dropper = subprocess.Popen(
+        ["/usr/bin/python3", "-c", "import os, signal, sys, time\n"
+         "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})\n"
+         "print('ready', flush=True)\n"
+         "signal.sigwait({signal.SIGUSR1})\n"
+         "os.setgroups([]); os.setgid(int(sys.argv[1])); os.setuid(int(sys.argv[1]))\n"
+         "time.sleep(300)\n", str(user)],
+        env={**torchrun, "RANK": "1"}, stdout=subprocess.PIPE, text=True)
+    procs.append(dropper)
+    assert dropper.stdout is not None and dropper.stdout.readline() == "ready\n"
+    path, cfg = write_config(world, rank_dir=str(world / "ranks"),
+                             discovery={"enabled": True, "interval_seconds": 600})
+    d = DaemonProc(path, cfg)
+    try:
+        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id=job, rank="0") == 1.0
+                   and d.value("gpuwatch_rank_up", job_id=job, rank="1") == 1.0,
+                   what="both root ranks up")
+        dropper.send_signal(signal.SIGUSR1)
+        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id=job, rank="1") is None
+                   and any(f"discovery (pid {dropper.pid})" in f["explanation"]
+                           and f"by uid {user} refused" in f["explanation"]
+                           for f in _findings(d, "bad_rank_file")),
+                   what="rank 1 refused once it runs as the user")
+        dropper.kill()
+        dropper.wait(10)
+        _hold("no rank_down, rank 1 absent, rank 0 up",
+              lambda: job not in finding_jobs(d, "rank_down")
+              and d.value("gpuwatch_rank_up", job_id=job, rank="1") is None
+              and d.value("gpuwatch_rank_up", job_id=job, rank="0") == 1.0, 3.0, d)
     finally:
         d.stop()
 
@@ -194,7 +250,8 @@ def test_vanished_rank_dir_is_reported_and_recovered(world: Path,
     ranks = world / "ranks"
     rank = subprocess.Popen(SLEEP)
     procs.append(rank)
-    found = subprocess.Popen(SLEEP, env={"TORCHELASTIC_RUN_ID": "gwtrustrank-env", "RANK": "0"})
+    env_job = f"gwtrustrank-env-{uuid.uuid4().hex[:8]}"  # discovery sees other suites' ranks too
+    found = subprocess.Popen(SLEEP, env={"TORCHELASTIC_RUN_ID": env_job, "RANK": "0"})
     procs.append(found)
     doc = _doc("job", [{"rank": 0, "pid": rank.pid}])
     (ranks / "job.0.json").write_text(doc)
@@ -203,7 +260,7 @@ def test_vanished_rank_dir_is_reported_and_recovered(world: Path,
     d = DaemonProc(path, cfg)
     try:
         d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id="job", rank="0") == 1.0
-                   and d.value("gpuwatch_rank_up", job_id="gwtrustrank-env", rank="0") == 1.0,
+                   and d.value("gpuwatch_rank_up", job_id=env_job, rank="0") == 1.0,
                    what="both ranks up")
         shutil.rmtree(ranks)
         d.wait_for(lambda: d.value("gpuwatch_collector_success", collector="rankfiles") == 0.0,
@@ -211,7 +268,7 @@ def test_vanished_rank_dir_is_reported_and_recovered(world: Path,
         status = [c for c in _state(d)["collectors"] if c["name"] == "rankfiles"]
         assert str(ranks) in status[0]["error"], status
         _hold("the discovered rank watched", lambda: d.value(
-            "gpuwatch_rank_up", job_id="gwtrustrank-env", rank="0") == 1.0, 2.0, d)
+            "gpuwatch_rank_up", job_id=env_job, rank="0") == 1.0, 2.0, d)
         ranks.mkdir()
         os.chmod(ranks, 0o1777)
         (ranks / "job.0.json").write_text(doc)

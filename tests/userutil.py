@@ -1,10 +1,13 @@
 """A real second user for trust tests: created with useradd (retried while another test holds
-/etc/passwd's lock), removed afterwards if the test created it, and commands run as that user."""
+/etc/passwd's lock), removed by the last test run that uses it (runs in parallel share it) when a
+test created it, and commands run as that user."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -40,20 +43,67 @@ def _kill_processes_of(uid: int) -> None:
                 os.kill(int(entry.name), signal.SIGKILL)
 
 
+# Marks the users system_user made (the GECOS field): only those are ever removed.
+TEST_USER_COMMENT = "gpuwatchd test user"
+SETUP_LOCK = "/run/lock/gw-test-users.setup"
+
+
+def use_lock_path(name: str) -> str:
+    """The lock file every run in ``system_user(name)`` holds shared (kept: its name is fixed)."""
+    return f"/run/lock/gw-test-user-{name}.use"
+
+
+@contextlib.contextmanager
+def _flock(path: str, how: int) -> Iterator[None]:
+    with open(path, "a") as f:
+        fcntl.flock(f, how)
+        yield  # closing the file releases the lock
+
+
 @contextlib.contextmanager
 def system_user(name: str) -> Iterator[int]:
-    """The uid of user ``name``, created for the block when absent (and then removed)."""
-    created = subprocess.run(["id", "-u", name], capture_output=True, timeout=10).returncode != 0
-    if created:
-        run_locked(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name])
-    uid = int(subprocess.run(["id", "-u", name], capture_output=True, text=True, check=True,
-                             timeout=10).stdout)
+    """The uid of user ``name``, created for the block when absent.
+
+    Several test runs (the suite on two Pythons at once, other engineers' suites on a shared
+    machine) use the same names at the same time: each holds a shared lock on
+    ``/run/lock/gw-test-user-NAME.use`` while in the block, and only the last one out (which gets
+    it exclusively) kills what still runs as the user and removes it, and only when a test made
+    it. A second lock (``/run/lock/gw-test-users.setup``, one for all names) makes creating and
+    removing one step each, so nobody joins between the last one's check and its userdel.
+    (Before, the run that had created the user removed it when it left, killing another run's
+    processes of it mid-test.)"""
+    with contextlib.ExitStack() as stack:
+        with _flock(SETUP_LOCK, fcntl.LOCK_EX):
+            if subprocess.run(["id", "-u", name], capture_output=True, timeout=10).returncode != 0:
+                run_locked(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                            "--comment", TEST_USER_COMMENT, name])
+            uid = int(subprocess.run(["id", "-u", name], capture_output=True, text=True, check=True,
+                                     timeout=10).stdout)
+            use = stack.enter_context(open(use_lock_path(name), "a"))
+            fcntl.flock(use, fcntl.LOCK_SH)
+        try:
+            yield uid
+        finally:
+            with _flock(SETUP_LOCK, fcntl.LOCK_EX):
+                if _last_one_out(use.fileno()) and _made_by_tests(name):
+                    _kill_processes_of(uid)
+                    run_locked(["userdel", name])
+
+
+def _made_by_tests(name: str) -> bool:
     try:
-        yield uid
-    finally:
-        if created:
-            _kill_processes_of(uid)
-            run_locked(["userdel", name])
+        return pwd.getpwnam(name).pw_gecos == TEST_USER_COMMENT
+    except KeyError:  # already removed
+        return False
+
+
+def _last_one_out(fd: int) -> bool:
+    """Whether no other run holds the user (a failed try may drop our shared lock: we are leaving)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def as_user(user: str, *argv: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:

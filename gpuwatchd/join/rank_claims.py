@@ -13,6 +13,12 @@ rules", docs/security.md §4):
    users' files whose PID is alive and theirs, then discovery of a live process, then claims
    whose PID does not exist (unverifiable: they never displace a verified one).
 
+A discovered claim is made by its process's uid as last seen alive (``claimant_uids``): a process
+that changes uid after discovery (a root wrapper that drops to a user) and is refused for it stays
+refused once it has exited, rather than being judged again by the uid discovery once read; and a
+discovered rank that exited stays a dead rank (rank_down) when another user's process takes its
+PID, rather than becoming that process's refused claim.
+
 Every refusal is returned as a ``BadRankFile`` (a ``bad_rank_file`` finding, severity info):
 it is never a rank, so it can never page.
 """
@@ -24,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from gpuwatchd.model import BadRankFile, ProcessInfo, RankEntry
 
 ROOT_FILE, VERIFIED_FILE, DISCOVERED, UNVERIFIED = range(4)
+ClaimantKey = tuple[int, int | None]  # (pid, start ticks) of a discovered claim's process
 
 
 def _tier(e: RankEntry, proc: ProcessInfo | None) -> int:
@@ -32,6 +39,16 @@ def _tier(e: RankEntry, proc: ProcessInfo | None) -> int:
     if proc is None:
         return UNVERIFIED
     return VERIFIED_FILE if e.source == "rankfile" else DISCOVERED
+
+
+def _process(e: RankEntry, processes: Mapping[int, ProcessInfo]) -> ProcessInfo | None:
+    """The live process a claim names. For a discovered claim only the process discovery saw
+    (same start time): one that took its PID after it exited is not the claimant, and the claim
+    is that of a gone process (judged by its last uid: ``claimant_uids``)."""
+    proc = processes.get(e.pid)
+    if proc is not None and e.source != "rankfile" and e.start_ticks not in (None, proc.start_ticks):
+        return None
+    return proc
 
 
 def _where(e: RankEntry) -> str:
@@ -44,7 +61,7 @@ def job_owners(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo
     owners = dict(known)
     live: list[tuple[int, int, str, int, RankEntry, ProcessInfo]] = []
     for e in entries:
-        proc = processes.get(e.pid)
+        proc = _process(e, processes)
         if proc is None:
             continue
         tier = _tier(e, proc)
@@ -56,19 +73,40 @@ def job_owners(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo
     return owners
 
 
+def claimant_uids(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
+                  last: Mapping[ClaimantKey, int]) -> dict[ClaimantKey, int]:
+    """(pid, start ticks) of each discovered claim -> the uid of its process when last seen alive:
+    this cycle's where it is alive (and started when discovery saw it start), ``last``'s where it
+    is gone. Bounded by this cycle's entries."""
+    out: dict[ClaimantKey, int] = {}
+    for e in entries:
+        if e.source == "rankfile":
+            continue
+        key = (e.pid, e.start_ticks)
+        proc = _process(e, processes)
+        if proc is not None:
+            out[key] = proc.uid
+        elif key in last:
+            out[key] = last[key]
+    return out
+
+
 def select(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
            known_owners: Mapping[str, int] | None = None,
+           last_uids: Mapping[ClaimantKey, int] | None = None,
            ) -> tuple[list[RankEntry], list[BadRankFile], dict[str, int]]:
-    """(accepted entries, refusals, job owners of the accepted jobs)."""
+    """(accepted entries, refusals, job owners of the accepted jobs). ``last_uids``:
+    ``claimant_uids`` of this cycle (a gone process's claim is judged by its last uid)."""
     entries = list(entries)
+    last_uids = last_uids or {}
     owners = job_owners(entries, processes, known_owners or {})
     accepted: dict[tuple[str, int], RankEntry] = {}
     refused: list[BadRankFile] = []
     claimed_pids: set[int] = set()
-    ranked = sorted(entries, key=lambda e: (_tier(e, processes.get(e.pid)), e.path, e.job_id,
+    ranked = sorted(entries, key=lambda e: (_tier(e, _process(e, processes)), e.path, e.job_id,
                                             e.rank, e.pid))
     for e in ranked:
-        proc = processes.get(e.pid)
+        proc = _process(e, processes)
         tier = _tier(e, proc)
         if tier == VERIFIED_FILE and proc is not None and proc.uid != e.owner_uid:
             refused.append(BadRankFile(
@@ -77,7 +115,10 @@ def select(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
                 f"entry for rank {e.rank} of job {e.job_id} refused",
             ))
             continue
-        claimant = proc.uid if e.source != "rankfile" and proc is not None else e.owner_uid
+        if e.source == "rankfile":
+            claimant = e.owner_uid
+        else:
+            claimant = proc.uid if proc is not None else last_uids.get((e.pid, e.start_ticks), e.owner_uid)
         owner = owners.get(e.job_id)
         if tier != ROOT_FILE and owner is not None and claimant is not None and claimant != owner:
             refused.append(BadRankFile(

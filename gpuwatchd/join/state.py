@@ -66,6 +66,8 @@ class JoinMemory:
     finding_since: Mapping[tuple[str, str, str, str], float] = field(default_factory=frozen_map)
     # job_id -> uid that owns it (first trusted claim keeps it), for jobs that still have ranks
     job_owners: Mapping[str, int] = field(default_factory=frozen_map)
+    # (pid, start ticks) of each discovered claim -> its process's uid when last seen alive
+    claimant_uids: Mapping[rank_claims.ClaimantKey, int] = field(default_factory=frozen_map)
 
 
 def select_entries(
@@ -80,8 +82,9 @@ def select_entries(
 def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[NodeState, JoinMemory]:
     memory = memory or JoinMemory()
     now = inputs.now
+    claimant_uids = rank_claims.claimant_uids(inputs.entries, inputs.processes, memory.claimant_uids)
     entries, refused, job_owners = rank_claims.select(inputs.entries, inputs.processes,
-                                                      memory.job_owners)
+                                                      memory.job_owners, claimant_uids)
 
     start_ticks: dict[RankKey, int] = {}
     died_at: dict[RankKey, float] = {}
@@ -163,5 +166,5 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
     )
     return state, JoinMemory(
         start_ticks=start_ticks, died_at=died_at, fd_first=fd_first, finding_since=since,
-        job_owners=job_owners,
+        job_owners=job_owners, claimant_uids=claimant_uids,
     )
