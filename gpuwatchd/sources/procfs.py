@@ -7,7 +7,10 @@ f1f1f2569901 "fs/proc: add the st_size of /proc/PID/fd"); older kernels report 0
 listing the directory. Descendants come from ``/proc/PID/task/TID/children`` (CONFIG_PROC_CHILDREN),
 so a cycle never lists every PID on the host; only discovery (slower cadence) does.
 
-Cost: ~5 small reads per watched process per cycle. ``nspid``, ``pid_ns`` and ``cgroup`` (one read
+Cost: per watched process per cycle one ``stat`` read (shared, within a cycle, by everything
+that asks: ``begin_cycle``), two ``stat(2)`` calls (owner, fd count) and the main thread's
+``children``; ``limits`` every ``LIMITS_TTL`` s, every thread's ``children`` every
+``THREAD_CHILDREN_TTL`` s. ``nspid``, ``pid_ns`` and ``cgroup`` (one read
 each) serve the PID-namespace resolution of containerised ranks (sources/pidns.py). Privilege:
 other users' ``fd``, ``limits`` and ``environ`` need CAP_DAC_READ_SEARCH / CAP_SYS_PTRACE (the
 systemd unit grants them); without them those fields are None and the rest still works.
