@@ -165,3 +165,32 @@ def test_tracker_counts_and_expires(tmp_path: Path) -> None:
     now[0] = 1000.0 + oom_reader.FINDING_SECONDS + 1
     assert tr.poll(counters.inc, _state()) == []
     assert counters.get("cuda_oom_errors", ("dflash", "0", "")) == 1
+
+
+def test_the_rank_directory_is_listed_only_when_a_file_came_or_went(tmp_path: Path) -> None:
+    """The rank directory used to be listed every cycle (rank files and heartbeats: about 130
+    entries at 64 ranks) to find event files; it is now listed when its mtime says a file came or
+    went, or changed so recently that a file made in the same timestamp tick could hide."""
+    counters = CounterStore()
+    tr = oom_reader.OomTracker(str(tmp_path))
+    (tmp_path / "j.0.hb").write_text("1")
+    old = os.stat(tmp_path).st_mtime - 60
+    os.utime(tmp_path, (old, old))  # settled a minute ago
+    for _ in range(3):
+        assert tr.poll(counters.inc, _state()) == []
+    assert tr.scans == 1
+    (tmp_path / "j.0.hb").write_text("2")  # a heartbeat, written in place: no listing
+    tr.poll(counters.inc, _state())
+    assert tr.scans == 1
+    hook = cuda_oom._Hook(str(tmp_path), "dflash", 0)
+    cuda_oom.record_event(hook, device=None, requested_bytes=1 << 30, source="allocator")
+    (f,) = tr.poll(counters.inc, _state())  # the event file changed the directory
+    assert tr.scans == 2 and counters.get("cuda_oom_errors", ("dflash", "0", "")) == 1
+    cuda_oom.record_event(hook, device=None, requested_bytes=1 << 30, source="allocator")
+    mtime = os.stat(tmp_path).st_mtime_ns
+    tr.poll(counters.inc, _state())  # (and removed it: listed again next time)
+    assert counters.get("cuda_oom_errors", ("dflash", "0", "")) == 2
+    cuda_oom.record_event(hook, device=None, requested_bytes=1 << 30, source="allocator")
+    os.utime(tmp_path, ns=(mtime, mtime))  # a coarse clock: the mtime did not move, but is recent
+    tr.poll(counters.inc, _state())
+    assert counters.get("cuda_oom_errors", ("dflash", "0", "")) == 3  # not missed

@@ -4,9 +4,9 @@
 of the GPU were at that moment), kept ``FINDING_SECONDS`` for the ``cuda_oom`` rule
 (findings/cuda_oom.py), which builds the finding.
 
-Reads: the rank directory (one ``scandir`` per cycle; each file at most ``MAX_EVENT_BYTES``, opened
-with O_NOFOLLOW, at most ``MAX_EVENTS_PER_SCAN`` per cycle). A bad file is reported and removed,
-never raised.
+Reads: the rank directory (one ``stat`` per cycle, and a ``scandir`` when its mtime says a file came
+or went; each file at most ``MAX_EVENT_BYTES``, opened with O_NOFOLLOW, at most
+``MAX_EVENTS_PER_SCAN`` per cycle). A bad file is reported and removed, never raised.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 MAX_EVENTS_PER_SCAN = 256
 FINDING_SECONDS = 600.0  # a cuda_oom finding stays active this long after the error
+RACY_SECONDS = 2.0  # a directory changed this recently is listed again (OomTracker._changed)
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,25 @@ class OomTracker:
         self.rank_dir = rank_dir
         self.clock = clock
         self.active: list[AttributedOom] = []
+        self.scans = 0  # listings of rank_dir (tests, benchmarks)
+        self._listed: tuple[int, int] | None = None  # (inode, mtime ns) of rank_dir when listed
+
+    def _changed(self) -> bool:
+        """Can rank_dir hold an event file that the last listing did not see? An event file is
+        created (and removed by us), which changes the directory's mtime; heartbeats are written
+        in place, which does not. A directory changed within ``RACY_SECONDS`` is listed again
+        anyway: a file created in the same timestamp tick as the last listing leaves the mtime as
+        it was."""
+        try:
+            st = os.stat(self.rank_dir)
+        except OSError:
+            self._listed = None
+            return True
+        key = (st.st_ino, st.st_mtime_ns)
+        if key == self._listed and time.time() - st.st_mtime > RACY_SECONDS:
+            return False
+        self._listed = key  # taken before the listing: what changes during it is seen next time
+        return True
 
     def poll(
         self,
@@ -198,7 +218,11 @@ class OomTracker:
         orphan_reasons: Mapping[int, str] | None = None,
         comms: Mapping[int, str] | None = None,
     ) -> list[AttributedOom]:
-        events, problems = read_events(self.rank_dir)
+        events: list[OomEvent] = []
+        problems: list[str] = []
+        if self._changed():
+            self.scans += 1
+            events, problems = read_events(self.rank_dir)
         for p in problems:
             log.info("CUDA OOM event skipped: %s", p)
         for ev in events:
