@@ -100,7 +100,7 @@ class GpuSubsystem(Subsystem):
         if self.collector is not None:
             self.collector.close()
         if self.xid is not None:
-            self.xid.stop()
+            self.xid.stop(timeout=0.5)  # in a wait of up to 5 s: it ends by itself after
         if self.udev is not None:
             self.udev.stop()
         if self.source is not None:
