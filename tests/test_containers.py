@@ -154,6 +154,10 @@ def test_two_containers_both_pid_1_are_told_apart(world: Path, containers: list[
                        what="both pods' ranks, each by its own host PID")
             _beating(d, "pod-a", 2.0)
             _beating(d, "pod-b", 0.5)
+            # heartbeat(step): the step is read in the pod's /tmp too, not in the daemon's
+            d.wait_for(lambda: (d.value("gpuwatch_rank_step", job_id="pod-a", rank="0") or 0) > 0
+                       and (d.value("gpuwatch_rank_step", job_id="pod-b", rank="0") or 0) > 0,
+                       what="both pods' steps")
             assert d.value("gpuwatch_rank_info", job_id="borrow") is None
             reasons = [f["explanation"] for f in _findings(d, "bad_rank_file")]
             assert any("borrow.json" in r and "no process is pid 1" in r for r in reasons), reasons

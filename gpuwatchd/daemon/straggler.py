@@ -20,7 +20,7 @@ class StragglerSubsystem(Subsystem):
 
     def before_join(self, daemon: DaemonContext, cycle: CycleInputs) -> Contribution:
         if self.tracker is None:
-            self.tracker = StragglerTracker(self.cfg, daemon.paths)
+            self.tracker = StragglerTracker(self.cfg, daemon.paths, daemon.heartbeat_roots.step)
         entries = [e for e in cycle.entries if e.pid in cycle.processes]
         steps, rates = self.tracker.observe(cycle.now, entries, cycle.progress)
         return Contribution(steps=steps, straggler=rates)

@@ -33,6 +33,7 @@ from gpuwatchd.model import (
 )
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.procfs import ProcfsReader
+from gpuwatchd.sources.rankfiles import HeartbeatRoots
 from gpuwatchd.statefile import StateFiles
 
 
@@ -49,6 +50,7 @@ class DaemonContext(Protocol):
     # log both record into it, so that a critical Xid reported twice is counted once.
     xid_dedup: XidDeduper
     state_files: StateFiles  # every state_dir write goes through it (counted write errors)
+    heartbeat_roots: HeartbeatRoots  # heartbeats read in each rank's own root
 
     @property
     def subsystems(self) -> Sequence[Subsystem]: ...

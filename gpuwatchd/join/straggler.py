@@ -21,7 +21,7 @@ its path looked up from /proc/PID/cgroup once per rank every ``CGROUP_PATH_TTL``
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from gpuwatchd.config import StragglerConfig
@@ -72,9 +72,14 @@ class _Rank:
 
 
 class StragglerTracker:
-    def __init__(self, cfg: StragglerConfig, paths: HostPaths | None = None) -> None:
+    def __init__(self, cfg: StragglerConfig, paths: HostPaths | None = None,
+                 step_of: Callable[[RankEntry], int | None] | None = None) -> None:
+        """``step_of``: reads a rank's heartbeat step (the daemon's ``HeartbeatRoots.step``, in
+        the rank's own root); by default the heartbeat path in this process's view."""
         self.cfg = cfg
         self.paths = paths or HostPaths()
+        self.step_of = step_of or (lambda e: read_step(e.heartbeat, e.owner_uid) if e.heartbeat
+                                   else None)
         self._ranks: dict[tuple[str, int], _Rank] = {}
         self.path_lookups = 0  # /proc/PID/cgroup reads for a cpu.stat path (tests, benchmarks)
 
@@ -94,7 +99,7 @@ class StragglerTracker:
             mtime = mtimes.get(key)
             if mtime is not None and mtime != tr.mtime and e.heartbeat:
                 tr.mtime = mtime
-                step = read_step(e.heartbeat, e.owner_uid)
+                step = self.step_of(e)
                 if step is not None and (tr.step is None or step < tr.step):
                     tr.samples.clear()  # first sight, or the job restarted from an earlier step
                 tr.step = step

@@ -16,9 +16,11 @@ MAX_BYTES = 32
 MAX_STEP = 1 << 62
 
 
-def read_step(path: str, owner_uid: int | None) -> int | None:
+def read_step(path: str, owner_uid: int | None, dir_fd: int | None = None) -> int | None:
+    """The step in the heartbeat file ``path`` (a name in ``dir_fd`` when given: the directory
+    ``HeartbeatRoots`` keeps open in the rank's own root), or None."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError:
         return None
     try:

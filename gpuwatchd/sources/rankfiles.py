@@ -43,6 +43,7 @@ from gpuwatchd.rank.rankfile import (
     parse_rank_document,
 )
 from gpuwatchd.sources.discovery import discover
+from gpuwatchd.sources.heartbeat_step import read_step
 from gpuwatchd.sources.pidns import PidNamespaces, open_parent_in_root, stat_in_root
 
 __all__ = ["DISCOVERY_VARS", "claim_from_env", "discover"]  # re-exported: moved to discovery.py
@@ -322,6 +323,28 @@ class HeartbeatRoots:
         if statmod.S_ISLNK(st.st_mode):  # a link as the last name: resolved in the root each time
             return heartbeat_mtime(entry)
         return st.st_mtime if _owner_may_see(entry, st) else None
+
+    def step(self, entry: RankEntry) -> int | None:
+        """The step in the heartbeat (``heartbeat(step)``), read where ``mtime`` reads it: in the
+        rank's own root (its container, its private /tmp), not in the daemon's view."""
+        root, path = entry.heartbeat_root, entry.heartbeat
+        if not path or root is None:
+            return None
+        if not root:  # the daemon's own view
+            return read_step(path, entry.owner_uid)
+        key = ((entry.pid, entry.start_ticks, path, entry.owner_uid), root)
+        with self._lock:
+            held = self._dirs.get(key)
+            if held is not None:
+                return read_step(held[2], entry.owner_uid, dir_fd=held[1])
+        try:
+            fd, name = open_parent_in_root(root, path)
+        except (OSError, ValueError):
+            return None
+        try:
+            return read_step(name, entry.owner_uid, dir_fd=fd)
+        finally:
+            os.close(fd)
 
     def _close(self, key: tuple[HbKey, str]) -> None:
         held = self._dirs.pop(key, None)
