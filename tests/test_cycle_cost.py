@@ -384,3 +384,30 @@ def test_a_heartbeat_in_the_ranks_root_is_read_with_one_fstatat_a_cycle(tmp_path
     roots.end_reads()
     roots.end_reads()  # a cycle that asked for no heartbeat: the directory is closed
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_fork_evidence_rereads_exe_and_cmdline_only_after_an_exec(
+        procs: list[subprocess.Popen[Any]]) -> None:
+    """Each cycle used to read every evidence process's stat, exe link and cmdline to tell a new
+    process image from the old; the image's addresses in /proc/PID/stat tell it now, and exe and
+    cmdline are read again only after an exec."""
+    p = subprocess.Popen([sys.executable, "-c", "import os, sys; print('ready', flush=True); "
+                          "sys.stdin.readline(); os.execv('/bin/sleep', ['sleep', '600'])"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    procs.append(p)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    reader = EvidenceReader(HostPaths(), ttl=3600.0)
+    deadline = time.monotonic() + 10
+    first = reader.read(p.pid)
+    assert first is not None and "python" in first.exe
+    for _ in range(5):
+        assert reader.read(p.pid) is first
+    assert reader.identity_reads == 1 and reader.scans == 1  # was 6 identity reads
+    assert p.stdin is not None
+    p.stdin.write("go\n")
+    p.stdin.flush()
+    while os.readlink(f"/proc/{p.pid}/exe") != "/usr/bin/sleep":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    after = reader.read(p.pid)
+    assert after is not None and after.exe == "/usr/bin/sleep" and reader.identity_reads == 2

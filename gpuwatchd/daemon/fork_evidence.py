@@ -36,7 +36,8 @@ def fork_evidence(reader: EvidenceReader, entries: Sequence[RankEntry],
                 parent = evidence.get(info.ppid) if info is not None else None
                 if parent is None or not parent.holds_cuda_device:
                     continue
-            ev = reader.read(pid)
+            info = processes.get(pid)
+            ev = reader.read(pid, info.open_fds if info is not None else None)
             if ev is not None:
                 evidence[pid] = ev
     reader.forget(evidence)

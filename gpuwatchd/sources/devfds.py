@@ -9,7 +9,9 @@ does not load libcrypto into the daemon (bench/rss.py).
 
 Cost: one readlink per open fd of each process in a rank tree (a rank holds ~100 fds), or, through
 ``EvidenceReader``, only when the process's identity (start time, exe, cmdline) or its number of
-open fds changed, or every ``EVIDENCE_TTL`` seconds: a stat and three small reads otherwise.
+open fds changed, or every ``EVIDENCE_TTL`` seconds; otherwise one ``/proc/PID/stat`` read (the
+process image's addresses there change at an exec: exe and cmdline are read again only then, or
+where the kernel hides the addresses) and the fd count the cycle read already.
 Privilege: other users' ``fd``/``exe`` need CAP_SYS_PTRACE (granted in the systemd unit); without it
 the evidence is None and nothing is flagged.
 Shell equivalent: ``ls -l /proc/PID/fd | grep nvidia; readlink /proc/PID/exe; tr '\\0' ' ' <
@@ -72,6 +74,23 @@ def _identity(paths: HostPaths, pid: int) -> tuple[int, int, str, str] | None:
         return None
 
 
+def _exec_identity(paths: HostPaths, pid: int) -> tuple[int, ...] | None:
+    """(start ticks, ppid, start and end of the text segment, start of the stack) from one
+    ``/proc/PID/stat`` read: an exec maps a new text and a new stack, so these change where
+    exe and cmdline would, without the readlink and the cmdline read. The kernel shows the
+    addresses only to a process that may ptrace the target (zeros otherwise). None when gone."""
+    try:
+        fd = os.open(paths.proc(pid, "stat"), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            raw = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+        f = raw[raw.rfind(b")") + 2 :].split()
+        return int(f[19]), int(f[1]), int(f[23]), int(f[24]), int(f[25])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _scan(paths: HostPaths, pid: int, names: list[str]) -> tuple[tuple[int, str], ...]:
     """The fds of ``names`` that point at an NVIDIA device node (one readlink each)."""
     prefix = paths.dev("nvidia")
@@ -104,9 +123,11 @@ class EvidenceReader:
         self.ttl = ttl
         self.clock = clock
         self.scans = 0
+        self.identity_reads = 0  # exe + cmdline reads (tests, benchmarks)
         self._count_o1 = _fd_stat_counts(paths)
-        # pid -> (identity, fd count, scanned at, evidence)
-        self._seen: dict[int, tuple[tuple[int, int, str, str], int, float, ProcEvidence]] = {}
+        # pid -> (identity, fd count, scanned at, evidence, exec identity)
+        self._seen: dict[int, tuple[tuple[int, int, str, str], int, float, ProcEvidence,
+                                    tuple[int, ...]]] = {}
 
     def _fd_count(self, pid: int) -> tuple[int, list[str] | None]:
         fd_dir = self.paths.proc(pid, "fd")
@@ -117,19 +138,28 @@ class EvidenceReader:
         names = os.listdir(fd_dir)
         return len(names), names
 
-    def read(self, pid: int) -> ProcEvidence | None:
-        ident = _identity(self.paths, pid)
+    def read(self, pid: int, open_fds: int | None = None) -> ProcEvidence | None:
+        """``open_fds``: the fd count the cycle read already (``ProcessInfo.open_fds``)."""
+        quick = _exec_identity(self.paths, pid)
+        now = self.clock()
+        cached = self._seen.get(pid)
         try:
+            if quick is None:
+                raise FileNotFoundError(pid)
+            count, names = (open_fds, None) if open_fds is not None else self._fd_count(pid)
+            if (cached is not None and quick[2:] != (0, 0, 0) and cached[4] == quick
+                    and cached[1] == count and now - cached[2] < self.ttl):
+                return cached[3]  # the same process image, the same fds: nothing to read
+            self.identity_reads += 1
+            ident = _identity(self.paths, pid)
             if ident is None:
                 raise FileNotFoundError(pid)
-            count, names = self._fd_count(pid)
         except OSError:
             self._seen.pop(pid, None)
             return None
-        now = self.clock()
-        cached = self._seen.get(pid)
         if (cached is not None and cached[0] == ident and cached[1] == count
                 and now - cached[2] < self.ttl):
+            self._seen[pid] = (*cached[:4], quick)
             return cached[3]
         try:
             names = names if names is not None else os.listdir(self.paths.proc(pid, "fd"))
@@ -139,7 +169,7 @@ class EvidenceReader:
         self.scans += 1
         _start, ppid, exe, digest = ident
         ev = ProcEvidence(pid, ppid, exe, digest, _scan(self.paths, pid, names))
-        self._seen[pid] = (ident, count, now, ev)
+        self._seen[pid] = (ident, count, now, ev, quick)
         return ev
 
     def forget(self, live: Iterable[int]) -> None:
