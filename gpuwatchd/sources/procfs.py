@@ -58,6 +58,20 @@ def _read(path: str, limit: int = 1 << 16) -> bytes:
     return b"".join(chunks)
 
 
+def _read_line(path: str) -> bytes:
+    """A one-line procfs file such as ``/proc/PID/stat`` (a seq_file: one read(2) returns all of
+    it, well under 4 KiB): one read instead of ``_read``'s second one that only finds EOF (a
+    cycle reads one per watched process)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        raw = os.read(fd, 4096)
+        if len(raw) < 4096:
+            return raw
+        return raw + _read(path)[4096:]  # never for stat; kept exact for anything longer
+    finally:
+        os.close(fd)
+
+
 def thread_children(task_dir: str, limit: int = 1 << 16) -> list[int]:
     """The children listed by every thread of a process (``task_dir`` is its /proc/PID/task):
     a child is listed in the ``children`` file of the thread that forked it."""
@@ -140,7 +154,7 @@ class ProcfsReader:
                 return hit
         self.stat_reads += 1
         try:
-            raw = _read(self.paths.proc(pid, "stat")).decode("utf-8", "replace")
+            raw = _read_line(self.paths.proc(pid, "stat")).decode("utf-8", "replace")
         except OSError as e:  # ENOENT, ESRCH: gone (or never there)
             raise ProcessGone(pid) from e
         # comm may contain spaces and parentheses: it ends at the *last* ')'.
