@@ -34,28 +34,21 @@ from typing import TYPE_CHECKING
 from gpuwatchd.config import Config, ConfigError
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon import allocator
-from gpuwatchd.daemon.collectives import FlightRecorderSubsystem
-from gpuwatchd.daemon.finding_events import FindingEventsSubsystem
-from gpuwatchd.daemon.gpu import GpuSubsystem
-from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
-from gpuwatchd.daemon.memory import MemorySubsystem
 from gpuwatchd.daemon.notify import notify, watchdog_interval
-from gpuwatchd.daemon.pyspy import PySpySubsystem
 from gpuwatchd.daemon.reload import RESTART_SECTIONS as RESTART_SECTIONS
 from gpuwatchd.daemon.reload import ConfigSource, reload_config
-from gpuwatchd.daemon.retention import RetentionSubsystem
 from gpuwatchd.daemon.state_json import state_json_text
 from gpuwatchd.daemon.state_json import state_to_json as state_to_json
 from gpuwatchd.daemon.state_json import to_jsonable as to_jsonable
-from gpuwatchd.daemon.straggler import StragglerSubsystem
 from gpuwatchd.daemon.subsystem import NOTHING, Subsystem
 from gpuwatchd.daemon.wake import LinkedEvent
+from gpuwatchd.daemon.wiring import default_subsystems, down_statuses
 from gpuwatchd.exporter.collector import make_registry
 from gpuwatchd.findings import nccl_env
 from gpuwatchd.isolation import Collector, PartialReading, attempt, guarded
 from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
 from gpuwatchd.join.xid_dedup import XidDeduper
-from gpuwatchd.model import BadRankFile, CollectorStatus, NodeState, ProcessInfo, RankEntry
+from gpuwatchd.model import BadRankFile, NodeState, ProcessInfo, RankEntry
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.pidns import PidNamespaces
 from gpuwatchd.sources.procfs import ProcfsReader
@@ -387,26 +380,3 @@ class Daemon:
                 delay = next_at - time.monotonic()
         notify("STOPPING=1")
         self.shutdown()
-
-
-def down_statuses(reported: list[CollectorStatus], down: Mapping[str, str]) -> list[CollectorStatus]:
-    """A subsystem that failed to start, or whose part of this cycle raised, is exported as a
-    collector that is down (``gpuwatch_collector_success{collector=<subsystem>} 0``) unless it
-    reported its own status: a failure must read 0, never make the series disappear."""
-    names = {c.name for c in reported}
-    return [CollectorStatus(name, False, 0.0, None, error) for name, error in down.items()
-            if name not in names]
-
-
-def default_subsystems(config: Config) -> list[Subsystem]:
-    """The subsystems a real daemon runs (NVML, kernel log, py-spy ...), as configured."""
-    gpu: list[Subsystem] = [GpuSubsystem()] if config.nvml.enabled else []
-
-    kernel = KernelLogSubsystem()
-    # the flight recorder reads the stall verdicts of the py-spy subsystem: it comes after it
-    fr: list[Subsystem] = ([FlightRecorderSubsystem(config.stall.flight_recorder_interval_seconds)]
-                           if config.stall.flight_recorder else [])  # fmt: skip
-    slow: list[Subsystem] = [StragglerSubsystem(config.straggler)] if config.straggler.enabled else []
-    memory: list[Subsystem] = [MemorySubsystem(config, kernel)] if config.memory.enabled else []
-    return [PySpySubsystem(config), *fr, *slow, kernel, *gpu, *memory, FindingEventsSubsystem(kernel),
-            RetentionSubsystem()]

@@ -32,8 +32,8 @@ from gpuwatchd.model import (
     frozen_map,
 )
 from gpuwatchd.paths import HostPaths
+from gpuwatchd.sources.heartbeats import HeartbeatRoots
 from gpuwatchd.sources.procfs import ProcfsReader
-from gpuwatchd.sources.rankfiles import HeartbeatRoots
 from gpuwatchd.statefile import StateFiles
 
 
