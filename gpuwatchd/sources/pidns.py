@@ -53,6 +53,32 @@ def _split(path: str) -> list[str]:
 _DIR_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
+def _enter(stack: list[int], name: str) -> bool:
+    """Open directory ``name`` of ``stack[-1]`` onto ``stack``; False when it is a symbolic link
+    (O_NOFOLLOW|O_DIRECTORY on a link: ENOTDIR, or ELOOP) or no directory."""
+    try:
+        stack.append(os.open(name, _DIR_FLAGS, dir_fd=stack[-1]))
+        return True
+    except OSError as e:
+        if e.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        return False
+
+
+def _follow(stack: list[int], name: str, parts: list[str], links: int, path: str
+            ) -> tuple[list[str], int]:
+    """Symbolic link ``name`` of ``stack[-1]``: its target spliced into ``parts``, within the
+    root (an absolute target starts again at the root, ``stack[0]``)."""
+    links += 1
+    if links > MAX_LINKS:
+        raise OSError(errno.ELOOP, "too many levels of symbolic links", path)
+    target = os.readlink(name, dir_fd=stack[-1])
+    if target.startswith("/"):
+        while len(stack) > 1:
+            os.close(stack.pop())
+    return _split(target) + parts, links
+
+
 def stat_in_root(root: str, path: str) -> os.stat_result:
     """``stat(2)`` of ``path`` as seen by the process whose root directory is ``root``
     (``/proc/PID/root``): symlinks are followed *within* that root (an absolute target starts
@@ -68,23 +94,11 @@ def stat_in_root(root: str, path: str) -> os.stat_result:
                 if len(stack) > 1:
                     os.close(stack.pop())
                 continue
-            if parts:  # a directory on the way: one open, unless it is a symbolic link
-                try:
-                    stack.append(os.open(name, _DIR_FLAGS, dir_fd=stack[-1]))
-                    continue
-                except OSError as e:  # O_NOFOLLOW|O_DIRECTORY on a link: ENOTDIR (or ELOOP)
-                    if e.errno not in (errno.ENOTDIR, errno.ELOOP):
-                        raise
+            if parts and _enter(stack, name):  # a directory on the way: one open
+                continue
             st = os.stat(name, dir_fd=stack[-1], follow_symlinks=False)
             if statmod.S_ISLNK(st.st_mode):
-                links += 1
-                if links > MAX_LINKS:
-                    raise OSError(errno.ELOOP, "too many levels of symbolic links", path)
-                target = os.readlink(name, dir_fd=stack[-1])
-                if target.startswith("/"):
-                    while len(stack) > 1:
-                        os.close(stack.pop())
-                parts = _split(target) + parts
+                parts, links = _follow(stack, name, parts, links, path)
                 continue
             if not parts:
                 return st
@@ -115,23 +129,12 @@ def open_parent_in_root(root: str, path: str) -> tuple[int, str]:
                 continue
             if not parts:
                 return stack.pop(), name  # kept open for the caller; the rest closed below
-            try:
-                stack.append(os.open(name, _DIR_FLAGS, dir_fd=stack[-1]))
+            if _enter(stack, name):
                 continue
-            except OSError as e:  # O_NOFOLLOW|O_DIRECTORY on a link: ENOTDIR (or ELOOP)
-                if e.errno not in (errno.ENOTDIR, errno.ELOOP):
-                    raise
             st = os.stat(name, dir_fd=stack[-1], follow_symlinks=False)
             if not statmod.S_ISLNK(st.st_mode):
                 raise OSError(errno.ENOTDIR, "not a directory", path)
-            links += 1
-            if links > MAX_LINKS:
-                raise OSError(errno.ELOOP, "too many levels of symbolic links", path)
-            target = os.readlink(name, dir_fd=stack[-1])
-            if target.startswith("/"):
-                while len(stack) > 1:
-                    os.close(stack.pop())
-            parts = _split(target) + parts
+            parts, links = _follow(stack, name, parts, links, path)
         raise ValueError(f"{path!r} names no file")
     finally:
         for fd in stack:
