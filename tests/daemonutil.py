@@ -19,6 +19,16 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parent.parent
 
 
+def wakeups(tid: int, pid: int | None = None) -> int:
+    """Voluntary context switches of thread ``tid`` (of ``pid``, default this process): how often
+    it went to sleep and was woken, what the idle tests count."""
+    with open(f"/proc/{pid or 'self'}/task/{tid}/status") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    raise AssertionError("no voluntary_ctxt_switches")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

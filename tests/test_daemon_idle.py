@@ -12,15 +12,7 @@ import signal
 import time
 from pathlib import Path
 
-from daemonutil import DaemonProc, write_config
-
-
-def _switches(pid: int) -> int:
-    with open(f"/proc/{pid}/task/{pid}/status") as f:
-        for line in f:
-            if line.startswith("voluntary_ctxt_switches:"):
-                return int(line.split()[1])
-    raise AssertionError("no voluntary_ctxt_switches")
+from daemonutil import DaemonProc, wakeups, write_config
 
 
 def test_main_loop_sleeps_between_cycles_and_still_reloads_and_stops(tmp_path: Path) -> None:
@@ -29,9 +21,9 @@ def test_main_loop_sleeps_between_cycles_and_still_reloads_and_stops(tmp_path: P
     try:
         pid = d.proc.pid
         time.sleep(1.0)  # the first cycle is over: the loop sleeps until the next one
-        s0 = _switches(pid)
+        s0 = wakeups(pid, pid)
         time.sleep(3.0)
-        woke = _switches(pid) - s0
+        woke = wakeups(pid, pid) - s0
         assert woke <= 1, f"the idle main loop woke {woke} times in 3 s"
         d.signal(signal.SIGHUP)
         d.wait_for(lambda: "configuration reloaded from" in d.log(), timeout=5, what="the reload")

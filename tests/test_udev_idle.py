@@ -10,16 +10,9 @@ import threading
 import time
 
 import pyudev
+from daemonutil import wakeups
 
 from gpuwatchd.sources.udev import UdevWatcher
-
-
-def _switches(tid: int) -> int:
-    with open(f"/proc/self/task/{tid}/status") as f:
-        for line in f:
-            if line.startswith("voluntary_ctxt_switches:"):
-                return int(line.split()[1])
-    raise AssertionError("no voluntary_ctxt_switches")
 
 
 def test_idle_udev_watcher_does_not_wake_and_stops_at_once() -> None:
@@ -34,9 +27,9 @@ def test_idle_udev_watcher_does_not_wake_and_stops_at_once() -> None:
     assert thread.native_id is not None
     try:
         time.sleep(0.3)  # into its first poll
-        s0 = _switches(thread.native_id)
+        s0 = wakeups(thread.native_id)
         time.sleep(3.0)
-        woke = _switches(thread.native_id) - s0
+        woke = wakeups(thread.native_id) - s0
         assert woke <= 1, f"the idle udev watcher woke {woke} times in 3 s"
     finally:
         t0 = time.monotonic()

@@ -10,17 +10,10 @@ import http.client
 import threading
 import time
 
+from daemonutil import wakeups
 from prometheus_client import CollectorRegistry, Gauge
 
 from gpuwatchd.web import server as web
-
-
-def _switches(tid: int) -> int:
-    with open(f"/proc/self/task/{tid}/status") as f:
-        for line in f:
-            if line.startswith("voluntary_ctxt_switches:"):
-                return int(line.split()[1])
-    raise AssertionError("no voluntary_ctxt_switches")
 
 
 def _loop_thread(before: set[threading.Thread]) -> threading.Thread:
@@ -43,9 +36,9 @@ def test_idle_listener_does_not_wake_and_still_stops_at_once() -> None:
         time.sleep(0.3)  # let the answer's write finish
         assert loop.native_id is not None
         for _ in range(2):  # with and without a keep-alive connection waiting
-            s0 = _switches(loop.native_id)
+            s0 = wakeups(loop.native_id)
             time.sleep(2.0)
-            woke = _switches(loop.native_id) - s0
+            woke = wakeups(loop.native_id) - s0
             assert woke <= 2, f"the idle web loop woke {woke} times in 2 s"
             conn.close()
             time.sleep(0.3)  # the loop sees the close and forgets the connection
