@@ -284,6 +284,47 @@ def test_stat_in_root_with_links_on_the_way(tmp_path: Path) -> None:
         assert e.value.errno == code, path
 
 
+def test_the_kept_heartbeat_directory_is_reached_inside_the_root(tmp_path: Path) -> None:
+    """open_parent_in_root (the directory HeartbeatRoots keeps, and reads steps through) walks as
+    stat_in_root does: links on the way stay inside the root, a last name that is a link is not
+    followed (the caller reads it without following), and hostile paths get a clear error."""
+    import errno
+
+    from gpuwatchd.sources.heartbeat_step import read_step
+    from gpuwatchd.sources.pidns import open_parent_in_root
+
+    root = tmp_path / "root"
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "a" / "b" / "hb").write_text("7")
+    (tmp_path / "a" / "b").mkdir(parents=True)  # what an escape would find: the daemon's tree
+    (tmp_path / "a" / "b" / "hb").write_text("666")
+    (root / "abs").symlink_to("/a")
+    (root / "a" / "up").symlink_to("../../../../a")
+    (root / "a" / "b" / "leak").symlink_to(str(tmp_path / "a" / "b" / "hb"))
+    (root / "loop").symlink_to("loop")
+    fds = len(os.listdir("/proc/self/fd"))
+    for path in ("a/b/hb", "/abs/b/hb", "a/up/b/hb", "../../a/b/hb"):
+        fd, name = open_parent_in_root(str(root), path)
+        try:
+            assert name == "hb" and read_step(name, None, dir_fd=fd) == 7, path
+        finally:
+            os.close(fd)
+    fd, name = open_parent_in_root(str(root), "a/b/leak")
+    try:
+        assert read_step(name, None, dir_fd=fd) is None  # a link as the last name: not followed
+    finally:
+        os.close(fd)
+    for path, code in (("a/b/hb/x", errno.ENOTDIR), ("nope/hb", errno.ENOENT),
+                       ("loop/hb", errno.ELOOP)):
+        with pytest.raises(OSError) as e:
+            open_parent_in_root(str(root), path)
+        assert e.value.errno == code, path
+    for path in ("a/b/..", "", "/"):
+        with pytest.raises(ValueError):
+            open_parent_in_root(str(root), path)
+    assert len(os.listdir("/proc/self/fd")) == fds  # nothing left open by the walks or refusals
+
+
 def test_a_cycle_reads_each_ranks_stat_once(tmp_path: Path, rank: Rank,
                                             procs: list[subprocess.Popen[Any]]) -> None:
     """The rank files' PID-namespace check asks for the start time, /proc asks for the whole stat
