@@ -10,6 +10,7 @@ numbers."""
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 import ssl
 import subprocess
@@ -47,15 +48,45 @@ def test_run_path_imports_nothing_that_loads_openssl() -> None:
     assert json.loads(out) == []
 
 
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+# Every Accept a scraper sends (tests/test_exposition_formats.py has what each one chooses), and
+# the requests that used to fall back to prometheus_client: text 1.0.0 and a name[] filter.
+ACCEPTS = (PROMETHEUS_ACCEPT, "", "*/*", "text/plain; version=0.0.4", "text/plain;version=1.0.0",
+           "text/plain;version=1.0.0;escaping=allow-utf-8", "text/plain;version=1.0.0;escaping=dots",
+           "application/openmetrics-text", "application/openmetrics-text;version=1.0.0",
+           "application/openmetrics-text;version=1.0.0;escaping=values",
+           "application/openmetrics-text;version=2.0.0", "application/openmetrics-text;version=0.0.1")
+
+
 def test_running_daemon_maps_no_openssl_until_tls_is_configured(tmp_path: Path) -> None:
+    """Whatever a client asks for (every Accept, name[], gzip), no request loads prometheus_client
+    (which loads ssl) or grows the daemon: RSS stays within 1 MiB of the first scrape's (the
+    fallback to client_python added 8.2 MiB and libssl for the life of the process)."""
     cfg_path, cfg = write_config(tmp_path, nvml={"enabled": True, "fixture": str(FIXTURE)})
     d = DaemonProc(cfg_path, cfg)
     try:
-        for accept in (PROMETHEUS_ACCEPT, ""):
-            req = urllib.request.Request(d.url, headers={"Accept": accept} if accept else {})
-            with urllib.request.urlopen(req, timeout=10) as r:
-                assert b"gpuwatch_gpu_info" in r.read()
-        assert mapped(d.proc.pid) == set()
+        requests = [(d.url, {"Accept": a} if a else {}) for a in ACCEPTS] + [
+            (d.url + "?name[]=gpuwatch_gpu_info&name[]=process_open_fds", {}),
+            (d.url + "?name[]=gpuwatch_gpu_info", {"Accept": "text/plain;version=1.0.0"}),
+            (d.url, {"Accept-Encoding": "gzip"})]
+        first = None
+        for url, headers in requests:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+                body = r.read()
+                if r.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                assert b"gpuwatch_gpu_info" in body
+            rss = rss_kib(d.proc.pid)
+            first = first or rss
+            print(f"RSS {rss / 1024:6.1f} MiB after {url.split('/metrics')[1] or '/metrics'} {headers}")
+            assert mapped(d.proc.pid) == set(), (url, headers)
+            assert rss - first < 1024, (url, headers, rss, first)
     finally:
         assert d.stop() == 0
 

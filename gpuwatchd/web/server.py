@@ -126,6 +126,7 @@ def _start(registry: Collector, family: socket.AddressFamily, addr: tuple[str, i
             counters.inc("web_connections_dropped", (reason,))
 
     listener = Listener(sock, limits, site.tls, site.san_allowed, site.serve, dropped)
+    site.hand_back = listener.hand_back
     listener.start()
     ws = WebServer(listener, site, (family, addr), counters)
     log.info("serving %s", ws.url)
