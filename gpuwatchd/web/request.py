@@ -11,9 +11,10 @@ every ambiguity is refused with a status and the connection closed, never guesse
   different ``Content-Length``, HTTP/1.1 with no Host or with two, an unknown transfer coding
   (501, RFC 9112 §6.1), HTTP/0.9), with its ``error_status_hint``;
 - and what h11 accepts but a keep-alive server behind a proxy must not (RFC 9112 §5.2, §6.1,
-  §6.3): an obs-fold continuation line, ``Content-Length`` given twice even with equal values,
-  ``Content-Length`` together with ``Transfer-Encoding`` (400), an HTTP version other than 1.0
-  or 1.1 (505).
+  §6.3): an obs-fold continuation line, ``Content-Length`` given twice or as a list even with
+  equal values (h11 folds those into one), ``Content-Length`` together with
+  ``Transfer-Encoding`` (400), an HTTP version other than 1.0 or 1.1 (505), more than
+  ``MAX_HEADERS`` header lines (431).
 
 A request body is framed by h11 (Content-Length or chunked) and read and discarded
 (``drain``), at most ``MAX_BODY_BYTES`` of it (413 beyond), so a body is never taken for the next
@@ -35,6 +36,8 @@ import h11
 MAX_BODY_BYTES = 65536  # of a request body read and discarded; more is 413 and close
 MAX_HEADERS = 64  # header lines of a request; more is 431 and close
 _FOLD = re.compile(rb"\n[ \t]")  # a header line that continues the previous one (obs-fold)
+# Content-Length lines as sent: h11 folds equal duplicates and "5, 5" lists into one value.
+_LENGTHS = re.compile(rb"\ncontent-length:[ \t]*([^\r\n]*?)[ \t]*\r?$", re.I | re.M)
 REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
 _MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
@@ -63,7 +66,8 @@ def begin(head: bytes) -> tuple[h11.Connection, h11.Request]:
     names = [name for name, _ in event.headers]
     if len(names) > MAX_HEADERS:
         raise Refused(431, f"more than {MAX_HEADERS} header lines")
-    if names.count(b"content-length") > 1:
+    lengths = _LENGTHS.findall(head)
+    if len(lengths) > 1 or (lengths and not lengths[0].isdigit()):
         raise Refused(400, "Content-Length given more than once")
     if b"content-length" in names and b"transfer-encoding" in names:
         raise Refused(400, "Content-Length together with Transfer-Encoding")
