@@ -80,7 +80,7 @@ def _exchange(ws: web.WebServer, data: bytes, then: bytes = b"") -> tuple[list[i
                 if then and not sent_then:
                     s.sendall(then)
                     sent_then = True
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             return statuses, False
         except ConnectionResetError:
             return statuses, True
