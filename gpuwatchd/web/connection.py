@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 log = logging.getLogger("gpuwatchd.web")
 
-BACKLOG = 1024  # capped by net.core.somaxconn (4096 since Linux 5.4)
+BACKLOG = 4096  # capped by net.core.somaxconn (4096 by default since Linux 5.4); docs/security.md
 MAX_REQUEST_LINE = 8192
 # Where the request head ends: an empty line; h11 also accepts bare LF line ends.
 HEAD_END = re.compile(rb"\r?\n\r?\n")
