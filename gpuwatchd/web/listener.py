@@ -3,20 +3,25 @@ head and written to by one thread (an epoll loop), so that a connection which se
 byte at a time (slowloris), or reads its answer slowly costs a file descriptor and a small
 buffer, never a thread.
 
-Only a connection whose request head is complete goes to a worker thread (at most
+Only a connection whose request is complete goes to a worker thread (at most
 ``max_workers``); the worker builds the response in memory (the body is the exporter's cached
 bytes, shared, not copied) and gives it back to the loop, which writes it and keeps the
-connection for the next request: no worker ever waits on a client. When ``max_connections`` are
-open, a new connection takes the place of the oldest one that is *waiting on its client*
-(handshake, request head, response not yet read, keep-alive idle): a client holding many
-half-open connections only ever pushes out its own oldest ones, while a scraper, which sends its
-request as it connects, is read long before it could become the oldest: no connection is pushed
+connection for the next request: no worker ever waits on a client. The bytes are framed into
+requests by web/request.py (h11): a head is found here and must fit ``max_head_bytes`` however it
+arrives, a body is read and discarded, and what follows a request is the next one (pipelining;
+a client that half-closes after its requests still gets every answer). When ``max_connections``
+are open, a new connection takes the place of one that is *waiting on its client* (handshake,
+request head, response not yet read, keep-alive idle): one of the client address holding the
+most waiting connections, one that never sent a complete request before one that has been
+answered (a scraper's idle keep-alive), the one that began to wait first (``_victim``), so a
+client holding many half-open connections only ever pushes out its own. No connection is pushed
 out sooner than ``eviction_grace`` (0.2 s) after it began to wait, and newcomers wait in the
-listen backlog meanwhile (``BACKLOG``, larger than the limit, so the kernel keeps completing
-handshakes and a scraper's connect is not left to SYN retries). Each turn of the loop reads the
-connections that have data before it accepts new ones. Under such an attack a scraper waits
-about (hostile connections - max_connections) * eviction_grace / max_connections in the
-backlog: 0.4 s for 200 against 64.
+accept queue meanwhile (``BACKLOG``, 4096, capped by net.core.somaxconn, so the kernel keeps
+completing handshakes and a scraper's connect is not left to SYN retries). Each turn of the loop
+reads the connections that have data before it accepts new ones. Under such an attack a new
+connection waits about (hostile connections - max_connections) * eviction_grace /
+max_connections in the accept queue: 0.4 s for 200 against 64; past max_connections + BACKLOG
+the kernel drops SYNs and the client retransmits after 1, 3, 7 s (docs/security.md).
 
 Deadlines: TLS handshake and request head within ``request_timeout`` of the accept, the response
 read by the client within ``write_timeout``, keep-alive idle ``idle_timeout``. Connections dropped
@@ -30,7 +35,7 @@ loop wakes for I/O, ``stop()`` (a self-pipe) and the nearest deadline, not while
 (bench/cycle_profile.py). Privilege: none.
 
 The workers are the listener's ``WorkerPool`` (web/workers.py): the loop submits a connection
-whose head is complete, a worker hands it back answered through ``Listener._hand_back``.
+whose request is complete, a worker hands it back answered through ``Listener.hand_back``.
 """
 
 from __future__ import annotations
