@@ -311,3 +311,10 @@ def test_generated_heads_agree_with_h11(server: web.WebServer, head: bytes) -> N
         assert len(statuses) == 1 or (served and h11_trailing(head)), (head, statuses)
     if verdict is not None and not httptools_accepts(head):
         assert 200 not in statuses
+
+
+def test_expect_100_continue_is_answered_without_waiting_for_the_body(server: web.WebServer) -> None:
+    no_body = b"GET /metrics HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n\r\n"
+    assert _exchange(server, no_body, then=OK) == ([200, 200], False)
+    body_unsent = b"GET /metrics HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n"
+    assert _exchange(server, body_unsent) == ([200], True)  # answered; the unread body closes it

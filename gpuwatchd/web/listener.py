@@ -350,17 +350,16 @@ class Listener:
                 return
             conn.body_seen = 0
         assert conn.parser is not None
-        if conn.parser.they_are_waiting_for_100_continue:
+        try:
+            complete, conn.body_seen = request.drain(conn.parser, conn.buf, conn.body_seen)
+        except request.Refused as e:
+            log.debug("refused a request body from %s: %s", conn.addr, e)
+            self._refuse(conn, e.status)
+            return
+        if not complete and conn.parser.they_are_waiting_for_100_continue:
             # Its body would come only after a 100 Continue: answer without reading it (h11 then
             # closes the connection, the body unread).
             complete = True
-        else:
-            try:
-                complete, conn.body_seen = request.drain(conn.parser, conn.buf, conn.body_seen)
-            except request.Refused as e:
-                log.debug("refused a request body from %s: %s", conn.addr, e)
-                self._refuse(conn, e.status)
-                return
         if not complete:
             if conn.eof:
                 self._close(conn)
