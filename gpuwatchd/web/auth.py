@@ -8,8 +8,9 @@ is answered from the cache (a dictionary lookup) however many checks wait, and a
 one wrong password costs one check. At most ``MAX_PENDING`` checks wait, at most
 ``PER_CLIENT`` of them from one client address; more are answered 503 at once.
 ``Buckets``: the web-config's ``rate_limit`` as one token bucket per client address (an IPv6
-address by its /64), so a client flooding without credentials empties its own bucket, not the
-scraper's; at most ``MAX_CLIENTS`` buckets, the least recently used forgotten.
+address by its /64), and one per (address, user) for requests whose credentials are already known
+good, so a client flooding without credentials empties its own bucket, never the scraper's, even
+from the scraper's address; at most ``MAX_CLIENTS`` buckets, the least recently used forgotten.
 
 Cost: per cached verdict 32 bytes of key; per client a bucket; one thread once a password has to
 be checked. Privilege: none. Imports bcrypt and hashlib (libcrypto) only when a web-config has
@@ -151,10 +152,13 @@ class Buckets:
         self._rate: RateLimit | None = None
         self._buckets: collections.OrderedDict[str, tuple[float, float]] = collections.OrderedDict()
 
-    def take(self, rate: RateLimit | None, addr: str) -> bool:
+    def take(self, rate: RateLimit | None, addr: str, user: str | None = None) -> bool:
+        """A token for a request from ``addr``; ``user``: credentials already known good, whose
+        requests have a bucket of their own, so that a flood without credentials from the same
+        address (behind one NAT or proxy) cannot empty the scraper's."""
         if rate is None:
             return True
-        key = client_key(addr)
+        key = client_key(addr) if user is None else f"{client_key(addr)}\0{user}"
         with self._lock:
             if rate != self._rate:  # a new rate_limit: every client starts with a full bucket
                 self._rate = rate

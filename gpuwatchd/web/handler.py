@@ -163,11 +163,14 @@ class _Site:
                                   (("Connection", "close"),))
             return self._send(conn, active, req, 405, b"Method Not Allowed\n", TEXT,
                               (("Allow", "GET, HEAD"), ("Connection", "close")))
-        if not self.buckets.take(active.rate_limit, conn.addr):
-            return self._send(conn, active, req, 429, b"Too Many Requests\n", TEXT)
+        creds = verdict = None
         if active.basic_auth_users:
             creds = _credentials(req.headers.get("authorization", ""))
             verdict = None if creds is None else self.auth.cached(active.basic_auth_users, *creds)
+        known = creds[0] if creds is not None and verdict else None
+        if not self.buckets.take(active.rate_limit, conn.addr, known):
+            return self._send(conn, active, req, 429, b"Too Many Requests\n", TEXT)
+        if active.basic_auth_users:
             if creds is not None and verdict is None:
                 # Not seen before: bcrypt, on the auth thread, never in this worker.
                 def finish(ok: bool) -> None:
