@@ -22,11 +22,12 @@ import base64
 import binascii
 import logging
 import threading
+import types
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
-from gpuwatchd.exporter.families import Collector, Metric
+from gpuwatchd.exporter.families import Collector
 from gpuwatchd.exporter.formats import gzip_accepted, negotiate
 from gpuwatchd.exporter.render import render
 from gpuwatchd.isolation import STILL_RUNNING, guarded
@@ -77,13 +78,12 @@ class _Restricted:
         self.registry = registry
         self.names = set(names)
 
-    def collect(self) -> Iterator[Metric]:
+    def collect(self) -> Iterator[Any]:
         for fam in self.registry.collect():
             samples = [s for s in fam.samples if s.name in self.names]
-            if samples:
-                m = Metric(fam.name, fam.documentation, fam.type, fam.unit)
-                m.samples = samples
-                yield m
+            if samples:  # any type another library writes (a histogram): not a gpuwatchd Metric
+                yield types.SimpleNamespace(name=fam.name, documentation=fam.documentation,
+                                            type=fam.type, unit=fam.unit, samples=samples)
 
 
 class _Uncached:
