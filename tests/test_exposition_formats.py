@@ -314,3 +314,26 @@ def test_process_metrics_are_process_collectors_on_the_same_process(tmp_path) ->
     finally:
         child.kill()
         child.wait()
+
+
+def test_another_librarys_registry_is_served_as_client_python_writes_it() -> None:
+    """A client_python registry (histograms, counters with _created, info) served by gpuwatchd's
+    server: the bytes client_python writes, in both formats and through name[]."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, Info
+
+    reg = CollectorRegistry()
+    Histogram("gw_req_seconds", "Request time.", registry=reg).observe(0.3)
+    Counter("gw_hits", "Hits.", ["a"], registry=reg).labels("x\n\"").inc(1796155037.0781217)
+    Info("gw_build", "Build.", registry=reg).info({"version": "1"})
+    server = serve(reg, "127.0.0.1:0")
+    try:
+        url = f"http://127.0.0.1:{server.address[1]}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            assert r.read() == generate_latest(reg)
+        req = urllib.request.Request(url, headers={"Accept": "application/openmetrics-text"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.read() == om.generate_latest(reg)
+        with urllib.request.urlopen(url + "?name[]=gw_req_seconds_bucket", timeout=10) as r:
+            assert r.read() == generate_latest(reg.restricted_registry(["gw_req_seconds_bucket"]))
+    finally:
+        server.close()
