@@ -91,6 +91,44 @@ def test_running_daemon_maps_no_openssl_until_tls_is_configured(tmp_path: Path) 
         assert d.stop() == 0
 
 
+SERVE_AND_ASK = """
+import json, socket, sys
+from gpuwatchd.counters import CounterStore
+from gpuwatchd.exporter.collector import make_registry
+from gpuwatchd.model import NodeState
+from gpuwatchd.web.server import serve
+
+state = NodeState(timestamp=1.0)
+server = serve(make_registry(lambda: state, CounterStore()), "127.0.0.1:0")
+for query, headers in json.loads(sys.argv[1]):
+    s = socket.socket()  # raw, and no getaddrinfo (its str host loads encodings.idna)
+    s.settimeout(10)
+    s.connect(server.address)  # urllib would import ssl into this process
+    head = "".join(f"{k}: {v}\\r\\n" for k, v in headers.items())
+    s.sendall(f"GET /metrics{query} HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n{head}\\r\\n".encode())
+    got = b""
+    while chunk := s.recv(65536):
+        got += chunk
+    s.close()
+    assert got.startswith(b"HTTP/1.1 200"), got[:100]
+server.close()
+print(json.dumps(sorted(m for m in json.loads(sys.argv[2]) if m in sys.modules)))
+"""
+
+
+def test_no_request_imports_what_loads_openssl() -> None:
+    """In the serving process itself: after every Accept, name[] and gzip request, none of the
+    LAZY modules (prometheus_client, ssl, hashlib, http.client, ...) has been imported."""
+    requests = [("", {"Accept": a} if a else {}) for a in ACCEPTS] + [
+        ("?name[]=gpuwatch_build_info&name[]=process_open_fds", {}),
+        ("?name[]=gpuwatch_build_info", {"Accept": "text/plain;version=1.0.0"}),
+        ("", {"Accept-Encoding": "gzip"}), ("", {"Accept-Encoding": "gzip", "Accept": PROMETHEUS_ACCEPT})]
+    out = subprocess.run([sys.executable, "-c", SERVE_AND_ASK, json.dumps(requests), json.dumps(LAZY)],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == []
+
+
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_pki(tmp_path_factory.mktemp("pki-rss"))
