@@ -7,7 +7,8 @@ gzip is compressed at level 1 on the first request that asks for it and kept bes
 ten times that for 4 % less). A ``name[]`` filter picks families out of the rendering (a few
 string joins, at most the body's size), so no request renders anew, whatever it asks
 (docs/security.md, N6). Cost: the body, its gzip once asked for, and the rendering's family
-strings (shared with the renderer's ``Prefixes``). Privilege: none.
+strings (shared with the renderer's ``Prefixes``). Privilege: none. Shell equivalent:
+``curl -H 'Accept-Encoding: gzip' 'http://node:9958/metrics?name[]=gpuwatch_rank_up'``.
 """
 
 from __future__ import annotations

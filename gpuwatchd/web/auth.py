@@ -14,7 +14,7 @@ from the scraper's address; at most ``MAX_CLIENTS`` buckets, the least recently 
 
 Cost: per cached verdict 32 bytes of key; per client a bucket; one thread once a password has to
 be checked. Privilege: none. Imports bcrypt and hashlib (libcrypto) only when a web-config has
-``basic_auth_users``.
+``basic_auth_users``. Shell equivalent: ``curl -u prometheus https://node:9958/metrics``.
 """
 
 from __future__ import annotations

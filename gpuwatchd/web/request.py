@@ -22,7 +22,8 @@ request. One ``h11.Connection`` per request: what follows a request's end is han
 listener's buffer (``h11.Connection.trailing_data``), which frames the next head the same way.
 Keep-alive is h11's decision (HTTP/1.0 and ``Connection: close`` close, and a request whose
 body was not read closes). Cost: one pass of h11's regexes over a head (at most 32 KiB), one
-``h11.Connection`` (a few hundred bytes) per request. Privilege: none.
+``h11.Connection`` (a few hundred bytes) per request. Privilege: none. Shell equivalent:
+``printf 'GET /metrics HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n' | nc 127.0.0.1 9958``.
 """
 
 from __future__ import annotations
