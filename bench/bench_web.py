@@ -30,6 +30,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gpuwatchd.exporter.exposition import Exposition
+from gpuwatchd.exporter.render import Part
 from gpuwatchd.web import server as web
 
 
@@ -39,9 +41,10 @@ class Cached(CollectorRegistry):
     def __init__(self, body: bytes) -> None:
         super().__init__()
         self.body = body
+        self._exp = Exposition([Part("", body.decode(), frozenset(), True)], False)
 
-    def encode_text(self) -> bytes:
-        return self.body
+    def exposition(self, fmt: str) -> Exposition:
+        return self._exp
 
 
 class Fixed(Collector):

@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from gpuwatchd import strict_yaml
+
 # the value checkers live in config_checks.py; parse_listen_address is public here too
 from gpuwatchd.config_checks import (
     _boolean,
@@ -281,7 +283,7 @@ def load_config(path: str | None) -> Config:
         raise ConfigError([f"larger than {MAX_CONFIG_BYTES} bytes"], path)
     try:
         text = raw.decode("utf-8")
-        data = yaml.safe_load(text)
+        data = strict_yaml.load(text)
     except UnicodeDecodeError as e:
         raise ConfigError([f"not UTF-8 text: {e}"], path) from e
     except yaml.YAMLError as e:

@@ -94,19 +94,25 @@ def _one_line(v: Any) -> str:
     return v
 
 
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
-_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+# Go's time.ParseDuration: one or more number+unit parts ("1m30s", "1.5h", "300ms"), or "0".
+_DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)", re.ASCII)
+_DURATION = re.compile(r"(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:ns|us|\u00b5s|\u03bcs|ms|s|m|h))+\Z")
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ms": 0.001, "s": 1.0,
+                   "m": 60.0, "h": 3600.0}
 
 
 def _duration(v: Any) -> float:
-    """Seconds: a number, or a duration string as Go writes it ("100ms", "1s", "5m", "1h")."""
+    """Seconds: a number, or a duration string as Go's time.ParseDuration reads it ("100ms",
+    "1s", "5m", "1m30s", "0")."""
     if isinstance(v, str):
-        m = _DURATION.match(v)
-        if not m:
-            raise ValueError(f"must be a duration such as 1s or 100ms, got {v!r}")
-        v = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+        if v == "0":
+            v = 0
+        elif not _DURATION.match(v):
+            raise ValueError(f"must be a duration such as 1s, 100ms or 1m30s, got {v!r}")
+        else:
+            v = sum(float(n) * _DURATION_UNITS[u] for n, u in _DURATION_PART.findall(v))
     elif isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"must be a duration such as 1s or 100ms, got {v!r}")
+        raise ValueError(f"must be a duration such as 1s, 100ms or 1m30s, got {v!r}")
     return _number(0.0)(v)
 
 

@@ -18,6 +18,8 @@ from typing import Any, Generic, TypeVar
 
 from gpuwatchd.model import CollectorStatus
 
+# In a CollectorStatus.error: the collector's call outlived its time-out (/-/ready reads it).
+STILL_RUNNING = "(call still running)"
 log = logging.getLogger("gpuwatchd")
 T = TypeVar("T")
 # A collector's worker thread that got no call for this long (or twice its time-out) ends; the
@@ -127,7 +129,7 @@ class Collector(Generic[T]):
             self._submit(call)
             call.finished.wait(self.timeout)
         if not call.done:
-            error = f"timed out after {self.timeout:g}s (call still running)"
+            error = f"timed out after {self.timeout:g}s {STILL_RUNNING}"
             return self._fail(error, time.monotonic() - t0)
         duration = time.monotonic() - call.started
         if call.error is not None:

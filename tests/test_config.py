@@ -136,3 +136,25 @@ def test_unquoted_off_means_off() -> None:
     assert parse_config(yaml.safe_load("kernel_log: off")).kernel_log == "off"
     with pytest.raises(ConfigError, match="kernel_log"):
         parse_config(yaml.safe_load("kernel_log: on"))
+
+
+@pytest.mark.parametrize("text", [
+    "interval_seconds: 5\ninterval_seconds: 10\n",
+    "web:\n  listen_address: ':9958'\n  listen_address: ':9959'\n",
+])
+def test_a_key_given_twice_is_refused_naming_it(tmp_path: Path, text: str) -> None:
+    """Not silently last-wins (strict_yaml.py; exporter-toolkit's UnmarshalStrict does the same)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path))
+    key = text.splitlines()[-1].split(":")[0].strip()
+    assert f"key '{key}' appears twice" in str(e.value) and "lines" in str(e.value)
+
+
+def test_a_merge_may_override_what_it_brings(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("base: &b {listen_address: ':1'}\nweb:\n  <<: *b\n  listen_address: ':9958'\n")
+    with pytest.raises(ConfigError) as e:  # 'base' is no config key; the merge itself is fine
+        load_config(str(path))
+    assert "appears twice" not in str(e.value) and "base" in str(e.value)

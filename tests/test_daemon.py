@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from daemonutil import DaemonProc, has_finding, write_config
 
 # Opens fds in steps of 100 up to 900 under a soft limit of 1024, then waits.
@@ -145,7 +146,10 @@ def test_sighup_reload_keeps_old_config_when_new_is_bad(tmp_path: Path) -> None:
     d = DaemonProc(path, cfg)
     try:
         original = path.read_text()
-        path.write_text(original + "\nbogus_key: 1\ngil: {rate_hz: fast}\n")
+        bad = yaml.safe_load(original)  # (gil: is there already: a second one would be refused
+        bad["bogus_key"] = 1            # as a duplicate key before its values are looked at)
+        bad["gil"] = {**bad["gil"], "rate_hz": "fast"}
+        path.write_text(yaml.safe_dump(bad))
         d.signal(signal.SIGHUP)
         d.wait_for(lambda: "reload refused" in d.log(), what="reload refused log line")
         assert "bogus_key: unknown key" in d.log() and "gil.rate_hz" in d.log()

@@ -88,7 +88,7 @@ def names(text: str) -> set[str]:
 
 def documented() -> set[str]:
     doc = (REPO / "docs" / "metrics.md").read_text()
-    return set(re.findall(r"^\| `(gpuwatch_[a-z_]+)` \|", doc, re.M))
+    return set(re.findall(r"^\| `((?:gpuwatch|process)_[a-z_]+)` \|", doc, re.M))
 
 
 def test_promtool_lints_the_real_exposition() -> None:

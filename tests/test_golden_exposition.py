@@ -3,13 +3,17 @@
 A recorded /proc tree (tests/fixtures/proc/golden, written by tools/make_proc_fixture.py) and an
 NVML recording (tests/fixtures/nvml/h200_orphan_dataloader.json) go through the real daemon's
 cycles (rank files, /proc, the GPU subsystem, the join, the findings) with a fixed clock, and the
-/metrics text it serves is compared with tests/fixtures/golden/metrics.txt. Any change to a metric
-name, label, value or help text shows up here as a diff.
+/metrics text it serves over a real socket, in both formats, is compared with
+tests/fixtures/golden/metrics.txt (text 0.0.4) and metrics.openmetrics.txt (OpenMetrics 1.0.0):
+the bytes a scraper gets, not a re-rendering. Any change to a metric name, label, value, help
+text or to how a value is written shows up here as a diff.
 
     UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_golden_exposition.py   # regenerate
 
 The only values that depend on the machine are the collectors' wall-clock durations (replaced by
-0), the daemon's own /proc/self/oom_score_adj (replaced by 0) and the user name of the fixture's
+0), the daemon's own /proc/self/oom_score_adj and process_* self-metrics (replaced by 0;
+tests/test_exposition_formats.py compares those with client_python's ProcessCollector) and the
+user name of the fixture's
 owner (replaced by ``USER``). RSS is pages times the page size: the golden file is for 4 KiB pages
 (x86-64, where CI runs).
 """
@@ -21,25 +25,38 @@ import pwd
 import re
 import shutil
 import subprocess
+import urllib.request
 from pathlib import Path
-
-from prometheus_client.exposition import generate_latest
 
 from gpuwatchd.config import Config, NvmlConfig, OrphansConfig
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.gpu import GpuSubsystem
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.rank.rankfile import write_rank_file
+from gpuwatchd.web.server import serve
 
 HERE = Path(__file__).resolve().parent
 PROC = HERE / "fixtures" / "proc" / "golden"
 NVML = HERE / "fixtures" / "nvml" / "h200_orphan_dataloader.json"
 GOLDEN = HERE / "fixtures" / "golden" / "metrics.txt"
+GOLDEN_OM = HERE / "fixtures" / "golden" / "metrics.openmetrics.txt"
+OPENMETRICS = "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,*/*;q=0.1"
 T0 = 1795935723.0  # the NVML recording's first cycle
 DURATION = re.compile(r"^(gpuwatch_\w*duration_seconds\w*(?:\{[^}]*\})?|gpuwatch_cycle_seconds\w*) \S+$", re.M)
 
 
-def _exposition(tmp_path: Path) -> str:
+def _served(registry: object, accept: str | None) -> str:
+    server = serve(registry, "127.0.0.1:0")  # type: ignore[arg-type]
+    try:
+        req = urllib.request.Request(f"http://127.0.0.1:{server.address[1]}/metrics",
+                                     headers={"Accept": accept} if accept else {})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.read().decode()
+    finally:
+        server.close()
+
+
+def _exposition(tmp_path: Path, accept: str | None = None) -> str:
     rank_dir = tmp_path / "ranks"
     write_rank_file(str(rank_dir), {
         "version": 1, "job_id": "golden", "world_size": 1,
@@ -57,21 +74,23 @@ def _exposition(tmp_path: Path) -> str:
         for t in (T0, T0 + 5.0, T0 + 40.0):  # the orphans outlive their 30 s grace
             now[0] = t
             daemon.cycle()
-        text = generate_latest(daemon.registry).decode()
+        text = _served(daemon.registry, accept)
     finally:
         for sub in daemon.subsystems:
             sub.stop()
     text = DURATION.sub(lambda m: f"{m.group(1)} 0.0", text)
     text = re.sub(r"^gpuwatch_process_oom_score_adj \S+$", "gpuwatch_process_oom_score_adj 0.0", text, flags=re.M)
+    text = re.sub(r"^(process_\w+) \S+$", r"\1 0.0", text, flags=re.M)
     return text.replace(f'"{pwd.getpwuid(os.stat(PROC).st_uid).pw_name}"', '"USER"')
 
 
 def test_metrics_match_the_golden_file(tmp_path: Path) -> None:
-    text = _exposition(tmp_path)
-    if os.environ.get("UPDATE_GOLDEN"):
-        GOLDEN.parent.mkdir(parents=True, exist_ok=True)
-        GOLDEN.write_text(text)
-    assert text == GOLDEN.read_text(), "run with UPDATE_GOLDEN=1 and review the diff"
+    for golden, accept in ((GOLDEN, None), (GOLDEN_OM, OPENMETRICS)):
+        text = _exposition(tmp_path / golden.name, accept)
+        if os.environ.get("UPDATE_GOLDEN"):
+            golden.parent.mkdir(parents=True, exist_ok=True)
+            golden.write_text(text)
+        assert text == golden.read_text(), f"{golden.name}: run with UPDATE_GOLDEN=1 and review the diff"
 
 
 def test_golden_file_is_deterministic(tmp_path: Path) -> None:

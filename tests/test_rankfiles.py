@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,7 +14,14 @@ from hypothesis import strategies as st
 
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.rank.api import build_document, heartbeat, register_rank, unregister_rank
-from gpuwatchd.rank.rankfile import MAX_FILE_BYTES, RankFileError, claim_from_env, parse_rank_document, write_rank_file
+from gpuwatchd.rank.rankfile import (
+    MAX_FILE_BYTES,
+    RankFileError,
+    claim_from_env,
+    loads_strict,
+    parse_rank_document,
+    write_rank_file,
+)
 from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.sources.rankfiles import RankFileReader, discover
 
@@ -214,4 +222,101 @@ def test_schema_document_matches_parser() -> None:
     from gpuwatchd.rank.rankfile import RANK_KEYS
 
     assert set(schema["properties"]["ranks"]["items"]["properties"]) == RANK_KEYS
-    assert schema["properties"]["job_id"]["pattern"] == "^[A-Za-z0-9._:@-]{1,128}$"
+    from gpuwatchd.rank.rankfile import JOB_ID_RE
+
+    # The same pattern, ECMA-262 "$" (no final newline) written "\\Z" in Python.
+    assert schema["properties"]["job_id"]["pattern"] == JOB_ID_RE.pattern.replace("\\Z", "$")
+
+
+# --- the reader against its published schema, compiled by fastjsonschema ----------------------
+
+_SCHEMA = REPO / "gpuwatchd" / "rank" / "rankfile.schema.json"
+
+
+def _compiled() -> Any:
+    import fastjsonschema  # dev extra: the oracle, never imported by the daemon
+
+    return fastjsonschema.compile(json.loads(_SCHEMA.read_text()))
+
+
+_ODD_TEXT = st.sampled_from(["llm-7", "llm-7\n", "\nllm-7", "a" * 128, "a" * 129, "", "job id",
+                             "j\u00e9", "job:1@x.y-z_", "\u0663", "3\n", "0", "999", "1000", "-1",
+                             "GPU-0a1b", "MIG-GPU-1/2", "GPU-" + "a" * 81, "/abs/hb", "rel/hb",
+                             "/abs/\x07", "/abs/\u00a0x", "/" + "x" * 4096]) | st.text(max_size=8)
+_ODD_INT = st.sampled_from([0, 1, -1, 2, 7, 999, 1000, 65536, 65537, (1 << 20) - 1, 1 << 20,
+                            1 << 22, (1 << 22) + 1, 1 << 40, (1 << 62), (1 << 62) + 1,
+                            (1 << 32) - 1, 1 << 32]) | st.integers(-5, 5000)
+_ODD = _ODD_INT | _ODD_TEXT | st.sampled_from([True, None, 1.0, 2.5, [], {}])
+
+
+@st.composite
+def _rank_docs(draw: st.DrawFn) -> dict:
+    ranks = []
+    for _ in range(draw(st.integers(1, 3))):
+        r: dict[str, Any] = {"rank": draw(_ODD_INT | st.just(0)), "pid": draw(_ODD_INT | st.just(4242))}
+        for key in ("local_rank", "start_ticks", "pid_ns"):
+            if draw(st.booleans()):
+                r[key] = draw(_ODD_INT)
+        if draw(st.booleans()):
+            r["gpus"] = draw(st.lists(_ODD_INT | _ODD_TEXT, max_size=3))
+        if draw(st.booleans()):
+            r["heartbeat"] = draw(_ODD_TEXT)
+        if draw(st.integers(0, 9)) == 0:
+            r[draw(st.sampled_from(["rank", "pid", "gpus", "extra"]))] = draw(_ODD)
+        ranks.append(r)
+    doc: dict[str, Any] = {"version": 1, "job_id": draw(_ODD_TEXT | st.just("llm-7")), "ranks": ranks}
+    if draw(st.booleans()):
+        doc["world_size"] = draw(_ODD_INT)
+    if draw(st.integers(0, 9)) == 0:
+        doc[draw(st.sampled_from(["version", "job_id", "ranks", "extra"]))] = draw(_ODD)
+    return doc
+
+
+@settings(max_examples=600, deadline=None)
+@given(_rank_docs())
+def test_every_file_the_reader_accepts_passes_the_shipped_schema(doc: dict) -> None:
+    """The reader is stricter than its schema where a schema cannot say it (a rank listed twice,
+    rank < world_size, duplicate keys, pid 1.0), never laxer: a launcher that validates against
+    the published schema writes only files the daemon may refuse for those reasons."""
+    import fastjsonschema
+
+    text = json.dumps(doc)
+    try:
+        parse_rank_document(loads_strict(text))
+    except (RankFileError, ValueError):
+        return
+    try:
+        _compiled()(json.loads(text))
+    except fastjsonschema.JsonSchemaValueException as e:
+        raise AssertionError(f"the reader accepts what the schema refuses ({e.message}): {text}") from e
+
+
+@pytest.mark.parametrize("field", ["job_id", "gpu"])
+def test_a_final_newline_is_refused_by_reader_and_schema_alike(field: str) -> None:
+    import fastjsonschema
+
+    doc: dict[str, Any] = {"version": 1, "job_id": "llm-7", "ranks": [{"rank": 0, "pid": 7, "gpus": ["3"]}]}
+    if field == "job_id":
+        doc["job_id"] = "llm-7\n"
+    else:
+        doc["ranks"][0]["gpus"] = ["3\n"]
+    with pytest.raises(RankFileError):
+        parse_rank_document(doc)
+    with pytest.raises(fastjsonschema.JsonSchemaValueException):
+        _compiled()(doc)
+
+
+@pytest.mark.parametrize("doc", [
+    {"version": 1, "job_id": "j", "ranks": [{"rank": 0, "pid": 1 << 40}]},
+    {"version": 1, "job_id": "j", "ranks": [{"rank": 0, "pid": 12345678901234567890123456789}]},
+    {"version": 1, "job_id": "j", "ranks": [{"rank": 0, "pid": 7, "heartbeat": "relative/hb"}]},
+    {"version": 1, "job_id": "j", "ranks": [{"rank": 0, "pid": 7, "gpus": ["\u0663"]}]},
+    {"version": 1, "job_id": "j", "world_size": 1 << 21, "ranks": [{"rank": 0, "pid": 7}]},
+])
+def test_the_schema_states_the_maxima_the_reader_enforces(doc: dict) -> None:
+    import fastjsonschema
+
+    with pytest.raises(RankFileError):
+        parse_rank_document(doc)
+    with pytest.raises(fastjsonschema.JsonSchemaValueException):
+        _compiled()(doc)

@@ -10,6 +10,7 @@ numbers."""
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 import ssl
 import subprocess
@@ -47,17 +48,85 @@ def test_run_path_imports_nothing_that_loads_openssl() -> None:
     assert json.loads(out) == []
 
 
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+# Every Accept a scraper sends (tests/test_exposition_formats.py has what each one chooses), and
+# the requests that used to fall back to prometheus_client: text 1.0.0 and a name[] filter.
+ACCEPTS = (PROMETHEUS_ACCEPT, "", "*/*", "text/plain; version=0.0.4", "text/plain;version=1.0.0",
+           "text/plain;version=1.0.0;escaping=allow-utf-8", "text/plain;version=1.0.0;escaping=dots",
+           "application/openmetrics-text", "application/openmetrics-text;version=1.0.0",
+           "application/openmetrics-text;version=1.0.0;escaping=values",
+           "application/openmetrics-text;version=2.0.0", "application/openmetrics-text;version=0.0.1")
+
+
 def test_running_daemon_maps_no_openssl_until_tls_is_configured(tmp_path: Path) -> None:
+    """Whatever a client asks for (every Accept, name[], gzip), no request loads prometheus_client
+    (which loads ssl) or grows the daemon: RSS stays within 1 MiB of the first scrape's (the
+    fallback to client_python added 8.2 MiB and libssl for the life of the process)."""
     cfg_path, cfg = write_config(tmp_path, nvml={"enabled": True, "fixture": str(FIXTURE)})
     d = DaemonProc(cfg_path, cfg)
     try:
-        for accept in (PROMETHEUS_ACCEPT, ""):
-            req = urllib.request.Request(d.url, headers={"Accept": accept} if accept else {})
-            with urllib.request.urlopen(req, timeout=10) as r:
-                assert b"gpuwatch_gpu_info" in r.read()
-        assert mapped(d.proc.pid) == set()
+        requests = [(d.url, {"Accept": a} if a else {}) for a in ACCEPTS] + [
+            (d.url + "?name[]=gpuwatch_gpu_info&name[]=process_open_fds", {}),
+            (d.url + "?name[]=gpuwatch_gpu_info", {"Accept": "text/plain;version=1.0.0"}),
+            (d.url, {"Accept-Encoding": "gzip"})]
+        first = None
+        for url, headers in requests:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+                body = r.read()
+                if r.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                assert b"gpuwatch_gpu_info" in body
+            rss = rss_kib(d.proc.pid)
+            first = first or rss
+            print(f"RSS {rss / 1024:6.1f} MiB after {url.split('/metrics')[1] or '/metrics'} {headers}")
+            assert mapped(d.proc.pid) == set(), (url, headers)
+            assert rss - first < 1024, (url, headers, rss, first)
     finally:
         assert d.stop() == 0
+
+
+SERVE_AND_ASK = """
+import json, socket, sys
+from gpuwatchd.counters import CounterStore
+from gpuwatchd.exporter.collector import make_registry
+from gpuwatchd.model import NodeState
+from gpuwatchd.web.server import serve
+
+state = NodeState(timestamp=1.0)
+server = serve(make_registry(lambda: state, CounterStore()), "127.0.0.1:0")
+for query, headers in json.loads(sys.argv[1]):
+    s = socket.socket()  # raw, and no getaddrinfo (its str host loads encodings.idna)
+    s.settimeout(10)
+    s.connect(server.address)  # urllib would import ssl into this process
+    head = "".join(f"{k}: {v}\\r\\n" for k, v in headers.items())
+    s.sendall(f"GET /metrics{query} HTTP/1.1\\r\\nHost: x\\r\\nConnection: close\\r\\n{head}\\r\\n".encode())
+    got = b""
+    while chunk := s.recv(65536):
+        got += chunk
+    s.close()
+    assert got.startswith(b"HTTP/1.1 200"), got[:100]
+server.close()
+print(json.dumps(sorted(m for m in json.loads(sys.argv[2]) if m in sys.modules)))
+"""
+
+
+def test_no_request_imports_what_loads_openssl() -> None:
+    """In the serving process itself: after every Accept, name[] and gzip request, none of the
+    LAZY modules (prometheus_client, ssl, hashlib, http.client, ...) has been imported."""
+    requests = [("", {"Accept": a} if a else {}) for a in ACCEPTS] + [
+        ("?name[]=gpuwatch_build_info&name[]=process_open_fds", {}),
+        ("?name[]=gpuwatch_build_info", {"Accept": "text/plain;version=1.0.0"}),
+        ("", {"Accept-Encoding": "gzip"}), ("", {"Accept-Encoding": "gzip", "Accept": PROMETHEUS_ACCEPT})]
+    out = subprocess.run([sys.executable, "-c", SERVE_AND_ASK, json.dumps(requests), json.dumps(LAZY)],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == []
 
 
 @pytest.fixture(scope="module")

@@ -341,7 +341,7 @@ def test_garbage_requests_never_kill_the_server(registry: CollectorRegistry,
     assert _raw(server, b"GET /metrics HTTP/9.9\r\n\r\n").startswith(b"HTTP/1.1 505")
     assert _raw(server, b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + os.urandom(64)) != b"x"
     assert _raw(server, b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n")
-    assert _raw(server, b"BREW /pot HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 501")
+    assert _raw(server, b"BREW /pot HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 501")
     # A client that hangs up half way.
     with socket.create_connection(("127.0.0.1", server.address[1])) as s:
         s.sendall(b"GET /metr")

@@ -30,7 +30,7 @@ def test_every_bad_value_is_named_with_what_it_must_be() -> None:
                               "prefer_server_cipher_suites": "yes", "cipher_suites": []},
         "basic_auth_users": {"alice": "plaintext-password", "bob:x": HASH},
         "http_server_config": {"http2": 1, "headers": {"X-Evil": "1", "X-Frame-Options": "a\nb"}},
-        "rate_limit": {"interval": "soon", "burst": 0},
+        "rate_limit": {"interval": "soon", "burst": -1},
         "tls_config": {},
     }
     assert _problems(doc) == [
@@ -48,8 +48,8 @@ def test_every_bad_value_is_named_with_what_it_must_be() -> None:
         "http_server_config.headers.X-Evil: not one of Content-Security-Policy,"
         " Strict-Transport-Security, X-Content-Type-Options, X-Frame-Options, X-XSS-Protection",
         "http_server_config.headers.X-Frame-Options: must be a one-line string, got 'a\\nb'",
-        "rate_limit.interval: must be a duration such as 1s or 100ms, got 'soon'",
-        "rate_limit.burst: must be >= 1, got 0",
+        "rate_limit.interval: must be a duration such as 1s, 100ms or 1m30s, got 'soon'",
+        "rate_limit.burst: must be >= 0, got -1",
         "tls_config: unknown key",
     ]
 
@@ -128,3 +128,29 @@ def test_a_nul_byte_in_a_certificate_name_is_a_config_error(tmp_path: Path) -> N
     path.write_text('tls_server_config:\n  cert_file: "server.crt\\0"\n  key_file: server.key\n')
     os.utime(path, ns=(0, 1))  # a change the holder sees even within one mtime tick
     assert holder.current().config == good.config  # the last good one keeps serving
+
+
+def test_a_user_given_twice_is_refused_naming_it(tmp_path: Path) -> None:
+    """A second entry of one user name silently replaced the first hash (yaml last-wins)."""
+    import bcrypt
+
+    h = bcrypt.hashpw(b"pw", bcrypt.gensalt(4)).decode()
+    path = tmp_path / "web.yml"
+    path.write_text(f"basic_auth_users:\n  prometheus: {h}\n  prometheus: {h}\n")
+    with pytest.raises(WebConfigError) as e:
+        load_web_config(str(path))
+    assert "key 'prometheus' appears twice in one mapping (lines 2 and 3)" in str(e.value)
+
+
+@pytest.mark.parametrize(("interval", "seconds"), [("1m30s", 90.0), ("1.5h", 5400.0), ("250ms", 0.25),
+                                                   ("1h2m3s4ms", 3723.004), (2, 2.0)])
+def test_rate_limit_intervals_are_go_durations(interval: object, seconds: float) -> None:
+    rate = parse_web_config({"rate_limit": {"interval": interval, "burst": 2}}).rate_limit
+    assert rate is not None and rate.interval_seconds == pytest.approx(seconds)
+
+
+def test_rate_limit_interval_0_turns_it_off_and_a_final_newline_is_no_duration() -> None:
+    assert parse_web_config({"rate_limit": {"interval": 0, "burst": 0}}).rate_limit is None
+    assert parse_web_config({"rate_limit": {"interval": "0", "burst": 5}}).rate_limit is None
+    with pytest.raises(WebConfigError):
+        parse_web_config({"rate_limit": {"interval": "1s\n", "burst": 5}})

@@ -13,8 +13,10 @@ import ssl
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from daemonutil import DaemonProc, write_config
@@ -249,8 +251,9 @@ class _Cached(CollectorRegistry):
         super().__init__()
         self.body = body
 
-    def encode_text(self) -> bytes:
-        return self.body
+    def exposition(self, fmt: str) -> Any:
+        return types.SimpleNamespace(body=self.body, gzipped=lambda: self.body,
+                                     select=lambda names: self.body)
 
 
 def test_clients_that_never_read_their_answer_hold_no_worker(served: list[web.WebServer]) -> None:

@@ -31,8 +31,8 @@ from typing import Any
 
 from gpuwatchd.units import fmt_bytes
 
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
-DURATION_RE = re.compile(r"^[0-9]+[smhdw]$")
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}\Z", re.ASCII)  # rank/rankfile.py's
+DURATION_RE = re.compile(r"^[0-9]+[smhdw]\Z", re.ASCII)
 
 UP = "up"
 STALLED = "stalled"

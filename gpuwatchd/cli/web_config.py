@@ -61,5 +61,11 @@ def _cmd_hash(args: argparse.Namespace, read: Callable[[], str] | None = None) -
     if not password:
         print("empty password", file=sys.stderr)
         return 2
+    if len(password) > 72:
+        # bcrypt reads 72 bytes at most (bcrypt 5 refuses more; older ones ignored the rest, so
+        # two passwords that share 72 bytes would both pass).
+        print(f"password is {len(password)} bytes; bcrypt uses at most 72: choose a shorter one",
+              file=sys.stderr)
+        return 2
     print(bcrypt.hashpw(password, bcrypt.gensalt(args.cost)).decode())
     return 0

@@ -14,9 +14,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from gpuwatchd import __version__
 from gpuwatchd.counters import CounterStore
+from gpuwatchd.exporter.exposition import Exposition
 from gpuwatchd.exporter.families import CounterMetricFamily, GaugeMetricFamily, Metric, Registry
 from gpuwatchd.exporter.memory import memory_families
-from gpuwatchd.exporter.render import Prefixes, render_openmetrics, render_text
+from gpuwatchd.exporter.process import process_families
+from gpuwatchd.exporter.render import Prefixes, openmetrics_parts, text_parts
 from gpuwatchd.isolation import guarded
 from gpuwatchd.model import COUNTER_LABELS, THROTTLE_REASONS, NodeState
 
@@ -65,13 +67,16 @@ def _g(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
 
 
 class StateCollector:
-    def __init__(self, get_state: Callable[[], NodeState | None], counters: CounterStore) -> None:
+    def __init__(self, get_state: Callable[[], NodeState | None], counters: CounterStore,
+                 process: Callable[[], list[Metric]] = process_families) -> None:
         self.get_state = get_state
         self.counters = counters
+        self.process = process  # the daemon's own process_* families (tests fix them)
 
     def collect(self) -> Iterator[Metric]:
         state = self.get_state()
-        builders: list[tuple[str, Callable[[], list[Metric]]]] = [("build_info", self._build_info)]
+        builders: list[tuple[str, Callable[[], list[Metric]]]] = [("build_info", self._build_info),
+                                                                  ("process", self.process)]
         if state is not None:
             builders += [
                 ("collectors", lambda: self._collectors(state)),
@@ -254,40 +259,46 @@ class StateCollector:
 
 
 class StateRegistry(Registry):
-    """The private registry, plus ``encode_text()``: the rendered scrape is reused until the state
-    or a counter changes, so a scrape between two cycles costs a dictionary lookup."""
+    """The private registry, plus ``exposition(fmt)``: the rendered scrape (with its gzip and its
+    ``name[]`` filter, exporter/exposition.py) is reused until the state or a counter changes,
+    so a scrape between two cycles costs a dictionary lookup, whatever it asks for."""
 
     def __init__(self, collector: StateCollector) -> None:
         super().__init__()
         self.collector = collector
         self.register(collector)
-        self._cache: tuple[NodeState | None, int, bytes] | None = None
-        self._om_cache: tuple[NodeState | None, int, bytes] | None = None
+        self._cache: dict[str, tuple[NodeState | None, int, Exposition]] = {}
         self._render_lock = threading.Lock()  # Registry has its own _lock
-        self._prefixes = Prefixes()  # what the last render wrote, per format (render.py)
-        self._om_prefixes = Prefixes()
+        # What the last render wrote, per format (render.py).
+        self._prefixes = {"text": Prefixes(), "openmetrics": Prefixes()}
+        self.renders = 0  # renderings made (tests: a request never renders anew)
 
-    def encode_text(self) -> bytes:
+    def exposition(self, fmt: str) -> Exposition:
+        """This cycle's rendering in ``fmt`` (``"text"`` or ``"openmetrics"``)."""
         # The cache holds the state object itself (compared with `is`), so its id cannot be reused.
         state, version = self.collector.get_state(), self.collector.counters.version
         with self._render_lock:
-            if self._cache is not None and self._cache[0] is state and self._cache[1] == version:
-                return self._cache[2]
-            body = render_text(self.collect(), self._prefixes)
-            self._cache = (state, version, body)
-            return body
+            c = self._cache.get(fmt)
+            if c is not None and c[0] is state and c[1] == version:
+                return c[2]
+            build = openmetrics_parts if fmt == "openmetrics" else text_parts
+            exp = Exposition(build(self.collect(), self._prefixes[fmt]), fmt == "openmetrics")
+            self.renders += 1
+            self._cache[fmt] = (state, version, exp)
+            return exp
+
+    def encode_text(self) -> bytes:
+        return self.exposition("text").body
 
     def encode_openmetrics(self) -> bytes:
         """``encode_text`` in OpenMetrics 1.0.0 (what Prometheus asks for first)."""
-        state, version = self.collector.get_state(), self.collector.counters.version
-        with self._render_lock:
-            c = self._om_cache
-            if c is not None and c[0] is state and c[1] == version:
-                return c[2]
-            body = render_openmetrics(self.collect(), self._om_prefixes)
-            self._om_cache = (state, version, body)
-            return body
+        return self.exposition("openmetrics").body
+
+    def readiness(self) -> NodeState | None:
+        """The state /-/ready judges (None: the first cycle has not ended)."""
+        return self.collector.get_state()
 
 
-def make_registry(get_state: Callable[[], NodeState | None], counters: CounterStore) -> StateRegistry:
-    return StateRegistry(StateCollector(get_state, counters))
+def make_registry(get_state: Callable[[], NodeState | None], counters: CounterStore,
+                  process: Callable[[], list[Metric]] = process_families) -> StateRegistry:
+    return StateRegistry(StateCollector(get_state, counters, process))

@@ -1,20 +1,27 @@
-"""Which exposition format a scrape asked for (its ``Accept`` header), without importing
-prometheus_client (exporter/families.py says why).
+"""Which exposition format a scrape asked for (its ``Accept`` header) and whether it takes gzip
+(``Accept-Encoding``), without importing prometheus_client (exporter/families.py says why).
 
-``negotiate`` makes the choice ``prometheus_client.exposition.choose_encoder`` makes, and names
-the same content type, for the formats gpuwatchd renders itself: the text format 0.0.4 (no
-``Accept``, curl, Prometheus before 2.5) and OpenMetrics 1.0.0 with ``underscores`` or
-``allow-utf-8`` escaping (what Prometheus asks for first). Any other choice (text format 1.0.0,
-another escaping, an OpenMetrics version after 1.0.0) returns None: the handler then imports
-prometheus_client for that request, so the answer stays client_python's.
-The renderers are exporter/render.py.
+``negotiate`` makes the choice ``prometheus_client.exposition.choose_encoder`` (0.26) makes, and
+names the same content type: the text format 0.0.4 (no ``Accept``, curl, Prometheus before 2.5),
+the text format 1.0.0 and OpenMetrics 1.0.0 or later (what Prometheus asks for first). Every
+choice is rendered by exporter/render.py: for gpuwatchd's legacy names text 1.0.0 is the bytes
+of 0.0.4 and OpenMetrics 2.0.0 those of 1.0.0 (no native histograms). Two differences, both in
+the content type only: an escaping whose bytes client_python writes differently for legacy names
+(``dots`` in both formats, ``values`` in OpenMetrics) is answered with ``escaping=underscores``
+and underscores-escaped bytes (the names are legacy: nothing to escape), and a version that is
+not dotted numbers is passed over like a type not offered (client_python raises TypeError there).
+Cost: one pass over the header.
 """
 
 from __future__ import annotations
 
 TEXT_0_0_4 = "text/plain; version=0.0.4; charset=utf-8"
+TEXT_1_0_0 = "text/plain; version=1.0.0; charset=utf-8"
 OPENMETRICS_1_0_0 = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 _ESCAPINGS = ("underscores", "allow-utf-8", "dots", "values")
+# Escapings whose bytes are the underscores bytes for legacy names, per format.
+_SAME_BYTES = {"text": ("underscores", "allow-utf-8", "values"),
+               "openmetrics": ("underscores", "allow-utf-8")}
 
 
 def _param(toks: list[str], key: str) -> str:
@@ -26,9 +33,10 @@ def _param(toks: list[str], key: str) -> str:
     return ""
 
 
-def _escaping(toks: list[str]) -> str:
+def _escaping(toks: list[str], fmt: str) -> str:
     value = _param(toks, "escaping")
-    return value if value in _ESCAPINGS else "underscores"
+    value = value if value in _ESCAPINGS else "underscores"
+    return value if value in _SAME_BYTES[fmt] else "underscores"
 
 
 def _version(value: str) -> tuple[int, ...] | None:
@@ -38,26 +46,28 @@ def _version(value: str) -> tuple[int, ...] | None:
         return None
 
 
-def negotiate(accept: str) -> tuple[str, str] | None:
-    """(``"text"`` or ``"openmetrics"``, content type), or None for a choice left to
-    prometheus_client (the same walk over ``accept`` as its ``choose_encoder``)."""
+def negotiate(accept: str) -> tuple[str, str]:
+    """(``"text"`` or ``"openmetrics"``, content type): the same walk over ``accept`` as
+    client_python's ``choose_encoder``."""
     for accepted in (accept or "").split(","):
         toks = accepted.split(";")
         mime = toks[0].strip()
         if mime == "application/openmetrics-text":
-            version, escaping = _param(toks, "version"), _escaping(toks)
+            version = _param(toks, "version")
             if not version:
                 return "openmetrics", OPENMETRICS_1_0_0
             parsed = _version(version)
-            if parsed is None:
-                return None  # client_python compares such a version its own way
-            if parsed >= (1, 0, 0):
-                if parsed != (1, 0, 0) or escaping not in ("underscores", "allow-utf-8"):
-                    return None
+            if parsed is not None and parsed >= (1, 0, 0):
                 return ("openmetrics", f"application/openmetrics-text; version={version}; "
-                        f"charset=utf-8; escaping={escaping}")
+                        f"charset=utf-8; escaping={_escaping(toks, 'openmetrics')}")
         elif mime == "text/plain":
-            parsed = _version(_param(toks, "version") or "0")
-            if parsed is None or parsed >= (1, 0, 0):
-                return None  # text format 1.0.0 (or an unparsable version): client_python's
+            version = _param(toks, "version")
+            parsed = _version(version) if version else None
+            if parsed is not None and parsed >= (1, 0, 0):
+                return "text", f"{TEXT_1_0_0}; escaping={_escaping(toks, 'text')}"
     return "text", TEXT_0_0_4
+
+
+def gzip_accepted(accept_encoding: str) -> bool:
+    """client_python's ``gzip_accepted``: ``gzip`` among the codings (its q-value not read)."""
+    return any(a.split(";")[0].strip().lower() == "gzip" for a in (accept_encoding or "").split(","))

@@ -31,8 +31,10 @@ MAX_FILES = 4096
 # bad_rank_file finding instead of flooding Prometheus. A node runs at most a few dozen ranks.
 MAX_RANKS_PER_JOB = 256
 MAX_RANKS_PER_OWNER = 1024
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
-GPU_RE = re.compile(r"^(?:\d{1,3}|(?:GPU|MIG)-[A-Za-z0-9-]{1,80})$")
+# Anchored with \Z (``$`` also matches before a final newline: "llm-7\n" passed) and ASCII
+# (``\d`` would take any Unicode digit): the schema's ECMA-262 patterns mean exactly this.
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}\Z", re.ASCII)
+GPU_RE = re.compile(r"^(?:[0-9]{1,3}|(?:GPU|MIG)-[A-Za-z0-9-]{1,80})\Z", re.ASCII)
 TOP_KEYS = {"version", "job_id", "world_size", "ranks"}
 RANK_KEYS = {"rank", "local_rank", "pid", "gpus", "heartbeat", "start_ticks", "pid_ns"}
 

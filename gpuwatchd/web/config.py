@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from gpuwatchd import strict_yaml
 from gpuwatchd.config_checks import (
     Schema,
     _boolean,
@@ -149,7 +150,11 @@ TLS_SCHEMA: Schema = {
     "prefer_server_cipher_suites": _optional(_boolean),  # accepted; the server's order always wins
 }
 HEADERS_SCHEMA: Schema = dict.fromkeys(SECURITY_HEADERS, _one_line)
-RATE_LIMIT_SCHEMA: Schema = {"interval": _duration, "burst": _integer(1)}
+# exporter-toolkit's rate limiter: interval 0 turns it off, burst 0 refuses every request.
+RATE_LIMIT_SCHEMA: Schema = {"interval": lambda v: 0.0 if v in (0, "0") else _duration(v),
+                             "burst": _integer(0)}
+# exporter-toolkit's extraHTTPHeaders: the values these headers may take (others: any one line).
+HEADER_VALUES = {"X-Content-Type-Options": ("nosniff",), "X-Frame-Options": ("deny", "sameorigin")}
 
 
 def _tls(t: Any, base: str, problems: list[str]) -> TLSConfig | None:
@@ -184,9 +189,25 @@ def _users(u: Any, problems: list[str]) -> dict[str, bytes]:
                          unknown="user names are non-empty and have no ':'")
 
 
+def _scalar_string(v: Any) -> Any:
+    """A YAML scalar as Go's yaml.v2 reads it into a string (``X-XSS-Protection: 1``)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v) if isinstance(v, (int, float)) else v
+
+
 def _headers(h: Any, problems: list[str]) -> dict[str, str]:
-    headers = functools.partial(check_mapping, prefix="http_server_config.headers", schema=HEADERS_SCHEMA,
-                                problems=problems, unknown="not one of " + ", ".join(sorted(SECURITY_HEADERS)))
+    def headers(v: Any) -> dict[str, str]:
+        if isinstance(v, dict):
+            v = {k: _scalar_string(x) for k, x in v.items()}
+        out = check_mapping(v, "http_server_config.headers", HEADERS_SCHEMA, problems,
+                            unknown="not one of " + ", ".join(sorted(SECURITY_HEADERS)))
+        for name, allowed in HEADER_VALUES.items():
+            if name in out and out[name] not in allowed:
+                problems.append(f"http_server_config.headers.{name}: must be one of "
+                                f"{', '.join(allowed)}, got {out[name]!r:.40}")
+        return out
+
     v = check_mapping(h, "http_server_config", {"http2": _boolean, "headers": headers}, problems)
     return v.get("headers") or {}
 
@@ -195,7 +216,9 @@ def _rate_limit(r: Any, problems: list[str]) -> RateLimit | None:
     if r is None or r == {}:
         return None
     v = check_mapping(r, "rate_limit", RATE_LIMIT_SCHEMA, problems, required=("interval", "burst"))
-    return RateLimit(v["interval"], v["burst"]) if "interval" in v and "burst" in v else None
+    if "interval" not in v or "burst" not in v or not v["interval"]:
+        return None  # interval 0: no rate limit, as exporter-toolkit
+    return RateLimit(v["interval"], v["burst"])
 
 
 def parse_web_config(doc: Any, path: str = "<web-config>") -> WebConfig:
@@ -228,7 +251,7 @@ def load_web_config(path: str) -> WebConfig:
     except UnicodeDecodeError:
         raise WebConfigError(path, ["is not UTF-8 text"]) from None
     try:
-        doc = yaml.safe_load(text)
+        doc = strict_yaml.load(text)
     except yaml.YAMLError as e:
         raise WebConfigError(path, [f"is not valid YAML: {e}"]) from None
     cfg = parse_web_config(doc, path)

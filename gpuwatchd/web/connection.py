@@ -21,14 +21,16 @@ from typing import TYPE_CHECKING
 
 log = logging.getLogger("gpuwatchd.web")
 
-BACKLOG = 1024  # capped by net.core.somaxconn (4096 since Linux 5.4)
+BACKLOG = 4096  # capped by net.core.somaxconn (4096 by default since Linux 5.4); docs/security.md
 MAX_REQUEST_LINE = 8192
-# Where the request head ends: an empty line; http.server also accepts bare LF line ends.
+# Where the request head ends: an empty line; h11 also accepts bare LF line ends.
 HEAD_END = re.compile(rb"\r?\n\r?\n")
 DROP_REASONS = ("limit", "timeout", "no_thread")
 
 if TYPE_CHECKING:
     import ssl
+
+    import h11
 
 
 class _NotRaised(Exception):
@@ -64,8 +66,8 @@ class Conn:
     """One client connection. ``phase``: handshake, head, write, idle (waiting on the client,
     owned by the loop), ready (queued for a worker), active (a worker is answering it)."""
 
-    __slots__ = ("addr", "buf", "ctx", "deadline", "eof", "head", "line_ok", "out", "phase",
-                 "scanned", "since", "sock")
+    __slots__ = ("addr", "answered", "body_seen", "buf", "ctx", "deadline", "eof", "head", "line_ok",
+                 "out", "parser", "phase", "request", "scanned", "since", "sock")
 
     def __init__(self, sock: socket.socket, addr: str, ctx: ssl.SSLContext | None,
                  deadline: float) -> None:
@@ -83,6 +85,14 @@ class Conn:
         self.since = time.monotonic()  # when it began to wait; the oldest is pushed out first
         self.eof = False  # the client closed its side after sending
         self.out: collections.deque[memoryview] = collections.deque()  # response not yet sent
+        # The request being read or answered (web/request.py): its h11 connection, its head's
+        # event once parsed, and how much of its body has been read and discarded.
+        self.parser: h11.Connection | None = None
+        self.request: h11.Request | None = None
+        self.body_seen = 0
+        # Requests answered on this connection: one that has been answered is a client's kept
+        # connection, pushed out only after those that never sent a request (listener.py).
+        self.answered = 0
 
     def take_head(self) -> bool:
         m = HEAD_END.search(self.buf, max(0, self.scanned - 3))

@@ -3,20 +3,25 @@ head and written to by one thread (an epoll loop), so that a connection which se
 byte at a time (slowloris), or reads its answer slowly costs a file descriptor and a small
 buffer, never a thread.
 
-Only a connection whose request head is complete goes to a worker thread (at most
+Only a connection whose request is complete goes to a worker thread (at most
 ``max_workers``); the worker builds the response in memory (the body is the exporter's cached
 bytes, shared, not copied) and gives it back to the loop, which writes it and keeps the
-connection for the next request: no worker ever waits on a client. When ``max_connections`` are
-open, a new connection takes the place of the oldest one that is *waiting on its client*
-(handshake, request head, response not yet read, keep-alive idle): a client holding many
-half-open connections only ever pushes out its own oldest ones, while a scraper, which sends its
-request as it connects, is read long before it could become the oldest: no connection is pushed
+connection for the next request: no worker ever waits on a client. The bytes are framed into
+requests by web/request.py (h11): a head is found here and must fit ``max_head_bytes`` however it
+arrives, a body is read and discarded, and what follows a request is the next one (pipelining;
+a client that half-closes after its requests still gets every answer). When ``max_connections``
+are open, a new connection takes the place of one that is *waiting on its client* (handshake,
+request head, response not yet read, keep-alive idle): one of the client address holding the
+most waiting connections, one that never sent a complete request before one that has been
+answered (a scraper's idle keep-alive), the one that began to wait first (``_victim``), so a
+client holding many half-open connections only ever pushes out its own. No connection is pushed
 out sooner than ``eviction_grace`` (0.2 s) after it began to wait, and newcomers wait in the
-listen backlog meanwhile (``BACKLOG``, larger than the limit, so the kernel keeps completing
-handshakes and a scraper's connect is not left to SYN retries). Each turn of the loop reads the
-connections that have data before it accepts new ones. Under such an attack a scraper waits
-about (hostile connections - max_connections) * eviction_grace / max_connections in the
-backlog: 0.4 s for 200 against 64.
+accept queue meanwhile (``BACKLOG``, 4096, capped by net.core.somaxconn, so the kernel keeps
+completing handshakes and a scraper's connect is not left to SYN retries). Each turn of the loop
+reads the connections that have data before it accepts new ones. Under such an attack a new
+connection waits about (hostile connections - max_connections) * eviction_grace /
+max_connections in the accept queue: 0.4 s for 200 against 64; past max_connections + BACKLOG
+the kernel drops SYNs and the client retransmits after 1, 3, 7 s (docs/security.md).
 
 Deadlines: TLS handshake and request head within ``request_timeout`` of the accept, the response
 read by the client within ``write_timeout``, keep-alive idle ``idle_timeout``. Connections dropped
@@ -30,7 +35,7 @@ loop wakes for I/O, ``stop()`` (a self-pipe) and the nearest deadline, not while
 (bench/cycle_profile.py). Privilege: none.
 
 The workers are the listener's ``WorkerPool`` (web/workers.py): the loop submits a connection
-whose head is complete, a worker hands it back answered through ``Listener._hand_back``.
+whose request is complete, a worker hands it back answered through ``Listener.hand_back``.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from gpuwatchd.isolation import guarded
+from gpuwatchd.web import request
 from gpuwatchd.web.connection import BACKLOG as BACKLOG
 from gpuwatchd.web.connection import DROP_REASONS as DROP_REASONS
 from gpuwatchd.web.connection import HEAD_END as HEAD_END
@@ -79,7 +85,7 @@ class Listener:
     def __init__(self, sock: socket.socket, limits: Limits,
                  tls: Callable[[], ssl.SSLContext | None],
                  allowed: Callable[[ssl.SSLSocket], bool],
-                 serve: Callable[[Conn], bool], on_drop: Callable[[str], None]) -> None:
+                 serve: Callable[[Conn], bool | None], on_drop: Callable[[str], None]) -> None:
         self.sock = sock
         self.limits = limits
         self.tls = tls
@@ -93,7 +99,7 @@ class Listener:
         self._waiting: collections.OrderedDict[Conn, None] = collections.OrderedDict()  # oldest first
         self._busy: dict[Conn, None] = {}  # ready or active; only the loop changes these two
         self._back: collections.deque[tuple[Conn, bool]] = collections.deque()  # from workers
-        self.workers = WorkerPool(limits.max_workers, serve, self._hand_back)
+        self.workers = WorkerPool(limits.max_workers, serve, self.hand_back)
         self._stop = threading.Event()
         self._accept_paused_until = 0.0
         self._thread = threading.Thread(target=self._run, name="gpuwatchd-web", daemon=True)
@@ -182,12 +188,12 @@ class Listener:
     def _accept(self) -> None:
         for _ in range(ACCEPT_BATCH):
             full = len(self._waiting) + len(self._busy) >= self.limits.max_connections
+            victim = None
             if full:
-                oldest = next(iter(self._waiting), None)
-                grace_end = oldest.since + self.limits.eviction_grace if oldest else 0.0
-                if grace_end > time.monotonic():
-                    # Newcomers wait in the backlog until the oldest has had its grace: no
-                    # connection (maybe a scraper whose request is on its way) is pushed out
+                victim, grace_end = self._victim(time.monotonic(), self.limits.eviction_grace)
+                if victim is None and grace_end is not None:
+                    # Newcomers wait in the backlog until a waiting connection has had its grace:
+                    # no connection (maybe a scraper whose request is on its way) is pushed out
                     # sooner than eviction_grace after it began to wait.
                     self._pause_accept(grace_end)
                     return
@@ -203,11 +209,34 @@ class Listener:
                     return
                 continue
             host = str(addr[0])
-            if full and not self._evict_oldest():
-                sock.close()  # every connection is being answered: the newest waits its turn
-                self.drops.drop("limit", host)
-                continue
+            if full:
+                if victim is None or victim not in self._waiting:
+                    sock.close()  # every connection is being answered: the newest waits its turn
+                    self.drops.drop("limit", host)
+                    continue
+                self._close(victim)
+                self.drops.drop("limit", victim.addr)
             self._add(sock, host)
+
+    def _victim(self, now: float, grace: float) -> tuple[Conn | None, float | None]:
+        """The waiting connection a newcomer replaces, or (None, when the first one's grace ends;
+        None if nothing waits). From the client address holding the most waiting connections,
+        so a flooder pushes out its own; within it, a connection that has never sent a complete
+        request before one that has been answered (a scraper's idle keep-alive), the one that
+        began to wait first before the others. At most ``max_connections`` looked at."""
+        per_addr = collections.Counter(c.addr for c in self._waiting)
+        best: Conn | None = None
+        best_key: tuple[int, bool, float] | None = None
+        soonest: float | None = None
+        for c in self._waiting:
+            grace_end = c.since + grace
+            if grace_end > now:
+                soonest = grace_end if soonest is None else min(soonest, grace_end)
+                continue
+            key = (-per_addr[c.addr], c.answered > 0, c.since)
+            if best_key is None or key < best_key:
+                best, best_key = c, key
+        return best, soonest
 
     def _pause_accept(self, until: float) -> None:
         if not self._accept_paused_until:
@@ -236,11 +265,12 @@ class Listener:
             self._read(conn)  # a scraper's request usually arrived with its connection
 
     def _evict_oldest(self) -> bool:
-        for conn in self._waiting:
-            self._close(conn)
-            self.drops.drop("limit", conn.addr)
-            return True
-        return False
+        victim, _ = self._victim(time.monotonic(), 0.0)
+        if victim is None:
+            return False
+        self._close(victim)
+        self.drops.drop("limit", victim.addr)
+        return True
 
     def _on_event(self, conn: Conn) -> bool:
         """Act on a readable or writable connection; True (False only through an exception)."""
@@ -294,28 +324,58 @@ class Listener:
         self._advance(conn)
 
     def _advance(self, conn: Conn) -> None:
-        if conn.take_head():
-            self._sel.unregister(conn.sock)
-            del self._waiting[conn]
-            self._busy[conn] = None
-            if not self.workers.submit(conn):
-                del self._busy[conn]
-                conn.sock.close()
-                self.drops.drop("no_thread", conn.addr)
-        elif conn.eof:
-            self._close(conn)
-        elif conn.request_line_too_long():
-            self._refuse(conn, "414 URI Too Long")
-        elif len(conn.buf) > self.limits.max_head_bytes:
-            self._refuse(conn, "431 Request Header Fields Too Large")
+        """Frame the next request out of ``conn.buf`` (web/request.py): its head, then its body,
+        read and discarded; a complete request goes to a worker, an ambiguous one is refused."""
+        if conn.request is None:
+            if not conn.take_head():
+                if conn.eof:
+                    self._close(conn)
+                elif conn.request_line_too_long():
+                    self._refuse(conn, 414)
+                elif len(conn.buf) > self.limits.max_head_bytes:
+                    self._refuse(conn, 431)
+                return
+            # However the head arrived (in one write or byte by byte), its size is what counts.
+            if len(conn.head) > self.limits.max_head_bytes:
+                self._refuse(conn, 431)
+                return
+            if conn.head.find(b"\n", 0, MAX_REQUEST_LINE + 2) < 0:
+                self._refuse(conn, 414)
+                return
+            try:
+                conn.parser, conn.request = request.begin(conn.head)
+            except request.Refused as e:
+                log.debug("refused a request from %s: %s", conn.addr, e)
+                self._refuse(conn, e.status)
+                return
+            conn.body_seen = 0
+        assert conn.parser is not None
+        try:
+            complete, conn.body_seen = request.drain(conn.parser, conn.buf, conn.body_seen)
+        except request.Refused as e:
+            log.debug("refused a request body from %s: %s", conn.addr, e)
+            self._refuse(conn, e.status)
+            return
+        if not complete and conn.parser.they_are_waiting_for_100_continue:
+            # Its body would come only after a 100 Continue: answer without reading it (h11 then
+            # closes the connection, the body unread).
+            complete = True
+        if not complete:
+            if conn.eof:
+                self._close(conn)
+            return
+        self._sel.unregister(conn.sock)
+        del self._waiting[conn]
+        self._busy[conn] = None
+        if not self.workers.submit(conn):
+            del self._busy[conn]
+            conn.sock.close()
+            self.drops.drop("no_thread", conn.addr)
 
-    def _refuse(self, conn: Conn, status: str) -> None:
-        body = status.split(" ", 1)[1].encode() + b"\n"
+    def _refuse(self, conn: Conn, status: int) -> None:
         with contextlib.suppress(OSError, ValueError):
-            conn.sock.send(b"HTTP/1.1 %s\r\nContent-Type: text/plain; charset=utf-8\r\n"
-                           b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
-                           % (status.encode(), len(body), body))
-        log.debug("%s from %s", status, conn.addr)
+            conn.sock.send(request.refusal(status))
+        log.debug("%d from %s", status, conn.addr)
         self._close(conn)
 
     def _close(self, conn: Conn) -> None:
@@ -337,8 +397,9 @@ class Listener:
 
     # --- answers handed back by the workers (web/workers.py) -----------------------------------
 
-    def _hand_back(self, conn: Conn, keep: bool) -> None:
-        """In a worker thread: ``conn`` is answered; the loop writes it (or closes it)."""
+    def hand_back(self, conn: Conn, keep: bool) -> None:
+        """In a worker (or the auth) thread: ``conn`` is answered; the loop writes it (or closes
+        it)."""
         self._back.append((conn, keep))
         self._wake()
 
@@ -347,13 +408,17 @@ class Listener:
         while self._back:
             conn, keep = self._back.popleft()
             del self._busy[conn]
-            if self._stop.is_set() or (not conn.out and (not keep or conn.eof)):
+            conn.parser = conn.request = None
+            conn.answered += 1
+            if self._stop.is_set() or (not conn.out and (not keep or (conn.eof and not conn.buf))):
                 _shutdown(conn.sock)
                 conn.sock.close()
                 continue
-            if not keep or conn.eof:
+            if not keep:
                 conn.buf.clear()  # nothing after this answer is read
                 conn.eof = True
+            # A client that half-closed after pipelining requests (eof) still gets every answer
+            # whose request arrived complete, as http.server gives them; then the connection ends.
             conn.phase = "write"
             conn.deadline = now + self.limits.write_timeout
             conn.since = now  # the youngest waiting connection again
@@ -382,7 +447,7 @@ class Listener:
             conn.out[0] = conn.out[0][n:]
             if not conn.out[0]:
                 conn.out.popleft()
-        if conn.eof:
+        if conn.eof and not conn.buf:
             self._close(conn)
             return
         now = time.monotonic()

@@ -4,14 +4,15 @@ Serves a registry (anything with ``collect()``: gpuwatchd's ``StateRegistry``, o
 prometheus_client ``CollectorRegistry``) over plain HTTP by default, or over TLS with
 optional client certificates, bcrypt basic auth and a rate limit when given a web-config file in
 the exporter-toolkit format (``web_config``, which also says how it is reloaded). Connections are
-``web_listener``'s; ``web/handler.py`` answers requests; this module holds ``serve`` and
+``web_listener``'s, read with h11 (``web/request.py``); ``web/handler.py`` answers requests; this
+module holds ``serve`` and
 ``WebServer.reload``.
 
 Cost: connections are accepted, handshaken and read by one loop thread (``web_listener``), so
 a waiting connection costs an fd and a small buffer, not a thread; complete requests are answered
 by at most ``Limits.max_workers`` threads. A scrape costs what the registry's collectors cost
-(gpuwatchd's collector only reads the latest NodeState). bcrypt checks (~70 ms at cost 10) are
-cached per (user, password) after the first success.
+(gpuwatchd's collector only reads the latest NodeState, rendered once per cycle). bcrypt checks
+(~70 ms at cost 10) run on one auth thread, their verdicts cached (web/auth.py).
 Robustness: every connection has a deadline (``Limits``), at most ``Limits.max_connections`` are
 open and a new one replaces the oldest waiting one, so slow, silent or garbage clients cost
 bounded resources for a bounded time, never stop the server and never keep a scraper out.
@@ -126,6 +127,7 @@ def _start(registry: Collector, family: socket.AddressFamily, addr: tuple[str, i
             counters.inc("web_connections_dropped", (reason,))
 
     listener = Listener(sock, limits, site.tls, site.san_allowed, site.serve, dropped)
+    site.hand_back = listener.hand_back
     listener.start()
     ws = WebServer(listener, site, (family, addr), counters)
     log.info("serving %s", ws.url)

@@ -20,10 +20,11 @@ from gpuwatchd.web.connection import Conn
 
 
 class WorkerPool:
-    """``serve(conn)`` (must not raise) answers ``conn.head``, saying whether to keep the
-    connection; ``done(conn, keep)`` hands the answered connection back to the loop."""
+    """``serve(conn)`` (must not raise) answers ``conn.request``, saying whether to keep the
+    connection (None: it handed the connection on, and whoever took it calls ``done``);
+    ``done(conn, keep)`` hands the answered connection back to the loop."""
 
-    def __init__(self, max_workers: int, serve: Callable[[Conn], bool],
+    def __init__(self, max_workers: int, serve: Callable[[Conn], bool | None],
                  done: Callable[[Conn, bool], None]) -> None:
         self.max_workers = max_workers
         self.serve = serve
@@ -74,5 +75,7 @@ class WorkerPool:
                     return
                 conn = self._ready.popleft()
             conn.phase = "active"
-            keep = guarded(f"answering {conn.addr}", functools.partial(self.serve, conn), False)
-            self.done(conn, keep)
+            failed: bool | None = False  # a bug answering: close the connection
+            keep = guarded(f"answering {conn.addr}", functools.partial(self.serve, conn), failed)
+            if keep is not None:  # None: handed on (to the auth thread), which hands it back
+                self.done(conn, keep)
