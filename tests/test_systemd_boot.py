@@ -19,6 +19,7 @@ rootfs and dependency wheels are cached under /var/cache/gpuwatchd-test-rootfs).
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import shlex
@@ -430,12 +431,21 @@ def test_upgrade_keeps_the_state_no_kill_twice_none_lost(box: Box) -> None:
     props = show(box, "ActiveState", "MainPID", "UnitFileState")
     assert props["ActiveState"] == "active" and props["UnitFileState"] == "enabled", props
     assert props["MainPID"] != old_pid, props
+    stopped, killed = (box.run(["cat", f"/run/gw-{f}"]).stdout.strip() for f in ("stopped", "killed"))
+    stamp = box.run(["systemctl", "show", UNIT, "-p", "ExecMainStartTimestamp", "--value",
+                     "--timestamp=us+utc"]).stdout.strip()
+    started = datetime.datetime.strptime(stamp, "%a %Y-%m-%d %H:%M:%S.%f UTC").replace(
+        tzinfo=datetime.timezone.utc).timestamp()
+    print(f"old daemon stopped at {stopped}, the OOM kill done at {killed}, the new daemon "
+          f"started at {started:.2f} (the kill {'before' if float(killed) < started else 'after'} it)")
     wait(lambda: sample(box, "gpuwatch_build_info", version=UPGRADE_VERSION) == 1.0, 30,
          "the new build serving /metrics")
     wait(lambda: kills(box, during) == 1.0, 30, f"the OOM kill of {during} (during the upgrade)",
          lambda: metrics(box))
     time.sleep(4)  # two more cycles: nothing is counted again
     assert (kills(box, before), kills(box, during)) == (1.0, 1.0), metrics(box)
+    print(f"after the upgrade: gpuwatch_oom_kills_total{{comm={before!r}}} {kills(box, before)}, "
+          f"{{comm={during!r}}} {kills(box, during)}")
     assert box.run(["cat", CONFIG]).stdout == config  # the edited conffile is kept
     status = box.run(["cat", f"/proc/{props['MainPID']}/status"]).stdout
     assert int(re.search(r"^CapEff:\s+(\w+)", status, re.M).group(1), 16) == THREE_CAPS  # type: ignore[union-attr]
