@@ -135,7 +135,9 @@ def podman_args(pod: dict[str, Any], container: dict[str, Any], host: Path,
 
 
 class Podman:
-    """podman with a private store under ``dir`` (vfs: no overlay mounts left behind)."""
+    """podman with a private store under ``dir`` (vfs: no overlay mounts left behind), run in
+    ``dir``: conmon writes a file named ``oom`` into its working directory when a container is
+    OOM-killed."""
 
     def __init__(self, dir: Path) -> None:
         self.dir = dir
@@ -145,7 +147,7 @@ class Podman:
     def __call__(self, *args: str, check: bool = True, timeout: float = 120,
                  input: str | None = None) -> subprocess.CompletedProcess[str]:
         res = subprocess.run([*self.base, *args], capture_output=True, text=True, timeout=timeout,
-                             input=input)
+                             input=input, cwd=self.dir)
         if check:
             assert res.returncode == 0, f"podman {' '.join(args[:3])} exited {res.returncode}:\n{res.stderr}"
         return res
@@ -322,7 +324,7 @@ def test_daemonset_pod_in_podman_serves_sees_a_rank_and_its_oom_kill_and_passes_
              f"--volume={ranks}:/run/gpuwatch/ranks", "--env=RANK=0", "--env=LOCAL_RANK=0",
              "--env=WORLD_SIZE=1", f"--env=TORCHELASTIC_RUN_ID={job}", "--env=GW_WAIT_GO=1",
              "--env=GW_HEARTBEAT=/tmp/gw.hb", "--entrypoint=/usr/lib/gpuwatchd/bin/python", tag, "-c", RANK_CODE],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=work)
         try:
             assert rank.stdout is not None and rank.stdin is not None
             line = rank.stdout.readline().split()
