@@ -242,6 +242,24 @@ def test_manifest_names_the_image_the_build_makes(image_env: dict[str, Any]) -> 
     assert inspect["Config"]["Labels"]["org.opencontainers.image.version"] == distutil.version()
 
 
+def test_image_holds_the_same_venv_as_the_debian_package(image_env: dict[str, Any]) -> None:
+    """deploy/venv.sh makes both: the same files, the same sizes (the image is what the unit
+    suite tested, in a pod)."""
+    listing = image_env["podman"]("run", "--rm", "--runtime=runc", *RLIMITS, "--network=none",
+                                  "--entrypoint=/usr/bin/find", image_env["tag"], "/usr/lib/gpuwatchd",
+                                  "-mindepth", "1", "-printf", "%P %s %y\n").stdout
+    in_image = {line for line in listing.splitlines() if not line.endswith(" d")}
+    deb = subprocess.run(["dpkg-deb", "--contents", str(distutil.build_deb())], capture_output=True,
+                         text=True, check=True).stdout
+    in_deb = set()
+    for line in deb.splitlines():
+        mode, _, size, _, _, path, *_ = line.split()
+        if path.startswith("./usr/lib/gpuwatchd/") and mode[0] != "d":
+            in_deb.add(f"{path[len('./usr/lib/gpuwatchd/'):]} {size if mode[0] == '-' else len(line.split()[-1])} "
+                       f"{'f' if mode[0] == '-' else 'l'}")
+    assert in_image == in_deb, sorted(in_image ^ in_deb)[:20]
+
+
 def _scrape(pid: int, path: str = "/metrics") -> tuple[int, str]:
     res = subprocess.run(["nsenter", "-t", str(pid), "-n", "curl", "-s", "-o", "/dev/stdout",
                           "-w", "\n%{http_code}", "--max-time", "5", f"http://127.0.0.1:9863{path}"],
