@@ -130,6 +130,27 @@ def dependency_wheels() -> Path:
     return deps_cache
 
 
+def build_wheelhouse(source: Path, dest: Path) -> Path:
+    """``dependency_wheels()`` plus a wheel of ``source`` (``pip wheel``, from a copy: setuptools
+    writes build/ and *.egg-info where it builds) in ``dest``. The packaging tests install what
+    ``python -m build`` made instead (tests/distutil.py)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for whl in dependency_wheels().glob("*.whl"):
+        shutil.copy2(whl, dest / whl.name)
+    build = tempfile.mkdtemp(prefix=f"{PREFIX}-src-")
+    try:
+        shutil.copytree(source, build, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(".venv", ".venv-*", ".git", "__pycache__", "build",
+                                                      "*.egg-info", ".mypy_cache", ".ruff_cache",
+                                                      ".pytest_cache", ".dev"))
+        subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "wheel",
+                        "--no-deps", "--wheel-dir", str(dest), build],
+                       check=True, capture_output=True, timeout=300)
+    finally:
+        shutil.rmtree(build, ignore_errors=True)
+    return dest
+
+
 def _dependencies(pyproject: str) -> list[str]:
     """[project] dependencies (tomllib is Python >= 3.11 only; the list is plain strings)."""
     block = re.search(r"^dependencies = \[(.*?)^\]", pyproject, re.M | re.S)
