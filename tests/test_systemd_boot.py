@@ -14,7 +14,9 @@ user or unit left); then the non-Debian path: the built wheel with ``pip install
 The tests share one booted container with gpuwatchd installed (the fixture) and run in file order
 (purge and the install.sh path last); each sets the config and drop-in it needs, so one can also
 run alone (-k). Needs root, cgroup v1, apt (mmdebstrap), dpkg-deb and PyPI the first time (the
-rootfs and dependency wheels are cached under /var/cache/gpuwatchd-test-rootfs).
+rootfs and dependency wheels are cached under /var/cache/gpuwatchd-test-rootfs). About 2.5 minutes
+with the cache warm on the 2-core VM (140 s; 92 s before the package, upgrade, purge and wheel
+tests).
 """
 
 from __future__ import annotations
