@@ -1,7 +1,10 @@
 #!/bin/bash
-# Install gpuwatchd as a systemd service on this node. Run as root after `pip install gpuwatchd`:
+# Install gpuwatchd as a systemd service on a node that is not Debian 12 (there: apt-get install
+# ./gpuwatchd_*.deb, docs/packaging.md). Run as root after installing the built wheel into a venv:
 #
-#   pip install gpuwatchd && deploy/install.sh
+#   python3 -m build --wheel --outdir dist .       # the wheel (no package index holds it)
+#   python3 -m venv /opt/gpuwatchd && /opt/gpuwatchd/bin/pip install dist/gpuwatchd-*.whl
+#   deploy/install.sh --bin /opt/gpuwatchd/bin/gpuwatchd
 #
 # Installs the hardened unit (systemd/gpuwatchd.service, ExecStart pointed at the installed
 # console script), the sysusers.d entry and the `gpuwatchd` system user, the tmpfiles.d entry and
@@ -34,7 +37,7 @@ while [ $# -gt 0 ]; do
         --bin) BIN=${2:?--bin needs a path}; shift 2 ;;
         --bin=*) BIN=${1#--bin=}; shift ;;
         --no-start) START=0; shift ;;
-        -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown option $1 (see --help)" ;;
     esac
 done
@@ -52,7 +55,7 @@ done
 
 if [ -z "$BIN" ]; then
     BIN=$(command -v gpuwatchd || true)
-    [ -n "$BIN" ] || die "gpuwatchd is not on PATH: pip install gpuwatchd first, or pass --bin PATH"
+    [ -n "$BIN" ] || die "gpuwatchd is not on PATH: pip install the built wheel first, or pass --bin PATH"
 fi
 case "$BIN" in /*) ;; *) die "--bin must be an absolute path, got $BIN" ;; esac
 [ -x "$R$BIN" ] || [ -x "$BIN" ] || die "$BIN is not executable"

@@ -15,8 +15,9 @@ left in the child cgroups after power-off is killed by the PIDs listed in their 
 then the cgroups are removed depth first. Never by process name.
 
 Needs: root, cgroup v1 hierarchies at /sys/fs/cgroup (this host's hybrid layout), apt (installs
-mmdebstrap when missing), ``unshare``/``nsenter`` (util-linux), overlayfs, and a wheelhouse of
-gpuwatchd and its dependencies built on the host (the container has no network).
+mmdebstrap when missing), ``unshare``/``nsenter`` (util-linux), overlayfs, and what is installed
+in it built on the host (the container has no network): gpuwatchd's .deb or wheel
+(tests/distutil.py) and its dependencies' wheels (``dependency_wheels``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ ROOTFS_PYTHON = (3, 11)  # Debian 12's python3: the wheelhouse must match it
 CONTAINER = "gpuwatchd-test"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PREFIX = "gwsystemd-boot"
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _recipe_key() -> str:
@@ -102,11 +104,10 @@ def cached_rootfs() -> Path:
     return target
 
 
-def build_wheelhouse(source: Path, dest: Path) -> Path:
-    """gpuwatchd's wheel from ``source`` plus its dependencies' wheels (cached per dependency
-    list) in ``dest``, for the container's Python (Debian 12: 3.11)."""
-    dest.mkdir(parents=True, exist_ok=True)
-    pyproject = (source / "pyproject.toml").read_text()
+def dependency_wheels() -> Path:
+    """The wheels of gpuwatchd's [project] dependencies for the container's Python (Debian 12:
+    3.11), in a directory cached per dependency list (``pip --no-index --find-links`` it)."""
+    pyproject = (REPO / "pyproject.toml").read_text()
     deps_key = hashlib.sha256(pyproject.split("[project.optional-dependencies]")[0].encode())
     deps_cache = CACHE / f"wheels-{deps_key.hexdigest()[:16]}-cp{ROOTFS_PYTHON[0]}{ROOTFS_PYTHON[1]}"
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
@@ -126,16 +127,25 @@ def build_wheelhouse(source: Path, dest: Path) -> Path:
                                 "manylinux_2_17_x86_64", "--platform", "linux_x86_64", *reqs],
                                check=True, capture_output=True, timeout=600)
             (deps_cache / ".complete").touch()
-    for whl in deps_cache.glob("*.whl"):
+    return deps_cache
+
+
+def build_wheelhouse(source: Path, dest: Path) -> Path:
+    """``dependency_wheels()`` plus a wheel of ``source`` (``pip wheel``, from a copy: setuptools
+    writes build/ and *.egg-info where it builds) in ``dest``. The packaging tests install what
+    ``python -m build`` made instead (tests/distutil.py)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for whl in dependency_wheels().glob("*.whl"):
         shutil.copy2(whl, dest / whl.name)
     build = tempfile.mkdtemp(prefix=f"{PREFIX}-src-")
-    try:  # build from a copy: setuptools writes build/ and *.egg-info into the tree
+    try:
         shutil.copytree(source, build, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns(".venv", ".venv-*", ".git", "__pycache__", "build",
                                                       "*.egg-info", ".mypy_cache", ".ruff_cache",
                                                       ".pytest_cache", ".dev"))
-        subprocess.run([*pip, "wheel", "--no-deps", "--wheel-dir",
-                        str(dest), build], check=True, capture_output=True, timeout=300)
+        subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "wheel",
+                        "--no-deps", "--wheel-dir", str(dest), build],
+                       check=True, capture_output=True, timeout=300)
     finally:
         shutil.rmtree(build, ignore_errors=True)
     return dest

@@ -118,3 +118,13 @@ def test_scrape_objects_point_at_the_metrics_port(rendered: dict[str, dict[str, 
     svc = rendered["Service"]["spec"]
     assert svc["selector"].items() <= labels.items()
     assert svc["ports"][0]["targetPort"] == "metrics"
+
+
+def test_every_container_runs_the_image_of_this_version(rendered: dict[str, dict[str, Any]]) -> None:
+    """The name deploy/image/build.sh tags (tests/test_image.py runs that image under this pod
+    spec): a version bump without the manifest's fails here, with no podman needed."""
+    from gpuwatchd import __version__
+
+    pod = rendered["DaemonSet"]["spec"]["template"]["spec"]
+    images = {c["image"] for c in pod["containers"] + pod["initContainers"]}
+    assert images == {f"ghcr.io/gpuwatchd/gpuwatchd:{__version__.replace('+', '-')}"}

@@ -1,23 +1,30 @@
 """gpuwatchd as users deploy it: a real systemd 252 (Debian 12) booted in private namespaces
-(tests/bootsystemd.py), gpuwatchd installed with ``pip install`` + ``deploy/install.sh``, and the
+(tests/bootsystemd.py), gpuwatchd installed with ``apt-get install ./gpuwatchd_*.deb`` (built
+by deploy/debian/build.sh from the wheel ``python -m build`` made: tests/distutil.py), and the
 unit checked for what it promises: Type=notify readiness and STATUS=, the sandbox in force (uid,
 the three capabilities, NoNewPrivs, seccomp, the cgroup limits), the watchdog fed and enforced,
 reload with a good and a bad config, /metrics on loopback, the kernel log from the journal and
 from /dev/kmsg with a real memcg OOM kill, DeviceAllow=/dev/kmsg necessary, the NVIDIA device
-policy expanded after a late driver (fake nodes, crafted /proc/devices), a clean stop, the
-journal, and an uninstall that leaves nothing.
+policy expanded after a late driver (fake nodes, crafted /proc/devices), the journal, an upgrade
+to a second build that keeps the state (an OOM kill before it counted once, one during it not
+lost), a clean stop, ``apt-get remove`` (stopped, the config kept), ``apt-get purge`` (no file,
+user or unit left); then the non-Debian path: the built wheel with ``pip install`` +
+``deploy/install.sh``, and ``deploy/uninstall.sh`` leaving nothing.
 
 The tests share one booted container with gpuwatchd installed (the fixture) and run in file order
-(uninstall last); each sets the config and drop-in it needs, so one can also run alone (-k).
-Needs root, cgroup v1, apt (mmdebstrap) and PyPI the first time (the rootfs and dependency wheels
-are cached under /var/cache/gpuwatchd-test-rootfs). About 2 minutes with the cache warm,
-2.5 minutes cold (measured on the 2-core CI machine).
+(purge and the install.sh path last); each sets the config and drop-in it needs, so one can also
+run alone (-k). Needs root, cgroup v1, apt (mmdebstrap), dpkg-deb and PyPI the first time (the
+rootfs and dependency wheels are cached under /var/cache/gpuwatchd-test-rootfs). About 2.5 minutes
+with the cache warm on the 2-core VM (140 s; 92 s before the package, upgrade, purge and wheel
+tests).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
+import shlex
 import shutil
 import tempfile
 import time
@@ -26,24 +33,36 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import bootsystemd
+import distutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
-VENV = "/opt/gpuwatchd"
+VENV = "/usr/lib/gpuwatchd"  # the .deb's
 BIN = f"{VENV}/bin/gpuwatchd"
+PIP_VENV = "/opt/gpuwatchd-pip"  # the install.sh path's
+UPGRADE_VERSION = distutil.version() + "+1"  # the second build: a Debian version after the first
 UNIT = "gpuwatchd.service"
 DROPIN = "/etc/systemd/system/gpuwatchd.service.d"
 CONFIG = "/etc/gpuwatchd/config.yaml"
 STATE = "/var/lib/gpuwatchd/state.json"
 # CAP_DAC_READ_SEARCH (2), CAP_SYS_PTRACE (19), CAP_SYSLOG (34)
 THREE_CAPS = (1 << 2) | (1 << 19) | (1 << 34)
-# Files whose listing changes by themselves while the system runs, not by install/uninstall.
-SNAPSHOT = ("find /etc /var/lib /run /usr/local /opt -xdev "
-            r"\( -path /run/systemd -o -path /var/lib/systemd -o -path /run/user -o -path "
-            r"/run/dbus -o -path /run/log -o -path /opt/gpuwatchd -o -path /var/lib/dpkg -o "
-            r"-path /run/lock -o -path '/etc/gpuwatchd-test-snapshot*' \) -prune -o "
-            r"-printf '%p %M %u %g\n' | sort")
+# Every file of the system but those that change by themselves while it runs or record what was
+# installed (dpkg's and apt's databases and logs, the journal, systemd's timestamps), and byte code
+# the container's own Python writes under /usr: what install + purge (or install.sh +
+# uninstall.sh) must leave as they found it.
+SNAPSHOT = ("find / -xdev "
+            r"\( -path /proc -o -path /sys -o -path /dev -o -path /tmp -o -path /var/tmp -o "
+            r"-path /var/log -o -path /var/cache -o -path /var/lib/dpkg -o -path /var/lib/apt -o "
+            r"-path /var/lib/systemd -o -path /run/systemd -o -path /run/user -o -path /run/dbus "
+            r"-o -path /run/log -o -path /run/lock -o -path /srv/gw -o -path /root -o "
+            r"-path '/usr/*/__pycache__' -o -path '/etc/gpuwatchd-test-snapshot*' \) -prune -o "
+            # shadow-utils' backups (/etc/passwd- ...) are rewritten on every account change, as
+            # on any host: compared by presence, not size
+            # (directories by presence too: their size is the file system's business)
+            r"\( \( -path '/etc/*-' -o -type d \) -printf '%p %M %u %g\n' \) -o "
+            r"-printf '%p %M %u %g %s\n' | sort")
 ACCOUNT_FILES = ("/etc/passwd", "/etc/group", "/etc/shadow", "/etc/gshadow")
 
 
@@ -61,13 +80,15 @@ def box() -> Iterator[Box]:
     share = Path(tempfile.mkdtemp(prefix="gwsystemd-share-"))
     container = None
     try:
-        bootsystemd.build_wheelhouse(ROOT, share / "wheels")
-        shutil.copytree(ROOT, share / "src", ignore=shutil.ignore_patterns(
-            ".venv", ".venv-*", ".git", "__pycache__", "*.egg-info", ".mypy_cache", ".ruff_cache",
-            ".pytest_cache", ".dev", "build"))
+        shutil.copytree(bootsystemd.dependency_wheels(), share / "wheels")
+        wheel, _ = distutil.build_dist()
+        shutil.copy2(wheel, share / "wheels" / wheel.name)
+        shutil.copy2(distutil.build_deb(), share)
+        shutil.copytree(distutil.source(), share / "src")
         share.chmod(0o755)
         container = bootsystemd.BootedSystemd(rootfs, share)
-        container.install_output = _install(container)
+        container.share = share  # type: ignore[attr-defined]
+        container.install_output = _install(container)  # type: ignore[attr-defined]
         yield container
     finally:
         if container is not None:
@@ -145,52 +166,68 @@ def restart_with(box: Box, dropin: str | None = None, config: str | None = None)
     return props["MainPID"]
 
 
-def oom_kill(box: Box) -> str:
-    """A process named ``gwsd-oom-XXXXXX`` killed by its memcg's OOM killer (systemd-run
-    MemoryMax=40M); returns the name."""
-    comm = f"gwsd-oom-{uuid.uuid4().hex[:6]}"
+def oom_argv(comm: str) -> list[str]:
+    """A process named ``comm`` that its memcg's OOM killer kills (systemd-run MemoryMax=40M)."""
     code = ("import ctypes\n"
             f"ctypes.CDLL(None).prctl(15, b'{comm}', 0, 0, 0)\n"
             "hog = []\n"
             "while True:\n"
             "    hog.append(b'x' * (1 << 20))\n")
-    res = box.run(["systemd-run", "--wait", "--quiet", "-p", "MemoryMax=40M", "-p",
-                   "MemorySwapMax=0", "/usr/bin/python3", "-c", code], check=False, timeout=60)
+    return ["systemd-run", "--wait", "--quiet", "-p", "MemoryMax=40M", "-p", "MemorySwapMax=0",
+            "/usr/bin/python3", "-c", code]
+
+
+def oom_kill(box: Box) -> str:
+    """A process named ``gwsd-oom-XXXXXX`` killed by its memcg's OOM killer; returns the name."""
+    comm = f"gwsd-oom-{uuid.uuid4().hex[:6]}"
+    res = box.run(oom_argv(comm), check=False, timeout=60)
     assert res.returncode != 0, res
     return comm
 
 
+def kills(box: Box, comm: str) -> float | None:
+    return sample(box, "gpuwatch_oom_kills_total", comm=comm, killer="kernel")
+
+
 # --- the tests, in order --------------------------------------------------------------------
 
+def apt(box: Box, *args: str) -> str:
+    """``apt-get -y ARGS`` in the container (no network: every dependency is installed already);
+    returns what it printed."""
+    res = box.run(["env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "-y", *args],
+                  timeout=180)
+    return res.stdout + res.stderr
+
+
 def _install(box: Box) -> str:
-    """As a new user would: a venv, `pip install gpuwatchd`, deploy/install.sh (after a snapshot
-    of the files and accounts, for the uninstall test). Returns install.sh's output."""
+    """As a fleet does: ``apt-get install ./gpuwatchd_*.deb`` (after a snapshot of the files and
+    accounts, for the purge test). Returns apt-get's output."""
     box.sh(f"{SNAPSHOT} > /etc/gpuwatchd-test-snapshot; "
            f"cat {' '.join(ACCOUNT_FILES)} > /etc/gpuwatchd-test-snapshot.accounts")
-    box.run(["python3", "-m", "venv", "--system-site-packages", VENV])
-    box.run([f"{VENV}/bin/pip", "install", "-q", "--no-index", "--find-links", "/srv/gw/wheels",
-             "gpuwatchd"], timeout=180)
-    return box.run(["/srv/gw/src/deploy/install.sh", "--bin", BIN], timeout=120).stdout
+    [deb] = [p.name for p in box.share.glob("gpuwatchd_*.deb")]  # type: ignore[attr-defined]
+    return apt(box, "install", f"/srv/gw/{deb}")
 
 
-def test_install_sh_as_a_new_user_runs_it_and_notify_readiness(box: Box) -> None:
-    out = box.install_output  # set by the fixture
-    assert "installed /etc/systemd/system/gpuwatchd.service" in out, out
-    assert "running: systemctl status gpuwatchd" in out, out
-    # Type=notify: `systemctl start` returned only after READY=1, and STATUS= is the cycle's
-    props = show(box, "Type", "ActiveState", "SubState", "StatusText", "NotifyAccess",
-                 "UnitFileState", "ExecMainStartTimestampMonotonic",
-                 "ActiveEnterTimestampMonotonic")
-    assert props["Type"] == "notify" and props["NotifyAccess"] == "main", props
-    assert props["ActiveState"] == "active" and props["SubState"] == "running", props
-    assert props["UnitFileState"] == "enabled", props
-    assert re.fullmatch(r"\d+/\d+ ranks alive, \d+ finding\(s\)", props["StatusText"]), props
-    # active only once the daemon said READY=1, after its first cycle (not at exec)
-    assert int(props["ActiveEnterTimestampMonotonic"]) > int(props["ExecMainStartTimestampMonotonic"])
-    restart_with(box, config=_config("journal"))
-    assert "ranks alive" in show(box, "StatusText")["StatusText"]
-
-
+def test_apt_install_enables_starts_and_notify_readiness(box: Box) -> None:
+    out = box.install_output  # type: ignore[attr-defined]  # set by the fixture
+    print(out)
+    assert "Setting up gpuwatchd (" in out, out
+    assert box.run(["dpkg-query", "-W", "-f", "${Status} ${Version}", "gpuwatchd"]).stdout == \
+        f"install ok installed {distutil.version()}"
+    uid = box.run(["getent", "passwd", "gpuwatchd"]).stdout.strip()
+    assert uid.endswith(":/var/lib/gpuwatchd:/usr/sbin/nologin"), uid
+    assert int(uid.split(":")[2]) < 1000, uid  # a system user (sysusers.d)
+    ranks = box.run(["stat", "-c", "%a %U", "/run/gpuwatch/ranks"]).stdout.split()
+    assert ranks == ["1777", "root"], ranks  # tmpfiles.d
+    assert box.run(["dpkg-query", "-W", "-f", "${Conffiles}", "gpuwatchd"]).stdout.split()[0] == CONFIG
+    assert box.run(["readlink", "/usr/bin/gpuwatchd"]).stdout.strip() == BIN
+    assert box.run(["gpuwatchd", "--version"]).stdout.strip() == f"gpuwatchd {distutil.version()}"
+    # the unit as packaged: ExecStart at the venv, enabled the Debian way (deb-systemd-helper)
+    props = show(box, "FragmentPath", "ExecStart")
+    assert props["FragmentPath"] == f"/lib/systemd/system/{UNIT}", props
+    assert f"path={BIN} ;" in props["ExecStart"], props
+    assert box.run(["test", "-e", "/var/lib/systemd/deb-systemd-helper-enabled/"
+                    f"multi-user.target.wants/{UNIT}"], check=False).returncode == 0
 def test_sandbox_is_really_in_force(box: Box) -> None:
     pid = show(box, "MainPID")["MainPID"]
     status = box.run(["cat", f"/proc/{pid}/status"]).stdout
@@ -369,6 +406,56 @@ def test_journal_shows_the_daemons_events(box: Box) -> None:
         assert line in log, (line, log[-3000:])
 
 
+def test_upgrade_keeps_the_state_no_kill_twice_none_lost(box: Box) -> None:
+    """apt-get install of the next build (same config, edited conffile kept): preinst stops the
+    old daemon before the venv is replaced, postinst starts the new one. An OOM kill counted
+    before is counted once after; one made while the daemon is stopped is counted once too."""
+    config = _config("journal")
+    restart_with(box, dropin=None, config=config)
+    before = oom_kill(box)
+    wait(lambda: kills(box, before) == 1.0, 30, f"the OOM kill of {before} before the upgrade")
+    old_pid = show(box, "MainPID")["MainPID"]
+    deb = distutil.build_deb(UPGRADE_VERSION)
+    shutil.copy2(deb, box.share / deb.name)  # type: ignore[attr-defined]
+    during = f"gwsd-oom-{uuid.uuid4().hex[:6]}"
+    # waits for preinst's stop, then an OOM kill while the package is being replaced
+    write(box, "/run/gw-during.sh", f"while systemctl is-active -q {UNIT}; do sleep 0.05; done\n"
+          "date +%s.%N > /run/gw-stopped\n"
+          f"{shlex.join(oom_argv(during))}\n"
+          "date +%s.%N > /run/gw-killed\n")
+    box.sh("setsid -f /bin/sh /run/gw-during.sh </dev/null >/dev/null 2>&1")
+    out = apt(box, "install", f"/srv/gw/{deb.name}")
+    print(out)
+    assert f"Unpacking gpuwatchd ({UPGRADE_VERSION}) over ({distutil.version()})" in out, out
+    assert "Setting up gpuwatchd (" + UPGRADE_VERSION + ")" in out, out
+    wait(lambda: box.run(["test", "-e", "/run/gw-killed"], check=False).returncode == 0, 60,
+         "the OOM kill made during the upgrade")
+    props = show(box, "ActiveState", "MainPID", "UnitFileState")
+    assert props["ActiveState"] == "active" and props["UnitFileState"] == "enabled", props
+    assert props["MainPID"] != old_pid, props
+    stopped, killed = (box.run(["cat", f"/run/gw-{f}"]).stdout.strip() for f in ("stopped", "killed"))
+    stamp = box.run(["systemctl", "show", UNIT, "-p", "ExecMainStartTimestamp", "--value",
+                     "--timestamp=us+utc"]).stdout.strip()
+    started = datetime.datetime.strptime(stamp, "%a %Y-%m-%d %H:%M:%S.%f UTC").replace(
+        tzinfo=datetime.timezone.utc).timestamp()
+    print(f"old daemon stopped at {stopped}, the OOM kill done at {killed}, the new daemon "
+          f"started at {started:.2f} (the kill {'before' if float(killed) < started else 'after'} it)")
+    wait(lambda: sample(box, "gpuwatch_build_info", version=UPGRADE_VERSION) == 1.0, 30,
+         "the new build serving /metrics")
+    wait(lambda: kills(box, during) == 1.0, 30, f"the OOM kill of {during} (during the upgrade)",
+         lambda: metrics(box))
+    time.sleep(4)  # two more cycles: nothing is counted again
+    assert (kills(box, before), kills(box, during)) == (1.0, 1.0), metrics(box)
+    print(f"after the upgrade: gpuwatch_oom_kills_total{{comm={before!r}}} {kills(box, before)}, "
+          f"{{comm={during!r}}} {kills(box, during)}")
+    assert box.run(["cat", CONFIG]).stdout == config  # the edited conffile is kept
+    status = box.run(["cat", f"/proc/{props['MainPID']}/status"]).stdout
+    assert int(re.search(r"^CapEff:\s+(\w+)", status, re.M).group(1), 16) == THREE_CAPS  # type: ignore[union-attr]
+    after = oom_kill(box)
+    wait(lambda: kills(box, after) == 1.0, 30, f"the OOM kill of {after} after the upgrade")
+    box.run(["rm", "-f", "/run/gw-during.sh", "/run/gw-stopped", "/run/gw-killed"])
+
+
 def test_stop_is_clean(box: Box) -> None:
     t0 = time.monotonic()
     box.run(["systemctl", "stop", UNIT], timeout=30)
@@ -381,16 +468,66 @@ def test_stop_is_clean(box: Box) -> None:
     assert "timed out. Killing" not in journal(box)  # systemd's words when SIGTERM was not enough
 
 
-def test_uninstall_leaves_nothing(box: Box) -> None:
-    res = box.run(["/srv/gw/src/deploy/uninstall.sh"], timeout=60)
-    assert "done" in res.stdout, res.stdout
+def _unchanged_since_the_snapshot(box: Box) -> None:
     after = box.sh(SNAPSHOT).stdout
     before = box.run(["cat", "/etc/gpuwatchd-test-snapshot"]).stdout
     gone_or_new = sorted(set(before.splitlines()) ^ set(after.splitlines()))
-    assert not gone_or_new, gone_or_new
+    assert not gone_or_new, "\n".join(gone_or_new)
     accounts = box.sh(f"cat {' '.join(ACCOUNT_FILES)}").stdout
     assert accounts == box.run(["cat", "/etc/gpuwatchd-test-snapshot.accounts"]).stdout
     assert box.run(["systemctl", "cat", UNIT], check=False).returncode != 0
-    leftovers = box.sh("grep -rls gpuwatchd /etc /run /var/lib --exclude-dir=systemd "
-                       "--exclude='gpuwatchd-test-snapshot*' || true").stdout.split()
+    # (/run/systemd/container holds the test container's name, gpuwatchd-test)
+    leftovers = box.sh("grep -rls gpuwatchd /etc /run /var/lib /usr/lib/systemd /usr/lib/tmpfiles.d "
+                       "/usr/lib/sysusers.d --exclude-dir=dpkg --exclude-dir=apt --exclude=container "
+                       "--exclude='gpuwatchd-test-snapshot*' 2>/dev/null || true").stdout.split()
     assert not leftovers, leftovers
+
+
+def test_apt_remove_stops_the_daemon_and_keeps_the_config(box: Box) -> None:
+    box.run(["systemctl", "start", UNIT], timeout=60)
+    config = box.run(["cat", CONFIG]).stdout
+    out = apt(box, "remove", "gpuwatchd")
+    print(out)
+    assert "Removing gpuwatchd (" in out, out
+    props = show(box, "ActiveState", "LoadState")
+    assert props == {"ActiveState": "inactive", "LoadState": "not-found"}, props
+    procs = box.cgroup_dir("pids", f"/system.slice/{UNIT}") / "cgroup.procs"
+    assert not procs.exists() or not procs.read_text().split()
+    assert box.run(["dpkg-query", "-W", "-f", "${db:Status-Abbrev}", "gpuwatchd"]).stdout.strip() == "rc"
+    assert box.run(["cat", CONFIG]).stdout == config
+    for path in (VENV, "/usr/bin/gpuwatchd", f"/lib/systemd/system/{UNIT}"):
+        assert box.run(["test", "-e", path], check=False).returncode != 0, path
+
+
+def test_apt_purge_leaves_no_file_user_or_unit(box: Box) -> None:
+    out = apt(box, "purge", "gpuwatchd")
+    print(out)
+    assert "Purging configuration files for gpuwatchd (" in out, out
+    assert box.run(["dpkg-query", "-W", "gpuwatchd"], check=False).returncode != 0
+    assert box.run(["getent", "passwd", "gpuwatchd"], check=False).returncode != 0
+    assert box.run(["getent", "group", "gpuwatchd"], check=False).returncode != 0
+    assert not box.sh("find /var/lib/systemd/deb-systemd-helper-enabled /etc/systemd "
+                      "-name 'gpuwatchd*'").stdout.strip()
+    _unchanged_since_the_snapshot(box)
+
+
+def test_install_sh_from_the_wheel_and_uninstall_leaves_nothing(box: Box) -> None:
+    """The path for hosts that are not Debian: the built wheel into a venv, deploy/install.sh
+    (after the purge, on the same system), then deploy/uninstall.sh."""
+    [wheel] = [p.name for p in (box.share / "wheels").glob("gpuwatchd-*.whl")]  # type: ignore[attr-defined]
+    box.run(["python3", "-m", "venv", "--system-site-packages", PIP_VENV])
+    box.run([f"{PIP_VENV}/bin/pip", "install", "-q", "--no-index", "--find-links", "/srv/gw/wheels",
+             f"/srv/gw/wheels/{wheel}"], timeout=180)
+    out = box.run(["/srv/gw/src/deploy/install.sh", "--bin", f"{PIP_VENV}/bin/gpuwatchd"],
+                  timeout=120).stdout
+    assert "installed /etc/systemd/system/gpuwatchd.service" in out, out
+    assert "running: systemctl status gpuwatchd" in out, out
+    props = show(box, "ActiveState", "ExecStart", "StatusText")
+    assert props["ActiveState"] == "active" and f"path={PIP_VENV}/bin/gpuwatchd ;" in props["ExecStart"], props
+    write(box, CONFIG, _config("journal"))
+    box.run(["systemctl", "restart", UNIT], timeout=60)
+    wait(lambda: sample(box, "gpuwatch_collector_success", collector="procfs") == 1.0, 30, "/metrics")
+    res = box.run(["/srv/gw/src/deploy/uninstall.sh"], timeout=60)
+    assert "done" in res.stdout, res.stdout
+    box.run(["rm", "-rf", PIP_VENV])
+    _unchanged_since_the_snapshot(box)

@@ -1,0 +1,53 @@
+#!/bin/bash
+# Make /usr/lib/gpuwatchd (a Python venv holding gpuwatchd's wheel and its dependencies' wheels) under
+# a staging root, for the Debian package (deploy/debian/build.sh) and the image
+# (deploy/image/build.sh): both install exactly these files.
+#
+#   deploy/venv.sh --wheel dist/gpuwatchd-*.whl --root STAGE [--find-links DIR] [--python PATH]
+#
+# The venv is made with Debian's interpreter (default /usr/bin/python3, resolved to
+# /usr/bin/python3.X, the path the venv links to: compiled wheels are per Python version) where it
+# will not live, then moved: every path naming the staging root is rewritten (scripts' #!,
+# pyvenv.cfg), the byte code is compiled again for the installed paths (checked-hash: valid
+# whatever the files' times, so nothing is written at run time under ProtectSystem=strict), pip
+# and setuptools are removed (nothing installs into it later). pip runs without the system's
+# site-packages (a python3-yaml on the build host would satisfy PyYAML and leave it out); the
+# venv sees them afterwards, for Debian's python3-systemd (the journal source).
+#   --find-links DIR   dependencies' wheels from DIR only (no index: offline builds, CI)
+# Prints the Python version (3.X) the venv is for.
+set -euo pipefail
+
+WHEEL= LINKS= ROOT= PY=/usr/bin/python3 DEST=/usr/lib/gpuwatchd
+die() { echo "deploy/venv.sh: $*" >&2; exit 2; }
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --wheel) WHEEL=${2:?}; shift 2 ;;
+        --find-links) LINKS=${2:?}; shift 2 ;;
+        --root) ROOT=${2:?}; shift 2 ;;
+        --python) PY=${2:?}; shift 2 ;;
+        -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) die "unknown option $1 (see --help)" ;;
+    esac
+done
+[ -f "$WHEEL" ] || die "--wheel FILE is required (build one with: python3 -m build --wheel)"
+[ -n "$ROOT" ] || die "--root STAGE is required"
+mkdir -p "$ROOT"; ROOT=$(cd "$ROOT" && pwd)
+PYVER=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+PYTHON="/usr/bin/python$PYVER"
+[ -x "$PYTHON" ] || die "$PYTHON not found"
+V="$ROOT$DEST"
+[ ! -e "$V" ] || die "$V exists already"
+
+"$PYTHON" -m venv "$V"
+pipargs=(--disable-pip-version-check --no-warn-script-location -q)
+if [ -n "$LINKS" ]; then pipargs+=(--no-index --find-links "$LINKS"); fi
+"$V/bin/python" -m pip install "${pipargs[@]}" --no-compile "$WHEEL" >&2
+"$V/bin/python" -m pip uninstall -q -y pip setuptools >/dev/null
+sed -i 's/^include-system-site-packages = false$/include-system-site-packages = true/' "$V/pyvenv.cfg"
+grep -q '^include-system-site-packages = true$' "$V/pyvenv.cfg" || die "could not set pyvenv.cfg"
+rm -rf "$V"/lib/python*/site-packages/*.dist-info/direct_url.json "$V"/bin/[Aa]ctivate*
+grep -rlIF "$V" "$V" | while read -r f; do sed -i "s#$V#$DEST#g" "$f"; done
+if grep -rqIF "$ROOT" "$V"; then die "a path of the staging root is left in the venv"; fi
+find "$V" -name __pycache__ -prune -exec rm -rf {} +
+"$PYTHON" -m compileall -q -j0 -s "$ROOT" -p / --invalidation-mode checked-hash "$V/lib" >&2
+echo "$PYVER"
