@@ -106,8 +106,8 @@ def test_venv_is_relocated_and_holds_every_dependency(tree: Path) -> None:
     assert not list(venv.glob("lib/python3.11/site-packages/pip")), "pip is left in the venv"
     # every dependency from the venv itself (a python3-yaml on the build host once satisfied
     # PyYAML and left it out: the package then failed on a node without python3-yaml)
-    code = ("import gpuwatchd, yaml, prometheus_client, pyudev, pynvml, bcrypt\n"
-            "for m in (gpuwatchd, yaml, prometheus_client, pyudev, pynvml, bcrypt): print(m.__file__)\n")
+    code = ("import gpuwatchd, yaml, h11, pyudev, pynvml, bcrypt\n"
+            "for m in (gpuwatchd, yaml, h11, pyudev, pynvml, bcrypt): print(m.__file__)\n")
     res = subprocess.run([str(venv / "bin/python3"), "-c", code], capture_output=True, text=True,
                          cwd=tree, env={"PATH": "/usr/bin:/bin"})
     assert res.returncode == 0, res.stderr
