@@ -42,6 +42,7 @@ from typing import Any
 
 from gpuwatchd.join.hang import analyze, wait_tids
 from gpuwatchd.join.rank_workers import RankWorkers
+from gpuwatchd.join.stall_spin import GpuReading, GpuWindow, confirm_by_peers
 from gpuwatchd.join.stall_verdicts import RankProbe as RankProbe
 from gpuwatchd.join.stall_verdicts import StallVerdict as StallVerdict
 from gpuwatchd.join.stall_verdicts import main_stack as main_stack
@@ -49,6 +50,7 @@ from gpuwatchd.join.stall_verdicts import name_suspects as name_suspects
 from gpuwatchd.join.stall_verdicts import summarize_threads as summarize_threads
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import pyspy, taskwait
+from gpuwatchd.sources import threads as threads_source
 from gpuwatchd.sources.pyspy import PySpy, PySpyError, ThreadInfo, ThreadStack
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,9 @@ class _Track:
     verdict: StallVerdict | None = None  # the last one, reused while a look is deferred
     summary: str = ""  # summarize_threads of the last look
     busiest_worker: float | None = None  # of the last look (rank_workers.py)
+    gpu: GpuWindow = field(default_factory=GpuWindow)  # NVML readings of its GPUs (stall_spin.py)
+    proc_fp: Any = None  # the /proc view at the last dump: (tid, state, wchan, spinning)
+    sched: dict[int, tuple[int, int]] = field(default_factory=dict)  # tid -> schedstat (run, wait)
 
 
 class StallTracker:
@@ -216,7 +221,15 @@ class StallTracker:
         finally:
             self._threads_memo.clear()
             self._dump_memo.clear()
-        return name_suspects(verdicts)
+        return name_suspects(confirm_by_peers(verdicts))
+
+    def note_gpus(self, readings: dict[tuple[str, int], GpuReading]) -> None:
+        """This cycle's NVML view of each rank's GPUs (the daemon calls it after its join, where the
+        GPU readings meet the ranks); read by the spin rules at the next look."""
+        for key, r in readings.items():
+            tr = self._tracks.get(key)
+            if tr is not None:
+                tr.gpu.add(r)
 
     def _deferred(self, now: float, p: RankProbe, tr: _Track, kind: str) -> StallVerdict:
         """The verdict of a rank whose look the budget defers: its last one, or "not yet"."""
@@ -258,6 +271,7 @@ class StallTracker:
                 t.tid: (t.cpu_ticks - prev[t.tid]) / self._clk_tck / elapsed
                 for t in threads if elapsed > 0 and t.tid in prev
             }  # fmt: skip
+            shares = self._runnable(p.pid, tr, shares, elapsed)
             spinning = frozenset(tid for tid, share in shares.items() if share >= SPIN_SHARE)
             # Python 3.10 dumps carry no tid (py-spy #567): then any task's work band counts
             python_tids = {s.tid for s in tr.stacks if s.tid} or set(shares)
@@ -284,7 +298,13 @@ class StallTracker:
             stalled_so_far = now - progress > self.after
         else:
             method, progress = self._stack_progress(now, p, tr, threads, spinning)
-            stalled_so_far = tr.identical >= 2 and now - progress >= self.after
+            # a GPU that only this rank uses and that moves data is doing the rank's work
+            active = tr.gpu.active_at()
+            if active is not None and active > progress:
+                progress = active
+            # two identical dumps at least after_seconds apart, with every /proc look between them
+            # unchanged (a look that changes dumps again): the same place the whole time
+            stalled_so_far = tr.identical >= 1 and now - progress >= self.after
         if stopped and tr.stopped_since is not None and now - tr.stopped_since >= self.after:
             method, stalled_so_far = "stopped", True
             progress = min(progress, tr.stopped_since)
@@ -299,6 +319,8 @@ class StallTracker:
         location = tuple(f.where for f in main.frames[:3]) if main else ()
         analysis = None
         compiling = False
+        spin = self._spinning_python(tr, spinning) if stalled_so_far and method in ("stack", "proc") \
+            else frozenset()
         if (stalled_so_far or late) and tr.stacks:
             waits = taskwait.read_waits(self.paths, p.pid, wait_tids(tr.stacks, threads))
             workers = tr.workers.view(self.paths, p.workers)
@@ -315,12 +337,53 @@ class StallTracker:
                 compiling = True
                 stalled_so_far = now - progress > self.compile_after
                 method = "compiling"
+        ambiguous, confirmed_by, gpu_words = False, "", ""
+        if spin and stalled_so_far and not compiling:
+            gpu_kind, gpu_words = tr.gpu.verdict(progress, now, self.after / 2)
+            gpu_waits = analysis is not None and "gpu_wait" in analysis.kinds
+            if gpu_kind == "spin":
+                confirmed_by = "gpu_spin"
+            elif gpu_kind == "idle" and gpu_waits:
+                confirmed_by = "gpu_idle"
+            else:
+                ambiguous, stalled_so_far = True, False
         return StallVerdict(
             job_id=p.job_id, rank=p.rank, pid=p.pid, alive=True, progress_timestamp=progress,
             stalled=stalled_so_far, method=method, no_progress_seconds=max(0.0, now - progress),
             stuck_frames=frames, threads_summary=tr.summary,
             location=location, analysis=analysis, compiling=compiling,
+            ambiguous=ambiguous, confirmed_by=confirmed_by, gpu_evidence=gpu_words,
         )  # fmt: skip
+
+    @staticmethod
+    def _spinning_python(tr: _Track, spinning: frozenset[int]) -> frozenset[int]:
+        """The Python threads among those burning a core (every spinning task when the dumps give
+        no tids: Python 3.10, py-spy #567, or no py-spy). Native helper threads (NCCL, CUDA)
+        spinning beside a blocked Python thread leave the block unambiguous."""
+        tids = {s.tid for s in tr.stacks if s.tid}
+        if not tids or any(not s.tid for s in tr.stacks):
+            return spinning
+        return spinning & frozenset(tids)
+
+    def _runnable(self, pid: int, tr: _Track, shares: dict[int, float],
+                  elapsed: float) -> dict[int, float]:  # fmt: skip
+        """Each working thread's share of the window it was runnable (on a CPU or waiting for one):
+        a thread that never slept is spinning whatever share of a CPU other load left it. Read
+        only for the threads that used CPU since the last look (a few per rank); a thread's first
+        such look keeps its CPU share."""
+        sched = {}
+        for tid, share in shares.items():
+            if share >= WORK_SHARE:
+                now_v = threads_source.read_schedstat(self.paths, pid, tid)
+                if now_v is not None:
+                    sched[tid] = now_v
+        out = dict(shares)
+        for tid, (run, wait) in sched.items():
+            prev = tr.sched.get(tid)
+            if prev is not None and elapsed > 0:
+                out[tid] = max(out[tid], min(1.0, (run - prev[0] + wait - prev[1]) / 1e9 / elapsed))
+        tr.sched = sched
+        return out
 
     @staticmethod
     def _look(now: float, tr: _Track, threads: tuple[ThreadInfo, ...],
@@ -332,6 +395,7 @@ class StallTracker:
         spinning: frozenset[int],
     ) -> tuple[str, float]:  # fmt: skip
         """Compare this look with the last one; returns (method, last change time)."""
+        proc_fp = tuple((t.tid, t.state, t.wchan, t.tid in spinning) for t in threads)
         if tr.worked and tr.fingerprint is not None:
             # Python threads used CPU in the working band since the last look: that is progress
             # whatever a stack dump would show, so spare the target and ourselves the py-spy run.
@@ -339,11 +403,19 @@ class StallTracker:
             tr.identical = 0
             tr.last_change = now
             tr.last_dump_at = now  # this look counts as the comparison: next one a dump interval on
+            tr.proc_fp = proc_fp
             return ("stack" if tr.stacks else "proc"), now
-        # a rank already stalled is re-dumped every after_seconds, not every dump interval: its
-        # explanation stays fresh, and recovery shows sooner anyway through its CPU (worked)
-        settled = tr.identical >= 2 and now - tr.last_change >= self.after
-        every = max(self.dump_interval, self.after) if settled else self.dump_interval
+        # The dump cadence (issue 22: the dumps were what a rank without heartbeat cost beside one
+        # with): a look whose /proc view (each thread's state, wchan, burning a core or not)
+        # differs from the view at the last dump dumps at once, since a hang usually starts with
+        # such a change; an unchanged view is dumped again only after_seconds after the last dump.
+        # Two identical dumps that far apart, with every look between them showing the same view,
+        # make a stall: a hang is seen within after_seconds of the first look that shows it, plus
+        # one look.
+        changed = proc_fp != tr.proc_fp
+        every = self.dump_interval if changed else max(self.dump_interval, self.after)
+        if self.spy is None or self.spy.binary is None:
+            every = self.dump_interval  # the /proc view is the comparison itself: free
         if now - tr.last_dump_at < every and tr.fingerprint is not None:
             return ("stack" if tr.stacks else "proc"), tr.last_change
         if self._dump_memo and p.pid not in self._dump_memo and time.monotonic() > self._deadline:
@@ -354,6 +426,7 @@ class StallTracker:
             # busy / timed out / odd output this time: compare at the next look, change nothing
             return "stack", tr.last_change
         by_tid = {t.tid: t for t in threads}
+        tr.proc_fp = proc_fp
         if stacks:
             tr.stacks, tr.last_dump_at = stacks, now
             method = "stack"
