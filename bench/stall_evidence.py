@@ -37,7 +37,6 @@ import textwrap
 import time
 from typing import Any
 
-
 PROGRAMS = {
     "hash_loop": """
         import hashlib
@@ -105,25 +104,30 @@ PROGRAMS = {
 }
 
 
+def _rd(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def _task_counters(pid: int) -> dict[int, dict[str, Any]]:
     out: dict[int, dict[str, Any]] = {}
     base = f"/proc/{pid}/task"
     for t in os.listdir(base):
         d: dict[str, Any] = {}
         try:
-            raw = open(f"{base}/{t}/stat").read()
+            raw = _rd(f"{base}/{t}/stat")
             f = raw[raw.rfind(")") + 2:].split()
             d["state"], d["minflt"], d["majflt"] = f[0], int(f[7]), int(f[9])
             d["ticks"] = int(f[11]) + int(f[12])
-            for line in open(f"{base}/{t}/status"):
+            for line in _rd(f"{base}/{t}/status").splitlines():
                 if line.startswith("voluntary_ctxt_switches"):
                     d["vcsw"] = int(line.split()[1])
                 elif line.startswith("nonvoluntary_ctxt_switches"):
                     d["nvcsw"] = int(line.split()[1])
-            d["run_ns"], _, d["slices"] = (int(x) for x in open(f"{base}/{t}/schedstat").read().split())
-            io = dict(line.split(": ") for line in open(f"{base}/{t}/io").read().splitlines())
+            d["run_ns"], _, d["slices"] = (int(x) for x in _rd(f"{base}/{t}/schedstat").split())
+            io = dict(line.split(": ") for line in _rd(f"{base}/{t}/io").splitlines())
             d["syscr"], d["syscw"] = int(io["syscr"]), int(io["syscw"])
-            d["wchan"] = open(f"{base}/{t}/wchan").read().strip()
+            d["wchan"] = _rd(f"{base}/{t}/wchan").strip()
         except (OSError, ValueError, KeyError):
             continue
         out[int(t)] = d

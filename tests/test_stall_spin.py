@@ -24,15 +24,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from daemonutil import DaemonProc, write_config
 
 from gpuwatchd.join.stall import RankProbe, StallTracker
 from gpuwatchd.join.stall_spin import GpuReading, GpuWindow, rank_gpu_readings
 from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, RankState
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy
-
-sys.path.insert(0, str(Path(__file__).parent))
-from daemonutil import DaemonProc, write_config  # noqa: E402
 
 AFTER = 1.5
 INTERVAL = 0.5
