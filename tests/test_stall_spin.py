@@ -200,7 +200,10 @@ def test_gpu_window_rules() -> None:
     shared = GpuWindow()
     for t in range(5):
         shared.add(GpuReading(100.0 + t, 1.0, 0.0, False))
-    assert shared.verdict(100.0, 104.0, 2.0)[0] == "unknown" and shared.active_at() is None
+    # device-wide: no traffic holds for every process on the GPU, traffic may be another's
+    assert shared.verdict(100.0, 104.0, 2.0)[0] == "spin" and shared.active_at() is None
+    shared.add(GpuReading(105.0, 1.0, 0.5, False))
+    assert shared.verdict(100.0, 105.0, 2.0)[0] == "unknown" and shared.active_at() is None
     idle = GpuWindow()
     for t in range(5):
         idle.add(GpuReading(100.0 + t, 0.0, 0.0, True))

@@ -19,8 +19,9 @@ and what these rules use:
 - **the peers of the same job**: a peer stalled without ambiguity (blocked at 0 % CPU, a lost
   heartbeat, stopped) means the collective cannot progress, so the spinning rank waits for it.
 
-Readings of a GPU that another process (not of the rank's tree) also holds memory on are not
-evidence either way: device-wide utilisation would be that process's as much as the rank's.
+The readings are device-wide. On a GPU that another process (not of the rank's tree) also holds
+memory on, memory traffic may be that process's: it is no evidence of progress there. No traffic
+at all, or an idle GPU, holds for every process on it, so those still confirm.
 Where nothing confirms a stall, the verdict is ``ambiguous`` (a warning, never a page) and says
 what would: a heartbeat, NVML, ``gpuwatchd doctor``.
 
@@ -76,8 +77,7 @@ class GpuWindow:
         rs = [r for r in self.readings if since <= r.at <= now]
         if not rs:
             return "unknown", "no NVML reading of its GPU"
-        if not all(r.exclusive for r in rs):
-            return "unknown", "its GPU is shared with another process (device-wide readings)"
+        shared = not all(r.exclusive for r in rs)
         utils = [r.util for r in rs if r.util is not None]
         mems = [r.mem for r in rs if r.mem is not None]
         if len(utils) < len(rs) or len(mems) < len(rs):
@@ -85,8 +85,11 @@ class GpuWindow:
         n, covered = len(rs), rs[-1].at - rs[0].at
         words = (f"{n} NVML readings over {covered:.0f} s: utilisation {min(utils):.0%}-{max(utils):.0%}, "
                  f"memory controller {min(mems):.0%}-{max(mems):.0%}")
+        if shared:
+            words += "; shared with another process"
         if max(mems) >= MEM_ACTIVE:
-            return "active", words
+            # device-wide: on a shared GPU the traffic may be the other process's
+            return ("unknown" if shared else "active"), words
         if n < MIN_READINGS or covered < span:
             return "unknown", words + " (too few to decide)"
         if min(utils) >= GPU_BUSY:
