@@ -11,8 +11,8 @@ usage: discovered_rank.py MODE [PORT PAUSE]
                torch.cuda.synchronize()
   gpu_spin_item hung: the same behind .item()
   deadlock     hung: two threads deadlocked on two locks, the main thread joins them
-  data_hang    rank RANK of a 2-rank gloo job: two all_reduces together, then rank 1 blocks
-               in load_batch forever (0 % CPU) and rank 0 waits in all_reduce
+  data_hang    rank RANK of a WORLD_SIZE-rank gloo job: two all_reduces together, then the last
+               rank blocks in load_batch forever (0 % CPU) and the others wait in all_reduce
 Prints "ready" when the shape is in place (for the healthy ones: after a few steps).
 """
 
@@ -47,8 +47,9 @@ if mode == "item_loop":
 elif mode in ("ckpt", "data_hang"):
     import torch.distributed as dist
 
+    world = int(os.environ.get("WORLD_SIZE", "2"))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=600))
+                            world_size=world, timeout=datetime.timedelta(seconds=600))
     t = torch.ones(4)
     if mode == "data_hang":
         for _ in range(2):
@@ -58,9 +59,9 @@ elif mode in ("ckpt", "data_hang"):
         def load_batch() -> None:
             threading.Event().wait()  # the batch never comes: 0 % CPU
 
-        if rank == 1:
+        if rank == world - 1:
             load_batch()
-        dist.all_reduce(t)  # rank 0 waits here for rank 1
+        dist.all_reduce(t)  # the others wait here for the last rank
     pause = float(sys.argv[3])
     a = torch.randn(4096, 4096, device=f"cuda:{0}")
     buf = bytes(64 << 20)

@@ -8,7 +8,8 @@ judged by its stacks, /proc and NVML (join/stall_spin.py), with ``stall.after_se
    waits in all_reduce;
 2. hangs, paged within AFTER plus one look (plus discovery's interval): a GPU spin hang (one kernel
    that never ends) behind ``synchronize()`` and behind ``.item()``, confirmed by the GPU; a
-   deadlock; a collective hang with the odd one out named;
+   deadlock; a collective hang (three gloo ranks, the last blocked in load_batch) with the odd one
+   out named;
 3. heartbeats with no code change: ``torchrun ... -m gpuwatchd.run train.py`` and, with the wheel
    installed in a venv, ``GPUWATCHD_HEARTBEAT=1 torchrun ... train.py``: the rank file appears with
    its heartbeat, and when the script stops stepping it is paged with ``method: heartbeat``.
@@ -20,12 +21,14 @@ from __future__ import annotations
 
 import json
 import os
+import site
 import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -193,16 +196,17 @@ def test_deadlock_is_paged(world: World) -> None:
 def test_collective_hang_names_the_odd_one_out(world: World) -> None:
     job = f"coll-{uuid.uuid4().hex[:6]}"
     port = str(_port())
-    procs = [world.rank("data_hang", job, r, 2, port, "0") for r in range(2)]
+    procs = [world.rank("data_hang", job, r, 3, port, "0") for r in range(3)]
     for p in procs:
         world.ready(p)
     t0 = time.monotonic()
-    both = world.wait(lambda: len(world.paged(job)) == 2 and world.paged(job),
-                      AFTER + 2 * LOOK + DISCOVERY + 6, "both ranks paged")  # fmt: skip
-    for r, f in sorted(both.items()):
+    every = world.wait(lambda: len(world.paged(job)) == 3 and world.paged(job),
+                       AFTER + 2 * LOOK + DISCOVERY + 6, "all three ranks paged")  # fmt: skip
+    for r, f in sorted(every.items()):
         say(f"collective hang rank {r} paged after {time.monotonic() - t0:.1f} s", f["explanation"])
-    assert both["1"]["evidence"]["suspect"] or "rank 1" in both["0"]["explanation"], both
-    assert "collective" in both["0"]["explanation"] and "load_batch" in both["1"]["explanation"]
+    assert every["2"]["evidence"]["suspect"] and "odd one out" in every["2"]["explanation"]
+    assert "load_batch" in every["2"]["explanation"]
+    assert "suspect: rank 2" in every["0"]["explanation"] and "collective" in every["0"]["explanation"]
     world.stop(*procs)
 
 
@@ -211,8 +215,10 @@ def _torchrun(world: World, python: str, job: str, extra_env: dict[str, str], *a
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         env.pop(k)
     env.update(extra_env)
-    return world.start([python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                        "--run-id", job, *args], env)  # fmt: skip
+    # static rendezvous: --standalone would replace the run id (the job id) with a random one
+    return world.start([python, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
+                        "--master-addr", "127.0.0.1", "--master-port", str(_port()), "--rdzv-id", job,
+                        *args], env)  # fmt: skip
 
 
 def _heartbeat_paged(world: World, job: str, what: str) -> None:
@@ -235,10 +241,16 @@ def test_torchrun_with_the_wheels_pth_heartbeat(world: World, tmp_path: Path) ->
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                     "-w", str(tmp_path / "dist"), str(REPO)], check=True, timeout=300)  # fmt: skip
     (whl,) = (tmp_path / "dist").glob("gpuwatchd-*.whl")
+    # A fresh venv with the wheel installed (a pure-Python wheel unpacked into site-packages, as
+    # pip does) that sees this interpreter's packages (torch) through a .pth of its own: a venv
+    # made from a venv would see the base interpreter's packages, not torch.
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
-    subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                    str(whl)], check=True, timeout=300)  # fmt: skip
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
+    (site_dir,) = (venv / "lib").glob("python3*/site-packages")
+    zipfile.ZipFile(whl).extractall(site_dir)
+    assert (site_dir / "gpuwatchd-heartbeat.pth").is_file()
+    outer = [p for p in site.getsitepackages() if os.path.isdir(p)]
+    (site_dir / "zz-outer-site.pth").write_text(f"import site; [site.addsitedir(p) for p in {outer!r}]\n")
     job = f"pth-{uuid.uuid4().hex[:6]}"
     # the rank must import the wheel's gpuwatchd, not this checkout's: no PYTHONPATH to the repo
     p = _torchrun(world, str(venv / "bin/python"), job,
