@@ -17,15 +17,21 @@ same place (typically one collective) and one rank is elsewhere, progressing alo
 rank is the suspect (research §3.2, NVIDIA/nccl#1063: "29 pods blocked in NCCL, 1 pod stuck in an
 arbitrary CUDA op"; ``name_suspects`` in join/stall_verdicts.py, with the probe and verdict types).
 
-Reads: the heartbeat file's mtime, ``/proc/PID/task/*/{stat,wchan}``, ``py-spy dump``.
-Cost: one stat per heartbeat rank per cycle (done by the daemon); per-thread reads and one dump
-(~10 ms) per heartbeat-less or stalled *process* every ``dump interval`` (after_seconds/5, at
-least one cycle, at most 60 s), never every cycle: between looks a rank's verdict comes from its
-last look and its heartbeat. Bounded whatever the input: a process listed by many ranks is looked
-at once per cycle (per-PID memo), at most ``max_threads`` of its tasks are read, and one
-``observe`` spends at most ``budget_seconds`` on looks; the looks over budget are deferred to the
-next cycle (least recently looked first) and counted in ``deferred`` (exported as
-``gpuwatch_cycle_deferred_probes_total``).
+A thread that burns a core at the one line of every dump is ambiguous (a healthy loop that syncs
+each step looks the same): join/stall_spin.py says when that is a stall (the GPU's readings, the
+peers) and otherwise the verdict is ``ambiguous``, a warning, never a page.
+
+Reads: the heartbeat file's mtime, ``/proc/PID/task/*/{stat,wchan}`` (``schedstat`` of the threads
+that used CPU), ``py-spy dump``.
+Cost: one stat per heartbeat rank per cycle (done by the daemon); per-thread reads per
+heartbeat-less or stalled *process* every ``dump interval`` (after_seconds/5, at least one cycle,
+at most 60 s), and one dump (~10 ms) when that /proc view changed and settled, else once per
+after_seconds (issue 22: the dumps were what a heartbeat-less rank cost beside a beating one);
+never every cycle: between looks a rank's verdict comes from its last look and its heartbeat.
+Bounded whatever the input: a process listed by many ranks is looked at once per cycle (per-PID
+memo), at most ``max_threads`` of its tasks are read, and one ``observe`` spends at most
+``budget_seconds`` on looks; the looks over budget are deferred to the next cycle (least recently
+looked first) and counted in ``deferred`` (exported as ``gpuwatch_cycle_deferred_probes_total``).
 Privilege: as sources/pyspy.py. Shell equivalent: ``stat -c %Y HB``; ``py-spy dump -p PID``
 three times a minute apart and ``diff``; ``cat /proc/PID/task/*/wchan``.
 """
@@ -42,7 +48,14 @@ from typing import Any
 
 from gpuwatchd.join.hang import analyze, wait_tids
 from gpuwatchd.join.rank_workers import RankWorkers
-from gpuwatchd.join.stall_spin import GpuReading, GpuWindow, confirm_by_peers
+from gpuwatchd.join.stall_spin import (
+    GpuReading,
+    GpuWindow,
+    confirm_by_peers,
+    confirm_spin,
+    runnable_shares,
+    spinning_python,
+)
 from gpuwatchd.join.stall_verdicts import RankProbe as RankProbe
 from gpuwatchd.join.stall_verdicts import StallVerdict as StallVerdict
 from gpuwatchd.join.stall_verdicts import main_stack as main_stack
@@ -50,7 +63,6 @@ from gpuwatchd.join.stall_verdicts import name_suspects as name_suspects
 from gpuwatchd.join.stall_verdicts import summarize_threads as summarize_threads
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import pyspy, taskwait
-from gpuwatchd.sources import threads as threads_source
 from gpuwatchd.sources.pyspy import PySpy, PySpyError, ThreadInfo, ThreadStack
 
 log = logging.getLogger(__name__)
@@ -90,6 +102,8 @@ class _Track:
     busiest_worker: float | None = None  # of the last look (rank_workers.py)
     gpu: GpuWindow = field(default_factory=GpuWindow)  # NVML readings of its GPUs (stall_spin.py)
     proc_fp: Any = None  # the /proc view at the last dump: (tid, state, wchan, spinning)
+    look_fp: Any = None  # the /proc view at the last look
+    dump_due: bool = False  # the view changed since the last dump and held for a look
     sched: dict[int, tuple[int, int]] = field(default_factory=dict)  # tid -> schedstat (run, wait)
 
 
@@ -271,7 +285,7 @@ class StallTracker:
                 t.tid: (t.cpu_ticks - prev[t.tid]) / self._clk_tck / elapsed
                 for t in threads if elapsed > 0 and t.tid in prev
             }  # fmt: skip
-            shares = self._runnable(p.pid, tr, shares, elapsed)
+            shares, tr.sched = runnable_shares(self.paths, p.pid, tr.sched, shares, elapsed)
             spinning = frozenset(tid for tid, share in shares.items() if share >= SPIN_SHARE)
             # Python 3.10 dumps carry no tid (py-spy #567): then any task's work band counts
             python_tids = {s.tid for s in tr.stacks if s.tid} or set(shares)
@@ -297,14 +311,15 @@ class StallTracker:
             progress = hb_mtime if hb_mtime is not None else tr.first_seen
             stalled_so_far = now - progress > self.after
         else:
-            method, progress = self._stack_progress(now, p, tr, threads, spinning)
+            method, progress = self._stack_progress(now, p, tr, threads, spinning, look_due)
             # a GPU that only this rank uses and that moves data is doing the rank's work
             active = tr.gpu.active_at()
             if active is not None and active > progress:
                 progress = active
             # two identical dumps at least after_seconds apart, with every /proc look between them
             # unchanged (a look that changes dumps again): the same place the whole time
-            stalled_so_far = tr.identical >= 1 and now - progress >= self.after
+            stalled_so_far = tr.identical >= 1 and now - progress >= self.after and (
+                tr.last_dump_at - tr.last_change >= self.after)
         if stopped and tr.stopped_since is not None and now - tr.stopped_since >= self.after:
             method, stalled_so_far = "stopped", True
             progress = min(progress, tr.stopped_since)
@@ -319,7 +334,7 @@ class StallTracker:
         location = tuple(f.where for f in main.frames[:3]) if main else ()
         analysis = None
         compiling = False
-        spin = self._spinning_python(tr, spinning) if stalled_so_far and method in ("stack", "proc") \
+        spin = spinning_python(tr.stacks, spinning) if stalled_so_far and method in ("stack", "proc") \
             else frozenset()
         if (stalled_so_far or late) and tr.stacks:
             waits = taskwait.read_waits(self.paths, p.pid, wait_tids(tr.stacks, threads))
@@ -339,14 +354,9 @@ class StallTracker:
                 method = "compiling"
         ambiguous, confirmed_by, gpu_words = False, "", ""
         if spin and stalled_so_far and not compiling:
-            gpu_kind, gpu_words = tr.gpu.verdict(progress, now, self.after / 2)
-            gpu_waits = analysis is not None and "gpu_wait" in analysis.kinds
-            if gpu_kind == "spin":
-                confirmed_by = "gpu_spin"
-            elif gpu_kind == "idle" and gpu_waits:
-                confirmed_by = "gpu_idle"
-            else:
-                ambiguous, stalled_so_far = True, False
+            confirmed_by, gpu_words = confirm_spin(tr.gpu, progress, now, self.after, analysis)
+            stalled_so_far = bool(confirmed_by)
+            ambiguous = not stalled_so_far
         return StallVerdict(
             job_id=p.job_id, rank=p.rank, pid=p.pid, alive=True, progress_timestamp=progress,
             stalled=stalled_so_far, method=method, no_progress_seconds=max(0.0, now - progress),
@@ -356,46 +366,22 @@ class StallTracker:
         )  # fmt: skip
 
     @staticmethod
-    def _spinning_python(tr: _Track, spinning: frozenset[int]) -> frozenset[int]:
-        """The Python threads among those burning a core (every spinning task when the dumps give
-        no tids: Python 3.10, py-spy #567, or no py-spy). Native helper threads (NCCL, CUDA)
-        spinning beside a blocked Python thread leave the block unambiguous."""
-        tids = {s.tid for s in tr.stacks if s.tid}
-        if not tids or any(not s.tid for s in tr.stacks):
-            return spinning
-        return spinning & frozenset(tids)
-
-    def _runnable(self, pid: int, tr: _Track, shares: dict[int, float],
-                  elapsed: float) -> dict[int, float]:  # fmt: skip
-        """Each working thread's share of the window it was runnable (on a CPU or waiting for one):
-        a thread that never slept is spinning whatever share of a CPU other load left it. Read
-        only for the threads that used CPU since the last look (a few per rank); a thread's first
-        such look keeps its CPU share."""
-        sched = {}
-        for tid, share in shares.items():
-            if share >= WORK_SHARE:
-                now_v = threads_source.read_schedstat(self.paths, pid, tid)
-                if now_v is not None:
-                    sched[tid] = now_v
-        out = dict(shares)
-        for tid, (run, wait) in sched.items():
-            prev = tr.sched.get(tid)
-            if prev is not None and elapsed > 0:
-                out[tid] = max(out[tid], min(1.0, (run - prev[0] + wait - prev[1]) / 1e9 / elapsed))
-        tr.sched = sched
-        return out
-
-    @staticmethod
     def _look(now: float, tr: _Track, threads: tuple[ThreadInfo, ...],
               spinning: frozenset[int], shares: dict[int, float]) -> None:
         tr.threads, tr.threads_at, tr.spinning, tr.shares = threads, now, spinning, shares
 
     def _stack_progress(
         self, now: float, p: RankProbe, tr: _Track, threads: tuple[ThreadInfo, ...],
-        spinning: frozenset[int],
+        spinning: frozenset[int], looked: bool = True,
     ) -> tuple[str, float]:  # fmt: skip
         """Compare this look with the last one; returns (method, last change time)."""
         proc_fp = tuple((t.tid, t.state, t.wchan, t.tid in spinning) for t in threads)
+        if looked:
+            # a view that differs from the one at the last dump and held for one look: the rank
+            # has moved and settled (a dump in the middle of a move would see neither place)
+            if proc_fp != tr.proc_fp and proc_fp == tr.look_fp:
+                tr.dump_due = True
+            tr.look_fp = proc_fp
         if tr.worked and tr.fingerprint is not None:
             # Python threads used CPU in the working band since the last look: that is progress
             # whatever a stack dump would show, so spare the target and ourselves the py-spy run.
@@ -403,20 +389,23 @@ class StallTracker:
             tr.identical = 0
             tr.last_change = now
             tr.last_dump_at = now  # this look counts as the comparison: next one a dump interval on
-            tr.proc_fp = proc_fp
+            tr.proc_fp, tr.dump_due = proc_fp, False
             return ("stack" if tr.stacks else "proc"), now
         # The dump cadence (issue 22: the dumps were what a rank without heartbeat cost beside one
-        # with): a look whose /proc view (each thread's state, wchan, burning a core or not)
-        # differs from the view at the last dump dumps at once, since a hang usually starts with
-        # such a change; an unchanged view is dumped again only after_seconds after the last dump.
-        # Two identical dumps that far apart, with every look between them showing the same view,
-        # make a stall: a hang is seen within after_seconds of the first look that shows it, plus
-        # one look.
-        changed = proc_fp != tr.proc_fp
-        every = self.dump_interval if changed else max(self.dump_interval, self.after)
-        if self.spy is None or self.spy.binary is None:
-            every = self.dump_interval  # the /proc view is the comparison itself: free
-        if now - tr.last_dump_at < every and tr.fingerprint is not None:
+        # with). A /proc view (each thread's state, wchan, burning a core or not) that changed
+        # since the last dump and held for a look is dumped at once: a hang usually starts with
+        # such a change. Otherwise the next dump comes after_seconds after the last change of
+        # stack (the one that can make a stall), and for a rank already stalled after_seconds
+        # after the last dump. A stall is two identical dumps after_seconds apart with no settled
+        # change of view between them: a hang is seen after_seconds after the first look that
+        # shows it settled, plus a look or two.
+        if tr.dump_due or self.spy is None or self.spy.binary is None:
+            due = tr.last_dump_at + self.dump_interval  # (without py-spy the view is the comparison)
+        elif tr.identical >= 1 and tr.last_dump_at - tr.last_change >= self.after:
+            due = tr.last_dump_at + max(self.dump_interval, self.after)
+        else:
+            due = max(tr.last_dump_at + self.dump_interval, tr.last_change + self.after)
+        if now < due and tr.fingerprint is not None:
             return ("stack" if tr.stacks else "proc"), tr.last_change
         if self._dump_memo and p.pid not in self._dump_memo and time.monotonic() > self._deadline:
             self.deferred["dump"] += 1
@@ -426,7 +415,7 @@ class StallTracker:
             # busy / timed out / odd output this time: compare at the next look, change nothing
             return "stack", tr.last_change
         by_tid = {t.tid: t for t in threads}
-        tr.proc_fp = proc_fp
+        tr.proc_fp, tr.dump_due = proc_fp, False
         if stacks:
             tr.stacks, tr.last_dump_at = stacks, now
             method = "stack"

@@ -35,14 +35,19 @@ import collections
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+from gpuwatchd.join.hang import HangAnalysis
 from gpuwatchd.join.stall_verdicts import StallVerdict
 from gpuwatchd.model import NodeState
+from gpuwatchd.paths import HostPaths
+from gpuwatchd.sources.pyspy import ThreadStack
+from gpuwatchd.sources.threads import read_schedstat
 
 MEM_ACTIVE = 0.01  # NVML reports whole percent: 1 % of memory-controller time is data moving
 GPU_BUSY = 0.6  # as findings/stall.py's "busy"
 GPU_IDLE = 0.05
 MIN_READINGS = 3
 MAX_READINGS = 240  # a 20-minute window at a 5 s cycle
+WORK_SHARE = 0.05  # as join/stall.py: below it a thread did no work since the last look
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,51 @@ def readings_for(now: float, gpus: Iterable[tuple[float | None, float | None, bo
         now, None if None in utils else max(u for u in utils if u is not None),
         None if None in mems else max(m for m in mems if m is not None),
         all(x for _, _, x in rows))  # fmt: skip
+
+
+def spinning_python(stacks: Iterable[ThreadStack], spinning: frozenset[int]) -> frozenset[int]:
+    """The Python threads among those burning a core (every spinning task when the dumps give
+    no tids: Python 3.10, py-spy #567, or no py-spy). Native helper threads (NCCL, CUDA)
+    spinning beside a blocked Python thread leave the block unambiguous."""
+    stacks = tuple(stacks)
+    tids = {s.tid for s in stacks if s.tid}
+    if not tids or any(not s.tid for s in stacks):
+        return spinning
+    return spinning & frozenset(tids)
+
+
+def runnable_shares(paths: HostPaths, pid: int, prev: Mapping[int, tuple[int, int]],
+                    shares: Mapping[int, float], elapsed: float,
+                    ) -> tuple[dict[int, float], dict[int, tuple[int, int]]]:  # fmt: skip
+    """Each working thread's share of the window it was runnable (on a CPU or waiting for one),
+    and the schedstat readings to keep for the next look: a thread that never slept is spinning
+    whatever share of a CPU other load left it (measured: a hash loop got 50-80 % of a core on
+    the loaded 2-core VM, runnable 100 %). Read only for the threads that used CPU since the last
+    look (a few per rank); a thread's first such look keeps its CPU share."""
+    sched = {}
+    for tid, share in shares.items():
+        if share >= WORK_SHARE:
+            now_v = read_schedstat(paths, pid, tid)
+            if now_v is not None:
+                sched[tid] = now_v
+    out = dict(shares)
+    for tid, (run, wait) in sched.items():
+        old = prev.get(tid)
+        if old is not None and elapsed > 0:
+            out[tid] = max(out[tid], min(1.0, (run - old[0] + wait - old[1]) / 1e9 / elapsed))
+    return out, sched
+
+
+def confirm_spin(window: GpuWindow, since: float, now: float, after: float,
+                 analysis: HangAnalysis | None) -> tuple[str, str]:  # fmt: skip
+    """(what confirms the stall of a rank spinning at one line since ``since``, or "" when
+    nothing does; the GPU readings in words)."""
+    kind, words = window.verdict(since, now, after / 2)
+    if kind == "spin":
+        return "gpu_spin", words
+    if kind == "idle" and analysis is not None and "gpu_wait" in analysis.kinds:
+        return "gpu_idle", words
+    return "", words
 
 
 def rank_gpu_readings(state: NodeState) -> dict[tuple[str, int], GpuReading]:
