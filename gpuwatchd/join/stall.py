@@ -375,7 +375,14 @@ class StallTracker:
         spinning: frozenset[int], looked: bool = True,
     ) -> tuple[str, float]:  # fmt: skip
         """Compare this look with the last one; returns (method, last change time)."""
-        proc_fp = tuple((t.tid, t.state, t.wchan, t.tid in spinning) for t in threads)
+        # The view of the Python threads of the last dump (all tasks when it gave no tids, or
+        # before the first): native helper threads (CUDA, NCCL, gloo) wake on their own, and a view
+        # with them in it rarely holds for two looks (the device run: 20-thread torch ranks).
+        python_tids = {s.tid for s in tr.stacks if s.tid}
+        if not python_tids or any(not s.tid for s in tr.stacks):
+            python_tids = {t.tid for t in threads}
+        proc_fp = tuple((t.tid, t.state, t.wchan, t.tid in spinning) for t in threads
+                        if t.tid in python_tids)  # fmt: skip
         if looked:
             # a view that differs from the one at the last dump and held for one look: the rank
             # has moved and settled (a dump in the middle of a move would see neither place)
