@@ -51,6 +51,15 @@ SHAPES = {
         print("ready", flush=True)
         spin()
     """,
+    "sleeper": """
+        import threading, time
+        idle = threading.Event()
+        for _ in range(4):
+            threading.Thread(target=idle.wait, daemon=True).start()
+        print("ready", flush=True)
+        while True:
+            time.sleep(0.5)
+    """,
     "block": """
         import threading
         lock = threading.Lock()
@@ -223,3 +232,27 @@ def test_rank_gpu_readings_exclusive_only_without_other_holders() -> None:
     out = rank_gpu_readings(NodeState(50.0, ranks=ranks, gpus=gpus, gpu_processes=rows))
     assert out[("j", 0)] == GpuReading(50.0, 1.0, 0.0, True)
     assert out[("j", 1)] == GpuReading(50.0, 0.5, 0.2, False)
+
+
+def test_unchanged_rank_is_dumped_once_per_after_seconds(launch) -> None:
+    """The cost contract (issue 22: the dumps made a heartbeat-less rank cost twice a beating one):
+    a rank whose Python threads' /proc view does not change is dumped once per after_seconds, not
+    at every look. Before (63318c5), the same 6.5 s at looks every 0.25 s took 10 dumps."""
+    p = launch("sleeper", "cadence")
+    spy = PySpy(pyspy.resolve_pyspy())
+    dumps = []
+    real = spy.dump
+
+    def counting(pid: int, slot_wait: float | None = None):  # type: ignore[no-untyped-def]
+        dumps.append(time.time())
+        return real(pid, slot_wait=slot_wait)
+
+    spy.dump = counting  # type: ignore[method-assign]
+    after = 2.0
+    tracker = StallTracker(after, spy, dump_interval_seconds=0.25)
+    t0 = time.time()
+    while time.time() - t0 < 6.5:
+        tracker.observe(time.time(), [_probe(p.pid, "cadence")])
+        time.sleep(0.25)
+    # the first look, then one per after_seconds (and one when the first look's view settles)
+    assert 3 <= len(dumps) <= 6, [round(t - t0, 2) for t in dumps]
