@@ -73,8 +73,9 @@ for k in range(children):
         fork_worker()
 for _ in range(threads - 2):
     threading.Thread(target=idle.wait, daemon=True).start()
+beat = os.environ.get('GW_BENCH_NOHB') != '1'  # --no-heartbeat: judged by /proc and dumps
 gpuwatchd.register_rank(job_id='bench', rank=i, world_size=n, local_rank=i, rank_dir=rank_dir,
-                        cuda_oom_hook=False)  # + the flight-recorder thread: threads in all
+                        cuda_oom_hook=False, heartbeat=beat)  # + the flight-recorder thread
 with open(ready + '.tmp', 'w') as f:
     f.write(str(os.getpid()))
 os.replace(ready + '.tmp', ready)
@@ -438,11 +439,15 @@ def main() -> int:
     ap.add_argument("--config-extra", default="", help="YAML appended to both daemons' config")
     ap.add_argument("--profile", action="store_true", help="then py-spy record the first daemon")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--no-heartbeat", action="store_true",
+                    help="ranks register without a heartbeat (stall detection from /proc and dumps)")
     ap.add_argument("--phases", type=int, default=0,
                     help="then time this many cycles of each checkout in-process, by part")
     ap.add_argument("--cprofile", type=int, default=0,
                     help="then cProfile this many back-to-back cycles + renders in-process")
     args = ap.parse_args()
+    if args.no_heartbeat:
+        os.environ["GW_BENCH_NOHB"] = "1"
     tmp = Path(tempfile.mkdtemp(prefix="gwcpu-bench-"))
     os.environ["GW_BENCH_TMP"] = str(tmp)
     logs = contextlib.ExitStack()

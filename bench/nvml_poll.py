@@ -223,6 +223,9 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
         out.append(("gpuwatchd-pyspy", here, no_gil + pyspy, "ranks"))
     if args.defaults:  # shipped defaults: GIL sampling, kernel log, discovery, NVML
         out.append(("gpuwatchd-defaults-hb", here, f"gil:\n{pyspy}" if pyspy else "", "ranks-hb"))
+        # the same ranks without heartbeats (discovered or registered without heartbeat(): stall
+        # detection from /proc, dumps and NVML; issue 22)
+        out.append(("gpuwatchd-defaults-nohb", here, f"gil:\n{pyspy}" if pyspy else "", "ranks"))
         if before:
             out.append(("gpuwatchd-before-defaults-hb", before, f"gil:\n{pyspy}" if pyspy else "",
                         "ranks-hb"))

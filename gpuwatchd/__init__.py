@@ -2,9 +2,26 @@
 
 The launcher-side API lives here so that a training script needs only ``import gpuwatchd``:
 ``gpuwatchd.register_rank()`` and ``gpuwatchd.heartbeat(step)`` (see ``gpuwatchd.rank.api``).
+They are loaded at first use, so that importing a submodule (the wheel's .pth file imports
+``gpuwatchd.autobeat`` at interpreter start-up when GPUWATCHD_HEARTBEAT is set) costs no more
+than that submodule.
 """
 
-from gpuwatchd.rank.api import heartbeat, register_rank, unregister_rank
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gpuwatchd.rank.api import heartbeat, register_rank, unregister_rank
 
 __version__ = "0.1.0"
 __all__ = ["__version__", "heartbeat", "register_rank", "unregister_rank"]
+_API = ("heartbeat", "register_rank", "unregister_rank")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        from gpuwatchd.rank import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'gpuwatchd' has no attribute {name!r}")

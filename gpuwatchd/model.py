@@ -115,6 +115,9 @@ class GpuDevice:
     utilization_ratio: float | None  # 0..1; None when the driver does not say
     # nvmlDeviceGetCurrentClocksEventReasons bit mask (why clocks are below maximum); None: unknown
     throttle_reasons: int | None = None
+    # share of the last sample period in which device memory was read or written (NVML's
+    # utilization.memory, read with utilization.gpu); None: unknown. The stall spin rules use it.
+    memory_utilization_ratio: float | None = None
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from gpuwatchd.daemon.gil_signals import SignalTracker
 from gpuwatchd.daemon.subsystem import Contribution, DaemonContext, Subsystem
 from gpuwatchd.isolation import run_forever
 from gpuwatchd.join.stall import RankProbe, StallTracker
+from gpuwatchd.join.stall_spin import rank_gpu_readings
 from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo
 from gpuwatchd.sources import pyspy
@@ -146,7 +147,9 @@ class PySpySubsystem(Subsystem):
 
     def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
         """Hand the sampler this cycle's signals per rank (readings flow in through
-        ``before_join``)."""
+        ``before_join``), and the stall tracker each rank's GPU readings (its spin rules)."""
+        if self.stall is not None:
+            self.stall.note_gpus(rank_gpu_readings(state))
         if self.sampler is not None:
             self.sampler.update_signals(self.signals.observe(state))
 

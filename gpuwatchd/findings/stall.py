@@ -12,6 +12,11 @@ the rank that never reached the collective instead of the fifteen that wait in i
 ``rank_compiling`` (info): the rank has not progressed for ``stall.after_seconds`` but sits in
 torch.compile / Inductor / Triton frames with its CPU busy; it becomes ``rank_stalled`` only after
 ``stall.compile_after_seconds``.
+``rank_stall_unconfirmed`` (warning, never a page): the same stack in every dump for
+``stall.after_seconds`` while a Python thread burns a core at that line, and nothing confirms a
+stall (join/stall_spin.py: the GPU busy with no memory traffic or idle in every NVML reading, a
+peer of the job stalled without ambiguity): a healthy loop that syncs every step or calls one
+GIL-releasing C function again and again looks the same. It says what would confirm it.
 Shell equivalent: ``stat -c %y HEARTBEAT``; ``py-spy dump --nonblocking -p PID`` repeated;
 ``cat /proc/PID/task/*/wchan``.
 """
@@ -24,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from gpuwatchd.findings.context import FindingContext, fmt_bytes, rank_finding, rank_gpus, rank_label
 from gpuwatchd.join.collectives import compare
 from gpuwatchd.join.stall import StallVerdict
-from gpuwatchd.model import INFO, PAGE, Finding, RankState
+from gpuwatchd.model import INFO, PAGE, WARNING, Finding, RankState
 
 GPU_IDLE_RATIO = 0.05  # below 5 % utilisation a GPU is idle
 GPU_BUSY_RATIO = 0.6
@@ -85,6 +90,9 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         if v is not None and r.alive and v.compiling and not v.stalled and v.pid == r.pid:
             yield _compiling(r, v, ctx)
             continue
+        if v is not None and r.alive and v.ambiguous and not v.stalled and v.pid == r.pid:
+            yield _unconfirmed(r, v, ctx)
+            continue
         if v is None or not r.alive or not r.stalled or not v.stalled or v.pid != r.pid:
             continue
         since = ""
@@ -109,6 +117,8 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         threads = f"; threads: {v.analysis.threads_text()}" if v.analysis else ""
         fr = compare(x for k, x in ctx.flight_records.items() if k[0] == r.job_id)
         lead += "".join(f"{x}; " for x in fr)
+        if v.confirmed_by:
+            lead += f"{CONFIRMED[v.confirmed_by]} ({v.gpu_evidence}); "
         yield rank_finding(
             r,
             kind="rank_stalled",
@@ -127,9 +137,44 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
                 "suspect_ranks": sorted(s.rank for s in suspects) or ([r.rank] if v.suspect else []),
                 "patterns": list(v.analysis.kinds) if v.analysis else [],
                 "flight_recorder": fr,
+                "confirmed_by": v.confirmed_by,
                 "gpus": [{"gpu": i, "utilization": u, "held_bytes": h} for i, u, h in gpus],
             },
         )
+
+
+CONFIRMED = {
+    "gpu_spin": "confirmed by the GPU: busy with no memory traffic in every reading, a kernel that "
+                "never ends (a spin, or a collective waiting for a peer)",
+    "gpu_idle": "confirmed by the GPU: idle in every reading while the rank waits for it",
+    "peer": "confirmed by its peers: a rank of the same job is stalled without ambiguity",
+}
+
+
+def _unconfirmed(r: RankState, v: StallVerdict, ctx: FindingContext) -> Finding:
+    gpus = rank_gpus(r, ctx)
+    on_gpu = f"; {gpu_text(gpus)}" if gpus else ""
+    where = " <- ".join(v.stuck_frames[:5]) if v.stuck_frames else "stack unknown (no py-spy)"
+    patterns = f"{v.analysis.patterns_text()}; " if v.analysis and v.analysis.patterns else ""
+    return rank_finding(
+        r,
+        kind="rank_stall_unconfirmed",
+        severity=WARNING,
+        explanation=(
+            f"{rank_label(r)} shows no change for {_duration(v.no_progress_seconds)}: "
+            f"{HOW.get(v.method, v.method)}, with a thread burning a core at {where}; {patterns}"
+            f"not paged: a loop that syncs the GPU every step or calls one GIL-releasing C function "
+            f"again and again looks the same from outside as a GPU that never finishes or a C call "
+            f"that never returns ({v.gpu_evidence or 'no GPU reading'}){on_gpu}. A stall would be "
+            f"confirmed by its GPU busy with no memory traffic (or idle) in every NVML reading, or "
+            f"a peer of the job stalled; for certainty give the job a heartbeat "
+            f"(GPUWATCHD_HEARTBEAT=1 in its environment, or gpuwatchd.heartbeat(step)) and look "
+            f"now with `gpuwatchd doctor {r.pid}` (docs/runbooks.md#rank_stall_unconfirmed)"
+        ),
+        evidence={"method": v.method, "no_progress_seconds": round(v.no_progress_seconds, 1),
+                  "stuck_frames": list(v.stuck_frames), "gpu_evidence": v.gpu_evidence,
+                  "patterns": list(v.analysis.kinds) if v.analysis else []},
+    )
 
 
 def _compiling(r: RankState, v: StallVerdict, ctx: FindingContext) -> Finding:

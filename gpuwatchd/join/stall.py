@@ -17,15 +17,21 @@ same place (typically one collective) and one rank is elsewhere, progressing alo
 rank is the suspect (research §3.2, NVIDIA/nccl#1063: "29 pods blocked in NCCL, 1 pod stuck in an
 arbitrary CUDA op"; ``name_suspects`` in join/stall_verdicts.py, with the probe and verdict types).
 
-Reads: the heartbeat file's mtime, ``/proc/PID/task/*/{stat,wchan}``, ``py-spy dump``.
-Cost: one stat per heartbeat rank per cycle (done by the daemon); per-thread reads and one dump
-(~10 ms) per heartbeat-less or stalled *process* every ``dump interval`` (after_seconds/5, at
-least one cycle, at most 60 s), never every cycle: between looks a rank's verdict comes from its
-last look and its heartbeat. Bounded whatever the input: a process listed by many ranks is looked
-at once per cycle (per-PID memo), at most ``max_threads`` of its tasks are read, and one
-``observe`` spends at most ``budget_seconds`` on looks; the looks over budget are deferred to the
-next cycle (least recently looked first) and counted in ``deferred`` (exported as
-``gpuwatch_cycle_deferred_probes_total``).
+A thread that burns a core at the one line of every dump is ambiguous (a healthy loop that syncs
+each step looks the same): join/stall_spin.py says when that is a stall (the GPU's readings, the
+peers) and otherwise the verdict is ``ambiguous``, a warning, never a page.
+
+Reads: the heartbeat file's mtime, ``/proc/PID/task/*/{stat,wchan}`` (``schedstat`` of the threads
+that used CPU), ``py-spy dump``.
+Cost: one stat per heartbeat rank per cycle (done by the daemon); per-thread reads per
+heartbeat-less or stalled *process* every ``dump interval`` (after_seconds/5, at least one cycle,
+at most 60 s), and one dump (~10 ms) when that /proc view changed and settled, else once per
+after_seconds (issue 22: the dumps were what a heartbeat-less rank cost beside a beating one);
+never every cycle: between looks a rank's verdict comes from its last look and its heartbeat.
+Bounded whatever the input: a process listed by many ranks is looked at once per cycle (per-PID
+memo), at most ``max_threads`` of its tasks are read, and one ``observe`` spends at most
+``budget_seconds`` on looks; the looks over budget are deferred to the next cycle (least recently
+looked first) and counted in ``deferred`` (exported as ``gpuwatch_cycle_deferred_probes_total``).
 Privilege: as sources/pyspy.py. Shell equivalent: ``stat -c %Y HB``; ``py-spy dump -p PID``
 three times a minute apart and ``diff``; ``cat /proc/PID/task/*/wchan``.
 """
@@ -42,6 +48,14 @@ from typing import Any
 
 from gpuwatchd.join.hang import analyze, wait_tids
 from gpuwatchd.join.rank_workers import RankWorkers
+from gpuwatchd.join.stall_spin import (
+    GpuReading,
+    GpuWindow,
+    confirm_by_peers,
+    confirm_spin,
+    runnable_shares,
+    spinning_python,
+)
 from gpuwatchd.join.stall_verdicts import RankProbe as RankProbe
 from gpuwatchd.join.stall_verdicts import StallVerdict as StallVerdict
 from gpuwatchd.join.stall_verdicts import main_stack as main_stack
@@ -86,6 +100,11 @@ class _Track:
     verdict: StallVerdict | None = None  # the last one, reused while a look is deferred
     summary: str = ""  # summarize_threads of the last look
     busiest_worker: float | None = None  # of the last look (rank_workers.py)
+    gpu: GpuWindow = field(default_factory=GpuWindow)  # NVML readings of its GPUs (stall_spin.py)
+    proc_fp: Any = None  # the /proc view at the last dump: (tid, state, wchan, spinning)
+    look_fp: Any = None  # the /proc view at the last look
+    dump_due: bool = False  # the view changed since the last dump and held for a look
+    sched: dict[int, tuple[int, int]] = field(default_factory=dict)  # tid -> schedstat (run, wait)
 
 
 class StallTracker:
@@ -216,7 +235,15 @@ class StallTracker:
         finally:
             self._threads_memo.clear()
             self._dump_memo.clear()
-        return name_suspects(verdicts)
+        return name_suspects(confirm_by_peers(verdicts))
+
+    def note_gpus(self, readings: dict[tuple[str, int], GpuReading]) -> None:
+        """This cycle's NVML view of each rank's GPUs (the daemon calls it after its join, where the
+        GPU readings meet the ranks); read by the spin rules at the next look."""
+        for key, r in readings.items():
+            tr = self._tracks.get(key)
+            if tr is not None:
+                tr.gpu.add(r)
 
     def _deferred(self, now: float, p: RankProbe, tr: _Track, kind: str) -> StallVerdict:
         """The verdict of a rank whose look the budget defers: its last one, or "not yet"."""
@@ -258,6 +285,7 @@ class StallTracker:
                 t.tid: (t.cpu_ticks - prev[t.tid]) / self._clk_tck / elapsed
                 for t in threads if elapsed > 0 and t.tid in prev
             }  # fmt: skip
+            shares, tr.sched = runnable_shares(self.paths, p.pid, tr.sched, shares, elapsed)
             spinning = frozenset(tid for tid, share in shares.items() if share >= SPIN_SHARE)
             # Python 3.10 dumps carry no tid (py-spy #567): then any task's work band counts
             python_tids = {s.tid for s in tr.stacks if s.tid} or set(shares)
@@ -283,8 +311,15 @@ class StallTracker:
             progress = hb_mtime if hb_mtime is not None else tr.first_seen
             stalled_so_far = now - progress > self.after
         else:
-            method, progress = self._stack_progress(now, p, tr, threads, spinning)
-            stalled_so_far = tr.identical >= 2 and now - progress >= self.after
+            method, progress = self._stack_progress(now, p, tr, threads, spinning, look_due)
+            # a GPU that only this rank uses and that moves data is doing the rank's work
+            active = tr.gpu.active_at()
+            if active is not None and active > progress:
+                progress = active
+            # two identical dumps at least after_seconds apart, with every /proc look between them
+            # unchanged (a look that changes dumps again): the same place the whole time
+            stalled_so_far = tr.identical >= 1 and now - progress >= self.after and (
+                tr.last_dump_at - tr.last_change >= self.after)
         if stopped and tr.stopped_since is not None and now - tr.stopped_since >= self.after:
             method, stalled_so_far = "stopped", True
             progress = min(progress, tr.stopped_since)
@@ -299,6 +334,8 @@ class StallTracker:
         location = tuple(f.where for f in main.frames[:3]) if main else ()
         analysis = None
         compiling = False
+        spin = spinning_python(tr.stacks, spinning) if stalled_so_far and method in ("stack", "proc") \
+            else frozenset()
         if (stalled_so_far or late) and tr.stacks:
             waits = taskwait.read_waits(self.paths, p.pid, wait_tids(tr.stacks, threads))
             workers = tr.workers.view(self.paths, p.workers)
@@ -315,11 +352,17 @@ class StallTracker:
                 compiling = True
                 stalled_so_far = now - progress > self.compile_after
                 method = "compiling"
+        ambiguous, confirmed_by, gpu_words = False, "", ""
+        if spin and stalled_so_far and not compiling:
+            confirmed_by, gpu_words = confirm_spin(tr.gpu, progress, now, self.after, analysis)
+            stalled_so_far = bool(confirmed_by)
+            ambiguous = not stalled_so_far
         return StallVerdict(
             job_id=p.job_id, rank=p.rank, pid=p.pid, alive=True, progress_timestamp=progress,
             stalled=stalled_so_far, method=method, no_progress_seconds=max(0.0, now - progress),
             stuck_frames=frames, threads_summary=tr.summary,
             location=location, analysis=analysis, compiling=compiling,
+            ambiguous=ambiguous, confirmed_by=confirmed_by, gpu_evidence=gpu_words,
         )  # fmt: skip
 
     @staticmethod
@@ -329,9 +372,23 @@ class StallTracker:
 
     def _stack_progress(
         self, now: float, p: RankProbe, tr: _Track, threads: tuple[ThreadInfo, ...],
-        spinning: frozenset[int],
+        spinning: frozenset[int], looked: bool = True,
     ) -> tuple[str, float]:  # fmt: skip
         """Compare this look with the last one; returns (method, last change time)."""
+        # The view of the Python threads of the last dump (all tasks when it gave no tids, or
+        # before the first): native helper threads (CUDA, NCCL, gloo) wake on their own, and a view
+        # with them in it rarely holds for two looks (the device run: 20-thread torch ranks).
+        python_tids = {s.tid for s in tr.stacks if s.tid}
+        if not python_tids or any(not s.tid for s in tr.stacks):
+            python_tids = {t.tid for t in threads}
+        proc_fp = tuple((t.tid, t.state, t.wchan, t.tid in spinning) for t in threads
+                        if t.tid in python_tids)  # fmt: skip
+        if looked:
+            # a view that differs from the one at the last dump and held for one look: the rank
+            # has moved and settled (a dump in the middle of a move would see neither place)
+            if proc_fp != tr.proc_fp and proc_fp == tr.look_fp:
+                tr.dump_due = True
+            tr.look_fp = proc_fp
         if tr.worked and tr.fingerprint is not None:
             # Python threads used CPU in the working band since the last look: that is progress
             # whatever a stack dump would show, so spare the target and ourselves the py-spy run.
@@ -339,12 +396,23 @@ class StallTracker:
             tr.identical = 0
             tr.last_change = now
             tr.last_dump_at = now  # this look counts as the comparison: next one a dump interval on
+            tr.proc_fp, tr.dump_due = proc_fp, False
             return ("stack" if tr.stacks else "proc"), now
-        # a rank already stalled is re-dumped every after_seconds, not every dump interval: its
-        # explanation stays fresh, and recovery shows sooner anyway through its CPU (worked)
-        settled = tr.identical >= 2 and now - tr.last_change >= self.after
-        every = max(self.dump_interval, self.after) if settled else self.dump_interval
-        if now - tr.last_dump_at < every and tr.fingerprint is not None:
+        # The dump cadence (issue 22: the dumps were what a rank without heartbeat cost beside one
+        # with). A /proc view (each thread's state, wchan, burning a core or not) that changed
+        # since the last dump and held for a look is dumped at once: a hang usually starts with
+        # such a change. Otherwise the next dump comes after_seconds after the last change of
+        # stack (the one that can make a stall), and for a rank already stalled after_seconds
+        # after the last dump. A stall is two identical dumps after_seconds apart with no settled
+        # change of view between them: a hang is seen after_seconds after the first look that
+        # shows it settled, plus a look or two.
+        if tr.dump_due or self.spy is None or self.spy.binary is None:
+            due = tr.last_dump_at + self.dump_interval  # (without py-spy the view is the comparison)
+        elif tr.identical >= 1 and tr.last_dump_at - tr.last_change >= self.after:
+            due = tr.last_dump_at + max(self.dump_interval, self.after)
+        else:
+            due = max(tr.last_dump_at + self.dump_interval, tr.last_change + self.after)
+        if now < due and tr.fingerprint is not None:
             return ("stack" if tr.stacks else "proc"), tr.last_change
         if self._dump_memo and p.pid not in self._dump_memo and time.monotonic() > self._deadline:
             self.deferred["dump"] += 1
@@ -354,6 +422,7 @@ class StallTracker:
             # busy / timed out / odd output this time: compare at the next look, change nothing
             return "stack", tr.last_change
         by_tid = {t.tid: t for t in threads}
+        tr.proc_fp, tr.dump_due = proc_fp, False
         if stacks:
             tr.stacks, tr.last_dump_at = stacks, now
             method = "stack"

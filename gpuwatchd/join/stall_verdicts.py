@@ -49,7 +49,7 @@ class StallVerdict:
     alive: bool
     progress_timestamp: float | None  # last heartbeat / last observed change
     stalled: bool
-    method: str  # "heartbeat" | "stack" | "proc" | "stopped" | "dead"
+    method: str  # "heartbeat" | "stack" | "proc" | "stopped" | "dead" | "compiling"
     no_progress_seconds: float
     stuck_frames: tuple[str, ...] = ()  # innermost first, of the thread that matters
     threads_summary: str = ""  # e.g. "5 threads: 4 S futex_do_wait, 1 R; 1.0 cores"
@@ -59,6 +59,12 @@ class StallVerdict:
     # every Python thread, folded, and the hang patterns (gpuwatchd/join/hang.py); None: not analysed
     analysis: HangAnalysis | None = None
     compiling: bool = False  # in torch.compile with the CPU busy: not stalled before compile_after
+    # A thread burns a core at one line and nothing confirms a stall (join/stall.py, "spin
+    # rules"): not stalled, but said so (findings/stall.py: rank_stall_unconfirmed, a warning).
+    ambiguous: bool = False
+    # what confirmed a stall whose thread burns CPU at one line: "gpu_spin" | "gpu_idle" | "peer"
+    confirmed_by: str = ""
+    gpu_evidence: str = ""  # the NVML readings of the rank's GPUs over the window, in words
 
     @property
     def key(self) -> tuple[str, int]:

@@ -224,6 +224,7 @@ class NvmlSource:
         mem = self._optional(nv, lambda: nv.nvmlDeviceGetMemoryInfo(handle))
         util = self._optional(nv, lambda: nv.nvmlDeviceGetUtilizationRates(handle))
         gpu_util = _known(getattr(util, "gpu", None)) if util is not None else None
+        mem_util = _known(getattr(util, "memory", None)) if util is not None else None
         # renamed "clocks event reasons" in NVML 12.x; the old name stays as an alias
         reasons_fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
             nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
@@ -237,6 +238,7 @@ class NvmlSource:
             memory_used_bytes=_known(mem.used) if mem is not None else None,
             utilization_ratio=None if gpu_util is None else gpu_util / 100.0,
             throttle_reasons=_known(reasons) if reasons is not None else None,
+            memory_utilization_ratio=None if mem_util is None else mem_util / 100.0,
         )
         listed = self._optional(nv, functools.partial(nv.nvmlDeviceGetComputeRunningProcesses, handle))
         procs = _processes(index, uuid, "compute", listed or [])

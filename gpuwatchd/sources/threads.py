@@ -124,6 +124,18 @@ def read_threads(paths: HostPaths, pid: int, detail: bool = True, limit: int | N
     return tuple(out)
 
 
+def read_schedstat(paths: HostPaths, pid: int, tid: int) -> tuple[int, int] | None:
+    """(ns run on a CPU, ns waited on a run queue) of one task, from ``/proc/PID/task/TID/schedstat``
+    (None where the kernel has no schedstat or the task is gone). Their sum over a window is the
+    time the task was runnable: a spin preempted by other load shows as runnable the whole time,
+    where its CPU share alone says it worked half of it."""
+    try:
+        run, wait, _ = _read(paths.proc(pid, "task", tid, "schedstat"), 256).split()
+        return int(run), int(wait)
+    except (OSError, ValueError):
+        return None
+
+
 def task_ids(paths: HostPaths, pid: int) -> list[int]:
     """The thread ids of ``pid``, sorted (one directory listing; [] when it is gone)."""
     try:

@@ -1,0 +1,198 @@
+"""The spin rules of stall detection (issue 22): when the same stack in every dump is a stall.
+
+A thread that burns a core at one line is ambiguous from outside the process: a loop that syncs
+the GPU every step (``.item()``, ``synchronize``) spins in the CUDA driver at the same line as a
+rank whose GPU never finishes, and a loop that calls one GIL-releasing C function again and again
+(``hashlib``, a numpy op) looks like one C call that never returns. Measured on real processes
+(bench/stall_evidence.py, bench/results/stall_evidence_*.txt): their CPU share, voluntary and
+non-voluntary context switches, minor faults, run slices, read/write syscalls, wchan and a burst of
+ten ``py-spy dump``s (one distinct (line, GIL) pair in ten, for both) are the same. What does differ,
+and what these rules use:
+
+- **the GPU's memory controller** (``nvmlDeviceGetUtilizationRates().memory``, read every cycle
+  anyway): a GPU that does work moves data; a kernel that never ends (a spin on a flag, a peer that
+  never arrives) keeps the GPU "busy" with no memory traffic. A reading with memory activity on a
+  GPU that only this rank uses counts as progress (``MEM_ACTIVE``); every reading over the window
+  busy (``GPU_BUSY``) with none is a *GPU spin* and confirms the stall;
+- **the GPU idle** in every reading while a Python thread sits in a torch GPU wait
+  (``synchronize``, ``.item()`` with a torch frame of its own): the work it waits for never runs;
+- **the peers of the same job**: a peer stalled without ambiguity (blocked at 0 % CPU, a lost
+  heartbeat, stopped) means the collective cannot progress, so the spinning rank waits for it.
+
+The readings are device-wide. On a GPU that another process (not of the rank's tree) also holds
+memory on, memory traffic may be that process's: it is no evidence of progress there. No traffic
+at all, or an idle GPU, holds for every process on it, so those still confirm.
+Where nothing confirms a stall, the verdict is ``ambiguous`` (a warning, never a page) and says
+what would: a heartbeat, NVML, ``gpuwatchd doctor``.
+
+Pure, no I/O: the daemon hands the readings in after its join (daemon/pyspy.py). Memory: at most
+``MAX_READINGS`` readings per rank. Cost: linear in them, for suspect ranks only.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+from gpuwatchd.join.hang import HangAnalysis
+from gpuwatchd.join.stall_verdicts import StallVerdict
+from gpuwatchd.model import NodeState
+from gpuwatchd.paths import HostPaths
+from gpuwatchd.sources.pyspy import ThreadStack
+from gpuwatchd.sources.threads import read_schedstat
+
+MEM_ACTIVE = 0.01  # NVML reports whole percent: 1 % of memory-controller time is data moving
+GPU_BUSY = 0.6  # as findings/stall.py's "busy"
+GPU_IDLE = 0.05
+MIN_READINGS = 3
+MAX_READINGS = 240  # a 20-minute window at a 5 s cycle
+WORK_SHARE = 0.05  # as join/stall.py: below it a thread did no work since the last look
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """One cycle's NVML view of a rank's GPUs: the busiest GPU's utilisation and memory-controller
+    share, and whether the rank's tree is the only holder of memory on all of them."""
+
+    at: float
+    util: float | None
+    mem: float | None
+    exclusive: bool
+
+
+@dataclass
+class GpuWindow:
+    readings: collections.deque[GpuReading] = field(
+        default_factory=lambda: collections.deque(maxlen=MAX_READINGS))
+
+    def add(self, r: GpuReading) -> None:
+        self.readings.append(r)
+
+    def active_at(self) -> float | None:
+        """The last reading that shows the GPU moving data for this rank alone."""
+        for r in reversed(self.readings):
+            if r.exclusive and r.mem is not None and r.mem >= MEM_ACTIVE:
+                return r.at
+        return None
+
+    def verdict(self, since: float, now: float, span: float) -> tuple[str, str]:
+        """("spin" | "idle" | "active" | "unknown", the readings in words) over [since, now];
+        "spin" and "idle" need ``MIN_READINGS`` readings spanning at least ``span`` seconds."""
+        rs = [r for r in self.readings if since <= r.at <= now]
+        if not rs:
+            return "unknown", "no NVML reading of its GPU"
+        shared = not all(r.exclusive for r in rs)
+        utils = [r.util for r in rs if r.util is not None]
+        mems = [r.mem for r in rs if r.mem is not None]
+        if len(utils) < len(rs) or len(mems) < len(rs):
+            return "unknown", "its GPU's utilisation or memory activity is unknown"
+        n, covered = len(rs), rs[-1].at - rs[0].at
+        words = (f"{n} NVML readings over {covered:.0f} s: utilisation {min(utils):.0%}-{max(utils):.0%}, "
+                 f"memory controller {min(mems):.0%}-{max(mems):.0%}")
+        if shared:
+            words += "; shared with another process"
+        if max(mems) >= MEM_ACTIVE:
+            # device-wide: on a shared GPU the traffic may be the other process's
+            return ("unknown" if shared else "active"), words
+        if n < MIN_READINGS or covered < span:
+            return "unknown", words + " (too few to decide)"
+        if min(utils) >= GPU_BUSY:
+            return "spin", words
+        if max(utils) < GPU_IDLE:
+            return "idle", words
+        return "unknown", words
+
+
+def readings_for(now: float, gpus: Iterable[tuple[float | None, float | None, bool]]) -> GpuReading | None:
+    """Fold (util, memory util, exclusive) of each of a rank's GPUs into one reading: the busiest
+    GPU's numbers, exclusive only when every GPU is; None for a rank with no GPU."""
+    rows = list(gpus)
+    if not rows:
+        return None
+    utils = [u for u, _, _ in rows]
+    mems = [m for _, m, _ in rows]
+    return GpuReading(
+        now, None if None in utils else max(u for u in utils if u is not None),
+        None if None in mems else max(m for m in mems if m is not None),
+        all(x for _, _, x in rows))  # fmt: skip
+
+
+def spinning_python(stacks: Iterable[ThreadStack], spinning: frozenset[int]) -> frozenset[int]:
+    """The Python threads among those burning a core (every spinning task when the dumps give
+    no tids: Python 3.10, py-spy #567, or no py-spy). Native helper threads (NCCL, CUDA)
+    spinning beside a blocked Python thread leave the block unambiguous."""
+    stacks = tuple(stacks)
+    tids = {s.tid for s in stacks if s.tid}
+    if not tids or any(not s.tid for s in stacks):
+        return spinning
+    return spinning & frozenset(tids)
+
+
+def runnable_shares(paths: HostPaths, pid: int, prev: Mapping[int, tuple[int, int]],
+                    shares: Mapping[int, float], elapsed: float,
+                    ) -> tuple[dict[int, float], dict[int, tuple[int, int]]]:  # fmt: skip
+    """Each working thread's share of the window it was runnable (on a CPU or waiting for one),
+    and the schedstat readings to keep for the next look: a thread that never slept is spinning
+    whatever share of a CPU other load left it (measured: a hash loop got 50-80 % of a core on
+    the loaded 2-core VM, runnable 100 %). Read only for the threads that used CPU since the last
+    look (a few per rank); a thread's first such look keeps its CPU share."""
+    sched = {}
+    for tid, share in shares.items():
+        if share >= WORK_SHARE:
+            now_v = read_schedstat(paths, pid, tid)
+            if now_v is not None:
+                sched[tid] = now_v
+    out = dict(shares)
+    for tid, (run, wait) in sched.items():
+        old = prev.get(tid)
+        if old is not None and elapsed > 0:
+            out[tid] = max(out[tid], min(1.0, (run - old[0] + wait - old[1]) / 1e9 / elapsed))
+    return out, sched
+
+
+def confirm_spin(window: GpuWindow, since: float, now: float, after: float,
+                 analysis: HangAnalysis | None) -> tuple[str, str]:  # fmt: skip
+    """(what confirms the stall of a rank spinning at one line since ``since``, or "" when
+    nothing does; the GPU readings in words)."""
+    kind, words = window.verdict(since, now, after / 2)
+    if kind == "spin":
+        return "gpu_spin", words
+    if kind == "idle" and analysis is not None and "gpu_wait" in analysis.kinds:
+        return "gpu_idle", words
+    return "", words
+
+
+def rank_gpu_readings(state: NodeState) -> dict[tuple[str, int], GpuReading]:
+    """Each rank's GPUs in this state (those its tree holds memory on and those its rank file
+    names), with whether anybody else holds memory on them."""
+    holders: dict[int, set[tuple[str, str]]] = collections.defaultdict(set)
+    for p in state.gpu_processes:
+        holders[p.gpu_index].add((p.job_id, p.rank) if p.job_id else ("", f"pid {p.pid}"))
+    out: dict[tuple[str, int], GpuReading] = {}
+    for r in state.ranks:
+        me = (r.job_id, str(r.rank))
+        rows = [(g.utilization_ratio, g.memory_utilization_ratio, holders[g.index] <= {me})
+                for g in state.gpus
+                if me in holders[g.index] or g.uuid in r.gpus or str(g.index) in r.gpus]
+        reading = readings_for(state.timestamp, rows)
+        if reading is not None:
+            out[(r.job_id, r.rank)] = reading
+    return out
+
+
+def confirm_by_peers(verdicts: Mapping[tuple[str, int], StallVerdict]) -> dict[tuple[str, int], StallVerdict]:
+    """An ambiguous rank whose job has a rank stalled without ambiguity (on this node) is stalled:
+    that peer holds the job's collectives, so the spinning rank waits for it."""
+    out = dict(verdicts)
+    sure: dict[str, list[int]] = collections.defaultdict(list)
+    for v in verdicts.values():
+        if v.alive and v.stalled and not v.ambiguous:
+            sure[v.job_id].append(v.rank)
+    for key, v in verdicts.items():
+        if v.ambiguous and sure.get(v.job_id):
+            peers = ", ".join(str(r) for r in sorted(sure[v.job_id])[:6])
+            out[key] = replace(v, stalled=True, ambiguous=False, confirmed_by="peer",
+                               gpu_evidence=f"{v.gpu_evidence}; peer rank(s) {peers} of the job "
+                               "stalled without ambiguity".lstrip("; "))
+    return out

@@ -1,0 +1,178 @@
+"""Heartbeats with no code change (gpuwatchd/autobeat.py, gpuwatchd/run.py, the wheel's .pth file;
+issue 22) on real processes, with a torch-free stand-in for ``torch.optim.optimizer`` (torch is not
+installed here): a package ``torch`` whose ``optim.optimizer`` has the real API's
+``register_optimizer_step_post_hook`` and an SGD that calls the hooks after each ``step()``.
+
+The training script is never changed: it does not import gpuwatchd.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+FAKE_TORCH = {
+    "torch/__init__.py": "from torch import optim  # as torch does: optim loads with torch\n",
+    "torch/optim/__init__.py": "from torch.optim.optimizer import Optimizer\nfrom torch.optim.sgd import SGD\n",
+    "torch/optim/optimizer.py": """
+        _global_optimizer_post_hooks = {}
+
+        def register_optimizer_step_post_hook(hook):
+            _global_optimizer_post_hooks[len(_global_optimizer_post_hooks)] = hook
+
+        class Optimizer:
+            def __init__(self, params, lr):
+                self.params, self.lr = params, lr
+
+            def step(self):
+                self._step()
+                for hook in _global_optimizer_post_hooks.values():
+                    hook(self, (), {})
+    """,
+    "torch/optim/sgd.py": """
+        from torch.optim.optimizer import Optimizer
+
+        class SGD(Optimizer):
+            def _step(self):  # minimise sum(p^2): a real update rule on Python floats
+                self.params[:] = [p - self.lr * 2 * p for p in self.params]
+    """,
+}
+
+TRAIN = """
+    import sys, time
+    import torch
+    params = [1.0, -2.0, 3.0]
+    opt = torch.optim.SGD(params, lr=0.1)
+    steps = int(sys.argv[1])
+    for _ in range(steps):
+        opt.step()
+        time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 0.0)
+    print(f"done {steps} loss {sum(p * p for p in params):.6f} gpuwatchd {'gpuwatchd' in sys.modules}",
+          flush=True)
+    if sys.argv[3:] == ["hang"]:
+        time.sleep(3600)  # stops stepping: the heartbeat stops with it
+"""
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> dict[str, object]:
+    lib = tmp_path / "lib"
+    for name, text in FAKE_TORCH.items():
+        (lib / name).parent.mkdir(parents=True, exist_ok=True)
+        (lib / name).write_text(textwrap.dedent(text))
+    (tmp_path / "train.py").write_text(textwrap.dedent(TRAIN))
+    rank_dir = tmp_path / "ranks"
+    rank_dir.mkdir()
+    job = f"autobeat-{uuid.uuid4().hex[:8]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUWATCH", "RANK", "SLURM_", "OMPI_"))}
+    env.update(PYTHONPATH=str(lib), GPUWATCH_RANK_DIR=str(rank_dir), TORCHELASTIC_RUN_ID=job,
+               RANK="3", LOCAL_RANK="1", WORLD_SIZE="4")  # fmt: skip
+    return {"tmp": tmp_path, "env": env, "job": job, "rank_dir": rank_dir}
+
+
+def _run(cmd: list[str], env: dict[str, str], cwd: Path) -> str:
+    r = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout + r.stderr
+
+
+def _rank_file(world: dict) -> dict:
+    (path,) = list(Path(world["rank_dir"]).glob("*.json"))
+    return json.loads(path.read_text())
+
+
+def test_launcher_shim_registers_and_beats(world: dict) -> None:
+    out = _run([sys.executable, "-m", "gpuwatchd.run", "train.py", "5"], world["env"], world["tmp"])
+    assert "done 5 loss 1.503239" in out  # the script ran as itself, its argv intact
+    doc = _rank_file(world)
+    assert doc["job_id"] == world["job"] and doc["world_size"] == 4
+    (entry,) = doc["ranks"]
+    assert entry["rank"] == 3 and entry["local_rank"] == 1
+    hb = Path(entry["heartbeat"])
+    assert hb.parent == world["rank_dir"]
+    assert hb.read_text().strip() == "1"  # the first step beat; the next four within a second did not
+
+
+def test_shim_runs_a_module_too(world: dict) -> None:
+    _run([sys.executable, "-m", "gpuwatchd.run", "-m", "train", "4", "0.4"], world["env"], world["tmp"])
+    (entry,) = _rank_file(world)["ranks"]
+    # steps 0.4 s apart: beats at step 1 and at the first step a second later (4, or 3 when slow)
+    assert int(Path(entry["heartbeat"]).read_text()) in (3, 4)
+
+
+@pytest.mark.parametrize("missing", ["rank_dir", "launcher"])
+def test_never_fails_the_job(world: dict, missing: str) -> None:
+    env = dict(world["env"])
+    if missing == "rank_dir":
+        (world["tmp"] / "a-file").write_text("")  # a rank directory that cannot be made
+        env["GPUWATCH_RANK_DIR"] = str(world["tmp"] / "a-file" / "ranks")
+    else:
+        for k in ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+            env.pop(k)
+    out = _run([sys.executable, "-m", "gpuwatchd.run", "train.py", "20"], env, world["tmp"])
+    assert "done 20 loss" in out
+    assert out.count("could not register rank") == 1  # one warning, not one per step
+    assert not list(Path(world["rank_dir"]).glob("*.json"))
+
+
+@pytest.fixture(scope="module")
+def wheel_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv whose site-packages holds what the wheel holds: setup.py's build_py output (the
+    step bdist_wheel packs; ``wheel`` is not installed here), the .pth file at its top."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp / "venv")], check=True,
+                   timeout=120)  # fmt: skip
+    (site,) = (tmp / "venv/lib").glob("python3*/site-packages")
+    subprocess.run([sys.executable, "setup.py", "-q", "build_py", "-d", str(site)], cwd=REPO,
+                   check=True, timeout=120, capture_output=True)  # fmt: skip
+    assert (site / "gpuwatchd-heartbeat.pth").is_file()
+    return tmp / "venv/bin/python"
+
+
+def test_wheel_pth_beats_only_when_asked(world: dict, wheel_env: Path) -> None:
+    env = dict(world["env"])
+    out = _run([str(wheel_env), "train.py", "3"], env, world["tmp"])
+    assert "gpuwatchd False" in out  # not asked: the .pth imported nothing
+    assert not list(Path(world["rank_dir"]).glob("*.json"))
+    env["GPUWATCHD_HEARTBEAT"] = "1"
+    out = _run([str(wheel_env), "train.py", "3"], env, world["tmp"])
+    assert "done 3" in out
+    (entry,) = _rank_file(world)["ranks"]
+    assert entry["rank"] == 3 and Path(entry["heartbeat"]).read_text().strip() == "1"
+
+
+def test_heartbeat_reaches_the_daemon(world: dict) -> None:
+    """Through the real daemon: the rank's step is exported while it steps, and when it stops
+    stepping it is paged with ``method: heartbeat``."""
+    from daemonutil import DaemonProc, write_config
+
+    home = world["tmp"] / "d"
+    home.mkdir()
+    cfg_path, cfg = write_config(home, rank_dir=str(world["rank_dir"]), stall={"after_seconds": 1.5})
+    p = subprocess.Popen([sys.executable, "-m", "gpuwatchd.run", "train.py", "25", "0.1", "hang"],
+                         env=world["env"], cwd=world["tmp"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    d = DaemonProc(cfg_path, cfg)
+    try:
+        d.wait_for(lambda: (d.value("gpuwatch_rank_step", job_id=world["job"], rank="3") or 0) >= 2,
+                   timeout=20, what="the rank's heartbeat step")  # fmt: skip
+        def paged() -> list[dict]:
+            state = json.loads((Path(cfg["state_dir"]) / "state.json").read_text())
+            return [f for f in state["findings"] if f["kind"] == "rank_stalled"
+                    and f["job_id"] == world["job"]]  # fmt: skip
+
+        d.wait_for(lambda: bool(paged()), timeout=20, what="rank_stalled once the steps stop")
+        (f,) = paged()
+        assert f["evidence"]["method"] == "heartbeat" and f["rank"] == "3"
+    finally:
+        assert d.stop() == 0
+        p.kill()
+        p.wait()

@@ -1,0 +1,258 @@
+"""The spin rules (join/stall_spin.py, issue 22) on real processes found by discovery (torchrun's
+variables, no rank file, no heartbeat), through the real daemon and py-spy:
+
+- one GIL-releasing C call in a loop (``hashlib.sha256`` of 64 MiB) is never paged in
+  4 x after_seconds; it gets the ``rank_stall_unconfirmed`` warning, which says what would confirm;
+- one C call that never returns (ctypes into ``jmp .``) is the same from outside: the warning,
+  no page;
+- a block at 0 % CPU (a lock acquired twice) is paged within after_seconds + one look;
+- a spinning rank whose peer is blocked at 0 % is paged too, confirmed by that peer;
+- the GPU rules on the tracker itself with a real spinning process and NVML readings handed in
+  as the daemon does: busy with no memory traffic confirms, memory traffic is progress.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemonutil import DaemonProc, write_config
+
+from gpuwatchd.join.stall import RankProbe, StallTracker
+from gpuwatchd.join.stall_spin import GpuReading, GpuWindow, rank_gpu_readings
+from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, RankState
+from gpuwatchd.sources import pyspy
+from gpuwatchd.sources.pyspy import PySpy
+
+AFTER = 1.5
+INTERVAL = 0.5
+
+SHAPES = {
+    "hash_loop": """
+        import hashlib
+        buf = bytes(64 << 20)
+        print("ready", flush=True)
+        while True:
+            hashlib.sha256(buf).digest()
+    """,
+    "c_spin": """
+        import ctypes, mmap
+        page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+        page.write(b"\\xeb\\xfe")  # jmp . : a C call that never returns, without the GIL
+        spin = ctypes.CFUNCTYPE(None)(ctypes.addressof(ctypes.c_char.from_buffer(page)))
+        print("ready", flush=True)
+        spin()
+    """,
+    "sleeper": """
+        import threading, time
+        idle = threading.Event()
+        for _ in range(4):
+            threading.Thread(target=idle.wait, daemon=True).start()
+        print("ready", flush=True)
+        while True:
+            time.sleep(0.5)
+    """,
+    "block": """
+        import threading
+        lock = threading.Lock()
+        lock.acquire()
+        print("ready", flush=True)
+        lock.acquire()
+    """,
+}
+
+
+@pytest.fixture
+def launch() -> Iterator:
+    started: list[subprocess.Popen[str]] = []
+
+    def start(shape: str, job: str, rank: int = 0, world: int = 1) -> subprocess.Popen[str]:
+        env = {**os.environ, "TORCHELASTIC_RUN_ID": job, "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}  # fmt: skip
+        p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SHAPES[shape])],
+                             stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+        started.append(p)
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        return p
+
+    yield start
+    for p in started:
+        p.kill()
+        p.wait()
+
+
+def _daemon(tmp: Path) -> tuple[DaemonProc, Path]:
+    cfg_path, cfg = write_config(tmp, interval_seconds=INTERVAL,
+                                 discovery={"enabled": True, "interval_seconds": INTERVAL},
+                                 stall={"after_seconds": AFTER})  # fmt: skip
+    return DaemonProc(cfg_path, cfg), Path(cfg["state_dir"]) / "state.json"
+
+
+def _findings(state: Path, job: str) -> list[dict]:
+    try:
+        doc = json.loads(state.read_text())
+    except (OSError, ValueError):
+        return []
+    return [f for f in doc["findings"] if f.get("job_id") == job]
+
+
+def _watch(d: DaemonProc, state: Path, job: str, seconds: float) -> list[list[dict]]:
+    """Every cycle's findings of ``job`` for ``seconds``."""
+    seen, t0 = [], time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        seen.append(_findings(state, job))
+        time.sleep(INTERVAL / 2)
+    return seen
+
+
+@pytest.mark.parametrize("shape", ["hash_loop", "c_spin"])
+def test_cpu_burning_at_one_line_is_never_paged(launch, tmp_path: Path, shape: str) -> None:
+    job = f"spin-{shape}-{uuid.uuid4().hex[:8]}"
+    launch(shape, job)
+    d, state = _daemon(tmp_path)
+    try:
+        d.wait_for(lambda: d.value("gpuwatch_rank_stalled", job_id=job, rank="0") is not None,
+                   what="the discovered rank")  # fmt: skip
+        seen = _watch(d, state, job, 4 * AFTER + 2 * INTERVAL)
+        kinds = [[f["kind"] for f in cycle] for cycle in seen]
+        assert not any("rank_stalled" in k for k in kinds), kinds
+        assert d.value("gpuwatch_rank_stalled", job_id=job, rank="0") == 0.0
+        warned = [f for cycle in seen for f in cycle if f["kind"] == "rank_stall_unconfirmed"]
+        assert warned, kinds
+        text = warned[-1]["explanation"]
+        assert warned[-1]["severity"] == "warning"
+        assert "not paged" in text and "GPUWATCHD_HEARTBEAT=1" in text and "gpuwatchd doctor" in text
+        assert "<module>" in text, text
+    finally:
+        assert d.stop() == 0
+
+
+def test_block_at_zero_cpu_is_paged_within_after_seconds_and_one_look(launch, tmp_path: Path) -> None:
+    job = f"block-{uuid.uuid4().hex[:8]}"
+    launch("block", job)
+    d, state = _daemon(tmp_path)
+    try:
+        d.wait_for(lambda: d.value("gpuwatch_rank_stalled", job_id=job, rank="0") is not None,
+                   what="the discovered rank")  # fmt: skip
+        t0 = time.monotonic()
+        d.wait_for(lambda: any(f["kind"] == "rank_stalled" for f in _findings(state, job)),
+                   timeout=AFTER + 6 * INTERVAL + 3, what="rank_stalled")  # fmt: skip
+        # after_seconds from the first look, one look (a fifth of after, at least a cycle) and
+        # one cycle for the finding to reach state.json
+        assert time.monotonic() - t0 <= AFTER + 4 * INTERVAL + 1.0
+        (f,) = [f for f in _findings(state, job) if f["kind"] == "rank_stalled"]
+        assert f["severity"] == "page" and "lock" in f["explanation"]
+    finally:
+        assert d.stop() == 0
+
+
+def test_spinning_rank_with_a_peer_blocked_is_paged_confirmed_by_the_peer(launch, tmp_path: Path) -> None:
+    job = f"peer-{uuid.uuid4().hex[:8]}"
+    launch("c_spin", job, 0, 2)
+    launch("block", job, 1, 2)
+    d, state = _daemon(tmp_path)
+    try:
+        d.wait_for(lambda: {f["rank"] for f in _findings(state, job) if f["kind"] == "rank_stalled"}
+                   == {"0", "1"}, timeout=AFTER + 15, what="both ranks paged")  # fmt: skip
+        by_rank = {f["rank"]: f for f in _findings(state, job) if f["kind"] == "rank_stalled"}
+        assert by_rank["0"]["evidence"]["confirmed_by"] == "peer"
+        assert "confirmed by its peers" in by_rank["0"]["explanation"]
+        assert by_rank["1"]["evidence"]["confirmed_by"] == ""
+    finally:
+        assert d.stop() == 0
+
+
+def _probe(pid: int, job: str) -> RankProbe:
+    state = pyspy.process_state(pyspy.HostPaths(), pid)
+    return RankProbe(job, 0, pid, state not in (None, "Z"), state or "", None)
+
+
+@pytest.mark.parametrize(("util", "mem", "stalled", "confirmed"), [
+    (1.0, 0.0, True, "gpu_spin"),  # a kernel that never ends: busy, no memory traffic
+    (1.0, 0.3, False, ""),  # the GPU moves data for this rank: progress, no warning either
+    (0.3, 0.0, False, ""),  # neither: ambiguous
+])
+def test_gpu_readings_decide_a_spin(launch, util: float, mem: float, stalled: bool,
+                                    confirmed: str) -> None:  # fmt: skip
+    p = launch("c_spin", "gpu-rule")
+    tracker = StallTracker(AFTER, PySpy(pyspy.resolve_pyspy()), dump_interval_seconds=0.25)
+    t0 = time.time()
+    v = None
+    while time.time() - t0 < 2 * AFTER + 1:
+        now = time.time()
+        v = tracker.observe(now, [_probe(p.pid, "gpu-rule")])[("gpu-rule", 0)]
+        tracker.note_gpus({("gpu-rule", 0): GpuReading(now, util, mem, True)})
+        if v.stalled:
+            break
+        time.sleep(0.25)
+    assert v is not None and v.stalled is stalled, v
+    assert v.confirmed_by == confirmed
+    assert v.ambiguous is (not stalled and mem == 0.0)
+
+
+def test_gpu_window_rules() -> None:
+    w = GpuWindow()
+    for t in range(5):
+        w.add(GpuReading(100.0 + t, 1.0, 0.0, True))
+    assert w.verdict(100.0, 104.0, 2.0)[0] == "spin" and w.active_at() is None
+    assert w.verdict(100.0, 104.0, 10.0)[0] == "unknown"  # readings span too short a time
+    w.add(GpuReading(105.0, 1.0, 0.02, True))
+    assert w.verdict(100.0, 105.0, 2.0)[0] == "active" and w.active_at() == 105.0
+    shared = GpuWindow()
+    for t in range(5):
+        shared.add(GpuReading(100.0 + t, 1.0, 0.0, False))
+    # device-wide: no traffic holds for every process on the GPU, traffic may be another's
+    assert shared.verdict(100.0, 104.0, 2.0)[0] == "spin" and shared.active_at() is None
+    shared.add(GpuReading(105.0, 1.0, 0.5, False))
+    assert shared.verdict(100.0, 105.0, 2.0)[0] == "unknown" and shared.active_at() is None
+    idle = GpuWindow()
+    for t in range(5):
+        idle.add(GpuReading(100.0 + t, 0.0, 0.0, True))
+    assert idle.verdict(100.0, 104.0, 2.0)[0] == "idle"
+    unknown = GpuWindow()
+    unknown.add(GpuReading(100.0, None, None, True))
+    assert unknown.verdict(99.0, 101.0, 0.0)[0] == "unknown"
+
+
+def test_rank_gpu_readings_exclusive_only_without_other_holders() -> None:
+    gpus = (GpuDevice(0, "GPU-a", "H200", "0", 1, 1, 1.0, memory_utilization_ratio=0.0),
+            GpuDevice(1, "GPU-b", "H200", "1", 1, 1, 0.5, memory_utilization_ratio=0.2))
+    rows = (GpuProcessRow(0, "GPU-a", 10, 1 << 30, "python", "u", "j", "0"),
+            GpuProcessRow(1, "GPU-b", 11, 1 << 30, "python", "u", "j", "1"),
+            GpuProcessRow(1, "GPU-b", 12, 1 << 30, "python", "u", "", ""))
+    ranks = (RankState("j", 0, 10, 0, 2, True, None), RankState("j", 1, 11, 1, 2, True, None))
+    out = rank_gpu_readings(NodeState(50.0, ranks=ranks, gpus=gpus, gpu_processes=rows))
+    assert out[("j", 0)] == GpuReading(50.0, 1.0, 0.0, True)
+    assert out[("j", 1)] == GpuReading(50.0, 0.5, 0.2, False)
+
+
+def test_unchanged_rank_is_dumped_once_per_after_seconds(launch) -> None:
+    """The cost contract (issue 22: the dumps made a heartbeat-less rank cost twice a beating one):
+    a rank whose Python threads' /proc view does not change is dumped once per after_seconds, not
+    at every look. Before (63318c5), the same 6.5 s at looks every 0.25 s took 10 dumps."""
+    p = launch("sleeper", "cadence")
+    spy = PySpy(pyspy.resolve_pyspy())
+    dumps = []
+    real = spy.dump
+
+    def counting(pid: int, slot_wait: float | None = None):  # type: ignore[no-untyped-def]
+        dumps.append(time.time())
+        return real(pid, slot_wait=slot_wait)
+
+    spy.dump = counting  # type: ignore[method-assign]
+    after = 2.0
+    tracker = StallTracker(after, spy, dump_interval_seconds=0.25)
+    t0 = time.time()
+    while time.time() - t0 < 6.5:
+        tracker.observe(time.time(), [_probe(p.pid, "cadence")])
+        time.sleep(0.25)
+    # the first look, then one per after_seconds (and one when the first look's view settles)
+    assert 3 <= len(dumps) <= 6, [round(t - t0, 2) for t in dumps]
