@@ -14,8 +14,10 @@ import subprocess
 import sys
 import textwrap
 import uuid
+import zipfile
 from pathlib import Path
 
+import distutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,14 +128,16 @@ def test_never_fails_the_job(world: dict, missing: str) -> None:
 
 @pytest.fixture(scope="module")
 def wheel_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh venv whose site-packages holds what the wheel holds: setup.py's build_py output (the
-    step bdist_wheel packs; ``wheel`` is not installed here), the .pth file at its top."""
+    """A fresh venv whose site-packages holds the built wheel's files (``python -m build``, once per
+    run: tests/distutil.py), unpacked as pip would place them, the .pth file at its top. The rank
+    side needs only the standard library, so no dependency is installed."""
     tmp = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp / "venv")], check=True,
                    timeout=120)  # fmt: skip
     (site,) = (tmp / "venv/lib").glob("python3*/site-packages")
-    subprocess.run([sys.executable, "setup.py", "-q", "build_py", "-d", str(site)], cwd=REPO,
-                   check=True, timeout=120, capture_output=True)  # fmt: skip
+    wheel, _ = distutil.build_dist()
+    with zipfile.ZipFile(wheel) as whl:
+        whl.extractall(site)
     assert (site / "gpuwatchd-heartbeat.pth").is_file()
     return tmp / "venv/bin/python"
 
