@@ -169,6 +169,10 @@ class Daemon:
                                 self.heartbeat_roots)
         if missing is not None:
             raise PartialReading(reading, str(missing))
+        if self.rankfiles.incomplete:  # the per-owner shares did not all fit in MAX_FILES
+            raise PartialReading(reading, f"rank_dir {self.config.rank_dir}: more rank files than "
+                                 f"can be read; owners {sorted(self.rankfiles.unread_owners)} "
+                                 f"not read in full")
         return reading
 
     def _read_procfs(self) -> ProcReading:

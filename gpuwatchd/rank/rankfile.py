@@ -26,6 +26,9 @@ MAX_FILE_BYTES = 256 * 1024
 MAX_DEPTH = 8
 MAX_RANKS_PER_FILE = 4096
 MAX_FILES = 4096
+# Of the MAX_FILES read per cycle, one non-root owner gets at most this many (and a fair share
+# when several owners together have more): one user's junk never crowds out another's files.
+MAX_FILES_PER_OWNER = 1024
 # Series budget: every accepted rank becomes about a dozen series on /metrics, so the ranks one
 # job (and one rank-file owner) may claim on one node are capped; the excess is refused with a
 # bad_rank_file finding instead of flooding Prometheus. A node runs at most a few dozen ranks.
