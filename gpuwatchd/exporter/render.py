@@ -125,7 +125,9 @@ def render_text(families: Iterable[Metric], prefixes: Prefixes | None = None) ->
         out.append(f"# HELP {name} {doc}\n# TYPE {name} {fam.type}\n")
         _samples(fam, out, prefixes, text_value)
     prefixes.end()
-    return "".join(out).encode("utf-8")
+    # "replace": a label value that cannot be encoded (a lone surrogate) shows as "?" in its own
+    # series, never an exception that blanks the whole scrape (issue 23 N2; validated upstream too)
+    return "".join(out).encode("utf-8", "replace")
 
 
 def render_openmetrics(families: Iterable[Metric], prefixes: Prefixes | None = None) -> bytes:
@@ -141,4 +143,6 @@ def render_openmetrics(families: Iterable[Metric], prefixes: Prefixes | None = N
         _samples(fam, out, prefixes, go_float)
     prefixes.end()
     out.append("# EOF\n")
-    return "".join(out).encode("utf-8")
+    # "replace": a label value that cannot be encoded (a lone surrogate) shows as "?" in its own
+    # series, never an exception that blanks the whole scrape (issue 23 N2; validated upstream too)
+    return "".join(out).encode("utf-8", "replace")

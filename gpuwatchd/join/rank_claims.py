@@ -19,6 +19,11 @@ refused once it has exited, rather than being judged again by the uid discovery 
 discovered rank that exited stays a dead rank (rank_down) when another user's process takes its
 PID, rather than becoming that process's refused claim.
 
+``decide`` is the one place that says which claims of a cycle are accepted: the daemon calls it
+once, right after /proc is read and before any subsystem looks at a rank, and every reading of the
+cycle (heartbeats, stall verdicts, GIL samples, memory, stragglers, flight recorder, the join)
+sees only its ``accepted`` entries (issue 23 N3: refused claims drove other ranks' readings).
+
 Every refusal is returned as a ``BadRankFile`` (a ``bad_rank_file`` finding, severity info):
 it is never a rank, so it can never page.
 """
@@ -26,6 +31,7 @@ it is never a rank, so it can never page.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from gpuwatchd.model import BadRankFile, ProcessInfo, RankEntry
 
@@ -141,3 +147,32 @@ def select(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
         claimed_pids.add(e.pid)
     kept_jobs = {e.job_id for e in accepted.values()}
     return list(accepted.values()), refused, {j: u for j, u in owners.items() if j in kept_jobs}
+
+
+@dataclass(frozen=True)
+class Claims:
+    """The verdict on one cycle's claims (``decide``): what every later stage may read."""
+
+    accepted: tuple[RankEntry, ...]
+    refused: tuple[BadRankFile, ...]
+    job_owners: Mapping[str, int]  # of the accepted jobs, kept for the next cycle
+    claimant_uids: Mapping[ClaimantKey, int]  # kept for the next cycle
+
+    ids: frozenset[tuple[str, int, int]] = field(init=False)  # (job_id, rank, pid) accepted
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ids", frozenset((e.job_id, e.rank, e.pid) for e in self.accepted))
+
+    def accepts(self, job_id: str, rank: int, pid: int) -> bool:
+        return (job_id, rank, pid) in self.ids
+
+
+def decide(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
+           known_owners: Mapping[str, int] | None = None,
+           last_uids: Mapping[ClaimantKey, int] | None = None) -> Claims:
+    """``claimant_uids`` then ``select``: the accepted entries, the refusals and the memory for
+    the next cycle (``known_owners`` and ``last_uids`` are the last cycle's)."""
+    entries = list(entries)
+    uids = claimant_uids(entries, processes, last_uids or {})
+    accepted, refused, owners = select(entries, processes, known_owners, uids)
+    return Claims(tuple(accepted), tuple(refused), owners, uids)
