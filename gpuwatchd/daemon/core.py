@@ -229,7 +229,7 @@ class Daemon:
             # The one decision on which claims count, before any subsystem reads a rank: from
             # here on every reading is of an accepted (job_id, rank, pid) only.
             claims = rank_claims.decide(entries, proc.processes, self.memory.job_owners,
-                                        self.memory.claimant_uids)
+                                        self.memory.claimant_uids, self.memory.start_ticks)
             inputs = CycleInputs(
                 now=self.clock(), config=self.config, entries=claims.accepted, bad_files=tuple(bad),
                 processes=proc.processes, descendants=proc.descendants, env_flags=proc.env_flags,

@@ -87,7 +87,8 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
     memory = memory or JoinMemory()
     now = inputs.now
     claims = inputs.claims or rank_claims.decide(inputs.entries, inputs.processes,
-                                                 memory.job_owners, memory.claimant_uids)
+                                                 memory.job_owners, memory.claimant_uids,
+                                                 memory.start_ticks)
     entries, refused = claims.accepted, claims.refused
     job_owners, claimant_uids = claims.job_owners, claims.claimant_uids
 
