@@ -33,3 +33,15 @@ def printable(text: Any) -> str:
     if s.isprintable() and "\\" not in s:
         return s
     return "".join(_escape_char(ch) for ch in s)
+
+
+def printable_tree(obj: Any) -> Any:
+    """``obj`` (decoded JSON: dicts, lists, strings, numbers) with every string ``printable``:
+    what the text renderers of ``ps`` and ``doctor`` compose their lines from."""
+    if isinstance(obj, str):
+        return printable(obj)
+    if isinstance(obj, dict):
+        return {printable(k) if isinstance(k, str) else k: printable_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [printable_tree(v) for v in obj]
+    return obj

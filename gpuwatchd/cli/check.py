@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuwatchd.cli.common import resolve_config
+from gpuwatchd.escape import printable
 from gpuwatchd.join import rank_claims
 from gpuwatchd.join.orphans import RankTrees, fmt_age, offenders, trees_from_entries
 from gpuwatchd.model import GpuDevice, GpuProcess, Orphan, ProcessInfo
@@ -203,9 +204,10 @@ def table(rows: Sequence[Orphan], processes: Mapping[int, ProcessInfo], now: flo
     for o in rows:
         p = processes.get(o.pid)
         age = fmt_age(now - p.start_time) if p else "-"
-        lines.append(f"{o.gpu_index:>3}  {o.pid:>8}  {(o.user or '?')[:10]:<10} "
-                     f"{(o.comm or '?')[:16]:<16} {_gib(o.used_memory_bytes):>11}  {age:>9}  "
-                     f"{o.reason}")
+        # comm is the process's own choice (prctl PR_SET_NAME): escaped, as is what it sits beside
+        lines.append(f"{o.gpu_index:>3}  {o.pid:>8}  {printable((o.user or '?')[:10]):<10} "
+                     f"{printable((o.comm or '?')[:16]):<16} {_gib(o.used_memory_bytes):>11}  "
+                     f"{age:>9}  {printable(o.reason)}")
     return "\n".join(lines)
 
 
@@ -238,7 +240,7 @@ def run_check(
         devices, rows, processes = find_offenders(inputs, selectors, seen)
     except CheckError as exc:
         _emit(out, as_json, {"status": "error", "error": str(exc)},
-              f"gpuwatchd check: error: {exc}")
+              f"gpuwatchd check: error: {printable(str(exc))}")
         return EXIT_ERROR
     now = clock()
     gpus = [{"index": d.index, "uuid": d.uuid, "name": d.name} for d in devices]
@@ -282,7 +284,7 @@ def run_check(
               "still_holding": _jsonable(still, processes, now)}
     if error:
         report["error"] = error
-        _emit(out, as_json, report, f"gpuwatchd check --kill: cannot verify: {error}")
+        _emit(out, as_json, report, f"gpuwatchd check --kill: cannot verify: {printable(error)}")
         return EXIT_ERROR
     if still:
         text = ("memory NOT freed; still held by:\n" + table(still, processes, now) + "\n"
