@@ -27,7 +27,7 @@ from userutil import as_user, shared_rank_world, system_user, user_writes
 
 from gpuwatchd.cli import check
 from gpuwatchd.config import load_config
-from gpuwatchd.rank.rankfile import MAX_FILES, MAX_FILES_PER_OWNER
+from gpuwatchd.rank.rankfile import MAX_FILES, MAX_FILES_PER_OWNER, MAX_RANKS_PER_NODE
 from gpuwatchd.sources.nvml import NvmlSource
 from gpuwatchd.sources.nvml_fixture import RecordedNvml
 from gpuwatchd.sources.rankfiles import RankFileReader
@@ -181,3 +181,41 @@ def test_check_applies_the_trust_rules(users: tuple[int, int], world: Path, fixt
     # the holder's own user may register it, and root may
     user_writes(U2, ranks / "own.json", _doc("u2job", holder.pid))
     assert _check(world, fixture, holder.pid)[0] == check.EXIT_CLEAN
+
+
+def test_the_node_cap_is_shared_fairly(users: tuple[int, int], world: Path,
+                                       procs: list[subprocess.Popen[Any]]) -> None:
+    """N11: at most MAX_RANKS_PER_NODE ranks are watched (the memory budget: 4096 did not fit
+    the unit's MemoryMax, bench/rank_caps_rss.py), and one owner's many ranks (root's 2000
+    here) never crowd out another's few: U1's 10 and U2's 1 are all watched."""
+    ranks = world / "ranks"
+    job = f"node{os.getpid()}"
+    root_rank = subprocess.Popen(SLEEP)
+    procs.append(root_rank)
+    u1_rank, u2_rank = _popen_as(U1, procs), _popen_as(U2, procs)
+    for f in range(8):
+        (ranks / f"root{f}.json").write_text(json.dumps({"version": 1, "job_id": f"{job}-r{f}", "ranks": [
+            {"rank": r, "pid": root_rank.pid} for r in range(250)]}))
+    user_writes(U1, ranks / "u1.json", json.dumps({"version": 1, "job_id": f"{job}-u1", "ranks": [
+        {"rank": r, "pid": u1_rank.pid} for r in range(10)]}))
+    user_writes(U2, ranks / "u2.json", _doc(f"{job}-u2", u2_rank.pid))
+    path, cfg = write_config(world, rank_dir=str(ranks))
+    d = DaemonProc(path, cfg)
+    try:
+        def up() -> dict[str, int]:
+            n: dict[str, int] = {}
+            for (name, labels), v in d.samples().items():
+                job_id = dict(labels).get("job_id", "")
+                if name == "gpuwatch_rank_up" and v == 1.0 and job_id.startswith(job):
+                    n[job_id.split("-")[1][:2]] = n.get(job_id.split("-")[1][:2], 0) + 1
+            return n
+
+        d.wait_for(lambda: up().get("u2") == 1, what="U2's rank up")
+        counts = up()
+        assert sum(counts.values()) == MAX_RANKS_PER_NODE, counts
+        assert counts["u1"] == 10 and counts["u2"] == 1, counts
+        state = json.loads((world / "state" / "state.json").read_text())
+        assert any("uid 0 claims 2000 ranks; only 1013 are watched" in f["explanation"]
+                   for f in state["findings"] if f["kind"] == "bad_rank_file")
+    finally:
+        d.stop()

@@ -34,6 +34,7 @@ from gpuwatchd.rank.rankfile import (
     MAX_FILES,
     MAX_FILES_PER_OWNER,
     MAX_RANKS_PER_JOB,
+    MAX_RANKS_PER_NODE,
     MAX_RANKS_PER_OWNER,
     RankFileError,
     _bad_name,
@@ -220,9 +221,11 @@ def _choose(by_owner: dict[int, list[str]], total: int = MAX_FILES,
 
 def cap_ranks(entries: Iterable[RankEntry], bad: Iterable[BadRankFile] = (),
               per_job: int = MAX_RANKS_PER_JOB,
-              per_owner: int = MAX_RANKS_PER_OWNER) -> tuple[list[RankEntry], list[BadRankFile]]:
+              per_owner: int = MAX_RANKS_PER_OWNER,
+              per_node: int = MAX_RANKS_PER_NODE) -> tuple[list[RankEntry], list[BadRankFile]]:
     """Keep at most ``per_job`` ranks of a job and ``per_owner`` ranks from one non-root
-    rank-file owner (lowest ranks first); each cap that is hit adds one BadRankFile naming it."""
+    rank-file owner (lowest ranks first), then at most ``per_node`` in all (``cap_node``); each
+    cap that is hit adds one BadRankFile naming it."""
     kept: list[RankEntry] = []
     out_bad = list(bad)
     per_job_n: dict[str, int] = {}
@@ -246,7 +249,36 @@ def cap_ranks(entries: Iterable[RankEntry], bad: Iterable[BadRankFile] = (),
             per_owner_n[owner] = per_owner_n.get(owner, 0) + 1
         per_job_n[e.job_id] = n + 1
         kept.append(e)
-    return kept, out_bad + list(hit.values())
+    kept, node_bad = cap_node(kept, per_node)
+    return kept, out_bad + list(hit.values()) + node_bad
+
+
+def cap_node(entries: list[RankEntry], per_node: int = MAX_RANKS_PER_NODE,
+             ) -> tuple[list[RankEntry], list[BadRankFile]]:
+    """At most ``per_node`` entries, shared max-min fairly between the claimants (a rank file's
+    owner, root for root's files; a discovered process's uid): the claimant with fewest first,
+    each taking at most an equal part of what is left, its lowest (job, rank) first, so that no
+    one's many ranks crowd out another's few. One BadRankFile per claimant cut; order is kept."""
+    if len(entries) <= per_node:
+        return entries, []
+    groups: dict[int, list[RankEntry]] = {}
+    for e in entries:
+        uid = 0 if e.source == "rankfile" and e.owner_uid is None else e.owner_uid
+        groups.setdefault(uid if uid is not None else -1, []).append(e)
+    keep: set[int] = set()
+    bad: list[BadRankFile] = []
+    left = per_node
+    owners = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[0]))
+    for i, (uid, group) in enumerate(owners):
+        n = min(len(group), left // (len(owners) - i))
+        keep.update(id(e) for e in group[:n])
+        left -= n
+        if n < len(group):
+            bad.append(BadRankFile(
+                group[n].path or "discovery",
+                f"uid {uid} claims {len(group)} ranks; only {n} are watched (at most {per_node} "
+                f"ranks on a node, shared fairly between users; memory budget)"))
+    return [e for e in entries if id(e) in keep], bad
 
 
 def guard_entries(entries: Iterable[RankEntry], bad: Iterable[BadRankFile] = (),
