@@ -510,6 +510,13 @@ HEALTH_ROWS: list[tuple[str, list[Panel]]] = [
               description="Per-thread looks and py-spy dumps that the cycle's time budget moved to "
                           "a later cycle: a node whose ranks have very many threads or listings. "
                           "Cycles keep finishing; stall verdicts of those ranks come later."),
+        Panel("gpuwatchd's own helpers OOM-killed", "timeseries",
+              [graph(nonzero("gpuwatch_helper_oom_kills_total", "helper"),
+                     "{{instance}} {{helper}}")], unit="none", min=0,
+              description="Kernel OOM kills of the daemon's own py-spy runs: the monitor's "
+                          "helpers, never counted as the node's OOM kills. Each run is killed by "
+                          "the daemon itself at 64 MiB RSS, so this stays 0 unless MemoryMax is "
+                          "lowered."),
         Panel("Daemon oom_score_adj", "stat",
               [stat("gpuwatch_process_oom_score_adj", "{{instance}}")], unit="none",
               description="The daemon's own /proc/self/oom_score_adj: -900 when the unit's "

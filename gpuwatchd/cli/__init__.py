@@ -20,6 +20,7 @@ from gpuwatchd.cli import check, doctor, events, job, web_config
 from gpuwatchd.cli.common import DEFAULT_CONFIG, load_state, resolve_config
 from gpuwatchd.cli.common import config_arg as _config_arg
 from gpuwatchd.config import ConfigError, load_config
+from gpuwatchd.escape import printable, printable_tree
 from gpuwatchd.units import fmt_bytes
 
 # The commands that live in their own modules, in the order --help lists them. An explicit table:
@@ -101,6 +102,8 @@ def cmd_ps(args: argparse.Namespace) -> int:
         json.dump({"origin": origin, **state}, sys.stdout, indent=1)
         print()
         return 0
+    # every string of a rank (job ids, comm, findings' stack frames) escaped for the terminal
+    state, origin = printable_tree(state), printable(origin)
     gpu_mem: dict[tuple[str, str], float] = {}
     for p in state.get("gpu_processes", []):
         if p.get("job_id") and p.get("used_memory_bytes") is not None:

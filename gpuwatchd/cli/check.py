@@ -3,11 +3,15 @@
     gpuwatchd check [--gpus 0,1|GPU-uuid,...] [--json] [--kill] [--grace S]
 
 Lists every process that holds memory on the selected GPUs but belongs to no live rank registered
-in ``rank_dir`` (a rank PID or one of its descendants). Exit 0: clean. Exit 1: a table of the offending processes
+in ``rank_dir`` (a rank PID or one of its descendants). A rank file counts only under the daemon's
+trust rules (``join/rank_claims.py``: root's files, or a user's file naming that user's own
+process, one owner per job). Exit 0: clean. Exit 1: a table of the offending processes
 (PID, user, command name, memory, age, why it is stale). Exit 2: error (no driver, NVML hung,
 unknown GPU, bad config).
 
-``--kill`` sends SIGTERM to each offender, SIGKILL to those still alive after ``--grace`` seconds,
+``--kill`` never signals a process whose owner's rank files were not all read (more files than
+the per-owner cap, ``sources/rankfiles.py``): it may be a registered rank that was not seen. It
+sends SIGTERM to each other offender, SIGKILL to those still alive after ``--grace`` seconds,
 then re-reads NVML until the memory is really released (the driver frees it only after the process
 is fully gone) and exits 0 only then; otherwise 1, naming what still holds memory.
 
@@ -18,6 +22,7 @@ pid,ppid,user,etime,comm -p PID``, ``kill PID; sleep 10; kill -9 PID``, ``nvidia
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -29,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuwatchd.cli.common import resolve_config
+from gpuwatchd.escape import printable
+from gpuwatchd.join import rank_claims
 from gpuwatchd.join.orphans import RankTrees, fmt_age, offenders, trees_from_entries
 from gpuwatchd.model import GpuDevice, GpuProcess, Orphan, ProcessInfo
 from gpuwatchd.paths import HostPaths
@@ -87,18 +94,22 @@ def default_inputs(cfg: Any, rank_dir: str | None, timeout: float | None) -> Inp
     def trees() -> RankTrees:
         # Rank files only, no environ discovery: a stale rank from an earlier launch still has
         # RANK/TORCHELASTIC_RUN_ID in its environment, which is exactly what check must not trust.
+        reader = RankFileReader(rank_dir or cfg.rank_dir)
         try:
-            entries, _bad = RankFileReader(rank_dir or cfg.rank_dir).scan()
+            entries, _bad = reader.scan()
         except RankDirMissing:  # no rank directory: no rank registered on this node
             entries = []
         # ranks registered inside containers name their in-container PID: map to host PIDs,
         # which is what NVML reports
         entries, _refused = PidNamespaces(procfs).resolve(entries)
         procs = procfs.read_many(e.pid for e in entries)
+        # the daemon's trust rules: another user's file cannot make a process "registered"
+        entries, _refused, _owners = rank_claims.select(entries, procs)
         desc = {e.pid: tuple(procfs.descendants(e.pid)) for e in entries if e.pid in procs}
         for kids in desc.values():
             procs = {**procs, **procfs.read_many(kids)}
-        return trees_from_entries(entries, procs, desc)
+        trees = trees_from_entries(entries, procs, desc)
+        return dataclasses.replace(trees, unread_owners=reader.unread_owners)
 
     return Inputs(
         read_nvml=lambda: read_with_timeout(source, wait),
@@ -109,8 +120,9 @@ def default_inputs(cfg: Any, rank_dir: str | None, timeout: float | None) -> Inp
 
 
 def find_offenders(
-    inputs: Inputs, selectors: Sequence[str]
+    inputs: Inputs, selectors: Sequence[str], trees_seen: list[RankTrees] | None = None,
 ) -> tuple[tuple[GpuDevice, ...], tuple[Orphan, ...], Mapping[int, ProcessInfo]]:
+    """(selected GPUs, offenders, their processes); ``trees_seen`` gets the rank trees used."""
     devices, procs = inputs.read_nvml()
     try:
         chosen = select_devices(devices, selectors)
@@ -119,6 +131,8 @@ def find_offenders(
     uuids = {d.uuid for d in chosen}
     mine = [p for p in procs if p.uuid in uuids]
     trees = inputs.read_trees()
+    if trees_seen is not None:
+        trees_seen.append(trees)
     processes = inputs.read_processes(sorted({p.pid for p in mine}))
     return chosen, offenders(mine, processes, trees), processes
 
@@ -190,9 +204,10 @@ def table(rows: Sequence[Orphan], processes: Mapping[int, ProcessInfo], now: flo
     for o in rows:
         p = processes.get(o.pid)
         age = fmt_age(now - p.start_time) if p else "-"
-        lines.append(f"{o.gpu_index:>3}  {o.pid:>8}  {(o.user or '?')[:10]:<10} "
-                     f"{(o.comm or '?')[:16]:<16} {_gib(o.used_memory_bytes):>11}  {age:>9}  "
-                     f"{o.reason}")
+        # comm is the process's own choice (prctl PR_SET_NAME): escaped, as is what it sits beside
+        lines.append(f"{o.gpu_index:>3}  {o.pid:>8}  {printable((o.user or '?')[:10]):<10} "
+                     f"{printable((o.comm or '?')[:16]):<16} {_gib(o.used_memory_bytes):>11}  "
+                     f"{age:>9}  {printable(o.reason)}")
     return "\n".join(lines)
 
 
@@ -220,11 +235,12 @@ def run_check(
     signal_fn: Callable[[int, int], None] = os.kill,
 ) -> int:
     out = out or sys.stdout
+    seen: list[RankTrees] = []
     try:
-        devices, rows, processes = find_offenders(inputs, selectors)
+        devices, rows, processes = find_offenders(inputs, selectors, seen)
     except CheckError as exc:
         _emit(out, as_json, {"status": "error", "error": str(exc)},
-              f"gpuwatchd check: error: {exc}")
+              f"gpuwatchd check: error: {printable(str(exc))}")
         return EXIT_ERROR
     now = clock()
     gpus = [{"index": d.index, "uuid": d.uuid, "name": d.name} for d in devices]
@@ -239,9 +255,13 @@ def run_check(
               f"{len({o.pid for o in rows})} process(es) outside any live job hold GPU memory:\n"
               + table(rows, processes, now))
         return EXIT_OFFENDERS
+    trees = seen[0]
+    refused = {o.pid: ("refused: the rank files of its user were not all read (it may be a "
+                       "registered rank)") for o in rows
+               if not trees.may_signal(processes[o.pid].uid if o.pid in processes else None)}
     targets = {o.pid: (processes[o.pid].start_ticks if o.pid in processes else None)
-               for o in rows}
-    outcome = terminate(targets, inputs.paths, grace, signal_fn)
+               for o in rows if o.pid not in refused}
+    outcome = {**terminate(targets, inputs.paths, grace, signal_fn), **refused}
     # Verify: the driver releases the memory only once the process is completely gone.
     killed = set(targets)
     deadline = time.monotonic() + verify_seconds
@@ -253,8 +273,8 @@ def run_check(
         except CheckError as exc:
             error = str(exc)
             break
-        still = tuple(o for o in remaining if o.pid in killed)
-        if not still or time.monotonic() >= deadline:
+        still = tuple(o for o in remaining if o.pid in killed or o.pid in refused)
+        if not (still and {o.pid for o in still} - set(refused)) or time.monotonic() >= deadline:
             break
         time.sleep(0.5)
     now = clock()
@@ -264,7 +284,7 @@ def run_check(
               "still_holding": _jsonable(still, processes, now)}
     if error:
         report["error"] = error
-        _emit(out, as_json, report, f"gpuwatchd check --kill: cannot verify: {error}")
+        _emit(out, as_json, report, f"gpuwatchd check --kill: cannot verify: {printable(error)}")
         return EXIT_ERROR
     if still:
         text = ("memory NOT freed; still held by:\n" + table(still, processes, now) + "\n"

@@ -24,6 +24,7 @@ from typing import Any
 
 from gpuwatchd.cli.common import load_state, resolve_config
 from gpuwatchd.config import Config
+from gpuwatchd.escape import printable_tree
 from gpuwatchd.findings import FindingContext, fds, fork, nccl_env
 from gpuwatchd.join.hang import analyze, wait_tids
 from gpuwatchd.join.rank_workers import worker_view
@@ -341,7 +342,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         json.dump(report, sys.stdout, indent=1, default=str)
         print()
     else:
-        print(render(report))
+        print(render(printable_tree(report)))  # a rank's strings never reach the terminal raw
     return 1 if "error" in report else 0
 
 

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from gpuwatchd.cli.common import resolve_config
+from gpuwatchd.escape import printable
 from gpuwatchd.events.log import EVENTS_FILE, Event, read_events
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
@@ -61,22 +62,20 @@ def to_dict(e: Event) -> dict[str, Any]:
 def render(events: list[Event]) -> str:
     if not events:
         return "no events"
-    rows = [("TIME", "KIND", "BY", "JOB_ID", "RANK", "PID", "COMM", "WHAT")]
+    rows: list[tuple[str, ...]] = [("TIME", "KIND", "BY", "JOB_ID", "RANK", "PID", "COMM", "WHAT")]
     for e in events:
         kind = e.kind + (" (worker)" if e.worker else "")
         by = e.killer or (f"xid {e.fields.get('xid')}" if e.kind == "xid" else "")
-        rows.append(
-            (
-                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time)),
-                kind,
-                by,
-                e.job_id or "-",
-                e.rank or "-",
-                str(e.pid) if e.pid is not None else "-",
-                e.comm or "-",
-                e.summary,
-            )
-        )
+        rows.append(tuple(printable(cell) for cell in (  # a rank's strings, escaped
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time)),
+            kind,
+            by,
+            e.job_id or "-",
+            e.rank or "-",
+            str(e.pid) if e.pid is not None else "-",
+            e.comm or "-",
+            e.summary,
+        )))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines = []
     for r in rows:

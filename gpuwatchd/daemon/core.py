@@ -46,6 +46,7 @@ from gpuwatchd.daemon.wiring import default_subsystems, down_statuses
 from gpuwatchd.exporter.collector import make_registry
 from gpuwatchd.findings import nccl_env
 from gpuwatchd.isolation import Collector, PartialReading, attempt, guarded
+from gpuwatchd.join import rank_claims
 from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
 from gpuwatchd.join.xid_dedup import XidDeduper
 from gpuwatchd.model import BadRankFile, NodeState, ProcessInfo, RankEntry
@@ -77,7 +78,9 @@ class ProcReading:
     processes: Mapping[int, ProcessInfo]
     descendants: Mapping[int, tuple[int, ...]]
     env_flags: Mapping[int, tuple[str, ...]]
-    progress: Mapping[tuple[str, int], float]
+    # (job_id, rank, pid) -> heartbeat mtime: keyed by the claim's pid, so that only the
+    # accepted claim's heartbeat is used (a refused claim on the same rank has another pid)
+    progress: Mapping[tuple[str, int, int], float]
 
 
 class Daemon:
@@ -169,6 +172,10 @@ class Daemon:
                                 self.heartbeat_roots)
         if missing is not None:
             raise PartialReading(reading, str(missing))
+        if self.rankfiles.incomplete:  # the per-owner shares did not all fit in MAX_FILES
+            raise PartialReading(reading, f"rank_dir {self.config.rank_dir}: more rank files than "
+                                 f"can be read; owners {sorted(self.rankfiles.unread_owners)} "
+                                 f"not read in full")
         return reading
 
     def _read_procfs(self) -> ProcReading:
@@ -176,7 +183,7 @@ class Daemon:
         processes: dict[int, ProcessInfo] = {}
         descendants: dict[int, tuple[int, ...]] = {}
         env_flags: dict[int, tuple[str, ...]] = {}
-        progress: dict[tuple[str, int], float] = {}
+        progress: dict[tuple[str, int, int], float] = {}
         live_keys: set[tuple[int, int]] = set()
         for e in entries:
             if e.pid in processes or e.pid in descendants:
@@ -199,7 +206,7 @@ class Daemon:
         for e in entries:
             mtime = self.heartbeat_roots.mtime(e)
             if mtime is not None:
-                progress[(e.job_id, e.rank)] = mtime
+                progress[(e.job_id, e.rank, e.pid)] = mtime
         self.heartbeat_roots.end_reads()
         for stale in set(self._env_cache) - live_keys:
             del self._env_cache[stale]
@@ -219,10 +226,16 @@ class Daemon:
                 proc = self.proc_collector.run() or ProcReading({}, {}, {}, {})
             finally:
                 self.procfs.end_cycle()
+            # The one decision on which claims count, before any subsystem reads a rank: from
+            # here on every reading is of an accepted (job_id, rank, pid) only.
+            claims = rank_claims.decide(entries, proc.processes, self.memory.job_owners,
+                                        self.memory.claimant_uids, self.memory.start_ticks)
             inputs = CycleInputs(
-                now=self.clock(), config=self.config, entries=tuple(entries), bad_files=tuple(bad),
+                now=self.clock(), config=self.config, entries=claims.accepted, bad_files=tuple(bad),
                 processes=proc.processes, descendants=proc.descendants, env_flags=proc.env_flags,
-                progress=dict(proc.progress),
+                progress={(j, r): t for (j, r, pid), t in proc.progress.items()
+                          if claims.accepts(j, r, pid)},
+                claims=claims,
             )
             down = dict(self.failed_subsystems)
             for sub in self.subsystems:

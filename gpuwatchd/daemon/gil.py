@@ -310,6 +310,19 @@ class GilSampler:
     # -- one sample ------------------------------------------------------------------------------
 
     def _sample(self, target: GilTarget, full: bool | None = None) -> None:
+        """One sample. Whatever it raises, the rank is not left in flight (it would never be
+        sampled again: its GIL counters froze for good when an error escaped; issue 23 N8)."""
+        try:
+            self._sample_once(target, full)
+        except BaseException:
+            with self._lock:
+                sched = self._ranks.get(target.key)
+                if sched is not None and sched.in_flight:
+                    sched.in_flight = False
+                    sched.next_due = self.clock() + self.interval
+            raise
+
+    def _sample_once(self, target: GilTarget, full: bool | None) -> None:
         t0 = time.monotonic()
         sample: pyspy.GilSample | None = None
         error: PySpyError | None = None

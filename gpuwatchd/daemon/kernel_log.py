@@ -23,6 +23,7 @@ from gpuwatchd.isolation import guarded, run_forever
 from gpuwatchd.join.kernel_events import KernelEventProcessor
 from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo
+from gpuwatchd.sources import reaper
 from gpuwatchd.sources.kernel_log import (
     KernelLogUnavailable,
     LogRecord,
@@ -82,6 +83,7 @@ class KernelLogSubsystem(Subsystem):
             files=daemon.state_files,
             retention_seconds=cfg.retention.oom_kill_seconds,
             ended_grace_seconds=cfg.retention.ended_rank_seconds,
+            helper_of=reaper.CHILDREN.helper_at,  # the py-spy runs: never node OOM kills
         )
         daemon.counters.ensure("kernel_log_overruns", ())
         # First start in this boot: what the kernel counted and the log replays is history.

@@ -28,6 +28,8 @@ COUNTER_HELP: Mapping[str, str] = {
     "oom_kills": "Processes killed for lack of memory, by the kernel OOM killer or a userspace "
     "killer, attributed to the rank whose process tree they belonged to (job_id and rank empty "
     "when unattributed). Counted from the kernel log as the kill is logged.",
+    "helper_oom_kills": "gpuwatchd's own helper processes (helper=\"py-spy\") killed for lack of "
+    "memory: never counted in oom_kills, which counts the node's processes.",
     "gpu_xid_errors": "NVIDIA Xid errors per GPU and Xid code, from the kernel log and NVML events.",
     "cuda_oom_errors": "CUDA out-of-memory errors reported by ranks through gpuwatchd's hook.",
     "rank_gil_samples": "py-spy sampling ticks taken of the rank process (sampled in the "

@@ -201,7 +201,9 @@ EOF = "# EOF\n"
 
 
 def join(parts: Iterable[Part], om: bool) -> bytes:
-    return ("".join(p.header + p.lines for p in parts) + (EOF if om else "")).encode("utf-8")
+    # "replace": a label value that cannot be encoded (a lone surrogate) shows as "?" in its own
+    # series, never an exception that blanks the whole scrape (issue 23 N2; refused upstream too)
+    return ("".join(p.header + p.lines for p in parts) + (EOF if om else "")).encode("utf-8", "replace")
 
 
 def _sample_name(line: str) -> str:
@@ -228,7 +230,7 @@ def select(parts: Iterable[Part], names: Iterable[str], om: bool) -> bytes:
             out.extend(f"{line}\n" for line in p.lines.splitlines() if _sample_name(line) in wanted)
     if om:
         out.append(EOF)
-    return "".join(out).encode("utf-8")
+    return "".join(out).encode("utf-8", "replace")
 
 
 def render_text(families: Iterable[Metric], prefixes: Prefixes | None = None) -> bytes:

@@ -25,16 +25,70 @@ import collections
 import contextlib
 import json
 import os
+import re
 import stat as statmod
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuwatchd.escape import printable
 from gpuwatchd.model import CollectiveStatus
 from gpuwatchd.rank.flight_recorder import MAX_BYTES
 
 MAX_GROUPS = 16  # process groups exported per rank (series budget)
 MAX_ENTRIES_READ = 4096
+# An answer is refused whole, with the reason, when it is nested deeper than this (torch's own
+# trace is 4 levels deep), has a number literal longer than MAX_NUMBER_CHARS (a sequence number
+# fits in 19 digits; 1e400, NaN and Infinity are not numbers a label or a gauge can take), or a
+# string the labels use that is not printable (a lone surrogate cannot even be encoded).
+MAX_NESTING = 16
+MAX_NUMBER_CHARS = 32
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_PAIR = re.compile(rb"\[\]|\{\}")
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def _nesting_within(raw: bytes, limit: int) -> bool:
+    """Whether the JSON text ``raw`` nests at most ``limit`` deep, decided without recursion:
+    strings removed, brackets kept, then ``limit`` passes that each remove the innermost pairs
+    (linear passes in C; a 100,000-deep ``[[[`` costs the same as a flat file)."""
+    s = _STRING.sub(b"", raw).translate(None, _NOT_BRACKET)
+    for _ in range(limit):
+        if not s:
+            return True
+        s = _PAIR.sub(b"", s)
+    return not s
+
+
+def _number(text: str) -> int | float:
+    if len(text) > MAX_NUMBER_CHARS:
+        raise ValueError(f"a number of {len(text)} characters (at most {MAX_NUMBER_CHARS})")
+    value = float(text) if any(c in text for c in ".eE") else int(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text[:MAX_NUMBER_CHARS]} is out of range")
+    return value
+
+
+def _constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number")
+
+
+def loads_answer(raw: bytes) -> Any:
+    """The JSON of an answer, bounded: ValueError naming what was refused (never RecursionError,
+    OverflowError or a value no label or gauge can hold)."""
+    if not _nesting_within(raw, MAX_NESTING):
+        raise ValueError(f"nested deeper than {MAX_NESTING} levels")
+    try:
+        return json.loads(raw, parse_int=_number, parse_float=_number, parse_constant=_constant)
+    except RecursionError:  # not reached after the check above; kept as the bound's backstop
+        raise ValueError(f"nested deeper than {MAX_NESTING} levels") from None
+
+
+def _label(value: Any, limit: int, what: str) -> str:
+    text = str(value)[:limit]
+    if not text.isprintable():
+        raise ValueError(f"{what} {printable(text)!s:.40} is not printable text")
+    return text
 
 
 @dataclass(frozen=True)
@@ -58,7 +112,7 @@ def parse_response(doc: Any, job_id: str, rank: int, pid: int) -> FrReading:
     when = doc.get("time")
     when = float(when) if isinstance(when, (int, float)) and not isinstance(when, bool) else 0.0
     if "error" in doc:
-        return FrReading(job_id, rank, pid, error=str(doc["error"])[:200])
+        return FrReading(job_id, rank, pid, error=printable(str(doc["error"])[:200]))
     trace = doc.get("trace")
     if not isinstance(trace, dict) or not isinstance(trace.get("entries", []), list):
         raise ValueError("trace.entries is not a list")
@@ -71,23 +125,24 @@ def parse_response(doc: Any, job_id: str, rank: int, pid: int) -> FrReading:
         seq = e.get("collective_seq_id")
         if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
             continue
-        pg = str(e.get("pg_id", "0"))[:16]
+        pg = _label(e.get("pg_id", "0"), 16, "pg_id")
         if pg not in started and len(started) >= MAX_GROUPS:
             continue
         started[pg] = max(started[pg], seq)
         if e.get("state") == "completed":
             completed[pg] = max(completed[pg], seq)
-        names[pg][seq] = str(e.get("profiling_name", "?"))[:64]
+        names[pg][seq] = _label(e.get("profiling_name", "?"), 64, "profiling_name")
     status = trace.get("pg_status")
     if isinstance(status, dict):  # torch's own counters, when present, fill in what was cut off
         for pg, st in list(status.items())[:MAX_GROUPS]:
             if not isinstance(st, dict):
                 continue
+            pg = _label(pg, 16, "pg_id")
             for key, table in (("last_completed_collective", completed),
                                ("last_started_collective", started),
                                ("last_enqueued_collective", started)):  # fmt: skip
                 with contextlib.suppress(TypeError, ValueError):
-                    table[str(pg)[:16]] = max(table[str(pg)[:16]], int(st.get(key, -1)))
+                    table[pg] = max(table[pg], int(st.get(key, -1)))
     groups = tuple(
         CollectiveStatus(job_id, rank, pid, pg, started[pg], completed[pg],
                          names[pg].get(started[pg], ""), when)
@@ -110,7 +165,7 @@ def read_response(path: str, allowed_uids: Iterable[int]) -> Any:
         os.close(fd)
     if len(raw) > MAX_BYTES:
         raise ValueError(f"larger than {MAX_BYTES} bytes")
-    return json.loads(raw)
+    return loads_answer(raw)
 
 
 def write_request(path: str, nonce: str) -> None:

@@ -45,6 +45,11 @@ def _finite(v: Any) -> float | None:
     return f if 0.0 <= f < float("inf") else None
 
 
+# The kernel OOM-killed one of gpuwatchd's own helpers (py-spy): counted in helper_oom_kills and
+# in this boot's kernel kills (vmstat counts it too), never in oom_kills.
+HELPER_OOM_KILL = "helper_oom_kill"
+
+
 def _increments(ev: Event) -> list[Increment]:
     """(counter, labels, value, {boot id: kernel OOM kills}, when) that one stored event stands
     for. Items of a ``counter_base`` record that cannot be used are skipped."""
@@ -67,7 +72,8 @@ def _increments(ev: Event) -> list[Increment]:
                      if isinstance(n, int) and not isinstance(n, bool) and n >= 0}
             out.append(("", (), 0.0, clean, ev.time))
         return out
-    kernel_kill = ev.kind in ("oom_kill", "oom_kill_unexplained") and ev.killer == KILLER_KERNEL
+    kernel_kill = (ev.kind in ("oom_kill", "oom_kill_unexplained", HELPER_OOM_KILL)
+                   and ev.killer == KILLER_KERNEL)
     boot = {ev.boot_id: ev.count} if kernel_kill else {}
     return [(ev.counter, tuple(ev.labels), float(ev.count), boot, ev.time)]
 

@@ -38,7 +38,7 @@ from typing import Any
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.events.bus import EventBus
 from gpuwatchd.events.log import EVENTS_FILE, Event
-from gpuwatchd.join.event_store import EventStore
+from gpuwatchd.join.event_store import HELPER_OOM_KILL, EventStore
 from gpuwatchd.join.kernel_lines import CRITICAL_XIDS as CRITICAL_XIDS
 from gpuwatchd.join.kernel_lines import KernelLines, fmt_time, is_history
 from gpuwatchd.join.oom_history import OomBaseline
@@ -102,11 +102,14 @@ class KernelEventProcessor:
         retention_seconds: float = 1800.0,
         files: StateFiles | None = None,
         ended_grace_seconds: float | None = None,
+        helper_of: Callable[[int, float], str | None] | None = None,
     ) -> None:
         """``retention_seconds``: how long a compaction keeps the folded counter of a rank that
         is no longer registered (``retention.oom_kill_seconds``, retention.py; at run time it is
         ``store.retention_seconds``)."""
         files = files or StateFiles()  # the daemon passes its own, which counts
+        # (pid, time) -> the name of the daemon's own helper that pid was then (its py-spy runs)
+        self.helper_of = helper_of
         self.counters = counters
         self.state_dir = state_dir
         self.boot_id = boot_id
@@ -178,6 +181,9 @@ class KernelEventProcessor:
     def _kill_event(self, k: Kill) -> Event | None:
         if is_history(self.oom_baseline, k):
             return None
+        helper = self.helper_of(k.pid, k.time) if self.helper_of is not None else None
+        if helper is not None:
+            return self._helper_kill_event(k, helper)
         m = self.record.lookup(k.pid, k.time)
         job_id, rank_s = (m.job_id, str(m.rank)) if m else ("", "")
         fields: dict[str, Any] = {
@@ -245,6 +251,20 @@ class KernelEventProcessor:
                 alert=alert,
             )
         )
+
+    def _helper_kill_event(self, k: Kill, helper: str) -> Event | None:
+        """A kill of the daemon's own helper: named as such, never a node OOM kill."""
+        holding = f" holding {fmt_bytes(k.rss_bytes)} RSS" if k.rss_bytes is not None else ""
+        where = f" in memory cgroup {k.memcg}" if k.memcg else ""
+        return self.store.emit(Event(
+            key=k.key, kind=HELPER_OOM_KILL, time=k.time, severity=WARNING,
+            summary=(f"gpuwatchd's own {helper} helper (pid {k.pid}, {k.comm}) was killed by "
+                     f"{k.killer} at {fmt_time(k.time)}{holding}{where}: the monitor's helper, "
+                     "not a training process (counted in gpuwatch_helper_oom_kills_total)"),
+            pid=k.pid, comm=k.comm, killer=k.killer, boot_id=k.boot_id,
+            counter="helper_oom_kills", labels=(helper, k.killer),
+            fields=frozen_map({"rss_bytes": k.rss_bytes, "memcg": k.memcg, "helper": helper}),
+        ))
 
     # -- the daemon's cycle ------------------------------------------------------------------
 

@@ -40,6 +40,13 @@ class RankTrees:
     owner: Mapping[int, tuple[str, int]] = field(default_factory=dict)  # pid -> (job_id, rank)
     live_jobs: frozenset[str] = frozenset()
     known_jobs: frozenset[str] = frozenset()  # every job with a rank entry, alive or not
+    # uids whose rank files were not all read (caps): a process of theirs may be a registered
+    # rank that was not seen, so ``check --kill`` never signals it (0: nobody may be signalled)
+    unread_owners: frozenset[int] = frozenset()
+
+    def may_signal(self, uid: int | None) -> bool:
+        return not self.unread_owners or (0 not in self.unread_owners and uid is not None
+                                          and uid not in self.unread_owners)
 
     @property
     def any_registered(self) -> bool:

@@ -19,6 +19,11 @@ refused once it has exited, rather than being judged again by the uid discovery 
 discovered rank that exited stays a dead rank (rank_down) when another user's process takes its
 PID, rather than becoming that process's refused claim.
 
+``decide`` is the one place that says which claims of a cycle are accepted: the daemon calls it
+once, right after /proc is read and before any subsystem looks at a rank, and every reading of the
+cycle (heartbeats, stall verdicts, GIL samples, memory, stragglers, flight recorder, the join)
+sees only its ``accepted`` entries (issue 23 N3: refused claims drove other ranks' readings).
+
 Every refusal is returned as a ``BadRankFile`` (a ``bad_rank_file`` finding, severity info):
 it is never a rank, so it can never page.
 """
@@ -26,6 +31,7 @@ it is never a rank, so it can never page.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from gpuwatchd.model import BadRankFile, ProcessInfo, RankEntry
 
@@ -41,12 +47,21 @@ def _tier(e: RankEntry, proc: ProcessInfo | None) -> int:
     return VERIFIED_FILE if e.source == "rankfile" else DISCOVERED
 
 
-def _process(e: RankEntry, processes: Mapping[int, ProcessInfo]) -> ProcessInfo | None:
-    """The live process a claim names. For a discovered claim only the process discovery saw
-    (same start time): one that took its PID after it exited is not the claimant, and the claim
-    is that of a gone process (judged by its last uid: ``claimant_uids``)."""
+def _process(e: RankEntry, processes: Mapping[int, ProcessInfo],
+             known_ticks: Mapping[tuple[str, int, int], int] | None = None) -> ProcessInfo | None:
+    """The live process a claim names: only one started when the claim's process started
+    (``start_ticks`` of the file or of discovery, else the start time the join first saw for this
+    (job, rank, pid), ``known_ticks``). One that took the PID after the claimant exited is not
+    the claimant, and the claim is that of a gone process: a rank file's stays a dead rank
+    (rank_down) instead of becoming that process's refused claim (issue 23 N4), a discovered
+    one is judged by its last uid (``claimant_uids``)."""
     proc = processes.get(e.pid)
-    if proc is not None and e.source != "rankfile" and e.start_ticks not in (None, proc.start_ticks):
+    if proc is None:
+        return None
+    ticks = e.start_ticks
+    if ticks is None and known_ticks is not None:
+        ticks = known_ticks.get((e.job_id, e.rank, e.pid))
+    if ticks is not None and proc.start_ticks != ticks:
         return None
     return proc
 
@@ -56,12 +71,13 @@ def _where(e: RankEntry) -> str:
 
 
 def job_owners(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
-               known: Mapping[str, int]) -> dict[str, int]:
+               known: Mapping[str, int],
+               known_ticks: Mapping[tuple[str, int, int], int] | None = None) -> dict[str, int]:
     """job_id -> owning uid: ``known`` first, then the first trusted live claim of each job."""
     owners = dict(known)
     live: list[tuple[int, int, str, int, RankEntry, ProcessInfo]] = []
     for e in entries:
-        proc = _process(e, processes)
+        proc = _process(e, processes, known_ticks)
         if proc is None:
             continue
         tier = _tier(e, proc)
@@ -94,19 +110,21 @@ def claimant_uids(entries: Iterable[RankEntry], processes: Mapping[int, ProcessI
 def select(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
            known_owners: Mapping[str, int] | None = None,
            last_uids: Mapping[ClaimantKey, int] | None = None,
+           known_ticks: Mapping[tuple[str, int, int], int] | None = None,
            ) -> tuple[list[RankEntry], list[BadRankFile], dict[str, int]]:
     """(accepted entries, refusals, job owners of the accepted jobs). ``last_uids``:
-    ``claimant_uids`` of this cycle (a gone process's claim is judged by its last uid)."""
+    ``claimant_uids`` of this cycle (a gone process's claim is judged by its last uid);
+    ``known_ticks``: the start time first seen per (job_id, rank, pid) (``JoinMemory``)."""
     entries = list(entries)
     last_uids = last_uids or {}
-    owners = job_owners(entries, processes, known_owners or {})
+    owners = job_owners(entries, processes, known_owners or {}, known_ticks)
     accepted: dict[tuple[str, int], RankEntry] = {}
     refused: list[BadRankFile] = []
     claimed_pids: set[int] = set()
-    ranked = sorted(entries, key=lambda e: (_tier(e, _process(e, processes)), e.path, e.job_id,
-                                            e.rank, e.pid))
+    ranked = sorted(entries, key=lambda e: (_tier(e, _process(e, processes, known_ticks)), e.path,
+                                            e.job_id, e.rank, e.pid))
     for e in ranked:
-        proc = _process(e, processes)
+        proc = _process(e, processes, known_ticks)
         tier = _tier(e, proc)
         if tier == VERIFIED_FILE and proc is not None and proc.uid != e.owner_uid:
             refused.append(BadRankFile(
@@ -141,3 +159,33 @@ def select(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
         claimed_pids.add(e.pid)
     kept_jobs = {e.job_id for e in accepted.values()}
     return list(accepted.values()), refused, {j: u for j, u in owners.items() if j in kept_jobs}
+
+
+@dataclass(frozen=True)
+class Claims:
+    """The verdict on one cycle's claims (``decide``): what every later stage may read."""
+
+    accepted: tuple[RankEntry, ...]
+    refused: tuple[BadRankFile, ...]
+    job_owners: Mapping[str, int]  # of the accepted jobs, kept for the next cycle
+    claimant_uids: Mapping[ClaimantKey, int]  # kept for the next cycle
+
+    ids: frozenset[tuple[str, int, int]] = field(init=False)  # (job_id, rank, pid) accepted
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ids", frozenset((e.job_id, e.rank, e.pid) for e in self.accepted))
+
+    def accepts(self, job_id: str, rank: int, pid: int) -> bool:
+        return (job_id, rank, pid) in self.ids
+
+
+def decide(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
+           known_owners: Mapping[str, int] | None = None,
+           last_uids: Mapping[ClaimantKey, int] | None = None,
+           known_ticks: Mapping[tuple[str, int, int], int] | None = None) -> Claims:
+    """``claimant_uids`` then ``select``: the accepted entries, the refusals and the memory for
+    the next cycle (``known_owners``, ``last_uids`` and ``known_ticks`` are the last cycle's)."""
+    entries = list(entries)
+    uids = claimant_uids(entries, processes, last_uids or {})
+    accepted, refused, owners = select(entries, processes, known_owners, uids, known_ticks)
+    return Claims(tuple(accepted), tuple(refused), owners, uids)

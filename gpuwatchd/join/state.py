@@ -56,6 +56,10 @@ class CycleInputs(RuleReadings):
     # (job_id, rank) -> step of the last heartbeat(step); flight-recorder state per rank and group
     steps: Mapping[tuple[str, int], int] = field(default_factory=frozen_map)
     collectives: tuple[CollectiveStatus, ...] = ()
+    # The claims decided before the subsystems ran (``rank_claims.decide``): ``entries`` are then
+    # its accepted ones, every (job_id, rank) reading above is of the accepted pid, and the join
+    # does not decide again. None (tests that build inputs by hand): the join decides.
+    claims: rank_claims.Claims | None = None
 
 
 @dataclass(frozen=True)
@@ -82,9 +86,11 @@ def select_entries(
 def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[NodeState, JoinMemory]:
     memory = memory or JoinMemory()
     now = inputs.now
-    claimant_uids = rank_claims.claimant_uids(inputs.entries, inputs.processes, memory.claimant_uids)
-    entries, refused, job_owners = rank_claims.select(inputs.entries, inputs.processes,
-                                                      memory.job_owners, claimant_uids)
+    claims = inputs.claims or rank_claims.decide(inputs.entries, inputs.processes,
+                                                 memory.job_owners, memory.claimant_uids,
+                                                 memory.start_ticks)
+    entries, refused = claims.accepted, claims.refused
+    job_owners, claimant_uids = claims.job_owners, claims.claimant_uids
 
     start_ticks: dict[RankKey, int] = {}
     died_at: dict[RankKey, float] = {}

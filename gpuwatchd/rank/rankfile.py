@@ -26,11 +26,19 @@ MAX_FILE_BYTES = 256 * 1024
 MAX_DEPTH = 8
 MAX_RANKS_PER_FILE = 4096
 MAX_FILES = 4096
+# Of the MAX_FILES read per cycle, one non-root owner gets at most this many (and a fair share
+# when several owners together have more): one user's junk never crowds out another's files.
+MAX_FILES_PER_OWNER = 1024
 # Series budget: every accepted rank becomes about a dozen series on /metrics, so the ranks one
 # job (and one rank-file owner) may claim on one node are capped; the excess is refused with a
 # bad_rank_file finding instead of flooding Prometheus. A node runs at most a few dozen ranks.
 MAX_RANKS_PER_JOB = 256
 MAX_RANKS_PER_OWNER = 1024
+# Memory budget (issue 23 N11, bench/rank_caps_rss.py): each accepted rank costs the daemon about
+# 25 MB per 1,000 after a minute (series, GIL and stall state), so 4096 ranks (120 MB and growing)
+# did not fit the unit's MemoryMax=256M beside two py-spy runs of up to 64 MiB. At most this many
+# ranks are watched on a node, shared max-min fairly between owners (root is one of them).
+MAX_RANKS_PER_NODE = 1024
 # Anchored with \Z (``$`` also matches before a final newline: "llm-7\n" passed) and ASCII
 # (``\d`` would take any Unicode digit): the schema's ECMA-262 patterns mean exactly this.
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}\Z", re.ASCII)

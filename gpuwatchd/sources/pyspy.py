@@ -27,8 +27,9 @@ Safety rules (each one a lesson from an upstream issue, see the research notes Â
   daemon, a child subreaper, and killed and reaped after the run (gpuwatchd/sources/reaper.py);
 - at most ``max_concurrent`` runs at once (a semaphore);
 - stdout/stderr/output files are read up to a size cap;
-- after each run the target's state is compared with its state before: a target that we left in
-  ``T`` (py-spy #390/#416) is continued with SIGCONT and counted;
+- after each run the target's state is compared with its state before: a target found in ``T``
+  that was running before is counted and logged, never continued (``--nonblocking`` never stops
+  it, so someone else did: the daemon does not undo a debugger's or Slurm's stop);
 - thread ids of a target in a nested PID namespace are namespace-local in py-spy's output
   (``PyThreadState.native_thread_id``); they are mapped to host ids through ``NSpid``.
 """
@@ -36,12 +37,10 @@ Safety rules (each one a lesson from an upstream issue, see the research notes Â
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -180,7 +179,7 @@ def resolve_pyspy(configured: str | None = None, search: Sequence[str] | None = 
 class PySpyStats:
     runs: int = 0
     timeouts: int = 0
-    left_stopped: int = 0  # targets we found in T after a run and continued
+    left_stopped: int = 0  # targets found in T after a run that found them running (left so)
     strays_killed: int = 0  # processes a run left outside its process group, killed and reaped
     cpu_seconds: float = 0.0
     last_error: str = ""
@@ -385,14 +384,19 @@ class PySpy:
             self.stats.strays_killed += n
 
     def _check_not_left_stopped(self, pid: int, state_before: str) -> None:
+        """A target found stopped after a run that found it running is counted and logged, and
+        left as it is: ``--nonblocking`` never stops a process, so whoever stopped it (its owner,
+        a debugger, Slurm's suspend, or a ``gil.pyspy_path`` binary that does not honour
+        ``--nonblocking``) is not the daemon, and resuming what the daemon did not stop would
+        undo their decision. (It could not anyway: the unit has no CAP_KILL, so SIGCONT to
+        another user's process fails with EPERM; issue 23 N8.)"""
         if state_before in ("T", "t"):
             return  # stopped by its owner before the run: left as it was
         after = process_state(self.paths, pid)
         if after not in ("T", "t") and stop_pending(self.paths, pid):
             after = "T (SIGSTOP pending)"
         if after is not None and after[0] in ("T", "t"):
-            log.warning("pid %d was left stopped (%s) after py-spy; sending SIGCONT", pid, after)
+            log.warning("pid %d was stopped (%s) during a py-spy run that never stops it; left "
+                        "as it is", pid, after)
             with self._stats_lock:
                 self.stats.left_stopped += 1
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)

@@ -6,7 +6,16 @@ run is spawned with a minimal environment (as ``run_as`` when set), waited for w
 child registry it is given (``reaper``, sources/reaper.py), what it left outside its group is
 swept and reported to ``on_strays``, and its stdout/stderr are read up to ``output_cap_bytes``.
 Errors are raised as ``PySpyError``; counting them is the caller's. Cost: one fork/exec and one
-timer thread a run.
+timer thread a run, and a look every ``POLL_SECONDS`` while it runs at the child's
+``/proc/PID/statm`` and output sizes.
+
+The child itself is bounded (issue 23 N9): a hostile rank (500 threads x 300 frames) made one
+``dump`` grow to 265 MB RSS and 125 MB of JSON, over the unit's MemoryMax, before any cap applied.
+Now the run is killed as soon as its RSS passes ``MAX_RSS_BYTES`` or its stdout/stderr pass
+``output_cap_bytes`` (py-spy's RSS grows about 20 MB/s while it walks such a target, so a look
+every 50 ms overshoots by about 1 MB). An rlimit or a cgroup of its own is not available to the
+unit: its seccomp filter denies ``@resources`` (setrlimit, prlimit64) and ProtectControlGroups=
+makes the cgroup tree read-only.
 """
 
 from __future__ import annotations
@@ -29,10 +38,39 @@ from gpuwatchd.sources.pyspy_output import (
 )
 from gpuwatchd.sources.reaper import ChildReaper
 
+# At most two runs at once (gil.max_concurrent's default) of this size, beside the daemon's own
+# ~60-100 MB, stay inside the unit's MemoryMax=256M; a dump of a 200-thread rank needs ~15 MB.
+MAX_RSS_BYTES = 64 << 20
+POLL_SECONDS = 0.05
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss_bytes(pid: int) -> int:
+    """The child's resident set (our own child: read in our /proc, whatever the watched one)."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read(128).split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _over(pid: int, files: tuple[IO[bytes], ...], output_cap: int, rss_cap: int) -> str:
+    """Why a running child must be killed now ("" while it is within its bounds)."""
+    rss = _rss_bytes(pid)
+    if rss > rss_cap:
+        return (f"py-spy grew to {rss >> 20} MiB RSS, over its {rss_cap >> 20} MiB cap (the "
+                "target's stacks are too large to dump); killed")
+    for f in files:
+        size = os.fstat(f.fileno()).st_size
+        if size > output_cap:
+            return f"py-spy wrote more than {output_cap} bytes; killed"
+    return ""
+
 
 def spawn(argv: list[str], timeout: float, *, reaper: ChildReaper, output_cap_bytes: int,
           run_as: tuple[int, int] | None = None,
-          on_strays: Callable[[int], None] | None = None) -> RunResult:
+          on_strays: Callable[[int], None] | None = None,
+          max_rss_bytes: int = MAX_RSS_BYTES) -> RunResult:
     """Run ``argv`` in its own session; SIGKILL the whole group at ``timeout``.
 
     The child is waited for with ``waitid(WNOWAIT)`` so that it stays a zombie (its pid and
@@ -57,6 +95,7 @@ def spawn(argv: list[str], timeout: float, *, reaper: ChildReaper, output_cap_by
                     start_new_session=True, close_fds=True, **kw,
                 )  # fmt: skip
                 live.add(proc.pid)
+            reaper.note_helper(proc.pid, "py-spy")
         except FileNotFoundError as e:
             raise PySpyError(ABSENT, f"{argv[0]}: {e.strerror}") from e
         except PermissionError as e:
@@ -71,16 +110,24 @@ def spawn(argv: list[str], timeout: float, *, reaper: ChildReaper, output_cap_by
         timer = threading.Timer(timeout, kill_group)
         timer.daemon = True
         timer.start()
+        capped = ""
         try:
             while True:
                 try:
-                    os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
-                    break
+                    flags = os.WEXITED | os.WNOWAIT | (os.WNOHANG if not capped else 0)
+                    if os.waitid(os.P_PID, proc.pid, flags) is not None:
+                        break
                 except InterruptedError:
                     continue
+                capped = _over(proc.pid, (out_f, err_f), output_cap_bytes, max_rss_bytes)
+                if capped:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                else:
+                    time.sleep(POLL_SECONDS)
         finally:
             timer.cancel()
-        if timed_out.is_set():
+        if timed_out.is_set() or capped:
             # the leader is dead; make sure nothing it started survives in its group
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -92,6 +139,8 @@ def spawn(argv: list[str], timeout: float, *, reaper: ChildReaper, output_cap_by
         if strays and on_strays is not None:
             on_strays(strays)
         wall = time.monotonic() - t0
+        if capped and not timed_out.is_set():
+            raise PySpyError(OUTPUT_TOO_LARGE, capped)
         return RunResult(
             returncode=proc.returncode,
             stdout=_read_capped(out_f, output_cap_bytes),

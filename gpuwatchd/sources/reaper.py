@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 PR_SET_CHILD_SUBREAPER = 36
 MAX_ROUNDS = 16  # an orphan's own children are reparented to us when it dies: sweep again
 REAP_WAIT_SECONDS = 1.0  # SIGKILLed processes exit at once unless in uninterruptible sleep
+RECENT_HELPERS = 256
+HELPER_SLACK_SECONDS = 5.0  # the kill's log time vs. our clock at spawn and reap
 
 
 class ChildReaper:
@@ -47,8 +49,12 @@ class ChildReaper:
         self.enabled = False
         self.killed = 0  # strays killed since start
         self._lock = threading.Lock()
+        self._sweep_lock = threading.Lock()
         self._live: set[int] = set()
         self._warned = False
+        # pid -> (helper name, started, ended or None) of the last RECENT_HELPERS spawns: a kernel
+        # OOM kill of one of them is the daemon's own helper, never a node OOM kill (issue 23 N9)
+        self._helpers: dict[int, tuple[str, float, float | None]] = {}
 
     def enable(self) -> bool:
         """Become a child subreaper; False (and the group kill alone) where the kernel refuses."""
@@ -80,7 +86,29 @@ class ChildReaper:
                 _, status, rusage = os.wait4(pid, 0)
             finally:
                 self._live.discard(pid)
+                helper = self._helpers.get(pid)
+                if helper is not None:
+                    self._helpers[pid] = (helper[0], helper[1], time.time())
         return status, rusage
+
+    def note_helper(self, pid: int, name: str) -> None:
+        """Remember that ``pid`` is (from now) the daemon's helper ``name``."""
+        with self._lock:
+            self._helpers.pop(pid, None)
+            self._helpers[pid] = (name, time.time(), None)
+            while len(self._helpers) > RECENT_HELPERS:
+                del self._helpers[next(iter(self._helpers))]
+
+    def helper_at(self, pid: int, when: float) -> str | None:
+        """The name of the daemon's helper that was ``pid`` at Unix time ``when``, or None."""
+        with self._lock:
+            helper = self._helpers.get(pid)
+        if helper is None:
+            return None
+        name, started, ended = helper
+        if when < started - HELPER_SLACK_SECONDS:
+            return None
+        return name if ended is None or when <= ended + HELPER_SLACK_SECONDS else None
 
     def children(self) -> list[int]:
         return thread_children(os.path.join(self.procfs_self, "task"), 1 << 20)
@@ -89,6 +117,12 @@ class ChildReaper:
         """Kill and reap every child that is not a running spawn; returns how many."""
         if not self.enabled:
             return 0
+        # One sweep at a time: two concurrent sweeps list the same stray, one reaps it, and the
+        # other's SIGKILL could then reach a process that reused its pid (issue 23).
+        with self._sweep_lock:
+            return self._sweep()
+
+    def _sweep(self) -> int:
         total = 0
         for _ in range(MAX_ROUNDS):
             with self._lock:
