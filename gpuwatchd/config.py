@@ -31,7 +31,6 @@ from gpuwatchd.config_checks import (
     _url,
     check_mapping,
 )
-from gpuwatchd.config_checks import parse_listen_address as parse_listen_address
 
 DEFAULT_PORT = 9863
 MAX_CONFIG_BYTES = 1 << 20

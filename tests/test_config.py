@@ -9,15 +9,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuwatchd.config import (
-    DEFAULT_PORT,
-    Config,
-    ConfigError,
-    load_config,
-    parse_config,
-    parse_listen_address,
-    with_overrides,
-)
+from gpuwatchd.config import DEFAULT_PORT, Config, ConfigError, load_config, parse_config, with_overrides
+from gpuwatchd.config_checks import parse_listen_address
 
 REPO = Path(__file__).resolve().parent.parent
 

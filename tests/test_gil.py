@@ -15,16 +15,19 @@ from daemonutil import DaemonProc, has_finding, write_config
 
 from gpuwatchd.config import Config, GilConfig
 from gpuwatchd.counters import CounterStore
-from gpuwatchd.daemon.gil import GilSampler, GilTarget, convoy_hint
+from gpuwatchd.daemon.gil import GilSampler
+from gpuwatchd.daemon.gil_convoy import convoy_hint
+from gpuwatchd.daemon.gil_schedule import GilTarget
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import gil as gil_finding
 from gpuwatchd.findings import stall as stall_finding
-from gpuwatchd.join.stall import StallVerdict
+from gpuwatchd.join.stall_verdicts import StallVerdict
 from gpuwatchd.model import GilReading, GpuDevice, RankState
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.rank import api
 from gpuwatchd.sources import pyspy
-from gpuwatchd.sources.pyspy import PySpy, ThreadInfo
+from gpuwatchd.sources.pyspy import PySpy
+from gpuwatchd.sources.threads import ThreadInfo, read_threads
 
 PROGRAMS = Path(__file__).parent / "fixtures" / "pyspy" / "programs"
 BINARY = pyspy.resolve_pyspy()
@@ -72,11 +75,11 @@ def test_convoy_hint_on_real_processes(procs: list) -> None:
     cpu4 = start(procs, "cpu4.py")
     io4 = start(procs, "io4.py")
     paths = HostPaths()
-    b_cpu, b_io = pyspy.read_threads(paths, cpu4.pid), pyspy.read_threads(paths, io4.pid)
+    b_cpu, b_io = read_threads(paths, cpu4.pid), read_threads(paths, io4.pid)
     time.sleep(1.5)
     clk = os.sysconf("SC_CLK_TCK")
-    h_cpu = convoy_hint(b_cpu, pyspy.read_threads(paths, cpu4.pid), 1.5, clk)
-    h_io = convoy_hint(b_io, pyspy.read_threads(paths, io4.pid), 1.5, clk)
+    h_cpu = convoy_hint(b_cpu, read_threads(paths, cpu4.pid), 1.5, clk)
+    h_io = convoy_hint(b_io, read_threads(paths, io4.pid), 1.5, clk)
     assert h_cpu.convoy, h_cpu
     assert h_cpu.busy_threads >= 3 and 0.5 <= h_cpu.total_cores <= 1.4
     assert not h_io.convoy and h_io.busy_threads == 0

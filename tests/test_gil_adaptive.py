@@ -17,7 +17,8 @@ from test_gil import BINARY, start
 
 from gpuwatchd.config import Config, ConfigError, GilConfig, parse_config
 from gpuwatchd.counters import CounterStore
-from gpuwatchd.daemon.gil import SCREEN_RATE_HZ, GilSampler, GilTarget
+from gpuwatchd.daemon.gil import SCREEN_RATE_HZ, GilSampler
+from gpuwatchd.daemon.gil_schedule import GilTarget
 from gpuwatchd.daemon.gil_signals import (
     GPU_IDLE_ON_CPU,
     HEARTBEAT_SLOWING,

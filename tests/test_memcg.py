@@ -21,7 +21,8 @@ from gpuwatchd.join.memory_tracker import MemoryTracker, slope
 from gpuwatchd.model import NodeMemoryState, ProcessInfo, RankMemory, RankState, TreeProcessMemory
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import memcg
-from gpuwatchd.sources.pyspy import Frame, ThreadStack
+from gpuwatchd.sources.kernel_lines import LogRecord
+from gpuwatchd.sources.pyspy_output import Frame, ThreadStack
 
 FIX = Path(__file__).parent / "fixtures" / "memcg" / "v2"
 GiB = 1 << 30
@@ -198,8 +199,8 @@ def test_kill_links_to_the_last_snapshot_of_its_rank_across_a_restart(tmp_path: 
     from gpuwatchd.counters import CounterStore
     from gpuwatchd.events.bus import EventBus
     from gpuwatchd.events.log import JsonlSink
-    from gpuwatchd.join.kernel_events import KernelEventProcessor, TreeMember
-    from gpuwatchd.sources import kernel_log as kl
+    from gpuwatchd.join.kernel_events import KernelEventProcessor
+    from gpuwatchd.join.rank_trees import TreeMember
 
     def processor() -> KernelEventProcessor:
         return KernelEventProcessor(CounterStore(), str(tmp_path), bus=EventBus([JsonlSink(str(tmp_path))]),
@@ -219,7 +220,7 @@ def test_kill_links_to_the_last_snapshot_of_its_rank_across_a_restart(tmp_path: 
     p2.record.update([TreeMember(4400, now - 100, "llm-7", 3, 4321, True, "pt_data_worker", now)], now)
     line = ("Memory cgroup out of memory: Killed process 4400 (pt_data_worker) total-vm:1kB, "
             "anon-rss:9437184kB, file-rss:0kB, shmem-rss:0kB, UID:0 pgtables:1kB oom_score_adj:0")
-    (kill,) = p2.handle(kl.LogRecord(line, "kernel", "boot", 10**9, now, "test"))
+    (kill,) = p2.handle(LogRecord(line, "kernel", "boot", 10**9, now, "test"))
     assert kill.fields["memory_snapshot"].endswith(":2")  # the last of this rank process, not 9999's
     assert "rank 3 (stack unavailable: absent); worker 4400 (pt_data_worker) had grown 9.0 GiB" in kill.summary
 

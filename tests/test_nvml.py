@@ -17,11 +17,13 @@ import pytest
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.findings.gpu_lost import lost_finding
 from gpuwatchd.isolation import Collector, NotPresent
-from gpuwatchd.join.xid_dedup import SOURCE_KERNEL, SOURCE_NVML, XidDeduper, normalize_pci_bus_id
+from gpuwatchd.join.xid_dedup import XidDeduper
+from gpuwatchd.model import SOURCE_KERNEL, SOURCE_NVML
 from gpuwatchd.sources.nvml import NvmlNotPresent, NvmlReadError, NvmlSource, select_devices
 from gpuwatchd.sources.nvml_events import XidEventWatcher
 from gpuwatchd.sources.nvml_fixture import RecordedNvml, fixture_source
 from gpuwatchd.sources.udev import UdevWatcher, classify, parse_uevent_file
+from gpuwatchd.units import normalize_pci_bus_id
 
 FIX = Path(__file__).parent / "fixtures" / "nvml"
 H200 = FIX / "h200_orphan_dataloader.json"

@@ -19,8 +19,8 @@ from typing import Any
 
 from daemonutil import DaemonProc, write_config
 
-from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import HostPaths
+from gpuwatchd.sources.threads import process_state
 
 STAND_IN = """#!/bin/sh
 # a py-spy stand-in that leaves its process group and then hangs past every time-out
@@ -31,7 +31,7 @@ exec sleep 300
 
 
 def alive(pid: int) -> bool:
-    return pyspy.process_state(HostPaths(), pid) not in (None, "Z", "X")
+    return process_state(HostPaths(), pid) not in (None, "Z", "X")
 
 
 def read_log(path: Path) -> tuple[list[int], dict[int, int]]:

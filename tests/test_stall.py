@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.join.stall import RankProbe, StallTracker, StallVerdict, name_suspects
+from gpuwatchd.join.stall import StallTracker
+from gpuwatchd.join.stall_verdicts import RankProbe, StallVerdict, name_suspects
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy
+from gpuwatchd.sources.threads import process_state
 
 PROGRAMS = Path(__file__).parent / "fixtures" / "pyspy" / "programs"
 AFTER = 1.0
@@ -52,7 +54,7 @@ def ranks(tmp_path: Path) -> Iterator[Callable[..., tuple[subprocess.Popen[str],
 
 def probe(p: RankProbe) -> RankProbe:
     """Refresh alive/state from /proc, as the daemon's procfs source does every cycle."""
-    state = pyspy.process_state(pyspy.HostPaths(), p.pid)
+    state = process_state(pyspy.HostPaths(), p.pid)
     return RankProbe(p.job_id, p.rank, p.pid, state not in (None, "Z"), state or "", p.heartbeat)
 
 

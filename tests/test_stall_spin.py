@@ -26,11 +26,13 @@ from pathlib import Path
 import pytest
 from daemonutil import DaemonProc, write_config
 
-from gpuwatchd.join.stall import RankProbe, StallTracker
+from gpuwatchd.join.stall import StallTracker
 from gpuwatchd.join.stall_spin import GpuReading, GpuWindow, rank_gpu_readings
+from gpuwatchd.join.stall_verdicts import RankProbe
 from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, RankState
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy
+from gpuwatchd.sources.threads import process_state
 
 AFTER = 1.5
 INTERVAL = 0.5
@@ -171,7 +173,7 @@ def test_spinning_rank_with_a_peer_blocked_is_paged_confirmed_by_the_peer(launch
 
 
 def _probe(pid: int, job: str) -> RankProbe:
-    state = pyspy.process_state(pyspy.HostPaths(), pid)
+    state = process_state(pyspy.HostPaths(), pid)
     return RankProbe(job, 0, pid, state not in (None, "Z"), state or "", None)
 
 

@@ -30,10 +30,12 @@ from gpuwatchd.join.hang import analyze, wait_tids
 from gpuwatchd.join.rank_workers import worker_view
 from gpuwatchd.model import RankState
 from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources import containers, devfds, pyspy, taskwait
+from gpuwatchd.sources import containers, devfds, taskwait
 from gpuwatchd.sources.pidns import pid_text
 from gpuwatchd.sources.procfs import ProcfsReader
-from gpuwatchd.sources.pyspy import PySpy, PySpyError
+from gpuwatchd.sources.pyspy import PySpy
+from gpuwatchd.sources.pyspy_output import PySpyError, ThreadStack
+from gpuwatchd.sources.threads import ThreadInfo, process_state, read_threads
 from gpuwatchd.units import fmt_bytes
 
 STATES = {
@@ -115,11 +117,11 @@ def collect(
     }  # fmt: skip
     # Python stacks (non-blocking) joined to the kernel's view of each thread
     spy = spy or PySpy.from_config(cfg.gil.pyspy_path, paths=paths)
-    stacks: dict[int, pyspy.ThreadStack] = {}
+    stacks: dict[int, ThreadStack] = {}
     python: dict[str, Any] = {}
-    before = (time.monotonic(), pyspy.read_threads(paths, pid, detail=False),
+    before = (time.monotonic(), read_threads(paths, pid, detail=False),
               {c: taskwait.context_switches(paths, c) for c in procfs.children(pid)})
-    dumped: tuple[pyspy.ThreadStack, ...] = ()
+    dumped: tuple[ThreadStack, ...] = ()
     try:
         dumped = spy.dump(pid)
         stacks = {s.tid: s for s in dumped if s.tid is not None}
@@ -136,7 +138,7 @@ def collect(
         python = {"error": str(e)}
     report["python"] = python
     time.sleep(max(0.0, HANG_WINDOW - (time.monotonic() - before[0])))
-    threads = pyspy.read_threads(paths, pid)
+    threads = read_threads(paths, pid)
     report["hang"] = hang_report(paths, pid, dumped, before, threads, clk) if dumped else None
     report["threads"] = [
         {"tid": t.tid, "comm": t.comm, "state": t.state, "wchan": t.wchan,
@@ -212,16 +214,16 @@ def collect(
 HANG_WINDOW = 0.5  # seconds between the two looks that give each thread's CPU share
 
 
-def hang_report(paths: HostPaths, pid: int, dumped: tuple[pyspy.ThreadStack, ...],
-                before: tuple[float, tuple[pyspy.ThreadInfo, ...], Mapping[int, int | None]],
-                threads: tuple[pyspy.ThreadInfo, ...], clk: int) -> dict[str, Any]:  # fmt: skip
+def hang_report(paths: HostPaths, pid: int, dumped: tuple[ThreadStack, ...],
+                before: tuple[float, tuple[ThreadInfo, ...], Mapping[int, int | None]],
+                threads: tuple[ThreadInfo, ...], clk: int) -> dict[str, Any]:  # fmt: skip
     """Every Python thread folded, with the hang patterns (gpuwatchd/join/hang.py) over HANG_WINDOW."""
     t0, first, switches = before
     elapsed = max(time.monotonic() - t0, 1e-3)
     prev = {t.tid: t.cpu_ticks for t in first}
     shares = {t.tid: (t.cpu_ticks - prev[t.tid]) / clk / elapsed for t in threads if t.tid in prev}
     waits = taskwait.read_waits(paths, pid, wait_tids(dumped, threads))
-    states = {c: pyspy.process_state(paths, c) or "X" for c in switches}
+    states = {c: process_state(paths, c) or "X" for c in switches}
     live = {c: (st, taskwait.context_switches(paths, c)) for c, st in states.items()}
     known = {c: n for c, n in switches.items() if n is not None}
     workers = worker_view(switches, live, known) if switches else None

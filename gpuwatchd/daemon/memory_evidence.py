@@ -24,7 +24,7 @@ from typing import Any
 from gpuwatchd.events.log import Event
 from gpuwatchd.findings.memory import fmt_span
 from gpuwatchd.model import INFO, Finding, RankMemory, frozen_map
-from gpuwatchd.sources.pyspy import ThreadStack
+from gpuwatchd.sources.pyspy_output import ThreadStack
 from gpuwatchd.units import fmt_bytes
 
 MAX_THREADS = 4

@@ -16,8 +16,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from gpuwatchd.findings.context import FindingContext, fmt_bytes
+from gpuwatchd.findings.context import FindingContext
 from gpuwatchd.model import WARNING, Finding, NodeMemoryState, RankMemory
+from gpuwatchd.units import fmt_bytes
 
 KIND = "rank_memory_pressure"
 

@@ -13,9 +13,10 @@ import time
 from collections.abc import Iterable
 
 from gpuwatchd.events.log import Event
-from gpuwatchd.findings.context import FindingContext, fmt_bytes
+from gpuwatchd.findings.context import FindingContext
 from gpuwatchd.join.kernel_events import scope_phrase
 from gpuwatchd.model import PAGE, Finding
+from gpuwatchd.units import fmt_bytes
 
 # A kill stays a finding for as long as the GPURankOOMKilled rule looks back (increase()[10m]),
 # and for as long as the killed rank stays registered and dead.

@@ -26,10 +26,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 
-from gpuwatchd.findings.context import FindingContext, fmt_bytes, rank_finding, rank_gpus, rank_label
+from gpuwatchd.findings.context import FindingContext, rank_finding, rank_gpus, rank_label
 from gpuwatchd.join.collectives import compare
-from gpuwatchd.join.stall import StallVerdict
+from gpuwatchd.join.stall_verdicts import StallVerdict
 from gpuwatchd.model import INFO, PAGE, WARNING, Finding, RankState
+from gpuwatchd.units import fmt_bytes
 
 GPU_IDLE_RATIO = 0.05  # below 5 % utilisation a GPU is idle
 GPU_BUSY_RATIO = 0.6

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from gpuwatchd.events.log import Event
 from gpuwatchd.findings.context import FindingContext
-from gpuwatchd.join.kernel_events import CRITICAL_XIDS
+from gpuwatchd.join.kernel_lines import CRITICAL_XIDS
 from gpuwatchd.model import PAGE, Finding
 
 # As long as the GPUXidCritical rule looks back (increase()[10m]).

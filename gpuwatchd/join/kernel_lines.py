@@ -24,11 +24,7 @@ from gpuwatchd.join.rank_peers import RankPeers
 from gpuwatchd.join.rank_trees import RankTreeRecord
 from gpuwatchd.join.xid_dedup import XidDeduper
 from gpuwatchd.model import INFO, PAGE, WARNING, frozen_map
-from gpuwatchd.sources.kernel_log import (
-    KILLER_OOMD,
-    LogRecord,
-    Parsed,
-)
+from gpuwatchd.sources.kernel_lines import KILLER_OOMD, LogRecord, Parsed
 
 # Xids that page: the same set as the GPUXidCritical rule (deploy/prometheus/gpuwatchd.rules.yml,
 # after the NVIDIA Xid catalog and shared/research/gil-hang-oom.md §4.5): broken GPU, memory or

@@ -2,7 +2,7 @@
 
 Reads: the target's memory through py-spy (``process_vm_readv``), and ``/proc/PID/task/*/{stat,
 status,wchan}`` for the cheap thread view that py-spy results are checked and mapped against
-(sources/threads.py; the output parsers are in sources/pyspy_output.py, re-exported here).
+(sources/threads.py; the output parsers are in sources/pyspy_output.py).
 
 Cost: ``record --gil --nonblocking`` at 50 Hz costs py-spy ~0.05 CPU-s per sampled second and
 nothing measurable on the target (research/gil-hang-oom.md §1.4: blocking mode cut a 65-thread
@@ -52,22 +52,17 @@ from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.pyspy_output import (
     ABSENT,
     BUSY,
-    COLLECTOR,
     FAILED,
-    NOT_PYTHON,
     OUTPUT_CAP_BYTES,
     OUTPUT_TOO_LARGE,
-    PERMISSION_DENIED,
     TARGET_GONE,
     TIMEOUT,
-    Frame,
     GilSample,
     PySpyError,
     RunResult,
     ThreadStack,
     classify_failure,
     parse_dump_json,
-    parse_frame,
     parse_record_raw,
     parse_record_summary,
 )
@@ -78,8 +73,6 @@ from gpuwatchd.sources.threads import (
     _read,
     in_nested_pid_namespace,
     nspid_map,
-    parse_stat,
-    process_cpu,
     process_state,
     read_threads,
     stop_pending,
@@ -87,40 +80,7 @@ from gpuwatchd.sources.threads import (
 )
 
 log = logging.getLogger(__name__)
-__all__ = [
-    "ABSENT",
-    "BUSY",
-    "COLLECTOR",
-    "FAILED",
-    "NOT_PYTHON",
-    "OUTPUT_CAP_BYTES",
-    "OUTPUT_TOO_LARGE",
-    "PERMISSION_DENIED",
-    "TARGET_GONE",
-    "TIMEOUT",
-    "Frame",
-    "GilSample",
-    "PySpy",
-    "PySpyError",
-    "PySpyStats",
-    "RunResult",
-    "ThreadInfo",
-    "ThreadStack",
-    "classify_failure",
-    "in_nested_pid_namespace",
-    "nspid_map",
-    "parse_dump_json",
-    "parse_frame",
-    "parse_record_raw",
-    "parse_record_summary",
-    "parse_stat",
-    "process_cpu",
-    "process_state",
-    "read_threads",
-    "resolve_pyspy",
-    "stop_pending",
-    "task_ids",
-]
+__all__ = ["PySpy", "PySpyStats", "resolve_pyspy"]
 
 # ----------------------------------------------------------------------------- the binary
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 from gpuwatchd.model import BadRankFile, RankEntry
 from gpuwatchd.rank.rankfile import (
-    DISCOVERY_VARS,
     MAX_DEPTH,
     MAX_FILE_BYTES,
     MAX_FILES,
@@ -38,17 +37,11 @@ from gpuwatchd.rank.rankfile import (
     MAX_RANKS_PER_OWNER,
     RankFileError,
     _bad_name,
-    claim_from_env,
     loads_strict,
     parse_rank_document,
 )
-from gpuwatchd.sources.discovery import discover
-from gpuwatchd.sources.heartbeats import HeartbeatRoots, heartbeat_mtime, heartbeat_root
+from gpuwatchd.sources.heartbeats import HeartbeatRoots, heartbeat_root
 from gpuwatchd.sources.pidns import PidNamespaces
-
-# re-exported: moved to discovery.py and heartbeats.py
-__all__ = ["DISCOVERY_VARS", "HeartbeatRoots", "claim_from_env", "discover", "heartbeat_mtime",
-           "heartbeat_root"]
 
 
 @dataclass

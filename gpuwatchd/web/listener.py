@@ -54,16 +54,14 @@ from typing import TYPE_CHECKING
 
 from gpuwatchd.isolation import guarded
 from gpuwatchd.web import request
-from gpuwatchd.web.connection import BACKLOG as BACKLOG
-from gpuwatchd.web.connection import DROP_REASONS as DROP_REASONS
-from gpuwatchd.web.connection import HEAD_END as HEAD_END
-from gpuwatchd.web.connection import MAX_REQUEST_LINE as MAX_REQUEST_LINE
-from gpuwatchd.web.connection import Conn as Conn
-from gpuwatchd.web.connection import DropLog as DropLog
-from gpuwatchd.web.connection import Limits as Limits
-from gpuwatchd.web.connection import Writer as Writer
-from gpuwatchd.web.connection import _shutdown, tls_retry_errors
-from gpuwatchd.web.connection import bind as bind
+from gpuwatchd.web.connection import (
+    MAX_REQUEST_LINE,
+    Conn,
+    DropLog,
+    Limits,
+    _shutdown,
+    tls_retry_errors,
+)
 from gpuwatchd.web.workers import WorkerPool
 
 if TYPE_CHECKING:

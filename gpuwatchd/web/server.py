@@ -32,13 +32,9 @@ from gpuwatchd.exporter.families import Collector
 from gpuwatchd.web.config import (
     ConfigHolder,
 )
+from gpuwatchd.web.connection import DROP_REASONS, Limits, bind
 from gpuwatchd.web.handler import _Site
-from gpuwatchd.web.listener import (
-    DROP_REASONS,
-    Limits,
-    Listener,
-    bind,
-)
+from gpuwatchd.web.listener import Listener
 
 log = logging.getLogger(__name__)
 
