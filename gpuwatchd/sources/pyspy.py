@@ -70,10 +70,10 @@ from gpuwatchd.sources.pyspy_spawn import spawn
 from gpuwatchd.sources.reaper import CHILDREN, ChildReaper
 from gpuwatchd.sources.threads import (
     ThreadInfo,
-    _read,
     in_nested_pid_namespace,
     nspid_map,
     process_state,
+    read_capped,
     read_threads,
     stop_pending,
     task_ids,
@@ -297,7 +297,7 @@ class PySpy:
             return ""  # py-spy writes no file when nothing held the GIL on some versions
         if size > self.output_cap_bytes:
             raise PySpyError(OUTPUT_TOO_LARGE, f"{size} bytes > cap {self.output_cap_bytes}")
-        return _read(path, self.output_cap_bytes)
+        return read_capped(path, self.output_cap_bytes)
 
     def _fail(self, pid: int, output: bytes) -> NoReturn:
         alive = process_state(self.paths, pid) not in (None, "Z", "X")

@@ -36,7 +36,7 @@ from gpuwatchd.rank.rankfile import (
     MAX_RANKS_PER_NODE,
     MAX_RANKS_PER_OWNER,
     RankFileError,
-    _bad_name,
+    bad_name,
     loads_strict,
     parse_rank_document,
 )
@@ -92,7 +92,7 @@ class RankFileReader:
         live = set()
         for name in chosen:
             path = os.path.join(self.rank_dir, name)
-            if _bad_name(name):
+            if bad_name(name):
                 bad.append(BadRankFile(os.path.join(self.rank_dir, ascii(name)[1:-1]),
                                        "name is not printable UTF-8 (refused)"))
                 continue

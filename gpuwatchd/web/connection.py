@@ -160,7 +160,7 @@ def bind(family: socket.AddressFamily, address: tuple[str, int]) -> socket.socke
     return sock
 
 
-def _shutdown(sock: socket.socket) -> None:
+def shutdown_socket(sock: socket.socket) -> None:
     # The plain socket's shutdown, also for an SSLSocket (no close_notify: the peer is hostile or
     # gone, and SSLSocket.shutdown() would block or raise on a non-blocking socket).
     with contextlib.suppress(OSError):

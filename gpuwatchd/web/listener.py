@@ -59,7 +59,7 @@ from gpuwatchd.web.connection import (
     Conn,
     DropLog,
     Limits,
-    _shutdown,
+    shutdown_socket,
     tls_retry_errors,
 )
 from gpuwatchd.web.workers import WorkerPool
@@ -127,7 +127,7 @@ class Listener:
                     self._stop.wait(0.1)
         finally:
             for conn in [*self._waiting, *self._busy]:
-                _shutdown(conn.sock)
+                shutdown_socket(conn.sock)
                 conn.sock.close()
             self._sel.close()
             self.sock.close()
@@ -176,7 +176,7 @@ class Listener:
         self._busy.pop(conn, None)
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(conn.sock)
-        _shutdown(conn.sock)
+        shutdown_socket(conn.sock)
         conn.sock.close()
 
     def _wake(self) -> None:
@@ -380,7 +380,7 @@ class Listener:
         if conn in self._waiting:
             del self._waiting[conn]
             self._sel.unregister(conn.sock)
-        _shutdown(conn.sock)
+        shutdown_socket(conn.sock)
         conn.sock.close()
 
     def _expire(self, now: float) -> None:
@@ -409,7 +409,7 @@ class Listener:
             conn.parser = conn.request = None
             conn.answered += 1
             if self._stop.is_set() or (not conn.out and (not keep or (conn.eof and not conn.buf))):
-                _shutdown(conn.sock)
+                shutdown_socket(conn.sock)
                 conn.sock.close()
                 continue
             if not keep:

@@ -33,7 +33,7 @@ from gpuwatchd.web.config import (
     ConfigHolder,
 )
 from gpuwatchd.web.connection import DROP_REASONS, Limits, bind
-from gpuwatchd.web.handler import _Site
+from gpuwatchd.web.handler import Site
 from gpuwatchd.web.listener import Listener
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def _resolve(host: str, port: int) -> tuple[socket.AddressFamily, tuple[str, int
 class WebServer:
     """A running /metrics server; ``address`` is the (host, port) actually bound."""
 
-    def __init__(self, listener: Listener, site: _Site, requested: tuple[Any, ...],
+    def __init__(self, listener: Listener, site: Site, requested: tuple[Any, ...],
                  counters: CounterStore | None) -> None:
         self._listener = listener
         self._site = site
@@ -116,7 +116,7 @@ class WebServer:
 def _start(registry: Collector, family: socket.AddressFamily, addr: tuple[str, int],
            config: ConfigHolder, limits: Limits, counters: CounterStore | None) -> WebServer:
     sock = bind(family, addr)
-    site = _Site(registry, config)
+    site = Site(registry, config)
 
     def dropped(reason: str) -> None:
         if counters is not None:
