@@ -68,7 +68,7 @@ def _hook(module: ModuleType) -> None:
     if register is None:
         import logging
 
-        logging.getLogger("gpuwatchd.autobeat").warning(
+        logging.getLogger(__name__).warning(
             "gpuwatchd: this torch has no register_optimizer_step_post_hook (torch >= 2.0): no "
             "automatic heartbeat; call gpuwatchd.heartbeat(step) in the training loop")
         return

@@ -59,7 +59,7 @@ from gpuwatchd.web.config import WebConfigError
 if TYPE_CHECKING:  # imported when the daemon starts serving (start), not before
     from gpuwatchd.web.server import WebServer
 
-log = logging.getLogger("gpuwatchd")
+log = logging.getLogger(__name__)
 STATE_FILE = "state.json"
 # A cycle is bounded to seconds by its collectors' time-outs and the stall probe budget; one that
 # has not finished after this long is wedged, and the watchdog stops being fed.

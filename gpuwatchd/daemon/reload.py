@@ -23,7 +23,7 @@ from gpuwatchd.web.config import WebConfigError
 if TYPE_CHECKING:  # the server is imported when the daemon starts serving, not before
     from gpuwatchd.web.server import WebServer
 
-log = logging.getLogger("gpuwatchd")
+log = logging.getLogger(__name__)
 # Config sections that SIGHUP does not apply (the subsystems read them once, at start).
 RESTART_SECTIONS = ("gil", "stall", "alertmanager", "nvml", "orphans", "kernel_log", "state_dir",
                     "procfs", "straggler")

@@ -27,7 +27,7 @@ from gpuwatchd.model import INFO, frozen_map
 from gpuwatchd.sources.kernel_lines import KILLER_KERNEL
 from gpuwatchd.statefile import StateFiles
 
-log = logging.getLogger("gpuwatchd.join.kernel_events")  # the log texts keep their logger
+log = logging.getLogger(__name__)
 
 BASE_KIND = "counter_base"
 

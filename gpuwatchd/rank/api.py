@@ -24,7 +24,7 @@ from gpuwatchd.rank.rankfile import (
     write_rank_file,
 )
 
-log = logging.getLogger("gpuwatchd.api")
+log = logging.getLogger(__name__)
 DEFAULT_RANK_DIR = "/run/gpuwatch/ranks"
 _registered: dict[str, Any] = {}
 

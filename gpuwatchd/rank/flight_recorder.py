@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-log = logging.getLogger("gpuwatchd.flight_recorder")
+log = logging.getLogger(__name__)
 REQUEST_SUFFIX = ".frreq"
 RESPONSE_SUFFIX = ".fr"
 MAX_ENTRIES = 64  # per process group, newest kept

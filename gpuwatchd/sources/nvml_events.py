@@ -20,7 +20,7 @@ from gpuwatchd.sources.nvml import NVML_ERROR_TIMEOUT, decode_text, load_pynvml,
 from gpuwatchd.sources.watcher import WatcherThread
 from gpuwatchd.units import normalize_pci_bus_id
 
-log = logging.getLogger("gpuwatchd.sources.nvml")  # the name its lines always had
+log = logging.getLogger(__name__)
 
 
 class XidRecorder(Protocol):

@@ -49,7 +49,7 @@ from gpuwatchd.config_checks import (
     check_string_list,
 )
 
-log = logging.getLogger("gpuwatchd.web")
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import ssl

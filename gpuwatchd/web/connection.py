@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-log = logging.getLogger("gpuwatchd.web")
+log = logging.getLogger(__name__)
 
 BACKLOG = 4096  # capped by net.core.somaxconn (4096 by default since Linux 5.4); docs/security.md
 MAX_REQUEST_LINE = 8192

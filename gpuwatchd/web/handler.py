@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
     import h11
 
-log = logging.getLogger("gpuwatchd.web.server")  # the log texts keep their logger
+log = logging.getLogger(__name__)
 
 MAX_QUERY_PARAMETERS = 64
 TEXT = "text/plain; charset=utf-8"

@@ -67,7 +67,7 @@ from gpuwatchd.web.workers import WorkerPool
 if TYPE_CHECKING:
     import ssl
 
-log = logging.getLogger("gpuwatchd.web")
+log = logging.getLogger(__name__)
 
 ACCEPT_BATCH = 32  # accepts per loop turn, so a connect flood cannot starve the reads
 
