@@ -16,8 +16,6 @@ from typing import Any
 import yaml
 
 from gpuwatchd import strict_yaml
-
-# the value checkers live in config_checks.py; parse_listen_address is public here too
 from gpuwatchd.config_checks import (
     check_boolean,
     check_choice,

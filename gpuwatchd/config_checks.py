@@ -126,7 +126,9 @@ def check_choice(*options: str) -> Check:
 
 
 def parse_listen_address(v: Any) -> tuple[str, int]:
-    """``"0.0.0.0:9863"``, ``"[::1]:9863"``, ``":9863"`` -> (host, port)."""
+    """``"0.0.0.0:9863"``, ``"[::1]:9863"``, ``"localhost:0"`` -> (host, port); ``":9863"`` ->
+    ``("", 9863)``: all interfaces, which the web server binds as dual-stack ``::`` where the
+    host has IPv6, else ``0.0.0.0``. The one parser of the config check and the web server."""
     if not isinstance(v, str) or ":" not in v:
         raise ValueError(f"must be HOST:PORT, got {v!r}")
     host, _, port_s = v.rpartition(":")
@@ -140,7 +142,7 @@ def parse_listen_address(v: Any) -> tuple[str, int]:
         raise ValueError(f"IPv6 addresses need brackets, as in [::1]:{port_s}")
     if not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
         raise ValueError(f"port must be 0..65535, got {port_s!r}")
-    return (host or "0.0.0.0", int(port_s))
+    return (host, int(port_s))
 
 
 def check_listen(v: Any) -> str:

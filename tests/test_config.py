@@ -58,7 +58,8 @@ def test_every_problem_is_reported_with_its_dotted_key() -> None:
 
 @pytest.mark.parametrize("value,expected", [
     ("0.0.0.0:9863", ("0.0.0.0", 9863)),
-    (":9863", ("0.0.0.0", 9863)),
+    (":9863", ("", 9863)),  # all interfaces: the server binds "::" dual-stack or 0.0.0.0
+    ("localhost:0", ("localhost", 0)),
     ("[::1]:80", ("::1", 80)),
     ("127.0.0.1:0", ("127.0.0.1", 0)),
 ])

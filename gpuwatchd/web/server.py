@@ -27,6 +27,7 @@ import logging
 import socket
 from typing import Any
 
+from gpuwatchd.config_checks import parse_listen_address
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.exporter.families import Collector
 from gpuwatchd.web.config import (
@@ -38,16 +39,12 @@ from gpuwatchd.web.listener import Listener
 
 log = logging.getLogger(__name__)
 
-def parse_listen_address(addr: str) -> tuple[str, int]:
-    """``"0.0.0.0:9958"``, ``"[::1]:9958"``, ``":9958"`` (all interfaces), ``"localhost:0"``."""
-    host, sep, port_s = addr.rpartition(":")
-    if not sep or not port_s.isdigit() or int(port_s) > 65535:
-        raise ValueError(f"listen address {addr!r} is not HOST:PORT (IPv6 as [::1]:PORT)")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise ValueError(f"listen address {addr!r}: write IPv6 addresses in brackets, [::1]:PORT")
-    return host, int(port_s)
+
+def _host_port(listen_address: str) -> tuple[str, int]:
+    try:
+        return parse_listen_address(listen_address)
+    except ValueError as e:
+        raise ValueError(f"listen address {listen_address!r}: {e}") from None
 
 
 def _resolve(host: str, port: int) -> tuple[socket.AddressFamily, tuple[str, int]]:
@@ -98,7 +95,7 @@ class WebServer:
         validated and a new address bound before the old one is given up. Returns the server now
         running (this one when the address is unchanged); raises like ``serve`` and then this
         server is untouched."""
-        host, port = parse_listen_address(listen_address)
+        host, port = _host_port(listen_address)
         config = ConfigHolder(web_config_file)
         family, addr = _resolve(host, port)
         if (family, addr) == self._requested or addr == self.address:
@@ -138,7 +135,7 @@ def serve(registry: Collector, listen_address: str,
 
     Raises ValueError for a bad address, WebConfigError for a bad web-config file, OSError when
     the address cannot be bound."""
-    host, port = parse_listen_address(listen_address)
+    host, port = _host_port(listen_address)
     config = ConfigHolder(web_config_file)
     family, addr = _resolve(host, port)
     if counters is not None:
