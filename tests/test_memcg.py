@@ -23,6 +23,7 @@ from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import memcg
 from gpuwatchd.sources.kernel_lines import LogRecord
 from gpuwatchd.sources.pyspy_output import Frame, ThreadStack
+from gpuwatchd.units import fmt_duration, fmt_span
 
 FIX = Path(__file__).parent / "fixtures" / "memcg" / "v2"
 GiB = 1 << 30
@@ -151,7 +152,7 @@ def test_assess_reasons_and_steady_near_limit() -> None:
     n = finding.assess(free, node, 0.9, 900)
     assert n is not None and n["reason"] == "node_trend" and n["seconds_to_node_end"] == pytest.approx(64)
     assert "the node runs out of memory in about 65 seconds" in finding.explain(free, node, n, 0.0)
-    assert finding.fmt_duration(7200) == "about 2.0 hours" and finding.fmt_span(300) == "5 min"
+    assert fmt_duration(7200) == "about 2.0 hours" and fmt_span(300) == "5 min"
 
 
 def test_snapshot_event_is_bounded_and_names_the_grower() -> None:

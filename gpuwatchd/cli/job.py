@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gpuwatchd.units import fmt_bytes
+from gpuwatchd.units import fmt_bytes, fmt_clock_ms
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}\Z", re.ASCII)  # rank/rankfile.py's
 DURATION_RE = re.compile(r"^[0-9]+[smhdw]\Z", re.ASCII)
@@ -296,7 +296,7 @@ def job_view(prom: Prometheus, job_id: str, lookback: str = "1h", at: float | No
 def _fmt_time(t: float | None) -> str:
     if t is None:
         return "-"
-    return time.strftime("%H:%M:%S", time.gmtime(t)) + f".{int((t % 1) * 1000):03d}Z"
+    return fmt_clock_ms(t)
 
 
 def describe_failure(r: RankView) -> str:
