@@ -28,7 +28,6 @@ Shell equivalent: ``GPUWATCHD_HEARTBEAT=1 torchrun ... train.py``.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -41,11 +40,6 @@ ENV = "GPUWATCHD_HEARTBEAT"
 MIN_INTERVAL = 1.0  # seconds between two heartbeat writes
 
 _state: dict[str, Any] = {"installed": False, "registered": None, "step": 0, "last": float("-inf")}
-
-
-def wanted(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
-    """Whether the environment asks for zero-code heartbeats (what the .pth file checks)."""
-    return environ.get(ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def _beat(optimizer: object, args: object, kwargs: object) -> None:
@@ -124,9 +118,3 @@ def install() -> None:
         _hook(module)
     else:
         sys.meta_path.insert(0, _Finder())
-
-
-def install_if_wanted() -> None:
-    """What the wheel's .pth file calls at start-up."""
-    if wanted():
-        install()

@@ -76,20 +76,6 @@ def cgroup_cpu_stat_path(paths: HostPaths, pid: int) -> str | None:
     return None
 
 
-def read_cpu_stat(paths: HostPaths, pid: int) -> CpuStat | None:
-    path = cgroup_cpu_stat_path(paths, pid)
-    return None if path is None else read_cpu_stat_file(path)
-
-
-def read_cpu_stat_file(path: str) -> CpuStat | None:
-    """One cpu.stat (a path from ``cgroup_cpu_stat_path``); None when it is gone or says nothing
-    of throttling."""
-    try:
-        return parse_cpu_stat(_read(path))
-    except OSError:
-        return None
-
-
 def read_cpu_stat_present(path: str) -> tuple[bool, CpuStat | None]:
     """(is the file there, its throttling counters): a cgroup v2 whose ``cpu`` controller is not
     enabled has a ``cpu.stat`` with usage only (None), which is not a reason to look for the
