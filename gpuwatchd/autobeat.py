@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
     from types import ModuleType
 TARGET = "torch.optim.optimizer"
-ENV = "GPUWATCHD_HEARTBEAT"
 MIN_INTERVAL = 1.0  # seconds between two heartbeat writes
 
 _state: dict[str, Any] = {"installed": False, "registered": None, "step": 0, "last": float("-inf")}
