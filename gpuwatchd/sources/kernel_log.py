@@ -31,6 +31,7 @@ from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.journal import JournalSource, journal_available
 from gpuwatchd.sources.kernel_lines import RejectHandler
 from gpuwatchd.sources.kmsg import KmsgSource
+from gpuwatchd.sources.procfs import read_proc_cgroup
 from gpuwatchd.statefile import StateFiles
 
 log = logging.getLogger(__name__)
@@ -86,10 +87,8 @@ def read_vmstat_oom_kill(paths: HostPaths) -> int | None:
 def read_cgroup(paths: HostPaths, pid: int) -> str:
     """The process's cgroup path: the v2 unified path, else the v1 memory controller's
     (``cat /proc/PID/cgroup``); "" when the process is gone."""
-    try:
-        with open(paths.proc(pid, "cgroup")) as f:
-            text = f.read(65536)
-    except OSError:
+    text = read_proc_cgroup(paths, pid)
+    if text is None:
         return ""
     memory = unified = ""
     for line in text.splitlines():

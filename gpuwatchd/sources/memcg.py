@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuwatchd.paths import HostPaths
+from gpuwatchd.sources.procfs import read_proc_cgroup
 
 READ_CAP = 16384
 MAX_DEPTH = 8
@@ -173,7 +174,7 @@ class MemcgReader:
         return self.v1 or self.v2_root is not None
 
     def cgroup_of(self, pid: int) -> CgroupPaths | None:
-        text = _read(self.paths.proc(pid, "cgroup"))
+        text = read_proc_cgroup(self.paths, pid)
         return parse_cgroup_file(text) if text is not None else None
 
     def read(self, where: CgroupPaths, memo: dict[tuple[int, str], Any] | None = None
