@@ -25,18 +25,18 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_kill_times_counts_first_kill_and_series_appearing_above_zero() -> None:
-    assert job._kill_times([(1, 0), (2, 0), (3, 1), (4, 1), (5, 2)], series_is_new=True) == [3, 5]
+    assert job.kill_times([(1, 0), (2, 0), (3, 1), (4, 1), (5, 2)], series_is_new=True) == [3, 5]
     # a series that appeared at 1 inside the window: its first sample is the kill
-    assert job._kill_times([(10, 1), (11, 1)], series_is_new=True) == [10]
+    assert job.kill_times([(10, 1), (11, 1)], series_is_new=True) == [10]
     # ... but not when it already existed at the window's start (an old kill)
-    assert job._kill_times([(10, 1), (11, 1)], series_is_new=False) == []
+    assert job.kill_times([(10, 1), (11, 1)], series_is_new=False) == []
     # a counter reset followed by a kill
-    assert job._kill_times([(1, 2), (2, 1)], series_is_new=False) == [2]
+    assert job.kill_times([(1, 2), (2, 1)], series_is_new=False) == [2]
 
 
 def test_start_of_current_run() -> None:
-    assert job._start_of_current_run([(1, 1), (2, 0), (3, 1), (4, 0), (5, 0)], 0) == 4
-    assert job._start_of_current_run([(1, 1)], 0) is None
+    assert job.start_of_current_run([(1, 1), (2, 0), (3, 1), (4, 0), (5, 0)], 0) == 4
+    assert job.start_of_current_run([(1, 1)], 0) is None
 
 
 def test_rejects_bad_job_id_and_lookback() -> None:

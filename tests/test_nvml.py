@@ -173,7 +173,7 @@ def test_nvml_xid_event_counted_once_with_kernel_line() -> None:
     w = XidEventWatcher(counters.inc, dedup, pynvml=lib, clock=lambda: 1000.0)
     lib.nvmlInit()
     lib.nvmlDeviceGetCount()
-    event_set = w._register(lib)
+    event_set = w.register_xid_events(lib)
     assert w.poll_once(lib, event_set) is True
     assert w.poll_once(lib, event_set) is False  # time-out: nothing more
     assert counters.get("gpu_xid_errors", ("0", UUID, "79")) == 1

@@ -69,7 +69,7 @@ class XidEventWatcher(WatcherThread):
             self.error = f"NVML not available for Xid events: {exc}"
             return
         try:
-            event_set = self._register(nv)
+            event_set = self.register_xid_events(nv)
             if event_set is None:
                 return
             try:
@@ -82,7 +82,7 @@ class XidEventWatcher(WatcherThread):
         finally:
             nv.nvmlShutdown()
 
-    def _register(self, nv: Any) -> Any:
+    def register_xid_events(self, nv: Any) -> Any:
         event_set = nv.nvmlEventSetCreate()
         registered = 0
         for index in range(int(nv.nvmlDeviceGetCount())):
