@@ -89,7 +89,7 @@ class _Finder:
     """First on sys.meta_path until torch.optim.optimizer is found: only that name is touched."""
 
     def find_spec(self, name: str, path: Sequence[str] | None = None, target: ModuleType | None = None
-                  ) -> Any:  # fmt: skip
+                  ) -> Any:
         if name != TARGET:
             return None
         _remove()

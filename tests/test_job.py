@@ -132,7 +132,7 @@ def test_job_across_two_nodes_names_first_oom_killed_rank(tmp_path: Path) -> Non
 
 
 def test_job_names_the_rank_behind_in_the_flight_recorder_and_the_straggler(
-        tmp_path: Path) -> None:  # fmt: skip
+        tmp_path: Path) -> None:
     """Three ranks on a stand-in node: ranks 0 and 1 step on and entered collective #5; rank 2
     stopped stepping and its flight recorder says #4. `gpuwatchd job` names rank 2 both as the
     rank that never entered collective #5 and as the straggler (0 steps/s)."""
@@ -140,7 +140,7 @@ def test_job_names_the_rank_behind_in_the_flight_recorder_and_the_straggler(
     ranks[2].stalled = True
     with MetricsServer(node_exposition(ranks)) as node, prometheus(tmp_path, [node.address]) as prom:
         wait_until(lambda: len(prom.query("deriv(gpuwatch_rank_step[10m])")) == 3, 30,
-                   "three step rates")  # fmt: skip
+                   "three step rates")
         node.text = node_exposition(ranks)
         time.sleep(2)
         jv = job.job_view(job.Prometheus(prom.url), "fr-7")

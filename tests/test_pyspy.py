@@ -128,7 +128,7 @@ def test_recorded_failures_are_classified() -> None:
     gone = (FIX / "dump_no_such_process.stderr").read_bytes()
     assert classify_failure(gone, False) == (
         TARGET_GONE, "Error: Failed to get process executable name. Check that the process "
-        "is running.")  # fmt: skip
+        "is running.")
     exited = (FIX / "record_target_exited.stdout").read_bytes()
     assert b"because process exited" in exited
 
@@ -193,7 +193,7 @@ def test_target_in_a_pid_namespace_gets_host_thread_ids(procs: list) -> None:
     outer = subprocess.Popen(
         ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, str(PROGRAMS / "io4.py")],
         stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    )
     try:
         assert outer.stdout is not None and outer.stdout.readline().strip() == "ready"
         inner = int(Path(f"/proc/{outer.pid}/task/{outer.pid}/children").read_text().split()[0])
@@ -257,7 +257,7 @@ def _user(name: str) -> tuple[int, int]:
         pw = pwd.getpwnam(name)
     except KeyError:
         subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                        name], check=True)  # fmt: skip
+                        name], check=True)
         pw = pwd.getpwnam(name)
     return pw.pw_uid, pw.pw_gid
 
@@ -314,7 +314,7 @@ def test_concurrency_is_bounded(tmp_path: Path, procs: list) -> None:
     procs.append(p)
     log = tmp_path / "runs.log"
     slow = stand_in(tmp_path, f"echo start $(date +%s.%N) >> {log}\nsleep 0.4\n"
-                              f"echo end $(date +%s.%N) >> {log}\necho '[]'")  # fmt: skip
+                              f"echo end $(date +%s.%N) >> {log}\necho '[]'")
     spy = PySpy(slow, max_concurrent=1)
     threads = [threading.Thread(target=spy.dump, args=(p.pid,)) for _ in range(3)]
     for t in threads:

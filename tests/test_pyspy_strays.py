@@ -57,7 +57,7 @@ def test_helper_that_calls_setsid_leaves_no_orphans(tmp_path: Path,
         tmp_path, interval_seconds=0.5, stall={"after_seconds": 1},
         gil={"enabled": True, "pyspy_path": str(helper), "interval_seconds": 1,
              "duration_seconds": 1, "timeout_seconds": 2},
-    )  # fmt: skip
+    )
     (tmp_path / "ranks" / "j.json").write_text(json.dumps(
         {"version": 1, "job_id": "strays", "ranks": [{"rank": 0, "pid": rank.pid}]}))
     d = DaemonProc(path, cfg)

@@ -276,14 +276,14 @@ def job_view(prom: Prometheus, job_id: str, lookback: str = "1h", at: float | No
     for pg, entered in sorted(seqs.items()):
         top = max(seq for _, seq in entered)
         jv.behind += [(view({"instance": k[0], "rank": k[1]}), pg, seq, top)
-                      for k, seq in sorted(entered) if seq < top]  # fmt: skip
+                      for k, seq in sorted(entered) if seq < top]
     rates = [r.step_rate for r in jv.ranks if r.step_rate is not None]
     if len(rates) >= 2:
         import statistics  # (decimal, fractions: not for `gpuwatchd run`)
 
         jv.median_step_rate = statistics.median(rates)
         jv.stragglers = [r for r in jv.ranks if r.step_rate is not None
-                         and r.step_rate < STRAGGLER_RATIO * jv.median_step_rate]  # fmt: skip
+                         and r.step_rate < STRAGGLER_RATIO * jv.median_step_rate]
     failed = [r for r in jv.ranks if r.state in FAILED_STATES and r.failed_at is not None]
     if failed:
         jv.first_to_fail = min(failed, key=lambda r: (r.failed_at or 0.0, r.rank_number))

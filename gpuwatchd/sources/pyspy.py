@@ -211,7 +211,7 @@ class PySpy:
             args = [
                 "record", "--gil", "--nonblocking", "--format", "raw", "--threads",
                 "--hideprogress", "-r", str(rate), "-d", str(duration), "-o", out, "-p", str(pid),
-            ]  # fmt: skip
+            ]
             nested = in_nested_pid_namespace(self.paths, pid)
             threads_before = read_threads(self.paths, pid) if nested else ()
             tids_before = task_ids(self.paths, pid)
@@ -257,12 +257,12 @@ class PySpy:
         nested = in_nested_pid_namespace(self.paths, pid)
         threads_before = read_threads(self.paths, pid) if nested else ()
         res = self._run(pid, ["dump", "--json", "--nonblocking", "-p", str(pid)],
-                        self.dump_timeout_seconds, slot_wait)  # fmt: skip
+                        self.dump_timeout_seconds, slot_wait)
         if res.returncode != 0:
             self._fail(pid, res.stderr or res.stdout)
         try:
             stacks = parse_dump_json(res.stdout.decode("utf-8", "replace"),
-                                     self._tid_map(pid, threads_before) if nested else {})  # fmt: skip
+                                     self._tid_map(pid, threads_before) if nested else {})
         except (ValueError, json.JSONDecodeError) as e:
             raise PySpyError(FAILED, f"unreadable dump output: {e}") from e
         if nested:
@@ -305,7 +305,7 @@ class PySpy:
         raise PySpyError(reason, detail)
 
     def _run(self, pid: int, args: list[str], timeout: float,
-             slot_wait: float | None = None) -> RunResult:  # fmt: skip
+             slot_wait: float | None = None) -> RunResult:
         if self.binary is None:
             raise self._count(PySpyError(ABSENT, self.unavailable_reason))
         wait = timeout if slot_wait is None else slot_wait
