@@ -9,7 +9,7 @@ source re-initialise on any add/remove/bind/unbind, since NVML's device list is 
 ``nvmlInit``. The source builds no finding.
 
 Cost: one blocking ``poll`` on the netlink socket and a self-pipe that ``stop()`` writes: no
-wake-up while no uevent arrives (it used to wake every second to look at its stop flag).
+wake-up while no uevent arrives.
 Privilege: reading kernel uevents needs no privilege. Shell equivalent: ``udevadm monitor --kernel
 --subsystem-match=pci``; ``cat /sys/bus/pci/devices/*/uevent``.
 """

@@ -3,12 +3,12 @@
 Serves a registry (anything with ``collect()``: gpuwatchd's ``StateRegistry``, or a
 prometheus_client ``CollectorRegistry``) over plain HTTP by default, or over TLS with
 optional client certificates, bcrypt basic auth and a rate limit when given a web-config file in
-the exporter-toolkit format (``web_config``, which also says how it is reloaded). Connections are
-``web_listener``'s, read with h11 (``web/request.py``); ``web/handler.py`` answers requests; this
+the exporter-toolkit format (web/config.py, which also says how it is reloaded). Connections are
+web/listener.py's, read with h11 (``web/request.py``); ``web/handler.py`` answers requests; this
 module holds ``serve`` and
 ``WebServer.reload``.
 
-Cost: connections are accepted, handshaken and read by one loop thread (``web_listener``), so
+Cost: connections are accepted, handshaken and read by one loop thread (web/listener.py), so
 a waiting connection costs an fd and a small buffer, not a thread; complete requests are answered
 by at most ``Limits.max_workers`` threads. A scrape costs what the registry's collectors cost
 (gpuwatchd's collector only reads the latest NodeState, rendered once per cycle). bcrypt checks
@@ -18,7 +18,7 @@ open and a new one replaces the oldest waiting one, so slow, silent or garbage c
 bounded resources for a bounded time, never stop the server and never keep a scraper out.
 Privilege: none (binding a port >= 1024).
 Shell equivalent: ``curl --cacert ca.crt --cert client.crt --key client.key -u prometheus
-https://node:9958/metrics``.
+https://node:9863/metrics``.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def serve(registry: Collector, listen_address: str,
           web_config_file: str | None = None, limits: Limits | None = None,
           counters: CounterStore | None = None) -> WebServer:
     """Start serving ``registry`` on ``listen_address`` in background threads; connections
-    dropped (see ``web_listener``) are counted in ``counters`` when given.
+    dropped (see web/listener.py) are counted in ``counters`` when given.
 
     Raises ValueError for a bad address, WebConfigError for a bad web-config file, OSError when
     the address cannot be bound."""
