@@ -1,7 +1,8 @@
 """Human-readable units for explanations and CLI tables: sizes (binary prefixes, as nvidia-smi and
 CUDA's OOM message use), PCI addresses, durations and times.
 
-The one time policy (every time gpuwatchd writes is formatted here, nowhere else):
+The one time policy (every time gpuwatchd writes for a reader is formatted here; only the HTTP
+``Date`` header, ``web/request.http_date``, follows its own RFC):
 
 - what a program reads (Alertmanager's ``startsAt``/``endsAt``, ``time_iso`` of ``gpuwatchd events
   --json``) is RFC 3339 in UTC with a ``Z`` (``fmt_rfc3339``); the event log itself stores Unix
