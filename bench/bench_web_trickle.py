@@ -16,7 +16,7 @@ import argparse
 import socket
 import time
 
-from gpuwatchd.web.listener import HEAD_END, MAX_REQUEST_LINE, Conn
+from gpuwatchd.web.connection import HEAD_END, MAX_REQUEST_LINE, Conn
 
 
 def main() -> None:

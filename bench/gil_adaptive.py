@@ -131,7 +131,7 @@ def cost_model() -> None:
         mx = sum(t for t, _ in points) / n
         my = sum(c for _, c in points) / n
         b = (sum((t - mx) * (c - my) for t, c in points)
-             / sum((t - mx) ** 2 for t, _ in points))  # fmt: skip
+             / sum((t - mx) ** 2 for t, _ in points))
         a = my - b * mx
         print(f"   fit: py-spy CPU per run = {1e3 * a:.1f} ms + {1e3 * b:.3f} ms x ticks "
               f"(a 1 s 20 Hz screening: {1e3 * (a + 19 * b):.1f} ms; a 5 s 50 Hz sample: "
@@ -160,13 +160,13 @@ def scrape(url: str) -> str:
 
 def gil_samples(text: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("gpuwatch_rank_gil_samples_total{"))  # fmt: skip
+               if line.startswith("gpuwatch_rank_gil_samples_total{"))
 
 
 def saturated(text: str, rank: int) -> bool:
     return any(line.startswith("gpuwatch_finding{") and 'kind="gil_saturated"' in line
                and f'rank="{rank}"' in line and line.endswith(" 1.0")
-               for line in text.splitlines())  # fmt: skip
+               for line in text.splitlines())
 
 
 def window(args: argparse.Namespace, tmp: Path, convoy: int) -> None:
@@ -180,7 +180,7 @@ def window(args: argparse.Namespace, tmp: Path, convoy: int) -> None:
         before = tmp / "before"
         before.mkdir()
         archive = subprocess.run(["git", "-C", str(REPO), "archive", args.before_rev],
-                                 check=True, capture_output=True).stdout  # fmt: skip
+                                 check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
         # the NVML replay of this checkout in both (the older one spun in its Xid event wait)
         replay = "gpuwatchd/sources/nvml_fixture.py"
@@ -193,7 +193,7 @@ def window(args: argparse.Namespace, tmp: Path, convoy: int) -> None:
     try:
         for i, kind in enumerate(kinds):
             p = subprocess.Popen([sys.executable, "-c", RANK, kind, str(rank_dir), str(i)],
-                                 stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+                                 stdout=subprocess.PIPE, text=True, env=env)
             ranks.append(p)
         for p in ranks:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
@@ -208,7 +208,7 @@ def window(args: argparse.Namespace, tmp: Path, convoy: int) -> None:
             daemons[name] = subprocess.Popen(
                 [sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg)],
                 cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, stdout=log,
-                stderr=subprocess.STDOUT)  # fmt: skip
+                stderr=subprocess.STDOUT)
             started[name] = time.monotonic()
             urls[name] = f"http://127.0.0.1:{port}/metrics"
         found: dict[str, float] = {}
@@ -243,11 +243,11 @@ def window(args: argparse.Namespace, tmp: Path, convoy: int) -> None:
             kids = cpu_seconds(p.pid, True) - all0[name] - own
             taken = gil_samples(scrape(urls[name])) - samples0[name]
             when = (f"{found[name]:.0f} s after start" if name in found
-                    else "not in the run" if convoy else "none (no convoyed rank)")  # fmt: skip
+                    else "not in the run" if convoy else "none (no convoyed rank)")
             print(f"   {name:6s} daemon own {100 * own / wall:.3f} % of a core, py-spy children "
                   f"{100 * kids / wall:.3f} %, total {100 * (own + kids) / wall:.3f} %; "
                   f"{taken:.0f} GIL ticks sampled; gil_saturated for the convoyed rank: {when}",
-                  flush=True)  # fmt: skip
+                  flush=True)
             if name != "gil-off":
                 share = own - own_of["gil-off"] + kids
                 print(f"   {name:6s} GIL sampling's share (own - gil-off's own + children): "

@@ -76,7 +76,7 @@ stop.wait()
 class Target:
     def __init__(self, threads: int, workers: int, cpus: set[int] | None = None) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", TARGET, str(threads), str(workers)],
-                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
+                                     stdout=subprocess.PIPE, text=True)
         if cpus:
             for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
                 os.sched_setaffinity(int(tid), cpus)
@@ -121,7 +121,7 @@ def blocking_record(binary: str, pid: int, rate: int, seconds: int) -> float:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         subprocess.run([binary, "record", "--format", "raw", "--hideprogress", "-r",
                         str(rate), "-d", str(seconds), "-o", os.path.join(tmp, "o"), "-p",
-                        str(pid)], capture_output=True, check=False)  # fmt: skip
+                        str(pid)], capture_output=True, check=False)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
@@ -228,16 +228,16 @@ def main() -> int:
         print(f"  throughput on   (median): {result['throughput_on_median']:>12,} it/s")
         print(f"  loss with --gil --nonblocking: {result['loss_median_percent']:+.2f} % (median), "
               f"{result['loss_mean_percent']:+.2f} % (mean); window noise "
-              f"{result['window_noise_percent']:.2f} %")  # fmt: skip
+              f"{result['window_noise_percent']:.2f} %")
         print(f"  paired loss (on vs adjacent off): {result['paired_loss_percent']:+.2f} % "
               f"± {result['paired_loss_ci95_percent']:.2f} % (95 % CI)")
         print(f"  target stalled (gaps > 1 ms, median ms per s): off "
               f"{result['stalled_ms_per_s_off']}, on {result['stalled_ms_per_s_on']}")
         if args.blocking:
             print(f"  blocking mode (never used by gpuwatchd): {result['loss_blocking_percent']:+.2f} "
-                  f"% loss, stalled {result['stalled_ms_per_s_blocking']} ms per s")  # fmt: skip
+                  f"% loss, stalled {result['stalled_ms_per_s_blocking']} ms per s")
         print(f"  py-spy CPU per sampled second: "
-              f"{result['pyspy_cpu_seconds_per_sampled_second']} s")  # fmt: skip
+              f"{result['pyspy_cpu_seconds_per_sampled_second']} s")
         print(f"  GIL-held ratio measured: {result['gil_held_ratio_mean']}")
     return 0
 

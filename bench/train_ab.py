@@ -39,7 +39,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gpuwatchd.sources.pyspy import PySpy, PySpyError  # noqa: E402
+from gpuwatchd.sources.pyspy import PySpy  # noqa: E402
+from gpuwatchd.sources.pyspy_output import PySpyError  # noqa: E402
 
 TRAINER = r"""
 import os, sys, time

@@ -28,7 +28,6 @@ Shell equivalent: ``GPUWATCHD_HEARTBEAT=1 torchrun ... train.py``.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -37,15 +36,9 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
     from types import ModuleType
 TARGET = "torch.optim.optimizer"
-ENV = "GPUWATCHD_HEARTBEAT"
 MIN_INTERVAL = 1.0  # seconds between two heartbeat writes
 
 _state: dict[str, Any] = {"installed": False, "registered": None, "step": 0, "last": float("-inf")}
-
-
-def wanted(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
-    """Whether the environment asks for zero-code heartbeats (what the .pth file checks)."""
-    return environ.get(ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def _beat(optimizer: object, args: object, kwargs: object) -> None:
@@ -68,7 +61,7 @@ def _hook(module: ModuleType) -> None:
     if register is None:
         import logging
 
-        logging.getLogger("gpuwatchd.autobeat").warning(
+        logging.getLogger(__name__).warning(
             "gpuwatchd: this torch has no register_optimizer_step_post_hook (torch >= 2.0): no "
             "automatic heartbeat; call gpuwatchd.heartbeat(step) in the training loop")
         return
@@ -96,7 +89,7 @@ class _Finder:
     """First on sys.meta_path until torch.optim.optimizer is found: only that name is touched."""
 
     def find_spec(self, name: str, path: Sequence[str] | None = None, target: ModuleType | None = None
-                  ) -> Any:  # fmt: skip
+                  ) -> Any:
         if name != TARGET:
             return None
         _remove()
@@ -124,9 +117,3 @@ def install() -> None:
         _hook(module)
     else:
         sys.meta_path.insert(0, _Finder())
-
-
-def install_if_wanted() -> None:
-    """What the wheel's .pth file calls at start-up."""
-    if wanted():
-        install()

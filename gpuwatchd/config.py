@@ -16,22 +16,19 @@ from typing import Any
 import yaml
 
 from gpuwatchd import strict_yaml
-
-# the value checkers live in config_checks.py; parse_listen_address is public here too
 from gpuwatchd.config_checks import (
-    _boolean,
-    _choice,
-    _integer,
-    _label_value,
-    _launchers,
-    _listen,
-    _number,
-    _optional,
-    _path,
-    _url,
+    check_boolean,
+    check_choice,
+    check_integer,
+    check_label_value,
+    check_launchers,
+    check_listen,
     check_mapping,
+    check_number,
+    check_optional,
+    check_path,
+    check_url,
 )
-from gpuwatchd.config_checks import parse_listen_address as parse_listen_address
 
 DEFAULT_PORT = 9863
 MAX_CONFIG_BYTES = 1 << 20
@@ -176,68 +173,69 @@ class Config:
 
 
 SCHEMA: Mapping[str, Any] = {
-    "web": (WebConfig, {"listen_address": _listen, "config_file": _optional(_path)}),
-    "interval_seconds": _number(0.05, maximum=3600),
-    "rank_dir": _path,
-    "state_dir": _path,
+    "web": (WebConfig, {"listen_address": check_listen, "config_file": check_optional(check_path)}),
+    "interval_seconds": check_number(0.05, maximum=3600),
+    "rank_dir": check_path,
+    "state_dir": check_path,
     # YAML 1.1 reads an unquoted `off` as false: accept that spelling of "off"
-    "kernel_log": lambda v: "off" if v is False else _choice("auto", "journal", "kmsg", "off")(v),
-    "procfs": _path,
-    "log_level": _choice("debug", "info", "warning", "error"),
+    "kernel_log": lambda v: "off" if v is False else check_choice("auto", "journal", "kmsg", "off")(v),
+    "procfs": check_path,
+    "log_level": check_choice("debug", "info", "warning", "error"),
     "gil": (
         GilConfig,
         {
-            "enabled": _boolean,
-            "interval_seconds": _number(0.0),
-            "healthy_interval_seconds": _number(0.0, maximum=86400),
-            "duration_seconds": _number(0.0, maximum=600),
-            "rate_hz": _integer(1, 1000),
-            "max_concurrent": _integer(1, 64),
-            "held_threshold": _number(0.0, maximum=1.0),
-            "pyspy_path": _optional(_path),
-            "timeout_seconds": _number(0.0, maximum=3600),
+            "enabled": check_boolean,
+            "interval_seconds": check_number(0.0),
+            "healthy_interval_seconds": check_number(0.0, maximum=86400),
+            "duration_seconds": check_number(0.0, maximum=600),
+            "rate_hz": check_integer(1, 1000),
+            "max_concurrent": check_integer(1, 64),
+            "held_threshold": check_number(0.0, maximum=1.0),
+            "pyspy_path": check_optional(check_path),
+            "timeout_seconds": check_number(0.0, maximum=3600),
         },
     ),
-    "stall": (StallConfig, {"after_seconds": _number(0.0),
-                            "compile_after_seconds": _number(0.0),
-                            "flight_recorder": _boolean,
-                            "flight_recorder_interval_seconds": _number(0.0)}),
+    "stall": (StallConfig, {"after_seconds": check_number(0.0),
+                            "compile_after_seconds": check_number(0.0),
+                            "flight_recorder": check_boolean,
+                            "flight_recorder_interval_seconds": check_number(0.0)}),
     "alertmanager": (
         AlertmanagerConfig,
-        {"url": _optional(_url), "timeout_seconds": _number(0.0, maximum=60),
-         "instance": _optional(_listen), "job": _label_value},
+        {"url": check_optional(check_url), "timeout_seconds": check_number(0.0, maximum=60),
+         "instance": check_optional(check_listen), "job": check_label_value},
     ),
     "nvml": (
         NvmlConfig,
-        {"enabled": _boolean, "timeout_seconds": _number(0.0, maximum=600), "fixture": _optional(_path)},
+        {"enabled": check_boolean, "timeout_seconds": check_number(0.0, maximum=600),
+         "fixture": check_optional(check_path)},
     ),
-    "orphans": (OrphansConfig, {"grace_seconds": _number(0.0, exclusive=False)}),
+    "orphans": (OrphansConfig, {"grace_seconds": check_number(0.0, exclusive=False)}),
     "discovery": (
         DiscoveryConfig,
-        {"enabled": _boolean, "interval_seconds": _number(0.0), "launchers": _launchers},
+        {"enabled": check_boolean, "interval_seconds": check_number(0.0), "launchers": check_launchers},
     ),
     "memory": (
         MemoryConfig,
-        {"enabled": _boolean, "ratio_threshold": _number(0.0, maximum=1.0),
-         "horizon_seconds": _number(0.0), "window_seconds": _number(0.0, maximum=86400),
-         "min_window_seconds": _number(0.0, exclusive=False), "cgroup_root": _optional(_path),
-         "snapshots_per_rank": _integer(0, 100),
-         "snapshot_min_interval_seconds": _number(0.0, exclusive=False)},
+        {"enabled": check_boolean, "ratio_threshold": check_number(0.0, maximum=1.0),
+         "horizon_seconds": check_number(0.0), "window_seconds": check_number(0.0, maximum=86400),
+         "min_window_seconds": check_number(0.0, exclusive=False), "cgroup_root": check_optional(check_path),
+         "snapshots_per_rank": check_integer(0, 100),
+         "snapshot_min_interval_seconds": check_number(0.0, exclusive=False)},
     ),
     "straggler": (
         StragglerConfig,
-        {"enabled": _boolean, "window_seconds": _number(0.0), "ratio": _number(0.0, maximum=1.0),
-         "for_seconds": _number(0.0, exclusive=False)},
+        {"enabled": check_boolean, "window_seconds": check_number(0.0), "ratio": check_number(0.0, maximum=1.0),
+         "for_seconds": check_number(0.0, exclusive=False)},
     ),
     "fds": (
         FdsConfig,
-        {"ratio_threshold": _number(0.0, maximum=1.0), "horizon_seconds": _number(0.0),
-         "min_window_seconds": _number(0.0, exclusive=False)},
+        {"ratio_threshold": check_number(0.0, maximum=1.0), "horizon_seconds": check_number(0.0),
+         "min_window_seconds": check_number(0.0, exclusive=False)},
     ),
     "retention": (
         RetentionConfig,
-        {"ended_rank_seconds": _number(0.0, exclusive=False, maximum=86400),
-         "oom_kill_seconds": _number(0.0, exclusive=False, maximum=30 * 86400)},
+        {"ended_rank_seconds": check_number(0.0, exclusive=False, maximum=86400),
+         "oom_kill_seconds": check_number(0.0, exclusive=False, maximum=30 * 86400)},
     ),
 }
 
@@ -298,7 +296,7 @@ def with_overrides(cfg: Config, listen_address: str | None = None,
         cfg = dataclasses.replace(cfg, web=dataclasses.replace(cfg.web, config_file=web_config_file))
     if listen_address is not None:
         try:
-            _listen(listen_address)
+            check_listen(listen_address)
         except ValueError as e:
             raise ConfigError([f"--web.listen-address: {e}"], "command line") from e
         cfg = dataclasses.replace(cfg, web=dataclasses.replace(cfg.web, listen_address=listen_address))

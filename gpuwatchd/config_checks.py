@@ -19,7 +19,7 @@ Check = Callable[[Any], Any]
 Schema = Mapping[str, Check]  # key -> its checker (a section: a checker that calls check_mapping)
 
 
-def _number(minimum: float | None = None, exclusive: bool = True, maximum: float | None = None) -> Check:
+def check_number(minimum: float | None = None, exclusive: bool = True, maximum: float | None = None) -> Check:
     def check(v: Any) -> float:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"must be a number, got {v!r}")
@@ -34,7 +34,7 @@ def _number(minimum: float | None = None, exclusive: bool = True, maximum: float
     return check
 
 
-def _integer(minimum: int, maximum: int | None = None) -> Check:
+def check_integer(minimum: int, maximum: int | None = None) -> Check:
     def check(v: Any) -> int:
         if isinstance(v, bool) or not isinstance(v, int):
             raise ValueError(f"must be an integer, got {v!r}")
@@ -47,13 +47,13 @@ def _integer(minimum: int, maximum: int | None = None) -> Check:
     return check
 
 
-def _boolean(v: Any) -> bool:
+def check_boolean(v: Any) -> bool:
     if not isinstance(v, bool):
         raise ValueError(f"must be true or false, got {v!r}")
     return v
 
 
-def _path_string(v: Any) -> str:
+def check_path_string(v: Any) -> str:
     """A file name, relative or absolute."""
     if not isinstance(v, str) or not v:
         raise ValueError(f"must be a non-empty path string, got {v!r}")
@@ -62,32 +62,32 @@ def _path_string(v: Any) -> str:
     return v
 
 
-def _path(v: Any) -> str:
-    if not os.path.isabs(_path_string(v)):
+def check_path(v: Any) -> str:
+    if not os.path.isabs(check_path_string(v)):
         raise ValueError(f"must be an absolute path, got {v!r}")
     return str(v)
 
 
-def _optional(check: Check) -> Check:
+def check_optional(check: Check) -> Check:
     def wrapped(v: Any) -> Any:
         return None if v is None else check(v)
 
     return wrapped
 
 
-def _label_value(v: Any) -> str:
+def check_label_value(v: Any) -> str:
     if not isinstance(v, str) or not v or len(v) > 128:
         raise ValueError(f"must be a non-empty string of at most 128 characters, got {v!r}")
     return v
 
 
-def _string_list(v: Any) -> tuple[str, ...]:
+def check_string_list(v: Any) -> tuple[str, ...]:
     if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
         raise ValueError(f"must be a list of non-empty strings, got {v!r}")
     return tuple(v)
 
 
-def _one_line(v: Any) -> str:
+def check_one_line(v: Any) -> str:
     """A string that cannot split an HTTP header (no CR or LF)."""
     if not isinstance(v, str) or "\n" in v or "\r" in v:
         raise ValueError(f"must be a one-line string, got {v!r}")
@@ -101,7 +101,7 @@ _DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ms
                    "m": 60.0, "h": 3600.0}
 
 
-def _duration(v: Any) -> float:
+def check_duration(v: Any) -> float:
     """Seconds: a number, or a duration string as Go's time.ParseDuration reads it ("100ms",
     "1s", "5m", "1m30s", "0")."""
     if isinstance(v, str):
@@ -113,10 +113,10 @@ def _duration(v: Any) -> float:
             v = sum(float(n) * _DURATION_UNITS[u] for n, u in _DURATION_PART.findall(v))
     elif isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ValueError(f"must be a duration such as 1s, 100ms or 1m30s, got {v!r}")
-    return _number(0.0)(v)
+    return check_number(0.0)(v)
 
 
-def _choice(*options: str) -> Check:
+def check_choice(*options: str) -> Check:
     def check(v: Any) -> str:
         if v not in options:
             raise ValueError(f"must be one of {', '.join(options)}, got {v!r}")
@@ -126,7 +126,9 @@ def _choice(*options: str) -> Check:
 
 
 def parse_listen_address(v: Any) -> tuple[str, int]:
-    """``"0.0.0.0:9863"``, ``"[::1]:9863"``, ``":9863"`` -> (host, port)."""
+    """``"0.0.0.0:9863"``, ``"[::1]:9863"``, ``"localhost:0"`` -> (host, port); ``":9863"`` ->
+    ``("", 9863)``: all interfaces, which the web server binds as dual-stack ``::`` where the
+    host has IPv6, else ``0.0.0.0``. The one parser of the config check and the web server."""
     if not isinstance(v, str) or ":" not in v:
         raise ValueError(f"must be HOST:PORT, got {v!r}")
     host, _, port_s = v.rpartition(":")
@@ -140,21 +142,21 @@ def parse_listen_address(v: Any) -> tuple[str, int]:
         raise ValueError(f"IPv6 addresses need brackets, as in [::1]:{port_s}")
     if not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
         raise ValueError(f"port must be 0..65535, got {port_s!r}")
-    return (host or "0.0.0.0", int(port_s))
+    return (host, int(port_s))
 
 
-def _listen(v: Any) -> str:
+def check_listen(v: Any) -> str:
     parse_listen_address(v)
     return str(v)
 
 
-def _url(v: Any) -> str:
+def check_url(v: Any) -> str:
     if not isinstance(v, str) or not v.startswith(("http://", "https://")):
         raise ValueError(f"must be an http:// or https:// URL, got {v!r}")
     return v
 
 
-def _launchers(v: Any) -> tuple[str, ...]:
+def check_launchers(v: Any) -> tuple[str, ...]:
     allowed = ("torchrun", "slurm", "openmpi")
     if not isinstance(v, list) or not all(isinstance(x, str) and x in allowed for x in v):
         raise ValueError(f"must be a list drawn from {', '.join(allowed)}, got {v!r}")

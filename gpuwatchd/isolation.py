@@ -20,7 +20,7 @@ from gpuwatchd.model import CollectorStatus
 
 # In a CollectorStatus.error: the collector's call outlived its time-out (/-/ready reads it).
 STILL_RUNNING = "(call still running)"
-log = logging.getLogger("gpuwatchd")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 # A collector's worker thread that got no call for this long (or twice its time-out) ends; the
 # next run() starts another. The daemon calls each collector every cycle, so this only bounds the

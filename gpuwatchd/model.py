@@ -18,7 +18,7 @@ THROTTLE_REASONS: Mapping[str, int] = {
     "gpu_idle": 0x1, "applications_clocks": 0x2, "sw_power_cap": 0x4, "hw_slowdown": 0x8,
     "sync_boost": 0x10, "sw_thermal": 0x20, "hw_thermal": 0x40, "hw_power_brake": 0x80,
     "display_clocks": 0x100,
-}  # fmt: skip
+}
 # the reasons that slow a busy GPU down (the others are idle, settings or benign)
 SLOWING_REASONS = ("sw_power_cap", "hw_slowdown", "sw_thermal", "hw_thermal", "hw_power_brake")
 

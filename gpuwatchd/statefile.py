@@ -141,6 +141,3 @@ class StateFiles:
         if self.counters is not None:
             self.counters.inc("state_records_rejected", (self._name(path), reason))
 
-    def failing(self) -> dict[str, str]:
-        with self._lock:
-            return dict(self._failing)

@@ -77,7 +77,7 @@ def world(tmp_path: Path) -> dict[str, object]:
     job = f"autobeat-{uuid.uuid4().hex[:8]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUWATCH", "RANK", "SLURM_", "OMPI_"))}
     env.update(PYTHONPATH=str(lib), GPUWATCH_RANK_DIR=str(rank_dir), TORCHELASTIC_RUN_ID=job,
-               RANK="3", LOCAL_RANK="1", WORLD_SIZE="4")  # fmt: skip
+               RANK="3", LOCAL_RANK="1", WORLD_SIZE="4")
     return {"tmp": tmp_path, "env": env, "job": job, "rank_dir": rank_dir}
 
 
@@ -133,7 +133,7 @@ def wheel_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
     side needs only the standard library, so no dependency is installed."""
     tmp = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp / "venv")], check=True,
-                   timeout=120)  # fmt: skip
+                   timeout=120)
     (site,) = (tmp / "venv/lib").glob("python3*/site-packages")
     wheel, _ = distutil.build_dist()
     with zipfile.ZipFile(wheel) as whl:
@@ -163,15 +163,15 @@ def test_heartbeat_reaches_the_daemon(world: dict) -> None:
     home.mkdir()
     cfg_path, cfg = write_config(home, rank_dir=str(world["rank_dir"]), stall={"after_seconds": 1.5})
     p = subprocess.Popen([sys.executable, "-m", "gpuwatchd.run", "train.py", "25", "0.1", "hang"],
-                         env=world["env"], cwd=world["tmp"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+                         env=world["env"], cwd=world["tmp"], stdout=subprocess.PIPE, text=True)
     d = DaemonProc(cfg_path, cfg)
     try:
         d.wait_for(lambda: (d.value("gpuwatch_rank_step", job_id=world["job"], rank="3") or 0) >= 2,
-                   timeout=20, what="the rank's heartbeat step")  # fmt: skip
+                   timeout=20, what="the rank's heartbeat step")
         def paged() -> list[dict]:
             state = json.loads((Path(cfg["state_dir"]) / "state.json").read_text())
             return [f for f in state["findings"] if f["kind"] == "rank_stalled"
-                    and f["job_id"] == world["job"]]  # fmt: skip
+                    and f["job_id"] == world["job"]]
 
         d.wait_for(lambda: bool(paged()), timeout=20, what="rank_stalled once the steps stop")
         (f,) = paged()

@@ -9,15 +9,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuwatchd.config import (
-    DEFAULT_PORT,
-    Config,
-    ConfigError,
-    load_config,
-    parse_config,
-    parse_listen_address,
-    with_overrides,
-)
+from gpuwatchd.config import DEFAULT_PORT, Config, ConfigError, load_config, parse_config, with_overrides
+from gpuwatchd.config_checks import parse_listen_address
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -65,7 +58,8 @@ def test_every_problem_is_reported_with_its_dotted_key() -> None:
 
 @pytest.mark.parametrize("value,expected", [
     ("0.0.0.0:9863", ("0.0.0.0", 9863)),
-    (":9863", ("0.0.0.0", 9863)),
+    (":9863", ("", 9863)),  # all interfaces: the server binds "::" dual-stack or 0.0.0.0
+    ("localhost:0", ("localhost", 0)),
     ("[::1]:80", ("::1", 80)),
     ("127.0.0.1:0", ("127.0.0.1", 0)),
 ])

@@ -76,7 +76,7 @@ def test_other_errors_and_threads(tmp_path: Path) -> None:
 
 
 def test_observer_records_at_allocation_time(tmp_path: Path) -> None:
-    hook = cuda_oom._Hook(str(tmp_path), "j", 3)
+    hook = cuda_oom.OomHook(str(tmp_path), "j", 3)
     path = cuda_oom.record_event(hook, device=None, requested_bytes=50 << 30,
                                  free_bytes=38 << 30, source="allocator", now=10.0)
     assert path is not None
@@ -156,7 +156,7 @@ def test_tracker_counts_and_expires(tmp_path: Path) -> None:
     now = [1000.0]
     counters = CounterStore()
     tr = oom_reader.OomTracker(str(tmp_path), clock=lambda: now[0])
-    hook = cuda_oom._Hook(str(tmp_path), "dflash", 0)
+    hook = cuda_oom.OomHook(str(tmp_path), "dflash", 0)
     cuda_oom.record_event(hook, device=None, requested_bytes=1 << 30, source="allocator",
                           now=1000.0)
     (f,) = tr.poll(counters.inc, _state())
@@ -182,7 +182,7 @@ def test_the_rank_directory_is_listed_only_when_a_file_came_or_went(tmp_path: Pa
     (tmp_path / "j.0.hb").write_text("2")  # a heartbeat, written in place: no listing
     tr.poll(counters.inc, _state())
     assert tr.scans == 1
-    hook = cuda_oom._Hook(str(tmp_path), "dflash", 0)
+    hook = cuda_oom.OomHook(str(tmp_path), "dflash", 0)
     cuda_oom.record_event(hook, device=None, requested_bytes=1 << 30, source="allocator")
     assert len(tr.poll(counters.inc, _state())) == 1  # the event file changed the directory
     assert tr.scans == 2 and counters.get("cuda_oom_errors", ("dflash", "0", "")) == 1

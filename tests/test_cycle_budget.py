@@ -15,7 +15,8 @@ from daemonutil import DaemonProc, write_config
 
 from gpuwatchd.config import load_config
 from gpuwatchd.daemon.core import Daemon
-from gpuwatchd.join.stall import RankProbe, StallTracker
+from gpuwatchd.join.stall import StallTracker
+from gpuwatchd.join.stall_verdicts import RankProbe
 from gpuwatchd.sources.pyspy import PySpy
 
 THREADS = 3000
@@ -28,7 +29,7 @@ CYCLE_BOUND = 6.0
 def many_threads(procs: list[subprocess.Popen[Any]], n: int) -> subprocess.Popen[str]:
     code = ("import threading, time\nev = threading.Event()\n"
             f"for _ in range({n}): threading.Thread(target=ev.wait, daemon=True).start()\n"
-            "print('ready', flush=True)\ntime.sleep(600)\n")  # fmt: skip
+            "print('ready', flush=True)\ntime.sleep(600)\n")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     procs.append(p)
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
@@ -36,7 +37,7 @@ def many_threads(procs: list[subprocess.Popen[Any]], n: int) -> subprocess.Popen
 
 
 def test_one_process_listed_256_times_with_3000_threads_does_not_stall_the_cycle(
-        tmp_path: Path, procs: list[subprocess.Popen[Any]]) -> None:  # fmt: skip
+        tmp_path: Path, procs: list[subprocess.Popen[Any]]) -> None:
     p = many_threads(procs, THREADS)
     path, cfg = write_config(tmp_path, interval_seconds=1.0,
                              gil={"enabled": True, "interval_seconds": 2, "duration_seconds": 1})
@@ -61,7 +62,7 @@ def test_one_process_listed_256_times_with_3000_threads_does_not_stall_the_cycle
 
 
 def test_ten_thousand_root_owned_rank_files_do_not_stall_the_cycle(
-        tmp_path: Path, procs: list[subprocess.Popen[Any]]) -> None:  # fmt: skip
+        tmp_path: Path, procs: list[subprocess.Popen[Any]]) -> None:
     target = subprocess.Popen(["sleep", "600"])
     procs.append(target)
     path, _ = write_config(tmp_path, interval_seconds=1.0, gil={"enabled": True})
@@ -82,7 +83,7 @@ def test_ten_thousand_root_owned_rank_files_do_not_stall_the_cycle(
 
 
 def test_the_look_budget_defers_and_rotates_but_never_starves(
-        procs: list[subprocess.Popen[Any]]) -> None:  # fmt: skip
+        procs: list[subprocess.Popen[Any]]) -> None:
     sleepers = [subprocess.Popen(["sleep", "600"]) for _ in range(6)]
     procs.extend(sleepers)
     # budget 0: one new look per observe, every other look deferred and counted
@@ -99,7 +100,7 @@ def test_the_look_budget_defers_and_rotates_but_never_starves(
 
 
 def test_a_pid_listed_many_times_is_read_once_per_look(
-        procs: list[subprocess.Popen[Any]]) -> None:  # fmt: skip
+        procs: list[subprocess.Popen[Any]]) -> None:
     p = many_threads(procs, 600)
     tracker = StallTracker(60.0, PySpy(None), dump_interval_seconds=1000.0, budget_seconds=0.0)
     probes = [RankProbe("same", i, p.pid, True, "S") for i in range(64)]

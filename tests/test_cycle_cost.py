@@ -207,7 +207,8 @@ def test_state_json_text_is_the_slow_encoding_byte_for_byte(tmp_path: Path) -> N
 
 def test_a_heartbeat_found_in_the_ranks_root_is_walked_once_a_cycle(tmp_path: Path,
                                                                     rank: Rank) -> None:
-    from gpuwatchd.sources.rankfiles import HeartbeatRoots, guard_entries, heartbeat_mtime
+    from gpuwatchd.sources.heartbeats import HeartbeatRoots, heartbeat_mtime
+    from gpuwatchd.sources.rankfiles import guard_entries
 
     hb = tmp_path / "r0.hb"
     hb.write_text("")
@@ -396,7 +397,8 @@ def test_a_heartbeat_in_the_ranks_root_is_read_with_one_fstatat_a_cycle(tmp_path
     """Reading a heartbeat in the rank's root used to open every directory on its path each
     cycle; the directory is now kept (O_PATH) and the file read with one fstatat, the owner rule
     checked each time, and the fd closed when the rank is no longer asked about."""
-    from gpuwatchd.sources.rankfiles import HeartbeatRoots, guard_entries, heartbeat_mtime
+    from gpuwatchd.sources.heartbeats import HeartbeatRoots, heartbeat_mtime
+    from gpuwatchd.sources.rankfiles import guard_entries
 
     deep = tmp_path / "a" / "b" / "c"
     deep.mkdir(parents=True)

@@ -36,9 +36,9 @@ def test_doctor_on_a_gil_bound_misconfigured_rank(tmp_path: Path, procs: list) -
         runpy.run_path({str(PROGRAMS / "cpu4.py")!r}, run_name="__main__")
     """))
     env = {"PATH": "/usr/bin:/bin", "NCCL_ASYNC_ERROR_HANDLING": "1",
-           "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "WANDB_API_KEY": SECRET}  # fmt: skip
+           "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "WANDB_API_KEY": SECRET}
     p = subprocess.Popen([sys.executable, str(prog)], stdout=subprocess.PIPE, text=True, env=env,
-                         preexec_fn=_low_fd_limit)  # fmt: skip
+                         preexec_fn=_low_fd_limit)
     procs.append(p)
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     time.sleep(0.5)
@@ -82,7 +82,7 @@ def test_doctor_sees_a_fork_that_inherited_the_device_fd(tmp_path: Path, procs: 
         time.sleep(60)
     """))
     p = subprocess.Popen([sys.executable, str(prog)], stdout=subprocess.PIPE, text=True,
-                         start_new_session=True)  # fmt: skip
+                         start_new_session=True)
     procs.append(p)
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
@@ -100,7 +100,7 @@ def test_doctor_sees_a_fork_that_inherited_the_device_fd(tmp_path: Path, procs: 
 
 def test_doctor_cli_with_daemon_state(tmp_path: Path, procs: list) -> None:
     p = subprocess.Popen([sys.executable, str(PROGRAMS / "io4.py")], stdout=subprocess.PIPE,
-                         text=True)  # fmt: skip
+                         text=True)
     procs.append(p)
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     state_dir = tmp_path / "state"
@@ -116,12 +116,12 @@ def test_doctor_cli_with_daemon_state(tmp_path: Path, procs: list) -> None:
                       "pid": str(p.pid), "explanation": "rank 3 of job llm-7 made no progress"}],
         "counters": {"rank_gil_samples": [{"labels": ["llm-7", "3"], "value": 200.0}],
                      "rank_gil_held_samples": [{"labels": ["llm-7", "3"], "value": 10.0}]},
-    }  # fmt: skip
+    }
     (state_dir / "state.json").write_text(json.dumps(state))
     cfg = tmp_path / "config.yaml"
     cfg.write_text(yaml.safe_dump({"state_dir": str(state_dir), "interval_seconds": 5}))
     out = subprocess.run([sys.executable, "-m", "gpuwatchd", "doctor", "--config.file", str(cfg),
-                          str(p.pid)], capture_output=True, text=True, timeout=60)  # fmt: skip
+                          str(p.pid)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "rank 3 of job llm-7 (STALLED)" in out.stdout
     assert "GPU memory: GPU 0 55.0 GiB" in out.stdout
@@ -129,18 +129,18 @@ def test_doctor_cli_with_daemon_state(tmp_path: Path, procs: list) -> None:
     assert "[page] rank_stalled: rank 3 of job llm-7 made no progress" in out.stdout
     assert 'Thread ' in out.stdout and '"lock"' in out.stdout
     js = subprocess.run([sys.executable, "-m", "gpuwatchd", "doctor", "--config.file", str(cfg),
-                         "--json", str(p.pid)], capture_output=True, text=True, timeout=60)  # fmt: skip
+                         "--json", str(p.pid)], capture_output=True, text=True, timeout=60)
     data = json.loads(js.stdout)
     assert data["rank"]["job_id"] == "llm-7" and data["gpu_memory"][0]["used_memory_bytes"] == 55 << 30
     assert data["python"]["gil_owner"] is None  # every thread is blocked
     gone = subprocess.run([sys.executable, "-m", "gpuwatchd", "doctor", "--config.file", str(cfg),
-                           "999999999"], capture_output=True, text=True, timeout=60)  # fmt: skip
+                           "999999999"], capture_output=True, text=True, timeout=60)
     assert gone.returncode == 1 and "no process 999999999" in gone.stdout
 
 
 def test_doctor_without_pyspy_still_reports_the_rest(procs: list) -> None:
     p = subprocess.Popen([sys.executable, str(PROGRAMS / "io4.py")], stdout=subprocess.PIPE,
-                         text=True)  # fmt: skip
+                         text=True)
     procs.append(p)
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     from gpuwatchd.config import GilConfig
@@ -157,7 +157,7 @@ def test_doctor_reads_gpu_memory_from_nvml_when_no_daemon_runs(procs: list) -> N
     from gpuwatchd.sources.nvml_fixture import RecordedNvml
 
     p = subprocess.Popen([sys.executable, str(PROGRAMS / "io4.py")], stdout=subprocess.PIPE,
-                         text=True)  # fmt: skip
+                         text=True)
     procs.append(p)
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     fixture = Path(__file__).parent / "fixtures" / "nvml" / "h200_orphan_dataloader.json"
@@ -165,7 +165,7 @@ def test_doctor_reads_gpu_memory_from_nvml_when_no_daemon_runs(procs: list) -> N
     r = doctor.collect(p.pid, Config(), nvml=replay)
     assert r["gpu_memory_source"] == "NVML now"
     assert r["gpu_memory"] == [{"gpu": 0, "uuid": r["gpu_memory"][0]["uuid"],
-                                "used_memory_bytes": 6008340480}]  # fmt: skip
+                                "used_memory_bytes": 6008340480}]
     assert "GPU memory: GPU 0 5.6 GiB (NVML now)" in doctor.render(r)
     # this host has no NVIDIA driver: said so, nothing else changes
     r = doctor.collect(p.pid, Config())

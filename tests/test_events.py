@@ -19,7 +19,7 @@ import yaml
 from gpuwatchd.cli.events import parse_since, render
 from gpuwatchd.events import alertmanager as am
 from gpuwatchd.events import bus as event_bus
-from gpuwatchd.events import journal
+from gpuwatchd.events import journal_sink
 from gpuwatchd.events import log as ev
 from gpuwatchd.model import frozen_map
 
@@ -64,7 +64,7 @@ def test_journal_native_protocol_to_a_real_socket(tmp_path: Path) -> None:
     server.settimeout(5)
     try:
         e = oom_event(summary="two\nlines")
-        journal.JournalSink(socket_path=path).emit(e)
+        journal_sink.JournalSink(socket_path=path).emit(e)
         data = server.recv(65536)
     finally:
         server.close()
@@ -92,7 +92,7 @@ def test_journal_native_protocol_to_a_real_socket(tmp_path: Path) -> None:
 
 
 def test_journal_sink_without_journald_does_not_raise(tmp_path: Path) -> None:
-    s = journal.JournalSink(socket_path=str(tmp_path / "nobody-listens"))
+    s = journal_sink.JournalSink(socket_path=str(tmp_path / "nobody-listens"))
     s.emit(oom_event())
     assert s.errors == 1
 

@@ -99,7 +99,7 @@ def test_daemon_names_the_rank_that_never_entered_the_collective(tmp_path: Path)
 
     interval = 0.5
     cfg_path, cfg = write_config(tmp_path, interval_seconds=interval,
-                                 stall={"after_seconds": 1.0})  # fmt: skip
+                                 stall={"after_seconds": 1.0})
     ranks = []
     try:
         for r in (0, 1):
@@ -119,7 +119,7 @@ def test_daemon_names_the_rank_that_never_entered_the_collective(tmp_path: Path)
                 except (OSError, ValueError):  # not written yet
                     return ""
                 return next((f["explanation"] for f in doc["findings"] if f["rank"] == "0"
-                             and "never entered" in f["explanation"]), "")  # fmt: skip
+                             and "never entered" in f["explanation"]), "")
 
             d.wait_for(lambda: bool(explanation()), timeout=30, what="flight recorder named")
             seen = time.time()
@@ -132,9 +132,9 @@ def test_daemon_names_the_rank_that_never_entered_the_collective(tmp_path: Path)
             assert seen - answered <= interval + 1.0  # one cycle (plus a loaded machine)
             for r, seq in ((0, 5.0), (1, 4.0)):
                 assert d.value("gpuwatch_rank_collective_last_started_seq", job_id="fr-job",
-                               rank=str(r), pg="0") == seq  # fmt: skip
+                               rank=str(r), pg="0") == seq
                 assert d.value("gpuwatch_rank_collective_last_completed_seq", job_id="fr-job",
-                               rank=str(r), pg="0") == 4.0  # fmt: skip
+                               rank=str(r), pg="0") == 4.0
             # answered requests are removed by the daemon
             assert not list(Path(cfg["rank_dir"]).glob("*.frreq"))
         finally:

@@ -15,16 +15,19 @@ from daemonutil import DaemonProc, has_finding, write_config
 
 from gpuwatchd.config import Config, GilConfig
 from gpuwatchd.counters import CounterStore
-from gpuwatchd.daemon.gil import GilSampler, GilTarget, convoy_hint
+from gpuwatchd.daemon.gil import GilSampler
+from gpuwatchd.daemon.gil_convoy import convoy_hint
+from gpuwatchd.daemon.gil_schedule import GilTarget
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import gil as gil_finding
 from gpuwatchd.findings import stall as stall_finding
-from gpuwatchd.join.stall import StallVerdict
+from gpuwatchd.join.stall_verdicts import StallVerdict
 from gpuwatchd.model import GilReading, GpuDevice, RankState
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.rank import api
 from gpuwatchd.sources import pyspy
-from gpuwatchd.sources.pyspy import PySpy, ThreadInfo
+from gpuwatchd.sources.pyspy import PySpy
+from gpuwatchd.sources.threads import ThreadInfo, read_threads
 
 PROGRAMS = Path(__file__).parent / "fixtures" / "pyspy" / "programs"
 BINARY = pyspy.resolve_pyspy()
@@ -32,7 +35,7 @@ BINARY = pyspy.resolve_pyspy()
 
 def start(procs: list, program: str, *args: str) -> subprocess.Popen[str]:
     p = subprocess.Popen([sys.executable, str(PROGRAMS / program), *args],
-                         stdout=subprocess.PIPE, text=True)  # fmt: skip
+                         stdout=subprocess.PIPE, text=True)
     procs.append(p)
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     return p
@@ -72,11 +75,11 @@ def test_convoy_hint_on_real_processes(procs: list) -> None:
     cpu4 = start(procs, "cpu4.py")
     io4 = start(procs, "io4.py")
     paths = HostPaths()
-    b_cpu, b_io = pyspy.read_threads(paths, cpu4.pid), pyspy.read_threads(paths, io4.pid)
+    b_cpu, b_io = read_threads(paths, cpu4.pid), read_threads(paths, io4.pid)
     time.sleep(1.5)
     clk = os.sysconf("SC_CLK_TCK")
-    h_cpu = convoy_hint(b_cpu, pyspy.read_threads(paths, cpu4.pid), 1.5, clk)
-    h_io = convoy_hint(b_io, pyspy.read_threads(paths, io4.pid), 1.5, clk)
+    h_cpu = convoy_hint(b_cpu, read_threads(paths, cpu4.pid), 1.5, clk)
+    h_io = convoy_hint(b_io, read_threads(paths, io4.pid), 1.5, clk)
     assert h_cpu.convoy, h_cpu
     assert h_cpu.busy_threads >= 3 and 0.5 <= h_cpu.total_cores <= 1.4
     assert not h_io.convoy and h_io.busy_threads == 0
@@ -96,7 +99,7 @@ class FakeClock:
 def test_schedule_is_jittered_and_spread() -> None:
     clock = FakeClock()
     s = GilSampler(PySpy(None), CounterStore(), interval_seconds=30, clock=clock,
-                   rng=random.Random(7))  # fmt: skip
+                   rng=random.Random(7))
     s.update_targets(GilTarget("j", r, 10_000_000 + r) for r in range(20))
     firsts = sorted(sched.next_due for sched in s._ranks.values())
     assert firsts[0] >= 1000.0 and firsts[-1] <= 1030.0
@@ -124,7 +127,7 @@ def test_schedule_is_jittered_and_spread() -> None:
 def test_sampling_budget_limits_the_duty_cycle() -> None:
     clock = FakeClock()
     s = GilSampler(PySpy(None), CounterStore(), interval_seconds=30, duration_seconds=5,
-                   clock=clock, rng=random.Random(3), max_duty=0.25)  # fmt: skip
+                   clock=clock, rng=random.Random(3), max_duty=0.25)
     s.update_targets(GilTarget("j", r, 10_000_000 + r) for r in range(64))
     clock.t += 31  # every rank is due
     started = 0
@@ -143,7 +146,7 @@ def test_non_python_rank_is_skipped_not_a_collector_failure() -> None:
     try:
         clock = FakeClock()
         s = GilSampler(PySpy(BINARY), CounterStore(), interval_seconds=30, duration_seconds=1,
-                       clock=clock)  # fmt: skip
+                       clock=clock)
         assert s.sample_now(GilTarget("sh-job", 0, sleeper.pid)) is None
         assert s.status().success  # py-spy works; this rank just is not Python
         assert s._ranks[("sh-job", 0)].next_due >= clock.t + 300
@@ -173,7 +176,7 @@ def test_convoy_pulls_the_next_sample_forward(procs: list) -> None:
     cpu4 = start(procs, "cpu4.py")
     io4 = start(procs, "io4.py")
     s = GilSampler(PySpy(BINARY), CounterStore(), interval_seconds=3600, probe_seconds=1.0,
-                   rng=random.Random(1))  # fmt: skip
+                   rng=random.Random(1))
     s.update_targets([GilTarget("j", 0, cpu4.pid), GilTarget("j", 1, io4.pid)])
     for sched in s._ranks.values():
         sched.next_due = time.monotonic() + 3000  # far away, whatever the jitter said
@@ -203,18 +206,18 @@ def _gpu(util: float | None) -> GpuDevice:
 
 
 def _ctx(ranks: tuple[RankState, ...], gpus: tuple[GpuDevice, ...] = (), **extras: object
-         ) -> FindingContext:  # fmt: skip
+         ) -> FindingContext:
     cfg = Config(gil=GilConfig(held_threshold=0.8))
     return FindingContext(now=2000.0, config=cfg, ranks=ranks, gpus=gpus, **extras)
 
 
 def test_gil_saturated_fires_only_when_the_gpu_waits() -> None:
     hot = (GilReading(4821, 249, 240, (("collate (loader.py)", 200), ("step (train.py)", 40))),
-           GilReading(4821, 249, 245, (("collate (loader.py)", 230),)))  # fmt: skip
+           GilReading(4821, 249, 245, (("collate (loader.py)", 230),)))
     gil = {("llm-7", 3): hot}
     (f,) = gil_finding.find(_ctx((_rank(),), (_gpu(0.12),), gil=gil))
     assert (f.kind, f.severity, f.job_id, f.rank, f.pid) == ("gil_saturated", "warning", "llm-7",
-                                                             "3", "4821")  # fmt: skip
+                                                             "3", "4821")
     assert "97%" in f.explanation and "GPU 0 was 12% busy" in f.explanation
     assert "collate (loader.py) 89%" in f.explanation
     assert f.evidence["top_functions"][0][0] == "collate (loader.py)"
@@ -238,11 +241,11 @@ def test_rank_stalled_explains_frames_and_suspect() -> None:
     odd = StallVerdict("llm-7", 3, 103, True, 1000.0, True, "heartbeat", 400.0,
                        ("load_batch (data.py:41)",), "5 threads: 5 S", ("load_batch (data.py)",),
                        suspect=True, suspect_reason="stuck in load_batch (data.py), while 3 peer(s) "
-                       "are stuck in all_reduce (distributed_c10d.py)")  # fmt: skip
+                       "are stuck in all_reduce (distributed_c10d.py)")
     ranks = (RankState("llm-7", 0, 100, 0, 4, True, None, stalled=True),
-             RankState("llm-7", 3, 103, 3, 4, True, None, stalled=True))  # fmt: skip
+             RankState("llm-7", 3, 103, 3, 4, True, None, stalled=True))
     found = {f.rank: f for f in stall_finding.find(
-        _ctx(ranks, stall={("llm-7", 0): peer, ("llm-7", 3): odd}))}  # fmt: skip
+        _ctx(ranks, stall={("llm-7", 0): peer, ("llm-7", 3): odd}))}
     assert set(found) == {"0", "3"}
     f0 = found["0"]
     assert f0.kind == "rank_stalled" and f0.severity == "page"
@@ -264,28 +267,28 @@ def test_daemon_end_to_end_gil_and_stall(tmp_path: Path, procs: list) -> None:
         tmp_path, gil={"enabled": True, "interval_seconds": 2, "duration_seconds": 1,
                        "rate_hz": 50, "timeout_seconds": 10},
         stall={"after_seconds": 1.5},
-    )  # fmt: skip
+    )
     rank_dir = cfg["rank_dir"]
     cpu4 = start(procs, "cpu4.py")
     api.register_rank("gil-job", 0, pid=cpu4.pid, rank_dir=rank_dir, heartbeat=False,
-                      cuda_oom_hook=False, strict=True)  # fmt: skip
+                      cuda_oom_hook=False, strict=True)
     start(procs, "rank.py", "beat_then_lock", rank_dir, "hang-job", "1")
     d = DaemonProc(cfg_path, cfg)
     try:
         d.wait_for(lambda: (d.value("gpuwatch_rank_gil_samples_total", job_id="gil-job", rank="0")
-                            or 0) >= 2 * 49, timeout=30, what="two GIL samples")  # fmt: skip
+                            or 0) >= 2 * 49, timeout=30, what="two GIL samples")
         samples = d.value("gpuwatch_rank_gil_samples_total", job_id="gil-job", rank="0")
         held = d.value("gpuwatch_rank_gil_held_samples_total", job_id="gil-job", rank="0")
         assert samples and held is not None and held / samples >= 0.8
         assert d.value("gpuwatch_collector_success", collector="pyspy") == 1.0
         d.wait_for(lambda: has_finding(d, "gil_saturated", job_id="gil-job", rank="0"),
-                   timeout=20, what="gil_saturated")  # fmt: skip
+                   timeout=20, what="gil_saturated")
         d.wait_for(lambda: d.value("gpuwatch_rank_stalled", job_id="hang-job", rank="1") == 1.0,
-                   timeout=20, what="hang-job stalled")  # fmt: skip
+                   timeout=20, what="hang-job stalled")
         assert has_finding(d, "rank_stalled", job_id="hang-job", rank="1")
         hb = os.path.join(rank_dir, "hang-job.1.hb")
         assert d.value("gpuwatch_rank_progress_timestamp_seconds", job_id="hang-job",
-                       rank="1") == pytest.approx(os.stat(hb).st_mtime)  # fmt: skip
+                       rank="1") == pytest.approx(os.stat(hb).st_mtime)
         assert d.value("gpuwatch_rank_stalled", job_id="gil-job", rank="0") == 0.0
         text = d.text()
         assert "burn" not in text  # function names never become labels
@@ -300,16 +303,16 @@ def test_daemon_without_pyspy_reports_the_collector_down(tmp_path: Path, procs: 
         tmp_path, gil={"enabled": True, "interval_seconds": 1, "duration_seconds": 1,
                        "pyspy_path": str(tmp_path / "no-py-spy")},
         stall={"after_seconds": 1.0},
-    )  # fmt: skip
+    )
     rank_dir = cfg["rank_dir"]
     start(procs, "rank.py", "beat_then_lock", rank_dir, "hang-job", "0")
     d = DaemonProc(cfg_path, cfg)
     try:
         d.wait_for(lambda: d.value("gpuwatch_collector_success", collector="pyspy") == 0.0,
-                   what="pyspy collector down")  # fmt: skip
+                   what="pyspy collector down")
         # heartbeat-based stall detection keeps working without py-spy
         d.wait_for(lambda: has_finding(d, "rank_stalled", job_id="hang-job", rank="0"),
-                   what="rank_stalled without py-spy")  # fmt: skip
+                   what="rank_stalled without py-spy")
         assert d.value("gpuwatch_rank_up", job_id="hang-job", rank="0") == 1.0
     finally:
         assert d.stop() == 0
@@ -328,18 +331,18 @@ def test_daemon_with_a_hanging_pyspy_stays_healthy(tmp_path: Path, procs: list) 
         tmp_path, gil={"enabled": True, "interval_seconds": 1, "duration_seconds": 1,
                        "timeout_seconds": 2, "pyspy_path": str(hang)},
         stall={"after_seconds": 1.0},
-    )  # fmt: skip
+    )
     rank_dir = cfg["rank_dir"]
     start(procs, "rank.py", "beat_then_lock", rank_dir, "hang-job", "0")
     cpu4 = start(procs, "cpu4.py")
     api.register_rank("gil-job", 0, pid=cpu4.pid, rank_dir=rank_dir, heartbeat=False,
-                      cuda_oom_hook=False, strict=True)  # fmt: skip
+                      cuda_oom_hook=False, strict=True)
     d = DaemonProc(cfg_path, cfg)
     try:
         d.wait_for(lambda: d.value("gpuwatch_collector_success", collector="pyspy") == 0.0,
-                   timeout=30, what="pyspy collector down (timeout)")  # fmt: skip
+                   timeout=30, what="pyspy collector down (timeout)")
         d.wait_for(lambda: has_finding(d, "rank_stalled", job_id="hang-job", rank="0"),
-                   timeout=20, what="rank_stalled with a hanging py-spy")  # fmt: skip
+                   timeout=20, what="rank_stalled with a hanging py-spy")
         t0 = time.monotonic()
         d.text()
         assert time.monotonic() - t0 < 1.0  # a scrape never waits for py-spy
@@ -362,7 +365,7 @@ def test_tick_after_close_starts_nothing_and_raises_nothing() -> None:
     # run: "gil-sampler crashed: RuntimeError: cannot schedule new futures after shutdown")
     clock = FakeClock()
     s = GilSampler(PySpy(None), CounterStore(), interval_seconds=30, clock=clock,
-                   rng=random.Random(7))  # fmt: skip
+                   rng=random.Random(7))
     s.update_targets(GilTarget("j", r, 10_000_000 + r) for r in range(4))
     clock.t = 1100.0
     s.close()

@@ -17,7 +17,8 @@ from test_gil import BINARY, start
 
 from gpuwatchd.config import Config, ConfigError, GilConfig, parse_config
 from gpuwatchd.counters import CounterStore
-from gpuwatchd.daemon.gil import SCREEN_RATE_HZ, GilSampler, GilTarget
+from gpuwatchd.daemon.gil import SCREEN_RATE_HZ, GilSampler
+from gpuwatchd.daemon.gil_schedule import GilTarget
 from gpuwatchd.daemon.gil_signals import (
     GPU_IDLE_ON_CPU,
     HEARTBEAT_SLOWING,
@@ -39,9 +40,9 @@ def _proc(pid: int, cpu: float) -> ProcessInfo:
 
 
 def _state(t: float, cpu: float, *, util: float | None = None, step: int | None = None,
-           beat: float | None = None, stalled: bool = False, pid: int = 4821) -> NodeState:  # fmt: skip
+           beat: float | None = None, stalled: bool = False, pid: int = 4821) -> NodeState:
     rank = RankState("llm", 0, pid, 0, 8, True, _proc(pid, cpu), gpus=("0",),
-                     progress_timestamp=beat, stalled=stalled, step=step)  # fmt: skip
+                     progress_timestamp=beat, stalled=stalled, step=step)
     gpu = GpuDevice(0, "GPU-a", "NVIDIA H200", "0000:3b:00.0", 1 << 37, 1 << 30, util)
     return NodeState(timestamp=t, ranks=(rank,), gpus=(gpu,))
 
@@ -104,7 +105,7 @@ def _healthy(pid: int) -> RankSignals:
 def test_healthy_ranks_are_spread_over_the_healthy_interval_and_suspects_pulled_forward() -> None:
     clock = FakeClock()
     s = GilSampler(PySpy(None), CounterStore(), interval_seconds=30, clock=clock,
-                   rng=random.Random(5), healthy_interval_seconds=1800)  # fmt: skip
+                   rng=random.Random(5), healthy_interval_seconds=1800)
     s.update_targets(GilTarget("j", r, 10_000_000 + r) for r in range(64))
     s.update_signals({("j", r): _healthy(10_000_000 + r) for r in range(64)})
     plan = {p.key: p for p in s.plan()}
@@ -125,7 +126,7 @@ def test_a_screening_fits_the_budget_when_full_samples_are_shorter() -> None:
     """duration 0.3 s (tests): the token bucket holds 0.6 s, so a 1 s screening never ran."""
     clock = FakeClock()
     s = GilSampler(PySpy(None), CounterStore(), interval_seconds=0.5, duration_seconds=0.3,
-                   clock=clock, max_duty=0.2, healthy_interval_seconds=0.5)  # fmt: skip
+                   clock=clock, max_duty=0.2, healthy_interval_seconds=0.5)
     s.update_targets([GilTarget("j", 0, 10_000_000)])
     clock.t += 1
     assert [t.rank for t in s.due()] == [0]
@@ -136,7 +137,7 @@ def test_a_gil_bound_screening_asks_for_the_full_sample_at_once(procs: list) -> 
     clock = FakeClock()
     counters = CounterStore()
     s = GilSampler(PySpy(BINARY), counters, interval_seconds=30, duration_seconds=2, clock=clock,
-                   healthy_interval_seconds=600)  # fmt: skip
+                   healthy_interval_seconds=600)
     target = GilTarget("j", 0, cpu4.pid)
     s.update_targets([target])
     s.update_signals({target.key: _healthy(cpu4.pid)})  # looks healthy: its CPU not yet seen
@@ -160,11 +161,11 @@ def test_a_gil_bound_screening_asks_for_the_full_sample_at_once(procs: list) -> 
 
 
 def test_a_rank_whose_finding_is_up_is_sampled_less_until_its_signals_change(procs: list
-                                                                             ) -> None:  # fmt: skip
+                                                                             ) -> None:
     cpu4 = start(procs, "cpu4.py")
     clock = FakeClock()
     s = GilSampler(PySpy(BINARY), CounterStore(), interval_seconds=30, duration_seconds=1,
-                   clock=clock, healthy_interval_seconds=600, confirmed_ratio=0.8)  # fmt: skip
+                   clock=clock, healthy_interval_seconds=600, confirmed_ratio=0.8)
     target = GilTarget("j", 0, cpu4.pid)
     s.update_targets([target])
     on_cpu = {target.key: RankSignals(cpu4.pid, 1.0, False, (GPU_IDLE_ON_CPU,))}
@@ -182,7 +183,7 @@ def test_a_rank_whose_finding_is_up_is_sampled_less_until_its_signals_change(pro
     assert s.due() == []
     # one more signal (a GIL-bound rank's heartbeat flickers): not a turn, no sample pulled in
     s.update_signals({target.key: RankSignals(cpu4.pid, 1.0, False,
-                                              (GPU_IDLE_ON_CPU, HEARTBEAT_SLOWING))})  # fmt: skip
+                                              (GPU_IDLE_ON_CPU, HEARTBEAT_SLOWING))})
     assert s.due() == []
     for _ in range(2):  # its CPU drops for two cycles: a loaded node, maybe
         s.update_signals({target.key: _healthy(cpu4.pid)})
@@ -224,9 +225,9 @@ def _wait(pred, bound: float, what: str) -> float:  # type: ignore[no-untyped-de
 
 
 def test_a_rank_that_turns_gil_bound_among_healthy_ones_within_the_bound(
-        tmp_path: Path, procs: list) -> None:  # fmt: skip
+        tmp_path: Path, procs: list) -> None:
     gil = {"enabled": True, "interval_seconds": 2, "duration_seconds": 1, "rate_hz": 50,
-           "healthy_interval_seconds": 600, "timeout_seconds": 10}  # fmt: skip
+           "healthy_interval_seconds": 600, "timeout_seconds": 10}
     cfg_path, cfg = write_config(tmp_path, gil=gil)
     rank_dir = cfg["rank_dir"]
     healthy = [start(procs, "rank.py", "beat", rank_dir, "job", str(r)) for r in (1, 2, 3)]
@@ -234,13 +235,13 @@ def test_a_rank_that_turns_gil_bound_among_healthy_ones_within_the_bound(
     d = DaemonProc(cfg_path, cfg)
     try:
         d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id="job", rank="0") == 1.0,
-                   timeout=20, what="rank 0 up")  # fmt: skip
+                   timeout=20, what="rank 0 up")
         time.sleep(2)  # a few cycles of the healthy rank (its first screening: within 600 s)
         os.kill(turning.pid, signal.SIGUSR1)  # it becomes GIL-saturated now
         gcfg = parse_config(cfg).gil
         bound = saturation_bound(gcfg, cfg["interval_seconds"], 4, signals=True)
         took = _wait(lambda: has_finding(d, "gil_saturated", job_id="job", rank="0"), bound,
-                     "gil_saturated")  # fmt: skip
+                     "gil_saturated")
         assert took <= bound, (took, bound)
         for r in (1, 2, 3):
             assert not has_finding(d, "gil_saturated", job_id="job", rank=str(r))
@@ -257,9 +258,9 @@ def test_a_gil_bound_rank_without_signals_within_the_bound(procs: list) -> None:
     g = GilConfig(interval_seconds=2, duration_seconds=1, healthy_interval_seconds=4)
     s = GilSampler(PySpy(BINARY), CounterStore(), interval_seconds=g.interval_seconds,
                    duration_seconds=g.duration_seconds, max_duty=0.2, probe_seconds=0.5,
-                   healthy_interval_seconds=g.healthy_interval_seconds)  # fmt: skip
+                   healthy_interval_seconds=g.healthy_interval_seconds)
     targets = [GilTarget("j", 0, cpu4.pid)] + [GilTarget("j", i + 1, p.pid)
-                                               for i, p in enumerate(quiet)]  # fmt: skip
+                                               for i, p in enumerate(quiet)]
     s.update_targets(targets)
     bound = saturation_bound(g, 0.0, len(targets), signals=False)
     ctx_rank = RankState("j", 0, cpu4.pid, 0, 3, True, None)

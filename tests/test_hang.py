@@ -18,7 +18,8 @@ import pytest
 from gpuwatchd.config import Config
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import stall as stall_finding
-from gpuwatchd.join.stall import RankProbe, StallTracker, StallVerdict
+from gpuwatchd.join.stall import StallTracker
+from gpuwatchd.join.stall_verdicts import RankProbe, StallVerdict
 from gpuwatchd.model import GpuDevice, GpuProcessRow, RankState
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import pyspy
@@ -37,7 +38,7 @@ def rank(tmp_path: Path) -> Iterator[Callable[[str], tuple[subprocess.Popen[str]
 
     def launch(mode: str) -> tuple[subprocess.Popen[str], list[str]]:
         p = subprocess.Popen([sys.executable, str(PROGRAMS / "hang_rank.py"), mode, str(tmp_path),
-                              "hang-job", "0"], stdout=subprocess.PIPE, text=True)  # fmt: skip
+                              "hang-job", "0"], stdout=subprocess.PIPE, text=True)
         started.append(p)
         assert p.stdout is not None
         words = p.stdout.readline().split()
@@ -67,11 +68,11 @@ def probe(pid: int, heartbeat: str) -> RankProbe:
     info = PROCFS.read_process(pid)
     kids = PROCFS.read_many(PROCFS.descendants(pid))
     return RankProbe("hang-job", 0, pid, info is not None, info.state if info else "", heartbeat,
-                     workers=tuple((k, p.state, p.cpu_seconds) for k, p in kids.items()))  # fmt: skip
+                     workers=tuple((k, p.state, p.cpu_seconds) for k, p in kids.items()))
 
 
 def until_stalled(tracker: StallTracker, pid: int, hb: str, seconds: float = 20.0,
-                  want: str = "") -> StallVerdict:  # fmt: skip
+                  want: str = "") -> StallVerdict:
     deadline = time.monotonic() + seconds
     while True:
         v = tracker.observe(time.time(), [probe(pid, hb)])[("hang-job", 0)]
@@ -82,10 +83,10 @@ def until_stalled(tracker: StallTracker, pid: int, hb: str, seconds: float = 20.
 
 
 def explanation(v: StallVerdict, gpus: tuple[GpuDevice, ...] = (),
-                rows: tuple[GpuProcessRow, ...] = ()) -> str:  # fmt: skip
+                rows: tuple[GpuProcessRow, ...] = ()) -> str:
     r = RankState("hang-job", 0, v.pid, 0, 1, True, None, stalled=True, gpus=("0",) if gpus else ())
     ctx = FindingContext(now=time.time(), config=Config(), ranks=(r,), gpus=gpus,
-                         gpu_processes=rows, stall={v.key: v})  # fmt: skip
+                         gpu_processes=rows, stall={v.key: v})
     (f,) = stall_finding.find(ctx)
     assert f.kind == "rank_stalled"
     return f.explanation
@@ -96,7 +97,7 @@ def heartbeat_path(tmp_path: Path) -> str:
 
 
 def test_seed_003_lock_deadlock_names_both_threads_their_lines_and_the_word(
-        rank: Callable, tmp_path: Path) -> None:  # fmt: skip
+        rank: Callable, tmp_path: Path) -> None:
     p, _ = rank("deadlock")
     tracker = StallTracker(AFTER, PySpy(pyspy.resolve_pyspy()), dump_interval_seconds=CYCLE)
     v = until_stalled(tracker, p.pid, heartbeat_path(tmp_path), want="deadlock")
@@ -159,7 +160,7 @@ def test_starved_by_stopped_workers_then_by_dead_workers(rank: Callable, tmp_pat
     while True:
         v = tracker.observe(time.time(), [probe(p.pid, hb)])[("hang-job", 0)]
         text = next((x.text for x in (v.analysis.patterns if v.analysis else ())
-                     if x.kind == "starved"), "")  # fmt: skip
+                     if x.kind == "starved"), "")
         if "2 dead" in text:
             break
         assert time.monotonic() < deadline, v
@@ -227,7 +228,7 @@ def test_daemon_explains_the_deadlock(tmp_path: Path) -> None:
                 return next((f["explanation"] for f in state["findings"]
                              if f["kind"] == "rank_stalled"
                              and "likely deadlock" in f["explanation"]),
-                            "")  # fmt: skip
+                            "")
 
             d.wait_for(lambda: bool(finding()), timeout=30, what="rank_stalled with a deadlock")
             text = finding()
@@ -249,12 +250,12 @@ def test_daemon_explains_the_deadlock(tmp_path: Path) -> None:
 
 
 def test_doctor_folds_identical_threads_and_names_the_deadlock(rank: Callable, tmp_path: Path,
-                                                               procs: list) -> None:  # fmt: skip
+                                                               procs: list) -> None:
     """``gpuwatchd doctor PID`` on the deadlocked rank says "likely deadlock"; on a process with
     fourteen pool threads idle in queue.get they fold into one line."""
     p, _ = rank("deadlock")
     out = subprocess.run([sys.executable, "-m", "gpuwatchd", "doctor", str(p.pid)],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+                         capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "PYTHON THREADS (folded" in out.stdout
     assert "=> likely deadlock: 2 threads blocked acquiring locks" in out.stdout, out.stdout
@@ -268,17 +269,17 @@ def test_doctor_folds_identical_threads_and_names_the_deadlock(rank: Callable, t
     assert w.stdout is not None and w.stdout.readline().strip() == "ready"
     report = json.loads(subprocess.run(
         [sys.executable, "-m", "gpuwatchd", "doctor", "--json", str(w.pid)],
-        capture_output=True, text=True, timeout=60).stdout)  # fmt: skip
+        capture_output=True, text=True, timeout=60).stdout)
     lines = report["hang"]["threads"]
     print(lines)
     if sys.version_info >= (3, 11):
         assert any(t.startswith("14 threads (S, 0% CPU each) idle in queue.get at Condition.wait "
                                 "(threading.py:") and "<- Queue.get (queue.py:" in t
-                   for t in lines), lines  # fmt: skip
+                   for t in lines), lines
     else:  # no tid to join /proc state and CPU to (py-spy #567), no qualified names (co_qualname)
         assert any(t.startswith("14 threads (?, CPU ? each) idle in queue.get at wait "
                                 "(threading.py:") and "<- get (queue.py:" in t
-                   for t in lines), lines  # fmt: skip
+                   for t in lines), lines
     assert report["hang"]["patterns"] == []  # idle pool threads are no hang
 
 

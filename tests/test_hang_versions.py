@@ -37,10 +37,10 @@ def test_a_deadlocked_rank_on_each_python(version: str, tmp_path: Path) -> None:
     py = interpreter(version)
     ran = tuple(int(x) for x in subprocess.run(
         [py, "-c", "import sys; print(*sys.version_info[:2])"], capture_output=True, text=True,
-        check=True, timeout=30).stdout.split())  # fmt: skip
+        check=True, timeout=30).stdout.split())
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.Popen([py, str(PROGRAMS / "hang_rank.py"), "deadlock", str(tmp_path), "hang-job",
-                          "0"], stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+                          "0"], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         tracker = StallTracker(AFTER, PySpy(pyspy.resolve_pyspy()), dump_interval_seconds=CYCLE)

@@ -25,18 +25,18 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_kill_times_counts_first_kill_and_series_appearing_above_zero() -> None:
-    assert job._kill_times([(1, 0), (2, 0), (3, 1), (4, 1), (5, 2)], series_is_new=True) == [3, 5]
+    assert job.kill_times([(1, 0), (2, 0), (3, 1), (4, 1), (5, 2)], series_is_new=True) == [3, 5]
     # a series that appeared at 1 inside the window: its first sample is the kill
-    assert job._kill_times([(10, 1), (11, 1)], series_is_new=True) == [10]
+    assert job.kill_times([(10, 1), (11, 1)], series_is_new=True) == [10]
     # ... but not when it already existed at the window's start (an old kill)
-    assert job._kill_times([(10, 1), (11, 1)], series_is_new=False) == []
+    assert job.kill_times([(10, 1), (11, 1)], series_is_new=False) == []
     # a counter reset followed by a kill
-    assert job._kill_times([(1, 2), (2, 1)], series_is_new=False) == [2]
+    assert job.kill_times([(1, 2), (2, 1)], series_is_new=False) == [2]
 
 
 def test_start_of_current_run() -> None:
-    assert job._start_of_current_run([(1, 1), (2, 0), (3, 1), (4, 0), (5, 0)], 0) == 4
-    assert job._start_of_current_run([(1, 1)], 0) is None
+    assert job.start_of_current_run([(1, 1), (2, 0), (3, 1), (4, 0), (5, 0)], 0) == 4
+    assert job.start_of_current_run([(1, 1)], 0) is None
 
 
 def test_rejects_bad_job_id_and_lookback() -> None:
@@ -132,7 +132,7 @@ def test_job_across_two_nodes_names_first_oom_killed_rank(tmp_path: Path) -> Non
 
 
 def test_job_names_the_rank_behind_in_the_flight_recorder_and_the_straggler(
-        tmp_path: Path) -> None:  # fmt: skip
+        tmp_path: Path) -> None:
     """Three ranks on a stand-in node: ranks 0 and 1 step on and entered collective #5; rank 2
     stopped stepping and its flight recorder says #4. `gpuwatchd job` names rank 2 both as the
     rank that never entered collective #5 and as the straggler (0 steps/s)."""
@@ -140,7 +140,7 @@ def test_job_names_the_rank_behind_in_the_flight_recorder_and_the_straggler(
     ranks[2].stalled = True
     with MetricsServer(node_exposition(ranks)) as node, prometheus(tmp_path, [node.address]) as prom:
         wait_until(lambda: len(prom.query("deriv(gpuwatch_rank_step[10m])")) == 3, 30,
-                   "three step rates")  # fmt: skip
+                   "three step rates")
         node.text = node_exposition(ranks)
         time.sleep(2)
         jv = job.job_view(job.Prometheus(prom.url), "fr-7")

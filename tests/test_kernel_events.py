@@ -22,19 +22,18 @@ from kernel_oom_helpers import RANK_WITH_WORKER_CODE, MemCgroup, go
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.events.bus import EventBus
 from gpuwatchd.events.log import JsonlSink, read_events
-from gpuwatchd.join.kernel_events import (
-    KernelEventProcessor,
-    RankTreeRecord,
-    TreeMember,
-)
+from gpuwatchd.join.kernel_events import KernelEventProcessor
+from gpuwatchd.join.rank_trees import RankTreeRecord, TreeMember
 from gpuwatchd.model import RankState
 from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources import kernel_log as kl
+from gpuwatchd.sources.journal import JournalSource
+from gpuwatchd.sources.kernel_lines import KILLER_OOMD, LogRecord, parse_kmsg
+from gpuwatchd.sources.kmsg import KmsgSource, read_boot_id
 from gpuwatchd.sources.procfs import ProcfsReader
 
 FIX = Path(__file__).parent / "fixtures" / "kernel"
 FORMATS = json.loads((FIX / "research_formats.json").read_text())
-BOOT = kl.read_boot_id(HostPaths())
+BOOT = read_boot_id(HostPaths())
 COMM = Path(sys.executable).name[:15]  # the children's comm: the exec'd file name
 JOURNAL_REMOTE = "/lib/systemd/systemd-journal-remote"
 
@@ -44,8 +43,8 @@ def proc(tmp: Path, counters: CounterStore | None = None, **kw: Any) -> KernelEv
     return KernelEventProcessor(c, str(tmp), bus=EventBus([JsonlSink(str(tmp))]), boot_id=BOOT, **kw)
 
 
-def rec(msg: str, t: float, ident: str = "kernel", usec: int | None = None) -> kl.LogRecord:
-    return kl.LogRecord(msg, ident, BOOT, usec if usec is not None else int(t * 1e6) % 10**9, t, "test")
+def rec(msg: str, t: float, ident: str = "kernel", usec: int | None = None) -> LogRecord:
+    return LogRecord(msg, ident, BOOT, usec if usec is not None else int(t * 1e6) % 10**9, t, "test")
 
 
 def oom_series(c: CounterStore) -> dict[tuple[str, ...], float]:
@@ -150,9 +149,9 @@ def test_oomd_kill_maps_cgroup_to_ranks(tmp_path: Path) -> None:
         ],
         1000.0,
     )
-    evs = p.handle(rec(FORMATS["oomd"][1], 1001.0, kl.KILLER_OOMD))
+    evs = p.handle(rec(FORMATS["oomd"][1], 1001.0, KILLER_OOMD))
     assert sorted((e.rank, e.killer) for e in evs) == [("0", "systemd-oomd"), ("1", "systemd-oomd")]
-    (other,) = p.handle(rec(FORMATS["oomd"][0], 1002.0, kl.KILLER_OOMD))
+    (other,) = p.handle(rec(FORMATS["oomd"][0], 1002.0, KILLER_OOMD))
     assert other.job_id == "" and other.labels == ("", "", "", "systemd-oomd")
 
 
@@ -270,9 +269,9 @@ class Pipeline:
         )
         self.source: Any
         if source == "kmsg":
-            self.source = kl.KmsgSource(str(state_dir))
+            self.source = KmsgSource(str(state_dir))
         else:
-            self.source = kl.JournalSource(str(state_dir), path=str(journal))
+            self.source = JournalSource(str(state_dir), path=str(journal))
         self.source.hold_cursor(self.processor.oldest_pending_seq)
         self.thread = threading.Thread(target=self.source.run, args=(self.processor.handle,), daemon=True)
         self.thread.start()
@@ -433,7 +432,7 @@ def test_journal_all_formats_read_once_and_while_appended(tmp_path: Path) -> Non
     jdir.mkdir()
     state = tmp_path / "state"
     t0 = time.time() - 60
-    recorded = [kl.parse_kmsg(line) for line in (FIX / "memcg_v1_kill_6.18.kmsg").read_bytes().splitlines()]
+    recorded = [parse_kmsg(line) for line in (FIX / "memcg_v1_kill_6.18.kmsg").read_bytes().splitlines()]
     entries = b"".join(export_entry(r.message, r.usec, t0 + i / 1e4, prio=r.priority & 7)
                        for i, r in enumerate(recorded) if r is not None)
     write_journal(jdir / "remote.journal", entries + research_entries(10**9, t0 + 1))
@@ -484,7 +483,7 @@ def test_journal_real_kill_while_daemon_down_counted_once(tmp_path: Path, cgroup
             raw = os.read(fd, 16384)
         except BlockingIOError:
             break
-        r = kl.parse_kmsg(raw)
+        r = parse_kmsg(raw)
         if r is not None and r.facility == 0:
             records.append(r)
     os.close(fd)

@@ -21,10 +21,19 @@ from gpuwatchd.findings import FindingContext, xid
 from gpuwatchd.join.kernel_events import KernelEventProcessor
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import kernel_formats
-from gpuwatchd.sources import kernel_log as kl
+from gpuwatchd.sources.kernel_lines import (
+    KILLER_EARLYOOM,
+    KILLER_KERNEL,
+    MAX_MESSAGE,
+    KmsgRecord,
+    LogRecord,
+    parse_kmsg,
+    parse_message,
+)
+from gpuwatchd.sources.kmsg import read_boot_id
 
 FIX = Path(__file__).parent / "fixtures" / "kernel"
-BOOT = kl.read_boot_id(HostPaths())
+BOOT = read_boot_id(HostPaths())
 MEMCG = ("/kubepods/pod95387fa4-da9c-11e7-9d36-5254b24cbf5e/"
          "6895a3e13439535852d3184ac2aadd26d7363cc035f171545ec7d4ce74073b0b")
 
@@ -44,12 +53,12 @@ KILLS: dict[str, list[tuple[int, str, int, str, str]]] = {
 }
 
 
-def kmsg_records(name: str) -> list[kl.KmsgRecord]:
+def kmsg_records(name: str) -> list[KmsgRecord]:
     out = []
     for line in (FIX / name).read_bytes().splitlines():
         if line.startswith(b"#") or not line.strip():
             continue
-        r = kl.parse_kmsg(line)
+        r = parse_kmsg(line)
         assert r is not None and r.facility == 0, line
         out.append(r)
     return out
@@ -63,7 +72,7 @@ def through_kmsg(tmp: Path, name: str, t0: float) -> tuple[list[Event], KernelEv
     p = processor(tmp)
     events: list[Event] = []
     for r in kmsg_records(name):
-        events += p.handle(kl.LogRecord(r.message, kl.KILLER_KERNEL, BOOT, r.usec, t0 + r.usec / 1e6,
+        events += p.handle(LogRecord(r.message, KILLER_KERNEL, BOOT, r.usec, t0 + r.usec / 1e6,
                                         "kmsg", seq=r.seq))
     events += p.tick(t0 + 10**5)
     return events, p
@@ -120,12 +129,12 @@ def earlyoom_lines() -> list[str]:
 
 
 def test_earlyoom_before_1_6_parses() -> None:
-    parsed = [p for x in earlyoom_lines() if (p := kl.parse_message(x, kl.KILLER_EARLYOOM))]
+    parsed = [p for x in earlyoom_lines() if (p := parse_message(x, KILLER_EARLYOOM))]
     assert [(p.pid, p.comm, int(p.fields["rss_kb"]) // 1024) for p in parsed] == [
         *EARLYOOM, (5874, "bash", 3172)]
     assert {p.fields["signal"] for p in parsed} == {"SIGTERM"}
     # the same words from the kernel transport are not earlyoom's
-    assert all(kl.parse_message(x) is None for x in earlyoom_lines())
+    assert all(parse_message(x) is None for x in earlyoom_lines())
 
 
 def test_earlyoom_before_1_6_through_the_journal(tmp_path: Path) -> None:
@@ -177,7 +186,7 @@ def test_gpu_fallen_off_the_bus_without_xid_through_the_journal(tmp_path: Path) 
     "NVRM: " + "fallen off the bus " * 500,
 ])
 def test_bus_lost_odd_records(msg: str) -> None:
-    got: Any = kernel_formats.parse_bus_lost(msg[:kl.MAX_MESSAGE])
+    got: Any = kernel_formats.parse_bus_lost(msg[:MAX_MESSAGE])
     assert got is None or got[1] == ""
 
 
@@ -206,13 +215,13 @@ def test_bus_lost_dedup_rules() -> None:
     st.text(max_size=400),
 )
 def test_fuzz_new_formats_around_keywords(a: str, keyword: str, b: str) -> None:
-    for ident in (kl.KILLER_KERNEL, kl.KILLER_EARLYOOM):
-        kl.parse_message(a + keyword + b, ident)
+    for ident in (KILLER_KERNEL, KILLER_EARLYOOM):
+        parse_message(a + keyword + b, ident)
 
 
 def test_worst_case_bus_lost_record_is_fast() -> None:
-    msg = ("NVRM: GPU 0000:3b:00.0 " * 200)[: kl.MAX_MESSAGE - 30] + " fallen off the bus"
+    msg = ("NVRM: GPU 0000:3b:00.0 " * 200)[: MAX_MESSAGE - 30] + " fallen off the bus"
     t0 = time.monotonic()
     for _ in range(20):
-        kl.parse_message(msg)
+        parse_message(msg)
     assert time.monotonic() - t0 < 2.0

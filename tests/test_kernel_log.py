@@ -13,16 +13,28 @@ from hypothesis import strategies as st
 
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import kernel_log as kl
+from gpuwatchd.sources.journal import JournalSource, journal_available
+from gpuwatchd.sources.kernel_lines import (
+    KILLER_EARLYOOM,
+    KILLER_KERNEL,
+    KILLER_OOMD,
+    KmsgRecord,
+    LogRecord,
+    parse_kmsg,
+    parse_message,
+    rss_bytes,
+)
+from gpuwatchd.sources.kmsg import KmsgSource, read_boot_id
 
 FIX = Path(__file__).parent / "fixtures" / "kernel"
 RECORDED = FIX / "memcg_v1_kill_6.18.kmsg"
 FORMATS = json.loads((FIX / "research_formats.json").read_text())
 
 
-def recorded_records() -> list[kl.KmsgRecord]:
+def recorded_records() -> list[KmsgRecord]:
     out = []
     for line in RECORDED.read_bytes().splitlines():
-        rec = kl.parse_kmsg(line)
+        rec = parse_kmsg(line)
         assert rec is not None, line
         out.append(rec)
     return out
@@ -37,7 +49,7 @@ def test_recorded_kmsg_records_parse_in_order() -> None:
 
 
 def test_recorded_memcg_kill_lines() -> None:
-    parsed = [p for r in recorded_records() if (p := kl.parse_message(r.message))]
+    parsed = [p for r in recorded_records() if (p := parse_message(r.message))]
     assert [p.kind for p in parsed] == ["invoked", "memcg_stats", "summary", "killed"]
     summary, killed = parsed[2], parsed[3]
     assert summary.pid == killed.pid == 5653
@@ -45,36 +57,36 @@ def test_recorded_memcg_kill_lines() -> None:
     assert summary.fields["constraint"] == "CONSTRAINT_MEMCG"
     assert killed.comm == "python3"
     assert killed.fields["kind"] == "Memory cgroup out of memory"
-    assert kl.rss_bytes(killed) == (72192 + 6640 + 0) * 1024
+    assert rss_bytes(killed) == (72192 + 6640 + 0) * 1024
 
 
 def test_research_xid_formats() -> None:
     for case in FORMATS["xids"]:
-        p = kl.parse_message(case["line"])
+        p = parse_message(case["line"])
         assert p is not None and p.kind == "xid", case["line"]
         assert p.fields["pci"] == case["expect"]["pci"]
         assert int(p.fields["xid"]) == case["expect"]["xid"]
         assert p.pid == case["expect"]["pid"]
-    mig = kl.parse_message(FORMATS["xids"][5]["line"])
+    mig = parse_message(FORMATS["xids"][5]["line"])
     assert mig is not None and mig.fields["gi"] == "01" and mig.fields["ci"] == "00"
-    gpu_at = kl.parse_message(FORMATS["gpu_at"])
+    gpu_at = parse_message(FORMATS["gpu_at"])
     assert gpu_at is not None and gpu_at.fields["uuid"].startswith("GPU-8a3e5c1f")
 
 
 def test_userspace_killer_formats_only_from_their_identifier() -> None:
     for line in FORMATS["oomd"]:
-        p = kl.parse_message(line, kl.KILLER_OOMD)
+        p = parse_message(line, KILLER_OOMD)
         assert p is not None and p.kind == "oomd" and p.fields["cgroup"].startswith("/")
-        assert kl.parse_message(line, kl.KILLER_KERNEL) is None
+        assert parse_message(line, KILLER_KERNEL) is None
     line = FORMATS["kills"][7]["lines"][1]
-    p = kl.parse_message(line, kl.KILLER_EARLYOOM)
+    p = parse_message(line, KILLER_EARLYOOM)
     assert p is not None and p.pid == 9301 and p.comm == "python3"
-    assert kl.parse_message(line, "sshd") is None  # only the killers' own identifiers count
+    assert parse_message(line, "sshd") is None  # only the killers' own identifiers count
 
 
 def test_oom_prefix_not_anchored() -> None:
     # Proposed kernels prefix OOM lines (e.g. "OOM[12]: "); the summary/kill are searched for.
-    p = kl.parse_message(
+    p = parse_message(
         "OOM[12]: Memory cgroup out of memory: Killed process 77 (python3) total-vm:1kB, "
         "anon-rss:1kB, file-rss:0kB, shmem-rss:0kB, UID:0 pgtables:1kB oom_score_adj:0"
     )
@@ -104,24 +116,24 @@ HOSTILE = [
 def test_hostile_records_never_raise_and_stay_fast() -> None:
     t0 = time.monotonic()
     for raw in HOSTILE:
-        rec = kl.parse_kmsg(raw)
+        rec = parse_kmsg(raw)
         if rec is not None:
-            for ident in (kl.KILLER_KERNEL, kl.KILLER_OOMD, kl.KILLER_EARLYOOM):
-                kl.parse_message(rec.message, ident)
-        kl.parse_message(raw.decode("utf-8", "replace"))
+            for ident in (KILLER_KERNEL, KILLER_OOMD, KILLER_EARLYOOM):
+                parse_message(rec.message, ident)
+        parse_message(raw.decode("utf-8", "replace"))
     assert time.monotonic() - t0 < 2.0
-    bad = kl.parse_kmsg(b"3,5,1,-;Killed process 99999999999 (python3) total-vm:1kB, anon-rss:1kB, file-rss:1kB")
-    assert bad is not None and kl.parse_message(bad.message) is None  # pid > 10 digits
-    dev = kl.parse_kmsg(HOSTILE[-1])
+    bad = parse_kmsg(b"3,5,1,-;Killed process 99999999999 (python3) total-vm:1kB, anon-rss:1kB, file-rss:1kB")
+    assert bad is not None and parse_message(bad.message) is None  # pid > 10 digits
+    dev = parse_kmsg(HOSTILE[-1])
     assert dev is not None and dev.message == "text"
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=3000))
 def test_fuzz_kmsg_bytes(raw: bytes) -> None:
-    rec = kl.parse_kmsg(raw)
+    rec = parse_kmsg(raw)
     if rec is not None:
-        kl.parse_message(rec.message)
+        parse_message(rec.message)
 
 
 @settings(max_examples=300, deadline=None)
@@ -131,8 +143,8 @@ def test_fuzz_kmsg_bytes(raw: bytes) -> None:
     st.text(max_size=400),
 )
 def test_fuzz_messages_around_keywords(a: str, keyword: str, b: str) -> None:
-    for ident in (kl.KILLER_KERNEL, kl.KILLER_EARLYOOM, kl.KILLER_OOMD):
-        kl.parse_message(a + keyword + b, ident)
+    for ident in (KILLER_KERNEL, KILLER_EARLYOOM, KILLER_OOMD):
+        parse_message(a + keyword + b, ident)
 
 
 # --- /dev/kmsg, for real -------------------------------------------------------------------------
@@ -140,15 +152,15 @@ def test_fuzz_messages_around_keywords(a: str, keyword: str, b: str) -> None:
 
 class Collector:
     def __init__(self) -> None:
-        self.records: list[kl.LogRecord] = []
+        self.records: list[LogRecord] = []
         self.lock = threading.Lock()
 
-    def __call__(self, rec: kl.LogRecord) -> None:
+    def __call__(self, rec: LogRecord) -> None:
         with self.lock:
             self.records.append(rec)
 
 
-def start(src: kl.KmsgSource, sink: Collector) -> threading.Thread:
+def start(src: KmsgSource, sink: Collector) -> threading.Thread:
     t = threading.Thread(target=src.run, args=(sink,), daemon=True)
     t.start()
     assert src.ready.wait(10), "kmsg source never caught up with the ring"
@@ -166,7 +178,7 @@ def wait_for(cond, timeout: float = 5.0) -> bool:  # type: ignore[no-untyped-def
 
 def test_spoofed_oom_line_from_userspace_is_ignored(tmp_path: Path) -> None:
     rejected: list[str] = []
-    src = kl.KmsgSource(str(tmp_path), on_reject=rejected.append)
+    src = KmsgSource(str(tmp_path), on_reject=rejected.append)
     sink = Collector()
     t = start(src, sink)
     try:
@@ -188,16 +200,16 @@ def test_spoofed_oom_line_from_userspace_is_ignored(tmp_path: Path) -> None:
 
 
 def test_resume_after_restart_is_exact(tmp_path: Path) -> None:
-    src = kl.KmsgSource(str(tmp_path))
+    src = KmsgSource(str(tmp_path))
     first = Collector()
     t = start(src, first)
     src.stop()
     t.join(5)
     state = json.loads((tmp_path / "kmsg.json").read_text())
-    assert state["boot_id"] == kl.read_boot_id(HostPaths())
+    assert state["boot_id"] == read_boot_id(HostPaths())
     assert first.records and state["seq"] >= max(r.seq or 0 for r in first.records)
     # A restart delivers nothing already delivered.
-    src2 = kl.KmsgSource(str(tmp_path))
+    src2 = KmsgSource(str(tmp_path))
     second = Collector()
     t2 = start(src2, second)
     src2.stop()
@@ -206,7 +218,7 @@ def test_resume_after_restart_is_exact(tmp_path: Path) -> None:
     assert not any(r.seq in seen for r in second.records)
     # A different boot id means a new boot: the whole ring is read again.
     (tmp_path / "kmsg.json").write_text(json.dumps({"boot_id": "other-boot", "seq": state["seq"]}))
-    src3 = kl.KmsgSource(str(tmp_path))
+    src3 = KmsgSource(str(tmp_path))
     third = Collector()
     t3 = start(src3, third)
     src3.stop()
@@ -216,7 +228,7 @@ def test_resume_after_restart_is_exact(tmp_path: Path) -> None:
 
 def test_corrupt_position_file_reads_from_start(tmp_path: Path) -> None:
     (tmp_path / "kmsg.json").write_bytes(b"\x00{not json")
-    src = kl.KmsgSource(str(tmp_path))
+    src = KmsgSource(str(tmp_path))
     assert src.load_position() is None
     (tmp_path / "kmsg.json").write_text(json.dumps({"boot_id": src.boot_id, "seq": -5}))
     assert src.load_position() is None
@@ -236,11 +248,11 @@ def test_kmsg_overrun_is_counted_and_reading_continues(tmp_path: Path) -> None:
     knob = Path("/proc/sys/kernel/printk_devkmsg")
     old = knob.read_text().strip()
     overruns: list[int] = []
-    src = kl.KmsgSource(str(tmp_path), on_overrun=lambda: overruns.append(1))
+    src = KmsgSource(str(tmp_path), on_overrun=lambda: overruns.append(1))
     gate = threading.Event()
     sink = Collector()
 
-    def slow(rec: kl.LogRecord) -> None:
+    def slow(rec: LogRecord) -> None:
         sink(rec)
         gate.wait(30)  # the reader is stuck in the handler while the ring wraps
 
@@ -276,15 +288,15 @@ def test_open_kernel_log_modes(tmp_path: Path) -> None:
     paths = HostPaths()
     assert kl.open_kernel_log("off", paths, str(tmp_path)) is None
     # No journald on this host (no /run/systemd/journal/socket): auto falls back to /dev/kmsg.
-    assert not kl.journal_available(paths)
-    assert isinstance(kl.open_kernel_log("auto", paths, str(tmp_path)), kl.KmsgSource)
-    assert isinstance(kl.open_kernel_log("journal", paths, str(tmp_path)), kl.JournalSource)
+    assert not journal_available(paths)
+    assert isinstance(kl.open_kernel_log("auto", paths, str(tmp_path)), KmsgSource)
+    assert isinstance(kl.open_kernel_log("journal", paths, str(tmp_path)), JournalSource)
     fake_root = tmp_path / "root"
     (fake_root / "run/systemd/journal").mkdir(parents=True)
     (fake_root / "run/systemd/journal/socket").touch()
     with_journald = HostPaths(rootfs=str(fake_root))
-    assert kl.journal_available(with_journald)
-    assert isinstance(kl.open_kernel_log("auto", with_journald, str(tmp_path)), kl.JournalSource)
+    assert journal_available(with_journald)
+    assert isinstance(kl.open_kernel_log("auto", with_journald, str(tmp_path)), JournalSource)
     try:
         kl.open_kernel_log("kmsg", HostPaths(devfs=str(tmp_path)), str(tmp_path))
         raise AssertionError("missing /dev/kmsg must be reported")

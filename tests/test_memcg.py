@@ -21,7 +21,9 @@ from gpuwatchd.join.memory_tracker import MemoryTracker, slope
 from gpuwatchd.model import NodeMemoryState, ProcessInfo, RankMemory, RankState, TreeProcessMemory
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import memcg
-from gpuwatchd.sources.pyspy import Frame, ThreadStack
+from gpuwatchd.sources.kernel_lines import LogRecord
+from gpuwatchd.sources.pyspy_output import Frame, ThreadStack
+from gpuwatchd.units import fmt_duration, fmt_span
 
 FIX = Path(__file__).parent / "fixtures" / "memcg" / "v2"
 GiB = 1 << 30
@@ -109,7 +111,7 @@ def test_paths_cannot_leave_the_hierarchy_and_depth_is_bounded(tmp_path: Path) -
     assert r.read(memcg.CgroupPaths("", deep)) is None
     big = tmp_path / "big"
     big.write_text("some avg10=1.00 avg60=0 avg300=0 total=1\n" + "x" * (1 << 20))
-    assert memcg.parse_psi(memcg._read(str(big))) is not None  # read is capped, head still parses
+    assert memcg.parse_psi(memcg.read_capped(str(big))) is not None  # read is capped, head still parses
 
 
 def test_cgroup_file_parsing() -> None:
@@ -150,7 +152,7 @@ def test_assess_reasons_and_steady_near_limit() -> None:
     n = finding.assess(free, node, 0.9, 900)
     assert n is not None and n["reason"] == "node_trend" and n["seconds_to_node_end"] == pytest.approx(64)
     assert "the node runs out of memory in about 65 seconds" in finding.explain(free, node, n, 0.0)
-    assert finding.fmt_duration(7200) == "about 2.0 hours" and finding.fmt_span(300) == "5 min"
+    assert fmt_duration(7200) == "about 2.0 hours" and fmt_span(300) == "5 min"
 
 
 def test_snapshot_event_is_bounded_and_names_the_grower() -> None:
@@ -198,8 +200,8 @@ def test_kill_links_to_the_last_snapshot_of_its_rank_across_a_restart(tmp_path: 
     from gpuwatchd.counters import CounterStore
     from gpuwatchd.events.bus import EventBus
     from gpuwatchd.events.log import JsonlSink
-    from gpuwatchd.join.kernel_events import KernelEventProcessor, TreeMember
-    from gpuwatchd.sources import kernel_log as kl
+    from gpuwatchd.join.kernel_events import KernelEventProcessor
+    from gpuwatchd.join.rank_trees import TreeMember
 
     def processor() -> KernelEventProcessor:
         return KernelEventProcessor(CounterStore(), str(tmp_path), bus=EventBus([JsonlSink(str(tmp_path))]),
@@ -219,7 +221,7 @@ def test_kill_links_to_the_last_snapshot_of_its_rank_across_a_restart(tmp_path: 
     p2.record.update([TreeMember(4400, now - 100, "llm-7", 3, 4321, True, "pt_data_worker", now)], now)
     line = ("Memory cgroup out of memory: Killed process 4400 (pt_data_worker) total-vm:1kB, "
             "anon-rss:9437184kB, file-rss:0kB, shmem-rss:0kB, UID:0 pgtables:1kB oom_score_adj:0")
-    (kill,) = p2.handle(kl.LogRecord(line, "kernel", "boot", 10**9, now, "test"))
+    (kill,) = p2.handle(LogRecord(line, "kernel", "boot", 10**9, now, "test"))
     assert kill.fields["memory_snapshot"].endswith(":2")  # the last of this rank process, not 9999's
     assert "rank 3 (stack unavailable: absent); worker 4400 (pt_data_worker) had grown 9.0 GiB" in kill.summary
 

@@ -17,11 +17,13 @@ import pytest
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.findings.gpu_lost import lost_finding
 from gpuwatchd.isolation import Collector, NotPresent
-from gpuwatchd.join.xid_dedup import SOURCE_KERNEL, SOURCE_NVML, XidDeduper, normalize_pci_bus_id
+from gpuwatchd.join.xid_dedup import XidDeduper
+from gpuwatchd.model import SOURCE_KERNEL, SOURCE_NVML
 from gpuwatchd.sources.nvml import NvmlNotPresent, NvmlReadError, NvmlSource, select_devices
 from gpuwatchd.sources.nvml_events import XidEventWatcher
 from gpuwatchd.sources.nvml_fixture import RecordedNvml, fixture_source
 from gpuwatchd.sources.udev import UdevWatcher, classify, parse_uevent_file
+from gpuwatchd.units import normalize_pci_bus_id
 
 FIX = Path(__file__).parent / "fixtures" / "nvml"
 H200 = FIX / "h200_orphan_dataloader.json"
@@ -171,7 +173,7 @@ def test_nvml_xid_event_counted_once_with_kernel_line() -> None:
     w = XidEventWatcher(counters.inc, dedup, pynvml=lib, clock=lambda: 1000.0)
     lib.nvmlInit()
     lib.nvmlDeviceGetCount()
-    event_set = w._register(lib)
+    event_set = w.register_xid_events(lib)
     assert w.poll_once(lib, event_set) is True
     assert w.poll_once(lib, event_set) is False  # time-out: nothing more
     assert counters.get("gpu_xid_errors", ("0", UUID, "79")) == 1

@@ -24,7 +24,8 @@ from gpuwatchd.events.bus import EventBus
 from gpuwatchd.events.log import Event, JsonlSink, read_events
 from gpuwatchd.join.oom_history import BASELINE_FILE, Baseline, load_baseline, save_baseline
 from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources.kernel_log import read_boot_id, read_vmstat_oom_kill
+from gpuwatchd.sources.kernel_log import read_vmstat_oom_kill
+from gpuwatchd.sources.kmsg import read_boot_id
 
 BOOT = read_boot_id(HostPaths())
 

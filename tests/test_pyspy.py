@@ -17,7 +17,23 @@ import pytest
 
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import pyspy
-from gpuwatchd.sources.pyspy import PySpy, PySpyError
+from gpuwatchd.sources.pyspy import PySpy
+from gpuwatchd.sources.pyspy_output import (
+    ABSENT,
+    BUSY,
+    FAILED,
+    OUTPUT_TOO_LARGE,
+    PERMISSION_DENIED,
+    TARGET_GONE,
+    TIMEOUT,
+    Frame,
+    PySpyError,
+    classify_failure,
+    parse_dump_json,
+    parse_record_raw,
+    parse_record_summary,
+)
+from gpuwatchd.sources.threads import in_nested_pid_namespace, process_state
 
 FIX = Path(__file__).parent / "fixtures" / "pyspy"
 PROGRAMS = FIX / "programs"
@@ -52,7 +68,7 @@ def test_resolves_the_real_elf_binary_not_a_shim(tmp_path: Path) -> None:
     shim = stand_in(tmp_path, 'exec py-spy "$@"')
     with pytest.raises(PySpyError) as e:
         pyspy.resolve_pyspy(search=[shim])
-    assert e.value.reason == pyspy.ABSENT and "shim" in e.value.detail
+    assert e.value.reason == ABSENT and "shim" in e.value.detail
     assert pyspy.resolve_pyspy(search=[shim, BINARY]) == os.path.realpath(BINARY)
     # a configured path wins even when it is a script (tests use stand-ins this way)
     assert pyspy.resolve_pyspy(shim) == shim
@@ -66,7 +82,7 @@ def test_absent_binary_is_a_reason_not_a_crash(tmp_path: Path, procs: list) -> N
     for call in (lambda: spy.dump(p.pid), lambda: spy.record_gil(p.pid, 50, 1)):
         with pytest.raises(PySpyError) as e:
             call()
-        assert e.value.reason == pyspy.ABSENT and e.value.collector_down
+        assert e.value.reason == ABSENT and e.value.collector_down
         assert "no-such-py-spy" in str(e.value)
 
 
@@ -74,7 +90,7 @@ def test_absent_binary_is_a_reason_not_a_crash(tmp_path: Path, procs: list) -> N
 
 
 def test_parse_recorded_dump_marks_one_gil_owner() -> None:
-    threads = pyspy.parse_dump_json((FIX / "dump_cpu4.json").read_text())
+    threads = parse_dump_json((FIX / "dump_cpu4.json").read_text())
     assert sorted(t.name for t in threads) == ["MainThread", "cpu-0", "cpu-1", "cpu-2", "cpu-3"]
     assert sum(t.owns_gil for t in threads) == 1
     cpu = next(t for t in threads if t.name == "cpu-0")
@@ -84,35 +100,35 @@ def test_parse_recorded_dump_marks_one_gil_owner() -> None:
 
 
 def test_parse_recorded_record_raw_and_summary() -> None:
-    held, errors = pyspy.parse_record_summary((FIX / "record_cpu4.stdout").read_bytes())
+    held, errors = parse_record_summary((FIX / "record_cpu4.stdout").read_bytes())
     assert (held, errors) == (90, 0)
-    top, by_thread = pyspy.parse_record_raw((FIX / "record_cpu4.raw").read_text())
+    top, by_thread = parse_record_raw((FIX / "record_cpu4.raw").read_text())
     assert top[0][0] == "burn (cpu4.py)" and top[0][1] == 90
     assert sorted(name for _, name, _ in by_thread) == ["cpu-0", "cpu-1", "cpu-2", "cpu-3"]
     assert sum(n for _, _, n in by_thread) == 90
-    assert pyspy.parse_record_summary((FIX / "record_io4.stdout").read_bytes()) == (0, 0)
-    assert pyspy.parse_record_raw("") == ((), ())
+    assert parse_record_summary((FIX / "record_io4.stdout").read_bytes()) == (0, 0)
+    assert parse_record_raw("") == ((), ())
 
 
 def test_parsers_survive_garbage() -> None:
-    top, threads = pyspy.parse_record_raw("no count here\n;;; x\nthread (zz): a;b 3\n 7\n")
+    top, threads = parse_record_raw("no count here\n;;; x\nthread (zz): a;b 3\n 7\n")
     assert top == (("b", 3),) and threads == ()
     with pytest.raises(ValueError):
-        pyspy.parse_dump_json('{"not": "a list"}')
+        parse_dump_json('{"not": "a list"}')
     with pytest.raises(ValueError):
-        pyspy.parse_record_summary(b"py-spy> Sampling process")
-    assert pyspy.parse_dump_json('[{"frames": [1, {"name": "f", "line": "x"}]}]')[0].frames == (
-        pyspy.Frame("f", "", None),
+        parse_record_summary(b"py-spy> Sampling process")
+    assert parse_dump_json('[{"frames": [1, {"name": "f", "line": "x"}]}]')[0].frames == (
+        Frame("f", "", None),
     )
 
 
 def test_recorded_failures_are_classified() -> None:
     denied = (FIX / "dump_permission_denied.stderr").read_bytes()
-    assert pyspy.classify_failure(denied, True)[0] == pyspy.PERMISSION_DENIED
+    assert classify_failure(denied, True)[0] == PERMISSION_DENIED
     gone = (FIX / "dump_no_such_process.stderr").read_bytes()
-    assert pyspy.classify_failure(gone, False) == (
-        pyspy.TARGET_GONE, "Error: Failed to get process executable name. Check that the process "
-        "is running.")  # fmt: skip
+    assert classify_failure(gone, False) == (
+        TARGET_GONE, "Error: Failed to get process executable name. Check that the process "
+        "is running.")
     exited = (FIX / "record_target_exited.stdout").read_bytes()
     assert b"because process exited" in exited
 
@@ -120,7 +136,7 @@ def test_recorded_failures_are_classified() -> None:
 def test_recorded_pid_namespace_ids_map_through_nspid() -> None:
     lines = (FIX / "dump_pidns.nspid").read_text().split("\n")
     host_by_ns = {int(ln.split()[2]): int(ln.split()[1]) for ln in lines if ln.strip()}
-    threads = pyspy.parse_dump_json((FIX / "dump_pidns.json").read_text(), host_by_ns)
+    threads = parse_dump_json((FIX / "dump_pidns.json").read_text(), host_by_ns)
     assert sorted(t.ns_tid for t in threads) == [1, 2, 3, 4, 5]  # type: ignore[type-var]
     assert sorted(t.tid for t in threads) == sorted(host_by_ns.values())  # type: ignore[type-var]
 
@@ -177,11 +193,11 @@ def test_target_in_a_pid_namespace_gets_host_thread_ids(procs: list) -> None:
     outer = subprocess.Popen(
         ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, str(PROGRAMS / "io4.py")],
         stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    )
     try:
         assert outer.stdout is not None and outer.stdout.readline().strip() == "ready"
         inner = int(Path(f"/proc/{outer.pid}/task/{outer.pid}/children").read_text().split()[0])
-        assert pyspy.in_nested_pid_namespace(HostPaths(), inner)
+        assert in_nested_pid_namespace(HostPaths(), inner)
         threads = PySpy(BINARY).dump(inner)
         if sys.version_info >= (3, 11):
             assert {t.tid for t in threads} == {int(t) for t in os.listdir(f"/proc/{inner}/task")}
@@ -209,7 +225,7 @@ def test_hanging_pyspy_is_killed_with_its_whole_group(tmp_path: Path, procs: lis
     t0 = time.monotonic()
     with pytest.raises(PySpyError) as e:
         spy.dump(p.pid)
-    assert e.value.reason == pyspy.TIMEOUT and e.value.collector_down
+    assert e.value.reason == TIMEOUT and e.value.collector_down
     assert time.monotonic() - t0 < 3.0
     child = int(child_pid_file.read_text())
     deadline = time.monotonic() + 2
@@ -218,9 +234,9 @@ def test_hanging_pyspy_is_killed_with_its_whole_group(tmp_path: Path, procs: lis
     assert not os.path.exists(f"/proc/{child}"), "the stand-in's child survived the kill"
     with pytest.raises(PySpyError) as e:
         spy.record_gil(p.pid, 50, 1)  # record: hard time-out max(timeout, duration + 1)
-    assert e.value.reason == pyspy.TIMEOUT
+    assert e.value.reason == TIMEOUT
     assert spy.stats.timeouts == 2
-    assert pyspy.process_state(HostPaths(), p.pid) == "S"  # the target was never touched
+    assert process_state(HostPaths(), p.pid) == "S"  # the target was never touched
 
 
 def test_target_exiting_mid_sample(procs: list) -> None:
@@ -229,11 +245,11 @@ def test_target_exiting_mid_sample(procs: list) -> None:
     time.sleep(0.3)
     with pytest.raises(PySpyError) as e:
         PySpy(BINARY).record_gil(p.pid, 50, 3)
-    assert e.value.reason == pyspy.TARGET_GONE and not e.value.collector_down
+    assert e.value.reason == TARGET_GONE and not e.value.collector_down
     p.wait()
     with pytest.raises(PySpyError) as e:
         PySpy(BINARY).dump(p.pid)
-    assert e.value.reason == pyspy.TARGET_GONE
+    assert e.value.reason == TARGET_GONE
 
 
 def _user(name: str) -> tuple[int, int]:
@@ -241,7 +257,7 @@ def _user(name: str) -> tuple[int, int]:
         pw = pwd.getpwnam(name)
     except KeyError:
         subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                        name], check=True)  # fmt: skip
+                        name], check=True)
         pw = pwd.getpwnam(name)
     return pw.pw_uid, pw.pw_gid
 
@@ -257,7 +273,7 @@ def test_target_of_another_user_is_permission_denied(procs: list) -> None:
     for call in (lambda: spy.dump(p.pid), lambda: spy.record_gil(p.pid, 50, 1)):
         with pytest.raises(PySpyError) as e:
             call()
-        assert e.value.reason == pyspy.PERMISSION_DENIED and e.value.collector_down
+        assert e.value.reason == PERMISSION_DENIED and e.value.collector_down
         assert "Permission Denied" in e.value.detail
     # the same user may: proves the failure above is the permission, not the setup
     own = PySpy(BINARY, run_as=(target_uid, target_gid)).dump(p.pid)
@@ -275,13 +291,13 @@ def test_target_found_stopped_is_counted_and_left_as_it_is(tmp_path: Path, procs
     assert spy.dump(p.pid) == ()
     assert spy.stats.left_stopped == 1
     time.sleep(0.1)
-    assert pyspy.process_state(HostPaths(), p.pid) == "T"
+    assert process_state(HostPaths(), p.pid) == "T"
     os.kill(p.pid, signal.SIGCONT)
     # a target that was already stopped (by its owner) is left as it was
     os.kill(p.pid, signal.SIGSTOP)
     time.sleep(0.1)
     PySpy(BINARY).dump(p.pid)
-    assert pyspy.process_state(HostPaths(), p.pid) == "T"
+    assert process_state(HostPaths(), p.pid) == "T"
 
 
 def test_output_is_capped(tmp_path: Path, procs: list) -> None:
@@ -290,7 +306,7 @@ def test_output_is_capped(tmp_path: Path, procs: list) -> None:
     big = stand_in(tmp_path, "head -c 3000000 /dev/zero")
     with pytest.raises(PySpyError) as e:
         PySpy(big, output_cap_bytes=1 << 20).dump(p.pid)
-    assert e.value.reason == pyspy.OUTPUT_TOO_LARGE
+    assert e.value.reason == OUTPUT_TOO_LARGE
 
 
 def test_concurrency_is_bounded(tmp_path: Path, procs: list) -> None:
@@ -298,7 +314,7 @@ def test_concurrency_is_bounded(tmp_path: Path, procs: list) -> None:
     procs.append(p)
     log = tmp_path / "runs.log"
     slow = stand_in(tmp_path, f"echo start $(date +%s.%N) >> {log}\nsleep 0.4\n"
-                              f"echo end $(date +%s.%N) >> {log}\necho '[]'")  # fmt: skip
+                              f"echo end $(date +%s.%N) >> {log}\necho '[]'")
     spy = PySpy(slow, max_concurrent=1)
     threads = [threading.Thread(target=spy.dump, args=(p.pid,)) for _ in range(3)]
     for t in threads:
@@ -315,7 +331,7 @@ def test_unreadable_dump_output_is_a_failure_reason(tmp_path: Path, procs: list)
     procs.append(p)
     with pytest.raises(PySpyError) as e:
         PySpy(stand_in(tmp_path, "echo '{not json'")).dump(p.pid)
-    assert e.value.reason == pyspy.FAILED
+    assert e.value.reason == FAILED
     # and a clean JSON list that is not py-spy's shape is still handled
     assert PySpy(stand_in(tmp_path, "echo '[]'", "ok")).dump(p.pid) == ()
     assert json.loads("[]") == []
@@ -332,6 +348,6 @@ def test_dump_never_waits_for_a_busy_slot_when_asked_not_to(tmp_path: Path, proc
     t0 = time.monotonic()
     with pytest.raises(PySpyError) as e:
         spy.dump(p.pid, slot_wait=0.0)
-    assert e.value.reason == pyspy.BUSY and time.monotonic() - t0 < 0.2
+    assert e.value.reason == BUSY and time.monotonic() - t0 < 0.2
     holder.join()
     assert spy.dump(p.pid, slot_wait=0.0) == ()  # free again

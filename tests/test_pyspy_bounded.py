@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from gpuwatchd.sources import pyspy
-from gpuwatchd.sources.pyspy import PySpy, PySpyError
+from gpuwatchd.sources.pyspy import PySpy
+from gpuwatchd.sources.pyspy_output import OUTPUT_TOO_LARGE, PySpyError
 from gpuwatchd.sources.pyspy_spawn import MAX_RSS_BYTES
 
 HOSTILE = Path(__file__).parent / "fixtures" / "trust" / "deep_threads.py"
@@ -61,7 +62,7 @@ def test_a_dump_of_a_hostile_rank_is_killed_at_its_memory_cap(procs: list[subpro
         stop.set()
         watcher.join(5)
     print(f"py-spy peak RSS {peak[0] >> 20} MiB: {e.value}")
-    assert e.value.reason == pyspy.OUTPUT_TOO_LARGE, e.value
+    assert e.value.reason == OUTPUT_TOO_LARGE, e.value
     # the cap plus what one 50 ms look lets it grow, plus the watcher's own 10 ms
     assert 0 < peak[0] <= MAX_RSS_BYTES + (8 << 20), (peak[0] >> 20, str(e.value))
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from daemonutil import DaemonProc, write_config
 
-from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import HostPaths
+from gpuwatchd.sources.threads import process_state
 
 STAND_IN = """#!/bin/sh
 # a py-spy stand-in that leaves its process group and then hangs past every time-out
@@ -31,7 +31,7 @@ exec sleep 300
 
 
 def alive(pid: int) -> bool:
-    return pyspy.process_state(HostPaths(), pid) not in (None, "Z", "X")
+    return process_state(HostPaths(), pid) not in (None, "Z", "X")
 
 
 def read_log(path: Path) -> tuple[list[int], dict[int, int]]:
@@ -57,7 +57,7 @@ def test_helper_that_calls_setsid_leaves_no_orphans(tmp_path: Path,
         tmp_path, interval_seconds=0.5, stall={"after_seconds": 1},
         gil={"enabled": True, "pyspy_path": str(helper), "interval_seconds": 1,
              "duration_seconds": 1, "timeout_seconds": 2},
-    )  # fmt: skip
+    )
     (tmp_path / "ranks" / "j.json").write_text(json.dumps(
         {"version": 1, "job_id": "strays", "ranks": [{"rank": 0, "pid": rank.pid}]}))
     d = DaemonProc(path, cfg)

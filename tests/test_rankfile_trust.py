@@ -22,8 +22,9 @@ from gpuwatchd.join.state import select_entries
 from gpuwatchd.model import RankEntry
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.rank.rankfile import MAX_RANKS_PER_JOB
+from gpuwatchd.sources.heartbeats import heartbeat_mtime
 from gpuwatchd.sources.procfs import ProcfsReader
-from gpuwatchd.sources.rankfiles import RankFileReader, cap_ranks, guard_entries, heartbeat_mtime
+from gpuwatchd.sources.rankfiles import RankFileReader, cap_ranks, guard_entries
 
 
 def _beat(entry: RankEntry) -> float | None:

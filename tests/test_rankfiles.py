@@ -22,8 +22,9 @@ from gpuwatchd.rank.rankfile import (
     parse_rank_document,
     write_rank_file,
 )
+from gpuwatchd.sources.discovery import discover
 from gpuwatchd.sources.procfs import ProcfsReader
-from gpuwatchd.sources.rankfiles import RankFileReader, discover
+from gpuwatchd.sources.rankfiles import RankFileReader
 
 REPO = Path(__file__).resolve().parent.parent
 

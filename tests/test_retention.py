@@ -170,7 +170,7 @@ def test_event_log_is_compacted_while_running(tmp_path: Path) -> None:
 
 def test_rank_tree_record_forgets_churned_members_but_keeps_those_of_a_restart(
         tmp_path: Path) -> None:
-    from gpuwatchd.join.kernel_events import RankTreeRecord, TreeMember
+    from gpuwatchd.join.rank_trees import RankTreeRecord, TreeMember
 
     def m(pid: int, t: float) -> TreeMember:
         return TreeMember(pid, 100.0, f"job-{pid}", 0, pid, False, "python3", t)

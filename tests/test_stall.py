@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.join.stall import RankProbe, StallTracker, StallVerdict, name_suspects
+from gpuwatchd.join.stall import StallTracker
+from gpuwatchd.join.stall_verdicts import RankProbe, StallVerdict, name_suspects
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy
+from gpuwatchd.sources.threads import process_state
 
 PROGRAMS = Path(__file__).parent / "fixtures" / "pyspy" / "programs"
 AFTER = 1.0
@@ -29,15 +31,15 @@ def ranks(tmp_path: Path) -> Iterator[Callable[..., tuple[subprocess.Popen[str],
     started: list[subprocess.Popen[str]] = []
 
     def launch(mode: str, rank: int = 0, job: str = "stall-test") -> tuple[
-            subprocess.Popen[str], RankProbe]:  # fmt: skip
+            subprocess.Popen[str], RankProbe]:
         p = subprocess.Popen(
             [sys.executable, str(PROGRAMS / "rank.py"), mode, str(tmp_path), job, str(rank)],
             stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        )
         started.append(p)
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         (doc_path,) = glob.glob(str(tmp_path / f"{job}*{rank}*.json")) or glob.glob(
-            str(tmp_path / "*.json"))  # fmt: skip
+            str(tmp_path / "*.json"))
         entry = next(e for e in json.loads(Path(doc_path).read_text())["ranks"] if e["rank"] == rank)
         assert entry["pid"] == p.pid
         return p, RankProbe(job, rank, p.pid, True, "S", entry.get("heartbeat"))
@@ -52,13 +54,13 @@ def ranks(tmp_path: Path) -> Iterator[Callable[..., tuple[subprocess.Popen[str],
 
 def probe(p: RankProbe) -> RankProbe:
     """Refresh alive/state from /proc, as the daemon's procfs source does every cycle."""
-    state = pyspy.process_state(pyspy.HostPaths(), p.pid)
+    state = process_state(pyspy.HostPaths(), p.pid)
     return RankProbe(p.job_id, p.rank, p.pid, state not in (None, "Z"), state or "", p.heartbeat)
 
 
 def run_until(tracker: StallTracker, probes: list[RankProbe], seconds: float,
               stop: Callable[[dict[tuple[str, int], StallVerdict]], bool] | None = None,
-              ) -> tuple[float, dict[tuple[str, int], StallVerdict]]:  # fmt: skip
+              ) -> tuple[float, dict[tuple[str, int], StallVerdict]]:
     """Observe once per CYCLE until ``stop`` says so or ``seconds`` pass; (time, verdicts)."""
     t0 = time.time()
     while True:
@@ -161,7 +163,7 @@ def test_busy_rank_whose_dumps_never_change_is_not_stalled(tmp_path: Path) -> No
     (py-spy #567): the tracker then takes the CPU of the process's tasks."""
     prog = tmp_path / "same.py"
     prog.write_text("import time\nprint('ready', flush=True)\n"
-                    "while True: x = sum(range(1_000_000)); time.sleep(0.02)\n")  # fmt: skip
+                    "while True: x = sum(range(1_000_000)); time.sleep(0.02)\n")
     p = subprocess.Popen([sys.executable, str(prog)], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
@@ -186,26 +188,26 @@ def test_odd_one_out_among_real_ranks(ranks: Callable) -> None:
 
 
 def _v(rank: int, *, alive: bool = True, stalled: bool = False,
-       where: tuple[str, ...] = ()) -> StallVerdict:  # fmt: skip
+       where: tuple[str, ...] = ()) -> StallVerdict:
     return StallVerdict("j", rank, 100 + rank, alive, 0.0, stalled,
-                        "stack" if alive else "dead", 0.0, location=where)  # fmt: skip
+                        "stack" if alive else "dead", 0.0, location=where)
 
 
 def test_name_suspects_rules() -> None:
     coll = ("all_reduce (distributed_c10d.py)",)
     # a dead rank among live ranks is the suspect, whatever the others do
     out = name_suspects({(v.job_id, v.rank): v for v in
-                         [_v(0, stalled=True, where=coll), _v(1, alive=False)]})  # fmt: skip
+                         [_v(0, stalled=True, where=coll), _v(1, alive=False)]})
     assert [r for (_, r), v in out.items() if v.suspect] == [1]
     # one rank still progressing while its peers wait in the collective never issued it
     out = name_suspects({(v.job_id, v.rank): v for v in
                          [_v(0, stalled=True, where=coll), _v(1, stalled=True, where=coll),
-                          _v(2)]})  # fmt: skip
+                          _v(2)]})
     assert [r for (_, r), v in out.items() if v.suspect] == [2]
     assert "still progressing" in out[("j", 2)].suspect_reason
     # one stalled rank among progressing peers
     out = name_suspects({(v.job_id, v.rank): v for v in
-                         [_v(0), _v(1), _v(2, stalled=True, where=coll)]})  # fmt: skip
+                         [_v(0), _v(1), _v(2, stalled=True, where=coll)]})
     assert [r for (_, r), v in out.items() if v.suspect] == [2]
     # nothing stalled: no suspects; two ranks split evenly: no majority, no suspect
     assert not any(v.suspect for v in name_suspects({("j", 0): _v(0), ("j", 1): _v(1)}).values())
@@ -236,20 +238,20 @@ def test_daemon_names_the_odd_rank_of_a_hung_job(tmp_path: Path) -> None:
     try:
         for r, mode in enumerate(["barrier", "barrier", "barrier", "elsewhere"]):
             p = subprocess.Popen([sys.executable, str(PROGRAMS / "rank.py"), mode, rank_dir,
-                                  "llm-7", str(r)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+                                  "llm-7", str(r)], stdout=subprocess.PIPE, text=True)
             started.append(p)
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         d = DaemonProc(cfg_path, cfg)
         try:
             d.wait_for(lambda: all(d.value("gpuwatch_rank_stalled", job_id="llm-7", rank=str(r))
                                    == 1.0 for r in range(4)), timeout=30,
-                       what="all four ranks stalled")  # fmt: skip
+                       what="all four ranks stalled")
             assert d.value("gpuwatch_collector_success", collector="pyspy") == 1.0
 
             def findings() -> dict[str, str]:
                 state = json.loads((Path(cfg["state_dir"]) / "state.json").read_text())
                 return {f["rank"]: f["explanation"] for f in state["findings"]
-                        if f["kind"] == "rank_stalled"}  # fmt: skip
+                        if f["kind"] == "rank_stalled"}
 
             d.wait_for(lambda: len(findings()) == 4, what="four rank_stalled findings")
             f = findings()
@@ -272,7 +274,7 @@ def test_heartbeat_owned_by_another_user_is_ignored(tmp_path: Path) -> None:
         other = pwd.getpwnam("gw-pyspy-target").pw_uid
     except KeyError:
         subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                        "gw-pyspy-target"], check=True)  # fmt: skip
+                        "gw-pyspy-target"], check=True)
         other = pwd.getpwnam("gw-pyspy-target").pw_uid
     hb = tmp_path / "someone-elses.hb"
     hb.write_text("1")

@@ -26,11 +26,13 @@ from pathlib import Path
 import pytest
 from daemonutil import DaemonProc, write_config
 
-from gpuwatchd.join.stall import RankProbe, StallTracker
+from gpuwatchd.join.stall import StallTracker
 from gpuwatchd.join.stall_spin import GpuReading, GpuWindow, rank_gpu_readings
+from gpuwatchd.join.stall_verdicts import RankProbe
 from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, RankState
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy
+from gpuwatchd.sources.threads import process_state
 
 AFTER = 1.5
 INTERVAL = 0.5
@@ -76,9 +78,9 @@ def launch() -> Iterator:
 
     def start(shape: str, job: str, rank: int = 0, world: int = 1) -> subprocess.Popen[str]:
         env = {**os.environ, "TORCHELASTIC_RUN_ID": job, "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}  # fmt: skip
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}
         p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SHAPES[shape])],
-                             stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+                             stdout=subprocess.PIPE, text=True, env=env)
         started.append(p)
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         return p
@@ -92,7 +94,7 @@ def launch() -> Iterator:
 def _daemon(tmp: Path) -> tuple[DaemonProc, Path]:
     cfg_path, cfg = write_config(tmp, interval_seconds=INTERVAL,
                                  discovery={"enabled": True, "interval_seconds": INTERVAL},
-                                 stall={"after_seconds": AFTER})  # fmt: skip
+                                 stall={"after_seconds": AFTER})
     return DaemonProc(cfg_path, cfg), Path(cfg["state_dir"]) / "state.json"
 
 
@@ -120,7 +122,7 @@ def test_cpu_burning_at_one_line_is_never_paged(launch, tmp_path: Path, shape: s
     d, state = _daemon(tmp_path)
     try:
         d.wait_for(lambda: d.value("gpuwatch_rank_stalled", job_id=job, rank="0") is not None,
-                   what="the discovered rank")  # fmt: skip
+                   what="the discovered rank")
         seen = _watch(d, state, job, 4 * AFTER + 2 * INTERVAL)
         kinds = [[f["kind"] for f in cycle] for cycle in seen]
         assert not any("rank_stalled" in k for k in kinds), kinds
@@ -141,10 +143,10 @@ def test_block_at_zero_cpu_is_paged_within_after_seconds_and_one_look(launch, tm
     d, state = _daemon(tmp_path)
     try:
         d.wait_for(lambda: d.value("gpuwatch_rank_stalled", job_id=job, rank="0") is not None,
-                   what="the discovered rank")  # fmt: skip
+                   what="the discovered rank")
         t0 = time.monotonic()
         d.wait_for(lambda: any(f["kind"] == "rank_stalled" for f in _findings(state, job)),
-                   timeout=AFTER + 6 * INTERVAL + 3, what="rank_stalled")  # fmt: skip
+                   timeout=AFTER + 6 * INTERVAL + 3, what="rank_stalled")
         # after_seconds from the first look, one look (a fifth of after, at least a cycle) and
         # one cycle for the finding to reach state.json
         assert time.monotonic() - t0 <= AFTER + 4 * INTERVAL + 1.0
@@ -161,7 +163,7 @@ def test_spinning_rank_with_a_peer_blocked_is_paged_confirmed_by_the_peer(launch
     d, state = _daemon(tmp_path)
     try:
         d.wait_for(lambda: {f["rank"] for f in _findings(state, job) if f["kind"] == "rank_stalled"}
-                   == {"0", "1"}, timeout=AFTER + 15, what="both ranks paged")  # fmt: skip
+                   == {"0", "1"}, timeout=AFTER + 15, what="both ranks paged")
         by_rank = {f["rank"]: f for f in _findings(state, job) if f["kind"] == "rank_stalled"}
         assert by_rank["0"]["evidence"]["confirmed_by"] == "peer"
         assert "confirmed by its peers" in by_rank["0"]["explanation"]
@@ -171,7 +173,7 @@ def test_spinning_rank_with_a_peer_blocked_is_paged_confirmed_by_the_peer(launch
 
 
 def _probe(pid: int, job: str) -> RankProbe:
-    state = pyspy.process_state(pyspy.HostPaths(), pid)
+    state = process_state(pyspy.HostPaths(), pid)
     return RankProbe(job, 0, pid, state not in (None, "Z"), state or "", None)
 
 
@@ -181,7 +183,7 @@ def _probe(pid: int, job: str) -> RankProbe:
     (0.3, 0.0, False, ""),  # neither: ambiguous
 ])
 def test_gpu_readings_decide_a_spin(launch, util: float, mem: float, stalled: bool,
-                                    confirmed: str) -> None:  # fmt: skip
+                                    confirmed: str) -> None:
     p = launch("c_spin", "gpu-rule")
     tracker = StallTracker(AFTER, PySpy(pyspy.resolve_pyspy()), dump_interval_seconds=0.25)
     t0 = time.time()

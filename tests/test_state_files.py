@@ -23,9 +23,10 @@ from kernel_oom_helpers import MemCgroup, go
 
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.events.log import Event, read_events
-from gpuwatchd.join.kernel_events import KernelEventProcessor, RankTreeRecord
+from gpuwatchd.join.kernel_events import KernelEventProcessor
+from gpuwatchd.join.rank_trees import RankTreeRecord
 from gpuwatchd.rank import api
-from gpuwatchd.sources.kernel_log import KmsgSource
+from gpuwatchd.sources.kmsg import KmsgSource
 from gpuwatchd.statefile import StateFiles
 
 

@@ -53,14 +53,14 @@ def test_throttled_rank_is_named_a_straggler_with_its_cgroup_as_cause(tmp_path: 
     from daemonutil import DaemonProc, write_config
 
     cfg_path, cfg = write_config(tmp_path, straggler={"window_seconds": 3.0, "ratio": 0.8,
-                                                      "for_seconds": 2.0})  # fmt: skip
+                                                      "for_seconds": 2.0})
     cg = CpuCgroup(quota_us=10_000)
     ranks = []
     try:
         for r in range(3):
             p = subprocess.Popen([sys.executable, str(PROGRAMS / "hang_rank.py"), "train",
                                   cfg["rank_dir"], "slow-job", str(r)],
-                                 stdout=subprocess.PIPE, text=True)  # fmt: skip
+                                 stdout=subprocess.PIPE, text=True)
             ranks.append(p)
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         cg.add(ranks[2].pid)
@@ -83,7 +83,7 @@ def test_throttled_rank_is_named_a_straggler_with_its_cgroup_as_cause(tmp_path: 
             assert "CPU throttled by its cgroup: " in f["explanation"]
             assert f["evidence"]["ratio"] < 0.8 and f["evidence"]["throttled_periods"] > 0
             steps = {r: d.value("gpuwatch_rank_step", job_id="slow-job", rank=str(r))
-                     for r in range(3)}  # fmt: skip
+                     for r in range(3)}
             assert all(v is not None and v > 0 for v in steps.values()), steps
             assert steps[2] < min(steps[0], steps[1]), steps  # type: ignore[type-var]
             assert d.value("gpuwatch_finding", kind="rank_straggler", rank="0") is None
@@ -126,7 +126,7 @@ def test_gpu_clock_throttle_reasons_from_nvml_name_a_cause() -> None:
     r = RankState("j", 1, 11, 1, 2, True, None, gpus=("0",))
     rr = RankRate("j", 1, 11, 2.0, 300.0, 10.0, (0, 1), 0.0, True)
     ctx = FindingContext(now=400.0, config=Config(), ranks=(r,), gpus=devices,
-                         straggler={("j", 1): rr})  # fmt: skip
+                         straggler={("j", 1): rr})
     (f,) = straggler.find(ctx, ())
     assert "GPU 0 clocks throttled: sw_power_cap, hw_thermal (NVML)" in f.explanation
     assert "0.20x its job's median of 10.00 steps/s" in f.explanation
@@ -139,7 +139,7 @@ def test_rank_memory_pressure_is_named_by_kind_when_present() -> None:
     rr = RankRate("j", 1, 11, 2.0, 300.0, 10.0, (0, 1), 0.0, True)
     ctx = FindingContext(now=400.0, config=Config(), ranks=(r,),
                          gpus=(GpuDevice(0, "u", "n", "p", None, None, None),),
-                         straggler={("j", 1): rr})  # fmt: skip
+                         straggler={("j", 1): rr})
     mem = Finding("rank_memory_pressure", "warning", "x", "j", "1", "11")
     (f,) = straggler.find(ctx, (mem,))
     assert "causes: host memory pressure (rank_memory_pressure)" in f.explanation

@@ -63,7 +63,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
 
 
 def cmd_register(args: argparse.Namespace) -> int:
-    from gpuwatchd.rank.api import _start_ticks, build_document, pid_namespace
+    from gpuwatchd.rank.api import build_document, pid_namespace, read_start_ticks
     from gpuwatchd.rank.rankfile import RankFileError, rank_file_name, write_rank_file
 
     cfg = resolve_config(args)
@@ -72,7 +72,7 @@ def cmd_register(args: argparse.Namespace) -> int:
     hb = args.heartbeat
     doc = build_document(args.job_id, args.rank, args.pid, local_rank=args.local_rank,
                          world_size=args.world_size, gpus=gpus, heartbeat=hb,
-                         start_ticks=_start_ticks(args.pid), pid_ns=pid_namespace())
+                         start_ticks=read_start_ticks(args.pid), pid_ns=pid_namespace())
     try:
         path = write_rank_file(rank_dir, doc, rank_file_name(args.job_id, args.rank))
     except RankFileError as e:

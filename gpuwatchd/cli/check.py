@@ -36,10 +36,11 @@ from typing import Any
 from gpuwatchd.cli.common import resolve_config
 from gpuwatchd.escape import printable
 from gpuwatchd.join import rank_claims
-from gpuwatchd.join.orphans import RankTrees, fmt_age, offenders, trees_from_entries
+from gpuwatchd.join.orphans import RankTrees, offenders, trees_from_entries
 from gpuwatchd.model import GpuDevice, GpuProcess, Orphan, ProcessInfo
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.nvml import NvmlNotPresent, NvmlReader, NvmlReadError, select_devices
+from gpuwatchd.units import fmt_age
 
 EXIT_CLEAN, EXIT_OFFENDERS, EXIT_ERROR = 0, 1, 2
 

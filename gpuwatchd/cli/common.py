@@ -32,7 +32,8 @@ def resolve_config(args: argparse.Namespace) -> Config:
 
 def load_state(cfg: Config) -> tuple[dict[str, Any], str]:
     """The daemon's latest state (``state_dir/state.json``) when fresh, else one local cycle."""
-    from gpuwatchd.daemon.core import STATE_FILE, Daemon, state_to_json
+    from gpuwatchd.daemon.core import STATE_FILE, Daemon
+    from gpuwatchd.daemon.state_json import state_to_json
 
     path = os.path.join(cfg.state_dir, STATE_FILE)
     try:

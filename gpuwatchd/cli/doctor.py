@@ -30,22 +30,24 @@ from gpuwatchd.join.hang import analyze, wait_tids
 from gpuwatchd.join.rank_workers import worker_view
 from gpuwatchd.model import RankState
 from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources import containers, devfds, pyspy, taskwait
+from gpuwatchd.sources import containers, devfds, taskwait
 from gpuwatchd.sources.pidns import pid_text
 from gpuwatchd.sources.procfs import ProcfsReader
-from gpuwatchd.sources.pyspy import PySpy, PySpyError
+from gpuwatchd.sources.pyspy import PySpy
+from gpuwatchd.sources.pyspy_output import PySpyError, ThreadStack
+from gpuwatchd.sources.threads import ThreadInfo, process_state, read_threads
 from gpuwatchd.units import fmt_bytes
 
 STATES = {
     "R": "running", "S": "sleeping", "D": "uninterruptible (disk / driver)", "Z": "zombie",
     "T": "stopped (SIGSTOP or job control)", "t": "stopped by a tracer", "I": "idle kernel thread",
     "X": "dead",
-}  # fmt: skip
+}
 NCCL_VARS = (
     "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_DUMP_ON_TIMEOUT",
     "TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "TORCH_NCCL_TRACE_BUFFER_SIZE",
     "TORCH_FR_BUFFER_SIZE", "NCCL_DEBUG", *nccl_env.RENAMED,
-)  # fmt: skip
+)
 ASYNC_LEVELS = {
     "0": "0: no error handling: a failed or timed-out collective hangs this rank forever",
     "1": "1: tear down (abort the communicator and the process): a hang becomes an error",
@@ -67,14 +69,14 @@ def nccl_checks(env: Mapping[str, str]) -> list[dict[str, str]]:
     level = env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     if level is None:
         out.append({"variable": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "verdict": "not set: PyTorch "
-                    "default (3; torchrun sets 1 in its workers)"})  # fmt: skip
+                    "default (3; torchrun sets 1 in its workers)"})
     else:
         out.append({"variable": "TORCH_NCCL_ASYNC_ERROR_HANDLING",
                     "verdict": ASYNC_LEVELS.get(level.strip(), "set to an unknown level")})
     for old, new in nccl_env.RENAMED.items():
         if old in env:
             out.append({"variable": old, "verdict": f"legacy name, ignored by PyTorch >= 2.2: "
-                        f"use {new}"})  # fmt: skip
+                        f"use {new}"})
     for name in NCCL_VARS:
         if name in env and name not in nccl_env.RENAMED and name != "TORCH_NCCL_ASYNC_ERROR_HANDLING":
             out.append({"variable": name, "verdict": "set"})
@@ -112,14 +114,14 @@ def collect(
                 "ratio": (round(info.open_fds / info.max_fds_soft, 3)
                           if info.open_fds is not None and info.max_fds_soft else None)},
         "state_origin": state_origin,
-    }  # fmt: skip
+    }
     # Python stacks (non-blocking) joined to the kernel's view of each thread
     spy = spy or PySpy.from_config(cfg.gil.pyspy_path, paths=paths)
-    stacks: dict[int, pyspy.ThreadStack] = {}
+    stacks: dict[int, ThreadStack] = {}
     python: dict[str, Any] = {}
-    before = (time.monotonic(), pyspy.read_threads(paths, pid, detail=False),
+    before = (time.monotonic(), read_threads(paths, pid, detail=False),
               {c: taskwait.context_switches(paths, c) for c in procfs.children(pid)})
-    dumped: tuple[pyspy.ThreadStack, ...] = ()
+    dumped: tuple[ThreadStack, ...] = ()
     try:
         dumped = spy.dump(pid)
         stacks = {s.tid: s for s in dumped if s.tid is not None}
@@ -131,12 +133,12 @@ def collect(
                  "frames": [str(f) for f in s.frames]}
                 for s in dumped
             ],
-        }  # fmt: skip
+        }
     except PySpyError as e:
         python = {"error": str(e)}
     report["python"] = python
     time.sleep(max(0.0, HANG_WINDOW - (time.monotonic() - before[0])))
-    threads = pyspy.read_threads(paths, pid)
+    threads = read_threads(paths, pid)
     report["hang"] = hang_report(paths, pid, dumped, before, threads, clk) if dumped else None
     report["threads"] = [
         {"tid": t.tid, "comm": t.comm, "state": t.state, "wchan": t.wchan,
@@ -145,29 +147,29 @@ def collect(
          "python_thread": stacks[t.tid].name if t.tid in stacks else None,
          "owns_gil": bool(t.tid in stacks and stacks[t.tid].owns_gil)}
         for t in threads
-    ]  # fmt: skip
+    ]
     # rank and GPU memory from the daemon's state
     rank = _rank_of(state, pid)
     report["rank"] = (
         {"job_id": rank["job_id"], "rank": rank["rank"], "stalled": rank.get("stalled", False),
          "progress_timestamp": rank.get("progress_timestamp")} if rank else None
-    )  # fmt: skip
+    )
     report["gil"] = None
     if rank:
         counters = state.get("counters", {})
         labels = [rank["job_id"], str(rank["rank"])]
         n = {name: next((c["value"] for c in counters.get(name, []) if c["labels"] == labels), 0.0)
-             for name in ("rank_gil_samples", "rank_gil_held_samples")}  # fmt: skip
+             for name in ("rank_gil_samples", "rank_gil_held_samples")}
         if n["rank_gil_samples"]:
             report["gil"] = {"samples": n["rank_gil_samples"],
                              "held_samples": n["rank_gil_held_samples"],
                              "held_ratio": round(n["rank_gil_held_samples"]
-                                                 / n["rank_gil_samples"], 3)}  # fmt: skip
+                                                 / n["rank_gil_samples"], 3)}
     if state.get("gpus"):
         report["gpu_memory"] = [
             {"gpu": g["gpu_index"], "uuid": g["uuid"], "used_memory_bytes": g["used_memory_bytes"]}
             for g in state.get("gpu_processes", []) if g.get("pid") == pid
-        ]  # fmt: skip
+        ]
         report["gpu_memory_source"] = "daemon state"
     else:
         report["gpu_memory"], report["gpu_memory_source"] = _gpu_memory_now(pid, cfg, nvml)
@@ -187,24 +189,24 @@ def collect(
     found: list[dict[str, Any]] = []
     for f in state.get("findings", []):
         if f.get("pid") == str(pid) or (rank and f.get("job_id") == rank["job_id"]
-                                        and f.get("rank") == str(rank["rank"])):  # fmt: skip
+                                        and f.get("rank") == str(rank["rank"])):
             found.append({"kind": f["kind"], "severity": f["severity"],
-                          "explanation": f["explanation"], "from": "daemon"})  # fmt: skip
+                          "explanation": f["explanation"], "from": "daemon"})
     pseudo = RankState(
         job_id=rank["job_id"] if rank else "-", rank=int(rank["rank"]) if rank else -1, pid=pid,
         local_rank=None, world_size=None, alive=True, process=info, tree=(pid, *children),
-    )  # fmt: skip
+    )
     ctx = FindingContext(
         now=time.time(), config=cfg, ranks=(pseudo,), processes={pid: info},
         env_flags={pid: nccl_env.env_flags(env)},
         fork_evidence={e.pid: e for e in ([me] if me else []) + kids},
-    )  # fmt: skip
+    )
     kinds = {f["kind"] for f in found}
     for rule in (fds.find, nccl_env.find, fork.find):
         for f in rule(ctx):
             if f.kind not in kinds:
                 found.append({"kind": f.kind, "severity": f.severity,
-                              "explanation": f.explanation, "from": "doctor"})  # fmt: skip
+                              "explanation": f.explanation, "from": "doctor"})
     report["findings"] = found
     return report
 
@@ -212,16 +214,16 @@ def collect(
 HANG_WINDOW = 0.5  # seconds between the two looks that give each thread's CPU share
 
 
-def hang_report(paths: HostPaths, pid: int, dumped: tuple[pyspy.ThreadStack, ...],
-                before: tuple[float, tuple[pyspy.ThreadInfo, ...], Mapping[int, int | None]],
-                threads: tuple[pyspy.ThreadInfo, ...], clk: int) -> dict[str, Any]:  # fmt: skip
+def hang_report(paths: HostPaths, pid: int, dumped: tuple[ThreadStack, ...],
+                before: tuple[float, tuple[ThreadInfo, ...], Mapping[int, int | None]],
+                threads: tuple[ThreadInfo, ...], clk: int) -> dict[str, Any]:
     """Every Python thread folded, with the hang patterns (gpuwatchd/join/hang.py) over HANG_WINDOW."""
     t0, first, switches = before
     elapsed = max(time.monotonic() - t0, 1e-3)
     prev = {t.tid: t.cpu_ticks for t in first}
     shares = {t.tid: (t.cpu_ticks - prev[t.tid]) / clk / elapsed for t in threads if t.tid in prev}
     waits = taskwait.read_waits(paths, pid, wait_tids(dumped, threads))
-    states = {c: pyspy.process_state(paths, c) or "X" for c in switches}
+    states = {c: process_state(paths, c) or "X" for c in switches}
     live = {c: (st, taskwait.context_switches(paths, c)) for c, st in states.items()}
     known = {c: n for c, n in switches.items() if n is not None}
     workers = worker_view(switches, live, known) if switches else None
@@ -260,7 +262,7 @@ def _gpu_memory_now(pid: int, cfg: Config, nvml: Any) -> tuple[list[dict[str, An
         return None, result[0]
     _, processes = result[0]
     rows = [{"gpu": p.gpu_index, "uuid": p.uuid, "used_memory_bytes": p.used_memory_bytes}
-            for p in processes if p.pid == pid]  # fmt: skip
+            for p in processes if p.pid == pid]
     return rows, "NVML now"
 
 
@@ -279,7 +281,7 @@ def render(r: Mapping[str, Any]) -> str:
     f = r["fds"]
     ratio = f" ({f['ratio']:.0%})" if f["ratio"] is not None else ""
     lines.append(f"fds: {f['open'] if f['open'] is not None else '?'} open of soft limit "
-                 f"{f['soft_limit'] or '?'}{ratio}, hard {f['hard_limit'] or '?'}")  # fmt: skip
+                 f"{f['soft_limit'] or '?'}{ratio}, hard {f['hard_limit'] or '?'}")
     if r.get("gil"):
         g = r["gil"]
         lines.append(f"GIL held {g['held_ratio']:.0%} of {g['samples']:.0f} sampled ticks "
@@ -292,13 +294,13 @@ def render(r: Mapping[str, Any]) -> str:
         lines.append(f"GPU memory: none held ({src})")
     else:
         lines.append("GPU memory: " + ", ".join(
-            f"GPU {g['gpu']} {fmt_bytes(g['used_memory_bytes'])}" for g in gm) + f" ({src})")  # fmt: skip
+            f"GPU {g['gpu']} {fmt_bytes(g['used_memory_bytes'])}" for g in gm) + f" ({src})")
     lines.append(f"\nTHREADS ({len(r['threads'])})")
     lines.append(f"  {'TID':>7} {'ST':<2} {'WCHAN':<22} {'CPU s':>8}  PYTHON")
     for t in r["threads"]:
         py = (t["python_thread"] or "-") + (" [GIL]" if t["owns_gil"] else "")
         lines.append(f"  {t['tid']:>7} {t['state']:<2} {(t['wchan'] or '-')[:22]:<22} "
-                     f"{t['cpu_seconds']:>8.2f}  {py}")  # fmt: skip
+                     f"{t['cpu_seconds']:>8.2f}  {py}")
     if r.get("hang"):
         lines.append("\nPYTHON THREADS (folded; CPU over 0.5 s)")
         lines.extend(f"  {t}" for t in r["hang"]["threads"])
@@ -311,7 +313,7 @@ def render(r: Mapping[str, Any]) -> str:
     else:
         owner = py["gil_owner"]
         lines.append("  GIL owner: " + (f"{owner['name']} (tid {owner['tid']})" if owner
-                                        else "none at the moment of the dump"))  # fmt: skip
+                                        else "none at the moment of the dump"))
         for t in py["threads"]:
             flags = "gil" if t["owns_gil"] else ("active" if t["active"] else "idle")
             lines.append(f"  Thread {t['tid']} ({flags}): \"{t['name']}\"")
@@ -322,7 +324,7 @@ def render(r: Mapping[str, Any]) -> str:
     lines.append("\nFORK")
     lines.append(f"  CUDA context: {'yes' if fk['holds_cuda_context'] else 'no'}; "
                  f"children: {len(fk['children'])}; forked after CUDA: "
-                 f"{', '.join(map(str, fk['forked_after_cuda'])) or 'none'}")  # fmt: skip
+                 f"{', '.join(map(str, fk['forked_after_cuda'])) or 'none'}")
     lines.append("\nFINDINGS")
     if not r["findings"]:
         lines.append("  none")

@@ -19,6 +19,7 @@ from typing import Any
 from gpuwatchd.cli.common import resolve_config
 from gpuwatchd.escape import printable
 from gpuwatchd.events.log import EVENTS_FILE, Event, read_events
+from gpuwatchd.units import fmt_rfc3339, fmt_time_local
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -55,7 +56,7 @@ def load(state_dir: str, since: float) -> list[Event]:
 
 def to_dict(e: Event) -> dict[str, Any]:
     d: dict[str, Any] = json.loads(e.to_json())
-    d["time_iso"] = dt.datetime.fromtimestamp(e.time, dt.timezone.utc).isoformat()
+    d["time_iso"] = fmt_rfc3339(e.time)
     return d
 
 
@@ -67,7 +68,7 @@ def render(events: list[Event]) -> str:
         kind = e.kind + (" (worker)" if e.worker else "")
         by = e.killer or (f"xid {e.fields.get('xid')}" if e.kind == "xid" else "")
         rows.append(tuple(printable(cell) for cell in (  # a rank's strings, escaped
-            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time)),
+            fmt_time_local(e.time),
             kind,
             by,
             e.job_id or "-",

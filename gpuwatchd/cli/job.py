@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from gpuwatchd.units import fmt_bytes
+from gpuwatchd.units import fmt_bytes, fmt_clock_ms
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}\Z", re.ASCII)  # rank/rankfile.py's
 DURATION_RE = re.compile(r"^[0-9]+[smhdw]\Z", re.ASCII)
@@ -168,7 +168,7 @@ def _labels_key(metric: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((k, v) for k, v in metric.items() if k != "__name__"))
 
 
-def _start_of_current_run(samples: Sequence[tuple[float, float]], value: float) -> float | None:
+def start_of_current_run(samples: Sequence[tuple[float, float]], value: float) -> float | None:
     """Time of the first sample of the trailing run of samples equal to ``value``."""
     start = None
     for t, v in reversed(samples):
@@ -178,7 +178,7 @@ def _start_of_current_run(samples: Sequence[tuple[float, float]], value: float) 
     return start
 
 
-def _kill_times(samples: Sequence[tuple[float, float]], series_is_new: bool) -> list[float]:
+def kill_times(samples: Sequence[tuple[float, float]], series_is_new: bool) -> list[float]:
     """Times of the samples at which an OOM counter went up; a series that appears already
     above 0 within the window (``series_is_new``) counts its first sample as a kill."""
     out: list[float] = []
@@ -234,13 +234,13 @@ def job_view(prom: Prometheus, job_id: str, lookback: str = "1h", at: float | No
     for s in seen:
         r = view(s["metric"])
         if r.state == DEAD:
-            r.failed_at = _start_of_current_run(_samples(s), 0.0)
+            r.failed_at = start_of_current_run(_samples(s), 0.0)
     stalled_now = {_key(s["metric"]) for s in prom.query(f"gpuwatch_rank_stalled{sel} == 1", at)}
     for s in prom.query(f"gpuwatch_rank_stalled{sel}[{lookback}]", at):
         r = view(s["metric"])
         if _key(s["metric"]) in stalled_now and r.state == UP:
             r.state = STALLED
-            r.failed_at = _start_of_current_run(_samples(s), 1.0)
+            r.failed_at = start_of_current_run(_samples(s), 1.0)
     # series that existed at the start of the window: their first sample is not a new kill
     old = {
         _labels_key(s["metric"])
@@ -250,7 +250,7 @@ def job_view(prom: Prometheus, job_id: str, lookback: str = "1h", at: float | No
     for s in prom.query(f"gpuwatch_oom_kills_total{sel}[{lookback}]", at):
         metric = s["metric"]
         is_new = _labels_key(metric) not in old
-        for t in _kill_times(_samples(s), is_new):
+        for t in kill_times(_samples(s), is_new):
             kills_of.setdefault(_key(metric), []).append(
                 (t, metric.get("comm", ""), metric.get("killer", ""))
             )
@@ -276,14 +276,14 @@ def job_view(prom: Prometheus, job_id: str, lookback: str = "1h", at: float | No
     for pg, entered in sorted(seqs.items()):
         top = max(seq for _, seq in entered)
         jv.behind += [(view({"instance": k[0], "rank": k[1]}), pg, seq, top)
-                      for k, seq in sorted(entered) if seq < top]  # fmt: skip
+                      for k, seq in sorted(entered) if seq < top]
     rates = [r.step_rate for r in jv.ranks if r.step_rate is not None]
     if len(rates) >= 2:
         import statistics  # (decimal, fractions: not for `gpuwatchd run`)
 
         jv.median_step_rate = statistics.median(rates)
         jv.stragglers = [r for r in jv.ranks if r.step_rate is not None
-                         and r.step_rate < STRAGGLER_RATIO * jv.median_step_rate]  # fmt: skip
+                         and r.step_rate < STRAGGLER_RATIO * jv.median_step_rate]
     failed = [r for r in jv.ranks if r.state in FAILED_STATES and r.failed_at is not None]
     if failed:
         jv.first_to_fail = min(failed, key=lambda r: (r.failed_at or 0.0, r.rank_number))
@@ -296,7 +296,7 @@ def job_view(prom: Prometheus, job_id: str, lookback: str = "1h", at: float | No
 def _fmt_time(t: float | None) -> str:
     if t is None:
         return "-"
-    return time.strftime("%H:%M:%S", time.gmtime(t)) + f".{int((t % 1) * 1000):03d}Z"
+    return fmt_clock_ms(t)
 
 
 def describe_failure(r: RankView) -> str:

@@ -35,11 +35,8 @@ from gpuwatchd.config import Config, ConfigError
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon import allocator
 from gpuwatchd.daemon.notify import notify, watchdog_interval
-from gpuwatchd.daemon.reload import RESTART_SECTIONS as RESTART_SECTIONS
 from gpuwatchd.daemon.reload import ConfigSource, reload_config
 from gpuwatchd.daemon.state_json import state_json_text
-from gpuwatchd.daemon.state_json import state_to_json as state_to_json
-from gpuwatchd.daemon.state_json import to_jsonable as to_jsonable
 from gpuwatchd.daemon.subsystem import NOTHING, Subsystem
 from gpuwatchd.daemon.wake import LinkedEvent
 from gpuwatchd.daemon.wiring import default_subsystems, down_statuses
@@ -51,22 +48,18 @@ from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
 from gpuwatchd.join.xid_dedup import XidDeduper
 from gpuwatchd.model import BadRankFile, NodeState, ProcessInfo, RankEntry
 from gpuwatchd.paths import HostPaths
+from gpuwatchd.sources.discovery import discover
+from gpuwatchd.sources.heartbeats import HeartbeatRoots
 from gpuwatchd.sources.pidns import PidNamespaces
 from gpuwatchd.sources.procfs import ProcfsReader
-from gpuwatchd.sources.rankfiles import (
-    HeartbeatRoots,
-    RankDirMissing,
-    RankFileReader,
-    discover,
-    guard_entries,
-)
+from gpuwatchd.sources.rankfiles import RankDirMissing, RankFileReader, guard_entries
 from gpuwatchd.statefile import StateFiles, remove_temporaries
 from gpuwatchd.web.config import WebConfigError
 
 if TYPE_CHECKING:  # imported when the daemon starts serving (start), not before
     from gpuwatchd.web.server import WebServer
 
-log = logging.getLogger("gpuwatchd")
+log = logging.getLogger(__name__)
 STATE_FILE = "state.json"
 # A cycle is bounded to seconds by its collectors' time-outs and the stall probe budget; one that
 # has not finished after this long is wedged, and the watchdog stops being fed.

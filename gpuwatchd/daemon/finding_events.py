@@ -8,12 +8,11 @@ events of the kernel log already and are not repeated here. Costs one set differ
 
 from __future__ import annotations
 
-import time
-
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.subsystem import DaemonContext, Subsystem
 from gpuwatchd.events.log import Event
 from gpuwatchd.model import INFO, Finding, NodeState
+from gpuwatchd.units import fmt_clock
 
 # Already events of their own (kernel_events.py).
 SKIP_KINDS = frozenset({"rank_oom_killed", "xid_critical"})
@@ -21,7 +20,7 @@ SKIP_KINDS = frozenset({"rank_oom_killed", "xid_critical"})
 
 def finding_event(f: Finding, now: float, cleared: bool = False) -> Event:
     pid = int(f.pid) if f.pid.isdigit() else None
-    when = time.strftime("%H:%M:%S", time.localtime(f.since or now))
+    when = fmt_clock(f.since or now)
     return Event(
         key=f"finding:{'cleared' if cleared else 'raised'}:{f.kind}:{f.job_id}:{f.rank}:{f.pid}:"
             f"{f.since:.3f}:{hash(f.explanation) if f.kind == 'bad_rank_file' else ''}",

@@ -44,7 +44,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.gil_convoy import CONVOY_CORES, ConvoyHint, convoy_hint
 from gpuwatchd.daemon.gil_schedule import (
-    HOT_RATIO,
     QUIET_CYCLES,
     GilPlan,
     GilTarget,
@@ -57,8 +56,9 @@ from gpuwatchd.daemon.gil_signals import RankSignals
 from gpuwatchd.join.stall import MAX_PROBE_THREADS
 from gpuwatchd.model import CollectorStatus, GilReading
 from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources import pyspy
-from gpuwatchd.sources.pyspy import PySpy, PySpyError, ThreadInfo
+from gpuwatchd.sources.pyspy import PySpy
+from gpuwatchd.sources.pyspy_output import COLLECTOR, NOT_PYTHON, GilSample, PySpyError
+from gpuwatchd.sources.threads import ThreadInfo, process_cpu, read_threads
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,7 @@ SCREEN_RATE_HZ = 20  # 19 ticks: enough to tell >= HOT_RATIO from a healthy rank
 # a rank whose finding is up: a full sample every 4 intervals while its signals stay the same
 # (a recovery shows there first: its CPU drops or its GPU gets busy)
 CONFIRMED_FACTOR = 4
-__all__ = ["CONVOY_CORES", "HOT_RATIO", "ConvoyHint", "GilPlan", "GilSampler", "GilTarget",
-           "convoy_hint"]
+__all__ = ["GilSampler"]
 
 
 class GilSampler:
@@ -130,7 +129,7 @@ class GilSampler:
         self._lock = threading.Lock()
         self._ranks: dict[tuple[str, int], RankSchedule] = {}
         self._clk_tck = os.sysconf("SC_CLK_TCK")
-        self._status = CollectorStatus(pyspy.COLLECTOR, True, 0.0, None, "")
+        self._status = CollectorStatus(COLLECTOR, True, 0.0, None, "")
         self._ok_runs = 0
         self._closed = False
         self._last_success: float | None = None
@@ -224,7 +223,7 @@ class GilSampler:
                            and CONVOY_CORES[0] <= sig.cpu_cores <= CONVOY_CORES[1])  # fmt: skip
             else:
                 if pid not in cpu_memo:
-                    cpu_memo[pid] = pyspy.process_cpu(self.paths, pid)
+                    cpu_memo[pid] = process_cpu(self.paths, pid)
                 cpu = cpu_memo[pid]
                 prev_cpu, sched.cpu_at = sched.cpu_at, (now, cpu[0]) if cpu is not None else None
                 in_band = (
@@ -238,7 +237,7 @@ class GilSampler:
                 sched.probe = None  # the next in-band look starts a fresh thread comparison
                 continue
             if pid not in thread_memo:
-                thread_memo[pid] = pyspy.read_threads(self.paths, pid, detail=False,
+                thread_memo[pid] = read_threads(self.paths, pid, detail=False,
                                                       limit=MAX_PROBE_THREADS)  # fmt: skip
             threads = thread_memo[pid]
             if last is not None and threads:
@@ -324,7 +323,7 @@ class GilSampler:
 
     def _sample_once(self, target: GilTarget, full: bool | None) -> None:
         t0 = time.monotonic()
-        sample: pyspy.GilSample | None = None
+        sample: GilSample | None = None
         error: PySpyError | None = None
         if full is None:
             with self._lock:
@@ -358,17 +357,17 @@ class GilSampler:
             if sample is not None:
                 self._last_success = time.time()
                 self._status = CollectorStatus(
-                    pyspy.COLLECTOR, True, time.monotonic() - t0, self._last_success, ""
+                    COLLECTOR, True, time.monotonic() - t0, self._last_success, ""
                 )
             elif error is not None:
                 if sched is not None:
                     sched.error = str(error)
-                    if error.reason == pyspy.NOT_PYTHON:
+                    if error.reason == NOT_PYTHON:
                         # a shell or native rank: nothing to sample, ask again much later
                         sched.next_due = now + 10 * self.interval
                 if error.collector_down:
                     self._status = CollectorStatus(
-                        pyspy.COLLECTOR, False, time.monotonic() - t0, self._last_success,
+                        COLLECTOR, False, time.monotonic() - t0, self._last_success,
                         str(error)[:300],
                     )  # fmt: skip
                     log.warning("GIL sample of pid %d failed: %s", target.pid, error)

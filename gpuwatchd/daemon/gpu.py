@@ -34,7 +34,7 @@ from gpuwatchd.join.orphans import OrphanTracker, trees_from_entries
 from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import GpuDevice, GpuProcess, NodeState, ProcessInfo
 from gpuwatchd.sources.devfds import EvidenceReader
-from gpuwatchd.sources.kernel_log import read_boot_id
+from gpuwatchd.sources.kmsg import read_boot_id
 from gpuwatchd.sources.nvidia_devices import probe
 from gpuwatchd.sources.nvml import NvmlReadError, NvmlSource
 from gpuwatchd.sources.nvml_events import XidEventWatcher

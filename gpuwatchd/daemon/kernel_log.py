@@ -24,14 +24,9 @@ from gpuwatchd.join.kernel_events import KernelEventProcessor
 from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo
 from gpuwatchd.sources import reaper
-from gpuwatchd.sources.kernel_log import (
-    KernelLogUnavailable,
-    LogRecord,
-    open_kernel_log,
-    read_boot_id,
-    read_cgroup,
-    read_vmstat_oom_kill,
-)
+from gpuwatchd.sources.kernel_lines import LogRecord
+from gpuwatchd.sources.kernel_log import KernelLogUnavailable, open_kernel_log, read_cgroup, read_vmstat_oom_kill
+from gpuwatchd.sources.kmsg import read_boot_id
 
 CGROUP_TTL = 30.0
 log = logging.getLogger(__name__)

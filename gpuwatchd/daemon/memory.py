@@ -31,7 +31,8 @@ from gpuwatchd.join.memory_tracker import MemoryTracker, RankKey
 from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import CollectorStatus, Finding, NodeMemoryState, NodeState, ProcessInfo, RankMemory
 from gpuwatchd.sources.memcg import CgroupMemory, CgroupPaths, MemcgReader
-from gpuwatchd.sources.pyspy import PySpy, PySpyError
+from gpuwatchd.sources.pyspy import PySpy
+from gpuwatchd.sources.pyspy_output import PySpyError
 
 log = logging.getLogger(__name__)
 CGROUP_TTL = 30.0  # a rank's cgroup rarely changes: re-read /proc/PID/cgroup this often

@@ -17,15 +17,13 @@ Summary, e.g.: "at 14:21:50, at 93 % of 80.0 GiB, rank 3 was in load_shard (data
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from gpuwatchd.events.log import Event
-from gpuwatchd.findings.memory import fmt_span
 from gpuwatchd.model import INFO, Finding, RankMemory, frozen_map
-from gpuwatchd.sources.pyspy import ThreadStack
-from gpuwatchd.units import fmt_bytes
+from gpuwatchd.sources.pyspy_output import ThreadStack
+from gpuwatchd.units import fmt_bytes, fmt_clock, fmt_span
 
 MAX_THREADS = 4
 MAX_FRAMES = 12
@@ -55,7 +53,7 @@ def snapshot_event(
     limit = f" of {fmt_bytes(m.limit_bytes)}" if m.limit_bytes else ""
     level = f"at {float(share) * 100:.0f} %{limit}" if isinstance(share, float) else \
         f"with {fmt_bytes(m.tree_rss_bytes)} RSS in its tree"
-    words = f"at {time.strftime('%H:%M:%S', time.localtime(at))}, {level}, rank {m.rank}"
+    words = f"at {fmt_clock(at)}, {level}, rank {m.rank}"
     chosen = _thread_of_interest(stacks or ())
     if chosen is not None:
         words += f" was in {str(chosen.frames[0])[:160]}"

@@ -16,16 +16,18 @@ import threading
 from collections.abc import Mapping
 
 from gpuwatchd.config import Config
-from gpuwatchd.daemon.gil import DEFERRED_KINDS, MAX_SAMPLING_DUTY, GilSampler, GilTarget
+from gpuwatchd.daemon.gil import DEFERRED_KINDS, MAX_SAMPLING_DUTY, GilSampler
+from gpuwatchd.daemon.gil_schedule import GilTarget
 from gpuwatchd.daemon.gil_signals import SignalTracker
 from gpuwatchd.daemon.subsystem import Contribution, DaemonContext, Subsystem
 from gpuwatchd.isolation import run_forever
-from gpuwatchd.join.stall import RankProbe, StallTracker
+from gpuwatchd.join.stall import StallTracker
 from gpuwatchd.join.stall_spin import rank_gpu_readings
+from gpuwatchd.join.stall_verdicts import RankProbe
 from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo
-from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy
+from gpuwatchd.sources.pyspy_output import ABSENT, COLLECTOR
 
 log = logging.getLogger(__name__)
 
@@ -139,11 +141,11 @@ class PySpySubsystem(Subsystem):
     def status(self) -> CollectorStatus:
         assert self.spy is not None
         if self.spy.binary is None:
-            return CollectorStatus(pyspy.COLLECTOR, False, 0.0, None,
-                                   f"{pyspy.ABSENT}: {self.spy.unavailable_reason}"[:300])  # fmt: skip
+            return CollectorStatus(COLLECTOR, False, 0.0, None,
+                                   f"{ABSENT}: {self.spy.unavailable_reason}"[:300])  # fmt: skip
         if self.sampler is not None:
             return self.sampler.status()
-        return CollectorStatus(pyspy.COLLECTOR, True, 0.0, None, "")
+        return CollectorStatus(COLLECTOR, True, 0.0, None, "")
 
     def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
         """Hand the sampler this cycle's signals per rank (readings flow in through

@@ -17,13 +17,14 @@ import time
 from typing import TYPE_CHECKING
 
 from gpuwatchd.config import Config, ConfigError, load_config, with_overrides
+from gpuwatchd.config_checks import parse_listen_address
 from gpuwatchd.daemon.notify import notify
 from gpuwatchd.web.config import WebConfigError
 
 if TYPE_CHECKING:  # the server is imported when the daemon starts serving, not before
     from gpuwatchd.web.server import WebServer
 
-log = logging.getLogger("gpuwatchd")
+log = logging.getLogger(__name__)
 # Config sections that SIGHUP does not apply (the subsystems read them once, at start).
 RESTART_SECTIONS = ("gil", "stall", "alertmanager", "nvml", "orphans", "kernel_log", "state_dir",
                     "procfs", "straggler")
@@ -90,8 +91,6 @@ def _reload(running: Config, path: str, source: ConfigSource, web: WebServer | N
 def _reload_web(web: WebServer, new: Config, path: str) -> WebServer:
     """The server for ``new.web``; the running one keeps serving when that is impossible
     (a bad web-config, an address in use): ConfigError then."""
-    from gpuwatchd.web import server
-
     try:
         return web.reload(new.web.listen_address, new.web.config_file)
     except WebConfigError as e:
@@ -99,7 +98,7 @@ def _reload_web(web: WebServer, new: Config, path: str) -> WebServer:
     except (OSError, ValueError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         if isinstance(e, OSError) and e.errno == errno.EADDRINUSE and \
-                server.parse_listen_address(new.web.listen_address)[1] == web.address[1]:
+                parse_listen_address(new.web.listen_address)[1] == web.address[1]:
             why += " (by the running server: to move to an overlapping address, restart)"
         raise ConfigError([f"web.listen_address: cannot listen on {new.web.listen_address}:"
                            f" {why}; still serving {web.url}"], path) from None

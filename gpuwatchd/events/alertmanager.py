@@ -5,7 +5,6 @@ never delays the kernel-log reader."""
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import json
 import logging
 import queue
@@ -17,6 +16,7 @@ from typing import Any
 
 from gpuwatchd.events.log import ALERT_NAMES, RUNBOOK_ANCHORS, RUNBOOK_BASE, Event
 from gpuwatchd.model import PAGE
+from gpuwatchd.units import fmt_rfc3339
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,6 @@ def alert_for(
         )
     # Alertmanager drops empty label values; so does Prometheus on the rule side.
     labels = {k: v for k, v in labels.items() if v != ""}
-    start = dt.datetime.fromtimestamp(event.time, dt.timezone.utc)
-    end = dt.datetime.fromtimestamp(max(event.time, time.time()) + hold_seconds, dt.timezone.utc)
     return {
         "labels": labels,
         "annotations": {
@@ -68,8 +66,8 @@ def alert_for(
             "description": event.summary,
             "runbook_url": f"{runbook_base}#{RUNBOOK_ANCHORS.get(event.kind, '')}",
         },
-        "startsAt": start.isoformat().replace("+00:00", "Z"),
-        "endsAt": end.isoformat().replace("+00:00", "Z"),
+        "startsAt": fmt_rfc3339(event.time),
+        "endsAt": fmt_rfc3339(max(event.time, time.time()) + hold_seconds),
     }
 
 

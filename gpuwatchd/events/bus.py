@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from gpuwatchd.events.alertmanager import AlertmanagerSink
-from gpuwatchd.events.journal import JournalSink
+from gpuwatchd.events.journal_sink import JournalSink
 from gpuwatchd.events.log import Event, EventSink, JsonlSink
 
 log = logging.getLogger(__name__)

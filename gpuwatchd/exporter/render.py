@@ -103,9 +103,6 @@ def go_float(v: float) -> str:
     return s
 
 
-text_value = go_float  # the text format writes values as OpenMetrics does (floatToGoString)
-
-
 class Part(NamedTuple):
     """One family of a rendering: its HELP/TYPE (and UNIT) lines, its sample lines, the names of
     its samples (what ``name[]`` selects by) and whether every sample line bears one of them

@@ -13,7 +13,7 @@ from gpuwatchd.config import Config
 from gpuwatchd.events.log import Event
 from gpuwatchd.join.collectives import FrReading
 from gpuwatchd.join.cuda_oom import AttributedOom
-from gpuwatchd.join.stall import StallVerdict
+from gpuwatchd.join.stall_verdicts import StallVerdict
 from gpuwatchd.join.straggler import RankRate
 from gpuwatchd.model import (
     BadRankFile,
@@ -30,7 +30,6 @@ from gpuwatchd.model import (
 )
 from gpuwatchd.sources.devfds import ProcEvidence
 from gpuwatchd.sources.udev import GpuUevent
-from gpuwatchd.units import fmt_bytes
 
 
 @dataclass(frozen=True)
@@ -122,5 +121,13 @@ def rank_gpus(r: RankState, ctx: FindingContext) -> list[tuple[str, float | None
     return out
 
 
-__all__ = ["FindingContext", "GpuRemoved", "NvmlLostGpu", "RuleReadings", "fmt_bytes", "rank_finding",
-           "rank_gpus", "rank_label", "readings_of"]
+__all__ = [
+    "FindingContext",
+    "GpuRemoved",
+    "NvmlLostGpu",
+    "RuleReadings",
+    "rank_finding",
+    "rank_gpus",
+    "rank_label",
+    "readings_of",
+]

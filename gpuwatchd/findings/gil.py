@@ -62,7 +62,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         gpu_text = (
             "while its GPU " + ", ".join(f"{i} was {u:.0%} busy" for i, u in utils)
             if utils else "(GPU utilisation unknown)"
-        )  # fmt: skip
+        )
         tops = top_holders(recent)
         top_text = ", ".join(f"{fn} {share:.0%}" for fn, share in tops) or "unknown"
         yield rank_finding(

@@ -11,12 +11,12 @@ Shell equivalent: ``udevadm monitor --kernel --subsystem-match=pci``; ``nvidia-s
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
 from gpuwatchd.findings.context import FindingContext
 from gpuwatchd.model import PAGE, Finding, GpuDevice
 from gpuwatchd.sources.udev import GpuUevent
+from gpuwatchd.units import fmt_clock
 
 ADVICE = "check 'dmesg' for Xid 79 and the node's hardware"
 
@@ -28,7 +28,7 @@ def lost_finding(ev: GpuUevent, gpu_index: str = "", uuid: str = "") -> Finding:
         kind="gpu_lost",
         severity=PAGE,
         explanation=(f"{name} disappeared from the PCI bus ({ev.action} uevent at "
-                     f"{time.strftime('%H:%M:%S', time.localtime(ev.timestamp))}); processes on "
+                     f"{fmt_clock(ev.timestamp)}); processes on "
                      f"it will fail; {ADVICE}"),
         evidence={"pci_bus_id": ev.slot, "action": ev.action, "gpu": gpu_index, "uuid": uuid},
         since=ev.timestamp,

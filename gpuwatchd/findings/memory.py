@@ -13,35 +13,13 @@ apart, and dividing.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
-from gpuwatchd.findings.context import FindingContext, fmt_bytes
+from gpuwatchd.findings.context import FindingContext
 from gpuwatchd.model import WARNING, Finding, NodeMemoryState, RankMemory
+from gpuwatchd.units import fmt_bytes, fmt_clock, fmt_duration
 
 KIND = "rank_memory_pressure"
-
-
-def fmt_duration(seconds: float) -> str:
-    """``95`` -> ``"about 2 minutes"``; words a person reads in an alert."""
-    s = max(0.0, seconds)
-    if s < 90:
-        return f"about {max(1, round(s / 5) * 5 if s >= 10 else round(s))} seconds"
-    if s < 90 * 60:
-        return f"about {round(s / 60)} minutes"
-    if s < 48 * 3600:
-        return f"about {s / 3600:.1f} hours"
-    return f"about {round(s / 86400)} days"
-
-
-def fmt_span(seconds: float) -> str:
-    """``300`` -> ``"5 min"``: how long something took, in a snapshot line."""
-    s = max(0.0, seconds)
-    if s < 90:
-        return f"{round(s)} s"
-    if s < 90 * 60:
-        return f"{round(s / 60)} min"
-    return f"{s / 3600:.1f} h"
 
 
 def _rate(bps: float) -> str:
@@ -79,7 +57,7 @@ def explain(m: RankMemory, node: NodeMemoryState | None, a: dict[str, float | st
         return (f"{who}: its process tree grows {_rate(m.tree_growth_bytes_per_second or 0)} "
                 f"(RSS {fmt_bytes(m.tree_rss_bytes)}) and the node has {avail} available: at this "
                 f"rate the node runs out of memory in {fmt_duration(ttl)} "
-                f"(~{time.strftime('%H:%M:%S', time.localtime(now + ttl))}), then the kernel "
+                f"(~{fmt_clock(now + ttl)}), then the kernel "
                 "OOM-kills the largest process")
     share = float(a["share"])
     text = (f"{who} is at {share * 100:.0f} % of the {fmt_bytes(m.limit_bytes)} limit of memory "
@@ -88,7 +66,7 @@ def explain(m: RankMemory, node: NodeMemoryState | None, a: dict[str, float | st
     if "seconds_to_limit" in a and g:
         ttl = float(a["seconds_to_limit"])
         text += (f" and grows {_rate(g)}: it reaches the limit in {fmt_duration(ttl)} "
-                 f"(~{time.strftime('%H:%M:%S', time.localtime(now + ttl))}), then the kernel "
+                 f"(~{fmt_clock(now + ttl)}), then the kernel "
                  "OOM-kills a process of the cgroup")
     else:
         text += "; it is not growing, but little headroom is left before the kernel OOM-kills"

@@ -9,13 +9,13 @@ launcher's rank map by hand.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
 from gpuwatchd.events.log import Event
-from gpuwatchd.findings.context import FindingContext, fmt_bytes
+from gpuwatchd.findings.context import FindingContext
 from gpuwatchd.join.kernel_events import scope_phrase
 from gpuwatchd.model import PAGE, Finding
+from gpuwatchd.units import fmt_bytes, fmt_clock
 
 # A kill stays a finding for as long as the GPURankOOMKilled rule looks back (increase()[10m]),
 # and for as long as the killed rank stays registered and dead.
@@ -33,7 +33,7 @@ def _still_down(ctx: FindingContext, ev: Event) -> bool:
 
 def explain(ev: Event, peers_alive: int) -> str:
     f = ev.fields
-    when = time.strftime("%H:%M:%S", time.localtime(ev.time))
+    when = fmt_clock(ev.time)
     if ev.worker:
         who = (
             f"worker pid {ev.pid} ({ev.comm}) of rank {ev.rank} of job {ev.job_id} "

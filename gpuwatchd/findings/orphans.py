@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpuwatchd.findings.context import FindingContext, fmt_bytes
-from gpuwatchd.join.orphans import DEFUNCT, JOB_ENDED, REPARENTED, UNREGISTERED, fmt_age
+from gpuwatchd.findings.context import FindingContext
+from gpuwatchd.join.orphans import DEFUNCT, JOB_ENDED, REPARENTED, UNREGISTERED
 from gpuwatchd.model import WARNING, Finding, Orphan
+from gpuwatchd.units import fmt_age, fmt_bytes
 
 _WHY = {
     REPARENTED: "its parent died and it was adopted by init",

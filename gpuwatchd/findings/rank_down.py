@@ -5,11 +5,11 @@ Reads only the joined rank states. Shell equivalent: ``kill -0 PID`` for each PI
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
 from gpuwatchd.findings.context import FindingContext, rank_finding, rank_label
 from gpuwatchd.model import PAGE, Finding
+from gpuwatchd.units import fmt_clock
 
 
 def find(ctx: FindingContext) -> Iterable[Finding]:
@@ -18,7 +18,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
             continue
         peers = [p for p in ctx.ranks if p.job_id == r.job_id and p.rank != r.rank]
         alive = sum(1 for p in peers if p.alive)
-        when = time.strftime("%H:%M:%S", time.localtime(r.died_at)) if r.died_at else "unknown time"
+        when = fmt_clock(r.died_at) if r.died_at else "unknown time"
         tail = (
             f"; {alive} peer(s) on this node still alive will wait in their next collective"
             if alive

@@ -23,13 +23,13 @@ Shell equivalent: ``stat -c %y HEARTBEAT``; ``py-spy dump --nonblocking -p PID``
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Mapping
 
-from gpuwatchd.findings.context import FindingContext, fmt_bytes, rank_finding, rank_gpus, rank_label
+from gpuwatchd.findings.context import FindingContext, rank_finding, rank_gpus, rank_label
 from gpuwatchd.join.collectives import compare
-from gpuwatchd.join.stall import StallVerdict
+from gpuwatchd.join.stall_verdicts import StallVerdict
 from gpuwatchd.model import INFO, PAGE, WARNING, Finding, RankState
+from gpuwatchd.units import fmt_bytes, fmt_clock_utc
 
 GPU_IDLE_RATIO = 0.05  # below 5 % utilisation a GPU is idle
 GPU_BUSY_RATIO = 0.6
@@ -97,7 +97,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
             continue
         since = ""
         if v.progress_timestamp is not None:
-            since = time.strftime(" (last progress %H:%M:%S UTC)", time.gmtime(v.progress_timestamp))
+            since = f" (last progress {fmt_clock_utc(v.progress_timestamp)})"
         where = " <- ".join(v.stuck_frames[:5]) if v.stuck_frames else "stack unknown (no py-spy)"
         suspects = [
             s for s in verdicts.values() if s.job_id == r.job_id and s.suspect and s.rank != r.rank

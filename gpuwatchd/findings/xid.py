@@ -7,13 +7,13 @@ Reads the recent kernel events the kernel-log subsystem puts in ``ctx.kernel_eve
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
 from gpuwatchd.events.log import Event
 from gpuwatchd.findings.context import FindingContext
-from gpuwatchd.join.kernel_events import CRITICAL_XIDS
+from gpuwatchd.join.kernel_lines import CRITICAL_XIDS
 from gpuwatchd.model import PAGE, Finding
+from gpuwatchd.units import fmt_clock, fmt_time
 
 # As long as the GPUXidCritical rule looks back (increase()[10m]).
 ACTIVE_SECONDS = 600.0
@@ -33,9 +33,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         gpu = ev.fields.get("gpu", "")
         on = [r for r in ctx.ranks if r.alive and gpu != "" and str(gpu) in r.gpus]
         text = ev.summary.replace(
-            time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ev.time)),
-            time.strftime("%H:%M:%S", time.localtime(ev.time)),
-        )
+fmt_time(ev.time), fmt_clock(ev.time))
         if on:
             text += "; ranks on this GPU: " + ", ".join(f"{r.job_id}/{r.rank}" for r in on)
         yield Finding(

@@ -24,12 +24,10 @@ from gpuwatchd.counters import CounterStore, rank_label_positions
 from gpuwatchd.events.bus import EventBus
 from gpuwatchd.events.log import Event, read_events
 from gpuwatchd.model import INFO, frozen_map
-from gpuwatchd.sources.kernel_log import (
-    KILLER_KERNEL,
-)
+from gpuwatchd.sources.kernel_lines import KILLER_KERNEL
 from gpuwatchd.statefile import StateFiles
 
-log = logging.getLogger("gpuwatchd.join.kernel_events")  # the log texts keep their logger
+log = logging.getLogger(__name__)
 
 BASE_KIND = "counter_base"
 

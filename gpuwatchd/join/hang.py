@@ -33,8 +33,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuwatchd.join import lock_evidence
-from gpuwatchd.sources.pyspy import Frame, ThreadInfo, ThreadStack
+from gpuwatchd.sources.pyspy_output import Frame, ThreadStack
 from gpuwatchd.sources.taskwait import SyscallWait
+from gpuwatchd.sources.threads import ThreadInfo
 
 IDLE_SHARE = 0.02  # at most 2 % of a core: not running
 WORK_SHARE = 0.05  # as stall.WORK_SHARE: a thread between this and a spin is doing work

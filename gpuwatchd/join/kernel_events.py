@@ -39,27 +39,19 @@ from gpuwatchd.counters import CounterStore
 from gpuwatchd.events.bus import EventBus
 from gpuwatchd.events.log import EVENTS_FILE, Event
 from gpuwatchd.join.event_store import HELPER_OOM_KILL, EventStore
-from gpuwatchd.join.kernel_lines import CRITICAL_XIDS as CRITICAL_XIDS
-from gpuwatchd.join.kernel_lines import KernelLines, fmt_time, is_history
+from gpuwatchd.join.kernel_lines import KernelLines, is_history
 from gpuwatchd.join.oom_history import OomBaseline
 from gpuwatchd.join.oom_kills import Kill, KillGrouper
 from gpuwatchd.join.rank_peers import RankPeers
-from gpuwatchd.join.rank_trees import RankTreeRecord, TreeMember, members_from
+from gpuwatchd.join.rank_trees import RankTreeRecord, members_from
 from gpuwatchd.join.xid_dedup import XidDeduper
 from gpuwatchd.model import PAGE, WARNING, ProcessInfo, RankState, frozen_map
-from gpuwatchd.sources.kernel_log import (
-    KILLER_EARLYOOM,
-    KILLER_KERNEL,
-    KILLER_OOMD,
-    LogRecord,
-    parse_message,
-)
+from gpuwatchd.sources.kernel_lines import KILLER_EARLYOOM, KILLER_KERNEL, KILLER_OOMD, LogRecord, parse_message
 from gpuwatchd.statefile import StateFiles
-from gpuwatchd.units import fmt_bytes
+from gpuwatchd.units import fmt_bytes, fmt_time
 
 log = logging.getLogger(__name__)
-__all__ = ["CRITICAL_XIDS", "KernelEventProcessor", "KillGrouper", "RankTreeRecord", "TreeMember",
-           "scope_phrase"]
+__all__ = ["KernelEventProcessor", "scope_phrase"]
 
 RECORD_FILE = "rank_trees.json"
 

@@ -12,7 +12,6 @@ driver prints and the fallen-off-the-bus de-duplication. Cost: a dictionary look
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 from gpuwatchd.events.log import Event
@@ -24,11 +23,8 @@ from gpuwatchd.join.rank_peers import RankPeers
 from gpuwatchd.join.rank_trees import RankTreeRecord
 from gpuwatchd.join.xid_dedup import XidDeduper
 from gpuwatchd.model import INFO, PAGE, WARNING, frozen_map
-from gpuwatchd.sources.kernel_log import (
-    KILLER_OOMD,
-    LogRecord,
-    Parsed,
-)
+from gpuwatchd.sources.kernel_lines import KILLER_OOMD, LogRecord, Parsed
+from gpuwatchd.units import fmt_time
 
 # Xids that page: the same set as the GPUXidCritical rule (deploy/prometheus/gpuwatchd.rules.yml,
 # after the NVIDIA Xid catalog and shared/research/gil-hang-oom.md §4.5): broken GPU, memory or
@@ -36,10 +32,6 @@ from gpuwatchd.sources.kernel_log import (
 CRITICAL_XIDS = frozenset(
     {48, 56, 57, 58, 62, 63, 64, 65, 68, 69, 73, 74, 79, 80, 81, 92, 94, 95, 119, 120}
 )
-
-
-def fmt_time(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 
 def is_history(baseline: OomBaseline, k: Kill) -> bool:

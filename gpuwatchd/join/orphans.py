@@ -211,12 +211,3 @@ def offenders(
     return tuple(sorted(out, key=lambda o: (o.gpu_index, o.pid)))
 
 
-def fmt_age(seconds: float) -> str:
-    s = max(0, int(seconds))
-    if s < 120:
-        return f"{s} s"
-    if s < 7200:
-        return f"{s // 60} min"
-    if s < 172800:
-        return f"{s // 3600} h {s % 3600 // 60} min"
-    return f"{s // 86400} d"

@@ -56,14 +56,12 @@ from gpuwatchd.join.stall_spin import (
     runnable_shares,
     spinning_python,
 )
-from gpuwatchd.join.stall_verdicts import RankProbe as RankProbe
-from gpuwatchd.join.stall_verdicts import StallVerdict as StallVerdict
-from gpuwatchd.join.stall_verdicts import main_stack as main_stack
-from gpuwatchd.join.stall_verdicts import name_suspects as name_suspects
-from gpuwatchd.join.stall_verdicts import summarize_threads as summarize_threads
+from gpuwatchd.join.stall_verdicts import RankProbe, StallVerdict, main_stack, name_suspects, summarize_threads
 from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources import pyspy, taskwait
-from gpuwatchd.sources.pyspy import PySpy, PySpyError, ThreadInfo, ThreadStack
+from gpuwatchd.sources import taskwait
+from gpuwatchd.sources.pyspy import PySpy
+from gpuwatchd.sources.pyspy_output import ABSENT, NOT_PYTHON, PERMISSION_DENIED, TIMEOUT, PySpyError, ThreadStack
+from gpuwatchd.sources.threads import ThreadInfo, read_threads, task_ids
 
 log = logging.getLogger(__name__)
 
@@ -179,19 +177,19 @@ class StallTracker:
             out: tuple[tuple[ThreadStack, ...] | None, bool] = (self.spy.dump(pid, slot_wait=0.0), False)
         except PySpyError as e:
             self.last_error = str(e)
-            if e.reason == pyspy.TIMEOUT:
+            if e.reason == TIMEOUT:
                 self._dumps_disabled_until = now + self.dump_interval
             log.debug("stall dump of pid %d failed: %s", pid, e)
-            out = None, e.reason in (pyspy.ABSENT, pyspy.PERMISSION_DENIED, pyspy.NOT_PYTHON)
+            out = None, e.reason in (ABSENT, PERMISSION_DENIED, NOT_PYTHON)
         self._dump_memo[pid] = out
         return out
 
     def _threads(self, pid: int) -> tuple[ThreadInfo, ...]:
         memo = self._threads_memo.get(pid)
         if memo is None:
-            tids = pyspy.task_ids(self.paths, pid)
+            tids = task_ids(self.paths, pid)
             self._task_count[pid] = len(tids)
-            memo = self._threads_memo[pid] = pyspy.read_threads(
+            memo = self._threads_memo[pid] = read_threads(
                 self.paths, pid, detail=False, tids=tids[: self.max_threads])
         return memo
 

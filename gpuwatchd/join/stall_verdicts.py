@@ -12,7 +12,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from gpuwatchd.join.hang import HangAnalysis
-from gpuwatchd.sources.pyspy import ThreadInfo, ThreadStack
+from gpuwatchd.sources.pyspy_output import ThreadStack
+from gpuwatchd.sources.threads import ThreadInfo
 
 
 @dataclass(frozen=True)

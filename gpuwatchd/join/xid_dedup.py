@@ -26,10 +26,10 @@ import threading
 from collections import deque
 from collections.abc import Iterable
 
-from gpuwatchd.model import SOURCE_KERNEL, SOURCE_NVML, GpuDevice
+from gpuwatchd.model import GpuDevice
 from gpuwatchd.units import normalize_pci_bus_id
 
-__all__ = ["SOURCE_KERNEL", "SOURCE_NVML", "XidDeduper", "normalize_pci_bus_id"]
+__all__ = ["XidDeduper"]
 
 DEFAULT_WINDOW_SECONDS = 30.0
 

@@ -24,7 +24,7 @@ from gpuwatchd.rank.rankfile import (
     write_rank_file,
 )
 
-log = logging.getLogger("gpuwatchd.api")
+log = logging.getLogger(__name__)
 DEFAULT_RANK_DIR = "/run/gpuwatch/ranks"
 _registered: dict[str, Any] = {}
 
@@ -70,7 +70,7 @@ def _proc(pid: int) -> str:
     return "/proc/self" if pid == os.getpid() else f"/proc/{pid}"
 
 
-def _start_ticks(pid: int) -> int | None:
+def read_start_ticks(pid: int) -> int | None:
     try:
         with open(f"{_proc(pid)}/stat", "rb") as f:
             raw = f.read().decode("utf-8", "replace")
@@ -131,7 +131,7 @@ def register_rank(job_id: str | None = None, rank: int | None = None, *,
         # script that never calls heartbeat() is judged by its stacks, not seen as "stalled".
         doc = build_document(job_id, rank, pid, local_rank=local_rank, world_size=world_size,
                              gpus=list(gpus) if gpus is not None else _visible_gpus(env, local_rank),
-                             start_ticks=_start_ticks(pid), pid_ns=pid_namespace())
+                             start_ticks=read_start_ticks(pid), pid_ns=pid_namespace())
         path = write_rank_file(rank_dir, doc, rank_file_name(job_id, rank))
     except (RankFileError, OSError) as e:
         if strict:

@@ -51,7 +51,7 @@ _UNITS = {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10, "B": 1}
 # --------------------------------------------------------------------------------------------
 
 @dataclass
-class _Hook:
+class OomHook:
     rank_dir: str
     job_id: str
     rank: int
@@ -59,7 +59,7 @@ class _Hook:
     installed: list[str] = field(default_factory=list)
 
 
-_hook: _Hook | None = None
+_hook: OomHook | None = None
 _lock = threading.Lock()
 
 
@@ -103,7 +103,7 @@ def _co_tenants(uuid: str) -> list[dict[str, Any]] | None:
 
 
 def record_event(
-    hook: _Hook,
+    hook: OomHook,
     *,
     device: int | None,
     requested_bytes: int | None,
@@ -181,7 +181,7 @@ def install_hook(rank_dir: str, job_id: str, rank: int) -> list[str]:
         if _hook is not None:
             _hook.rank_dir, _hook.job_id, _hook.rank = rank_dir, job_id, rank
             return list(_hook.installed)
-        _hook = _Hook(rank_dir, job_id, rank)
+        _hook = OomHook(rank_dir, job_id, rank)
     installed = _hook.installed
     torch_mod: Any = sys.modules.get("torch")
     if torch_mod is None:

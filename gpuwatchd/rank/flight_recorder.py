@@ -29,14 +29,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-log = logging.getLogger("gpuwatchd.flight_recorder")
+log = logging.getLogger(__name__)
 REQUEST_SUFFIX = ".frreq"
 RESPONSE_SUFFIX = ".fr"
 MAX_ENTRIES = 64  # per process group, newest kept
 MAX_BYTES = 256 * 1024
 MAX_REQUEST_BYTES = 128
 ENTRY_FIELDS = ("collective_seq_id", "p2p_seq_id", "profiling_name", "state", "pg_id",
-                "time_created_ns", "is_p2p", "process_group")  # fmt: skip
+                "time_created_ns", "is_p2p", "process_group")
 
 Dump = Callable[[], Any]
 
@@ -83,7 +83,7 @@ class Responder:
     """The polling thread. ``dump`` is the flight-recorder reader (tests pass a recording)."""
 
     def __init__(self, rank_dir: str, job_id: str, rank: int, *, dump: Dump = torch_dump,
-                 poll_seconds: float = 0.5) -> None:  # fmt: skip
+                 poll_seconds: float = 0.5) -> None:
         self.req = request_path(rank_dir, job_id, rank)
         self.resp = response_path(rank_dir, job_id, rank)
         self.dump = dump

@@ -89,7 +89,7 @@ def loads_strict(text: str) -> Any:
                       parse_constant=_parse_constant, object_pairs_hook=_no_duplicate_keys)
 
 
-def _bad_name(name: str) -> bool:
+def bad_name(name: str) -> bool:
     """Names that cannot be shown or logged as they are (not UTF-8, control characters)."""
     return not name.isprintable()  # surrogate escapes of non-UTF-8 bytes are not printable
 

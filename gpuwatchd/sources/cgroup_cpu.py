@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 from gpuwatchd.paths import HostPaths
+from gpuwatchd.sources.procfs import read_proc_cgroup
 
 V1_MOUNTS = ("cpu,cpuacct", "cpu", "cpuacct,cpu")
 
@@ -47,9 +48,8 @@ def parse_cpu_stat(text: str) -> CpuStat | None:
 
 def cgroup_cpu_stat_path(paths: HostPaths, pid: int) -> str | None:
     """The cpu.stat of ``pid``'s cpu cgroup, or None (gone, no cpu controller)."""
-    try:
-        text = _read(paths.proc(pid, "cgroup"))
-    except OSError:
+    text = read_proc_cgroup(paths, pid)
+    if text is None:
         return None
     root = paths.sys("fs", "cgroup")
     unified = None
@@ -74,20 +74,6 @@ def cgroup_cpu_stat_path(paths: HostPaths, pid: int) -> str | None:
             if os.path.exists(candidate):
                 return candidate
     return None
-
-
-def read_cpu_stat(paths: HostPaths, pid: int) -> CpuStat | None:
-    path = cgroup_cpu_stat_path(paths, pid)
-    return None if path is None else read_cpu_stat_file(path)
-
-
-def read_cpu_stat_file(path: str) -> CpuStat | None:
-    """One cpu.stat (a path from ``cgroup_cpu_stat_path``); None when it is gone or says nothing
-    of throttling."""
-    try:
-        return parse_cpu_stat(_read(path))
-    except OSError:
-        return None
 
 
 def read_cpu_stat_present(path: str) -> tuple[bool, CpuStat | None]:

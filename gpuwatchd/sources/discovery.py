@@ -16,7 +16,7 @@ from gpuwatchd.model import RankEntry
 from gpuwatchd.rank.rankfile import DISCOVERY_VARS, claim_from_env
 from gpuwatchd.sources.procfs import ProcessGone, ProcfsReader
 
-__all__ = ["DISCOVERY_VARS", "claim_from_env", "discover"]
+__all__ = ["discover"]
 
 def discover(procfs: ProcfsReader, launchers: Iterable[str]) -> list[RankEntry]:
     """Ranks found from launcher variables. Children inherit their rank's environment (DataLoader

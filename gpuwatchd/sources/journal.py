@@ -28,7 +28,7 @@ from gpuwatchd.sources.kernel_lines import (
     RejectHandler,
     SourceStats,
 )
-from gpuwatchd.sources.kmsg import _Stopper
+from gpuwatchd.sources.kmsg import Stopper
 from gpuwatchd.statefile import StateFiles, atomic_write
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class JournalSource:
         self.state_path = os.path.join(state_dir, "journal.cursor")
         self.stats = SourceStats()
         self._on_reject = on_reject
-        self._stopper = _Stopper()
+        self._stopper = Stopper()
         self.paths = paths or HostPaths()
         self._clock = clock
         self.ready = threading.Event()

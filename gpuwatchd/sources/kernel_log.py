@@ -18,7 +18,7 @@ a GPU fallen off the bus without an Xid number) are parsed in sources/kernel_for
 
 The parsers are in sources/kernel_lines.py, the two sources in sources/kmsg.py and
 sources/journal.py; this module picks one (``open_kernel_log``), reads the small /proc files the
-kernel-log subsystem needs, and re-exports the names the rest of gpuwatchd uses.
+kernel-log subsystem needs.
 """
 
 from __future__ import annotations
@@ -29,33 +29,14 @@ from collections.abc import Callable
 
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.journal import JournalSource, journal_available
-from gpuwatchd.sources.kernel_lines import (
-    KILLER_EARLYOOM,
-    KILLER_KERNEL,
-    KILLER_OOMD,
-    MAX_MESSAGE,
-    USERSPACE_KILLERS,
-    KmsgRecord,
-    LogRecord,
-    Parsed,
-    RejectHandler,
-    SourceStats,
-    parse_kmsg,
-    parse_message,
-    rss_bytes,
-)
-from gpuwatchd.sources.kmsg import KmsgSource, read_boot_id
+from gpuwatchd.sources.kernel_lines import RejectHandler
+from gpuwatchd.sources.kmsg import KmsgSource
+from gpuwatchd.sources.procfs import read_proc_cgroup
 from gpuwatchd.statefile import StateFiles
 
 log = logging.getLogger(__name__)
-KernelLogSource = KmsgSource | JournalSource
 
-__all__ = [
-    "KILLER_EARLYOOM", "KILLER_KERNEL", "KILLER_OOMD", "MAX_MESSAGE", "USERSPACE_KILLERS",
-    "JournalSource", "KernelLogUnavailable", "KmsgRecord", "KmsgSource", "LogRecord", "Parsed",
-    "SourceStats", "journal_available", "open_kernel_log", "parse_kmsg", "parse_message",
-    "read_boot_id", "read_cgroup", "read_vmstat_oom_kill", "rss_bytes",
-]
+__all__ = ["KernelLogUnavailable", "open_kernel_log", "read_cgroup", "read_vmstat_oom_kill"]
 
 
 class KernelLogUnavailable(Exception):
@@ -106,10 +87,8 @@ def read_vmstat_oom_kill(paths: HostPaths) -> int | None:
 def read_cgroup(paths: HostPaths, pid: int) -> str:
     """The process's cgroup path: the v2 unified path, else the v1 memory controller's
     (``cat /proc/PID/cgroup``); "" when the process is gone."""
-    try:
-        with open(paths.proc(pid, "cgroup")) as f:
-            text = f.read(65536)
-    except OSError:
+    text = read_proc_cgroup(paths, pid)
+    if text is None:
         return ""
     memory = unified = ""
     for line in text.splitlines():

@@ -40,7 +40,7 @@ def read_boot_id(paths: HostPaths) -> str:
         return ""
 
 
-class _Stopper:
+class Stopper:
     """A self-pipe: ``stop()`` wakes the reader out of ``poll()`` at once, without a timeout."""
 
     def __init__(self) -> None:
@@ -92,7 +92,7 @@ class KmsgSource:
         self.stats = SourceStats()
         self._on_reject = on_reject
         self._on_overrun = on_overrun
-        self._stopper = _Stopper()
+        self._stopper = Stopper()
         self._clock = clock
         self._monotonic = monotonic
         self.boot_id = read_boot_id(self.paths)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuwatchd.paths import HostPaths
+from gpuwatchd.sources.procfs import read_proc_cgroup
 
 READ_CAP = 16384
 MAX_DEPTH = 8
@@ -79,7 +80,7 @@ class NodeMemory:
     pressure: Psi | None
 
 
-def _read(path: str) -> str | None:
+def read_capped(path: str) -> str | None:
     try:
         with open(path, "rb") as f:
             return f.read(READ_CAP).decode("ascii", "replace")
@@ -173,7 +174,7 @@ class MemcgReader:
         return self.v1 or self.v2_root is not None
 
     def cgroup_of(self, pid: int) -> CgroupPaths | None:
-        text = _read(self.paths.proc(pid, "cgroup"))
+        text = read_proc_cgroup(self.paths, pid)
         return parse_cgroup_file(text) if text is not None else None
 
     def read(self, where: CgroupPaths, memo: dict[tuple[int, str], Any] | None = None
@@ -186,7 +187,7 @@ class MemcgReader:
         if self.v2_root is not None and where.unified:
             if (0, where.unified) not in memo:
                 memo[(0, where.unified)] = parse_psi(
-                    _read(self._dir(self.v2_root, where.unified, "memory.pressure")))
+                    read_capped(self._dir(self.v2_root, where.unified, "memory.pressure")))
             psi = memo[(0, where.unified)]
         if self.v1 and where.memory_v1:
             got = self._tightest(1, os.path.join(self.root, "memory"), where.memory_v1, memo)
@@ -214,18 +215,18 @@ class MemcgReader:
 
     def _level(self, version: int, base: str, path: str, own: bool) -> CgroupMemory | None:
         """One level; an ancestor without a limit is not read further (it cannot bound)."""
-        limit = _int(_read(self._dir(base, path, "memory.limit_in_bytes" if version == 1
+        limit = _int(read_capped(self._dir(base, path, "memory.limit_in_bytes" if version == 1
                                      else "memory.max")))
         if not own and (limit is None or limit >= UNLIMITED):
             return None
         if version == 1:
-            usage = _int(_read(self._dir(base, path, "memory.usage_in_bytes")))
+            usage = _int(read_capped(self._dir(base, path, "memory.usage_in_bytes")))
             high = None
-            inactive = _stat_value(_read(self._dir(base, path, "memory.stat")), "total_inactive_file")
+            inactive = _stat_value(read_capped(self._dir(base, path, "memory.stat")), "total_inactive_file")
         else:
-            usage = _int(_read(self._dir(base, path, "memory.current")))
-            high = _int(_read(self._dir(base, path, "memory.high")))
-            inactive = _stat_value(_read(self._dir(base, path, "memory.stat")), "inactive_file")
+            usage = _int(read_capped(self._dir(base, path, "memory.current")))
+            high = _int(read_capped(self._dir(base, path, "memory.high")))
+            inactive = _stat_value(read_capped(self._dir(base, path, "memory.stat")), "inactive_file")
         if usage is None:
             return None
         return CgroupMemory(
@@ -263,7 +264,7 @@ class MemcgReader:
         return best
 
     def node(self) -> NodeMemory | None:
-        mem = parse_meminfo(_read(self.paths.proc("meminfo")))
+        mem = parse_meminfo(read_capped(self.paths.proc("meminfo")))
         if mem is None:
             return None
-        return NodeMemory(mem[0], mem[1], parse_psi(_read(self.paths.proc("pressure", "memory"))))
+        return NodeMemory(mem[0], mem[1], parse_psi(read_capped(self.paths.proc("pressure", "memory"))))

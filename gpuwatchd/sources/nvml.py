@@ -93,12 +93,12 @@ def load_pynvml() -> Any:
     return pynvml
 
 
-def _code(exc: BaseException) -> int | None:
+def nvml_error_code(exc: BaseException) -> int | None:
     value = getattr(exc, "value", None)
     return value if isinstance(value, int) else None
 
 
-def _text(value: Any) -> str:
+def decode_text(value: Any) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
@@ -146,12 +146,12 @@ class NvmlSource:
         try:
             nv.nvmlInit()
         except nv.NVMLError as exc:
-            if _code(exc) in _NOT_PRESENT_CODES:
+            if nvml_error_code(exc) in _NOT_PRESENT_CODES:
                 raise NvmlNotPresent(f"NVML not present on this host: {exc}") from exc
-            raise NvmlReadError(f"nvmlInit failed: {exc}", _code(exc)) from exc
+            raise NvmlReadError(f"nvmlInit failed: {exc}", nvml_error_code(exc)) from exc
         self._initialised = True
         try:
-            self.driver_version = _text(nv.nvmlSystemGetDriverVersion())
+            self.driver_version = decode_text(nv.nvmlSystemGetDriverVersion())
         except nv.NVMLError:
             self.driver_version = ""
         return nv
@@ -182,7 +182,7 @@ class NvmlSource:
                 count = int(nv.nvmlDeviceGetCount())
             except nv.NVMLError as exc:
                 self._shutdown_locked()  # a driver reload needs a fresh init
-                raise NvmlReadError(f"nvmlDeviceGetCount failed: {exc}", _code(exc)) from exc
+                raise NvmlReadError(f"nvmlDeviceGetCount failed: {exc}", nvml_error_code(exc)) from exc
             devices: list[GpuDevice] = []
             processes: list[GpuProcess] = []
             errors: dict[int, str] = {}
@@ -193,7 +193,7 @@ class NvmlSource:
                 except nv.NVMLError as exc:
                     # One lost GPU must not hide the others: record it, read on.
                     errors[index] = str(exc)
-                    if _code(exc) == NVML_ERROR_GPU_IS_LOST:
+                    if nvml_error_code(exc) == NVML_ERROR_GPU_IS_LOST:
                         lost.add(index)
                     continue
                 devices.append(device)
@@ -211,16 +211,16 @@ class NvmlSource:
         try:
             return fn()
         except nv.NVMLError as exc:
-            if _code(exc) in _UNKNOWN_CODES:
+            if nvml_error_code(exc) in _UNKNOWN_CODES:
                 return None
             raise
 
     def _read_device(self, nv: Any, index: int) -> tuple[GpuDevice, list[GpuProcess]]:
         handle = nv.nvmlDeviceGetHandleByIndex(index)
-        uuid = _text(nv.nvmlDeviceGetUUID(handle))
-        name = _text(nv.nvmlDeviceGetName(handle))
+        uuid = decode_text(nv.nvmlDeviceGetUUID(handle))
+        name = decode_text(nv.nvmlDeviceGetName(handle))
         pci = nv.nvmlDeviceGetPciInfo(handle)
-        bus_id = _text(getattr(pci, "busId", "") or getattr(pci, "busIdLegacy", ""))
+        bus_id = decode_text(getattr(pci, "busId", "") or getattr(pci, "busIdLegacy", ""))
         mem = self._optional(nv, lambda: nv.nvmlDeviceGetMemoryInfo(handle))
         util = self._optional(nv, lambda: nv.nvmlDeviceGetUtilizationRates(handle))
         gpu_util = _known(getattr(util, "gpu", None)) if util is not None else None

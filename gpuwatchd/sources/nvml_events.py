@@ -16,11 +16,11 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from gpuwatchd.model import SOURCE_NVML
-from gpuwatchd.sources.nvml import NVML_ERROR_TIMEOUT, _code, _text, load_pynvml
+from gpuwatchd.sources.nvml import NVML_ERROR_TIMEOUT, decode_text, load_pynvml, nvml_error_code
 from gpuwatchd.sources.watcher import WatcherThread
 from gpuwatchd.units import normalize_pci_bus_id
 
-log = logging.getLogger("gpuwatchd.sources.nvml")  # the name its lines always had
+log = logging.getLogger(__name__)
 
 
 class XidRecorder(Protocol):
@@ -69,7 +69,7 @@ class XidEventWatcher(WatcherThread):
             self.error = f"NVML not available for Xid events: {exc}"
             return
         try:
-            event_set = self._register(nv)
+            event_set = self.register_xid_events(nv)
             if event_set is None:
                 return
             try:
@@ -82,7 +82,7 @@ class XidEventWatcher(WatcherThread):
         finally:
             nv.nvmlShutdown()
 
-    def _register(self, nv: Any) -> Any:
+    def register_xid_events(self, nv: Any) -> Any:
         event_set = nv.nvmlEventSetCreate()
         registered = 0
         for index in range(int(nv.nvmlDeviceGetCount())):
@@ -103,16 +103,16 @@ class XidEventWatcher(WatcherThread):
         try:
             data = nv.nvmlEventSetWait_v2(event_set, self._wait_ms)
         except nv.NVMLError as exc:
-            if _code(exc) == NVML_ERROR_TIMEOUT:
+            if nvml_error_code(exc) == NVML_ERROR_TIMEOUT:
                 return False
             raise
         if int(data.eventType) != int(nv.nvmlEventTypeXidCriticalError):
             return False
         self.events_seen += 1
         xid = int(data.eventData)
-        uuid = _text(nv.nvmlDeviceGetUUID(data.device))
+        uuid = decode_text(nv.nvmlDeviceGetUUID(data.device))
         index = int(nv.nvmlDeviceGetIndex(data.device))
-        bus = _text(nv.nvmlDeviceGetPciInfo(data.device).busId)
+        bus = decode_text(nv.nvmlDeviceGetPciInfo(data.device).busId)
         self._dedup.learn_device(bus, uuid, index)
         if self._dedup.record(normalize_pci_bus_id(bus), xid, self._clock(), SOURCE_NVML):
             self._inc("gpu_xid_errors", (str(index), uuid, str(xid)))

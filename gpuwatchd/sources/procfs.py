@@ -35,6 +35,16 @@ LIMITS_TTL = 30.0
 THREAD_CHILDREN_TTL = 120.0
 
 
+def read_proc_cgroup(paths: HostPaths, pid: int) -> str | None:
+    """``/proc/PID/cgroup`` as text (one line per hierarchy, at most 64 KiB), or None when the
+    process is gone: the one reader of that file. Its parsers are beside their users: memcg.py
+    (the memory controller), cgroup_cpu.py (cpu.stat) and kernel_log.py (an OOM kill's cgroup)."""
+    try:
+        return _read(paths.proc(pid, "cgroup"), 1 << 16).decode("utf-8", "replace")
+    except OSError:
+        return None
+
+
 class ProcessGone(Exception):
     """The process exited (or was never there) while we were reading it."""
 
@@ -362,10 +372,7 @@ class ProcfsReader:
 
     def cgroup(self, pid: int) -> str | None:
         """/proc/PID/cgroup as text (one line per hierarchy), or None when gone."""
-        try:
-            return _read(self.paths.proc(pid, "cgroup"), 1 << 14).decode("utf-8", "replace")
-        except OSError:
-            return None
+        return read_proc_cgroup(self.paths, pid)
 
     def pids(self) -> list[int]:
         """Every PID on the host (discovery only: not on the per-cycle path)."""

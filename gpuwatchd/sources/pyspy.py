@@ -2,7 +2,7 @@
 
 Reads: the target's memory through py-spy (``process_vm_readv``), and ``/proc/PID/task/*/{stat,
 status,wchan}`` for the cheap thread view that py-spy results are checked and mapped against
-(sources/threads.py; the output parsers are in sources/pyspy_output.py, re-exported here).
+(sources/threads.py; the output parsers are in sources/pyspy_output.py).
 
 Cost: ``record --gil --nonblocking`` at 50 Hz costs py-spy ~0.05 CPU-s per sampled second and
 nothing measurable on the target (research/gil-hang-oom.md §1.4: blocking mode cut a 65-thread
@@ -52,22 +52,17 @@ from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.pyspy_output import (
     ABSENT,
     BUSY,
-    COLLECTOR,
     FAILED,
-    NOT_PYTHON,
     OUTPUT_CAP_BYTES,
     OUTPUT_TOO_LARGE,
-    PERMISSION_DENIED,
     TARGET_GONE,
     TIMEOUT,
-    Frame,
     GilSample,
     PySpyError,
     RunResult,
     ThreadStack,
     classify_failure,
     parse_dump_json,
-    parse_frame,
     parse_record_raw,
     parse_record_summary,
 )
@@ -75,52 +70,17 @@ from gpuwatchd.sources.pyspy_spawn import spawn
 from gpuwatchd.sources.reaper import CHILDREN, ChildReaper
 from gpuwatchd.sources.threads import (
     ThreadInfo,
-    _read,
     in_nested_pid_namespace,
     nspid_map,
-    parse_stat,
-    process_cpu,
     process_state,
+    read_capped,
     read_threads,
     stop_pending,
     task_ids,
 )
 
 log = logging.getLogger(__name__)
-__all__ = [
-    "ABSENT",
-    "BUSY",
-    "COLLECTOR",
-    "FAILED",
-    "NOT_PYTHON",
-    "OUTPUT_CAP_BYTES",
-    "OUTPUT_TOO_LARGE",
-    "PERMISSION_DENIED",
-    "TARGET_GONE",
-    "TIMEOUT",
-    "Frame",
-    "GilSample",
-    "PySpy",
-    "PySpyError",
-    "PySpyStats",
-    "RunResult",
-    "ThreadInfo",
-    "ThreadStack",
-    "classify_failure",
-    "in_nested_pid_namespace",
-    "nspid_map",
-    "parse_dump_json",
-    "parse_frame",
-    "parse_record_raw",
-    "parse_record_summary",
-    "parse_stat",
-    "process_cpu",
-    "process_state",
-    "read_threads",
-    "resolve_pyspy",
-    "stop_pending",
-    "task_ids",
-]
+__all__ = ["PySpy", "PySpyStats", "resolve_pyspy"]
 
 # ----------------------------------------------------------------------------- the binary
 
@@ -251,7 +211,7 @@ class PySpy:
             args = [
                 "record", "--gil", "--nonblocking", "--format", "raw", "--threads",
                 "--hideprogress", "-r", str(rate), "-d", str(duration), "-o", out, "-p", str(pid),
-            ]  # fmt: skip
+            ]
             nested = in_nested_pid_namespace(self.paths, pid)
             threads_before = read_threads(self.paths, pid) if nested else ()
             tids_before = task_ids(self.paths, pid)
@@ -297,12 +257,12 @@ class PySpy:
         nested = in_nested_pid_namespace(self.paths, pid)
         threads_before = read_threads(self.paths, pid) if nested else ()
         res = self._run(pid, ["dump", "--json", "--nonblocking", "-p", str(pid)],
-                        self.dump_timeout_seconds, slot_wait)  # fmt: skip
+                        self.dump_timeout_seconds, slot_wait)
         if res.returncode != 0:
             self._fail(pid, res.stderr or res.stdout)
         try:
             stacks = parse_dump_json(res.stdout.decode("utf-8", "replace"),
-                                     self._tid_map(pid, threads_before) if nested else {})  # fmt: skip
+                                     self._tid_map(pid, threads_before) if nested else {})
         except (ValueError, json.JSONDecodeError) as e:
             raise PySpyError(FAILED, f"unreadable dump output: {e}") from e
         if nested:
@@ -337,7 +297,7 @@ class PySpy:
             return ""  # py-spy writes no file when nothing held the GIL on some versions
         if size > self.output_cap_bytes:
             raise PySpyError(OUTPUT_TOO_LARGE, f"{size} bytes > cap {self.output_cap_bytes}")
-        return _read(path, self.output_cap_bytes)
+        return read_capped(path, self.output_cap_bytes)
 
     def _fail(self, pid: int, output: bytes) -> NoReturn:
         alive = process_state(self.paths, pid) not in (None, "Z", "X")
@@ -345,7 +305,7 @@ class PySpy:
         raise PySpyError(reason, detail)
 
     def _run(self, pid: int, args: list[str], timeout: float,
-             slot_wait: float | None = None) -> RunResult:  # fmt: skip
+             slot_wait: float | None = None) -> RunResult:
         if self.binary is None:
             raise self._count(PySpyError(ABSENT, self.unavailable_reason))
         wait = timeout if slot_wait is None else slot_wait

@@ -80,7 +80,7 @@ def spawn(argv: list[str], timeout: float, *, reaper: ChildReaper, output_cap_by
     when there were any, before its output is read.
     """
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "RUST_BACKTRACE": "0",
-           "RUST_LIB_BACKTRACE": "0"}  # fmt: skip
+           "RUST_LIB_BACKTRACE": "0"}
     kw: dict[str, Any] = {}
     if run_as is not None:
         kw.update(user=run_as[0], group=run_as[1], extra_groups=[])
@@ -93,7 +93,7 @@ def spawn(argv: list[str], timeout: float, *, reaper: ChildReaper, output_cap_by
                 proc = subprocess.Popen(
                     argv, stdin=subprocess.DEVNULL, stdout=out_f, stderr=err_f, env=env,
                     start_new_session=True, close_fds=True, **kw,
-                )  # fmt: skip
+                )
                 live.add(proc.pid)
             reaper.note_helper(proc.pid, "py-spy")
         except FileNotFoundError as e:

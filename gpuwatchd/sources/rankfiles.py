@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 from gpuwatchd.model import BadRankFile, RankEntry
 from gpuwatchd.rank.rankfile import (
-    DISCOVERY_VARS,
     MAX_DEPTH,
     MAX_FILE_BYTES,
     MAX_FILES,
@@ -37,18 +36,12 @@ from gpuwatchd.rank.rankfile import (
     MAX_RANKS_PER_NODE,
     MAX_RANKS_PER_OWNER,
     RankFileError,
-    _bad_name,
-    claim_from_env,
+    bad_name,
     loads_strict,
     parse_rank_document,
 )
-from gpuwatchd.sources.discovery import discover
-from gpuwatchd.sources.heartbeats import HeartbeatRoots, heartbeat_mtime, heartbeat_root
+from gpuwatchd.sources.heartbeats import HeartbeatRoots, heartbeat_root
 from gpuwatchd.sources.pidns import PidNamespaces
-
-# re-exported: moved to discovery.py and heartbeats.py
-__all__ = ["DISCOVERY_VARS", "HeartbeatRoots", "claim_from_env", "discover", "heartbeat_mtime",
-           "heartbeat_root"]
 
 
 @dataclass
@@ -99,7 +92,7 @@ class RankFileReader:
         live = set()
         for name in chosen:
             path = os.path.join(self.rank_dir, name)
-            if _bad_name(name):
+            if bad_name(name):
                 bad.append(BadRankFile(os.path.join(self.rank_dir, ascii(name)[1:-1]),
                                        "name is not printable UTF-8 (refused)"))
                 continue

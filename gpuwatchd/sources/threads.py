@@ -32,7 +32,7 @@ class ThreadInfo:
 
 
 
-def _read(path: str, limit: int = 65536) -> str:
+def read_capped(path: str, limit: int = 65536) -> str:
     with open(path, "rb") as f:
         return f.read(limit).decode("utf-8", "replace")
 
@@ -47,7 +47,7 @@ def parse_stat(text: str) -> tuple[str, str, int]:
 def process_state(paths: HostPaths, pid: int) -> str | None:
     """The state letter of a process, None when it is gone (or a zombie that was reaped)."""
     try:
-        return parse_stat(_read(paths.proc(pid, "stat")))[1]
+        return parse_stat(read_capped(paths.proc(pid, "stat")))[1]
     except (OSError, ValueError, IndexError):
         return None
 
@@ -57,7 +57,7 @@ def stop_pending(paths: HostPaths, pid: int) -> bool:
     /proc/PID/status, proc(5)): a stop right before a check is seen before the state turns T."""
     bit = 1 << (signal.SIGSTOP - 1)
     try:
-        for line in _read(paths.proc(pid, "status")).splitlines():
+        for line in read_capped(paths.proc(pid, "status")).splitlines():
             if line.startswith(("ShdPnd:", "SigPnd:")) and int(line.split()[1], 16) & bit:
                 return True
     except (OSError, ValueError, IndexError):
@@ -69,7 +69,7 @@ def process_cpu(paths: HostPaths, pid: int) -> tuple[int, int] | None:
     """(utime+stime ticks of all threads, number of threads) of a process: one read; None when
     it is gone."""
     try:
-        text = _read(paths.proc(pid, "stat"))
+        text = read_capped(paths.proc(pid, "stat"))
         rest = text[text.rindex(")") + 2 :].split()
         return int(rest[11]) + int(rest[12]), int(rest[17])
     except (OSError, ValueError, IndexError):
@@ -100,10 +100,10 @@ def read_threads(paths: HostPaths, pid: int, detail: bool = True, limit: int | N
     out = []
     for tid in tids:
         try:
-            comm, state, ticks = parse_stat(_read(paths.proc(pid, "task", tid, "stat")))
-            st = _status_fields(_read(paths.proc(pid, "task", tid, "status"))) if detail else {}
+            comm, state, ticks = parse_stat(read_capped(paths.proc(pid, "task", tid, "stat")))
+            st = _status_fields(read_capped(paths.proc(pid, "task", tid, "status"))) if detail else {}
             try:
-                wchan = _read(paths.proc(pid, "task", tid, "wchan"), 256).strip()
+                wchan = read_capped(paths.proc(pid, "task", tid, "wchan"), 256).strip()
             except OSError:
                 wchan = ""
         except (OSError, ValueError, IndexError):
@@ -130,7 +130,7 @@ def read_schedstat(paths: HostPaths, pid: int, tid: int) -> tuple[int, int] | No
     time the task was runnable: a spin preempted by other load shows as runnable the whole time,
     where its CPU share alone says it worked half of it."""
     try:
-        run, wait, _ = _read(paths.proc(pid, "task", tid, "schedstat"), 256).split()
+        run, wait, _ = read_capped(paths.proc(pid, "task", tid, "schedstat"), 256).split()
         return int(run), int(wait)
     except (OSError, ValueError):
         return None
@@ -147,7 +147,7 @@ def task_ids(paths: HostPaths, pid: int) -> list[int]:
 def in_nested_pid_namespace(paths: HostPaths, pid: int) -> bool:
     """True when ``/proc/PID/status`` lists more than one NSpid (the target is in a child ns)."""
     try:
-        return len(_status_fields(_read(paths.proc(pid, "status"))).get("NSpid", "").split()) > 1
+        return len(_status_fields(read_capped(paths.proc(pid, "status"))).get("NSpid", "").split()) > 1
     except OSError:
         return False
 

@@ -9,7 +9,7 @@ source re-initialise on any add/remove/bind/unbind, since NVML's device list is 
 ``nvmlInit``. The source builds no finding.
 
 Cost: one blocking ``poll`` on the netlink socket and a self-pipe that ``stop()`` writes: no
-wake-up while no uevent arrives (it used to wake every second to look at its stop flag).
+wake-up while no uevent arrives.
 Privilege: reading kernel uevents needs no privilege. Shell equivalent: ``udevadm monitor --kernel
 --subsystem-match=pci``; ``cat /sys/bus/pci/devices/*/uevent``.
 """
@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpuwatchd.sources.kmsg import _Stopper
+from gpuwatchd.sources.kmsg import Stopper
 from gpuwatchd.sources.watcher import WatcherThread
 from gpuwatchd.units import normalize_pci_bus_id
 
@@ -93,7 +93,7 @@ class UdevWatcher(WatcherThread):
         self.vendor = vendor
         self.clock = clock
         self.poll_seconds = poll_seconds  # None: sleep until a uevent or stop()
-        self._stopper: _Stopper | None = None
+        self._stopper: Stopper | None = None
 
     def open(self) -> None:
         if self.monitor is None:
@@ -117,7 +117,7 @@ class UdevWatcher(WatcherThread):
         if self.monitor is None:
             log.info("udev: %s", self.error)
             return
-        self._stopper = _Stopper()
+        self._stopper = Stopper()
         self._start_thread()
 
     def stop(self, timeout: float = 3.0) -> None:

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 
 from gpuwatchd.web.config import RateLimit
 
-log = logging.getLogger("gpuwatchd.web")
+log = logging.getLogger(__name__)
 
 MAX_PENDING = 16
 PER_CLIENT = 2

@@ -38,18 +38,18 @@ import yaml
 from gpuwatchd import strict_yaml
 from gpuwatchd.config_checks import (
     Schema,
-    _boolean,
-    _choice,
-    _duration,
-    _integer,
-    _one_line,
-    _optional,
-    _path_string,
-    _string_list,
+    check_boolean,
+    check_choice,
+    check_duration,
+    check_integer,
     check_mapping,
+    check_one_line,
+    check_optional,
+    check_path_string,
+    check_string_list,
 )
 
-log = logging.getLogger("gpuwatchd.web")
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import ssl
@@ -130,7 +130,7 @@ def _client_auth_type(v: Any) -> str:
     if isinstance(v, str) and v in UNSUPPORTED_CLIENT_AUTH:
         raise ValueError(f"{v} is not supported (Python's ssl cannot request a certificate without"
                          " verifying it); use RequireAndVerifyClientCert")
-    return str(_choice(*CLIENT_AUTH_TYPES)(v))
+    return str(check_choice(*CLIENT_AUTH_TYPES)(v))
 
 
 def _bcrypt_hash(v: Any) -> bytes:
@@ -143,16 +143,17 @@ def _bcrypt_hash(v: Any) -> bytes:
 
 
 TLS_SCHEMA: Schema = {
-    "cert_file": _path_string, "key_file": _path_string,  # relative: to the web-config file
-    "client_auth_type": _optional(_client_auth_type), "client_ca_file": _optional(_path_string),
-    "client_allowed_sans": _optional(_string_list),
-    "min_version": _optional(_choice(*TLS_VERSIONS)), "max_version": _optional(_choice(*TLS_VERSIONS)),
-    "prefer_server_cipher_suites": _optional(_boolean),  # accepted; the server's order always wins
+    "cert_file": check_path_string, "key_file": check_path_string,  # relative: to the web-config file
+    "client_auth_type": check_optional(_client_auth_type), "client_ca_file": check_optional(check_path_string),
+    "client_allowed_sans": check_optional(check_string_list),
+    "min_version": check_optional(check_choice(*TLS_VERSIONS)),
+    "max_version": check_optional(check_choice(*TLS_VERSIONS)),
+    "prefer_server_cipher_suites": check_optional(check_boolean),  # accepted; the server's order always wins
 }
-HEADERS_SCHEMA: Schema = dict.fromkeys(SECURITY_HEADERS, _one_line)
+HEADERS_SCHEMA: Schema = dict.fromkeys(SECURITY_HEADERS, check_one_line)
 # exporter-toolkit's rate limiter: interval 0 turns it off, burst 0 refuses every request.
-RATE_LIMIT_SCHEMA: Schema = {"interval": lambda v: 0.0 if v in (0, "0") else _duration(v),
-                             "burst": _integer(0)}
+RATE_LIMIT_SCHEMA: Schema = {"interval": lambda v: 0.0 if v in (0, "0") else check_duration(v),
+                             "burst": check_integer(0)}
 # exporter-toolkit's extraHTTPHeaders: the values these headers may take (others: any one line).
 HEADER_VALUES = {"X-Content-Type-Options": ("nosniff",), "X-Frame-Options": ("deny", "sameorigin")}
 
@@ -208,7 +209,7 @@ def _headers(h: Any, problems: list[str]) -> dict[str, str]:
                                 f"{', '.join(allowed)}, got {out[name]!r:.40}")
         return out
 
-    v = check_mapping(h, "http_server_config", {"http2": _boolean, "headers": headers}, problems)
+    v = check_mapping(h, "http_server_config", {"http2": check_boolean, "headers": headers}, problems)
     return v.get("headers") or {}
 
 

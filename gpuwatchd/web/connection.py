@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-log = logging.getLogger("gpuwatchd.web")
+log = logging.getLogger(__name__)
 
 BACKLOG = 4096  # capped by net.core.somaxconn (4096 by default since Linux 5.4); docs/security.md
 MAX_REQUEST_LINE = 8192
@@ -160,7 +160,7 @@ def bind(family: socket.AddressFamily, address: tuple[str, int]) -> socket.socke
     return sock
 
 
-def _shutdown(sock: socket.socket) -> None:
+def shutdown_socket(sock: socket.socket) -> None:
     # The plain socket's shutdown, also for an SSLSocket (no close_notify: the peer is hostile or
     # gone, and SSLSocket.shutdown() would block or raise on a non-blocking socket).
     with contextlib.suppress(OSError):

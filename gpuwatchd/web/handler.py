@@ -1,6 +1,6 @@
 """Answering one request of the ``/metrics`` server: routes, auth, rate limit, the exposition.
 
-``_Site`` is what a listener's worker threads answer from (registry, web-config, the auth
+``Site`` is what a listener's worker threads answer from (registry, web-config, the auth
 checker, the per-client token buckets). The request arrives parsed (``Conn.request``, an
 ``h11.Request``: web/request.py) and the response leaves through the same h11 connection into
 ``Conn.out``. No socket I/O here: ``web/listener.py`` moves the bytes, ``web/server.py`` serves.
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
     import h11
 
-log = logging.getLogger("gpuwatchd.web.server")  # the log texts keep their logger
+log = logging.getLogger(__name__)
 
 MAX_QUERY_PARAMETERS = 64
 TEXT = "text/plain; charset=utf-8"
@@ -115,7 +115,7 @@ class _Request:
             self.headers.setdefault(name.decode("ascii"), value.decode("latin-1"))
 
 
-class _Site:
+class Site:
     """What a request is answered from: shared by the workers of one listener."""
 
     def __init__(self, registry: Collector, config: ConfigHolder) -> None:

@@ -54,22 +54,20 @@ from typing import TYPE_CHECKING
 
 from gpuwatchd.isolation import guarded
 from gpuwatchd.web import request
-from gpuwatchd.web.connection import BACKLOG as BACKLOG
-from gpuwatchd.web.connection import DROP_REASONS as DROP_REASONS
-from gpuwatchd.web.connection import HEAD_END as HEAD_END
-from gpuwatchd.web.connection import MAX_REQUEST_LINE as MAX_REQUEST_LINE
-from gpuwatchd.web.connection import Conn as Conn
-from gpuwatchd.web.connection import DropLog as DropLog
-from gpuwatchd.web.connection import Limits as Limits
-from gpuwatchd.web.connection import Writer as Writer
-from gpuwatchd.web.connection import _shutdown, tls_retry_errors
-from gpuwatchd.web.connection import bind as bind
+from gpuwatchd.web.connection import (
+    MAX_REQUEST_LINE,
+    Conn,
+    DropLog,
+    Limits,
+    shutdown_socket,
+    tls_retry_errors,
+)
 from gpuwatchd.web.workers import WorkerPool
 
 if TYPE_CHECKING:
     import ssl
 
-log = logging.getLogger("gpuwatchd.web")
+log = logging.getLogger(__name__)
 
 ACCEPT_BATCH = 32  # accepts per loop turn, so a connect flood cannot starve the reads
 
@@ -129,7 +127,7 @@ class Listener:
                     self._stop.wait(0.1)
         finally:
             for conn in [*self._waiting, *self._busy]:
-                _shutdown(conn.sock)
+                shutdown_socket(conn.sock)
                 conn.sock.close()
             self._sel.close()
             self.sock.close()
@@ -178,7 +176,7 @@ class Listener:
         self._busy.pop(conn, None)
         with contextlib.suppress(KeyError, ValueError):
             self._sel.unregister(conn.sock)
-        _shutdown(conn.sock)
+        shutdown_socket(conn.sock)
         conn.sock.close()
 
     def _wake(self) -> None:
@@ -382,7 +380,7 @@ class Listener:
         if conn in self._waiting:
             del self._waiting[conn]
             self._sel.unregister(conn.sock)
-        _shutdown(conn.sock)
+        shutdown_socket(conn.sock)
         conn.sock.close()
 
     def _expire(self, now: float) -> None:
@@ -411,7 +409,7 @@ class Listener:
             conn.parser = conn.request = None
             conn.answered += 1
             if self._stop.is_set() or (not conn.out and (not keep or (conn.eof and not conn.buf))):
-                _shutdown(conn.sock)
+                shutdown_socket(conn.sock)
                 conn.sock.close()
                 continue
             if not keep:

@@ -3,12 +3,12 @@
 Serves a registry (anything with ``collect()``: gpuwatchd's ``StateRegistry``, or a
 prometheus_client ``CollectorRegistry``) over plain HTTP by default, or over TLS with
 optional client certificates, bcrypt basic auth and a rate limit when given a web-config file in
-the exporter-toolkit format (``web_config``, which also says how it is reloaded). Connections are
-``web_listener``'s, read with h11 (``web/request.py``); ``web/handler.py`` answers requests; this
+the exporter-toolkit format (web/config.py, which also says how it is reloaded). Connections are
+web/listener.py's, read with h11 (``web/request.py``); ``web/handler.py`` answers requests; this
 module holds ``serve`` and
 ``WebServer.reload``.
 
-Cost: connections are accepted, handshaken and read by one loop thread (``web_listener``), so
+Cost: connections are accepted, handshaken and read by one loop thread (web/listener.py), so
 a waiting connection costs an fd and a small buffer, not a thread; complete requests are answered
 by at most ``Limits.max_workers`` threads. A scrape costs what the registry's collectors cost
 (gpuwatchd's collector only reads the latest NodeState, rendered once per cycle). bcrypt checks
@@ -18,7 +18,7 @@ open and a new one replaces the oldest waiting one, so slow, silent or garbage c
 bounded resources for a bounded time, never stop the server and never keep a scraper out.
 Privilege: none (binding a port >= 1024).
 Shell equivalent: ``curl --cacert ca.crt --cert client.crt --key client.key -u prometheus
-https://node:9958/metrics``.
+https://node:9863/metrics``.
 """
 
 from __future__ import annotations
@@ -27,31 +27,24 @@ import logging
 import socket
 from typing import Any
 
+from gpuwatchd.config_checks import parse_listen_address
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.exporter.families import Collector
 from gpuwatchd.web.config import (
     ConfigHolder,
 )
-from gpuwatchd.web.handler import _Site
-from gpuwatchd.web.listener import (
-    DROP_REASONS,
-    Limits,
-    Listener,
-    bind,
-)
+from gpuwatchd.web.connection import DROP_REASONS, Limits, bind
+from gpuwatchd.web.handler import Site
+from gpuwatchd.web.listener import Listener
 
 log = logging.getLogger(__name__)
 
-def parse_listen_address(addr: str) -> tuple[str, int]:
-    """``"0.0.0.0:9958"``, ``"[::1]:9958"``, ``":9958"`` (all interfaces), ``"localhost:0"``."""
-    host, sep, port_s = addr.rpartition(":")
-    if not sep or not port_s.isdigit() or int(port_s) > 65535:
-        raise ValueError(f"listen address {addr!r} is not HOST:PORT (IPv6 as [::1]:PORT)")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise ValueError(f"listen address {addr!r}: write IPv6 addresses in brackets, [::1]:PORT")
-    return host, int(port_s)
+
+def _host_port(listen_address: str) -> tuple[str, int]:
+    try:
+        return parse_listen_address(listen_address)
+    except ValueError as e:
+        raise ValueError(f"listen address {listen_address!r}: {e}") from None
 
 
 def _resolve(host: str, port: int) -> tuple[socket.AddressFamily, tuple[str, int]]:
@@ -73,7 +66,7 @@ def _resolve(host: str, port: int) -> tuple[socket.AddressFamily, tuple[str, int
 class WebServer:
     """A running /metrics server; ``address`` is the (host, port) actually bound."""
 
-    def __init__(self, listener: Listener, site: _Site, requested: tuple[Any, ...],
+    def __init__(self, listener: Listener, site: Site, requested: tuple[Any, ...],
                  counters: CounterStore | None) -> None:
         self._listener = listener
         self._site = site
@@ -102,7 +95,7 @@ class WebServer:
         validated and a new address bound before the old one is given up. Returns the server now
         running (this one when the address is unchanged); raises like ``serve`` and then this
         server is untouched."""
-        host, port = parse_listen_address(listen_address)
+        host, port = _host_port(listen_address)
         config = ConfigHolder(web_config_file)
         family, addr = _resolve(host, port)
         if (family, addr) == self._requested or addr == self.address:
@@ -120,7 +113,7 @@ class WebServer:
 def _start(registry: Collector, family: socket.AddressFamily, addr: tuple[str, int],
            config: ConfigHolder, limits: Limits, counters: CounterStore | None) -> WebServer:
     sock = bind(family, addr)
-    site = _Site(registry, config)
+    site = Site(registry, config)
 
     def dropped(reason: str) -> None:
         if counters is not None:
@@ -138,11 +131,11 @@ def serve(registry: Collector, listen_address: str,
           web_config_file: str | None = None, limits: Limits | None = None,
           counters: CounterStore | None = None) -> WebServer:
     """Start serving ``registry`` on ``listen_address`` in background threads; connections
-    dropped (see ``web_listener``) are counted in ``counters`` when given.
+    dropped (see web/listener.py) are counted in ``counters`` when given.
 
     Raises ValueError for a bad address, WebConfigError for a bad web-config file, OSError when
     the address cannot be bound."""
-    host, port = parse_listen_address(listen_address)
+    host, port = _host_port(listen_address)
     config = ConfigHolder(web_config_file)
     family, addr = _resolve(host, port)
     if counters is not None:

@@ -59,7 +59,7 @@ class World:
         cfg_path, self.cfg = write_config(
             tmp, interval_seconds=INTERVAL, nvml={"enabled": True},
             discovery={"enabled": True, "interval_seconds": DISCOVERY},
-            stall={"after_seconds": AFTER, "compile_after_seconds": 600})  # fmt: skip
+            stall={"after_seconds": AFTER, "compile_after_seconds": 600})
         self.rank_dir = Path(self.cfg["rank_dir"])
         self.state = Path(self.cfg["state_dir"]) / "state.json"
         self.d = DaemonProc(cfg_path, self.cfg)
@@ -68,7 +68,7 @@ class World:
     def env(self, job: str, rank: int = 0, world: int = 1) -> dict[str, str]:
         return {**os.environ, "TORCHELASTIC_RUN_ID": job, "RANK": str(rank), "LOCAL_RANK": str(rank),
                 "WORLD_SIZE": str(world), "GPUWATCH_RANK_DIR": str(self.rank_dir),
-                "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}  # fmt: skip
+                "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
     def start(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
@@ -83,7 +83,7 @@ class World:
     def ready(p: subprocess.Popen[str], timeout: float = 120.0) -> None:
         got: list[str] = []
         reader = threading.Thread(target=lambda: got.append(p.stdout.readline() if p.stdout else ""),
-                                  daemon=True)  # fmt: skip
+                                  daemon=True)
         reader.start()
         reader.join(timeout)
         assert got and got[0].strip() == "ready", f"{p.args} not ready in {timeout:.0f} s: {got}"
@@ -106,7 +106,7 @@ class World:
 
     def watched(self, job: str, ranks: int) -> None:
         self.wait(lambda: all(self.d.value("gpuwatch_rank_stalled", job_id=job, rank=str(r)) is not None
-                              for r in range(ranks)), 30, f"{job} discovered")  # fmt: skip
+                              for r in range(ranks)), 30, f"{job} discovered")
 
     def paged(self, job: str) -> dict[str, dict[str, Any]]:
         return {f["rank"]: f for f in self.findings(job) if f["kind"] == "rank_stalled"}
@@ -175,7 +175,7 @@ def test_gpu_spin_hang_is_paged_confirmed_by_the_gpu(world: World) -> None:
     t0 = time.monotonic()
     for mode, job in jobs.items():
         f = world.wait(lambda job=job: world.paged(job).get("0"), AFTER + 2 * LOOK + DISCOVERY + 4,
-                       f"{mode} paged")  # fmt: skip
+                       f"{mode} paged")
         say(f"{mode} paged after {time.monotonic() - t0:.1f} s", f["explanation"])
         assert f["evidence"]["confirmed_by"] == "gpu_spin", f
         assert "no memory traffic" in f["explanation"]
@@ -201,7 +201,7 @@ def test_collective_hang_names_the_odd_one_out(world: World) -> None:
         world.ready(p)
     t0 = time.monotonic()
     every = world.wait(lambda: len(world.paged(job)) == 3 and world.paged(job),
-                       AFTER + 2 * LOOK + DISCOVERY + 6, "all three ranks paged")  # fmt: skip
+                       AFTER + 2 * LOOK + DISCOVERY + 6, "all three ranks paged")
     for r, f in sorted(every.items()):
         say(f"collective hang rank {r} paged after {time.monotonic() - t0:.1f} s", f["explanation"])
     assert every["2"]["evidence"]["suspect"] and "odd one out" in every["2"]["explanation"]
@@ -218,7 +218,7 @@ def _torchrun(world: World, python: str, job: str, extra_env: dict[str, str], *a
     # static rendezvous: --standalone would replace the run id (the job id) with a random one
     return world.start([python, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
                         "--master-addr", "127.0.0.1", "--master-port", str(_port()), "--rdzv-id", job,
-                        *args], env)  # fmt: skip
+                        *args], env)
 
 
 def _heartbeat_paged(world: World, job: str, what: str) -> None:
@@ -239,7 +239,7 @@ def test_torchrun_launcher_shim_heartbeat(world: World) -> None:
 
 def test_torchrun_with_the_wheels_pth_heartbeat(world: World, tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path / "dist"), str(REPO)], check=True, timeout=300)  # fmt: skip
+                    "-w", str(tmp_path / "dist"), str(REPO)], check=True, timeout=300)
     (whl,) = (tmp_path / "dist").glob("gpuwatchd-*.whl")
     # A fresh venv with the wheel installed (a pure-Python wheel unpacked into site-packages, as
     # pip does) that sees this interpreter's packages (torch) through a .pth of its own: a venv
@@ -255,6 +255,6 @@ def test_torchrun_with_the_wheels_pth_heartbeat(world: World, tmp_path: Path) ->
     # the rank must import the wheel's gpuwatchd, not this checkout's: no PYTHONPATH to the repo
     p = _torchrun(world, str(venv / "bin/python"), job,
                   {"GPUWATCHD_HEARTBEAT": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
-                  str(HERE / "autobeat_train.py"), "40")  # fmt: skip
+                  str(HERE / "autobeat_train.py"), "40")
     _heartbeat_paged(world, job, "GPUWATCHD_HEARTBEAT=1 torchrun (wheel .pth)")
     world.stop(p)

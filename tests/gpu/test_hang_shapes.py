@@ -50,19 +50,19 @@ class World:
         cfg_path, self.cfg = write_config(
             tmp, interval_seconds=INTERVAL, nvml={"enabled": True},
             stall={"after_seconds": after, "compile_after_seconds": 600,
-                   "flight_recorder_interval_seconds": 30})  # fmt: skip
+                   "flight_recorder_interval_seconds": 30})
         self.rank_dir = Path(self.cfg["rank_dir"])
         self.state = Path(self.cfg["state_dir"]) / "state.json"
         self.d = DaemonProc(cfg_path, self.cfg)
         self.procs: list[subprocess.Popen[str]] = []
 
     def rank(self, mode: str, job: str, rank: int = 0, *extra: str,
-             env: dict[str, str] | None = None) -> subprocess.Popen[str]:  # fmt: skip
+             env: dict[str, str] | None = None) -> subprocess.Popen[str]:
         p = subprocess.Popen(
             [sys.executable, str(HERE / "hang_shape_rank.py"), mode, str(self.rank_dir), job,
              str(rank), *extra], stdout=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                 **(env or {})})  # fmt: skip
+                 **(env or {})})
         self.procs.append(p)
         return p
 
@@ -73,7 +73,7 @@ class World:
         assert p.stdout is not None
         got: list[str] = []
         reader = threading.Thread(target=lambda: got.append(p.stdout.readline() if p.stdout else ""),
-                                  daemon=True)  # fmt: skip
+                                  daemon=True)
         reader.start()
         reader.join(timeout)
         if not got:
@@ -99,14 +99,14 @@ class World:
     def finding(self, job: str, rank: int, kind: str, text: str = "") -> str:
         return next((f["explanation"] for f in self.findings(job)
                      if f["rank"] == str(rank) and f["kind"] == kind and text in f["explanation"]),
-                    "")  # fmt: skip
+                    "")
 
     def record(self, name: str, pid: int) -> None:
         if OUT is None:
             return
         spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
         out = subprocess.run([spy, "dump", "--json", "--nonblocking", "-p", str(pid)],
-                             capture_output=True, text=True, timeout=30)  # fmt: skip
+                             capture_output=True, text=True, timeout=30)
         (OUT / f"dump_{name}.json").write_text(out.stdout)
 
     def close(self) -> None:
@@ -135,7 +135,7 @@ def test_deadlock_on_an_idle_gpu_with_memory_held(world: World) -> None:
     p = world.rank("deadlock_gpu", "seed3")
     world.ready(p)
     text = world.wait(lambda: world.finding("seed3", 0, "rank_stalled", "likely deadlock"), 30,
-                      "deadlock explained")  # fmt: skip
+                      "deadlock explained")
     world.record("deadlock_gpu", p.pid)
     say("deadlock_gpu", text)
     assert '"loader" in loader (hang_shape_rank.py:' in text
@@ -153,7 +153,7 @@ def test_gloo_rank_that_never_entered_collective_5(world: World) -> None:
     world.ready(r0)
     world.ready(r1)
     text = world.wait(lambda: world.finding("fr-job", 0, "rank_stalled", "flight recorder"), 60,
-                      "flight recorder in rank 0's explanation")  # fmt: skip
+                      "flight recorder in rank 0's explanation")
     seen = time.time()
     dumps = [world.rank_dir / f"fr-job.{r}.fr" for r in (0, 1)]
     dumped = max(os.stat(d).st_mtime for d in dumps)
@@ -167,7 +167,7 @@ def test_gloo_rank_that_never_entered_collective_5(world: World) -> None:
             shutil.copy(d, OUT / f"fr_gloo_rank{r}.json")
         (OUT / "metrics_gloo.txt").write_text(world.d.text())
     seqs = [max(e["collective_seq_id"] for e in json.loads(d.read_text())["trace"]["entries"])
-            for d in dumps]  # fmt: skip
+            for d in dumps]
     print(f"flight recorder: last collective entered: rank 0 #{seqs[0]}, rank 1 #{seqs[1]}")
     assert seqs[0] == seqs[1] + 1, seqs
     assert f"rank 1 never entered collective #{seqs[0]} (gloo:all_reduce) of process group 0" \
@@ -175,7 +175,7 @@ def test_gloo_rank_that_never_entered_collective_5(world: World) -> None:
     assert seen - dumped <= INTERVAL + SLACK + 0.1  # polled every 50 ms
     for r in (0, 1):
         assert world.d.value("gpuwatch_rank_collective_last_started_seq", job_id="fr-job",
-                             rank=str(r)) == float(seqs[r])  # fmt: skip
+                             rank=str(r)) == float(seqs[r])
     r0.kill()
     r1.kill()
 

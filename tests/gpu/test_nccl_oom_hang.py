@@ -98,7 +98,7 @@ class Job:
         env = {k: v for k, v in os.environ.items() if k not in (LEGACY, CURRENT)}
         env.update({env_var: "1", "GPUWATCH_RANK_DIR": rank_dir, "OMP_NUM_THREADS": "1",
                     "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                    "PYTHONUNBUFFERED": "1"})  # fmt: skip
+                    "PYTHONUNBUFFERED": "1"})
         port = str(free_port())
         self.agents: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
@@ -115,11 +115,11 @@ class Job:
                      "--timeout-seconds", str(PG_TIMEOUT), "--leak-rank", "1",
                      "--leak-when", str(self.trigger), "--out", str(self.out)],
                     stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(tmp),
-                    start_new_session=True))  # fmt: skip
+                    start_new_session=True))
 
     def log(self) -> str:
         return "\n".join(f"--- node {i} ---\n" + p.read_text(errors="replace")[-4000:]
-                         for i, p in enumerate(self.logs))  # fmt: skip
+                         for i, p in enumerate(self.logs))
 
     def pid(self, rank: int) -> int:
         doc = json.loads((Path(self.rank_dir) / f"{self.job_id}.{rank}.json").read_text())
@@ -159,7 +159,7 @@ def kill_ours(pid: int) -> None:
 
 
 def wait_until(pred: Callable[[], bool], timeout: float, what: str, job: Job,
-               d: DaemonProc) -> float:  # fmt: skip
+               d: DaemonProc) -> float:
     """Poll every 50 ms; the wall-clock time at which ``pred`` first held."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -186,7 +186,7 @@ def on_metrics(d: DaemonProc, kind: str, job_id: str, rank: int) -> bool:
 def daemon(tmp: Path) -> Iterator[DaemonProc]:
     cfg_path, cfg = write_config(
         tmp, interval_seconds=INTERVAL, kernel_log="kmsg", stall={"after_seconds": AFTER},
-        nvml={"enabled": DEVICE == "cuda"})  # fmt: skip
+        nvml={"enabled": DEVICE == "cuda"})
     d = DaemonProc(cfg_path, cfg)
     try:
         yield d
@@ -198,7 +198,7 @@ def start_job(tmp: Path, d: DaemonProc, job_id: str, env_var: str) -> Job:
     job = Job(tmp, job_id, d.cfg["rank_dir"], env_var)
     wait_until(lambda: all(d.value("gpuwatch_rank_up", job_id=job_id, rank=str(r)) == 1.0
                            for r in (0, 1)) and min(job.steps(0), job.steps(1)) >= 5,
-               180, "both ranks registered, up and training", job, d)  # fmt: skip
+               180, "both ranks registered, up and training", job, d)
     return job
 
 
@@ -237,7 +237,7 @@ def test_oom_killed_rank_its_peer_hangs_in_all_reduce_then_times_out(tmp_path: P
             # 1. the kernel kills rank 1
             wait_until(lambda: exit1.at is not None, 60, "rank 1 to be OOM-killed", job, d)
             t_oom = wait_until(lambda: on_metrics(d, "rank_oom_killed", job_id, 1), 10,
-                               "rank_oom_killed on /metrics", job, d)  # fmt: skip
+                               "rank_oom_killed on /metrics", job, d)
             assert exit1.at is not None
             lat_oom = t_oom - exit1.at
             assert cg.oom_kills() == 1
@@ -252,12 +252,12 @@ def test_oom_killed_rank_its_peer_hangs_in_all_reduce_then_times_out(tmp_path: P
             print(f"\nPASS rank_oom_killed: rank 1 pid {pid1} killed at {exit1.at:.3f}, on /metrics "
                   f"{lat_oom * 1e3:.0f} ms later (cycle {INTERVAL * 1e3:.0f} ms); kernel RSS "
                   f"{rss / 2**20:.0f} MiB (last VmRSS seen {last_rss[0] / 2**20:.0f} MiB)\n"
-                  f"     finding: {oom['explanation']}", flush=True)  # fmt: skip
+                  f"     finding: {oom['explanation']}", flush=True)
             assert lat_oom <= INTERVAL + SLACK
 
             # 2. rank 0 waits in all_reduce: no heartbeat for after_seconds -> rank_stalled
             t_stall = wait_until(lambda: on_metrics(d, "rank_stalled", job_id, 0), 30,
-                                 "rank_stalled for rank 0", job, d)  # fmt: skip
+                                 "rank_stalled for rank 0", job, d)
             assert exit0.at is None, "rank 0 ended before it was seen stalled"
             hb = os.stat(Path(d.cfg["rank_dir"]) / f"{job_id}.0.hb").st_mtime
             lat_stall = t_stall - (hb + AFTER)
@@ -273,13 +273,13 @@ def test_oom_killed_rank_its_peer_hangs_in_all_reduce_then_times_out(tmp_path: P
             print(f"PASS rank_stalled: rank 0 pid {pid0} last heartbeat {hb:.3f}, stalled from "
                   f"{hb + AFTER:.3f} (after {AFTER:.1f} s), on /metrics {lat_stall * 1e3:.0f} ms "
                   f"later; {t_stall - exit1.at:.2f} s after the kill\n"
-                  f"     finding: {stall['explanation']}", flush=True)  # fmt: skip
+                  f"     finding: {stall['explanation']}", flush=True)
             assert -0.05 <= lat_stall <= INTERVAL + SLACK
 
             # 3. the process group's timeout ends rank 0 -> rank_down
             wait_until(lambda: exit0.at is not None, PG_TIMEOUT + 30, "rank 0 to time out", job, d)
             t_down = wait_until(lambda: on_metrics(d, "rank_down", job_id, 0), 10,
-                                "rank_down for rank 0", job, d)  # fmt: skip
+                                "rank_down for rank 0", job, d)
             assert exit0.at is not None
             lat_down = t_down - exit0.at
             hung = exit0.at - exit1.at
@@ -293,7 +293,7 @@ def test_oom_killed_rank_its_peer_hangs_in_all_reduce_then_times_out(tmp_path: P
             assert "Timed out" in node0 or "timed out" in node0, node0[-3000:]
             print(f"PASS rank_down: rank 0 pid {pid0} ended {hung:.2f} s after the kill "
                   f"(process group timeout {PG_TIMEOUT:.0f} s), on /metrics {lat_down * 1e3:.0f} ms "
-                  f"later\n     finding: {down['explanation']}", flush=True)  # fmt: skip
+                  f"later\n     finding: {down['explanation']}", flush=True)
             assert lat_down <= INTERVAL + SLACK
         finally:
             job.close()
@@ -309,13 +309,13 @@ def test_same_job_with_the_legacy_variable_raises_nccl_legacy_env(tmp_path: Path
             lines = []
             for r in (0, 1):
                 wait_until(functools.partial(on_metrics, d, "nccl_legacy_env", job_id, r), 10,
-                           f"nccl_legacy_env for rank {r}", job, d)  # fmt: skip
+                           f"nccl_legacy_env for rank {r}", job, d)
                 f = finding(d, "nccl_legacy_env", job_id, r)
                 assert f is not None and f["evidence"]["variables"] == [LEGACY]
                 assert f"{LEGACY} (use {CURRENT})" in f["explanation"]
                 assert not on_metrics(d, "nccl_error_handling_off", job_id, r)
                 lines.append(f"     finding: {f['explanation']}")
             print(f"\nPASS nccl_legacy_env on both ranks ({time.time() - t0:.2f} s after both were "
-                  "up)\n" + "\n".join(lines), flush=True)  # fmt: skip
+                  "up)\n" + "\n".join(lines), flush=True)
         finally:
             job.close()

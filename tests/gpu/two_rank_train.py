@@ -40,7 +40,7 @@ def keep_inherited_sockets(lifetime: float) -> None:
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device,
-               world: int) -> float:  # fmt: skip
+               world: int) -> float:
     x = torch.randn(64, 256, device=device)
     loss = model(x).square().mean()
     loss.backward()
