@@ -64,6 +64,7 @@ from gpuwatchd.join.stall_verdicts import summarize_threads as summarize_threads
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import pyspy, taskwait
 from gpuwatchd.sources.pyspy import PySpy, PySpyError, ThreadInfo, ThreadStack
+from gpuwatchd.sources.threads import read_run_slices
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,11 @@ class _Track:
     look_fp: Any = None  # the /proc view at the last look
     dump_due: bool = False  # the view changed since the last dump and held for a look
     sched: dict[int, tuple[int, int]] = field(default_factory=dict)  # tid -> schedstat (run, wait)
+    # every task's (run ns, run slices) read right before the last py-spy dump (None: unknown),
+    # and that dump's time: the same numbers later prove the stacks are still that dump's
+    dump_slices: dict[int, tuple[int, int]] | None = None
+    stacks_at: float = 0.0
+    proven_at: float | None = None  # the last comparison was that proof (not a py-spy run)
 
 
 class StallTracker:
@@ -147,6 +153,8 @@ class StallTracker:
         # per observe(): pid -> its thread view / dump, so that a PID listed by many ranks costs once
         self._threads_memo: dict[int, tuple[ThreadInfo, ...]] = {}
         self._dump_memo: dict[int, tuple[tuple[ThreadStack, ...] | None, bool]] = {}
+        # pid -> every task's (run ns, slices) read right before this cycle's dump of it
+        self._slices_memo: dict[int, dict[int, tuple[int, int]] | None] = {}
         self._task_count: dict[int, int] = {}
         self._deadline = float("inf")
 
@@ -175,6 +183,8 @@ class StallTracker:
         memo = self._dump_memo.get(pid)
         if memo is not None:
             return memo
+        # read before the dump, so that the same numbers later prove nothing ran since its stacks
+        self._slices_memo[pid] = self._run_slices(pid)
         try:
             out: tuple[tuple[ThreadStack, ...] | None, bool] = (self.spy.dump(pid, slot_wait=0.0), False)
         except PySpyError as e:
@@ -185,6 +195,13 @@ class StallTracker:
             out = None, e.reason in (pyspy.ABSENT, pyspy.PERMISSION_DENIED, pyspy.NOT_PYTHON)
         self._dump_memo[pid] = out
         return out
+
+    def _run_slices(self, pid: int) -> dict[int, tuple[int, int]] | None:
+        """Every task's (run ns, run slices); None past ``max_threads`` tasks (no proof there)."""
+        tids = pyspy.task_ids(self.paths, pid)
+        if not tids or len(tids) > self.max_threads:
+            return None
+        return read_run_slices(self.paths, pid, tids)
 
     def _threads(self, pid: int) -> tuple[ThreadInfo, ...]:
         memo = self._threads_memo.get(pid)
@@ -225,6 +242,7 @@ class StallTracker:
         work.sort(key=lambda pt: pt[1].threads_at)
         self._threads_memo.clear()
         self._dump_memo.clear()
+        self._slices_memo.clear()
         self._task_count.clear()
         self._deadline = time.monotonic() + self.budget
         try:
@@ -329,6 +347,7 @@ class StallTracker:
             stacks, _ = self._dump(now, p.pid)
             if stacks is not None:
                 tr.stacks, tr.last_dump_at = stacks, now
+                tr.dump_slices, tr.stacks_at, tr.proven_at = None, now, None
         main = main_stack(tr.stacks)
         frames = tuple(str(f) for f in main.frames[:MAX_FRAMES]) if main else ()
         location = tuple(f.where for f in main.frames[:3]) if main else ()
@@ -363,6 +382,8 @@ class StallTracker:
             stuck_frames=frames, threads_summary=tr.summary,
             location=location, analysis=analysis, compiling=compiling,
             ambiguous=ambiguous, confirmed_by=confirmed_by, gpu_evidence=gpu_words,
+            unchanged=(tr.stacks_at, tr.proven_at) if tr.proven_at is not None and method == "stack"
+            else None,
         )  # fmt: skip
 
     @staticmethod
@@ -396,7 +417,7 @@ class StallTracker:
             tr.identical = 0
             tr.last_change = now
             tr.last_dump_at = now  # this look counts as the comparison: next one a dump interval on
-            tr.proc_fp, tr.dump_due = proc_fp, False
+            tr.proc_fp, tr.dump_due, tr.proven_at = proc_fp, False, None
             return ("stack" if tr.stacks else "proc"), now
         # The dump cadence (issue 22: the dumps were what a rank without heartbeat cost beside one
         # with). A /proc view (each thread's state, wchan, burning a core or not) that changed
@@ -417,13 +438,28 @@ class StallTracker:
         if self._dump_memo and p.pid not in self._dump_memo and time.monotonic() > self._deadline:
             self.deferred["dump"] += 1
             return ("stack" if tr.stacks else "proc"), tr.last_change
-        stacks, hopeless = self._dump(now, p.pid)
+        if tr.stacks and tr.dump_slices is not None and \
+                self._run_slices(p.pid) == tr.dump_slices:
+            # The same tasks, and none ran since the last dump (schedstat's run time and slice
+            # count only grow while a task runs): a Python stack changes only when its thread
+            # runs, and a thread joins or leaves the interpreter only by running, so the stacks
+            # are provably that dump's. A rank blocked at 0 % CPU is dumped once per episode,
+            # not every after_seconds (issue 22: the dumps were what such a rank cost).
+            stacks: tuple[ThreadStack, ...] | None = tr.stacks
+            hopeless, proven = False, True
+        else:
+            stacks, hopeless = self._dump(now, p.pid)
+            proven = False
         if stacks is None and not hopeless and tr.stacks:
             # busy / timed out / odd output this time: compare at the next look, change nothing
             return "stack", tr.last_change
         by_tid = {t.tid: t for t in threads}
         tr.proc_fp, tr.dump_due = proc_fp, False
         if stacks:
+            if not proven:
+                tr.dump_slices = self._slices_memo.get(p.pid)
+                tr.stacks_at = now
+            tr.proven_at = now if proven else None
             tr.stacks, tr.last_dump_at = stacks, now
             method = "stack"
             # only Python threads: native helper threads (NCCL watchdog, CUDA) wake on their own

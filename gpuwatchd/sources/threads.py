@@ -1,4 +1,5 @@
-"""The cheap view of a process's threads: ``/proc/PID/task/*/{stat,status,wchan}`` (no ptrace).
+"""The cheap view of a process's threads: ``/proc/PID/task/*/{stat,status,wchan,schedstat}`` (no
+ptrace).
 
 Used by the py-spy source (to check and map its results), the GIL sampler's convoy probe, the stall
 tracker and the hang analysis. Cost: a few µs per thread; every read bounded.
@@ -134,6 +135,24 @@ def read_schedstat(paths: HostPaths, pid: int, tid: int) -> tuple[int, int] | No
         return int(run), int(wait)
     except (OSError, ValueError):
         return None
+
+
+def read_run_slices(paths: HostPaths, pid: int, tids: Sequence[int]) -> dict[int, tuple[int, int]] | None:
+    """{tid: (ns run on a CPU, run slices)} of these tasks, from ``/proc/PID/task/TID/schedstat``;
+    None when one is unreadable (gone) or reads a slice count of 0 (a kernel without schedstat
+    prints ``0 0 0`` for every task, and a task we see has run at least once otherwise). Both
+    numbers only grow while the task runs: the same pair at two readings means it never ran
+    between them (the stall tracker's proof that a rank's stacks are its last dump's)."""
+    out = {}
+    for tid in tids:
+        try:
+            run, _, slices = _read(paths.proc(pid, "task", tid, "schedstat"), 256).split()
+            out[tid] = int(run), int(slices)
+        except (OSError, ValueError):
+            return None
+        if not out[tid][1]:
+            return None
+    return out
 
 
 def task_ids(paths: HostPaths, pid: int) -> list[int]:
