@@ -64,7 +64,7 @@ from gpuwatchd.join.stall_verdicts import summarize_threads as summarize_threads
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import pyspy, taskwait
 from gpuwatchd.sources.pyspy import PySpy, PySpyError, ThreadInfo, ThreadStack
-from gpuwatchd.sources.threads import read_run_slices
+from gpuwatchd.sources.threads import read_run_slices, read_threads_since
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,7 @@ class _Track:
     dump_slices: dict[int, tuple[int, int]] | None = None
     stacks_at: float = 0.0
     proven_at: float | None = None  # the last comparison was that proof (not a py-spy run)
+    look_slices: dict[int, tuple[int, int]] = field(default_factory=dict)  # of tr.threads
 
 
 class StallTracker:
@@ -155,6 +156,7 @@ class StallTracker:
         self._dump_memo: dict[int, tuple[tuple[ThreadStack, ...] | None, bool]] = {}
         # pid -> every task's (run ns, slices) read right before this cycle's dump of it
         self._slices_memo: dict[int, dict[int, tuple[int, int]] | None] = {}
+        self._look_slices_memo: dict[int, dict[int, tuple[int, int]]] = {}  # of this cycle's look
         self._task_count: dict[int, int] = {}
         self._deadline = float("inf")
 
@@ -197,19 +199,28 @@ class StallTracker:
         return out
 
     def _run_slices(self, pid: int) -> dict[int, tuple[int, int]] | None:
-        """Every task's (run ns, run slices); None past ``max_threads`` tasks (no proof there)."""
+        """Every task's (run ns, run slices); None past ``max_threads`` tasks (no proof there).
+        This cycle's look read them already when it read every task (it comes before any dump
+        and comparison of the cycle)."""
+        looked = self._look_slices_memo.get(pid)
+        if looked is not None and len(looked) == self._task_count.get(pid, -1) and \
+                len(looked) <= self.max_threads:
+            return looked
         tids = pyspy.task_ids(self.paths, pid)
         if not tids or len(tids) > self.max_threads:
             return None
         return read_run_slices(self.paths, pid, tids)
 
-    def _threads(self, pid: int) -> tuple[ThreadInfo, ...]:
+    def _threads(self, pid: int, tr: _Track) -> tuple[ThreadInfo, ...]:
         memo = self._threads_memo.get(pid)
         if memo is None:
             tids = pyspy.task_ids(self.paths, pid)
             self._task_count[pid] = len(tids)
-            memo = self._threads_memo[pid] = pyspy.read_threads(
-                self.paths, pid, detail=False, tids=tids[: self.max_threads])
+            prev = {t.tid: (tr.look_slices[t.tid], t) for t in tr.threads if t.tid in tr.look_slices}
+            memo, self._look_slices_memo[pid] = read_threads_since(
+                self.paths, pid, tids[: self.max_threads], prev)
+            self._threads_memo[pid] = memo
+        tr.look_slices = self._look_slices_memo.get(pid, {})
         return memo
 
     def _over_budget(self, pid: int) -> bool:
@@ -243,6 +254,7 @@ class StallTracker:
         self._threads_memo.clear()
         self._dump_memo.clear()
         self._slices_memo.clear()
+        self._look_slices_memo.clear()
         self._task_count.clear()
         self._deadline = time.monotonic() + self.budget
         try:
@@ -253,6 +265,7 @@ class StallTracker:
         finally:
             self._threads_memo.clear()
             self._dump_memo.clear()
+            self._look_slices_memo.clear()
         return name_suspects(confirm_by_peers(verdicts))
 
     def note_gpus(self, readings: dict[tuple[str, int], GpuReading]) -> None:
@@ -296,7 +309,7 @@ class StallTracker:
             return self._deferred(now, p, tr, "threads")
         if look_due:
             # CPU pattern since the previous look, per thread
-            threads = self._threads(p.pid)
+            threads = self._threads(p.pid, tr)
             elapsed = now - tr.threads_at if tr.threads else 0.0
             prev = {t.tid: t.cpu_ticks for t in tr.threads}
             shares = {
@@ -399,12 +412,16 @@ class StallTracker:
         # The view of the Python threads of the last dump (all tasks when it gave no tids, or
         # before the first): native helper threads (CUDA, NCCL, gloo) wake on their own, and a view
         # with them in it rarely holds for two looks (the device run: 20-thread torch ranks).
-        python_tids = {s.tid for s in tr.stacks if s.tid}
-        if not python_tids or any(not s.tid for s in tr.stacks):
-            python_tids = {t.tid for t in threads}
-        proc_fp = tuple((t.tid, t.state, t.wchan, t.tid in spinning) for t in threads
-                        if t.tid in python_tids)  # fmt: skip
+        # Computed only where used (a look, a dump): most cycles of most ranks use neither.
+        def view() -> Any:
+            python_tids = {s.tid for s in tr.stacks if s.tid}
+            if not python_tids or any(not s.tid for s in tr.stacks):
+                python_tids = {t.tid for t in threads}
+            return tuple((t.tid, t.state, t.wchan, t.tid in spinning) for t in threads
+                         if t.tid in python_tids)  # fmt: skip
+
         if looked:
+            proc_fp = view()
             # a view that differs from the one at the last dump and held for one look: the rank
             # has moved and settled (a dump in the middle of a move would see neither place)
             if proc_fp != tr.proc_fp and proc_fp == tr.look_fp:
@@ -417,7 +434,7 @@ class StallTracker:
             tr.identical = 0
             tr.last_change = now
             tr.last_dump_at = now  # this look counts as the comparison: next one a dump interval on
-            tr.proc_fp, tr.dump_due, tr.proven_at = proc_fp, False, None
+            tr.proc_fp, tr.dump_due, tr.proven_at = view(), False, None
             return ("stack" if tr.stacks else "proc"), now
         # The dump cadence (issue 22: the dumps were what a rank without heartbeat cost beside one
         # with). A /proc view (each thread's state, wchan, burning a core or not) that changed
@@ -454,7 +471,7 @@ class StallTracker:
             # busy / timed out / odd output this time: compare at the next look, change nothing
             return "stack", tr.last_change
         by_tid = {t.tid: t for t in threads}
-        tr.proc_fp, tr.dump_due = proc_fp, False
+        tr.proc_fp, tr.dump_due = view(), False
         if stacks:
             if not proven:
                 tr.dump_slices = self._slices_memo.get(p.pid)

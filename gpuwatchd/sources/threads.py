@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuwatchd.paths import HostPaths
@@ -123,6 +123,37 @@ def read_threads(paths: HostPaths, pid: int, detail: bool = True, limit: int | N
             )
         )
     return tuple(out)
+
+
+def read_threads_since(paths: HostPaths, pid: int, tids: Sequence[int],
+                       prev: Mapping[int, tuple[tuple[int, int], ThreadInfo]],
+                       ) -> tuple[tuple[ThreadInfo, ...], dict[int, tuple[int, int]]]:  # fmt: skip
+    """``read_threads(detail=False)`` of these tasks for a caller that keeps the last view: one
+    ``schedstat`` read per task, and ``stat`` + ``wchan`` only for a task that ran since ``prev``
+    (tid -> ((run ns, run slices), its ThreadInfo then)). A task that never ran cannot have
+    changed its state, wchan or CPU ticks, so its last ThreadInfo is reused: an idle torch rank's
+    look costs one read per thread instead of two. Also returns each task's (run ns, slices)
+    (none for a kernel without schedstat, where every task is read in full)."""
+    out, slices = [], {}
+    for tid in tids:
+        try:
+            run, _, count = _read(paths.proc(pid, "task", tid, "schedstat"), 256).split()
+            now_v = int(run), int(count)
+        except OSError:
+            continue  # gone
+        except ValueError:
+            now_v = (0, 0)
+        old = prev.get(tid)
+        if now_v[1] and old is not None and old[0] == now_v:
+            out.append(old[1])
+            slices[tid] = now_v
+            continue
+        got = read_threads(paths, pid, detail=False, tids=(tid,))
+        if got:
+            out.append(got[0])
+            if now_v[1]:
+                slices[tid] = now_v
+    return tuple(out), slices
 
 
 def read_schedstat(paths: HostPaths, pid: int, tid: int) -> tuple[int, int] | None:
