@@ -21,19 +21,21 @@ A thread that burns a core at the one line of every dump is ambiguous (a healthy
 each step looks the same): join/stall_spin.py says when that is a stall (the GPU's readings, the
 peers) and otherwise the verdict is ``ambiguous``, a warning, never a page.
 
-Reads: the heartbeat file's mtime, ``/proc/PID/task/*/{stat,wchan}`` (``schedstat`` of the threads
-that used CPU), ``py-spy dump``.
+Reads: the heartbeat file's mtime, ``/proc/PID/task/*/schedstat`` (and ``{stat,wchan}`` of the
+tasks that ran since the last look), ``py-spy dump``.
 Cost: one stat per heartbeat rank per cycle (done by the daemon); per-thread reads per
 heartbeat-less or stalled *process* every ``dump interval`` (after_seconds/5, at least one cycle,
-at most 60 s), and one dump (~10 ms) when that /proc view changed and settled, else once per
-after_seconds (issue 22: the dumps were what a heartbeat-less rank cost beside a beating one);
+at most 60 s): one ``schedstat`` per task, two more for a task that ran; and one dump (~10 ms)
+when that /proc view changed and settled, else once per after_seconds (issue 22: the dumps were
+what a heartbeat-less rank cost beside a beating one), none while no task ran since the last dump
+(the same tasks with the same schedstat run time and slice count prove its stacks still hold);
 never every cycle: between looks a rank's verdict comes from its last look and its heartbeat.
 Bounded whatever the input: a process listed by many ranks is looked at once per cycle (per-PID
 memo), at most ``max_threads`` of its tasks are read, and one ``observe`` spends at most
 ``budget_seconds`` on looks; the looks over budget are deferred to the next cycle (least recently
 looked first) and counted in ``deferred`` (exported as ``gpuwatch_cycle_deferred_probes_total``).
 Privilege: as sources/pyspy.py. Shell equivalent: ``stat -c %Y HB``; ``py-spy dump -p PID``
-three times a minute apart and ``diff``; ``cat /proc/PID/task/*/wchan``.
+three times a minute apart and ``diff``; ``cat /proc/PID/task/*/{wchan,schedstat}``.
 """
 
 from __future__ import annotations
