@@ -458,11 +458,13 @@ class StallTracker:
             self.deferred["dump"] += 1
             return ("stack" if tr.stacks else "proc"), tr.last_change
         if tr.stacks and tr.dump_slices is not None and \
+                not any(t.state == "R" for t in threads) and \
                 self._run_slices(p.pid) == tr.dump_slices:
             # The same tasks, and none ran since the last dump (schedstat's run time and slice
-            # count only grow while a task runs): a Python stack changes only when its thread
-            # runs, and a thread joins or leaves the interpreter only by running, so the stacks
-            # are provably that dump's. A rank blocked at 0 % CPU is dumped once per episode,
+            # count only grow while a task runs; one on a CPU the whole time, whose numbers a
+            # tickless CPU may leave as they were, reads R): a Python stack changes only when its
+            # thread runs, and a thread joins or leaves the interpreter only by running, so the
+            # stacks are provably that dump's. A rank blocked at 0 % CPU is dumped once per episode,
             # not every after_seconds (issue 22: the dumps were what such a rank cost).
             stacks: tuple[ThreadStack, ...] | None = tr.stacks
             hopeless, proven = False, True
