@@ -201,17 +201,12 @@ class StallTracker:
         return out
 
     def _run_slices(self, pid: int) -> dict[int, tuple[int, int]] | None:
-        """Every task's (run ns, run slices); None past ``max_threads`` tasks (no proof there).
-        This cycle's look read them already when it read every task (it comes before any dump
-        and comparison of the cycle)."""
+        """Every task's (run ns, run slices), None past ``max_threads`` tasks; from this cycle's
+        look when it read every task (a look comes before the cycle's dumps and comparisons)."""
         looked = self._look_slices_memo.get(pid)
-        if looked is not None and len(looked) == self._task_count.get(pid, -1) and \
-                len(looked) <= self.max_threads:
+        if looked is not None and len(looked) == self._task_count.get(pid, -1) <= self.max_threads:
             return looked
-        tids = pyspy.task_ids(self.paths, pid)
-        if not tids or len(tids) > self.max_threads:
-            return None
-        return read_run_slices(self.paths, pid, tids)
+        return read_run_slices(self.paths, pid, max_tasks=self.max_threads)
 
     def _threads(self, pid: int, tr: _Track) -> tuple[ThreadInfo, ...]:
         memo = self._threads_memo.get(pid)
@@ -460,12 +455,10 @@ class StallTracker:
         if tr.stacks and tr.dump_slices is not None and \
                 not any(t.state == "R" for t in threads) and \
                 self._run_slices(p.pid) == tr.dump_slices:
-            # The same tasks, and none ran since the last dump (schedstat's run time and slice
-            # count only grow while a task runs; one on a CPU the whole time, whose numbers a
-            # tickless CPU may leave as they were, reads R): a Python stack changes only when its
-            # thread runs, and a thread joins or leaves the interpreter only by running, so the
-            # stacks are provably that dump's. A rank blocked at 0 % CPU is dumped once per episode,
-            # not every after_seconds (issue 22: the dumps were what such a rank cost).
+            # The same tasks, none ran since the last dump (schedstat's numbers grow while a task
+            # runs; one on a CPU throughout, which a tickless CPU may not count, reads R): a Python
+            # stack changes only when its thread runs, so the stacks are that dump's. A rank
+            # blocked at 0 % CPU is dumped once per episode (issue 22: the dumps were its cost).
             stacks: tuple[ThreadStack, ...] | None = tr.stacks
             hopeless, proven = False, True
         else:

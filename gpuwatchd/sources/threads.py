@@ -168,12 +168,18 @@ def read_schedstat(paths: HostPaths, pid: int, tid: int) -> tuple[int, int] | No
         return None
 
 
-def read_run_slices(paths: HostPaths, pid: int, tids: Sequence[int]) -> dict[int, tuple[int, int]] | None:
-    """{tid: (ns run on a CPU, run slices)} of these tasks, from ``/proc/PID/task/TID/schedstat``;
-    None when one is unreadable (gone) or reads a slice count of 0 (a kernel without schedstat
-    prints ``0 0 0`` for every task, and a task we see has run at least once otherwise). Both
-    numbers only grow while the task runs: the same pair at two readings means it never ran
-    between them (the stall tracker's proof that a rank's stacks are its last dump's)."""
+def read_run_slices(paths: HostPaths, pid: int, tids: Sequence[int] | None = None,
+                    max_tasks: int | None = None) -> dict[int, tuple[int, int]] | None:
+    """{tid: (ns run on a CPU, run slices)} of these tasks (default: every task of ``pid``), from
+    ``/proc/PID/task/TID/schedstat``; None when one is unreadable (gone), reads a slice count of 0
+    (a kernel without schedstat prints ``0 0 0`` for every task, and a task we see has run at
+    least once otherwise), or there are none or more than ``max_tasks``. Both numbers only grow
+    while the task runs: the same pair at two readings means it never ran between them (the stall
+    tracker's proof that a rank's stacks are its last dump's)."""
+    if tids is None:
+        tids = task_ids(paths, pid)
+    if not tids or (max_tasks is not None and len(tids) > max_tasks):
+        return None
     out = {}
     for tid in tids:
         try:
