@@ -16,7 +16,10 @@ Reproduces the shape of bench/nvml_poll.py's device workload on any Linux box:
   the N ranks, 1 GiB + context each), through config ``nvml.fixture``: the real NvmlSource code;
 * a real ``gpuwatchd run`` with the shipped defaults otherwise (GIL sampling with py-spy, kernel
   log, discovery), scraped every ``--interval`` seconds over loopback; with ``--main-repo`` the
-  same daemon from another checkout runs beside it in the same window ("before").
+  same daemon from another checkout runs beside it in the same window ("before");
+* ``--idle`` (with ``--no-heartbeat``): ranks found by discovery instead (torchrun's variables,
+  no rank file, no flight-recorder thread) whose every thread blocks: what an idle holder or a
+  hang costs, where schedstat proves the last dump's stacks still hold (issue 22).
 
 Prints, per daemon: CPU % of a core (utime+stime from /proc/PID/stat; own, and with its reaped
 py-spy children), CPU ms per cycle (window CPU / cycles, scrapes included), CPU ms per scrape
@@ -73,6 +76,11 @@ for k in range(children):
         fork_worker()
 for _ in range(threads - 2):
     threading.Thread(target=idle.wait, daemon=True).start()
+if os.environ.get('GW_BENCH_IDLE') == '1':  # --idle: discovered (torchrun's variables), all asleep
+    with open(ready + '.tmp', 'w') as f:
+        f.write(str(os.getpid()))
+    os.replace(ready + '.tmp', ready)
+    idle.wait()
 beat = os.environ.get('GW_BENCH_NOHB') != '1'  # --no-heartbeat: judged by /proc and dumps
 gpuwatchd.register_rank(job_id='bench', rank=i, world_size=n, local_rank=i, rank_dir=rank_dir,
                         cuda_oom_hook=False, heartbeat=beat)  # + the flight-recorder thread
@@ -175,9 +183,15 @@ def overlay_replay(repo: Path, dest: Path) -> Path:
 
 def start_ranks(args: argparse.Namespace, tmp: Path) -> tuple[list[subprocess.Popen[bytes]], list[int]]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "GPUWATCHD_RANK_DIR": str(tmp / "ranks")}
+    def rank_env(i: int) -> dict[str, str]:
+        if not args.idle:
+            return env
+        return {**env, "TORCHELASTIC_RUN_ID": "bench", "RANK": str(i), "LOCAL_RANK": str(i),
+                "WORLD_SIZE": str(args.ranks)}
+
     procs = [subprocess.Popen([sys.executable, "-c", RANK, str(i), str(args.ranks), str(tmp / "ranks"),
                                str(args.threads), str(args.children), str(args.fds),
-                               str(tmp / f"r{i}.pid")], env=env, stdin=subprocess.DEVNULL)
+                               str(tmp / f"r{i}.pid")], env=rank_env(i), stdin=subprocess.DEVNULL)
              for i in range(args.ranks)]
     deadline = time.monotonic() + 120
     while not all((tmp / f"r{i}.pid").exists() for i in range(args.ranks)):
@@ -441,6 +455,9 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--no-heartbeat", action="store_true",
                     help="ranks register without a heartbeat (stall detection from /proc and dumps)")
+    ap.add_argument("--idle", action="store_true",
+                    help="ranks found by discovery (torchrun's variables, no rank file), every "
+                    "thread blocked: an idle holder or a hang (no heartbeat, no flight recorder)")
     ap.add_argument("--phases", type=int, default=0,
                     help="then time this many cycles of each checkout in-process, by part")
     ap.add_argument("--cprofile", type=int, default=0,
@@ -448,6 +465,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.no_heartbeat:
         os.environ["GW_BENCH_NOHB"] = "1"
+    if args.idle:
+        os.environ["GW_BENCH_IDLE"] = "1"
     tmp = Path(tempfile.mkdtemp(prefix="gwcpu-bench-"))
     os.environ["GW_BENCH_TMP"] = str(tmp)
     logs = contextlib.ExitStack()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -28,8 +29,9 @@ from daemonutil import DaemonProc, write_config
 
 from gpuwatchd.join.stall import StallTracker
 from gpuwatchd.join.stall_spin import GpuReading, GpuWindow, rank_gpu_readings
-from gpuwatchd.join.stall_verdicts import RankProbe
+from gpuwatchd.join.stall_verdicts import RankProbe, StallVerdict
 from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, RankState
+from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy
 from gpuwatchd.sources.threads import process_state
@@ -61,6 +63,16 @@ SHAPES = {
         print("ready", flush=True)
         while True:
             time.sleep(0.5)
+    """,
+    "idle": """
+        import signal, threading
+        idle = threading.Event()
+        for _ in range(4):
+            threading.Thread(target=idle.wait, daemon=True).start()
+        signal.signal(signal.SIGUSR1, lambda *_: None)  # SIGUSR1 wakes the main thread briefly
+        print("ready", flush=True)
+        while True:
+            signal.pause()
     """,
     "block": """
         import threading
@@ -173,7 +185,7 @@ def test_spinning_rank_with_a_peer_blocked_is_paged_confirmed_by_the_peer(launch
 
 
 def _probe(pid: int, job: str) -> RankProbe:
-    state = process_state(pyspy.HostPaths(), pid)
+    state = process_state(HostPaths(), pid)
     return RankProbe(job, 0, pid, state not in (None, "Z"), state or "", None)
 
 
@@ -258,3 +270,70 @@ def test_unchanged_rank_is_dumped_once_per_after_seconds(launch) -> None:
         time.sleep(0.25)
     # the first look, then one per after_seconds (and one when the first look's view settles)
     assert 3 <= len(dumps) <= 6, [round(t - t0, 2) for t in dumps]
+
+
+def _counting_pyspy(tmp: Path) -> tuple[PySpy, Path]:
+    """The real py-spy behind a wrapper that counts its dumps (one line per run in a file)."""
+    count, wrapper = tmp / "dumps", tmp / "py-spy"
+    wrapper.write_text(f'#!/bin/sh\n[ "$1" = dump ] && date +%s.%N >> {count}\n'
+                       f'exec {pyspy.resolve_pyspy()} "$@"\n')  # fmt: skip
+    wrapper.chmod(0o755)
+    return PySpy(str(wrapper)), count
+
+
+def _runs(count: Path) -> int:
+    return len(count.read_text().splitlines()) if count.exists() else 0
+
+
+def test_idle_rank_is_dumped_once_per_stall_episode(launch, tmp_path: Path) -> None:
+    """The cost contract at its tightest (issue 22: 64 idle holders without heartbeat were dumped
+    every after_seconds each): a rank none of whose tasks runs is dumped once, and its stall is
+    then confirmed by schedstat (the same tasks, none scheduled since the dump) at the cadence
+    the dumps had, and said so; a thread that wakes briefly gets the rank dumped again. Before
+    (99df528) the first 6 s at after_seconds 1 took 6-7 py-spy runs."""
+    p = launch("idle", "episode")
+    spy, count = _counting_pyspy(tmp_path)
+    after = 1.0
+    tracker = StallTracker(after, spy, dump_interval_seconds=0.25)
+    time.sleep(0.3)  # past "ready" into pause(): a first dump during the move would dump again
+
+    def look(seconds: float) -> list[StallVerdict]:
+        out, t0 = [], time.time()
+        while time.time() - t0 < seconds:
+            out.append(tracker.observe(time.time(), [_probe(p.pid, "episode")])[("episode", 0)])
+            time.sleep(0.25)
+        return out
+
+    t_start = time.time()  # the dumps' times are in the count file
+    first = look(6.0)
+    assert _runs(count) == 1, (t_start, count.read_text())
+    # the stall is still seen as soon as it was with a dump per comparison
+    stalled_at = next(i for i, v in enumerate(first) if v.stalled)
+    assert stalled_at * 0.25 <= after + 0.75, stalled_at
+    last = first[-1]
+    assert last.stalled and last.method == "stack" and last.unchanged is not None
+    assert last.unchanged[0] < last.unchanged[1]
+    assert "pause" in last.threads_summary and last.stuck_frames, last
+
+    p.send_signal(signal.SIGUSR1)  # the main thread runs its handler and sleeps again
+    second = look(2.0 * after + 0.5)
+    assert _runs(count) == 2, (t_start, count.read_text())
+    # the new dump finds the same place: still stalled, and no thread ran since the new dump
+    assert second[-1].stalled and second[-1].unchanged is not None
+    assert second[-1].unchanged[0] > last.unchanged[1]
+
+
+def test_blocked_rank_page_says_no_thread_ran_since_the_dump(launch, tmp_path: Path) -> None:
+    """The page of a rank blocked at 0 % CPU rests on one dump and the schedstat proof, and its
+    explanation says so."""
+    job = f"proof-{uuid.uuid4().hex[:8]}"
+    launch("block", job)
+    d, state = _daemon(tmp_path)
+    try:
+        d.wait_for(lambda: any(f["kind"] == "rank_stalled" for f in _findings(state, job)),
+                   timeout=AFTER + 6 * INTERVAL + 10, what="rank_stalled")  # fmt: skip
+        (f,) = [f for f in _findings(state, job) if f["kind"] == "rank_stalled"]
+        assert "no thread ran since the dump at " in f["explanation"], f["explanation"]
+        assert f["evidence"]["unchanged_since_dump"] is not None
+    finally:
+        assert d.stop() == 0

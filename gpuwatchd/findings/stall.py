@@ -119,6 +119,10 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         lead += "".join(f"{x}; " for x in fr)
         if v.confirmed_by:
             lead += f"{CONFIRMED[v.confirmed_by]} ({v.gpu_evidence}); "
+        if v.unchanged is not None:
+            lead += (f"no thread ran since the dump at {fmt_clock_utc(v.unchanged[0])} (schedstat at "
+                     f"{fmt_clock_utc(v.unchanged[1]).removesuffix(' UTC')}: the same tasks, run times "
+                     "and slice counts), so its stacks still hold; ")
         yield rank_finding(
             r,
             kind="rank_stalled",
@@ -138,6 +142,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
                 "patterns": list(v.analysis.kinds) if v.analysis else [],
                 "flight_recorder": fr,
                 "confirmed_by": v.confirmed_by,
+                "unchanged_since_dump": None if v.unchanged is None else round(v.unchanged[0], 3),
                 "gpus": [{"gpu": i, "utilization": u, "held_bytes": h} for i, u, h in gpus],
             },
         )

@@ -21,19 +21,21 @@ A thread that burns a core at the one line of every dump is ambiguous (a healthy
 each step looks the same): join/stall_spin.py says when that is a stall (the GPU's readings, the
 peers) and otherwise the verdict is ``ambiguous``, a warning, never a page.
 
-Reads: the heartbeat file's mtime, ``/proc/PID/task/*/{stat,wchan}`` (``schedstat`` of the threads
-that used CPU), ``py-spy dump``.
+Reads: the heartbeat file's mtime, ``/proc/PID/task/*/schedstat`` (and ``{stat,wchan}`` of the
+tasks that ran since the last look), ``py-spy dump``.
 Cost: one stat per heartbeat rank per cycle (done by the daemon); per-thread reads per
 heartbeat-less or stalled *process* every ``dump interval`` (after_seconds/5, at least one cycle,
-at most 60 s), and one dump (~10 ms) when that /proc view changed and settled, else once per
-after_seconds (issue 22: the dumps were what a heartbeat-less rank cost beside a beating one);
+at most 60 s): one ``schedstat`` per task, two more for a task that ran; and one dump (~10 ms)
+when that /proc view changed and settled, else once per after_seconds (issue 22: the dumps were
+what a heartbeat-less rank cost beside a beating one), none while no task ran since the last dump
+(the same tasks with the same schedstat run time and slice count prove its stacks still hold);
 never every cycle: between looks a rank's verdict comes from its last look and its heartbeat.
 Bounded whatever the input: a process listed by many ranks is looked at once per cycle (per-PID
 memo), at most ``max_threads`` of its tasks are read, and one ``observe`` spends at most
 ``budget_seconds`` on looks; the looks over budget are deferred to the next cycle (least recently
 looked first) and counted in ``deferred`` (exported as ``gpuwatch_cycle_deferred_probes_total``).
 Privilege: as sources/pyspy.py. Shell equivalent: ``stat -c %Y HB``; ``py-spy dump -p PID``
-three times a minute apart and ``diff``; ``cat /proc/PID/task/*/wchan``.
+three times a minute apart and ``diff``; ``cat /proc/PID/task/*/{wchan,schedstat}``.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import taskwait
 from gpuwatchd.sources.pyspy import PySpy
 from gpuwatchd.sources.pyspy_output import ABSENT, NOT_PYTHON, PERMISSION_DENIED, TIMEOUT, PySpyError, ThreadStack
-from gpuwatchd.sources.threads import ThreadInfo, read_threads, task_ids
+from gpuwatchd.sources.threads import ThreadInfo, read_run_slices, read_threads_since, task_ids
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +105,12 @@ class _Track:
     look_fp: Any = None  # the /proc view at the last look
     dump_due: bool = False  # the view changed since the last dump and held for a look
     sched: dict[int, tuple[int, int]] = field(default_factory=dict)  # tid -> schedstat (run, wait)
+    # every task's (run ns, run slices) read right before the last py-spy dump (None: unknown),
+    # and that dump's time: the same numbers later prove the stacks are still that dump's
+    dump_slices: dict[int, tuple[int, int]] | None = None
+    stacks_at: float = 0.0
+    proven_at: float | None = None  # the last comparison was that proof (not a py-spy run)
+    look_slices: dict[int, tuple[int, int]] = field(default_factory=dict)  # of tr.threads
 
 
 class StallTracker:
@@ -145,6 +153,9 @@ class StallTracker:
         # per observe(): pid -> its thread view / dump, so that a PID listed by many ranks costs once
         self._threads_memo: dict[int, tuple[ThreadInfo, ...]] = {}
         self._dump_memo: dict[int, tuple[tuple[ThreadStack, ...] | None, bool]] = {}
+        # pid -> every task's (run ns, slices) read right before this cycle's dump of it
+        self._slices_memo: dict[int, dict[int, tuple[int, int]] | None] = {}
+        self._look_slices_memo: dict[int, dict[int, tuple[int, int]]] = {}  # of this cycle's look
         self._task_count: dict[int, int] = {}
         self._deadline = float("inf")
 
@@ -173,6 +184,8 @@ class StallTracker:
         memo = self._dump_memo.get(pid)
         if memo is not None:
             return memo
+        # read before the dump, so that the same numbers later prove nothing ran since its stacks
+        self._slices_memo[pid] = self._run_slices(pid)
         try:
             out: tuple[tuple[ThreadStack, ...] | None, bool] = (self.spy.dump(pid, slot_wait=0.0), False)
         except PySpyError as e:
@@ -184,13 +197,24 @@ class StallTracker:
         self._dump_memo[pid] = out
         return out
 
-    def _threads(self, pid: int) -> tuple[ThreadInfo, ...]:
+    def _run_slices(self, pid: int) -> dict[int, tuple[int, int]] | None:
+        """Every task's (run ns, run slices), None past ``max_threads`` tasks; from this cycle's
+        look when it read every task (a look comes before the cycle's dumps and comparisons)."""
+        looked = self._look_slices_memo.get(pid)
+        if looked is not None and len(looked) == self._task_count.get(pid, -1) <= self.max_threads:
+            return looked
+        return read_run_slices(self.paths, pid, max_tasks=self.max_threads)
+
+    def _threads(self, pid: int, tr: _Track) -> tuple[ThreadInfo, ...]:
         memo = self._threads_memo.get(pid)
         if memo is None:
             tids = task_ids(self.paths, pid)
             self._task_count[pid] = len(tids)
-            memo = self._threads_memo[pid] = read_threads(
-                self.paths, pid, detail=False, tids=tids[: self.max_threads])
+            prev = {t.tid: (tr.look_slices[t.tid], t) for t in tr.threads if t.tid in tr.look_slices}
+            memo, self._look_slices_memo[pid] = read_threads_since(
+                self.paths, pid, tids[: self.max_threads], prev)
+            self._threads_memo[pid] = memo
+        tr.look_slices = self._look_slices_memo.get(pid, {})
         return memo
 
     def _over_budget(self, pid: int) -> bool:
@@ -223,6 +247,8 @@ class StallTracker:
         work.sort(key=lambda pt: pt[1].threads_at)
         self._threads_memo.clear()
         self._dump_memo.clear()
+        self._slices_memo.clear()
+        self._look_slices_memo.clear()
         self._task_count.clear()
         self._deadline = time.monotonic() + self.budget
         try:
@@ -233,6 +259,7 @@ class StallTracker:
         finally:
             self._threads_memo.clear()
             self._dump_memo.clear()
+            self._look_slices_memo.clear()
         return name_suspects(confirm_by_peers(verdicts))
 
     def note_gpus(self, readings: dict[tuple[str, int], GpuReading]) -> None:
@@ -276,7 +303,7 @@ class StallTracker:
             return self._deferred(now, p, tr, "threads")
         if look_due:
             # CPU pattern since the previous look, per thread
-            threads = self._threads(p.pid)
+            threads = self._threads(p.pid, tr)
             elapsed = now - tr.threads_at if tr.threads else 0.0
             prev = {t.tid: t.cpu_ticks for t in tr.threads}
             shares = {
@@ -327,6 +354,7 @@ class StallTracker:
             stacks, _ = self._dump(now, p.pid)
             if stacks is not None:
                 tr.stacks, tr.last_dump_at = stacks, now
+                tr.dump_slices, tr.stacks_at, tr.proven_at = None, now, None
         main = main_stack(tr.stacks)
         frames = tuple(str(f) for f in main.frames[:MAX_FRAMES]) if main else ()
         location = tuple(f.where for f in main.frames[:3]) if main else ()
@@ -361,6 +389,8 @@ class StallTracker:
             stuck_frames=frames, threads_summary=tr.summary,
             location=location, analysis=analysis, compiling=compiling,
             ambiguous=ambiguous, confirmed_by=confirmed_by, gpu_evidence=gpu_words,
+            unchanged=(tr.stacks_at, tr.proven_at) if tr.proven_at is not None and method == "stack"
+            else None,
         )  # fmt: skip
 
     @staticmethod
@@ -376,12 +406,16 @@ class StallTracker:
         # The view of the Python threads of the last dump (all tasks when it gave no tids, or
         # before the first): native helper threads (CUDA, NCCL, gloo) wake on their own, and a view
         # with them in it rarely holds for two looks (the device run: 20-thread torch ranks).
-        python_tids = {s.tid for s in tr.stacks if s.tid}
-        if not python_tids or any(not s.tid for s in tr.stacks):
-            python_tids = {t.tid for t in threads}
-        proc_fp = tuple((t.tid, t.state, t.wchan, t.tid in spinning) for t in threads
-                        if t.tid in python_tids)  # fmt: skip
+        # Computed only where used (a look, a dump): most cycles of most ranks use neither.
+        def view() -> Any:
+            python_tids = {s.tid for s in tr.stacks if s.tid}
+            if not python_tids or any(not s.tid for s in tr.stacks):
+                python_tids = {t.tid for t in threads}
+            return tuple((t.tid, t.state, t.wchan, t.tid in spinning) for t in threads
+                         if t.tid in python_tids)  # fmt: skip
+
         if looked:
+            proc_fp = view()
             # a view that differs from the one at the last dump and held for one look: the rank
             # has moved and settled (a dump in the middle of a move would see neither place)
             if proc_fp != tr.proc_fp and proc_fp == tr.look_fp:
@@ -394,7 +428,7 @@ class StallTracker:
             tr.identical = 0
             tr.last_change = now
             tr.last_dump_at = now  # this look counts as the comparison: next one a dump interval on
-            tr.proc_fp, tr.dump_due = proc_fp, False
+            tr.proc_fp, tr.dump_due, tr.proven_at = view(), False, None
             return ("stack" if tr.stacks else "proc"), now
         # The dump cadence (issue 22: the dumps were what a rank without heartbeat cost beside one
         # with). A /proc view (each thread's state, wchan, burning a core or not) that changed
@@ -415,13 +449,28 @@ class StallTracker:
         if self._dump_memo and p.pid not in self._dump_memo and time.monotonic() > self._deadline:
             self.deferred["dump"] += 1
             return ("stack" if tr.stacks else "proc"), tr.last_change
-        stacks, hopeless = self._dump(now, p.pid)
+        if tr.stacks and tr.dump_slices is not None and \
+                not any(t.state == "R" for t in threads) and \
+                self._run_slices(p.pid) == tr.dump_slices:
+            # The same tasks, none ran since the last dump (schedstat's numbers grow while a task
+            # runs; one on a CPU throughout, which a tickless CPU may not count, reads R): a Python
+            # stack changes only when its thread runs, so the stacks are that dump's. A rank
+            # blocked at 0 % CPU is dumped once per episode (issue 22: the dumps were its cost).
+            stacks: tuple[ThreadStack, ...] | None = tr.stacks
+            hopeless, proven = False, True
+        else:
+            stacks, hopeless = self._dump(now, p.pid)
+            proven = False
         if stacks is None and not hopeless and tr.stacks:
             # busy / timed out / odd output this time: compare at the next look, change nothing
             return "stack", tr.last_change
         by_tid = {t.tid: t for t in threads}
-        tr.proc_fp, tr.dump_due = proc_fp, False
+        tr.proc_fp, tr.dump_due = view(), False
         if stacks:
+            if not proven:
+                tr.dump_slices = self._slices_memo.get(p.pid)
+                tr.stacks_at = now
+            tr.proven_at = now if proven else None
             tr.stacks, tr.last_dump_at = stacks, now
             method = "stack"
             # only Python threads: native helper threads (NCCL watchdog, CUDA) wake on their own

@@ -66,6 +66,10 @@ class StallVerdict:
     # what confirmed a stall whose thread burns CPU at one line: "gpu_spin" | "gpu_idle" | "peer"
     confirmed_by: str = ""
     gpu_evidence: str = ""  # the NVML readings of the rank's GPUs over the window, in words
+    # (the time of the last py-spy dump, the time of the last comparison) when that comparison
+    # was a proof instead of a dump: no task ran in between (schedstat), so the stacks were the
+    # dump's; None when the last comparison was a dump
+    unchanged: tuple[float, float] | None = None
 
     @property
     def key(self) -> tuple[str, int]:

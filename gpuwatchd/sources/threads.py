@@ -1,4 +1,5 @@
-"""The cheap view of a process's threads: ``/proc/PID/task/*/{stat,status,wchan}`` (no ptrace).
+"""The cheap view of a process's threads: ``/proc/PID/task/*/{stat,status,wchan,schedstat}`` (no
+ptrace).
 
 Used by the py-spy source (to check and map its results), the GIL sampler's convoy probe, the stall
 tracker and the hang analysis. Cost: a few µs per thread; every read bounded.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gpuwatchd.paths import HostPaths
@@ -124,6 +125,37 @@ def read_threads(paths: HostPaths, pid: int, detail: bool = True, limit: int | N
     return tuple(out)
 
 
+def read_threads_since(paths: HostPaths, pid: int, tids: Sequence[int],
+                       prev: Mapping[int, tuple[tuple[int, int], ThreadInfo]],
+                       ) -> tuple[tuple[ThreadInfo, ...], dict[int, tuple[int, int]]]:  # fmt: skip
+    """``read_threads(detail=False)`` of these tasks for a caller that keeps the last view: one
+    ``schedstat`` read per task, and ``stat`` + ``wchan`` only for a task that ran since ``prev``
+    (tid -> ((run ns, run slices), its ThreadInfo then)). A task that never ran cannot have
+    changed its state, wchan or CPU ticks, so its last ThreadInfo is reused: an idle torch rank's
+    look costs one read per thread instead of two. Also returns each task's (run ns, slices)
+    (none for a kernel without schedstat, where every task is read in full)."""
+    out, slices = [], {}
+    for tid in tids:
+        try:
+            run, _, count = read_capped(paths.proc(pid, "task", tid, "schedstat"), 256).split()
+            now_v = int(run), int(count)
+        except OSError:
+            continue  # gone
+        except ValueError:
+            now_v = (0, 0)
+        old = prev.get(tid)
+        if now_v[1] and old is not None and old[0] == now_v:
+            out.append(old[1])
+            slices[tid] = now_v
+            continue
+        got = read_threads(paths, pid, detail=False, tids=(tid,))
+        if got:
+            out.append(got[0])
+            if now_v[1]:
+                slices[tid] = now_v
+    return tuple(out), slices
+
+
 def read_schedstat(paths: HostPaths, pid: int, tid: int) -> tuple[int, int] | None:
     """(ns run on a CPU, ns waited on a run queue) of one task, from ``/proc/PID/task/TID/schedstat``
     (None where the kernel has no schedstat or the task is gone). Their sum over a window is the
@@ -134,6 +166,30 @@ def read_schedstat(paths: HostPaths, pid: int, tid: int) -> tuple[int, int] | No
         return int(run), int(wait)
     except (OSError, ValueError):
         return None
+
+
+def read_run_slices(paths: HostPaths, pid: int, tids: Sequence[int] | None = None,
+                    max_tasks: int | None = None) -> dict[int, tuple[int, int]] | None:
+    """{tid: (ns run on a CPU, run slices)} of these tasks (default: every task of ``pid``), from
+    ``/proc/PID/task/TID/schedstat``; None when one is unreadable (gone), reads a slice count of 0
+    (a kernel without schedstat prints ``0 0 0`` for every task, and a task we see has run at
+    least once otherwise), or there are none or more than ``max_tasks``. Both numbers only grow
+    while the task runs: the same pair at two readings means it never ran between them (the stall
+    tracker's proof that a rank's stacks are its last dump's)."""
+    if tids is None:
+        tids = task_ids(paths, pid)
+    if not tids or (max_tasks is not None and len(tids) > max_tasks):
+        return None
+    out = {}
+    for tid in tids:
+        try:
+            run, _, slices = read_capped(paths.proc(pid, "task", tid, "schedstat"), 256).split()
+            out[tid] = int(run), int(slices)
+        except (OSError, ValueError):
+            return None
+        if not out[tid][1]:
+            return None
+    return out
 
 
 def task_ids(paths: HostPaths, pid: int) -> list[int]:
