@@ -29,6 +29,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpuwatchd.config import Config, ConfigError
@@ -37,6 +38,7 @@ from gpuwatchd.daemon import allocator
 from gpuwatchd.daemon.notify import notify, watchdog_interval
 from gpuwatchd.daemon.reload import RESTART_SECTIONS as RESTART_SECTIONS
 from gpuwatchd.daemon.reload import ConfigSource, reload_config
+from gpuwatchd.daemon.services import Services
 from gpuwatchd.daemon.state_json import state_json_text
 from gpuwatchd.daemon.state_json import state_to_json as state_to_json
 from gpuwatchd.daemon.state_json import to_jsonable as to_jsonable
@@ -48,8 +50,7 @@ from gpuwatchd.findings import nccl_env
 from gpuwatchd.isolation import Collector, PartialReading, attempt, guarded
 from gpuwatchd.join import rank_claims
 from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
-from gpuwatchd.join.xid_dedup import XidDeduper
-from gpuwatchd.model import BadRankFile, NodeState, ProcessInfo, RankEntry
+from gpuwatchd.model import BadRankFile, CollectorStatus, NodeState, ProcessInfo, RankEntry
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.pidns import PidNamespaces
 from gpuwatchd.sources.procfs import ProcfsReader
@@ -73,7 +74,7 @@ STATE_FILE = "state.json"
 CYCLE_TIME_LIMIT = 30.0
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class ProcReading:
     processes: Mapping[int, ProcessInfo]
     descendants: Mapping[int, tuple[int, ...]]
@@ -81,6 +82,25 @@ class ProcReading:
     # (job_id, rank, pid) -> heartbeat mtime: keyed by the claim's pid, so that only the
     # accepted claim's heartbeat is used (a refused claim on the same rank has another pid)
     progress: Mapping[tuple[str, int, int], float]
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What the daemon's own sources read in one cycle (``Daemon.read``, the only producer)."""
+
+    now: float                                  # the cycle's clock reading
+    entries: tuple[RankEntry, ...]              # rank files + discovery (collector ``rankfiles``)
+    bad_files: tuple[BadRankFile, ...]          # rank files refused while reading them
+    proc: ProcReading                           # /proc of each rank tree, heartbeats (``procfs``)
+    statuses: tuple[CollectorStatus, ...]       # the two collectors' status
+
+
+@dataclass(frozen=True)
+class Tracked:
+    """What the subsystems made of a ``Reading`` (``Daemon.track``, the only producer)."""
+
+    inputs: CycleInputs                         # the join's input: the reading + every contribution
+    down: Mapping[str, str]                     # subsystem -> why it is down this cycle
 
 
 class Daemon:
@@ -95,6 +115,7 @@ class Daemon:
         clock: Callable[[], float] = time.time,
         counters: CounterStore | None = None,
         subsystems: list[Subsystem] | None = None,
+        services: Services | None = None,
         write_state: bool = True,
         liveness_seconds: float | None = None,
         reap_strays: bool = False,
@@ -120,7 +141,8 @@ class Daemon:
         self.heartbeat_roots = HeartbeatRoots()
         self._wake = threading.Event()  # the main loop's sleep ends when either is set
         self.stop_event: threading.Event = LinkedEvent(self._wake)
-        self.xid_dedup = XidDeduper()  # shared by the NVML Xid watcher and the kernel log
+        # built once, handed to every subsystem (daemon/services.py): py-spy, Xid de-dup, event log
+        self.services = services or Services.build(config, self.paths)
         self.reload_requested: threading.Event = LinkedEvent(self._wake)
         self.state: NodeState | None = None
         self.memory = JoinMemory()
@@ -216,49 +238,68 @@ class Daemon:
     # --- one cycle ------------------------------------------------------------------------------
 
     def cycle(self) -> NodeState:
+        """read -> decide the claims -> track -> join (and judge) -> publish: each stage a
+        function of the previous stages' typed outputs (``Reading``, ``Tracked``)."""
         with self._cycle_lock:
             t0 = time.monotonic()
-            self.procfs.begin_cycle()  # each process's /proc/PID/stat read once in the two below
-            try:
-                rank_reading = self.rank_collector.run()
-                entries, bad = rank_reading if rank_reading is not None else ([], [])
-                self._entries = entries
-                proc = self.proc_collector.run() or ProcReading({}, {}, {}, {})
-            finally:
-                self.procfs.end_cycle()
-            # The one decision on which claims count, before any subsystem reads a rank: from
-            # here on every reading is of an accepted (job_id, rank, pid) only.
-            claims = rank_claims.decide(entries, proc.processes, self.memory.job_owners,
+            reading = self.read()                           # rank files, /proc, heartbeats (Collectors)
+            claims = rank_claims.decide(reading.entries, reading.proc.processes, self.memory.job_owners,
                                         self.memory.claimant_uids, self.memory.start_ticks)
-            inputs = CycleInputs(
-                now=self.clock(), config=self.config, entries=claims.accepted, bad_files=tuple(bad),
-                processes=proc.processes, descendants=proc.descendants, env_flags=proc.env_flags,
-                progress={(j, r): t for (j, r, pid), t in proc.progress.items()
-                          if claims.accepts(j, r, pid)},
-                claims=claims,
-            )
-            down = dict(self.failed_subsystems)
-            for sub in self.subsystems:
-                extra, error = attempt(f"subsystem {sub.name} before_join",
-                                       functools.partial(sub.before_join, self, inputs), NOTHING)
-                inputs = extra.merge_into(inputs)
-                if error is not None:
-                    down.setdefault(sub.name, error)
-            statuses = [self.rank_collector.status, self.proc_collector.status, *inputs.collectors]
-            statuses += down_statuses(statuses, down)
-            inputs = dataclasses.replace(inputs, collectors=tuple(statuses),
-                                         counters=self.counters.snapshot(),
-                                         cycle_seconds=time.monotonic() - t0)
-            state, self.memory = build_state(inputs, self.memory)
+            tracked = self.track(reading, claims)           # the subsystems' parts, in wiring order
+            state, self.memory = build_state(self.join_inputs(reading, tracked, t0), self.memory)
             state = dataclasses.replace(state, cycle_seconds=time.monotonic() - t0,
                                         oom_score_adj=self._oom_score_adj())
-            self.state = state
-            for sub in self.subsystems:
-                guarded(f"subsystem {sub.name} after_join", functools.partial(sub.after_join, self, state), None)
-            if self.write_state:
-                guarded("writing state file", lambda: self._write_state(state), None)
+            self.state = state                              # what the exporter and the CLI read: one swap
+            self.publish(state)                             # after_join hooks, state.json
             self._last_cycle_end = time.monotonic()
             return state
+
+    def read(self) -> Reading:
+        """The daemon's own sources, each under its isolation wrapper (``Collector``); one
+        /proc/PID/stat per process across both (``ProcfsReader.begin_cycle``)."""
+        self.procfs.begin_cycle()
+        try:
+            rank_reading = self.rank_collector.run()
+            entries, bad = rank_reading if rank_reading is not None else ([], [])
+            self._entries = entries
+            proc = self.proc_collector.run() or ProcReading({}, {}, {}, {})
+        finally:
+            self.procfs.end_cycle()
+        return Reading(self.clock(), tuple(entries), tuple(bad), proc,
+                       (self.rank_collector.status, self.proc_collector.status))
+
+    def track(self, reading: Reading, claims: rank_claims.Claims) -> Tracked:
+        """Each subsystem's part of the cycle, isolated: one that raises loses its contribution
+        (and reads as a collector that is down), nothing else. From here on every reading is of an
+        accepted (job_id, rank, pid) only."""
+        beats = {(j, r): t for (j, r, pid), t in reading.proc.progress.items() if claims.accepts(j, r, pid)}
+        inputs = CycleInputs(
+            now=reading.now, config=self.config, entries=claims.accepted, bad_files=reading.bad_files,
+            processes=reading.proc.processes, descendants=reading.proc.descendants,
+            env_flags=reading.proc.env_flags, heartbeats=beats, claims=claims,
+        )
+        down = dict(self.failed_subsystems)
+        for sub in self.subsystems:
+            extra, error = attempt(f"subsystem {sub.name} before_join",
+                                   functools.partial(sub.before_join, self, inputs), NOTHING)
+            inputs = extra.merge_into(inputs)
+            if error is not None:
+                down.setdefault(sub.name, error)
+        return Tracked(inputs, down)
+
+    def join_inputs(self, reading: Reading, tracked: Tracked, t0: float) -> CycleInputs:
+        statuses = [*reading.statuses, *tracked.inputs.collectors]
+        statuses += down_statuses(statuses, tracked.down)
+        return dataclasses.replace(tracked.inputs, collectors=tuple(statuses),
+                                   counters=self.counters.snapshot(), cycle_seconds=time.monotonic() - t0)
+
+    def publish(self, state: NodeState) -> None:
+        """What the new state drives: the subsystems' after-join hooks (event log, rank trees,
+        the GIL sampler's signals) and state.json, each isolated."""
+        for sub in self.subsystems:
+            guarded(f"subsystem {sub.name} after_join", functools.partial(sub.after_join, self, state), None)
+        if self.write_state:
+            guarded("writing state file", lambda: self._write_state(state), None)
 
     def liveness_bound(self) -> float:
         if self.liveness_seconds is not None:

@@ -86,7 +86,7 @@ class GpuSubsystem(Subsystem):
         self.tracker = OrphanTracker(cfg.orphans.grace_seconds)
         self.oom = OomTracker(cfg.rank_dir, daemon.clock)
         self.evidence = EvidenceReader(daemon.paths)
-        dedup = daemon.xid_dedup
+        dedup = daemon.services.xid_dedup
         self.dedup = dedup
         if self.watch_xid:
             lib = self.source.library  # the replay when reading a fixture

@@ -79,12 +79,13 @@ class KernelLogSubsystem(Subsystem):
             )
         self.processor = KernelEventProcessor(
             daemon.counters, cfg.state_dir, bus=self.bus, boot_id=read_boot_id(paths),
-            xid_dedup=daemon.xid_dedup, clock=daemon.clock,  # shared with the NVML Xid watcher
+            xid_dedup=daemon.services.xid_dedup, clock=daemon.clock,  # shared with the NVML Xid watcher
             files=daemon.state_files,
             retention_seconds=cfg.retention.oom_kill_seconds,
             ended_grace_seconds=cfg.retention.ended_rank_seconds,
             helper_of=reaper.CHILDREN.helper_at,  # the py-spy runs: never node OOM kills
         )
+        daemon.services.events.open(self.processor.store)  # the daemon's one event-log writer
         daemon.counters.ensure("kernel_log_overruns", ())
         # First start in this boot: what the kernel counted and the log replays is history.
         self._history_due = self.HISTORY_WAIT_SECONDS + time.monotonic()

@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuwatchd.config import Config
-from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory_evidence import snapshot_event, worse
 from gpuwatchd.daemon.subsystem import Contribution, DaemonContext, Subsystem
 from gpuwatchd.findings.memory import KIND
@@ -40,10 +39,9 @@ CGROUP_TTL = 30.0  # a rank's cgroup rarely changes: re-read /proc/PID/cgroup th
 class MemorySubsystem(Subsystem):
     name = "memory"
 
-    def __init__(self, config: Config, kernel: KernelLogSubsystem, *,
-                 reader: MemcgReader | None = None, spy: PySpy | None = None) -> None:
+    def __init__(self, config: Config, *, reader: MemcgReader | None = None,
+                 spy: PySpy | None = None) -> None:
         self.config = config
-        self.kernel = kernel  # owns the event log
         self.reader = reader
         self.spy = spy
         self.tracker = MemoryTracker()
@@ -58,14 +56,9 @@ class MemorySubsystem(Subsystem):
     def start(self, daemon: DaemonContext) -> None:
         if self.reader is None:
             self.reader = MemcgReader(daemon.paths, self.config.memory.cgroup_root)
-        if self.spy is None:  # share the py-spy runner (and its concurrency limit) of GIL sampling
-            for sub in daemon.subsystems:
-                spy = getattr(sub, "spy", None)
-                if isinstance(spy, PySpy):
-                    self.spy = spy
-        if self.spy is None:
-            self.spy = PySpy.from_config(self.config.gil.pyspy_path, paths=daemon.paths,
-                                         max_concurrent=1)
+        if self.spy is None:  # the daemon's one py-spy runner (and its concurrency limit)
+            self.spy = daemon.services.spy
+        self.events = daemon.services.events  # snapshots go into the one event log
 
     # -- each cycle --------------------------------------------------------------------------
 
@@ -168,9 +161,7 @@ class MemorySubsystem(Subsystem):
             except PySpyError as e:
                 error = f"{e.reason}: {e.detail}"[:200]
         ev = snapshot_event(f, m, now, stacks, error, seq)
-        processor = self.kernel.processor
-        if processor is not None:
-            processor.record_event(ev)
+        self.events.record(ev)
         log.info("memory snapshot: %s", ev.summary)
 
     def stop(self) -> None:

@@ -56,11 +56,7 @@ class PySpySubsystem(Subsystem):
             return
         g = self.config.gil
         if self.spy is None:
-            self.spy = PySpy.from_config(
-                g.pyspy_path, paths=daemon.paths, max_concurrent=g.max_concurrent,
-                timeout_seconds=g.timeout_seconds,
-                dump_timeout_seconds=min(5.0, max(1.0, self.config.interval_seconds / 2)),
-            )  # fmt: skip
+            self.spy = daemon.services.spy  # shared with memory snapshots (daemon/services.py)
             if self.spy.binary is None:
                 log.warning("py-spy unavailable (%s): no GIL sampling, stall detection from "
                             "heartbeats and /proc only", self.spy.unavailable_reason)  # fmt: skip
@@ -100,7 +96,7 @@ class PySpySubsystem(Subsystem):
         assert self.stall is not None and self.spy is not None
         processes: Mapping[int, ProcessInfo] = cycle.processes
         descendants: Mapping[int, tuple[int, ...]] = cycle.descendants
-        beats: Mapping[tuple[str, int], float] = cycle.progress  # heartbeat mtimes
+        beats: Mapping[tuple[str, int], float] = cycle.heartbeats
         seen: set[tuple[str, int]] = set()
         probes: list[RankProbe] = []
         for e in cycle.entries:

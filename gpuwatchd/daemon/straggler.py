@@ -22,5 +22,5 @@ class StragglerSubsystem(Subsystem):
         if self.tracker is None:
             self.tracker = StragglerTracker(self.cfg, daemon.paths, daemon.heartbeat_roots.step)
         entries = [e for e in cycle.entries if e.pid in cycle.processes]
-        steps, rates = self.tracker.observe(cycle.now, entries, cycle.progress)
+        steps, rates = self.tracker.observe(cycle.now, entries, cycle.heartbeats)
         return Contribution(steps=steps, straggler=rates)

@@ -47,7 +47,11 @@ class CycleInputs(RuleReadings):
     gpus: tuple[GpuDevice, ...] = ()
     gpu_processes: tuple[GpuProcess, ...] = ()
     orphans: tuple[Orphan, ...] = ()
-    # (job_id, rank) -> last progress (heartbeat) timestamp; (job_id, rank) -> stalled
+    # (job_id, rank) -> its heartbeat's mtime (the daemon's /proc reading, the only producer)
+    heartbeats: Mapping[tuple[str, int], float] = field(default_factory=frozen_map)
+    # (job_id, rank) -> last progress timestamp by the stall tracker (heartbeat or observed
+    # change; the py-spy subsystem, the only producer; a rank it did not judge: its heartbeat);
+    # (job_id, rank) -> stalled
     progress: Mapping[tuple[str, int], float] = field(default_factory=frozen_map)
     stalled: Mapping[tuple[str, int], bool] = field(default_factory=frozen_map)
     collectors: tuple[CollectorStatus, ...] = ()
@@ -128,7 +132,8 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
         ranks.append(RankState(
             job_id=e.job_id, rank=e.rank, pid=e.pid, local_rank=e.local_rank,
             world_size=e.world_size, alive=alive, process=proc if alive else None, tree=tree,
-            gpus=e.gpus, progress_timestamp=inputs.progress.get((e.job_id, e.rank)),
+            gpus=e.gpus, progress_timestamp=inputs.progress.get(
+                (e.job_id, e.rank), inputs.heartbeats.get((e.job_id, e.rank))),
             stalled=bool(inputs.stalled.get((e.job_id, e.rank), False)) and alive,
             died_at=died_at.get(key), ns_pid=e.ns_pid, container=e.container,
             step=inputs.steps.get((e.job_id, e.rank)) if alive else None,
