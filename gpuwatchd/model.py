@@ -85,6 +85,14 @@ class BadRankFile:
     reason: str
 
 
+def rank_alive(proc: ProcessInfo | None, expected_start_ticks: int | None) -> bool:
+    """The one rule for "is this rank alive": its process exists, is neither a zombie nor dead,
+    and, when its start time is known (the rank file's, or the first one seen), is still the
+    process that started then (not a reused PID)."""
+    return proc is not None and proc.state not in ("Z", "X") and (
+        expected_start_ticks is None or proc.start_ticks == expected_start_ticks)
+
+
 @dataclass(frozen=True)
 class RankState:
     job_id: str

@@ -72,6 +72,7 @@ STATE_FILE = "state.json"
 # A cycle is bounded to seconds by its collectors' time-outs and the stall probe budget; one that
 # has not finished after this long is wedged, and the watchdog stops being fed.
 CYCLE_TIME_LIMIT = 30.0
+CGROUP_TTL = 30.0  # a rank's cgroup rarely changes: /proc/PID/cgroup is re-read this often
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ class ProcReading:
     # (job_id, rank, pid) -> heartbeat mtime: keyed by the claim's pid, so that only the
     # accepted claim's heartbeat is used (a refused claim on the same rank has another pid)
     progress: Mapping[tuple[str, int, int], float]
+    # rank PID -> /proc/PID/cgroup text, re-read every CGROUP_TTL seconds per process
+    cgroups: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,7 @@ class Daemon:
         self._discovered: list[RankEntry] = []
         self._last_discovery = float("-inf")
         self._env_cache: dict[tuple[int, int], tuple[str, ...]] = {}
+        self._cgroup_cache: dict[tuple[int, int], tuple[float, str | None]] = {}  # (pid, start) -> (read at, text)
         self._cycle_lock = threading.Lock()
         self.exit_status = 0  # what `gpuwatchd run` exits with (request_exit)
         # subsystem name -> why it did not start: exported as collector_success{collector=name} 0
@@ -206,7 +210,9 @@ class Daemon:
         descendants: dict[int, tuple[int, ...]] = {}
         env_flags: dict[int, tuple[str, ...]] = {}
         progress: dict[tuple[str, int, int], float] = {}
+        cgroups: dict[int, str] = {}
         live_keys: set[tuple[int, int]] = set()
+        now = time.monotonic()
         for e in entries:
             if e.pid in processes or e.pid in descendants:
                 continue
@@ -219,6 +225,11 @@ class Daemon:
             descendants[e.pid] = tuple(k for k in kids if k in processes)  # drop those gone meanwhile
             key = (e.pid, info.start_ticks)
             live_keys.add(key)
+            hit = self._cgroup_cache.get(key)
+            if hit is None or now - hit[0] >= CGROUP_TTL:
+                hit = self._cgroup_cache[key] = (now, self.procfs.cgroup(e.pid))
+            if hit[1] is not None:
+                cgroups[e.pid] = hit[1]
             if key not in self._env_cache:
                 env = self.procfs.environ_values(e.pid, nccl_env.WATCHED_VARS)
                 if env is None:  # not readable yet (mid-exec) or not permitted: try next cycle
@@ -232,8 +243,10 @@ class Daemon:
         self.heartbeat_roots.end_reads()
         for stale in set(self._env_cache) - live_keys:
             del self._env_cache[stale]
+        for stale in set(self._cgroup_cache) - live_keys:
+            del self._cgroup_cache[stale]
         self.procfs.forget(live_keys | {(p.pid, p.start_ticks) for p in processes.values()})
-        return ProcReading(processes, descendants, env_flags, progress)
+        return ProcReading(processes, descendants, env_flags, progress, cgroups)
 
     # --- one cycle ------------------------------------------------------------------------------
 
@@ -276,7 +289,7 @@ class Daemon:
         inputs = CycleInputs(
             now=reading.now, config=self.config, entries=claims.accepted, bad_files=reading.bad_files,
             processes=reading.proc.processes, descendants=reading.proc.descendants,
-            env_flags=reading.proc.env_flags, heartbeats=beats, claims=claims,
+            env_flags=reading.proc.env_flags, cgroups=reading.proc.cgroups, heartbeats=beats, claims=claims,
         )
         down = dict(self.failed_subsystems)
         for sub in self.subsystems:

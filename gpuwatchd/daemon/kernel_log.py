@@ -2,7 +2,8 @@
 
 Reads /dev/kmsg or the journal (sources/kernel_log.py) in its own thread, event-driven; each cycle
 it reads ``/proc/vmstat`` (one small file) for the OOM-kill cross-check and ``/proc/PID/cgroup``
-of each live rank (for systemd-oomd attribution). Privilege and shell equivalents: see
+of each live rank, from the daemon's process view (``CycleInputs.cgroups``), for systemd-oomd
+attribution. Privilege and shell equivalents: see
 sources/kernel_log.py.
 """
 
@@ -29,12 +30,16 @@ from gpuwatchd.sources.kernel_log import (
     LogRecord,
     open_kernel_log,
     read_boot_id,
-    read_cgroup,
     read_vmstat_oom_kill,
 )
+from gpuwatchd.sources.memcg import parse_cgroup_file
 
-CGROUP_TTL = 30.0
 log = logging.getLogger(__name__)
+
+
+def _cgroup_path(text: str) -> str:
+    where = parse_cgroup_file(text)
+    return where.memory_v1 or where.unified
 
 
 class KernelLogSubsystem(Subsystem):
@@ -52,7 +57,6 @@ class KernelLogSubsystem(Subsystem):
 
     def __init__(self, journal_path: str | None = None, bus: EventBus | None = None) -> None:
         self.journal_path = journal_path
-        self._cgroups: dict[tuple[int, int], tuple[float, Any]] = {}  # (pid, start) -> (read at, cgroup)
         self.processor: KernelEventProcessor | None = None
         self.source: Any = None
         self.bus = bus
@@ -62,6 +66,7 @@ class KernelLogSubsystem(Subsystem):
         self._running = False
         self._last_ok: float | None = None
         self._processes: Mapping[int, ProcessInfo] = {}
+        self._cgroup_text: Mapping[int, str] = {}
         self._history_due = 0.0
 
     def start(self, daemon: DaemonContext) -> None:
@@ -147,6 +152,7 @@ class KernelLogSubsystem(Subsystem):
         self.processor.store.retention_seconds = retention.oom_kill_seconds
         self.processor.record.ended_grace = retention.ended_rank_seconds
         self._processes = cycle.processes
+        self._cgroup_text = cycle.cgroups  # the daemon's process view, for after_join
         self.processor.tick(now)
         self._report_history()
         self.processor.cross_check(read_vmstat_oom_kill(daemon.paths), now)
@@ -177,17 +183,10 @@ class KernelLogSubsystem(Subsystem):
         if self.processor is None:
             return
         now = daemon.clock()
-        cache = self._cgroups
-        fresh: dict[tuple[int, int], tuple[float, Any]] = {}
-        for r in state.ranks:
-            if r.alive and r.process is not None:
-                key = (r.pid, r.process.start_ticks)
-                hit = cache.get(key)
-                # a rank's cgroup rarely changes: re-read it every CGROUP_TTL seconds, not every cycle
-                fresh[key] = hit if hit is not None and now - hit[0] < CGROUP_TTL else (
-                    now, read_cgroup(daemon.paths, r.pid))
-        self._cgroups = fresh
-        cgroups = {pid: cg for (pid, _), (_, cg) in fresh.items()}
+        texts = self._cgroup_text
+        # each live rank's cgroup path: the v1 memory controller's, else the v2 unified one
+        cgroups = {r.pid: _cgroup_path(texts.get(r.pid) or "") for r in state.ranks
+                   if r.alive and r.process is not None}
         self.processor.observe(state.ranks, self._processes, now, cgroups)
 
     def stop(self) -> None:

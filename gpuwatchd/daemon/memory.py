@@ -28,12 +28,19 @@ from gpuwatchd.findings.memory import KIND
 from gpuwatchd.isolation import guarded
 from gpuwatchd.join.memory_tracker import MemoryTracker, RankKey
 from gpuwatchd.join.state import CycleInputs
-from gpuwatchd.model import CollectorStatus, Finding, NodeMemoryState, NodeState, ProcessInfo, RankMemory
-from gpuwatchd.sources.memcg import CgroupMemory, CgroupPaths, MemcgReader
+from gpuwatchd.model import (
+    CollectorStatus,
+    Finding,
+    NodeMemoryState,
+    NodeState,
+    ProcessInfo,
+    RankMemory,
+    rank_alive,
+)
+from gpuwatchd.sources.memcg import CgroupMemory, CgroupPaths, MemcgReader, parse_cgroup_file
 from gpuwatchd.sources.pyspy import PySpy, PySpyError
 
 log = logging.getLogger(__name__)
-CGROUP_TTL = 30.0  # a rank's cgroup rarely changes: re-read /proc/PID/cgroup this often
 
 
 class MemorySubsystem(Subsystem):
@@ -45,7 +52,6 @@ class MemorySubsystem(Subsystem):
         self.reader = reader
         self.spy = spy
         self.tracker = MemoryTracker()
-        self._paths: dict[tuple[int, int], tuple[float, CgroupPaths | None]] = {}
         self._readings: dict[tuple[str, int, int], RankMemory] = {}
         # per rank process: (snapshots taken, last snapshot time, the finding it was taken for)
         self._snaps: dict[tuple[str, str, str], tuple[int, float, Finding]] = {}
@@ -78,13 +84,13 @@ class MemorySubsystem(Subsystem):
         shared: dict[CgroupPaths, CgroupMemory | None] = {}  # and each cgroup's bounding level
         for e in cycle.entries:
             proc = processes.get(e.pid)
-            if (e.job_id, e.rank) in seen or proc is None or proc.state in ("Z", "X") or (
-                    e.start_ticks is not None and proc.start_ticks != e.start_ticks):
+            if (e.job_id, e.rank) in seen or proc is None or not rank_alive(proc, e.start_ticks):
                 continue
             seen.add((e.job_id, e.rank))
             key: RankKey = (e.job_id, e.rank, e.pid, proc.start_ticks)
             live.append(key)
-            where = self._cgroup_paths(e.pid, proc.start_ticks, now)
+            text = cycle.cgroups.get(e.pid)  # the daemon's process view (re-read every 30 s)
+            where = parse_cgroup_file(text) if text is not None else None
             if where is not None and where not in shared:  # the ranks of a job share one cgroup
                 shared[where] = self.reader.read(where, memo)
             cg = shared[where] if where is not None else None
@@ -92,8 +98,6 @@ class MemorySubsystem(Subsystem):
             readings.append(self.tracker.observe(now, key, tree, processes, cg,
                                                  cfg.window_seconds, cfg.min_window_seconds))
         self.tracker.forget(live, ((p.pid, p.start_ticks) for p in processes.values()))
-        live_pids = {(k[2], k[3]) for k in live}
-        self._paths = {k: v for k, v in self._paths.items() if k in live_pids}
         self._readings = {(m.job_id, m.rank, m.pid): m for m in readings}
         n = self.reader.node()
         node = None if n is None else NodeMemoryState(
@@ -108,15 +112,6 @@ class MemorySubsystem(Subsystem):
         status = CollectorStatus("memory", ok, time.monotonic() - t0, self._last_ok,
                                  "" if ok else "cannot read /proc/meminfo")
         return Contribution(rank_memory=tuple(readings), node_memory=node, collectors=(status,))
-
-    def _cgroup_paths(self, pid: int, start_ticks: int, now: float) -> CgroupPaths | None:
-        assert self.reader is not None
-        hit = self._paths.get((pid, start_ticks))
-        if hit is not None and now - hit[0] < CGROUP_TTL:
-            return hit[1]
-        where = self.reader.cgroup_of(pid)
-        self._paths[(pid, start_ticks)] = (now, where)
-        return where
 
     def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
         cfg = daemon.config.memory

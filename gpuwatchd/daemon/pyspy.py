@@ -23,7 +23,7 @@ from gpuwatchd.isolation import run_forever
 from gpuwatchd.join.stall import RankProbe, StallTracker
 from gpuwatchd.join.stall_spin import rank_gpu_readings
 from gpuwatchd.join.state import CycleInputs
-from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo
+from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo, rank_alive
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy
 
@@ -104,8 +104,7 @@ class PySpySubsystem(Subsystem):
                 continue
             seen.add((e.job_id, e.rank))
             proc = processes.get(e.pid)
-            alive = proc is not None and proc.state not in ("Z", "X") and (
-                e.start_ticks is None or proc.start_ticks == e.start_ticks)  # fmt: skip
+            alive = rank_alive(proc, e.start_ticks)
             probes.append(RankProbe(
                 e.job_id, e.rank, e.pid, alive, proc.state if proc else "", e.heartbeat,
                 proc.start_ticks if proc else None, e.owner_uid,

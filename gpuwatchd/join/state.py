@@ -29,6 +29,7 @@ from gpuwatchd.model import (
     RankEntry,
     RankState,
     frozen_map,
+    rank_alive,
 )
 
 RankKey = tuple[str, int, int]  # (job_id, rank, pid)
@@ -44,6 +45,9 @@ class CycleInputs(RuleReadings):
     # rank PID -> its live descendants (DataLoader workers, compile workers, ...)
     descendants: Mapping[int, tuple[int, ...]] = field(default_factory=frozen_map)
     env_flags: Mapping[int, tuple[str, ...]] = field(default_factory=frozen_map)
+    # rank PID -> its /proc/PID/cgroup text (the daemon's per-cycle process view, re-read every
+    # CGROUP_TTL seconds per process; the only producer): memory and OOM attribution read it
+    cgroups: Mapping[int, str] = field(default_factory=frozen_map)
     gpus: tuple[GpuDevice, ...] = ()
     gpu_processes: tuple[GpuProcess, ...] = ()
     orphans: tuple[Orphan, ...] = ()
@@ -107,9 +111,7 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
         key: RankKey = (e.job_id, e.rank, e.pid)
         proc = inputs.processes.get(e.pid)
         expected = e.start_ticks if e.start_ticks is not None else memory.start_ticks.get(key)
-        alive = proc is not None and proc.state not in ("Z", "X") and (
-            expected is None or proc.start_ticks == expected
-        )
+        alive = rank_alive(proc, expected)
         if alive and proc is not None:
             start_ticks[key] = proc.start_ticks
         elif expected is not None:
