@@ -68,9 +68,8 @@ IO_METHODS = frozenset({"read_text", "read_bytes", "write_text", "write_bytes", 
                         "touch", "glob", "rglob"})
 RULE_IMPORTS = ("gpuwatchd.findings.context", "gpuwatchd.model", "gpuwatchd.units", "gpuwatchd.config")
 # Still doing I/O in a pure layer: the state_dir files (events.jsonl's directory, the OOM baseline,
-# rank_trees.json) and the CUDA-OOM event files move to sources/ (issue 26 item 2).
-KNOWN_IO = frozenset({"gpuwatchd.join.cuda_oom", "gpuwatchd.join.kernel_events", "gpuwatchd.join.oom_history",
-                      "gpuwatchd.join.rank_trees"})
+# rank_trees.json) move to one home for the state_dir files (issue 26 item 2).
+KNOWN_IO = frozenset({"gpuwatchd.join.kernel_events", "gpuwatchd.join.oom_history", "gpuwatchd.join.rank_trees"})
 # Still importing a source from a pure layer: value types defined in sources/ (ThreadStack, SyscallWait,
 # ProcEvidence, GpuUevent, LogRecord ...), and the stall tracker's own looks (threads, dumps, waits).
 KNOWN_SOURCE_IMPORTS = frozenset({
@@ -81,7 +80,7 @@ KNOWN_SOURCE_IMPORTS = frozenset({
     "gpuwatchd.join.stall_spin", "gpuwatchd.join.stall_verdicts", "gpuwatchd.join.straggler",
 })
 # Rules that still import a tracker or the event type for a value type or its wording.
-KNOWN_WIDE_RULES = frozenset({"gpuwatchd.findings.cuda_oom", "gpuwatchd.findings.fork",
+KNOWN_WIDE_RULES = frozenset({"gpuwatchd.findings.fork",
                               "gpuwatchd.findings.gpu_lost", "gpuwatchd.findings.oom",
                               "gpuwatchd.findings.orphans", "gpuwatchd.findings.stall",
                               "gpuwatchd.findings.xid"})

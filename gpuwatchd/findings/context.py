@@ -12,10 +12,10 @@ from typing import Any
 from gpuwatchd.config import Config
 from gpuwatchd.events.log import Event
 from gpuwatchd.join.collectives import FrReading
-from gpuwatchd.join.cuda_oom import AttributedOom
 from gpuwatchd.join.stall import StallVerdict
 from gpuwatchd.join.straggler import RankRate
 from gpuwatchd.model import (
+    AttributedOom,
     BadRankFile,
     Finding,
     GilReading,
