@@ -353,3 +353,39 @@ class AttributedOom:
     @property
     def key(self) -> tuple[str, int, int]:
         return (self.event.job_id, self.event.rank, self.event.pid)
+
+
+# What the fd scan of a process found (sources/devfds.py; findings/fork.py words it)
+
+@dataclass(frozen=True)
+class ProcEvidence:
+    pid: int
+    ppid: int
+    exe: str
+    cmdline_digest: str
+    nvidia_fds: tuple[tuple[int, str], ...]  # (fd number, device path), sorted
+
+    @property
+    def holds_cuda_device(self) -> bool:
+        """Has the control device or the UVM device open: what a CUDA context keeps open."""
+        return any(t.endswith(("/nvidiactl", "/nvidia-uvm")) for _, t in self.nvidia_fds)
+
+
+# A GPU uevent (sources/udev.py reads them; findings/gpu_lost.py words a lost GPU)
+
+LOST_ACTIONS = frozenset({"remove", "unbind"})  # uevent actions that take a GPU off the bus
+
+
+@dataclass(frozen=True)
+class GpuUevent:
+    """What one GPU uevent said: ``lost`` for a remove/unbind (the GPU is off the bus)."""
+
+    action: str
+    pci_bus_id: str  # normalised "0000:3b:00"
+    slot: str  # as the kernel names it, "0000:3b:00.0"
+    driver: str
+    timestamp: float
+
+    @property
+    def lost(self) -> bool:
+        return self.action in LOST_ACTIONS

@@ -69,27 +69,24 @@ IO_METHODS = frozenset({"read_text", "read_bytes", "write_text", "write_bytes", 
                         "touch", "glob", "rglob"})
 RULE_IMPORTS = ("gpuwatchd.findings.context", "gpuwatchd.model", "gpuwatchd.units", "gpuwatchd.config")
 # Still importing a source from a pure layer: value types defined in sources/ (ThreadStack, SyscallWait,
-# ProcEvidence, GpuUevent, LogRecord ...), and the stall tracker's own looks (threads, dumps, waits).
+# ThreadStack, SyscallWait, LogRecord ...), and the stall tracker's own looks (threads, dumps, waits).
 KNOWN_SOURCE_IMPORTS = frozenset({
-    "gpuwatchd.findings.context", "gpuwatchd.findings.fork", "gpuwatchd.findings.gpu_lost",
     "gpuwatchd.join.event_store", "gpuwatchd.join.hang", "gpuwatchd.join.kernel_events",
     "gpuwatchd.join.kernel_lines", "gpuwatchd.join.lock_evidence", "gpuwatchd.join.memory_tracker",
     "gpuwatchd.join.oom_kills", "gpuwatchd.join.rank_workers", "gpuwatchd.join.stall",
     "gpuwatchd.join.stall_spin", "gpuwatchd.join.stall_verdicts", "gpuwatchd.join.straggler",
 })
 # Rules that still import a tracker or the event type for a value type or its wording.
-KNOWN_WIDE_RULES = frozenset({"gpuwatchd.findings.fork",
-                              "gpuwatchd.findings.gpu_lost", "gpuwatchd.findings.oom",
+KNOWN_WIDE_RULES = frozenset({"gpuwatchd.findings.oom",
                               "gpuwatchd.findings.orphans", "gpuwatchd.findings.stall",
                               "gpuwatchd.findings.xid"})
 # The sources findings.context reaches today (through the trackers' value types above).
 KNOWN_CONTEXT_REACHES = frozenset({
-    "gpuwatchd.sources", "gpuwatchd.sources.cgroup_cpu", "gpuwatchd.sources.devfds",
-    "gpuwatchd.sources.heartbeat_step", "gpuwatchd.sources.journal", "gpuwatchd.sources.kernel_formats",
-    "gpuwatchd.sources.kernel_lines", "gpuwatchd.sources.kernel_log", "gpuwatchd.sources.kmsg",
-    "gpuwatchd.sources.procfs", "gpuwatchd.sources.pyspy", "gpuwatchd.sources.pyspy_output",
-    "gpuwatchd.sources.pyspy_spawn", "gpuwatchd.sources.reaper", "gpuwatchd.sources.taskwait",
-    "gpuwatchd.sources.threads", "gpuwatchd.sources.udev", "gpuwatchd.sources.watcher", "subprocess",
+    "gpuwatchd.sources", "gpuwatchd.sources.cgroup_cpu", "gpuwatchd.sources.heartbeat_step",
+    "gpuwatchd.sources.journal", "gpuwatchd.sources.kernel_formats", "gpuwatchd.sources.kernel_lines",
+    "gpuwatchd.sources.kernel_log", "gpuwatchd.sources.kmsg", "gpuwatchd.sources.procfs",
+    "gpuwatchd.sources.pyspy", "gpuwatchd.sources.pyspy_output", "gpuwatchd.sources.pyspy_spawn",
+    "gpuwatchd.sources.reaper", "gpuwatchd.sources.taskwait", "gpuwatchd.sources.threads", "subprocess",
 })
 
 

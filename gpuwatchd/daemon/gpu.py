@@ -32,7 +32,7 @@ from gpuwatchd.isolation import Collector
 from gpuwatchd.join.cuda_oom import OomTracker
 from gpuwatchd.join.orphans import OrphanTracker, trees_from_entries
 from gpuwatchd.join.state import CycleInputs
-from gpuwatchd.model import GpuDevice, GpuProcess, NodeState, ProcessInfo
+from gpuwatchd.model import GpuDevice, GpuProcess, GpuUevent, NodeState, ProcessInfo
 from gpuwatchd.sources.cuda_oom_events import OomEventFiles
 from gpuwatchd.sources.devfds import EvidenceReader
 from gpuwatchd.sources.kernel_log import read_boot_id
@@ -40,7 +40,7 @@ from gpuwatchd.sources.nvidia_devices import probe
 from gpuwatchd.sources.nvml import NvmlReadError, NvmlSource
 from gpuwatchd.sources.nvml_events import XidEventWatcher
 from gpuwatchd.sources.nvml_fixture import open_nvml_source
-from gpuwatchd.sources.udev import GpuUevent, UdevWatcher
+from gpuwatchd.sources.udev import UdevWatcher
 from gpuwatchd.units import normalize_pci_bus_id
 
 log = logging.getLogger(__name__)

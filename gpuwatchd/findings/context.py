@@ -21,15 +21,15 @@ from gpuwatchd.model import (
     GilReading,
     GpuDevice,
     GpuProcessRow,
+    GpuUevent,
     NodeMemoryState,
     Orphan,
     ProcessInfo,
+    ProcEvidence,
     RankMemory,
     RankState,
     frozen_map,
 )
-from gpuwatchd.sources.devfds import ProcEvidence
-from gpuwatchd.sources.udev import GpuUevent
 from gpuwatchd.units import fmt_bytes
 
 

@@ -15,8 +15,7 @@ import time
 from collections.abc import Iterable
 
 from gpuwatchd.findings.context import FindingContext
-from gpuwatchd.model import PAGE, Finding, GpuDevice
-from gpuwatchd.sources.udev import GpuUevent
+from gpuwatchd.model import PAGE, Finding, GpuDevice, GpuUevent
 
 ADVICE = "check 'dmesg' for Xid 79 and the node's hardware"
 
