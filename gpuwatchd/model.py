@@ -389,3 +389,12 @@ class GpuUevent:
     @property
     def lost(self) -> bool:
         return self.action in LOST_ACTIONS
+
+
+# A cgroup's CPU throttling counters (sources/cgroup_cpu.py reads them; join/straggler.py keeps a window)
+
+@dataclass(frozen=True)
+class CpuStat:
+    periods: int
+    throttled_periods: int
+    throttled_seconds: float

@@ -74,7 +74,7 @@ KNOWN_SOURCE_IMPORTS = frozenset({
     "gpuwatchd.join.event_store", "gpuwatchd.join.hang", "gpuwatchd.join.kernel_events",
     "gpuwatchd.join.kernel_lines", "gpuwatchd.join.lock_evidence", "gpuwatchd.join.memory_tracker",
     "gpuwatchd.join.oom_kills", "gpuwatchd.join.rank_workers", "gpuwatchd.join.stall",
-    "gpuwatchd.join.stall_spin", "gpuwatchd.join.stall_verdicts", "gpuwatchd.join.straggler",
+    "gpuwatchd.join.stall_spin", "gpuwatchd.join.stall_verdicts",
 })
 # Rules that still import a tracker or the event type for a value type or its wording.
 KNOWN_WIDE_RULES = frozenset({"gpuwatchd.findings.oom",
@@ -82,8 +82,8 @@ KNOWN_WIDE_RULES = frozenset({"gpuwatchd.findings.oom",
                               "gpuwatchd.findings.xid"})
 # The sources findings.context reaches today (through the trackers' value types above).
 KNOWN_CONTEXT_REACHES = frozenset({
-    "gpuwatchd.sources", "gpuwatchd.sources.cgroup_cpu", "gpuwatchd.sources.heartbeat_step",
-    "gpuwatchd.sources.journal", "gpuwatchd.sources.kernel_formats", "gpuwatchd.sources.kernel_lines",
+    "gpuwatchd.sources", "gpuwatchd.sources.journal", "gpuwatchd.sources.kernel_formats",
+    "gpuwatchd.sources.kernel_lines",
     "gpuwatchd.sources.kernel_log", "gpuwatchd.sources.kmsg", "gpuwatchd.sources.procfs",
     "gpuwatchd.sources.pyspy", "gpuwatchd.sources.pyspy_output", "gpuwatchd.sources.pyspy_spawn",
     "gpuwatchd.sources.reaper", "gpuwatchd.sources.taskwait", "gpuwatchd.sources.threads", "subprocess",

@@ -11,18 +11,11 @@ Shell equivalent: ``cat /sys/fs/cgroup/cpu$(grep -Po '(?<=:cpu,cpuacct:|:cpu:).*
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
+from gpuwatchd.model import CpuStat
 from gpuwatchd.paths import HostPaths
 
 V1_MOUNTS = ("cpu,cpuacct", "cpu", "cpuacct,cpu")
-
-
-@dataclass(frozen=True)
-class CpuStat:
-    periods: int
-    throttled_periods: int
-    throttled_seconds: float
 
 
 def _read(path: str, limit: int = 8192) -> str:
