@@ -398,3 +398,13 @@ class CpuStat:
     periods: int
     throttled_periods: int
     throttled_seconds: float
+
+
+# A process's cgroup (sources/memcg.py parses /proc/PID/cgroup; the daemon's process view carries it)
+
+@dataclass(frozen=True)
+class CgroupPaths:
+    """Where one process lives: v1 memory controller path, v2 unified path ("" when absent)."""
+
+    memory_v1: str
+    unified: str

@@ -50,8 +50,9 @@ from gpuwatchd.findings import nccl_env
 from gpuwatchd.isolation import Collector, PartialReading, attempt, guarded
 from gpuwatchd.join import rank_claims
 from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
-from gpuwatchd.model import BadRankFile, CollectorStatus, NodeState, ProcessInfo, RankEntry
+from gpuwatchd.model import BadRankFile, CgroupPaths, CollectorStatus, NodeState, ProcessInfo, RankEntry
 from gpuwatchd.paths import HostPaths
+from gpuwatchd.sources.memcg import parse_cgroup_file
 from gpuwatchd.sources.pidns import PidNamespaces
 from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.sources.rankfiles import (
@@ -83,8 +84,8 @@ class ProcReading:
     # (job_id, rank, pid) -> heartbeat mtime: keyed by the claim's pid, so that only the
     # accepted claim's heartbeat is used (a refused claim on the same rank has another pid)
     progress: Mapping[tuple[str, int, int], float]
-    # rank PID -> /proc/PID/cgroup text, re-read every CGROUP_TTL seconds per process
-    cgroups: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    # rank PID -> its cgroup (/proc/PID/cgroup), re-read every CGROUP_TTL seconds per process
+    cgroups: Mapping[int, CgroupPaths] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,8 @@ class Daemon:
         self._discovered: list[RankEntry] = []
         self._last_discovery = float("-inf")
         self._env_cache: dict[tuple[int, int], tuple[str, ...]] = {}
-        self._cgroup_cache: dict[tuple[int, int], tuple[float, str | None]] = {}  # (pid, start) -> (read at, text)
+        # (pid, start ticks) -> (when read, its cgroup): the process view, re-read every CGROUP_TTL
+        self._cgroup_cache: dict[tuple[int, int], tuple[float, CgroupPaths | None]] = {}
         self._cycle_lock = threading.Lock()
         self.exit_status = 0  # what `gpuwatchd run` exits with (request_exit)
         # subsystem name -> why it did not start: exported as collector_success{collector=name} 0
@@ -210,7 +212,7 @@ class Daemon:
         descendants: dict[int, tuple[int, ...]] = {}
         env_flags: dict[int, tuple[str, ...]] = {}
         progress: dict[tuple[str, int, int], float] = {}
-        cgroups: dict[int, str] = {}
+        cgroups: dict[int, CgroupPaths] = {}
         live_keys: set[tuple[int, int]] = set()
         now = time.monotonic()
         for e in entries:
@@ -227,7 +229,8 @@ class Daemon:
             live_keys.add(key)
             hit = self._cgroup_cache.get(key)
             if hit is None or now - hit[0] >= CGROUP_TTL:
-                hit = self._cgroup_cache[key] = (now, self.procfs.cgroup(e.pid))
+                text = self.procfs.cgroup(e.pid)
+                hit = self._cgroup_cache[key] = (now, parse_cgroup_file(text) if text is not None else None)
             if hit[1] is not None:
                 cgroups[e.pid] = hit[1]
             if key not in self._env_cache:

@@ -23,7 +23,7 @@ from gpuwatchd.events.log import Event
 from gpuwatchd.isolation import guarded, run_forever
 from gpuwatchd.join.kernel_events import KernelEventProcessor
 from gpuwatchd.join.state import CycleInputs
-from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo
+from gpuwatchd.model import CgroupPaths, CollectorStatus, NodeState, ProcessInfo
 from gpuwatchd.sources import reaper
 from gpuwatchd.sources.kernel_log import (
     KernelLogUnavailable,
@@ -32,14 +32,8 @@ from gpuwatchd.sources.kernel_log import (
     read_boot_id,
     read_vmstat_oom_kill,
 )
-from gpuwatchd.sources.memcg import parse_cgroup_file
 
 log = logging.getLogger(__name__)
-
-
-def _cgroup_path(text: str) -> str:
-    where = parse_cgroup_file(text)
-    return where.memory_v1 or where.unified
 
 
 class KernelLogSubsystem(Subsystem):
@@ -66,7 +60,7 @@ class KernelLogSubsystem(Subsystem):
         self._running = False
         self._last_ok: float | None = None
         self._processes: Mapping[int, ProcessInfo] = {}
-        self._cgroup_text: Mapping[int, str] = {}
+        self._cgroups: Mapping[int, CgroupPaths] = {}
         self._history_due = 0.0
 
     def start(self, daemon: DaemonContext) -> None:
@@ -152,7 +146,7 @@ class KernelLogSubsystem(Subsystem):
         self.processor.store.retention_seconds = retention.oom_kill_seconds
         self.processor.record.ended_grace = retention.ended_rank_seconds
         self._processes = cycle.processes
-        self._cgroup_text = cycle.cgroups  # the daemon's process view, for after_join
+        self._cgroups = cycle.cgroups  # the daemon's process view, for after_join
         self.processor.tick(now)
         self._report_history()
         self.processor.cross_check(read_vmstat_oom_kill(daemon.paths), now)
@@ -183,10 +177,10 @@ class KernelLogSubsystem(Subsystem):
         if self.processor is None:
             return
         now = daemon.clock()
-        texts = self._cgroup_text
         # each live rank's cgroup path: the v1 memory controller's, else the v2 unified one
-        cgroups = {r.pid: _cgroup_path(texts.get(r.pid) or "") for r in state.ranks
-                   if r.alive and r.process is not None}
+        where = self._cgroups
+        cgroups = {r.pid: (where[r.pid].memory_v1 or where[r.pid].unified) if r.pid in where else ""
+                   for r in state.ranks if r.alive and r.process is not None}
         self.processor.observe(state.ranks, self._processes, now, cgroups)
 
     def stop(self) -> None:

@@ -29,6 +29,7 @@ from gpuwatchd.isolation import guarded
 from gpuwatchd.join.memory_tracker import MemoryTracker, RankKey
 from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import (
+    CgroupPaths,
     CollectorStatus,
     Finding,
     NodeMemoryState,
@@ -37,7 +38,7 @@ from gpuwatchd.model import (
     RankMemory,
     rank_alive,
 )
-from gpuwatchd.sources.memcg import CgroupMemory, CgroupPaths, MemcgReader, parse_cgroup_file
+from gpuwatchd.sources.memcg import CgroupMemory, MemcgReader
 from gpuwatchd.sources.pyspy import PySpy, PySpyError
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,7 @@ class MemorySubsystem(Subsystem):
             seen.add((e.job_id, e.rank))
             key: RankKey = (e.job_id, e.rank, e.pid, proc.start_ticks)
             live.append(key)
-            text = cycle.cgroups.get(e.pid)  # the daemon's process view (re-read every 30 s)
-            where = parse_cgroup_file(text) if text is not None else None
+            where = cycle.cgroups.get(e.pid)  # the daemon's process view (re-read every 30 s)
             if where is not None and where not in shared:  # the ranks of a job share one cgroup
                 shared[where] = self.reader.read(where, memo)
             cg = shared[where] if where is not None else None

@@ -17,6 +17,7 @@ from gpuwatchd.findings.context import RuleReadings, readings_of
 from gpuwatchd.join import rank_claims
 from gpuwatchd.model import (
     BadRankFile,
+    CgroupPaths,
     CollectiveStatus,
     CollectorStatus,
     Finding,
@@ -45,9 +46,9 @@ class CycleInputs(RuleReadings):
     # rank PID -> its live descendants (DataLoader workers, compile workers, ...)
     descendants: Mapping[int, tuple[int, ...]] = field(default_factory=frozen_map)
     env_flags: Mapping[int, tuple[str, ...]] = field(default_factory=frozen_map)
-    # rank PID -> its /proc/PID/cgroup text (the daemon's per-cycle process view, re-read every
+    # rank PID -> its cgroup (the daemon's per-cycle process view: /proc/PID/cgroup re-read every
     # CGROUP_TTL seconds per process; the only producer): memory and OOM attribution read it
-    cgroups: Mapping[int, str] = field(default_factory=frozen_map)
+    cgroups: Mapping[int, CgroupPaths] = field(default_factory=frozen_map)
     gpus: tuple[GpuDevice, ...] = ()
     gpu_processes: tuple[GpuProcess, ...] = ()
     orphans: tuple[Orphan, ...] = ()
