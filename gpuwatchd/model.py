@@ -85,6 +85,14 @@ class BadRankFile:
     reason: str
 
 
+def rank_alive(proc: ProcessInfo | None, expected_start_ticks: int | None) -> bool:
+    """The one rule for "is this rank alive": its process exists, is neither a zombie nor dead,
+    and, when its start time is known (the rank file's, or the first one seen), is still the
+    process that started then (not a reused PID)."""
+    return proc is not None and proc.state not in ("Z", "X") and (
+        expected_start_ticks is None or proc.start_ticks == expected_start_ticks)
+
+
 @dataclass(frozen=True)
 class RankState:
     job_id: str
@@ -295,3 +303,108 @@ class NodeState:
 # Who reported an Xid (join/xid_dedup.py counts one reported by both once).
 SOURCE_NVML = "nvml"
 SOURCE_KERNEL = "kernel"
+
+
+# CUDA out-of-memory events (rank/cuda_oom.py writes them, sources/cuda_oom_events.py reads them,
+# join/cuda_oom.py attributes them, findings/cuda_oom.py words them)
+
+@dataclass(frozen=True)
+class OomEvent:
+    job_id: str
+    rank: int
+    pid: int
+    timestamp: float
+    device_uuid: str
+    requested_bytes: int | None
+    co_tenants: tuple[tuple[int, int | None], ...] | None  # (pid, bytes) at the moment, if known
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class CoTenant:
+    """Another process that held memory on the GPU at the moment of the error, as the daemon knew
+    it then: its job and rank if a rank's tree holds it, else why it is an orphan ("" if none)."""
+
+    pid: int
+    used_memory_bytes: int | None
+    comm: str = ""
+    job_id: str = ""
+    rank: str = ""
+    orphan_reason: str = ""
+
+
+@dataclass(frozen=True)
+class AttributedOom:
+    """One CUDA OOM event attributed at the cycle that read it: ``event.pid`` is the host PID
+    (``ns_pid`` the PID the rank wrote from inside its container, if different), ``gpu`` the
+    NVML index of ``event.device_uuid`` ("" if unknown), ``co_tenants`` every process that held
+    memory there (the rank's snapshot, else the daemon's latest reading), the rank itself
+    included. What the ``cuda_oom`` rule (findings/cuda_oom.py) reads."""
+
+    event: OomEvent
+    gpu: str = ""
+    ns_pid: int | None = None
+    co_tenants: tuple[CoTenant, ...] = ()
+
+    @property
+    def since(self) -> float:
+        return self.event.timestamp
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.event.job_id, self.event.rank, self.event.pid)
+
+
+# What the fd scan of a process found (sources/devfds.py; findings/fork.py words it)
+
+@dataclass(frozen=True)
+class ProcEvidence:
+    pid: int
+    ppid: int
+    exe: str
+    cmdline_digest: str
+    nvidia_fds: tuple[tuple[int, str], ...]  # (fd number, device path), sorted
+
+    @property
+    def holds_cuda_device(self) -> bool:
+        """Has the control device or the UVM device open: what a CUDA context keeps open."""
+        return any(t.endswith(("/nvidiactl", "/nvidia-uvm")) for _, t in self.nvidia_fds)
+
+
+# A GPU uevent (sources/udev.py reads them; findings/gpu_lost.py words a lost GPU)
+
+LOST_ACTIONS = frozenset({"remove", "unbind"})  # uevent actions that take a GPU off the bus
+
+
+@dataclass(frozen=True)
+class GpuUevent:
+    """What one GPU uevent said: ``lost`` for a remove/unbind (the GPU is off the bus)."""
+
+    action: str
+    pci_bus_id: str  # normalised "0000:3b:00"
+    slot: str  # as the kernel names it, "0000:3b:00.0"
+    driver: str
+    timestamp: float
+
+    @property
+    def lost(self) -> bool:
+        return self.action in LOST_ACTIONS
+
+
+# A cgroup's CPU throttling counters (sources/cgroup_cpu.py reads them; join/straggler.py keeps a window)
+
+@dataclass(frozen=True)
+class CpuStat:
+    periods: int
+    throttled_periods: int
+    throttled_seconds: float
+
+
+# A process's cgroup (sources/memcg.py parses /proc/PID/cgroup; the daemon's process view carries it)
+
+@dataclass(frozen=True)
+class CgroupPaths:
+    """Where one process lives: v1 memory controller path, v2 unified path ("" when absent)."""
+
+    memory_v1: str
+    unified: str

@@ -53,6 +53,20 @@ def atomic_write(path: str, data: str | bytes, fsync: bool = False) -> None:
         raise
 
 
+def read_capped(path: str, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of ``path`` (one more than allowed, so the caller can tell an
+    oversized file); FileNotFoundError / OSError as ``open`` raises them."""
+    with open(path, "rb") as f:
+        return f.read(limit + 1)
+
+
+def make_state_dir(path: str) -> None:
+    """Create ``state_dir`` if missing; an unwritable one is not an error here (each write is
+    counted where it fails)."""
+    with contextlib.suppress(OSError):
+        os.makedirs(path, exist_ok=True)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

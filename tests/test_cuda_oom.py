@@ -17,8 +17,9 @@ from pathlib import Path
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.findings import cuda_oom as oom_rule
 from gpuwatchd.join import cuda_oom as oom_reader
-from gpuwatchd.model import Finding, GpuDevice, GpuProcessRow, NodeState, Orphan
+from gpuwatchd.model import Finding, GpuDevice, GpuProcessRow, NodeState, OomEvent, Orphan
 from gpuwatchd.rank import cuda_oom
+from gpuwatchd.sources import cuda_oom_events as oom_files
 
 UUID = "GPU-d6a79800-1da5-699b-0f9c-f55eb218f8b2"
 TORCH_TEXT = (
@@ -80,7 +81,7 @@ def test_observer_records_at_allocation_time(tmp_path: Path) -> None:
     path = cuda_oom.record_event(hook, device=None, requested_bytes=50 << 30,
                                  free_bytes=38 << 30, source="allocator", now=10.0)
     assert path is not None
-    events, problems = oom_reader.read_events(str(tmp_path))
+    events, problems = oom_files.read_events(str(tmp_path))
     assert problems == [] and len(events) == 1
     ev = events[0]
     assert (ev.job_id, ev.rank, ev.requested_bytes, ev.timestamp) == ("j", 3, 50 << 30, 10.0)
@@ -93,7 +94,7 @@ def test_bad_event_files_are_skipped_not_fatal(tmp_path: Path) -> None:
     (tmp_path / "cuda_oom-c.event").write_bytes(b"x" * (cuda_oom.MAX_EVENT_BYTES + 10))
     os.symlink("/etc/passwd", tmp_path / "cuda_oom-d.event")
     (tmp_path / "dflash.json").write_text("{}")  # a rank file: not ours
-    events, problems = oom_reader.read_events(str(tmp_path))
+    events, problems = oom_files.read_events(str(tmp_path))
     assert events == [] and len(problems) == 4
     assert os.listdir(tmp_path) == ["dflash.json"]
 
@@ -109,14 +110,14 @@ def _state() -> NodeState:
     return NodeState(timestamp=5.0, gpus=(gpu,), gpu_processes=rows, orphans=(orphan,))
 
 
-def _explain(ev: oom_reader.OomEvent, state: NodeState) -> tuple[str, Finding]:
+def _explain(ev: OomEvent, state: NodeState) -> tuple[str, Finding]:
     """(gpu label, finding): the join attributes the event, the ``cuda_oom`` rule words it."""
     oom = oom_reader.attribute(ev, state)
     return oom.gpu, oom_rule.oom_finding(oom)
 
 
 def test_explanation_names_the_co_tenant_and_why_it_is_there() -> None:
-    ev = oom_reader.OomEvent("dflash", 0, 447, 100.0, UUID, 50 << 30,
+    ev = OomEvent("dflash", 0, 447, 100.0, UUID, 50 << 30,
                            ((447, 2787115008), (453, 59818579968), (460, 1 << 30)))
     gpu, f = _explain(ev, _state())
     assert gpu == "0"
@@ -136,7 +137,7 @@ def test_a_rank_in_a_container_is_named_by_its_host_pid() -> None:
 
     rank = RankState("dflash", 0, 447, 0, 1, True, None, ns_pid=1)
     state = dataclasses.replace(_state(), ranks=(rank,))
-    ev = oom_reader.OomEvent("dflash", 0, 1, 100.0, UUID, 50 << 30,
+    ev = OomEvent("dflash", 0, 1, 100.0, UUID, 50 << 30,
                            ((447, 2787115008), (460, 1 << 30)))
     _, f = _explain(ev, state)
     assert f.pid == "447"
@@ -146,7 +147,7 @@ def test_a_rank_in_a_container_is_named_by_its_host_pid() -> None:
 
 
 def test_without_snapshot_the_daemons_reading_is_used() -> None:
-    ev = oom_reader.OomEvent("dflash", 0, 447, 100.0, UUID, None, None)
+    ev = OomEvent("dflash", 0, 447, 100.0, UUID, None, None)
     _, f = _explain(ev, _state())
     assert "PID 453" in f.explanation and "55.7 GiB" in f.explanation
     assert "tried to allocate" not in f.explanation
@@ -155,15 +156,16 @@ def test_without_snapshot_the_daemons_reading_is_used() -> None:
 def test_tracker_counts_and_expires(tmp_path: Path) -> None:
     now = [1000.0]
     counters = CounterStore()
-    tr = oom_reader.OomTracker(str(tmp_path), clock=lambda: now[0])
+    tr = oom_reader.OomTracker(clock=lambda: now[0])
+    files = oom_files.OomEventFiles(str(tmp_path))
     hook = cuda_oom.OomHook(str(tmp_path), "dflash", 0)
     cuda_oom.record_event(hook, device=None, requested_bytes=1 << 30, source="allocator",
                           now=1000.0)
-    (f,) = tr.poll(counters.inc, _state())
+    (f,) = tr.observe(files.read(), counters.inc, _state())
     assert counters.get("cuda_oom_errors", ("dflash", "0", "")) == 1  # no UUID: GPU unknown
     assert f.since == 1000.0
     now[0] = 1000.0 + oom_reader.FINDING_SECONDS + 1
-    assert tr.poll(counters.inc, _state()) == []
+    assert tr.observe(files.read(), counters.inc, _state()) == []
     assert counters.get("cuda_oom_errors", ("dflash", "0", "")) == 1
 
 
@@ -172,25 +174,26 @@ def test_the_rank_directory_is_listed_only_when_a_file_came_or_went(tmp_path: Pa
     entries at 64 ranks) to find event files; it is now listed when its mtime says a file came or
     went, or changed so recently that a file made in the same timestamp tick could hide."""
     counters = CounterStore()
-    tr = oom_reader.OomTracker(str(tmp_path))
+    tr = oom_reader.OomTracker()
+    files = oom_files.OomEventFiles(str(tmp_path))
     (tmp_path / "j.0.hb").write_text("1")
     old = os.stat(tmp_path).st_mtime - 60
     os.utime(tmp_path, (old, old))  # settled a minute ago
     for _ in range(3):
-        assert tr.poll(counters.inc, _state()) == []
-    assert tr.scans == 1
+        assert tr.observe(files.read(), counters.inc, _state()) == []
+    assert files.scans == 1
     (tmp_path / "j.0.hb").write_text("2")  # a heartbeat, written in place: no listing
-    tr.poll(counters.inc, _state())
-    assert tr.scans == 1
+    tr.observe(files.read(), counters.inc, _state())
+    assert files.scans == 1
     hook = cuda_oom.OomHook(str(tmp_path), "dflash", 0)
     cuda_oom.record_event(hook, device=None, requested_bytes=1 << 30, source="allocator")
-    assert len(tr.poll(counters.inc, _state())) == 1  # the event file changed the directory
-    assert tr.scans == 2 and counters.get("cuda_oom_errors", ("dflash", "0", "")) == 1
+    assert len(tr.observe(files.read(), counters.inc, _state())) == 1  # the event file changed the directory
+    assert files.scans == 2 and counters.get("cuda_oom_errors", ("dflash", "0", "")) == 1
     cuda_oom.record_event(hook, device=None, requested_bytes=1 << 30, source="allocator")
     mtime = os.stat(tmp_path).st_mtime_ns
-    tr.poll(counters.inc, _state())  # (and removed it: listed again next time)
+    tr.observe(files.read(), counters.inc, _state())  # (and removed it: listed again next time)
     assert counters.get("cuda_oom_errors", ("dflash", "0", "")) == 2
     cuda_oom.record_event(hook, device=None, requested_bytes=1 << 30, source="allocator")
     os.utime(tmp_path, ns=(mtime, mtime))  # a coarse clock: the mtime did not move, but is recent
-    tr.poll(counters.inc, _state())
+    tr.observe(files.read(), counters.inc, _state())
     assert counters.get("cuda_oom_errors", ("dflash", "0", "")) == 3  # not missed

@@ -17,8 +17,9 @@ from gpuwatchd.config import Config, parse_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.gpu import GpuSubsystem
 from gpuwatchd.findings import RULES, FindingContext, cuda_oom, evaluate
-from gpuwatchd.join.cuda_oom import FINDING_SECONDS, AttributedOom, CoTenant, OomEvent
+from gpuwatchd.join.cuda_oom import FINDING_SECONDS
 from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
+from gpuwatchd.model import AttributedOom, CoTenant, OomEvent
 from gpuwatchd.rank.cuda_oom import PREFIX, SUFFIX
 from gpuwatchd.rank.rankfile import write_rank_file
 from gpuwatchd.sources.nvml_fixture import fixture_source

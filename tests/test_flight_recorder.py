@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.join.collectives import read_response, write_request
 from gpuwatchd.rank import flight_recorder as fr
+from gpuwatchd.sources.flight_recorder_files import read_response, write_request
 
 PROGRAMS = Path(__file__).parent / "fixtures" / "pyspy" / "programs"
 FIX = Path(__file__).parent / "fixtures" / "hang"

@@ -2,11 +2,19 @@
 
 A recorded /proc tree (tests/fixtures/proc/golden, written by tools/make_proc_fixture.py) and an
 NVML recording (tests/fixtures/nvml/h200_orphan_dataloader.json) go through the real daemon's
-cycles (rank files, /proc, the GPU subsystem, the join, the findings) with a fixed clock, and the
+cycles (rank files, /proc, the GPU, py-spy, kernel-log, memory and straggler subsystems, the join,
+the findings) with a fixed clock, and the
 /metrics text it serves over a real socket, in both formats, is compared with
 tests/fixtures/golden/metrics.txt (text 0.0.4) and metrics.openmetrics.txt (OpenMetrics 1.0.0):
 the bytes a scraper gets, not a re-rendering. Any change to a metric name, label, value, help
 text or to how a value is written shows up here as a diff.
+
+Beside the GPU: py-spy is absent (an explicit runner without a binary: the ``pyspy`` collector
+down, stall verdicts from /proc); the kernel log is ``off`` (its collector down, its counters at
+0); host memory reads a cgroup v2 tree written under the test's /sys (the rank's
+``system.slice/golden.service``) and the fixture's /proc/meminfo and /proc/pressure/memory (copied
+from tests/fixtures/memcg/v2); the straggler runs, but the fixture rank sends no heartbeat: its
+families (gpuwatch_rank_step, the straggler finding) have no sample here (tests/test_straggler.py).
 
     UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_golden_exposition.py   # regenerate
 
@@ -28,11 +36,16 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
-from gpuwatchd.config import Config, NvmlConfig, OrphansConfig
+from gpuwatchd.config import Config, MemoryConfig, NvmlConfig, OrphansConfig
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.gpu import GpuSubsystem
+from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
+from gpuwatchd.daemon.memory import MemorySubsystem
+from gpuwatchd.daemon.pyspy import PySpySubsystem
+from gpuwatchd.daemon.straggler import StragglerSubsystem
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.rank.rankfile import write_rank_file
+from gpuwatchd.sources.pyspy import PySpy
 from gpuwatchd.web.server import serve
 
 HERE = Path(__file__).resolve().parent
@@ -56,18 +69,37 @@ def _served(registry: object, accept: str | None) -> str:
         server.close()
 
 
+CGROUP = {  # the rank's cgroup v2 (its /proc/447/cgroup: 0::/system.slice/golden.service)
+    "cgroup.controllers": "cpuset cpu io memory pids\n",
+    "system.slice/golden.service/memory.current": "6442450944\n",
+    "system.slice/golden.service/memory.max": "8589934592\n",
+    "system.slice/golden.service/memory.high": "max\n",
+    "system.slice/golden.service/memory.stat": "anon 6227702579\nfile 214748365\ninactive_file 107374182\n",
+    "system.slice/golden.service/memory.pressure": ("some avg10=1.25 avg60=0.40 avg300=0.10 total=4500000\n"
+                                                    "full avg10=0.25 avg60=0.10 avg300=0.02 total=1500000\n"),
+}
+
+
 def _exposition(tmp_path: Path, accept: str | None = None) -> str:
     rank_dir = tmp_path / "ranks"
+    for name, text in CGROUP.items():
+        f = tmp_path / "sys" / "fs" / "cgroup" / name
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
     write_rank_file(str(rank_dir), {
         "version": 1, "job_id": "golden", "world_size": 1,
         "ranks": [{"rank": 0, "local_rank": 0, "pid": 447, "gpus": ["0"], "start_ticks": 571200}],
     }, "golden.json")
     cfg = Config(rank_dir=str(rank_dir), state_dir=str(tmp_path / "state"), procfs=str(PROC),
-                 nvml=NvmlConfig(fixture=str(NVML)), orphans=OrphansConfig(grace_seconds=30.0))
+                 nvml=NvmlConfig(fixture=str(NVML)), orphans=OrphansConfig(grace_seconds=30.0),
+                 kernel_log="off", memory=MemoryConfig(min_window_seconds=10.0))
     now = [T0]
     paths = HostPaths(procfs=str(PROC), sysfs=str(tmp_path / "sys"), devfs=str(tmp_path / "dev"))
     daemon = Daemon(cfg, paths=paths, clock=lambda: now[0], write_state=False,
-                    subsystems=[GpuSubsystem(watch_xid=False, watch_udev=False)])
+                    subsystems=[PySpySubsystem(cfg, spy=PySpy(None, unavailable_reason="not installed")),
+                                StragglerSubsystem(cfg.straggler), KernelLogSubsystem(),
+                                GpuSubsystem(watch_xid=False, watch_udev=False),
+                                MemorySubsystem(cfg, spy=PySpy(None))])
     for sub in daemon.subsystems:
         sub.start(daemon)
     try:

@@ -18,7 +18,7 @@ from gpuwatchd.daemon.memory_evidence import snapshot_event, worse
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import memory as finding
 from gpuwatchd.join.memory_tracker import MemoryTracker, slope
-from gpuwatchd.model import NodeMemoryState, ProcessInfo, RankMemory, RankState, TreeProcessMemory
+from gpuwatchd.model import CgroupPaths, NodeMemoryState, ProcessInfo, RankMemory, RankState, TreeProcessMemory
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import memcg
 from gpuwatchd.sources.kernel_lines import LogRecord
@@ -44,7 +44,7 @@ def test_v2_fixture_tightest_level_high_and_psi() -> None:
     r = v2_reader()
     assert r.available and not r.v1
     where = r.cgroup_of(4242)
-    assert where == memcg.CgroupPaths("", TASK)
+    assert where == CgroupPaths("", TASK)
     got = r.read(where)
     assert got is not None
     # the job's 80 GiB on job_7 bounds the task (max below it); working set = current - inactive
@@ -61,7 +61,7 @@ def test_v2_fixture_tightest_level_high_and_psi() -> None:
 
 def test_v2_fixture_finding_in_words() -> None:
     r = v2_reader()
-    cg = r.read(memcg.CgroupPaths("", TASK))
+    cg = r.read(CgroupPaths("", TASK))
     t = MemoryTracker()
     p = ProcessInfo(4242, 1, "python", "S", 0, "root", 1, 1.0, 1.0, int(60 * GiB), 40, 10, 1024, 4096)
     m = t.observe(1000.0, ("llm-7", 3, 4242, 1), (4242,), {4242: p}, cg, 300, 60)
@@ -99,16 +99,16 @@ def test_hostile_cgroup_files_never_raise(tmp_path: Path, content: str) -> None:
     for name in ("memory.current", "memory.max", "memory.high", "memory.stat", "memory.pressure"):
         (job / name).write_text(content)
     (root / "proc/pressure/memory").write_text(content)
-    got = v2_reader(root).read(memcg.CgroupPaths("", TASK))
+    got = v2_reader(root).read(CgroupPaths("", TASK))
     assert got is not None and got.path == TASK  # the damaged level is skipped, the task read
     v2_reader(root).node()
 
 
 def test_paths_cannot_leave_the_hierarchy_and_depth_is_bounded(tmp_path: Path) -> None:
     r = v2_reader()
-    assert r.read(memcg.CgroupPaths("", "/../../../../proc/4242")) is None
+    assert r.read(CgroupPaths("", "/../../../../proc/4242")) is None
     deep = "/" + "/".join(f"d{i}" for i in range(50))
-    assert r.read(memcg.CgroupPaths("", deep)) is None
+    assert r.read(CgroupPaths("", deep)) is None
     big = tmp_path / "big"
     big.write_text("some avg10=1.00 avg60=0 avg300=0 total=1\n" + "x" * (1 << 20))
     assert memcg.parse_psi(memcg.read_capped(str(big))) is not None  # read is capped, head still parses
@@ -116,8 +116,8 @@ def test_paths_cannot_leave_the_hierarchy_and_depth_is_bounded(tmp_path: Path) -
 
 def test_cgroup_file_parsing() -> None:
     text = "12:memory:/slurm/uid_0/job_7\n11:cpu,cpuacct:/x\n0::/user.slice\n"
-    assert memcg.parse_cgroup_file(text) == memcg.CgroupPaths("/slurm/uid_0/job_7", "/user.slice")
-    assert memcg.parse_cgroup_file("garbage\n\n::\n") == memcg.CgroupPaths("", "")
+    assert memcg.parse_cgroup_file(text) == CgroupPaths("/slurm/uid_0/job_7", "/user.slice")
+    assert memcg.parse_cgroup_file("garbage\n\n::\n") == CgroupPaths("", "")
 
 
 def test_slope_and_growth_need_the_minimum_window() -> None:

@@ -100,7 +100,7 @@ def daemon(tmp_path: Path, **memory: float) -> tuple[Daemon, list[Subsystem]]:
     (tmp_path / "ranks").mkdir(exist_ok=True)
     cfg = load_config(str(cfg_file))
     kernel = KernelLogSubsystem(bus=EventBus([JsonlSink(cfg.state_dir)]))
-    mem = MemorySubsystem(cfg, kernel, spy=PySpy(resolve_pyspy(), max_concurrent=1))
+    mem = MemorySubsystem(cfg, spy=PySpy(resolve_pyspy(), max_concurrent=1))
     subs: list[Subsystem] = [kernel, mem]
     d = Daemon(cfg, subsystems=subs)
     for s in subs:

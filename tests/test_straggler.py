@@ -11,6 +11,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 from gpuwatchd.config import Config, StragglerConfig
 from gpuwatchd.findings import FindingContext, straggler
@@ -147,12 +148,19 @@ def test_rank_memory_pressure_is_named_by_kind_when_present() -> None:
     assert "no cause visible to gpuwatchd" in f.explanation
 
 
+def _observe(t: Any, reader: Any, now: float, entries: list[Any], mtimes: dict[tuple[str, int], float]) -> Any:
+    """One cycle as daemon/straggler.py runs it: the due steps and the cpu.stat read, then judged."""
+    return t.observe(now, entries, mtimes, reader.steps(t.due(entries, mtimes)), reader.cpu_stats(entries))
+
+
 def test_tracker_needs_two_ranks_and_the_full_bound(tmp_path: Path) -> None:
     from gpuwatchd.join.straggler import StragglerTracker
     from gpuwatchd.model import RankEntry
+    from gpuwatchd.sources.step_cpu import StepCpuReader
 
     cfg = StragglerConfig(window_seconds=10.0, ratio=0.8, for_seconds=5.0)
     t = StragglerTracker(cfg)
+    reader = StepCpuReader()
     hbs = [tmp_path / f"j.{r}.hb" for r in range(2)]
     entries = [RankEntry("j", r, os.getpid(), heartbeat=str(hbs[r])) for r in range(2)]
     out = {}
@@ -160,13 +168,13 @@ def test_tracker_needs_two_ranks_and_the_full_bound(tmp_path: Path) -> None:
         now = 1000.0 + i
         for r, hb in enumerate(hbs):
             hb.write_text(str(i * (10 if r == 0 else 2)))
-        _, out = t.observe(now, entries, {("j", 0): now, ("j", 1): now})
+        _, out = _observe(t, reader, now, entries, {("j", 0): now, ("j", 1): now})
         if i < 10:
             assert not any(x.straggler for x in out.values())
     assert out[("j", 1)].straggler and not out[("j", 0)].straggler
     assert out[("j", 1)].rate == 2.0 and out[("j", 0)].rate == 10.0
     # alone, a rank has no median to be compared with
-    _, solo = StragglerTracker(cfg).observe(1000.0, entries[:1], {("j", 0): 1000.0})
+    _, solo = _observe(StragglerTracker(cfg), StepCpuReader(), 1000.0, entries[:1], {("j", 0): 1000.0})
     assert solo[("j", 0)].median is None
 
 
@@ -179,6 +187,7 @@ def test_a_cpu_stat_without_throttling_counters_is_not_looked_up_again_each_cycl
     from gpuwatchd.join.straggler import StragglerTracker
     from gpuwatchd.model import RankEntry
     from gpuwatchd.paths import HostPaths
+    from gpuwatchd.sources.step_cpu import StepCpuReader
 
     sys_root = tmp_path / "sys"
     found = []
@@ -191,16 +200,21 @@ def test_a_cpu_stat_without_throttling_counters_is_not_looked_up_again_each_cycl
             (d / "cpu.stat").write_text("usage_usec 10\nuser_usec 8\nsystem_usec 2\n")
             found.append(d / "cpu.stat")
     assert found
-    t = StragglerTracker(StragglerConfig(window_seconds=10.0), HostPaths(sysfs=str(sys_root)))
+    t = StragglerTracker(StragglerConfig(window_seconds=10.0))
+    reader = StepCpuReader(HostPaths(sysfs=str(sys_root)), clock=lambda: now[0])
+    now = [1000.0]
     hb = tmp_path / "j.0.hb"
     hb.write_text("1")
     entries = [RankEntry("j", 0, os.getpid(), heartbeat=str(hb))]
     for i in range(5):
-        t.observe(1000.0 + i, entries, {("j", 0): 1000.0 + i})
-    assert t.path_lookups == 1  # was 5
+        now[0] = 1000.0 + i
+        _observe(t, reader, 1000.0 + i, entries, {("j", 0): 1000.0 + i})
+    assert reader.path_lookups == 1  # was 5
     for f in found:
         f.unlink()
-    t.observe(1005.0, entries, {("j", 0): 1005.0})
-    assert t.path_lookups == 1
-    t.observe(1006.0, entries, {("j", 0): 1006.0})
-    assert t.path_lookups == 2  # gone: looked for again at the next cycle
+    now[0] = 1005.0
+    _observe(t, reader, 1005.0, entries, {("j", 0): 1005.0})
+    assert reader.path_lookups == 1
+    now[0] = 1006.0
+    _observe(t, reader, 1006.0, entries, {("j", 0): 1006.0})
+    assert reader.path_lookups == 2  # gone: looked for again at the next cycle

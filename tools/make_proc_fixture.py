@@ -43,6 +43,11 @@ def write(path: str, text: str) -> None:
 
 def main(root: str) -> None:
     write(os.path.join(root, "stat"), f"cpu  1 2 3 4\nbtime {BTIME}\nprocesses 9000\n")
+    # the node's memory and its pressure, as tests/fixtures/memcg/v2/proc has them
+    write(os.path.join(root, "meminfo"), "MemTotal:       2113494528 kB\nMemFree:         10485760 kB\n"
+          "MemAvailable:    41943040 kB\nBuffers:          1048576 kB\n")
+    write(os.path.join(root, "pressure", "memory"), "some avg10=1.50 avg60=0.40 avg300=0.10 total=5000000\n"
+          "full avg10=0.50 avg60=0.10 avg300=0.02 total=2000000\n")
     for pid, p in PROCS.items():
         d = os.path.join(root, str(pid))
         write(os.path.join(d, "stat"), stat_line(pid, p))

@@ -16,10 +16,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpuwatchd.daemon.subsystem import Contribution, DaemonContext, Subsystem
-from gpuwatchd.join.collectives import FrReading, parse_response, read_response, write_request
+from gpuwatchd.join.collectives import FrReading, parse_response
 from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import ProcessInfo, RankEntry
 from gpuwatchd.rank.flight_recorder import request_path, response_path
+from gpuwatchd.sources.flight_recorder_files import read_response, write_request
 
 log = logging.getLogger(__name__)
 # The rank's thread polls every 0.5 s: an answer missing this long after the request is "no

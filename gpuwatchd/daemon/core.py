@@ -29,6 +29,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gpuwatchd.config import Config, ConfigError
@@ -36,6 +37,7 @@ from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon import allocator
 from gpuwatchd.daemon.notify import notify, watchdog_interval
 from gpuwatchd.daemon.reload import ConfigSource, reload_config
+from gpuwatchd.daemon.services import Services
 from gpuwatchd.daemon.state_json import state_json_text
 from gpuwatchd.daemon.subsystem import NOTHING, Subsystem
 from gpuwatchd.daemon.wake import LinkedEvent
@@ -45,11 +47,11 @@ from gpuwatchd.findings import nccl_env
 from gpuwatchd.isolation import Collector, PartialReading, attempt, guarded
 from gpuwatchd.join import rank_claims
 from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
-from gpuwatchd.join.xid_dedup import XidDeduper
-from gpuwatchd.model import BadRankFile, NodeState, ProcessInfo, RankEntry
+from gpuwatchd.model import BadRankFile, CgroupPaths, CollectorStatus, NodeState, ProcessInfo, RankEntry
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.discovery import discover
 from gpuwatchd.sources.heartbeats import HeartbeatRoots
+from gpuwatchd.sources.memcg import parse_cgroup_file
 from gpuwatchd.sources.pidns import PidNamespaces
 from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.sources.rankfiles import RankDirMissing, RankFileReader, guard_entries
@@ -64,9 +66,10 @@ STATE_FILE = "state.json"
 # A cycle is bounded to seconds by its collectors' time-outs and the stall probe budget; one that
 # has not finished after this long is wedged, and the watchdog stops being fed.
 CYCLE_TIME_LIMIT = 30.0
+CGROUP_TTL = 30.0  # a rank's cgroup rarely changes: /proc/PID/cgroup is re-read this often
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class ProcReading:
     processes: Mapping[int, ProcessInfo]
     descendants: Mapping[int, tuple[int, ...]]
@@ -74,6 +77,27 @@ class ProcReading:
     # (job_id, rank, pid) -> heartbeat mtime: keyed by the claim's pid, so that only the
     # accepted claim's heartbeat is used (a refused claim on the same rank has another pid)
     progress: Mapping[tuple[str, int, int], float]
+    # rank PID -> its cgroup (/proc/PID/cgroup), re-read every CGROUP_TTL seconds per process
+    cgroups: Mapping[int, CgroupPaths] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What the daemon's own sources read in one cycle (``Daemon.read``, the only producer)."""
+
+    now: float                                  # the cycle's clock reading
+    entries: tuple[RankEntry, ...]              # rank files + discovery (collector ``rankfiles``)
+    bad_files: tuple[BadRankFile, ...]          # rank files refused while reading them
+    proc: ProcReading                           # /proc of each rank tree, heartbeats (``procfs``)
+    statuses: tuple[CollectorStatus, ...]       # the two collectors' status
+
+
+@dataclass(frozen=True)
+class Tracked:
+    """What the subsystems made of a ``Reading`` (``Daemon.track``, the only producer)."""
+
+    inputs: CycleInputs                         # the join's input: the reading + every contribution
+    down: Mapping[str, str]                     # subsystem -> why it is down this cycle
 
 
 class Daemon:
@@ -88,6 +112,7 @@ class Daemon:
         clock: Callable[[], float] = time.time,
         counters: CounterStore | None = None,
         subsystems: list[Subsystem] | None = None,
+        services: Services | None = None,
         write_state: bool = True,
         liveness_seconds: float | None = None,
         reap_strays: bool = False,
@@ -113,7 +138,8 @@ class Daemon:
         self.heartbeat_roots = HeartbeatRoots()
         self._wake = threading.Event()  # the main loop's sleep ends when either is set
         self.stop_event: threading.Event = LinkedEvent(self._wake)
-        self.xid_dedup = XidDeduper()  # shared by the NVML Xid watcher and the kernel log
+        # built once, handed to every subsystem (daemon/services.py): py-spy, Xid de-dup, event log
+        self.services = services or Services.build(config, self.paths)
         self.reload_requested: threading.Event = LinkedEvent(self._wake)
         self.state: NodeState | None = None
         self.memory = JoinMemory()
@@ -124,6 +150,8 @@ class Daemon:
         self._discovered: list[RankEntry] = []
         self._last_discovery = float("-inf")
         self._env_cache: dict[tuple[int, int], tuple[str, ...]] = {}
+        # (pid, start ticks) -> (when read, its cgroup): the process view, re-read every CGROUP_TTL
+        self._cgroup_cache: dict[tuple[int, int], tuple[float, CgroupPaths | None]] = {}
         self._cycle_lock = threading.Lock()
         self.exit_status = 0  # what `gpuwatchd run` exits with (request_exit)
         # subsystem name -> why it did not start: exported as collector_success{collector=name} 0
@@ -177,7 +205,9 @@ class Daemon:
         descendants: dict[int, tuple[int, ...]] = {}
         env_flags: dict[int, tuple[str, ...]] = {}
         progress: dict[tuple[str, int, int], float] = {}
+        cgroups: dict[int, CgroupPaths] = {}
         live_keys: set[tuple[int, int]] = set()
+        now = time.monotonic()
         for e in entries:
             if e.pid in processes or e.pid in descendants:
                 continue
@@ -190,6 +220,12 @@ class Daemon:
             descendants[e.pid] = tuple(k for k in kids if k in processes)  # drop those gone meanwhile
             key = (e.pid, info.start_ticks)
             live_keys.add(key)
+            hit = self._cgroup_cache.get(key)
+            if hit is None or now - hit[0] >= CGROUP_TTL:
+                text = self.procfs.cgroup(e.pid)
+                hit = self._cgroup_cache[key] = (now, parse_cgroup_file(text) if text is not None else None)
+            if hit[1] is not None:
+                cgroups[e.pid] = hit[1]
             if key not in self._env_cache:
                 env = self.procfs.environ_values(e.pid, nccl_env.WATCHED_VARS)
                 if env is None:  # not readable yet (mid-exec) or not permitted: try next cycle
@@ -203,55 +239,76 @@ class Daemon:
         self.heartbeat_roots.end_reads()
         for stale in set(self._env_cache) - live_keys:
             del self._env_cache[stale]
+        for stale in set(self._cgroup_cache) - live_keys:
+            del self._cgroup_cache[stale]
         self.procfs.forget(live_keys | {(p.pid, p.start_ticks) for p in processes.values()})
-        return ProcReading(processes, descendants, env_flags, progress)
+        return ProcReading(processes, descendants, env_flags, progress, cgroups)
 
     # --- one cycle ------------------------------------------------------------------------------
 
     def cycle(self) -> NodeState:
+        """read -> decide the claims -> track -> join (and judge) -> publish: each stage a
+        function of the previous stages' typed outputs (``Reading``, ``Tracked``)."""
         with self._cycle_lock:
             t0 = time.monotonic()
-            self.procfs.begin_cycle()  # each process's /proc/PID/stat read once in the two below
-            try:
-                rank_reading = self.rank_collector.run()
-                entries, bad = rank_reading if rank_reading is not None else ([], [])
-                self._entries = entries
-                proc = self.proc_collector.run() or ProcReading({}, {}, {}, {})
-            finally:
-                self.procfs.end_cycle()
-            # The one decision on which claims count, before any subsystem reads a rank: from
-            # here on every reading is of an accepted (job_id, rank, pid) only.
-            claims = rank_claims.decide(entries, proc.processes, self.memory.job_owners,
+            reading = self.read()                           # rank files, /proc, heartbeats (Collectors)
+            claims = rank_claims.decide(reading.entries, reading.proc.processes, self.memory.job_owners,
                                         self.memory.claimant_uids, self.memory.start_ticks)
-            inputs = CycleInputs(
-                now=self.clock(), config=self.config, entries=claims.accepted, bad_files=tuple(bad),
-                processes=proc.processes, descendants=proc.descendants, env_flags=proc.env_flags,
-                progress={(j, r): t for (j, r, pid), t in proc.progress.items()
-                          if claims.accepts(j, r, pid)},
-                claims=claims,
-            )
-            down = dict(self.failed_subsystems)
-            for sub in self.subsystems:
-                extra, error = attempt(f"subsystem {sub.name} before_join",
-                                       functools.partial(sub.before_join, self, inputs), NOTHING)
-                inputs = extra.merge_into(inputs)
-                if error is not None:
-                    down.setdefault(sub.name, error)
-            statuses = [self.rank_collector.status, self.proc_collector.status, *inputs.collectors]
-            statuses += down_statuses(statuses, down)
-            inputs = dataclasses.replace(inputs, collectors=tuple(statuses),
-                                         counters=self.counters.snapshot(),
-                                         cycle_seconds=time.monotonic() - t0)
-            state, self.memory = build_state(inputs, self.memory)
+            tracked = self.track(reading, claims)           # the subsystems' parts, in wiring order
+            state, self.memory = build_state(self.join_inputs(reading, tracked, t0), self.memory)
             state = dataclasses.replace(state, cycle_seconds=time.monotonic() - t0,
                                         oom_score_adj=self._oom_score_adj())
-            self.state = state
-            for sub in self.subsystems:
-                guarded(f"subsystem {sub.name} after_join", functools.partial(sub.after_join, self, state), None)
-            if self.write_state:
-                guarded("writing state file", lambda: self._write_state(state), None)
+            self.state = state                              # what the exporter and the CLI read: one swap
+            self.publish(state)                             # after_join hooks, state.json
             self._last_cycle_end = time.monotonic()
             return state
+
+    def read(self) -> Reading:
+        """The daemon's own sources, each under its isolation wrapper (``Collector``); one
+        /proc/PID/stat per process across both (``ProcfsReader.begin_cycle``)."""
+        self.procfs.begin_cycle()
+        try:
+            rank_reading = self.rank_collector.run()
+            entries, bad = rank_reading if rank_reading is not None else ([], [])
+            self._entries = entries
+            proc = self.proc_collector.run() or ProcReading({}, {}, {}, {})
+        finally:
+            self.procfs.end_cycle()
+        return Reading(self.clock(), tuple(entries), tuple(bad), proc,
+                       (self.rank_collector.status, self.proc_collector.status))
+
+    def track(self, reading: Reading, claims: rank_claims.Claims) -> Tracked:
+        """Each subsystem's part of the cycle, isolated: one that raises loses its contribution
+        (and reads as a collector that is down), nothing else. From here on every reading is of an
+        accepted (job_id, rank, pid) only."""
+        beats = {(j, r): t for (j, r, pid), t in reading.proc.progress.items() if claims.accepts(j, r, pid)}
+        inputs = CycleInputs(
+            now=reading.now, config=self.config, entries=claims.accepted, bad_files=reading.bad_files,
+            processes=reading.proc.processes, descendants=reading.proc.descendants,
+            env_flags=reading.proc.env_flags, cgroups=reading.proc.cgroups, heartbeats=beats, claims=claims,
+        )
+        down = dict(self.failed_subsystems)
+        for sub in self.subsystems:
+            extra, error = attempt(f"subsystem {sub.name} before_join",
+                                   functools.partial(sub.before_join, self, inputs), NOTHING)
+            inputs = extra.merge_into(inputs)
+            if error is not None:
+                down.setdefault(sub.name, error)
+        return Tracked(inputs, down)
+
+    def join_inputs(self, reading: Reading, tracked: Tracked, t0: float) -> CycleInputs:
+        statuses = [*reading.statuses, *tracked.inputs.collectors]
+        statuses += down_statuses(statuses, tracked.down)
+        return dataclasses.replace(tracked.inputs, collectors=tuple(statuses),
+                                   counters=self.counters.snapshot(), cycle_seconds=time.monotonic() - t0)
+
+    def publish(self, state: NodeState) -> None:
+        """What the new state drives: the subsystems' after-join hooks (event log, rank trees,
+        the GIL sampler's signals) and state.json, each isolated."""
+        for sub in self.subsystems:
+            guarded(f"subsystem {sub.name} after_join", functools.partial(sub.after_join, self, state), None)
+        if self.write_state:
+            guarded("writing state file", lambda: self._write_state(state), None)
 
     def liveness_bound(self) -> float:
         if self.liveness_seconds is not None:

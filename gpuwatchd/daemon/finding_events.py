@@ -8,7 +8,6 @@ events of the kernel log already and are not repeated here. Costs one set differ
 
 from __future__ import annotations
 
-from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.subsystem import DaemonContext, Subsystem
 from gpuwatchd.events.log import Event
 from gpuwatchd.model import INFO, Finding, NodeState
@@ -35,22 +34,21 @@ def finding_event(f: Finding, now: float, cleared: bool = False) -> Event:
 class FindingEventsSubsystem(Subsystem):
     name = "finding_events"
 
-    def __init__(self, kernel: KernelLogSubsystem) -> None:
-        self.kernel = kernel  # owns the event log (and its compaction): one writer
+    def __init__(self) -> None:
         # After a (re)start every active finding is logged once: the timeline then says what
         # the daemon found when it started.
         self._active: dict[tuple[str, str, str, str], Finding] = {}
 
     def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
-        processor = self.kernel.processor
-        if processor is None:
+        events = daemon.services.events  # one writer (and its compaction): daemon/services.py
+        if not events.is_open:
             return
         now = daemon.clock()
         current = {f.key: f for f in state.findings if f.kind not in SKIP_KINDS}
         for key, f in current.items():
             if key not in self._active:
-                processor.record_event(finding_event(f, now))
+                events.record(finding_event(f, now))
         for key, f in self._active.items():
             if key not in current:
-                processor.record_event(finding_event(f, now, cleared=True))
+                events.record(finding_event(f, now, cleared=True))
         self._active = current

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from gpuwatchd.model import ProcessInfo, RankEntry
-from gpuwatchd.sources.devfds import EvidenceReader, ProcEvidence
+from gpuwatchd.model import ProcessInfo, ProcEvidence, RankEntry
+from gpuwatchd.sources.devfds import EvidenceReader
 
 
 def fork_evidence(reader: EvidenceReader, entries: Sequence[RankEntry],

@@ -32,14 +32,15 @@ from gpuwatchd.isolation import Collector
 from gpuwatchd.join.cuda_oom import OomTracker
 from gpuwatchd.join.orphans import OrphanTracker, trees_from_entries
 from gpuwatchd.join.state import CycleInputs
-from gpuwatchd.model import GpuDevice, GpuProcess, NodeState, ProcessInfo
+from gpuwatchd.model import GpuDevice, GpuProcess, GpuUevent, NodeState, ProcessInfo
+from gpuwatchd.sources.cuda_oom_events import OomEventFiles
 from gpuwatchd.sources.devfds import EvidenceReader
 from gpuwatchd.sources.kmsg import read_boot_id
 from gpuwatchd.sources.nvidia_devices import probe
 from gpuwatchd.sources.nvml import NvmlReadError, NvmlSource
 from gpuwatchd.sources.nvml_events import XidEventWatcher
 from gpuwatchd.sources.nvml_fixture import open_nvml_source
-from gpuwatchd.sources.udev import GpuUevent, UdevWatcher
+from gpuwatchd.sources.udev import UdevWatcher
 from gpuwatchd.units import normalize_pci_bus_id
 
 log = logging.getLogger(__name__)
@@ -84,9 +85,10 @@ class GpuSubsystem(Subsystem):
         self.collector = Collector("nvml", self._read, timeout,
                                    3 * interval + timeout, daemon.clock)
         self.tracker = OrphanTracker(cfg.orphans.grace_seconds)
-        self.oom = OomTracker(cfg.rank_dir, daemon.clock)
+        self.oom = OomTracker(daemon.clock)
+        self.oom_files = OomEventFiles(cfg.rank_dir)
         self.evidence = EvidenceReader(daemon.paths)
-        dedup = daemon.xid_dedup
+        dedup = daemon.services.xid_dedup
         self.dedup = dedup
         if self.watch_xid:
             lib = self.source.library  # the replay when reading a fixture
@@ -163,7 +165,7 @@ class GpuSubsystem(Subsystem):
         gpu_pids = {p.pid for p in procs}
         evidence = fork_evidence(self.evidence, entries, processes, descendants,
                                  gpu_pids if reading is not None else None)
-        ooms = self.oom.poll(daemon.counters.inc, self._last_state,
+        ooms = self.oom.observe(self.oom_files.read(), daemon.counters.inc, self._last_state,
                              {o.pid: o.reason for o in orphans},
                              {pid: p.comm for pid, p in processes.items()})
         with self._lock:

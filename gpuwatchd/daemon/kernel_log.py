@@ -2,7 +2,8 @@
 
 Reads /dev/kmsg or the journal (sources/kernel_log.py) in its own thread, event-driven; each cycle
 it reads ``/proc/vmstat`` (one small file) for the OOM-kill cross-check and ``/proc/PID/cgroup``
-of each live rank (for systemd-oomd attribution). Privilege and shell equivalents: see
+of each live rank, from the daemon's process view (``CycleInputs.cgroups``), for systemd-oomd
+attribution. Privilege and shell equivalents: see
 sources/kernel_log.py.
 """
 
@@ -22,13 +23,12 @@ from gpuwatchd.events.log import Event
 from gpuwatchd.isolation import guarded, run_forever
 from gpuwatchd.join.kernel_events import KernelEventProcessor
 from gpuwatchd.join.state import CycleInputs
-from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo
+from gpuwatchd.model import CgroupPaths, CollectorStatus, NodeState, ProcessInfo
 from gpuwatchd.sources import reaper
 from gpuwatchd.sources.kernel_lines import LogRecord
-from gpuwatchd.sources.kernel_log import KernelLogUnavailable, open_kernel_log, read_cgroup, read_vmstat_oom_kill
+from gpuwatchd.sources.kernel_log import KernelLogUnavailable, open_kernel_log, read_vmstat_oom_kill
 from gpuwatchd.sources.kmsg import read_boot_id
 
-CGROUP_TTL = 30.0
 log = logging.getLogger(__name__)
 
 
@@ -47,7 +47,6 @@ class KernelLogSubsystem(Subsystem):
 
     def __init__(self, journal_path: str | None = None, bus: EventBus | None = None) -> None:
         self.journal_path = journal_path
-        self._cgroups: dict[tuple[int, int], tuple[float, Any]] = {}  # (pid, start) -> (read at, cgroup)
         self.processor: KernelEventProcessor | None = None
         self.source: Any = None
         self.bus = bus
@@ -57,6 +56,7 @@ class KernelLogSubsystem(Subsystem):
         self._running = False
         self._last_ok: float | None = None
         self._processes: Mapping[int, ProcessInfo] = {}
+        self._cgroups: Mapping[int, CgroupPaths] = {}
         self._history_due = 0.0
 
     def start(self, daemon: DaemonContext) -> None:
@@ -74,12 +74,13 @@ class KernelLogSubsystem(Subsystem):
             )
         self.processor = KernelEventProcessor(
             daemon.counters, cfg.state_dir, bus=self.bus, boot_id=read_boot_id(paths),
-            xid_dedup=daemon.xid_dedup, clock=daemon.clock,  # shared with the NVML Xid watcher
+            xid_dedup=daemon.services.xid_dedup, clock=daemon.clock,  # shared with the NVML Xid watcher
             files=daemon.state_files,
             retention_seconds=cfg.retention.oom_kill_seconds,
             ended_grace_seconds=cfg.retention.ended_rank_seconds,
             helper_of=reaper.CHILDREN.helper_at,  # the py-spy runs: never node OOM kills
         )
+        daemon.services.events.open(self.processor.store)  # the daemon's one event-log writer
         daemon.counters.ensure("kernel_log_overruns", ())
         # First start in this boot: what the kernel counted and the log replays is history.
         self._history_due = self.HISTORY_WAIT_SECONDS + time.monotonic()
@@ -141,6 +142,7 @@ class KernelLogSubsystem(Subsystem):
         self.processor.store.retention_seconds = retention.oom_kill_seconds
         self.processor.record.ended_grace = retention.ended_rank_seconds
         self._processes = cycle.processes
+        self._cgroups = cycle.cgroups  # the daemon's process view, for after_join
         self.processor.tick(now)
         self._report_history()
         self.processor.cross_check(read_vmstat_oom_kill(daemon.paths), now)
@@ -171,17 +173,10 @@ class KernelLogSubsystem(Subsystem):
         if self.processor is None:
             return
         now = daemon.clock()
-        cache = self._cgroups
-        fresh: dict[tuple[int, int], tuple[float, Any]] = {}
-        for r in state.ranks:
-            if r.alive and r.process is not None:
-                key = (r.pid, r.process.start_ticks)
-                hit = cache.get(key)
-                # a rank's cgroup rarely changes: re-read it every CGROUP_TTL seconds, not every cycle
-                fresh[key] = hit if hit is not None and now - hit[0] < CGROUP_TTL else (
-                    now, read_cgroup(daemon.paths, r.pid))
-        self._cgroups = fresh
-        cgroups = {pid: cg for (pid, _), (_, cg) in fresh.items()}
+        # each live rank's cgroup path: the v1 memory controller's, else the v2 unified one
+        where = self._cgroups
+        cgroups = {r.pid: (where[r.pid].memory_v1 or where[r.pid].unified) if r.pid in where else ""
+                   for r in state.ranks if r.alive and r.process is not None}
         self.processor.observe(state.ranks, self._processes, now, cgroups)
 
     def stop(self) -> None:

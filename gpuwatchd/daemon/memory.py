@@ -22,33 +22,38 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuwatchd.config import Config
-from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory_evidence import snapshot_event, worse
 from gpuwatchd.daemon.subsystem import Contribution, DaemonContext, Subsystem
 from gpuwatchd.findings.memory import KIND
 from gpuwatchd.isolation import guarded
 from gpuwatchd.join.memory_tracker import MemoryTracker, RankKey
 from gpuwatchd.join.state import CycleInputs
-from gpuwatchd.model import CollectorStatus, Finding, NodeMemoryState, NodeState, ProcessInfo, RankMemory
-from gpuwatchd.sources.memcg import CgroupMemory, CgroupPaths, MemcgReader
+from gpuwatchd.model import (
+    CgroupPaths,
+    CollectorStatus,
+    Finding,
+    NodeMemoryState,
+    NodeState,
+    ProcessInfo,
+    RankMemory,
+    rank_alive,
+)
+from gpuwatchd.sources.memcg import CgroupMemory, MemcgReader
 from gpuwatchd.sources.pyspy import PySpy
 from gpuwatchd.sources.pyspy_output import PySpyError
 
 log = logging.getLogger(__name__)
-CGROUP_TTL = 30.0  # a rank's cgroup rarely changes: re-read /proc/PID/cgroup this often
 
 
 class MemorySubsystem(Subsystem):
     name = "memory"
 
-    def __init__(self, config: Config, kernel: KernelLogSubsystem, *,
-                 reader: MemcgReader | None = None, spy: PySpy | None = None) -> None:
+    def __init__(self, config: Config, *, reader: MemcgReader | None = None,
+                 spy: PySpy | None = None) -> None:
         self.config = config
-        self.kernel = kernel  # owns the event log
         self.reader = reader
         self.spy = spy
         self.tracker = MemoryTracker()
-        self._paths: dict[tuple[int, int], tuple[float, CgroupPaths | None]] = {}
         self._readings: dict[tuple[str, int, int], RankMemory] = {}
         # per rank process: (snapshots taken, last snapshot time, the finding it was taken for)
         self._snaps: dict[tuple[str, str, str], tuple[int, float, Finding]] = {}
@@ -59,14 +64,9 @@ class MemorySubsystem(Subsystem):
     def start(self, daemon: DaemonContext) -> None:
         if self.reader is None:
             self.reader = MemcgReader(daemon.paths, self.config.memory.cgroup_root)
-        if self.spy is None:  # share the py-spy runner (and its concurrency limit) of GIL sampling
-            for sub in daemon.subsystems:
-                spy = getattr(sub, "spy", None)
-                if isinstance(spy, PySpy):
-                    self.spy = spy
-        if self.spy is None:
-            self.spy = PySpy.from_config(self.config.gil.pyspy_path, paths=daemon.paths,
-                                         max_concurrent=1)
+        if self.spy is None:  # the daemon's one py-spy runner (and its concurrency limit)
+            self.spy = daemon.services.spy
+        self.events = daemon.services.events  # snapshots go into the one event log
 
     # -- each cycle --------------------------------------------------------------------------
 
@@ -86,13 +86,12 @@ class MemorySubsystem(Subsystem):
         shared: dict[CgroupPaths, CgroupMemory | None] = {}  # and each cgroup's bounding level
         for e in cycle.entries:
             proc = processes.get(e.pid)
-            if (e.job_id, e.rank) in seen or proc is None or proc.state in ("Z", "X") or (
-                    e.start_ticks is not None and proc.start_ticks != e.start_ticks):
+            if (e.job_id, e.rank) in seen or proc is None or not rank_alive(proc, e.start_ticks):
                 continue
             seen.add((e.job_id, e.rank))
             key: RankKey = (e.job_id, e.rank, e.pid, proc.start_ticks)
             live.append(key)
-            where = self._cgroup_paths(e.pid, proc.start_ticks, now)
+            where = cycle.cgroups.get(e.pid)  # the daemon's process view (re-read every 30 s)
             if where is not None and where not in shared:  # the ranks of a job share one cgroup
                 shared[where] = self.reader.read(where, memo)
             cg = shared[where] if where is not None else None
@@ -100,8 +99,6 @@ class MemorySubsystem(Subsystem):
             readings.append(self.tracker.observe(now, key, tree, processes, cg,
                                                  cfg.window_seconds, cfg.min_window_seconds))
         self.tracker.forget(live, ((p.pid, p.start_ticks) for p in processes.values()))
-        live_pids = {(k[2], k[3]) for k in live}
-        self._paths = {k: v for k, v in self._paths.items() if k in live_pids}
         self._readings = {(m.job_id, m.rank, m.pid): m for m in readings}
         n = self.reader.node()
         node = None if n is None else NodeMemoryState(
@@ -116,15 +113,6 @@ class MemorySubsystem(Subsystem):
         status = CollectorStatus("memory", ok, time.monotonic() - t0, self._last_ok,
                                  "" if ok else "cannot read /proc/meminfo")
         return Contribution(rank_memory=tuple(readings), node_memory=node, collectors=(status,))
-
-    def _cgroup_paths(self, pid: int, start_ticks: int, now: float) -> CgroupPaths | None:
-        assert self.reader is not None
-        hit = self._paths.get((pid, start_ticks))
-        if hit is not None and now - hit[0] < CGROUP_TTL:
-            return hit[1]
-        where = self.reader.cgroup_of(pid)
-        self._paths[(pid, start_ticks)] = (now, where)
-        return where
 
     def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
         cfg = daemon.config.memory
@@ -169,9 +157,7 @@ class MemorySubsystem(Subsystem):
             except PySpyError as e:
                 error = f"{e.reason}: {e.detail}"[:200]
         ev = snapshot_event(f, m, now, stacks, error, seq)
-        processor = self.kernel.processor
-        if processor is not None:
-            processor.record_event(ev)
+        self.events.record(ev)
         log.info("memory snapshot: %s", ev.summary)
 
     def stop(self) -> None:

@@ -25,7 +25,7 @@ from gpuwatchd.join.stall import StallTracker
 from gpuwatchd.join.stall_spin import rank_gpu_readings
 from gpuwatchd.join.stall_verdicts import RankProbe
 from gpuwatchd.join.state import CycleInputs
-from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo
+from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo, rank_alive
 from gpuwatchd.sources.pyspy import PySpy
 from gpuwatchd.sources.pyspy_output import ABSENT, COLLECTOR
 
@@ -58,11 +58,7 @@ class PySpySubsystem(Subsystem):
             return
         g = self.config.gil
         if self.spy is None:
-            self.spy = PySpy.from_config(
-                g.pyspy_path, paths=daemon.paths, max_concurrent=g.max_concurrent,
-                timeout_seconds=g.timeout_seconds,
-                dump_timeout_seconds=min(5.0, max(1.0, self.config.interval_seconds / 2)),
-            )  # fmt: skip
+            self.spy = daemon.services.spy  # shared with memory snapshots (daemon/services.py)
             if self.spy.binary is None:
                 log.warning("py-spy unavailable (%s): no GIL sampling, stall detection from "
                             "heartbeats and /proc only", self.spy.unavailable_reason)  # fmt: skip
@@ -102,7 +98,7 @@ class PySpySubsystem(Subsystem):
         assert self.stall is not None and self.spy is not None
         processes: Mapping[int, ProcessInfo] = cycle.processes
         descendants: Mapping[int, tuple[int, ...]] = cycle.descendants
-        beats: Mapping[tuple[str, int], float] = cycle.progress  # heartbeat mtimes
+        beats: Mapping[tuple[str, int], float] = cycle.heartbeats
         seen: set[tuple[str, int]] = set()
         probes: list[RankProbe] = []
         for e in cycle.entries:
@@ -110,8 +106,7 @@ class PySpySubsystem(Subsystem):
                 continue
             seen.add((e.job_id, e.rank))
             proc = processes.get(e.pid)
-            alive = proc is not None and proc.state not in ("Z", "X") and (
-                e.start_ticks is None or proc.start_ticks == e.start_ticks)  # fmt: skip
+            alive = rank_alive(proc, e.start_ticks)
             probes.append(RankProbe(
                 e.job_id, e.rank, e.pid, alive, proc.state if proc else "", e.heartbeat,
                 proc.start_ticks if proc else None, e.owner_uid,

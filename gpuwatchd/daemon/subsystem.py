@@ -3,24 +3,24 @@
 (daemon/core.py) both import it and never each other.
 
 ``DaemonContext`` is the part of ``daemon.core.Daemon`` a subsystem sees: its configuration, host
-paths, clock, counters, /proc reader, stop event, the shared Xid de-duplicator, the state-file
-writer, and
-``request_exit``. Nothing else of the daemon is reachable, and nothing is patched onto it.
+paths, clock, counters, /proc reader, stop event, the shared services (daemon/services.py: the
+py-spy runner, the Xid de-duplicator, the event log), the state-file writer, and ``request_exit``.
+Nothing else of the daemon is reachable (no other subsystem), and nothing is patched onto it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gpuwatchd.config import Config
 from gpuwatchd.counters import CounterStore
+from gpuwatchd.daemon.services import Services
 from gpuwatchd.findings.context import RuleReadings
 from gpuwatchd.join.state import CycleInputs
-from gpuwatchd.join.xid_dedup import XidDeduper
 from gpuwatchd.model import (
     CollectiveStatus,
     CollectorStatus,
@@ -46,14 +46,11 @@ class DaemonContext(Protocol):
     counters: CounterStore
     procfs: ProcfsReader
     stop_event: threading.Event
-    # One for the daemon's lifetime, created by the daemon: the NVML Xid watcher and the kernel
-    # log both record into it, so that a critical Xid reported twice is counted once.
-    xid_dedup: XidDeduper
+    # Built once by the daemon (daemon/services.py): the one py-spy runner, Xid de-duplicator
+    # and event log, shared by the subsystems that need them.
+    services: Services
     state_files: StateFiles  # every state_dir write goes through it (counted write errors)
     heartbeat_roots: HeartbeatRoots  # heartbeats read in each rank's own root
-
-    @property
-    def subsystems(self) -> Sequence[Subsystem]: ...
 
     def request_exit(self, status: int, why: str) -> None: ...
 

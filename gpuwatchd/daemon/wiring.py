@@ -36,6 +36,6 @@ def default_subsystems(config: Config) -> list[Subsystem]:
     fr: list[Subsystem] = ([FlightRecorderSubsystem(config.stall.flight_recorder_interval_seconds)]
                            if config.stall.flight_recorder else [])  # fmt: skip
     slow: list[Subsystem] = [StragglerSubsystem(config.straggler)] if config.straggler.enabled else []
-    memory: list[Subsystem] = [MemorySubsystem(config, kernel)] if config.memory.enabled else []
-    return [PySpySubsystem(config), *fr, *slow, kernel, *gpu, *memory, FindingEventsSubsystem(kernel),
+    memory: list[Subsystem] = [MemorySubsystem(config)] if config.memory.enabled else []
+    return [PySpySubsystem(config), *fr, *slow, kernel, *gpu, *memory, FindingEventsSubsystem(),
             RetentionSubsystem()]

@@ -12,24 +12,24 @@ from typing import Any
 from gpuwatchd.config import Config
 from gpuwatchd.events.log import Event
 from gpuwatchd.join.collectives import FrReading
-from gpuwatchd.join.cuda_oom import AttributedOom
 from gpuwatchd.join.stall_verdicts import StallVerdict
 from gpuwatchd.join.straggler import RankRate
 from gpuwatchd.model import (
+    AttributedOom,
     BadRankFile,
     Finding,
     GilReading,
     GpuDevice,
     GpuProcessRow,
+    GpuUevent,
     NodeMemoryState,
     Orphan,
     ProcessInfo,
+    ProcEvidence,
     RankMemory,
     RankState,
     frozen_map,
 )
-from gpuwatchd.sources.devfds import ProcEvidence
-from gpuwatchd.sources.udev import GpuUevent
 
 
 @dataclass(frozen=True)

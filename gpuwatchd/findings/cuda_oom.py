@@ -13,8 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gpuwatchd.findings.context import FindingContext
-from gpuwatchd.join.cuda_oom import AttributedOom, CoTenant
-from gpuwatchd.model import WARNING, Finding
+from gpuwatchd.model import WARNING, AttributedOom, CoTenant, Finding
 
 REASON_TEXT = {
     "reparented_to_init": "its parent died and it was adopted by init",

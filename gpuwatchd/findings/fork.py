@@ -4,7 +4,7 @@ the ``fork`` start method) that inherited its ``/dev/nvidia*`` descriptors.
 CUDA does not survive fork: the child's copy of the context is unusable and any CUDA call in it
 fails or corrupts state (CUDA C Programming Guide, "Initialization"; PyTorch "CUDA in
 multiprocessing" note). How fork is told from spawn/forkserver, from /proc only
-(``ctx.fork_evidence``: pid -> ``sources.devfds.ProcEvidence``), all three must hold:
+(``ctx.fork_evidence``: pid -> ``model.ProcEvidence``), all three must hold:
 
 1. the parent holds a CUDA context: ``/dev/nvidiactl`` or ``/dev/nvidia-uvm`` open;
 2. no fresh exec in the child: same ``/proc/PID/exe`` *and* identical ``/proc/PID/cmdline`` as the
@@ -24,8 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from gpuwatchd.findings.context import FindingContext, rank_label
-from gpuwatchd.model import WARNING, Finding
-from gpuwatchd.sources.devfds import ProcEvidence
+from gpuwatchd.model import WARNING, Finding, ProcEvidence
 
 
 def forked_children(

@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gpuwatchd.findings.context import FindingContext
-from gpuwatchd.model import PAGE, Finding, GpuDevice
-from gpuwatchd.sources.udev import GpuUevent
+from gpuwatchd.model import PAGE, Finding, GpuDevice, GpuUevent
 from gpuwatchd.units import fmt_clock
 
 ADVICE = "check 'dmesg' for Xid 79 and the node's hardware"

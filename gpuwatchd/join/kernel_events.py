@@ -26,7 +26,6 @@ The processor is composed of those parts, each given what it reads: the ``EventS
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -47,7 +46,7 @@ from gpuwatchd.join.rank_trees import RankTreeRecord, members_from
 from gpuwatchd.join.xid_dedup import XidDeduper
 from gpuwatchd.model import PAGE, WARNING, ProcessInfo, RankState, frozen_map
 from gpuwatchd.sources.kernel_lines import KILLER_EARLYOOM, KILLER_KERNEL, KILLER_OOMD, LogRecord, parse_message
-from gpuwatchd.statefile import StateFiles
+from gpuwatchd.statefile import StateFiles, make_state_dir
 from gpuwatchd.units import fmt_bytes, fmt_time
 
 log = logging.getLogger(__name__)
@@ -114,8 +113,7 @@ class KernelEventProcessor:
         self._deficit_since: float | None = None
         self.peers = RankPeers()
         self.oom_baseline = OomBaseline(state_dir, boot_id)  # kills before the first start
-        with contextlib.suppress(OSError):  # unwritable: kills are still counted, writes counted
-            os.makedirs(state_dir, exist_ok=True)
+        make_state_dir(state_dir)  # unwritable: kills are still counted, writes counted
         self.store = EventStore(
             os.path.join(state_dir, EVENTS_FILE), counters, bus=bus, boot_id=boot_id, clock=clock,
             files=files, max_log_bytes=max_log_bytes, keep_events=keep_events,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from gpuwatchd.events.log import Event
 from gpuwatchd.model import INFO, frozen_map
-from gpuwatchd.statefile import atomic_write
+from gpuwatchd.statefile import atomic_write, read_capped
 from gpuwatchd.units import fmt_bytes
 
 log = logging.getLogger(__name__)
@@ -46,8 +46,7 @@ def load_baseline(path: str, boot_id: str) -> tuple[Baseline | None, str]:
     """The stored baseline of this boot, or (None, why not): "" when absent or of another boot,
     else the damage found (the caller says so and takes a new one)."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_BASELINE_BYTES + 1)
+        raw = read_capped(path, MAX_BASELINE_BYTES)
     except FileNotFoundError:
         return None, ""
     except OSError as e:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuwatchd.model import ProcessInfo, RankState
-from gpuwatchd.statefile import StateFiles
+from gpuwatchd.statefile import StateFiles, read_capped
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +126,7 @@ class RankTreeRecord:
         """Every member of the file that is well-formed; the others are skipped and counted (the
         file is untrusted input: a crash, a disk error or an edit can leave anything in it)."""
         try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_RECORD_BYTES + 1)
+            raw = read_capped(path, MAX_RECORD_BYTES)
         except FileNotFoundError:
             return
         except OSError as e:

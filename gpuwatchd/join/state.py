@@ -17,6 +17,7 @@ from gpuwatchd.findings.context import RuleReadings, readings_of
 from gpuwatchd.join import rank_claims
 from gpuwatchd.model import (
     BadRankFile,
+    CgroupPaths,
     CollectiveStatus,
     CollectorStatus,
     Finding,
@@ -29,6 +30,7 @@ from gpuwatchd.model import (
     RankEntry,
     RankState,
     frozen_map,
+    rank_alive,
 )
 
 RankKey = tuple[str, int, int]  # (job_id, rank, pid)
@@ -44,10 +46,17 @@ class CycleInputs(RuleReadings):
     # rank PID -> its live descendants (DataLoader workers, compile workers, ...)
     descendants: Mapping[int, tuple[int, ...]] = field(default_factory=frozen_map)
     env_flags: Mapping[int, tuple[str, ...]] = field(default_factory=frozen_map)
+    # rank PID -> its cgroup (the daemon's per-cycle process view: /proc/PID/cgroup re-read every
+    # CGROUP_TTL seconds per process; the only producer): memory and OOM attribution read it
+    cgroups: Mapping[int, CgroupPaths] = field(default_factory=frozen_map)
     gpus: tuple[GpuDevice, ...] = ()
     gpu_processes: tuple[GpuProcess, ...] = ()
     orphans: tuple[Orphan, ...] = ()
-    # (job_id, rank) -> last progress (heartbeat) timestamp; (job_id, rank) -> stalled
+    # (job_id, rank) -> its heartbeat's mtime (the daemon's /proc reading, the only producer)
+    heartbeats: Mapping[tuple[str, int], float] = field(default_factory=frozen_map)
+    # (job_id, rank) -> last progress timestamp by the stall tracker (heartbeat or observed
+    # change; the py-spy subsystem, the only producer; a rank it did not judge: its heartbeat);
+    # (job_id, rank) -> stalled
     progress: Mapping[tuple[str, int], float] = field(default_factory=frozen_map)
     stalled: Mapping[tuple[str, int], bool] = field(default_factory=frozen_map)
     collectors: tuple[CollectorStatus, ...] = ()
@@ -103,9 +112,7 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
         key: RankKey = (e.job_id, e.rank, e.pid)
         proc = inputs.processes.get(e.pid)
         expected = e.start_ticks if e.start_ticks is not None else memory.start_ticks.get(key)
-        alive = proc is not None and proc.state not in ("Z", "X") and (
-            expected is None or proc.start_ticks == expected
-        )
+        alive = rank_alive(proc, expected)
         if alive and proc is not None:
             start_ticks[key] = proc.start_ticks
         elif expected is not None:
@@ -128,7 +135,8 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
         ranks.append(RankState(
             job_id=e.job_id, rank=e.rank, pid=e.pid, local_rank=e.local_rank,
             world_size=e.world_size, alive=alive, process=proc if alive else None, tree=tree,
-            gpus=e.gpus, progress_timestamp=inputs.progress.get((e.job_id, e.rank)),
+            gpus=e.gpus, progress_timestamp=inputs.progress.get(
+                (e.job_id, e.rank), inputs.heartbeats.get((e.job_id, e.rank))),
             stalled=bool(inputs.stalled.get((e.job_id, e.rank), False)) and alive,
             died_at=died_at.get(key), ns_pid=e.ns_pid, container=e.container,
             step=inputs.steps.get((e.job_id, e.rank)) if alive else None,

@@ -1,7 +1,7 @@
 """Slow, not stopped: each rank's step rate from ``heartbeat(step)``, against its job's median.
 
 Each cycle: the step of every heartbeat rank (read only when its heartbeat's mtime changed,
-sources/heartbeat_step.py) goes into a window of ``straggler.window_seconds``; its rate is the
+``due``; read by sources/step_cpu.py) goes into a window of ``straggler.window_seconds``; its rate is the
 steps over the window divided by the time. A rank whose rate is below ``straggler.ratio`` times
 the median rate of its job's ranks on this node (at least two with a rate) at every cycle for
 ``straggler.for_seconds`` is a straggler (findings/straggler.py says why, with the causes
@@ -13,27 +13,20 @@ CPU throttling over the window is known when it is named a straggler. Across nod
 ``gpuwatch_rank_step``) and the rates ((job_id, rank) -> ``RankRate``, ``FindingContext.straggler``);
 the daemon's part is daemon/straggler.py. Memory: at most ``MAX_SAMPLES`` samples
 per live rank; dead ranks are forgotten at once.
-Cost: one stat per heartbeat rank per cycle (already done by the daemon), one small read when it
-changed, and the cgroup's cpu.stat: one read per cgroup per cycle (the ranks of a job share one),
-its path looked up from /proc/PID/cgroup once per rank every ``CGROUP_PATH_TTL`` seconds.
+Pure: the reads (one small read of a heartbeat that changed, the cgroup's cpu.stat once per
+cgroup per cycle) are sources/step_cpu.py's, and their cost is described there.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gpuwatchd.config import StragglerConfig
-from gpuwatchd.model import RankEntry
-from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources.cgroup_cpu import CpuStat, cgroup_cpu_stat_path, read_cpu_stat_present
-from gpuwatchd.sources.heartbeat_step import read_step
+from gpuwatchd.model import CpuStat, RankEntry
 
 MAX_SAMPLES = 512
-# A process moves to another cgroup only when something moves it (rare for a training rank): its
-# cpu.stat path is looked up again this often, or at once when reading it fails.
-CGROUP_PATH_TTL = 60.0
 
 
 def _median(values: list[float]) -> float:
@@ -67,39 +60,48 @@ class _Rank:
     mtime: float | None = None
     step: int | None = None
     below_since: float | None = None
-    cpu_path: str | None = None
-    cpu_path_at: float | None = None  # when cpu_path was looked up
 
 
 class StragglerTracker:
-    def __init__(self, cfg: StragglerConfig, paths: HostPaths | None = None,
-                 step_of: Callable[[RankEntry], int | None] | None = None) -> None:
-        """``step_of``: reads a rank's heartbeat step (the daemon's ``HeartbeatRoots.step``, in
-        the rank's own root); by default the heartbeat path in this process's view."""
+    """Pure given its readings: which ranks' steps to read this cycle (``due``), then the rates
+    from the steps and cpu.stat readings (``observe``). The reads are sources/step_cpu.py's."""
+
+    def __init__(self, cfg: StragglerConfig) -> None:
         self.cfg = cfg
-        self.paths = paths or HostPaths()
-        self.step_of = step_of or (lambda e: read_step(e.heartbeat, e.owner_uid) if e.heartbeat
-                                   else None)
         self._ranks: dict[tuple[str, int], _Rank] = {}
-        self.path_lookups = 0  # /proc/PID/cgroup reads for a cpu.stat path (tests, benchmarks)
+
+    def due(self, entries: list[RankEntry], mtimes: Mapping[tuple[str, int], float]) -> list[RankEntry]:
+        """The heartbeat ranks whose step is to be read: those whose heartbeat's mtime changed."""
+        out = []
+        for e in entries:
+            if not e.heartbeat:
+                continue
+            tr = self._ranks.get((e.job_id, e.rank))
+            mtime = mtimes.get((e.job_id, e.rank))
+            if mtime is not None and (tr is None or tr.pid != e.pid or mtime != tr.mtime):
+                out.append(e)
+        return out
 
     def observe(self, now: float, entries: list[RankEntry], mtimes: Mapping[tuple[str, int], float],
+                read_steps: Mapping[tuple[str, int], int | None],
+                cpu: Mapping[tuple[str, int], CpuStat | None],
                 ) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], RankRate]]:  # fmt: skip
+        """``read_steps``: the steps read of the ``due`` ranks; ``cpu``: each heartbeat rank's
+        cgroup cpu.stat this cycle (None: unknown)."""
         window = self.cfg.window_seconds
         live = {(e.job_id, e.rank): e for e in entries if e.heartbeat}
         for key in set(self._ranks) - set(live):
             del self._ranks[key]
         steps: dict[tuple[str, int], int] = {}
-        stats: dict[str, tuple[bool, CpuStat | None]] = {}  # cpu.stat path -> this cycle's reading
         rates: dict[tuple[str, int], tuple[float | None, float]] = {}
         for key, e in live.items():
             tr = self._ranks.get(key)
             if tr is None or tr.pid != e.pid:
                 tr = self._ranks[key] = _Rank(e.pid)
             mtime = mtimes.get(key)
-            if mtime is not None and mtime != tr.mtime and e.heartbeat:
+            if mtime is not None and mtime != tr.mtime and key in read_steps:
                 tr.mtime = mtime
-                step = self.step_of(e)
+                step = read_steps[key]
                 if step is not None and (tr.step is None or step < tr.step):
                     tr.samples.clear()  # first sight, or the job restarted from an earlier step
                 tr.step = step
@@ -108,27 +110,13 @@ class StragglerTracker:
                 tr.samples.append((now, tr.step))
             while tr.samples and now - tr.samples[0][0] > window:
                 tr.samples.popleft()
-            cpu = self._cpu_stat(tr, now, stats)
-            if cpu is not None:
-                tr.cpu.append((now, cpu))
+            stat = cpu.get(key)
+            if stat is not None:
+                tr.cpu.append((now, stat))
             while tr.cpu and now - tr.cpu[0][0] > window:
                 tr.cpu.popleft()
             rates[key] = self._rate(tr, now)
         return steps, self._judge(now, live, rates)
-
-    def _cpu_stat(self, tr: _Rank, now: float,
-                  stats: dict[str, tuple[bool, CpuStat | None]]) -> CpuStat | None:
-        if tr.cpu_path_at is None or abs(now - tr.cpu_path_at) >= CGROUP_PATH_TTL:
-            self.path_lookups += 1
-            tr.cpu_path, tr.cpu_path_at = cgroup_cpu_stat_path(self.paths, tr.pid), now
-        if tr.cpu_path is None:
-            return None
-        if tr.cpu_path not in stats:
-            stats[tr.cpu_path] = read_cpu_stat_present(tr.cpu_path)
-        present, cpu = stats[tr.cpu_path]
-        if not present:
-            tr.cpu_path_at = None  # gone (the cgroup was removed, the rank moved): look again
-        return cpu
 
     def _rate(self, tr: _Rank, now: float) -> tuple[float | None, float]:
         if len(tr.samples) < 2:

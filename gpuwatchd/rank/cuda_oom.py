@@ -10,7 +10,8 @@ memory" / "CUDA error: out of memory". Either writes one small JSON event file
 rank-file reader reads only ``*.json``), with a snapshot of which PIDs held memory on that GPU at
 that moment (NVML, when importable; best effort).
 
-Daemon side (``read_events`` + ``attribute`` in join/cuda_oom.py, the rule in findings/cuda_oom.py):
+Daemon side (``read_events`` in sources/cuda_oom_events.py, ``attribute`` in join/cuda_oom.py, the
+rule in findings/cuda_oom.py):
 each cycle reads and removes the event files, counts ``cuda_oom_errors{job_id,rank,gpu}`` and
 raises a ``cuda_oom`` finding that names the co-tenants,
 e.g. "rank 0 of job dflash (pid 11641) hit CUDA OOM on GPU 0 (tried to allocate 50.1 GiB); PID 11223

@@ -11,19 +11,12 @@ Shell equivalent: ``cat /sys/fs/cgroup/cpu$(grep -Po '(?<=:cpu,cpuacct:|:cpu:).*
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
+from gpuwatchd.model import CpuStat
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.procfs import read_proc_cgroup
 
 V1_MOUNTS = ("cpu,cpuacct", "cpu", "cpuacct,cpu")
-
-
-@dataclass(frozen=True)
-class CpuStat:
-    periods: int
-    throttled_periods: int
-    throttled_seconds: float
 
 
 def _read(path: str, limit: int = 8192) -> str:

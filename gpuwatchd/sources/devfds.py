@@ -23,24 +23,9 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
+from gpuwatchd.model import ProcEvidence
 from gpuwatchd.paths import HostPaths
-
-
-@dataclass(frozen=True)
-class ProcEvidence:
-    pid: int
-    ppid: int
-    exe: str
-    cmdline_digest: str
-    nvidia_fds: tuple[tuple[int, str], ...]  # (fd number, device path), sorted
-
-    @property
-    def holds_cuda_device(self) -> bool:
-        """Has the control device or the UVM device open: what a CUDA context keeps open."""
-        return any(t.endswith(("/nvidiactl", "/nvidia-uvm")) for _, t in self.nvidia_fds)
-
 
 # A cached fd scan is redone at least this often, for fds closed and others opened between two
 # looks (the number alone does not show that).

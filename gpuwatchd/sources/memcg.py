@@ -33,6 +33,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from gpuwatchd.model import CgroupPaths
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.procfs import read_proc_cgroup
 
@@ -40,14 +41,6 @@ READ_CAP = 16384
 MAX_DEPTH = 8
 # v1 reports "no limit" as a page-rounded LONG_MAX (9223372036854771712); anything this large is none
 UNLIMITED = 1 << 60
-
-
-@dataclass(frozen=True)
-class CgroupPaths:
-    """Where one process lives: v1 memory controller path, v2 unified path ("" when absent)."""
-
-    memory_v1: str
-    unified: str
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,9 @@ import logging
 import select
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
+from gpuwatchd.model import GpuUevent
 from gpuwatchd.sources.kmsg import Stopper
 from gpuwatchd.sources.watcher import WatcherThread
 from gpuwatchd.units import normalize_pci_bus_id
@@ -30,23 +30,7 @@ from gpuwatchd.units import normalize_pci_bus_id
 log = logging.getLogger(__name__)
 
 NVIDIA_VENDOR = "10DE"
-LOST_ACTIONS = frozenset({"remove", "unbind"})
 CHANGE_ACTIONS = frozenset({"add", "remove", "bind", "unbind"})
-
-
-@dataclass(frozen=True)
-class GpuUevent:
-    """What one GPU uevent said: ``lost`` for a remove/unbind (the GPU is off the bus)."""
-
-    action: str
-    pci_bus_id: str  # normalised "0000:3b:00"
-    slot: str  # as the kernel names it, "0000:3b:00.0"
-    driver: str
-    timestamp: float
-
-    @property
-    def lost(self) -> bool:
-        return self.action in LOST_ACTIONS
 
 
 def parse_uevent_file(text: str) -> dict[str, str]:
