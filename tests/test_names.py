@@ -18,17 +18,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from test_layers import modules
+
 PKG = Path(__file__).resolve().parent.parent / "gpuwatchd"
-
-
-def _modules(root: Path) -> dict[str, Path]:
-    out = {}
-    for path in sorted(root.rglob("*.py")):
-        parts = list(path.relative_to(root.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = path
-    return out
 
 
 def _base(module: str, path: Path, node: ast.ImportFrom) -> str:
@@ -43,7 +35,7 @@ def _base(module: str, path: Path, node: ast.ImportFrom) -> str:
 def violations(root: Path) -> list[str]:
     prefix = root.name
     out: list[str] = []
-    for module, path in _modules(root).items():
+    for module, path in modules(root).items():
         tree = ast.parse(path.read_text())
         face = path.name == "__init__.py"
         imported: set[str] = set()
