@@ -275,6 +275,8 @@ def cpu_window(args: argparse.Namespace, tmp: Path, n: int, logs: contextlib.Exi
     own0 = {k: cpu_seconds(p.pid, children=False) for k, p in procs.items()}
     all0 = {k: cpu_seconds(p.pid) for k, p in procs.items()}
     t0 = time.monotonic()
+    print(f"  {n} ranks, window from epoch {time.time():.1f} for {args.seconds:.0f} s; daemon pids "
+          + ", ".join(f"{k} {p.pid}" for k, p in procs.items()), flush=True)
     sizes: dict[str, int] = {}
     scrapes: dict[str, list[float]] = {k: [] for k in urls}
     while time.monotonic() - t0 < args.seconds:
@@ -303,6 +305,8 @@ def cpu_window(args: argparse.Namespace, tmp: Path, n: int, logs: contextlib.Exi
     rss = {k: rss_mib(p.pid) for k, p in procs.items()}
     bodies = {k: urllib.request.urlopen(u, timeout=10).read().decode() for k, u in urls.items()
               if k.startswith("gpuwatchd")}
+    for k, body in bodies.items():  # kept with --keep: what each daemon said at the end
+        (tmp / f"{k}-{n}.metrics").write_text(body)
     for p in procs.values():
         p.send_signal(signal.SIGTERM)
     for p in procs.values():
@@ -351,6 +355,8 @@ def main() -> int:
     ap.add_argument("--no-nvitop", action="store_true", help="(dry runs without a GPU)")
     ap.add_argument("--no-poll", action="store_true", help="skip the NVML poll timing")
     ap.add_argument("--holder", default=str(REPO / "tests/gpu/holder.py"))
+    ap.add_argument("--keep", default="", help="copy the daemons' logs, final /metrics and "
+                    "events.jsonl into this directory")
     ap.add_argument("--only", default="", help="comma-separated daemon variants to run")
     ap.add_argument("--profile-variant", default="gpuwatchd",
                     help="the daemon variant --profile and the per-thread CPU look at")
@@ -395,6 +401,12 @@ def main() -> int:
                 p.kill()
                 p.wait()
         logs.close()
+        if args.keep:
+            keep = Path(args.keep)
+            keep.mkdir(parents=True, exist_ok=True)
+            for f in [*tmp.glob("*.log"), *tmp.glob("*.metrics"), *tmp.glob("*/events.jsonl")]:
+                name = f.name if f.parent == tmp else f"{f.parent.name}-{f.name}"
+                shutil.copyfile(f, keep / name)
         for log in sorted(tmp.glob("*.log")):
             text = log.read_text(errors="replace")
             if "Traceback" in text or "ERROR" in text:
