@@ -82,9 +82,10 @@ def start_holders(args: argparse.Namespace, tmp: Path, first: int, last: int,
     """Holders ``first..last-1``: started together, then registered as ranks of job 'bench'."""
     for i in range(first, last):
         hb = ["--heartbeat", str(tmp / f"h{i}.hb")]
+        work = ["--work-ms", str(args.work_ms)] if args.work_ms else []
         holders.append(subprocess.Popen(
             [sys.executable, args.holder, "--gib", str(args.gib), "--ready-file",
-             str(tmp / f"h{i}.pid"), *hb]))
+             str(tmp / f"h{i}.pid"), *hb, *work]))
     deadline = time.monotonic() + 240
     while not all((tmp / f"h{i}.pid").exists() for i in range(first, last)):
         assert time.monotonic() < deadline, "holders did not start"
@@ -355,6 +356,9 @@ def main() -> int:
     ap.add_argument("--no-nvitop", action="store_true", help="(dry runs without a GPU)")
     ap.add_argument("--no-poll", action="store_true", help="skip the NVML poll timing")
     ap.add_argument("--holder", default=str(REPO / "tests/gpu/holder.py"))
+    ap.add_argument("--work-ms", type=float, default=0.0,
+                    help="holders work: N ms of CPU every 50 ms (a training loop's CPU side), "
+                    "instead of sleeping a second at a time")
     ap.add_argument("--keep", default="", help="copy the daemons' logs, final /metrics and "
                     "events.jsonl into this directory")
     ap.add_argument("--only", default="", help="comma-separated daemon variants to run")

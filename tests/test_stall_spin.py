@@ -74,6 +74,15 @@ SHAPES = {
         while True:
             signal.pause()
     """,
+    "worker": """
+        import time
+        print("ready", flush=True)
+        while True:  # a training loop's CPU side: ~30 % of a core, in steps
+            t = time.perf_counter()
+            while time.perf_counter() - t < 0.015:
+                pass
+            time.sleep(0.035)
+    """,
     "block": """
         import threading
         lock = threading.Lock()
@@ -337,3 +346,46 @@ def test_blocked_rank_page_says_no_thread_ran_since_the_dump(launch, tmp_path: P
         assert f["evidence"]["unchanged_since_dump"] is not None
     finally:
         assert d.stop() == 0
+
+
+def test_working_rank_is_never_dumped(launch, tmp_path: Path) -> None:
+    """Issue 22's cost, the common case: a heartbeat-less rank whose main thread works (in the
+    working band, neither blocked nor burning a core) is progressing by that alone; it costs
+    /proc looks and no py-spy run at all, not even at first sight. Before, the first look dumped
+    every rank (bench/results/diag22: 64 dumps of 9-11 ms each when the daemon started)."""
+    p = launch("worker", "works")
+    spy, count = _counting_pyspy(tmp_path)
+    after = 1.0
+    tracker = StallTracker(after, spy, dump_interval_seconds=0.25)
+    verdicts, t0 = [], time.time()
+    while time.time() - t0 < 3 * after + 0.5:
+        verdicts.append(tracker.observe(time.time(), [_probe(p.pid, "works")])[("works", 0)])
+        time.sleep(0.25)
+    assert _runs(count) == 0, count.read_text()
+    assert not any(v.stalled for v in verdicts)
+    assert verdicts[-1].no_progress_seconds <= 0.5, verdicts[-1]
+
+
+def test_rank_whose_own_gpu_moves_data_is_not_dumped(launch, tmp_path: Path) -> None:
+    """A rank whose GPU (its alone) shows memory traffic at every look is progressing: no dump
+    is needed to say so. The same rank with its GPU quiet is dumped (the control)."""
+    p = launch("sleeper", "gpu-busy")
+    spy, count = _counting_pyspy(tmp_path)
+    after = 1.0
+    tracker = StallTracker(after, spy, dump_interval_seconds=0.25)
+
+    def run(seconds: float, mem: float) -> StallVerdict:
+        t0 = time.time()
+        while True:
+            now = time.time()
+            tracker.note_gpus({("gpu-busy", 0): GpuReading(now, 0.9, mem, True)})
+            v = tracker.observe(now, [_probe(p.pid, "gpu-busy")])[("gpu-busy", 0)]
+            if now - t0 >= seconds:
+                return v
+            time.sleep(0.25)
+
+    v = run(3 * after, 0.3)
+    assert _runs(count) == 0, count.read_text()
+    assert not v.stalled
+    run(2 * after, 0.0)  # no traffic: the stack must be looked at
+    assert _runs(count) >= 1

@@ -28,7 +28,10 @@ heartbeat-less or stalled *process* every ``dump interval`` (after_seconds/5, at
 at most 60 s): one ``schedstat`` per task, two more for a task that ran; and one dump (~10 ms)
 when that /proc view changed and settled, else once per after_seconds (issue 22: the dumps were
 what a heartbeat-less rank cost beside a beating one), none while no task ran since the last dump
-(the same tasks with the same schedstat run time and slice count prove its stacks still hold);
+(the same tasks with the same schedstat run time and slice count prove its stacks still hold),
+none at first sight (the first dump waits for the second look, which knows each thread's CPU
+share: a node's ranks are not all dumped when the daemon or a job starts), and none while its
+Python threads work in the working band or its own GPU moves data (that is progress already);
 never every cycle: between looks a rank's verdict comes from its last look and its heartbeat.
 Bounded whatever the input: a process listed by many ranks is looked at once per cycle (per-PID
 memo), at most ``max_threads`` of its tasks are read, and one ``observe`` spends at most
@@ -111,6 +114,7 @@ class _Track:
     stacks_at: float = 0.0
     proven_at: float | None = None  # the last comparison was that proof (not a py-spy run)
     look_slices: dict[int, tuple[int, int]] = field(default_factory=dict)  # of tr.threads
+    looks: int = 0  # /proc looks so far
 
 
 class StallTracker:
@@ -312,9 +316,15 @@ class StallTracker:
             }  # fmt: skip
             shares, tr.sched = runnable_shares(self.paths, p.pid, tr.sched, shares, elapsed)
             spinning = frozenset(tid for tid, share in shares.items() if share >= SPIN_SHARE)
-            # Python 3.10 dumps carry no tid (py-spy #567): then any task's work band counts
-            python_tids = {s.tid for s in tr.stacks if s.tid} or set(shares)
+            # Python 3.10 dumps carry no tid (py-spy #567): then any task's work band counts;
+            # before the first dump only the main thread's does (a native helper thread, a
+            # pin-memory or NCCL thread, may work beside a hung main thread)
+            python_tids = {s.tid for s in tr.stacks if s.tid} or (set(shares) if tr.stacks else {p.pid})
             if any(WORK_SHARE <= shares[t] < SPIN_SHARE for t in python_tids if t in shares):
+                tr.worked = True
+            active = tr.gpu.active_at()
+            if active is not None and active > tr.last_change and elapsed > 0:
+                # its own GPU moved data since the last change: progress (below), no dump needed
                 tr.worked = True
             self._look(now, tr, threads, spinning, shares)
             tr.busiest_worker = tr.workers.busiest(p.workers, elapsed)
@@ -397,6 +407,7 @@ class StallTracker:
     def _look(now: float, tr: _Track, threads: tuple[ThreadInfo, ...],
               spinning: frozenset[int], shares: dict[int, float]) -> None:
         tr.threads, tr.threads_at, tr.spinning, tr.shares = threads, now, spinning, shares
+        tr.looks += 1
 
     def _stack_progress(
         self, now: float, p: RankProbe, tr: _Track, threads: tuple[ThreadInfo, ...],
@@ -414,16 +425,27 @@ class StallTracker:
             return tuple((t.tid, t.state, t.wchan, t.tid in spinning) for t in threads
                          if t.tid in python_tids)  # fmt: skip
 
+        first_look = looked and tr.fingerprint is None and tr.looks == 1
         if looked:
             proc_fp = view()
+            if tr.fingerprint is None and tr.look_fp is not None and \
+                    [v for v in proc_fp if v[0] == p.pid] != [v for v in tr.look_fp if v[0] == p.pid]:
+                tr.last_change = now  # its main thread moved between the looks before its first dump
             # a view that differs from the one at the last dump and held for one look: the rank
             # has moved and settled (a dump in the middle of a move would see neither place)
             if proc_fp != tr.proc_fp and proc_fp == tr.look_fp:
                 tr.dump_due = True
             tr.look_fp = proc_fp
-        if tr.worked and tr.fingerprint is not None:
-            # Python threads used CPU in the working band since the last look: that is progress
-            # whatever a stack dump would show, so spare the target and ourselves the py-spy run.
+        if first_look and self.spy is not None and self.spy.binary is not None:
+            # No dump at first sight (issue 22: a node's ranks were all dumped at once when the
+            # daemon or a job started): the next look, a dump interval on, knows each thread's
+            # CPU share, and a rank that works needs no dump at all. The stall bound is unchanged:
+            # the second dump is due after_seconds after the first look.
+            return "proc", tr.last_change
+        if tr.worked:
+            # Python threads used CPU in the working band since the last look, or its own GPU
+            # moved data: that is progress whatever a stack dump would show, so spare the target
+            # and ourselves the py-spy run.
             tr.worked = False
             tr.identical = 0
             tr.last_change = now

@@ -3,7 +3,7 @@
     python3 tests/gpu/holder.py --gib 5 [--device 0] [--ready-file PATH]
 
 Allocates ``--gib`` GiB with torch on one CUDA device, writes its PID to the ready file (or prints
-``READY <pid>``), then sleeps. Exits 0 on SIGTERM.
+``READY <pid>``), then sleeps (or, with ``--work-ms``, works a little every 50 ms). Exits 0 on SIGTERM.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ def main() -> int:
     ap.add_argument("--ready-file", default="")
     ap.add_argument("--heartbeat", default="", help="touch this file every second (a rank's "
                     "gpuwatchd.heartbeat)")
+    ap.add_argument("--work-ms", type=float, default=0.0, help="instead of sleeping a second at a "
+                    "time, use this many ms of CPU every 50 ms (the CPU side of a training loop), "
+                    "heartbeat once a second")
     args = ap.parse_args()
     import torch
 
@@ -40,7 +43,14 @@ def main() -> int:
         if args.heartbeat:
             with open(args.heartbeat, "a"):
                 os.utime(args.heartbeat)
-        time.sleep(1)
+        if not args.work_ms:
+            time.sleep(1)
+            continue
+        for _ in range(20):
+            t = time.perf_counter()
+            while time.perf_counter() - t < args.work_ms / 1e3:
+                pass
+            time.sleep(max(0.0, 0.05 - args.work_ms / 1e3))
 
 
 if __name__ == "__main__":
