@@ -83,6 +83,19 @@ SHAPES = {
                 pass
             time.sleep(0.035)
     """,
+    "works_then_blocks": """
+        import signal, threading, time
+        lock, hang = threading.Lock(), threading.Event()
+        signal.signal(signal.SIGUSR1, lambda *_: hang.set())
+        print("ready", flush=True)
+        while not hang.is_set():
+            t = time.perf_counter()
+            while time.perf_counter() - t < 0.015:
+                pass
+            time.sleep(0.035)
+        lock.acquire()
+        lock.acquire()  # a block at 0 % CPU
+    """,
     "block": """
         import threading
         lock = threading.Lock()
@@ -356,7 +369,8 @@ def test_working_rank_is_never_dumped(launch, tmp_path: Path) -> None:
     p = launch("worker", "works")
     spy, count = _counting_pyspy(tmp_path)
     after = 1.0
-    tracker = StallTracker(after, spy, dump_interval_seconds=0.25)
+    # looks every other cycle, as in the daemon (a look every dump interval, cycles between)
+    tracker = StallTracker(after, spy, dump_interval_seconds=0.5)
     verdicts, t0 = [], time.time()
     while time.time() - t0 < 3 * after + 0.5:
         verdicts.append(tracker.observe(time.time(), [_probe(p.pid, "works")])[("works", 0)])
@@ -388,4 +402,28 @@ def test_rank_whose_own_gpu_moves_data_is_not_dumped(launch, tmp_path: Path) -> 
     assert _runs(count) == 0, count.read_text()
     assert not v.stalled
     run(2 * after, 0.0)  # no traffic: the stack must be looked at
+    assert _runs(count) >= 1
+
+
+def test_working_rank_that_blocks_is_paged_within_after_and_a_look(launch, tmp_path: Path) -> None:
+    """The other side of not dumping a working rank: when it stops working (a block at 0 % CPU),
+    the first dump comes and its stall is seen within after_seconds and one look of the block."""
+    p = launch("works_then_blocks", "then")
+    spy, count = _counting_pyspy(tmp_path)
+    after, interval = 1.0, 0.5
+    tracker = StallTracker(after, spy, dump_interval_seconds=interval)
+    t0 = time.time()
+    while time.time() - t0 < 1.5:
+        assert not tracker.observe(time.time(), [_probe(p.pid, "then")])[("then", 0)].stalled
+        time.sleep(0.25)
+    assert _runs(count) == 0, count.read_text()
+    p.send_signal(signal.SIGUSR1)
+    blocked = time.time()
+    while True:
+        v = tracker.observe(time.time(), [_probe(p.pid, "then")])[("then", 0)]
+        if v.stalled:
+            break
+        assert time.time() - blocked <= after + 3 * interval, v
+        time.sleep(0.25)
+    assert v.method == "stack" and v.stuck_frames, v
     assert _runs(count) >= 1

@@ -425,7 +425,7 @@ class StallTracker:
             return tuple((t.tid, t.state, t.wchan, t.tid in spinning) for t in threads
                          if t.tid in python_tids)  # fmt: skip
 
-        first_look = looked and tr.fingerprint is None and tr.looks == 1
+        before_second_look = tr.fingerprint is None and tr.looks < 2
         if looked:
             proc_fp = view()
             if tr.fingerprint is None and tr.look_fp is not None and \
@@ -436,7 +436,7 @@ class StallTracker:
             if proc_fp != tr.proc_fp and proc_fp == tr.look_fp:
                 tr.dump_due = True
             tr.look_fp = proc_fp
-        if first_look and self.spy is not None and self.spy.binary is not None:
+        if before_second_look and self.spy is not None and self.spy.binary is not None:
             # No dump at first sight (issue 22: a node's ranks were all dumped at once when the
             # daemon or a job started): the next look, a dump interval on, knows each thread's
             # CPU share, and a rank that works needs no dump at all. The stall bound is unchanged:
@@ -466,7 +466,8 @@ class StallTracker:
             due = tr.last_dump_at + max(self.dump_interval, self.after)
         else:
             due = max(tr.last_dump_at + self.dump_interval, tr.last_change + self.after)
-        if now < due and tr.fingerprint is not None:
+        # (a first dump is due at once, unless a working look already stood in for it)
+        if now < due and (tr.fingerprint is not None or tr.last_dump_at > float("-inf")):
             return ("stack" if tr.stacks else "proc"), tr.last_change
         if self._dump_memo and p.pid not in self._dump_memo and time.monotonic() > self._deadline:
             self.deferred["dump"] += 1
