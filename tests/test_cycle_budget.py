@@ -16,7 +16,7 @@ from daemonutil import DaemonProc, write_config
 from gpuwatchd.config import load_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.join.stall import StallTracker
-from gpuwatchd.join.stall_verdicts import RankProbe
+from gpuwatchd.model.stall import RankProbe
 from gpuwatchd.sources.pyspy import PySpy
 
 THREADS = 3000

@@ -19,8 +19,8 @@ from gpuwatchd.config import Config
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import stall as stall_finding
 from gpuwatchd.join.stall import StallTracker
-from gpuwatchd.join.stall_verdicts import RankProbe, StallVerdict
 from gpuwatchd.model import GpuDevice, GpuProcessRow, RankState
+from gpuwatchd.model.stall import RankProbe, StallVerdict
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.procfs import ProcfsReader

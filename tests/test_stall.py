@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.join.stall import StallTracker
-from gpuwatchd.join.stall_verdicts import RankProbe, StallVerdict, name_suspects
+from gpuwatchd.join.stall_verdicts import name_suspects
+from gpuwatchd.model.stall import RankProbe, StallVerdict
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy
 from gpuwatchd.sources.threads import process_state

@@ -29,8 +29,8 @@ from daemonutil import DaemonProc, write_config
 
 from gpuwatchd.join.stall import StallTracker
 from gpuwatchd.join.stall_spin import GpuReading, GpuWindow, rank_gpu_readings
-from gpuwatchd.join.stall_verdicts import RankProbe, StallVerdict
 from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, RankState
+from gpuwatchd.model.stall import RankProbe, StallVerdict
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy

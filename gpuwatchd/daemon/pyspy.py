@@ -23,9 +23,9 @@ from gpuwatchd.daemon.subsystem import Contribution, DaemonContext, Subsystem
 from gpuwatchd.isolation import run_forever
 from gpuwatchd.join.stall import StallTracker
 from gpuwatchd.join.stall_spin import rank_gpu_readings
-from gpuwatchd.join.stall_verdicts import RankProbe
 from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo, rank_alive
+from gpuwatchd.model.stall import RankProbe
 from gpuwatchd.sources.pyspy import PySpy
 from gpuwatchd.sources.pyspy_output import ABSENT, COLLECTOR
 

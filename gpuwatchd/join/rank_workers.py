@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gpuwatchd.join.hang import WorkerView
+from gpuwatchd.model.stall import WorkerView
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import taskwait
 

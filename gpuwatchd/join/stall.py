@@ -58,12 +58,14 @@ from gpuwatchd.join.stall_spin import (
     runnable_shares,
     spinning_python,
 )
-from gpuwatchd.join.stall_verdicts import RankProbe, StallVerdict, main_stack, name_suspects, summarize_threads
+from gpuwatchd.join.stall_verdicts import main_stack, name_suspects, summarize_threads
+from gpuwatchd.model.stall import RankProbe, StallVerdict
+from gpuwatchd.model.threads import ThreadInfo, ThreadStack
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import taskwait
 from gpuwatchd.sources.pyspy import PySpy
-from gpuwatchd.sources.pyspy_output import ABSENT, NOT_PYTHON, PERMISSION_DENIED, TIMEOUT, PySpyError, ThreadStack
-from gpuwatchd.sources.threads import ThreadInfo, read_run_slices, read_threads_since, task_ids
+from gpuwatchd.sources.pyspy_output import ABSENT, NOT_PYTHON, PERMISSION_DENIED, TIMEOUT, PySpyError
+from gpuwatchd.sources.threads import read_run_slices, read_threads_since, task_ids
 
 log = logging.getLogger(__name__)
 

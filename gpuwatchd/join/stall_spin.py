@@ -35,11 +35,10 @@ import collections
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from gpuwatchd.join.hang import HangAnalysis
-from gpuwatchd.join.stall_verdicts import StallVerdict
 from gpuwatchd.model import NodeState
+from gpuwatchd.model.stall import HangAnalysis, StallVerdict
+from gpuwatchd.model.threads import ThreadStack
 from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources.pyspy_output import ThreadStack
 from gpuwatchd.sources.threads import read_schedstat
 
 MEM_ACTIVE = 0.01  # NVML reports whole percent: 1 % of memory-controller time is data moving
