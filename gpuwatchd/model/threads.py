@@ -79,3 +79,15 @@ class ThreadInfo:
     cpu_ticks: int  # utime + stime, clock ticks
     voluntary_switches: int
     involuntary_switches: int
+
+
+@dataclass(frozen=True)
+class Dump:
+    """One non-blocking ``py-spy dump`` a stall look asked for: the stacks, or why there are none.
+    ``error`` is "" on success; ``timed_out``: py-spy ran past its time-out; ``hopeless``: py-spy
+    cannot help with this process at all (absent, not permitted, not Python)."""
+
+    stacks: tuple[ThreadStack, ...] | None
+    error: str = ""
+    timed_out: bool = False
+    hopeless: bool = False
