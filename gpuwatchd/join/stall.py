@@ -15,7 +15,7 @@ comparison runs on the /proc thread view alone. A process in state ``T`` (SIGSTO
 On a node with several ranks of one job, the odd one out is named: when the peers all sit in the
 same place (typically one collective) and one rank is elsewhere, progressing alone, or dead, that
 rank is the suspect (research §3.2, NVIDIA/nccl#1063: "29 pods blocked in NCCL, 1 pod stuck in an
-arbitrary CUDA op"; ``name_suspects`` in join/stall_verdicts.py, with the probe and verdict types).
+arbitrary CUDA op"; ``name_suspects`` in join/stall_verdicts.py; the probe and verdict types in model/stall.py).
 
 A thread that burns a core at the one line of every dump is ambiguous (a healthy loop that syncs
 each step looks the same): join/stall_spin.py says when that is a stall (the GPU's readings, the

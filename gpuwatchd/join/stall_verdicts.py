@@ -1,5 +1,6 @@
-"""The stall tracker's values: what it is told of a rank (``RankProbe``), what it concludes
-(``StallVerdict``), how a stalled rank's threads read, and the odd one out of a job's ranks.
+"""What the stall tracker's verdicts say beyond one rank (its values, ``RankProbe`` and
+``StallVerdict``, are in model/stall.py): how a stalled rank's threads read, and the odd one out
+of a job's ranks.
 
 Pure, no I/O, no memory across cycles: ``name_suspects`` compares one cycle's verdicts of the
 ranks of each job (cost linear in their number). ``join/stall.py`` holds the tracker itself.
