@@ -204,7 +204,7 @@ def test_rules_agree_with_the_daemon() -> None:
     names and runbook links are the rules', and the kinds the rules select are findings the
     daemon's code raises."""
     from gpuwatchd.events import log as events
-    from gpuwatchd.join.kernel_lines import CRITICAL_XIDS
+    from gpuwatchd.model.kernel import CRITICAL_XIDS
 
     rules = _rules()
     xid_expr = rules["GPUXidCritical"]["expr"]

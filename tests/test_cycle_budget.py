@@ -16,8 +16,9 @@ from daemonutil import DaemonProc, write_config
 from gpuwatchd.config import load_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.join.stall import StallTracker
-from gpuwatchd.join.stall_verdicts import RankProbe
+from gpuwatchd.model.stall import RankProbe
 from gpuwatchd.sources.pyspy import PySpy
+from gpuwatchd.sources.stall_looks import StallLooks
 
 THREADS = 3000
 LISTINGS = 256
@@ -87,7 +88,7 @@ def test_the_look_budget_defers_and_rotates_but_never_starves(
     sleepers = [subprocess.Popen(["sleep", "600"]) for _ in range(6)]
     procs.extend(sleepers)
     # budget 0: one new look per observe, every other look deferred and counted
-    tracker = StallTracker(60.0, PySpy(None), dump_interval_seconds=1000.0, budget_seconds=0.0)
+    tracker = StallTracker(60.0, StallLooks(PySpy(None)), dump_interval_seconds=1000.0, budget_seconds=0.0)
     probes = [RankProbe("budget", i, s.pid, True, "S") for i, s in enumerate(sleepers)]
     now = time.time()
     for cycle in range(len(probes)):
@@ -102,7 +103,7 @@ def test_the_look_budget_defers_and_rotates_but_never_starves(
 def test_a_pid_listed_many_times_is_read_once_per_look(
         procs: list[subprocess.Popen[Any]]) -> None:
     p = many_threads(procs, 600)
-    tracker = StallTracker(60.0, PySpy(None), dump_interval_seconds=1000.0, budget_seconds=0.0)
+    tracker = StallTracker(60.0, StallLooks(PySpy(None)), dump_interval_seconds=1000.0, budget_seconds=0.0)
     probes = [RankProbe("same", i, p.pid, True, "S") for i in range(64)]
     verdicts = tracker.observe(time.time(), probes)
     # one look served all 64 listings within the zero budget, capped at 256 of the 601 tasks

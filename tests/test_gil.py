@@ -21,13 +21,14 @@ from gpuwatchd.daemon.gil_schedule import GilTarget
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import gil as gil_finding
 from gpuwatchd.findings import stall as stall_finding
-from gpuwatchd.join.stall_verdicts import StallVerdict
 from gpuwatchd.model import GilReading, GpuDevice, RankState
+from gpuwatchd.model.stall import StallVerdict
+from gpuwatchd.model.threads import ThreadInfo
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.rank import api
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy
-from gpuwatchd.sources.threads import ThreadInfo, read_threads
+from gpuwatchd.sources.threads import read_threads
 
 PROGRAMS = Path(__file__).parent / "fixtures" / "pyspy" / "programs"
 BINARY = pyspy.resolve_pyspy()

@@ -19,12 +19,13 @@ from gpuwatchd.config import Config
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import stall as stall_finding
 from gpuwatchd.join.stall import StallTracker
-from gpuwatchd.join.stall_verdicts import RankProbe, StallVerdict
 from gpuwatchd.model import GpuDevice, GpuProcessRow, RankState
+from gpuwatchd.model.stall import RankProbe, StallVerdict
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.sources.pyspy import PySpy
+from gpuwatchd.sources.stall_looks import StallLooks
 
 PROGRAMS = Path(__file__).parent / "fixtures" / "pyspy" / "programs"
 AFTER = 1.0
@@ -99,7 +100,7 @@ def heartbeat_path(tmp_path: Path) -> str:
 def test_seed_003_lock_deadlock_names_both_threads_their_lines_and_the_word(
         rank: Callable, tmp_path: Path) -> None:
     p, _ = rank("deadlock")
-    tracker = StallTracker(AFTER, PySpy(pyspy.resolve_pyspy()), dump_interval_seconds=CYCLE)
+    tracker = StallTracker(AFTER, StallLooks(PySpy(pyspy.resolve_pyspy())), dump_interval_seconds=CYCLE)
     v = until_stalled(tracker, p.pid, heartbeat_path(tmp_path), want="deadlock")
     a = v.analysis
     assert a is not None
@@ -136,7 +137,7 @@ def test_starved_by_stopped_workers_then_by_dead_workers(rank: Callable, tmp_pat
     p, pids = rank("starve")
     workers = [int(x) for x in pids]
     hb = heartbeat_path(tmp_path)
-    tracker = StallTracker(AFTER, PySpy(pyspy.resolve_pyspy()), dump_interval_seconds=CYCLE)
+    tracker = StallTracker(AFTER, StallLooks(PySpy(pyspy.resolve_pyspy())), dump_interval_seconds=CYCLE)
     # healthy first: the queue is fed, the heartbeat moves, nothing is stalled
     t0 = time.monotonic()
     while time.monotonic() - t0 < 1.5:
@@ -175,7 +176,7 @@ def test_workers_killed_while_the_rank_still_beats(rank: Callable, tmp_path: Pat
     p, pids = rank("starve")
     workers = [int(x) for x in pids]
     hb = heartbeat_path(tmp_path)
-    tracker = StallTracker(AFTER, PySpy(pyspy.resolve_pyspy()), dump_interval_seconds=CYCLE)
+    tracker = StallTracker(AFTER, StallLooks(PySpy(pyspy.resolve_pyspy())), dump_interval_seconds=CYCLE)
     for _ in range(3):
         assert not tracker.observe(time.time(), [probe(p.pid, hb)])[("hang-job", 0)].stalled
         time.sleep(CYCLE)
@@ -190,7 +191,7 @@ def test_running_workers_do_not_make_a_queue_wait_starved(rank: Callable, tmp_pa
     """The same rank with its heartbeat judged stalled on purpose (after_seconds tiny): its
     workers run, so the analysis must not call it starved."""
     p, _ = rank("starve")
-    tracker = StallTracker(0.01, PySpy(pyspy.resolve_pyspy()), dump_interval_seconds=CYCLE)
+    tracker = StallTracker(0.01, StallLooks(PySpy(pyspy.resolve_pyspy())), dump_interval_seconds=CYCLE)
     for _ in range(8):
         v = tracker.observe(time.time(), [probe(p.pid, "/nonexistent/hb")])[("hang-job", 0)]
         if v.analysis is not None:
@@ -202,7 +203,7 @@ def test_gpu_named_in_the_verdict(rank: Callable, tmp_path: Path) -> None:
     """A stalled rank's explanation names its GPU with utilisation and the memory its tree
     holds (the GPU part of the state comes from NVML; here a reading as the join sees it)."""
     p, _ = rank("deadlock")
-    tracker = StallTracker(AFTER, PySpy(pyspy.resolve_pyspy()), dump_interval_seconds=CYCLE)
+    tracker = StallTracker(AFTER, StallLooks(PySpy(pyspy.resolve_pyspy())), dump_interval_seconds=CYCLE)
     v = until_stalled(tracker, p.pid, heartbeat_path(tmp_path), want="deadlock")
     gpu = GpuDevice(0, "GPU-0", "NVIDIA H200", "00000000:19:00.0", 150 << 30, 3 << 30, 0.0)
     row = GpuProcessRow(0, "GPU-0", p.pid, 2 << 30, "python3", "root", "hang-job", "0")
@@ -288,7 +289,7 @@ def test_interpreter_exit_joining_deadlocked_threads_is_no_lock(rank: Callable, 
     (threading._shutdown) joins the two non-daemon threads. The main thread waits for threads,
     not for a lock: it is named as the joiner, not counted in the cycle (every version)."""
     p, _ = rank("exit_deadlock")
-    tracker = StallTracker(AFTER, PySpy(pyspy.resolve_pyspy()), dump_interval_seconds=CYCLE)
+    tracker = StallTracker(AFTER, StallLooks(PySpy(pyspy.resolve_pyspy())), dump_interval_seconds=CYCLE)
     v = until_stalled(tracker, p.pid, heartbeat_path(tmp_path), want="deadlock")
     assert v.analysis is not None
     dead = next(x for x in v.analysis.patterns if x.kind == "deadlock")
@@ -315,7 +316,7 @@ def test_lock_cycle_through_the_import_lock(rank: Callable, tmp_path: Path) -> N
     names the waiter, not the lock; the explanation says what it cannot tell instead of
     counting that word as a lock."""
     p, _ = rank("import_lock")
-    tracker = StallTracker(AFTER, PySpy(pyspy.resolve_pyspy()), dump_interval_seconds=CYCLE)
+    tracker = StallTracker(AFTER, StallLooks(PySpy(pyspy.resolve_pyspy())), dump_interval_seconds=CYCLE)
     v = until_stalled(tracker, p.pid, heartbeat_path(tmp_path), want="deadlock")
     assert v.analysis is not None
     dead = next(x for x in v.analysis.patterns if x.kind == "deadlock")

@@ -13,10 +13,10 @@ from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import stall as stall_finding
 from gpuwatchd.join.collectives import compare, parse_response
 from gpuwatchd.join.hang import analyze
-from gpuwatchd.join.stall_verdicts import StallVerdict
 from gpuwatchd.model import GpuDevice, GpuProcessRow, RankState
+from gpuwatchd.model.stall import StallVerdict
+from gpuwatchd.model.threads import ThreadInfo
 from gpuwatchd.sources.pyspy_output import parse_dump_json
-from gpuwatchd.sources.threads import ThreadInfo
 
 FIX = Path(__file__).parent / "fixtures" / "hang"
 

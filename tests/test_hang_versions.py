@@ -22,6 +22,7 @@ from test_hang import AFTER, CYCLE, PROGRAMS, explanation, heartbeat_path, until
 from gpuwatchd.join.stall import StallTracker
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy
+from gpuwatchd.sources.stall_looks import StallLooks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,7 +44,7 @@ def test_a_deadlocked_rank_on_each_python(version: str, tmp_path: Path) -> None:
                           "0"], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-        tracker = StallTracker(AFTER, PySpy(pyspy.resolve_pyspy()), dump_interval_seconds=CYCLE)
+        tracker = StallTracker(AFTER, StallLooks(PySpy(pyspy.resolve_pyspy())), dump_interval_seconds=CYCLE)
         v = until_stalled(tracker, p.pid, heartbeat_path(tmp_path), want="deadlock")
     finally:
         os.kill(p.pid, signal.SIGKILL)

@@ -25,9 +25,10 @@ from gpuwatchd.events.log import JsonlSink, read_events
 from gpuwatchd.join.kernel_events import KernelEventProcessor
 from gpuwatchd.join.rank_trees import RankTreeRecord, TreeMember
 from gpuwatchd.model import RankState
+from gpuwatchd.model.kernel import KILLER_OOMD, LogRecord
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.journal import JournalSource
-from gpuwatchd.sources.kernel_lines import KILLER_OOMD, LogRecord, parse_kmsg
+from gpuwatchd.sources.kernel_lines import parse_kmsg, parse_message
 from gpuwatchd.sources.kmsg import KmsgSource, read_boot_id
 from gpuwatchd.sources.procfs import ProcfsReader
 
@@ -40,7 +41,8 @@ JOURNAL_REMOTE = "/lib/systemd/systemd-journal-remote"
 
 def proc(tmp: Path, counters: CounterStore | None = None, **kw: Any) -> KernelEventProcessor:
     c = counters or CounterStore()
-    return KernelEventProcessor(c, str(tmp), bus=EventBus([JsonlSink(str(tmp))]), boot_id=BOOT, **kw)
+    return KernelEventProcessor(c, str(tmp), parse=parse_message, bus=EventBus([JsonlSink(str(tmp))]),
+                                boot_id=BOOT, **kw)
 
 
 def rec(msg: str, t: float, ident: str = "kernel", usec: int | None = None) -> LogRecord:
@@ -265,7 +267,7 @@ class Pipeline:
     def __init__(self, state_dir: Path, source: str = "kmsg", journal: Path | None = None) -> None:
         self.counters = CounterStore()
         self.processor = KernelEventProcessor(
-            self.counters, str(state_dir), bus=EventBus([JsonlSink(str(state_dir))]), boot_id=BOOT
+            self.counters, str(state_dir), parse=parse_message, bus=EventBus([JsonlSink(str(state_dir))]), boot_id=BOOT
         )
         self.source: Any
         if source == "kmsg":

@@ -16,20 +16,14 @@ from test_kernel_events import Pipeline, export_entry, wait_until, write_journal
 from gpuwatchd.config import Config
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.events.bus import EventBus
-from gpuwatchd.events.log import Event, JsonlSink
+from gpuwatchd.events.log import JsonlSink
 from gpuwatchd.findings import FindingContext, xid
 from gpuwatchd.join.kernel_events import KernelEventProcessor
+from gpuwatchd.model.events import Event
+from gpuwatchd.model.kernel import KILLER_EARLYOOM, KILLER_KERNEL, LogRecord
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import kernel_formats
-from gpuwatchd.sources.kernel_lines import (
-    KILLER_EARLYOOM,
-    KILLER_KERNEL,
-    MAX_MESSAGE,
-    KmsgRecord,
-    LogRecord,
-    parse_kmsg,
-    parse_message,
-)
+from gpuwatchd.sources.kernel_lines import MAX_MESSAGE, KmsgRecord, parse_kmsg, parse_message
 from gpuwatchd.sources.kmsg import read_boot_id
 
 FIX = Path(__file__).parent / "fixtures" / "kernel"
@@ -65,7 +59,8 @@ def kmsg_records(name: str) -> list[KmsgRecord]:
 
 
 def processor(tmp: Path) -> KernelEventProcessor:
-    return KernelEventProcessor(CounterStore(), str(tmp), bus=EventBus([JsonlSink(str(tmp))]), boot_id=BOOT)
+    return KernelEventProcessor(CounterStore(), str(tmp), parse=parse_message,
+                                bus=EventBus([JsonlSink(str(tmp))]), boot_id=BOOT)
 
 
 def through_kmsg(tmp: Path, name: str, t0: float) -> tuple[list[Event], KernelEventProcessor]:

@@ -11,19 +11,11 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpuwatchd.model.kernel import KILLER_EARLYOOM, KILLER_KERNEL, KILLER_OOMD, LogRecord, rss_bytes
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import kernel_log as kl
 from gpuwatchd.sources.journal import JournalSource, journal_available
-from gpuwatchd.sources.kernel_lines import (
-    KILLER_EARLYOOM,
-    KILLER_KERNEL,
-    KILLER_OOMD,
-    KmsgRecord,
-    LogRecord,
-    parse_kmsg,
-    parse_message,
-    rss_bytes,
-)
+from gpuwatchd.sources.kernel_lines import KmsgRecord, parse_kmsg, parse_message
 from gpuwatchd.sources.kmsg import KmsgSource, read_boot_id
 
 FIX = Path(__file__).parent / "fixtures" / "kernel"

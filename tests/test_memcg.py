@@ -18,11 +18,20 @@ from gpuwatchd.daemon.memory_evidence import snapshot_event, worse
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import memory as finding
 from gpuwatchd.join.memory_tracker import MemoryTracker, slope
-from gpuwatchd.model import CgroupPaths, NodeMemoryState, ProcessInfo, RankMemory, RankState, TreeProcessMemory
+from gpuwatchd.model import (
+    CgroupMemory,
+    CgroupPaths,
+    NodeMemoryState,
+    ProcessInfo,
+    RankMemory,
+    RankState,
+    TreeProcessMemory,
+)
+from gpuwatchd.model.kernel import LogRecord
+from gpuwatchd.model.threads import Frame, ThreadStack
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import memcg
-from gpuwatchd.sources.kernel_lines import LogRecord
-from gpuwatchd.sources.pyspy_output import Frame, ThreadStack
+from gpuwatchd.sources.kernel_lines import parse_message
 from gpuwatchd.units import fmt_duration, fmt_span
 
 FIX = Path(__file__).parent / "fixtures" / "memcg" / "v2"
@@ -124,10 +133,10 @@ def test_slope_and_growth_need_the_minimum_window() -> None:
     assert slope([(0, 0), (1, 2), (2, 4)]) == pytest.approx(2.0)
     assert slope([(1, 5)]) is None and slope([(1, 5), (1, 6)]) is None
     t = MemoryTracker()
-    cg = memcg.CgroupMemory(1, "/x", 0, 0, 100 << 20)
+    cg = CgroupMemory(1, "/x", 0, 0, 100 << 20)
     for i in range(5):
         p = ProcessInfo(7, 1, "python", "S", 0, "root", 1, 0.0, 1.0, (10 + i) << 20, 1, 1, 1, 1)
-        c = memcg.CgroupMemory(1, "/x", (10 + i) << 20, (10 + i) << 20, 100 << 20)
+        c = CgroupMemory(1, "/x", (10 + i) << 20, (10 + i) << 20, 100 << 20)
         m = t.observe(100.0 + i, ("j", 0, 7, 1), (7,), {7: p}, c, 300, 3.5)
         assert (m.cgroup_growth_bytes_per_second is None) == (i < 4)
     assert m.cgroup_growth_bytes_per_second == pytest.approx(1 << 20)
@@ -204,8 +213,8 @@ def test_kill_links_to_the_last_snapshot_of_its_rank_across_a_restart(tmp_path: 
     from gpuwatchd.join.rank_trees import TreeMember
 
     def processor() -> KernelEventProcessor:
-        return KernelEventProcessor(CounterStore(), str(tmp_path), bus=EventBus([JsonlSink(str(tmp_path))]),
-                                    boot_id="boot")
+        return KernelEventProcessor(CounterStore(), str(tmp_path), parse=parse_message,
+                                    bus=EventBus([JsonlSink(str(tmp_path))]), boot_id="boot")
 
     now = time.time()
     m = RankMemory("llm-7", 3, 4321, 80 << 30, cgroup="/job_7", limit_bytes=80 << 30,

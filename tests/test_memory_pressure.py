@@ -24,8 +24,9 @@ from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem
 from gpuwatchd.daemon.subsystem import Subsystem
 from gpuwatchd.events.bus import EventBus
-from gpuwatchd.events.log import Event, JsonlSink, read_events
+from gpuwatchd.events.log import JsonlSink, read_events
 from gpuwatchd.model import Finding, NodeState
+from gpuwatchd.model.events import Event
 from gpuwatchd.rank.rankfile import write_rank_file
 from gpuwatchd.sources.pyspy import PySpy, resolve_pyspy
 

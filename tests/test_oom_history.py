@@ -21,8 +21,9 @@ from gpuwatchd.config import load_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.events.bus import EventBus
-from gpuwatchd.events.log import Event, JsonlSink, read_events
+from gpuwatchd.events.log import JsonlSink, read_events
 from gpuwatchd.join.oom_history import BASELINE_FILE, Baseline, load_baseline, save_baseline
+from gpuwatchd.model.events import Event
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.kernel_log import read_vmstat_oom_kill
 from gpuwatchd.sources.kmsg import read_boot_id

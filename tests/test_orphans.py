@@ -17,17 +17,8 @@ from pathlib import Path
 from gpuwatchd.config import Config
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import orphans as orphan_rule
-from gpuwatchd.join.orphans import (
-    DEFUNCT,
-    JOB_ENDED,
-    REPARENTED,
-    UNREGISTERED,
-    OrphanTracker,
-    RankTrees,
-    offenders,
-    trees_from_entries,
-)
-from gpuwatchd.model import RankEntry
+from gpuwatchd.join.orphans import OrphanTracker, RankTrees, offenders, trees_from_entries
+from gpuwatchd.model import DEFUNCT, JOB_ENDED, REPARENTED, UNREGISTERED, RankEntry
 from gpuwatchd.sources.nvml_fixture import fixture_source
 from gpuwatchd.sources.procfs import ProcfsReader
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuwatchd.model.threads import Frame
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy
@@ -26,7 +27,6 @@ from gpuwatchd.sources.pyspy_output import (
     PERMISSION_DENIED,
     TARGET_GONE,
     TIMEOUT,
-    Frame,
     PySpyError,
     classify_failure,
     parse_dump_json,

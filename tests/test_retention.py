@@ -29,6 +29,7 @@ from gpuwatchd.events.log import JsonlSink, read_events
 from gpuwatchd.join.kernel_events import KernelEventProcessor
 from gpuwatchd.model import Finding, RankState
 from gpuwatchd.rank import api
+from gpuwatchd.sources.kernel_lines import parse_message
 
 SPIN = "import time\nwhile True:\n    sum(range(1000)); time.sleep(0.01)\n"
 
@@ -110,7 +111,7 @@ def test_churned_ranks_vanish_and_an_oom_kill_stays_for_its_window(
 
 
 def _kill_event(job: str, rank: str, when: float, key: str) -> str:
-    from gpuwatchd.events.log import Event
+    from gpuwatchd.model.events import Event
 
     return Event(key=key, kind="oom_kill", time=when, severity="page", summary=f"{job} killed",
                  job_id=job, rank=rank, pid=4242, comm="python3", killer="kernel", boot_id="b",
@@ -142,10 +143,10 @@ def test_event_log_is_compacted_while_running(tmp_path: Path) -> None:
     that ended longer ago than the retention, but keeps those of ranks still registered."""
     t = [1_800_000_000.0]
     counters = CounterStore(clock=lambda: t[0])
-    p = KernelEventProcessor(counters, str(tmp_path), bus=EventBus([JsonlSink(str(tmp_path))]),
+    p = KernelEventProcessor(counters, str(tmp_path), parse=parse_message, bus=EventBus([JsonlSink(str(tmp_path))]),
                              clock=lambda: t[0], max_log_bytes=40_000, keep_events=20,
                              retention_seconds=600.0)
-    from gpuwatchd.events.log import Event
+    from gpuwatchd.model.events import Event
 
     for job, rank in (("gone", "0"), ("still", "1")):
         p.record_event(Event.from_dict(json.loads(_kill_event(job, rank, t[0], f"k-{job}"))))
@@ -162,7 +163,7 @@ def test_event_log_is_compacted_while_running(tmp_path: Path) -> None:
     assert counters.get("oom_kills", ("gone", "0", "python3", "kernel")) == 1.0  # retention.py's job
     stored = list(read_events(str(tmp_path / "events.jsonl")))
     assert stored[0].kind == "counter_base" and len(stored) < 400  # of 2002
-    p2 = KernelEventProcessor(CounterStore(), str(tmp_path), clock=lambda: t[0])
+    p2 = KernelEventProcessor(CounterStore(), str(tmp_path), parse=parse_message, clock=lambda: t[0])
     oom = dict(p2.counters.snapshot()["oom_kills"])
     assert oom == {("still", "1", "python3", "kernel"): 1.0}
     assert not list(tmp_path.glob("*.tmp*")) and not list(tmp_path.glob("*.compact"))

@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 
 from gpuwatchd.join.stall import StallTracker
-from gpuwatchd.join.stall_verdicts import RankProbe, StallVerdict, name_suspects
+from gpuwatchd.join.stall_verdicts import name_suspects
+from gpuwatchd.model.stall import RankProbe, StallVerdict
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy
+from gpuwatchd.sources.stall_looks import StallLooks
 from gpuwatchd.sources.threads import process_state
 
 PROGRAMS = Path(__file__).parent / "fixtures" / "pyspy" / "programs"
@@ -78,7 +80,7 @@ def spy() -> PySpy:
 def test_heartbeat_stops_while_blocked_on_a_lock(ranks: Callable) -> None:
     _p, rp = ranks("beat_then_lock")
     assert rp.heartbeat and rp.heartbeat.endswith("stall-test.0.hb")
-    tracker = StallTracker(AFTER, spy(), dump_interval_seconds=CYCLE)
+    tracker = StallTracker(AFTER, StallLooks(spy()), dump_interval_seconds=CYCLE)
     now, v = run_until(tracker, [rp], 6.0, lambda v: v[rp.key].stalled)
     verdict = v[rp.key]
     assert verdict.stalled and verdict.method == "heartbeat"
@@ -92,7 +94,7 @@ def test_heartbeat_stops_while_blocked_on_a_lock(ranks: Callable) -> None:
 
 def test_healthy_beating_rank_is_never_stalled(ranks: Callable) -> None:
     _p, rp = ranks("beat")
-    tracker = StallTracker(AFTER, spy(), dump_interval_seconds=CYCLE)
+    tracker = StallTracker(AFTER, StallLooks(spy()), dump_interval_seconds=CYCLE)
     t0 = time.time()
     seen = []
     while time.time() - t0 < 3 * AFTER:
@@ -106,7 +108,7 @@ def test_healthy_beating_rank_is_never_stalled(ranks: Callable) -> None:
 @pytest.mark.parametrize("mode", ["beat", "stuck"])
 def test_sigstopped_rank_is_stalled(ranks: Callable, mode: str) -> None:
     p, rp = ranks(mode)
-    tracker = StallTracker(AFTER, spy(), dump_interval_seconds=CYCLE)
+    tracker = StallTracker(AFTER, StallLooks(spy()), dump_interval_seconds=CYCLE)
     run_until(tracker, [rp], 0.6)
     os.kill(p.pid, signal.SIGSTOP)
     stopped_at = time.time()
@@ -120,7 +122,7 @@ def test_sigstopped_rank_is_stalled(ranks: Callable, mode: str) -> None:
 def test_rank_without_heartbeat_stuck_in_the_same_frames(ranks: Callable) -> None:
     _p, rp = ranks("stuck")
     assert rp.heartbeat is None
-    tracker = StallTracker(AFTER, spy(), dump_interval_seconds=CYCLE)
+    tracker = StallTracker(AFTER, StallLooks(spy()), dump_interval_seconds=CYCLE)
     t0 = time.time()
     now, v = run_until(tracker, [rp], 6.0, lambda v: v[rp.key].stalled)
     verdict = v[rp.key]
@@ -133,7 +135,7 @@ def test_rank_without_heartbeat_stuck_in_the_same_frames(ranks: Callable) -> Non
 
 def test_without_pyspy_the_proc_view_still_sees_the_stuck_rank(ranks: Callable) -> None:
     _p, rp = ranks("stuck")
-    tracker = StallTracker(AFTER, PySpy(None), dump_interval_seconds=CYCLE)
+    tracker = StallTracker(AFTER, StallLooks(PySpy(None)), dump_interval_seconds=CYCLE)
     _, v = run_until(tracker, [rp], 6.0, lambda v: v[rp.key].stalled)
     assert v[rp.key].stalled and v[rp.key].method == "proc" and v[rp.key].stuck_frames == ()
 
@@ -149,7 +151,7 @@ def test_busy_rank_without_heartbeat_is_not_stalled(tmp_path: Path) -> None:
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         rp = RankProbe("busy", 0, p.pid, True, "S", None)
-        tracker = StallTracker(AFTER, spy(), dump_interval_seconds=CYCLE)
+        tracker = StallTracker(AFTER, StallLooks(spy()), dump_interval_seconds=CYCLE)
         _, v = run_until(tracker, [rp], 3 * AFTER, lambda v: v[rp.key].stalled)
         assert not v[rp.key].stalled
     finally:
@@ -168,7 +170,7 @@ def test_busy_rank_whose_dumps_never_change_is_not_stalled(tmp_path: Path) -> No
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         rp = RankProbe("same", 0, p.pid, True, "S", None)
-        tracker = StallTracker(AFTER, spy(), dump_interval_seconds=CYCLE)
+        tracker = StallTracker(AFTER, StallLooks(spy()), dump_interval_seconds=CYCLE)
         _, v = run_until(tracker, [rp], 4 * AFTER, lambda v: v[rp.key].stalled)
         assert not v[rp.key].stalled, v[rp.key]
     finally:
@@ -179,7 +181,7 @@ def test_busy_rank_whose_dumps_never_change_is_not_stalled(tmp_path: Path) -> No
 def test_odd_one_out_among_real_ranks(ranks: Callable) -> None:
     probes = [ranks("barrier", r, "llm-7")[1] for r in range(3)]
     probes.append(ranks("elsewhere", 3, "llm-7")[1])
-    tracker = StallTracker(AFTER, spy(), dump_interval_seconds=CYCLE)
+    tracker = StallTracker(AFTER, StallLooks(spy()), dump_interval_seconds=CYCLE)
     _, v = run_until(tracker, probes, 8.0, lambda v: all(x.stalled for x in v.values()))
     assert all(x.stalled for x in v.values())
     assert [k[1] for k, x in sorted(v.items()) if x.suspect] == [3]
@@ -216,7 +218,7 @@ def test_name_suspects_rules() -> None:
 
 
 def test_heartbeat_file_missing_counts_from_first_sight(tmp_path: Path) -> None:
-    tracker = StallTracker(AFTER, None)
+    tracker = StallTracker(AFTER, StallLooks(None))
     p = RankProbe("j", 0, os.getpid(), True, "R", str(tmp_path / "never-written.hb"))
     v0 = tracker.observe(1000.0, [p])[p.key]
     assert v0.progress_timestamp == 1000.0 and not v0.stalled
@@ -279,7 +281,7 @@ def test_heartbeat_owned_by_another_user_is_ignored(tmp_path: Path) -> None:
     hb = tmp_path / "someone-elses.hb"
     hb.write_text("1")
     os.utime(hb, (5010.0, 5010.0))  # "fresh": later than every observation below
-    tracker = StallTracker(AFTER, None)
+    tracker = StallTracker(AFTER, StallLooks(None))
     p = RankProbe("j", 0, os.getpid(), True, "R", str(hb), owner_uid=other)
     v = tracker.observe(5000.0, [p])[p.key]
     assert v.progress_timestamp == 5000.0  # first sight, not the file

@@ -29,11 +29,12 @@ from daemonutil import DaemonProc, write_config
 
 from gpuwatchd.join.stall import StallTracker
 from gpuwatchd.join.stall_spin import GpuReading, GpuWindow, rank_gpu_readings
-from gpuwatchd.join.stall_verdicts import RankProbe, StallVerdict
 from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, RankState
+from gpuwatchd.model.stall import RankProbe, StallVerdict
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy
+from gpuwatchd.sources.stall_looks import StallLooks
 from gpuwatchd.sources.threads import process_state
 
 AFTER = 1.5
@@ -219,7 +220,7 @@ def _probe(pid: int, job: str) -> RankProbe:
 def test_gpu_readings_decide_a_spin(launch, util: float, mem: float, stalled: bool,
                                     confirmed: str) -> None:
     p = launch("c_spin", "gpu-rule")
-    tracker = StallTracker(AFTER, PySpy(pyspy.resolve_pyspy()), dump_interval_seconds=0.25)
+    tracker = StallTracker(AFTER, StallLooks(PySpy(pyspy.resolve_pyspy())), dump_interval_seconds=0.25)
     t0 = time.time()
     v = None
     while time.time() - t0 < 2 * AFTER + 1:
@@ -285,7 +286,7 @@ def test_unchanged_rank_is_dumped_once_per_after_seconds(launch) -> None:
 
     spy.dump = counting  # type: ignore[method-assign]
     after = 2.0
-    tracker = StallTracker(after, spy, dump_interval_seconds=0.25)
+    tracker = StallTracker(after, StallLooks(spy), dump_interval_seconds=0.25)
     t0 = time.time()
     while time.time() - t0 < 6.5:
         tracker.observe(time.time(), [_probe(p.pid, "cadence")])
@@ -316,7 +317,7 @@ def test_idle_rank_is_dumped_once_per_stall_episode(launch, tmp_path: Path) -> N
     p = launch("idle", "episode")
     spy, count = _counting_pyspy(tmp_path)
     after = 1.0
-    tracker = StallTracker(after, spy, dump_interval_seconds=0.25)
+    tracker = StallTracker(after, StallLooks(spy), dump_interval_seconds=0.25)
     time.sleep(0.3)  # past "ready" into pause(): a first dump during the move would dump again
 
     def look(seconds: float) -> list[StallVerdict]:

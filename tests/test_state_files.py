@@ -22,10 +22,12 @@ from hypothesis import strategies as st
 from kernel_oom_helpers import MemCgroup, go
 
 from gpuwatchd.counters import CounterStore
-from gpuwatchd.events.log import Event, read_events
+from gpuwatchd.events.log import read_events
 from gpuwatchd.join.kernel_events import KernelEventProcessor
 from gpuwatchd.join.rank_trees import RankTreeRecord
+from gpuwatchd.model.events import Event
 from gpuwatchd.rank import api
+from gpuwatchd.sources.kernel_lines import parse_message
 from gpuwatchd.sources.kmsg import KmsgSource
 from gpuwatchd.statefile import StateFiles
 
@@ -173,7 +175,7 @@ def test_fuzz_event_log_lines_never_break_the_start(tmp_path: Path, lines: list[
     render(shown)
     json.dumps([to_dict(e) for e in shown])
     counters = CounterStore()
-    KernelEventProcessor(counters, str(tmp_path))  # rebuilds the counters from the log
+    KernelEventProcessor(counters, str(tmp_path), parse=parse_message)  # rebuilds the counters from the log
     for series in counters.snapshot().values():
         assert all(math.isfinite(v) and v >= 0 for v in series.values())
 

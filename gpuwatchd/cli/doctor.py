@@ -29,13 +29,14 @@ from gpuwatchd.findings import FindingContext, fds, fork, nccl_env
 from gpuwatchd.join.hang import analyze, wait_tids
 from gpuwatchd.join.rank_workers import worker_view
 from gpuwatchd.model import RankState
+from gpuwatchd.model.threads import ThreadInfo, ThreadStack
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import containers, devfds, taskwait
 from gpuwatchd.sources.pidns import pid_text
 from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.sources.pyspy import PySpy
-from gpuwatchd.sources.pyspy_output import PySpyError, ThreadStack
-from gpuwatchd.sources.threads import ThreadInfo, process_state, read_threads
+from gpuwatchd.sources.pyspy_output import PySpyError
+from gpuwatchd.sources.threads import process_state, read_threads
 from gpuwatchd.units import fmt_bytes
 
 STATES = {

@@ -18,7 +18,8 @@ from typing import Any
 
 from gpuwatchd.cli.common import resolve_config
 from gpuwatchd.escape import printable
-from gpuwatchd.events.log import EVENTS_FILE, Event, read_events
+from gpuwatchd.events.log import EVENTS_FILE, read_events
+from gpuwatchd.model.events import Event
 from gpuwatchd.units import fmt_rfc3339, fmt_time_local
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")

@@ -9,8 +9,8 @@ events of the kernel log already and are not repeated here. Costs one set differ
 from __future__ import annotations
 
 from gpuwatchd.daemon.subsystem import DaemonContext, Subsystem
-from gpuwatchd.events.log import Event
 from gpuwatchd.model import INFO, Finding, NodeState
+from gpuwatchd.model.events import Event
 from gpuwatchd.units import fmt_clock
 
 # Already events of their own (kernel_events.py).

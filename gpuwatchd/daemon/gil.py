@@ -55,10 +55,11 @@ from gpuwatchd.daemon.gil_schedule import (
 from gpuwatchd.daemon.gil_signals import RankSignals
 from gpuwatchd.join.stall import MAX_PROBE_THREADS
 from gpuwatchd.model import CollectorStatus, GilReading
+from gpuwatchd.model.threads import ThreadInfo
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.pyspy import PySpy
 from gpuwatchd.sources.pyspy_output import COLLECTOR, NOT_PYTHON, GilSample, PySpyError
-from gpuwatchd.sources.threads import ThreadInfo, process_cpu, read_threads
+from gpuwatchd.sources.threads import process_cpu, read_threads
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpuwatchd.sources.threads import ThreadInfo
+from gpuwatchd.model.threads import ThreadInfo
 
 CONVOY_CORES = (0.3, 1.4)  # a GIL convoy uses about one core in total (see convoy_hint)
 BUSY_THREAD_CORES = 0.8  # one thread on CPU this much of the time: a Python-bound loop, maybe

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from gpuwatchd.daemon.gil_convoy import ConvoyHint
 from gpuwatchd.daemon.gil_signals import RankSignals
 from gpuwatchd.model import GilReading
-from gpuwatchd.sources.threads import ThreadInfo
+from gpuwatchd.model.threads import ThreadInfo
 
 HISTORY = 4  # readings kept per rank (the finding looks at the last two)
 HOT_RATIO = 0.5  # a last sample at least this GIL-bound puts the rank ahead of the queue

@@ -19,13 +19,14 @@ from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.subsystem import NOTHING, Contribution, DaemonContext, Subsystem
 from gpuwatchd.events.alertmanager import derive_instance
 from gpuwatchd.events.bus import EventBus, build_bus
-from gpuwatchd.events.log import Event
 from gpuwatchd.isolation import guarded, run_forever
 from gpuwatchd.join.kernel_events import KernelEventProcessor
 from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import CgroupPaths, CollectorStatus, NodeState, ProcessInfo
+from gpuwatchd.model.events import Event
+from gpuwatchd.model.kernel import LogRecord
 from gpuwatchd.sources import reaper
-from gpuwatchd.sources.kernel_lines import LogRecord
+from gpuwatchd.sources.kernel_lines import parse_message
 from gpuwatchd.sources.kernel_log import KernelLogUnavailable, open_kernel_log, read_vmstat_oom_kill
 from gpuwatchd.sources.kmsg import read_boot_id
 
@@ -73,7 +74,7 @@ class KernelLogSubsystem(Subsystem):
                 files=daemon.state_files,
             )
         self.processor = KernelEventProcessor(
-            daemon.counters, cfg.state_dir, bus=self.bus, boot_id=read_boot_id(paths),
+            daemon.counters, cfg.state_dir, parse=parse_message, bus=self.bus, boot_id=read_boot_id(paths),
             xid_dedup=daemon.services.xid_dedup, clock=daemon.clock,  # shared with the NVML Xid watcher
             files=daemon.state_files,
             retention_seconds=cfg.retention.oom_kill_seconds,

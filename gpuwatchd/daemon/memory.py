@@ -29,6 +29,7 @@ from gpuwatchd.isolation import guarded
 from gpuwatchd.join.memory_tracker import MemoryTracker, RankKey
 from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import (
+    CgroupMemory,
     CgroupPaths,
     CollectorStatus,
     Finding,
@@ -38,7 +39,7 @@ from gpuwatchd.model import (
     RankMemory,
     rank_alive,
 )
-from gpuwatchd.sources.memcg import CgroupMemory, MemcgReader
+from gpuwatchd.sources.memcg import MemcgReader
 from gpuwatchd.sources.pyspy import PySpy
 from gpuwatchd.sources.pyspy_output import PySpyError
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gpuwatchd.events.log import Event
 from gpuwatchd.model import INFO, Finding, RankMemory, frozen_map
-from gpuwatchd.sources.pyspy_output import ThreadStack
+from gpuwatchd.model.events import Event
+from gpuwatchd.model.threads import ThreadStack
 from gpuwatchd.units import fmt_bytes, fmt_clock, fmt_span
 
 MAX_THREADS = 4

@@ -23,11 +23,12 @@ from gpuwatchd.daemon.subsystem import Contribution, DaemonContext, Subsystem
 from gpuwatchd.isolation import run_forever
 from gpuwatchd.join.stall import StallTracker
 from gpuwatchd.join.stall_spin import rank_gpu_readings
-from gpuwatchd.join.stall_verdicts import RankProbe
 from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo, rank_alive
+from gpuwatchd.model.stall import RankProbe
 from gpuwatchd.sources.pyspy import PySpy
 from gpuwatchd.sources.pyspy_output import ABSENT, COLLECTOR
+from gpuwatchd.sources.stall_looks import StallLooks
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class PySpySubsystem(Subsystem):
                 # the /proc convoy probe reads every thread of every rank: once per cycle is enough
                 probe_seconds=max(2.0, self.config.interval_seconds),
             )  # fmt: skip
-        self.stall = StallTracker(self.config.stall.after_seconds, self.spy, paths=daemon.paths,
+        self.stall = StallTracker(self.config.stall.after_seconds, StallLooks(self.spy, daemon.paths),
                                   cycle_seconds=self.config.interval_seconds,
                                   compile_after_seconds=self.config.stall.compile_after_seconds)  # fmt: skip
 

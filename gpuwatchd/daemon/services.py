@@ -17,9 +17,9 @@ import threading
 from dataclasses import dataclass, field
 
 from gpuwatchd.config import Config
-from gpuwatchd.events.log import Event
 from gpuwatchd.join.event_store import EventStore
 from gpuwatchd.join.xid_dedup import XidDeduper
+from gpuwatchd.model.events import Event
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.pyspy import PySpy
 

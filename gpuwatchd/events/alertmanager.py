@@ -14,8 +14,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gpuwatchd.events.log import ALERT_NAMES, RUNBOOK_ANCHORS, RUNBOOK_BASE, Event
+from gpuwatchd.events.log import ALERT_NAMES, RUNBOOK_ANCHORS, RUNBOOK_BASE
 from gpuwatchd.model import PAGE
+from gpuwatchd.model.events import Event
 from gpuwatchd.units import fmt_rfc3339
 
 log = logging.getLogger(__name__)

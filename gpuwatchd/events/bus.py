@@ -9,7 +9,8 @@ from typing import Any
 
 from gpuwatchd.events.alertmanager import AlertmanagerSink
 from gpuwatchd.events.journal_sink import JournalSink
-from gpuwatchd.events.log import Event, EventSink, JsonlSink
+from gpuwatchd.events.log import EventSink, JsonlSink
+from gpuwatchd.model.events import Event
 
 log = logging.getLogger(__name__)
 

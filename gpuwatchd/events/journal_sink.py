@@ -11,7 +11,8 @@ import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gpuwatchd.events.log import MESSAGE_IDS, Event
+from gpuwatchd.events.log import MESSAGE_IDS
+from gpuwatchd.model.events import Event
 
 log = logging.getLogger(__name__)
 

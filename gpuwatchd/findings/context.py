@@ -10,9 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from gpuwatchd.config import Config
-from gpuwatchd.events.log import Event
-from gpuwatchd.join.collectives import FrReading
-from gpuwatchd.join.stall_verdicts import StallVerdict
+from gpuwatchd.join.collectives import FrReading, compare
 from gpuwatchd.join.straggler import RankRate
 from gpuwatchd.model import (
     AttributedOom,
@@ -30,6 +28,8 @@ from gpuwatchd.model import (
     RankState,
     frozen_map,
 )
+from gpuwatchd.model.events import Event
+from gpuwatchd.model.stall import StallVerdict
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,12 @@ class FindingContext(RuleReadings):
     orphans: tuple[Orphan, ...] = ()
 
 
+def collective_words(ctx: FindingContext, job_id: str) -> list[str]:
+    """The flight-recorder answers of ``job_id``'s stalled ranks compared, in words: which rank
+    is behind in which collective (join/collectives.py ``compare``); [] without answers."""
+    return compare(x for k, x in ctx.flight_records.items() if k[0] == job_id)
+
+
 def rank_label(r: RankState) -> str:
     """"rank 0 of job llm (pid 48213 (1 in its container), Kubernetes pod 0b8d...)"."""
     pid = f"pid {r.pid}" + (f" ({r.ns_pid} in its container)" if r.ns_pid is not None else "")
@@ -126,6 +132,7 @@ __all__ = [
     "GpuRemoved",
     "NvmlLostGpu",
     "RuleReadings",
+    "collective_words",
     "rank_finding",
     "rank_gpus",
     "rank_label",

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpuwatchd.events.log import Event
 from gpuwatchd.findings.context import FindingContext
-from gpuwatchd.join.kernel_events import scope_phrase
 from gpuwatchd.model import PAGE, Finding
+from gpuwatchd.model.events import Event
+from gpuwatchd.model.kernel import scope_phrase
 from gpuwatchd.units import fmt_bytes, fmt_clock
 
 # A kill stays a finding for as long as the GPURankOOMKilled rule looks back (increase()[10m]),

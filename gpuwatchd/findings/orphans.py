@@ -11,8 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gpuwatchd.findings.context import FindingContext
-from gpuwatchd.join.orphans import DEFUNCT, JOB_ENDED, REPARENTED, UNREGISTERED
-from gpuwatchd.model import WARNING, Finding, Orphan
+from gpuwatchd.model import DEFUNCT, JOB_ENDED, REPARENTED, UNREGISTERED, WARNING, Finding, Orphan
 from gpuwatchd.units import fmt_age, fmt_bytes
 
 _WHY = {

@@ -25,10 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from gpuwatchd.findings.context import FindingContext, rank_finding, rank_gpus, rank_label
-from gpuwatchd.join.collectives import compare
-from gpuwatchd.join.stall_verdicts import StallVerdict
+from gpuwatchd.findings.context import FindingContext, collective_words, rank_finding, rank_gpus, rank_label
 from gpuwatchd.model import INFO, PAGE, WARNING, Finding, RankState
+from gpuwatchd.model.stall import StallVerdict
 from gpuwatchd.units import fmt_bytes, fmt_clock_utc
 
 GPU_IDLE_RATIO = 0.05  # below 5 % utilisation a GPU is idle
@@ -115,7 +114,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         lead = f"{patterns}{gpu_wait_text(v, gpus)}; " if patterns else ""
         on_gpu = f"; {gpu_text(gpus)}" if gpus else ""
         threads = f"; threads: {v.analysis.threads_text()}" if v.analysis else ""
-        fr = compare(x for k, x in ctx.flight_records.items() if k[0] == r.job_id)
+        fr = collective_words(ctx, r.job_id)
         lead += "".join(f"{x}; " for x in fr)
         if v.confirmed_by:
             lead += f"{CONFIRMED[v.confirmed_by]} ({v.gpu_evidence}); "

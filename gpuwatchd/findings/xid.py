@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpuwatchd.events.log import Event
 from gpuwatchd.findings.context import FindingContext
-from gpuwatchd.join.kernel_lines import CRITICAL_XIDS
 from gpuwatchd.model import PAGE, Finding
+from gpuwatchd.model.events import Event
+from gpuwatchd.model.kernel import CRITICAL_XIDS
 from gpuwatchd.units import fmt_clock, fmt_time
 
 # As long as the GPUXidCritical rule looks back (increase()[10m]).

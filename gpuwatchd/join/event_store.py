@@ -22,9 +22,10 @@ from typing import Any
 
 from gpuwatchd.counters import CounterStore, rank_label_positions
 from gpuwatchd.events.bus import EventBus
-from gpuwatchd.events.log import Event, read_events
+from gpuwatchd.events.log import read_events
 from gpuwatchd.model import INFO, frozen_map
-from gpuwatchd.sources.kernel_lines import KILLER_KERNEL
+from gpuwatchd.model.events import Event
+from gpuwatchd.model.kernel import KILLER_KERNEL
 from gpuwatchd.statefile import StateFiles
 
 log = logging.getLogger(__name__)

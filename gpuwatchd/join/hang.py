@@ -30,18 +30,14 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 
 from gpuwatchd.join import lock_evidence
-from gpuwatchd.sources.pyspy_output import Frame, ThreadStack
-from gpuwatchd.sources.taskwait import SyscallWait
-from gpuwatchd.sources.threads import ThreadInfo
+from gpuwatchd.model.stall import HangAnalysis, Pattern, ThreadGroup, ThreadView, WorkerView
+from gpuwatchd.model.threads import Frame, SyscallWait, ThreadInfo, ThreadStack
 
 IDLE_SHARE = 0.02  # at most 2 % of a core: not running
 WORK_SHARE = 0.05  # as stall.WORK_SHARE: a thread between this and a spin is doing work
 SPIN_SHARE = 0.9
-MAX_GROUPS = 8
-MAX_FRAMES = 3
 
 # File prefixes of PyTorch's compiler stack (short file names as py-spy prints them).
 COMPILE_FILES = ("torch/_dynamo/", "torch/_inductor/", "torch/_functorch/", "triton/",
@@ -73,105 +69,6 @@ IDLE_WAITS = {
     ("_recv", "multiprocessing/connection.py"): "multiprocessing recv",
 }
 LOCK_FUNCS = {("acquire", "threading.py"), ("__enter__", "threading.py")}
-
-
-@dataclass(frozen=True)
-class ThreadView:
-    tid: int | None
-    name: str
-    state: str  # /proc state letter ("" when the thread was not found in /proc)
-    wchan: str
-    cpu_share: float | None  # cores since the previous look; None when unknown
-    owns_gil: bool
-    frames: tuple[Frame, ...]  # innermost first
-    kind: str  # compile | collective | gpu | queue | join | lock | idle | native_spin | running | waiting
-    waits_on: str  # e.g. "queue.get", "a lock (futex 0x5649..)"
-    futex: int | None = None  # the lock's futex word; None when unknown or not the lock's
-    parked: bool = False  # waits in CPython's parking lot (3.13+): its futex word is its own
-
-
-@dataclass(frozen=True)
-class ThreadGroup:
-    count: int
-    names: tuple[str, ...]
-    kind: str
-    state: str
-    cpu_share: float | None
-    frames: tuple[Frame, ...]
-    owns_gil: bool
-    waits_on: str
-
-    def text(self) -> str:
-        where = " <- ".join(str(f) for f in self.frames[:MAX_FRAMES]) or "no Python frame"
-        cpu = "CPU ?" if self.cpu_share is None else f"{self.cpu_share:.0%} CPU"
-        gil = ", GIL" if self.owns_gil else ""
-        st = self.state or "?"
-        what = "in"
-        if self.waits_on and self.kind in ("queue", "idle"):
-            what = f"idle in {self.waits_on} at"
-        elif self.waits_on and self.kind == "join":
-            what = "waiting in Thread.join at"
-        elif self.waits_on and self.kind in ("lock", "gpu", "collective"):
-            what = f"waiting for {self.waits_on} at"
-        if self.count == 1:
-            return f'"{self.names[0]}" ({st}, {cpu}{gil}) {what} {where}'
-        return f"{self.count} threads ({st}, {cpu} each) {what} {where}"
-
-
-@dataclass(frozen=True)
-class Pattern:
-    kind: str  # deadlock | lock_wait | gpu_wait | native_spin | collective | compiling | starved
-    text: str
-    threads: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class WorkerView:
-    """The rank's worker processes (its descendants) over the last window."""
-
-    seen: int  # workers ever seen for this rank process
-    gone: tuple[int, ...] = ()  # seen before, now exited (or zombies)
-    stopped: tuple[int, ...] = ()  # state T / t
-    blocked: tuple[int, ...] = ()  # alive, ~0 CPU over the window (S or D)
-    running: tuple[int, ...] = ()
-
-    def text(self) -> str:
-        parts = []
-        for label, pids in (("dead", self.gone), ("stopped (T)", self.stopped),
-                            ("blocked (not woken once)", self.blocked), ("running", self.running)):
-            if pids:
-                parts.append(f"{len(pids)} {label} (pid {', '.join(map(str, pids[:6]))})")
-        return ", ".join(parts) or "none"
-
-
-@dataclass(frozen=True)
-class HangAnalysis:
-    threads: tuple[ThreadView, ...]
-    groups: tuple[ThreadGroup, ...]
-    patterns: tuple[Pattern, ...]
-
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        return tuple(p.kind for p in self.patterns)
-
-    @property
-    def compiling(self) -> bool:
-        return "compiling" in self.kinds
-
-    @property
-    def in_compile(self) -> bool:
-        """Some thread is in torch.compile frames (busy or not)."""
-        return any(t.kind == "compile" for t in self.threads)
-
-    def threads_text(self) -> str:
-        shown = [g.text() for g in self.groups[:MAX_GROUPS]]
-        rest = sum(g.count for g in self.groups[MAX_GROUPS:])
-        if rest:
-            shown.append(f"{rest} more thread(s)")
-        return "; ".join(shown)
-
-    def patterns_text(self) -> str:
-        return "; ".join(p.text for p in self.patterns)
 
 
 def _in(f: Frame, table: Mapping[tuple[str, str], str] | set[tuple[str, str]]) -> bool:

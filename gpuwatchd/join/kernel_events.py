@@ -36,7 +36,7 @@ from typing import Any
 
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.events.bus import EventBus
-from gpuwatchd.events.log import EVENTS_FILE, Event
+from gpuwatchd.events.log import EVENTS_FILE
 from gpuwatchd.join.event_store import HELPER_OOM_KILL, EventStore
 from gpuwatchd.join.kernel_lines import KernelLines, is_history
 from gpuwatchd.join.oom_history import OomBaseline
@@ -45,27 +45,15 @@ from gpuwatchd.join.rank_peers import RankPeers
 from gpuwatchd.join.rank_trees import RankTreeRecord, members_from
 from gpuwatchd.join.xid_dedup import XidDeduper
 from gpuwatchd.model import PAGE, WARNING, ProcessInfo, RankState, frozen_map
-from gpuwatchd.sources.kernel_lines import KILLER_EARLYOOM, KILLER_KERNEL, KILLER_OOMD, LogRecord, parse_message
+from gpuwatchd.model.events import Event
+from gpuwatchd.model.kernel import KILLER_EARLYOOM, KILLER_KERNEL, KILLER_OOMD, LogRecord, Parsed, scope_phrase
 from gpuwatchd.statefile import StateFiles, make_state_dir
 from gpuwatchd.units import fmt_bytes, fmt_time
 
 log = logging.getLogger(__name__)
-__all__ = ["KernelEventProcessor", "scope_phrase"]
+__all__ = ["KernelEventProcessor"]
 
 RECORD_FILE = "rank_trees.json"
-
-
-def scope_phrase(scope: str, constraint: str, oom_memcg: str, memcg: str = "") -> str:
-    """Why the kernel killed: a memory cgroup's limit (a container / job limit) or the whole node
-    out of memory; "" when the log does not say (a summary whose kill line was lost)."""
-    if constraint == "CONSTRAINT_MEMCG" or scope == "Memory cgroup out of memory":
-        if oom_memcg and oom_memcg != memcg:
-            return f" (limit of memory cgroup {oom_memcg} reached)"
-        return " (the cgroup's memory limit was reached)" if memcg else \
-            " (its memory cgroup's limit was reached)"
-    if constraint == "CONSTRAINT_NONE" or scope.startswith("Out of memory"):
-        return " (the node ran out of memory)"
-    return ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,6 +68,8 @@ class KernelEventProcessor:
         self,
         counters: CounterStore,
         state_dir: str,
+        *,
+        parse: Callable[[str, str], Parsed | None],
         bus: EventBus | None = None,
         boot_id: str = "",
         record: RankTreeRecord | None = None,
@@ -95,12 +85,15 @@ class KernelEventProcessor:
         ended_grace_seconds: float | None = None,
         helper_of: Callable[[int, float], str | None] | None = None,
     ) -> None:
-        """``retention_seconds``: how long a compaction keeps the folded counter of a rank that
+        """``parse``: a log message and its identifier -> what it says (the source's parser,
+        sources/kernel_lines.py ``parse_message``).
+        ``retention_seconds``: how long a compaction keeps the folded counter of a rank that
         is no longer registered (``retention.oom_kill_seconds``, retention.py; at run time it is
         ``store.retention_seconds``)."""
         files = files or StateFiles()  # the daemon passes its own, which counts
         # (pid, time) -> the name of the daemon's own helper that pid was then (its py-spy runs)
         self.helper_of = helper_of
+        self.parse = parse
         self.counters = counters
         self.state_dir = state_dir
         self.boot_id = boot_id
@@ -139,7 +132,7 @@ class KernelEventProcessor:
     # -- the kernel-log thread --------------------------------------------------------------
 
     def handle(self, rec: LogRecord) -> list[Event]:
-        p = parse_message(rec.message, rec.identifier)
+        p = self.parse(rec.message, rec.identifier)
         if p is None:
             return []
         with self._lock:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gpuwatchd.events.log import Event
 from gpuwatchd.join.bus_lost import BusLostDedup
 from gpuwatchd.join.event_store import EventStore
 from gpuwatchd.join.oom_history import HistoryKill, OomBaseline
@@ -23,15 +22,9 @@ from gpuwatchd.join.rank_peers import RankPeers
 from gpuwatchd.join.rank_trees import RankTreeRecord
 from gpuwatchd.join.xid_dedup import XidDeduper
 from gpuwatchd.model import INFO, PAGE, WARNING, frozen_map
-from gpuwatchd.sources.kernel_lines import KILLER_OOMD, LogRecord, Parsed
+from gpuwatchd.model.events import Event
+from gpuwatchd.model.kernel import CRITICAL_XIDS, KILLER_OOMD, LogRecord, Parsed
 from gpuwatchd.units import fmt_time
-
-# Xids that page: the same set as the GPUXidCritical rule (deploy/prometheus/gpuwatchd.rules.yml,
-# after the NVIDIA Xid catalog and shared/research/gil-hang-oom.md §4.5): broken GPU, memory or
-# links. App-level faults (13, 31, 43) and informational ones (45) are counted but do not page.
-CRITICAL_XIDS = frozenset(
-    {48, 56, 57, 58, 62, 63, 64, 65, 68, 69, 73, 74, 79, 80, 81, 92, 94, 95, 119, 120}
-)
 
 
 def is_history(baseline: OomBaseline, k: Kill) -> bool:

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from gpuwatchd.sources.taskwait import SyscallWait
-from gpuwatchd.sources.threads import ThreadInfo
+from gpuwatchd.model.threads import SyscallWait, ThreadInfo
 
 
 def locks_text(futexes: Iterable[int], parked: Sequence[str]) -> str:

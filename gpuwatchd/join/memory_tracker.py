@@ -14,8 +14,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from gpuwatchd.model import ProcessInfo, RankMemory, TreeProcessMemory
-from gpuwatchd.sources.memcg import CgroupMemory
+from gpuwatchd.model import CgroupMemory, ProcessInfo, RankMemory, TreeProcessMemory
 
 MAX_POINTS = 720
 TOP_PROCESSES = 5

@@ -23,8 +23,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpuwatchd.events.log import Event
 from gpuwatchd.model import INFO, frozen_map
+from gpuwatchd.model.events import Event
 from gpuwatchd.statefile import atomic_write, read_capped
 from gpuwatchd.units import fmt_bytes
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpuwatchd.sources.kernel_lines import KILLER_EARLYOOM, KILLER_KERNEL, LogRecord, Parsed, rss_bytes
+from gpuwatchd.model.kernel import KILLER_EARLYOOM, KILLER_KERNEL, LogRecord, Parsed, rss_bytes
 
 log = logging.getLogger(__name__)
 

@@ -24,13 +24,17 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gpuwatchd.model import GpuProcess, Orphan, ProcessInfo, RankEntry, RankState
-
-DEFUNCT = "defunct"
-REPARENTED = "reparented_to_init"
-JOB_ENDED = "job_ended"
-UNREGISTERED = "unregistered"
-REASONS = (DEFUNCT, REPARENTED, JOB_ENDED, UNREGISTERED)
+from gpuwatchd.model import (
+    DEFUNCT,
+    JOB_ENDED,
+    REPARENTED,
+    UNREGISTERED,
+    GpuProcess,
+    Orphan,
+    ProcessInfo,
+    RankEntry,
+    RankState,
+)
 
 
 @dataclass(frozen=True)

@@ -4,19 +4,18 @@
 descendants the daemon reads anyway: no I/O), so that a worker that died while the rank still beat
 is known as dead when the rank starves; their CPU between looks (the busiest one tells that
 Inductor is compiling in a worker); and, only while the rank is judged stalled, each worker's
-context switches (``/proc/PID/status`` via sources/taskwait.py): a worker that was not woken
-once between two looks is blocked. CPU time cannot tell that: a producer that sleeps between
-batches uses ~0 CPU too. Memory: at most ``MAX_REMEMBERED`` pids per rank.
+context switches (``/proc/PID/status``, read by the caller's ``context_switches``:
+sources/stall_looks.py): a worker that was not woken once between two looks is blocked. CPU time
+cannot tell that: a producer that sleeps between batches uses ~0 CPU too. Memory: at most
+``MAX_REMEMBERED`` pids per rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gpuwatchd.join.hang import WorkerView
-from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources import taskwait
+from gpuwatchd.model.stall import WorkerView
 
 MAX_REMEMBERED = 64  # worker pids remembered per rank (to tell "died" from "never had")
 Worker = tuple[int, str, float]  # (pid, /proc state, CPU seconds)
@@ -69,11 +68,13 @@ class RankWorkers:
         self.cpu = live
         return out
 
-    def view(self, paths: HostPaths, workers: Sequence[Worker]) -> WorkerView | None:
-        """Dead / stopped / blocked / running; None when the rank never had a worker."""
+    def view(self, context_switches: Callable[[int], int | None],
+             workers: Sequence[Worker]) -> WorkerView | None:
+        """Dead / stopped / blocked / running; None when the rank never had a worker.
+        ``context_switches``: a worker pid -> its voluntary + involuntary switches, None unknown."""
         if not self.seen:
             return None
-        live = {pid: (state, taskwait.context_switches(paths, pid)) for pid, state, _ in workers}
+        live = {pid: (state, context_switches(pid)) for pid, state, _ in workers}
         out = worker_view(self.seen, live, self.switches)
         self.switches = {pid: n for pid, (_, n) in live.items() if n is not None}
         return out

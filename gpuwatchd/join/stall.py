@@ -15,14 +15,16 @@ comparison runs on the /proc thread view alone. A process in state ``T`` (SIGSTO
 On a node with several ranks of one job, the odd one out is named: when the peers all sit in the
 same place (typically one collective) and one rank is elsewhere, progressing alone, or dead, that
 rank is the suspect (research §3.2, NVIDIA/nccl#1063: "29 pods blocked in NCCL, 1 pod stuck in an
-arbitrary CUDA op"; ``name_suspects`` in join/stall_verdicts.py, with the probe and verdict types).
+arbitrary CUDA op"; ``name_suspects`` in join/stall_verdicts.py; the probe and verdict types in model/stall.py).
 
 A thread that burns a core at the one line of every dump is ambiguous (a healthy loop that syncs
 each step looks the same): join/stall_spin.py says when that is a stall (the GPU's readings, the
 peers) and otherwise the verdict is ``ambiguous``, a warning, never a page.
 
-Reads: the heartbeat file's mtime, ``/proc/PID/task/*/schedstat`` (and ``{stat,wchan}`` of the
-tasks that ran since the last look), ``py-spy dump``.
+Pure given its looker: this module decides which looks are due and turns what they read into
+verdicts; the reads themselves are the looker's (``Looker``; the daemon's is
+sources/stall_looks.py ``StallLooks``): the heartbeat file's mtime, ``/proc/PID/task/*/schedstat``
+(and ``{stat,wchan}`` of the tasks that ran since the last look), ``py-spy dump``.
 Cost: one stat per heartbeat rank per cycle (done by the daemon); per-thread reads per
 heartbeat-less or stalled *process* every ``dump interval`` (after_seconds/5, at least one cycle,
 at most 60 s): one ``schedstat`` per task, two more for a task that ran; and one dump (~10 ms)
@@ -45,11 +47,10 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from gpuwatchd.join.hang import analyze, wait_tids
 from gpuwatchd.join.rank_workers import RankWorkers
@@ -61,12 +62,9 @@ from gpuwatchd.join.stall_spin import (
     runnable_shares,
     spinning_python,
 )
-from gpuwatchd.join.stall_verdicts import RankProbe, StallVerdict, main_stack, name_suspects, summarize_threads
-from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources import taskwait
-from gpuwatchd.sources.pyspy import PySpy
-from gpuwatchd.sources.pyspy_output import ABSENT, NOT_PYTHON, PERMISSION_DENIED, TIMEOUT, PySpyError, ThreadStack
-from gpuwatchd.sources.threads import ThreadInfo, read_run_slices, read_threads_since, task_ids
+from gpuwatchd.join.stall_verdicts import main_stack, name_suspects, summarize_threads
+from gpuwatchd.model.stall import RankProbe, StallVerdict
+from gpuwatchd.model.threads import Dump, SyscallWait, ThreadInfo, ThreadStack
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +77,25 @@ MAX_FRAMES = 8
 # At most this many tasks of one process are read per look: a process with 3000 threads costs the
 # same as one with 256 (the main thread and the oldest threads come first, by tid).
 MAX_PROBE_THREADS = 256
+
+
+class Looker(Protocol):
+    """The host reads a look performs (sources/stall_looks.py ``StallLooks``)."""
+
+    clk_tck: int  # clock ticks per second of ThreadInfo.cpu_ticks
+
+    @property
+    def can_dump(self) -> bool: ...  # py-spy is there to ask
+    def heartbeat_mtime(self, path: str, owner_uid: int | None = None) -> float | None: ...
+    def dump(self, pid: int) -> Dump: ...
+    def task_ids(self, pid: int) -> list[int]: ...
+    def threads_since(
+        self, pid: int, tids: Sequence[int], prev: Mapping[int, tuple[tuple[int, int], ThreadInfo]],
+    ) -> tuple[tuple[ThreadInfo, ...], dict[int, tuple[int, int]]]: ...
+    def run_slices(self, pid: int, max_tasks: int) -> dict[int, tuple[int, int]] | None: ...
+    def schedstat(self, pid: int, tid: int) -> tuple[int, int] | None: ...
+    def waits(self, pid: int, tids: Iterable[int]) -> Mapping[int, SyscallWait]: ...
+    def context_switches(self, pid: int) -> int | None: ...
 
 
 @dataclass
@@ -123,17 +140,16 @@ class StallTracker:
     def __init__(
         self,
         after_seconds: float,
-        spy: PySpy | None,
+        looks: Looker,
         *,
-        paths: HostPaths | None = None,
         dump_interval_seconds: float | None = None,
         cycle_seconds: float = 5.0,
-        stat: Callable[[str], os.stat_result] = os.stat,
         compile_after_seconds: float | None = None,
         budget_seconds: float | None = None,
         max_threads: int = MAX_PROBE_THREADS,
     ) -> None:
-        """``compile_after_seconds``: a rank still in torch.compile with its CPU busy is reported
+        """``looks``: what reads the host for a look (sources/stall_looks.py).
+        ``compile_after_seconds``: a rank still in torch.compile with its CPU busy is reported
         as compiling, and stalled only after this long without progress (default 6x after).
         ``budget_seconds``: the most one ``observe`` spends on thread looks and dumps (default
         a fifth of a cycle, at least 50 ms); ``max_threads``: tasks read per process per look."""
@@ -144,14 +160,12 @@ class StallTracker:
         self.max_threads = max_threads
         # looks deferred because the budget was spent, by kind ("threads", "dump"); cumulative
         self.deferred: collections.Counter[str] = collections.Counter()
-        self.spy = spy
-        self.paths = paths or (spy.paths if spy else HostPaths())
+        self.looks = looks
         if dump_interval_seconds is None:
             dump_interval_seconds = min(max(after_seconds / 5, cycle_seconds), 60.0)
         self.dump_interval = dump_interval_seconds
-        self.stat = stat
         self._tracks: dict[tuple[str, int], _Track] = {}
-        self._clk_tck = os.sysconf("SC_CLK_TCK")
+        self._clk_tck = looks.clk_tck
         self.last_error = ""
         self._dumps_disabled_until = float("-inf")
         # per observe(): pid -> its thread view / dump, so that a PID listed by many ranks costs once
@@ -165,23 +179,13 @@ class StallTracker:
 
     # -- inputs -----------------------------------------------------------------------------------
 
-    def _heartbeat_mtime(self, path: str, owner_uid: int | None = None) -> float | None:
-        """mtime, with the owner rule of sources/rankfiles.py checked at the moment of reading."""
-        try:
-            st = self.stat(path)
-        except (OSError, ValueError):
-            return None
-        if owner_uid is not None and owner_uid != 0 and st.st_uid != owner_uid:
-            return None
-        return st.st_mtime
-
     def _dump(self, now: float, pid: int) -> tuple[tuple[ThreadStack, ...] | None, bool]:
         """(a non-blocking dump or None, whether py-spy cannot help with this rank at all).
 
         Never waits for a py-spy slot (the GIL sampler may hold them): a busy slot is "no dump
         this time". After a time-out, dumps pause for one interval so that a hung py-spy cannot
         hold every cycle for ``dump_timeout`` per rank."""
-        if self.spy is None or self.spy.binary is None:
+        if not self.looks.can_dump:
             return None, True
         if now < self._dumps_disabled_until:
             return None, False
@@ -190,14 +194,14 @@ class StallTracker:
             return memo
         # read before the dump, so that the same numbers later prove nothing ran since its stacks
         self._slices_memo[pid] = self._run_slices(pid)
-        try:
-            out: tuple[tuple[ThreadStack, ...] | None, bool] = (self.spy.dump(pid, slot_wait=0.0), False)
-        except PySpyError as e:
-            self.last_error = str(e)
-            if e.reason == TIMEOUT:
+        dump = self.looks.dump(pid)
+        out: tuple[tuple[ThreadStack, ...] | None, bool] = (dump.stacks, False)
+        if dump.error:
+            self.last_error = dump.error
+            if dump.timed_out:
                 self._dumps_disabled_until = now + self.dump_interval
-            log.debug("stall dump of pid %d failed: %s", pid, e)
-            out = None, e.reason in (ABSENT, PERMISSION_DENIED, NOT_PYTHON)
+            log.debug("stall dump of pid %d failed: %s", pid, dump.error)
+            out = None, dump.hopeless
         self._dump_memo[pid] = out
         return out
 
@@ -207,16 +211,15 @@ class StallTracker:
         looked = self._look_slices_memo.get(pid)
         if looked is not None and len(looked) == self._task_count.get(pid, -1) <= self.max_threads:
             return looked
-        return read_run_slices(self.paths, pid, max_tasks=self.max_threads)
+        return self.looks.run_slices(pid, self.max_threads)
 
     def _threads(self, pid: int, tr: _Track) -> tuple[ThreadInfo, ...]:
         memo = self._threads_memo.get(pid)
         if memo is None:
-            tids = task_ids(self.paths, pid)
+            tids = self.looks.task_ids(pid)
             self._task_count[pid] = len(tids)
             prev = {t.tid: (tr.look_slices[t.tid], t) for t in tr.threads if t.tid in tr.look_slices}
-            memo, self._look_slices_memo[pid] = read_threads_since(
-                self.paths, pid, tids[: self.max_threads], prev)
+            memo, self._look_slices_memo[pid] = self.looks.threads_since(pid, tids[: self.max_threads], prev)
             self._threads_memo[pid] = memo
         tr.look_slices = self._look_slices_memo.get(pid, {})
         return memo
@@ -290,7 +293,7 @@ class StallTracker:
         if p.heartbeat_read:
             hb_mtime = p.heartbeat_mtime
         else:
-            hb_mtime = self._heartbeat_mtime(p.heartbeat, p.owner_uid) if p.heartbeat else None
+            hb_mtime = self.looks.heartbeat_mtime(p.heartbeat, p.owner_uid) if p.heartbeat else None
         age = now - (hb_mtime or tr.first_seen)
         if p.heartbeat and not stopped and age <= self.after / 2:
             # a beating rank: its heartbeat says it all, no need to look at its threads. One
@@ -314,7 +317,7 @@ class StallTracker:
                 t.tid: (t.cpu_ticks - prev[t.tid]) / self._clk_tck / elapsed
                 for t in threads if elapsed > 0 and t.tid in prev
             }  # fmt: skip
-            shares, tr.sched = runnable_shares(self.paths, p.pid, tr.sched, shares, elapsed)
+            shares, tr.sched = runnable_shares(self.looks.schedstat, p.pid, tr.sched, shares, elapsed)
             spinning = frozenset(tid for tid, share in shares.items() if share >= SPIN_SHARE)
             # Python 3.10 dumps carry no tid (py-spy #567): then any task's work band counts;
             # before the first dump only the main thread's does (a native helper thread, a
@@ -373,8 +376,8 @@ class StallTracker:
         spin = spinning_python(tr.stacks, spinning) if stalled_so_far and method in ("stack", "proc") \
             else frozenset()
         if (stalled_so_far or late) and tr.stacks:
-            waits = taskwait.read_waits(self.paths, p.pid, wait_tids(tr.stacks, threads))
-            workers = tr.workers.view(self.paths, p.workers)
+            waits = self.looks.waits(p.pid, wait_tids(tr.stacks, threads))
+            workers = tr.workers.view(self.looks.context_switches, p.workers)
             analysis = analyze(tr.stacks, threads, shares, waits, workers, busiest_worker)
             if analysis.compiling:
                 tr.compile_busy_at = now
@@ -460,7 +463,7 @@ class StallTracker:
         # after the last dump. A stall is two identical dumps after_seconds apart with no settled
         # change of view between them: a hang is seen after_seconds after the first look that
         # shows it settled, plus a look or two.
-        if tr.dump_due or self.spy is None or self.spy.binary is None:
+        if tr.dump_due or not self.looks.can_dump:
             due = tr.last_dump_at + self.dump_interval  # (without py-spy the view is the comparison)
         elif tr.identical >= 1 and tr.last_dump_at - tr.last_change >= self.after:
             due = tr.last_dump_at + max(self.dump_interval, self.after)

@@ -32,15 +32,12 @@ Pure, no I/O: the daemon hands the readings in after its join (daemon/pyspy.py).
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from gpuwatchd.join.hang import HangAnalysis
-from gpuwatchd.join.stall_verdicts import StallVerdict
 from gpuwatchd.model import NodeState
-from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources.pyspy_output import ThreadStack
-from gpuwatchd.sources.threads import read_schedstat
+from gpuwatchd.model.stall import HangAnalysis, StallVerdict
+from gpuwatchd.model.threads import ThreadStack
 
 MEM_ACTIVE = 0.01  # NVML reports whole percent: 1 % of memory-controller time is data moving
 GPU_BUSY = 0.6  # as findings/stall.py's "busy"
@@ -129,18 +126,20 @@ def spinning_python(stacks: Iterable[ThreadStack], spinning: frozenset[int]) -> 
     return spinning & frozenset(tids)
 
 
-def runnable_shares(paths: HostPaths, pid: int, prev: Mapping[int, tuple[int, int]],
+def runnable_shares(schedstat: Callable[[int, int], tuple[int, int] | None], pid: int,
+                    prev: Mapping[int, tuple[int, int]],
                     shares: Mapping[int, float], elapsed: float,
                     ) -> tuple[dict[int, float], dict[int, tuple[int, int]]]:  # fmt: skip
     """Each working thread's share of the window it was runnable (on a CPU or waiting for one),
     and the schedstat readings to keep for the next look: a thread that never slept is spinning
     whatever share of a CPU other load left it (measured: a hash loop got 50-80 % of a core on
     the loaded 2-core VM, runnable 100 %). Read only for the threads that used CPU since the last
-    look (a few per rank); a thread's first such look keeps its CPU share."""
+    look (a few per rank); a thread's first such look keeps its CPU share. ``schedstat``:
+    (pid, tid) -> that task's (run ns, wait ns), the looker's read (sources/stall_looks.py)."""
     sched = {}
     for tid, share in shares.items():
         if share >= WORK_SHARE:
-            now_v = read_schedstat(paths, pid, tid)
+            now_v = schedstat(pid, tid)
             if now_v is not None:
                 sched[tid] = now_v
     out = dict(shares)

@@ -1,5 +1,6 @@
-"""The stall tracker's values: what it is told of a rank (``RankProbe``), what it concludes
-(``StallVerdict``), how a stalled rank's threads read, and the odd one out of a job's ranks.
+"""What the stall tracker's verdicts say beyond one rank (its values, ``RankProbe`` and
+``StallVerdict``, are in model/stall.py): how a stalled rank's threads read, and the odd one out
+of a job's ranks.
 
 Pure, no I/O, no memory across cycles: ``name_suspects`` compares one cycle's verdicts of the
 ranks of each job (cost linear in their number). ``join/stall.py`` holds the tracker itself.
@@ -9,71 +10,9 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
-from gpuwatchd.join.hang import HangAnalysis
-from gpuwatchd.sources.pyspy_output import ThreadStack
-from gpuwatchd.sources.threads import ThreadInfo
-
-
-@dataclass(frozen=True)
-class RankProbe:
-    """What the stall tracker needs to know about one rank this cycle."""
-
-    job_id: str
-    rank: int
-    pid: int
-    alive: bool
-    state: str = ""  # /proc state letter of the rank process
-    heartbeat: str | None = None
-    start_ticks: int | None = None
-    # uid owning the rank file; a heartbeat file owned by someone else is ignored (the daemon must
-    # not reveal the mtime of another user's file: docs/security.md)
-    owner_uid: int | None = None
-    # The daemon already stats each heartbeat once per cycle (with the owner rule): it passes
-    # that reading here so the file is not stat'ed twice. heartbeat_read=False: stat it here.
-    heartbeat_mtime: float | None = None
-    heartbeat_read: bool = False
-    # the rank's descendant processes (DataLoader / compile workers): (pid, state, CPU seconds)
-    workers: tuple[tuple[int, str, float], ...] = ()
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.job_id, self.rank)
-
-
-@dataclass(frozen=True)
-class StallVerdict:
-    job_id: str
-    rank: int
-    pid: int
-    alive: bool
-    progress_timestamp: float | None  # last heartbeat / last observed change
-    stalled: bool
-    method: str  # "heartbeat" | "stack" | "proc" | "stopped" | "dead" | "compiling"
-    no_progress_seconds: float
-    stuck_frames: tuple[str, ...] = ()  # innermost first, of the thread that matters
-    threads_summary: str = ""  # e.g. "5 threads: 4 S futex_do_wait, 1 R; 1.0 cores"
-    location: tuple[str, ...] = ()  # frames without line numbers: "the same place"
-    suspect: bool = False
-    suspect_reason: str = ""
-    # every Python thread, folded, and the hang patterns (gpuwatchd/join/hang.py); None: not analysed
-    analysis: HangAnalysis | None = None
-    compiling: bool = False  # in torch.compile with the CPU busy: not stalled before compile_after
-    # A thread burns a core at one line and nothing confirms a stall (join/stall.py, "spin
-    # rules"): not stalled, but said so (findings/stall.py: rank_stall_unconfirmed, a warning).
-    ambiguous: bool = False
-    # what confirmed a stall whose thread burns CPU at one line: "gpu_spin" | "gpu_idle" | "peer"
-    confirmed_by: str = ""
-    gpu_evidence: str = ""  # the NVML readings of the rank's GPUs over the window, in words
-    # (the time of the last py-spy dump, the time of the last comparison) when that comparison
-    # was a proof instead of a dump: no task ran in between (schedstat), so the stacks were the
-    # dump's; None when the last comparison was a dump
-    unchanged: tuple[float, float] | None = None
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.job_id, self.rank)
+from gpuwatchd.model.stall import StallVerdict
+from gpuwatchd.model.threads import ThreadInfo, ThreadStack
 
 
 def main_stack(stacks: Iterable[ThreadStack]) -> ThreadStack | None:

@@ -16,18 +16,9 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from gpuwatchd.model.kernel import KILLER_EARLYOOM, KILLER_KERNEL, KILLER_OOMD, USERSPACE_KILLERS, LogRecord
 from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources.kernel_lines import (
-    KILLER_EARLYOOM,
-    KILLER_KERNEL,
-    KILLER_OOMD,
-    MAX_MESSAGE,
-    USERSPACE_KILLERS,
-    Handler,
-    LogRecord,
-    RejectHandler,
-    SourceStats,
-)
+from gpuwatchd.sources.kernel_lines import MAX_MESSAGE, Handler, RejectHandler, SourceStats
 from gpuwatchd.sources.kmsg import Stopper
 from gpuwatchd.statefile import StateFiles, atomic_write
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
+from gpuwatchd.model.kernel import KILLER_EARLYOOM, KILLER_KERNEL, KILLER_OOMD, LogRecord, Parsed
 from gpuwatchd.sources import kernel_formats
 
 log = logging.getLogger(__name__)
@@ -22,10 +23,6 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE = 2048
 KMSG_READ_SIZE = 16384  # a read() shorter than the record fails with EINVAL (dev-kmsg ABI doc)
 
-KILLER_KERNEL = "kernel"
-KILLER_OOMD = "systemd-oomd"
-KILLER_EARLYOOM = "earlyoom"
-USERSPACE_KILLERS = (KILLER_OOMD, KILLER_EARLYOOM)
 
 # ---------------------------------------------------------------------------------------------
 # Parsers (pure)
@@ -118,21 +115,6 @@ def parse_kmsg(raw: bytes) -> KmsgRecord | None:
     )
 
 
-@dataclass(frozen=True)
-class Parsed:
-    """One recognised log message. ``kind`` selects which of the fields are meaningful."""
-
-    kind: str  # killed | kill_old | summary | invoked | reaper | task_in | oom_group |
-    #            memcg_stats | xid | gpu_at | bus_lost | gpu_named | oomd | earlyoom
-    pid: int | None = None
-    comm: str = ""
-    fields: Mapping[str, str] = field(default_factory=dict)
-
-
-def _kb(s: str | None) -> int:
-    return int(s) if s else 0
-
-
 def parse_message(message: str, identifier: str = KILLER_KERNEL) -> Parsed | None:
     """Recognise one kernel (or userspace killer) log message; None when it is not one we need."""
     msg = message[:MAX_MESSAGE].rstrip("\n")
@@ -219,36 +201,9 @@ def parse_message(message: str, identifier: str = KILLER_KERNEL) -> Parsed | Non
     return None
 
 
-def rss_bytes(p: Parsed) -> int | None:
-    """RSS at kill (anon + file + shmem) from a ``killed`` / ``earlyoom`` message."""
-    f = p.fields
-    if p.kind == "killed":
-        kb = _kb(f.get("anon_rss_kb")) + _kb(f.get("file_rss_kb")) + _kb(f.get("shmem_rss_kb"))
-        return 1024 * kb
-    if p.kind == "earlyoom" and "rss_kb" in f:
-        return 1024 * int(f["rss_kb"])
-    return None
-
-
 # ---------------------------------------------------------------------------------------------
 # Records handed to the event processor
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LogRecord:
-    """One message of either source, normalised. ``monotonic_usec`` is the kernel's timestamp (the
-    same number in /dev/kmsg and in the journal's ``_SOURCE_MONOTONIC_TIMESTAMP``), so a kill read
-    once through each source has one identity."""
-
-    message: str
-    identifier: str  # kernel | systemd-oomd | earlyoom
-    boot_id: str
-    monotonic_usec: int | None
-    realtime: float  # Unix seconds
-    source: str  # kmsg | journal
-    seq: int | None = None
-    cursor: str | None = None
 
 
 class SourceStats:

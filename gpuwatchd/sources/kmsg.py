@@ -17,17 +17,9 @@ import threading
 import time
 from collections.abc import Callable
 
+from gpuwatchd.model.kernel import KILLER_KERNEL, LogRecord
 from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources.kernel_lines import (
-    INTERESTING,
-    KILLER_KERNEL,
-    KMSG_READ_SIZE,
-    Handler,
-    LogRecord,
-    RejectHandler,
-    SourceStats,
-    parse_kmsg,
-)
+from gpuwatchd.sources.kernel_lines import INTERESTING, KMSG_READ_SIZE, Handler, RejectHandler, SourceStats, parse_kmsg
 from gpuwatchd.statefile import StateFiles, atomic_write
 
 log = logging.getLogger(__name__)

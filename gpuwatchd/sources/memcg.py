@@ -30,10 +30,9 @@ the rank (world-readable) and /sys/fs/cgroup (world-readable). Shell equivalent:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
-from gpuwatchd.model import CgroupPaths
+from gpuwatchd.model import CgroupMemory, CgroupPaths, NodeMemory, Psi
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.procfs import read_proc_cgroup
 
@@ -41,36 +40,6 @@ READ_CAP = 16384
 MAX_DEPTH = 8
 # v1 reports "no limit" as a page-rounded LONG_MAX (9223372036854771712); anything this large is none
 UNLIMITED = 1 << 60
-
-
-@dataclass(frozen=True)
-class Psi:
-    """One PSI file: the share of the last 10 s stalled (0..1) and the totals (seconds)."""
-
-    some_avg10: float
-    full_avg10: float | None  # the "full" line is absent for the cpu file on old kernels
-    some_total_seconds: float
-    full_total_seconds: float | None
-
-
-@dataclass(frozen=True)
-class CgroupMemory:
-    """The memory cgroup level that bounds a rank (the least headroom on its path)."""
-
-    version: int  # 1 | 2
-    path: str  # as the kernel names it (/slurm/uid_0/job_7)
-    usage_bytes: int
-    working_set_bytes: int  # usage minus inactive file cache
-    limit_bytes: int | None  # None: no limit on the whole path
-    high_bytes: int | None = None  # v2 memory.high (throttling starts there), None when max
-    pressure: Psi | None = None  # memory.pressure of the rank's own cgroup
-
-
-@dataclass(frozen=True)
-class NodeMemory:
-    total_bytes: int
-    available_bytes: int
-    pressure: Psi | None
 
 
 def read_capped(path: str) -> str | None:

@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from gpuwatchd.model.threads import ThreadInfo, ThreadStack
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.pyspy_output import (
     ABSENT,
@@ -60,7 +61,6 @@ from gpuwatchd.sources.pyspy_output import (
     GilSample,
     PySpyError,
     RunResult,
-    ThreadStack,
     classify_failure,
     parse_dump_json,
     parse_record_raw,
@@ -69,7 +69,6 @@ from gpuwatchd.sources.pyspy_output import (
 from gpuwatchd.sources.pyspy_spawn import spawn
 from gpuwatchd.sources.reaper import CHILDREN, ChildReaper
 from gpuwatchd.sources.threads import (
-    ThreadInfo,
     in_nested_pid_namespace,
     nspid_map,
     process_state,

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 from gpuwatchd.model import GilReading
+from gpuwatchd.model.threads import Frame, ThreadStack
 
 log = logging.getLogger(__name__)
 
@@ -46,33 +47,6 @@ class PySpyError(Exception):
     def collector_down(self) -> bool:
         """True when the collector as a whole cannot work (not just this one target)."""
         return self.reason in (ABSENT, PERMISSION_DENIED, TIMEOUT, FAILED)
-
-
-@dataclass(frozen=True)
-class Frame:
-    name: str
-    filename: str  # short file name as py-spy prints it (``threading.py``)
-    line: int | None
-
-    def __str__(self) -> str:
-        return f"{self.name} ({self.filename}:{self.line})" if self.line else self.where
-
-    @property
-    def where(self) -> str:
-        """Function and file without the line: what "the same place" means across dumps."""
-        return f"{self.name} ({self.filename})" if self.filename else self.name
-
-
-@dataclass(frozen=True)
-class ThreadStack:
-    """One thread of a ``py-spy dump --json``; frames innermost first."""
-
-    tid: int | None  # host thread id (mapped through NSpid); None when py-spy did not say
-    ns_tid: int | None  # the id py-spy printed (namespace-local when the target is in a pid ns)
-    name: str
-    active: bool
-    owns_gil: bool
-    frames: tuple[Frame, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -111,7 +85,6 @@ class RunResult:
     wall_seconds: float
     cpu_seconds: float
     timed_out: bool
-
 
 
 def parse_frame(text: str) -> Frame:

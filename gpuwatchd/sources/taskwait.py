@@ -21,41 +21,10 @@ Shell equivalent: ``for t in /proc/PID/task/*; do echo $t $(cat $t/syscall); don
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
+from gpuwatchd.model.threads import SyscallWait
 from gpuwatchd.paths import HostPaths
-
-# os.uname() is what platform.machine() reads (platform itself is not worth importing)
-FUTEX_NR = {"x86_64": 202, "aarch64": 98}.get(os.uname().machine, 202)
-# A parking-lot wait_entry is in the frame of _PyParkingLot_Park, right above the stack pointer of
-# the futex call (0x100 bytes on 3.13.0 x86-64); a lock's own word is on the heap.
-OWN_STACK_SPAN = 64 << 10
-
-
-@dataclass(frozen=True)
-class SyscallWait:
-    nr: int  # -1: blocked outside a system call
-    address: int | None  # first argument (the futex word for futex)
-    timed: bool  # a time-out argument was given (futex: arg 4 non-NULL)
-    sp: int | None = None  # the thread's user stack pointer in the system call
-
-    @property
-    def on_own_stack(self) -> bool:
-        """A futex word on the waiter's own stack: a CPython parking-lot wait (3.13+), whose word
-        is the waiter's semaphore and so does not say which lock it waits for."""
-        return (self.futex and self.address is not None and self.sp is not None
-                and 0 <= self.address - self.sp < OWN_STACK_SPAN)
-
-    @property
-    def futex(self) -> bool:
-        return self.nr == FUTEX_NR
-
-    @property
-    def untimed_futex(self) -> bool:
-        """Parked on a futex with no time-out: a lock or condition wait with no deadline."""
-        return self.futex and not self.timed
 
 
 def parse_syscall(text: str) -> SyscallWait | None:

@@ -11,26 +11,11 @@ import logging
 import os
 import signal
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
+from gpuwatchd.model.threads import ThreadInfo
 from gpuwatchd.paths import HostPaths
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ThreadInfo:
-    """One task of ``/proc/PID/task``: the cheap view (no ptrace)."""
-
-    tid: int
-    ns_tid: int  # innermost NSpid (== tid when the process is not in a nested pid namespace)
-    comm: str
-    state: str
-    wchan: str  # "" when 0 / unreadable
-    cpu_ticks: int  # utime + stime, clock ticks
-    voluntary_switches: int
-    involuntary_switches: int
-
 
 
 def read_capped(path: str, limit: int = 65536) -> str:

@@ -408,3 +408,48 @@ class CgroupPaths:
 
     memory_v1: str
     unified: str
+
+
+@dataclass(frozen=True)
+class Psi:
+    """One PSI file: the share of the last 10 s stalled (0..1) and the totals (seconds)."""
+
+    some_avg10: float
+    full_avg10: float | None  # the "full" line is absent for the cpu file on old kernels
+    some_total_seconds: float
+    full_total_seconds: float | None
+
+
+@dataclass(frozen=True)
+class CgroupMemory:
+    """The memory cgroup level that bounds a rank (the least headroom on its path)."""
+
+    version: int  # 1 | 2
+    path: str  # as the kernel names it (/slurm/uid_0/job_7)
+    usage_bytes: int
+    working_set_bytes: int  # usage minus inactive file cache
+    limit_bytes: int | None  # None: no limit on the whole path
+    high_bytes: int | None = None  # v2 memory.high (throttling starts there), None when max
+    pressure: Psi | None = None  # memory.pressure of the rank's own cgroup
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    total_bytes: int
+    available_bytes: int
+    pressure: Psi | None
+
+
+DEFUNCT = "defunct"
+
+
+REPARENTED = "reparented_to_init"
+
+
+JOB_ENDED = "job_ended"
+
+
+UNREGISTERED = "unregistered"
+
+
+REASONS = (DEFUNCT, REPARENTED, JOB_ENDED, UNREGISTERED)
