@@ -371,7 +371,7 @@ def test_working_rank_is_never_dumped(launch, tmp_path: Path) -> None:
     spy, count = _counting_pyspy(tmp_path)
     after = 1.0
     # looks every other cycle, as in the daemon (a look every dump interval, cycles between)
-    tracker = StallTracker(after, spy, dump_interval_seconds=0.5)
+    tracker = StallTracker(after, StallLooks(spy), dump_interval_seconds=0.5)
     verdicts, t0 = [], time.time()
     while time.time() - t0 < 3 * after + 0.5:
         verdicts.append(tracker.observe(time.time(), [_probe(p.pid, "works")])[("works", 0)])
@@ -387,7 +387,7 @@ def test_rank_whose_own_gpu_moves_data_is_not_dumped(launch, tmp_path: Path) -> 
     p = launch("sleeper", "gpu-busy")
     spy, count = _counting_pyspy(tmp_path)
     after = 1.0
-    tracker = StallTracker(after, spy, dump_interval_seconds=0.25)
+    tracker = StallTracker(after, StallLooks(spy), dump_interval_seconds=0.25)
 
     def run(seconds: float, mem: float) -> StallVerdict:
         t0 = time.time()
@@ -412,7 +412,7 @@ def test_working_rank_that_blocks_is_paged_within_after_and_a_look(launch, tmp_p
     p = launch("works_then_blocks", "then")
     spy, count = _counting_pyspy(tmp_path)
     after, interval = 1.0, 0.5
-    tracker = StallTracker(after, spy, dump_interval_seconds=interval)
+    tracker = StallTracker(after, StallLooks(spy), dump_interval_seconds=interval)
     t0 = time.time()
     while time.time() - t0 < 1.5:
         assert not tracker.observe(time.time(), [_probe(p.pid, "then")])[("then", 0)].stalled

@@ -439,7 +439,7 @@ class StallTracker:
             if proc_fp != tr.proc_fp and proc_fp == tr.look_fp:
                 tr.dump_due = True
             tr.look_fp = proc_fp
-        if before_second_look and self.spy is not None and self.spy.binary is not None:
+        if before_second_look and self.looks.can_dump:
             # No dump at first sight (issue 22: a node's ranks were all dumped at once when the
             # daemon or a job started): the next look, a dump interval on, knows each thread's
             # CPU share, and a rank that works needs no dump at all. The stall bound is unchanged:
