@@ -111,7 +111,7 @@ def test_served_bytes_are_client_pythons_for_every_accept(accept: str) -> None:
 def test_openmetrics_is_client_pythons_bytes_for_the_full_state() -> None:
     state, counters = full_state()
     reg = make_registry(lambda: state, counters, _fixed_process)
-    ours = reg.encode_openmetrics()
+    ours = reg.exposition("openmetrics").body
     assert ours == om.generate_latest(reg)
     assert ours == render_openmetrics(reg.collect())
     families = list(text_string_to_metric_families(ours.decode()))  # OpenMetrics parser: valid
@@ -158,7 +158,7 @@ def test_the_daemon_registry_answers_prometheus_in_openmetrics() -> None:
 
 def test_openmetrics_before_the_first_cycle() -> None:
     reg = make_registry(lambda: None, CounterStore(), _fixed_process)
-    assert reg.encode_openmetrics() == om.generate_latest(reg)
+    assert reg.exposition("openmetrics").body == om.generate_latest(reg)
 
 
 def test_renders_reuse_what_did_not_change_and_forget_what_went() -> None:

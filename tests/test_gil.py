@@ -3,6 +3,7 @@ py-spy path through the real daemon (`gpuwatchd run`) scraped over loopback."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import subprocess
@@ -102,7 +103,7 @@ def test_schedule_is_jittered_and_spread() -> None:
     s = GilSampler(PySpy(None), CounterStore(), interval_seconds=30, clock=clock,
                    rng=random.Random(7))
     s.update_targets(GilTarget("j", r, 10_000_000 + r) for r in range(20))
-    firsts = sorted(sched.next_due for sched in s._ranks.values())
+    firsts = sorted(p.next_due for p in s.plan())
     assert firsts[0] >= 1000.0 and firsts[-1] <= 1030.0
     assert firsts[-1] - firsts[0] > 15  # spread, not a thundering herd
     assert len(s.due()) < 20
@@ -110,11 +111,11 @@ def test_schedule_is_jittered_and_spread() -> None:
     due = s.due()
     assert len(due) == 20
     # after a (failed: py-spy absent) sample, the next one is interval ±20 % later
-    for t in due[:5]:
-        s._ranks[t.key].in_flight = True
-        s._sample(t)
-        nxt = s._ranks[t.key].next_due - clock.t
-        assert 24.0 <= nxt <= 36.0
+    for f in s.tick():
+        f.result()
+    nxt = [p.next_due - clock.t for p in s.plan()]
+    assert len(nxt) == 20 and all(24.0 <= n <= 36.0 for n in nxt), nxt
+    assert s.due() == []
     st = s.status()
     assert not st.success and "absent" in st.error
     # counters exist at 0 for every target from the start (increase() needs the first point)
@@ -133,16 +134,16 @@ def test_sampling_budget_limits_the_duty_cycle() -> None:
     clock.t += 31  # every rank is due
     started = 0
     for _ in range(120):  # two simulated minutes, one tick per second
-        for t in s.due():
-            s._ranks[t.key].in_flight = True
-            s._sample(t)  # fails fast (no py-spy) and reschedules
+        for f in s.tick():  # each fails fast (no py-spy) and reschedules
+            f.result()
             started += 1
         clock.t += 1
     # 10 s of burst capacity plus 0.25 sampled s per s over 120 s = 40 s = 8 samples of 5 s
     assert 6 <= started <= 9, started
 
 
-def test_non_python_rank_is_skipped_not_a_collector_failure() -> None:
+def test_non_python_rank_is_skipped_not_a_collector_failure(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="gpuwatchd.daemon.gil")
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
         clock = FakeClock()
@@ -150,8 +151,8 @@ def test_non_python_rank_is_skipped_not_a_collector_failure() -> None:
                        clock=clock)
         assert s.sample_now(GilTarget("sh-job", 0, sleeper.pid)) is None
         assert s.status().success  # py-spy works; this rank just is not Python
-        assert s._ranks[("sh-job", 0)].next_due >= clock.t + 300
-        assert "not_python" in s._ranks[("sh-job", 0)].error
+        assert next(p for p in s.plan() if p.key == ("sh-job", 0)).next_due >= clock.t + 300
+        assert f"GIL sample of pid {sleeper.pid} skipped: not_python" in caplog.text
         assert s.counters.get("rank_gil_samples", ("sh-job", "0")) == 0.0
         s.close()
     finally:
@@ -173,14 +174,20 @@ def test_sample_counts_into_counters(procs: list) -> None:
     s.close()
 
 
+class LatestJitter(random.Random):
+    """Every jitter at its latest: a first sample one whole interval away, a convoy's a second."""
+
+    def uniform(self, a: float, b: float) -> float:
+        return b
+
+
 def test_convoy_pulls_the_next_sample_forward(procs: list) -> None:
     cpu4 = start(procs, "cpu4.py")
     io4 = start(procs, "io4.py")
     s = GilSampler(PySpy(BINARY), CounterStore(), interval_seconds=3600, probe_seconds=1.0,
-                   rng=random.Random(1))
+                   rng=LatestJitter())
     s.update_targets([GilTarget("j", 0, cpu4.pid), GilTarget("j", 1, io4.pid)])
-    for sched in s._ranks.values():
-        sched.next_due = time.monotonic() + 3000  # far away, whatever the jitter said
+    assert all(p.next_due >= time.monotonic() + 3000 for p in s.plan())  # far away: an hour
     assert s.due() == []  # first probe only takes the baseline
     due: list[GilTarget] = []
     deadline = time.monotonic() + 8

@@ -13,8 +13,13 @@ Beside the GPU: py-spy is absent (an explicit runner without a binary: the ``pys
 down, stall verdicts from /proc); the kernel log is ``off`` (its collector down, its counters at
 0); host memory reads a cgroup v2 tree written under the test's /sys (the rank's
 ``system.slice/golden.service``) and the fixture's /proc/meminfo and /proc/pressure/memory (copied
-from tests/fixtures/memcg/v2); the straggler runs, but the fixture rank sends no heartbeat: its
-families (gpuwatch_rank_step, the straggler finding) have no sample here (tests/test_straggler.py).
+from tests/fixtures/memcg/v2); the rank beats ``heartbeat(step)``: before each cycle the test
+writes a step into the rank's heartbeat file and sets its mtime, as ``gpuwatchd.heartbeat`` does,
+and the straggler subsystem reads it back through the daemon's heartbeat roots
+(``gpuwatch_rank_step``, ``gpuwatch_rank_progress_timestamp_seconds``). One rank has no peer to be
+slower than, so no ``rank_straggler`` finding (tests/test_straggler.py pages on one).
+``SAMPLED`` lists the families of those subsystems that must have a sample: a regeneration that
+loses one fails here, whatever the golden file then says.
 
     UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_golden_exposition.py   # regenerate
 
@@ -55,6 +60,20 @@ GOLDEN = HERE / "fixtures" / "golden" / "metrics.txt"
 GOLDEN_OM = HERE / "fixtures" / "golden" / "metrics.openmetrics.txt"
 OPENMETRICS = "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,*/*;q=0.1"
 T0 = 1795935723.0  # the NVML recording's first cycle
+HEARTBEATS = {T0: (T0 - 1.0, 1200), T0 + 5.0: (T0 + 4.0, 1260), T0 + 40.0: (T0 + 39.5, 1680)}
+# Each subsystem's families that the fixture gives a sample: (family, a label set it must carry).
+SAMPLED = {
+    "straggler": [("gpuwatch_rank_step", '{job_id="golden",rank="0"}')],
+    "progress": [("gpuwatch_rank_progress_timestamp_seconds", '{job_id="golden",rank="0"}'),
+                 ("gpuwatch_rank_stalled", '{job_id="golden",rank="0"}')],
+    "pyspy": [("gpuwatch_collector_success", '{collector="pyspy"}'),
+              ("gpuwatch_rank_gil_samples_total", '{job_id="golden",rank="0"}'),
+              ("gpuwatch_cycle_deferred_probes_total", '{probe="dump"}')],
+    "kernel_log": [("gpuwatch_collector_success", '{collector="kernel_log"}'),
+                   ("gpuwatch_kernel_log_overruns_total", "")],
+    "memory": [("gpuwatch_rank_memory_cgroup_usage_bytes", '{job_id="golden",rank="0"}'),
+               ("gpuwatch_node_memory_available_bytes", "")],
+}
 DURATION = re.compile(r"^(gpuwatch_\w*duration_seconds\w*(?:\{[^}]*\})?|gpuwatch_cycle_seconds\w*) \S+$", re.M)
 
 
@@ -82,13 +101,15 @@ CGROUP = {  # the rank's cgroup v2 (its /proc/447/cgroup: 0::/system.slice/golde
 
 def _exposition(tmp_path: Path, accept: str | None = None) -> str:
     rank_dir = tmp_path / "ranks"
+    heartbeat = tmp_path / "golden.0.hb"
     for name, text in CGROUP.items():
         f = tmp_path / "sys" / "fs" / "cgroup" / name
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text(text)
     write_rank_file(str(rank_dir), {
         "version": 1, "job_id": "golden", "world_size": 1,
-        "ranks": [{"rank": 0, "local_rank": 0, "pid": 447, "gpus": ["0"], "start_ticks": 571200}],
+        "ranks": [{"rank": 0, "local_rank": 0, "pid": 447, "gpus": ["0"], "start_ticks": 571200,
+                   "heartbeat": str(heartbeat)}],
     }, "golden.json")
     cfg = Config(rank_dir=str(rank_dir), state_dir=str(tmp_path / "state"), procfs=str(PROC),
                  nvml=NvmlConfig(fixture=str(NVML)), orphans=OrphansConfig(grace_seconds=30.0),
@@ -105,6 +126,9 @@ def _exposition(tmp_path: Path, accept: str | None = None) -> str:
     try:
         for t in (T0, T0 + 5.0, T0 + 40.0):  # the orphans outlive their 30 s grace
             now[0] = t
+            beat_at, step = HEARTBEATS[t]
+            heartbeat.write_text(str(step))
+            os.utime(heartbeat, (beat_at, beat_at))
             daemon.cycle()
         text = _served(daemon.registry, accept)
     finally:
@@ -123,6 +147,16 @@ def test_metrics_match_the_golden_file(tmp_path: Path) -> None:
             golden.parent.mkdir(parents=True, exist_ok=True)
             golden.write_text(text)
         assert text == golden.read_text(), f"{golden.name}: run with UPDATE_GOLDEN=1 and review the diff"
+
+
+def test_every_subsystem_family_has_its_sample() -> None:
+    for golden in (GOLDEN, GOLDEN_OM):
+        text = golden.read_text()
+        for subsystem, families in SAMPLED.items():
+            for family, labels in families:
+                assert re.search(rf"^{family}{re.escape(labels)} \S+$", text, re.M), \
+                    f"{golden.name}: no {family}{labels} sample ({subsystem})"
+    assert 'gpuwatch_rank_step{job_id="golden",rank="0"} 1680.0' in GOLDEN.read_text()
 
 
 def test_golden_file_is_deterministic(tmp_path: Path) -> None:

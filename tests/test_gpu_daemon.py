@@ -3,13 +3,16 @@ processes as rank and stale holder, real rank files, the real join, findings and
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import types
 from pathlib import Path
 
 from prometheus_client import generate_latest
@@ -24,8 +27,46 @@ FIX = Path(__file__).parent / "fixtures" / "nvml"
 UUID = "GPU-d6a79800-1da5-699b-0f9c-f55eb218f8b2"
 
 
+class RecordedUevents:
+    """What the udev thread reads a pyudev ``Monitor`` through (``fileno``, ``poll``), handing it
+    recorded uevents: no GPU here to unplug (tests/test_nvml.py sends a real one through netlink)."""
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        self._queue: collections.deque[types.SimpleNamespace] = collections.deque()
+        self._lock = threading.Lock()
+        self._drained = threading.Event()
+
+    def start(self) -> None:
+        pass
+
+    def fileno(self) -> int:
+        return self._r
+
+    def send(self, action: str, props: dict[str, str]) -> None:
+        """One uevent; returns once the watcher has handled it (asked for the next one)."""
+        with self._lock:
+            self._drained.clear()
+            self._queue.append(types.SimpleNamespace(action=action, properties=props))
+        os.write(self._w, b"x")
+        assert self._drained.wait(10), "the udev thread did not take the uevent"
+
+    def poll(self, timeout: float = 0) -> types.SimpleNamespace | None:
+        with self._lock:
+            if self._queue:
+                os.read(self._r, 1)
+                return self._queue.popleft()
+            self._drained.set()
+            return None
+
+    def close(self) -> None:
+        os.close(self._r)
+        os.close(self._w)
+
+
 def _daemon(tmp_path: Path, fixture: Path, pid_map: dict[int, int],
-            watch_xid: bool = True) -> tuple[Daemon, GpuSubsystem]:
+            watch_xid: bool = True, udev: RecordedUevents | None = None,
+            ) -> tuple[Daemon, GpuSubsystem]:
     cfg_file = tmp_path / "config.yaml"
     cfg_file.write_text(
         f"rank_dir: {tmp_path / 'ranks'}\nstate_dir: {tmp_path / 'state'}\n"
@@ -34,7 +75,7 @@ def _daemon(tmp_path: Path, fixture: Path, pid_map: dict[int, int],
     cfg = load_config(str(cfg_file))
     # the fixture's Xid events replay through the same RecordedNvml
     sub = GpuSubsystem(source=fixture_source(str(fixture), pid_map), watch_xid=watch_xid,
-                       watch_udev=False)
+                       watch_udev=udev is not None, udev_monitor=udev)
     d = Daemon(cfg, subsystems=[sub])
     sub.start(d)
     return d, sub
@@ -128,24 +169,26 @@ def test_nvml_failing_mid_run_marks_the_collector_down_and_the_daemon_goes_on(
 
 
 def test_udev_remove_raises_gpu_lost_at_once_and_reinitialises_nvml(tmp_path: Path) -> None:
-    from gpuwatchd.sources.udev import classify, parse_uevent_file
+    from gpuwatchd.sources.udev import parse_uevent_file
 
-    d, sub = _daemon(tmp_path, FIX / "h200_orphan_dataloader.json", {}, watch_xid=False)
+    udev = RecordedUevents()
+    d, sub = _daemon(tmp_path, FIX / "h200_orphan_dataloader.json", {}, watch_xid=False, udev=udev)
     try:
         d.cycle()
         lib = sub.source.library  # type: ignore[union-attr]
         assert lib.init_calls == 1
         props = parse_uevent_file((FIX / "h200_pci_uevent.txt").read_text())
-        sub._on_uevent(classify("remove", props, 1234.0))  # type: ignore[arg-type]
+        udev.send("remove", props)
         state = d.cycle()
         (lost,) = [f for f in state.findings if f.kind == "gpu_lost"]
         assert lost.severity == "page" and f"GPU 0 ({UUID}, PCI 0000:00:06.0)" in lost.explanation
         assert lib.init_calls == 2  # NVML re-initialised: its device list is fixed at nvmlInit
-        sub._on_uevent(classify("add", props, 1240.0))  # type: ignore[arg-type]
+        udev.send("add", props)
         state = d.cycle()
         assert not [f for f in state.findings if f.kind == "gpu_lost"]
     finally:
         sub.stop()
+        udev.close()
 
 
 def test_nvml_gpu_is_lost_becomes_one_gpu_lost_finding(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from gpuwatchd.model.threads import Frame, ThreadStack
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import memcg
 from gpuwatchd.sources.kernel_lines import parse_message
+from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.units import fmt_duration, fmt_span
 
 FIX = Path(__file__).parent / "fixtures" / "memcg" / "v2"
@@ -45,6 +46,12 @@ def ctx_for(m: RankMemory, now: float = 0.0, alive: bool = True) -> FindingConte
     return FindingContext(now=now, config=Config(), ranks=(rank,), rank_memory=(m,))
 
 
+def cgroup_of(paths: HostPaths, pid: int) -> CgroupPaths | None:
+    """What the daemon's process view reads for a rank (ProcfsReader.cgroup, parsed)."""
+    text = ProcfsReader(paths).cgroup(pid)
+    return memcg.parse_cgroup_file(text) if text is not None else None
+
+
 def v2_reader(root: Path = FIX) -> memcg.MemcgReader:
     return memcg.MemcgReader(HostPaths(procfs=str(root / "proc")), str(root / "sys" / "fs" / "cgroup"))
 
@@ -52,7 +59,7 @@ def v2_reader(root: Path = FIX) -> memcg.MemcgReader:
 def test_v2_fixture_tightest_level_high_and_psi() -> None:
     r = v2_reader()
     assert r.available and not r.v1
-    where = r.cgroup_of(4242)
+    where = cgroup_of(r.paths, 4242)
     assert where == CgroupPaths("", TASK)
     got = r.read(where)
     assert got is not None
@@ -90,12 +97,12 @@ def test_v1_real_cgroup_of_a_real_process() -> None:
         child.stdout.readline()
         r = memcg.MemcgReader()
         assert r.v1
-        where = r.cgroup_of(child.pid)
+        where = cgroup_of(r.paths, child.pid)
         assert where is not None and where.memory_v1 == cg.kernel_path
         got = r.read(where)
         assert got is not None and (got.version, got.path, got.limit_bytes) == (1, cg.kernel_path, 96 << 20)
         assert 40 << 20 <= got.usage_bytes <= 96 << 20 and got.working_set_bytes <= got.usage_bytes
-        assert r.cgroup_of(2**22 + 12345) is None  # no such process
+        assert cgroup_of(r.paths, 2**22 + 12345) is None  # no such process
     finally:
         cg.remove()
 

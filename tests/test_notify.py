@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
+import pytest
 from daemonutil import DaemonProc, write_config
 
 from gpuwatchd.daemon import notify
@@ -48,13 +50,20 @@ def test_daemon_speaks_the_notify_protocol(tmp_path: Path) -> None:
         receive_until(sock, "STOPPING=1", timeout=5)
 
 
-def test_raw_fallback_and_abstract_namespace(monkeypatch: object) -> None:
-    name = f"gpuwatchd-test-{os.getpid()}"
+@pytest.mark.parametrize("systemd_python", [False, True])
+def test_abstract_namespace_with_and_without_systemd_python(
+        monkeypatch: pytest.MonkeyPatch, systemd_python: bool) -> None:
+    if not systemd_python:  # not installed: the datagram is written by hand
+        monkeypatch.setitem(sys.modules, "systemd", None)
+    name = f"gpuwatchd-test-{os.getpid()}-{systemd_python}"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.bind("\0" + name)
-        assert notify._raw_notify("READY=1", "@" + name)
+        monkeypatch.setenv("NOTIFY_SOCKET", "@" + name)
+        assert notify.notify("READY=1")
         assert sock.recv(100) == b"READY=1"
-    assert not notify._raw_notify("READY=1", "/nonexistent/socket")
+    if not systemd_python:  # the fallback says False (systemd-python's notify() raises OSError)
+        monkeypatch.setenv("NOTIFY_SOCKET", "/nonexistent/socket")
+        assert not notify.notify("READY=1")
 
 
 def test_no_socket_is_a_no_op(monkeypatch) -> None:  # type: ignore[no-untyped-def]

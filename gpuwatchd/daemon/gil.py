@@ -351,8 +351,6 @@ class GilSampler:
                 self.counters.inc("rank_gil_held_samples", labels, reading.held)
                 if sched is not None:
                     sched.history.append(reading)
-                    sched.by_thread = sample.by_thread
-                    sched.error = ""
             if sched is not None:
                 self._reschedule(sched, now, full)
             if sample is not None:
@@ -361,11 +359,9 @@ class GilSampler:
                     COLLECTOR, True, time.monotonic() - t0, self._last_success, ""
                 )
             elif error is not None:
-                if sched is not None:
-                    sched.error = str(error)
-                    if error.reason == NOT_PYTHON:
-                        # a shell or native rank: nothing to sample, ask again much later
-                        sched.next_due = now + 10 * self.interval
+                if sched is not None and error.reason == NOT_PYTHON:
+                    # a shell or native rank: nothing to sample, ask again much later
+                    sched.next_due = now + 10 * self.interval
                 if error.collector_down:
                     self._status = CollectorStatus(
                         COLLECTOR, False, time.monotonic() - t0, self._last_success,

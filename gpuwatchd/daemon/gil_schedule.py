@@ -47,9 +47,7 @@ class RankSchedule:
     in_flight: bool = False
     probe: tuple[float, tuple[ThreadInfo, ...]] | None = None
     history: deque[GilReading] = field(default_factory=lambda: deque(maxlen=HISTORY))
-    by_thread: tuple[tuple[int, str, int], ...] = ()
     convoy: ConvoyHint | None = None
-    error: str = ""
     cpu_at: tuple[float, int] | None = None  # (probe time, process CPU ticks) of the last probe
     signals: RankSignals | None = None  # the last cycle's (daemon/gil_signals.py)
     last_full: float | None = None

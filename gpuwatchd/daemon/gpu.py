@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Any
 
 from gpuwatchd.daemon.device_policy import EXIT_REEXPAND, DevicePolicyGuard
 from gpuwatchd.daemon.fork_evidence import fork_evidence
@@ -52,8 +53,12 @@ class GpuSubsystem(Subsystem):
     name = "nvml"
 
     def __init__(self, source: NvmlSource | None = None, watch_xid: bool = True,
-                 watch_udev: bool = True, guard: DevicePolicyGuard | None = None) -> None:
+                 watch_udev: bool = True, guard: DevicePolicyGuard | None = None,
+                 udev_monitor: Any = None) -> None:
+        """``udev_monitor``: the pyudev ``Monitor`` the udev thread listens on (None: the kernel's
+        netlink; tests hand it recorded uevents, there being no GPU here to unplug)."""
         self.source = source
+        self.udev_monitor = udev_monitor
         self.guard = guard
         self.watch_xid = watch_xid
         self.watch_udev = watch_udev
@@ -95,7 +100,7 @@ class GpuSubsystem(Subsystem):
             self.xid = XidEventWatcher(daemon.counters.inc, dedup, pynvml=lib, clock=daemon.clock)
             self.xid.start()
         if self.watch_udev and not cfg.nvml.fixture:
-            self.udev = UdevWatcher(self._on_uevent, clock=daemon.clock)
+            self.udev = UdevWatcher(self._on_uevent, monitor=self.udev_monitor, clock=daemon.clock)
             self.udev.start()
 
     def stop(self) -> None:

@@ -292,10 +292,6 @@ class StateRegistry(Registry):
     def encode_text(self) -> bytes:
         return self.exposition("text").body
 
-    def encode_openmetrics(self) -> bytes:
-        """``encode_text`` in OpenMetrics 1.0.0 (what Prometheus asks for first)."""
-        return self.exposition("openmetrics").body
-
     def readiness(self) -> NodeState | None:
         """The state /-/ready judges (None: the first cycle has not ended)."""
         return self.collector.get_state()

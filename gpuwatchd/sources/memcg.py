@@ -34,7 +34,6 @@ from typing import Any
 
 from gpuwatchd.model import CgroupMemory, CgroupPaths, NodeMemory, Psi
 from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources.procfs import read_proc_cgroup
 
 READ_CAP = 16384
 MAX_DEPTH = 8
@@ -134,10 +133,6 @@ class MemcgReader:
     @property
     def available(self) -> bool:
         return self.v1 or self.v2_root is not None
-
-    def cgroup_of(self, pid: int) -> CgroupPaths | None:
-        text = read_proc_cgroup(self.paths, pid)
-        return parse_cgroup_file(text) if text is not None else None
 
     def read(self, where: CgroupPaths, memo: dict[tuple[int, str], Any] | None = None
              ) -> CgroupMemory | None:

@@ -109,7 +109,7 @@ class UdevWatcher(WatcherThread):
         if stopper is not None:
             stopper.stop()
         super().stop(timeout)
-        if stopper is not None and not (self._thread and self._thread.is_alive()):
+        if stopper is not None and not self.running:
             stopper.close()  # here, not in the thread: no write can reach a reused fd
             self._stopper = None
 

@@ -19,6 +19,11 @@ class WatcherThread:
         self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
         self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        """Its thread is started and has not ended (an ended one left its reason in ``error``)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self, timeout: float = 3.0) -> None:
         self._stop.set()
         if self._thread is not None:

@@ -1,5 +1,5 @@
 """One connection of the /metrics server and its bounds: the ``Limits``, a ``Conn``'s buffers and
-phase, the ``Writer`` a handler writes its response into, the ``DropLog`` of dropped connections,
+phase (``Conn.out``: the response a handler queues), the ``DropLog`` of dropped connections,
 and the listening socket (``bind``). No loop here: ``web/listener.py`` drives these.
 
 Cost: per connection one fd, at most ``max_head_bytes`` of request (each byte searched once for
@@ -165,18 +165,3 @@ def shutdown_socket(sock: socket.socket) -> None:
     # gone, and SSLSocket.shutdown() would block or raise on a non-blocking socket).
     with contextlib.suppress(OSError):
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
-
-
-class Writer:
-    """A handler's ``wfile``: collects the response for the loop to send."""
-
-    def __init__(self, out: collections.deque[memoryview]) -> None:
-        self.out = out
-
-    def write(self, data: bytes) -> int:
-        if data:
-            self.out.append(memoryview(data))
-        return len(data)
-
-    def flush(self) -> None:
-        pass

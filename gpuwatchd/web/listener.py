@@ -77,7 +77,7 @@ _WAKE = object()
 
 class Listener:
     """Runs the loop on its own thread once ``start()`` is called; ``serve(conn)`` (in a worker
-    thread, must not raise) answers ``conn.head`` by writing to ``Writer(conn.out)`` and says
+    thread, must not raise) answers ``conn.head`` by queueing its response on ``conn.out`` and says
     whether to keep the connection afterwards."""
 
     def __init__(self, sock: socket.socket, limits: Limits,

@@ -124,8 +124,8 @@ def test_1_rank_memory_is_attributed_and_matches_nvidia_smi(world: World) -> Non
     nvml = next(c for c in state.collectors if c.name == "nvml")
     assert nvml.success
     xid = world.sub.xid
-    assert xid is not None and xid.error == "" and xid._thread is not None
-    assert xid._thread.is_alive()  # registered for Xid critical-error events on this GPU
+    assert xid is not None and xid.error == ""
+    assert xid.running  # registered for Xid critical-error events on this GPU
     print(f"PASS rank memory: pid {rank} job dflash rank 0 nvml {nvml_mib:.0f} MiB "
           f"nvidia-smi {smi} MiB; nvml collector {nvml.duration_seconds * 1e3:.2f} ms; "
           f"Xid event thread registered and waiting")
