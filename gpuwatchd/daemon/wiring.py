@@ -5,8 +5,10 @@ subsystems.
 ``track`` is where the cycle's dependencies are written down: each part is called with the
 outputs it needs as arguments (the flight recorder gets the py-spy part's stall verdicts, the
 straggler and the py-spy part the heartbeats), never through a shared record that earlier parts
-filled. ``gpuwatchd doctor`` does not run these parts: they keep memory across cycles (a stall
-is an absence of progress over minutes), which one look at one process cannot have.
+filled. ``gpuwatchd doctor`` reads its one PID through the same process view (daemon/proc_view.py)
+and fork evidence (daemon/fork_evidence.py) and runs the same rules; the trackers here keep memory
+across cycles (a stall
+is an absence of progress over minutes), which one look cannot have: it shows the daemon's.
 """
 
 from __future__ import annotations
