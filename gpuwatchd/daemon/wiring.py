@@ -7,8 +7,8 @@ outputs it needs as arguments (the flight recorder gets the py-spy part's stall 
 straggler and the py-spy part the heartbeats), never through a shared record that earlier parts
 filled. ``gpuwatchd doctor`` reads its one PID through the same process view (daemon/proc_view.py)
 and fork evidence (daemon/fork_evidence.py) and runs the same rules; the trackers here keep memory
-across cycles (a stall
-is an absence of progress over minutes), which one look cannot have: it shows the daemon's.
+across cycles (a stall is an absence of progress over minutes), which one look cannot have: for
+those it shows the daemon's latest state.
 """
 
 from __future__ import annotations
