@@ -152,8 +152,9 @@ class GpuSubsystem(Subsystem):
         processes: dict[int, ProcessInfo] = dict(ranks.processes)
         missing = sorted({p.pid for p in procs} - set(processes))
         procfs = daemon.procfs
-        none: Mapping[int, ProcessInfo] = {}
-        extra = guarded("nvml: /proc of GPU processes", lambda: procfs.read_many(missing), none) if missing else none
+        no_procs: Mapping[int, ProcessInfo] = {}
+        extra = (guarded("nvml: /proc of GPU processes", lambda: procfs.read_many(missing), no_procs)
+                 if missing else no_procs)
         processes.update(extra)
         entries = ranks.entries
         descendants = ranks.descendants
