@@ -4,8 +4,9 @@ state), hands the live ranks to the sampler, and returns the progress and stall 
 the GIL readings (for findings/gil.py and findings/stall.py) and the ``pyspy`` collector status.
 After the join it hands the sampler each rank's signals from the new ``NodeState``
 (daemon/gil_signals.py: CPU while the GPU waits, heartbeat slowing, stalled), which is what makes
-the schedule adaptive; the GPU readings come from subsystems after this one, so the state of the
-join is where they meet.
+the schedule adaptive; the GPU readings come from the nvml part, which the track stage hands
+nothing of this one's, so the state of the join is where they meet. The stall tracker's py-spy
+looks run inside this part's isolation (its dumps with their own time-outs and cycle budget).
 """
 
 from __future__ import annotations
