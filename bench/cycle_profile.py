@@ -348,8 +348,10 @@ d.rank_collector.fn = timed("rank files + discovery + guard", d.rank_collector.f
 d.proc_collector.fn = timed("procfs (ranks + descendants)", d.proc_collector.fn)
 d._write_state = timed("state.json", d._write_state)
 for sub in d.subsystems:
-    sub.before_join = timed(sub.name + ".before_join", sub.before_join)
-    sub.after_join = timed(sub.name + ".after_join", sub.after_join)
+    # the cycle's hooks of either checkout: before_join (before issue 26), track / observe (after)
+    for hook in ("before_join", "track", "observe", "after_join"):
+        if hasattr(sub, hook):
+            setattr(sub, hook, timed(f"{{sub.name}}.{{hook}}", getattr(sub, hook)))
     col = getattr(sub, "collector", None)
     if col is not None:
         col.fn = timed(sub.name + " collector thread", col.fn)

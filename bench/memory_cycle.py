@@ -3,7 +3,7 @@
 
 For N ranks (real processes) in real v1 memory cgroups, laid out two ways — all N in one cgroup
 (one Slurm job: the levels are read once per cycle and shared) and one cgroup each (N containers)
-— measures the CPU time of ``MemorySubsystem.before_join`` (cgroup files, PSI, meminfo, the
+— measures the CPU time of ``MemorySubsystem.track`` (cgroup files, PSI, meminfo, the
 tracker) as the difference between the real ``Daemon.cycle()`` with and without the subsystem,
 side by side with the cycle without it (rank files, /proc, join), per cycle and per rank.
 

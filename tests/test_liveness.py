@@ -17,8 +17,7 @@ from daemonutil import DaemonProc, write_config
 
 from gpuwatchd.config import load_config
 from gpuwatchd.daemon.core import Daemon
-from gpuwatchd.daemon.subsystem import NOTHING, Contribution, Subsystem
-from gpuwatchd.join.state import CycleInputs
+from gpuwatchd.daemon.subsystem import Ranks, Subsystem
 
 PING_EVERY = 0.5  # WATCHDOG_USEC=1 s: a ping every half of it
 
@@ -34,14 +33,13 @@ class Gate(Subsystem):
         self.wedged = threading.Event()
         self.release = threading.Event()
 
-    def before_join(self, daemon: Any, cycle: CycleInputs) -> Contribution:
+    def observe(self, daemon: Any, ranks: Ranks) -> None:
         self.entered.set()
         if self.slow_once:
             delay, self.slow_once = self.slow_once, 0.0
             time.sleep(delay)
         if self.wedged.is_set():
             self.release.wait(60)
-        return NOTHING
 
 
 class Pings:

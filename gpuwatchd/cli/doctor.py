@@ -24,11 +24,13 @@ from typing import Any
 
 from gpuwatchd.cli.common import load_state, resolve_config
 from gpuwatchd.config import Config
+from gpuwatchd.daemon.fork_evidence import fork_evidence
+from gpuwatchd.daemon.proc_view import ProcView
 from gpuwatchd.escape import printable_tree
 from gpuwatchd.findings import FindingContext, fds, fork, nccl_env
 from gpuwatchd.join.hang import analyze, wait_tids
 from gpuwatchd.join.rank_workers import worker_view
-from gpuwatchd.model import RankState
+from gpuwatchd.model import RankEntry, RankState
 from gpuwatchd.model.threads import ThreadInfo, ThreadStack
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import containers, devfds, taskwait
@@ -99,7 +101,10 @@ def collect(
     a recorded replay; default: the real library, or ``nvml.fixture`` when configured)."""
     paths = paths or HostPaths(procfs=cfg.procfs)
     procfs = ProcfsReader(paths)
-    info = procfs.read_process(pid)
+    # the daemon's process view (daemon/proc_view.py), for this one tree: what the join and the
+    # rules see of a rank, the same reader and the same NCCL flags
+    view = ProcView(procfs).read((pid,))
+    info = view.processes.get(pid)
     if info is None:
         return {"pid": pid, "error": f"no process {pid}"}
     state = state or {}
@@ -175,11 +180,16 @@ def collect(
     else:
         report["gpu_memory"], report["gpu_memory_source"] = _gpu_memory_now(pid, cfg, nvml)
     # NCCL environment and fork checks
-    env = procfs.environ(pid, NCCL_VARS)
+    env = procfs.environ(pid, NCCL_VARS)  # the values, for the report's verdicts only
     report["nccl"] = nccl_checks(env)
     children = procfs.children(pid)
-    me = devfds.read_evidence(paths, pid)
-    kids = [e for e in (devfds.read_evidence(paths, c) for c in children) if e is not None]
+    # the fork evidence of the daemon's GPU part (daemon/fork_evidence.py) over this tree, with
+    # NVML's process list unknown (every process that can show a fork after CUDA)
+    reader = devfds.EvidenceReader(paths)
+    tree = RankEntry("-", -1, pid)
+    evidence = fork_evidence(reader, (tree,), view.processes, view.descendants, None)
+    me = evidence.get(pid) or reader.read(pid, info.open_fds)  # a process without children too
+    kids = [evidence[c] for c in children if c in evidence]
     forked = fork.forked_children(me, kids) if me is not None else []
     report["fork"] = {
         "holds_cuda_context": bool(me and me.holds_cuda_device),
@@ -198,9 +208,9 @@ def collect(
         local_rank=None, world_size=None, alive=True, process=info, tree=(pid, *children),
     )
     ctx = FindingContext(
-        now=time.time(), config=cfg, ranks=(pseudo,), processes={pid: info},
-        env_flags={pid: nccl_env.env_flags(env)},
-        fork_evidence={e.pid: e for e in ([me] if me else []) + kids},
+        now=time.time(), config=cfg, ranks=(pseudo,), processes=view.processes,
+        env_flags={pid: view.env_flags[pid]} if pid in view.env_flags else {pid: nccl_env.env_flags(env)},
+        fork_evidence={**evidence, pid: me} if me is not None else evidence,
     )
     kinds = {f["kind"] for f in found}
     for rule in (fds.find, nccl_env.find, fork.find):

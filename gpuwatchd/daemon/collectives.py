@@ -1,10 +1,11 @@
 """The daemon's flight-recorder part: asks the ranks of stalled jobs for a dump and reads it.
 
 The protocol, the file rules and the comparison are in gpuwatchd/join/collectives.py (pure) and the
-rank side in gpuwatchd/rank/flight_recorder.py. This subsystem comes after the py-spy subsystem in the
-daemon's list: it reads that cycle's stall verdicts (``CycleInputs.stall``). It returns
-``flight_records`` ((job_id, rank) -> FrReading, for findings/stall.py) and
-``collectives`` (CollectiveStatus per rank and process group, for the exporter).
+rank side in gpuwatchd/rank/flight_recorder.py. The track stage hands it that cycle's stall
+verdicts (the py-spy part's output) as an argument. It returns ``records`` ((job_id, rank) ->
+FrReading, for findings/stall.py) and ``collectives`` (CollectiveStatus per rank and process
+group, for the exporter). The request and response files are read and written under ``guarded``:
+a file system error loses that rank's request this cycle, never the other ranks'.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpuwatchd.daemon.subsystem import Contribution, DaemonContext, Subsystem
+from gpuwatchd.daemon.subsystem import DaemonContext, FlightOutput, Ranks, Subsystem
 from gpuwatchd.join.collectives import FrReading, parse_response
-from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import ProcessInfo, RankEntry
+from gpuwatchd.model.stall import StallVerdict
 from gpuwatchd.rank.flight_recorder import request_path, response_path
 from gpuwatchd.sources.flight_recorder_files import read_response, write_request
 
@@ -46,12 +47,13 @@ class FlightRecorderSubsystem(Subsystem):
         self._asks: dict[tuple[str, int], _Ask] = {}
         self._readings: dict[tuple[str, int], FrReading] = {}
 
-    def before_join(self, daemon: DaemonContext, cycle: CycleInputs) -> Contribution:
-        now = cycle.now
+    def track(self, daemon: DaemonContext, ranks: Ranks,
+              verdicts: Mapping[tuple[str, int], StallVerdict]) -> FlightOutput:  # fmt: skip
+        """Ask the ranks of the jobs ``verdicts`` calls stalled or suspect, and read answers."""
+        now = ranks.now
         rank_dir = daemon.config.rank_dir
-        verdicts = cycle.stall
-        processes: Mapping[int, ProcessInfo] = cycle.processes
-        entries: list[RankEntry] = [e for e in cycle.entries if e.pid in processes]
+        processes: Mapping[int, ProcessInfo] = ranks.processes
+        entries: list[RankEntry] = [e for e in ranks.entries if e.pid in processes]
         stalled_jobs = {k[0] for k, v in verdicts.items() if v.stalled or v.suspect}
         live = {(e.job_id, e.rank): e for e in entries}
         for key in set(self._asks) | set(self._readings):
@@ -68,10 +70,7 @@ class FlightRecorderSubsystem(Subsystem):
                         now - ask.asked_at >= ANSWER_GRACE_SECONDS:
                     self._readings[key] = FrReading(e.job_id, e.rank, e.pid, error="no answer")
         readings = {k: r for k, r in self._readings.items() if k[0] in stalled_jobs}
-        return Contribution(
-            flight_records=readings,
-            collectives=tuple(g for r in self._readings.values() for g in r.groups),
-        )
+        return FlightOutput(readings, tuple(g for r in self._readings.values() for g in r.groups))
 
     def _ask(self, rank_dir: str, e: RankEntry, now: float) -> None:
         nonce = os.urandom(8).hex()  # secrets.token_hex, without loading libcrypto via hmac

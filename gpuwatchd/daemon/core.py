@@ -4,8 +4,9 @@ Every ``interval_seconds`` one cycle runs the polled sources (rank files, /proc,
 subsystems poll, e.g. NVML), each through its own isolation wrapper (``isolation.Collector``), then
 the pure join, then swaps ``self.state`` (an immutable ``NodeState``) in one assignment: the
 exporter and the CLI only ever read that reference. Streaming sources (kernel log, udev, py-spy
-sampling) are *subsystems* with their own threads; they feed the shared ``CounterStore`` and add
-their readings to the next cycle through ``Subsystem.before_join``.
+sampling) are *subsystems* with their own threads; they feed the shared ``CounterStore``, and the
+track stage (daemon/wiring.py) calls each by name with what it needs, each returning its own
+typed output (``Tracked``, daemon/subsystem.py).
 
 Signals: SIGTERM/SIGINT stop cleanly (STOPPING=1), SIGHUP reloads the config file; an invalid new
 config keeps the old one running and logs every problem.
@@ -36,22 +37,21 @@ from gpuwatchd.config import Config, ConfigError
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon import allocator
 from gpuwatchd.daemon.notify import notify, watchdog_interval
+from gpuwatchd.daemon.proc_view import ProcReading, ProcView
 from gpuwatchd.daemon.reload import ConfigSource, reload_config
 from gpuwatchd.daemon.services import Services
 from gpuwatchd.daemon.state_json import state_json_text
-from gpuwatchd.daemon.subsystem import NOTHING, Subsystem
+from gpuwatchd.daemon.subsystem import Ranks, Subsystem, Tracked
 from gpuwatchd.daemon.wake import LinkedEvent
-from gpuwatchd.daemon.wiring import default_subsystems, down_statuses
+from gpuwatchd.daemon.wiring import Parts, default_subsystems, down_statuses, track
 from gpuwatchd.exporter.collector import make_registry
-from gpuwatchd.findings import nccl_env
 from gpuwatchd.isolation import Collector, PartialReading, attempt, guarded
 from gpuwatchd.join import rank_claims
 from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
-from gpuwatchd.model import BadRankFile, CgroupPaths, CollectorStatus, NodeState, ProcessInfo, RankEntry
+from gpuwatchd.model import BadRankFile, CollectorStatus, NodeState, RankEntry
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.discovery import discover
 from gpuwatchd.sources.heartbeats import HeartbeatRoots
-from gpuwatchd.sources.memcg import parse_cgroup_file
 from gpuwatchd.sources.pidns import PidNamespaces
 from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.sources.rankfiles import RankDirMissing, RankFileReader, guard_entries
@@ -66,19 +66,6 @@ STATE_FILE = "state.json"
 # A cycle is bounded to seconds by its collectors' time-outs and the stall probe budget; one that
 # has not finished after this long is wedged, and the watchdog stops being fed.
 CYCLE_TIME_LIMIT = 30.0
-CGROUP_TTL = 30.0  # a rank's cgroup rarely changes: /proc/PID/cgroup is re-read this often
-
-
-@dataclass(frozen=True)
-class ProcReading:
-    processes: Mapping[int, ProcessInfo]
-    descendants: Mapping[int, tuple[int, ...]]
-    env_flags: Mapping[int, tuple[str, ...]]
-    # (job_id, rank, pid) -> heartbeat mtime: keyed by the claim's pid, so that only the
-    # accepted claim's heartbeat is used (a refused claim on the same rank has another pid)
-    progress: Mapping[tuple[str, int, int], float]
-    # rank PID -> its cgroup (/proc/PID/cgroup), re-read every CGROUP_TTL seconds per process
-    cgroups: Mapping[int, CgroupPaths] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -92,12 +79,12 @@ class Reading:
     statuses: tuple[CollectorStatus, ...]       # the two collectors' status
 
 
-@dataclass(frozen=True)
-class Tracked:
-    """What the subsystems made of a ``Reading`` (``Daemon.track``, the only producer)."""
-
-    inputs: CycleInputs                         # the join's input: the reading + every contribution
-    down: Mapping[str, str]                     # subsystem -> why it is down this cycle
+def accepted(reading: Reading, claims: rank_claims.Claims) -> tuple[Ranks, Mapping[tuple[str, int], float]]:
+    """The reading narrowed to the accepted claims: what the track stage's parts read, and each
+    accepted rank's heartbeat mtime (a refused claim on the same rank has another pid)."""
+    proc = reading.proc
+    beats = {(j, r): t for (j, r, pid), t in proc.progress.items() if claims.accepts(j, r, pid)}
+    return Ranks(reading.now, claims.accepted, proc.processes, proc.descendants, proc.cgroups), beats
 
 
 class Daemon:
@@ -145,13 +132,12 @@ class Daemon:
         self.memory = JoinMemory()
         self.write_state = write_state  # False for read-only users (gpuwatchd ps)
         self.subsystems: list[Subsystem] = subsystems if subsystems is not None else default_subsystems(config)
+        self.parts = Parts.of(self.subsystems)  # the same parts by name, for the track stage
         self.registry = make_registry(lambda: self.state, self.counters)
         self.web: WebServer | None = None
         self._discovered: list[RankEntry] = []
         self._last_discovery = float("-inf")
-        self._env_cache: dict[tuple[int, int], tuple[str, ...]] = {}
-        # (pid, start ticks) -> (when read, its cgroup): the process view, re-read every CGROUP_TTL
-        self._cgroup_cache: dict[tuple[int, int], tuple[float, CgroupPaths | None]] = {}
+        self.view = ProcView(self.procfs)  # each rank tree, its cgroup and NCCL flags, per cycle
         self._cycle_lock = threading.Lock()
         self.exit_status = 0  # what `gpuwatchd run` exits with (request_exit)
         # subsystem name -> why it did not start: exported as collector_success{collector=name} 0
@@ -201,48 +187,14 @@ class Daemon:
 
     def _read_procfs(self) -> ProcReading:
         entries = self._entries
-        processes: dict[int, ProcessInfo] = {}
-        descendants: dict[int, tuple[int, ...]] = {}
-        env_flags: dict[int, tuple[str, ...]] = {}
+        proc = self.view.read(e.pid for e in entries)
         progress: dict[tuple[str, int, int], float] = {}
-        cgroups: dict[int, CgroupPaths] = {}
-        live_keys: set[tuple[int, int]] = set()
-        now = time.monotonic()
-        for e in entries:
-            if e.pid in processes or e.pid in descendants:
-                continue
-            info = self.procfs.read_process(e.pid)
-            if info is None:
-                continue
-            processes[e.pid] = info
-            kids = self.procfs.descendants(e.pid)
-            processes.update(self.procfs.read_many(k for k in kids if k not in processes))
-            descendants[e.pid] = tuple(k for k in kids if k in processes)  # drop those gone meanwhile
-            key = (e.pid, info.start_ticks)
-            live_keys.add(key)
-            hit = self._cgroup_cache.get(key)
-            if hit is None or now - hit[0] >= CGROUP_TTL:
-                text = self.procfs.cgroup(e.pid)
-                hit = self._cgroup_cache[key] = (now, parse_cgroup_file(text) if text is not None else None)
-            if hit[1] is not None:
-                cgroups[e.pid] = hit[1]
-            if key not in self._env_cache:
-                env = self.procfs.environ_values(e.pid, nccl_env.WATCHED_VARS)
-                if env is None:  # not readable yet (mid-exec) or not permitted: try next cycle
-                    continue
-                self._env_cache[key] = nccl_env.env_flags(env)  # names only: values end here
-            env_flags[e.pid] = self._env_cache[key]
         for e in entries:
             mtime = self.heartbeat_roots.mtime(e)
             if mtime is not None:
                 progress[(e.job_id, e.rank, e.pid)] = mtime
         self.heartbeat_roots.end_reads()
-        for stale in set(self._env_cache) - live_keys:
-            del self._env_cache[stale]
-        for stale in set(self._cgroup_cache) - live_keys:
-            del self._cgroup_cache[stale]
-        self.procfs.forget(live_keys | {(p.pid, p.start_ticks) for p in processes.values()})
-        return ProcReading(processes, descendants, env_flags, progress, cgroups)
+        return dataclasses.replace(proc, progress=progress)
 
     # --- one cycle ------------------------------------------------------------------------------
 
@@ -254,8 +206,9 @@ class Daemon:
             reading = self.read()                           # rank files, /proc, heartbeats (Collectors)
             claims = rank_claims.decide(reading.entries, reading.proc.processes, self.memory.job_owners,
                                         self.memory.claimant_uids, self.memory.start_ticks)
-            tracked = self.track(reading, claims)           # the subsystems' parts, in wiring order
-            state, self.memory = build_state(self.join_inputs(reading, tracked, t0), self.memory)
+            ranks, beats = accepted(reading, claims)        # from here on: the accepted claims only
+            tracked = track(self.parts, self, ranks, beats, dict(self.failed_subsystems))  # parts by name
+            state, self.memory = build_state(self.join_inputs(reading, claims, beats, tracked, t0), self.memory)
             state = dataclasses.replace(state, cycle_seconds=time.monotonic() - t0,
                                         oom_score_adj=self._oom_score_adj())
             self.state = state                              # what the exporter and the CLI read: one swap
@@ -271,36 +224,33 @@ class Daemon:
             rank_reading = self.rank_collector.run()
             entries, bad = rank_reading if rank_reading is not None else ([], [])
             self._entries = entries
-            proc = self.proc_collector.run() or ProcReading({}, {}, {}, {})
+            proc = self.proc_collector.run() or ProcReading({}, {}, {})
         finally:
             self.procfs.end_cycle()
         return Reading(self.clock(), tuple(entries), tuple(bad), proc,
                        (self.rank_collector.status, self.proc_collector.status))
 
-    def track(self, reading: Reading, claims: rank_claims.Claims) -> Tracked:
-        """Each subsystem's part of the cycle, isolated: one that raises loses its contribution
-        (and reads as a collector that is down), nothing else. From here on every reading is of an
-        accepted (job_id, rank, pid) only."""
-        beats = {(j, r): t for (j, r, pid), t in reading.proc.progress.items() if claims.accepts(j, r, pid)}
-        inputs = CycleInputs(
-            now=reading.now, config=self.config, entries=claims.accepted, bad_files=reading.bad_files,
-            processes=reading.proc.processes, descendants=reading.proc.descendants,
-            env_flags=reading.proc.env_flags, cgroups=reading.proc.cgroups, heartbeats=beats, claims=claims,
-        )
-        down = dict(self.failed_subsystems)
-        for sub in self.subsystems:
-            extra, error = attempt(f"subsystem {sub.name} before_join",
-                                   functools.partial(sub.before_join, self, inputs), NOTHING)
-            inputs = extra.merge_into(inputs)
-            if error is not None:
-                down.setdefault(sub.name, error)
-        return Tracked(inputs, down)
-
-    def join_inputs(self, reading: Reading, tracked: Tracked, t0: float) -> CycleInputs:
-        statuses = [*reading.statuses, *tracked.inputs.collectors]
+    def join_inputs(self, reading: Reading, claims: rank_claims.Claims, beats: Mapping[tuple[str, int], float],
+                    tracked: Tracked, t0: float) -> CycleInputs:
+        """The join's input, field by field from the one stage output that produced it."""
+        stall, gpu, mem = tracked.stall, tracked.gpu, tracked.memory
+        statuses = [*reading.statuses, *(s for s in (stall.status, tracked.kernel.status, gpu.status, mem.status)
+                                         if s is not None)]
         statuses += down_statuses(statuses, tracked.down)
-        return dataclasses.replace(tracked.inputs, collectors=tuple(statuses),
-                                   counters=self.counters.snapshot(), cycle_seconds=time.monotonic() - t0)
+        proc = reading.proc
+        return CycleInputs(
+            now=reading.now, config=self.config, entries=claims.accepted, bad_files=reading.bad_files,
+            processes={**proc.processes, **gpu.processes} if gpu.processes else proc.processes,
+            descendants=proc.descendants, env_flags=proc.env_flags, cgroups=proc.cgroups, heartbeats=beats,
+            claims=claims, gpus=gpu.gpus, gpu_processes=gpu.gpu_processes, orphans=gpu.orphans,
+            progress=stall.progress, stalled=stall.stalled, collectors=tuple(statuses),
+            counters=self.counters.snapshot(), cycle_seconds=time.monotonic() - t0,
+            steps=tracked.straggler.steps, collectives=tracked.flight.collectives,
+            rank_memory=mem.ranks, node_memory=mem.node, kernel_events=tracked.kernel.events,
+            orphan_jobs=gpu.orphan_jobs, fork_evidence=gpu.fork_evidence, gil=stall.gil, stall=stall.verdicts,
+            flight_records=tracked.flight.records, straggler=tracked.straggler.rates,
+            gpus_removed=gpu.gpus_removed, gpus_lost=gpu.gpus_lost, cuda_ooms=gpu.cuda_ooms,
+        )
 
     def publish(self, state: NodeState) -> None:
         """What the new state drives: the subsystems' after-join hooks (event log, rank trees,

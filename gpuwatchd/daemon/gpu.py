@@ -2,7 +2,7 @@
 
 Wires the GPU sources into the daemon's cycle (duck-typed ``daemon.Subsystem``):
 
-- ``before_join``: one NVML reading through the isolation wrapper (collector ``nvml``, time-out
+- ``track``: one NVML reading through the isolation wrapper (collector ``nvml``, time-out
   ``nvml.timeout_seconds``; a hung driver call never blocks the cycle or a scrape); /proc identity
   of each GPU process outside the rank trees; the orphan tracker (``orphans.grace_seconds``);
   fork evidence for the processes of ranks that hold a CUDA context; CUDA OOM event files from the
@@ -15,26 +15,28 @@ Wires the GPU sources into the daemon's cycle (duck-typed ``daemon.Subsystem``):
 - streaming: the NVML Xid event thread (``gpu_xid_errors``, de-duplicated against the kernel log
   through the daemon's shared ``XidDeduper``) and the udev thread.
 
-Returns ``gpus``, ``gpu_processes``, ``orphans``, ``processes`` (GPU PIDs), ``fork_evidence``,
-``orphan_jobs``, ``gpus_removed``, ``gpus_lost`` and ``cuda_ooms`` (a ``Contribution``) for the join.
+Returns ``gpus``, ``gpu_processes``, ``orphans``, ``processes`` (GPU PIDs outside the rank trees),
+``fork_evidence``, ``orphan_jobs``, ``gpus_removed``, ``gpus_lost`` and ``cuda_ooms`` (a
+``GpuOutput``) for the join. The /proc reads of GPU PIDs, the devfds evidence and the CUDA-OOM
+event files each run under ``guarded``: one that fails loses its own reading this cycle.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from gpuwatchd.daemon.device_policy import EXIT_REEXPAND, DevicePolicyGuard
 from gpuwatchd.daemon.fork_evidence import fork_evidence
-from gpuwatchd.daemon.subsystem import NOTHING, Contribution, DaemonContext, Subsystem
+from gpuwatchd.daemon.subsystem import DaemonContext, GpuOutput, Ranks, Subsystem
 from gpuwatchd.findings.context import GpuRemoved, NvmlLostGpu
-from gpuwatchd.isolation import Collector
+from gpuwatchd.isolation import Collector, guarded
 from gpuwatchd.join.cuda_oom import OomTracker
 from gpuwatchd.join.orphans import OrphanTracker, trees_from_entries
-from gpuwatchd.join.state import CycleInputs
-from gpuwatchd.model import GpuDevice, GpuProcess, GpuUevent, NodeState, ProcessInfo
-from gpuwatchd.sources.cuda_oom_events import OomEventFiles
+from gpuwatchd.model import GpuDevice, GpuProcess, GpuUevent, NodeState, ProcessInfo, ProcEvidence
+from gpuwatchd.sources.cuda_oom_events import OomEvent, OomEventFiles
 from gpuwatchd.sources.devfds import EvidenceReader
 from gpuwatchd.sources.kmsg import read_boot_id
 from gpuwatchd.sources.nvidia_devices import probe
@@ -137,10 +139,10 @@ class GpuSubsystem(Subsystem):
                 raise NvmlDeviceDenied(f"{why} (NVML: {exc})") from exc
             raise
 
-    def before_join(self, daemon: DaemonContext, cycle: CycleInputs) -> Contribution:
+    def track(self, daemon: DaemonContext, ranks: Ranks) -> GpuOutput:
         if (self.collector is None or self.tracker is None or self.oom is None
                 or self.evidence is None):
-            return NOTHING
+            return GpuOutput()
         reading = self.collector.run()
         if reading is None and self.guard is not None:
             why = self.guard.restart_reason()
@@ -152,14 +154,17 @@ class GpuSubsystem(Subsystem):
         lost_now = tuple(NvmlLostGpu(i, self._known.get(i), daemon.clock())
                          for i in sorted(self.source.lost_devices if self.source else ()))
         self.dedup.learn_devices(devices)
-        processes: dict[int, ProcessInfo] = dict(cycle.processes)
+        processes: dict[int, ProcessInfo] = dict(ranks.processes)
         missing = sorted({p.pid for p in procs} - set(processes))
-        extra = daemon.procfs.read_many(missing) if missing else {}
+        procfs = daemon.procfs
+        no_procs: Mapping[int, ProcessInfo] = {}
+        extra = (guarded("nvml: /proc of GPU processes", lambda: procfs.read_many(missing), no_procs)
+                 if missing else no_procs)
         processes.update(extra)
-        entries = cycle.entries
-        descendants = cycle.descendants
+        entries = ranks.entries
+        descendants = ranks.descendants
         trees = trees_from_entries(entries, processes, descendants)
-        now = cycle.now
+        now = ranks.now
         orphans = self.tracker.update(procs, processes, trees, now)
         orphan_jobs = {}
         for o in orphans:
@@ -168,15 +173,18 @@ class GpuSubsystem(Subsystem):
             if job:
                 orphan_jobs[o.pid] = job
         gpu_pids = {p.pid for p in procs}
-        evidence = fork_evidence(self.evidence, entries, processes, descendants,
-                                 gpu_pids if reading is not None else None)
-        ooms = self.oom.observe(self.oom_files.read(), daemon.counters.inc, self._last_state,
-                             {o.pid: o.reason for o in orphans},
-                             {pid: p.comm for pid, p in processes.items()})
+        reader = self.evidence
+        no_evidence: dict[int, ProcEvidence] = {}
+        evidence = guarded("nvml: devfds evidence", lambda: fork_evidence(
+            reader, entries, processes, descendants, gpu_pids if reading is not None else None), no_evidence)
+        no_events: list[OomEvent] = []
+        ooms = self.oom.observe(guarded("nvml: CUDA OOM event files", self.oom_files.read, no_events),
+                                daemon.counters.inc, self._last_state, {o.pid: o.reason for o in orphans},
+                                {pid: p.comm for pid, p in processes.items()})
         with self._lock:
             removed = tuple(self._removed.values())
-        return Contribution(
-            collectors=(self.collector.status,),
+        return GpuOutput(
+            status=self.collector.status,
             gpus=tuple(devices),
             gpu_processes=tuple(procs),
             orphans=tuple(orphans),

@@ -2,7 +2,7 @@
 
 Reads /dev/kmsg or the journal (sources/kernel_log.py) in its own thread, event-driven; each cycle
 it reads ``/proc/vmstat`` (one small file) for the OOM-kill cross-check and ``/proc/PID/cgroup``
-of each live rank, from the daemon's process view (``CycleInputs.cgroups``), for systemd-oomd
+of each live rank, from the daemon's process view (``Ranks.cgroups``), for systemd-oomd
 attribution. Privilege and shell equivalents: see
 sources/kernel_log.py.
 """
@@ -16,12 +16,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuwatchd.counters import CounterStore
-from gpuwatchd.daemon.subsystem import NOTHING, Contribution, DaemonContext, Subsystem
+from gpuwatchd.daemon.subsystem import DaemonContext, KernelOutput, Ranks, Subsystem
 from gpuwatchd.events.alertmanager import derive_instance
 from gpuwatchd.events.bus import EventBus, build_bus
 from gpuwatchd.isolation import guarded, run_forever
 from gpuwatchd.join.kernel_events import KernelEventProcessor
-from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import CgroupPaths, CollectorStatus, NodeState, ProcessInfo
 from gpuwatchd.model.events import Event
 from gpuwatchd.model.kernel import LogRecord
@@ -37,8 +36,9 @@ class KernelLogSubsystem(Subsystem):
     """Runs the kernel-log source in its own thread (``kernel_log`` config key) and connects the
     processor to the daemon's cycle (duck-typed ``daemon.Subsystem``):
 
-    - ``before_join``: flush incomplete kills, cross-check /proc/vmstat, hand the recent events to
-      the findings (``Contribution.kernel_events``) and report the ``kernel_log`` collector status;
+    - ``track``: flush incomplete kills, cross-check /proc/vmstat (read under ``guarded``: an
+      unreadable file skips the cross-check this cycle), hand the recent events to the findings
+      (``KernelOutput.events``) and report the ``kernel_log`` collector status;
     - ``after_join``: give the attribution record this cycle's rank trees.
     """
 
@@ -134,19 +134,21 @@ class KernelLogSubsystem(Subsystem):
         finally:
             self._running = False
 
-    def before_join(self, daemon: DaemonContext, cycle: CycleInputs) -> Contribution:
+    def track(self, daemon: DaemonContext, ranks: Ranks) -> KernelOutput:
         if self.processor is None:
-            return NOTHING
+            return KernelOutput()
         t0 = time.monotonic()
         now = daemon.clock()
         retention = daemon.config.retention  # SIGHUP applies it here too
         self.processor.store.retention_seconds = retention.oom_kill_seconds
         self.processor.record.ended_grace = retention.ended_rank_seconds
-        self._processes = cycle.processes
-        self._cgroups = cycle.cgroups  # the daemon's process view, for after_join
+        self._processes = ranks.processes
+        self._cgroups = ranks.cgroups  # the daemon's process view, for after_join
         self.processor.tick(now)
         self._report_history()
-        self.processor.cross_check(read_vmstat_oom_kill(daemon.paths), now)
+        paths = daemon.paths
+        self.processor.cross_check(guarded("kernel_log: /proc/vmstat", lambda: read_vmstat_oom_kill(paths), None),
+                                   now)
         running = self._running
         if running:
             self._last_ok = now
@@ -157,8 +159,7 @@ class KernelLogSubsystem(Subsystem):
             last_success_timestamp=self._last_ok,
             error=self._error if self._thread is not None else "kernel_log: off",
         )
-        return Contribution(kernel_events=tuple(self.processor.recent(now - 3600.0)),
-                            collectors=(status,))
+        return KernelOutput(tuple(self.processor.recent(now - 3600.0)), status)
 
     def _report_history(self) -> None:
         """The first start's history event, once the source has replayed its buffer."""

@@ -1,7 +1,7 @@
 """The memory subsystem of the daemon: host memory per rank and per node, each cycle, and the
 evidence snapshots of ``rank_memory_pressure``.
 
-``before_join``: for every live rank, the memory cgroup level that bounds it, its tree's RSS and
+``track``: for every live rank, the memory cgroup level that bounds it, its tree's RSS and
 their growth (sources/memcg.py, memory_tracker.py), plus the node's MemAvailable and PSI; handed to
 the join as ``rank_memory`` / ``node_memory`` (exported) and to findings/memory.py,
 with the ``memory`` collector status. ``after_join``: when ``rank_memory_pressure`` is raised for a
@@ -15,6 +15,7 @@ snapshot (~10-100 ms of py-spy's CPU, nothing measurable on the target: ``--nonb
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -23,11 +24,10 @@ from typing import Any
 
 from gpuwatchd.config import Config
 from gpuwatchd.daemon.memory_evidence import snapshot_event, worse
-from gpuwatchd.daemon.subsystem import Contribution, DaemonContext, Subsystem
+from gpuwatchd.daemon.subsystem import DaemonContext, MemoryOutput, Ranks, Subsystem
 from gpuwatchd.findings.memory import KIND
 from gpuwatchd.isolation import guarded
 from gpuwatchd.join.memory_tracker import MemoryTracker, RankKey
-from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import (
     CgroupMemory,
     CgroupPaths,
@@ -71,37 +71,39 @@ class MemorySubsystem(Subsystem):
 
     # -- each cycle --------------------------------------------------------------------------
 
-    def before_join(self, daemon: DaemonContext, cycle: CycleInputs) -> Contribution:
+    def track(self, daemon: DaemonContext, ranks: Ranks) -> MemoryOutput:
         if self.reader is None:
             self.start(daemon)
-        assert self.reader is not None
+        reader = self.reader
+        assert reader is not None
         t0 = time.monotonic()
-        now = float(cycle.now)
+        now = float(ranks.now)
         cfg = daemon.config.memory
-        processes: Mapping[int, ProcessInfo] = cycle.processes
-        descendants: Mapping[int, tuple[int, ...]] = cycle.descendants
+        processes: Mapping[int, ProcessInfo] = ranks.processes
+        descendants: Mapping[int, tuple[int, ...]] = ranks.descendants
         readings: list[RankMemory] = []
         live: list[RankKey] = []
         seen: set[tuple[str, int]] = set()
         memo: dict[tuple[int, str], Any] = {}  # cgroup levels read this cycle, shared by ranks
         shared: dict[CgroupPaths, CgroupMemory | None] = {}  # and each cgroup's bounding level
-        for e in cycle.entries:
+        for e in ranks.entries:
             proc = processes.get(e.pid)
             if (e.job_id, e.rank) in seen or proc is None or not rank_alive(proc, e.start_ticks):
                 continue
             seen.add((e.job_id, e.rank))
             key: RankKey = (e.job_id, e.rank, e.pid, proc.start_ticks)
             live.append(key)
-            where = cycle.cgroups.get(e.pid)  # the daemon's process view (re-read every 30 s)
+            where = ranks.cgroups.get(e.pid)  # the daemon's process view (re-read every 30 s)
             if where is not None and where not in shared:  # the ranks of a job share one cgroup
-                shared[where] = self.reader.read(where, memo)
+                # isolated per cgroup: one that cannot be read is "no memory controller" this cycle
+                shared[where] = guarded("memory: memcg", functools.partial(reader.read, where, memo), None)
             cg = shared[where] if where is not None else None
             tree = (e.pid, *descendants.get(e.pid, ()))
             readings.append(self.tracker.observe(now, key, tree, processes, cg,
                                                  cfg.window_seconds, cfg.min_window_seconds))
         self.tracker.forget(live, ((p.pid, p.start_ticks) for p in processes.values()))
         self._readings = {(m.job_id, m.rank, m.pid): m for m in readings}
-        n = self.reader.node()
+        n = guarded("memory: /proc/meminfo", reader.node, None)
         node = None if n is None else NodeMemoryState(
             n.total_bytes, n.available_bytes,
             n.pressure.some_avg10 if n.pressure else None,
@@ -113,7 +115,7 @@ class MemorySubsystem(Subsystem):
             self._last_ok = now
         status = CollectorStatus("memory", ok, time.monotonic() - t0, self._last_ok,
                                  "" if ok else "cannot read /proc/meminfo")
-        return Contribution(rank_memory=tuple(readings), node_memory=node, collectors=(status,))
+        return MemoryOutput(tuple(readings), node, status)
 
     def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
         cfg = daemon.config.memory

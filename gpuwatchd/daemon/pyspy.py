@@ -1,11 +1,12 @@
 """The py-spy subsystem of the daemon: the GIL sampler (daemon/gil.py) and the stall tracker
 (join/stall.py) wired into the cycle. Each cycle it probes every live rank (heartbeat, /proc
-state), hands the live ranks to the sampler, and contributes the progress and stall verdicts,
+state), hands the live ranks to the sampler, and returns the progress and stall verdicts,
 the GIL readings (for findings/gil.py and findings/stall.py) and the ``pyspy`` collector status.
 After the join it hands the sampler each rank's signals from the new ``NodeState``
 (daemon/gil_signals.py: CPU while the GPU waits, heartbeat slowing, stalled), which is what makes
-the schedule adaptive; the GPU readings come from subsystems after this one, so the state of the
-join is where they meet.
+the schedule adaptive; the GPU readings come from the nvml part, which the track stage hands
+nothing of this one's, so the state of the join is where they meet. The stall tracker's py-spy
+looks run inside this part's isolation (its dumps with their own time-outs and cycle budget).
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ from gpuwatchd.config import Config
 from gpuwatchd.daemon.gil import DEFERRED_KINDS, MAX_SAMPLING_DUTY, GilSampler
 from gpuwatchd.daemon.gil_schedule import GilTarget
 from gpuwatchd.daemon.gil_signals import SignalTracker
-from gpuwatchd.daemon.subsystem import Contribution, DaemonContext, Subsystem
+from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, StallOutput, Subsystem
 from gpuwatchd.isolation import run_forever
 from gpuwatchd.join.stall import StallTracker
 from gpuwatchd.join.stall_spin import rank_gpu_readings
-from gpuwatchd.join.state import CycleInputs
 from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo, rank_alive
 from gpuwatchd.model.stall import RankProbe
 from gpuwatchd.sources.pyspy import PySpy
@@ -36,9 +36,9 @@ log = logging.getLogger(__name__)
 class PySpySubsystem(Subsystem):
     """The daemon's py-spy part: GIL sampling in background threads, stall verdicts per cycle.
 
-    ``before_join`` hands the join ``progress`` / ``stalled`` per (job_id, rank) (exported as
+    ``track`` returns ``progress`` / ``stalled`` per (job_id, rank) (exported as
     ``gpuwatch_rank_progress_timestamp_seconds`` / ``gpuwatch_rank_stalled``), the readings for
-    findings/gil.py and findings/stall.py (``Contribution.gil``, ``.stall``), and the ``pyspy`` collector status.
+    findings/gil.py and findings/stall.py (``StallOutput.gil``, ``.verdicts``), and the ``pyspy`` collector status.
     """
 
     name = "pyspy"
@@ -94,15 +94,17 @@ class PySpySubsystem(Subsystem):
         )
         self._thread.start()
 
-    def before_join(self, daemon: DaemonContext, cycle: CycleInputs) -> Contribution:
+    def track(self, daemon: DaemonContext, ranks: Ranks,
+              beats: Mapping[tuple[str, int], float]) -> StallOutput:  # fmt: skip
+        """Probe every rank (``beats``: each accepted rank's heartbeat mtime), judge the stalls
+        and hand the sampler its targets."""
         self._ensure(daemon)
         assert self.stall is not None and self.spy is not None
-        processes: Mapping[int, ProcessInfo] = cycle.processes
-        descendants: Mapping[int, tuple[int, ...]] = cycle.descendants
-        beats: Mapping[tuple[str, int], float] = cycle.heartbeats
+        processes: Mapping[int, ProcessInfo] = ranks.processes
+        descendants: Mapping[int, tuple[int, ...]] = ranks.descendants
         seen: set[tuple[str, int]] = set()
         probes: list[RankProbe] = []
-        for e in cycle.entries:
+        for e in ranks.entries:
             if (e.job_id, e.rank) in seen:
                 continue
             seen.add((e.job_id, e.rank))
@@ -118,20 +120,20 @@ class PySpySubsystem(Subsystem):
         if self.sampler is not None:
             self.sampler.update_targets(GilTarget(p.job_id, p.rank, p.pid) for p in probes
                                         if p.alive)  # fmt: skip
-        verdicts = self.stall.observe(cycle.now, probes)
+        verdicts = self.stall.observe(ranks.now, probes)  # its py-spy looks: budgeted, time-limited
         for kind in DEFERRED_KINDS:  # what the cycle budget pushed to the next cycle
             n = self.stall.deferred[kind] - self._deferred_seen[kind]
             self._deferred_seen[kind] = self.stall.deferred[kind]
             daemon.counters.ensure("cycle_deferred_probes", (kind,))
             if n:
                 daemon.counters.inc("cycle_deferred_probes", (kind,), n)
-        return Contribution(
+        return StallOutput(
             progress={k: v.progress_timestamp for k, v in verdicts.items()
                       if v.progress_timestamp is not None},
             stalled={k: v.stalled for k, v in verdicts.items()},
+            verdicts=verdicts,
             gil=self.sampler.readings() if self.sampler else {},
-            stall=verdicts,
-            collectors=(self.status(),),
+            status=self.status(),
         )
 
     def status(self) -> CollectorStatus:
@@ -145,7 +147,7 @@ class PySpySubsystem(Subsystem):
 
     def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
         """Hand the sampler this cycle's signals per rank (readings flow in through
-        ``before_join``), and the stall tracker each rank's GPU readings (its spin rules)."""
+        ``track``), and the stall tracker each rank's GPU readings (its spin rules)."""
         if self.stall is not None:
             self.stall.note_gpus(rank_gpu_readings(state))
         if self.sampler is not None:

@@ -25,8 +25,7 @@ from collections.abc import Iterable
 
 from gpuwatchd.config import RetentionConfig
 from gpuwatchd.counters import CounterStore, Series, rank_label_positions
-from gpuwatchd.daemon.subsystem import NOTHING, Contribution, DaemonContext, Subsystem
-from gpuwatchd.join.state import CycleInputs
+from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
 
 EVENT_COUNTERS = frozenset({"oom_kills", "cuda_oom_errors"})
 RankKey = tuple[str, str]  # (job_id, rank) as label values
@@ -77,9 +76,8 @@ class RetentionSubsystem(Subsystem):
     def __init__(self) -> None:
         self.policy: SeriesRetention | None = None
 
-    def before_join(self, daemon: DaemonContext, cycle: CycleInputs) -> Contribution:
+    def observe(self, daemon: DaemonContext, ranks: Ranks) -> None:
         if self.policy is None or self.policy.counters is not daemon.counters:
             self.policy = SeriesRetention(daemon.counters)
-        registered = [(e.job_id, str(e.rank)) for e in cycle.entries]
-        self.policy.apply(registered, cycle.now, daemon.config.retention)
-        return NOTHING
+        registered = [(e.job_id, str(e.rank)) for e in ranks.entries]
+        self.policy.apply(registered, ranks.now, daemon.config.retention)

@@ -1,15 +1,19 @@
 """The straggler subsystem of the daemon: each cycle, the step rates of the heartbeat ranks
 (join/straggler.py, from the heartbeat steps and cgroup cpu.stat that sources/step_cpu.py reads)
 as ``steps`` (exported as ``gpuwatch_rank_step``) and ``FindingContext.straggler``
-(findings/straggler.py).
+(findings/straggler.py). The track stage hands it the heartbeats as an argument; the step and
+cpu.stat reads each run under ``guarded``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from gpuwatchd.config import StragglerConfig
-from gpuwatchd.daemon.subsystem import Contribution, DaemonContext, Subsystem
-from gpuwatchd.join.state import CycleInputs
+from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, StragglerOutput, Subsystem
+from gpuwatchd.isolation import guarded
 from gpuwatchd.join.straggler import StragglerTracker
+from gpuwatchd.model import CpuStat
 from gpuwatchd.sources.step_cpu import StepCpuReader
 
 
@@ -21,11 +25,17 @@ class StragglerSubsystem(Subsystem):
         self.tracker = StragglerTracker(cfg)
         self.reader: StepCpuReader | None = None
 
-    def before_join(self, daemon: DaemonContext, cycle: CycleInputs) -> Contribution:
+    def track(self, daemon: DaemonContext, ranks: Ranks,
+              heartbeats: Mapping[tuple[str, int], float]) -> StragglerOutput:  # fmt: skip
+        """``heartbeats``: each accepted rank's heartbeat mtime (the daemon's reading)."""
         if self.reader is None:
             self.reader = StepCpuReader(daemon.paths, daemon.heartbeat_roots.step)
-        entries = [e for e in cycle.entries if e.pid in cycle.processes]
-        due = self.tracker.due(entries, cycle.heartbeats)  # read: sources, judged: the tracker
-        steps, rates = self.tracker.observe(cycle.now, entries, cycle.heartbeats, self.reader.steps(due),
-                                            self.reader.cpu_stats(entries))
-        return Contribution(steps=steps, straggler=rates)
+        reader = self.reader
+        entries = [e for e in ranks.entries if e.pid in ranks.processes]
+        due = self.tracker.due(entries, heartbeats)  # read: sources, judged: the tracker
+        # each read isolated: an unreadable step file or cpu.stat is "unknown" this cycle
+        no_steps: dict[tuple[str, int], int | None] = {}
+        no_cpu: dict[tuple[str, int], CpuStat | None] = {}
+        steps = guarded("straggler: heartbeat steps", lambda: reader.steps(due), no_steps)
+        cpu = guarded("straggler: cpu.stat", lambda: reader.cpu_stats(entries), no_cpu)
+        return StragglerOutput(*self.tracker.observe(ranks.now, entries, heartbeats, steps, cpu))

@@ -1,40 +1,56 @@
-"""What a subsystem is, and what of the daemon it may use: a leaf module, so that the subsystems
-(daemon/gpu.py, kernel_log.py, gil.py, memory.py, finding_events.py) and the daemon that runs them
-(daemon/core.py) both import it and never each other.
+"""What a subsystem is, what of the daemon it may use, and what each part of the track stage
+returns: a leaf module, so that the subsystems (daemon/gpu.py, kernel_log.py, pyspy.py, memory.py,
+...) and the daemon that runs them (daemon/core.py) both import it and never each other.
 
 ``DaemonContext`` is the part of ``daemon.core.Daemon`` a subsystem sees: its configuration, host
 paths, clock, counters, /proc reader, stop event, the shared services (daemon/services.py: the
 py-spy runner, the Xid de-duplicator, the event log), the state-file writer, and ``request_exit``.
 Nothing else of the daemon is reachable (no other subsystem), and nothing is patched onto it.
+
+The track stage (``daemon/wiring.py: track``) calls each part by name with what it needs as
+arguments: every part gets the cycle's ``Ranks``; the py-spy part and the straggler the
+heartbeats; the flight recorder the stall verdicts of the py-spy part. Each part returns its own
+typed output, and ``Tracked`` holds one field per part: every field has exactly one producer.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from gpuwatchd.config import Config
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.services import Services
-from gpuwatchd.findings.context import RuleReadings
-from gpuwatchd.join.state import CycleInputs
+from gpuwatchd.events.log import Event
+from gpuwatchd.findings.context import GpuRemoved, NvmlLostGpu
+from gpuwatchd.join.collectives import FrReading
+from gpuwatchd.join.straggler import RankRate
 from gpuwatchd.model import (
+    AttributedOom,
+    CgroupPaths,
     CollectiveStatus,
     CollectorStatus,
+    GilReading,
     GpuDevice,
     GpuProcess,
+    NodeMemoryState,
     NodeState,
     Orphan,
     ProcessInfo,
+    ProcEvidence,
+    RankEntry,
+    RankMemory,
     frozen_map,
 )
+from gpuwatchd.model.stall import StallVerdict
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.heartbeats import HeartbeatRoots
 from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.statefile import StateFiles
+
+RankKey = tuple[str, int]  # (job_id, rank)
 
 
 class DaemonContext(Protocol):
@@ -56,49 +72,98 @@ class DaemonContext(Protocol):
 
 
 @dataclass(frozen=True)
-class Contribution(RuleReadings):
-    """What one subsystem adds to a cycle's ``CycleInputs`` (same field names and types; the
-    ``RuleReadings`` it extends go on unchanged to the finding rules).
+class Ranks:
+    """The cycle's accepted ranks and their processes: what every part of the track stage reads.
+    Producer: ``Daemon.read`` (rank files, /proc) narrowed by ``rank_claims.decide``."""
 
-    ``merge_into`` concatenates tuples, merges mappings (the contribution wins on a key) and sets
-    ``node_memory`` when given; a field left at its default adds nothing.
-    """
+    now: float
+    entries: tuple[RankEntry, ...]                  # the accepted claims only
+    processes: Mapping[int, ProcessInfo]            # each rank tree's /proc reading
+    descendants: Mapping[int, tuple[int, ...]]      # rank PID -> its live descendants
+    cgroups: Mapping[int, CgroupPaths]              # rank PID -> its cgroup (the process view)
+
+
+@dataclass(frozen=True)
+class StallOutput:
+    """Producer: ``PySpySubsystem.track`` (heartbeats, /proc, py-spy looks; the GIL sampler)."""
+
+    progress: Mapping[RankKey, float] = field(default_factory=frozen_map)  # last progress seen
+    stalled: Mapping[RankKey, bool] = field(default_factory=frozen_map)
+    verdicts: Mapping[RankKey, StallVerdict] = field(default_factory=frozen_map)
+    gil: Mapping[RankKey, Sequence[GilReading]] = field(default_factory=frozen_map)
+    status: CollectorStatus | None = None           # collector ``pyspy``
+
+
+@dataclass(frozen=True)
+class FlightOutput:
+    """Producer: ``FlightRecorderSubsystem.track`` (given the stall verdicts)."""
+
+    records: Mapping[RankKey, FrReading] = field(default_factory=frozen_map)  # of stalled jobs
+    collectives: tuple[CollectiveStatus, ...] = ()
+
+
+@dataclass(frozen=True)
+class StragglerOutput:
+    """Producer: ``StragglerSubsystem.track`` (given the heartbeats)."""
+
+    steps: Mapping[RankKey, int] = field(default_factory=frozen_map)
+    rates: Mapping[RankKey, RankRate] = field(default_factory=frozen_map)
+
+
+@dataclass(frozen=True)
+class KernelOutput:
+    """Producer: ``KernelLogSubsystem.track`` (the kernel-log thread's events, /proc/vmstat)."""
+
+    events: tuple[Event, ...] = ()                  # recent OOM kills and Xids
+    status: CollectorStatus | None = None           # collector ``kernel_log``
+
+
+@dataclass(frozen=True)
+class GpuOutput:
+    """Producer: ``GpuSubsystem.track`` (NVML, devfds, CUDA-OOM files, udev)."""
 
     gpus: tuple[GpuDevice, ...] = ()
     gpu_processes: tuple[GpuProcess, ...] = ()
     orphans: tuple[Orphan, ...] = ()
-    processes: Mapping[int, ProcessInfo] = field(default_factory=frozen_map)  # e.g. GPU PIDs
-    progress: Mapping[tuple[str, int], float] = field(default_factory=frozen_map)
-    stalled: Mapping[tuple[str, int], bool] = field(default_factory=frozen_map)
-    collectors: tuple[CollectorStatus, ...] = ()
-    steps: Mapping[tuple[str, int], int] = field(default_factory=frozen_map)
-    collectives: tuple[CollectiveStatus, ...] = ()
-
-    def merge_into(self, inputs: CycleInputs) -> CycleInputs:
-        changes: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is None or (isinstance(value, (tuple, Mapping)) and not value):
-                continue
-            old = getattr(inputs, f.name)
-            if isinstance(value, tuple):
-                changes[f.name] = tuple(old) + value
-            elif isinstance(value, Mapping):
-                changes[f.name] = {**old, **value}
-            else:
-                changes[f.name] = value
-        return dataclasses.replace(inputs, **changes) if changes else inputs
+    processes: Mapping[int, ProcessInfo] = field(default_factory=frozen_map)  # GPU PIDs outside the rank trees
+    fork_evidence: Mapping[int, ProcEvidence] = field(default_factory=frozen_map)
+    orphan_jobs: Mapping[int, str] = field(default_factory=frozen_map)
+    gpus_removed: tuple[GpuRemoved, ...] = ()
+    gpus_lost: tuple[NvmlLostGpu, ...] = ()
+    cuda_ooms: tuple[AttributedOom, ...] = ()
+    status: CollectorStatus | None = None           # collector ``nvml``
 
 
-NOTHING = Contribution()
+@dataclass(frozen=True)
+class MemoryOutput:
+    """Producer: ``MemorySubsystem.track`` (memcg, /proc/meminfo, PSI)."""
+
+    ranks: tuple[RankMemory, ...] = ()
+    node: NodeMemoryState | None = None
+    status: CollectorStatus | None = None           # collector ``memory``
+
+
+@dataclass(frozen=True)
+class Tracked:
+    """The track stage's output (``daemon/wiring.py: track``): one field per part, each of which
+    has that part as its only producer; a part absent or down this cycle leaves its default."""
+
+    stall: StallOutput = StallOutput()
+    flight: FlightOutput = FlightOutput()
+    straggler: StragglerOutput = StragglerOutput()
+    kernel: KernelOutput = KernelOutput()
+    gpu: GpuOutput = GpuOutput()
+    memory: MemoryOutput = MemoryOutput()
+    down: Mapping[str, str] = field(default_factory=frozen_map)  # part -> why it is down
 
 
 class Subsystem:
     """A part of the daemon with its own threads or polled source (NVML, kernel log, GIL ...).
 
-    ``before_join`` sees the cycle's inputs so far (rank entries, /proc, and what the subsystems
-    before it added) and returns its ``Contribution``. Each call runs isolated: a subsystem that
-    raises loses its contribution for that cycle, nothing else.
+    The parts that feed the join have a typed ``track`` method of their own, which the track stage
+    calls by name. ``observe`` is for a part that reads the cycle's ranks but adds nothing to the
+    join (series retention). Each call runs isolated: a part that raises loses its own output for
+    that cycle and reads as a collector that is down, nothing else.
     """
 
     name = "subsystem"
@@ -106,8 +171,8 @@ class Subsystem:
     def start(self, daemon: DaemonContext) -> None:
         """Start threads; ``daemon.stop_event`` says when to end."""
 
-    def before_join(self, daemon: DaemonContext, cycle: CycleInputs) -> Contribution:
-        return NOTHING
+    def observe(self, daemon: DaemonContext, ranks: Ranks) -> None:
+        """See the cycle's ranks (a part with no output for the join)."""
 
     def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
         """See the new state (e.g. remember rank trees, emit events for new findings)."""

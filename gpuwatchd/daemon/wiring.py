@@ -1,9 +1,21 @@
-"""Which subsystems a daemon runs, in which order, and how one that failed is exported: the
-wiring of ``daemon/core.py``'s cycle."""
+"""Which parts a daemon runs, the track stage that calls them by name, and how one that failed is
+exported: the wiring of ``daemon/core.py``'s cycle, and the only daemon module that imports the
+subsystems.
+
+``track`` is where the cycle's dependencies are written down: each part is called with the
+outputs it needs as arguments (the flight recorder gets the py-spy part's stall verdicts, the
+straggler and the py-spy part the heartbeats), never through a shared record that earlier parts
+filled. ``gpuwatchd doctor`` reads its one PID through the same process view (daemon/proc_view.py)
+and fork evidence (daemon/fork_evidence.py) and runs the same rules; the trackers here keep memory
+across cycles (a stall is an absence of progress over minutes), which one look cannot have: for
+those it shows the daemon's latest state.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 from gpuwatchd.config import Config
 from gpuwatchd.daemon.collectives import FlightRecorderSubsystem
@@ -14,8 +26,23 @@ from gpuwatchd.daemon.memory import MemorySubsystem
 from gpuwatchd.daemon.pyspy import PySpySubsystem
 from gpuwatchd.daemon.retention import RetentionSubsystem
 from gpuwatchd.daemon.straggler import StragglerSubsystem
-from gpuwatchd.daemon.subsystem import Subsystem
+from gpuwatchd.daemon.subsystem import (
+    DaemonContext,
+    FlightOutput,
+    GpuOutput,
+    KernelOutput,
+    MemoryOutput,
+    Ranks,
+    StallOutput,
+    StragglerOutput,
+    Subsystem,
+    Tracked,
+)
+from gpuwatchd.isolation import attempt
 from gpuwatchd.model import CollectorStatus
+
+S = TypeVar("S", bound=Subsystem)
+T = TypeVar("T")
 
 
 def down_statuses(reported: list[CollectorStatus], down: Mapping[str, str]) -> list[CollectorStatus]:
@@ -27,12 +54,66 @@ def down_statuses(reported: list[CollectorStatus], down: Mapping[str, str]) -> l
             if name not in names]
 
 
-def default_subsystems(config: Config) -> list[Subsystem]:
-    """The subsystems a real daemon runs (NVML, kernel log, py-spy ...), as configured."""
-    gpu: list[Subsystem] = [GpuSubsystem()] if config.nvml.enabled else []
+@dataclass
+class Parts:
+    """The daemon's subsystems by name (each at most once); ``others``: parts with no output
+    for the join, which the track stage only lets ``observe`` the ranks."""
 
+    pyspy: PySpySubsystem | None = None
+    flight_recorder: FlightRecorderSubsystem | None = None
+    straggler: StragglerSubsystem | None = None
+    kernel_log: KernelLogSubsystem | None = None
+    nvml: GpuSubsystem | None = None
+    memory: MemorySubsystem | None = None
+    others: list[Subsystem] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, subsystems: list[Subsystem]) -> Parts:
+        parts = cls()
+        named = {PySpySubsystem: "pyspy", FlightRecorderSubsystem: "flight_recorder",
+                 StragglerSubsystem: "straggler", KernelLogSubsystem: "kernel_log",
+                 GpuSubsystem: "nvml", MemorySubsystem: "memory"}
+        for sub in subsystems:
+            slot = next((n for t, n in named.items() if isinstance(sub, t)), None)
+            if slot is None:
+                parts.others.append(sub)
+            elif getattr(parts, slot) is not None:
+                raise ValueError(f"two {slot} subsystems: a part's output has one producer")
+            else:
+                setattr(parts, slot, sub)
+        return parts
+
+
+def track(parts: Parts, daemon: DaemonContext, ranks: Ranks, heartbeats: Mapping[tuple[str, int], float],
+          down: dict[str, str]) -> Tracked:
+    """Each part of the cycle by name, isolated: one that raises loses its own output (and is
+    added to ``down``, exported as a collector that is down), nothing else."""
+
+    def part(sub: S | None, call: Callable[[S], T], default: T) -> T:
+        if sub is None:
+            return default
+        out, error = attempt(f"subsystem {sub.name} track", lambda: call(sub), default)
+        if error is not None:
+            down.setdefault(sub.name, error)
+        return out
+
+    p = parts
+    stall = part(p.pyspy, lambda s: s.track(daemon, ranks, heartbeats), StallOutput())
+    flight = part(p.flight_recorder, lambda s: s.track(daemon, ranks, stall.verdicts), FlightOutput())
+    straggler = part(p.straggler, lambda s: s.track(daemon, ranks, heartbeats), StragglerOutput())
+    kernel = part(p.kernel_log, lambda s: s.track(daemon, ranks), KernelOutput())
+    gpu = part(p.nvml, lambda s: s.track(daemon, ranks), GpuOutput())
+    memory = part(p.memory, lambda s: s.track(daemon, ranks), MemoryOutput())
+    for other in p.others:
+        part(other, lambda s: s.observe(daemon, ranks), None)
+    return Tracked(stall, flight, straggler, kernel, gpu, memory, down)
+
+
+def default_subsystems(config: Config) -> list[Subsystem]:
+    """The subsystems a real daemon runs (NVML, kernel log, py-spy ...), as configured. Their
+    order is that of their after-join hooks and start; the track stage calls them by name."""
+    gpu: list[Subsystem] = [GpuSubsystem()] if config.nvml.enabled else []
     kernel = KernelLogSubsystem()
-    # the flight recorder reads the stall verdicts of the py-spy subsystem: it comes after it
     fr: list[Subsystem] = ([FlightRecorderSubsystem(config.stall.flight_recorder_interval_seconds)]
                            if config.stall.flight_recorder else [])  # fmt: skip
     slow: list[Subsystem] = [StragglerSubsystem(config.straggler)] if config.straggler.enabled else []

@@ -54,8 +54,9 @@ class NvmlLostGpu:
 
 @dataclass(frozen=True, kw_only=True)
 class RuleReadings:
-    """What the subsystems read for the finding rules only: carried unchanged from a subsystem's
-    ``Contribution`` through ``CycleInputs`` to ``FindingContext`` (all three extend this class).
+    """What the subsystems read for the finding rules only: carried unchanged from a part's
+    typed output (daemon/subsystem.py) through ``CycleInputs`` to ``FindingContext`` (both
+    extend this class).
     Typed fields: a misspelt name is a mypy error, not a finding that silently never appears."""
 
     rank_memory: tuple[RankMemory, ...] = ()  # RankMemory per live rank (memory subsystem)
