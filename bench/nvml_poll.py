@@ -18,6 +18,12 @@
    with ``--defaults`` the shipped defaults (GIL sampling, kernel log, discovery) of both. CPU = utime+stime
    of the process ("own") and with its reaped children (py-spy runs) from /proc/PID/stat; RSS
    from /proc/PID/status. Prints the ratios to nvitop-exporter.
+
+The holders sleep a second at a time (the shape of a blocked rank: without a heartbeat it is
+dumped once per ``stall.after_seconds``), or with ``--work-ms N`` use N ms of CPU every 50 ms (the
+CPU side of a training loop: a heartbeat-less rank that works is never dumped). With
+``--pyspy bench/pyspy_counting.sh`` every py-spy run is logged with its time and CPU, and
+``--keep DIR`` keeps each daemon's log, final /metrics and events.jsonl.
 """
 
 from __future__ import annotations
