@@ -22,8 +22,8 @@ from typing import Any
 from daemonutil import write_config
 
 from gpuwatchd.config import load_config
-from gpuwatchd.daemon.collectives import FlightRecorderSubsystem
 from gpuwatchd.daemon.core import Daemon
+from gpuwatchd.daemon.flight_recorder import FlightRecorderSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem
 from gpuwatchd.daemon.pyspy import PySpySubsystem
 from gpuwatchd.model import CgroupPaths

@@ -25,7 +25,7 @@ from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.services import Services
 from gpuwatchd.events.log import Event
 from gpuwatchd.findings.context import GpuRemoved, NvmlLostGpu
-from gpuwatchd.join.collectives import FrReading
+from gpuwatchd.join.flight_recorder import FrReading
 from gpuwatchd.join.straggler import RankRate
 from gpuwatchd.model import (
     AttributedOom,

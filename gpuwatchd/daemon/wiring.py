@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from gpuwatchd.config import Config
-from gpuwatchd.daemon.collectives import FlightRecorderSubsystem
 from gpuwatchd.daemon.finding_events import FindingEventsSubsystem
+from gpuwatchd.daemon.flight_recorder import FlightRecorderSubsystem
 from gpuwatchd.daemon.gpu import GpuSubsystem
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem

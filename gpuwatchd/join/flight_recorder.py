@@ -17,7 +17,7 @@ module only parses and compares: no I/O.
 Shell equivalent: ``python -c 'import torch; print(torch._C._distributed_c10d._dump_fr_trace_json())'``
 inside each rank, then compare ``collective_seq_id`` across ranks (``torchfrtrace`` does it on
 pickled dumps). The daemon's part that asks and reads each cycle is
-gpuwatchd/daemon/collectives.py.
+gpuwatchd/daemon/flight_recorder.py.
 """
 
 from __future__ import annotations
