@@ -43,9 +43,9 @@ from pathlib import Path
 
 from gpuwatchd.config import Config, MemoryConfig, NvmlConfig, OrphansConfig
 from gpuwatchd.daemon.core import Daemon
-from gpuwatchd.daemon.gpu import GpuSubsystem
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem
+from gpuwatchd.daemon.nvml import NvmlSubsystem
 from gpuwatchd.daemon.pyspy import PySpySubsystem
 from gpuwatchd.daemon.straggler import StragglerSubsystem
 from gpuwatchd.paths import HostPaths
@@ -119,7 +119,7 @@ def _exposition(tmp_path: Path, accept: str | None = None) -> str:
     daemon = Daemon(cfg, paths=paths, clock=lambda: now[0], write_state=False,
                     subsystems=[PySpySubsystem(cfg, spy=PySpy(None, unavailable_reason="not installed")),
                                 StragglerSubsystem(cfg.straggler), KernelLogSubsystem(),
-                                GpuSubsystem(watch_xid=False, watch_udev=False),
+                                NvmlSubsystem(watch_xid=False, watch_udev=False),
                                 MemorySubsystem(cfg, spy=PySpy(None))])
     for sub in daemon.subsystems:
         sub.start(daemon)

@@ -1,5 +1,5 @@
 """What a subsystem is, what of the daemon it may use, and what each part of the track stage
-returns: a leaf module, so that the subsystems (daemon/gpu.py, kernel_log.py, pyspy.py, memory.py,
+returns: a leaf module, so that the subsystems (daemon/nvml.py, kernel_log.py, pyspy.py, memory.py,
 ...) and the daemon that runs them (daemon/core.py) both import it and never each other.
 
 ``DaemonContext`` is the part of ``daemon.core.Daemon`` a subsystem sees: its configuration, host
@@ -120,7 +120,7 @@ class KernelOutput:
 
 @dataclass(frozen=True)
 class GpuOutput:
-    """Producer: ``GpuSubsystem.track`` (NVML, devfds, CUDA-OOM files, udev)."""
+    """Producer: ``NvmlSubsystem.track`` (NVML, devfds, CUDA-OOM files, udev)."""
 
     gpus: tuple[GpuDevice, ...] = ()
     gpu_processes: tuple[GpuProcess, ...] = ()

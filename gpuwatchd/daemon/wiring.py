@@ -20,9 +20,9 @@ from typing import TypeVar
 from gpuwatchd.config import Config
 from gpuwatchd.daemon.finding_events import FindingEventsSubsystem
 from gpuwatchd.daemon.flight_recorder import FlightRecorderSubsystem
-from gpuwatchd.daemon.gpu import GpuSubsystem
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem
+from gpuwatchd.daemon.nvml import NvmlSubsystem
 from gpuwatchd.daemon.pyspy import PySpySubsystem
 from gpuwatchd.daemon.retention import RetentionSubsystem
 from gpuwatchd.daemon.straggler import StragglerSubsystem
@@ -63,7 +63,7 @@ class Parts:
     flight_recorder: FlightRecorderSubsystem | None = None
     straggler: StragglerSubsystem | None = None
     kernel_log: KernelLogSubsystem | None = None
-    nvml: GpuSubsystem | None = None
+    nvml: NvmlSubsystem | None = None
     memory: MemorySubsystem | None = None
     others: list[Subsystem] = field(default_factory=list)
 
@@ -72,7 +72,7 @@ class Parts:
         parts = cls()
         named = {PySpySubsystem: "pyspy", FlightRecorderSubsystem: "flight_recorder",
                  StragglerSubsystem: "straggler", KernelLogSubsystem: "kernel_log",
-                 GpuSubsystem: "nvml", MemorySubsystem: "memory"}
+                 NvmlSubsystem: "nvml", MemorySubsystem: "memory"}
         for sub in subsystems:
             slot = next((n for t, n in named.items() if isinstance(sub, t)), None)
             if slot is None:
@@ -112,7 +112,7 @@ def track(parts: Parts, daemon: DaemonContext, ranks: Ranks, heartbeats: Mapping
 def default_subsystems(config: Config) -> list[Subsystem]:
     """The subsystems a real daemon runs (NVML, kernel log, py-spy ...), as configured. Their
     order is that of their after-join hooks and start; the track stage calls them by name."""
-    gpu: list[Subsystem] = [GpuSubsystem()] if config.nvml.enabled else []
+    gpu: list[Subsystem] = [NvmlSubsystem()] if config.nvml.enabled else []
     kernel = KernelLogSubsystem()
     fr: list[Subsystem] = ([FlightRecorderSubsystem(config.stall.flight_recorder_interval_seconds)]
                            if config.stall.flight_recorder else [])  # fmt: skip

@@ -68,9 +68,9 @@ class RuleReadings:
     stall: Mapping[tuple[str, int], StallVerdict] = field(default_factory=frozen_map)
     flight_records: Mapping[tuple[str, int], FrReading] = field(default_factory=frozen_map)  # stalled jobs
     straggler: Mapping[tuple[str, int], RankRate] = field(default_factory=frozen_map)  # step rates
-    gpus_removed: tuple[GpuRemoved, ...] = ()  # udev: GPUs off the PCI bus (GPU subsystem)
-    gpus_lost: tuple[NvmlLostGpu, ...] = ()  # NVML: GPUs it reports lost (GPU subsystem)
-    cuda_ooms: tuple[AttributedOom, ...] = ()  # ranks' CUDA OOM events in their window (GPU subsystem)
+    gpus_removed: tuple[GpuRemoved, ...] = ()  # udev: GPUs off the PCI bus (NVML subsystem)
+    gpus_lost: tuple[NvmlLostGpu, ...] = ()  # NVML: GPUs it reports lost (NVML subsystem)
+    cuda_ooms: tuple[AttributedOom, ...] = ()  # ranks' CUDA OOM events in their window (NVML subsystem)
 
 
 def readings_of(r: RuleReadings) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The daemon's GPU part: NVML collector, orphans, fork evidence, CUDA OOM events, Xid, udev.
+"""The daemon's NVML part: NVML collector, orphans, fork evidence, CUDA OOM events, Xid, udev.
 
 Wires the GPU sources into the daemon's cycle (duck-typed ``daemon.Subsystem``):
 
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 Reading = tuple[tuple[GpuDevice, ...], tuple[GpuProcess, ...]]
 
 
-class GpuSubsystem(Subsystem):
+class NvmlSubsystem(Subsystem):
     name = "nvml"
 
     def __init__(self, source: NvmlSource | None = None, watch_xid: bool = True,
