@@ -46,7 +46,7 @@ from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem
 from gpuwatchd.daemon.nvml import NvmlSubsystem
-from gpuwatchd.daemon.pyspy import PySpySubsystem
+from gpuwatchd.daemon.stall import StallSubsystem
 from gpuwatchd.daemon.straggler import StragglerSubsystem
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.rank.rankfile import write_rank_file
@@ -117,7 +117,7 @@ def _exposition(tmp_path: Path, accept: str | None = None) -> str:
     now = [T0]
     paths = HostPaths(procfs=str(PROC), sysfs=str(tmp_path / "sys"), devfs=str(tmp_path / "dev"))
     daemon = Daemon(cfg, paths=paths, clock=lambda: now[0], write_state=False,
-                    subsystems=[PySpySubsystem(cfg, spy=PySpy(None, unavailable_reason="not installed")),
+                    subsystems=[StallSubsystem(cfg, spy=PySpy(None, unavailable_reason="not installed")),
                                 StragglerSubsystem(cfg.straggler), KernelLogSubsystem(),
                                 NvmlSubsystem(watch_xid=False, watch_udev=False),
                                 MemorySubsystem(cfg, spy=PySpy(None))])

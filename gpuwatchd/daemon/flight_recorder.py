@@ -2,7 +2,7 @@
 
 The protocol, the file rules and the comparison are in gpuwatchd/join/flight_recorder.py (pure) and the
 rank side in gpuwatchd/rank/flight_recorder.py. The track stage hands it that cycle's stall
-verdicts (the py-spy part's output) as an argument. It returns ``records`` ((job_id, rank) ->
+verdicts (the stall part's output) as an argument. It returns ``records`` ((job_id, rank) ->
 FrReading, for findings/stall.py) and ``collectives`` (CollectiveStatus per rank and process
 group, for the exporter). The request and response files are read and written under ``guarded``:
 a file system error loses that rank's request this cycle, never the other ranks'.

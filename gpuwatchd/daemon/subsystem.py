@@ -8,8 +8,8 @@ py-spy runner, the Xid de-duplicator, the event log), the state-file writer, and
 Nothing else of the daemon is reachable (no other subsystem), and nothing is patched onto it.
 
 The track stage (``daemon/wiring.py: track``) calls each part by name with what it needs as
-arguments: every part gets the cycle's ``Ranks``; the py-spy part and the straggler the
-heartbeats; the flight recorder the stall verdicts of the py-spy part. Each part returns its own
+arguments: every part gets the cycle's ``Ranks``; the stall part and the straggler the
+heartbeats; the flight recorder the stall verdicts of the stall part. Each part returns its own
 typed output, and ``Tracked`` holds one field per part: every field has exactly one producer.
 """
 
@@ -85,7 +85,7 @@ class Ranks:
 
 @dataclass(frozen=True)
 class StallOutput:
-    """Producer: ``PySpySubsystem.track`` (heartbeats, /proc, py-spy looks; the GIL sampler)."""
+    """Producer: ``StallSubsystem.track`` (heartbeats, /proc, py-spy looks; the GIL sampler)."""
 
     progress: Mapping[RankKey, float] = field(default_factory=frozen_map)  # last progress seen
     stalled: Mapping[RankKey, bool] = field(default_factory=frozen_map)
