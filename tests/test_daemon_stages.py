@@ -26,8 +26,8 @@ from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.flight_recorder import FlightRecorderSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem
 from gpuwatchd.daemon.stall import StallSubsystem
-from gpuwatchd.model import CgroupPaths
-from gpuwatchd.sources.memcg import CgroupMemory, MemcgReader
+from gpuwatchd.model import CgroupMemory, CgroupPaths
+from gpuwatchd.sources.memcg import MemcgReader
 from gpuwatchd.sources.pyspy import PySpy
 
 REPO = Path(__file__).resolve().parent.parent

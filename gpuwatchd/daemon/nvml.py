@@ -35,8 +35,8 @@ from gpuwatchd.findings.context import GpuRemoved, NvmlLostGpu
 from gpuwatchd.isolation import Collector, guarded
 from gpuwatchd.join.cuda_oom import OomTracker
 from gpuwatchd.join.orphans import OrphanTracker, trees_from_entries
-from gpuwatchd.model import GpuDevice, GpuProcess, GpuUevent, NodeState, ProcessInfo, ProcEvidence
-from gpuwatchd.sources.cuda_oom_events import OomEvent, OomEventFiles
+from gpuwatchd.model import GpuDevice, GpuProcess, GpuUevent, NodeState, OomEvent, ProcessInfo, ProcEvidence
+from gpuwatchd.sources.cuda_oom_events import OomEventFiles
 from gpuwatchd.sources.devfds import EvidenceReader
 from gpuwatchd.sources.kmsg import read_boot_id
 from gpuwatchd.sources.nvidia_devices import probe

@@ -23,7 +23,6 @@ from typing import Protocol
 from gpuwatchd.config import Config
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.services import Services
-from gpuwatchd.events.log import Event
 from gpuwatchd.findings.context import GpuRemoved, NvmlLostGpu
 from gpuwatchd.join.flight_recorder import FrReading
 from gpuwatchd.join.straggler import RankRate
@@ -44,6 +43,7 @@ from gpuwatchd.model import (
     RankMemory,
     frozen_map,
 )
+from gpuwatchd.model.events import Event
 from gpuwatchd.model.stall import StallVerdict
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.heartbeats import HeartbeatRoots
