@@ -74,7 +74,7 @@ class StallConfig:
     # a rank in torch.compile / Inductor / Triton autotuning with its CPU busy is "compiling", and
     # paged as stalled only after this long without progress (compiles of large models take long)
     compile_after_seconds: float = 1800.0
-    # ask the ranks of a stalled job for their PyTorch flight-recorder dump (gpuwatchd/join/collectives.py)
+    # ask the ranks of a stalled job for their PyTorch flight-recorder dump (gpuwatchd/join/flight_recorder.py)
     flight_recorder: bool = True
     flight_recorder_interval_seconds: float = 60.0
 

@@ -1,5 +1,5 @@
 """The value checkers of the YAML configuration files: ``gpuwatchd.config``'s ``SCHEMA`` and the
-``/metrics`` web-config (``gpuwatchd.web.config``) are built on them.
+``/metrics`` web-config (``gpuwatchd.web.web_config``) are built on them.
 
 Each checker takes one YAML value and returns it converted, or raises ``ValueError(reason)``; the
 reason becomes the text after the dotted key (``gil.rate_hz: must be a number > 0, got 'fast'``).

@@ -167,7 +167,7 @@ def test_state_json_text_is_the_slow_encoding_byte_for_byte(tmp_path: Path) -> N
 
     from gpuwatchd.config import Config, NvmlConfig, OrphansConfig
     from gpuwatchd.daemon.core import Daemon
-    from gpuwatchd.daemon.gpu import GpuSubsystem
+    from gpuwatchd.daemon.nvml import NvmlSubsystem
     from gpuwatchd.daemon.state_json import state_json_text, state_to_json
     from gpuwatchd.model import Finding
     from gpuwatchd.rank.rankfile import write_rank_file
@@ -183,7 +183,7 @@ def test_state_json_text_is_the_slow_encoding_byte_for_byte(tmp_path: Path) -> N
     daemon = Daemon(cfg, paths=HostPaths(procfs=str(PROC), sysfs=str(tmp_path / "sys"),
                                          devfs=str(tmp_path / "dev")),
                     clock=lambda: now[0], write_state=False,
-                    subsystems=[GpuSubsystem(watch_xid=False, watch_udev=False)])
+                    subsystems=[NvmlSubsystem(watch_xid=False, watch_udev=False)])
     for sub in daemon.subsystems:
         sub.start(daemon)
     try:

@@ -1,8 +1,8 @@
 """Issue 26 item 1: the track stage calls each part by name with what it needs, and each source
 read runs under the isolation wrapper.
 
-- The flight recorder gets the py-spy part's stall verdicts as an argument, not through a list
-  position: with the flight recorder listed *before* the py-spy part, two real ranks that stop
+- The flight recorder gets the stall part's verdicts as an argument, not through a list
+  position: with the flight recorder listed *before* the stall part, two real ranks that stop
   beating still get asked for their dumps (before, the flight recorder read a ``cycle.stall``
   that only a py-spy part earlier in the list had filled, and never asked).
 - A memory-cgroup read that raises loses that reading only: the memory collector stays up and the
@@ -22,12 +22,12 @@ from typing import Any
 from daemonutil import write_config
 
 from gpuwatchd.config import load_config
-from gpuwatchd.daemon.collectives import FlightRecorderSubsystem
 from gpuwatchd.daemon.core import Daemon
+from gpuwatchd.daemon.flight_recorder import FlightRecorderSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem
-from gpuwatchd.daemon.pyspy import PySpySubsystem
-from gpuwatchd.model import CgroupPaths
-from gpuwatchd.sources.memcg import CgroupMemory, MemcgReader
+from gpuwatchd.daemon.stall import StallSubsystem
+from gpuwatchd.model import CgroupMemory, CgroupPaths
+from gpuwatchd.sources.memcg import MemcgReader
 from gpuwatchd.sources.pyspy import PySpy
 
 REPO = Path(__file__).resolve().parent.parent
@@ -39,7 +39,7 @@ def test_flight_recorder_gets_the_stall_verdicts_whatever_the_list_order(tmp_pat
     path, _ = write_config(tmp_path, stall={"after_seconds": 1.0})
     cfg = load_config(str(path))
     fr = FlightRecorderSubsystem(cfg.stall.flight_recorder_interval_seconds)
-    spy = PySpySubsystem(cfg, spy=PySpy(None, unavailable_reason="not needed here"))
+    spy = StallSubsystem(cfg, spy=PySpy(None, unavailable_reason="not needed here"))
     d = Daemon(cfg, subsystems=[fr, spy], write_state=False)  # the flight recorder first
     ranks = []
     try:

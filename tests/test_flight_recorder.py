@@ -1,5 +1,5 @@
 """The flight-recorder dump: rank side (gpuwatchd/rank/flight_recorder.py, real threads and files),
-the daemon side's file rules (gpuwatchd/join/collectives.py), and the whole path through the real
+the daemon side's file rules (gpuwatchd/join/flight_recorder.py), and the whole path through the real
 daemon with two real rank processes that answer with the dumps recorded on the H200."""
 
 from __future__ import annotations

@@ -43,10 +43,10 @@ from pathlib import Path
 
 from gpuwatchd.config import Config, MemoryConfig, NvmlConfig, OrphansConfig
 from gpuwatchd.daemon.core import Daemon
-from gpuwatchd.daemon.gpu import GpuSubsystem
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem
-from gpuwatchd.daemon.pyspy import PySpySubsystem
+from gpuwatchd.daemon.nvml import NvmlSubsystem
+from gpuwatchd.daemon.stall import StallSubsystem
 from gpuwatchd.daemon.straggler import StragglerSubsystem
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.rank.rankfile import write_rank_file
@@ -117,9 +117,9 @@ def _exposition(tmp_path: Path, accept: str | None = None) -> str:
     now = [T0]
     paths = HostPaths(procfs=str(PROC), sysfs=str(tmp_path / "sys"), devfs=str(tmp_path / "dev"))
     daemon = Daemon(cfg, paths=paths, clock=lambda: now[0], write_state=False,
-                    subsystems=[PySpySubsystem(cfg, spy=PySpy(None, unavailable_reason="not installed")),
+                    subsystems=[StallSubsystem(cfg, spy=PySpy(None, unavailable_reason="not installed")),
                                 StragglerSubsystem(cfg.straggler), KernelLogSubsystem(),
-                                GpuSubsystem(watch_xid=False, watch_udev=False),
+                                NvmlSubsystem(watch_xid=False, watch_udev=False),
                                 MemorySubsystem(cfg, spy=PySpy(None))])
     for sub in daemon.subsystems:
         sub.start(daemon)

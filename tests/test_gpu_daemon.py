@@ -19,7 +19,7 @@ from prometheus_client import generate_latest
 
 from gpuwatchd.config import load_config
 from gpuwatchd.daemon.core import Daemon
-from gpuwatchd.daemon.gpu import GpuSubsystem
+from gpuwatchd.daemon.nvml import NvmlSubsystem
 from gpuwatchd.rank.rankfile import write_rank_file
 from gpuwatchd.sources.nvml_fixture import fixture_source
 
@@ -66,7 +66,7 @@ class RecordedUevents:
 
 def _daemon(tmp_path: Path, fixture: Path, pid_map: dict[int, int],
             watch_xid: bool = True, udev: RecordedUevents | None = None,
-            ) -> tuple[Daemon, GpuSubsystem]:
+            ) -> tuple[Daemon, NvmlSubsystem]:
     cfg_file = tmp_path / "config.yaml"
     cfg_file.write_text(
         f"rank_dir: {tmp_path / 'ranks'}\nstate_dir: {tmp_path / 'state'}\n"
@@ -74,7 +74,7 @@ def _daemon(tmp_path: Path, fixture: Path, pid_map: dict[int, int],
     )
     cfg = load_config(str(cfg_file))
     # the fixture's Xid events replay through the same RecordedNvml
-    sub = GpuSubsystem(source=fixture_source(str(fixture), pid_map), watch_xid=watch_xid,
+    sub = NvmlSubsystem(source=fixture_source(str(fixture), pid_map), watch_xid=watch_xid,
                        watch_udev=udev is not None, udev_monitor=udev)
     d = Daemon(cfg, subsystems=[sub])
     sub.start(d)

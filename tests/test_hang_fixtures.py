@@ -11,7 +11,7 @@ from pathlib import Path
 from gpuwatchd.config import Config
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import stall as stall_finding
-from gpuwatchd.join.collectives import compare, parse_response
+from gpuwatchd.join.flight_recorder import compare, parse_response
 from gpuwatchd.join.hang import analyze
 from gpuwatchd.model import GpuDevice, GpuProcessRow, RankState
 from gpuwatchd.model.stall import StallVerdict
@@ -111,7 +111,7 @@ def test_flight_recorder_desync_and_silence() -> None:
     out = compare([r0, r1])
     assert "desync: collective #4 of process group 0 is gloo:all_reduce on rank 0 but " \
         "gloo:broadcast on rank 1" in out
-    from gpuwatchd.join.collectives import FrReading
+    from gpuwatchd.join.flight_recorder import FrReading
 
     silent = FrReading("j", 2, 3, error="no answer")
     assert any("rank 2 did not answer" in x for x in compare([r0, r1, silent]))

@@ -434,21 +434,21 @@ def test_the_checker_catches_each_kind_of_bad_import(tmp_path: Path) -> None:
         "findings/a.py": "from gpuwatchd.findings import b\n",
         "findings/b.py": "from gpuwatchd.findings.context import x\n",
         "daemon/__init__.py": "",
-        "daemon/core.py": "import importlib\nimportlib.import_module('gpuwatchd.daemon.gpu')\n",
-        "daemon/gpu.py": "from gpuwatchd.daemon.core import Daemon\nimport gpuwatchd.sources.procfs\n",
-        "sources/nvml.py": "from gpuwatchd.daemon import gpu\n",
+        "daemon/core.py": "import importlib\nimportlib.import_module('gpuwatchd.daemon.nvml')\n",
+        "daemon/nvml.py": "from gpuwatchd.daemon.core import Daemon\nimport gpuwatchd.sources.procfs\n",
+        "sources/nvml.py": "from gpuwatchd.daemon import nvml\n",
     }
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     edges, external = graph(root)
-    assert "gpuwatchd.sources.nvml (sources) imports gpuwatchd.daemon.gpu (daemon)" in layer_violations(edges)
+    assert "gpuwatchd.sources.nvml (sources) imports gpuwatchd.daemon.nvml (daemon)" in layer_violations(edges)
     assert "gpuwatchd.rank.api (rank) imports gpuwatchd.daemon.core (daemon)" in layer_violations(edges)
     assert "gpuwatchd.rank.api reaches gpuwatchd.daemon.core (through gpuwatchd.rank.api)" in rank_violations(
         edges, external)
     assert "gpuwatchd reaches prometheus_client (through gpuwatchd.sources.procfs)" in rank_violations(
         edges, external)
     assert finding_violations(edges) == ["gpuwatchd.findings.a imports gpuwatchd.findings.b"]
-    assert ["gpuwatchd.daemon.core", "gpuwatchd.daemon.gpu"] in cycles(edges)
+    assert ["gpuwatchd.daemon.core", "gpuwatchd.daemon.nvml"] in cycles(edges)
     (root / "cli.py").write_text("from gpuwatchd.daemon.core.gone import x\n")
     assert unresolved(root) == ["gpuwatchd.cli: gpuwatchd.daemon.core.gone"]

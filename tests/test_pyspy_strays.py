@@ -19,7 +19,7 @@ from typing import Any
 
 from daemonutil import DaemonProc, write_config
 
-from gpuwatchd.sources.pyspy import HostPaths
+from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.threads import process_state
 
 STAND_IN = """#!/bin/sh

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from gpuwatchd.cli import web_config as web_config_cli
 from gpuwatchd.web import server as web
-from gpuwatchd.web.config import WebConfigError
+from gpuwatchd.web.web_config import WebConfigError
 
 PASSWORD = "correct horse battery staple"
 HASH = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()

@@ -1,4 +1,4 @@
-"""web/config.py on the checkers of config_checks.py: every problem of a web-config named as
+"""web/web_config.py on the checkers of config_checks.py: every problem of a web-config named as
 ``key.path: must be ..., got ...`` (a password hash's value never), and the inputs the checks
 used to let through to a crash: keys that are not strings, a zero rate-limit interval, a NUL
 byte in a certificate's name (also on a reload while serving)."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from pkiutil import make_pki
 
-from gpuwatchd.web.config import ConfigHolder, WebConfigError, load_web_config, parse_web_config
+from gpuwatchd.web.web_config import ConfigHolder, WebConfigError, load_web_config, parse_web_config
 
 HASH = "$2b$04$" + "a" * 53
 

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from promstack import wait_until
 
 from gpuwatchd.web import server as web
-from gpuwatchd.web.config import WebConfigError
+from gpuwatchd.web.web_config import WebConfigError
 
 TLS_CONFIG = "tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
 

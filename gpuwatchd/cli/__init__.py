@@ -51,7 +51,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
     """What a reload (SIGHUP) would accept: the unit's ExecReload= runs this before signalling."""
     cfg = load_config(args.file)
     if cfg.web.config_file:
-        from gpuwatchd.web.config import WebConfigError, load_web_config
+        from gpuwatchd.web.web_config import WebConfigError, load_web_config
 
         try:  # the daemon refuses a reload whose web-config file is bad: so does the check
             load_web_config(cfg.web.config_file)

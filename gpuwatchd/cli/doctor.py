@@ -183,7 +183,7 @@ def collect(
     env = procfs.environ(pid, NCCL_VARS)  # the values, for the report's verdicts only
     report["nccl"] = nccl_checks(env)
     children = procfs.children(pid)
-    # the fork evidence of the daemon's GPU part (daemon/fork_evidence.py) over this tree, with
+    # the fork evidence of the daemon's NVML part (daemon/fork_evidence.py) over this tree, with
     # NVML's process list unknown (every process that can show a fork after CUDA)
     reader = devfds.EvidenceReader(paths)
     tree = RankEntry("-", -1, pid)

@@ -1,5 +1,5 @@
 """``gpuwatchd web-config check FILE`` and ``gpuwatchd web-config hash``: validate a /metrics
-web-config file (web/config.py) and load its certificates; print a bcrypt hash for
+web-config file (web/web_config.py) and load its certificates; print a bcrypt hash for
 ``basic_auth_users``. Reads the file given (or the password from stdin); writes stdout only.
 """
 
@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from gpuwatchd.web.config import WebConfigError, load_web_config
+from gpuwatchd.web.web_config import WebConfigError, load_web_config
 
 
 def register(subparsers: Any) -> None:

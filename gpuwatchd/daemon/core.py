@@ -56,7 +56,7 @@ from gpuwatchd.sources.pidns import PidNamespaces
 from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.sources.rankfiles import RankDirMissing, RankFileReader, guard_entries
 from gpuwatchd.statefile import StateFiles, remove_temporaries
-from gpuwatchd.web.config import WebConfigError
+from gpuwatchd.web.web_config import WebConfigError
 
 if TYPE_CHECKING:  # imported when the daemon starts serving (start), not before
     from gpuwatchd.web.server import WebServer

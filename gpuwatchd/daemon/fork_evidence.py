@@ -1,4 +1,4 @@
-"""The fork_after_cuda rule's evidence for one cycle (the GPU subsystem's part, daemon/gpu.py).
+"""The fork_after_cuda rule's evidence for one cycle (the NVML subsystem's part, daemon/nvml.py).
 
 Reads, through ``sources.devfds.EvidenceReader`` (which rescans a process's fds only when they
 changed), the processes of rank trees that can show a fork after CUDA: those NVML lists as

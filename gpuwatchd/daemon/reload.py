@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from gpuwatchd.config import Config, ConfigError, load_config, with_overrides
 from gpuwatchd.config_checks import parse_listen_address
 from gpuwatchd.daemon.notify import notify
-from gpuwatchd.web.config import WebConfigError
+from gpuwatchd.web.web_config import WebConfigError
 
 if TYPE_CHECKING:  # the server is imported when the daemon starts serving, not before
     from gpuwatchd.web.server import WebServer

@@ -1,5 +1,5 @@
 """What a subsystem is, what of the daemon it may use, and what each part of the track stage
-returns: a leaf module, so that the subsystems (daemon/gpu.py, kernel_log.py, pyspy.py, memory.py,
+returns: a leaf module, so that the subsystems (daemon/nvml.py, kernel_log.py, pyspy.py, memory.py,
 ...) and the daemon that runs them (daemon/core.py) both import it and never each other.
 
 ``DaemonContext`` is the part of ``daemon.core.Daemon`` a subsystem sees: its configuration, host
@@ -8,8 +8,8 @@ py-spy runner, the Xid de-duplicator, the event log), the state-file writer, and
 Nothing else of the daemon is reachable (no other subsystem), and nothing is patched onto it.
 
 The track stage (``daemon/wiring.py: track``) calls each part by name with what it needs as
-arguments: every part gets the cycle's ``Ranks``; the py-spy part and the straggler the
-heartbeats; the flight recorder the stall verdicts of the py-spy part. Each part returns its own
+arguments: every part gets the cycle's ``Ranks``; the stall part and the straggler the
+heartbeats; the flight recorder the stall verdicts of the stall part. Each part returns its own
 typed output, and ``Tracked`` holds one field per part: every field has exactly one producer.
 """
 
@@ -23,9 +23,8 @@ from typing import Protocol
 from gpuwatchd.config import Config
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.services import Services
-from gpuwatchd.events.log import Event
 from gpuwatchd.findings.context import GpuRemoved, NvmlLostGpu
-from gpuwatchd.join.collectives import FrReading
+from gpuwatchd.join.flight_recorder import FrReading
 from gpuwatchd.join.straggler import RankRate
 from gpuwatchd.model import (
     AttributedOom,
@@ -44,6 +43,7 @@ from gpuwatchd.model import (
     RankMemory,
     frozen_map,
 )
+from gpuwatchd.model.events import Event
 from gpuwatchd.model.stall import StallVerdict
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.heartbeats import HeartbeatRoots
@@ -85,7 +85,7 @@ class Ranks:
 
 @dataclass(frozen=True)
 class StallOutput:
-    """Producer: ``PySpySubsystem.track`` (heartbeats, /proc, py-spy looks; the GIL sampler)."""
+    """Producer: ``StallSubsystem.track`` (heartbeats, /proc, py-spy looks; the GIL sampler)."""
 
     progress: Mapping[RankKey, float] = field(default_factory=frozen_map)  # last progress seen
     stalled: Mapping[RankKey, bool] = field(default_factory=frozen_map)
@@ -120,7 +120,7 @@ class KernelOutput:
 
 @dataclass(frozen=True)
 class GpuOutput:
-    """Producer: ``GpuSubsystem.track`` (NVML, devfds, CUDA-OOM files, udev)."""
+    """Producer: ``NvmlSubsystem.track`` (NVML, devfds, CUDA-OOM files, udev)."""
 
     gpus: tuple[GpuDevice, ...] = ()
     gpu_processes: tuple[GpuProcess, ...] = ()

@@ -3,8 +3,8 @@ exported: the wiring of ``daemon/core.py``'s cycle, and the only daemon module t
 subsystems.
 
 ``track`` is where the cycle's dependencies are written down: each part is called with the
-outputs it needs as arguments (the flight recorder gets the py-spy part's stall verdicts, the
-straggler and the py-spy part the heartbeats), never through a shared record that earlier parts
+outputs it needs as arguments (the flight recorder gets the stall part's verdicts, the
+straggler and the stall part the heartbeats), never through a shared record that earlier parts
 filled. ``gpuwatchd doctor`` reads its one PID through the same process view (daemon/proc_view.py)
 and fork evidence (daemon/fork_evidence.py) and runs the same rules; the trackers here keep memory
 across cycles (a stall is an absence of progress over minutes), which one look cannot have: for
@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from gpuwatchd.config import Config
-from gpuwatchd.daemon.collectives import FlightRecorderSubsystem
 from gpuwatchd.daemon.finding_events import FindingEventsSubsystem
-from gpuwatchd.daemon.gpu import GpuSubsystem
+from gpuwatchd.daemon.flight_recorder import FlightRecorderSubsystem
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem
-from gpuwatchd.daemon.pyspy import PySpySubsystem
+from gpuwatchd.daemon.nvml import NvmlSubsystem
 from gpuwatchd.daemon.retention import RetentionSubsystem
+from gpuwatchd.daemon.stall import StallSubsystem
 from gpuwatchd.daemon.straggler import StragglerSubsystem
 from gpuwatchd.daemon.subsystem import (
     DaemonContext,
@@ -59,20 +59,20 @@ class Parts:
     """The daemon's subsystems by name (each at most once); ``others``: parts with no output
     for the join, which the track stage only lets ``observe`` the ranks."""
 
-    pyspy: PySpySubsystem | None = None
+    stall: StallSubsystem | None = None
     flight_recorder: FlightRecorderSubsystem | None = None
     straggler: StragglerSubsystem | None = None
     kernel_log: KernelLogSubsystem | None = None
-    nvml: GpuSubsystem | None = None
+    nvml: NvmlSubsystem | None = None
     memory: MemorySubsystem | None = None
     others: list[Subsystem] = field(default_factory=list)
 
     @classmethod
     def of(cls, subsystems: list[Subsystem]) -> Parts:
         parts = cls()
-        named = {PySpySubsystem: "pyspy", FlightRecorderSubsystem: "flight_recorder",
+        named = {StallSubsystem: "stall", FlightRecorderSubsystem: "flight_recorder",
                  StragglerSubsystem: "straggler", KernelLogSubsystem: "kernel_log",
-                 GpuSubsystem: "nvml", MemorySubsystem: "memory"}
+                 NvmlSubsystem: "nvml", MemorySubsystem: "memory"}
         for sub in subsystems:
             slot = next((n for t, n in named.items() if isinstance(sub, t)), None)
             if slot is None:
@@ -98,7 +98,7 @@ def track(parts: Parts, daemon: DaemonContext, ranks: Ranks, heartbeats: Mapping
         return out
 
     p = parts
-    stall = part(p.pyspy, lambda s: s.track(daemon, ranks, heartbeats), StallOutput())
+    stall = part(p.stall, lambda s: s.track(daemon, ranks, heartbeats), StallOutput())
     flight = part(p.flight_recorder, lambda s: s.track(daemon, ranks, stall.verdicts), FlightOutput())
     straggler = part(p.straggler, lambda s: s.track(daemon, ranks, heartbeats), StragglerOutput())
     kernel = part(p.kernel_log, lambda s: s.track(daemon, ranks), KernelOutput())
@@ -112,11 +112,11 @@ def track(parts: Parts, daemon: DaemonContext, ranks: Ranks, heartbeats: Mapping
 def default_subsystems(config: Config) -> list[Subsystem]:
     """The subsystems a real daemon runs (NVML, kernel log, py-spy ...), as configured. Their
     order is that of their after-join hooks and start; the track stage calls them by name."""
-    gpu: list[Subsystem] = [GpuSubsystem()] if config.nvml.enabled else []
+    gpu: list[Subsystem] = [NvmlSubsystem()] if config.nvml.enabled else []
     kernel = KernelLogSubsystem()
     fr: list[Subsystem] = ([FlightRecorderSubsystem(config.stall.flight_recorder_interval_seconds)]
                            if config.stall.flight_recorder else [])  # fmt: skip
     slow: list[Subsystem] = [StragglerSubsystem(config.straggler)] if config.straggler.enabled else []
     memory: list[Subsystem] = [MemorySubsystem(config)] if config.memory.enabled else []
-    return [PySpySubsystem(config), *fr, *slow, kernel, *gpu, *memory, FindingEventsSubsystem(),
+    return [StallSubsystem(config), *fr, *slow, kernel, *gpu, *memory, FindingEventsSubsystem(),
             RetentionSubsystem()]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from gpuwatchd.config import Config
-from gpuwatchd.join.collectives import FrReading, compare
+from gpuwatchd.join.flight_recorder import FrReading, compare
 from gpuwatchd.join.straggler import RankRate
 from gpuwatchd.model import (
     AttributedOom,
@@ -68,9 +68,9 @@ class RuleReadings:
     stall: Mapping[tuple[str, int], StallVerdict] = field(default_factory=frozen_map)
     flight_records: Mapping[tuple[str, int], FrReading] = field(default_factory=frozen_map)  # stalled jobs
     straggler: Mapping[tuple[str, int], RankRate] = field(default_factory=frozen_map)  # step rates
-    gpus_removed: tuple[GpuRemoved, ...] = ()  # udev: GPUs off the PCI bus (GPU subsystem)
-    gpus_lost: tuple[NvmlLostGpu, ...] = ()  # NVML: GPUs it reports lost (GPU subsystem)
-    cuda_ooms: tuple[AttributedOom, ...] = ()  # ranks' CUDA OOM events in their window (GPU subsystem)
+    gpus_removed: tuple[GpuRemoved, ...] = ()  # udev: GPUs off the PCI bus (NVML subsystem)
+    gpus_lost: tuple[NvmlLostGpu, ...] = ()  # NVML: GPUs it reports lost (NVML subsystem)
+    cuda_ooms: tuple[AttributedOom, ...] = ()  # ranks' CUDA OOM events in their window (NVML subsystem)
 
 
 def readings_of(r: RuleReadings) -> dict[str, Any]:
@@ -96,7 +96,7 @@ class FindingContext(RuleReadings):
 
 def collective_words(ctx: FindingContext, job_id: str) -> list[str]:
     """The flight-recorder answers of ``job_id``'s stalled ranks compared, in words: which rank
-    is behind in which collective (join/collectives.py ``compare``); [] without answers."""
+    is behind in which collective (join/flight_recorder.py ``compare``); [] without answers."""
     return compare(x for k, x in ctx.flight_records.items() if k[0] == job_id)
 
 

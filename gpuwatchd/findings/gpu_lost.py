@@ -1,7 +1,7 @@
 """gpu_lost: a GPU fell off the PCI bus, or NVML reports it lost.
 
 Reads ``ctx.gpus_removed`` (udev ``remove``/``unbind`` uevents of sources/udev.py, recorded by the
-GPU subsystem's callback the moment they arrive, so the next cycle pages without waiting for NVML
+NVML subsystem's callback the moment they arrive, so the next cycle pages without waiting for NVML
 to notice; kept until an ``add``/``bind`` of the same address) and ``ctx.gpus_lost``
 (NVML_ERROR_GPU_IS_LOST at this cycle's reading). One finding per node, since a finding's identity
 has no GPU label: its explanation and evidence name every GPU gone. Pure; costs nothing.

@@ -20,8 +20,8 @@ Pure logic plus the event log; the I/O (kmsg, journal, /proc/vmstat) is in sourc
   baseline is taken then and the cross-check counts only beyond it (oom_history.py).
 
 The processor is composed of those parts, each given what it reads: the ``EventStore``, the
-``RankTreeRecord``, the ``RankPeers`` of this cycle, the ``OomBaseline``, and ``KernelLines``
-(kernel_lines.py: systemd-oomd, Xid and fallen-off-the-bus lines), which takes the others.
+``RankTreeRecord``, the ``RankPeers`` of this cycle, the ``OomBaseline``, and ``KernelNotices``
+(kernel_notices.py: systemd-oomd, Xid and fallen-off-the-bus lines), which takes the others.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from gpuwatchd.counters import CounterStore
 from gpuwatchd.events.bus import EventBus
 from gpuwatchd.events.log import EVENTS_FILE
 from gpuwatchd.join.event_store import HELPER_OOM_KILL, EventStore
-from gpuwatchd.join.kernel_lines import KernelLines, is_history
+from gpuwatchd.join.kernel_notices import KernelNotices, is_history
 from gpuwatchd.join.oom_history import OomBaseline
 from gpuwatchd.join.oom_kills import Kill, KillGrouper
 from gpuwatchd.join.rank_peers import RankPeers
@@ -112,7 +112,7 @@ class KernelEventProcessor:
             files=files, max_log_bytes=max_log_bytes, keep_events=keep_events,
             retention_seconds=retention_seconds, recent_seconds=recent_seconds,
             live_ranks=self.peers.live)
-        self.lines = KernelLines(self.store, self.record, self.peers, self.oom_baseline, xid_dedup)
+        self.notices = KernelNotices(self.store, self.record, self.peers, self.oom_baseline, xid_dedup)
 
     def take_baseline(self, vmstat_oom_kill: int | None, now: float) -> bool:
         """Before the source starts: load this boot's baseline, or take it (first start in this
@@ -137,17 +137,17 @@ class KernelEventProcessor:
             return []
         with self._lock:
             if p.kind == "xid":
-                return [e for e in [self.lines.xid(rec, p)] if e is not None]
+                return [e for e in [self.notices.xid(rec, p)] if e is not None]
             if p.kind == "gpu_at":
-                self.lines.gpu_at(p.fields["pci"], p.fields["uuid"])
+                self.notices.gpu_at(p.fields["pci"], p.fields["uuid"])
                 return []
             if p.kind == "gpu_named":
-                self.lines.gpu_named(p.fields["pci"], rec.realtime)
+                self.notices.gpu_named(p.fields["pci"], rec.realtime)
                 return []
             if p.kind == "bus_lost":
-                return [e for e in [self.lines.bus_lost(rec, p)] if e is not None]
+                return [e for e in [self.notices.bus_lost(rec, p)] if e is not None]
             if p.kind == "oomd":
-                return self.lines.oomd(rec, p)
+                return self.notices.oomd(rec, p)
             kills = self._grouper.feed(rec, p)
             return [e for k in kills for e in [self._kill_event(k)] if e is not None]
 

@@ -25,7 +25,7 @@ at all, or an idle GPU, holds for every process on it, so those still confirm.
 Where nothing confirms a stall, the verdict is ``ambiguous`` (a warning, never a page) and says
 what would: a heartbeat, NVML, ``gpuwatchd doctor``.
 
-Pure, no I/O: the daemon hands the readings in after its join (daemon/pyspy.py). Memory: at most
+Pure, no I/O: the daemon hands the readings in after its join (daemon/stall.py). Memory: at most
 ``MAX_READINGS`` readings per rank. Cost: linear in them, for suspect ranks only.
 """
 

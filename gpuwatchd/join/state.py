@@ -55,7 +55,7 @@ class CycleInputs(RuleReadings):
     # (job_id, rank) -> its heartbeat's mtime (the daemon's /proc reading, the only producer)
     heartbeats: Mapping[tuple[str, int], float] = field(default_factory=frozen_map)
     # (job_id, rank) -> last progress timestamp by the stall tracker (heartbeat or observed
-    # change; the py-spy subsystem, the only producer; a rank it did not judge: its heartbeat);
+    # change; the stall subsystem, the only producer; a rank it did not judge: its heartbeat);
     # (job_id, rank) -> stalled
     progress: Mapping[tuple[str, int], float] = field(default_factory=frozen_map)
     stalled: Mapping[tuple[str, int], bool] = field(default_factory=frozen_map)

@@ -268,7 +268,7 @@ class NodeMemoryState:
 
 @dataclass(frozen=True)
 class CollectiveStatus:
-    """One process group of one rank, from its flight-recorder dump (gpuwatchd/join/collectives.py)."""
+    """One process group of one rank, from its flight-recorder dump (gpuwatchd/join/flight_recorder.py)."""
 
     job_id: str
     rank: int

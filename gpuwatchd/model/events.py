@@ -1,5 +1,5 @@
 """``Event``: one thing that happened once (an OOM kill, an Xid ...), unlike a ``Finding``, which
-is a state. Built by join/ (kernel_events.py, kernel_lines.py), worded by findings/ (oom.py,
+is a state. Built by join/ (kernel_events.py, kernel_notices.py), worded by findings/ (oom.py,
 xid.py), written by events/log.py to ``state_dir/events.jsonl`` and the other sinks. No I/O.
 """
 

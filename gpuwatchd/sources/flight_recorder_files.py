@@ -5,7 +5,7 @@ root or the rank process's uid, JSON bounded in nesting and number size.
 
 Reads: one small file per asked rank per cycle. Writes: one request file per rank of a stalled
 job per interval. Privilege: write access to the rank directory (the daemon's tmpfiles entry).
-Shell equivalent: ``cat $RANK_DIR/JOB.RANK.fr``. What the answers mean is gpuwatchd/join/collectives.py.
+Shell equivalent: ``cat $RANK_DIR/JOB.RANK.fr``. What the answers mean is gpuwatchd/join/flight_recorder.py.
 """
 
 from __future__ import annotations

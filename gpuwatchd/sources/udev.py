@@ -3,7 +3,7 @@
 Listens to kernel uevents (pyudev netlink monitor, ``source="kernel"``: works without a udev daemon,
 as in containers) for subsystem ``pci`` with vendor 10DE and a display/3D class (``PCI_CLASS``
 03xxxx). Each one is reported at once, as a ``GpuUevent`` (action, PCI address, driver, time),
-through a callback: the daemon's GPU subsystem keeps a ``remove``/``unbind`` for the gpu_lost rule
+through a callback: the daemon's NVML subsystem keeps a ``remove``/``unbind`` for the gpu_lost rule
 (findings/gpu_lost.py) of the next cycle, without waiting for NVML to notice, and has the NVML
 source re-initialise on any add/remove/bind/unbind, since NVML's device list is fixed at
 ``nvmlInit``. The source builds no finding.

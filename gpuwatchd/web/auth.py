@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from gpuwatchd.web.config import RateLimit
+from gpuwatchd.web.web_config import RateLimit
 
 log = logging.getLogger(__name__)
 

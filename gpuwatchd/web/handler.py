@@ -33,8 +33,8 @@ from gpuwatchd.exporter.render import render
 from gpuwatchd.isolation import STILL_RUNNING, guarded
 from gpuwatchd.web import request
 from gpuwatchd.web.auth import AuthChecker, Buckets
-from gpuwatchd.web.config import ConfigHolder, WebConfig
 from gpuwatchd.web.connection import Conn
+from gpuwatchd.web.web_config import ConfigHolder, WebConfig
 
 if TYPE_CHECKING:
     import ssl

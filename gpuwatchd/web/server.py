@@ -3,7 +3,7 @@
 Serves a registry (anything with ``collect()``: gpuwatchd's ``StateRegistry``, or a
 prometheus_client ``CollectorRegistry``) over plain HTTP by default, or over TLS with
 optional client certificates, bcrypt basic auth and a rate limit when given a web-config file in
-the exporter-toolkit format (web/config.py, which also says how it is reloaded). Connections are
+the exporter-toolkit format (web/web_config.py, which also says how it is reloaded). Connections are
 web/listener.py's, read with h11 (``web/request.py``); ``web/handler.py`` answers requests; this
 module holds ``serve`` and
 ``WebServer.reload``.
@@ -30,12 +30,12 @@ from typing import Any
 from gpuwatchd.config_checks import parse_listen_address
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.exporter.families import Collector
-from gpuwatchd.web.config import (
-    ConfigHolder,
-)
 from gpuwatchd.web.connection import DROP_REASONS, Limits, bind
 from gpuwatchd.web.handler import Site
 from gpuwatchd.web.listener import Listener
+from gpuwatchd.web.web_config import (
+    ConfigHolder,
+)
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import pytest
 
 from gpuwatchd.config import load_config
 from gpuwatchd.daemon.core import Daemon
-from gpuwatchd.daemon.gpu import GpuSubsystem
+from gpuwatchd.daemon.nvml import NvmlSubsystem
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -72,7 +72,7 @@ class World:
             "orphans:\n  grace_seconds: 2\ndiscovery:\n  enabled: false\ngil:\n  enabled: false\n")
         self.procs: list[subprocess.Popen[Any]] = []
         self.pids: list[int] = []
-        self.sub = GpuSubsystem(watch_udev=False)
+        self.sub = NvmlSubsystem(watch_udev=False)
         self.daemon = Daemon(load_config(str(self.cfg_file)), subsystems=[self.sub])
         self.sub.start(self.daemon)
 

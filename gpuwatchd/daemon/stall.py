@@ -1,12 +1,19 @@
-"""The py-spy subsystem of the daemon: the GIL sampler (daemon/gil.py) and the stall tracker
-(join/stall.py) wired into the cycle. Each cycle it probes every live rank (heartbeat, /proc
-state), hands the live ranks to the sampler, and returns the progress and stall verdicts,
-the GIL readings (for findings/gil.py and findings/stall.py) and the ``pyspy`` collector status.
-After the join it hands the sampler each rank's signals from the new ``NodeState``
+"""The daemon's stall part: the stall tracker (join/stall.py) and the GIL sampler (daemon/gil.py)
+wired into the cycle (config ``stall:`` and ``gil:``). Each cycle it probes every live rank
+(heartbeat, /proc state), hands the live ranks to the sampler, and returns the progress and stall
+verdicts, the GIL readings (for findings/gil.py and findings/stall.py) and the ``pyspy`` collector
+status. After the join it hands the sampler each rank's signals from the new ``NodeState``
 (daemon/gil_signals.py: CPU while the GPU waits, heartbeat slowing, stalled), which is what makes
 the schedule adaptive; the GPU readings come from the nvml part, which the track stage hands
 nothing of this one's, so the state of the join is where they meet. The stall tracker's py-spy
 looks run inside this part's isolation (its dumps with their own time-outs and cycle budget).
+
+One part, not a stall part and a GIL part (issue 26): the ``pyspy`` collector status is the
+sampler's when GIL sampling is on and the runner's availability when it is off, one producer
+either way; the part's name is the label a failed start or track is exported under; and the
+sampler's targets are this cycle's live probes, handed over before the stall looks take the
+runner's slots. Split in two, ``pyspy`` would have two producers (or a new label) and the targets
+would arrive after the looks.
 """
 
 from __future__ import annotations
@@ -33,15 +40,15 @@ from gpuwatchd.sources.stall_looks import StallLooks
 log = logging.getLogger(__name__)
 
 
-class PySpySubsystem(Subsystem):
-    """The daemon's py-spy part: GIL sampling in background threads, stall verdicts per cycle.
+class StallSubsystem(Subsystem):
+    """The daemon's stall part: stall verdicts per cycle, GIL sampling in background threads.
 
     ``track`` returns ``progress`` / ``stalled`` per (job_id, rank) (exported as
     ``gpuwatch_rank_progress_timestamp_seconds`` / ``gpuwatch_rank_stalled``), the readings for
     findings/gil.py and findings/stall.py (``StallOutput.gil``, ``.verdicts``), and the ``pyspy`` collector status.
     """
 
-    name = "pyspy"
+    name = "pyspy"  # the collector label (a contract): the py-spy runner's and sampler's status
 
     def __init__(self, config: Config, *, spy: PySpy | None = None,
                  tick_seconds: float = 1.0) -> None:  # fmt: skip

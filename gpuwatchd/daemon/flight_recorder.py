@@ -1,8 +1,8 @@
 """The daemon's flight-recorder part: asks the ranks of stalled jobs for a dump and reads it.
 
-The protocol, the file rules and the comparison are in gpuwatchd/join/collectives.py (pure) and the
+The protocol, the file rules and the comparison are in gpuwatchd/join/flight_recorder.py (pure) and the
 rank side in gpuwatchd/rank/flight_recorder.py. The track stage hands it that cycle's stall
-verdicts (the py-spy part's output) as an argument. It returns ``records`` ((job_id, rank) ->
+verdicts (the stall part's output) as an argument. It returns ``records`` ((job_id, rank) ->
 FrReading, for findings/stall.py) and ``collectives`` (CollectiveStatus per rank and process
 group, for the exporter). The request and response files are read and written under ``guarded``:
 a file system error loses that rank's request this cycle, never the other ranks'.
@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpuwatchd.daemon.subsystem import DaemonContext, FlightOutput, Ranks, Subsystem
-from gpuwatchd.join.collectives import FrReading, parse_response
+from gpuwatchd.join.flight_recorder import FrReading, parse_response
 from gpuwatchd.model import ProcessInfo, RankEntry
 from gpuwatchd.model.stall import StallVerdict
 from gpuwatchd.rank.flight_recorder import request_path, response_path

@@ -1,7 +1,7 @@
 """Kernel log lines that are not an OOM kill of the kernel's own: a systemd-oomd cgroup kill, an
 Xid, a GPU fallen off the bus; each one -> events attributed to ranks and GPUs, counted once.
 
-``KernelLines`` is a small object that ``KernelEventProcessor`` (join/kernel_events.py) holds and
+``KernelNotices`` is a small object that ``KernelEventProcessor`` (join/kernel_events.py) holds and
 calls from ``handle`` in the kernel-log thread, under the processor's lock; what it reads is given
 to its constructor: the event store (exactly-once counting), the rank-tree record (who was which
 rank), the ranks of this cycle (peers alive), the boot's OOM baseline (history is not news) and
@@ -32,7 +32,7 @@ def is_history(baseline: OomBaseline, k: Kill) -> bool:
     return baseline.is_history(HistoryKill(k.pid, k.comm, k.killer, k.time, k.rss_bytes, k.memcg))
 
 
-class KernelLines:
+class KernelNotices:
     """systemd-oomd, Xid and fallen-off-the-bus lines -> events (see the module docstring). Not
     locked: the processor calls it under its own lock."""
 

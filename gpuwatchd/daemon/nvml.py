@@ -1,4 +1,4 @@
-"""The daemon's GPU part: NVML collector, orphans, fork evidence, CUDA OOM events, Xid, udev.
+"""The daemon's NVML part: NVML collector, orphans, fork evidence, CUDA OOM events, Xid, udev.
 
 Wires the GPU sources into the daemon's cycle (duck-typed ``daemon.Subsystem``):
 
@@ -35,8 +35,8 @@ from gpuwatchd.findings.context import GpuRemoved, NvmlLostGpu
 from gpuwatchd.isolation import Collector, guarded
 from gpuwatchd.join.cuda_oom import OomTracker
 from gpuwatchd.join.orphans import OrphanTracker, trees_from_entries
-from gpuwatchd.model import GpuDevice, GpuProcess, GpuUevent, NodeState, ProcessInfo, ProcEvidence
-from gpuwatchd.sources.cuda_oom_events import OomEvent, OomEventFiles
+from gpuwatchd.model import GpuDevice, GpuProcess, GpuUevent, NodeState, OomEvent, ProcessInfo, ProcEvidence
+from gpuwatchd.sources.cuda_oom_events import OomEventFiles
 from gpuwatchd.sources.devfds import EvidenceReader
 from gpuwatchd.sources.kmsg import read_boot_id
 from gpuwatchd.sources.nvidia_devices import probe
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 Reading = tuple[tuple[GpuDevice, ...], tuple[GpuProcess, ...]]
 
 
-class GpuSubsystem(Subsystem):
+class NvmlSubsystem(Subsystem):
     name = "nvml"
 
     def __init__(self, source: NvmlSource | None = None, watch_xid: bool = True,

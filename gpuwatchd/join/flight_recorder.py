@@ -1,6 +1,6 @@
 """Daemon side of the flight recorder: ask stalled jobs' ranks for a dump, read it, compare ranks.
 
-When a rank of a job looks stalled (``CycleInputs.stall``, from the py-spy subsystem), every rank of
+When a rank of a job looks stalled (``CycleInputs.stall``, from the stall subsystem), every rank of
 that job on this node gets a request (``JOB.RANK.frreq`` with a fresh nonce, written atomically into
 the rank directory), at most every ``stall.flight_recorder_interval_seconds``. The rank's thread
 (gpuwatchd/rank/flight_recorder.py) answers with ``JOB.RANK.fr``; the next cycle reads it under the
@@ -17,7 +17,7 @@ module only parses and compares: no I/O.
 Shell equivalent: ``python -c 'import torch; print(torch._C._distributed_c10d._dump_fr_trace_json())'``
 inside each rank, then compare ``collective_seq_id`` across ranks (``torchfrtrace`` does it on
 pickled dumps). The daemon's part that asks and reads each cycle is
-gpuwatchd/daemon/collectives.py.
+gpuwatchd/daemon/flight_recorder.py.
 """
 
 from __future__ import annotations
