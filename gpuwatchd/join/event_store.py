@@ -23,7 +23,7 @@ from typing import Any
 from gpuwatchd.counters import CounterStore, rank_label_positions
 from gpuwatchd.events.bus import EventBus
 from gpuwatchd.events.log import read_events
-from gpuwatchd.model import INFO, frozen_map
+from gpuwatchd.model import INFO, RankId, frozen_map
 from gpuwatchd.model.events import Event
 from gpuwatchd.model.kernel import KILLER_KERNEL
 from gpuwatchd.statefile import StateFiles
@@ -117,7 +117,7 @@ class EventStore:
         keep_events: int = 10000,
         retention_seconds: float = 1800.0,
         recent_seconds: float = 3600.0,
-        live_ranks: Callable[[], Iterable[tuple[str, int]]] = tuple,
+        live_ranks: Callable[[], Iterable[RankId]] = tuple,
     ) -> None:
         """``bus``: where a new event goes (its JSONL sink writes ``path``; None: counted only).
         ``boot_id``: this boot's, for the kernel OOM kills it counted. ``recent_seconds``: how
