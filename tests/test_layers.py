@@ -12,7 +12,8 @@ hide a cycle or a wrong-way dependency. Contracts:
 4. No import cycle, function-level imports included.
 5. No I/O in the pure layers: the trackers of ``join/`` and the rules of ``findings/`` make no call
    that touches the host (``open``, the ``os`` file calls, ``os.path``'s stat calls (``getsize``,
-   ``exists`` ...), ``subprocess``, ``socket``, ``shutil``, ``tempfile``, ``Path.read_*``/``write_*``) and import nothing of ``gpuwatchd.sources``.
+   ``exists`` ...), ``subprocess``, ``socket``, ``shutil``, ``tempfile``, ``Path.read_*``/``write_*``)
+   and import nothing of ``gpuwatchd.sources``.
 6. Narrow rule imports: a rule imports only ``findings.context``, ``model``, ``units`` and ``config``.
 7. ``findings.context`` (what every rule imports) reaches no source and no ``subprocess``,
    checked in a fresh interpreter.
