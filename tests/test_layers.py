@@ -11,8 +11,9 @@ hide a cycle or a wrong-way dependency. Contracts:
 3. Finding rules are independent of each other: a rule imports ``findings.context`` only.
 4. No import cycle, function-level imports included.
 5. No I/O in the pure layers: the trackers of ``join/`` and the rules of ``findings/`` make no call
-   that touches the host (``open``, the ``os`` file calls, ``subprocess``, ``socket``, ``shutil``,
-   ``tempfile``, ``Path.read_*``/``write_*``) and import nothing of ``gpuwatchd.sources``.
+   that touches the host (``open``, the ``os`` file calls, ``os.path``'s stat calls (``getsize``,
+   ``exists`` ...), ``subprocess``, ``socket``, ``shutil``, ``tempfile``, ``Path.read_*``/``write_*``)
+   and import nothing of ``gpuwatchd.sources``.
 6. Narrow rule imports: a rule imports only ``findings.context``, ``model``, ``units`` and ``config``.
 7. ``findings.context`` (what every rule imports) reaches no source and no ``subprocess``,
    checked in a fresh interpreter.
@@ -62,6 +63,9 @@ PURE = ("gpuwatchd.join", "gpuwatchd.findings")
 IO_OS_CALLS = frozenset({"open", "fdopen", "stat", "lstat", "fstat", "scandir", "listdir", "read", "write",
                          "unlink", "remove", "replace", "rename", "makedirs", "mkdir", "rmdir", "readlink",
                          "walk", "kill", "chmod", "chown", "pipe", "fork", "system", "popen"})
+# os.path's calls that stat the host (os.path.join, basename ... only compute on strings)
+IO_OS_PATH_CALLS = frozenset({"exists", "lexists", "isfile", "isdir", "islink", "ismount", "getsize", "getmtime",
+                              "getatime", "getctime", "realpath", "samefile"})
 IO_MODULES = frozenset({"subprocess", "socket", "shutil", "tempfile"})
 IO_METHODS = frozenset({"read_text", "read_bytes", "write_text", "write_bytes", "iterdir", "mkdir", "unlink",
                         "touch", "glob", "rglob"})
@@ -175,6 +179,9 @@ def io_calls(path: Path) -> list[str]:
             base = f.value
             if isinstance(base, ast.Name) and base.id == "os" and f.attr in IO_OS_CALLS:
                 what = f"os.{f.attr}"
+            elif isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) and base.value.id == "os" \
+                    and base.attr == "path" and f.attr in IO_OS_PATH_CALLS:
+                what = f"os.path.{f.attr}"
             elif isinstance(base, ast.Name) and base.id in IO_MODULES:
                 what = f"{base.id}.{f.attr}"
             elif f.attr in IO_METHODS:
@@ -376,6 +383,7 @@ def test_the_purity_checkers_catch_planted_violations(tmp_path: Path) -> None:
         "join/clean.py": "import os\nx = os.path.join('a', 'b')\n",
         "join/opens.py": "def f(p):\n    with open(p) as fh:\n        return fh.read()\n",
         "join/unlinks.py": "import os\ndef f(p):\n    os.unlink(p)\n",
+        "join/sizes.py": "import os\ndef f(p):\n    return os.path.getsize(p)\n",
         "join/spawns.py": "import subprocess\ndef f():\n    subprocess.run(['true'])\n",
         "join/reads.py": "from pathlib import Path\ndef f():\n    return Path('x').read_text()\n",
         "join/uses_source.py": "from gpuwatchd.sources import pyspy\n",
@@ -398,6 +406,7 @@ def test_the_purity_checkers_catch_planted_violations(tmp_path: Path) -> None:
         "gpuwatchd.findings.context": ["imports gpuwatchd.sources.pyspy"],
         "gpuwatchd.join.opens": ["2: open"],
         "gpuwatchd.join.reads": ["3: .read_text"],
+        "gpuwatchd.join.sizes": ["3: os.path.getsize"],
         "gpuwatchd.join.spawns": ["3: subprocess.run", "imports subprocess"],
         "gpuwatchd.join.unlinks": ["3: os.unlink"],
         "gpuwatchd.join.uses_source": ["imports gpuwatchd.sources.pyspy"],

@@ -48,7 +48,7 @@ from gpuwatchd.exporter.collector import make_registry
 from gpuwatchd.isolation import Collector, PartialReading, attempt, guarded
 from gpuwatchd.join import rank_claims
 from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
-from gpuwatchd.model import BadRankFile, CollectorStatus, NodeState, RankEntry
+from gpuwatchd.model import BadRankFile, CollectorStatus, NodeState, RankEntry, RankId, RankProcess
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.discovery import discover
 from gpuwatchd.sources.heartbeats import HeartbeatRoots
@@ -79,11 +79,11 @@ class Reading:
     statuses: tuple[CollectorStatus, ...]       # the two collectors' status
 
 
-def accepted(reading: Reading, claims: rank_claims.Claims) -> tuple[Ranks, Mapping[tuple[str, int], float]]:
+def accepted(reading: Reading, claims: rank_claims.Claims) -> tuple[Ranks, Mapping[RankId, float]]:
     """The reading narrowed to the accepted claims: what the track stage's parts read, and each
     accepted rank's heartbeat mtime (a refused claim on the same rank has another pid)."""
     proc = reading.proc
-    beats = {(j, r): t for (j, r, pid), t in proc.progress.items() if claims.accepts(j, r, pid)}
+    beats = {RankId(j, r): t for (j, r, pid), t in proc.progress.items() if claims.accepts(j, r, pid)}
     return Ranks(reading.now, claims.accepted, proc.processes, proc.descendants, proc.cgroups), beats
 
 
@@ -188,11 +188,11 @@ class Daemon:
     def _read_procfs(self) -> ProcReading:
         entries = self._entries
         proc = self.view.read(e.pid for e in entries)
-        progress: dict[tuple[str, int, int], float] = {}
+        progress: dict[RankProcess, float] = {}
         for e in entries:
             mtime = self.heartbeat_roots.mtime(e)
             if mtime is not None:
-                progress[(e.job_id, e.rank, e.pid)] = mtime
+                progress[e.rank_process] = mtime
         self.heartbeat_roots.end_reads()
         return dataclasses.replace(proc, progress=progress)
 
@@ -230,7 +230,7 @@ class Daemon:
         return Reading(self.clock(), tuple(entries), tuple(bad), proc,
                        (self.rank_collector.status, self.proc_collector.status))
 
-    def join_inputs(self, reading: Reading, claims: rank_claims.Claims, beats: Mapping[tuple[str, int], float],
+    def join_inputs(self, reading: Reading, claims: rank_claims.Claims, beats: Mapping[RankId, float],
                     tracked: Tracked, t0: float) -> CycleInputs:
         """The join's input, field by field from the one stage output that produced it."""
         stall, gpu, mem = tracked.stall, tracked.gpu, tracked.memory

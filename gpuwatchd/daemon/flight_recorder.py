@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from gpuwatchd.daemon.subsystem import DaemonContext, FlightOutput, Ranks, Subsystem
 from gpuwatchd.join.flight_recorder import FrReading, parse_response
-from gpuwatchd.model import ProcessInfo, RankEntry
+from gpuwatchd.model import ProcessInfo, RankEntry, RankId
 from gpuwatchd.model.stall import StallVerdict
 from gpuwatchd.rank.flight_recorder import request_path, response_path
 from gpuwatchd.sources.flight_recorder_files import read_response, write_request
@@ -44,18 +44,18 @@ class FlightRecorderSubsystem(Subsystem):
 
     def __init__(self, interval_seconds: float = 60.0) -> None:
         self.interval = interval_seconds
-        self._asks: dict[tuple[str, int], _Ask] = {}
-        self._readings: dict[tuple[str, int], FrReading] = {}
+        self._asks: dict[RankId, _Ask] = {}
+        self._readings: dict[RankId, FrReading] = {}
 
     def track(self, daemon: DaemonContext, ranks: Ranks,
-              verdicts: Mapping[tuple[str, int], StallVerdict]) -> FlightOutput:  # fmt: skip
+              verdicts: Mapping[RankId, StallVerdict]) -> FlightOutput:  # fmt: skip
         """Ask the ranks of the jobs ``verdicts`` calls stalled or suspect, and read answers."""
         now = ranks.now
         rank_dir = daemon.config.rank_dir
         processes: Mapping[int, ProcessInfo] = ranks.processes
         entries: list[RankEntry] = [e for e in ranks.entries if e.pid in processes]
         stalled_jobs = {k[0] for k, v in verdicts.items() if v.stalled or v.suspect}
-        live = {(e.job_id, e.rank): e for e in entries}
+        live = {e.rank_id: e for e in entries}
         for key in set(self._asks) | set(self._readings):
             if key not in live or live[key].pid != (self._asks.get(key) or self._readings[key]).pid:
                 self._forget(rank_dir, key)
@@ -79,12 +79,12 @@ class FlightRecorderSubsystem(Subsystem):
         except OSError as exc:
             log.debug("flight-recorder request for %s/%d failed: %s", e.job_id, e.rank, exc)
             return
-        self._asks[(e.job_id, e.rank)] = _Ask(e.pid, nonce, now)
-        if (e.job_id, e.rank) not in self._readings:
-            self._readings[(e.job_id, e.rank)] = FrReading(e.job_id, e.rank, e.pid, error="waiting")
+        self._asks[e.rank_id] = _Ask(e.pid, nonce, now)
+        if e.rank_id not in self._readings:
+            self._readings[e.rank_id] = FrReading(e.job_id, e.rank, e.pid, error="waiting")
 
     def _collect(self, rank_dir: str, e: RankEntry, uid: int) -> None:
-        key = (e.job_id, e.rank)
+        key = e.rank_id
         ask = self._asks[key]
         try:
             doc = read_response(response_path(rank_dir, e.job_id, e.rank), {0, uid})
@@ -105,7 +105,7 @@ class FlightRecorderSubsystem(Subsystem):
         with contextlib.suppress(OSError):
             os.unlink(request_path(rank_dir, e.job_id, e.rank))
 
-    def _forget(self, rank_dir: str, key: tuple[str, int]) -> None:
+    def _forget(self, rank_dir: str, key: RankId) -> None:
         self._readings.pop(key, None)
         if self._asks.pop(key, None) is not None:
             with contextlib.suppress(OSError):

@@ -54,7 +54,7 @@ from gpuwatchd.daemon.gil_schedule import (
 )
 from gpuwatchd.daemon.gil_signals import RankSignals
 from gpuwatchd.join.stall import MAX_PROBE_THREADS
-from gpuwatchd.model import CollectorStatus, GilReading
+from gpuwatchd.model import CollectorStatus, GilReading, RankId
 from gpuwatchd.model.threads import ThreadInfo
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.pyspy import PySpy
@@ -128,7 +128,7 @@ class GilSampler:
         # one py-spy slot stays free for the stall detector's short dumps when there are two or more
         self._pool = ThreadPoolExecutor(max(1, max_concurrent - 1), thread_name_prefix="gil-sample")
         self._lock = threading.Lock()
-        self._ranks: dict[tuple[str, int], RankSchedule] = {}
+        self._ranks: dict[RankId, RankSchedule] = {}
         self._clk_tck = os.sysconf("SC_CLK_TCK")
         self._status = CollectorStatus(COLLECTOR, True, 0.0, None, "")
         self._ok_runs = 0
@@ -154,7 +154,7 @@ class GilSampler:
                     self.counters.ensure("rank_gil_samples", labels)
                     self.counters.ensure("rank_gil_held_samples", labels)
 
-    def update_signals(self, signals: Mapping[tuple[str, int], RankSignals]) -> None:
+    def update_signals(self, signals: Mapping[RankId, RankSignals]) -> None:
         """The cycle's signals per (job_id, rank) (daemon/gil_signals.py). A rank that turns
         suspect, or loses its last signal while GIL-bound (it recovers), is due at once,
         but not sooner than a quarter interval after its last full sample; a rank that turns
@@ -385,17 +385,17 @@ class GilSampler:
 
     # -- results ---------------------------------------------------------------------------------
 
-    def latest(self, key: tuple[str, int]) -> GilReading | None:
+    def latest(self, key: RankId) -> GilReading | None:
         with self._lock:
             sched = self._ranks.get(key)
             return sched.history[-1] if sched and sched.history else None
 
-    def readings(self) -> Mapping[tuple[str, int], tuple[GilReading, ...]]:
+    def readings(self) -> Mapping[RankId, tuple[GilReading, ...]]:
         """(job_id, rank) -> its recent readings, oldest first (what findings/gil.py reads)."""
         with self._lock:
             return {k: tuple(s.history) for k, s in self._ranks.items() if s.history}
 
-    def convoys(self) -> Mapping[tuple[str, int], ConvoyHint]:
+    def convoys(self) -> Mapping[RankId, ConvoyHint]:
         with self._lock:
             return {k: s.convoy for k, s in self._ranks.items() if s.convoy is not None}
 

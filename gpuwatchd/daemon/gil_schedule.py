@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from gpuwatchd.daemon.gil_convoy import ConvoyHint
 from gpuwatchd.daemon.gil_signals import RankSignals
-from gpuwatchd.model import GilReading
+from gpuwatchd.model import GilReading, RankId
 from gpuwatchd.model.threads import ThreadInfo
 
 HISTORY = 4  # readings kept per rank (the finding looks at the last two)
@@ -24,8 +24,8 @@ class GilTarget:
     pid: int
 
     @property
-    def key(self) -> tuple[str, int]:
-        return (self.job_id, self.rank)
+    def key(self) -> RankId:
+        return RankId(self.job_id, self.rank)
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class GilPlan:
     """Where one rank stands in the schedule (``GilSampler.plan``): why it is suspect (empty:
     healthy), whether its next sample is a full one, and when it is due (sampler clock)."""
 
-    key: tuple[str, int]
+    key: RankId
     reasons: tuple[str, ...]
     full: bool
     next_due: float

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from gpuwatchd.config import GilConfig
 from gpuwatchd.findings.gil import GPU_BUSY_RATIO, rank_gpu_utilization
-from gpuwatchd.model import NodeState
+from gpuwatchd.model import NodeState, RankId
 
 CPU_SUSPECT_CORES = 0.3  # the lower end of the convoy band (daemon/gil.py CONVOY_CORES)
 BEAT_CPU_CORES = 0.1  # a slowing heartbeat or a stall counts only with this much CPU
@@ -65,16 +65,16 @@ class SignalTracker:
 
     def __init__(self, cycle_seconds: float) -> None:
         self.cycle_seconds = cycle_seconds
-        self._tracks: dict[tuple[str, int], _Track] = {}
+        self._tracks: dict[RankId, _Track] = {}
 
-    def observe(self, state: NodeState) -> dict[tuple[str, int], RankSignals]:
+    def observe(self, state: NodeState) -> dict[RankId, RankSignals]:
         now = state.timestamp
-        out: dict[tuple[str, int], RankSignals] = {}
-        live: set[tuple[str, int]] = set()
+        out: dict[RankId, RankSignals] = {}
+        live: set[RankId] = set()
         for r in state.ranks:
             if not r.alive or r.process is None:
                 continue
-            key = (r.job_id, r.rank)
+            key = r.rank_id
             live.add(key)
             prev = self._tracks.get(key)
             if prev is not None and prev.pid != r.pid:

@@ -27,7 +27,7 @@ from gpuwatchd.daemon.memory_evidence import snapshot_event, worse
 from gpuwatchd.daemon.subsystem import DaemonContext, MemoryOutput, Ranks, Subsystem
 from gpuwatchd.findings.memory import KIND
 from gpuwatchd.isolation import guarded
-from gpuwatchd.join.memory_tracker import MemoryTracker, RankKey
+from gpuwatchd.join.memory_tracker import MemoryTracker, TrackedRank
 from gpuwatchd.model import (
     CgroupMemory,
     CgroupPaths,
@@ -36,7 +36,9 @@ from gpuwatchd.model import (
     NodeMemoryState,
     NodeState,
     ProcessInfo,
+    RankId,
     RankMemory,
+    RankProcess,
     rank_alive,
 )
 from gpuwatchd.sources.memcg import MemcgReader
@@ -55,7 +57,7 @@ class MemorySubsystem(Subsystem):
         self.reader = reader
         self.spy = spy
         self.tracker = MemoryTracker()
-        self._readings: dict[tuple[str, int, int], RankMemory] = {}
+        self._readings: dict[RankProcess, RankMemory] = {}
         # per rank process: (snapshots taken, last snapshot time, the finding it was taken for)
         self._snaps: dict[tuple[str, str, str], tuple[int, float, Finding]] = {}
         self._busy = threading.Lock()  # one py-spy dump at a time; a second request is dropped
@@ -82,16 +84,16 @@ class MemorySubsystem(Subsystem):
         processes: Mapping[int, ProcessInfo] = ranks.processes
         descendants: Mapping[int, tuple[int, ...]] = ranks.descendants
         readings: list[RankMemory] = []
-        live: list[RankKey] = []
-        seen: set[tuple[str, int]] = set()
+        live: list[TrackedRank] = []
+        seen: set[RankId] = set()
         memo: dict[tuple[int, str], Any] = {}  # cgroup levels read this cycle, shared by ranks
         shared: dict[CgroupPaths, CgroupMemory | None] = {}  # and each cgroup's bounding level
         for e in ranks.entries:
             proc = processes.get(e.pid)
-            if (e.job_id, e.rank) in seen or proc is None or not rank_alive(proc, e.start_ticks):
+            if e.rank_id in seen or proc is None or not rank_alive(proc, e.start_ticks):
                 continue
-            seen.add((e.job_id, e.rank))
-            key: RankKey = (e.job_id, e.rank, e.pid, proc.start_ticks)
+            seen.add(e.rank_id)
+            key = TrackedRank(e.job_id, e.rank, e.pid, proc.start_ticks)
             live.append(key)
             where = ranks.cgroups.get(e.pid)  # the daemon's process view (re-read every 30 s)
             if where is not None and where not in shared:  # the ranks of a job share one cgroup
@@ -102,7 +104,7 @@ class MemorySubsystem(Subsystem):
             readings.append(self.tracker.observe(now, key, tree, processes, cg,
                                                  cfg.window_seconds, cfg.min_window_seconds))
         self.tracker.forget(live, ((p.pid, p.start_ticks) for p in processes.values()))
-        self._readings = {(m.job_id, m.rank, m.pid): m for m in readings}
+        self._readings = {RankProcess(m.job_id, m.rank, m.pid): m for m in readings}
         n = guarded("memory: /proc/meminfo", reader.node, None)
         node = None if n is None else NodeMemoryState(
             n.total_bytes, n.available_bytes,
@@ -130,7 +132,7 @@ class MemorySubsystem(Subsystem):
                 continue
             if not raised and not worse(f, last_f):
                 continue
-            m = self._readings.get((f.job_id, int(f.rank), int(f.pid)))
+            m = self._readings.get(RankProcess(f.job_id, int(f.rank), int(f.pid)))
             if m is not None and self._snapshot(f, m, now):
                 self._snaps[k] = (count + 1, now, f)
 

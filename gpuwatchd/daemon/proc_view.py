@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from gpuwatchd.findings import nccl_env
-from gpuwatchd.model import CgroupPaths, ProcessInfo, frozen_map
+from gpuwatchd.model import CgroupPaths, ProcessInfo, RankProcess, frozen_map
 from gpuwatchd.sources.memcg import parse_cgroup_file
 from gpuwatchd.sources.procfs import ProcfsReader
 
@@ -36,7 +36,7 @@ class ProcReading:
     # (job_id, rank, pid) -> heartbeat mtime: keyed by the claim's pid, so that only the
     # accepted claim's heartbeat is used (a refused claim on the same rank has another pid);
     # filled by the daemon's procfs collector, which reads the heartbeats with the trees
-    progress: Mapping[tuple[str, int, int], float] = field(default_factory=frozen_map)
+    progress: Mapping[RankProcess, float] = field(default_factory=frozen_map)
     # rank PID -> its cgroup (/proc/PID/cgroup), re-read every CGROUP_TTL seconds per process
     cgroups: Mapping[int, CgroupPaths] = field(default_factory=frozen_map)
 

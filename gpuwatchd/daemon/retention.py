@@ -28,7 +28,8 @@ from gpuwatchd.counters import CounterStore, Series, rank_label_positions
 from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
 
 EVENT_COUNTERS = frozenset({"oom_kills", "cuda_oom_errors"})
-RankKey = tuple[str, str]  # (job_id, rank) as label values
+# (job_id, rank) as the label values the counter series carry: not a RankId, whose rank is an int
+RankLabels = tuple[str, str]
 
 
 class SeriesRetention:
@@ -37,15 +38,15 @@ class SeriesRetention:
     def __init__(self, counters: CounterStore) -> None:
         self.counters = counters
         self._positions = rank_label_positions()
-        self._last_registered: dict[RankKey, float] = {}
+        self._last_registered: dict[RankLabels, float] = {}
 
-    def expired(self, registered: Iterable[RankKey], now: float,
+    def expired(self, registered: Iterable[RankLabels], now: float,
                 config: RetentionConfig) -> list[Series]:
         live = set(registered)
         for key in live:
             self._last_registered[key] = now
         drop: list[Series] = []
-        kept: set[RankKey] = set()
+        kept: set[RankLabels] = set()
         for name, labels, value, touched in self.counters.series():
             pos = self._positions.get(name)
             if pos is None or not labels[pos[0]]:
@@ -64,7 +65,7 @@ class SeriesRetention:
             del self._last_registered[key]
         return drop
 
-    def apply(self, registered: Iterable[RankKey], now: float, config: RetentionConfig) -> int:
+    def apply(self, registered: Iterable[RankLabels], now: float, config: RetentionConfig) -> int:
         return self.counters.remove(self.expired(registered, now, config))
 
 

@@ -31,7 +31,7 @@ from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, StallOutput, Subsys
 from gpuwatchd.isolation import run_forever
 from gpuwatchd.join.stall import StallTracker
 from gpuwatchd.join.stall_spin import rank_gpu_readings
-from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo, rank_alive
+from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo, RankId, rank_alive
 from gpuwatchd.model.stall import RankProbe
 from gpuwatchd.sources.pyspy import PySpy
 from gpuwatchd.sources.pyspy_output import ABSENT, COLLECTOR
@@ -102,25 +102,25 @@ class StallSubsystem(Subsystem):
         self._thread.start()
 
     def track(self, daemon: DaemonContext, ranks: Ranks,
-              beats: Mapping[tuple[str, int], float]) -> StallOutput:  # fmt: skip
+              beats: Mapping[RankId, float]) -> StallOutput:  # fmt: skip
         """Probe every rank (``beats``: each accepted rank's heartbeat mtime), judge the stalls
         and hand the sampler its targets."""
         self._ensure(daemon)
         assert self.stall is not None and self.spy is not None
         processes: Mapping[int, ProcessInfo] = ranks.processes
         descendants: Mapping[int, tuple[int, ...]] = ranks.descendants
-        seen: set[tuple[str, int]] = set()
+        seen: set[RankId] = set()
         probes: list[RankProbe] = []
         for e in ranks.entries:
-            if (e.job_id, e.rank) in seen:
+            if e.rank_id in seen:
                 continue
-            seen.add((e.job_id, e.rank))
+            seen.add(e.rank_id)
             proc = processes.get(e.pid)
             alive = rank_alive(proc, e.start_ticks)
             probes.append(RankProbe(
                 e.job_id, e.rank, e.pid, alive, proc.state if proc else "", e.heartbeat,
                 proc.start_ticks if proc else None, e.owner_uid,
-                beats.get((e.job_id, e.rank)), heartbeat_read=True,
+                beats.get(e.rank_id), heartbeat_read=True,
                 workers=tuple((k, processes[k].state, processes[k].cpu_seconds)
                               for k in descendants.get(e.pid, ()) if k in processes),
             ))  # fmt: skip

@@ -13,7 +13,7 @@ from gpuwatchd.config import StragglerConfig
 from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, StragglerOutput, Subsystem
 from gpuwatchd.isolation import guarded
 from gpuwatchd.join.straggler import StragglerTracker
-from gpuwatchd.model import CpuStat
+from gpuwatchd.model import CpuStat, RankId
 from gpuwatchd.sources.step_cpu import StepCpuReader
 
 
@@ -26,7 +26,7 @@ class StragglerSubsystem(Subsystem):
         self.reader: StepCpuReader | None = None
 
     def track(self, daemon: DaemonContext, ranks: Ranks,
-              heartbeats: Mapping[tuple[str, int], float]) -> StragglerOutput:  # fmt: skip
+              heartbeats: Mapping[RankId, float]) -> StragglerOutput:  # fmt: skip
         """``heartbeats``: each accepted rank's heartbeat mtime (the daemon's reading)."""
         if self.reader is None:
             self.reader = StepCpuReader(daemon.paths, daemon.heartbeat_roots.step)
@@ -34,8 +34,8 @@ class StragglerSubsystem(Subsystem):
         entries = [e for e in ranks.entries if e.pid in ranks.processes]
         due = self.tracker.due(entries, heartbeats)  # read: sources, judged: the tracker
         # each read isolated: an unreadable step file or cpu.stat is "unknown" this cycle
-        no_steps: dict[tuple[str, int], int | None] = {}
-        no_cpu: dict[tuple[str, int], CpuStat | None] = {}
+        no_steps: dict[RankId, int | None] = {}
+        no_cpu: dict[RankId, CpuStat | None] = {}
         steps = guarded("straggler: heartbeat steps", lambda: reader.steps(due), no_steps)
         cpu = guarded("straggler: cpu.stat", lambda: reader.cpu_stats(entries), no_cpu)
         return StragglerOutput(*self.tracker.observe(ranks.now, entries, heartbeats, steps, cpu))

@@ -40,6 +40,7 @@ from gpuwatchd.model import (
     ProcessInfo,
     ProcEvidence,
     RankEntry,
+    RankId,
     RankMemory,
     frozen_map,
 )
@@ -49,8 +50,6 @@ from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.heartbeats import HeartbeatRoots
 from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.statefile import StateFiles
-
-RankKey = tuple[str, int]  # (job_id, rank)
 
 
 class DaemonContext(Protocol):
@@ -87,10 +86,10 @@ class Ranks:
 class StallOutput:
     """Producer: ``StallSubsystem.track`` (heartbeats, /proc, py-spy looks; the GIL sampler)."""
 
-    progress: Mapping[RankKey, float] = field(default_factory=frozen_map)  # last progress seen
-    stalled: Mapping[RankKey, bool] = field(default_factory=frozen_map)
-    verdicts: Mapping[RankKey, StallVerdict] = field(default_factory=frozen_map)
-    gil: Mapping[RankKey, Sequence[GilReading]] = field(default_factory=frozen_map)
+    progress: Mapping[RankId, float] = field(default_factory=frozen_map)  # last progress seen
+    stalled: Mapping[RankId, bool] = field(default_factory=frozen_map)
+    verdicts: Mapping[RankId, StallVerdict] = field(default_factory=frozen_map)
+    gil: Mapping[RankId, Sequence[GilReading]] = field(default_factory=frozen_map)
     status: CollectorStatus | None = None           # collector ``pyspy``
 
 
@@ -98,7 +97,7 @@ class StallOutput:
 class FlightOutput:
     """Producer: ``FlightRecorderSubsystem.track`` (given the stall verdicts)."""
 
-    records: Mapping[RankKey, FrReading] = field(default_factory=frozen_map)  # of stalled jobs
+    records: Mapping[RankId, FrReading] = field(default_factory=frozen_map)  # of stalled jobs
     collectives: tuple[CollectiveStatus, ...] = ()
 
 
@@ -106,8 +105,8 @@ class FlightOutput:
 class StragglerOutput:
     """Producer: ``StragglerSubsystem.track`` (given the heartbeats)."""
 
-    steps: Mapping[RankKey, int] = field(default_factory=frozen_map)
-    rates: Mapping[RankKey, RankRate] = field(default_factory=frozen_map)
+    steps: Mapping[RankId, int] = field(default_factory=frozen_map)
+    rates: Mapping[RankId, RankRate] = field(default_factory=frozen_map)
 
 
 @dataclass(frozen=True)

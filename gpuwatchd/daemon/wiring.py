@@ -39,7 +39,7 @@ from gpuwatchd.daemon.subsystem import (
     Tracked,
 )
 from gpuwatchd.isolation import attempt
-from gpuwatchd.model import CollectorStatus
+from gpuwatchd.model import CollectorStatus, RankId
 
 S = TypeVar("S", bound=Subsystem)
 T = TypeVar("T")
@@ -84,7 +84,7 @@ class Parts:
         return parts
 
 
-def track(parts: Parts, daemon: DaemonContext, ranks: Ranks, heartbeats: Mapping[tuple[str, int], float],
+def track(parts: Parts, daemon: DaemonContext, ranks: Ranks, heartbeats: Mapping[RankId, float],
           down: dict[str, str]) -> Tracked:
     """Each part of the cycle by name, isolated: one that raises loses its own output (and is
     added to ``down``, exported as a collector that is down), nothing else."""

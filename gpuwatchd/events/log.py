@@ -12,6 +12,13 @@ goes, in this order, to:
 
 Sinks never raise into the caller: a full disk, a missing journald or an unreachable Alertmanager
 is logged and counted, and the event still reaches the other sinks.
+
+This module is the one home of ``events.jsonl``: ``JsonlSink`` appends to it, ``EventFile`` reads
+it back and rewrites it (what the event store, join/event_store.py, is handed: it counts and
+compacts, this does the I/O) and ``read_events`` streams it (``gpuwatchd events``, the CLI
+equivalent of ``cat state_dir/events.jsonl``). Cost: one append and fsync per event; a read-back
+streams the file a line at a time (at most ``MAX_LINE_BYTES`` held); a rewrite is one atomic
+write. Needs write access to ``state_dir`` (the daemon's user); reading it, read access.
 """
 
 from __future__ import annotations
@@ -21,11 +28,12 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 from gpuwatchd.model import frozen_map
 from gpuwatchd.model.events import Event
+from gpuwatchd.statefile import StateFiles
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +99,39 @@ def read_events(path: str, on_reject: Callable[[str], None] | None = None) -> It
                 on_reject(reason)
 
 
+class EventFile:
+    """``state_dir/events.jsonl`` read back and rewritten, for the event store (join/event_store.py),
+    which decides what is counted and what a compaction keeps; the appends are ``JsonlSink``'s.
+    A failed rewrite and a line that cannot be used are the ``StateFiles``' to count."""
+
+    def __init__(self, state_dir: str, files: StateFiles | None = None, filename: str = EVENTS_FILE) -> None:
+        self.path = os.path.join(state_dir, filename)
+        self.files = files or StateFiles()
+
+    def events(self, count_rejected: bool = True) -> Iterator[Event]:
+        """Every well-formed event stored, in order (``read_events``); ``count_rejected``: count
+        each line that cannot be used in ``gpuwatch_state_records_rejected_total``."""
+        path = self.path
+        return read_events(path, on_reject=(lambda why: self.files.rejected(path, why)) if count_rejected
+                           else None)
+
+    def size(self) -> int | None:
+        """The file's size in bytes; None when it cannot be read (absent: nothing stored yet)."""
+        try:
+            return os.path.getsize(self.path)
+        except OSError:
+            return None
+
+    def rewrite(self, lines: Iterable[str]) -> bool:
+        """Replace the file by ``lines`` (JSON objects, one a line), atomically and fsync'd;
+        False when the write failed (counted)."""
+        return self.files.write(self.path, "".join(line + "\n" for line in lines), fsync=True)
+
+    def track(self) -> None:
+        """Export the file's write-error counter from now on (``StateFiles.track``)."""
+        self.files.track(self.path)
+
+
 class EventSink(Protocol):
     def emit(self, event: Event) -> None: ...
 
@@ -101,7 +142,7 @@ class JsonlSink:
     """Append-only JSONL, fsync'd per event (events are rare; losing one is what we promise not
     to do)."""
 
-    def __init__(self, state_dir: str, filename: str = EVENTS_FILE, files: Any = None) -> None:
+    def __init__(self, state_dir: str, filename: str = EVENTS_FILE, files: StateFiles | None = None) -> None:
         """``files``: a ``statefile.StateFiles`` that counts and logs failed appends (a full or
         read-only state_dir); without one a failure raises to the EventBus, which logs it."""
         with contextlib.suppress(OSError):  # unwritable: each append fails, and is counted

@@ -24,6 +24,7 @@ from gpuwatchd.model import (
     Orphan,
     ProcessInfo,
     ProcEvidence,
+    RankId,
     RankMemory,
     RankState,
     frozen_map,
@@ -64,10 +65,10 @@ class RuleReadings:
     kernel_events: tuple[Event, ...] = ()  # recent OOM kills and Xids (kernel-log subsystem)
     orphan_jobs: Mapping[int, str] = field(default_factory=frozen_map)  # orphan pid -> its past job
     fork_evidence: Mapping[int, ProcEvidence] = field(default_factory=frozen_map)  # pid -> devfds evidence
-    gil: Mapping[tuple[str, int], Sequence[GilReading]] = field(default_factory=frozen_map)
-    stall: Mapping[tuple[str, int], StallVerdict] = field(default_factory=frozen_map)
-    flight_records: Mapping[tuple[str, int], FrReading] = field(default_factory=frozen_map)  # stalled jobs
-    straggler: Mapping[tuple[str, int], RankRate] = field(default_factory=frozen_map)  # step rates
+    gil: Mapping[RankId, Sequence[GilReading]] = field(default_factory=frozen_map)
+    stall: Mapping[RankId, StallVerdict] = field(default_factory=frozen_map)
+    flight_records: Mapping[RankId, FrReading] = field(default_factory=frozen_map)  # stalled jobs
+    straggler: Mapping[RankId, RankRate] = field(default_factory=frozen_map)  # step rates
     gpus_removed: tuple[GpuRemoved, ...] = ()  # udev: GPUs off the PCI bus (NVML subsystem)
     gpus_lost: tuple[NvmlLostGpu, ...] = ()  # NVML: GPUs it reports lost (NVML subsystem)
     cuda_ooms: tuple[AttributedOom, ...] = ()  # ranks' CUDA OOM events in their window (NVML subsystem)
@@ -88,7 +89,7 @@ class FindingContext(RuleReadings):
     bad_files: tuple[BadRankFile, ...] = ()
     refused: tuple[BadRankFile, ...] = ()  # rank entries refused by the trust rules
     # (job_id, rank) -> open fds per second, measured over the rank's lifetime in this daemon
-    fd_rates: Mapping[tuple[str, int], float] = field(default_factory=frozen_map)
+    fd_rates: Mapping[RankId, float] = field(default_factory=frozen_map)
     gpus: tuple[GpuDevice, ...] = ()
     gpu_processes: tuple[GpuProcessRow, ...] = ()
     orphans: tuple[Orphan, ...] = ()

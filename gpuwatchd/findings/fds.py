@@ -21,7 +21,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         if not r.alive or p is None or p.open_fds is None or not p.max_fds_soft:
             continue
         ratio = p.open_fds / p.max_fds_soft
-        rate = ctx.fd_rates.get((r.job_id, r.rank), 0.0)
+        rate = ctx.fd_rates.get(r.rank_id, 0.0)
         eta = (p.max_fds_soft - p.open_fds) / rate if rate > 0 else None
         if ratio >= cfg.ratio_threshold:
             why = f"{p.open_fds} of {p.max_fds_soft} allowed fds open ({ratio:.0%})"

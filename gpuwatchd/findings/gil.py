@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from gpuwatchd.findings.context import FindingContext, rank_finding, rank_label
-from gpuwatchd.model import WARNING, Finding, GilReading, GpuDevice, RankState
+from gpuwatchd.model import WARNING, Finding, GilReading, GpuDevice, RankId, RankState
 
 GPU_BUSY_RATIO = 0.6
 CONSECUTIVE = 2
@@ -46,10 +46,10 @@ def top_holders(readings: Sequence[GilReading], n: int = 3) -> list[tuple[str, f
 
 
 def find(ctx: FindingContext) -> Iterable[Finding]:
-    readings: Mapping[tuple[str, int], Sequence[GilReading]] = ctx.gil
+    readings: Mapping[RankId, Sequence[GilReading]] = ctx.gil
     threshold = ctx.config.gil.held_threshold
     for r in ctx.ranks:
-        recent = list(readings.get((r.job_id, r.rank), ()))[-CONSECUTIVE:]
+        recent = list(readings.get(r.rank_id, ()))[-CONSECUTIVE:]
         if not r.alive or len(recent) < CONSECUTIVE or any(x.pid != r.pid for x in recent):
             continue
         ratios = [_ratio(x) for x in recent]

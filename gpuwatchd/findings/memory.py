@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gpuwatchd.findings.context import FindingContext
-from gpuwatchd.model import WARNING, Finding, NodeMemoryState, RankMemory
+from gpuwatchd.model import WARNING, Finding, NodeMemoryState, RankMemory, RankProcess
 from gpuwatchd.units import fmt_bytes, fmt_clock, fmt_duration
 
 KIND = "rank_memory_pressure"
@@ -81,9 +81,9 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
     node: NodeMemoryState | None = ctx.node_memory
     cfg = ctx.config.memory
     # only ranks the join accepted (trust rules, PID reuse) and found alive
-    live = {(r.job_id, r.rank, r.pid) for r in ctx.ranks if r.alive}
+    live = {r.rank_process for r in ctx.ranks if r.alive}
     for m in readings:
-        if (m.job_id, m.rank, m.pid) not in live:
+        if RankProcess(m.job_id, m.rank, m.pid) not in live:
             continue
         a = assess(m, node, cfg.ratio_threshold, cfg.horizon_seconds)
         if a is None:

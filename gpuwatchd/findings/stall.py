@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from gpuwatchd.findings.context import FindingContext, collective_words, rank_finding, rank_gpus, rank_label
-from gpuwatchd.model import INFO, PAGE, WARNING, Finding, RankState
+from gpuwatchd.model import INFO, PAGE, WARNING, Finding, RankId, RankState
 from gpuwatchd.model.stall import StallVerdict
 from gpuwatchd.units import fmt_bytes, fmt_clock_utc
 
@@ -83,9 +83,9 @@ def _duration(seconds: float) -> str:
 
 
 def find(ctx: FindingContext) -> Iterable[Finding]:
-    verdicts: Mapping[tuple[str, int], StallVerdict] = ctx.stall
+    verdicts: Mapping[RankId, StallVerdict] = ctx.stall
     for r in ctx.ranks:
-        v = verdicts.get((r.job_id, r.rank))
+        v = verdicts.get(r.rank_id)
         if v is not None and r.alive and v.compiling and not v.stalled and v.pid == r.pid:
             yield _compiling(r, v, ctx)
             continue

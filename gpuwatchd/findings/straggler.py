@@ -21,10 +21,10 @@ THROTTLED_SHARE = 0.1  # throttled in at least 10 % of the CFS periods of the wi
 
 
 def causes(r: RankState, ctx: FindingContext, found: tuple[Finding, ...]) -> list[str]:
-    rr = ctx.straggler[(r.job_id, r.rank)]
+    rr = ctx.straggler[r.rank_id]
     out = []
     mine = {f.kind: f for f in found if f.job_id == r.job_id and f.rank == str(r.rank)}
-    gil = list(ctx.gil.get((r.job_id, r.rank), ()))
+    gil = list(ctx.gil.get(r.rank_id, ()))
     if "gil_saturated" in mine:
         out.append("GIL saturated (gil_saturated)")
     elif gil and gil[-1].pid == r.pid and gil[-1].samples and \
@@ -54,7 +54,7 @@ def causes(r: RankState, ctx: FindingContext, found: tuple[Finding, ...]) -> lis
 def find(ctx: FindingContext, found: tuple[Finding, ...] = ()) -> Iterable[Finding]:
     rates = ctx.straggler
     for r in ctx.ranks:
-        rr = rates.get((r.job_id, r.rank))
+        rr = rates.get(r.rank_id)
         if rr is None or not r.alive or rr.pid != r.pid or not rr.straggler or r.stalled:
             continue
         assert rr.rate is not None and rr.median is not None

@@ -1,32 +1,34 @@
-"""The durable event store: ``state_dir/events.jsonl`` as the source of the event counters, each
-event counted exactly once, compacted before it outgrows ``max_log_bytes``.
+"""The durable event store: the events of ``state_dir/events.jsonl`` as the source of the event
+counters, each event counted exactly once, the log compacted before it outgrows ``max_log_bytes``.
 
 ``EventStore`` is an object of its own; ``KernelEventProcessor`` (join/kernel_events.py) holds one
-and everything it reads is a constructor argument. ``add`` appends an event before it is counted
-(its key remembered in a ``BoundedKeys``), the constructor re-adds every stored event's increment
-(counters continue across restarts), and a compaction folds old events into one ``counter_base``
-record (counters of ranks gone longer than ``retention_seconds`` and not in ``live_ranks()``
-dropped). Thread-safe (its own lock). Cost: one append per event; a compaction rewrites at most
-``keep_events`` events plus one record per counter series.
+and everything it reads is a constructor argument. It does no I/O itself: the file is the
+``EventFile`` it is handed (events/log.py, the one home of ``events.jsonl``: read back, size,
+rewrite) and new events go to the bus, whose JSONL sink appends them. ``add`` stores an event
+before it is counted (its key remembered in a ``BoundedKeys``), the constructor re-adds every
+stored event's increment (counters continue across restarts), and a compaction (``compacted``: a
+function of the stored events) folds old events into one ``counter_base`` record (counters of
+ranks gone longer than ``retention_seconds`` and not in ``live_ranks()`` dropped). Thread-safe
+(its own lock). Cost: one append per event; a compaction rewrites at most ``keep_events`` events
+plus one record per counter series.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from gpuwatchd.counters import CounterStore, rank_label_positions
 from gpuwatchd.events.bus import EventBus
-from gpuwatchd.events.log import read_events
-from gpuwatchd.model import INFO, frozen_map
+from gpuwatchd.events.log import EventFile
+from gpuwatchd.model import INFO, RankId, frozen_map
 from gpuwatchd.model.events import Event
 from gpuwatchd.model.kernel import KILLER_KERNEL
-from gpuwatchd.statefile import StateFiles
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ BASE_KIND = "counter_base"
 
 
 Increment = tuple[str, tuple[str, ...], float, dict[str, int], float]
+Totals = dict[tuple[str, tuple[str, ...]], tuple[float, float]]  # series -> (value, last change)
 
 
 def _finite(v: Any) -> float | None:
@@ -101,34 +104,90 @@ class BoundedKeys:
             del self._keys[next(iter(self._keys))]
 
 
+@dataclass(frozen=True)
+class Compaction:
+    """What a compaction leaves: the log's new lines (the ``counter_base`` record first) and how
+    many events it folded and kept."""
+
+    lines: list[str]
+    folded: int
+    kept: int
+
+
+def compacted(events: Iterable[Event], keep_events: int,
+              retained: Callable[[Totals], Totals] | None = None) -> Compaction | None:
+    """Fold all but the newest ``keep_events`` of ``events`` (the stored ones, oldest first; a
+    key seen twice counts once) into one ``counter_base`` record that carries their increments
+    (and when each last changed), so the log stays bounded and the counters stay exact.
+    ``retained``: the totals to keep of those folded (the store's retention). None when there is
+    nothing to fold. One streaming pass: only the kept events' lines are held."""
+    kept: deque[tuple[str, list[Increment], str, float]] = deque()
+    keys: set[str] = set()
+    totals: Totals = {}
+    boots: dict[str, int] = {}
+    dropped, last_key, last_time = 0, "", 0.0
+    for ev in events:
+        if ev.key in keys:
+            continue
+        keys.add(ev.key)
+        kept.append((ev.to_json(), _increments(ev), ev.key, ev.time))
+        if len(kept) <= keep_events:
+            continue
+        _, increments, last_key, last_time = kept.popleft()
+        dropped += 1
+        for name, labels, value, boot_kills, at in increments:
+            if name:
+                v, last = totals.get((name, labels), (0.0, at))
+                totals[(name, labels)] = (v + value, max(last, at))
+            for b, n in boot_kills.items():
+                boots[b] = boots.get(b, 0) + n
+    if not dropped:
+        return None
+    if retained is not None:
+        totals = retained(totals)
+    base = Event(
+        key=f"base:{last_key}",
+        kind=BASE_KIND,
+        time=last_time,
+        severity=INFO,
+        summary=f"{dropped} older events folded into counters",
+        fields=frozen_map(
+            {
+                "counters": [[n, list(ls), v, t] for (n, ls), (v, t) in sorted(totals.items())],
+                "boot_kernel_kills": boots,
+            }
+        ),
+    )
+    return Compaction([base.to_json(), *(line for line, _, _, _ in kept)], dropped, len(kept))
+
+
 class EventStore:
     """``events.jsonl`` and the counters it stands for (see the module docstring)."""
 
     def __init__(
         self,
-        path: str,
+        file: EventFile,
         counters: CounterStore,
         *,
         bus: EventBus | None = None,
         boot_id: str = "",
         clock: Callable[[], float] = time.time,
-        files: StateFiles | None = None,
         max_log_bytes: int = 16 << 20,
         keep_events: int = 10000,
         retention_seconds: float = 1800.0,
         recent_seconds: float = 3600.0,
-        live_ranks: Callable[[], Iterable[tuple[str, int]]] = tuple,
+        live_ranks: Callable[[], Iterable[RankId]] = tuple,
     ) -> None:
-        """``bus``: where a new event goes (its JSONL sink writes ``path``; None: counted only).
+        """``file``: the stored events, read back at start and rewritten by a compaction.
+        ``bus``: where a new event goes (its JSONL sink appends to ``file``; None: counted only).
         ``boot_id``: this boot's, for the kernel OOM kills it counted. ``recent_seconds``: how
         long ``recent`` keeps kernel events. ``live_ranks``: the (job id, rank) registered now,
         whose counters a compaction keeps however old (``retention_seconds``: the others')."""
-        self.events_path = path
+        self.file = file
         self.counters = counters
         self.bus = bus
         self.boot_id = boot_id
         self.clock = clock
-        self.files = files or StateFiles()
         self.max_log_bytes = max_log_bytes
         self.keep_events = keep_events
         self.retention_seconds = retention_seconds  # retention.oom_kill_seconds, set at start
@@ -178,22 +237,19 @@ class EventStore:
     def _rebuild(self) -> None:
         """Counters continue across restarts: re-add every stored event's increment."""
         horizon = self.clock() - self.recent_seconds
-        path = self.events_path
         stored = 0
-        for ev in read_events(path, on_reject=lambda why: self.files.rejected(path, why)):
+        for ev in self.file.events():  # the lines that cannot be used are counted there
             if self._seen(ev):
                 continue
             self._account(ev)
             stored += 1
             if ev.time >= horizon and ev.kind in RECENT_KINDS:
                 self._recent.append(ev)
-        try:
-            self._log_bytes = os.path.getsize(path)
-        except OSError:
-            self._log_bytes = 0
+        size = self.file.size()
+        self._log_bytes = 0 if size is None else size
         if self._log_bytes > self.max_log_bytes and stored > self.keep_events:
             self._compact()
-        self.files.track(path)
+        self.file.track()
 
     def _maybe_compact(self) -> None:
         """While running (the log grows with finding transitions under job churn): compact when
@@ -201,63 +257,24 @@ class EventStore:
         if self._log_bytes <= self._compact_at:
             return
         self._compact(prune=True)
-        try:
-            size = os.path.getsize(self.events_path)
-        except OSError:
+        size = self.file.size()
+        if size is None:
             size = self._log_bytes
         # the kept events alone may exceed the limit: then wait for another quarter of it
         self._log_bytes = size
         self._compact_at = max(self.max_log_bytes, size + self.max_log_bytes // 4)
 
     def _compact(self, prune: bool = False) -> None:
-        """Fold all but the newest ``keep_events`` events into one ``counter_base`` record that
-        carries their increments (and when each last changed), so the log stays bounded and the
-        counters stay exact. ``prune``: leave out the counters of ranks not registered now whose
-        last increment is older than ``retention_seconds`` (retention.py dropped them already).
-        One streaming pass: only the kept events' lines are held, never the whole log."""
-        kept: deque[tuple[str, list[Increment], str, float]] = deque()
-        keys: set[str] = set()
-        totals: dict[tuple[str, tuple[str, ...]], tuple[float, float]] = {}
-        boots: dict[str, int] = {}
-        dropped, last_key, last_time = 0, "", 0.0
-        for ev in read_events(self.events_path):  # lines that cannot be used are left out
-            if ev.key in keys:
-                continue
-            keys.add(ev.key)
-            kept.append((ev.to_json(), _increments(ev), ev.key, ev.time))
-            if len(kept) <= self.keep_events:
-                continue
-            _, increments, last_key, last_time = kept.popleft()
-            dropped += 1
-            for name, labels, value, boot_kills, at in increments:
-                if name:
-                    v, last = totals.get((name, labels), (0.0, at))
-                    totals[(name, labels)] = (v + value, max(last, at))
-                for b, n in boot_kills.items():
-                    boots[b] = boots.get(b, 0) + n
-        if not dropped:
-            return
-        if prune:
-            totals = self._retained(totals)
-        base = Event(
-            key=f"base:{last_key}",
-            kind=BASE_KIND,
-            time=last_time,
-            severity=INFO,
-            summary=f"{dropped} older events folded into counters",
-            fields=frozen_map(
-                {
-                    "counters": [[n, list(ls), v, t] for (n, ls), (v, t) in sorted(totals.items())],
-                    "boot_kernel_kills": boots,
-                }
-            ),
-        )
-        text = base.to_json() + "\n" + "".join(line + "\n" for line, _, _, _ in kept)
-        if self.files.write(self.events_path, text, fsync=True):
-            log.info("event log compacted: %d events folded, %d kept", dropped, len(kept))
+        """Rewrite the log as ``compacted`` folds it. ``prune``: leave out the counters of ranks
+        not registered now whose last increment is older than ``retention_seconds``
+        (retention.py dropped them already)."""
+        # lines that cannot be used are left out (they were counted when read back at start)
+        c = compacted(self.file.events(count_rejected=False), self.keep_events,
+                      self._retained if prune else None)
+        if c is not None and self.file.rewrite(c.lines):
+            log.info("event log compacted: %d events folded, %d kept", c.folded, c.kept)
 
-    def _retained(self, totals: Mapping[tuple[str, tuple[str, ...]], tuple[float, float]]
-                  ) -> dict[tuple[str, tuple[str, ...]], tuple[float, float]]:
+    def _retained(self, totals: Mapping[tuple[str, tuple[str, ...]], tuple[float, float]]) -> Totals:
         positions = rank_label_positions()
         horizon = self.clock() - self.retention_seconds
         live = {(j, str(r)) for j, r in self.live_ranks()}

@@ -36,7 +36,7 @@ from typing import Any
 
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.events.bus import EventBus
-from gpuwatchd.events.log import EVENTS_FILE
+from gpuwatchd.events.log import EventFile
 from gpuwatchd.join.event_store import HELPER_OOM_KILL, EventStore
 from gpuwatchd.join.kernel_notices import KernelNotices, is_history
 from gpuwatchd.join.oom_history import OomBaseline
@@ -108,8 +108,8 @@ class KernelEventProcessor:
         self.oom_baseline = OomBaseline(state_dir, boot_id)  # kills before the first start
         make_state_dir(state_dir)  # unwritable: kills are still counted, writes counted
         self.store = EventStore(
-            os.path.join(state_dir, EVENTS_FILE), counters, bus=bus, boot_id=boot_id, clock=clock,
-            files=files, max_log_bytes=max_log_bytes, keep_events=keep_events,
+            EventFile(state_dir, files), counters, bus=bus, boot_id=boot_id, clock=clock,
+            max_log_bytes=max_log_bytes, keep_events=keep_events,
             retention_seconds=retention_seconds, recent_seconds=recent_seconds,
             live_ranks=self.peers.live)
         self.notices = KernelNotices(self.store, self.record, self.peers, self.oom_baseline, xid_dedup)

@@ -13,13 +13,24 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from gpuwatchd.model import CgroupMemory, ProcessInfo, RankMemory, TreeProcessMemory
 
 MAX_POINTS = 720
 TOP_PROCESSES = 5
 
-RankKey = tuple[str, int, int, int]  # job_id, rank, pid, start_ticks
+
+class TrackedRank(NamedTuple):
+    """What a rank's memory history is kept under: its ``RankProcess`` and that process's start
+    time (/proc/PID/stat field 22), so that a reused PID starts a new history."""
+
+    job_id: str
+    rank: int
+    pid: int
+    start_ticks: int
+
+
 ProcKey = tuple[int, int]  # pid, start_ticks
 
 
@@ -59,13 +70,13 @@ class MemoryTracker:
     """Not thread-safe: the daemon's cycle is its only caller."""
 
     def __init__(self) -> None:
-        self._ranks: dict[RankKey, _History] = {}
+        self._ranks: dict[TrackedRank, _History] = {}
         self._procs: dict[ProcKey, deque[tuple[float, int]]] = {}
 
     def observe(
         self,
         now: float,
-        key: RankKey,
+        key: TrackedRank,
         tree: tuple[int, ...],
         processes: Mapping[int, ProcessInfo],
         cg: CgroupMemory | None,
@@ -117,7 +128,7 @@ class MemoryTracker:
         out.sort(key=lambda m: (-m.gained_bytes, -m.rss_bytes))
         return tuple(out[:TOP_PROCESSES])
 
-    def forget(self, live_ranks: Iterable[RankKey], live_procs: Iterable[ProcKey]) -> None:
+    def forget(self, live_ranks: Iterable[TrackedRank], live_procs: Iterable[ProcKey]) -> None:
         ranks, procs = set(live_ranks), set(live_procs)
         for k in [k for k in self._ranks if k not in ranks]:
             del self._ranks[k]

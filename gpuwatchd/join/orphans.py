@@ -33,6 +33,7 @@ from gpuwatchd.model import (
     Orphan,
     ProcessInfo,
     RankEntry,
+    RankId,
     RankState,
 )
 
@@ -41,7 +42,7 @@ from gpuwatchd.model import (
 class RankTrees:
     """Which PIDs belong to which live rank; which jobs have a live rank at all."""
 
-    owner: Mapping[int, tuple[str, int]] = field(default_factory=dict)  # pid -> (job_id, rank)
+    owner: Mapping[int, RankId] = field(default_factory=dict)  # pid -> (job_id, rank)
     live_jobs: frozenset[str] = frozenset()
     known_jobs: frozenset[str] = frozenset()  # every job with a rank entry, alive or not
     # uids whose rank files were not all read (caps): a process of theirs may be a registered
@@ -58,7 +59,7 @@ class RankTrees:
 
 
 def trees_from_states(ranks: Iterable[RankState]) -> RankTrees:
-    owner: dict[int, tuple[str, int]] = {}
+    owner: dict[int, RankId] = {}
     live: set[str] = set()
     known: set[str] = set()
     for r in ranks:
@@ -67,7 +68,7 @@ def trees_from_states(ranks: Iterable[RankState]) -> RankTrees:
             continue
         live.add(r.job_id)
         for pid in r.tree or (r.pid,):
-            owner.setdefault(pid, (r.job_id, r.rank))
+            owner.setdefault(pid, r.rank_id)
     return RankTrees(owner, frozenset(live), frozenset(known))
 
 
@@ -77,7 +78,7 @@ def trees_from_entries(
     descendants: Mapping[int, Sequence[int]],
 ) -> RankTrees:
     """The same as the join computes, from the raw cycle inputs (used before the join runs)."""
-    owner: dict[int, tuple[str, int]] = {}
+    owner: dict[int, RankId] = {}
     live: set[str] = set()
     known: set[str] = set()
     for e in entries:
@@ -89,7 +90,7 @@ def trees_from_entries(
             continue  # PID reused by another process
         live.add(e.job_id)
         for pid in (e.pid, *descendants.get(e.pid, ())):
-            owner.setdefault(pid, (e.job_id, e.rank))
+            owner.setdefault(pid, e.rank_id)
     return RankTrees(owner, frozenset(live), frozenset(known))
 
 

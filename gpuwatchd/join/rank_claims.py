@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from gpuwatchd.model import BadRankFile, ProcessInfo, RankEntry
+from gpuwatchd.model import BadRankFile, ProcessInfo, RankEntry, RankId, RankProcess
 
 ROOT_FILE, VERIFIED_FILE, DISCOVERED, UNVERIFIED = range(4)
 ClaimantKey = tuple[int, int | None]  # (pid, start ticks) of a discovered claim's process
@@ -48,7 +48,7 @@ def _tier(e: RankEntry, proc: ProcessInfo | None) -> int:
 
 
 def _process(e: RankEntry, processes: Mapping[int, ProcessInfo],
-             known_ticks: Mapping[tuple[str, int, int], int] | None = None) -> ProcessInfo | None:
+             known_ticks: Mapping[RankProcess, int] | None = None) -> ProcessInfo | None:
     """The live process a claim names: only one started when the claim's process started
     (``start_ticks`` of the file or of discovery, else the start time the join first saw for this
     (job, rank, pid), ``known_ticks``). One that took the PID after the claimant exited is not
@@ -60,7 +60,7 @@ def _process(e: RankEntry, processes: Mapping[int, ProcessInfo],
         return None
     ticks = e.start_ticks
     if ticks is None and known_ticks is not None:
-        ticks = known_ticks.get((e.job_id, e.rank, e.pid))
+        ticks = known_ticks.get(e.rank_process)
     if ticks is not None and proc.start_ticks != ticks:
         return None
     return proc
@@ -72,7 +72,7 @@ def _where(e: RankEntry) -> str:
 
 def job_owners(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
                known: Mapping[str, int],
-               known_ticks: Mapping[tuple[str, int, int], int] | None = None) -> dict[str, int]:
+               known_ticks: Mapping[RankProcess, int] | None = None) -> dict[str, int]:
     """job_id -> owning uid: ``known`` first, then the first trusted live claim of each job."""
     owners = dict(known)
     live: list[tuple[int, int, str, int, RankEntry, ProcessInfo]] = []
@@ -110,7 +110,7 @@ def claimant_uids(entries: Iterable[RankEntry], processes: Mapping[int, ProcessI
 def select(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
            known_owners: Mapping[str, int] | None = None,
            last_uids: Mapping[ClaimantKey, int] | None = None,
-           known_ticks: Mapping[tuple[str, int, int], int] | None = None,
+           known_ticks: Mapping[RankProcess, int] | None = None,
            ) -> tuple[list[RankEntry], list[BadRankFile], dict[str, int]]:
     """(accepted entries, refusals, job owners of the accepted jobs). ``last_uids``:
     ``claimant_uids`` of this cycle (a gone process's claim is judged by its last uid);
@@ -118,7 +118,7 @@ def select(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
     entries = list(entries)
     last_uids = last_uids or {}
     owners = job_owners(entries, processes, known_owners or {}, known_ticks)
-    accepted: dict[tuple[str, int], RankEntry] = {}
+    accepted: dict[RankId, RankEntry] = {}
     refused: list[BadRankFile] = []
     claimed_pids: set[int] = set()
     ranked = sorted(entries, key=lambda e: (_tier(e, _process(e, processes, known_ticks)), e.path,
@@ -145,7 +145,7 @@ def select(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
                 f"uid {claimant} refused (rank_conflict)",
             ))
             continue
-        key = (e.job_id, e.rank)
+        key = e.rank_id
         if key in accepted:
             first = accepted[key]
             if e.source == "rankfile" and first.pid != e.pid:
@@ -170,10 +170,10 @@ class Claims:
     job_owners: Mapping[str, int]  # of the accepted jobs, kept for the next cycle
     claimant_uids: Mapping[ClaimantKey, int]  # kept for the next cycle
 
-    ids: frozenset[tuple[str, int, int]] = field(init=False)  # (job_id, rank, pid) accepted
+    ids: frozenset[RankProcess] = field(init=False)  # (job_id, rank, pid) accepted
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "ids", frozenset((e.job_id, e.rank, e.pid) for e in self.accepted))
+        object.__setattr__(self, "ids", frozenset(e.rank_process for e in self.accepted))
 
     def accepts(self, job_id: str, rank: int, pid: int) -> bool:
         return (job_id, rank, pid) in self.ids
@@ -182,7 +182,7 @@ class Claims:
 def decide(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
            known_owners: Mapping[str, int] | None = None,
            last_uids: Mapping[ClaimantKey, int] | None = None,
-           known_ticks: Mapping[tuple[str, int, int], int] | None = None) -> Claims:
+           known_ticks: Mapping[RankProcess, int] | None = None) -> Claims:
     """``claimant_uids`` then ``select``: the accepted entries, the refusals and the memory for
     the next cycle (``known_owners``, ``last_uids`` and ``known_ticks`` are the last cycle's)."""
     entries = list(entries)

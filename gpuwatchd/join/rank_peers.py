@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from gpuwatchd.model import RankState
+from gpuwatchd.model import RankId, RankState
 
 
 @dataclass(frozen=True)
@@ -23,12 +23,12 @@ class RankView:
 
 class RankPeers:
     def __init__(self) -> None:
-        self._ranks: dict[tuple[str, int], RankView] = {}
+        self._ranks: dict[RankId, RankView] = {}
 
     def update(self, ranks: Sequence[RankState]) -> None:
-        self._ranks = {(r.job_id, r.rank): RankView(r.alive, r.world_size) for r in ranks}
+        self._ranks = {r.rank_id: RankView(r.alive, r.world_size) for r in ranks}
 
-    def live(self) -> Iterable[tuple[str, int]]:
+    def live(self) -> Iterable[RankId]:
         """(job id, rank) of every rank registered now, alive or not."""
         return tuple(self._ranks)
 
@@ -36,5 +36,5 @@ class RankPeers:
         """(how many other ranks of ``job_id`` are alive, the rank's world size if known)."""
         ranks = self._ranks
         alive = sum(1 for (j, r), v in ranks.items() if j == job_id and r != rank and v.alive)
-        view = ranks.get((job_id, rank))
+        view = ranks.get(RankId(job_id, rank))
         return alive, view.world_size if view else None

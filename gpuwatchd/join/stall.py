@@ -63,6 +63,7 @@ from gpuwatchd.join.stall_spin import (
     spinning_python,
 )
 from gpuwatchd.join.stall_verdicts import main_stack, name_suspects, summarize_threads
+from gpuwatchd.model import RankId
 from gpuwatchd.model.stall import RankProbe, StallVerdict
 from gpuwatchd.model.threads import Dump, SyscallWait, ThreadInfo, ThreadStack
 
@@ -164,7 +165,7 @@ class StallTracker:
         if dump_interval_seconds is None:
             dump_interval_seconds = min(max(after_seconds / 5, cycle_seconds), 60.0)
         self.dump_interval = dump_interval_seconds
-        self._tracks: dict[tuple[str, int], _Track] = {}
+        self._tracks: dict[RankId, _Track] = {}
         self._clk_tck = looks.clk_tck
         self.last_error = ""
         self._dumps_disabled_until = float("-inf")
@@ -233,8 +234,8 @@ class StallTracker:
 
     # -- the cycle --------------------------------------------------------------------------------
 
-    def observe(self, now: float, probes: Iterable[RankProbe]) -> dict[tuple[str, int], StallVerdict]:
-        verdicts: dict[tuple[str, int], StallVerdict] = {}
+    def observe(self, now: float, probes: Iterable[RankProbe]) -> dict[RankId, StallVerdict]:
+        verdicts: dict[RankId, StallVerdict] = {}
         seen = set()
         work: list[tuple[RankProbe, _Track]] = []
         for p in probes:
@@ -269,7 +270,7 @@ class StallTracker:
             self._look_slices_memo.clear()
         return name_suspects(confirm_by_peers(verdicts))
 
-    def note_gpus(self, readings: dict[tuple[str, int], GpuReading]) -> None:
+    def note_gpus(self, readings: dict[RankId, GpuReading]) -> None:
         """This cycle's NVML view of each rank's GPUs (the daemon calls it after its join, where the
         GPU readings meet the ranks); read by the spin rules at the next look."""
         for key, r in readings.items():

@@ -35,7 +35,7 @@ import collections
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from gpuwatchd.model import NodeState
+from gpuwatchd.model import NodeState, RankId
 from gpuwatchd.model.stall import HangAnalysis, StallVerdict
 from gpuwatchd.model.threads import ThreadStack
 
@@ -162,13 +162,13 @@ def confirm_spin(window: GpuWindow, since: float, now: float, after: float,
     return "", words
 
 
-def rank_gpu_readings(state: NodeState) -> dict[tuple[str, int], GpuReading]:
+def rank_gpu_readings(state: NodeState) -> dict[RankId, GpuReading]:
     """Each rank's GPUs in this state (those its tree holds memory on and those its rank file
     names), with whether anybody else holds memory on them."""
     holders: dict[int, set[tuple[str, str]]] = collections.defaultdict(set)
     for p in state.gpu_processes:
         holders[p.gpu_index].add((p.job_id, p.rank) if p.job_id else ("", f"pid {p.pid}"))
-    out: dict[tuple[str, int], GpuReading] = {}
+    out: dict[RankId, GpuReading] = {}
     for r in state.ranks:
         me = (r.job_id, str(r.rank))
         rows = [(g.utilization_ratio, g.memory_utilization_ratio, holders[g.index] <= {me})
@@ -176,11 +176,11 @@ def rank_gpu_readings(state: NodeState) -> dict[tuple[str, int], GpuReading]:
                 if me in holders[g.index] or g.uuid in r.gpus or str(g.index) in r.gpus]
         reading = readings_for(state.timestamp, rows)
         if reading is not None:
-            out[(r.job_id, r.rank)] = reading
+            out[r.rank_id] = reading
     return out
 
 
-def confirm_by_peers(verdicts: Mapping[tuple[str, int], StallVerdict]) -> dict[tuple[str, int], StallVerdict]:
+def confirm_by_peers(verdicts: Mapping[RankId, StallVerdict]) -> dict[RankId, StallVerdict]:
     """An ambiguous rank whose job has a rank stalled without ambiguity (on this node) is stalled:
     that peer holds the job's collectives, so the spinning rank waits for it."""
     out = dict(verdicts)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterable, Mapping
 
+from gpuwatchd.model import RankId
 from gpuwatchd.model.stall import StallVerdict
 from gpuwatchd.model.threads import ThreadInfo, ThreadStack
 
@@ -39,8 +40,8 @@ def summarize_threads(threads: Iterable[ThreadInfo], spinning: Iterable[int] = (
 
 
 def name_suspects(
-    verdicts: Mapping[tuple[str, int], StallVerdict],
-) -> dict[tuple[str, int], StallVerdict]:
+    verdicts: Mapping[RankId, StallVerdict],
+) -> dict[RankId, StallVerdict]:
     """Mark the odd one out per job: only when some rank of the job is stalled or dead.
 
     Each rank gets a place: "dead", "progressing", or where it is stuck (its top frames without line

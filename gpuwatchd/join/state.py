@@ -28,12 +28,12 @@ from gpuwatchd.model import (
     Orphan,
     ProcessInfo,
     RankEntry,
+    RankId,
+    RankProcess,
     RankState,
     frozen_map,
     rank_alive,
 )
-
-RankKey = tuple[str, int, int]  # (job_id, rank, pid)
 
 
 @dataclass(frozen=True)
@@ -53,17 +53,17 @@ class CycleInputs(RuleReadings):
     gpu_processes: tuple[GpuProcess, ...] = ()
     orphans: tuple[Orphan, ...] = ()
     # (job_id, rank) -> its heartbeat's mtime (the daemon's /proc reading, the only producer)
-    heartbeats: Mapping[tuple[str, int], float] = field(default_factory=frozen_map)
+    heartbeats: Mapping[RankId, float] = field(default_factory=frozen_map)
     # (job_id, rank) -> last progress timestamp by the stall tracker (heartbeat or observed
     # change; the stall subsystem, the only producer; a rank it did not judge: its heartbeat);
     # (job_id, rank) -> stalled
-    progress: Mapping[tuple[str, int], float] = field(default_factory=frozen_map)
-    stalled: Mapping[tuple[str, int], bool] = field(default_factory=frozen_map)
+    progress: Mapping[RankId, float] = field(default_factory=frozen_map)
+    stalled: Mapping[RankId, bool] = field(default_factory=frozen_map)
     collectors: tuple[CollectorStatus, ...] = ()
     counters: Mapping[str, Mapping[tuple[str, ...], float]] = field(default_factory=frozen_map)
     cycle_seconds: float = 0.0
     # (job_id, rank) -> step of the last heartbeat(step); flight-recorder state per rank and group
-    steps: Mapping[tuple[str, int], int] = field(default_factory=frozen_map)
+    steps: Mapping[RankId, int] = field(default_factory=frozen_map)
     collectives: tuple[CollectiveStatus, ...] = ()
     # The claims decided before the subsystems ran (``rank_claims.decide``): ``entries`` are then
     # its accepted ones, every (job_id, rank) reading above is of the accepted pid, and the join
@@ -73,9 +73,9 @@ class CycleInputs(RuleReadings):
 
 @dataclass(frozen=True)
 class JoinMemory:
-    start_ticks: Mapping[RankKey, int] = field(default_factory=frozen_map)
-    died_at: Mapping[RankKey, float] = field(default_factory=frozen_map)
-    fd_first: Mapping[RankKey, tuple[float, int]] = field(default_factory=frozen_map)
+    start_ticks: Mapping[RankProcess, int] = field(default_factory=frozen_map)
+    died_at: Mapping[RankProcess, float] = field(default_factory=frozen_map)
+    fd_first: Mapping[RankProcess, tuple[float, int]] = field(default_factory=frozen_map)
     finding_since: Mapping[tuple[str, str, str, str], float] = field(default_factory=frozen_map)
     # job_id -> uid that owns it (first trusted claim keeps it), for jobs that still have ranks
     job_owners: Mapping[str, int] = field(default_factory=frozen_map)
@@ -101,15 +101,15 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
     entries, refused = claims.accepted, claims.refused
     job_owners, claimant_uids = claims.job_owners, claims.claimant_uids
 
-    start_ticks: dict[RankKey, int] = {}
-    died_at: dict[RankKey, float] = {}
-    fd_first: dict[RankKey, tuple[float, int]] = {}
-    fd_rates: dict[tuple[str, int], float] = {}
+    start_ticks: dict[RankProcess, int] = {}
+    died_at: dict[RankProcess, float] = {}
+    fd_first: dict[RankProcess, tuple[float, int]] = {}
+    fd_rates: dict[RankId, float] = {}
     ranks: list[RankState] = []
-    pid_owner: dict[int, tuple[str, int]] = {}
+    pid_owner: dict[int, RankId] = {}
 
-    for e in sorted(entries, key=lambda e: (e.job_id, e.rank)):
-        key: RankKey = (e.job_id, e.rank, e.pid)
+    for e in sorted(entries, key=lambda e: e.rank_id):
+        key: RankProcess = e.rank_process
         proc = inputs.processes.get(e.pid)
         expected = e.start_ticks if e.start_ticks is not None else memory.start_ticks.get(key)
         alive = rank_alive(proc, expected)
@@ -123,7 +123,7 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
         if alive and proc is not None:
             tree = (e.pid, *inputs.descendants.get(e.pid, ()))
             for pid in tree:
-                pid_owner.setdefault(pid, (e.job_id, e.rank))
+                pid_owner.setdefault(pid, e.rank_id)
             if proc.open_fds is not None:
                 first = memory.fd_first.get(key)
                 if first is None or proc.open_fds < first[1]:
@@ -131,15 +131,15 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
                 fd_first[key] = first
                 elapsed = now - first[0]
                 if elapsed >= max(inputs.config.fds.min_window_seconds, 1e-3) and proc.open_fds > first[1]:
-                    fd_rates[(e.job_id, e.rank)] = (proc.open_fds - first[1]) / elapsed
+                    fd_rates[e.rank_id] = (proc.open_fds - first[1]) / elapsed
         ranks.append(RankState(
             job_id=e.job_id, rank=e.rank, pid=e.pid, local_rank=e.local_rank,
             world_size=e.world_size, alive=alive, process=proc if alive else None, tree=tree,
             gpus=e.gpus, progress_timestamp=inputs.progress.get(
-                (e.job_id, e.rank), inputs.heartbeats.get((e.job_id, e.rank))),
-            stalled=bool(inputs.stalled.get((e.job_id, e.rank), False)) and alive,
+                e.rank_id, inputs.heartbeats.get(e.rank_id)),
+            stalled=bool(inputs.stalled.get(e.rank_id, False)) and alive,
             died_at=died_at.get(key), ns_pid=e.ns_pid, container=e.container,
-            step=inputs.steps.get((e.job_id, e.rank)) if alive else None,
+            step=inputs.steps.get(e.rank_id) if alive else None,
         ))
 
     rows: list[GpuProcessRow] = []
@@ -167,15 +167,15 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
         since.setdefault(f.key, start)
         stamped.append(replace(f, since=since[f.key]))
 
-    live = {(r.job_id, r.rank, r.pid) for r in ranks if r.alive}  # host memory: accepted ranks only
+    live = {r.rank_process for r in ranks if r.alive}  # host memory: accepted ranks only
     state = NodeState(
         timestamp=now, ranks=tuple(ranks), gpus=inputs.gpus, gpu_processes=tuple(rows),
         orphans=inputs.orphans, findings=tuple(stamped), collectors=inputs.collectors,
         counters=inputs.counters, cycle_seconds=inputs.cycle_seconds,
-        rank_memory=tuple(m for m in inputs.rank_memory if (m.job_id, m.rank, m.pid) in live),
+        rank_memory=tuple(m for m in inputs.rank_memory if RankProcess(m.job_id, m.rank, m.pid) in live),
         node_memory=inputs.node_memory,
         collectives=tuple(c for c in inputs.collectives
-                          if any(r.alive and (r.job_id, r.rank, r.pid) == (c.job_id, c.rank, c.pid)
+                          if any(r.alive and r.rank_process == RankProcess(c.job_id, c.rank, c.pid)
                                  for r in ranks)),
     )
     return state, JoinMemory(

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gpuwatchd.config import StragglerConfig
-from gpuwatchd.model import CpuStat, RankEntry
+from gpuwatchd.model import CpuStat, RankEntry, RankId
 
 MAX_SAMPLES = 512
 
@@ -68,32 +68,32 @@ class StragglerTracker:
 
     def __init__(self, cfg: StragglerConfig) -> None:
         self.cfg = cfg
-        self._ranks: dict[tuple[str, int], _Rank] = {}
+        self._ranks: dict[RankId, _Rank] = {}
 
-    def due(self, entries: list[RankEntry], mtimes: Mapping[tuple[str, int], float]) -> list[RankEntry]:
+    def due(self, entries: list[RankEntry], mtimes: Mapping[RankId, float]) -> list[RankEntry]:
         """The heartbeat ranks whose step is to be read: those whose heartbeat's mtime changed."""
         out = []
         for e in entries:
             if not e.heartbeat:
                 continue
-            tr = self._ranks.get((e.job_id, e.rank))
-            mtime = mtimes.get((e.job_id, e.rank))
+            tr = self._ranks.get(e.rank_id)
+            mtime = mtimes.get(e.rank_id)
             if mtime is not None and (tr is None or tr.pid != e.pid or mtime != tr.mtime):
                 out.append(e)
         return out
 
-    def observe(self, now: float, entries: list[RankEntry], mtimes: Mapping[tuple[str, int], float],
-                read_steps: Mapping[tuple[str, int], int | None],
-                cpu: Mapping[tuple[str, int], CpuStat | None],
-                ) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], RankRate]]:  # fmt: skip
+    def observe(self, now: float, entries: list[RankEntry], mtimes: Mapping[RankId, float],
+                read_steps: Mapping[RankId, int | None],
+                cpu: Mapping[RankId, CpuStat | None],
+                ) -> tuple[dict[RankId, int], dict[RankId, RankRate]]:  # fmt: skip
         """``read_steps``: the steps read of the ``due`` ranks; ``cpu``: each heartbeat rank's
         cgroup cpu.stat this cycle (None: unknown)."""
         window = self.cfg.window_seconds
-        live = {(e.job_id, e.rank): e for e in entries if e.heartbeat}
+        live = {e.rank_id: e for e in entries if e.heartbeat}
         for key in set(self._ranks) - set(live):
             del self._ranks[key]
-        steps: dict[tuple[str, int], int] = {}
-        rates: dict[tuple[str, int], tuple[float | None, float]] = {}
+        steps: dict[RankId, int] = {}
+        rates: dict[RankId, tuple[float | None, float]] = {}
         for key, e in live.items():
             tr = self._ranks.get(key)
             if tr is None or tr.pid != e.pid:
@@ -127,14 +127,14 @@ class StragglerTracker:
             return None, span
         return (s1 - s0) / span, span
 
-    def _judge(self, now: float, live: Mapping[tuple[str, int], RankEntry],
-               rates: Mapping[tuple[str, int], tuple[float | None, float]],
-               ) -> dict[tuple[str, int], RankRate]:  # fmt: skip
+    def _judge(self, now: float, live: Mapping[RankId, RankEntry],
+               rates: Mapping[RankId, tuple[float | None, float]],
+               ) -> dict[RankId, RankRate]:  # fmt: skip
         jobs: dict[str, list[tuple[int, float]]] = {}
         for (job, rank), (rate, _) in rates.items():
             if rate is not None:
                 jobs.setdefault(job, []).append((rank, rate))
-        out: dict[tuple[str, int], RankRate] = {}
+        out: dict[RankId, RankRate] = {}
         for key, e in live.items():
             tr = self._ranks[key]
             rate, span = rates[key]

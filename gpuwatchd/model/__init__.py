@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 # nvml.h clocksEventReasons bits -> the reason label of gpuwatch_gpu_clock_throttled
 THROTTLE_REASONS: Mapping[str, int] = {
@@ -31,6 +31,27 @@ INFO = "info"
 def frozen_map(d: Mapping[Any, Any] | None = None) -> Mapping[Any, Any]:
     """A read-only view of a copy of ``d`` (dataclass default helper)."""
     return MappingProxyType(dict(d or {}))
+
+
+class RankId(NamedTuple):
+    """Who a rank is: rank ``rank`` of job ``job_id``, the key of every per-rank reading. A
+    tuple, so it hashes and compares as the ``(job_id, rank)`` it replaces."""
+
+    job_id: str
+    rank: int
+
+
+class RankProcess(NamedTuple):
+    """One process that claims a rank: what is true of this PID only (its start time, when it
+    died, its fd count), so that a restarted rank is a new key. A tuple like ``RankId``."""
+
+    job_id: str
+    rank: int
+    pid: int
+
+    @property
+    def rank_id(self) -> RankId:
+        return RankId(self.job_id, self.rank)
 
 
 @dataclass(frozen=True)
@@ -78,6 +99,14 @@ class RankEntry:
     # where ``heartbeat`` is resolved: the rank's own root (/proc/PID/root), "" = the daemon's view
     heartbeat_root: str | None = None
 
+    @property
+    def rank_id(self) -> RankId:
+        return RankId(self.job_id, self.rank)
+
+    @property
+    def rank_process(self) -> RankProcess:
+        return RankProcess(self.job_id, self.rank, self.pid)
+
 
 @dataclass(frozen=True)
 class BadRankFile:
@@ -110,6 +139,14 @@ class RankState:
     ns_pid: int | None = None  # the PID inside its container (None: the same as ``pid``)
     container: str = ""  # e.g. "Kubernetes pod UID", from the cgroup path (sources/containers.py)
     step: int | None = None  # the step of its last heartbeat(step), None when it sends none
+
+    @property
+    def rank_id(self) -> RankId:
+        return RankId(self.job_id, self.rank)
+
+    @property
+    def rank_process(self) -> RankProcess:
+        return RankProcess(self.job_id, self.rank, self.pid)
 
 
 @dataclass(frozen=True)
@@ -351,8 +388,8 @@ class AttributedOom:
         return self.event.timestamp
 
     @property
-    def key(self) -> tuple[str, int, int]:
-        return (self.event.job_id, self.event.rank, self.event.pid)
+    def key(self) -> RankProcess:
+        return RankProcess(self.event.job_id, self.event.rank, self.event.pid)
 
 
 # What the fd scan of a process found (sources/devfds.py; findings/fork.py words it)

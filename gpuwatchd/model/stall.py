@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpuwatchd.model import RankId
 from gpuwatchd.model.threads import Frame
 
 MAX_GROUPS = 8  # thread groups shown in a verdict's words
@@ -135,8 +136,8 @@ class RankProbe:
     workers: tuple[tuple[int, str, float], ...] = ()
 
     @property
-    def key(self) -> tuple[str, int]:
-        return (self.job_id, self.rank)
+    def key(self) -> RankId:
+        return RankId(self.job_id, self.rank)
 
 
 @dataclass(frozen=True)
@@ -169,5 +170,5 @@ class StallVerdict:
     unchanged: tuple[float, float] | None = None
 
     @property
-    def key(self) -> tuple[str, int]:
-        return (self.job_id, self.rank)
+    def key(self) -> RankId:
+        return RankId(self.job_id, self.rank)

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from gpuwatchd.model import BadRankFile, RankEntry
+from gpuwatchd.model import BadRankFile, RankEntry, RankProcess
 from gpuwatchd.sources.containers import identity
 from gpuwatchd.sources.procfs import ProcfsReader
 
@@ -167,8 +167,8 @@ class PidNamespaces:
         self._missed: dict[Key, float] = {}  # when a pass over /proc last failed to find it
         self._facts: dict[tuple[int, int], _Facts] = {}
         # (job_id, rank, host pid) -> (ns_pid, container) last seen alive: a dead rank keeps them
-        self._shown: dict[tuple[str, int, int], tuple[int | None, str]] = {}
-        self._shown_now: set[tuple[str, int, int]] = set()
+        self._shown: dict[RankProcess, tuple[int | None, str]] = {}
+        self._shown_now: set[RankProcess] = set()
         self._ticks: dict[int, int | None] = {}  # this call's start-time reads (one per PID)
         self.scans = 0  # passes over /proc so far (tests and benchmarks read it)
 
@@ -218,7 +218,7 @@ class PidNamespaces:
     def _annotate(self, e: RankEntry, live: set[tuple[int, int]]) -> RankEntry:
         """Add the in-container PID and the container's identity of a host-PID entry (those it
         had when last seen alive, once it is gone)."""
-        shown = (e.job_id, e.rank, e.pid)
+        shown = e.rank_process
         self._shown_now.add(shown)
         start = self._start_ticks(e.pid)
         facts = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from gpuwatchd.model import CpuStat, RankEntry
+from gpuwatchd.model import CpuStat, RankEntry, RankId, RankProcess
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.cgroup_cpu import cgroup_cpu_stat_path, read_cpu_stat_present
 from gpuwatchd.sources.heartbeat_step import read_step
@@ -35,23 +35,23 @@ class StepCpuReader:
                                    else None)
         self.clock = clock
         # (job_id, rank, pid) -> (its cpu.stat path, when looked up)
-        self._paths: dict[tuple[str, int, int], tuple[str | None, float | None]] = {}
+        self._paths: dict[RankProcess, tuple[str | None, float | None]] = {}
         self.path_lookups = 0  # /proc/PID/cgroup reads for a cpu.stat path (tests, benchmarks)
 
-    def steps(self, entries: Iterable[RankEntry]) -> dict[tuple[str, int], int | None]:
-        return {(e.job_id, e.rank): self.step_of(e) for e in entries}
+    def steps(self, entries: Iterable[RankEntry]) -> dict[RankId, int | None]:
+        return {e.rank_id: self.step_of(e) for e in entries}
 
-    def cpu_stats(self, entries: Iterable[RankEntry]) -> dict[tuple[str, int], CpuStat | None]:
+    def cpu_stats(self, entries: Iterable[RankEntry]) -> dict[RankId, CpuStat | None]:
         """Each heartbeat rank's cpu.stat throttling counters (None: unknown, or no cpu
         controller); the path cache keeps the ranks given, and only them."""
         now = self.clock()
-        out: dict[tuple[str, int], CpuStat | None] = {}
+        out: dict[RankId, CpuStat | None] = {}
         stats: dict[str, tuple[bool, CpuStat | None]] = {}  # cpu.stat path -> this cycle's reading
-        keep: dict[tuple[str, int, int], tuple[str | None, float | None]] = {}
+        keep: dict[RankProcess, tuple[str | None, float | None]] = {}
         for e in entries:
             if not e.heartbeat:
                 continue
-            key = (e.job_id, e.rank, e.pid)
+            key = e.rank_process
             path, at = self._paths.get(key, (None, None))
             if at is None or abs(now - at) >= CGROUP_PATH_TTL:
                 self.path_lookups += 1
@@ -59,7 +59,7 @@ class StepCpuReader:
             if path is not None:
                 if path not in stats:
                     stats[path] = read_cpu_stat_present(path)
-                present, out[(e.job_id, e.rank)] = stats[path]
+                present, out[e.rank_id] = stats[path]
                 if not present:
                     at = None  # gone (the cgroup was removed, the rank moved): look again
             keep[key] = (path, at)
