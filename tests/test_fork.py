@@ -155,3 +155,21 @@ def test_fork_without_a_cuda_context_is_not_flagged(tmp_path: Path, devfs: Path,
                                                     ranks: list) -> None:
     pid, _ = _start(tmp_path, devfs, "fork", ranks, close=True)
     assert _findings(devfs, pid) == []
+
+
+def test_device_fds_match_readlink_of_each_fd_path(tmp_path: Path, devfs: Path, ranks: list) -> None:
+    """The fd scan reads each link relative to the fd directory opened once (a path walk of one
+    name): the same (fd, target) pairs as readlink of every /proc/PID/fd/N path, the oracle."""
+    rank_pid, kids = _start(tmp_path, devfs, "fork", ranks)
+    for pid in (rank_pid, *kids):
+        fd_dir = f"/proc/{pid}/fd"
+        want = []
+        for name in os.listdir(fd_dir):
+            with contextlib.suppress(OSError):
+                target = os.readlink(os.path.join(fd_dir, name))
+                if target.startswith(str(devfs / "nvidia")):
+                    want.append((int(name), target))
+        ev = read_evidence(HostPaths(devfs=str(devfs)), pid)
+        assert ev is not None
+        assert ev.nvidia_fds == tuple(sorted(want))
+        assert len(ev.nvidia_fds) == 3  # nvidiactl, nvidia-uvm, nvidia0: inherited by the fork

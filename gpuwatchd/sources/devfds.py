@@ -77,17 +77,27 @@ def _exec_identity(paths: HostPaths, pid: int) -> tuple[int, ...] | None:
 
 
 def _scan(paths: HostPaths, pid: int, names: list[str]) -> tuple[tuple[int, str], ...]:
-    """The fds of ``names`` that point at an NVIDIA device node (one readlink each)."""
+    """The fds of ``names`` that point at an NVIDIA device node (one readlink each, relative to
+    the ``fd`` directory opened once: a path walk of one name instead of four per fd, about 40 %
+    less CPU than readlink of the full path, and most of the cycle at 64 ranks when the scans
+    are due, bench/results/cycle_profile_hb_cut_2cpu_vm.txt)."""
     prefix = paths.dev("nvidia")
-    fd_dir = paths.proc(pid, "fd")
+    try:
+        dir_fd = os.open(paths.proc(pid, "fd"), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return ()  # gone since the listing: every readlink would have failed
     fds: list[tuple[int, str]] = []
-    for name in names:
-        try:
-            target = os.readlink(os.path.join(fd_dir, name))
-        except OSError:
-            continue  # closed while we listed
-        if target.startswith(prefix):
-            fds.append((int(name), target))
+    readlink = os.readlink
+    try:
+        for name in names:
+            try:
+                target = readlink(name, dir_fd=dir_fd)
+            except OSError:
+                continue  # closed while we listed
+            if target.startswith(prefix):
+                fds.append((int(name), target))
+    finally:
+        os.close(dir_fd)
     return tuple(sorted(fds))
 
 
