@@ -108,8 +108,8 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
     ranks: list[RankState] = []
     pid_owner: dict[int, RankId] = {}
 
-    for e in sorted(entries, key=lambda e: e.rank_id):
-        key: RankProcess = e.rank_process
+    for e in sorted(entries, key=lambda e: (e.job_id, e.rank)):
+        rid, key = e.rank_id, e.rank_process  # once per rank (the loop below is per process)
         proc = inputs.processes.get(e.pid)
         expected = e.start_ticks if e.start_ticks is not None else memory.start_ticks.get(key)
         alive = rank_alive(proc, expected)
@@ -123,7 +123,7 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
         if alive and proc is not None:
             tree = (e.pid, *inputs.descendants.get(e.pid, ()))
             for pid in tree:
-                pid_owner.setdefault(pid, e.rank_id)
+                pid_owner.setdefault(pid, rid)
             if proc.open_fds is not None:
                 first = memory.fd_first.get(key)
                 if first is None or proc.open_fds < first[1]:
@@ -131,15 +131,15 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
                 fd_first[key] = first
                 elapsed = now - first[0]
                 if elapsed >= max(inputs.config.fds.min_window_seconds, 1e-3) and proc.open_fds > first[1]:
-                    fd_rates[e.rank_id] = (proc.open_fds - first[1]) / elapsed
+                    fd_rates[rid] = (proc.open_fds - first[1]) / elapsed
         ranks.append(RankState(
             job_id=e.job_id, rank=e.rank, pid=e.pid, local_rank=e.local_rank,
             world_size=e.world_size, alive=alive, process=proc if alive else None, tree=tree,
             gpus=e.gpus, progress_timestamp=inputs.progress.get(
-                e.rank_id, inputs.heartbeats.get(e.rank_id)),
-            stalled=bool(inputs.stalled.get(e.rank_id, False)) and alive,
+                rid, inputs.heartbeats.get(rid)),
+            stalled=bool(inputs.stalled.get(rid, False)) and alive,
             died_at=died_at.get(key), ns_pid=e.ns_pid, container=e.container,
-            step=inputs.steps.get(e.rank_id) if alive else None,
+            step=inputs.steps.get(rid) if alive else None,
         ))
 
     rows: list[GpuProcessRow] = []
