@@ -47,11 +47,11 @@ from __future__ import annotations
 
 import collections
 import logging
-import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from gpuwatchd.join.cycle_looks import CycleLooks, Looker
 from gpuwatchd.join.hang import analyze, wait_tids
 from gpuwatchd.join.rank_workers import RankWorkers
 from gpuwatchd.join.stall_spin import (
@@ -65,7 +65,7 @@ from gpuwatchd.join.stall_spin import (
 from gpuwatchd.join.stall_verdicts import main_stack, name_suspects, summarize_threads
 from gpuwatchd.model import RankId
 from gpuwatchd.model.stall import RankProbe, StallVerdict
-from gpuwatchd.model.threads import Dump, SyscallWait, ThreadInfo, ThreadStack
+from gpuwatchd.model.threads import ThreadInfo, ThreadStack
 
 log = logging.getLogger(__name__)
 
@@ -78,25 +78,6 @@ MAX_FRAMES = 8
 # At most this many tasks of one process are read per look: a process with 3000 threads costs the
 # same as one with 256 (the main thread and the oldest threads come first, by tid).
 MAX_PROBE_THREADS = 256
-
-
-class Looker(Protocol):
-    """The host reads a look performs (sources/stall_looks.py ``StallLooks``)."""
-
-    clk_tck: int  # clock ticks per second of ThreadInfo.cpu_ticks
-
-    @property
-    def can_dump(self) -> bool: ...  # py-spy is there to ask
-    def heartbeat_mtime(self, path: str, owner_uid: int | None = None) -> float | None: ...
-    def dump(self, pid: int) -> Dump: ...
-    def task_ids(self, pid: int) -> list[int]: ...
-    def threads_since(
-        self, pid: int, tids: Sequence[int], prev: Mapping[int, tuple[tuple[int, int], ThreadInfo]],
-    ) -> tuple[tuple[ThreadInfo, ...], dict[int, tuple[int, int]]]: ...
-    def run_slices(self, pid: int, max_tasks: int) -> dict[int, tuple[int, int]] | None: ...
-    def schedstat(self, pid: int, tid: int) -> tuple[int, int] | None: ...
-    def waits(self, pid: int, tids: Iterable[int]) -> Mapping[int, SyscallWait]: ...
-    def context_switches(self, pid: int) -> int | None: ...
 
 
 @dataclass
@@ -167,70 +148,8 @@ class StallTracker:
         self.dump_interval = dump_interval_seconds
         self._tracks: dict[RankId, _Track] = {}
         self._clk_tck = looks.clk_tck
-        self.last_error = ""
-        self._dumps_disabled_until = float("-inf")
-        # per observe(): pid -> its thread view / dump, so that a PID listed by many ranks costs once
-        self._threads_memo: dict[int, tuple[ThreadInfo, ...]] = {}
-        self._dump_memo: dict[int, tuple[tuple[ThreadStack, ...] | None, bool]] = {}
-        # pid -> every task's (run ns, slices) read right before this cycle's dump of it
-        self._slices_memo: dict[int, dict[int, tuple[int, int]] | None] = {}
-        self._look_slices_memo: dict[int, dict[int, tuple[int, int]]] = {}  # of this cycle's look
-        self._task_count: dict[int, int] = {}
-        self._deadline = float("inf")
-
-    # -- inputs -----------------------------------------------------------------------------------
-
-    def _dump(self, now: float, pid: int) -> tuple[tuple[ThreadStack, ...] | None, bool]:
-        """(a non-blocking dump or None, whether py-spy cannot help with this rank at all).
-
-        Never waits for a py-spy slot (the GIL sampler may hold them): a busy slot is "no dump
-        this time". After a time-out, dumps pause for one interval so that a hung py-spy cannot
-        hold every cycle for ``dump_timeout`` per rank."""
-        if not self.looks.can_dump:
-            return None, True
-        if now < self._dumps_disabled_until:
-            return None, False
-        memo = self._dump_memo.get(pid)
-        if memo is not None:
-            return memo
-        # read before the dump, so that the same numbers later prove nothing ran since its stacks
-        self._slices_memo[pid] = self._run_slices(pid)
-        dump = self.looks.dump(pid)
-        out: tuple[tuple[ThreadStack, ...] | None, bool] = (dump.stacks, False)
-        if dump.error:
-            self.last_error = dump.error
-            if dump.timed_out:
-                self._dumps_disabled_until = now + self.dump_interval
-            log.debug("stall dump of pid %d failed: %s", pid, dump.error)
-            out = None, dump.hopeless
-        self._dump_memo[pid] = out
-        return out
-
-    def _run_slices(self, pid: int) -> dict[int, tuple[int, int]] | None:
-        """Every task's (run ns, run slices), None past ``max_threads`` tasks; from this cycle's
-        look when it read every task (a look comes before the cycle's dumps and comparisons)."""
-        looked = self._look_slices_memo.get(pid)
-        if looked is not None and len(looked) == self._task_count.get(pid, -1) <= self.max_threads:
-            return looked
-        return self.looks.run_slices(pid, self.max_threads)
-
-    def _threads(self, pid: int, tr: _Track) -> tuple[ThreadInfo, ...]:
-        memo = self._threads_memo.get(pid)
-        if memo is None:
-            tids = self.looks.task_ids(pid)
-            self._task_count[pid] = len(tids)
-            prev = {t.tid: (tr.look_slices[t.tid], t) for t in tr.threads if t.tid in tr.look_slices}
-            memo, self._look_slices_memo[pid] = self.looks.threads_since(pid, tids[: self.max_threads], prev)
-            self._threads_memo[pid] = memo
-        tr.look_slices = self._look_slices_memo.get(pid, {})
-        return memo
-
-    def _over_budget(self, pid: int) -> bool:
-        """True when a new (not memoised) look at ``pid`` would exceed this cycle's budget. The
-        first look of a cycle always goes ahead, so every rank is looked at within (ranks needing
-        a look) cycles whatever the budget."""
-        return bool(self._threads_memo) and pid not in self._threads_memo and (
-            time.monotonic() > self._deadline)
+        self.cycle = CycleLooks(looks, budget=self.budget, max_threads=max_threads,
+                                dump_interval=dump_interval_seconds)
 
     # -- the cycle --------------------------------------------------------------------------------
 
@@ -253,21 +172,14 @@ class StallTracker:
             del self._tracks[key]
         # least recently looked at first: what the budget defers this cycle goes first next cycle
         work.sort(key=lambda pt: pt[1].threads_at)
-        self._threads_memo.clear()
-        self._dump_memo.clear()
-        self._slices_memo.clear()
-        self._look_slices_memo.clear()
-        self._task_count.clear()
-        self._deadline = time.monotonic() + self.budget
+        self.cycle.begin()
         try:
             for p, tr in work:
                 verdict = self._observe_one(now, p, tr)
                 tr.verdict = verdict
                 verdicts[p.key] = verdict
         finally:
-            self._threads_memo.clear()
-            self._dump_memo.clear()
-            self._look_slices_memo.clear()
+            self.cycle.end()
         return name_suspects(confirm_by_peers(verdicts))
 
     def note_gpus(self, readings: dict[RankId, GpuReading]) -> None:
@@ -307,11 +219,12 @@ class StallTracker:
         # looks the verdict keeps the last look's thread view (issue 14: per-thread reads of every
         # torch rank every cycle were most of the daemon's CPU).
         look_due = tr.threads_at == 0.0 or now - tr.threads_at >= self.dump_interval
-        if look_due and self._over_budget(p.pid):
+        if look_due and self.cycle.over_budget(p.pid):
             return self._deferred(now, p, tr, "threads")
         if look_due:
             # CPU pattern since the previous look, per thread
-            threads = self._threads(p.pid, tr)
+            prev_slices = {t.tid: (tr.look_slices[t.tid], t) for t in tr.threads if t.tid in tr.look_slices}
+            threads, tr.look_slices = self.cycle.threads(p.pid, prev_slices)
             elapsed = now - tr.threads_at if tr.threads else 0.0
             prev = {t.tid: t.cpu_ticks for t in tr.threads}
             shares = {
@@ -333,7 +246,7 @@ class StallTracker:
             self._look(now, tr, threads, spinning, shares)
             tr.busiest_worker = tr.workers.busiest(p.workers, elapsed)
             tr.summary = summarize_threads(threads, spinning)
-            total = self._task_count.get(p.pid, 0)
+            total = self.cycle.task_count(p.pid)
             if total > len(threads):
                 tr.summary += f" (first {len(threads)} of {total} read)"
         else:
@@ -365,7 +278,7 @@ class StallTracker:
         late = bool(p.heartbeat) and not stalled_so_far
         if (stalled_so_far or late) and now - tr.last_dump_at >= self.dump_interval and p.heartbeat:
             # the stuck frames for the explanation (heartbeat ranks are not dumped otherwise)
-            stacks, _ = self._dump(now, p.pid)
+            stacks, _ = self.cycle.dump(now, p.pid)
             if stacks is not None:
                 tr.stacks, tr.last_dump_at = stacks, now
                 tr.dump_slices, tr.stacks_at, tr.proven_at = None, now, None
@@ -473,12 +386,12 @@ class StallTracker:
         # (a first dump is due at once, unless a working look already stood in for it)
         if now < due and (tr.fingerprint is not None or tr.last_dump_at > float("-inf")):
             return ("stack" if tr.stacks else "proc"), tr.last_change
-        if self._dump_memo and p.pid not in self._dump_memo and time.monotonic() > self._deadline:
+        if self.cycle.dump_over_budget(p.pid):
             self.deferred["dump"] += 1
             return ("stack" if tr.stacks else "proc"), tr.last_change
         if tr.stacks and tr.dump_slices is not None and \
                 not any(t.state == "R" for t in threads) and \
-                self._run_slices(p.pid) == tr.dump_slices:
+                self.cycle.run_slices(p.pid) == tr.dump_slices:
             # The same tasks, none ran since the last dump (schedstat's numbers grow while a task
             # runs; one on a CPU throughout, which a tickless CPU may not count, reads R): a Python
             # stack changes only when its thread runs, so the stacks are that dump's. A rank
@@ -486,7 +399,7 @@ class StallTracker:
             stacks: tuple[ThreadStack, ...] | None = tr.stacks
             hopeless, proven = False, True
         else:
-            stacks, hopeless = self._dump(now, p.pid)
+            stacks, hopeless = self.cycle.dump(now, p.pid)
             proven = False
         if stacks is None and not hopeless and tr.stacks:
             # busy / timed out / odd output this time: compare at the next look, change nothing
@@ -495,7 +408,7 @@ class StallTracker:
         tr.proc_fp, tr.dump_due = view(), False
         if stacks:
             if not proven:
-                tr.dump_slices = self._slices_memo.get(p.pid)
+                tr.dump_slices = self.cycle.slices_before_dump(p.pid)
                 tr.stacks_at = now
             tr.proven_at = now if proven else None
             tr.stacks, tr.last_dump_at = stacks, now
