@@ -53,6 +53,23 @@ class RankProcess(NamedTuple):
     def rank_id(self) -> RankId:
         return RankId(self.job_id, self.rank)
 
+class RankIdentity:
+    """What names the rank and the process of a value that carries ``job_id``, ``rank`` and
+    ``pid`` (``RankEntry``, ``RankState``)."""
+
+    __slots__ = ()
+    job_id: str
+    rank: int
+    pid: int
+
+    @property
+    def rank_id(self) -> RankId:
+        return RankId(self.job_id, self.rank)
+
+    @property
+    def rank_process(self) -> RankProcess:
+        return RankProcess(self.job_id, self.rank, self.pid)
+
 
 @dataclass(frozen=True)
 class ProcessInfo:
@@ -75,7 +92,7 @@ class ProcessInfo:
 
 
 @dataclass(frozen=True)
-class RankEntry:
+class RankEntry(RankIdentity):
     """A claim that ``pid`` is rank ``rank`` of job ``job_id``: a rank file or /proc discovery."""
 
     job_id: str
@@ -99,14 +116,6 @@ class RankEntry:
     # where ``heartbeat`` is resolved: the rank's own root (/proc/PID/root), "" = the daemon's view
     heartbeat_root: str | None = None
 
-    @property
-    def rank_id(self) -> RankId:
-        return RankId(self.job_id, self.rank)
-
-    @property
-    def rank_process(self) -> RankProcess:
-        return RankProcess(self.job_id, self.rank, self.pid)
-
 
 @dataclass(frozen=True)
 class BadRankFile:
@@ -123,7 +132,7 @@ def rank_alive(proc: ProcessInfo | None, expected_start_ticks: int | None) -> bo
 
 
 @dataclass(frozen=True)
-class RankState:
+class RankState(RankIdentity):
     job_id: str
     rank: int
     pid: int
@@ -139,14 +148,6 @@ class RankState:
     ns_pid: int | None = None  # the PID inside its container (None: the same as ``pid``)
     container: str = ""  # e.g. "Kubernetes pod UID", from the cgroup path (sources/containers.py)
     step: int | None = None  # the step of its last heartbeat(step), None when it sends none
-
-    @property
-    def rank_id(self) -> RankId:
-        return RankId(self.job_id, self.rank)
-
-    @property
-    def rank_process(self) -> RankProcess:
-        return RankProcess(self.job_id, self.rank, self.pid)
 
 
 @dataclass(frozen=True)
