@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -11,13 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kernel_oom_helpers import MemCgroup
 
 from gpuwatchd.config import Config, ConfigError, MemoryConfig, parse_config
 from gpuwatchd.daemon.memory_evidence import snapshot_event, worse
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import memory as finding
-from gpuwatchd.join.memory_tracker import MemoryTracker, slope
+from gpuwatchd.join.memory_tracker import MAX_POINTS, MemoryTracker, slope
 from gpuwatchd.model import (
     CgroupMemory,
     CgroupPaths,
@@ -150,6 +153,50 @@ def test_slope_and_growth_need_the_minimum_window() -> None:
     assert m.top[0].gained_bytes == 4 << 20 and not m.top[0].worker
     t.forget([], [])
     assert t.observe(200.0, ("j", 0, 7, 1), (7,), {7: p}, cg, 300, 3.5).cgroup_growth_bytes_per_second is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.5, 30.0), st.one_of(st.none(), st.integers(0, 1 << 40)),
+                          st.integers(0, 1 << 40)), min_size=1, max_size=400),
+       st.floats(1.7e9, 1.9e9), st.sampled_from([(300.0, 60.0), (60.0, 0.0), (1e5, 10.0)]))
+def test_sliding_fit_is_the_textbook_slope_over_the_window(
+        steps: list[tuple[float, int | None, int]], start: float, windows: tuple[float, float]) -> None:
+    """The tracker's growth rates (sums that slide with the window) against ``slope`` over the
+    same points, each cycle, at epoch-sized times and values up to a TiB, past MAX_POINTS."""
+    window, min_window = windows
+    t = MemoryTracker()
+    now, points = start, []
+    for dt, ws, rss in steps:
+        now += dt
+        p = ProcessInfo(7, 1, "python", "S", 0, "root", 1, 0.0, 1.0, rss, 1, 1, 1, 1)
+        c = None if ws is None else CgroupMemory(1, "/x", ws, ws, 1 << 41)
+        m = t.observe(now, ("j", 0, 7, 1), (7,), {7: p}, c, window, min_window)
+        points = [*points, (now, ws, rss)][-MAX_POINTS:]
+        points = [q for q in points if q[0] >= now - window]
+        spans = now - points[0][0] >= min_window
+        want_rss = slope((q[0], float(q[2])) for q in points) if spans else None
+        ok_ws = spans and c is not None and all(q[1] is not None for q in points)
+        want_ws = slope((q[0], float(q[1] or 0)) for q in points) if ok_ws else None
+        for got, want in ((m.tree_growth_bytes_per_second, want_rss),
+                          (m.cgroup_growth_bytes_per_second, want_ws)):
+            assert (got is None) == (want is None)
+            if want is not None:
+                assert got == pytest.approx(want, rel=1e-6, abs=1e-3)
+
+
+def test_sliding_fit_does_not_drift_with_uptime() -> None:
+    """35 days of 30 s cycles on a TiB-sized tree: the sums are rebuilt from the window's points
+    (relative to its oldest), so the rate is still the textbook one to 1e-12 (without the rebuild:
+    3e-8 and growing)."""
+    rnd = random.Random(7)
+    t, now, points = MemoryTracker(), 1.8e9, []
+    for i in range(100_000):
+        now += 30
+        rss = (1 << 40) + rnd.randrange(1 << 36) + 30 * i
+        p = ProcessInfo(7, 1, "python", "S", 0, "root", 1, 0.0, 1.0, rss, 1, 1, 1, 1)
+        m = t.observe(now, ("j", 0, 7, 1), (7,), {7: p}, None, 300, 60)
+        points = [*points[-10:], (now, float(rss))]
+    assert m.tree_growth_bytes_per_second == pytest.approx(slope(points), rel=1e-12)
 
 
 def test_assess_reasons_and_steady_near_limit() -> None:

@@ -2,7 +2,9 @@
 processes of the tree hold and gained the memory. Pure: readings and times in, ``RankMemory`` out.
 
 Growth is the least-squares slope over the last ``window_seconds`` of samples (one per cycle), and
-only once the samples span ``min_window_seconds``: one allocation burst is not a trend. Memory is
+only once the samples span ``min_window_seconds``: one allocation burst is not a trend. The fit's
+sums slide with the window (``_Fit``: O(1) per cycle and rank, not O(points); ``slope`` is the
+textbook form it is tested against). Memory is
 bounded: at most ``MAX_POINTS`` samples per rank and per tree process, histories of ranks and
 processes no longer seen are dropped each cycle (``forget``), so nothing grows with uptime or job
 churn.
@@ -52,18 +54,88 @@ def slope(points: Iterable[tuple[float, float]]) -> float | None:
     return sum([d * (v - mv) for d, v in zip(dts, vs, strict=True)]) / den
 
 
+class _Fit:
+    """The least-squares sums of a sliding window of (t, value) points: adding or dropping a point
+    is O(1), where ``slope`` walks the whole window (two fits per rank per cycle, up to
+    ``window_seconds / interval`` points each). Times are kept relative to ``origin``, which
+    moves to the oldest point whenever the sums are rebuilt from the points (``rebuild``, every
+    window's worth of additions), so that rounding never accumulates with uptime."""
+
+    __slots__ = ("n", "origin", "st", "stt", "stv", "sv")
+
+    def __init__(self, origin: float) -> None:
+        self.n = 0
+        self.origin = origin
+        self.st = self.sv = self.stt = self.stv = 0.0
+
+    def add(self, t: float, v: float, sign: int = 1) -> None:
+        t -= self.origin
+        self.n += sign
+        self.st += sign * t
+        self.sv += sign * v
+        self.stt += sign * t * t
+        self.stv += sign * t * v
+
+    def slope(self) -> float | None:
+        """What ``slope`` returns for the window's points, up to rounding."""
+        n = self.n
+        if n < 2:
+            return None
+        den = self.stt - self.st * self.st / n
+        if den <= 1e-12 * self.stt:  # all at one time (the textbook sum is exactly 0 there)
+            return None
+        return (self.stv - self.st * self.sv / n) / den
+
+
 @dataclass
 class _History:
-    points: deque[tuple[float, float | None, float]]  # (t, working set or None, tree RSS)
+    """A rank's points (t, working set or None, tree RSS) over the window, with their two fits:
+    the tree RSS over every point, the working set over the points that have one (its slope is
+    used only when every point has one)."""
+
+    points: deque[tuple[float, float | None, float]]
+    ws: _Fit
+    rss: _Fit
+    added: int = 0  # points added since the fits were last rebuilt
+
+    @classmethod
+    def new(cls, now: float) -> _History:
+        return cls(deque(), _Fit(now), _Fit(now))
+
+    def append(self, point: tuple[float, float | None, float]) -> None:
+        if len(self.points) >= MAX_POINTS:
+            self._drop()
+        self.points.append(point)
+        t, ws, rss = point
+        self.rss.add(t, rss)
+        if ws is not None:
+            self.ws.add(t, ws)
+        self.added += 1
+        if self.added >= max(len(self.points), 16):
+            self.rebuild()
+
+    def _drop(self) -> None:
+        t, ws, rss = self.points.popleft()
+        self.rss.add(t, rss, -1)
+        if ws is not None:
+            self.ws.add(t, ws, -1)
+
+    def rebuild(self) -> None:
+        """The sums again from the points, relative to the oldest one."""
+        origin = self.points[0][0] if self.points else 0.0
+        self.ws, self.rss, self.added = _Fit(origin), _Fit(origin), 0
+        for t, ws, rss in self.points:
+            self.rss.add(t, rss)
+            if ws is not None:
+                self.ws.add(t, ws)
 
     def trend(self, now: float, window: float, min_window: float) -> tuple[float | None, float | None]:
         while self.points and self.points[0][0] < now - window:
-            self.points.popleft()
+            self._drop()
         if not self.points or now - self.points[0][0] < min_window:
             return None, None
-        ws = [(t, w) for t, w, _ in self.points if w is not None]
-        rss = slope((t, r) for t, _, r in self.points)
-        return (slope(ws) if len(ws) == len(self.points) else None), rss
+        ws = self.ws.slope() if self.ws.n == len(self.points) else None
+        return ws, self.rss.slope()
 
 
 class MemoryTracker:
@@ -88,9 +160,9 @@ class MemoryTracker:
         tree_rss = sum(p.rss_bytes for p in members)
         hist = self._ranks.get(key)
         if hist is None:
-            hist = self._ranks[key] = _History(deque(maxlen=MAX_POINTS))
+            hist = self._ranks[key] = _History.new(now)
         ws = cg.working_set_bytes if cg is not None else None
-        hist.points.append((now, float(ws) if ws is not None else None, float(tree_rss)))
+        hist.append((now, float(ws) if ws is not None else None, float(tree_rss)))
         cg_rate, rss_rate = hist.trend(now, window, min_window)
         top = self._top(now, members, pid, window)
         if cg is None:
