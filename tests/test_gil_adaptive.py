@@ -102,6 +102,11 @@ def _healthy(pid: int) -> RankSignals:
     return RankSignals(pid, 0.0, False)
 
 
+def _unknown(pid: int) -> RankSignals:
+    """No signal, and its CPU not yet known (the first cycles of a rank)."""
+    return RankSignals(pid, None, False)
+
+
 def test_healthy_ranks_are_spread_over_the_healthy_interval_and_suspects_pulled_forward() -> None:
     clock = FakeClock()
     s = GilSampler(PySpy(None), CounterStore(), interval_seconds=30, clock=clock,
@@ -122,6 +127,25 @@ def test_healthy_ranks_are_spread_over_the_healthy_interval_and_suspects_pulled_
     assert not next(p for p in s.plan() if p.key == ("j", 8)).full
 
 
+def test_an_idle_rank_is_screened_only_once_it_is_on_cpu() -> None:
+    """A healthy rank below CPU_SUSPECT_CORES cannot hold the GIL HOT_RATIO of the time (py-spy
+    counts a held tick only while the holder runs): its screening waits, overdue, and runs at
+    the first cycle that finds it on CPU (its GPU busy: healthy, so a screening, not a full
+    sample). Fails on the code before: the idle rank was due at once."""
+    clock = FakeClock()
+    s = GilSampler(PySpy(None), CounterStore(), interval_seconds=30, clock=clock,
+                   rng=random.Random(5), healthy_interval_seconds=1800)
+    s.update_targets([GilTarget("j", 0, 10_000_000), GilTarget("j", 1, 10_000_001)])
+    s.update_signals({("j", 0): RankSignals(10_000_000, 0.08, False),
+                      ("j", 1): _unknown(10_000_001)})
+    clock.t += 2200  # both overdue
+    assert [t.rank for t in s.due()] == [1]  # the unknown one as before; the idle one waits
+    s.update_signals({("j", 0): RankSignals(10_000_000, 1.0, True)})  # on CPU, its GPU busy
+    plan = next(p for p in s.plan() if p.key == ("j", 0))
+    assert not plan.full and not plan.reasons
+    assert sorted(t.rank for t in s.due()) == [0, 1]
+
+
 def test_a_screening_fits_the_budget_when_full_samples_are_shorter() -> None:
     """duration 0.3 s (tests): the token bucket holds 0.6 s, so a 1 s screening never ran."""
     clock = FakeClock()
@@ -140,7 +164,7 @@ def test_a_gil_bound_screening_asks_for_the_full_sample_at_once(procs: list) -> 
                    healthy_interval_seconds=600)
     target = GilTarget("j", 0, cpu4.pid)
     s.update_targets([target])
-    s.update_signals({target.key: _healthy(cpu4.pid)})  # looks healthy: its CPU not yet seen
+    s.update_signals({target.key: _unknown(cpu4.pid)})  # looks healthy: its CPU not yet seen
     clock.t += 600
     futures = s.tick()
     assert len(futures) == 1
@@ -266,7 +290,7 @@ def test_a_gil_bound_rank_without_signals_within_the_bound(procs: list) -> None:
     ctx_rank = RankState("j", 0, cpu4.pid, 0, 3, True, None)
 
     def raised() -> bool:
-        s.update_signals({t.key: _healthy(t.pid) for t in targets})  # no signal, every cycle
+        s.update_signals({t.key: _unknown(t.pid) for t in targets})  # no signal, every cycle
         s.tick()
         ctx = FindingContext(now=time.time(), config=Config(), ranks=(ctx_rank,), gil=s.readings())
         return any(f.kind == "gil_saturated" for f in gil_finding.find(ctx))

@@ -8,7 +8,9 @@ every ``gil.interval_seconds``, ahead of the others, and is sampled at once when
 (not sooner than a quarter interval after its last full sample). A healthy rank gets a screening
 (``SCREEN_SECONDS`` at ``SCREEN_RATE_HZ``; py-spy costs ~11-16 ms a run plus ~0.17 ms a tick,
 bench/gil_adaptive.py) every ``gil.healthy_interval_seconds``; a GIL-bound screening asks for a
-full sample at once. Both readings count. A rank whose ``gil_saturated`` is up gets a full sample
+full sample at once. A healthy rank whose process used less than ``CPU_SUSPECT_CORES`` of a core
+over the last cycle is not screened until it is on CPU again: its held ratio cannot reach
+``HOT_RATIO`` (``_idle``). Both readings count. A rank whose ``gil_saturated`` is up gets a full sample
 every ``CONFIRMED_FACTOR`` intervals until its signals turn. Waits are jittered ±20 %; a new rank's first sample is
 spread over one healthy interval (no burst when 64 ranks start). Worst-case time to
 ``gil_saturated``: ``gil_signals.saturation_bound`` (docs/architecture.md, "GIL sampling").
@@ -52,7 +54,7 @@ from gpuwatchd.daemon.gil_schedule import (
     hot,
     reasons,
 )
-from gpuwatchd.daemon.gil_signals import RankSignals
+from gpuwatchd.daemon.gil_signals import CPU_SUSPECT_CORES, RankSignals
 from gpuwatchd.join.stall import MAX_PROBE_THREADS
 from gpuwatchd.model import CollectorStatus, GilReading, RankId
 from gpuwatchd.model.threads import ThreadInfo
@@ -191,6 +193,17 @@ class GilSampler:
         """Is the next sample of ``sched`` a full one (suspect, or no adaptive schedule)?"""
         return self.healthy_interval is None or bool(reasons(sched))
 
+    def _idle(self, sched: RankSchedule) -> bool:
+        """Is ``sched`` a healthy rank whose screening would say nothing? Its process used less
+        than ``CPU_SUSPECT_CORES`` of a core over the last cycle: py-spy counts a held tick only
+        while the holder runs, so its held ratio stays below that share, short of ``HOT_RATIO``
+        (no full sample would follow) and of ``gil.held_threshold`` (no finding). Its screening
+        waits, overdue, until the rank is on CPU again; a rank whose CPU is not known yet is
+        screened as before."""
+        sig = sched.signals
+        return (not self._full(sched) and sig is not None and sig.cpu_cores is not None
+                and sig.cpu_cores < CPU_SUSPECT_CORES)  # fmt: skip
+
     def _cost(self, sched: RankSchedule) -> float:
         return self.duration if self._full(sched) else self.screen_seconds
 
@@ -260,7 +273,8 @@ class GilSampler:
         with self._lock:
             self._probe(now)
             ready = sorted(
-                (s for s in self._ranks.values() if not s.in_flight and s.next_due <= now),
+                (s for s in self._ranks.values()
+                 if not s.in_flight and s.next_due <= now and not self._idle(s)),
                 # convoy hints first, then ranks whose last sample held the GIL >= HOT_RATIO (the
                 # second high sample is what raises gil_saturated), then the most overdue
                 key=lambda s: (not (s.convoy and s.convoy.convoy), not hot(s), not self._full(s),

@@ -134,12 +134,14 @@ class StragglerTracker:
         for (job, rank), (rate, _) in rates.items():
             if rate is not None:
                 jobs.setdefault(job, []).append((rank, rate))
+        # each job's median and peers once (not once per rank: 64 ranks of one job sorted 64 times)
+        medians = {job: (_median([r for _, r in peers]) if len(peers) >= 2 else None,
+                         tuple(sorted(r for r, _ in peers))) for job, peers in jobs.items()}
         out: dict[RankId, RankRate] = {}
         for key, e in live.items():
             tr = self._ranks[key]
             rate, span = rates[key]
-            peers = jobs.get(e.job_id, [])
-            median = _median([r for _, r in peers]) if len(peers) >= 2 else None
+            median, ranks = medians.get(e.job_id, (None, ()))
             below = rate is not None and median is not None and median > 0 and \
                 rate < self.cfg.ratio * median
             if below:
@@ -149,7 +151,7 @@ class StragglerTracker:
             straggler = tr.below_since is not None and now - tr.below_since >= self.cfg.for_seconds
             first, last = (tr.cpu[0][1], tr.cpu[-1][1]) if tr.cpu else (None, None)
             out[key] = RankRate(
-                e.job_id, e.rank, e.pid, rate, span, median, tuple(sorted(r for r, _ in peers)),
+                e.job_id, e.rank, e.pid, rate, span, median, ranks,
                 tr.below_since, straggler,
                 throttled_periods=(last.throttled_periods - first.throttled_periods) if first and last else 0,
                 periods=(last.periods - first.periods) if first and last else 0,
