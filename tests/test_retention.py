@@ -31,7 +31,9 @@ from gpuwatchd.model import Finding, RankState
 from gpuwatchd.rank import api
 from gpuwatchd.sources.kernel_lines import parse_message
 
-SPIN = "import time\nwhile True:\n    sum(range(1000)); time.sleep(0.01)\n"
+# about half a core: on CPU, so it is sampled (an idle rank is not screened, daemon/gil.py)
+SPIN = ("import time\nwhile True:\n    t = time.monotonic()\n"
+        "    while time.monotonic() - t < 0.01:\n        sum(range(1000))\n    time.sleep(0.01)\n")
 
 
 def job_series(d: DaemonProc, prefix: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

@@ -286,3 +286,37 @@ def test_read_only_state_dir_is_exported_and_kills_are_still_counted(
     finally:
         assert d.stop() == 0
     assert os.listdir(read_only_dir) == []
+
+
+def test_state_json_is_rewritten_when_a_reader_would_see_a_change_else_every_other_cycle(
+        tmp_path: Path, procs: list[subprocess.Popen[Any]]) -> None:
+    """state.json after each cycle (Daemon.cycle, real ranks): an unchanged node is written every
+    other cycle (1.5 intervals), a rank that dies is in the very next file, and a file is never
+    older than load_state's three intervals."""
+    from gpuwatchd.config import load_config
+    from gpuwatchd.daemon.core import Daemon
+
+    path, raw = write_config(tmp_path, interval_seconds=0.4)
+    cfg = load_config(str(path))
+    ranks = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) for _ in range(2)]
+    procs.extend(ranks)
+    for r, p in enumerate(ranks):
+        register(raw, f"sj-{r}", p.pid)
+    d = Daemon(cfg, subsystems=[])
+    state_path = Path(cfg.state_dir) / "state.json"
+
+    def written() -> float:
+        return float(json.loads(state_path.read_text())["timestamp"])
+
+    d.cycle()  # the first write brings the state_write_errors series of the file (a counter)
+    first = d.cycle()
+    assert written() == first.timestamp and sum(r.alive for r in first.ranks) == 2
+    second = d.cycle()  # at once: nothing a reader acts on changed
+    assert written() == first.timestamp < second.timestamp
+    ranks[0].kill()
+    ranks[0].wait(10)
+    third = d.cycle()  # a rank died: written at once
+    assert written() == third.timestamp and sum(r.alive for r in third.ranks) == 1
+    time.sleep(0.65)  # 1.5 intervals since the last write
+    fourth = d.cycle()
+    assert written() == fourth.timestamp

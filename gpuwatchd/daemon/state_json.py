@@ -1,10 +1,11 @@
 """``state.json``'s encoding: a ``NodeState`` -> plain JSON values (``gpuwatchd ps``) or text
-(``state_json_text``, what ``Daemon._write_state`` writes every cycle).
+(``state_json_text``, what ``Daemon._write_state`` writes: after a cycle whose findings, ranks or
+counters changed, else every other cycle).
 
 Pure; one walk over the state, the dataclass field names of each type looked up once.
 ``state_json_text`` lets the json module's C encoder do that walk (it calls back only for
 dataclasses, read-only mappings and sets): the same text as ``json.dumps(state_to_json(state))``
-at about a third of the CPU, which matters as it runs every cycle.
+at about a third of the CPU, which matters as it runs that often.
 """
 
 from __future__ import annotations
