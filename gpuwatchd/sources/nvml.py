@@ -9,8 +9,9 @@ value nothing exported or judged. NVML's "not available" (``None`` /
 unknown, never 0.
 
 Cost: about ten NVML calls per GPU per cycle; each is an ioctl into the driver (see
-``bench/nvml_poll.py`` for the measured cost: the compute-process list is the dearest, 1.8 ms of
-CPU at 64 processes on the H200). The graphics-process list (0.9 ms there, usually empty on a
+``bench/nvml_poll.py`` for the measured cost: the compute-process list is the dearest, 1.1-1.8 ms
+of CPU at 64 processes on the H200 through nvidia-ml-py, which asks the driver twice; one call
+into a kept buffer with ``nvml_compute.ComputeProcesses``). The graphics-process list (0.9 ms there, usually empty on a
 training node) is taken again every ``GRAPHICS_RELIST_SECONDS`` or when the GPU's used memory
 moved by more than ``GRAPHICS_MEMORY_STEP``; in between, the last list less the processes that
 exited. NVML calls can block for seconds when a GPU falls off
@@ -41,6 +42,7 @@ from typing import Any, Protocol
 
 from gpuwatchd.isolation import NotPresent
 from gpuwatchd.model import GpuDevice, GpuProcess
+from gpuwatchd.sources.nvml_compute import ComputeProcesses
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +129,7 @@ class NvmlSource:
         self.device_errors: dict[int, str] = {}
         self.lost_devices: frozenset[int] = frozenset()  # NVML_ERROR_GPU_IS_LOST at last read()
         self.driver_version: str = ""
+        self._compute: ComputeProcesses | None = None  # one driver call per GPU (nvml_compute.py)
 
     @property
     def library(self) -> Any:
@@ -173,6 +176,8 @@ class NvmlSource:
                 log.debug("nvmlShutdown: %s", exc)
         self._initialised = False
         self._graphics.clear()  # handles and processes are listed again after a re-init
+        if self._compute is not None:
+            self._compute.clear()
 
     # -- reading ------------------------------------------------------------------------------
     def read(self) -> Reading:
@@ -240,7 +245,12 @@ class NvmlSource:
             throttle_reasons=_known(reasons) if reasons is not None else None,
             memory_utilization_ratio=None if mem_util is None else mem_util / 100.0,
         )
-        listed = self._optional(nv, functools.partial(nv.nvmlDeviceGetComputeRunningProcesses, handle))
+        if self._compute is None:
+            self._compute = ComputeProcesses(nv)
+        if self._compute.available:
+            listed = self._optional(nv, functools.partial(self._compute, index, handle))
+        else:  # another nvidia-ml-py, a recorded double: its own function
+            listed = self._optional(nv, functools.partial(nv.nvmlDeviceGetComputeRunningProcesses, handle))
         procs = _processes(index, uuid, "compute", listed or [])
         return device, procs + self._graphics_processes(nv, handle, device)
 

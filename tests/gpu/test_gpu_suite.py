@@ -126,9 +126,28 @@ def test_1_rank_memory_is_attributed_and_matches_nvidia_smi(world: World) -> Non
     xid = world.sub.xid
     assert xid is not None and xid.error == ""
     assert xid.running  # registered for Xid critical-error events on this GPU
+    # the daemon's one-call compute list (sources/nvml_compute.py) against nvidia-ml-py's own,
+    # with three more holders on the GPU: the same processes and memory
+    more = [world.holder(0.25, f"extra{i}") for i in range(3)]
+    import pynvml
+
+    from gpuwatchd.sources.nvml_compute import ComputeProcesses
+
+    pynvml.nvmlInit()
+    try:
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        cp = ComputeProcesses(pynvml)
+        assert cp.available
+        mine = [cp(0, h) for _ in range(3)]
+        theirs = {(p.pid, p.usedGpuMemory) for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)}
+    finally:
+        pynvml.nvmlShutdown()
+    assert all({(p.pid, p.usedGpuMemory) for p in m} == theirs for m in mine), (mine, theirs)
+    assert {rank, *more} <= {pid for pid, _ in theirs} and cp.calls <= 4
     print(f"PASS rank memory: pid {rank} job dflash rank 0 nvml {nvml_mib:.0f} MiB "
           f"nvidia-smi {smi} MiB; nvml collector {nvml.duration_seconds * 1e3:.2f} ms; "
-          f"Xid event thread registered and waiting")
+          f"Xid event thread registered and waiting; one-call compute list = nvidia-ml-py's "
+          f"({len(theirs)} processes, {cp.calls} driver calls for 3 reads)")
 
 
 def test_2_seed_nohup_child_of_killed_wrapper(world: World) -> None:
