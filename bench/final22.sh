@@ -1,15 +1,22 @@
 # The last device run of a session: the GPU suite, then issue 22's cost window (bench/nvml_poll.py).
 #   run with the wheels of py-spy, pyudev, bcrypt, h11, nvitop, nvitop-exporter in .whl/
+#   env: BENCH_SECONDS (window), WORK_MS (each holder's CPU every 50 ms), MAIN_REPO (a "before"
+#   checkout beside), SKIP_SUITE=1 (the cost window only)
 set -u
 python3 -m pip install -q --no-deps --no-index --prefix /tmp/site .whl/*.whl 2>&1 | tail -2
 export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site/lib/python3.12/site-packages:$PWD
 rev=$(cat .rev 2>/dev/null || echo "?")
+if [ -z "${SKIP_SUITE:-}" ]; then
 echo "# python3 -m pytest -v -s tests/gpu; H200, main $rev" > $OUT/gpu_suite.log
 timeout 330 python3 -m pytest -v -s -p no:cacheprovider tests/gpu >> $OUT/gpu_suite.log 2>&1
 echo "rc=$?" >> $OUT/gpu_suite.log
-grep -E "passed|failed|SAW|paged|FAILED|Error" $OUT/gpu_suite.log | tail -40
+grep -E "passed|failed|SAW|PASS|paged|FAILED|Error" $OUT/gpu_suite.log | tail -40
+fi
 args="--sizes 64 --gib 1 --seconds ${BENCH_SECONDS:-150} --warmup 10 --no-poll --interval 5 --defaults --work-ms ${WORK_MS:-4}"
-args="$args --only gpuwatchd-defaults-hb,gpuwatchd-defaults-nohb --profile-variant gpuwatchd-defaults-hb"
+only=gpuwatchd-defaults-hb,gpuwatchd-defaults-nohb
+# MAIN_REPO: a checkout (its gpuwatchd/ at least) whose heartbeat daemon runs beside, as "before"
+[ -n "${MAIN_REPO:-}" ] && { args="$args --main-repo $MAIN_REPO"; only="$only,gpuwatchd-before-defaults-hb"; }
+args="$args --only $only --profile-variant gpuwatchd-defaults-hb"
 echo "# bench/nvml_poll.py $args --pyspy bench/pyspy_counting.sh; H200, main $rev" > $OUT/bench.log
 python3 bench/nvml_poll.py $args --pyspy $PWD/bench/pyspy_counting.sh --keep $OUT/keep --out $OUT/bench.json >> $OUT/bench.log 2>&1
 echo "rc=$?" >> $OUT/bench.log
