@@ -208,6 +208,9 @@ class ProcfsReader:
         """One process, or None when it has gone (that is not an error)."""
         try:
             comm, f = self.read_stat(pid)
+            # the directory's owner, not an fstat of the stat file read above: the files of a
+            # non-dumpable process (one that dropped from root to a user) belong to root, only
+            # /proc/PID always shows the euid (task_dump_owner; tests/test_rank_claims.py)
             owner = os.stat(self.paths.proc(pid)).st_uid
             start_ticks = int(f[19])
             ppid, cpu = int(f[1]), (int(f[11]) + int(f[12])) / self.clk_tck
