@@ -599,17 +599,21 @@ class Daemon:
 FR_RECORDING = REPO / "tests" / "fixtures" / "hang" / "fr_gloo_rank0.json"
 
 
-def sleeper(flight_recorder: tuple[Path, str, int] | None = None) -> subprocess.Popen[bytes]:
+def sleeper(flight_recorder: tuple[Path, str, int] | None = None,
+            on_cpu: bool = False) -> subprocess.Popen[bytes]:
     """A live rank that just waits (as a peer blocked in a collective would). With
     ``flight_recorder`` (rank_dir, job_id, rank) it also answers the daemon's flight-recorder
     requests, as a registered rank's thread does, with the dump recorded on the H200 of a rank
-    waiting in collective #5 (tests/fixtures/hang/README.md)."""
+    waiting in collective #5 (tests/fixtures/hang/README.md). ``on_cpu``: it spends about half a
+    core meanwhile (the GIL sampler skips a rank below 0.3 of a core: daemon/gil.py)."""
+    wait = ("t0 = time.monotonic()\nwhile time.monotonic() - t0 < 600:\n    t = time.monotonic()\n"
+            "    while time.monotonic() - t < 0.01:\n        pass\n    time.sleep(0.01)\n"
+            if on_cpu else "time.sleep(600)\n")
     if flight_recorder is None:
-        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        return subprocess.Popen([sys.executable, "-c", "import time\n" + wait])
     rank_dir, job_id, rank = flight_recorder
     code = ("import json, sys, time\nfrom gpuwatchd.rank import flight_recorder as fr\n"
             "rec = json.load(open(sys.argv[1]))['trace']\n"
-            "fr.start(sys.argv[2], sys.argv[3], int(sys.argv[4]), dump=lambda: rec)\n"
-            "time.sleep(600)\n")
+            "fr.start(sys.argv[2], sys.argv[3], int(sys.argv[4]), dump=lambda: rec)\n" + wait)
     return subprocess.Popen([sys.executable, "-c", code, str(FR_RECORDING), str(rank_dir), job_id,
                              str(rank)])

@@ -97,7 +97,8 @@ def test_oom_kill_pages_once_through_prometheus_and_alertmanager_every_panel_has
     peer_cg = MemCgroup("h6e2epeer", 1 << 30)  # the peer's job limit: the host-memory panels
     cgroups.append(peer_cg)
     # the peer answers the flight-recorder request the daemon sends once it stalls
-    peer = sleeper(flight_recorder=(tmp_path / "node-a" / "ranks", job_id, 0))
+    # on CPU, so that the GIL sampler samples it (the GIL panels have data)
+    peer = sleeper(flight_recorder=(tmp_path / "node-a" / "ranks", job_id, 0), on_cpu=True)
     peer_cg.adopt(peer.pid)
     orphan = sleeper()  # holds GPU memory in the replay but belongs to no rank
     procs += [peer, orphan]

@@ -93,7 +93,11 @@ def test_an_oom_kill_of_the_daemons_own_helper_is_named_and_not_a_node_kill(
         f"echo $$ > {cg.path}/cgroup.procs\n"
         "exec /usr/bin/python3 -c \"x = b'x' * (256 << 20)\"\n")
     stand_in.chmod(0o755)
-    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    # about half a core: on CPU, so that the GIL sampler runs py-spy on it (an idle rank is not
+    # screened, daemon/gil.py)
+    rank = subprocess.Popen([sys.executable, "-c", "import time\nt0 = time.monotonic()\n"
+                             "while time.monotonic() - t0 < 120:\n    t = time.monotonic()\n"
+                             "    while time.monotonic() - t < 0.01:\n        pass\n    time.sleep(0.01)\n"])
     procs.append(rank)
     path, cfg = write_config(tmp_path, kernel_log="kmsg",
                              gil={"enabled": True, "interval_seconds": 1, "duration_seconds": 1,
