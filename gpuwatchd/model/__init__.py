@@ -8,6 +8,7 @@ Everything here is a frozen dataclass so that a scrape can read the latest state
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -55,18 +56,20 @@ class RankProcess(NamedTuple):
 
 class RankIdentity:
     """What names the rank and the process of a value that carries ``job_id``, ``rank`` and
-    ``pid`` (``RankEntry``, ``RankState``)."""
+    ``pid`` (``RankEntry``, ``RankState``). Each is made once per value (a cycle asks a rank's
+    ``rank_id`` over a thousand times at 64 ranks) and kept in the instance's ``__dict__``, out
+    of the dataclass fields: equality, hashing, ``replace`` and state.json see the fields only."""
 
     __slots__ = ()
     job_id: str
     rank: int
     pid: int
 
-    @property
+    @functools.cached_property
     def rank_id(self) -> RankId:
         return RankId(self.job_id, self.rank)
 
-    @property
+    @functools.cached_property
     def rank_process(self) -> RankProcess:
         return RankProcess(self.job_id, self.rank, self.pid)
 
