@@ -21,4 +21,9 @@ echo "# bench/nvml_poll.py $args --pyspy bench/pyspy_counting.sh; H200, main $re
 python3 bench/nvml_poll.py $args --pyspy $PWD/bench/pyspy_counting.sh --keep $OUT/keep --out $OUT/bench.json >> $OUT/bench.log 2>&1
 echo "rc=$?" >> $OUT/bench.log
 cp /tmp/pyspy_calls.log $OUT/ 2>/dev/null
+for m in $OUT/keep/*.metrics; do  # what each daemon said at the end of the window: its findings
+  echo "findings of $(basename $m .metrics): $(grep -c '^gpuwatch_finding{' $m)" \
+    "$(grep '^gpuwatch_finding{' $m | sed 's/.*kind="\([a-z_]*\)".*/\1/' | sort | uniq -c | tr '\n' ' ')" >> $OUT/bench.log
+done
+tar -czf $OUT/keep.tgz -C $OUT keep && rm -rf $OUT/keep  # one file: the device hands back a few
 cat $OUT/bench.log; echo "py-spy runs: $(grep -c ' rc=' $OUT/pyspy_calls.log 2>/dev/null) ($(grep ' rc=' $OUT/pyspy_calls.log 2>/dev/null | awk '{print $2, $4}' | sort | uniq -c | tr '\n' ';'))"
