@@ -286,7 +286,10 @@ def test_target_found_stopped_is_counted_and_left_as_it_is(tmp_path: Path, procs
     (issue 23 N8; the unit could not anyway, it has no CAP_KILL)."""
     p = start("io4.py")
     procs.append(p)
-    bad = stand_in(tmp_path, f"kill -STOP {p.pid}\necho '[]'")
+    # kill(1) returns before the target has stopped: the run ends once it has (found stopped)
+    bad = stand_in(tmp_path, f"kill -STOP {p.pid}\n"
+                             f"until grep -q '^State:.T' /proc/{p.pid}/status; do sleep 0.01; done\n"
+                             "echo '[]'")
     spy = PySpy(bad)
     assert spy.dump(p.pid) == ()
     assert spy.stats.left_stopped == 1

@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""The daemon's steady-state CPU per cycle at torch-shaped ranks, without waiting for the clock.
+
+    .venv/bin/python bench/cycle_fast.py [--ranks 64] [--warmup 70] [--cycles 150] [--rounds 3]
+        [--main-repo /path/to/other/checkout] [--parts]
+
+``bench/cycle_profile.py`` paces its cycles at the real interval, so a window that fills the
+memory and straggler histories (300 s) takes minutes per checkout. Here every cycle runs back to
+back in-process while ``time.time`` / ``time.monotonic`` advance ``--interval`` seconds per
+cycle, so each cadence of the daemon (TTLs, discovery, look and dump intervals, history windows)
+sees what a live daemon sees at that interval; the ranks' heartbeats are written by this script
+(their step and an mtime on the advanced clock) into files that the ranks' rank files name, so
+the heartbeat path is the one measured. The ranks are ``cycle_profile.py``'s (real processes of
+``--threads`` threads), NVML its replay widened to their PIDs; the shipped defaults otherwise.
+
+Per checkout and round it prints the CPU of one cycle plus one render of the scrape: the main
+thread's and the whole process's (collector threads included), after ``--warmup`` cycles; with
+``--main-repo`` the two checkouts alternate, round by round, and the minimum and median of each
+are printed side by side (the 2-core VM moves by 10-20 % between runs). ``--parts``: the CPU of
+each part of the cycle (as ``cycle_profile.py --phases``). It measures the cycle only: no
+scrapes over HTTP, no py-spy runs (the GIL sampler's thread is left idle), no waiting threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import cycle_profile  # bench/ is sys.path[0]
+
+REPO = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import collections, dataclasses, gc, glob, os, resource, sys, time
+cfg_path, hb_dir, warmup, cycles, interval, parts = sys.argv[1:7]
+warmup, cycles, interval, parts = int(warmup), int(cycles), float(interval), parts == "1"
+_time, _mono = time.time, time.monotonic
+offset = [0.0]
+time.time = lambda: _time() + offset[0]
+time.monotonic = lambda: _mono() + offset[0]
+import gpuwatchd.daemon.core as core
+from gpuwatchd.config import load_config
+cfg = load_config(cfg_path)
+cfg = dataclasses.replace(cfg, web=dataclasses.replace(cfg.web, listen_address="127.0.0.1:0"))
+acc = collections.Counter()
+def timed(name, fn):
+    def w(*a, **k):
+        t0 = time.thread_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[name] += time.thread_time() - t0
+    return w
+d = core.Daemon(cfg)
+d.start()
+if parts:
+    core.build_state = timed("join (build_state + findings)", core.build_state)
+    d.rank_collector.fn = timed("rank files + discovery + guard", d.rank_collector.fn)
+    d.proc_collector.fn = timed("procfs (ranks + descendants)", d.proc_collector.fn)
+    d._write_state = timed("state.json", d._write_state)
+    for sub in d.subsystems:
+        for hook in ("track", "after_join"):
+            if hasattr(sub, hook):
+                setattr(sub, hook, timed(f"{sub.name}.{hook}", getattr(sub, hook)))
+        col = getattr(sub, "collector", None)
+        if col is not None:
+            col.fn = timed(sub.name + " collector thread", col.fn)
+render = timed("render (one scrape)", d.registry.encode_text)
+beats = sorted(glob.glob(os.path.join(hb_dir, "*.hb")))
+gc.freeze()
+gc.set_threshold(getattr(core, "GC_YOUNG_THRESHOLD", 700), *gc.get_threshold()[1:])  # as run() does
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+beat_cpu = 0.0
+for i in range(warmup + cycles):
+    if i == warmup:
+        acc.clear()
+        beat_cpu, t0, p0 = 0.0, time.thread_time(), cpu()
+    b0, now = time.thread_time(), time.time()
+    for h in beats:  # each rank's heartbeat(step), on the advanced clock
+        with open(h, "w") as f:
+            f.write(f"{i}\n")
+        os.utime(h, (now - 0.5, now - 0.5))
+    beat_cpu += time.thread_time() - b0
+    d.cycle()
+    render()
+    offset[0] += interval
+main = (time.thread_time() - t0 - beat_cpu) / cycles
+proc = (cpu() - p0 - beat_cpu) / cycles
+findings = collections.Counter(f.kind for f in d.state.findings)
+d.shutdown()
+print(f"RESULT {1e3 * main:.3f} {1e3 * proc:.3f} {dict(findings)}")
+for name, v in acc.most_common():
+    print(f"    {1e3 * v / cycles:6.2f} ms  {name}")
+"""
+
+
+def heartbeat_ranks(tmp: Path) -> tuple[Path, Path]:
+    """A second rank directory naming the same processes, whose heartbeats only this script
+    writes (the ranks' own beat on the real clock, which the advanced clock would read as stale)."""
+    import json
+
+    ranks, beats = tmp / "ranks-fast", tmp / "beats-fast"
+    ranks.mkdir()
+    beats.mkdir()
+    for f in sorted((tmp / "ranks").glob("*.json")):
+        doc = json.loads(f.read_text())
+        for r in doc["ranks"]:
+            r["heartbeat"] = str(beats / Path(r.get("heartbeat") or f"{f.stem}.hb").name)
+            Path(r["heartbeat"]).write_text("0\n")
+        (ranks / f.name).write_text(json.dumps(doc))
+    return ranks, beats
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=24)
+    ap.add_argument("--children", type=int, default=0)
+    ap.add_argument("--fds", type=int, default=300)
+    ap.add_argument("--interval", type=float, default=5.0)
+    ap.add_argument("--warmup", type=int, default=70, help="cycles before the measured ones (70 x 5 s: "
+                    "the 300 s history windows full)")
+    ap.add_argument("--cycles", type=int, default=150)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--main-repo", default="", help="another checkout, measured in turn ('before')")
+    ap.add_argument("--parts", action="store_true", help="the CPU of each part of the cycle")
+    args = ap.parse_args()
+    args.idle = False
+    tmp = Path(tempfile.mkdtemp(prefix="gw-cycle-fast-"))
+    procs, pids = cycle_profile.start_ranks(args, tmp)
+    try:
+        fixture = tmp / "nvml.json"
+        cycle_profile.derive_fixture(pids, fixture)
+        ranks, beats = heartbeat_ranks(tmp)
+        pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        checkouts = {"gpuwatchd": str(REPO)}
+        if args.main_repo:
+            checkouts["before"] = args.main_repo
+        results: dict[str, list[tuple[float, float]]] = {k: [] for k in checkouts}
+        print(f"{args.ranks} ranks of {args.threads} threads, heartbeats, {args.interval} s interval "
+              f"advanced per cycle; {args.warmup} + {args.cycles} cycles a round; "
+              f"{os.cpu_count()} CPUs", flush=True)
+        for rnd in range(args.rounds):
+            for name, repo in checkouts.items():
+                cfg = tmp / f"{name}-{rnd}.yaml"
+                cfg.write_text(f"rank_dir: {ranks}\nstate_dir: {tmp / name}-{rnd}\ninterval_seconds: "
+                               f"{args.interval}\nnvml:\n  fixture: {fixture}\ngil:\n  pyspy_path: {pyspy}\n")
+                out = subprocess.run(
+                    [sys.executable, "-c", CHILD, str(cfg), str(beats), str(args.warmup),
+                     str(args.cycles), str(args.interval), "1" if args.parts else "0"],
+                    env={**os.environ, "PYTHONPATH": repo}, cwd=repo, capture_output=True, text=True,
+                    timeout=1800)
+                line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+                if line is None:
+                    print(f"  {name}: no result\n{out.stdout[-2000:]}{out.stderr[-2000:]}", flush=True)
+                    return 1
+                _, main_ms, proc_ms, findings = line.split(" ", 3)
+                results[name].append((float(main_ms), float(proc_ms)))
+                print(f"  round {rnd + 1} {name:10s} main thread {float(main_ms):6.2f} ms, process "
+                      f"{float(proc_ms):6.2f} ms per cycle (one render included); findings {findings}",
+                      flush=True)
+                if args.parts:
+                    print("\n".join(ln for ln in out.stdout.splitlines() if ln.startswith("    ")),
+                          flush=True)
+        for name, rows in results.items():
+            procs_ms = [p for _, p in rows]
+            mains = [m for m, _ in rows]
+            print(f"  {name:10s} process ms per cycle: min {min(procs_ms):.2f}, median "
+                  f"{statistics.median(procs_ms):.2f}; main thread: min {min(mains):.2f}, median "
+                  f"{statistics.median(mains):.2f}", flush=True)
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
