@@ -245,12 +245,9 @@ class NvmlSource:
             throttle_reasons=_known(reasons) if reasons is not None else None,
             memory_utilization_ratio=None if mem_util is None else mem_util / 100.0,
         )
-        if self._compute is None:
+        if self._compute is None:  # the library is known once NVML is up
             self._compute = ComputeProcesses(nv)
-        if self._compute.available:
-            listed = self._optional(nv, functools.partial(self._compute, index, handle))
-        else:  # another nvidia-ml-py, a recorded double: its own function
-            listed = self._optional(nv, functools.partial(nv.nvmlDeviceGetComputeRunningProcesses, handle))
+        listed = self._optional(nv, functools.partial(self._compute, index, handle))
         procs = _processes(index, uuid, "compute", listed or [])
         return device, procs + self._graphics_processes(nv, handle, device)
 

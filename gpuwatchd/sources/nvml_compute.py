@@ -12,8 +12,8 @@ reads two fields of each entry; when the driver says the buffer is too small
 
 It uses nvidia-ml-py's ctypes parts (``_nvmlGetFunctionPointer``, ``c_nvmlProcessInfo_v3_t``,
 the struct its own v3 function fills): where they are not there (another version, a recorded
-double), ``available`` is False and the caller uses the public function; so it does from then on
-where the driver has no v3 call.
+double), ``available`` is False and a call is the library's public function; so it is from then
+on where the driver has no v3 call.
 tests/test_nvml_compute.py drives the buffer logic with a fake driver function;
 tests/gpu/test_gpu_suite.py compares both on a real GPU with real holders.
 """
@@ -55,8 +55,11 @@ class ComputeProcesses:
         self._buffers.clear()
 
     def __call__(self, index: int, handle: Any) -> list[Any]:
-        """The processes of GPU ``index`` (``handle``: its NVML handle), as ``ComputeProcess``."""
+        """The processes of GPU ``index`` (``handle``: its NVML handle), as ``ComputeProcess``;
+        where the kept buffer cannot be used, what the library's own function returns."""
         nv = self.nv
+        if not self.available:
+            return list(nv.nvmlDeviceGetComputeRunningProcesses(handle))
         try:
             fn = nv._nvmlGetFunctionPointer("nvmlDeviceGetComputeRunningProcesses_v3")
         except nv.NVMLError as e:  # a driver without the v3 call: the public function from now on
