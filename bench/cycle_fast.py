@@ -17,7 +17,7 @@ Per checkout and round it prints the CPU of one cycle plus one render of the scr
 thread's and the whole process's (collector threads included), after ``--warmup`` cycles; with
 ``--main-repo`` the two checkouts alternate, round by round, and the minimum and median of each
 are printed side by side (the 2-core VM moves by 10-20 % between runs). ``--parts``: the CPU of
-each part of the cycle (as ``cycle_profile.py --phases``). It measures the cycle only: no
+each part of the cycle (``cycle_profile.INSTRUMENT``, as ``cycle_profile.py --phases``). It measures the cycle only: no
 scrapes over HTTP, no py-spy runs (the GIL sampler's thread is left idle), no waiting threads.
 """
 
@@ -48,29 +48,11 @@ import gpuwatchd.daemon.core as core
 from gpuwatchd.config import load_config
 cfg = load_config(cfg_path)
 cfg = dataclasses.replace(cfg, web=dataclasses.replace(cfg.web, listen_address="127.0.0.1:0"))
-acc = collections.Counter()
-def timed(name, fn):
-    def w(*a, **k):
-        t0 = time.thread_time()
-        try:
-            return fn(*a, **k)
-        finally:
-            acc[name] += time.thread_time() - t0
-    return w
+exec(INSTRUMENT)  # cycle_profile.INSTRUMENT: acc, timed, instrument
 d = core.Daemon(cfg)
 d.start()
 if parts:
-    core.build_state = timed("join (build_state + findings)", core.build_state)
-    d.rank_collector.fn = timed("rank files + discovery + guard", d.rank_collector.fn)
-    d.proc_collector.fn = timed("procfs (ranks + descendants)", d.proc_collector.fn)
-    d._write_state = timed("state.json", d._write_state)
-    for sub in d.subsystems:
-        for hook in ("track", "after_join"):
-            if hasattr(sub, hook):
-                setattr(sub, hook, timed(f"{sub.name}.{hook}", getattr(sub, hook)))
-        col = getattr(sub, "collector", None)
-        if col is not None:
-            col.fn = timed(sub.name + " collector thread", col.fn)
+    instrument(core, d)
 render = timed("render (one scrape)", d.registry.encode_text)
 beats = sorted(glob.glob(os.path.join(hb_dir, "*.hb")))
 gc.freeze()
@@ -153,8 +135,9 @@ def main() -> int:
                 cfg = tmp / f"{name}-{rnd}.yaml"
                 cfg.write_text(f"rank_dir: {ranks}\nstate_dir: {tmp / name}-{rnd}\ninterval_seconds: "
                                f"{args.interval}\nnvml:\n  fixture: {fixture}\ngil:\n  pyspy_path: {pyspy}\n")
+                child = f"INSTRUMENT = {cycle_profile.INSTRUMENT!r}\n{CHILD}"
                 out = subprocess.run(
-                    [sys.executable, "-c", CHILD, str(cfg), str(beats), str(args.warmup),
+                    [sys.executable, "-c", child, str(cfg), str(beats), str(args.warmup),
                      str(args.cycles), str(args.interval), "1" if args.parts else "0"],
                     env={**os.environ, "PYTHONPATH": repo}, cwd=repo, capture_output=True, text=True,
                     timeout=1800)

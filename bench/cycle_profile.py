@@ -320,18 +320,16 @@ def phases(cfg_path: Path, repo: str, cycles: int, interval: float) -> None:
     """The cycle's CPU by part, in-process in a child interpreter running ``repo``'s code: the same
     config (its web server on a free port), ``cycles`` cycles paced at ``interval``; each part timed
     with time.thread_time() in the thread it runs in (collectors run in threads of their own)."""
-    code = PHASES_CODE.format(cfg=str(cfg_path), cycles=cycles, interval=interval)
+    code = PHASES_CODE.format(cfg=str(cfg_path), cycles=cycles, interval=interval, instrument=INSTRUMENT)
     env = {**os.environ, "PYTHONPATH": repo}
     subprocess.run([sys.executable, "-c", code], env=env, cwd=repo, check=False)
 
 
-PHASES_CODE = r"""
-import collections, dataclasses, time
-import gpuwatchd.daemon.core as core
-from gpuwatchd.config import load_config
-cfg = load_config({cfg!r})
-cfg = dataclasses.replace(cfg, web=dataclasses.replace(cfg.web, listen_address="127.0.0.1:0"),
-                          state_dir=cfg.state_dir + "-phases")
+# Times each part of a daemon's cycle in the thread it runs in (``acc``: part -> CPU seconds);
+# ``instrument(core, d)`` wraps the parts of ``d`` (a ``core.Daemon``). Plain text, no format
+# fields: PHASES_CODE here and bench/cycle_fast.py's child both run it.
+INSTRUMENT = r"""
+import collections, time
 acc = collections.Counter()
 def timed(name, fn):
     def w(*a, **k):
@@ -341,20 +339,32 @@ def timed(name, fn):
         finally:
             acc[name] += time.thread_time() - t0
     return w
-core.build_state = timed("join (build_state + findings)", core.build_state)
+def instrument(core, d):
+    core.build_state = timed("join (build_state + findings)", core.build_state)
+    d.rank_collector.fn = timed("rank files + discovery + guard", d.rank_collector.fn)
+    d.proc_collector.fn = timed("procfs (ranks + descendants)", d.proc_collector.fn)
+    d._write_state = timed("state.json", d._write_state)
+    for sub in d.subsystems:
+        # the cycle's hooks of either checkout: before_join (before issue 26), track / observe
+        for hook in ("before_join", "track", "observe", "after_join"):
+            if hasattr(sub, hook):
+                setattr(sub, hook, timed(f"{sub.name}.{hook}", getattr(sub, hook)))
+        col = getattr(sub, "collector", None)
+        if col is not None:
+            col.fn = timed(sub.name + " collector thread", col.fn)
+"""
+
+PHASES_CODE = r"""
+import collections, dataclasses, time
+import gpuwatchd.daemon.core as core
+from gpuwatchd.config import load_config
+cfg = load_config({cfg!r})
+cfg = dataclasses.replace(cfg, web=dataclasses.replace(cfg.web, listen_address="127.0.0.1:0"),
+                          state_dir=cfg.state_dir + "-phases")
+exec({instrument!r})
 d = core.Daemon(cfg)
 d.start()
-d.rank_collector.fn = timed("rank files + discovery + guard", d.rank_collector.fn)
-d.proc_collector.fn = timed("procfs (ranks + descendants)", d.proc_collector.fn)
-d._write_state = timed("state.json", d._write_state)
-for sub in d.subsystems:
-    # the cycle's hooks of either checkout: before_join (before issue 26), track / observe (after)
-    for hook in ("before_join", "track", "observe", "after_join"):
-        if hasattr(sub, hook):
-            setattr(sub, hook, timed(f"{{sub.name}}.{{hook}}", getattr(sub, hook)))
-    col = getattr(sub, "collector", None)
-    if col is not None:
-        col.fn = timed(sub.name + " collector thread", col.fn)
+instrument(core, d)
 for _ in range(2):
     d.cycle()
 acc.clear()
