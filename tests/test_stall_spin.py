@@ -70,7 +70,8 @@ SHAPES = {
         idle = threading.Event()
         for _ in range(4):
             threading.Thread(target=idle.wait, daemon=True).start()
-        signal.signal(signal.SIGUSR1, lambda *_: None)  # SIGUSR1 wakes the main thread briefly
+        # SIGUSR1 wakes the main thread briefly; it says so and sleeps again
+        signal.signal(signal.SIGUSR1, lambda *_: print("woke", flush=True))
         print("ready", flush=True)
         while True:
             signal.pause()
@@ -304,6 +305,20 @@ def _counting_pyspy(tmp: Path) -> tuple[PySpy, Path]:
     return PySpy(str(wrapper)), count
 
 
+def _wait_asleep(pid: int, timeout: float = 10.0) -> None:
+    """Until the main thread sleeps (S) with its schedstat unchanged for 0.1 s."""
+    task = Path(f"/proc/{pid}/task/{pid}")
+    deadline, last = time.time() + timeout, None
+    while time.time() < deadline:
+        now = (task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0],
+               task.joinpath("schedstat").read_text())
+        if now == last and now[0] == "S":
+            return
+        last = now
+        time.sleep(0.1)
+    raise AssertionError(f"pid {pid} did not settle: {last}")
+
+
 def _runs(count: Path) -> int:
     return len(count.read_text().splitlines()) if count.exists() else 0
 
@@ -339,6 +354,10 @@ def test_idle_rank_is_dumped_once_per_stall_episode(launch, tmp_path: Path) -> N
     assert "pause" in last.threads_summary and last.stuck_frames, last
 
     p.send_signal(signal.SIGUSR1)  # the main thread runs its handler and sleeps again
+    # Looks start once it is asleep again: a dump in the middle of the wake-up (a loaded CI
+    # machine is slow to run the handler) is followed, by design, by one when the view settles.
+    assert p.stdout is not None and p.stdout.readline().strip() == "woke"
+    _wait_asleep(p.pid)
     second = look(2.0 * after + 0.5)
     assert _runs(count) == 2, (t_start, count.read_text())
     # the new dump finds the same place: still stalled, and no thread ran since the new dump
