@@ -118,7 +118,11 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         lead += "".join(f"{x}; " for x in fr)
         if v.confirmed_by:
             lead += f"{CONFIRMED[v.confirmed_by]} ({v.gpu_evidence}); "
-        if v.unchanged is not None:
+        if v.unchanged is not None and v.unchanged_quiet_ms is not None:
+            lead += (f"its Python threads slept at the same place at every look since the dump at "
+                     f"{fmt_clock_utc(v.unchanged[0])}, with {v.unchanged_quiet_ms:.1f} ms of CPU in "
+                     "all (schedstat), so that dump stands; ")
+        elif v.unchanged is not None:
             lead += (f"no thread ran since the dump at {fmt_clock_utc(v.unchanged[0])} (schedstat at "
                      f"{fmt_clock_utc(v.unchanged[1]).removesuffix(' UTC')}: the same tasks, run times "
                      "and slice counts), so its stacks still hold; ")
@@ -142,6 +146,8 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
                 "flight_recorder": fr,
                 "confirmed_by": v.confirmed_by,
                 "unchanged_since_dump": None if v.unchanged is None else round(v.unchanged[0], 3),
+                "quiet_cpu_ms_since_dump": None if v.unchanged_quiet_ms is None
+                else round(v.unchanged_quiet_ms, 1),
                 "gpus": [{"gpu": i, "utilization": u, "held_bytes": h} for i, u, h in gpus],
             },
         )

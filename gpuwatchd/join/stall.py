@@ -32,7 +32,10 @@ when that /proc view changed and settled, else once per after_seconds (issue 22:
 what a heartbeat-less rank cost beside a beating one), none while no task ran since the last dump
 (the same tasks with the same schedstat run time and slice count prove its stacks still hold),
 none at first sight (the first dump waits for the second look, which knows each thread's CPU
-share: a node's ranks are not all dumped when the daemon or a job starts), and none while its
+share: a node's ranks are not all dumped when the daemon or a job starts), for a rank quiet since
+first sight (QUIET_SHARE: asleep at the same place at every look, its main thread waking without
+working) none before a dump interval ahead of the comparison, and for a stalled one quiet since
+its last dump none before QUIET_REDUMP x after_seconds; and none while its
 Python threads work in the working band or its own GPU moves data (that is progress already);
 never every cycle: between looks a rank's verdict comes from its last look and its heartbeat.
 Bounded whatever the input: a process listed by many ranks is looked at once per cycle (per-PID
@@ -74,6 +77,16 @@ SPIN_SHARE = 0.9  # a thread that used >= 90 % of a core between two looks is "b
 # being done (a blocked thread uses ~0, a spin-wait ~1 core), and it counts as progress even when
 # every dump catches the same line (a loop that spends most of its time in one call).
 WORK_SHARE = 0.05
+# A rank's Python threads (its main thread before the first dump) are "quiet" at a look when they
+# ran at most this share of a core since the last one (schedstat run time: a few wake-ups of a
+# sleep or a poll, no work) and the look's /proc view is the last dump's. A stack moves only while
+# its thread runs, and one this quiet, asleep at the same place at every look, has had next to no
+# chance to: the first dump of a rank quiet since first sight waits until a dump interval before
+# the comparison is due, and a stalled rank quiet since its last dump is not dumped again before
+# QUIET_REDUMP x after_seconds (issue 22: 64 ranks asleep at one line were dumped each at their
+# second look and then once per after_seconds, 2.7 x the cost of the same ranks beating).
+QUIET_SHARE = 0.002
+QUIET_REDUMP = 6
 MAX_FRAMES = 8
 # At most this many tasks of one process are read per look: a process with 3000 threads costs the
 # same as one with 256 (the main thread and the oldest threads come first, by tid).
@@ -112,6 +125,10 @@ class _Track:
     dump_slices: dict[int, tuple[int, int]] | None = None
     stacks_at: float = 0.0
     proven_at: float | None = None  # the last comparison was that proof (not a py-spy run)
+    # quiet (QUIET_SHARE) at every look since the last dump or, before the first, since first sight
+    quiet: bool = True
+    quiet_run_ns: int = 0  # its Python threads' run time since then (the quiet proof's words)
+    quiet_proof: bool = False  # the last proof was the quiet one (not "no task ran")
     look_slices: dict[int, tuple[int, int]] = field(default_factory=dict)  # of tr.threads
     looks: int = 0  # /proc looks so far
 
@@ -224,6 +241,7 @@ class StallTracker:
         if look_due:
             # CPU pattern since the previous look, per thread
             prev_slices = {t.tid: (tr.look_slices[t.tid], t) for t in tr.threads if t.tid in tr.look_slices}
+            last_slices = tr.look_slices
             threads, tr.look_slices = self.cycle.threads(p.pid, prev_slices)
             elapsed = now - tr.threads_at if tr.threads else 0.0
             prev = {t.tid: t.cpu_ticks for t in tr.threads}
@@ -239,6 +257,8 @@ class StallTracker:
             python_tids = {s.tid for s in tr.stacks if s.tid} or (set(shares) if tr.stacks else {p.pid})
             if any(WORK_SHARE <= shares[t] < SPIN_SHARE for t in python_tids if t in shares):
                 tr.worked = True
+            if tr.threads_at:
+                self._note_quiet(tr, python_tids, last_slices, elapsed)
             active = tr.gpu.active_at()
             if active is not None and active > tr.last_change and elapsed > 0:
                 # its own GPU moved data since the last change: progress (below), no dump needed
@@ -318,7 +338,23 @@ class StallTracker:
             ambiguous=ambiguous, confirmed_by=confirmed_by, gpu_evidence=gpu_words,
             unchanged=(tr.stacks_at, tr.proven_at) if tr.proven_at is not None and method == "stack"
             else None,
+            unchanged_quiet_ms=tr.quiet_run_ns / 1e6 if tr.proven_at is not None and tr.quiet_proof
+            and method == "stack" else None,
         )  # fmt: skip
+
+    @staticmethod
+    def _note_quiet(tr: _Track, python_tids: set[int], last: dict[int, tuple[int, int]],
+                    elapsed: float) -> None:
+        """Whether the Python threads stayed quiet since the last look (the view is compared in
+        ``_stack_progress``): each read at both looks (schedstat), with little run time."""
+        now = tr.look_slices
+        if not tr.quiet or elapsed <= 0 or not python_tids or \
+                any(t not in now or t not in last for t in python_tids):
+            tr.quiet = False
+            return
+        ran = sum(now[t][0] - last[t][0] for t in python_tids)
+        tr.quiet_run_ns += ran
+        tr.quiet = ran <= QUIET_SHARE * elapsed * 1e9
 
     @staticmethod
     def _look(now: float, tr: _Track, threads: tuple[ThreadInfo, ...],
@@ -343,15 +379,24 @@ class StallTracker:
                          if t.tid in python_tids)  # fmt: skip
 
         before_second_look = tr.fingerprint is None and tr.looks < 2
+        never = tr.fingerprint is None and tr.last_dump_at == float("-inf")  # no dump, no work
         if looked:
             proc_fp = view()
+            main_fp = tuple(v for v in proc_fp if v[0] == p.pid)
             if tr.fingerprint is None and tr.look_fp is not None and \
-                    [v for v in proc_fp if v[0] == p.pid] != [v for v in tr.look_fp if v[0] == p.pid]:
+                    main_fp != tuple(v for v in tr.look_fp if v[0] == p.pid):
                 tr.last_change = now  # its main thread moved between the looks before its first dump
-            # a view that differs from the one at the last dump and held for one look: the rank
-            # has moved and settled (a dump in the middle of a move would see neither place)
-            if proc_fp != tr.proc_fp and proc_fp == tr.look_fp:
-                tr.dump_due = True
+            if never:
+                # before the first dump only the main thread's view counts, against the one at
+                # first sight (native helper threads wake on their own)
+                tr.proc_fp = main_fp if tr.proc_fp is None else tr.proc_fp
+                tr.quiet = tr.quiet and main_fp == tr.proc_fp
+            else:
+                tr.quiet = tr.quiet and proc_fp == tr.proc_fp
+                # a view that differs from the one at the last dump and held for one look: the
+                # rank has moved and settled (a dump in the middle of a move would see neither place)
+                if proc_fp != tr.proc_fp and proc_fp == tr.look_fp:
+                    tr.dump_due = True
             tr.look_fp = proc_fp
         if before_second_look and self.looks.can_dump:
             # No dump at first sight (issue 22: a node's ranks were all dumped at once when the
@@ -368,6 +413,7 @@ class StallTracker:
             tr.last_change = now
             tr.last_dump_at = now  # this look counts as the comparison: next one a dump interval on
             tr.proc_fp, tr.dump_due, tr.proven_at = view(), False, None
+            tr.quiet, tr.quiet_run_ns = True, 0
             return ("stack" if tr.stacks else "proc"), now
         # The dump cadence (issue 22: the dumps were what a rank without heartbeat cost beside one
         # with). A /proc view (each thread's state, wchan, burning a core or not) that changed
@@ -377,27 +423,34 @@ class StallTracker:
         # after the last dump. A stall is two identical dumps after_seconds apart with no settled
         # change of view between them: a hang is seen after_seconds after the first look that
         # shows it settled, plus a look or two.
+        stalled = tr.identical >= 1 and tr.last_dump_at - tr.last_change >= self.after
         if tr.dump_due or not self.looks.can_dump:
             due = tr.last_dump_at + self.dump_interval  # (without py-spy the view is the comparison)
-        elif tr.identical >= 1 and tr.last_dump_at - tr.last_change >= self.after:
+        elif never:
+            # The first dump is due at once, unless the rank has been quiet since first sight:
+            # then it is the first of the two a stall needs, a dump interval before the second.
+            due = tr.last_change + self.after - self.dump_interval if tr.quiet else now
+        elif stalled:
             due = tr.last_dump_at + max(self.dump_interval, self.after)
         else:
             due = max(tr.last_dump_at + self.dump_interval, tr.last_change + self.after)
-        # (a first dump is due at once, unless a working look already stood in for it)
-        if now < due and (tr.fingerprint is not None or tr.last_dump_at > float("-inf")):
+        if now < due:
             return ("stack" if tr.stacks else "proc"), tr.last_change
         if self.cycle.dump_over_budget(p.pid):
             self.deferred["dump"] += 1
             return ("stack" if tr.stacks else "proc"), tr.last_change
-        if tr.stacks and tr.dump_slices is not None and \
-                not any(t.state == "R" for t in threads) and \
-                self.cycle.run_slices(p.pid) == tr.dump_slices:
+        asleep = bool(tr.stacks) and not any(t.state == "R" for t in threads)
+        if asleep and tr.dump_slices is not None and self.cycle.run_slices(p.pid) == tr.dump_slices:
             # The same tasks, none ran since the last dump (schedstat's numbers grow while a task
             # runs; one on a CPU throughout, which a tickless CPU may not count, reads R): a Python
             # stack changes only when its thread runs, so the stacks are that dump's. A rank
             # blocked at 0 % CPU is dumped once per episode (issue 22: the dumps were its cost).
             stacks: tuple[ThreadStack, ...] | None = tr.stacks
-            hopeless, proven = False, True
+            hopeless, proven, tr.quiet_proof = False, True, False
+        elif asleep and stalled and tr.quiet and now - tr.stacks_at < QUIET_REDUMP * self.after:
+            # Stalled, and its Python threads quiet at every look since the dump (QUIET_SHARE):
+            # that dump still stands, re-checked by a dump every QUIET_REDUMP x after_seconds.
+            stacks, hopeless, proven, tr.quiet_proof = tr.stacks, False, True, True
         else:
             stacks, hopeless = self.cycle.dump(now, p.pid)
             proven = False
@@ -410,6 +463,7 @@ class StallTracker:
             if not proven:
                 tr.dump_slices = self.cycle.slices_before_dump(p.pid)
                 tr.stacks_at = now
+                tr.quiet, tr.quiet_run_ns = True, 0
             tr.proven_at = now if proven else None
             tr.stacks, tr.last_dump_at = stacks, now
             method = "stack"
