@@ -201,12 +201,43 @@ def start_ranks(args: argparse.Namespace, tmp: Path) -> tuple[list[subprocess.Po
     return procs, [int((tmp / f"r{i}.pid").read_text()) for i in range(args.ranks)]
 
 
+def pyspy_runs(pids: dict[str, int]) -> str:
+    """The py-spy runs of each daemon, from bench/pyspy_counting.sh's log (``PYSPY_LOG``; the
+    daemons' gil.pyspy_path is that script through ``--pyspy``), by kind (dump / record)."""
+    log = os.environ.get("PYSPY_LOG", "/tmp/pyspy_calls.log")  # the script's default: the
+    # daemon runs py-spy in a clean environment
+    if not log or not Path(log).exists():
+        return ""
+    counts: dict[str, collections.Counter[str]] = {k: collections.Counter() for k in pids}
+    for line in Path(log).read_text(errors="replace").splitlines():
+        parts = line.split()
+        if len(parts) > 3 and parts[2].startswith("rc="):
+            for k, pid in pids.items():
+                if parts[1] == str(pid):
+                    counts[k][parts[3]] += 1
+    return "; py-spy runs: " + ", ".join(f"{k} {dict(c) or 0}" for k, c in counts.items())
+
+
+def rank_dir_without_heartbeats(tmp: Path) -> Path:
+    """A copy of the rank directory with no heartbeat in any entry (``--nohb-beside``): the same
+    processes, judged by /proc and dumps, asleep a second at a time between their beats."""
+    out = tmp / "ranks-nohb"
+    out.mkdir()
+    for f in sorted((tmp / "ranks").glob("*.json")):
+        doc = json.loads(f.read_text())
+        for r in doc["ranks"]:
+            r.pop("heartbeat", None)
+        (out / f.name).write_text(json.dumps(doc))
+    return out
+
+
 def start_daemon(name: str, repo: str, args: argparse.Namespace, tmp: Path, fixture: Path,
-                 logs: contextlib.ExitStack) -> tuple[subprocess.Popen[bytes], str]:
+                 logs: contextlib.ExitStack, rank_dir: Path | None = None,
+                 ) -> tuple[subprocess.Popen[bytes], str]:  # fmt: skip
     port = free_port()
     cfg = tmp / f"{name}.yaml"
     pyspy = args.pyspy or shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    cfg.write_text(f"rank_dir: {tmp / 'ranks'}\nstate_dir: {tmp / name}\ninterval_seconds: "
+    cfg.write_text(f"rank_dir: {rank_dir or tmp / 'ranks'}\nstate_dir: {tmp / name}\ninterval_seconds: "
                    f"{args.interval}\nweb:\n  listen_address: '127.0.0.1:{port}'\nnvml:\n  fixture: "
                    f"{fixture}\ngil:\n  pyspy_path: {pyspy}\n{args.config_extra}\n")
     env = {**os.environ, "PYTHONPATH": repo, "GW_THREAD_CPU_FILE": str(tmp / f"{name}.threads.json")}
@@ -467,6 +498,9 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--no-heartbeat", action="store_true",
                     help="ranks register without a heartbeat (stall detection from /proc and dumps)")
+    ap.add_argument("--nohb-beside", action="store_true",
+                    help="a daemon of each checkout beside, reading the same ranks without their "
+                    "heartbeats (asleep a second at a time between beats: the sleeping holders)")
     ap.add_argument("--idle", action="store_true",
                     help="ranks found by discovery (torchrun's variables, no rank file), every "
                     "thread blocked: an idle holder or a hang (no heartbeat, no flight recorder)")
@@ -495,10 +529,17 @@ def main() -> int:
         fixture = tmp / "nvml.json"
         derive_fixture(pids, fixture)
         daemons["gpuwatchd"] = start_daemon("gpuwatchd", str(REPO), args, tmp, fixture, logs)
+        nohb = rank_dir_without_heartbeats(tmp) if args.nohb_beside else None
+        if nohb:
+            daemons["gpuwatchd-nohb"] = start_daemon("gpuwatchd-nohb", str(REPO), args, tmp,
+                                                     fixture, logs, nohb)
         if args.main_repo:
             before = overlay_replay(Path(args.main_repo), tmp / "before")
             daemons["gpuwatchd-before"] = start_daemon("gpuwatchd-before", str(before), args, tmp,
                                                        fixture, logs)
+            if nohb:
+                daemons["gpuwatchd-before-nohb"] = start_daemon(
+                    "gpuwatchd-before-nohb", str(before), args, tmp, fixture, logs, nohb)
         deadline = time.monotonic() + 60
         for _, u in daemons.values():
             while True:
@@ -522,6 +563,12 @@ def main() -> int:
             for name, c, n, w in r["by_name"]:
                 print(f"  {'':19s}{name:32s} {c:7.3f} s {100 * c / r['wall_s']:6.3f} %  {n or '':>7} "
                       f"{w / r['wall_s']:10.2f}", flush=True)
+        for hb, no in (("gpuwatchd", "gpuwatchd-nohb"), ("gpuwatchd-before", "gpuwatchd-before-nohb")):
+            if no in res:
+                runs = pyspy_runs({k: daemons[k][0].pid for k in (hb, no)})
+                print(f"  {no} / {hb}: own {res[no]['cpu_percent_own'] / res[hb]['cpu_percent_own']:.2f}, "
+                      f"with children {res[no]['cpu_percent_with_children'] / res[hb]['cpu_percent_with_children']:.2f}"
+                      f"{runs}", flush=True)
         if "gpuwatchd-before" in res:
             a, b = res["gpuwatchd"], res["gpuwatchd-before"]
             print(f"  after/before: own {a['cpu_percent_own'] / b['cpu_percent_own']:.2f}, with "

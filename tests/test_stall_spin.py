@@ -522,6 +522,33 @@ def test_quiet_stalled_rank_that_works_is_dumped_again(launch, tmp_path: Path) -
     assert v.stalled, v
 
 
+def test_stalled_rank_is_analysed_once_per_look(launch) -> None:
+    """A stalled rank's hang analysis (each waiting thread's syscall read, each thread classified)
+    runs at the look cadence, not every cycle: its inputs are the last dump's stacks and the last
+    look's threads (64 stalled ranks spent 62 ms a cycle in it on the 2-core VM, before)."""
+    p = launch("idle", "analysed")
+    looks = StallLooks(PySpy(pyspy.resolve_pyspy()))
+    calls = []
+    real = looks.waits
+
+    def counting(pid, tids):  # type: ignore[no-untyped-def]
+        calls.append(time.time())
+        return real(pid, tids)
+
+    looks.waits = counting  # type: ignore[method-assign]
+    after, interval = 1.0, 1.0
+    tracker = StallTracker(after, looks, dump_interval_seconds=interval)
+    time.sleep(0.3)
+    t0, stalled = time.time(), 0
+    while time.time() - t0 < 4.0:
+        v = tracker.observe(time.time(), [_probe(p.pid, "analysed")])[("analysed", 0)]
+        stalled += v.stalled
+        time.sleep(0.2)
+    assert stalled >= 8 and v.analysis is not None, (stalled, v)
+    # one per look once stalled (a look a second), not one per cycle (five a second)
+    assert 1 <= len(calls) <= 4, [round(t - t0, 2) for t in calls]
+
+
 def test_working_rank_is_never_dumped(launch, tmp_path: Path) -> None:
     """Issue 22's cost, the common case: a heartbeat-less rank whose main thread works (in the
     working band, neither blocked nor burning a core) is progressing by that alone; it costs

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatchd.join.cycle_looks import CycleLooks, Looker
-from gpuwatchd.join.hang import analyze, wait_tids
+from gpuwatchd.join.hang import HangAnalysis, analyze, wait_tids
 from gpuwatchd.join.rank_workers import RankWorkers
 from gpuwatchd.join.stall_spin import (
     GpuReading,
@@ -131,6 +131,8 @@ class _Track:
     quiet_proof: bool = False  # the last proof was the quiet one (not "no task ran")
     look_slices: dict[int, tuple[int, int]] = field(default_factory=dict)  # of tr.threads
     looks: int = 0  # /proc looks so far
+    analysis: HangAnalysis | None = None  # of the stacks and look in analysis_of
+    analysis_of: tuple[tuple[ThreadStack, ...], float] = ((), 0.0)
 
 
 class StallTracker:
@@ -310,11 +312,18 @@ class StallTracker:
         spin = spinning_python(tr.stacks, spinning) if stalled_so_far and method in ("stack", "proc") \
             else frozenset()
         if (stalled_so_far or late) and tr.stacks:
-            waits = self.looks.waits(p.pid, wait_tids(tr.stacks, threads))
-            workers = tr.workers.view(self.looks.context_switches, p.workers)
-            analysis = analyze(tr.stacks, threads, shares, waits, workers, busiest_worker)
-            if analysis.compiling:
-                tr.compile_busy_at = now
+            if tr.analysis is None or tr.analysis_of[0] is not tr.stacks or \
+                    tr.analysis_of[1] != tr.threads_at:
+                # at the look cadence: its inputs are the last dump's stacks and the last look's
+                # threads, and a stalled rank's analysis every cycle was most of what 64 such
+                # ranks cost (the syscall of each waiting thread, each thread classified)
+                waits = self.looks.waits(p.pid, wait_tids(tr.stacks, threads))
+                workers = tr.workers.view(self.looks.context_switches, p.workers)
+                tr.analysis = analyze(tr.stacks, threads, shares, waits, workers, busiest_worker)
+                tr.analysis_of = (tr.stacks, tr.threads_at)
+                if tr.analysis.compiling:
+                    tr.compile_busy_at = now
+            analysis = tr.analysis
             # The compiler's CPU moves between short-lived children (g++, Triton workers) and
             # the rank itself, and a dump may catch it in C code without a Python frame: within
             # after_seconds of a busy compiling look, it is still compiling unless it now shows
