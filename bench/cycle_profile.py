@@ -17,6 +17,10 @@ Reproduces the shape of bench/nvml_poll.py's device workload on any Linux box:
 * a real ``gpuwatchd run`` with the shipped defaults otherwise (GIL sampling with py-spy, kernel
   log, discovery), scraped every ``--interval`` seconds over loopback; with ``--main-repo`` the
   same daemon from another checkout runs beside it in the same window ("before");
+* ``--nohb-beside``: beside each checkout's daemon, one more reading a copy of the rank
+  directory without the heartbeats: the same ranks, asleep a second at a time between their
+  beats, judged by /proc and dumps (the sleeping holders of nvml_poll.py ``--work-ms 0``); with
+  ``--pyspy bench/pyspy_counting.sh`` the py-spy runs of each daemon are counted;
 * ``--idle`` (with ``--no-heartbeat``): ranks found by discovery instead (torchrun's variables,
   no rank file, no flight-recorder thread) whose every thread blocks: what an idle holder or a
   hang costs, where schedstat proves the last dump's stacks still hold (issue 22).

@@ -115,13 +115,26 @@ def rank_finding(r: RankState, kind: str, severity: str, explanation: str,
                    evidence=frozen_map() if evidence is None else evidence, since=since)
 
 
-def rank_gpus(r: RankState, ctx: FindingContext) -> list[tuple[str, float | None, int | None]]:
-    """(gpu index, utilisation or None, bytes held by the rank's tree or None) per GPU of the
-    rank: those named in its rank file and those its processes hold memory on."""
-    held: dict[str, int] = {}
+def ranks_gpu_memory(ctx: FindingContext) -> dict[tuple[str, str], dict[str, int]]:
+    """(job, rank) -> gpu index -> bytes its tree holds there: ``rank_gpus``'s ``held`` for every
+    rank at once (a rule that asks for many ranks reads the process list once)."""
+    out: dict[tuple[str, str], dict[str, int]] = {}
     for p in ctx.gpu_processes:
-        if p.job_id == r.job_id and p.rank == str(r.rank) and p.used_memory_bytes is not None:
+        if p.job_id is not None and p.rank is not None and p.used_memory_bytes is not None:
+            held = out.setdefault((p.job_id, p.rank), {})
             held[str(p.gpu_index)] = held.get(str(p.gpu_index), 0) + p.used_memory_bytes
+    return out
+
+
+def rank_gpus(r: RankState, ctx: FindingContext,
+              memory: Mapping[tuple[str, str], Mapping[str, int]] | None = None,
+              ) -> list[tuple[str, float | None, int | None]]:  # fmt: skip
+    """(gpu index, utilisation or None, bytes held by the rank's tree or None) per GPU of the
+    rank: those named in its rank file and those its processes hold memory on (``memory``:
+    ``ranks_gpu_memory(ctx)``, made once by a caller that asks for many ranks)."""
+    if memory is None:
+        memory = ranks_gpu_memory(ctx)
+    held = memory.get((r.job_id, str(r.rank)), {})
     out = []
     for g in ctx.gpus:
         if str(g.index) in held or g.uuid in r.gpus or str(g.index) in r.gpus:
@@ -138,5 +151,6 @@ __all__ = [
     "rank_finding",
     "rank_gpus",
     "rank_label",
+    "ranks_gpu_memory",
     "readings_of",
 ]

@@ -25,7 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from gpuwatchd.findings.context import FindingContext, collective_words, rank_finding, rank_gpus, rank_label
+from gpuwatchd.findings.context import (
+    FindingContext,
+    collective_words,
+    rank_finding,
+    rank_gpus,
+    rank_label,
+    ranks_gpu_memory,
+)
 from gpuwatchd.model import INFO, PAGE, WARNING, Finding, RankId, RankState
 from gpuwatchd.model.stall import StallVerdict
 from gpuwatchd.units import fmt_bytes, fmt_clock_utc
@@ -84,6 +91,11 @@ def _duration(seconds: float) -> str:
 
 def find(ctx: FindingContext) -> Iterable[Finding]:
     verdicts: Mapping[RankId, StallVerdict] = ctx.stall
+    # made once for all the stalled ranks (64 stalled ranks each walked every verdict, every GPU
+    # process and every flight record: quadratic, each cycle)
+    memory: dict[tuple[str, str], dict[str, int]] | None = None
+    suspects_of: dict[str, list[StallVerdict]] | None = None
+    words_of: dict[str, list[str]] = {}
     for r in ctx.ranks:
         v = verdicts.get(r.rank_id)
         if v is not None and r.alive and v.compiling and not v.stalled and v.pid == r.pid:
@@ -98,9 +110,12 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         if v.progress_timestamp is not None:
             since = f" (last progress {fmt_clock_utc(v.progress_timestamp)})"
         where = " <- ".join(v.stuck_frames[:5]) if v.stuck_frames else "stack unknown (no py-spy)"
-        suspects = [
-            s for s in verdicts.values() if s.job_id == r.job_id and s.suspect and s.rank != r.rank
-        ]
+        if suspects_of is None:
+            suspects_of = {}
+            for s in verdicts.values():
+                if s.suspect:
+                    suspects_of.setdefault(s.job_id, []).append(s)
+        suspects = [s for s in suspects_of.get(r.job_id, ()) if s.rank != r.rank]
         if v.suspect:
             odd = f"; suspect: this rank is the odd one out ({v.suspect_reason})"
         elif suspects:
@@ -109,12 +124,15 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
             )
         else:
             odd = ""
-        gpus = rank_gpus(r, ctx)
+        memory = ranks_gpu_memory(ctx) if memory is None else memory
+        gpus = rank_gpus(r, ctx, memory)
         patterns = v.analysis.patterns_text() if v.analysis else ""
         lead = f"{patterns}{gpu_wait_text(v, gpus)}; " if patterns else ""
         on_gpu = f"; {gpu_text(gpus)}" if gpus else ""
         threads = f"; threads: {v.analysis.threads_text()}" if v.analysis else ""
-        fr = collective_words(ctx, r.job_id)
+        fr = words_of.get(r.job_id)
+        if fr is None:
+            fr = words_of[r.job_id] = collective_words(ctx, r.job_id)
         lead += "".join(f"{x}; " for x in fr)
         if v.confirmed_by:
             lead += f"{CONFIRMED[v.confirmed_by]} ({v.gpu_evidence}); "

@@ -37,7 +37,8 @@ first sight (QUIET_SHARE: asleep at the same place at every look, its main threa
 working) none before a dump interval ahead of the comparison, and for a stalled one quiet since
 its last dump none before QUIET_REDUMP x after_seconds; and none while its
 Python threads work in the working band or its own GPU moves data (that is progress already);
-never every cycle: between looks a rank's verdict comes from its last look and its heartbeat.
+never every cycle: between looks a rank's verdict comes from its last look and its heartbeat,
+and a stalled rank's hang analysis (join/hang.py) from its last look's and last dump's.
 Bounded whatever the input: a process listed by many ranks is looked at once per cycle (per-PID
 memo), at most ``max_threads`` of its tasks are read, and one ``observe`` spends at most
 ``budget_seconds`` on looks; the looks over budget are deferred to the next cycle (least recently
