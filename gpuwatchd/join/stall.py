@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatchd.join.cycle_looks import CycleLooks, Looker
-from gpuwatchd.join.hang import HangAnalysis, analyze, wait_tids
+from gpuwatchd.join.hang import analyze, wait_tids
 from gpuwatchd.join.rank_workers import RankWorkers
 from gpuwatchd.join.stall_spin import (
     GpuReading,
@@ -68,7 +68,7 @@ from gpuwatchd.join.stall_spin import (
 )
 from gpuwatchd.join.stall_verdicts import main_stack, name_suspects, summarize_threads
 from gpuwatchd.model import RankId
-from gpuwatchd.model.stall import RankProbe, StallVerdict
+from gpuwatchd.model.stall import HangAnalysis, RankProbe, StallVerdict
 from gpuwatchd.model.threads import ThreadInfo, ThreadStack
 
 log = logging.getLogger(__name__)
