@@ -40,6 +40,18 @@ from gpuwatchd.sources.threads import process_state
 AFTER = 1.5
 INTERVAL = 0.5
 
+# SIGUSR1 wakes the main thread to work 5 ms; it says so, and sleeps again
+_WOKEN = """
+        def woken(*_):
+            t = time.perf_counter()
+            while time.perf_counter() - t < 0.005:
+                pass
+            print("woke", flush=True)
+
+        signal.signal(signal.SIGUSR1, woken)
+        print("ready", flush=True)
+"""
+
 SHAPES = {
     "hash_loop": """
         import hashlib
@@ -75,35 +87,18 @@ SHAPES = {
             time.sleep(0.05)
     """,
     "idle": """
-        import signal, threading
+        import signal, threading, time
         idle = threading.Event()
         for _ in range(4):
             threading.Thread(target=idle.wait, daemon=True).start()
-        import time
-
-        def woken(*_):  # SIGUSR1 wakes the main thread to work 5 ms; it says so, sleeps again
-            t = time.perf_counter()
-            while time.perf_counter() - t < 0.005:
-                pass
-            print("woke", flush=True)
-
-        signal.signal(signal.SIGUSR1, woken)
-        print("ready", flush=True)
+""" + _WOKEN + """
         while True:
             signal.pause()
     """,
     "dozer": """
         import signal, time
-
-        def woken(*_):  # as "idle", in a sleep loop that wakes twice a second
-            t = time.perf_counter()
-            while time.perf_counter() - t < 0.005:
-                pass
-            print("woke", flush=True)
-
-        signal.signal(signal.SIGUSR1, woken)
-        print("ready", flush=True)
-        while True:
+""" + _WOKEN + """
+        while True:  # as "idle", in a sleep loop that wakes twice a second
             time.sleep(0.5)
     """,
     "worker": """
