@@ -120,7 +120,7 @@ def ranks_gpu_memory(ctx: FindingContext) -> dict[tuple[str, str], dict[str, int
     rank at once (a rule that asks for many ranks reads the process list once)."""
     out: dict[tuple[str, str], dict[str, int]] = {}
     for p in ctx.gpu_processes:
-        if p.job_id is not None and p.rank is not None and p.used_memory_bytes is not None:
+        if p.job_id and p.used_memory_bytes is not None:  # ("": no rank's tree)
             held = out.setdefault((p.job_id, p.rank), {})
             held[str(p.gpu_index)] = held.get(str(p.gpu_index), 0) + p.used_memory_bytes
     return out
