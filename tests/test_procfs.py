@@ -17,7 +17,9 @@ R = ProcfsReader(HostPaths())
 
 
 def test_reads_a_real_process_like_ps() -> None:
-    me = R.read_process(os.getpid())
+    # a reader made now: its boot time (/proc/stat btime, read once) moves with the wall clock,
+    # and the module's reader is as old as the test session (CI: 7 s apart after a clock step)
+    me = ProcfsReader(HostPaths()).read_process(os.getpid())
     assert me is not None
     assert me.pid == os.getpid() and me.ppid == os.getppid() and me.uid == os.geteuid()
     assert me.open_fds == len(os.listdir("/proc/self/fd")) - 1  # listdir's own fd is gone again
