@@ -38,8 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
 import collections, dataclasses, gc, glob, os, resource, sys, time
-cfg_path, hb_dir, warmup, cycles, interval, parts = sys.argv[1:7]
-warmup, cycles, interval, parts = int(warmup), int(cycles), float(interval), parts == "1"
+cfg_path, hb_dir, warmup, cycles, interval, parts, prof = sys.argv[1:8]
+warmup, cycles, interval, parts, prof = int(warmup), int(cycles), float(interval), parts == "1", int(prof)
 _time, _mono = time.time, time.monotonic
 offset = [0.0]
 time.time = lambda: _time() + offset[0]
@@ -54,7 +54,8 @@ d.start()
 if parts:
     instrument(core, d)
 render = timed("render (one scrape)", d.registry.encode_text)
-beats = sorted(glob.glob(os.path.join(hb_dir, "*.hb")))
+beats = sorted(glob.glob(os.path.join(hb_dir, "*.hb"))) if hb_dir else []
+profiler = None
 gc.freeze()
 gc.set_threshold(getattr(core, "GC_YOUNG_THRESHOLD", 700), *gc.get_threshold()[1:])  # as run() does
 def cpu():
@@ -65,6 +66,10 @@ for i in range(warmup + cycles):
     if i == warmup:
         acc.clear()
         beat_cpu, t0, p0 = 0.0, time.thread_time(), cpu()
+        if prof:
+            import cProfile
+            profiler = cProfile.Profile()
+            profiler.enable()
     b0, now = time.thread_time(), time.time()
     for h in beats:  # each rank's heartbeat(step), on the advanced clock
         with open(h, "w") as f:
@@ -74,6 +79,8 @@ for i in range(warmup + cycles):
     d.cycle()
     render()
     offset[0] += interval
+if profiler is not None:
+    profiler.disable()
 main = (time.thread_time() - t0 - beat_cpu) / cycles
 proc = (cpu() - p0 - beat_cpu) / cycles
 findings = collections.Counter(f.kind for f in d.state.findings)
@@ -81,12 +88,20 @@ d.shutdown()
 print(f"RESULT {1e3 * main:.3f} {1e3 * proc:.3f} {dict(findings)}")
 for name, v in acc.most_common():
     print(f"    {1e3 * v / cycles:6.2f} ms  {name}")
+if profiler is not None:
+    import io, pstats
+    out = io.StringIO()
+    st = pstats.Stats(profiler, stream=out)
+    st.sort_stats("tottime").print_stats(prof)
+    st.sort_stats("cumulative").print_stats(prof)
+    print("\n".join("    " + ln for ln in out.getvalue().splitlines()))
 """
 
 
-def heartbeat_ranks(tmp: Path) -> tuple[Path, Path]:
+def heartbeat_ranks(tmp: Path, heartbeats: bool = True) -> tuple[Path, Path | None]:
     """A second rank directory naming the same processes, whose heartbeats only this script
-    writes (the ranks' own beat on the real clock, which the advanced clock would read as stale)."""
+    writes (the ranks' own beat on the real clock, which the advanced clock would read as stale);
+    ``heartbeats=False``: the same rank files without a heartbeat (the stall rule's dumps)."""
     import json
 
     ranks, beats = tmp / "ranks-fast", tmp / "beats-fast"
@@ -95,10 +110,13 @@ def heartbeat_ranks(tmp: Path) -> tuple[Path, Path]:
     for f in sorted((tmp / "ranks").glob("*.json")):
         doc = json.loads(f.read_text())
         for r in doc["ranks"]:
+            if not heartbeats:
+                r.pop("heartbeat", None)
+                continue
             r["heartbeat"] = str(beats / Path(r.get("heartbeat") or f"{f.stem}.hb").name)
             Path(r["heartbeat"]).write_text("0\n")
         (ranks / f.name).write_text(json.dumps(doc))
-    return ranks, beats
+    return ranks, beats if heartbeats else None
 
 
 def main() -> int:
@@ -114,6 +132,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--main-repo", default="", help="another checkout, measured in turn ('before')")
     ap.add_argument("--parts", action="store_true", help="the CPU of each part of the cycle")
+    ap.add_argument("--no-heartbeat", action="store_true",
+                    help="rank files without heartbeats: the stall rule's looks and py-spy dumps "
+                         "(every rank stalled after stall.after_seconds: the ranks sleep)")
+    ap.add_argument("--cprofile", type=int, default=0, help="print this many of cProfile's top "
+                    "functions (tottime) of the measured cycles")
     args = ap.parse_args()
     args.idle = False
     tmp = Path(tempfile.mkdtemp(prefix="gw-cycle-fast-"))
@@ -121,13 +144,14 @@ def main() -> int:
     try:
         fixture = tmp / "nvml.json"
         cycle_profile.derive_fixture(pids, fixture)
-        ranks, beats = heartbeat_ranks(tmp)
+        ranks, beats = heartbeat_ranks(tmp, not args.no_heartbeat)
         pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
         checkouts = {"gpuwatchd": str(REPO)}
         if args.main_repo:
             checkouts["before"] = args.main_repo
         results: dict[str, list[tuple[float, float]]] = {k: [] for k in checkouts}
-        print(f"{args.ranks} ranks of {args.threads} threads, heartbeats, {args.interval} s interval "
+        print(f"{args.ranks} ranks of {args.threads} threads, "
+              f"{'no heartbeats' if args.no_heartbeat else 'heartbeats'}, {args.interval} s interval "
               f"advanced per cycle; {args.warmup} + {args.cycles} cycles a round; "
               f"{os.cpu_count()} CPUs", flush=True)
         for rnd in range(args.rounds):
@@ -137,8 +161,9 @@ def main() -> int:
                                f"{args.interval}\nnvml:\n  fixture: {fixture}\ngil:\n  pyspy_path: {pyspy}\n")
                 child = f"INSTRUMENT = {cycle_profile.INSTRUMENT!r}\n{CHILD}"
                 out = subprocess.run(
-                    [sys.executable, "-c", child, str(cfg), str(beats), str(args.warmup),
-                     str(args.cycles), str(args.interval), "1" if args.parts else "0"],
+                    [sys.executable, "-c", child, str(cfg), str(beats or ""), str(args.warmup),
+                     str(args.cycles), str(args.interval), "1" if args.parts else "0",
+                     str(args.cprofile)],
                     env={**os.environ, "PYTHONPATH": repo}, cwd=repo, capture_output=True, text=True,
                     timeout=1800)
                 line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -150,7 +175,7 @@ def main() -> int:
                 print(f"  round {rnd + 1} {name:10s} main thread {float(main_ms):6.2f} ms, process "
                       f"{float(proc_ms):6.2f} ms per cycle (one render included); findings {findings}",
                       flush=True)
-                if args.parts:
+                if args.parts or args.cprofile:
                     print("\n".join(ln for ln in out.stdout.splitlines() if ln.startswith("    ")),
                           flush=True)
         for name, rows in results.items():

@@ -4,6 +4,7 @@ daemon with two real rank processes that answer with the dumps recorded on the H
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -169,3 +170,50 @@ def test_trace_buffer_size_under_its_old_name_is_a_renamed_variable(procs: list)
                                         env_flags={p.pid: flags}))
     assert f.kind == "nccl_legacy_env"
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE (use TORCH_FR_BUFFER_SIZE)" in f.explanation
+
+
+def _ranks(now: float, entries: tuple, pid: int):  # type: ignore[no-untyped-def]
+    from gpuwatchd.daemon.subsystem import Ranks
+    from gpuwatchd.model import ProcessInfo
+
+    proc = ProcessInfo(pid, 1, "python3", "S", os.getuid(), "u", 1, 0.0, 0.0, 0, 1, None, None, None)
+    return Ranks(now, entries, {pid: proc}, {}, {})
+
+
+def test_unanswered_ranks_are_asked_less_often_and_discovered_ones_never(tmp_path: Path) -> None:
+    """A request nobody answers (no ``register_rank()``: no responder thread) is sent again after
+    2, 4, then 8 x the interval, not every interval; an answer brings the rank back to the
+    interval. A discovered rank (no rank file) has no responder and gets no request file (issue 22:
+    64 stalled ranks without a responder were each written a request every minute)."""
+    from types import SimpleNamespace
+
+    from gpuwatchd.daemon.flight_recorder import FlightRecorderSubsystem
+    from gpuwatchd.model import RankEntry
+    from gpuwatchd.model.stall import StallVerdict
+
+    pid = os.getpid()
+    mute = RankEntry("j", 0, pid)
+    answering = RankEntry("j", 1, pid)
+    found = RankEntry("j", 2, pid, source="environ")
+    daemon = SimpleNamespace(config=SimpleNamespace(rank_dir=str(tmp_path)))
+    verdicts = {e.rank_id: StallVerdict("j", e.rank, pid, True, 0.0, True, "stack", 600.0)
+                for e in (mute, answering, found)}
+    responder = fr.Responder(str(tmp_path), "j", 1, dump=lambda: {"entries": []})
+    sub = FlightRecorderSubsystem(interval_seconds=60.0)
+    asked: dict[int, list[float]] = {0: [], 1: [], 2: []}
+    for cycle in range(12 * 17):  # 17 minutes at a 5 s cycle
+        now = 1000.0 + 5 * cycle
+        for e in (mute, answering, found):
+            req = Path(fr.request_path(str(tmp_path), "j", e.rank))
+            if req.exists():
+                nonce = req.read_text()
+                if nonce != getattr(sub, f"_seen{e.rank}", None):
+                    setattr(sub, f"_seen{e.rank}", nonce)
+                    asked[e.rank].append(now - 1000.0)
+        sub.track(daemon, _ranks(now, (mute, answering, found), pid), verdicts)  # type: ignore[arg-type]
+        responder.poll_once()
+    assert asked[2] == [], asked
+    assert len(asked[1]) >= 16, asked[1]  # answered: every minute
+    # unanswered: asked, then 2, 4 and 8 minutes later (8 x the interval at most)
+    gaps = [b - a for a, b in itertools.pairwise(asked[0])]
+    assert gaps == [120.0, 240.0, 480.0], asked[0]

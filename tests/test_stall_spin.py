@@ -28,7 +28,7 @@ import pytest
 from daemonutil import DaemonProc, write_config
 
 from gpuwatchd.join.stall import QUIET_REDUMP, StallTracker
-from gpuwatchd.join.stall_spin import GpuReading, GpuWindow, rank_gpu_readings
+from gpuwatchd.join.stall_spin import MAX_READINGS, GpuReading, GpuWindow, rank_gpu_readings
 from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, RankState
 from gpuwatchd.model.stall import RankProbe, StallVerdict
 from gpuwatchd.paths import HostPaths
@@ -283,6 +283,14 @@ def test_gpu_window_rules() -> None:
     unknown = GpuWindow()
     unknown.add(GpuReading(100.0, None, None, True))
     assert unknown.verdict(99.0, 101.0, 0.0)[0] == "unknown"
+    # the last reading with traffic counts while it is in the window, not once it has left it
+    w.add(GpuReading(106.0, 1.0, 0.0, True))
+    assert w.active_at() == 105.0
+    for t in range(MAX_READINGS - 2):  # 105.0 becomes the oldest reading kept
+        w.add(GpuReading(107.0 + t, 1.0, 0.0, True))
+    assert w.readings[0].at == 105.0 and w.active_at() == 105.0
+    w.add(GpuReading(107.0 + MAX_READINGS, 1.0, 0.0, True))
+    assert w.active_at() is None
 
 
 def test_rank_gpu_readings_exclusive_only_without_other_holders() -> None:
@@ -542,6 +550,45 @@ def test_stalled_rank_is_analysed_once_per_look(launch) -> None:
     assert stalled >= 8 and v.analysis is not None, (stalled, v)
     # one per look once stalled (a look a second), not one per cycle (five a second)
     assert 1 <= len(calls) <= 4, [round(t - t0, 2) for t in calls]
+
+
+def test_quiet_stalled_rank_keeps_its_analysis_until_it_wakes(launch) -> None:
+    """A stalled rank asleep at one line (quiet: QUIET_SHARE) keeps its hang analysis from look to
+    look while its threads' view holds: the analysis rests on the dump and the view, which have
+    not changed (issue 22: 64 such ranks each analysed again at every look, half of what they
+    cost beside the same ranks beating). A thread that wakes to work (5 ms: more than
+    QUIET_SHARE) makes the next look analyse again."""
+    p = launch("idle", "asleep")
+    looks = StallLooks(PySpy(pyspy.resolve_pyspy()))
+    calls = []
+    real = looks.waits
+
+    def counting(pid, tids):  # type: ignore[no-untyped-def]
+        calls.append(time.time())
+        return real(pid, tids)
+
+    looks.waits = counting  # type: ignore[method-assign]
+    tracker = StallTracker(1.0, looks, dump_interval_seconds=0.25)
+    time.sleep(0.3)
+
+    def look(seconds: float) -> list[StallVerdict]:
+        out, t0 = [], time.time()
+        while time.time() - t0 < seconds:
+            out.append(tracker.observe(time.time(), [_probe(p.pid, "asleep")])[("asleep", 0)])
+            time.sleep(0.25)
+        return out
+
+    quiet = [v for v in look(4.5) if v.stalled]
+    assert len(quiet) >= 8 and quiet[-1].analysis is not None, quiet
+    # looks every 0.25 s once stalled (~12); the analysis of the dump that proved the stall holds
+    assert 1 <= len(calls) <= 2, [round(t - calls[0], 2) for t in calls]
+    before = len(calls)
+    assert p.stdout is not None
+    os.kill(p.pid, signal.SIGUSR1)
+    assert p.stdout.readline().strip() == "woke"
+    _wait_asleep(p.pid)
+    look(1.0)
+    assert len(calls) > before, "a rank that woke to work was not analysed again"
 
 
 def test_working_rank_is_never_dumped(launch, tmp_path: Path) -> None:

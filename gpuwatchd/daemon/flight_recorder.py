@@ -5,7 +5,10 @@ rank side in gpuwatchd/rank/flight_recorder.py. The track stage hands it that cy
 verdicts (the stall part's output) as an argument. It returns ``records`` ((job_id, rank) ->
 FrReading, for findings/stall.py) and ``collectives`` (CollectiveStatus per rank and process
 group, for the exporter). The request and response files are read and written under ``guarded``:
-a file system error loses that rank's request this cycle, never the other ranks'.
+a file system error loses that rank's request this cycle, never the other ranks'. Only ranks
+with a rank file are asked (the responder runs in ``register_rank()``); an unanswered rank is asked
+again after 2, 4, then at most ``MAX_BACKOFF`` x the interval, and its answer file is looked for
+every cycle for the first half-interval after a request, then every ``LATE_POLL_SECONDS``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,14 @@ log = logging.getLogger(__name__)
 # The rank's thread polls every 0.5 s: an answer missing this long after the request is "no
 # answer" (a stopped rank, or Python threads blocked in native code holding the GIL).
 ANSWER_GRACE_SECONDS = 2.0
+# A rank that left a request unanswered is asked again after twice the interval, then four
+# times, up to this factor; an answer brings it back to the interval. Most ranks that never answer
+# run no responder (no ``register_rank()``; issue 22: a stalled job's 64 ranks were each sent a
+# request file every minute that nobody read).
+MAX_BACKOFF = 8
+# After the grace, an unanswered request's answer file is looked for this often, not every cycle
+# (a late answer still counts; 64 ranks without a responder cost an open() each per cycle).
+LATE_POLL_SECONDS = 30.0
 
 
 @dataclass
@@ -35,6 +46,8 @@ class _Ask:
     nonce: str
     asked_at: float
     answered: bool = False
+    misses: int = 0  # requests in a row that got no answer within the grace, this one excepted
+    polled_at: float = 0.0  # the last look for its answer
 
 
 class FlightRecorderSubsystem(Subsystem):
@@ -61,9 +74,14 @@ class FlightRecorderSubsystem(Subsystem):
                 self._forget(rank_dir, key)
         for key, e in live.items():
             ask = self._asks.get(key)
-            if e.job_id in stalled_jobs and (ask is None or now - ask.asked_at >= self.interval):
-                self._ask(rank_dir, e, now)
-            elif ask is not None and not ask.answered:
+            if e.source != "rankfile":
+                continue  # discovered: no responder (it runs in register_rank())
+            if e.job_id in stalled_jobs and (ask is None or now - ask.asked_at >= self._wait(ask)):
+                self._ask(rank_dir, e, now, ask)
+            elif ask is not None and not ask.answered and (
+                    now - ask.asked_at < ANSWER_GRACE_SECONDS + self.interval / 2 or
+                    now - ask.polled_at >= LATE_POLL_SECONDS):
+                ask.polled_at = now
                 self._collect(rank_dir, e, processes[e.pid].uid)
                 reading = self._readings.get(key)
                 if reading is not None and reading.error == "waiting" and \
@@ -72,14 +90,23 @@ class FlightRecorderSubsystem(Subsystem):
         readings = {k: r for k, r in self._readings.items() if k[0] in stalled_jobs}
         return FlightOutput(readings, tuple(g for r in self._readings.values() for g in r.groups))
 
-    def _ask(self, rank_dir: str, e: RankEntry, now: float) -> None:
+    def _wait(self, ask: _Ask | None) -> float:
+        """How long after ``ask`` the next request may go (MAX_BACKOFF)."""
+        if ask is None:
+            return 0.0
+        if ask.answered:
+            return self.interval
+        return self.interval * min(2 ** (ask.misses + 1), MAX_BACKOFF)
+
+    def _ask(self, rank_dir: str, e: RankEntry, now: float, last: _Ask | None = None) -> None:
         nonce = os.urandom(8).hex()  # secrets.token_hex, without loading libcrypto via hmac
         try:
             write_request(request_path(rank_dir, e.job_id, e.rank), nonce)
         except OSError as exc:
             log.debug("flight-recorder request for %s/%d failed: %s", e.job_id, e.rank, exc)
             return
-        self._asks[e.rank_id] = _Ask(e.pid, nonce, now)
+        misses = 0 if last is None or last.answered else min(last.misses + 1, MAX_BACKOFF)
+        self._asks[e.rank_id] = _Ask(e.pid, nonce, now, misses=misses)
         if e.rank_id not in self._readings:
             self._readings[e.rank_id] = FrReading(e.job_id, e.rank, e.pid, error="waiting")
 

@@ -38,7 +38,8 @@ working) none before a dump interval ahead of the comparison, and for a stalled 
 its last dump none before QUIET_REDUMP x after_seconds; and none while its
 Python threads work in the working band or its own GPU moves data (that is progress already);
 never every cycle: between looks a rank's verdict comes from its last look and its heartbeat,
-and a stalled rank's hang analysis (join/hang.py) from its last look's and last dump's.
+and a stalled rank's hang analysis (join/hang.py) from its last look's and last dump's (for a
+quiet one whose Python threads' view holds, the analysis made at its dump stands: ``_analysis_stale``).
 Bounded whatever the input: a process listed by many ranks is looked at once per cycle (per-PID
 memo), at most ``max_threads`` of its tasks are read, and one ``observe`` spends at most
 ``budget_seconds`` on looks; the looks over budget are deferred to the next cycle (least recently
@@ -134,6 +135,11 @@ class _Track:
     looks: int = 0  # /proc looks so far
     analysis: HangAnalysis | None = None  # of the stacks and look in analysis_of
     analysis_of: tuple[tuple[ThreadStack, ...], float] = ((), 0.0)
+    analysis_view: Any = None  # look_fp when the analysis was made
+    # the main thread's frames and place in the stacks of words_of (the verdict's words)
+    words_of: tuple[ThreadStack, ...] | None = None
+    frames: tuple[str, ...] = ()
+    location: tuple[str, ...] = ()
 
 
 class StallTracker:
@@ -305,16 +311,18 @@ class StallTracker:
             if stacks is not None:
                 tr.stacks, tr.last_dump_at = stacks, now
                 tr.dump_slices, tr.stacks_at, tr.proven_at = None, now, None
-        main = main_stack(tr.stacks)
-        frames = tuple(str(f) for f in main.frames[:MAX_FRAMES]) if main else ()
-        location = tuple(f.where for f in main.frames[:3]) if main else ()
+        if tr.words_of is not tr.stacks:  # once per dump, not per cycle
+            main = main_stack(tr.stacks)
+            tr.frames = tuple(str(f) for f in main.frames[:MAX_FRAMES]) if main else ()
+            tr.location = tuple(f.where for f in main.frames[:3]) if main else ()
+            tr.words_of = tr.stacks
+        frames, location = tr.frames, tr.location
         analysis = None
         compiling = False
-        spin = spinning_python(tr.stacks, spinning) if stalled_so_far and method in ("stack", "proc") \
-            else frozenset()
+        spin = spinning_python(tr.stacks, spinning) if stalled_so_far and spinning and \
+            method in ("stack", "proc") else frozenset()
         if (stalled_so_far or late) and tr.stacks:
-            if tr.analysis is None or tr.analysis_of[0] is not tr.stacks or \
-                    tr.analysis_of[1] != tr.threads_at:
+            if tr.analysis is None or self._analysis_stale(p, tr):
                 # at the look cadence: its inputs are the last dump's stacks and the last look's
                 # threads, and a stalled rank's analysis every cycle was most of what 64 such
                 # ranks cost (the syscall of each waiting thread, each thread classified)
@@ -322,6 +330,7 @@ class StallTracker:
                 workers = tr.workers.view(self.looks.context_switches, p.workers)
                 tr.analysis = analyze(tr.stacks, threads, shares, waits, workers, busiest_worker)
                 tr.analysis_of = (tr.stacks, tr.threads_at)
+                tr.analysis_view = tr.look_fp
                 if tr.analysis.compiling:
                     tr.compile_busy_at = now
             analysis = tr.analysis
@@ -351,6 +360,20 @@ class StallTracker:
             unchanged_quiet_ms=tr.quiet_run_ns / 1e6 if tr.proven_at is not None and tr.quiet_proof
             and method == "stack" else None,
         )  # fmt: skip
+
+    @staticmethod
+    def _analysis_stale(p: RankProbe, tr: _Track) -> bool:
+        """Whether the hang analysis must be made again: a new dump, or a new look that may
+        change it. A look of a rank quiet since its dump (QUIET_SHARE) with its Python threads'
+        view unchanged since the analysis, and no workers, changes none of its inputs that its
+        words show: the same frames, states, wchan and futex waits, each thread under the idle
+        share (issue 22: the analysis at each look of 64 stalled ranks asleep at one line was
+        half of what they cost beside the same ranks beating)."""
+        if tr.analysis is None or tr.analysis_of[0] is not tr.stacks:
+            return True
+        if tr.analysis_of[1] == tr.threads_at:
+            return False
+        return not (tr.quiet and not p.workers and tr.look_fp == tr.analysis_view)
 
     @staticmethod
     def _note_quiet(tr: _Track, python_tids: set[int], last: dict[int, tuple[int, int]],
@@ -423,7 +446,7 @@ class StallTracker:
             tr.last_change = now
             tr.last_dump_at = now  # this look counts as the comparison: next one a dump interval on
             tr.proc_fp, tr.dump_due, tr.proven_at = view(), False, None
-            tr.quiet, tr.quiet_run_ns = True, 0
+            tr.quiet, tr.quiet_run_ns, tr.analysis_view = True, 0, None
             return ("stack" if tr.stacks else "proc"), now
         # The dump cadence (issue 22: the dumps were what a rank without heartbeat cost beside one
         # with). A /proc view (each thread's state, wchan, burning a core or not) that changed

@@ -62,16 +62,21 @@ class GpuReading:
 class GpuWindow:
     readings: collections.deque[GpuReading] = field(
         default_factory=lambda: collections.deque(maxlen=MAX_READINGS))
+    _active: GpuReading | None = None  # the last reading that showed data moving for it alone
 
     def add(self, r: GpuReading) -> None:
         self.readings.append(r)
+        if r.exclusive and r.mem is not None and r.mem >= MEM_ACTIVE:
+            self._active = r
 
     def active_at(self) -> float | None:
-        """The last reading that shows the GPU moving data for this rank alone."""
-        for r in reversed(self.readings):
-            if r.exclusive and r.mem is not None and r.mem >= MEM_ACTIVE:
-                return r.at
-        return None
+        """The last reading in the window that shows the GPU moving data for this rank alone
+        (kept as the readings come: the window scanned at each call was 240 readings per rank
+        per cycle for a rank whose GPU never moved data)."""
+        a = self._active
+        if a is None or not self.readings or a.at < self.readings[0].at:
+            return None
+        return a.at
 
     def verdict(self, since: float, now: float, span: float) -> tuple[str, str]:
         """("spin" | "idle" | "active" | "unknown", the readings in words) over [since, now];

@@ -71,9 +71,9 @@ def name_suspects(
         for v in ranks:
             where = place(v)
             reason = ""
-            peers = [r.rank for r in ranks if r.rank != v.rank]
             if where == ("dead",) and any(r.alive for r in ranks):
-                reason = f"dead while {len(peers)} peer(s) on this node are alive"
+                peers = sum(r.rank != v.rank for r in ranks)
+                reason = f"dead while {peers} peer(s) on this node are alive"
             elif majority and where != top:
                 what = "progressing" if top == ("progressing",) else "stuck in " + " <- ".join(top)
                 mine = "still progressing" if where == ("progressing",) else (

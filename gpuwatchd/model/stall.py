@@ -6,6 +6,7 @@ join/hang.py, worded by findings/stall.py. No I/O.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from gpuwatchd.model import RankId
@@ -104,6 +105,11 @@ class HangAnalysis:
         return any(t.kind == "compile" for t in self.threads)
 
     def threads_text(self) -> str:
+        return self._threads_text
+
+    @functools.cached_property
+    def _threads_text(self) -> str:
+        # once per analysis: a stalled rank's page is worded every cycle from the same analysis
         shown = [g.text() for g in self.groups[:MAX_GROUPS]]
         rest = sum(g.count for g in self.groups[MAX_GROUPS:])
         if rest:
