@@ -545,12 +545,15 @@ def main() -> int:
                 daemons["gpuwatchd-before-nohb"] = start_daemon(
                     "gpuwatchd-before-nohb", str(before), args, tmp, fixture, logs, nohb)
         deadline = time.monotonic() + 60
-        for _, u in daemons.values():
+        for name, (_, u) in daemons.items():
+            up = None
             while True:
                 with contextlib.suppress(OSError):
-                    if ranks_up(get(u)) == args.ranks:
+                    up = ranks_up(get(u))
+                    if up == args.ranks:
                         break
-                assert time.monotonic() < deadline, "daemon did not see every rank"
+                assert time.monotonic() < deadline, f"{name} did not see every rank: {up} up; " \
+                    f"its log: {(tmp / (name + '.log')).read_text()[-1500:] if (tmp / (name + '.log')).exists() else '?'}"
                 time.sleep(0.5)
         time.sleep(args.warmup)
         res = window(args, daemons, args.seconds)

@@ -102,7 +102,12 @@ class World:
             if got:
                 return got
             time.sleep(0.1)
-        raise AssertionError(f"timed out: {what}\n{self.d.log()[-3000:]}")
+        try:  # what the daemon did say, per rank: the reason a page did not come
+            said = [(f.get("job_id"), f.get("rank"), f["kind"], f.get("explanation", "")[:600])
+                    for f in json.loads(self.state.read_text())["findings"]]
+        except (OSError, ValueError, KeyError):
+            said = []
+        raise AssertionError(f"timed out: {what}\nfindings: {said}\n{self.d.log()[-3000:]}")
 
     def watched(self, job: str, ranks: int) -> None:
         self.wait(lambda: all(self.d.value("gpuwatch_rank_stalled", job_id=job, rank=str(r)) is not None
