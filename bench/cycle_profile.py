@@ -552,8 +552,9 @@ def main() -> int:
                     up = ranks_up(get(u))
                     if up == args.ranks:
                         break
+                log_file = tmp / f"{name}.log"
                 assert time.monotonic() < deadline, f"{name} did not see every rank: {up} up; " \
-                    f"its log: {(tmp / (name + '.log')).read_text()[-1500:] if (tmp / (name + '.log')).exists() else '?'}"
+                    f"its log: {log_file.read_text()[-1500:] if log_file.exists() else '?'}"
                 time.sleep(0.5)
         time.sleep(args.warmup)
         res = window(args, daemons, args.seconds)

@@ -31,6 +31,7 @@ from gpuwatchd.join.stall import QUIET_REDUMP, StallTracker
 from gpuwatchd.join.stall_spin import MAX_READINGS, GpuReading, GpuWindow, rank_gpu_readings
 from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, RankState
 from gpuwatchd.model.stall import RankProbe, StallVerdict
+from gpuwatchd.model.threads import Dump
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy
@@ -589,6 +590,39 @@ def test_quiet_stalled_rank_keeps_its_analysis_until_it_wakes(launch) -> None:
     _wait_asleep(p.pid)
     look(1.0)
     assert len(calls) > before, "a rank that woke to work was not analysed again"
+
+
+def test_busy_first_dump_is_tried_again_not_taken_as_the_comparison(launch) -> None:
+    """A first dump that finds the py-spy slots busy (the GIL sampler records in them) is tried
+    again at the next cycle, not replaced by the /proc view as the first comparison: the real
+    dump after it then read as a change, and the stall came a second after_seconds late (the GPU
+    suite's spin hang behind .item(), not paged in after_seconds + a look)."""
+
+    def stalled_after(busy: int) -> float:
+        p = launch("idle", f"busy{busy}")
+        looks = StallLooks(PySpy(pyspy.resolve_pyspy()))
+        real, calls = looks.dump, []
+
+        def dump(pid):  # type: ignore[no-untyped-def]
+            calls.append(pid)
+            if len(calls) <= busy:
+                return Dump(None, "all py-spy slots busy")
+            return real(pid)
+
+        looks.dump = dump  # type: ignore[method-assign]
+        tracker = StallTracker(1.0, looks, dump_interval_seconds=0.25)
+        time.sleep(0.3)
+        t0 = time.time()
+        while time.time() - t0 < 6.0:
+            v = tracker.observe(time.time(), [_probe(p.pid, f"busy{busy}")])[(f"busy{busy}", 0)]
+            if v.stalled:
+                return time.time() - t0
+            time.sleep(0.1)
+        return float("inf")
+
+    clear, busy = stalled_after(0), stalled_after(1)
+    # the busy slots cost the retries (a cycle each), not another after_seconds
+    assert busy <= clear + 0.6, (clear, busy)
 
 
 def test_working_rank_is_never_dumped(launch, tmp_path: Path) -> None:

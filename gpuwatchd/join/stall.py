@@ -90,6 +90,9 @@ WORK_SHARE = 0.05
 QUIET_SHARE = 0.002
 QUIET_REDUMP = 6
 MAX_FRAMES = 8
+# A rank whose first dumps fail for a passing reason (busy slots, a time-out) is tried this many
+# times before its /proc view is compared instead (py-spy never reads some processes in time).
+MAX_DUMP_MISSES = 4
 # At most this many tasks of one process are read per look: a process with 3000 threads costs the
 # same as one with 256 (the main thread and the oldest threads come first, by tid).
 MAX_PROBE_THREADS = 256
@@ -133,6 +136,7 @@ class _Track:
     quiet_proof: bool = False  # the last proof was the quiet one (not "no task ran")
     look_slices: dict[int, tuple[int, int]] = field(default_factory=dict)  # of tr.threads
     looks: int = 0  # /proc looks so far
+    dump_misses: int = 0  # dumps in a row that failed for a passing reason
     analysis: HangAnalysis | None = None  # of the stacks and look in analysis_of
     analysis_of: tuple[tuple[ThreadStack, ...], float] = ((), 0.0)
     analysis_view: Any = None  # look_fp when the analysis was made
@@ -487,9 +491,15 @@ class StallTracker:
         else:
             stacks, hopeless = self.cycle.dump(now, p.pid)
             proven = False
-        if stacks is None and not hopeless and tr.stacks:
-            # busy / timed out / odd output this time: compare at the next look, change nothing
-            return "stack", tr.last_change
+        if stacks is None and not hopeless and (tr.stacks or tr.dump_misses < MAX_DUMP_MISSES):
+            # busy (the GIL sampler holds the py-spy slots) / timed out / odd output this time:
+            # try again, change nothing. A rank not yet dumped is tried MAX_DUMP_MISSES times
+            # before its /proc view stands in for its stacks: a busy first dump taken as the
+            # comparison made the next, real one a change, and the stall a second after_seconds
+            # late (the GPU suite's spin hang, paged past after_seconds + a look).
+            tr.dump_misses += 1
+            return ("stack" if tr.stacks else "proc"), tr.last_change
+        tr.dump_misses = 0
         by_tid = {t.tid: t for t in threads}
         tr.proc_fp, tr.dump_due = view(), False
         if stacks:
