@@ -53,23 +53,21 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatchd.join.cycle_looks import CycleLooks, Looker
 from gpuwatchd.join.hang import analyze, wait_tids
-from gpuwatchd.join.rank_workers import RankWorkers
 from gpuwatchd.join.stall_spin import (
     GpuReading,
-    GpuWindow,
     confirm_by_peers,
     confirm_spin,
     runnable_shares,
     spinning_python,
 )
+from gpuwatchd.join.stall_track import RankTrack
 from gpuwatchd.join.stall_verdicts import main_stack, name_suspects, summarize_threads
 from gpuwatchd.model import RankId
-from gpuwatchd.model.stall import HangAnalysis, RankProbe, StallVerdict
+from gpuwatchd.model.stall import RankProbe, StallVerdict
 from gpuwatchd.model.threads import ThreadInfo, ThreadStack
 
 log = logging.getLogger(__name__)
@@ -96,54 +94,6 @@ MAX_DUMP_MISSES = 4
 # At most this many tasks of one process are read per look: a process with 3000 threads costs the
 # same as one with 256 (the main thread and the oldest threads come first, by tid).
 MAX_PROBE_THREADS = 256
-
-
-@dataclass
-class _Track:
-    pid: int
-    start_ticks: int | None
-    first_seen: float
-    last_change: float
-    fingerprint: Any = None
-    identical: int = 0
-    last_dump_at: float = float("-inf")
-    stacks: tuple[ThreadStack, ...] = ()
-    threads: tuple[ThreadInfo, ...] = ()
-    threads_at: float = 0.0
-    spinning: frozenset[int] = frozenset()
-    worked: bool = False
-    stopped_since: float | None = None
-    errors: collections.Counter[str] = field(default_factory=collections.Counter)
-    shares: dict[int, float] = field(default_factory=dict)
-    workers: RankWorkers = field(default_factory=RankWorkers)
-    compile_busy_at: float = float("-inf")  # last look at which it compiled with the CPU busy
-    verdict: StallVerdict | None = None  # the last one, reused while a look is deferred
-    summary: str = ""  # summarize_threads of the last look
-    busiest_worker: float | None = None  # of the last look (rank_workers.py)
-    gpu: GpuWindow = field(default_factory=GpuWindow)  # NVML readings of its GPUs (stall_spin.py)
-    proc_fp: Any = None  # the /proc view at the last dump: (tid, state, wchan, spinning)
-    look_fp: Any = None  # the /proc view at the last look
-    dump_due: bool = False  # the view changed since the last dump and held for a look
-    sched: dict[int, tuple[int, int]] = field(default_factory=dict)  # tid -> schedstat (run, wait)
-    # every task's (run ns, run slices) read right before the last py-spy dump (None: unknown),
-    # and that dump's time: the same numbers later prove the stacks are still that dump's
-    dump_slices: dict[int, tuple[int, int]] | None = None
-    stacks_at: float = 0.0
-    proven_at: float | None = None  # the last comparison was that proof (not a py-spy run)
-    # quiet (QUIET_SHARE) at every look since the last dump or, before the first, since first sight
-    quiet: bool = True
-    quiet_run_ns: int = 0  # its Python threads' run time since then (the quiet proof's words)
-    quiet_proof: bool = False  # the last proof was the quiet one (not "no task ran")
-    look_slices: dict[int, tuple[int, int]] = field(default_factory=dict)  # of tr.threads
-    looks: int = 0  # /proc looks so far
-    dump_misses: int = 0  # dumps in a row that failed for a passing reason
-    analysis: HangAnalysis | None = None  # of the stacks and look in analysis_of
-    analysis_of: tuple[tuple[ThreadStack, ...], float] = ((), 0.0)
-    analysis_view: Any = None  # look_fp when the analysis was made
-    # the main thread's frames and place in the stacks of words_of (the verdict's words)
-    words_of: tuple[ThreadStack, ...] | None = None
-    frames: tuple[str, ...] = ()
-    location: tuple[str, ...] = ()
 
 
 class StallTracker:
@@ -176,7 +126,7 @@ class StallTracker:
         if dump_interval_seconds is None:
             dump_interval_seconds = min(max(after_seconds / 5, cycle_seconds), 60.0)
         self.dump_interval = dump_interval_seconds
-        self._tracks: dict[RankId, _Track] = {}
+        self._tracks: dict[RankId, RankTrack] = {}
         self._clk_tck = looks.clk_tck
         self.cycle = CycleLooks(looks, budget=self.budget, max_threads=max_threads,
                                 dump_interval=dump_interval_seconds)
@@ -186,7 +136,7 @@ class StallTracker:
     def observe(self, now: float, probes: Iterable[RankProbe]) -> dict[RankId, StallVerdict]:
         verdicts: dict[RankId, StallVerdict] = {}
         seen = set()
-        work: list[tuple[RankProbe, _Track]] = []
+        work: list[tuple[RankProbe, RankTrack]] = []
         for p in probes:
             if p.key in seen:
                 continue
@@ -195,7 +145,7 @@ class StallTracker:
             if tr is None or tr.pid != p.pid or (
                 p.start_ticks is not None and tr.start_ticks not in (None, p.start_ticks)
             ):
-                tr = _Track(p.pid, p.start_ticks, first_seen=now, last_change=now)
+                tr = RankTrack(p.pid, p.start_ticks, first_seen=now, last_change=now)
                 self._tracks[p.key] = tr
             work.append((p, tr))
         for key in set(self._tracks) - seen:
@@ -220,7 +170,7 @@ class StallTracker:
             if tr is not None:
                 tr.gpu.add(r)
 
-    def _deferred(self, now: float, p: RankProbe, tr: _Track, kind: str) -> StallVerdict:
+    def _deferred(self, now: float, p: RankProbe, tr: RankTrack, kind: str) -> StallVerdict:
         """The verdict of a rank whose look the budget defers: its last one, or "not yet"."""
         self.deferred[kind] += 1
         if tr.verdict is not None:
@@ -228,7 +178,7 @@ class StallTracker:
         return StallVerdict(p.job_id, p.rank, p.pid, True, tr.first_seen, False,
                             "heartbeat" if p.heartbeat else "proc", max(0.0, now - tr.first_seen))
 
-    def _observe_one(self, now: float, p: RankProbe, tr: _Track) -> StallVerdict:
+    def _observe_one(self, now: float, p: RankProbe, tr: RankTrack) -> StallVerdict:
         if not p.alive:
             return StallVerdict(p.job_id, p.rank, p.pid, False, None, False, "dead", 0.0)
         stopped = p.state in ("T", "t")
@@ -366,7 +316,7 @@ class StallTracker:
         )  # fmt: skip
 
     @staticmethod
-    def _analysis_stale(p: RankProbe, tr: _Track) -> bool:
+    def _analysis_stale(p: RankProbe, tr: RankTrack) -> bool:
         """Whether the hang analysis must be made again: a new dump, or a new look that may
         change it. A look of a rank quiet since its dump (QUIET_SHARE) with its Python threads'
         view unchanged since the analysis, and no workers, changes none of its inputs that its
@@ -380,7 +330,7 @@ class StallTracker:
         return not (tr.quiet and not p.workers and tr.look_fp == tr.analysis_view)
 
     @staticmethod
-    def _note_quiet(tr: _Track, python_tids: set[int], last: dict[int, tuple[int, int]],
+    def _note_quiet(tr: RankTrack, python_tids: set[int], last: dict[int, tuple[int, int]],
                     elapsed: float) -> None:
         """Whether the Python threads stayed quiet since the last look (the view is compared in
         ``_stack_progress``): each read at both looks (schedstat), with little run time."""
@@ -394,13 +344,13 @@ class StallTracker:
         tr.quiet = ran <= QUIET_SHARE * elapsed * 1e9
 
     @staticmethod
-    def _look(now: float, tr: _Track, threads: tuple[ThreadInfo, ...],
+    def _look(now: float, tr: RankTrack, threads: tuple[ThreadInfo, ...],
               spinning: frozenset[int], shares: dict[int, float]) -> None:
         tr.threads, tr.threads_at, tr.spinning, tr.shares = threads, now, spinning, shares
         tr.looks += 1
 
     def _stack_progress(
-        self, now: float, p: RankProbe, tr: _Track, threads: tuple[ThreadInfo, ...],
+        self, now: float, p: RankProbe, tr: RankTrack, threads: tuple[ThreadInfo, ...],
         spinning: frozenset[int], looked: bool = True,
     ) -> tuple[str, float]:  # fmt: skip
         """Compare this look with the last one; returns (method, last change time)."""

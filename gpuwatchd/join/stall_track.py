@@ -1,0 +1,67 @@
+"""The stall tracker's memory of one rank (``RankTrack``): what its last /proc look and its last
+py-spy dump read, what they proved (the fingerprints compared, the quiet and "no task ran" proofs),
+and the words and analysis made from them. The rules that read and write it are in join/stall.py;
+kept by (job, rank) while the rank lives, dropped when it leaves. No I/O.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpuwatchd.join.rank_workers import RankWorkers
+from gpuwatchd.join.stall_spin import GpuWindow
+from gpuwatchd.model.stall import HangAnalysis, StallVerdict
+from gpuwatchd.model.threads import ThreadInfo, ThreadStack
+
+
+@dataclass
+class RankTrack:
+    """One rank process's stall memory across cycles: its last look, its last dump and what
+    they proved. Written only by ``StallTracker`` (join/stall.py, whose rules name each field)."""
+
+    pid: int
+    start_ticks: int | None
+    first_seen: float
+    last_change: float
+    fingerprint: Any = None
+    identical: int = 0
+    last_dump_at: float = float("-inf")
+    stacks: tuple[ThreadStack, ...] = ()
+    threads: tuple[ThreadInfo, ...] = ()
+    threads_at: float = 0.0
+    spinning: frozenset[int] = frozenset()
+    worked: bool = False
+    stopped_since: float | None = None
+    errors: collections.Counter[str] = field(default_factory=collections.Counter)
+    shares: dict[int, float] = field(default_factory=dict)
+    workers: RankWorkers = field(default_factory=RankWorkers)
+    compile_busy_at: float = float("-inf")  # last look at which it compiled with the CPU busy
+    verdict: StallVerdict | None = None  # the last one, reused while a look is deferred
+    summary: str = ""  # summarize_threads of the last look
+    busiest_worker: float | None = None  # of the last look (rank_workers.py)
+    gpu: GpuWindow = field(default_factory=GpuWindow)  # NVML readings of its GPUs (stall_spin.py)
+    proc_fp: Any = None  # the /proc view at the last dump: (tid, state, wchan, spinning)
+    look_fp: Any = None  # the /proc view at the last look
+    dump_due: bool = False  # the view changed since the last dump and held for a look
+    sched: dict[int, tuple[int, int]] = field(default_factory=dict)  # tid -> schedstat (run, wait)
+    # every task's (run ns, run slices) read right before the last py-spy dump (None: unknown),
+    # and that dump's time: the same numbers later prove the stacks are still that dump's
+    dump_slices: dict[int, tuple[int, int]] | None = None
+    stacks_at: float = 0.0
+    proven_at: float | None = None  # the last comparison was that proof (not a py-spy run)
+    # quiet (QUIET_SHARE) at every look since the last dump or, before the first, since first sight
+    quiet: bool = True
+    quiet_run_ns: int = 0  # its Python threads' run time since then (the quiet proof's words)
+    quiet_proof: bool = False  # the last proof was the quiet one (not "no task ran")
+    look_slices: dict[int, tuple[int, int]] = field(default_factory=dict)  # of tr.threads
+    looks: int = 0  # /proc looks so far
+    dump_misses: int = 0  # dumps in a row that failed for a passing reason
+    analysis: HangAnalysis | None = None  # of the stacks and look in analysis_of
+    analysis_of: tuple[tuple[ThreadStack, ...], float] = ((), 0.0)
+    analysis_view: Any = None  # look_fp when the analysis was made
+    # the main thread's frames and place in the stacks of words_of (the verdict's words)
+    words_of: tuple[ThreadStack, ...] | None = None
+    frames: tuple[str, ...] = ()
+    location: tuple[str, ...] = ()
