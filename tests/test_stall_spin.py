@@ -381,12 +381,14 @@ def test_rank_that_uses_some_cpu_is_dumped_at_its_second_look(launch) -> None:
     tracker = StallTracker(after, StallLooks(spy), dump_interval_seconds=0.25)
     time.sleep(0.3)
     t0 = time.time()
-    while time.time() - t0 < 4.5:
+    # 2 x after plus a second and a half: the third dump (due ~4.25 s) has a second of slack on a
+    # loaded machine (CI: [0.25, 2.57] in a 4.5 s loop); a quiet rank gets 2 in that time
+    while time.time() - t0 < 2 * after + 1.5:
         tracker.observe(time.time(), [_probe(p.pid, "nibble")])
         time.sleep(0.25)
     at = [round(t - t0, 2) for t in dumps]
     assert at and at[0] <= 0.75, at  # the second look (or the one after, on a loaded machine)
-    assert 3 <= len(at) <= 8, at
+    assert 3 <= len(at) <= 10, at
 
 
 def _counting_pyspy(tmp: Path) -> tuple[PySpy, Path]:
