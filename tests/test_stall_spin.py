@@ -594,37 +594,41 @@ def test_quiet_stalled_rank_keeps_its_analysis_until_it_wakes(launch) -> None:
     assert len(calls) > before, "a rank that woke to work was not analysed again"
 
 
-def test_busy_first_dump_is_tried_again_not_taken_as_the_comparison(launch) -> None:
-    """A first dump that finds the py-spy slots busy (the GIL sampler records in them) is tried
-    again at the next cycle, not replaced by the /proc view as the first comparison: the real
-    dump after it then read as a change, and the stall came a second after_seconds late (the GPU
-    suite's spin hang behind .item(), not paged in after_seconds + a look)."""
+def test_failed_first_dump_is_tried_again_not_taken_as_the_comparison(launch) -> None:
+    """A first dump that fails for a passing reason (the py-spy slots busy; a time-out, after
+    which dumps pause for an interval) is tried again, not replaced by the /proc view as the first
+    comparison: the real dump after it then read as a change, and the stall came a second
+    after_seconds late."""
 
-    def stalled_after(busy: int) -> float:
-        p = launch("idle", f"busy{busy}")
+    def stalled_after(failure: Dump | None, times: int = 1) -> float:
+        job = f"fail{uuid.uuid4().hex[:6]}"
+        p = launch("idle", job)
         looks = StallLooks(PySpy(pyspy.resolve_pyspy()))
         real, calls = looks.dump, []
 
         def dump(pid):  # type: ignore[no-untyped-def]
             calls.append(pid)
-            if len(calls) <= busy:
-                return Dump(None, "all py-spy slots busy")
-            return real(pid)
+            return failure if failure is not None and len(calls) <= times else real(pid)
 
         looks.dump = dump  # type: ignore[method-assign]
         tracker = StallTracker(1.0, looks, dump_interval_seconds=0.25)
         time.sleep(0.3)
         t0 = time.time()
         while time.time() - t0 < 6.0:
-            v = tracker.observe(time.time(), [_probe(p.pid, f"busy{busy}")])[(f"busy{busy}", 0)]
-            if v.stalled:
+            if tracker.observe(time.time(), [_probe(p.pid, job)])[(job, 0)].stalled:
                 return time.time() - t0
             time.sleep(0.1)
         return float("inf")
 
-    clear, busy = stalled_after(0), stalled_after(1)
-    # the busy slots cost the retries (a cycle each), not another after_seconds
-    assert busy <= clear + 0.6, (clear, busy)
+    clear = stalled_after(None)
+    busy = stalled_after(Dump(None, "all py-spy slots busy"))
+    timed_out = stalled_after(Dump(None, "timed out after 5 s", timed_out=True))
+    # a retry a cycle later (0.1 s), or after the pause (0.25 s); not another after_seconds.
+    # Before: 2.17 s against 1.06 s
+    assert busy <= clear + 0.6 and timed_out <= clear + 0.7, (clear, busy, timed_out)
+    # a rank that py-spy never reads: after MAX_DUMP_MISSES tries its /proc view is compared
+    never = stalled_after(Dump(None, "all py-spy slots busy"), times=1000)
+    assert never <= 2 * 1.0 + 1.5, never
 
 
 def test_working_rank_is_never_dumped(launch, tmp_path: Path) -> None:

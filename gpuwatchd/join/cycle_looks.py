@@ -104,6 +104,10 @@ class CycleLooks:
     def slices_before_dump(self, pid: int) -> Slices | None:
         return self._dump_slices.get(pid)
 
+    def dump_tried(self, pid: int) -> bool:
+        """Whether this cycle ran py-spy on ``pid`` (not when dumps pause after a time-out)."""
+        return pid in self._dumps
+
     def dump(self, now: float, pid: int) -> tuple[tuple[ThreadStack, ...] | None, bool]:
         """(a non-blocking dump or None, whether py-spy cannot help with this rank at all).
 

@@ -442,12 +442,13 @@ class StallTracker:
             stacks, hopeless = self.cycle.dump(now, p.pid)
             proven = False
         if stacks is None and not hopeless and (tr.stacks or tr.dump_misses < MAX_DUMP_MISSES):
-            # busy (the GIL sampler holds the py-spy slots) / timed out / odd output this time:
-            # try again, change nothing. A rank not yet dumped is tried MAX_DUMP_MISSES times
-            # before its /proc view stands in for its stacks: a busy first dump taken as the
-            # comparison made the next, real one a change, and the stall a second after_seconds
-            # late (the GPU suite's spin hang, paged past after_seconds + a look).
-            tr.dump_misses += 1
+            # busy slots / timed out (then dumps pause an interval) / odd output this time: try
+            # again, change nothing. A rank not yet dumped is tried MAX_DUMP_MISSES times (the
+            # cycles of a pause not counted) before its /proc view stands in for its stacks: a
+            # failed first dump taken as the comparison made the next, real one a change, and
+            # the stall a second after_seconds late.
+            if self.cycle.dump_tried(p.pid):
+                tr.dump_misses += 1
             return ("stack" if tr.stacks else "proc"), tr.last_change
         tr.dump_misses = 0
         by_tid = {t.tid: t for t in threads}
