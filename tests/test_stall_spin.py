@@ -528,13 +528,10 @@ def test_quiet_stalled_rank_that_works_is_dumped_again(launch, tmp_path: Path) -
     assert v.stalled, v
 
 
-def test_stalled_rank_is_analysed_once_per_look(launch) -> None:
-    """A stalled rank's hang analysis (each waiting thread's syscall read, each thread classified)
-    runs at the look cadence, not every cycle: its inputs are the last dump's stacks and the last
-    look's threads (64 stalled ranks spent 62 ms a cycle in it on the 2-core VM, before)."""
-    p = launch("idle", "analysed")
-    looks = StallLooks(PySpy(pyspy.resolve_pyspy()))
-    calls = []
+def _counting_analyses() -> tuple[StallLooks, list[float]]:
+    """A real looker that logs each hang analysis: the time of each read of the waiting threads'
+    syscalls, which the analysis makes once per run."""
+    looks, calls = StallLooks(PySpy(pyspy.resolve_pyspy())), []
     real = looks.waits
 
     def counting(pid, tids):  # type: ignore[no-untyped-def]
@@ -542,6 +539,15 @@ def test_stalled_rank_is_analysed_once_per_look(launch) -> None:
         return real(pid, tids)
 
     looks.waits = counting  # type: ignore[method-assign]
+    return looks, calls
+
+
+def test_stalled_rank_is_analysed_once_per_look(launch) -> None:
+    """A stalled rank's hang analysis (each waiting thread's syscall read, each thread classified)
+    runs at the look cadence, not every cycle: its inputs are the last dump's stacks and the last
+    look's threads (64 stalled ranks spent 62 ms a cycle in it on the 2-core VM, before)."""
+    p = launch("idle", "analysed")
+    looks, calls = _counting_analyses()
     after, interval = 1.0, 1.0
     tracker = StallTracker(after, looks, dump_interval_seconds=interval)
     time.sleep(0.3)
@@ -562,15 +568,7 @@ def test_quiet_stalled_rank_keeps_its_analysis_until_it_wakes(launch) -> None:
     cost beside the same ranks beating). A thread that wakes to work (5 ms: more than
     QUIET_SHARE) makes the next look analyse again."""
     p = launch("idle", "asleep")
-    looks = StallLooks(PySpy(pyspy.resolve_pyspy()))
-    calls = []
-    real = looks.waits
-
-    def counting(pid, tids):  # type: ignore[no-untyped-def]
-        calls.append(time.time())
-        return real(pid, tids)
-
-    looks.waits = counting  # type: ignore[method-assign]
+    looks, calls = _counting_analyses()
     tracker = StallTracker(1.0, looks, dump_interval_seconds=0.25)
     time.sleep(0.3)
 
