@@ -21,7 +21,8 @@ and what these rules use:
 
 The readings are device-wide. On a GPU that another process (not of the rank's tree) also holds
 memory on, memory traffic may be that process's: it is no evidence of progress there. No traffic
-at all, or an idle GPU, holds for every process on it, so those still confirm.
+at all, or an idle GPU, holds for every process on it, so those still confirm; after traffic there,
+the readings after it decide once ``after_seconds`` have passed (as if it were the rank's progress).
 Where nothing confirms a stall, the verdict is ``ambiguous`` (a warning, never a page) and says
 what would: a heartbeat, NVML, ``gpuwatchd doctor``.
 
@@ -78,32 +79,50 @@ class GpuWindow:
             return None
         return a.at
 
-    def verdict(self, since: float, now: float, span: float) -> tuple[str, str]:
+    def verdict(self, since: float, now: float, after: float) -> tuple[str, str]:
         """("spin" | "idle" | "active" | "unknown", the readings in words) over [since, now];
-        "spin" and "idle" need ``MIN_READINGS`` readings spanning at least ``span`` seconds."""
+        "spin" and "idle" need ``MIN_READINGS`` readings spanning at least ``after`` / 2 seconds.
+
+        On a shared GPU, memory traffic may be this rank's progress or another process's: it is
+        judged as on a GPU the rank alone uses, where it would be progress. The readings after the
+        last of it decide, once ``after`` seconds have passed since it (issue 22: the traffic of a
+        process starting beside a hung rank, kept in the window since the rank's last progress,
+        left the hang "unknown" for as long as it lasted)."""
         rs = [r for r in self.readings if since <= r.at <= now]
         if not rs:
             return "unknown", "no NVML reading of its GPU"
         shared = not all(r.exclusive for r in rs)
-        utils = [r.util for r in rs if r.util is not None]
-        mems = [r.mem for r in rs if r.mem is not None]
-        if len(utils) < len(rs) or len(mems) < len(rs):
+        if any(r.util is None or r.mem is None for r in rs):
             return "unknown", "its GPU's utilisation or memory activity is unknown"
-        n, covered = len(rs), rs[-1].at - rs[0].at
-        words = (f"{n} NVML readings over {covered:.0f} s: utilisation {min(utils):.0%}-{max(utils):.0%}, "
-                 f"memory controller {min(mems):.0%}-{max(mems):.0%}")
-        if shared:
-            words += "; shared with another process"
-        if max(mems) >= MEM_ACTIVE:
-            # device-wide: on a shared GPU the traffic may be the other process's
-            return ("unknown" if shared else "active"), words
-        if n < MIN_READINGS or covered < span:
+        moved = [r for r in rs if r.mem is not None and r.mem >= MEM_ACTIVE]
+        if moved and not shared:
+            return "active", self._words(rs, shared)
+        if moved:
+            last = moved[-1].at
+            tail = [r for r in rs if r.at > last]
+            words = (self._words(tail, shared) if tail else self._words(rs, shared)) + (
+                f"; memory traffic {now - last:.0f} s ago, maybe the other process's")
+            if now - last < after or not tail:
+                return "unknown", words
+            rs = tail
+        else:
+            words = self._words(rs, shared)
+        utils = [r.util for r in rs if r.util is not None]
+        if len(rs) < MIN_READINGS or rs[-1].at - rs[0].at < after / 2:
             return "unknown", words + " (too few to decide)"
         if min(utils) >= GPU_BUSY:
             return "spin", words
         if max(utils) < GPU_IDLE:
             return "idle", words
         return "unknown", words
+
+    @staticmethod
+    def _words(rs: list[GpuReading], shared: bool) -> str:
+        utils = [r.util or 0.0 for r in rs]
+        mems = [r.mem or 0.0 for r in rs]
+        words = (f"{len(rs)} NVML readings over {rs[-1].at - rs[0].at:.0f} s: utilisation "
+                 f"{min(utils):.0%}-{max(utils):.0%}, memory controller {min(mems):.0%}-{max(mems):.0%}")
+        return words + "; shared with another process" if shared else words
 
 
 def readings_for(now: float, gpus: Iterable[tuple[float | None, float | None, bool]]) -> GpuReading | None:
@@ -159,7 +178,7 @@ def confirm_spin(window: GpuWindow, since: float, now: float, after: float,
                  analysis: HangAnalysis | None) -> tuple[str, str]:  # fmt: skip
     """(what confirms the stall of a rank spinning at one line since ``since``, or "" when
     nothing does; the GPU readings in words)."""
-    kind, words = window.verdict(since, now, after / 2)
+    kind, words = window.verdict(since, now, after)
     if kind == "spin":
         return "gpu_spin", words
     if kind == "idle" and analysis is not None and "gpu_wait" in analysis.kinds:
