@@ -61,11 +61,24 @@ gc.set_threshold(getattr(core, "GC_YOUNG_THRESHOLD", 700), *gc.get_threshold()[1
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
+def thread_ticks():
+    import threading
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = names.get(int(tid), f"tid {tid}")
+        out[name] = out.get(name, 0) + int(fields[11]) + int(fields[12])
+    return out
 beat_cpu = 0.0
 for i in range(warmup + cycles):
     if i == warmup:
         acc.clear()
-        beat_cpu, t0, p0 = 0.0, time.thread_time(), cpu()
+        beat_cpu, t0, p0, ticks0 = 0.0, time.thread_time(), cpu(), thread_ticks()
         if prof:
             import cProfile
             profiler = cProfile.Profile()
@@ -85,7 +98,14 @@ main = (time.thread_time() - t0 - beat_cpu) / cycles
 proc = (cpu() - p0 - beat_cpu) / cycles
 findings = collections.Counter(f.kind for f in d.state.findings)
 d.shutdown()
+ticks1 = thread_ticks()
 print(f"RESULT {1e3 * main:.3f} {1e3 * proc:.3f} {dict(findings)}")
+hz = os.sysconf("SC_CLK_TCK")
+for name in sorted(ticks1, key=lambda n: ticks0.get(n, 0) - ticks1[n]):
+    used = (ticks1[name] - ticks0.get(name, 0)) / hz / cycles
+    if used > 0:
+        print(f"    {1e3 * used:6.2f} ms  thread {name} (of which the main thread's heartbeat writes)"
+              if name == "MainThread" else f"    {1e3 * used:6.2f} ms  thread {name}")
 for name, v in acc.most_common():
     print(f"    {1e3 * v / cycles:6.2f} ms  {name}")
 if profiler is not None:
@@ -175,9 +195,8 @@ def main() -> int:
                 print(f"  round {rnd + 1} {name:10s} main thread {float(main_ms):6.2f} ms, process "
                       f"{float(proc_ms):6.2f} ms per cycle (one render included); findings {findings}",
                       flush=True)
-                if args.parts or args.cprofile:
-                    print("\n".join(ln for ln in out.stdout.splitlines() if ln.startswith("    ")),
-                          flush=True)
+                print("\n".join(ln for ln in out.stdout.splitlines() if ln.startswith("    ")),
+                      flush=True)  # each thread's CPU; the parts and the profile when asked
         for name, rows in results.items():
             procs_ms = [p for _, p in rows]
             mains = [m for m, _ in rows]
