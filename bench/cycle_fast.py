@@ -104,8 +104,8 @@ hz = os.sysconf("SC_CLK_TCK")
 for name in sorted(ticks1, key=lambda n: ticks0.get(n, 0) - ticks1[n]):
     used = (ticks1[name] - ticks0.get(name, 0)) / hz / cycles
     if used > 0:
-        print(f"    {1e3 * used:6.2f} ms  thread {name} (of which the main thread's heartbeat writes)"
-              if name == "MainThread" else f"    {1e3 * used:6.2f} ms  thread {name}")
+        note = " (the script's heartbeat writes included)" if name == "MainThread" else ""
+        print(f"    {1e3 * used:6.2f} ms  thread {name}{note}")
 for name, v in acc.most_common():
     print(f"    {1e3 * v / cycles:6.2f} ms  {name}")
 if profiler is not None:

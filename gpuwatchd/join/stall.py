@@ -317,8 +317,8 @@ class StallTracker:
 
     @staticmethod
     def _analysis_stale(p: RankProbe, tr: RankTrack) -> bool:
-        """Whether the rank's hang analysis (there is one) must be made again: a new dump, or a new look that may
-        change it. A look of a rank quiet since its dump (QUIET_SHARE) with its Python threads'
+        """Whether the rank's hang analysis (there is one) must be made again: a new dump, or a
+        new look that may change it. A look of a rank quiet since its dump (QUIET_SHARE) with its Python threads'
         view unchanged since the analysis, and no workers, changes none of its inputs that its
         words show: the same frames, states, wchan and futex waits, each thread under the idle
         share (issue 22: the analysis at each look of 64 stalled ranks asleep at one line was

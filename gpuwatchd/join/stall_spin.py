@@ -100,9 +100,9 @@ class GpuWindow:
         if moved:
             last = moved[-1].at
             tail = [r for r in rs if r.at > last]
-            words = (self._words(tail, shared) if tail else self._words(rs, shared)) + (
+            words = self._words(tail or rs, shared) + (
                 f"; memory traffic {now - last:.0f} s ago, maybe the other process's")
-            if now - last < after or not tail:
+            if not tail or now - last < after:
                 return "unknown", words
             rs = tail
         else:
