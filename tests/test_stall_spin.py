@@ -390,15 +390,24 @@ def test_quiet_stalled_rank_is_dumped_again_after_quiet_redump_bounds(launch, tm
     tracker = StallTracker(after, StallLooks(spy), dump_interval_seconds=0.25)
     time.sleep(0.3)
     t0, times = time.time(), []
-    while time.time() - t0 < QUIET_REDUMP * after + 2.0:
+    # two bounds long: a wake that breaks the quiet once (a loaded machine: CI saw a dump at 2.56 s
+    # after the pair at 0.26 s) restarts the bound, and the one after it must still run out
+    while time.time() - t0 < 2 * QUIET_REDUMP * after + 2.0:
         v = tracker.observe(time.time(), [_probe(p.pid, "redump")])[("redump", 0)]
-        times.append((round(time.time() - t0, 2), v.stalled, v.unchanged_quiet_ms is not None))
+        times.append((time.time() - t0, v.stalled, v.unchanged_quiet_ms is not None))
         time.sleep(0.25)
     dumps = [float(t) - t0 for t in count.read_text().split()]
     assert all(s for _, s, _ in times[8:]), times  # stalled throughout, once first seen so
     assert any(q for _, _, q in times), times
-    # the pair (or one and the schedstat proof), then one QUIET_REDUMP x after_seconds later
-    assert 2 <= len(dumps) <= 3 and dumps[-1] - dumps[0] >= QUIET_REDUMP * after, (dumps, times)
+    # the quiet proof stands on a dump at most QUIET_REDUMP x after_seconds old when it is made,
+    # and its words last until the next comparison (after_seconds on) and that look
+    for t, _, quiet in times:
+        if quiet:
+            last = max(d for d in dumps if d <= t)
+            assert t - last <= QUIET_REDUMP * after + after + 0.5, (t, dumps)
+    # the pair (or one and the schedstat proof), then one each QUIET_REDUMP x after_seconds,
+    # and a dump or two more when a wake broke the quiet
+    assert 3 <= len(dumps) <= 6, (dumps, times)
 
 
 def test_rank_that_uses_some_cpu_is_dumped_at_its_second_look(launch) -> None:
