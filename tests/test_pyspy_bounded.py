@@ -117,7 +117,13 @@ def test_an_oom_kill_of_the_daemons_own_helper_is_named_and_not_a_node_kill(
 
         d.wait_for(lambda: kinds() != [], timeout=20, what="the kill's event")
         assert kinds() == ["helper_oom_kill"], kinds()
-        assert d.value("gpuwatch_helper_oom_kills_total", helper="py-spy", killer="kernel") == 1.0
+        # the event is written during the cycle, the counter served from the state at its end: a
+        # scrape in between sees the one without the other (clean clone: None right after the event)
+        def counted() -> float | None:
+            return d.value("gpuwatch_helper_oom_kills_total", helper="py-spy", killer="kernel")
+
+        d.wait_for(lambda: counted() is not None, timeout=10, what="the kill counted")
+        assert counted() == 1.0
         ev = next(e for e in map(json.loads, events.read_text().splitlines())
                   if e.get("pid") == helper)
         assert "gpuwatchd's own py-spy helper" in ev["summary"], ev
