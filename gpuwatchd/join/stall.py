@@ -318,11 +318,11 @@ class StallTracker:
     @staticmethod
     def _analysis_stale(p: RankProbe, tr: RankTrack) -> bool:
         """Whether the rank's hang analysis (there is one) must be made again: a new dump, or a
-        new look that may change it. A look of a rank quiet since its dump (QUIET_SHARE) with its Python threads'
-        view unchanged since the analysis, and no workers, changes none of its inputs that its
-        words show: the same frames, states, wchan and futex waits, each thread under the idle
-        share (issue 22: the analysis at each look of 64 stalled ranks asleep at one line was
-        half of what they cost beside the same ranks beating)."""
+        new look that may change it. A look of a rank quiet since its dump (QUIET_SHARE), with
+        its Python threads' view unchanged since the analysis and no workers, changes none of the
+        inputs that its words show: the same frames, states, wchan and futex waits, each thread
+        under the idle share (issue 22: the analysis at each look of 64 stalled ranks asleep at
+        one line was half of what they cost beside the same ranks beating)."""
         if tr.analysis_of[0] is not tr.stacks:
             return True
         if tr.analysis_of[1] == tr.threads_at:
