@@ -10,7 +10,7 @@ to fail on this node (the ranks the launcher tore down after it are named there,
   this node is still alive ``TEARDOWN_GRACE_SECONDS`` later: the peer waits for it, pages;
 - the launcher tore the rest down by then: no page (findings/job_crashed.py says a crash once);
 - exit 0: never.
-A registered rank stays a finding while it stays registered and dead; a discovered one vanishes
+A registered rank stays a finding while it stays registered and dead (unregistered: the end); a discovered one vanishes
 from the rank list with its process and is a finding for ``ACTIVE_SECONDS`` after its exit.
 
 Reads only the joined rank states and exits. Shell equivalent: ``kill -0 PID`` for each PID in the
@@ -103,7 +103,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         )
     live = {(r.job_id, r.rank, r.pid) for r in ctx.ranks if r.alive}
     for key, x in exits.items():  # exits of ranks no longer listed (discovered ones vanish)
-        if key in live or ctx.now - x.time > ACTIVE_SECONDS or x.cause == OOM_KILL:
-            continue  # an OOM kill pages as rank_oom_killed already (findings/oom.py)
+        if key in live or x.registered or ctx.now - x.time > ACTIVE_SECONDS or x.cause == OOM_KILL:
+            continue  # unregistered: cleaned up; an OOM kill pages as rank_oom_killed already
         if pages(x, ctx):
             yield _from_exit(ctx, x, None)
