@@ -359,6 +359,8 @@ class NodeRank:
         self.oom_kills = 0
         self.gil_samples = 0
         self.gil_held = 0
+        self.exit_cause = ""  # gpuwatch_rank_exits_total{cause} at 1 once set
+        self.listed = True  # False: a discovered rank gone with its process (no rank series)
 
 
 def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
@@ -388,6 +390,10 @@ def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
     for r in ranks:
         jr = {"job_id": r.job_id, "rank": str(r.rank)}
         g = {"gpu": str(r.gpu), "uuid": f"GPU-{r.gpu:04d}"}
+        if r.exit_cause:
+            add("gpuwatch_rank_exits_total", "counter", {**jr, "cause": r.exit_cause}, 1)
+        if not r.listed:
+            continue
         add("gpuwatch_gpu_info", "gauge", {**g, "name": "NVIDIA H100", "pci_bus_id": "0000:3b:00.0"}, 1)
         add("gpuwatch_gpu_memory_total_bytes", "gauge", g, 80 * 2**30)
         add("gpuwatch_gpu_memory_used_bytes", "gauge", g, 40 * 2**30 if r.up else 0)

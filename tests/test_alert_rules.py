@@ -36,6 +36,7 @@ DESIGN_ALERTS = {
     "GPURankMemoryPressure": "warning",
     "GPURankGILSaturated": "warning",
     "GPURankStraggler": "warning",
+    "GPUJobCrashed": "warning",
     "GPURankMisconfigured": "info",
     "GpuwatchdCollectorFailing": "warning",
     "GpuwatchdDown": "warning",
@@ -102,7 +103,7 @@ def test_every_alert_is_unit_tested_firing_and_not_firing() -> None:
     assert silent == set(DESIGN_ALERTS)
     # label propagation: every firing expectation of a rank alert names job_id, rank and instance
     rank_alerts = {"GPURankOOMKilled", "GPURankDown", "GPURankStalled", "GPURankFDExhaustion",
-                   "GPURankGILSaturated", "GPURankMemoryPressure", "GPURankStraggler"}
+                   "GPURankGILSaturated", "GPURankMemoryPressure", "GPURankStraggler", "GPUJobCrashed"}
     for t in doc["tests"]:
         for case in t.get("alert_rule_test", []):
             if case["alertname"] in rank_alerts:

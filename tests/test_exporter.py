@@ -54,6 +54,7 @@ def full_state() -> tuple[NodeState, CounterStore]:
     counters.inc("oom_kills", ("llm-7", "1", "python", "kernel"))
     counters.inc("oom_kills", ("", "", "stress", "earlyoom"))
     counters.inc("helper_oom_kills", ("py-spy", "kernel"))
+    counters.inc("rank_exits", ("llm-7", "1", "SIGSEGV"))
     counters.inc("gpu_xid_errors", ("0", "GPU-a", "79"))
     counters.inc("cuda_oom_errors", ("llm-7", "0", "0"))
     counters.inc("rank_gil_samples", ("llm-7", "0"), 249)

@@ -24,7 +24,7 @@ import pytest
 from gpuwatchd.config import Config
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import fork as fork_rule
-from gpuwatchd.model import RankState
+from gpuwatchd.model import GpuProcessRow, RankState
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.devfds import read_evidence
 from gpuwatchd.sources.procfs import ProcfsReader
@@ -100,7 +100,7 @@ def _start(tmp_path: Path, devfs: Path, method: str, ranks: list, reopen: bool =
     return doc["pid"], doc["children"]
 
 
-def _findings(devfs: Path, rank_pid: int) -> list:
+def _findings(devfs: Path, rank_pid: int, gpu_processes: tuple = ()) -> list:
     paths = HostPaths(devfs=str(devfs))
     procfs = ProcfsReader(paths)
     tree = (rank_pid, *procfs.descendants(rank_pid))
@@ -108,7 +108,7 @@ def _findings(devfs: Path, rank_pid: int) -> list:
     rank = RankState(job_id="llm-7", rank=1, pid=rank_pid, local_rank=1, world_size=8,
                      alive=True, process=procfs.read_process(rank_pid), tree=tree)
     ctx = FindingContext(now=time.time(), config=Config(), ranks=(rank,),
-                         fork_evidence=evidence)
+                         fork_evidence=evidence, gpu_processes=gpu_processes)
     return list(fork_rule.find(ctx))
 
 
@@ -128,6 +128,27 @@ def test_fork_children_that_inherited_device_fds_are_flagged(tmp_path: Path, dev
     assert sorted(f.evidence["children"]) == sorted(kids)
     assert "forked 2 child process(es)" in f.explanation and "spawn" in f.explanation
     assert str(devfs / "nvidiactl") in f.explanation
+    # the workers only inherited the descriptors: a latent risk, said as such
+    assert "no child used the GPU (inherited descriptors only: a latent risk" in f.explanation
+    assert f.evidence["used_gpu"] is False
+
+
+def test_fork_children_that_used_the_gpu_are_said_to(tmp_path: Path, devfs: Path, ranks: list) -> None:
+    """A fork worker that opened the NVIDIA devices itself (a CUDA call after the fork), and one
+    NVML lists with memory of its own: each is named as a child that used the GPU."""
+    pid, kids = _start(tmp_path, devfs, "fork", ranks, reopen=True)
+    (f,) = _findings(devfs, pid)
+    assert f.evidence["used_gpu"] is True
+    assert "a child used the GPU after the fork (a fault" in f.explanation
+    assert f"PID {kids[0]} opened {devfs / 'nvidia-uvm'}, {devfs / 'nvidiactl'} after the fork" \
+        in f.explanation
+    # NVML's process list (a recorded shape: the GPU is absent here) names the other worker
+    pid2, kids2 = _start(tmp_path, devfs, "fork", ranks)
+    row = GpuProcessRow(gpu_index=0, uuid="GPU-0", pid=kids2[1], used_memory_bytes=500 << 20,
+                        comm="python", user="root", job_id="llm-7", rank="1")
+    (g,) = _findings(devfs, pid2, (row,))
+    assert g.evidence["used_gpu"] is True
+    assert f"PID {kids2[1]} has its own CUDA context on GPU 0 holding 500.0 MiB (NVML)" in g.explanation
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])

@@ -131,6 +131,29 @@ def test_job_across_two_nodes_names_first_oom_killed_rank(tmp_path: Path) -> Non
             assert gone["first_to_fail"]["rank"] == "2"
 
 
+def test_job_shows_each_ranks_exit_and_the_first_to_fail(tmp_path: Path) -> None:
+    """Two discovered ranks: rank 1 segfaults, its launcher SIGTERMs rank 0 within the same
+    scrape, and both vanish with their processes (no rank_up after). The job view finds them
+    through gpuwatch_rank_exits_total, names rank 1 (not the torn-down rank 0) the first to fail,
+    and shows each rank's exit."""
+    ranks = [NodeRank("crash-9", 0, 3000, 2, gpu=0), NodeRank("crash-9", 1, 3001, 2, gpu=1)]
+    with MetricsServer(node_exposition(ranks)) as node, prometheus(tmp_path, [node.address]) as prom:
+        wait_until(lambda: len(prom.query('gpuwatch_rank_up{job_id="crash-9"}')) == 2, 20,
+                   "2 ranks scraped")
+        ranks[1].exit_cause, ranks[0].exit_cause = "SIGSEGV", "SIGTERM"
+        for r in ranks:
+            r.listed = False
+        node.text = node_exposition(ranks)
+        wait_until(lambda: len(prom.query('gpuwatch_rank_exits_total{job_id="crash-9"}')) == 2, 10,
+                   "the exits scraped")
+        out = json.loads(_cli("crash-9", "--prometheus", prom.url, "--json").stdout)
+        assert (out["first_to_fail"]["rank"], out["first_to_fail"]["exit_cause"]) == ("1", "SIGSEGV")
+        assert {r["rank"]: r["exit_cause"] for r in out["ranks"]} == {"0": "SIGTERM", "1": "SIGSEGV"}
+        text = _cli("crash-9", "--prometheus", prom.url).stdout
+        assert f"first to fail: rank 1 on {node.address} exited (SIGSEGV)" in text, text
+        assert any(x.startswith("RANK") and x.endswith("EXIT") for x in text.splitlines()) and "SIGTERM" in text
+
+
 def test_job_names_the_rank_behind_in_the_flight_recorder_and_the_straggler(
         tmp_path: Path) -> None:
     """Three ranks on a stand-in node: ranks 0 and 1 step on and entered collective #5; rank 2

@@ -9,6 +9,8 @@ Privilege: none on the node; network access to Prometheus. The equivalent by han
     curl -s 'http://prometheus:9090/api/v1/query' \\
          --data-urlencode 'query=gpuwatch_rank_up{job_id="llm-7"}[1h]'
 
+Each rank's last exit in the window comes from ``gpuwatch_rank_exits_total{cause}`` (its EXIT
+column); a discovered rank, which has no ``rank_up`` once its process is gone, is seen through it.
 A rank is ``oom_killed`` (dead, with an OOM kill in the window), ``dead`` (registered, process gone),
 ``stalled`` (alive, no progress), ``up``, or ``missing`` (seen in the window but no longer reported:
 its node stopped being scraped or the rank was unregistered). The *first to fail* is the rank whose
@@ -40,6 +42,7 @@ DEAD = "dead"
 OOM_KILLED = "oom_killed"
 MISSING = "missing"
 FAILED_STATES = (OOM_KILLED, DEAD, STALLED, MISSING)
+TEARDOWN = ("SIGTERM", "SIGKILL", "SIGINT")
 
 
 STEP_WINDOW = "10m"  # as the GPURankStraggler rule
@@ -62,6 +65,8 @@ class RankView:
     oom_kills: int = 0
     oom_comm: str = ""
     oom_killer: str = ""
+    exit_cause: str = ""  # gpuwatch_rank_exits_total's cause of its last exit in the window
+    exited_at: float | None = None  # the scrape that first saw that exit
     gpu_memory_bytes: float | None = None
     step_rate: float | None = None  # deriv(gpuwatch_rank_step[STEP_WINDOW]), steps per second
 
@@ -264,6 +269,24 @@ def job_view(prom: Prometheus, job_id: str, lookback: str = "1h", at: float | No
             r.state = OOM_KILLED
             r.failed_at = first[0] if r.failed_at is None else min(first[0], r.failed_at)
 
+    # exits (gpuwatch_rank_exits_total{cause}): each rank's last, and a rank that vanished with
+    # its process (discovered ranks have no rank_up after their death) is seen through them
+    old_exits = {_labels_key(s["metric"])
+                 for s in prom.query(f"gpuwatch_rank_exits_total{sel} offset {lookback}", at)}
+    listed = {_key(x["metric"]) for x in seen}
+    for s in prom.query(f"gpuwatch_rank_exits_total{sel}[{lookback}]", at):
+        metric = s["metric"]
+        times = kill_times(_samples(s), _labels_key(metric) not in old_exits)
+        if not times:
+            continue
+        r = ranks.get(_key(metric)) or view(metric)
+        if r.exited_at is None or times[-1] > r.exited_at:
+            r.exit_cause, r.exited_at = metric.get("cause", ""), times[-1]
+        if r.state == UP and _key(metric) not in listed:
+            r.state = MISSING
+        if r.state in (DEAD, MISSING) and r.exit_cause not in ("", "exit_0"):
+            r.failed_at = r.exited_at if r.failed_at is None else min(r.failed_at, r.exited_at)
+
     for s in prom.query(f"deriv(gpuwatch_rank_step{sel}[{STEP_WINDOW}])", at):
         view(s["metric"]).step_rate = float(s["value"][1])
     seqs: dict[str, list[tuple[tuple[str, str], int]]] = {}
@@ -286,7 +309,10 @@ def job_view(prom: Prometheus, job_id: str, lookback: str = "1h", at: float | No
                          and r.step_rate < STRAGGLER_RATIO * jv.median_step_rate]
     failed = [r for r in jv.ranks if r.state in FAILED_STATES and r.failed_at is not None]
     if failed:
-        jv.first_to_fail = min(failed, key=lambda r: (r.failed_at or 0.0, r.rank_number))
+        # within one scrape the rank its launcher tore down (SIGTERM / SIGKILL / SIGINT) after
+        # the first failure is dated alike: the one that did not end by those failed first
+        jv.first_to_fail = min(failed, key=lambda r: (r.failed_at or 0.0, r.exit_cause in TEARDOWN,
+                                                      r.rank_number))
         jv.waiting = [
             r for r in jv.ranks if r is not jv.first_to_fail and r.state in (UP, STALLED)
         ]
@@ -306,6 +332,8 @@ def describe_failure(r: RankView) -> str:
         STALLED: "stalled",
         MISSING: "stopped being reported",
     }.get(r.state, r.state)
+    if r.exit_cause and r.state in (DEAD, MISSING):
+        what = f"exited ({r.exit_cause})"
     return f"rank {r.rank} on {r.instance} {what} at {_fmt_time(r.failed_at)}"
 
 
@@ -334,7 +362,7 @@ def render_text(jv: JobView) -> str:
                      f"{(r.step_rate or 0) / (jv.median_step_rate or 1):.2f}x the job's median "
                      f"{jv.median_step_rate:.2f} ({STEP_WINDOW})")
     lines.append("")
-    header = ("RANK", "INSTANCE", "STATE", "SINCE", "PID", "GPU MEM", "OOM KILLS")
+    header = ("RANK", "INSTANCE", "STATE", "SINCE", "PID", "GPU MEM", "OOM KILLS", "EXIT")
     rows = [
         (
             r.rank,
@@ -344,6 +372,7 @@ def render_text(jv: JobView) -> str:
             r.pid or "-",
             fmt_bytes(r.gpu_memory_bytes, none="-"),
             str(r.oom_kills),
+            r.exit_cause or "-",
         )
         for r in jv.ranks
     ]

@@ -237,8 +237,8 @@ class Daemon:
                     tracked: Tracked, t0: float) -> CycleInputs:
         """The join's input, field by field from the one stage output that produced it."""
         stall, gpu, mem = tracked.stall, tracked.gpu, tracked.memory
-        statuses = [*reading.statuses, *(s for s in (stall.status, tracked.kernel.status, gpu.status, mem.status)
-                                         if s is not None)]
+        statuses = [*reading.statuses, *(s for s in (stall.status, tracked.kernel.status, gpu.status, mem.status,
+                                                     tracked.exits.status) if s is not None)]
         statuses += down_statuses(statuses, tracked.down)
         proc = reading.proc
         return CycleInputs(
@@ -253,6 +253,7 @@ class Daemon:
             orphan_jobs=gpu.orphan_jobs, fork_evidence=gpu.fork_evidence, gil=stall.gil, stall=stall.verdicts,
             flight_records=tracked.flight.records, straggler=tracked.straggler.rates,
             gpus_removed=gpu.gpus_removed, gpus_lost=gpu.gpus_lost, cuda_ooms=gpu.cuda_ooms,
+            exits=tracked.exits.exits,
         )
 
     def publish(self, state: NodeState) -> None:

@@ -80,6 +80,7 @@ class KernelLogSubsystem(Subsystem):
             retention_seconds=cfg.retention.oom_kill_seconds,
             ended_grace_seconds=cfg.retention.ended_rank_seconds,
             helper_of=reaper.CHILDREN.helper_at,  # the py-spy runs: never node OOM kills
+            faults=daemon.services.faults,  # segfault / trap lines, for the exits part
         )
         daemon.services.events.open(self.processor.store)  # the daemon's one event-log writer
         daemon.counters.ensure("kernel_log_overruns", ())

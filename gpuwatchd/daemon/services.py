@@ -6,7 +6,9 @@
 - ``xid_dedup``: the Xid de-duplicator the NVML Xid watcher and the kernel log both record into,
   so that a critical Xid reported by both is counted once;
 - ``events``: the event log (``state_dir/events.jsonl`` and the counters it stands for), with one
-  writer: finding transitions and memory snapshots go into the same store as the kernel events.
+  writer: finding transitions and memory snapshots go into the same store as the kernel events;
+- ``faults``: the kernel's segfault / trap lines by PID, recorded by the kernel-log thread and
+  read by the exits part when a rank's exit is joined with them.
 
 Building them reads nothing but the py-spy binary's path (``shutil.which``); no thread starts.
 """
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 from gpuwatchd.config import Config
 from gpuwatchd.join.event_store import EventStore
+from gpuwatchd.join.kernel_faults import KernelFaults
 from gpuwatchd.join.xid_dedup import XidDeduper
 from gpuwatchd.model.events import Event
 from gpuwatchd.paths import HostPaths
@@ -46,12 +49,18 @@ class EventLog:
         store = self._store
         return store.add(ev) if store is not None else False
 
+    def recent(self) -> list[Event]:
+        """The kernel events (OOM kills, Xids) of the store's recent window; [] while closed."""
+        store = self._store
+        return store.recent() if store is not None else []
+
 
 @dataclass
 class Services:
     spy: PySpy
     xid_dedup: XidDeduper = field(default_factory=XidDeduper)
     events: EventLog = field(default_factory=EventLog)
+    faults: KernelFaults = field(default_factory=KernelFaults)  # the kernel log's fault lines
 
     @classmethod
     def build(cls, config: Config, paths: HostPaths) -> Services:

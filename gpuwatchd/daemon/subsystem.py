@@ -45,6 +45,7 @@ from gpuwatchd.model import (
     frozen_map,
 )
 from gpuwatchd.model.events import Event
+from gpuwatchd.model.exits import RankExit
 from gpuwatchd.model.stall import StallVerdict
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.heartbeats import HeartbeatRoots
@@ -143,6 +144,15 @@ class MemoryOutput:
 
 
 @dataclass(frozen=True)
+class ExitOutput:
+    """Producer: ``ExitsSubsystem.track`` (the exit watcher's pidfds, joined with the kernel's
+    fault lines and OOM-kill / Xid events)."""
+
+    exits: tuple[RankExit, ...] = ()                # the recent ones (join/exits.py ExitLedger)
+    status: CollectorStatus | None = None           # collector ``exits``
+
+
+@dataclass(frozen=True)
 class Tracked:
     """The track stage's output (``daemon/wiring.py: track``): one field per part, each of which
     has that part as its only producer; a part absent or down this cycle leaves its default."""
@@ -153,6 +163,7 @@ class Tracked:
     kernel: KernelOutput = KernelOutput()
     gpu: GpuOutput = GpuOutput()
     memory: MemoryOutput = MemoryOutput()
+    exits: ExitOutput = ExitOutput()
     down: Mapping[str, str] = field(default_factory=frozen_map)  # part -> why it is down
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from gpuwatchd.config import Config
+from gpuwatchd.daemon.exits import ExitsSubsystem
 from gpuwatchd.daemon.finding_events import FindingEventsSubsystem
 from gpuwatchd.daemon.flight_recorder import FlightRecorderSubsystem
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
@@ -28,6 +29,7 @@ from gpuwatchd.daemon.stall import StallSubsystem
 from gpuwatchd.daemon.straggler import StragglerSubsystem
 from gpuwatchd.daemon.subsystem import (
     DaemonContext,
+    ExitOutput,
     FlightOutput,
     GpuOutput,
     KernelOutput,
@@ -65,6 +67,7 @@ class Parts:
     kernel_log: KernelLogSubsystem | None = None
     nvml: NvmlSubsystem | None = None
     memory: MemorySubsystem | None = None
+    exits: ExitsSubsystem | None = None
     others: list[Subsystem] = field(default_factory=list)
 
     @classmethod
@@ -72,7 +75,7 @@ class Parts:
         parts = cls()
         named = {StallSubsystem: "stall", FlightRecorderSubsystem: "flight_recorder",
                  StragglerSubsystem: "straggler", KernelLogSubsystem: "kernel_log",
-                 NvmlSubsystem: "nvml", MemorySubsystem: "memory"}
+                 NvmlSubsystem: "nvml", MemorySubsystem: "memory", ExitsSubsystem: "exits"}
         for sub in subsystems:
             slot = next((n for t, n in named.items() if isinstance(sub, t)), None)
             if slot is None:
@@ -104,9 +107,10 @@ def track(parts: Parts, daemon: DaemonContext, ranks: Ranks, heartbeats: Mapping
     kernel = part(p.kernel_log, lambda s: s.track(daemon, ranks), KernelOutput())
     gpu = part(p.nvml, lambda s: s.track(daemon, ranks), GpuOutput())
     memory = part(p.memory, lambda s: s.track(daemon, ranks), MemoryOutput())
+    exits = part(p.exits, lambda s: s.track(daemon, ranks), ExitOutput())
     for other in p.others:
         part(other, lambda s: s.observe(daemon, ranks), None)
-    return Tracked(stall, flight, straggler, kernel, gpu, memory, down)
+    return Tracked(stall, flight, straggler, kernel, gpu, memory, exits, down)
 
 
 def default_subsystems(config: Config) -> list[Subsystem]:
@@ -118,5 +122,5 @@ def default_subsystems(config: Config) -> list[Subsystem]:
                            if config.stall.flight_recorder else [])  # fmt: skip
     slow: list[Subsystem] = [StragglerSubsystem(config.straggler)] if config.straggler.enabled else []
     memory: list[Subsystem] = [MemorySubsystem(config)] if config.memory.enabled else []
-    return [StallSubsystem(config), *fr, *slow, kernel, *gpu, *memory, FindingEventsSubsystem(),
-            RetentionSubsystem()]
+    return [StallSubsystem(config), *fr, *slow, kernel, ExitsSubsystem(), *gpu, *memory,
+            FindingEventsSubsystem(), RetentionSubsystem()]

@@ -30,6 +30,9 @@ COUNTER_HELP: Mapping[str, str] = {
     "when unattributed). Counted from the kernel log as the kill is logged.",
     "helper_oom_kills": "gpuwatchd's own helper processes (helper=\"py-spy\") killed for lack of "
     "memory: never counted in oom_kills, which counts the node's processes.",
+    "rank_exits": "Rank processes that ended, by cause (exit_0, exit_nonzero, the terminating "
+    "signal's name, signal_other, oom_kill, unknown), read from the exiting process the moment it "
+    "ended; one rank_exit event each in gpuwatchd events.",
     "gpu_xid_errors": "NVIDIA Xid errors per GPU and Xid code, from the kernel log and NVML events.",
     "cuda_oom_errors": "CUDA out-of-memory errors reported by ranks through gpuwatchd's hook.",
     "rank_gil_samples": "py-spy sampling ticks taken of the rank process (sampled in the "

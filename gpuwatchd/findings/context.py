@@ -30,6 +30,7 @@ from gpuwatchd.model import (
     frozen_map,
 )
 from gpuwatchd.model.events import Event
+from gpuwatchd.model.exits import RankExit
 from gpuwatchd.model.stall import StallVerdict
 
 
@@ -72,6 +73,7 @@ class RuleReadings:
     gpus_removed: tuple[GpuRemoved, ...] = ()  # udev: GPUs off the PCI bus (NVML subsystem)
     gpus_lost: tuple[NvmlLostGpu, ...] = ()  # NVML: GPUs it reports lost (NVML subsystem)
     cuda_ooms: tuple[AttributedOom, ...] = ()  # ranks' CUDA OOM events in their window (NVML subsystem)
+    exits: tuple[RankExit, ...] = ()  # rank exits with their causes, joined and ordered (exits part)
 
 
 def readings_of(r: RuleReadings) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from gpuwatchd.counters import CounterStore
 from gpuwatchd.events.bus import EventBus
 from gpuwatchd.events.log import EventFile
 from gpuwatchd.join.event_store import HELPER_OOM_KILL, EventStore
+from gpuwatchd.join.kernel_faults import KernelFault, KernelFaults
 from gpuwatchd.join.kernel_notices import KernelNotices, is_history
 from gpuwatchd.join.oom_history import OomBaseline
 from gpuwatchd.join.oom_kills import Kill, KillGrouper
@@ -84,6 +85,7 @@ class KernelEventProcessor:
         files: StateFiles | None = None,
         ended_grace_seconds: float | None = None,
         helper_of: Callable[[int, float], str | None] | None = None,
+        faults: KernelFaults | None = None,
     ) -> None:
         """``parse``: a log message and its identifier -> what it says (the source's parser,
         sources/kernel_lines.py ``parse_message``).
@@ -93,6 +95,7 @@ class KernelEventProcessor:
         files = files or StateFiles()  # the daemon passes its own, which counts
         # (pid, time) -> the name of the daemon's own helper that pid was then (its py-spy runs)
         self.helper_of = helper_of
+        self.faults = faults  # segfault / trap lines by PID, for the exits part (join/exits.py)
         self.parse = parse
         self.counters = counters
         self.state_dir = state_dir
@@ -148,6 +151,13 @@ class KernelEventProcessor:
                 return [e for e in [self.notices.bus_lost(rec, p)] if e is not None]
             if p.kind == "oomd":
                 return self.notices.oomd(rec, p)
+            if p.kind == "fault":
+                if self.faults is not None and p.pid is not None:
+                    f = p.fields
+                    words = f"{f['what']} ip {f['ip']} error {f['error']}" + (
+                        f" in {f['where']}" if f.get("where") else "")
+                    self.faults.record(KernelFault(p.pid, p.comm, rec.realtime, words))
+                return []
             kills = self._grouper.feed(rec, p)
             return [e for k in kills for e in [self._kill_event(k)] if e is not None]
 

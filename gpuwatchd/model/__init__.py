@@ -249,6 +249,7 @@ COUNTER_LABELS: Mapping[str, tuple[str, ...]] = frozen_map(
     {
         "oom_kills": ("job_id", "rank", "comm", "killer"),
         "helper_oom_kills": ("helper", "killer"),
+        "rank_exits": ("job_id", "rank", "cause"),
         "gpu_xid_errors": ("gpu", "uuid", "xid"),
         "cuda_oom_errors": ("job_id", "rank", "gpu"),
         "rank_gil_samples": ("job_id", "rank"),

@@ -21,7 +21,7 @@ class Parsed:
     """One recognised log message. ``kind`` selects which of the fields are meaningful."""
 
     kind: str  # killed | kill_old | summary | invoked | reaper | task_in | oom_group |
-    #            memcg_stats | xid | gpu_at | bus_lost | gpu_named | oomd | earlyoom
+    #            memcg_stats | xid | gpu_at | bus_lost | gpu_named | oomd | earlyoom | fault
     pid: int | None = None
     comm: str = ""
     fields: Mapping[str, str] = field(default_factory=dict)

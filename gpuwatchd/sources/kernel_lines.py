@@ -79,10 +79,28 @@ EARLYOOM_KILL = re.compile(
     r"^sending (?P<signal>SIG[A-Z]+) to process (?P<pid>\d{1,10}) uid (?P<uid>\d+) "
     r"\"(?P<comm>.{0,64}?)\": (?P<rest>.*)$"
 )
+# A user process's fatal fault, printed by the kernel before the signal kills it (show_signal_msg,
+# arch/x86/mm/fault.c; do_trap / do_general_protection, arch/x86/kernel/traps.c), e.g.
+#   python3[12977]: segfault at 1 ip 00007f4f84f74219 sp 00007ffd093c1a88 error 4 in libc.so.6[...]
+#   traps: python3[13122] general protection fault ip:7f4092f74219 sp:7ffe3160f078 error:0 in ...
+#   traps: python3[13163] trap invalid opcode ip:7ff361612000 sp:7ffd0d1f75f8 error:0 in ...
+# (tests/fixtures/kernel/faults.txt, recorded on this project's VM, kernel 6.18). Ratelimited by
+# the kernel (print_fatal_signals off: segfault lines only while show_unhandled_signals is 1).
+SEGFAULT = re.compile(
+    r"^(?P<comm>[^\n]{1,64}?)\[(?P<pid>\d{1,10})\]: (?P<what>segfault at [0-9a-fA-F]{1,16}) "
+    r"ip (?P<ip>[0-9a-fA-F]{1,16}) sp [0-9a-fA-F]{1,16} error (?P<error>\d{1,3})"
+    r"(?: (?:cpu \d+ )?in (?P<where>[^\s\[]{1,256}))?"
+)
+TRAP = re.compile(
+    r"^traps: (?P<comm>[^\n]{1,64}?)\[(?P<pid>\d{1,10})\] (?P<what>general protection(?: fault)?|"
+    r"trap [a-z0-9 ]{1,40}?) ip:(?P<ip>[0-9a-fA-F]{1,16}) sp:[0-9a-fA-F]{1,16} "
+    r"error:(?P<error>[0-9a-fA-F]{1,8})(?: in (?P<where>[^\s\[]{1,256}))?"
+)
 EARLYOOM_RSS = re.compile(r"VmRSS (?P<mib>\d+) MiB")
 # Message shapes that matter; a non-kernel record that looks like one of them is a spoof attempt.
 INTERESTING = re.compile(
-    r"Killed process|Kill process|oom-kill:|invoked oom-killer|NVRM: Xid|fallen off the bus"
+    r"Killed process|Kill process|oom-kill:|invoked oom-killer|NVRM: Xid|fallen off the bus|"
+    r"segfault at |^traps: "
 )
 
 
@@ -158,6 +176,12 @@ def parse_message(message: str, identifier: str = KILLER_KERNEL) -> Parsed | Non
         if lost is not None:
             kind, pci, pci_id = lost
             return Parsed(kind, fields={"pci": pci, "pci_id": pci_id, "rest": msg[:400]})
+        return None
+    if "segfault at " in msg or msg.startswith("traps: "):
+        m = SEGFAULT.match(msg) or TRAP.match(msg)
+        if m:
+            f = {"what": m["what"], "ip": m["ip"], "error": m["error"], "where": m["where"] or ""}
+            return Parsed("fault", pid=int(m["pid"]), comm=m["comm"], fields=f)
         return None
     if "ill" in msg:  # cheap pre-filter: Killed / Kill / oom-kill / killer
         m = OOM_KILLED.search(msg)

@@ -1,0 +1,156 @@
+"""The exits part of the daemon: every watched rank's exit recorded with its cause as it happens.
+
+Each cycle it hands the exit watcher (sources/exits.py) the live processes of the accepted ranks
+(registered or discovered): one pidfd each, polled by the watcher's thread, which reads the wait
+status the moment the process ends. ``SETTLE_SECONDS`` after an exit (time for the kernel's fault
+line and for the launcher's teardown of the other ranks to be read) a thread of this part joins
+the exits (join/exits.py) with the kernel's fault lines and OOM-kill / Xid events and writes one
+``rank_exit`` event per exit (counted in ``gpuwatch_rank_exits_total``), without waiting for the
+cycle: death to event is about SETTLE_SECONDS. The cycle hands the joined exits to the findings
+(``ExitOutput``). Collector label ``exits``: down where pidfd_open(2) is refused (Linux < 5.3, a
+seccomp filter); deaths are then seen only by the cycle, as before (rank_down without a cause).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from gpuwatchd.daemon.subsystem import DaemonContext, ExitOutput, Ranks, Subsystem
+from gpuwatchd.isolation import guarded
+from gpuwatchd.join.exits import ExitLedger, exit_words
+from gpuwatchd.model import INFO, PAGE, WARNING, CollectorStatus, RankEntry, RankProcess, frozen_map
+from gpuwatchd.model.events import Event
+from gpuwatchd.model.exits import CRASHED, KILLED, NODE, RankExit
+from gpuwatchd.rank.rankfile import MAX_RANKS_PER_NODE
+from gpuwatchd.sources.exits import ExitWatcher, ProcessExit, Watch
+from gpuwatchd.sources.kmsg import read_boot_id
+
+SETTLE_SECONDS = 0.5
+
+
+class ExitsSubsystem(Subsystem):
+    name = "exits"
+
+    def __init__(self, max_watched: int = MAX_RANKS_PER_NODE) -> None:
+        self.max_watched = max_watched
+        self.watcher: ExitWatcher | None = None
+        self.ledger: ExitLedger | None = None
+        self._daemon: DaemonContext | None = None
+        self._boot_id = ""
+        self._lock = threading.Lock()  # the watcher's exits -> the ledger -> the event log
+        self._who: dict[tuple[int, int], RankEntry] = {}  # (pid, start ticks) -> its claim
+        self._first_start: dict[RankProcess, int] = {}  # a claim's process, as first watched
+        self._written: set[tuple[int, int]] = set()  # exits whose event is written
+        self._woken = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_ok: float | None = None
+
+    def start(self, daemon: DaemonContext) -> None:
+        self._daemon = daemon
+        self._boot_id = read_boot_id(daemon.paths)
+        self.ledger = ExitLedger(daemon.services.faults)
+        watcher = ExitWatcher(daemon.paths, self.max_watched, clock=daemon.clock,
+                              on_exit=self._woken.set)
+        watcher.start()  # OSError: the part failed to start, its collector reads 0
+        self.watcher = watcher
+        self._thread = threading.Thread(target=self._settle_loop, name="gpuwatchd-exit-events",
+                                        daemon=True)
+        self._thread.start()
+
+    def _settle_loop(self) -> None:
+        while not self._stop.is_set():
+            self._woken.wait()
+            self._woken.clear()
+            if self._stop.wait(SETTLE_SECONDS):
+                return
+            guarded("exits: events", self._collect, None)
+
+    def _collect(self) -> list[RankExit]:
+        """The watcher's new exits into the ledger, and an event for each settled one."""
+        watcher, ledger, daemon = self.watcher, self.ledger, self._daemon
+        if watcher is None or ledger is None or daemon is None:
+            return []
+        with self._lock:
+            events = daemon.services.events.recent()
+            raw = [x for x in (self._identify(e) for e in watcher.drain()) if x is not None]
+            if raw:
+                ledger.add(raw, events)
+            else:
+                ledger.refresh(events, daemon.clock())
+            now = daemon.clock()
+            for x in ledger.recent():
+                key = (x.pid, x.start_ticks)
+                if key not in self._written and now - x.time >= SETTLE_SECONDS \
+                        and daemon.services.events.is_open:
+                    self._written.add(key)
+                    daemon.services.events.record(self._event(x))
+            return list(ledger.recent())
+
+    def _identify(self, e: ProcessExit) -> RankExit | None:
+        entry = self._who.pop((e.pid, e.start_ticks), None)
+        if entry is None:
+            return None
+        return RankExit(job_id=entry.job_id, rank=entry.rank, pid=e.pid, comm=e.comm, time=e.time,
+                        status=e.status, registered=entry.source == "rankfile",
+                        local_rank=entry.local_rank, world_size=entry.world_size,
+                        start_ticks=e.start_ticks, unknown=e.unknown, read_by=e.read_by, seq=e.seq)
+
+    def _event(self, x: RankExit) -> Event:
+        severity = {NODE: PAGE, KILLED: PAGE, CRASHED: WARNING}.get(x.verdict, INFO) if x.first else INFO
+        fields = {"cause": x.cause, "status": x.status, "how": x.how, "kernel": x.kernel,
+                  "verdict": x.verdict, "first_rank": x.first_rank, "first_pid": x.first_pid,
+                  "after_seconds": x.after_seconds, "registered": x.registered,
+                  "world_size": x.world_size, "local_rank": x.local_rank, "read_by": x.read_by}
+        if x.unknown:
+            fields["unknown"] = x.unknown
+        return Event(
+            key=f"rank_exit:{self._boot_id}:{x.pid}:{x.start_ticks}", kind="rank_exit", time=x.time,
+            severity=severity, summary=exit_words(x), job_id=x.job_id, rank=str(x.rank), pid=x.pid,
+            comm=x.comm, boot_id=self._boot_id, counter="rank_exits",
+            labels=(x.job_id, str(x.rank), x.cause), fields=frozen_map(fields))
+
+    def track(self, daemon: DaemonContext, ranks: Ranks) -> ExitOutput:
+        watcher, ledger = self.watcher, self.ledger
+        if watcher is None or ledger is None:
+            return ExitOutput()
+        t0 = time.monotonic()
+        exits = self._collect()  # first: a rank found dead this cycle has its exit here
+        wanted: dict[tuple[int, int], Watch] = {}
+        who: dict[tuple[int, int], RankEntry] = {}
+        first: dict[RankProcess, int] = {}
+        for e in ranks.entries:
+            proc = ranks.processes.get(e.pid)
+            if proc is None or proc.state in ("Z", "X"):
+                continue
+            known = e.start_ticks if e.start_ticks is not None else self._first_start.get(e.rank_process)
+            if known is not None and known != proc.start_ticks:
+                continue  # the PID names another process now: not this rank
+            first[e.rank_process] = proc.start_ticks
+            key = (e.pid, proc.start_ticks)
+            wanted[key] = Watch(e.pid, proc.start_ticks, proc.uid, proc.comm)
+            who[key] = e
+        with self._lock:
+            # exactly the watched: a claim no longer here loses its watch (bounded by the cap;
+            # one that exited before this cycle's reading was drained by ``_collect`` above)
+            self._who, self._first_start = who, first
+            watcher.sync(wanted)
+            self._written &= {(x.pid, x.start_ticks) for x in exits}
+        ledger.prune(ranks.now, {(e.job_id, e.rank, e.pid) for e in ranks.entries})
+        if watcher.running:
+            self._last_ok = daemon.clock()
+        status = CollectorStatus(
+            name="exits", success=watcher.running, duration_seconds=time.monotonic() - t0,
+            last_success_timestamp=self._last_ok,
+            error=watcher.error or (f"{watcher.skipped} rank process(es) not watched: over "
+                                    f"{self.max_watched} or no fd left" if watcher.skipped else ""))
+        return ExitOutput(ledger.recent(), status)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._woken.set()
+        if self._thread is not None:
+            self._thread.join(2.0)
+        if self.watcher is not None:
+            self.watcher.stop()

@@ -1,0 +1,82 @@
+"""A launcher like torchrun's, for the exit tests: starts WORLD ranks (Python processes with
+torchrun's variables: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, TORCHELASTIC_RUN_ID), reaps
+each the moment it ends (blocked in waitpid, tighter than torchrun's 0.1 s monitor), and on the
+first failure SIGTERMs the others at once and SIGKILLs what is left a second later.
+
+    python exit_launcher.py JOB_ID FAULT DELAY [--no-teardown] [--world N]
+
+Rank 1 meets FAULT after DELAY seconds; the other ranks sleep. Faults: exc (an uncaught
+exception), exit3, segv (a real SIGSEGV: ctypes reads address 1), abort (os.abort), kill, term,
+int (the signal sent to itself), ok (exit 0). Rank 0 of an ``ok`` job ends with exit 0 too.
+Prints one JSON line: {"pids": {rank: pid}, "reaped": {rank: [wait status, monotonic time]}}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+RANK = r"""
+import os, signal, sys, time
+fault, delay = sys.argv[1], float(sys.argv[2])
+rank = int(os.environ["RANK"])
+time.sleep(delay)
+if rank != 1:
+    if fault == "ok":
+        sys.exit(0)
+    time.sleep(3600)
+if fault == "exc":
+    raise RuntimeError("a bug in the training step")
+if fault == "exit3":
+    sys.exit(3)
+if fault == "segv":
+    import ctypes
+    ctypes.string_at(1)
+if fault == "abort":
+    os.abort()
+if fault in ("kill", "term", "int"):
+    os.kill(os.getpid(), {"kill": signal.SIGKILL, "term": signal.SIGTERM, "int": signal.SIGINT}[fault])
+    time.sleep(10)
+sys.exit(0)
+"""
+
+
+def main() -> int:
+    job, fault, delay = sys.argv[1], sys.argv[2], sys.argv[3]
+    teardown = "--no-teardown" not in sys.argv
+    world = int(sys.argv[sys.argv.index("--world") + 1]) if "--world" in sys.argv else 2
+    procs = {}
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_WORLD_SIZE": str(world), "TORCHELASTIC_RUN_ID": job, "GROUP_RANK": "0"}
+        procs[rank] = subprocess.Popen([sys.executable, "-c", RANK, fault, delay], env=env)
+    by_pid = {p.pid: r for r, p in procs.items()}
+    reaped: dict[int, list[float]] = {}
+    killed_at: float | None = None
+    while len(reaped) < world:
+        pid, status = os.waitpid(-1, os.WNOHANG if killed_at is not None else 0)
+        if pid == 0:  # tearing down: SIGKILL what the SIGTERM left after a second
+            if time.monotonic() - killed_at > 1.0:
+                for r, p in procs.items():
+                    if r not in reaped:
+                        p.send_signal(signal.SIGKILL)
+            time.sleep(0.01)
+            continue
+        rank = by_pid[pid]
+        reaped[rank] = [status, time.monotonic()]
+        procs[rank].returncode = 0  # reaped here: Popen must not wait for it again
+        if status != 0 and killed_at is None and teardown:
+            killed_at = time.monotonic()
+            for r, p in procs.items():
+                if r not in reaped:
+                    p.send_signal(signal.SIGTERM)
+    print(json.dumps({"pids": {r: p.pid for r, p in procs.items()}, "reaped": reaped}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

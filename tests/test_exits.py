@@ -1,0 +1,165 @@
+"""Every rank exit recorded with its cause as it happens, under a launcher that reaps at once.
+
+A real daemon (discovery on, the kernel log read from /dev/kmsg) watches jobs of two real rank
+processes started by tests/exit_launcher.py, which reaps each rank the moment it ends and tears the
+other down (SIGTERM, then SIGKILL) on the first failure, like torchrun. Rank 1 meets one way to
+die; the test reads the daemon's ``rank_exit`` events (``gpuwatchd events --json``) and its
+findings (``gpuwatch_finding``), and prints the delay from the launcher's reap to the event.
+Before the exit watcher (a7db82e) none of these deaths left an event or a finding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.daemonutil import DaemonProc, finding_jobs, write_config
+
+LAUNCHER = str(Path(__file__).resolve().parent / "exit_launcher.py")
+DELAY = "2.0"  # seconds before rank 1's fault: discovery (every 0.2 s) finds both ranks first
+
+
+def events(state_dir: str) -> list[dict]:
+    r = subprocess.run([sys.executable, "-m", "gpuwatchd", "events", "--state-dir", state_dir,
+                        "--json", "--since", "all"], capture_output=True, text=True, timeout=60,
+                       check=True)
+    return list(json.loads(r.stdout))
+
+
+def exit_events(state_dir: str, job: str) -> dict[str, dict]:
+    return {e["rank"]: e for e in events(state_dir) if e["kind"] == "rank_exit" and e["job_id"] == job}
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
+    tmp = tmp_path_factory.mktemp("exits")
+    path, cfg = write_config(tmp, kernel_log="kmsg",
+                             discovery={"enabled": True, "interval_seconds": 0.2})
+    d = DaemonProc(path, cfg)
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def launch(job: str, fault: str, state_dir: str) -> tuple[dict, float, float | None]:
+    """Run one job to its end, watching the event log meanwhile: (the launcher's report, the wall
+    time rank 1 was reaped, the wall time rank 1's rank_exit line appeared in events.jsonl)."""
+    log = Path(state_dir) / "events.jsonl"
+    t0_wall, t0_mono = time.time(), time.monotonic()
+    p = subprocess.Popen([sys.executable, LAUNCHER, job, fault, DELAY], stdout=subprocess.PIPE, text=True)
+    seen: float | None = None
+    needle = f'"job_id":"{job}","key":"rank_exit:'
+    while seen is None and time.monotonic() - t0_mono < 30:
+        text = log.read_text() if log.exists() else ""
+        if any(needle in line and '"rank":"1"' in line for line in text.splitlines()):
+            seen = time.time()
+        elif p.poll() is not None and time.monotonic() - t0_mono > 10:
+            break
+        time.sleep(0.01)
+    out, _ = p.communicate(timeout=60)
+    report = json.loads(out.strip().splitlines()[-1])
+    reaped_wall = t0_wall + report["reaped"]["1"][1] - t0_mono
+    return report, reaped_wall, seen
+
+
+def wait_events(d: DaemonProc, job: str, n: int = 2, timeout: float = 10.0) -> dict[str, dict]:
+    state = d.cfg["state_dir"]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = exit_events(state, job)
+        if len(got) >= n:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"no {n} rank_exit events of {job}: {events(state)}\n{d.log()}")
+
+
+CASES = [
+    # fault, rank 1's cause, words of its event, the finding kinds the job gets
+    ("exc", "exit_nonzero", "exited with code 1", {"job_crashed"}),
+    ("exit3", "exit_nonzero", "exited with code 3", {"job_crashed"}),
+    ("segv", "SIGSEGV", "was killed by SIGSEGV", {"job_crashed"}),
+    ("abort", "SIGABRT", "was killed by SIGABRT", {"job_crashed"}),
+    ("kill", "SIGKILL", "was killed by SIGKILL", {"rank_down"}),
+    ("term", "SIGTERM", "was killed by SIGTERM", set()),
+    ("int", "SIGINT", "was killed by SIGINT", set()),
+]
+
+
+@pytest.mark.parametrize(("fault", "cause", "words", "kinds"), CASES, ids=[c[0] for c in CASES])
+def test_each_death_is_named_first_and_the_teardown_after_it(daemon: DaemonProc, fault: str, cause: str,
+                                                            words: str, kinds: set[str]) -> None:
+    job = f"exit-{fault}-{os.getpid()}"
+    report, reaped, seen = launch(job, fault, daemon.cfg["state_dir"])
+    got = wait_events(daemon, job)
+    one, zero = got["1"], got["0"]
+    delay = one["time"] - reaped  # the watcher's wake against the launcher's reap (wall clocks)
+    assert seen is not None
+    print(f"{fault}: rank 1 {one['summary']!r} (read by {one['fields']['read_by']}); its time - "
+          f"reap {delay * 1000:+.1f} ms; reap to event {seen - reaped:.3f} s")
+    assert seen - reaped < 5.0  # named within 5 s (the issue's bar); measured about 0.5 s
+    assert one["fields"]["cause"] == cause and words in one["summary"], one
+    assert one["pid"] == report["pids"]["1"] and one["fields"]["first_pid"] == one["pid"]
+    assert "the first of its job to fail" in one["summary"]
+    assert abs(delay) < 1.0  # the exit's time is its wake, not a cycle's
+    # rank 0: SIGTERM'd by the launcher right after, and said to be
+    assert zero["fields"]["cause"] == "SIGTERM" and zero["fields"]["first_rank"] == 1, zero
+    assert "torn down by the launcher" in zero["summary"]
+    assert 0 <= zero["fields"]["after_seconds"] < 1.0
+    if fault == "segv":  # the kernel's own line, joined by PID
+        assert "kernel: segfault at 1 ip" in one["summary"] and "libc" in one["summary"], one
+    daemon.wait_for(lambda: all(job in finding_jobs(daemon, k) for k in kinds), timeout=5,
+                    what=f"findings {kinds}")
+    time.sleep(1.5)  # a few more cycles: no other finding of this job comes
+    for kind in {"rank_down", "job_crashed"} - kinds:
+        assert job not in finding_jobs(daemon, kind), kind
+    exits = daemon.value("gpuwatch_rank_exits_total", job_id=job, rank="1", cause=cause)
+    assert exits == 1.0
+
+
+def test_a_finished_job_says_nothing_but_its_events(daemon: DaemonProc) -> None:
+    job = f"exit-ok-{os.getpid()}"
+    launch(job, "ok", daemon.cfg["state_dir"])
+    got = wait_events(daemon, job)
+    assert {e["fields"]["cause"] for e in got.values()} == {"exit_0"}, got
+    assert all(e["severity"] == "info" and e["fields"]["first_pid"] is None for e in got.values())
+    time.sleep(1.5)
+    assert job not in finding_jobs(daemon, "rank_down") | finding_jobs(daemon, "job_crashed")
+
+
+def test_a_death_that_leaves_a_peer_waiting_pages_with_its_cause(daemon: DaemonProc) -> None:
+    """No teardown: rank 0 lives on after rank 1's segfault and waits for it. rank_down pages
+    once the peer is still alive after the launcher's grace, naming the signal and the kernel line."""
+    job = f"exit-wait-{os.getpid()}"
+    launcher = subprocess.Popen([sys.executable, LAUNCHER, job, "segv", DELAY, "--no-teardown"],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        got = wait_events(daemon, job, n=1)
+        assert got["1"]["fields"]["cause"] == "SIGSEGV"
+        assert job not in finding_jobs(daemon, "rank_down")  # within the grace: maybe torn down
+        assert job not in finding_jobs(daemon, "job_crashed")  # a peer is alive
+        daemon.wait_for(lambda: job in finding_jobs(daemon, "rank_down"), timeout=15,
+                        what="rank_down of rank 1")
+        text = daemon.text()
+        line = next(x for x in text.splitlines() if "gpuwatch_finding{" in x and job in x
+                    and 'kind="rank_down"' in x)
+        assert 'severity="page"' in line and 'rank="1"' in line
+        out = subprocess.run([sys.executable, "-m", "gpuwatchd", "events", "--state-dir",
+                              daemon.cfg["state_dir"], "--json", "--since", "all"],
+                             capture_output=True, text=True, check=True).stdout
+        down = [e for e in json.loads(out) if e["kind"] == "rank_down" and e["job_id"] == job]
+        assert down and "SIGSEGV" in down[0]["summary"] and "segfault at 1" in down[0]["summary"]
+        assert "1 peer(s) on this node still alive" in down[0]["summary"]
+    finally:
+        for pid in [int(p) for p in Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children")
+                    .read_text().split()] if launcher.poll() is None else []:
+            os.kill(pid, signal.SIGKILL)
+        launcher.wait(10)
