@@ -253,6 +253,7 @@ class Daemon:
             orphan_jobs=gpu.orphan_jobs, fork_evidence=gpu.fork_evidence, gil=stall.gil, stall=stall.verdicts,
             flight_records=tracked.flight.records, straggler=tracked.straggler.rates,
             gpus_removed=gpu.gpus_removed, gpus_lost=gpu.gpus_lost, cuda_ooms=gpu.cuda_ooms,
+            nccl_ras=tracked.ras.jobs,
         )
 
     def publish(self, state: NodeState) -> None:

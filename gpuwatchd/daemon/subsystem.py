@@ -45,6 +45,7 @@ from gpuwatchd.model import (
     frozen_map,
 )
 from gpuwatchd.model.events import Event
+from gpuwatchd.model.nccl_ras import RasJob
 from gpuwatchd.model.stall import StallVerdict
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.heartbeats import HeartbeatRoots
@@ -102,6 +103,13 @@ class FlightOutput:
 
 
 @dataclass(frozen=True)
+class RasOutput:
+    """Producer: ``NcclRasSubsystem.track`` (given the stall verdicts)."""
+
+    jobs: Mapping[str, RasJob] = field(default_factory=frozen_map)  # suspect jobs only
+
+
+@dataclass(frozen=True)
 class StragglerOutput:
     """Producer: ``StragglerSubsystem.track`` (given the heartbeats)."""
 
@@ -153,6 +161,7 @@ class Tracked:
     kernel: KernelOutput = KernelOutput()
     gpu: GpuOutput = GpuOutput()
     memory: MemoryOutput = MemoryOutput()
+    ras: RasOutput = RasOutput()
     down: Mapping[str, str] = field(default_factory=frozen_map)  # part -> why it is down
 
 

@@ -22,6 +22,7 @@ from gpuwatchd.daemon.finding_events import FindingEventsSubsystem
 from gpuwatchd.daemon.flight_recorder import FlightRecorderSubsystem
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem
+from gpuwatchd.daemon.nccl_ras import NcclRasSubsystem
 from gpuwatchd.daemon.nvml import NvmlSubsystem
 from gpuwatchd.daemon.retention import RetentionSubsystem
 from gpuwatchd.daemon.stall import StallSubsystem
@@ -33,6 +34,7 @@ from gpuwatchd.daemon.subsystem import (
     KernelOutput,
     MemoryOutput,
     Ranks,
+    RasOutput,
     StallOutput,
     StragglerOutput,
     Subsystem,
@@ -65,6 +67,7 @@ class Parts:
     kernel_log: KernelLogSubsystem | None = None
     nvml: NvmlSubsystem | None = None
     memory: MemorySubsystem | None = None
+    nccl_ras: NcclRasSubsystem | None = None
     others: list[Subsystem] = field(default_factory=list)
 
     @classmethod
@@ -72,7 +75,7 @@ class Parts:
         parts = cls()
         named = {StallSubsystem: "stall", FlightRecorderSubsystem: "flight_recorder",
                  StragglerSubsystem: "straggler", KernelLogSubsystem: "kernel_log",
-                 NvmlSubsystem: "nvml", MemorySubsystem: "memory"}
+                 NvmlSubsystem: "nvml", MemorySubsystem: "memory", NcclRasSubsystem: "nccl_ras"}
         for sub in subsystems:
             slot = next((n for t, n in named.items() if isinstance(sub, t)), None)
             if slot is None:
@@ -104,9 +107,10 @@ def track(parts: Parts, daemon: DaemonContext, ranks: Ranks, heartbeats: Mapping
     kernel = part(p.kernel_log, lambda s: s.track(daemon, ranks), KernelOutput())
     gpu = part(p.nvml, lambda s: s.track(daemon, ranks), GpuOutput())
     memory = part(p.memory, lambda s: s.track(daemon, ranks), MemoryOutput())
+    ras = part(p.nccl_ras, lambda s: s.track(daemon, ranks, stall.verdicts), RasOutput())
     for other in p.others:
         part(other, lambda s: s.observe(daemon, ranks), None)
-    return Tracked(stall, flight, straggler, kernel, gpu, memory, down)
+    return Tracked(stall, flight, straggler, kernel, gpu, memory, ras, down)
 
 
 def default_subsystems(config: Config) -> list[Subsystem]:
@@ -116,7 +120,10 @@ def default_subsystems(config: Config) -> list[Subsystem]:
     kernel = KernelLogSubsystem()
     fr: list[Subsystem] = ([FlightRecorderSubsystem(config.stall.flight_recorder_interval_seconds)]
                            if config.stall.flight_recorder else [])  # fmt: skip
+    ras: list[Subsystem] = ([NcclRasSubsystem(config.stall.nccl_ras_interval_seconds,
+                                              config.stall.nccl_ras_timeout_seconds)]
+                            if config.stall.nccl_ras else [])  # fmt: skip
     slow: list[Subsystem] = [StragglerSubsystem(config.straggler)] if config.straggler.enabled else []
     memory: list[Subsystem] = [MemorySubsystem(config)] if config.memory.enabled else []
-    return [StallSubsystem(config), *fr, *slow, kernel, *gpu, *memory, FindingEventsSubsystem(),
+    return [StallSubsystem(config), *fr, *ras, *slow, kernel, *gpu, *memory, FindingEventsSubsystem(),
             RetentionSubsystem()]

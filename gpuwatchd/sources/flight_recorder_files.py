@@ -60,11 +60,11 @@ def _constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number")
 
 
-def loads_answer(raw: bytes) -> Any:
+def loads_answer(raw: bytes, max_bytes: int = MAX_BYTES) -> Any:
     """The JSON of an answer, bounded: ValueError naming what was refused (never RecursionError,
     OverflowError or a value no label or gauge can hold). The byte cap comes before any regex."""
-    if len(raw) > MAX_BYTES:
-        raise ValueError(f"larger than {MAX_BYTES} bytes")
+    if len(raw) > max_bytes:
+        raise ValueError(f"larger than {max_bytes} bytes")
     if not _nesting_within(raw, MAX_NESTING):
         raise ValueError(f"nested deeper than {MAX_NESTING} levels")
     try:
