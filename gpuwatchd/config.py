@@ -77,6 +77,10 @@ class StallConfig:
     # ask the ranks of a stalled job for their PyTorch flight-recorder dump (gpuwatchd/join/flight_recorder.py)
     flight_recorder: bool = True
     flight_recorder_interval_seconds: float = 60.0
+    # ask NCCL's RAS port (NCCL >= 2.28) about a stalled or suspect job (gpuwatchd/daemon/nccl_ras.py)
+    nccl_ras: bool = True
+    nccl_ras_interval_seconds: float = 10.0
+    nccl_ras_timeout_seconds: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -198,7 +202,10 @@ SCHEMA: Mapping[str, Any] = {
     "stall": (StallConfig, {"after_seconds": check_number(0.0),
                             "compile_after_seconds": check_number(0.0),
                             "flight_recorder": check_boolean,
-                            "flight_recorder_interval_seconds": check_number(0.0)}),
+                            "flight_recorder_interval_seconds": check_number(0.0),
+                            "nccl_ras": check_boolean,
+                            "nccl_ras_interval_seconds": check_number(0.0),
+                            "nccl_ras_timeout_seconds": check_number(0.05, maximum=30)}),
     "alertmanager": (
         AlertmanagerConfig,
         {"url": check_optional(check_url), "timeout_seconds": check_number(0.0, maximum=60),

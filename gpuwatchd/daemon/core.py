@@ -254,6 +254,7 @@ class Daemon:
             flight_records=tracked.flight.records, straggler=tracked.straggler.rates,
             gpus_removed=gpu.gpus_removed, gpus_lost=gpu.gpus_lost, cuda_ooms=gpu.cuda_ooms,
             exits=tracked.exits.exits,
+            nccl_ras=tracked.ras.jobs,
         )
 
     def publish(self, state: NodeState) -> None:

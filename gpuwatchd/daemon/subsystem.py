@@ -46,6 +46,7 @@ from gpuwatchd.model import (
 )
 from gpuwatchd.model.events import Event
 from gpuwatchd.model.exits import RankExit
+from gpuwatchd.model.nccl_ras import RasJob
 from gpuwatchd.model.stall import StallVerdict
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.heartbeats import HeartbeatRoots
@@ -100,6 +101,13 @@ class FlightOutput:
 
     records: Mapping[RankId, FrReading] = field(default_factory=frozen_map)  # of stalled jobs
     collectives: tuple[CollectiveStatus, ...] = ()
+
+
+@dataclass(frozen=True)
+class RasOutput:
+    """Producer: ``NcclRasSubsystem.track`` (given the stall verdicts)."""
+
+    jobs: Mapping[str, RasJob] = field(default_factory=frozen_map)  # suspect jobs only
 
 
 @dataclass(frozen=True)
@@ -164,6 +172,7 @@ class Tracked:
     gpu: GpuOutput = GpuOutput()
     memory: MemoryOutput = MemoryOutput()
     exits: ExitOutput = ExitOutput()
+    ras: RasOutput = RasOutput()
     down: Mapping[str, str] = field(default_factory=frozen_map)  # part -> why it is down
 
 

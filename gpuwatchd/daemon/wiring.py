@@ -23,6 +23,7 @@ from gpuwatchd.daemon.finding_events import FindingEventsSubsystem
 from gpuwatchd.daemon.flight_recorder import FlightRecorderSubsystem
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem
+from gpuwatchd.daemon.nccl_ras import NcclRasSubsystem
 from gpuwatchd.daemon.nvml import NvmlSubsystem
 from gpuwatchd.daemon.retention import RetentionSubsystem
 from gpuwatchd.daemon.stall import StallSubsystem
@@ -35,6 +36,7 @@ from gpuwatchd.daemon.subsystem import (
     KernelOutput,
     MemoryOutput,
     Ranks,
+    RasOutput,
     StallOutput,
     StragglerOutput,
     Subsystem,
@@ -68,6 +70,7 @@ class Parts:
     nvml: NvmlSubsystem | None = None
     memory: MemorySubsystem | None = None
     exits: ExitsSubsystem | None = None
+    nccl_ras: NcclRasSubsystem | None = None
     others: list[Subsystem] = field(default_factory=list)
 
     @classmethod
@@ -75,7 +78,8 @@ class Parts:
         parts = cls()
         named = {StallSubsystem: "stall", FlightRecorderSubsystem: "flight_recorder",
                  StragglerSubsystem: "straggler", KernelLogSubsystem: "kernel_log",
-                 NvmlSubsystem: "nvml", MemorySubsystem: "memory", ExitsSubsystem: "exits"}
+                 NvmlSubsystem: "nvml", MemorySubsystem: "memory", ExitsSubsystem: "exits",
+                 NcclRasSubsystem: "nccl_ras"}
         for sub in subsystems:
             slot = next((n for t, n in named.items() if isinstance(sub, t)), None)
             if slot is None:
@@ -108,9 +112,10 @@ def track(parts: Parts, daemon: DaemonContext, ranks: Ranks, heartbeats: Mapping
     gpu = part(p.nvml, lambda s: s.track(daemon, ranks), GpuOutput())
     memory = part(p.memory, lambda s: s.track(daemon, ranks), MemoryOutput())
     exits = part(p.exits, lambda s: s.track(daemon, ranks), ExitOutput())
+    ras = part(p.nccl_ras, lambda s: s.track(daemon, ranks, stall.verdicts), RasOutput())
     for other in p.others:
         part(other, lambda s: s.observe(daemon, ranks), None)
-    return Tracked(stall, flight, straggler, kernel, gpu, memory, exits, down)
+    return Tracked(stall, flight, straggler, kernel, gpu, memory, exits, ras, down)
 
 
 def default_subsystems(config: Config) -> list[Subsystem]:
@@ -120,7 +125,10 @@ def default_subsystems(config: Config) -> list[Subsystem]:
     kernel = KernelLogSubsystem()
     fr: list[Subsystem] = ([FlightRecorderSubsystem(config.stall.flight_recorder_interval_seconds)]
                            if config.stall.flight_recorder else [])  # fmt: skip
+    ras: list[Subsystem] = ([NcclRasSubsystem(config.stall.nccl_ras_interval_seconds,
+                                              config.stall.nccl_ras_timeout_seconds)]
+                            if config.stall.nccl_ras else [])  # fmt: skip
     slow: list[Subsystem] = [StragglerSubsystem(config.straggler)] if config.straggler.enabled else []
     memory: list[Subsystem] = [MemorySubsystem(config)] if config.memory.enabled else []
-    return [StallSubsystem(config), *fr, *slow, kernel, ExitsSubsystem(), *gpu, *memory,
+    return [StallSubsystem(config), *fr, *ras, *slow, kernel, ExitsSubsystem(), *gpu, *memory,
             FindingEventsSubsystem(), RetentionSubsystem()]

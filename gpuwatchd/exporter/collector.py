@@ -91,6 +91,7 @@ class StateCollector:
                 ("findings", lambda: self._findings(state)),
                 ("memory", lambda: memory_families(state)),
                 ("collectives", lambda: self._collectives(state)),
+                ("nccl_ras", lambda: self._nccl_ras(state)),
                 ("counters", lambda: self._counters(state)),
             ]
         nothing: list[Metric] = []
@@ -227,6 +228,29 @@ class StateCollector:
             started.add_metric(values, c.last_started)
             done.add_metric(values, c.last_completed)
         return [started, done]
+
+    def _nccl_ras(self, s: NodeState) -> list[Metric]:
+        labels = ["job_id", "rank"]
+        ops = _g("nccl_ras_rank_operations", "Collective operations the rank has issued, all "
+                 "functions, as NCCL RAS reports it (asked when a rank of the job looks stalled or "
+                 "suspect, every stall.nccl_ras_interval_seconds).", labels)
+        still = _g("nccl_ras_rank_operations_unchanged_seconds", "Seconds since NCCL RAS last saw "
+                   "the rank's operation count change, at the latest answer.", labels)
+        missing = _g("nccl_ras_missing_ranks", "Ranks of the job that NCCL RAS reports missing, by "
+                     "reason (dead: its RAS peer is gone; unresponsive: it did not answer).",
+                     ["job_id", "reason"])
+        errors = _g("nccl_ras_async_error_ranks", "Ranks of the job with an asynchronous NCCL error "
+                    "or the abort flag set, per NCCL RAS.", ["job_id"])
+        jobs: set[str] = set()
+        for r in s.nccl_ras:
+            ops.add_metric([r.job_id, str(r.rank)], r.ops)
+            still.add_metric([r.job_id, str(r.rank)], max(0.0, r.asked_at - r.moved_at))
+            if r.job_id not in jobs:
+                jobs.add(r.job_id)
+                missing.add_metric([r.job_id, "dead"], r.dead)
+                missing.add_metric([r.job_id, "unresponsive"], r.unresponsive)
+                errors.add_metric([r.job_id], r.errors)
+        return [ops, still, missing, errors]
 
     def _findings(self, s: NodeState) -> list[Metric]:
         m = _g("finding", "1 per active finding (diagnosis); the explanation is in the events log, "

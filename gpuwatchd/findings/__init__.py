@@ -18,6 +18,7 @@ from gpuwatchd.findings import (
     job_crashed,
     memory,
     nccl_env,
+    nccl_ras,
     oom,
     orphans,
     rank_down,
@@ -36,7 +37,7 @@ Rule = Callable[[FindingContext], Iterable[Finding]]
 
 RULES: list[Rule] = [rank_down.find, fds.find, nccl_env.find, rankfile.find, gil.find, stall.find,
                      oom.find, xid.find, gpu_lost.find, orphans.find, fork.find, memory.find,
-                     cuda_oom.find, job_crashed.find]
+                     cuda_oom.find, job_crashed.find, nccl_ras.find]
 # Rules that also read the findings of RULES (rank_straggler names gil_saturated or
 # rank_memory_pressure of the same rank as causes).
 LateRule = Callable[[FindingContext, tuple[Finding, ...]], Iterable[Finding]]

@@ -31,6 +31,7 @@ from gpuwatchd.model import (
 )
 from gpuwatchd.model.events import Event
 from gpuwatchd.model.exits import RankExit
+from gpuwatchd.model.nccl_ras import RasJob
 from gpuwatchd.model.stall import StallVerdict
 
 
@@ -74,6 +75,7 @@ class RuleReadings:
     gpus_lost: tuple[NvmlLostGpu, ...] = ()  # NVML: GPUs it reports lost (NVML subsystem)
     cuda_ooms: tuple[AttributedOom, ...] = ()  # ranks' CUDA OOM events in their window (NVML subsystem)
     exits: tuple[RankExit, ...] = ()  # rank exits with their causes, joined and ordered (exits part)
+    nccl_ras: Mapping[str, RasJob] = field(default_factory=frozen_map)  # suspect jobs (nccl_ras subsystem)
 
 
 def readings_of(r: RuleReadings) -> dict[str, Any]:
@@ -99,8 +101,22 @@ class FindingContext(RuleReadings):
 
 def collective_words(ctx: FindingContext, job_id: str) -> list[str]:
     """The flight-recorder answers of ``job_id``'s stalled ranks compared, in words: which rank
-    is behind in which collective (join/flight_recorder.py ``compare``); [] without answers."""
-    return compare(x for k, x in ctx.flight_records.items() if k[0] == job_id)
+    is behind in which collective (join/flight_recorder.py ``compare``), after NCCL RAS's culprit
+    when it names one (join/nccl_ras.py); [] without answers."""
+    ras = ctx.nccl_ras.get(job_id)
+    first = [ras.statement] if ras is not None and ras.statement else []
+    return first + compare(x for k, x in ctx.flight_records.items() if k[0] == job_id)
+
+
+def ras_moving(ctx: FindingContext, r: RankState) -> bool:
+    """NCCL RAS's latest answer for ``r``'s job, asked within two intervals, shows ``r``'s
+    operation count moved since the answer before: the rank issues collectives, so a stack that
+    waits in one at every look is a rank at work, not a stalled one."""
+    ras = ctx.nccl_ras.get(r.job_id)
+    if ras is None or ras.progressing is not True or \
+            ctx.now - ras.asked_at > 2 * ctx.config.stall.nccl_ras_interval_seconds:
+        return False
+    return any(s.pid == r.pid and s.moved_at == ras.asked_at for s in ras.local)
 
 
 def rank_label(r: RankState) -> str:

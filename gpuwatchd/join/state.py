@@ -177,6 +177,9 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
         collectives=tuple(c for c in inputs.collectives
                           if any(r.alive and r.rank_process == RankProcess(c.job_id, c.rank, c.pid)
                                  for r in ranks)),
+        nccl_ras=tuple(s for job in inputs.nccl_ras.values() for s in job.local
+                       if any(r.alive and r.rank_process == RankProcess(s.job_id, s.rank, s.pid)
+                              for r in ranks)),
     )
     return state, JoinMemory(
         start_ticks=start_ticks, died_at=died_at, fd_first=fd_first, finding_since=since,

@@ -12,7 +12,10 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from gpuwatchd.model.nccl_ras import RasRankStatus  # it imports this module
 
 # nvml.h clocksEventReasons bits -> the reason label of gpuwatch_gpu_clock_throttled
 THROTTLE_REASONS: Mapping[str, int] = {
@@ -337,6 +340,7 @@ class NodeState:
     rank_memory: tuple[RankMemory, ...] = ()  # memory_subsystem.py; () when off
     node_memory: NodeMemoryState | None = None
     collectives: tuple[CollectiveStatus, ...] = ()
+    nccl_ras: tuple[RasRankStatus, ...] = ()  # live ranks of suspect jobs (join/nccl_ras.py)
     # the daemon's own /proc/self/oom_score_adj (None where unreadable): shows that the unit's
     # OOMScoreAdjust took effect
     oom_score_adj: int | None = None

@@ -1,0 +1,70 @@
+"""What NCCL RAS says about a job (gpuwatchd/join/nccl_ras.py makes them from its answers):
+the ranks it reports, each local rank's operation counts, and the culprit in words."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from gpuwatchd.model import frozen_map
+
+
+@dataclass(frozen=True)
+class RasRank:
+    """One rank of the communicator, as RAS reports it."""
+
+    rank: int
+    host: str
+    pid: int
+    cuda_dev: int = -1
+    counts: Mapping[str, int] = field(default_factory=frozen_map)  # function -> operations issued
+    init_state: int = 0
+    async_error: int = 0
+    abort: bool = False
+    missing: str = ""  # "dead" | "unresponsive" | "missing" for a missing rank; "" when present
+
+    @property
+    def ops(self) -> int:
+        return sum(self.counts.values())
+
+    def where(self) -> str:
+        return f"rank {self.rank} on {self.host} (pid {self.pid})"
+
+
+@dataclass(frozen=True)
+class RasRankStatus:
+    """One local rank of a job as RAS sees it (``NodeState.nccl_ras``; ``gpuwatchd ps --json``)."""
+
+    job_id: str
+    rank: int  # gpuwatchd's rank
+    pid: int
+    ras_rank: int
+    ops: int  # collectives issued, all functions
+    counts: Mapping[str, int]
+    moved_at: float  # when its count last changed (the first answer: when it was asked)
+    asked_at: float
+    async_error: int = 0
+    # the job as RAS saw it in the same answer: its missing ranks by reason, ranks with an async
+    # error or abort, and the culprit in words
+    dead: int = 0
+    unresponsive: int = 0
+    errors: int = 0
+    culprit: str = ""
+
+
+@dataclass(frozen=True)
+class RasJob:
+    """What RAS says about one job, or why there is nothing (``error``)."""
+
+    job_id: str
+    asked_at: float
+    error: str = ""
+    nccl_version: str = ""
+    size: int = 0
+    local: tuple[RasRankStatus, ...] = ()
+    missing: tuple[RasRank, ...] = ()
+    errors: tuple[RasRank, ...] = ()  # async error or abort flag set
+    behind: tuple[RasRank, ...] = ()  # the lowest counts, when counts stopped and differ
+    progressing: bool | None = None  # counts moved since the previous answer (None: first)
+    stopped_seconds: float = 0.0  # how long no rank's count moved
+    statement: str = ""  # the culprit in words ("" when none)

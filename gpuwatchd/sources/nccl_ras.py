@@ -1,0 +1,277 @@
+"""NCCL's RAS port: which process listens on it, and one bounded ``STATUS`` query in JSON.
+
+NCCL 2.24 and later run one RAS thread per process, each listening on ``NCCL_RAS_ADDR``
+(``localhost:28028`` by default) with SO_REUSEPORT, so every NCCL process of a user on the node
+shares the port and a connection reaches one of them. The kernel lets only processes of one uid
+share a port; another user can still bind it first. So before a byte is sent, every listening
+socket on the port in the rank's network namespace (``/proc/PID/net/tcp`` and ``tcp6``, state
+``0A``) must be a socket of a rank of the job (its inode among the ``socket:[N]`` links of that
+rank's ``/proc/PID/fd``): a squatted or shared port is refused, never asked.
+
+The protocol is NCCL's own client's (``src/ras/client.cc`` in NVIDIA/nccl):
+``CLIENT PROTOCOL 2`` -> ``SERVER PROTOCOL <n>``, ``TIMEOUT <s>`` -> ``OK``, ``SET FORMAT json``
+-> ``OK`` (NCCL 2.28 and later; 2.24-2.27 answer ``ERROR: Unknown command``, which is refused
+here as ``no JSON``), ``STATUS`` -> the JSON document, then the server closes. One connection per
+query, closed at the end; a connect and total deadline (``timeout``), and at most ``max_bytes``
+read; the JSON is decoded with the flight recorder's bounds (nesting, number size).
+
+Reads: a rank's ``net/tcp{,6}`` and its ``fd`` links until the listeners are found. Privilege: the
+``fd`` links of other users' processes need CAP_DAC_READ_SEARCH (the daemon's unit has it).
+Shell equivalent: ``ncclras -f json -t 1``, after ``ss -ltnp sport = :28028``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import os
+import socket
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gpuwatchd.sources.flight_recorder_files import loads_answer
+
+DEFAULT_PORT = 28028  # NCCL_RAS_CLIENT_PORT (src/ras/ras_internal.h)
+PROTOCOL = 2  # NCCL_RAS_CLIENT_PROTOCOL, unchanged from 2.24 to 2.30
+MAX_ANSWER_BYTES = 1 << 20  # 64 ranks answer about 45 KB; 1,024 about 700 KB
+MAX_LINE_BYTES = 4096  # a handshake line (the server's own buffer is 4096)
+MAX_NET_BYTES = 8 << 20  # net/tcp of a namespace with about 50,000 sockets
+MAX_FDS_SCANNED = 16384  # per process: NCCL opens its RAS socket at init, among the first fds
+_LISTEN = "0A"
+
+
+class RasRefused(Exception):
+    """The port was not asked, or its answer not kept; the message says why in a few words."""
+
+
+@dataclass(frozen=True)
+class Listener:
+    address: str  # the bound address, e.g. "127.0.0.1", "0.0.0.0", "::1"
+    port: int
+    inode: int
+
+
+def ras_address(value: str | None) -> tuple[str, int]:
+    """``NCCL_RAS_ADDR`` (``host:port``, ``[v6]:port``) as (address, port); ``localhost`` and
+    numeric addresses only (no name lookup in the daemon's cycle); ValueError otherwise."""
+    if not value:
+        return "127.0.0.1", DEFAULT_PORT
+    host, sep, port_text = value.strip().rpartition(":")
+    if not sep or not port_text.isascii() or not port_text.isdigit():
+        raise ValueError(f"NCCL_RAS_ADDR {value[:64]!r} is not host:port")
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise ValueError(f"NCCL_RAS_ADDR port {port} is out of range")
+    host = host.strip("[]")
+    if host == "localhost":
+        return "127.0.0.1", port
+    return str(ipaddress.ip_address(host)), port
+
+
+def _hex_address(text: str) -> str:
+    """An address of /proc/net/tcp{,6}: host-order 32-bit words in hex."""
+    raw = bytes.fromhex(text)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(words))
+
+
+def listeners(net_dir: str, port: int) -> list[Listener]:
+    """The listening TCP sockets on ``port`` in ``net_dir`` (``/proc/PID/net``)."""
+    out = []
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(os.path.join(net_dir, name), "rb") as f:
+                raw = f.read(MAX_NET_BYTES)
+        except FileNotFoundError:
+            continue
+        for line in raw.split(b"\n")[1:]:
+            cols = line.split()
+            if len(cols) < 10 or cols[3] != _LISTEN.encode():
+                continue
+            addr, _, port_hex = cols[1].decode("ascii", "replace").partition(":")
+            try:
+                if int(port_hex, 16) != port:
+                    continue
+                out.append(Listener(_hex_address(addr), port, int(cols[9])))
+            except ValueError:
+                continue
+    return out
+
+
+def socket_inodes(fd_dir: str, wanted: set[int]) -> set[int]:
+    """Which of ``wanted`` socket inodes ``fd_dir`` (``/proc/PID/fd``) holds, stopping once all
+    are found or after ``MAX_FDS_SCANNED`` links."""
+    found: set[int] = set()
+    try:
+        with os.scandir(fd_dir) as it:
+            for n, entry in enumerate(it):
+                if n >= MAX_FDS_SCANNED or found == wanted:
+                    break
+                try:
+                    link = os.readlink(entry.path)
+                except OSError:
+                    continue
+                if link.startswith("socket:[") and link.endswith("]"):
+                    inode = int(link[8:-1]) if link[8:-1].isdigit() else -1
+                    if inode in wanted:
+                        found.add(inode)
+    except OSError:
+        pass
+    return found
+
+
+def owned_listener(proc: Any, pids: Iterable[int], port: int) -> tuple[str, int]:
+    """(address to connect to, the rank PID whose socket it is) when every listener on ``port``
+    in the namespace of the first readable rank of ``pids`` is a socket of one of ``pids``;
+    RasRefused naming why not. ``proc(pid, *parts)`` builds a path under the procfs root."""
+    pids = list(pids)
+    self_ns = _netns(proc("self", "ns", "net"))
+    for pid in pids:
+        ns = _netns(proc(pid, "ns", "net"))
+        if ns is None:
+            continue
+        if self_ns is not None and ns != self_ns:
+            raise RasRefused("the ranks are in another network namespace")
+        found = listeners(proc(pid, "net"), port)
+        break
+    else:
+        raise RasRefused("no rank's network namespace is readable")
+    if not found:
+        raise RasRefused(f"nothing listens on port {port}")
+    wanted = {li.inode for li in found}
+    owner: dict[int, int] = {}
+    for pid in pids:
+        for inode in socket_inodes(proc(pid, "fd"), wanted - set(owner)):
+            owner[inode] = pid
+        if len(owner) == len(wanted):
+            break
+    strangers = [li for li in found if li.inode not in owner]
+    if strangers:
+        raise RasRefused(f"port {port} has {len(strangers)} listener(s) that are not the job's "
+                         f"({strangers[0].address})")
+    first = found[0]
+    address = first.address
+    if ipaddress.ip_address(address).is_unspecified:
+        address = "127.0.0.1" if ipaddress.ip_address(address).version == 4 else "::1"
+    return address, owner[first.inode]
+
+
+def _netns(path: str) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+class _Conn:
+    """One socket with a deadline for every read and write."""
+
+    def __init__(self, address: str, port: int, deadline: float) -> None:
+        self.deadline = deadline
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.buf = b""
+        self._arm()
+        self.sock.connect((address, port))
+
+    def _arm(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise RasRefused("timed out")
+        self.sock.settimeout(left)
+
+    def send(self, line: str) -> None:
+        self._arm()
+        self.sock.sendall(line.encode("ascii"))
+
+    def line(self) -> str:
+        while b"\n" not in self.buf:
+            if len(self.buf) > MAX_LINE_BYTES:
+                raise RasRefused("a handshake line longer than 4096 bytes")
+            self._arm()
+            chunk = self.sock.recv(MAX_LINE_BYTES)
+            if not chunk:
+                raise RasRefused("closed during the handshake")
+            self.buf += chunk
+        head, _, self.buf = self.buf.partition(b"\n")
+        return head.decode("ascii", "replace").strip()
+
+    def rest(self, max_bytes: int) -> bytes:
+        parts = [self.buf]
+        size = len(self.buf)
+        while size <= max_bytes:
+            self._arm()
+            chunk = self.sock.recv(min(65536, max_bytes + 1 - size))
+            if not chunk:
+                return b"".join(parts)
+            parts.append(chunk)
+            size += len(chunk)
+        raise RasRefused(f"an answer larger than {max_bytes} bytes")
+
+
+def query(address: str, port: int, timeout: float = 2.0, max_bytes: int = MAX_ANSWER_BYTES,
+          leg_timeout: int = 1) -> Any:
+    """NCCL's ``STATUS`` in JSON from ``address:port``, decoded with bounds; RasRefused naming
+    what went wrong (time-out, refused connection, not a RAS server, no JSON, too large, not
+    JSON). ``leg_timeout``: seconds each RAS peer may take to answer the one asked."""
+    deadline = time.monotonic() + timeout
+    try:
+        conn = _Conn(address, port, deadline)
+    except RasRefused:
+        raise
+    except TimeoutError:
+        raise RasRefused("timed out") from None
+    except OSError as exc:
+        raise RasRefused(f"connect: {exc.strerror or exc}") from None
+    try:
+        conn.send(f"CLIENT PROTOCOL {PROTOCOL}\n")
+        if not conn.line().upper().startswith("SERVER PROTOCOL "):
+            raise RasRefused("not an NCCL RAS server")
+        conn.send(f"TIMEOUT {leg_timeout}\n")
+        if conn.line().upper() != "OK":
+            raise RasRefused("TIMEOUT refused")
+        conn.send("SET FORMAT json\n")
+        if conn.line().upper() != "OK":
+            raise RasRefused("no JSON (NCCL older than 2.28)")
+        conn.send("STATUS\n")
+        raw = conn.rest(max_bytes)
+    except TimeoutError:
+        raise RasRefused("timed out") from None
+    except OSError as exc:
+        raise RasRefused(f"socket: {exc.strerror or exc}") from None
+    finally:
+        conn.sock.close()
+    try:
+        return loads_answer(raw, max_bytes)
+    except ValueError as exc:
+        raise RasRefused(f"not JSON: {str(exc)[:80]}") from None
+
+
+def local_addresses(proc: Any, pid: int) -> frozenset[str]:
+    """The addresses of the rank's network namespace (``net/fib_trie`` LOCAL entries and
+    ``net/if_inet6``): a RAS rank on one of them runs on this node."""
+    out: set[str] = set()
+    try:
+        with open(proc(pid, "net", "fib_trie"), "rb") as f:
+            lines = f.read(MAX_NET_BYTES).decode("ascii", "replace").splitlines()
+        for prev, line in itertools.pairwise(lines):
+            if line.strip() == "/32 host LOCAL":
+                out.add(prev.strip().lstrip("|-+` ").strip())
+    except OSError:
+        pass
+    try:
+        with open(proc(pid, "net", "if_inet6"), "rb") as f:
+            for line in f.read(MAX_NET_BYTES).decode("ascii", "replace").splitlines():
+                cols = line.split()
+                if cols and len(cols[0]) == 32:
+                    out.add(str(ipaddress.ip_address(bytes.fromhex(cols[0]))))
+    except (OSError, ValueError):
+        pass
+    return frozenset(out)
+
+
+def env_address(environ: Mapping[str, str]) -> tuple[str, int]:
+    """The rank's RAS address from its environment (``ras_address``)."""
+    return ras_address(environ.get("NCCL_RAS_ADDR"))

@@ -1,0 +1,211 @@
+"""NCCL RAS as evidence, end to end: real rank processes play NCCL's RAS thread on a loopback
+port (tests/fixtures/nccl_ras/ras_server.py, answering NCCL's JSON from the fixtures there), the
+real daemon asks them when the job looks stalled, checks that the port is the job's, and turns
+the answer into findings, metrics and ``state.json`` (what ``gpuwatchd ps --json`` prints).
+
+Each job has its own port through ``NCCL_RAS_ADDR`` in its ranks' environment (the daemon reads
+it from /proc/PID/environ), so tests never collide with each other or with a real NCCL job.
+Hostile listeners change nothing: another user's listener on the job's port (a forged answer
+naming the job's PIDs), and the job's own slow, huge and malformed answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemonutil import DaemonProc, free_port, write_config
+from userutil import shared_rank_world, system_user
+
+from gpuwatchd.join.nccl_ras import RasTracker, parse_status
+
+FIXTURES = Path(__file__).parent / "fixtures" / "nccl_ras"
+SERVER = FIXTURES / "ras_server.py"
+USER = "gw-ras-squat"
+LOCAL_HOST = "10.1.0.4"  # the fixtures' node; the test's ranks are on 127.0.0.1
+REMOTE = "10.1.0.5"
+
+
+@pytest.fixture(scope="module")
+def user() -> Iterator[int]:
+    with system_user(USER) as uid:
+        yield uid
+
+
+@pytest.fixture
+def world() -> Iterator[Path]:
+    with shared_rank_world("gw-ras-") as d:
+        yield d
+
+
+def _answer(fixture: str, pids: list[int], ops: bool = False) -> str:
+    text = (FIXTURES / fixture).read_text().replace(f'"{LOCAL_HOST}"', '"127.0.0.1"')
+    for fake, real in zip(("4101", "4102"), pids, strict=False):
+        text = text.replace(f'"pid": {fake},', f'"pid": {real},')
+    if ops:
+        text = text.replace('"AllReduce": 10234', '"AllReduce": {ops}')
+    return text
+
+
+class Job:
+    """Two local ranks of one job, each a RAS server on the job's port (SO_REUSEPORT, as NCCL)."""
+
+    def __init__(self, world: Path, name: str, fixture: str | None, procs: list[Any],
+                 mode: str = "normal", ops: bool = False) -> None:
+        self.name, self.port = name, free_port()
+        self.answer = world / f"{name}.json"
+        self.answer.write_text("{}")
+        self.answer.chmod(0o644)
+        env = {"PATH": "/usr/bin:/bin", "NCCL_RAS_ADDR": f"127.0.0.1:{self.port}"}
+        if fixture is None:  # a rank with no RAS thread: something else may hold its port
+            cmd = [sys.executable, "-c", "import time; time.sleep(600)"]
+            self.procs = [subprocess.Popen(cmd, env=env) for _ in range(2)]
+        else:
+            cmd = [sys.executable, str(SERVER), str(self.port), str(self.answer), mode]
+            self.procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE) for _ in range(2)]
+            for p in self.procs:
+                assert p.stdout is not None and p.stdout.readline().strip() == b"listening"
+            self.answer.write_text(_answer(fixture, self.pids, ops))
+        procs.extend(self.procs)
+        ranks = world / "ranks"
+        old = time.time() - 600
+        entries = []
+        for rank, p in enumerate(self.procs):
+            hb = ranks / f"{name}.{rank}.hb"
+            hb.write_text("")
+            os.utime(hb, (old, old))
+            entries.append({"rank": rank, "pid": p.pid, "heartbeat": str(hb)})
+        (ranks / f"{name}.json").write_text(json.dumps(
+            {"version": 1, "job_id": name, "world_size": 4, "ranks": entries}))
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+
+def _state(world: Path) -> dict[str, Any]:
+    path = world / "state" / "state.json"
+    try:
+        return dict(json.loads(path.read_text()))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def _findings(world: Path, kind: str) -> dict[str, str]:
+    return {f["job_id"]: f["explanation"] for f in _state(world).get("findings", [])
+            if f["kind"] == kind}
+
+
+def _ops(world: Path, job: str) -> dict[int, int]:
+    return {r["rank"]: r["ops"] for r in _state(world).get("nccl_ras", []) if r["job_id"] == job}
+
+
+def test_ras_names_the_culprit_and_hostile_ports_change_nothing(
+        user: int, world: Path, procs: list[subprocess.Popen[Any]]) -> None:  # fmt: skip
+    dead = Job(world, "rasdead", "dead_rank.json", procs)
+    unresponsive = Job(world, "rasunr", "unresponsive_rank.json", procs)
+    lagging = Job(world, "raslag", "lagging.json", procs)
+    failed = Job(world, "rasasync", "async_error.json", procs)
+    moving = Job(world, "rasmove", "healthy.json", procs, ops=True)
+    squat = Job(world, "rassquat", None, procs)
+    hostile = {mode: Job(world, f"ras{mode}", "dead_rank.json", procs, mode=mode)
+               for mode in ("slow", "huge", "garbage", "silent")}
+    # another user's listener on the squatted job's port, answering a perfect forgery of it
+    forged = world / "forged.json"
+    forged.write_text(_answer("dead_rank.json", squat.pids))
+    forged.chmod(0o644)
+    stranger = subprocess.Popen(["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups",
+                                 "/usr/bin/python3", str(SERVER), str(squat.port), str(forged)],
+                                env={"PATH": "/usr/bin:/bin"}, stdout=subprocess.PIPE)
+    procs.append(stranger)
+    assert stranger.stdout is not None and stranger.stdout.readline().strip() == b"listening"
+
+    path, cfg = write_config(world, rank_dir=str(world / "ranks"), stall={
+        "after_seconds": 1.5, "flight_recorder": False, "nccl_ras_interval_seconds": 1,
+        "nccl_ras_timeout_seconds": 1.0})
+    d = DaemonProc(path, cfg)
+    try:
+        def named() -> bool:
+            found = _findings(world, "nccl_rank_missing")
+            return all(j.name in found for j in (dead, unresponsive, lagging, failed))
+
+        d.wait_for(named, timeout=60, what="a nccl_rank_missing finding for each RAS state")
+        found = _findings(world, "nccl_rank_missing")
+        p = dead.pids
+        assert (f"rank 3 on {REMOTE} (pid 4104) is dead per NCCL RAS; the 3 others wait in "
+                "AllReduce #10234") in found[dead.name]
+        assert (f"rank 2 on {REMOTE} (pid 4103) is unresponsive per NCCL RAS; the 3 others wait "
+                "in AllReduce #10234") in found[unresponsive.name]
+        assert f"rank 2 on {REMOTE} (pid 4103) is behind (10238 collectives issued) per NCCL RAS" \
+            in found[lagging.name]
+        assert f"rank 3 on {REMOTE} (pid 4104) has an asynchronous NCCL error: remote process " \
+               "error" in found[failed.name]
+        # every node's stall finding carries the culprit
+        stalled = _findings(world, "rank_stalled")
+        assert "is dead per NCCL RAS" in stalled[dead.name]
+        assert d.value("gpuwatch_nccl_ras_missing_ranks", job_id=dead.name, reason="dead") == 1.0
+        assert d.value("gpuwatch_nccl_ras_missing_ranks", job_id=unresponsive.name,
+                       reason="unresponsive") == 1.0
+        assert d.value("gpuwatch_nccl_ras_async_error_ranks", job_id=failed.name) == 1.0
+        # joined by (host, PID): the local ranks' counts, under gpuwatchd's rank numbers
+        assert _ops(world, dead.name) == {0: 10239, 1: 10239}
+        assert {r["pid"] for r in _state(world)["nccl_ras"] if r["job_id"] == dead.name} == set(p)
+
+        # counts that move: the rank is at work, not stalled, and ps --json shows them move
+        d.wait_for(lambda: moving.name not in _findings(world, "rank_stalled")
+                   and len(_ops(world, moving.name)) == 2, timeout=20,
+                   what="no rank_stalled for a job whose RAS counts move")
+        first = _ops(world, moving.name)[0]
+        d.wait_for(lambda: _ops(world, moving.name).get(0, 0) > first, timeout=10,
+                   what="op counts that move in state.json")
+        assert moving.name not in _findings(world, "nccl_rank_missing")
+
+        # hostile: nothing of theirs reaches a finding, and the daemon keeps its cycle
+        end = time.monotonic() + 5
+        while time.monotonic() < end:
+            found = _findings(world, "nccl_rank_missing")
+            assert squat.name not in found
+            assert not any(f"ras{m}" in found for m in hostile)
+            stalled = _findings(world, "rank_stalled")
+            assert "NCCL RAS" not in stalled.get(squat.name, "")
+            assert d.value("gpuwatch_collector_success", collector="nccl_ras") != 0.0
+            time.sleep(0.5)
+        assert squat.name in _findings(world, "rank_stalled")  # the stall itself still pages
+        assert all(f"ras{m}" in _findings(world, "rank_stalled") for m in hostile)
+        assert not any(r["job_id"] in (squat.name, *(f"ras{m}" for m in hostile))
+                       for r in _state(world).get("nccl_ras", []))
+        log = d.log()
+        assert "Traceback" not in log
+        assert stranger.poll() is None
+    finally:
+        d.stop()
+
+
+def test_the_parser_refuses_other_shapes() -> None:
+    for doc in ({}, {"communicators": {}}, {"communicators": [{"size": 1, "ranks": [{"rank": "x"}]}]},
+                {"communicators": [{"size": 1, "ranks": [{"rank": 0, "host": "\x1b[2J", "pid": 1,
+                                                          "collective_counts": {}}]}]}):
+        with pytest.raises(ValueError):
+            parse_status(doc)
+
+
+def test_a_lagging_rank_is_named_only_once_counts_stop() -> None:
+    doc = json.loads((FIXTURES / "lagging.json").read_text())
+    tracker = RasTracker()
+    local = {4101: (0, 111), 4102: (1, 112)}
+    here = frozenset({LOCAL_HOST})
+    first = tracker.observe("j", 100.0, parse_status(doc), local, here)
+    assert first.progressing is None and not first.behind and not first.statement
+    second = tracker.observe("j", 110.0, parse_status(doc), local, here)
+    assert second.progressing is False and [r.rank for r in second.behind] == [2]
+    assert second.stopped_seconds == 10.0
+    assert second.local[0].moved_at == 100.0 and second.local[0].ops == 10239
+    other = tracker.observe("k", 100.0, parse_status(doc), {9999: (0, 9999)}, here)
+    assert other.error == "the answer names none of the job's ranks here" and not other.local
