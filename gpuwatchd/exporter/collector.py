@@ -20,7 +20,7 @@ from gpuwatchd.exporter.memory import memory_families
 from gpuwatchd.exporter.process import process_families
 from gpuwatchd.exporter.render import Prefixes, openmetrics_parts, text_parts
 from gpuwatchd.isolation import guarded
-from gpuwatchd.model import COUNTER_LABELS, THROTTLE_REASONS, NodeState
+from gpuwatchd.model import COUNTER_LABELS, THROTTLE_REASONS, NodeState, pod_uid
 
 P = "gpuwatch_"
 
@@ -125,6 +125,12 @@ class StateCollector:
                      "oom_score_adj): -900 when the unit's OOMScoreAdjust took effect.")
             adj.add_metric([], s.oom_score_adj)
             out.append(adj)
+        if s.memory_limit_bytes is not None:
+            lim = _g("process_memory_limit_bytes", "The memory limit of the daemon's own cgroup in "
+                     "bytes: the tightest memory.max (v1 memory.limit_in_bytes) on its path, i.e. "
+                     "the unit's MemoryMax= or the pod's limits.memory; absent without a limit.")
+            lim.add_metric([], s.memory_limit_bytes)
+            out.append(lim)
         return out
 
     def _gpus(self, s: NodeState) -> list[Metric]:
@@ -194,8 +200,14 @@ class StateCollector:
                      "stall.after_seconds.", jr)
         step = _g("rank_step", "The step the rank passed to its last gpuwatchd.heartbeat(step); "
                   "deriv() of it is the rank's step rate. Absent when the rank sends no step.", jr)
+        pod = _g("rank_pod_info", "Always 1 per rank that runs in a Kubernetes pod: uid is the "
+                 "pod's UID, read from the rank's cgroup path (no API call), as kube-state-metrics' "
+                 "kube_pod_info{uid} carries it, so on (uid) joins the two.", [*jr, "uid"])
         for r in s.ranks:
             labels = [r.job_id, str(r.rank)]
+            uid = pod_uid(r.container)
+            if uid:
+                pod.add_metric([*labels, uid], 1)
             info.add_metric([*labels, "" if r.local_rank is None else str(r.local_rank), str(r.pid),
                              "" if r.world_size is None else str(r.world_size)], 1)
             up.add_metric(labels, 1 if r.alive else 0)
@@ -214,7 +226,7 @@ class StateCollector:
             cpu.add_metric(labels, p.cpu_seconds)
             rss.add_metric(labels, p.rss_bytes)
             thr.add_metric(labels, p.threads)
-        return [info, up, fds, maxfds, cpu, rss, thr, prog, stalled, step]
+        return [info, up, fds, maxfds, cpu, rss, thr, prog, stalled, step, pod]
 
     def _collectives(self, s: NodeState) -> list[Metric]:
         labels = ["job_id", "rank", "pg"]
@@ -292,9 +304,10 @@ class StateRegistry(Registry):
     ``name[]`` filter, exporter/exposition.py) is reused until the state or a counter changes,
     so a scrape between two cycles costs a dictionary lookup, whatever it asks for."""
 
-    def __init__(self, collector: StateCollector) -> None:
+    def __init__(self, collector: StateCollector, liveness: Callable[[], str] = lambda: "") -> None:
         super().__init__()
         self.collector = collector
+        self._liveness = liveness
         self.register(collector)
         self._cache: dict[str, tuple[NodeState | None, int, Exposition]] = {}
         self._render_lock = threading.Lock()  # Registry has its own _lock
@@ -323,7 +336,13 @@ class StateRegistry(Registry):
         """The state /-/ready judges (None: the first cycle has not ended)."""
         return self.collector.get_state()
 
+    def liveness(self) -> str:
+        """Why /-/healthy fails ("" while cycles keep finishing: the daemon's watchdog rule)."""
+        return self._liveness()
+
 
 def make_registry(get_state: Callable[[], NodeState | None], counters: CounterStore,
-                  process: Callable[[], list[Metric]] = process_families) -> StateRegistry:
-    return StateRegistry(StateCollector(get_state, counters, process))
+                  process: Callable[[], list[Metric]] = process_families,
+                  liveness: Callable[[], str] = lambda: "") -> StateRegistry:
+    """``liveness``: "" while the producer of the states is alive, else why not (/-/healthy)."""
+    return StateRegistry(StateCollector(get_state, counters, process), liveness)
