@@ -11,15 +11,20 @@
 # of its dependencies (py-spy and nvidia-ml-py are not in Debian); the unit, tmpfiles.d and
 # sysusers.d files from systemd/; /etc/gpuwatchd/config.yaml as a conffile; maintainer scripts
 # holding debhelper's own dh_installsysusers, dh_installtmpfiles and dh_installsystemd snippets
-# (deploy/debian/{preinst,postinst,prerm,postrm}).
+# (deploy/debian/{preinst,postinst,prerm,postrm}). lintian-clean (tests/test_deb.py runs it): no
+# byte code shipped (postinst compiles it, prerm removes it), the wheels' binaries stripped
+# (deploy/venv.sh), Depends from dpkg-shlibdeps, gpuwatchd(1) generated from the CLI's parser
+# (deploy/debian/manpage.py), a DEP-5 copyright file listing every distribution the venv holds
+# from its metadata (deploy/debian/copyright.py), and deploy/debian/lintian-overrides for the
+# deliberate rest, each with its reason.
 #
 # Options:
 #   --wheel FILE       gpuwatchd's wheel (required)
 #   --find-links DIR   take the dependencies' wheels from DIR only (no index: offline builds, CI)
 #   --out DIR          where the .deb goes (default: the current directory)
 #   --python PATH      the Debian interpreter the venv is made with (default /usr/bin/python3)
-# Prints the path of the .deb on its last line. Needs dpkg-deb and python3-venv; not root
-# (dpkg-deb --root-owner-group).
+# Prints the path of the .deb on its last line. Needs dpkg-dev (dpkg-deb, dpkg-shlibdeps),
+# binutils (strip) and python3-venv; not root (dpkg-deb --root-owner-group).
 set -euo pipefail
 
 SRC=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -49,14 +54,18 @@ ARCH=$(dpkg --print-architecture)
 DEST=/usr/lib/gpuwatchd
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-P="$TMP/pkg"
+P="$TMP/debian/gpuwatchd"  # where dpkg-shlibdeps expects a package's files
+export SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-$(stat -c %Y "$WHEEL")}
 
-# 1. the venv (deploy/venv.sh: the same files as in the image)
-PYVER=$(bash "$SRC/deploy/venv.sh" --wheel "$WHEEL" ${LINKS:+--find-links "$LINKS"} --python "$PY" --root "$P")
+# 1. the venv (deploy/venv.sh: the same files as in the image, less the byte code)
+PYVER=$(bash "$SRC/deploy/venv.sh" --wheel "$WHEEL" ${LINKS:+--find-links "$LINKS"} --python "$PY" \
+    --root "$P" --no-byte-code)
+SITE="$P$DEST/lib/python$PYVER/site-packages"
 
 # 2. the systemd files, with the unit pointing at the venv's console script
 install -d "$P/lib/systemd/system" "$P/usr/lib/tmpfiles.d" "$P/usr/lib/sysusers.d" "$P/usr/bin" \
-    "$P/etc/gpuwatchd" "$P/usr/share/doc/gpuwatchd" "$P/DEBIAN"
+    "$P/etc/gpuwatchd" "$P/usr/share/doc/gpuwatchd" "$P/usr/share/man/man1" \
+    "$P/usr/share/lintian/overrides" "$P/DEBIAN"
 sed -e "s#^ExecStart=/usr/local/bin/gpuwatchd #ExecStart=$DEST/bin/gpuwatchd #" \
     -e "s#^ExecReload=/usr/local/bin/gpuwatchd #ExecReload=$DEST/bin/gpuwatchd #" \
     "$SRC/systemd/gpuwatchd.service" > "$P/lib/systemd/system/gpuwatchd.service"
@@ -65,8 +74,12 @@ grep -q "^ExecStart=$DEST/bin/gpuwatchd run " "$P/lib/systemd/system/gpuwatchd.s
 install -m 0644 "$SRC/systemd/gpuwatchd.tmpfiles.conf" "$P/usr/lib/tmpfiles.d/gpuwatchd.conf"
 install -m 0644 "$SRC/systemd/gpuwatchd.sysusers.conf" "$P/usr/lib/sysusers.d/gpuwatchd.conf"
 install -m 0644 "$SRC/config.example.yaml" "$P/etc/gpuwatchd/config.yaml"
-ln -s "$DEST/bin/gpuwatchd" "$P/usr/bin/gpuwatchd"
-install -m 0644 "$SRC/LICENSE" "$P/usr/share/doc/gpuwatchd/copyright"
+ln -s "../lib/gpuwatchd/bin/gpuwatchd" "$P/usr/bin/gpuwatchd"
+"$PY" "$SRC/deploy/debian/copyright.py" "$P$DEST" > "$P/usr/share/doc/gpuwatchd/copyright"
+# the manual page from the CLI's parser, importing the venv's gpuwatchd (no byte code written)
+PYTHONPATH="$SITE" PYTHONDONTWRITEBYTECODE=1 "$PY" -S "$SRC/deploy/debian/manpage.py" \
+    | gzip -9n > "$P/usr/share/man/man1/gpuwatchd.1.gz"
+install -m 0644 "$SRC/deploy/debian/lintian-overrides" "$P/usr/share/lintian/overrides/gpuwatchd"
 printf 'gpuwatchd (%s) unstable; urgency=medium\n\n  * Built from the wheel %s.\n\n -- gpuwatchd maintainers <maintainers@gpuwatchd.invalid>  %s\n' \
     "$VERSION" "$(basename "$WHEEL")" "$(date -R -d "@$(stat -c %Y "$WHEEL")")" \
     | gzip -9n > "$P/usr/share/doc/gpuwatchd/changelog.gz"
@@ -78,13 +91,19 @@ done
 echo /etc/gpuwatchd/config.yaml > "$P/DEBIAN/conffiles"
 (cd "$P" && find . -path ./DEBIAN -prune -o -type f -printf '%P\0' | sort -z \
     | xargs -0 md5sum) > "$P/DEBIAN/md5sums"
+# the libraries the wheels' binaries link (libc6, libgcc-s1), as dh_shlibdeps finds them
+printf 'Source: gpuwatchd\n\nPackage: gpuwatchd\nArchitecture: any\n' > "$TMP/debian/control"
+SHLIBS=$(cd "$TMP" && find "debian/gpuwatchd$DEST" -type f \( -name '*.so' -o -perm -u+x \) \
+    -exec sh -c 'head -c 4 "$1" | grep -q ELF' _ {} \; -print | sort | sed 's/^/-e/' \
+    | xargs dpkg-shlibdeps -O 2>/dev/null | sed -n 's/^shlibs:Depends=//p')
+[ -n "$SHLIBS" ] || die "dpkg-shlibdeps found no library dependency"
 cat > "$P/DEBIAN/control" <<CONTROL
 Package: gpuwatchd
 Version: $VERSION
 Architecture: $ARCH
 Maintainer: gpuwatchd maintainers <maintainers@gpuwatchd.invalid>
 Installed-Size: $(du -sk --exclude=DEBIAN "$P" | cut -f1)
-Depends: python$PYVER, python3-systemd, libudev1, systemd (>= 247), init-system-helpers (>= 1.54~), passwd
+Depends: python$PYVER, python3-systemd, libudev1, systemd (>= 247), init-system-helpers (>= 1.54~), passwd, $SHLIBS
 Section: admin
 Priority: optional
 Homepage: https://github.com/gpuwatchd/gpuwatchd
@@ -94,7 +113,8 @@ Description: per-node monitor of GPU training ranks for Prometheus
  processes on GPU memory. It runs as the hardened systemd unit gpuwatchd.service
  (its own system user, three capabilities) and serves /metrics on port 9863.
  .
- Python $PYVER venv in $DEST (gpuwatchd $PEP440 and its dependencies' wheels).
+ A Python $PYVER venv in $DEST holds gpuwatchd $PEP440 and the
+ wheels of its dependencies.
 CONTROL
 deb="$OUT/gpuwatchd_${VERSION}_${ARCH}.deb"
 dpkg-deb --root-owner-group -Zxz -z6 --build "$P" "$deb" >/dev/null
