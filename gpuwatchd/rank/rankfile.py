@@ -214,11 +214,12 @@ _ASCII_NUMBER = re.compile(r"[0-9]{1,8}\Z")
 
 
 def _maybe_int(s: str | None) -> int | None:
-    """A launcher's number: 1-8 ASCII digits (``str.isdigit`` is true for "²", which ``int``
-    refuses, and ``int`` takes "٣" and "１"), else None."""
+    """A launcher's number: 1-8 ASCII digits, ASCII blanks around them allowed (``str.isdigit``
+    is true for "²", which ``int`` refuses; ``int`` and ``str.strip`` take "٣", "１", NBSP), else
+    None."""
     if s is None:
         return None
-    s = s.strip()
+    s = s.strip(" \t\r\n")
     return int(s) if _ASCII_NUMBER.match(s) else None
 
 
