@@ -26,19 +26,21 @@ clock read, and once a second one small file write (rename). Privilege: the rank
 Shell equivalent: ``GPUWATCHD_HEARTBEAT=1 torchrun ... train.py``.
 """
 
-from __future__ import annotations
-
 import sys
 import time
-from typing import TYPE_CHECKING, Any
 
+# Imported at every interpreter start-up where GPUWATCHD_HEARTBEAT is set (the wheel's .pth file):
+# built-in modules only, no ``typing`` (5 ms) and no ``__future__`` (so annotations are strings),
+# until torch.optim.optimizer is imported.
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (mypy reads it by name)
 if TYPE_CHECKING:
     from collections.abc import Sequence
     from types import ModuleType
+    from typing import Any
 TARGET = "torch.optim.optimizer"
 MIN_INTERVAL = 1.0  # seconds between two heartbeat writes
 
-_state: dict[str, Any] = {"installed": False, "registered": None, "step": 0, "last": float("-inf")}
+_state: "dict[str, Any]" = {"installed": False, "registered": None, "step": 0, "last": float("-inf")}
 
 
 def _beat(optimizer: object, args: object, kwargs: object) -> None:
@@ -56,7 +58,7 @@ def _beat(optimizer: object, args: object, kwargs: object) -> None:
         api.heartbeat(_state["step"])
 
 
-def _hook(module: ModuleType) -> None:
+def _hook(module: "ModuleType") -> None:
     register = getattr(module, "register_optimizer_step_post_hook", None)
     if register is None:
         import logging
@@ -71,25 +73,25 @@ def _hook(module: ModuleType) -> None:
 class _Loader:
     """Runs the real loader, then adds the hook to the module it made."""
 
-    def __init__(self, real: Any) -> None:
+    def __init__(self, real: "Any") -> None:
         self.real = real
 
-    def create_module(self, spec: Any) -> Any:
+    def create_module(self, spec: "Any") -> "Any":
         return self.real.create_module(spec)
 
-    def exec_module(self, module: ModuleType) -> None:
+    def exec_module(self, module: "ModuleType") -> None:
         self.real.exec_module(module)
         _hook(module)
 
-    def __getattr__(self, name: str) -> Any:  # get_code, get_source, is_package, ...
+    def __getattr__(self, name: str) -> "Any":  # get_code, get_source, is_package, ...
         return getattr(self.real, name)
 
 
 class _Finder:
     """First on sys.meta_path until torch.optim.optimizer is found: only that name is touched."""
 
-    def find_spec(self, name: str, path: Sequence[str] | None = None, target: ModuleType | None = None
-                  ) -> Any:
+    def find_spec(self, name: str, path: "Sequence[str] | None" = None,
+                  target: "ModuleType | None" = None) -> "Any":
         if name != TARGET:
             return None
         _remove()

@@ -180,3 +180,18 @@ def test_heartbeat_reaches_the_daemon(world: dict) -> None:
         assert d.stop() == 0
         p.kill()
         p.wait()
+
+
+# What a bare interpreter start-up of the wheel's venv may import more with GPUWATCHD_HEARTBEAT=1:
+# the finder's module and its package, nothing else (typing alone took 5 ms of the 8.1 ms).
+STARTUP_EXTRA = {"gpuwatchd", "gpuwatchd.autobeat"}
+
+
+def test_the_pth_file_costs_two_tiny_modules_at_start_up(world: dict, wheel_env: Path) -> None:
+    probe = "import sys; print(' '.join(sorted(sys.modules)))"
+    env = {k: v for k, v in world["env"].items() if k != "PYTHONPATH"}
+    base = set(_run([str(wheel_env), "-c", probe], env, world["tmp"]).split())
+    env["GPUWATCHD_HEARTBEAT"] = "1"
+    on = set(_run([str(wheel_env), "-c", probe], env, world["tmp"]).split())
+    assert on - base == STARTUP_EXTRA, sorted(on - base)
+    assert "typing" not in on

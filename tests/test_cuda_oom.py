@@ -28,6 +28,7 @@ TORCH_TEXT = (
     "5.60 GiB memory in use."
 )
 ROOT = Path(__file__).resolve().parent.parent
+CLAIMS = {("dflash", 0): frozenset({os.getuid()})}  # this uid's rank 0 of job dflash
 
 
 def _rank_script(rank_dir: Path, body: str) -> str:
@@ -161,11 +162,11 @@ def test_tracker_counts_and_expires(tmp_path: Path) -> None:
     hook = cuda_oom.OomHook(str(tmp_path), "dflash", 0)
     cuda_oom.record_event(hook, device=None, requested_bytes=1 << 30, source="allocator",
                           now=1000.0)
-    (f,) = tr.observe(files.read(), counters.inc, _state())
+    (f,) = tr.observe(files.read(), counters.inc, _state(), claims=CLAIMS)
     assert counters.get("cuda_oom_errors", ("dflash", "0", "")) == 1  # no UUID: GPU unknown
     assert f.since == 1000.0
     now[0] = 1000.0 + oom_reader.FINDING_SECONDS + 1
-    assert tr.observe(files.read(), counters.inc, _state()) == []
+    assert tr.observe(files.read(), counters.inc, _state(), claims=CLAIMS) == []
     assert counters.get("cuda_oom_errors", ("dflash", "0", "")) == 1
 
 
@@ -180,20 +181,21 @@ def test_the_rank_directory_is_listed_only_when_a_file_came_or_went(tmp_path: Pa
     old = os.stat(tmp_path).st_mtime - 60
     os.utime(tmp_path, (old, old))  # settled a minute ago
     for _ in range(3):
-        assert tr.observe(files.read(), counters.inc, _state()) == []
+        assert tr.observe(files.read(), counters.inc, _state(), claims=CLAIMS) == []
     assert files.scans == 1
     (tmp_path / "j.0.hb").write_text("2")  # a heartbeat, written in place: no listing
-    tr.observe(files.read(), counters.inc, _state())
+    tr.observe(files.read(), counters.inc, _state(), claims=CLAIMS)
     assert files.scans == 1
     hook = cuda_oom.OomHook(str(tmp_path), "dflash", 0)
     cuda_oom.record_event(hook, device=None, requested_bytes=1 << 30, source="allocator")
-    assert len(tr.observe(files.read(), counters.inc, _state())) == 1  # the event file changed the directory
+    # the event file changed the directory
+    assert len(tr.observe(files.read(), counters.inc, _state(), claims=CLAIMS)) == 1
     assert files.scans == 2 and counters.get("cuda_oom_errors", ("dflash", "0", "")) == 1
     cuda_oom.record_event(hook, device=None, requested_bytes=1 << 30, source="allocator")
     mtime = os.stat(tmp_path).st_mtime_ns
-    tr.observe(files.read(), counters.inc, _state())  # (and removed it: listed again next time)
+    tr.observe(files.read(), counters.inc, _state(), claims=CLAIMS)  # (and removed it: listed again next time)
     assert counters.get("cuda_oom_errors", ("dflash", "0", "")) == 2
     cuda_oom.record_event(hook, device=None, requested_bytes=1 << 30, source="allocator")
     os.utime(tmp_path, ns=(mtime, mtime))  # a coarse clock: the mtime did not move, but is recent
-    tr.observe(files.read(), counters.inc, _state())
+    tr.observe(files.read(), counters.inc, _state(), claims=CLAIMS)
     assert counters.get("cuda_oom_errors", ("dflash", "0", "")) == 3  # not missed

@@ -78,6 +78,9 @@ def cmd_register(args: argparse.Namespace) -> int:
     except RankFileError as e:
         print(f"gpuwatchd register: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the directory is not safe to write into (rank/rankdir.py), or full
+        print(f"gpuwatchd register: {e.strerror or e}", file=sys.stderr)
+        return 1
     print(path)
     return 0
 

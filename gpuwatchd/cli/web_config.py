@@ -47,6 +47,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_line() -> str:
+    """One line of stdin, decoded strictly as UTF-8 whatever the locale (UnicodeDecodeError)."""
+    return sys.stdin.buffer.readline(4096).decode("utf-8")
+
+
 def _cmd_hash(args: argparse.Namespace, read: Callable[[], str] | None = None) -> int:
     if not 4 <= args.cost <= 31:
         print("--cost must be between 4 and 31", file=sys.stderr)
@@ -56,8 +61,14 @@ def _cmd_hash(args: argparse.Namespace, read: Callable[[], str] | None = None) -
     import bcrypt  # here: `gpuwatchd run` imports this module, and needs bcrypt only for basic auth
 
     if read is None:
-        read = (lambda: getpass.getpass("password: ")) if sys.stdin.isatty() else sys.stdin.readline
-    password = read().rstrip("\n").encode()
+        read = (lambda: getpass.getpass("password: ")) if sys.stdin.isatty() else _read_line
+    try:
+        password = read().rstrip("\n").encode()
+    except UnicodeError:
+        # Prometheus's basic_auth password (and a web-config) is YAML, which is UTF-8 text: a
+        # password that is not could never be configured in the scraper
+        print("password is not UTF-8 text", file=sys.stderr)
+        return 2
     if not password:
         print("empty password", file=sys.stderr)
         return 2

@@ -59,6 +59,7 @@ class FlightRecorderSubsystem(Subsystem):
         self.interval = interval_seconds
         self._asks: dict[RankId, _Ask] = {}
         self._readings: dict[RankId, FrReading] = {}
+        self._request_error: str | None = None  # why the last request could not be written
 
     def track(self, daemon: DaemonContext, ranks: Ranks,
               verdicts: Mapping[RankId, StallVerdict]) -> FlightOutput:  # fmt: skip
@@ -103,8 +104,17 @@ class FlightRecorderSubsystem(Subsystem):
         try:
             write_request(request_path(rank_dir, e.job_id, e.rank), nonce)
         except OSError as exc:
-            log.debug("flight-recorder request for %s/%d failed: %s", e.job_id, e.rank, exc)
+            # once per streak: a read-only rank directory (a DaemonSet's readOnly mount) or one
+            # the daemon's user may not write fails every request, and no dump ever comes
+            if self._request_error is None:
+                log.warning("flight-recorder requests cannot be written into %s (%s): no "
+                            "flight-recorder dumps for stalled ranks until they can", rank_dir,
+                            exc.strerror or exc)
+            self._request_error = str(exc)
             return
+        if self._request_error is not None:
+            log.warning("flight-recorder requests are written into %s again", rank_dir)
+            self._request_error = None
         misses = 0 if last is None or last.answered else min(last.misses + 1, MAX_BACKOFF)
         self._asks[e.rank_id] = _Ask(e.pid, nonce, now, misses=misses)
         if e.rank_id not in self._readings:

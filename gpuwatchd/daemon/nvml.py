@@ -33,7 +33,7 @@ from gpuwatchd.daemon.fork_evidence import fork_evidence
 from gpuwatchd.daemon.subsystem import DaemonContext, GpuOutput, Ranks, Subsystem
 from gpuwatchd.findings.context import GpuRemoved, NvmlLostGpu
 from gpuwatchd.isolation import Collector, guarded
-from gpuwatchd.join.cuda_oom import OomTracker
+from gpuwatchd.join.cuda_oom import OomTracker, claimants
 from gpuwatchd.join.orphans import OrphanTracker, trees_from_entries
 from gpuwatchd.model import GpuDevice, GpuProcess, GpuUevent, NodeState, OomEvent, ProcessInfo, ProcEvidence
 from gpuwatchd.sources.cuda_oom_events import OomEventFiles
@@ -93,7 +93,7 @@ class NvmlSubsystem(Subsystem):
                                    3 * interval + timeout, daemon.clock)
         self.tracker = OrphanTracker(cfg.orphans.grace_seconds)
         self.oom = OomTracker(daemon.clock)
-        self.oom_files = OomEventFiles(cfg.rank_dir)
+        self.oom_files = OomEventFiles(cfg.rank_dir, cfg.state_dir)
         self.evidence = EvidenceReader(daemon.paths)
         dedup = daemon.services.xid_dedup
         self.dedup = dedup
@@ -180,7 +180,8 @@ class NvmlSubsystem(Subsystem):
         no_events: list[OomEvent] = []
         ooms = self.oom.observe(guarded("nvml: CUDA OOM event files", self.oom_files.read, no_events),
                                 daemon.counters.inc, self._last_state, {o.pid: o.reason for o in orphans},
-                                {pid: p.comm for pid, p in processes.items()})
+                                {pid: p.comm for pid, p in processes.items()},
+                                claimants(entries, processes))
         with self._lock:
             removed = tuple(self._removed.values())
         return GpuOutput(

@@ -376,6 +376,7 @@ class OomEvent:
     requested_bytes: int | None
     co_tenants: tuple[tuple[int, int | None], ...] | None  # (pid, bytes) at the moment, if known
     path: str = ""
+    owner_uid: int | None = None  # of the event file (None: not read from a file)
 
 
 @dataclass(frozen=True)

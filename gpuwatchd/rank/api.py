@@ -7,15 +7,27 @@ raises because monitoring is unavailable: a training job must not die because it
 missing; it logs a warning and returns None instead (``strict=True`` raises).
 ``heartbeat(step)`` updates the rank's heartbeat file (mtime = last progress); it is a single small
 write, cheap enough for every training step.
+
+The heartbeat file is opened once, at registration (rank/rankdir.py: in a directory owned by root
+or the rank's uid, never through another user's link or FIFO, under an unguessable name when
+another user holds ``JOB.RANK.hb``), and filled to its final size then. Each ``heartbeat(step)``
+rewrites those same 21 bytes in place through the kept descriptor (``pwrite``), which needs no
+new space and no name: a user who fills the rank directory's file system (``/run``) or plants
+files beside it cannot make a heartbeat fail. Where even that write fails, ``futimens`` still
+moves the mtime (the daemon's measure of progress), and the failure is logged as a warning once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gpuwatchd.rank import rankdir
 from gpuwatchd.rank.rankfile import (
     INIT_PID_NS,
     RankFileError,
@@ -138,9 +150,17 @@ def register_rank(job_id: str | None = None, rank: int | None = None, *,
             raise
         log.warning("gpuwatchd: could not register rank: %s", e)
         return None
-    _registered.clear()
-    _registered.update(path=path, heartbeat=hb, job_id=job_id, rank=rank, doc=doc,
-                       rank_dir=rank_dir, published=False)
+    hb_file = None
+    if hb is not None:
+        try:
+            hb_file = _HeartbeatFile.open(hb)
+        except OSError as e:  # judged by its stacks instead: the path is never published
+            if strict:
+                raise
+            log.warning("gpuwatchd: no heartbeat for this rank: %s", e)
+    _forget()
+    _registered.update(path=path, heartbeat=hb_file, job_id=job_id, rank=rank, doc=doc,
+                       rank_dir=rank_dir, published=False, publish_tried=float("-inf"))
     if cuda_oom_hook:
         _install_cuda_oom_hook(rank_dir, job_id, rank)
     if flight_recorder and pid == os.getpid():
@@ -156,45 +176,129 @@ def _install_cuda_oom_hook(rank_dir: str, job_id: str, rank: int) -> None:
     cuda_oom.install_hook(rank_dir=rank_dir, job_id=job_id, rank=rank)
 
 
-def _touch(path: str, content: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="ascii") as f:
-        f.write(content + "\n")
-    os.replace(tmp, path)
+HB_WIDTH = 20  # characters of the step field: 2**62, the largest step the daemon reads, has 19
+PUBLISH_RETRY_SECONDS = 5.0  # a rank file that could not be rewritten is tried again this often
+
+
+class _HeartbeatFile:
+    """The rank's heartbeat: a descriptor kept open on its own file (module docstring)."""
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.fd = fd
+        self.path = path
+        self.failing: str | None = None  # why the writes fail, during a failing streak
+
+    @classmethod
+    def open(cls, path: str) -> _HeartbeatFile:
+        """Open (create) the heartbeat at ``path`` or, when another user holds that name,
+        beside it under an unguessable name; filled to its size now, while there is space."""
+        directory, name = os.path.split(path)
+        stem, suffix = os.path.splitext(name)
+        dir_fd = rankdir.open_dir(directory)
+        try:
+            fd, used = rankdir.open_own(dir_fd, name, stem, suffix)
+        finally:
+            os.close(dir_fd)
+        try:
+            os.pwrite(fd, _field(None), 0)
+            os.ftruncate(fd, HB_WIDTH + 1)  # a longer file of an earlier run: shorter, no space
+            os.fchmod(fd, 0o644)
+        except OSError:
+            os.close(fd)
+            raise
+        return cls(fd, os.path.join(directory, used))
+
+    def beat(self, step: int | None) -> None:
+        try:
+            os.pwrite(self.fd, _field(step), 0)
+        except OSError as e:
+            why = f"{e.strerror} ({errno.errorcode.get(e.errno or 0, e.errno)})"
+            try:
+                os.utime(self.fd)  # futimens: the mtime is the progress, and it needs no space
+            except OSError as e2:
+                why += f"; the mtime could not be set either: {e2.strerror}"
+            if self.failing is None:
+                log.warning("gpuwatchd: heartbeat writes fail: %s on %s", why, self.path)
+            self.failing = why
+            return
+        if self.failing is not None:
+            log.warning("gpuwatchd: heartbeat writes work again on %s", self.path)
+            self.failing = None
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def _field(step: int | None) -> bytes:
+    text = "" if step is None else str(int(step))
+    return (text if len(text) <= HB_WIDTH else "").ljust(HB_WIDTH).encode() + b"\n"
+
+
+def _forget() -> None:
+    hb = _registered.get("heartbeat")
+    if isinstance(hb, _HeartbeatFile):
+        hb.close()
+    _registered.clear()
 
 
 def heartbeat(step: int | None = None) -> None:
-    """Record progress. Cheap: one small file write. No-op when the rank is not registered."""
-    path = _registered.get("heartbeat")
-    if not path:
+    """Record progress. Cheap: one 21-byte write in place. No-op when the rank is not registered."""
+    hb = _registered.get("heartbeat")
+    if hb is None:
         return
+    hb.beat(step)
+    if not _registered["published"]:
+        _publish(hb.path)
+
+
+def _publish(hb_path: str) -> None:
+    """Name the heartbeat in the rank file (at the first beat, retried while that fails)."""
+    now = time.monotonic()
+    if now - _registered["publish_tried"] < PUBLISH_RETRY_SECONDS:
+        return
+    _registered["publish_tried"] = now
+    doc = _registered["doc"]
+    doc["ranks"][0]["heartbeat"] = hb_path
     try:
-        _touch(path, "" if step is None else str(int(step)))
-        if not _registered.get("published"):
-            doc = _registered["doc"]
-            doc["ranks"][0]["heartbeat"] = path
-            write_rank_file(_registered["rank_dir"], doc, os.path.basename(_registered["path"]))
-            _registered["published"] = True
+        write_rank_file(_registered["rank_dir"], doc, os.path.basename(_registered["path"]))
     except (OSError, RankFileError) as e:
-        log.debug("gpuwatchd heartbeat failed: %s", e)
+        doc["ranks"][0].pop("heartbeat", None)
+        if not _registered.get("publish_warned"):
+            _registered["publish_warned"] = True
+            log.warning("gpuwatchd: the heartbeat could not be named in the rank file (tried "
+                        "again every %g s; judged by its stacks until then): %s",
+                        PUBLISH_RETRY_SECONDS, e)
+        return
+    _registered["published"] = True
 
 
 def unregister_rank(job_id: str | None = None, rank: int | None = None,
                     rank_dir: str | None = None) -> bool:
-    """Remove the rank file (and heartbeat file). Returns whether a file was removed."""
+    """Remove the rank file (and heartbeat file). Returns whether a file was removed.
+
+    This process's own registration is removed by the names it used (an unguessable one where
+    another user held the usual name); any other by the usual names, ``JOB.RANK.json`` and
+    ``JOB.RANK.hb``. A name another user holds in the sticky directory is left (EPERM)."""
     job_id = job_id if job_id is not None else _registered.get("job_id")
     rank = rank if rank is not None else _registered.get("rank")
     if job_id is None:
         return False
     rank_dir = rank_dir or rank_dir_default()
-    names = [rank_file_name(job_id, rank)] if rank is not None else [rank_file_name(job_id)]
-    if rank is not None:
-        names += [f"{job_id}.{rank}.hb", f"{job_id}.{rank}.fr"]  # heartbeat, flight-recorder answer
+    paths = [os.path.join(rank_dir, rank_file_name(job_id, rank))]
+    if rank is not None:  # heartbeat, flight-recorder answer
+        paths += [os.path.join(rank_dir, f"{job_id}.{rank}{ext}") for ext in (".hb", ".fr")]
+    own = (_registered.get("job_id"), _registered.get("rank")) == (job_id, rank)
+    if own:
+        hb = _registered.get("heartbeat")
+        paths = [_registered["path"], *([hb.path] if isinstance(hb, _HeartbeatFile) else []),
+                 *paths[1:]]
+        _forget()
     removed = False
-    for name in names:
+    for path in dict.fromkeys(paths):
         try:
-            os.unlink(os.path.join(rank_dir, name))
-            removed = removed or name.endswith(".json")
-        except FileNotFoundError:
+            os.unlink(path)
+            removed = removed or path.endswith(".json")
+        except (FileNotFoundError, PermissionError):
             pass
     return removed

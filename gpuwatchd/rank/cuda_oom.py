@@ -10,10 +10,10 @@ memory" / "CUDA error: out of memory". Either writes one small JSON event file
 rank-file reader reads only ``*.json``), with a snapshot of which PIDs held memory on that GPU at
 that moment (NVML, when importable; best effort).
 
-Daemon side (``read_events`` in sources/cuda_oom_events.py, ``attribute`` in join/cuda_oom.py, the
-rule in findings/cuda_oom.py):
-each cycle reads and removes the event files, counts ``cuda_oom_errors{job_id,rank,gpu}`` and
-raises a ``cuda_oom`` finding that names the co-tenants,
+Daemon side (``OomEventFiles`` in sources/cuda_oom_events.py, ``attribute`` in join/cuda_oom.py,
+the rule in findings/cuda_oom.py): each cycle reads the new event files once each (removing them
+where it may), refuses those whose owner is not root or the uid of the rank they name, counts
+``cuda_oom_errors{job_id,rank,gpu}`` and raises a ``cuda_oom`` finding that names the co-tenants,
 e.g. "rank 0 of job dflash (pid 11641) hit CUDA OOM on GPU 0 (tried to allocate 50.1 GiB); PID 11223
 (python3, not in any job, its parent died and it was adopted by init) held 55.7 GiB there".
 
@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
+
+from gpuwatchd.rank import rankdir
 
 log = logging.getLogger(__name__)
 
@@ -132,12 +134,14 @@ def record_event(
         "co_tenants": _co_tenants(uuid),
     }
     name = f"{PREFIX}{hook.job_id}-{hook.rank}-{os.getpid()}-{time.time_ns()}{SUFFIX}"
-    path = os.path.join(hook.rank_dir, name)
-    tmp = os.path.join(hook.rank_dir, f".{name}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(doc, f)
-        os.replace(tmp, path)
+    try:  # the shared directory's rules (rank/rankdir.py): no link followed, no FIFO opened
+        dir_fd = rankdir.open_dir(hook.rank_dir, create=False)
+        try:
+            used = rankdir.write_new(dir_fd, name, name[: -len(SUFFIX)], SUFFIX,
+                                     json.dumps(doc).encode())
+        finally:
+            os.close(dir_fd)
+        path = os.path.join(hook.rank_dir, used)
     except OSError as exc:
         log.warning("gpuwatchd: could not record CUDA OOM event: %s", exc)
         return None

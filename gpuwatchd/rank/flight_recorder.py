@@ -8,8 +8,9 @@ alike; ``torch._C._distributed_c10d._dump_fr_trace_json()`` returns it as JSON (
 
 Protocol (files in the rank directory, names outside ``*.json`` so the rank-file scan skips them):
 the daemon writes ``JOB.RANK.frreq`` holding a nonce when a rank of the job looks stalled; this
-thread stats that file every ``poll_seconds`` and, for a new nonce, writes ``JOB.RANK.fr``
-atomically: ``{"version": 1, "nonce", "pid", "time", "trace": {...}}`` or ``"error"``. The trace
+thread ``lstat``s that file every ``poll_seconds`` and, for a new nonce in a regular file (never
+through a link, never blocking on a FIFO), writes ``JOB.RANK.fr`` atomically (rank/rankdir.py):
+``{"version": 1, "nonce", "pid", "time", "trace": {...}}`` or ``"error"``. The trace
 is cut to what the daemon needs (the last ``MAX_ENTRIES`` entries, a few fields each, at most
 ``MAX_BYTES``): the daemon reads it as JSON only, never a pickle. The GIL is free while the main
 thread waits in a collective (c10d releases it), so the answer comes even from a hung rank.
@@ -19,15 +20,17 @@ Cost in the rank: one ``stat`` per ``poll_seconds``; a dump only on request.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
+import stat as statmod
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from gpuwatchd.rank import rankdir
 
 log = logging.getLogger(__name__)
 REQUEST_SUFFIX = ".frreq"
@@ -110,15 +113,14 @@ class Responder:
     def poll_once(self) -> bool:
         """Answer a new request, if there is one; returns whether it answered."""
         try:
-            st = os.stat(self.req)
+            st = os.lstat(self.req)
         except OSError:
             return False
         key = (st.st_ino, st.st_mtime_ns)
-        if key == self._seen:
-            return False
+        if key == self._seen or not statmod.S_ISREG(st.st_mode):
+            return False  # a link, a FIFO, a directory: another user's, never opened
         self._seen = key
-        with open(self.req, "rb") as f:
-            nonce = f.read(MAX_REQUEST_BYTES).decode("ascii", "replace").strip()
+        nonce = _read_request(self.req, st)
         if not nonce or nonce == self.answered:
             return False
         doc: dict[str, Any] = {"version": 1, "nonce": nonce, "pid": os.getpid(), "time": time.time()}
@@ -130,18 +132,32 @@ class Responder:
         while len(text) > MAX_BYTES and doc.get("trace", {}).get("entries"):
             doc["trace"]["entries"] = doc["trace"]["entries"][len(doc["trace"]["entries"]) // 2:]
             text = json.dumps(doc, separators=(",", ":"), default=str)
-        tmp = f"{self.resp}.{os.getpid()}.tmp"
+        directory, name = os.path.split(self.resp)
+        dir_fd = rankdir.open_dir(directory, create=False)
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, self.resp)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+            rankdir.write_new(dir_fd, name, name[: -len(RESPONSE_SUFFIX)], RESPONSE_SUFFIX,
+                              text.encode(), fallback=False)
+        finally:
+            os.close(dir_fd)
         self.answered = nonce
         return True
+
+
+def _read_request(path: str, st: os.stat_result) -> str:
+    """The nonce in the request ``path`` that ``lstat`` found a regular file: opened without
+    following a link or blocking (a FIFO swapped in since is opened at once and refused), and
+    read only when it is still that file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        fst = os.fstat(fd)
+        if (fst.st_ino, fst.st_dev) != (st.st_ino, st.st_dev) or not statmod.S_ISREG(fst.st_mode):
+            return ""
+        return os.read(fd, MAX_REQUEST_BYTES).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
 
 
 _responder: Responder | None = None

@@ -6,12 +6,13 @@ rank (``claim_from_env``: torchrun, Slurm, Open MPI), read by the rank from its 
 by the daemon from /proc/PID/environ.
 
 Runs inside the training process: imports only the standard library and ``gpuwatchd.model``.
-Costs: parsing is bounded by the limits below; writing is one temp file, fsync and rename.
+Costs: parsing is bounded by the limits below; writing is one temp file and a rename (no fsync: a
+rank file names a process, which a crash of the node ends too), in a directory checked by
+rank/rankdir.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from gpuwatchd.model import RankEntry
+from gpuwatchd.rank import rankdir
 
 INIT_PID_NS = 0xEFFFFFFC  # PROC_PID_INIT_INO: the inode of the host's (initial) PID namespace
 SCHEMA_VERSION = 1
@@ -184,28 +186,20 @@ def rank_file_name(job_id: str, rank: int | None = None) -> str:
 
 
 def write_rank_file(rank_dir: str, doc: Mapping[str, Any], name: str) -> str:
-    """Validate ``doc`` and write it atomically (temp file in the same directory, then rename)."""
+    """Validate ``doc`` and write it atomically (temp file in the same directory, then rename)
+    under ``name``, or, when another user holds that name in the shared directory, under
+    ``JOB.RANK.<token>.json`` (rank/rankdir.py); returns the path written. OSError (an
+    ``UnsafeRankDir`` among them) when the directory is not safe or the write fails."""
     parse_rank_document(json.loads(json.dumps(doc)))
     if "/" in name or name.startswith(".") or not name.endswith(".json"):
         raise RankFileError(f"bad rank file name {name!r}")
-    os.makedirs(rank_dir, exist_ok=True)
-    import tempfile  # here: the daemon reads rank files and never writes one
-
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".partial", dir=rank_dir)
+    data = (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+    dir_fd = rankdir.open_dir(rank_dir)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        final = os.path.join(rank_dir, name)
-        os.replace(tmp, final)
-        return final
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        used = rankdir.write_new(dir_fd, name, name[: -len(".json")], ".json", data)
+    finally:
+        os.close(dir_fd)
+    return os.path.join(rank_dir, used)
 
 
 DISCOVERY_VARS = (
@@ -216,11 +210,17 @@ DISCOVERY_VARS = (
 )
 
 
+_ASCII_NUMBER = re.compile(r"[0-9]{1,8}\Z")
+
+
 def _maybe_int(s: str | None) -> int | None:
+    """A launcher's number: 1-8 ASCII digits, ASCII blanks around them allowed (``str.isdigit``
+    is true for "²", which ``int`` refuses; ``int`` and ``str.strip`` take "٣", "１", NBSP), else
+    None."""
     if s is None:
         return None
-    s = s.strip()
-    return int(s) if s.isdigit() and len(s) < 9 else None
+    s = s.strip(" \t\r\n")
+    return int(s) if _ASCII_NUMBER.match(s) else None
 
 
 def _safe_job_id(s: str) -> str | None:
