@@ -313,11 +313,13 @@ class ProcfsReader:
             queue.extend(self.children(child))
         return seen
 
-    def environ(self, pid: int, keys: Iterable[str] | None = None) -> dict[str, str]:
-        """Selected variables of the process's initial environment. Values stay inside the
-        daemon: callers reduce them to decisions (rank numbers, flag names)."""
+    def environ(self, pid: int, keys: Iterable[str] | None = None,
+                limit: int = MAX_ENVIRON_BYTES) -> dict[str, str]:
+        """Selected variables of the process's initial environment (its first ``limit`` bytes).
+        Values stay inside the daemon: callers reduce them to decisions (rank numbers, flag
+        names)."""
         try:
-            raw = _read(self.paths.proc(pid, "environ"), MAX_ENVIRON_BYTES)
+            raw = _read(self.paths.proc(pid, "environ"), limit)
         except OSError:
             return {}
         env: dict[str, str] = {}
@@ -338,7 +340,8 @@ class ProcfsReader:
             env[name.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
         return env
 
-    def environ_values(self, pid: int, names: Iterable[str]) -> dict[str, str] | None:
+    def environ_values(self, pid: int, names: Iterable[str],
+                       limit: int = MAX_ENVIRON_BYTES) -> dict[str, str] | None:
         """``environ`` of just ``names`` (the caller says which: findings/nccl_env.py's
         ``WATCHED_VARS`` for the daemon), or None when the environment cannot be read (yet): right
         after fork/exec ``environ`` reads empty for a moment, and a caller must not remember that
@@ -348,7 +351,7 @@ class ProcfsReader:
                 return None
         except OSError:
             return None
-        return self.environ(pid, names)
+        return self.environ(pid, names, limit)
 
     def nspid(self, pid: int) -> tuple[int, ...] | None:
         """The ``NSpid`` line of /proc/PID/status: the PID in each PID namespace, outermost (the
