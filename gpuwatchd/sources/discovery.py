@@ -16,12 +16,11 @@ each):
 - Only the first ``ENVIRON_PREFIX_BYTES`` (128 KiB) of it are read. Launchers put their variables
   into a normal-sized environment (a few KiB); a process whose rank variables sit behind more
   than 128 KiB of other variables is not discovered, and is registered with a rank file instead
-  (docs/security.md). The prefix is read whole (no search for the end), so a 2 MiB environment
-  costs what a 128 KiB one does.
-- A pass reads at most ``PASS_ENVIRON_BYTES`` (16 MiB: 128 full prefixes) of environments not
-  seen before, in turns between uids (root first, then each uid's lowest PIDs, one process per
-  uid per turn): one user's thousands of new processes wait for later passes, never another
-  uid's rank. What a pass leaves unread is read by the next.
+  (docs/security.md). A 2 MiB environment costs what a 128 KiB one does.
+- A pass reads at most ``PASS_ENVIRON_BYTES`` (16 MiB: 128 full prefixes, 4000 environments of
+  4 KiB) of environments not seen before, in turns between uids (one process of each uid per
+  turn, root first, each uid's lowest PIDs first): one user's thousands of new processes wait
+  for later passes, never another uid's rank. What a pass leaves unread is read by the next.
 """
 
 from __future__ import annotations
@@ -34,12 +33,13 @@ from dataclasses import dataclass
 
 from gpuwatchd.model import RankEntry
 from gpuwatchd.rank.rankfile import DISCOVERY_VARS, claim_from_env
-from gpuwatchd.sources.procfs import ProcessGone, ProcfsReader
+from gpuwatchd.sources.procfs import ProcessGone, ProcfsReader, environ_pick
 
 __all__ = ["ENVIRON_PREFIX_BYTES", "PASS_ENVIRON_BYTES", "Discoverer", "discover"]
 
 ENVIRON_PREFIX_BYTES = 128 * 1024
 PASS_ENVIRON_BYTES = 16 * 1024 * 1024
+MIN_READ_COST = 4096  # what a read counts against the pass's budget at least (an empty one too)
 
 Claim = tuple[str, int, "int | None", "int | None"]  # (job_id, rank, local_rank, world_size)
 
@@ -88,28 +88,24 @@ class Discoverer:
         self.deferred = 0
         left = self.budget
         for uid, pid, ticks, ppid in _turns(pending):
-            if left < self.prefix:
+            if left < self.prefix:  # a prefix cut short would be remembered as the whole
                 self.deferred += 1
                 continue
-            left -= self.prefix
-            verdict = self._read(procfs, pid, launchers)
-            if verdict is not None:
-                seen[pid] = _Seen(ticks, uid, ppid, verdict[0])
+            raw = procfs.environ_block(pid, self.prefix)
+            self.reads += 1
+            left -= max(len(raw or b""), MIN_READ_COST)
+            if not raw:  # gone, not permitted, or empty for a moment after exec: not remembered
+                continue
+            seen[pid] = _Seen(ticks, uid, ppid, _claim(environ_pick(raw, DISCOVERY_VARS), launchers))
         self._seen = seen  # processes no longer listed are forgotten
         return _ranks(procfs, seen)
 
-    def _read(self, procfs: ProcfsReader, pid: int, launchers: tuple[str, ...],
-              ) -> tuple[Claim | None] | None:
-        """(the claim of ``pid``'s environment,), or None when it cannot be read yet (right
-        after fork/exec it reads empty for a moment: not remembered as "no rank")."""
-        self.reads += 1
-        env = procfs.environ_values(pid, DISCOVERY_VARS, limit=self.prefix)
-        if env is None:
-            return None
-        try:
-            return (claim_from_env(env, launchers),)
-        except ValueError:  # a value the launcher parse refuses (RANK=²): no rank, the pass goes on
-            return (None,)
+
+def _claim(env: dict[str, str], launchers: tuple[str, ...]) -> Claim | None:
+    try:
+        return claim_from_env(env, launchers)
+    except ValueError:  # a value the launcher parse refuses (RANK=²): no rank, the pass goes on
+        return None
 
 
 def _turns(pending: dict[int, list[tuple[int, int, int]]]) -> Iterable[tuple[int, int, int, int]]:
