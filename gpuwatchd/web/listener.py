@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ACCEPT_BATCH = 32  # accepts per loop turn, so a connect flood cannot starve the reads
+ACCEPT_BATCH = 8  # accepts per loop turn, so a connect flood cannot starve the reads
 
 _LISTEN = object()
 _WAKE = object()
