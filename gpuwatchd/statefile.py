@@ -26,7 +26,8 @@ from gpuwatchd.counters import CounterStore
 
 log = logging.getLogger(__name__)
 
-STATE_FILES = ("state.json", "events.jsonl", "rank_trees.json", "kmsg.json", "journal.cursor")
+STATE_FILES = ("state.json", "events.jsonl", "rank_trees.json", "kmsg.json", "journal.cursor",
+               "job_owners.json")
 # The temporaries of atomic_write, of the writers before it (".tmp") and of compaction.
 _TMP = re.compile(r"^(?P<file>.+?)\.(?:tmp(?:\.(?P<pid>\d+))?|compact)$")
 

@@ -4,13 +4,14 @@
 
 Lists every process that holds memory on the selected GPUs but belongs to no live rank registered
 in ``rank_dir`` (a rank PID or one of its descendants). A rank file counts only under the daemon's
-trust rules (``join/rank_claims.py``: root's files, or a user's file naming that user's own
-process, one owner per job). Exit 0: clean. Exit 1: a table of the offending processes
-(PID, user, command name, memory, age, why it is stale). Exit 2: error (no driver, NVML hung,
-unknown GPU, bad config).
+first trust rule (``join/rank_claims.py``: root's files, or a user's file naming that user's own
+process). Which uid owns a job (rule 2) is not applied: it decides what the daemon watches, and
+for ``check`` it could only make a user's registered rank an offender (docs/security.md).
+Exit 0: clean. Exit 1: a table of the offending processes (PID, user, command name, memory, age,
+why it is stale). Exit 2: error (no driver, NVML hung, unknown GPU, bad config).
 
-``--kill`` never signals a process whose owner's rank files were not all read (more files than
-the per-owner cap, ``sources/rankfiles.py``): it may be a registered rank that was not seen. It
+``--kill`` never signals a process whose owner's rank files were not all read (more files, ranks
+or bytes than the per-owner caps, ``sources/rankfiles.py``): it may be a registered rank that was not seen. It
 sends SIGTERM to each other offender, SIGKILL to those still alive after ``--grace`` seconds,
 then re-reads NVML until the memory is really released (the driver frees it only after the process
 is fully gone) and exits 0 only then; otherwise 1, naming what still holds memory.
@@ -104,8 +105,12 @@ def default_inputs(cfg: Any, rank_dir: str | None, timeout: float | None) -> Inp
         # which is what NVML reports
         entries, _refused = PidNamespaces(procfs).resolve(entries)
         procs = procfs.read_many(e.pid for e in entries)
-        # the daemon's trust rules: another user's file cannot make a process "registered"
-        entries, _refused, _owners = rank_claims.select(entries, procs)
+        # Trust rule 1: another user's file cannot make a process "registered". Not rule 2 (one
+        # owner per job): here it could only turn a user's own registered rank into an offender,
+        # and decided anew from start times it let an older process of another user that claims
+        # the job have the job's real rank killed. A user can always register their own process
+        # (a file of their own job), so ownership adds nothing to what check may trust.
+        entries, _refused, _owners = rank_claims.select(entries, procs, one_owner_per_job=False)
         desc = {e.pid: tuple(procfs.descendants(e.pid)) for e in entries if e.pid in procs}
         for kids in desc.values():
             procs = {**procs, **procfs.read_many(kids)}

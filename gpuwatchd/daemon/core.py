@@ -50,8 +50,9 @@ from gpuwatchd.join import rank_claims
 from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
 from gpuwatchd.model import BadRankFile, CollectorStatus, NodeState, RankEntry, RankId, RankProcess
 from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources.discovery import discover
+from gpuwatchd.sources.discovery import Discoverer
 from gpuwatchd.sources.heartbeats import HeartbeatRoots
+from gpuwatchd.sources.job_owners import JobOwnerFile
 from gpuwatchd.sources.memcg import MemcgReader
 from gpuwatchd.sources.pidns import PidNamespaces
 from gpuwatchd.sources.procfs import ProcfsReader
@@ -131,7 +132,9 @@ class Daemon:
         self.services = services or Services.build(config, self.paths)
         self.reload_requested: threading.Event = LinkedEvent(self._wake)
         self.state: NodeState | None = None
-        self.memory = JoinMemory()
+        # a job's owner is decided once and kept across restarts (trust rule 2)
+        self.job_owner_file = JobOwnerFile(config.state_dir, self.state_files)
+        self.memory = JoinMemory(job_owners=self.job_owner_file.load())
         self.write_state = write_state  # False for read-only users (gpuwatchd ps)
         self.subsystems: list[Subsystem] = subsystems if subsystems is not None else default_subsystems(config)
         self.parts = Parts.of(self.subsystems)  # the same parts by name, for the track stage
@@ -139,6 +142,7 @@ class Daemon:
                                       liveness=self.liveness_problem)
         self.web: WebServer | None = None
         self._discovered: list[RankEntry] = []
+        self.discoverer = Discoverer()  # each process's environment read once in its lifetime
         self._last_discovery = float("-inf")
         self.view = ProcView(self.procfs)  # each rank tree, its cgroup and NCCL flags, per cycle
         self._state_key: object = None  # what the last state.json said (``_state_due``)
@@ -180,7 +184,7 @@ class Daemon:
         now = time.monotonic()
         if d.enabled and now - self._last_discovery >= d.interval_seconds:
             self._last_discovery = now
-            self._discovered = discover(self.procfs, d.launchers)
+            self._discovered = self.discoverer.scan(self.procfs, d.launchers)
         elif not d.enabled:
             self._discovered = []
         reading = guard_entries([*entries, *self._discovered], bad, self.paths.procfs, self.pidns,
@@ -270,6 +274,8 @@ class Daemon:
             guarded(f"subsystem {sub.name} after_join", functools.partial(sub.after_join, self, state), None)
         if self.write_state and self._state_due(state):
             guarded("writing state file", lambda: self._write_state(state), None)
+        if self.write_state:
+            guarded("writing job owners", lambda: self.job_owner_file.save(self.memory.job_owners), None)
 
     def _state_due(self, state: NodeState) -> bool:
         """Is state.json to be written after this cycle? When what its readers act on changed

@@ -6,9 +6,14 @@ rules", docs/security.md §4):
 1. A rank-file entry counts only when the file's owner is root or the uid of the process it names.
 2. A job belongs to one uid: the uid of the process of its first trusted live claim (a root-owned
    file, a user's file naming that user's own live process, or a discovered live process; the
-   earliest-started process first). Once learnt it is kept (``owners``) while the job has ranks.
+   earliest-started process first, among the claims of the cycle the job is first seen in).
+   Once learnt it is kept (``owners``) while the job has ranks, and across restarts of the
+   daemon (``state_dir/job_owners.json``, sources/job_owners.py): it is never decided again
+   from start times, where an older process of another user claiming the job would win.
    A claim by any other uid for that job (a user's file, even for the user's own process, or a
    discovered process of another user) is refused; root-owned files are never refused by this.
+   ``gpuwatchd check`` applies rules 1 and 3 only (``one_owner_per_job=False``): for it, rule 2
+   could only make a user's own registered rank look unregistered, and be killed.
 3. Of several claims on one ``(job_id, rank)`` the most trusted wins: root-owned files, then
    users' files whose PID is alive and theirs, then discovery of a live process, then claims
    whose PID does not exist (unverifiable: they never displace a verified one).
@@ -24,6 +29,10 @@ once, right after /proc is read and before any subsystem looks at a rank, and ev
 cycle (heartbeats, stall verdicts, GIL samples, memory, stragglers, flight recorder, the join)
 sees only its ``accepted`` entries (issue 23 N3: refused claims drove other ranks' readings).
 
+The series limit of a job (``MAX_RANKS_PER_JOB`` accepted ranks) is applied here, after
+ownership, the most trusted claims first: the caps before the claims (sources/rankfiles.py) are
+per claimant, so that no uid's claims take another's places.
+
 Every refusal is returned as a ``BadRankFile`` (a ``bad_rank_file`` finding, severity info):
 it is never a rank, so it can never page.
 """
@@ -34,6 +43,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from gpuwatchd.model import BadRankFile, ProcessInfo, RankEntry, RankId, RankProcess
+from gpuwatchd.rank.rankfile import MAX_RANKS_PER_JOB
 
 ROOT_FILE, VERIFIED_FILE, DISCOVERED, UNVERIFIED = range(4)
 ClaimantKey = tuple[int, int | None]  # (pid, start ticks) of a discovered claim's process
@@ -111,13 +121,22 @@ def select(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
            known_owners: Mapping[str, int] | None = None,
            last_uids: Mapping[ClaimantKey, int] | None = None,
            known_ticks: Mapping[RankProcess, int] | None = None,
+           one_owner_per_job: bool = True, per_job: int = MAX_RANKS_PER_JOB,
            ) -> tuple[list[RankEntry], list[BadRankFile], dict[str, int]]:
     """(accepted entries, refusals, job owners of the accepted jobs). ``last_uids``:
     ``claimant_uids`` of this cycle (a gone process's claim is judged by its last uid);
-    ``known_ticks``: the start time first seen per (job_id, rank, pid) (``JoinMemory``)."""
+    ``known_ticks``: the start time first seen per (job_id, rank, pid) (``JoinMemory``).
+    ``one_owner_per_job`` False: rule 2 is not applied (``gpuwatchd check``: a user's own file
+    naming the user's own process registers it, whoever owns the job). At most ``per_job``
+    ranks of a job are accepted (series limit), counted after ownership, the most trusted
+    claims first: another uid's claims never take a job's places."""
     entries = list(entries)
     last_uids = last_uids or {}
     owners = job_owners(entries, processes, known_owners or {}, known_ticks)
+    if not one_owner_per_job:
+        owners = {}
+    per_job_n: dict[str, int] = {}
+    capped: set[str] = set()
     accepted: dict[RankId, RankEntry] = {}
     refused: list[BadRankFile] = []
     claimed_pids: set[int] = set()
@@ -155,6 +174,14 @@ def select(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
             continue
         if e.source != "rankfile" and e.pid in claimed_pids:
             continue
+        if per_job_n.get(e.job_id, 0) >= per_job:
+            if e.job_id not in capped:
+                capped.add(e.job_id)
+                refused.append(BadRankFile(
+                    _where(e), f"job {e.job_id} has more than {per_job} ranks on this node; "
+                    f"ranks above the cap are ignored (series limit)"))
+            continue
+        per_job_n[e.job_id] = per_job_n.get(e.job_id, 0) + 1
         accepted[key] = e
         claimed_pids.add(e.pid)
     kept_jobs = {e.job_id for e in accepted.values()}

@@ -35,6 +35,28 @@ LIMITS_TTL = 30.0
 THREAD_CHILDREN_TTL = 120.0
 
 
+def environ_pick(raw: bytes, keys: Iterable[str] | None = None) -> dict[str, str]:
+    """The variables ``keys`` (None: all) of an environment block, the last one of a name
+    winning as in the kernel's view of a duplicated variable."""
+    env: dict[str, str] = {}
+    if keys is not None:  # a handful of names (discovery: every process, each pass): find them
+        raw = b"\x00" + raw
+        for key in keys:
+            name = key.encode()
+            at = raw.rfind(b"\x00" + name + b"=")  # the last one wins, as below
+            if at >= 0:
+                start = at + len(name) + 2
+                end = raw.find(b"\x00", start)
+                env[key] = raw[start : end if end >= 0 else len(raw)].decode("utf-8", "replace")
+        return env
+    for item in raw.split(b"\x00"):
+        name, sep, value = item.partition(b"=")
+        if not sep:
+            continue
+        env[name.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+    return env
+
+
 def read_proc_cgroup(paths: HostPaths, pid: int) -> str | None:
     """``/proc/PID/cgroup`` as text (one line per hierarchy, at most 64 KiB), or None when the
     process is gone: the one reader of that file. Its parsers are beside their users: memcg.py
@@ -316,27 +338,16 @@ class ProcfsReader:
     def environ(self, pid: int, keys: Iterable[str] | None = None) -> dict[str, str]:
         """Selected variables of the process's initial environment. Values stay inside the
         daemon: callers reduce them to decisions (rank numbers, flag names)."""
+        raw = self.environ_block(pid)
+        return {} if raw is None else environ_pick(raw, keys)
+
+    def environ_block(self, pid: int, limit: int = MAX_ENVIRON_BYTES) -> bytes | None:
+        """The first ``limit`` bytes of the process's initial environment (NUL-separated), or None
+        when it cannot be read (gone, not permitted)."""
         try:
-            raw = _read(self.paths.proc(pid, "environ"), MAX_ENVIRON_BYTES)
+            return _read(self.paths.proc(pid, "environ"), limit)
         except OSError:
-            return {}
-        env: dict[str, str] = {}
-        if keys is not None:  # a handful of names (discovery: every process, each pass): find them
-            raw = b"\x00" + raw
-            for key in keys:
-                name = key.encode()
-                at = raw.rfind(b"\x00" + name + b"=")  # the last one wins, as below
-                if at >= 0:
-                    start = at + len(name) + 2
-                    end = raw.find(b"\x00", start)
-                    env[key] = raw[start : end if end >= 0 else len(raw)].decode("utf-8", "replace")
-            return env
-        for item in raw.split(b"\x00"):
-            name, sep, value = item.partition(b"=")
-            if not sep:
-                continue
-            env[name.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
-        return env
+            return None
 
     def environ_values(self, pid: int, names: Iterable[str]) -> dict[str, str] | None:
         """``environ`` of just ``names`` (the caller says which: findings/nccl_env.py's

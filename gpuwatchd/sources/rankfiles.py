@@ -4,7 +4,11 @@ Reads every ``*.json`` in ``rank_dir`` (schema v1, ``gpuwatchd/rank/rankfile.sch
 by rank/rankfile.py). A file is parsed again only when its (inode, size, mtime) changes, so a cycle
 costs one ``scandir`` plus one ``lstat`` per file: the listing's, which gives each file's owner (so
 that the file caps are applied per owner before anything is opened: ``_choose``) and is used again
-to read it. Files that are symlinks, hard links, not
+to read it. Each non-root owner's files are then read within a budget (``_Budget``: at most
+``MAX_RANKS_PER_OWNER`` ranks, ``MAX_PARSE_BYTES_PER_OWNER`` bytes parsed per scan), and a file
+that could name more ranks than an owner may have is refused before it is decoded: one user's
+256 files of 4096 ranks each got the daemon OOM-killed at 256 MiB when every rank of every file
+was parsed before any cap. Files that are symlinks, hard links, not
 regular, larger than ``MAX_FILE_BYTES``, nested deeper than ``MAX_DEPTH`` or invalid are returned
 as ``BadRankFile`` with a reason; they never stop the good files beside them, and nothing in one
 file (numbers of any size, NaN, odd Unicode, deep nesting, duplicate keys) can raise out of
@@ -44,6 +48,10 @@ from gpuwatchd.rank.rankfile import (
 from gpuwatchd.sources.heartbeats import HeartbeatRoots, heartbeat_root
 from gpuwatchd.sources.pidns import PidNamespaces
 
+# Bytes of changed files of one non-root owner parsed per scan (four files at the size cap; a
+# rank file is a few hundred bytes per rank, so 64 ranks registering at once are about 32 KB).
+MAX_PARSE_BYTES_PER_OWNER = 1 << 20
+
 
 @dataclass
 class _Cached:
@@ -72,8 +80,10 @@ class RankFileReader:
         """This cycle's entries and refusals. Caps are applied per owner, from the ``lstat`` that
         listing needs anyway and before any file is opened (``_choose``): root's files first (up
         to ``MAX_FILES``), then at most ``MAX_FILES_PER_OWNER`` of each other owner, with a fair
-        share of what is left when several owners have more. What an owner has beyond that is
-        named in one ``BadRankFile``; ``unread_owners`` says whose files were not all read, and
+        share of what is left when several owners have more. Then each non-root owner's files
+        are read in name order within its ``_Budget`` (ranks, and bytes parsed this scan), also
+        checked before a file is opened. What an owner has beyond that is named in one
+        ``BadRankFile``; ``unread_owners`` says whose files were not all read, and
         ``incomplete`` whether any owner lost files it was entitled to (the collector is then
         reported down: the reading is partial)."""
         entries: list[RankEntry] = []
@@ -91,24 +101,45 @@ class RankFileReader:
                 f"uid {uid} has {n} rank files; only {kept} are read (at most "
                 f"{MAX_FILES_PER_OWNER} per owner, {MAX_FILES} in all): {n - kept} ignored"))
         live = set()
+        budgets: dict[int, _Budget] = {}
         for name in chosen:
             path = os.path.join(self.rank_dir, name)
             if bad_name(name):
                 bad.append(BadRankFile(os.path.join(self.rank_dir, ascii(name)[1:-1]),
                                        "name is not printable UTF-8 (refused)"))
                 continue
+            st = stats.get(name)
+            budget = None if st is not None and st.st_uid == 0 else budgets.setdefault(
+                st.st_uid if st is not None else -1, _Budget())
+            if budget is not None and not budget.may_read(self._cached(path, st), st):
+                continue
             live.add(path)
             try:
-                got, error = self._read(path, stats.get(name))
+                got, error = self._read(path, st)
             except Exception as e:  # noqa: BLE001 - one file's content never affects another
                 self._cache.pop(path, None)
                 got, error = [], f"could not be read ({type(e).__name__})"
+            if budget is not None:
+                budget.ranks += len(got)
             if error is not None:
                 bad.append(BadRankFile(path, error))
             entries.extend(got)
+        for uid, budget in sorted(budgets.items()):
+            if budget.unread:
+                self.unread_owners |= {uid}
+                bad.append(BadRankFile(
+                    f"{self.rank_dir} (uid {uid})",
+                    f"uid {uid}'s rank files: {budget.unread} not read this cycle (at most "
+                    f"{MAX_RANKS_PER_OWNER} ranks and {MAX_PARSE_BYTES_PER_OWNER} bytes parsed "
+                    f"per owner and cycle)"))
         for stale in set(self._cache) - live:
             del self._cache[stale]
         return entries, bad
+
+    def _cached(self, path: str, st: os.stat_result | None) -> bool:
+        """Is ``path``'s reading cached for this (inode, size, mtime)? (Then it costs no parse.)"""
+        cached = self._cache.get(path)
+        return cached is not None and st is not None and cached.key == _key(st)
 
     def _list(self) -> tuple[dict[int, list[str]], dict[str, os.stat_result]]:
         """(owner uid -> its ``*.json`` names, name -> its lstat) (uid -1: the lstat failed;
@@ -151,7 +182,7 @@ class RankFileReader:
             return [], "has several hard links (refused: a link can point at another user's file)"
         if st.st_size > MAX_FILE_BYTES:
             return [], f"is {st.st_size} bytes, larger than the {MAX_FILE_BYTES}-byte cap"
-        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        key = _key(st)
         cached = self._cache.get(path)
         if cached is not None and cached.key == key:
             return cached.entries, cached.error
@@ -175,6 +206,12 @@ class RankFileReader:
             os.close(fd)
         if len(raw) > MAX_FILE_BYTES:
             return [], f"larger than the {MAX_FILE_BYTES}-byte cap"
+        # Each rank is a JSON object, so a file names fewer ranks than it has "{": one that could
+        # name more than an owner may have is refused before the decoder builds them (4096 ranks
+        # in 100 KB made 4096 objects and entries per file: 16 such files, 76 MB of RSS).
+        if st.st_uid != 0 and raw.count(b"{") - 1 > MAX_RANKS_PER_OWNER:
+            return [], (f"names more than {MAX_RANKS_PER_OWNER} ranks (at most that many of one "
+                        f"owner are watched; not parsed)")
         try:
             doc = loads_strict(raw.decode("utf-8"))
         except UnicodeDecodeError:
@@ -191,6 +228,33 @@ class RankFileReader:
             return parse_rank_document(doc, path, fst.st_uid), None
         except (RankFileError, RecursionError) as e:
             return [], str(e) if isinstance(e, RankFileError) else "nested too deeply"
+
+
+def _key(st: os.stat_result) -> tuple[int, int, int]:
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@dataclass
+class _Budget:
+    """What one non-root owner's files may cost in one scan, checked before each file is opened:
+    ``MAX_RANKS_PER_OWNER`` ranks in all (no file is read once they are reached: more would be
+    cut by ``cap_ranks`` anyway) and ``MAX_PARSE_BYTES_PER_OWNER`` bytes of files that changed
+    (the rest wait for the next scan; a file cached unchanged costs nothing). So one uid's files
+    cost a bounded time and memory per cycle, and never another uid's reading."""
+
+    ranks: int = 0
+    parsed: int = 0
+    unread: int = 0
+
+    def may_read(self, cached: bool, st: os.stat_result | None) -> bool:
+        size = st.st_size if st is not None else 0
+        if self.ranks >= MAX_RANKS_PER_OWNER or (
+                not cached and self.parsed > 0 and self.parsed + size > MAX_PARSE_BYTES_PER_OWNER):
+            self.unread += 1
+            return False
+        if not cached:
+            self.parsed += min(size, MAX_FILE_BYTES)
+        return True
 
 
 def _choose(by_owner: dict[int, list[str]], total: int = MAX_FILES,
@@ -220,25 +284,38 @@ def _choose(by_owner: dict[int, list[str]], total: int = MAX_FILES,
     return chosen, skipped, incomplete
 
 
+def claimant(e: RankEntry) -> int:
+    """Who makes a claim: a rank file's owner (root for root's files), a discovered process's
+    uid (-1: unknown). Every cap before the claims are decided is per claimant."""
+    if e.source == "rankfile" and e.owner_uid is None:
+        return 0
+    return e.owner_uid if e.owner_uid is not None else -1
+
+
 def cap_ranks(entries: Iterable[RankEntry], bad: Iterable[BadRankFile] = (),
               per_job: int = MAX_RANKS_PER_JOB,
               per_owner: int = MAX_RANKS_PER_OWNER,
               per_node: int = MAX_RANKS_PER_NODE) -> tuple[list[RankEntry], list[BadRankFile]]:
-    """Keep at most ``per_job`` ranks of a job and ``per_owner`` ranks from one non-root
-    rank-file owner (lowest ranks first), then at most ``per_node`` in all (``cap_node``); each
-    cap that is hit adds one BadRankFile naming it."""
+    """Keep at most ``per_job`` ranks of a job *from one claimant* and ``per_owner`` ranks from
+    one non-root rank-file owner (lowest ranks first), then at most ``per_node`` in all
+    (``cap_node``); each cap that is hit adds one BadRankFile naming it. These caps run before
+    the claims are decided (``join/rank_claims.py``), so none of them may let one uid's claims
+    push out another's: a user's 256 claims on root's job would otherwise have taken the job's
+    256 places and evicted root's own ranks. The job's series limit over its accepted ranks is
+    ``rank_claims.select``'s, after ownership."""
     kept: list[RankEntry] = []
     out_bad = list(bad)
-    per_job_n: dict[str, int] = {}
+    per_job_n: dict[tuple[str, int], int] = {}
     per_owner_n: dict[int, int] = {}
     hit: dict[str, BadRankFile] = {}
     for e in sorted(entries, key=lambda e: (e.source != "rankfile", e.job_id, e.rank, e.pid)):
-        n = per_job_n.get(e.job_id, 0)
+        who = claimant(e)
+        n = per_job_n.get((e.job_id, who), 0)
         if n >= per_job:
-            hit.setdefault(f"job\0{e.job_id}", BadRankFile(
+            hit.setdefault(f"job\0{e.job_id}\0{who}", BadRankFile(
                 e.path or "discovery",
-                f"job {e.job_id} claims more than {per_job} ranks on this node; ranks above the "
-                f"cap are ignored (series limit)"))
+                f"job {e.job_id} claims more than {per_job} ranks on this node by uid {who}; "
+                f"ranks above the cap are ignored (series limit)"))
             continue
         owner = e.owner_uid if e.source == "rankfile" else None
         if owner is not None and owner != 0:
@@ -248,7 +325,7 @@ def cap_ranks(entries: Iterable[RankEntry], bad: Iterable[BadRankFile] = (),
                     f"node; ranks above the cap are ignored (series limit)"))
                 continue
             per_owner_n[owner] = per_owner_n.get(owner, 0) + 1
-        per_job_n[e.job_id] = n + 1
+        per_job_n[(e.job_id, who)] = n + 1
         kept.append(e)
     kept, node_bad = cap_node(kept, per_node)
     return kept, out_bad + list(hit.values()) + node_bad
@@ -264,8 +341,7 @@ def cap_node(entries: list[RankEntry], per_node: int = MAX_RANKS_PER_NODE,
         return entries, []
     groups: dict[int, list[RankEntry]] = {}
     for e in entries:
-        uid = 0 if e.source == "rankfile" and e.owner_uid is None else e.owner_uid
-        groups.setdefault(uid if uid is not None else -1, []).append(e)
+        groups.setdefault(claimant(e), []).append(e)
     keep: set[int] = set()
     bad: list[BadRankFile] = []
     left = per_node

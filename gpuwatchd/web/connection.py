@@ -60,14 +60,19 @@ class Limits:
     max_head_bytes: int = 32768  # request line + headers
     log_interval: float = 10.0  # at most one warning about dropped connections per interval
     eviction_grace: float = 0.2  # a waiting connection is never pushed out sooner
+    # A request that did not arrive whole in one read is read again at most this often (its bytes
+    # wait in the kernel meanwhile): a client streaming a head or body a byte at a time costs the
+    # loop 10 reads a second, however fast it sends (web/listener.py).
+    read_pace: float = 0.1
 
 
 class Conn:
     """One client connection. ``phase``: handshake, head, write, idle (waiting on the client,
     owned by the loop), ready (queued for a worker), active (a worker is answering it)."""
 
-    __slots__ = ("addr", "answered", "body_seen", "buf", "ctx", "deadline", "eof", "head", "line_ok",
-                 "out", "parser", "phase", "request", "scanned", "since", "sock")
+    __slots__ = ("addr", "answered", "body_seen", "buf", "chunks", "ctx", "deadline", "eof", "head",
+                 "line_ok", "out", "parser", "phase", "read_at", "request", "scanned", "served",
+                 "since", "sock")
 
     def __init__(self, sock: socket.socket, addr: str, ctx: ssl.SSLContext | None,
                  deadline: float) -> None:
@@ -90,9 +95,22 @@ class Conn:
         self.parser: h11.Connection | None = None
         self.request: h11.Request | None = None
         self.body_seen = 0
-        # Requests answered on this connection: one that has been answered is a client's kept
-        # connection, pushed out only after those that never sent a request (listener.py).
+        self.chunks = 0  # body pieces h11 framed for this request (request.MAX_BODY_CHUNKS)
+        # Requests answered on this connection, and of them those answered with a success (a
+        # status below 400: what a scraper with the right credentials gets). A connection is
+        # pushed out only after every one that never sent a complete request, and one that was
+        # served after those answered with an error (listener.py ``_victim``).
         self.answered = 0
+        self.served = 0
+        self.read_at = float("-inf")  # the last read of the request being read (read_pace)
+
+    def reading_partial(self) -> bool:
+        """Has part of a request arrived, not all of it? (Its next read is paced.)"""
+        return self.phase == "head" and (bool(self.buf) or self.request is not None)
+
+    def tier(self) -> int:
+        """0: never completed a request; 1: answered, never with a success; 2: served."""
+        return 2 if self.served else 1 if self.answered else 0
 
     def take_head(self) -> bool:
         m = HEAD_END.search(self.buf, max(0, self.scanned - 3))

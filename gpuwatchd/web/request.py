@@ -17,8 +17,9 @@ every ambiguity is refused with a status and the connection closed, never guesse
   ``MAX_HEADERS`` header lines (431).
 
 A request body is framed by h11 (Content-Length or chunked) and read and discarded
-(``drain``), at most ``MAX_BODY_BYTES`` of it (413 beyond), so a body is never taken for the next
-request. One ``h11.Connection`` per request: what follows a request's end is handed back to the
+(``drain``), at most ``MAX_BODY_BYTES`` of it in at most ``MAX_BODY_CHUNKS`` pieces (413 beyond),
+so a body is never taken for the next request and costs the loop thread a bounded number of h11
+events. One ``h11.Connection`` per request: what follows a request's end is handed back to the
 listener's buffer (``h11.Connection.trailing_data``), which frames the next head the same way.
 Keep-alive is h11's decision (HTTP/1.0 and ``Connection: close`` close, and a request whose
 body was not read closes). Cost: one pass of h11's regexes over a head (at most 32 KiB), one
@@ -35,6 +36,11 @@ from http import HTTPStatus
 import h11
 
 MAX_BODY_BYTES = 65536  # of a request body read and discarded; more is 413 and close
+# Pieces of a body h11 frames (a chunk of a chunked body, or what one read brought of a
+# Content-Length body): each costs an event on the listener's loop thread, so a body sent as
+# one-byte chunks is 413 and close after this many (a client never needs a body to scrape;
+# the bodies h11 agreement is tested on have one or two).
+MAX_BODY_CHUNKS = 16
 MAX_HEADERS = 64  # header lines of a request; more is 431 and close
 _FOLD = re.compile(rb"\n[ \t]")  # a header line that continues the previous one (obs-fold)
 # Content-Length lines as sent: h11 folds equal duplicates and "5, 5" lists into one value.
@@ -77,10 +83,12 @@ def begin(head: bytes) -> tuple[h11.Connection, h11.Request]:
     return parser, event
 
 
-def drain(parser: h11.Connection, buf: bytearray, seen: int) -> tuple[bool, int]:
+def drain(parser: h11.Connection, buf: bytearray, seen: int, pieces: int = 0,
+          ) -> tuple[bool, int, int]:
     """Read the request's body out of ``buf`` (consumed) and discard it: (whether the request has
-    ended, body bytes seen so far). Bytes past its end are put back into ``buf``. Raises Refused
-    (a malformed chunk, a body over MAX_BODY_BYTES)."""
+    ended, body bytes seen so far, body pieces framed so far). Bytes past its end are put back
+    into ``buf``. Raises Refused (a malformed chunk, a body over MAX_BODY_BYTES or in more than
+    MAX_BODY_CHUNKS pieces)."""
     fed = False
     while True:
         try:
@@ -89,20 +97,23 @@ def drain(parser: h11.Connection, buf: bytearray, seen: int) -> tuple[bool, int]
             raise Refused(e.error_status_hint, str(e)) from None
         if event is h11.NEED_DATA:
             if fed or not buf:
-                return False, seen
+                return False, seen, pieces
             parser.receive_data(bytes(buf))
             buf.clear()
             fed = True
             continue
         if isinstance(event, h11.Data):
             seen += len(event.data)
+            pieces += 1
             if seen > MAX_BODY_BYTES:
                 raise Refused(413, f"request body over {MAX_BODY_BYTES} bytes")
+            if pieces > MAX_BODY_CHUNKS:
+                raise Refused(413, f"request body in more than {MAX_BODY_CHUNKS} pieces")
             continue
         if isinstance(event, h11.EndOfMessage):
             if fed:
                 buf += parser.trailing_data[0]
-            return True, seen
+            return True, seen, pieces
         raise Refused(400, f"unexpected {type(event).__name__}")
 
 
