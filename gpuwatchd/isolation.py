@@ -138,8 +138,11 @@ class Collector(Generic[T]):
                 self._fail(str(e), duration)
                 return e.value
             if isinstance(e, NotPresent):
-                if self._logged_error != str(e):
-                    log.debug("collector %s: not present: %s", self.name, e)
+                # Once at INFO (again only when the reason changes): a node without the NVIDIA
+                # library says so in its log at the default level, not only in a metric.
+                if self._logged_error != f"not present: {e}":
+                    log.info("collector %s: source not present on this host, its metrics are absent "
+                             "(gpuwatch_collector_success 0): %s", self.name, e)
                 return self._fail(f"not present: {e}", duration, quiet=True)
             return self._fail(f"{type(e).__name__}: {e}", duration)
         now = self.clock()

@@ -32,6 +32,13 @@ STATE_FILES = ("state.json", "events.jsonl", "rank_trees.json", "kmsg.json", "jo
 _TMP = re.compile(r"^(?P<file>.+?)\.(?:tmp(?:\.(?P<pid>\d+))?|compact)$")
 
 
+# Every file in state_dir: read-write for the daemon's user, readable by its group. The unit makes
+# state_dir 0750 gpuwatchd:gpuwatchd, so `usermod -aG gpuwatchd alice` lets alice's `gpuwatchd ps`
+# and `events` read the daemon's state (none of it holds an environment value or an argument:
+# tests/test_no_secrets.py), and nobody else.
+FILE_MODE = 0o640
+
+
 def atomic_write(path: str, data: str | bytes, fsync: bool = False) -> None:
     """Replace ``path`` with ``data`` (write a temporary beside it, then rename). On any error the
     temporary is removed and the error raised; ``path`` keeps its old content."""
@@ -40,6 +47,7 @@ def atomic_write(path: str, data: str | bytes, fsync: bool = False) -> None:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
         try:
+            os.fchmod(fd, FILE_MODE)  # whatever the umask (the unit's UMask=0077 would make 0600)
             view = memoryview(raw)
             while view:
                 view = view[os.write(fd, view):]

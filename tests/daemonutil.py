@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +59,13 @@ def write_config(tmp: Path, **overrides: Any) -> tuple[Path, dict[str, Any]]:
 
 class DaemonProc:
     def __init__(self, config_path: Path, cfg: Mapping[str, Any], env: Mapping[str, str] | None = None,
-                 log_path: Path | None = None) -> None:
+                 log_path: Path | None = None, args: Sequence[str] = ()) -> None:
         self.cfg = cfg
         self.url = f"http://{cfg['web']['listen_address']}/metrics"
         self.log_path = log_path or config_path.with_suffix(".log")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(config_path)],
+            [sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(config_path), *args],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=REPO,
         )
         try:

@@ -148,7 +148,8 @@ def test_sigterm_ignored_gets_sigkill(tmp_path: Path) -> None:
 
 def test_cli_exit_codes(scene: dict, capsys: pytest.CaptureFixture[str]) -> None:
     # The recorded PIDs are not mapped through the config path, so use a clean recording there:
-    # the idle H200 (no process) -> exit 0; the not-present document -> exit 2.
+    # the idle H200 (no process) -> exit 0; a GPU that does not exist -> exit 2 (usage), on stderr;
+    # the not-present document -> exit 3 (NVML cannot be read).
     idle = Path(__file__).parent / "fixtures" / "nvml" / "h200_idle.json"
     cfg = scene["tmp"] / "idle.yaml"
     cfg.write_text(f"rank_dir: {scene['rank_dir']}\nnvml:\n  fixture: {idle}\n")
@@ -156,15 +157,16 @@ def test_cli_exit_codes(scene: dict, capsys: pytest.CaptureFixture[str]) -> None
     assert "clean: no process outside a live job holds memory on 1 GPU(s) (0)" in \
         capsys.readouterr().out
     assert main(["check", "--config.file", str(cfg), "--gpus", "7"]) == 2
-    assert "no single GPU matches '7'" in capsys.readouterr().out
+    err = capsys.readouterr()
+    assert err.out == "" and "no single GPU matches '7'" in err.err
     absent = Path(__file__).parent / "fixtures" / "nvml" / "not_present.json"
     cfg.write_text(f"nvml:\n  fixture: {absent}\n")
-    assert main(["check", "--config.file", str(cfg), "--json"]) == 2
+    assert main(["check", "--config.file", str(cfg), "--json"]) == 3
     doc = json.loads(capsys.readouterr().out)
     assert doc["status"] == "error" and "not present" in doc["error"]
 
 
-def test_hung_nvml_is_exit_2_within_the_timeout() -> None:
+def test_hung_nvml_is_exit_3_within_the_timeout() -> None:
     release = threading.Event()
 
     class Hung:
@@ -173,7 +175,7 @@ def test_hung_nvml_is_exit_2_within_the_timeout() -> None:
             return (), ()
 
     t0 = time.monotonic()
-    with pytest.raises(check.CheckError, match=r"did not answer within 0\.3 s"):
+    with pytest.raises(check.CheckError, match=r"did not answer within 0\.3 s") as e:
         check.read_with_timeout(Hung(), 0.3)
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 2 and e.value.code == 3
     release.set()

@@ -135,7 +135,10 @@ def test_doctor_cli_with_daemon_state(tmp_path: Path, procs: list) -> None:
     assert data["python"]["gil_owner"] is None  # every thread is blocked
     gone = subprocess.run([sys.executable, "-m", "gpuwatchd", "doctor", "--config.file", str(cfg),
                            "999999999"], capture_output=True, text=True, timeout=60)
-    assert gone.returncode == 1 and "no process 999999999" in gone.stdout
+    # a PID that names nothing is the user's mistake: exit 2, one line on stderr (docs/cli.md)
+    assert gone.returncode == 2 and gone.stdout == ""
+    assert gone.stderr.splitlines()[-1] == "gpuwatchd doctor: no process 999999999"
+    assert "Traceback" not in gone.stderr
 
 
 def test_doctor_without_pyspy_still_reports_the_rest(procs: list) -> None:

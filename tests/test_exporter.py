@@ -81,7 +81,8 @@ def full_state() -> tuple[NodeState, CounterStore]:
 
 
 def exposition(state: NodeState | None, counters: CounterStore) -> str:
-    return generate_latest(make_registry(lambda: state, counters)).decode()
+    # the daemon's config-reload status (a refused SIGHUP: tests/test_logs.py)
+    return generate_latest(make_registry(lambda: state, counters, config_reload=lambda: (True, 1.0))).decode()
 
 
 def names(text: str) -> set[str]:

@@ -40,7 +40,7 @@ PKG = Path(__file__).resolve().parent.parent / "gpuwatchd"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("gpuwatchd.model", "gpuwatchd.config", "gpuwatchd.config_checks", "gpuwatchd.strict_yaml",
               "gpuwatchd.paths", "gpuwatchd.units", "gpuwatchd.escape", "gpuwatchd.counters",
-              "gpuwatchd.isolation", "gpuwatchd.statefile")),
+              "gpuwatchd.isolation", "gpuwatchd.statefile", "gpuwatchd.logs")),
     ("rank", ("gpuwatchd.rank", "gpuwatchd.autobeat", "gpuwatchd.run")),
     ("sources", ("gpuwatchd.sources",)),
     ("events", ("gpuwatchd.events",)),

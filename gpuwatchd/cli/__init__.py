@@ -1,6 +1,7 @@
 """Command line: argv -> subcommands. The only module that exits.
 
-Exit codes: 0 fine, 1 "found a problem" (check), 2 usage or configuration error.
+Exit codes: 0 fine, 1 found a problem, 2 usage or configuration error, 3 an input that cannot be
+read or reached (``cli/common.py``, docs/cli.md); every error is one line on stderr.
 Subcommands that live in their own modules (events, doctor, check, job, web-config) add themselves
 through a ``register(subparsers)`` function in that module (see ``COMMAND_MODULES``); what they
 share (``--config.file``, the resolved config, the daemon's state) is in ``cli/common.py``.
@@ -10,17 +11,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from collections.abc import Sequence
 
 from gpuwatchd import __version__
 from gpuwatchd.cli import check, doctor, events, job, web_config
-from gpuwatchd.cli.common import DEFAULT_CONFIG, load_state, resolve_config
+from gpuwatchd.cli.common import (
+    DEFAULT_CONFIG,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    CliError,
+    load_state,
+    resolve_config,
+)
 from gpuwatchd.cli.common import config_arg as _config_arg
 from gpuwatchd.config import ConfigError, load_config
 from gpuwatchd.escape import printable, printable_tree
+from gpuwatchd.logs import FORMATS, LEVELS
 from gpuwatchd.units import fmt_bytes
 
 # The commands that live in their own modules, in the order --help lists them. An explicit table:
@@ -28,22 +36,24 @@ from gpuwatchd.units import fmt_bytes
 COMMAND_MODULES = (events, doctor, check, job, web_config)
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from gpuwatchd import logs
     from gpuwatchd.daemon import allocator
     from gpuwatchd.daemon.core import Daemon
+    from gpuwatchd.web.server import ListenError
 
     allocator.limit_arenas()  # before the daemon's threads: this process is the daemon
 
     cfg = resolve_config(args)
-    logging.basicConfig(
-        level=getattr(logging, cfg.log_level.upper()),
-        format="%(levelname)s %(name)s: %(message)s" if os.environ.get("JOURNAL_STREAM")
-        else "%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logs.configure(args.log_level or cfg.log_level, args.log_format)
     path = args.config_file or (DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else None)
     # this process is the daemon and nothing else: every child it has is a py-spy run
     daemon = Daemon(cfg, config_path=path, listen_override=args.listen_address,
                     web_config_override=args.web_config_file, reap_strays=True)
-    daemon.run()
+    try:
+        daemon.run()
+    except ListenError as e:  # two exporters on one port: the first mistake of a new install
+        raise CliError(f"{e}; choose another with --web.listen-address or web.listen_address",
+                       EXIT_USAGE) from None
     return daemon.exit_status
 
 
@@ -68,6 +78,13 @@ def cmd_register(args: argparse.Namespace) -> int:
 
     cfg = resolve_config(args)
     rank_dir = args.rank_dir or cfg.rank_dir
+    # A typo must not become a silent misconfiguration: the daemon watches the configured
+    # directory only (tmpfiles.d makes it at boot), and a rank file for a dead PID is never read.
+    if not os.path.isdir(rank_dir):
+        raise CliError(f"rank directory {rank_dir} does not exist (the daemon watches "
+                       f"{cfg.rank_dir}; systemd-tmpfiles --create makes it)", EXIT_USAGE)
+    if not os.path.exists(f"/proc/{args.pid}"):
+        raise CliError(f"no process {args.pid}", EXIT_USAGE)
     gpus = [g for g in (args.gpus or "").split(",") if g]
     hb = args.heartbeat
     doc = build_document(args.job_id, args.rank, args.pid, local_rank=args.local_rank,
@@ -76,11 +93,9 @@ def cmd_register(args: argparse.Namespace) -> int:
     try:
         path = write_rank_file(rank_dir, doc, rank_file_name(args.job_id, args.rank))
     except RankFileError as e:
-        print(f"gpuwatchd register: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # the directory is not safe to write into (rank/rankdir.py), or full
-        print(f"gpuwatchd register: {e.strerror or e}", file=sys.stderr)
-        return 1
+        raise CliError(str(e), EXIT_USAGE) from None
+    except OSError as e:
+        raise CliError(f"cannot write in {rank_dir}: {e.strerror or e}", EXIT_UNAVAILABLE) from None
     print(path)
     return 0
 
@@ -177,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HOST:PORT for /metrics (overrides web.listen_address)")
     p.add_argument("--web.config.file", dest="web_config_file", default=None,
                    help="exporter web-config file: TLS, basic auth (overrides web.config_file)")
+    p.add_argument("--log.level", dest="log_level", choices=LEVELS, default=None,
+                   help="only log records at this level or above (overrides log_level; default info)")
+    p.add_argument("--log.format", dest="log_format", choices=FORMATS, default="text",
+                   help="text (default), logfmt or json: one record per line")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("config", help="configuration tools")
@@ -221,9 +240,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         rc: int = args.func(args)
     except ConfigError as e:
         print(str(e), file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except CliError as e:
+        print(f"{parser.prog} {args.command}: {e}", file=sys.stderr)
+        return e.code
     except BrokenPipeError:
         return 0
+    except OSError as e:
+        if args.command == "run":  # the daemon's own failure keeps its traceback
+            raise
+        # What no command handles itself (a file it cannot read): one line, not a traceback.
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"{parser.prog} {args.command}: {where}{e.strerror or e}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     return rc
 
 

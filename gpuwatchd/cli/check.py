@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpuwatchd.cli.common import resolve_config
+from gpuwatchd.cli.common import EXIT_FOUND, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, resolve_config
 from gpuwatchd.escape import printable
 from gpuwatchd.join import rank_claims
 from gpuwatchd.join.orphans import RankTrees, offenders, trees_from_entries
@@ -43,11 +43,16 @@ from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.nvml import NvmlNotPresent, NvmlReader, NvmlReadError, select_devices
 from gpuwatchd.units import fmt_age
 
-EXIT_CLEAN, EXIT_OFFENDERS, EXIT_ERROR = 0, 1, 2
+EXIT_CLEAN, EXIT_OFFENDERS = EXIT_OK, EXIT_FOUND
 
 
 class CheckError(Exception):
-    """Anything that makes the answer unknowable: exit 2."""
+    """Anything that makes the answer unknowable: exit 3 when NVML cannot be read (absent, hung,
+    failing), 2 when what the user asked for does not exist (``--gpus 9``)."""
+
+    def __init__(self, message: str, code: int = EXIT_UNAVAILABLE) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def read_with_timeout(source: NvmlReader, timeout: float) -> tuple[
@@ -133,7 +138,7 @@ def find_offenders(
     try:
         chosen = select_devices(devices, selectors)
     except ValueError as exc:
-        raise CheckError(str(exc)) from exc
+        raise CheckError(str(exc), EXIT_USAGE) from exc
     uuids = {d.uuid for d in chosen}
     mine = [p for p in procs if p.uuid in uuids]
     trees = inputs.read_trees()
@@ -246,8 +251,8 @@ def run_check(
         devices, rows, processes = find_offenders(inputs, selectors, seen)
     except CheckError as exc:
         _emit(out, as_json, {"status": "error", "error": str(exc)},
-              f"gpuwatchd check: error: {printable(str(exc))}")
-        return EXIT_ERROR
+              f"gpuwatchd check: error: {printable(str(exc))}", error=True)
+        return exc.code
     now = clock()
     gpus = [{"index": d.index, "uuid": d.uuid, "name": d.name} for d in devices]
     if not rows:
@@ -272,12 +277,12 @@ def run_check(
     killed = set(targets)
     deadline = time.monotonic() + verify_seconds
     still: tuple[Orphan, ...] = rows
-    error = ""
+    error: CheckError | None = None
     while True:
         try:
             devices, remaining, processes = find_offenders(inputs, selectors)
         except CheckError as exc:
-            error = str(exc)
+            error = exc
             break
         still = tuple(o for o in remaining if o.pid in killed or o.pid in refused)
         if not (still and {o.pid for o in still} - set(refused)) or time.monotonic() >= deadline:
@@ -289,9 +294,10 @@ def run_check(
               "signals": {str(k): v for k, v in sorted(outcome.items())},
               "still_holding": _jsonable(still, processes, now)}
     if error:
-        report["error"] = error
-        _emit(out, as_json, report, f"gpuwatchd check --kill: cannot verify: {printable(error)}")
-        return EXIT_ERROR
+        report["error"] = str(error)
+        _emit(out, as_json, report, f"gpuwatchd check --kill: cannot verify: {printable(str(error))}",
+              error=True)
+        return error.code
     if still:
         text = ("memory NOT freed; still held by:\n" + table(still, processes, now) + "\n"
                 + "\n".join(f"  pid {p}: {r}" for p, r in sorted(outcome.items())))
@@ -305,12 +311,13 @@ def run_check(
     return EXIT_CLEAN
 
 
-def _emit(out: Any, as_json: bool, doc: Mapping[str, Any], text: str) -> None:
+def _emit(out: Any, as_json: bool, doc: Mapping[str, Any], text: str, error: bool = False) -> None:
+    """JSON on ``out`` always (a script parses one document); an error as text on stderr."""
     if as_json:
         json.dump(doc, out, indent=1, sort_keys=True)
         out.write("\n")
     else:
-        out.write(text + "\n")
+        (sys.stderr if error and out is sys.stdout else out).write(text + "\n")
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from gpuwatchd.cli.common import load_state, resolve_config
+from gpuwatchd.cli.common import EXIT_USAGE, CliError, load_state, resolve_config
 from gpuwatchd.config import Config
 from gpuwatchd.daemon.fork_evidence import fork_evidence
 from gpuwatchd.daemon.proc_view import ProcView
@@ -351,12 +351,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     state, origin = load_state(cfg)
     report = collect(args.pid, cfg, state=state, state_origin=origin)
+    if "error" in report:  # no such process (in the configured procfs)
+        raise CliError(str(report["error"]), EXIT_USAGE)
     if args.json:
         json.dump(report, sys.stdout, indent=1, default=str)
         print()
     else:
         print(render(printable_tree(report)))  # a rank's strings never reach the terminal raw
-    return 1 if "error" in report else 0
+    return 0
 
 
 def register(sub: Any) -> None:

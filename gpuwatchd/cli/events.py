@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from gpuwatchd.cli.common import resolve_config
+from gpuwatchd.cli.common import EXIT_USAGE, CliError, resolve_config, unreadable
 from gpuwatchd.escape import printable
 from gpuwatchd.events.log import EVENTS_FILE, read_events
 from gpuwatchd.model.events import Event
@@ -89,8 +89,17 @@ def render(events: list[Event]) -> str:
 def cmd_events(args: argparse.Namespace) -> int:
 
     state_dir = args.state_dir or resolve_config(args).state_dir
-    since = parse_since(args.since, time.time())
-    events = load(state_dir, since)
+    try:
+        since = parse_since(args.since, time.time())
+    except argparse.ArgumentTypeError as e:
+        raise CliError(str(e), EXIT_USAGE) from None
+    if not os.path.isdir(state_dir):
+        raise CliError(f"no state directory {state_dir} (is this the daemon's state_dir?)", EXIT_USAGE)
+    path = os.path.join(state_dir, EVENTS_FILE)
+    try:
+        events = load(state_dir, since)
+    except OSError as e:
+        raise unreadable(path, e) from None
     if args.json:
         json.dump([to_dict(e) for e in events], sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from gpuwatchd.cli.common import EXIT_UNAVAILABLE, EXIT_USAGE
 from gpuwatchd.units import fmt_bytes, fmt_clock_ms
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}\Z", re.ASCII)  # rank/rankfile.py's
@@ -51,6 +52,10 @@ STRAGGLER_RATIO = 0.8
 
 class JobQueryError(Exception):
     """Prometheus could not be asked or answered something unusable."""
+
+
+class PrometheusUnreachable(JobQueryError):
+    """No answer at all: refused, timed out, no such host (exit 3, not the user's query)."""
 
 
 @dataclass
@@ -140,7 +145,7 @@ class Prometheus:
                 detail = ""
             raise JobQueryError(f"{self.url}: HTTP {e.code} for {expr!r}: {detail}") from e
         except (urllib.error.URLError, OSError, TimeoutError) as e:
-            raise JobQueryError(f"cannot reach Prometheus at {self.url}: {e}") from e
+            raise PrometheusUnreachable(f"cannot reach Prometheus at {self.url}: {e}") from e
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise JobQueryError(f"{self.url} did not answer with JSON: {e}") from e
         if not isinstance(body, dict) or body.get("status") != "success":
@@ -383,13 +388,14 @@ def render_text(jv: JobView) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Exit 0: every rank up; 1: some rank failed; 2: no such job or Prometheus unusable."""
+    """Exit 0: every rank up; 1: some rank failed; 2: no such job or a bad query; 3: Prometheus
+    cannot be reached."""
     prom = Prometheus(args.prometheus, timeout=args.timeout)
     try:
         jv = job_view(prom, args.job_id, lookback=args.lookback)
     except (JobQueryError, ValueError) as e:
         print(f"gpuwatchd job: {e}", file=sys.stderr)
-        return 2
+        return EXIT_UNAVAILABLE if isinstance(e, PrometheusUnreachable) else EXIT_USAGE
     if not jv.ranks:
         print(
             f"gpuwatchd job: no rank of job {args.job_id!r} in {args.prometheus} "
@@ -411,7 +417,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         help="every rank of a job across nodes, through Prometheus",
         description="Every rank of JOB_ID across all nodes, read from Prometheus: which are up, "
         "dead, stalled or OOM-killed, and the first rank to fail (the one the others wait for). "
-        "Exit 0 when every rank is up, 1 when a rank failed, 2 on error.",
+        "Exit 0 when every rank is up, 1 when a rank failed, 2 for no such job, 3 when Prometheus "
+        "cannot be reached.",
     )
     p.add_argument("job_id", metavar="JOB_ID")
     p.add_argument("--prometheus", required=True, metavar="URL",

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from gpuwatchd.cli.common import EXIT_USAGE
 from gpuwatchd.web.web_config import WebConfigError, load_web_config
 
 
@@ -32,7 +33,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(f"{e.path}: invalid", file=sys.stderr)
         for problem in e.problems:
             print(f"  {problem}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE  # a bad file is a configuration error, as `config check` says it
     parts = []
     if cfg.tls:
         parts.append(f"TLS (min {cfg.tls.min_version}, client certificates:"

@@ -138,8 +138,12 @@ class Daemon:
         self.write_state = write_state  # False for read-only users (gpuwatchd ps)
         self.subsystems: list[Subsystem] = subsystems if subsystems is not None else default_subsystems(config)
         self.parts = Parts.of(self.subsystems)  # the same parts by name, for the track stage
+        # (last load of the config succeeded, Unix time of the last success): the constructor's
+        # config is the first load; every SIGHUP sets it (gpuwatch_config_last_reload_*)
+        self.config_reload: tuple[bool, float] = (True, clock())
         self.registry = make_registry(lambda: self.state, self.counters,
-                                      liveness=self.liveness_problem)
+                                      liveness=self.liveness_problem,
+                                      config_reload=lambda: self.config_reload)
         self.web: WebServer | None = None
         self._discovered: list[RankEntry] = []
         self.discoverer = Discoverer()  # each process's environment read once in its lifetime
@@ -341,7 +345,10 @@ class Daemon:
         directory, the interval, the web server); on any problem keep the running config."""
         done = reload_config(self.config, self.config_source, self.web, started=self.state is not None)
         if done is None:
+            if self.config_source.path is not None:  # refused (without a file nothing was read)
+                self.config_reload = (False, self.config_reload[1])
             return False
+        self.config_reload = (True, self.clock())
         old, self.config, self.web = self.config, done.config, done.web
         if done.config.rank_dir != old.rank_dir:
             self.rankfiles = RankFileReader(done.config.rank_dir)

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from gpuwatchd.model import frozen_map
 from gpuwatchd.model.events import Event
-from gpuwatchd.statefile import StateFiles
+from gpuwatchd.statefile import FILE_MODE, StateFiles
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +177,12 @@ class JsonlSink:
         with self._lock:
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
             try:
+                st = os.fstat(fd)
+                if st.st_mode & 0o777 != FILE_MODE:  # the group reads it, whatever the umask
+                    with contextlib.suppress(PermissionError):  # another owner's: leave its mode
+                        os.fchmod(fd, FILE_MODE)
                 # A torn previous line (crash mid-write) must not swallow this one.
-                if os.fstat(fd).st_size > 0:
+                if st.st_size > 0:
                     with open(self.path, "rb") as f:
                         f.seek(-1, os.SEEK_END)
                         if f.read(1) != b"\n":

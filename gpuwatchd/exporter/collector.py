@@ -73,15 +73,21 @@ def _g(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
 
 class StateCollector:
     def __init__(self, get_state: Callable[[], NodeState | None], counters: CounterStore,
-                 process: Callable[[], list[Metric]] = process_families) -> None:
+                 process: Callable[[], list[Metric]] = process_families,
+                 config_reload: Callable[[], tuple[bool, float]] | None = None) -> None:
+        """``config_reload``: (whether the last load of the config file succeeded, the Unix time
+        of the last one that did), the daemon's; None: no config families (a registry in tests)."""
         self.get_state = get_state
         self.counters = counters
         self.process = process  # the daemon's own process_* families (tests fix them)
+        self.config_reload = config_reload
 
     def collect(self) -> Iterator[Metric]:
         state = self.get_state()
         builders: list[tuple[str, Callable[[], list[Metric]]]] = [("build_info", self._build_info),
                                                                   ("process", self.process)]
+        if self.config_reload is not None:
+            builders.append(("config_reload", self._config_reload))
         if state is not None:
             builders += [
                 ("collectors", lambda: self._collectors(state)),
@@ -102,6 +108,21 @@ class StateCollector:
         m = _g("build_info", "Always 1; the version label says which gpuwatchd is running.", ["version"])
         m.add_metric([__version__], 1)
         return [m]
+
+    def _config_reload(self) -> list[Metric]:
+        # The names and meaning of Prometheus' and Alertmanager's own (prometheus_config_last_reload_*),
+        # so that the same alert and panel fit: a refused SIGHUP keeps the running config and sets 0.
+        assert self.config_reload is not None
+        ok, at = self.config_reload()
+        last = GaugeMetricFamily("gpuwatch_config_last_reload_successful", "1 when the last load "
+                                 "of the config file (at start or on SIGHUP) succeeded, 0 when the "
+                                 "last reload was refused and the daemon kept the running config.")
+        last.add_metric([], 1 if ok else 0)
+        ts = GaugeMetricFamily("gpuwatch_config_last_reload_success_timestamp_seconds",
+                               "Unix time of the last successful load of the config file (at start "
+                               "or on SIGHUP).")
+        ts.add_metric([], at)
+        return [last, ts]
 
     def _collectors(self, s: NodeState) -> list[Metric]:
         ok = _g("collector_success", "1 when the collector's last run succeeded, 0 when it failed, "
@@ -343,6 +364,8 @@ class StateRegistry(Registry):
 
 def make_registry(get_state: Callable[[], NodeState | None], counters: CounterStore,
                   process: Callable[[], list[Metric]] = process_families,
-                  liveness: Callable[[], str] = lambda: "") -> StateRegistry:
-    """``liveness``: "" while the producer of the states is alive, else why not (/-/healthy)."""
-    return StateRegistry(StateCollector(get_state, counters, process), liveness)
+                  liveness: Callable[[], str] = lambda: "",
+                  config_reload: Callable[[], tuple[bool, float]] | None = None) -> StateRegistry:
+    """``liveness``: "" while the producer of the states is alive, else why not (/-/healthy).
+    ``config_reload``: (the last load succeeded, its Unix time), for gpuwatch_config_last_reload_*."""
+    return StateRegistry(StateCollector(get_state, counters, process, config_reload), liveness)

@@ -63,6 +63,13 @@ def _resolve(host: str, port: int) -> tuple[socket.AddressFamily, tuple[str, int
     return family, (str(sockaddr[0]), int(sockaddr[1]))
 
 
+class ListenError(OSError):
+    """``serve`` cannot listen on the address (in use, not local, no such name); says which."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 class WebServer:
     """A running /metrics server; ``address`` is the (host, port) actually bound."""
 
@@ -134,11 +141,15 @@ def serve(registry: Collector, listen_address: str,
     dropped (see web/listener.py) are counted in ``counters`` when given.
 
     Raises ValueError for a bad address, WebConfigError for a bad web-config file, OSError when
-    the address cannot be bound."""
+    the address cannot be bound (ListenError, naming the address)."""
     host, port = _host_port(listen_address)
     config = ConfigHolder(web_config_file)
-    family, addr = _resolve(host, port)
-    if counters is not None:
-        for reason in DROP_REASONS:
-            counters.ensure("web_connections_dropped", (reason,))
-    return _start(registry, family, addr, config, limits or Limits(), counters)
+    try:
+        family, addr = _resolve(host, port)
+        if counters is not None:
+            for reason in DROP_REASONS:
+                counters.ensure("web_connections_dropped", (reason,))
+        return _start(registry, family, addr, config, limits or Limits(), counters)
+    except OSError as e:
+        raise ListenError(e.errno, f"cannot listen on {listen_address}: "
+                          f"{(e.strerror or str(e)).lower()}") from e

@@ -1,0 +1,125 @@
+"""`gpuwatchd ps` and `gpuwatchd events` as the ML engineer on the node: a real second, non-root
+user runs the real CLI against the files of a real daemon whose state_dir is what the packaged
+unit makes (StateDirectoryMode=0750, owned by the daemon's user and group, UMask=0077).
+
+A member of the state directory's group (docs/cli.md: ``usermod -aG gpuwatchd alice``) reads the
+daemon's state and events; anyone else gets one line on stderr saying what to do, exit 3, never
+"daemon not running" while the daemon runs, never a traceback. The daemon runs as root here, so
+the directory is setgid to the reader group: the files get that group, as the unit's do (its
+daemon runs with group gpuwatchd). The user runs Debian's /usr/bin/python3 on this tree
+(the test venv's interpreter lives under /root).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import yaml
+from daemonutil import DaemonProc, free_port
+from userutil import as_user, system_user
+
+REPO = Path(__file__).resolve().parent.parent
+USER = "gwclireader"
+
+
+def cli_as(user: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return as_user(user, "/usr/bin/env", f"PYTHONPATH={REPO}", "PYTHONDONTWRITEBYTECODE=1",
+                   "/usr/bin/python3", "-m", "gpuwatchd", *args)
+
+
+@contextlib.contextmanager
+def world() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(prefix="gwcli-", dir="/tmp"))
+    d.chmod(0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_reader_group_reads_the_daemon_and_others_get_one_honest_line() -> None:
+    with system_user(USER), world() as d:
+        gid = pwd.getpwnam(USER).pw_gid
+        state = d / "state"
+        state.mkdir()
+        os.chown(state, 0, gid)
+        state.chmod(0o2750)  # the unit's 0750; setgid: the files get the group, as under the unit
+        (d / "ranks").mkdir()
+        cfg = {"web": {"listen_address": f"127.0.0.1:{free_port()}"}, "interval_seconds": 0.5,
+               "rank_dir": str(d / "ranks"), "state_dir": str(state), "kernel_log": "off",
+               "gil": {"enabled": False}, "nvml": {"enabled": False},
+               "discovery": {"enabled": False}}
+        path = d / "config.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        path.chmod(0o644)
+        rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        subprocess.run([sys.executable, "-m", "gpuwatchd", "register", "--config.file", str(path),
+                        "--job-id", "nr-job", "--rank", "0", "--pid", str(rank.pid)], check=True,
+                       capture_output=True)
+        umask = os.umask(0o077)  # the unit's UMask=: the daemon inherits it
+        try:
+            daemon = DaemonProc(path, cfg, log_path=d / "daemon.log")
+        finally:
+            os.umask(umask)
+        try:
+            daemon.wait_for(lambda: daemon.value("gpuwatch_rank_up", job_id="nr-job") == 1,
+                            what="rank up")
+            rank.kill()
+            rank.wait()
+            daemon.wait_for(lambda: (state / "events.jsonl").exists(), what="rank_down event")
+            daemon.wait_for(lambda: (state / "state.json").exists(), what="state file")
+
+            # A member of the group: the daemon's own view, and its events.
+            ps = cli_as(USER, "ps", "--config.file", str(path))
+            assert ps.returncode == 0, ps.stderr
+            assert ps.stdout.startswith("# daemon state") and "nr-job" in ps.stdout, ps.stdout
+            ev = cli_as(USER, "events", "--config.file", str(path), "--since", "1h", "--json")
+            assert ev.returncode == 0, ev.stderr
+            assert "rank_down" in {e["kind"] for e in json.loads(ev.stdout)}
+            assert (state / "state.json").stat().st_mode & 0o777 == 0o640  # whatever the umask
+
+            # Not a member: one line saying what to do, exit 3, the daemon never called stopped.
+            os.chown(state, 0, 0)
+            for cmd in (["ps"], ["events"], ["doctor", str(os.getpid())]):
+                out = cli_as(USER, *cmd, "--config.file", str(path))
+                assert out.returncode == 3, (cmd, out)
+                assert out.stdout == "" and "Traceback" not in out.stderr, (cmd, out)
+                assert out.stderr.count("\n") == 1, (cmd, out.stderr)
+                assert f"cannot read {state}/" in out.stderr and "permission denied" in out.stderr
+                assert "run as root" in out.stderr
+                assert "not running" not in out.stdout + out.stderr
+            os.chown(state, 0, gid)
+            out = cli_as(USER, "events", "--config.file", str(path))
+            assert out.returncode == 0 and "rank_down" in out.stdout, out
+        finally:
+            rank.kill()
+            assert daemon.stop() == 0
+
+
+def test_the_message_names_the_state_directorys_group() -> None:
+    """What to ask for: the group of the state directory (the unit's: gpuwatchd; here Debian's
+    ``daemon`` group, which the user is not in)."""
+    with system_user(USER), world() as d:
+        state = d / "state"
+        state.mkdir()
+        (state / "state.json").write_text("{}")
+        os.chown(state, 0, grp.getgrnam("daemon").gr_gid)
+        state.chmod(0o750)
+        path = d / "config.yaml"
+        path.write_text(yaml.safe_dump({"state_dir": str(state), "rank_dir": str(d)}))
+        path.chmod(0o644)
+        out = cli_as(USER, "ps", "--config.file", str(path))
+        assert (out.returncode, out.stdout) == (3, ""), out
+        assert out.stderr == (f"gpuwatchd ps: cannot read {state}/state.json: permission denied; run "
+                              "as root, or ask for group daemon (usermod -aG daemon $USER; "
+                              "docs/cli.md)\n")
