@@ -25,12 +25,12 @@ RULE_TESTS = REPO / "deploy/prometheus/gpuwatchd.rules.test.yml"
 AM_CONFIG = REPO / "deploy/alertmanager/alertmanager.yml"
 RUNBOOKS = REPO / "docs/runbooks.md"
 
-# DESIGN §5: alert -> severity
+# DESIGN §5: alert -> severity (the monitoring mixins' critical | warning | info; critical pages)
 DESIGN_ALERTS = {
-    "GPURankOOMKilled": "page",
-    "GPURankDown": "page",
-    "GPURankStalled": "page",
-    "GPUXidCritical": "page",
+    "GPURankOOMKilled": "critical",
+    "GPURankDown": "critical",
+    "GPURankStalled": "critical",
+    "GPUXidCritical": "critical",
     "GPUMemoryHeldByOrphan": "warning",
     "GPURankFDExhaustion": "warning",
     "GPURankMemoryPressure": "warning",
@@ -39,7 +39,11 @@ DESIGN_ALERTS = {
     "GPURankMisconfigured": "info",
     "GpuwatchdCollectorFailing": "warning",
     "GpuwatchdDown": "warning",
+    "GpuwatchdCycleStopped": "warning",
+    "GpuwatchdMemoryHigh": "warning",
 }
+# The one scrape-job selector of the rules (deploy/prometheus/README.md: how to replace it).
+JOB_SELECTOR = 'job=~".*gpuwatchd.*"'
 
 
 def _rules() -> dict[str, dict[str, Any]]:
@@ -119,8 +123,8 @@ def test_amtool_check_config_and_routes() -> None:
     p = run([AMTOOL, "check-config", str(AM_CONFIG)])
     assert p.returncode == 0, p.stdout + p.stderr
     cases = {
-        ("alertname=GPURankOOMKilled", "severity=page", "job_id=llm-7", "rank=3"): "page",
-        ("alertname=GPUXidCritical", "severity=page", "instance=n1:9863"): "page",
+        ("alertname=GPURankOOMKilled", "severity=critical", "job_id=llm-7", "rank=3"): "page",
+        ("alertname=GPUXidCritical", "severity=critical", "instance=n1:9863"): "page",
         ("alertname=GPURankFDExhaustion", "severity=warning", "job_id=llm-7"): "ticket",
         ("alertname=GPURankMisconfigured", "severity=info"): "ticket",
         ("alertname=GpuwatchdDown", "severity=warning"): "ticket",
@@ -146,15 +150,15 @@ def test_real_alertmanager_groups_per_job_and_inhibits(tmp_path: Path) -> None:
     with Webhook() as hook, alertmanager(tmp_path, shipped_alertmanager_config(hook.url)) as am:
         n1, n2 = "node1:9863", "node2:9863"
         alerts = [
-            _alert("GPURankOOMKilled", "page", n1, job_id="llm-7", rank="3", comm="python",
+            _alert("GPURankOOMKilled", "critical", n1, job_id="llm-7", rank="3", comm="python",
                    killer="kernel"),
-            _alert("GPURankDown", "page", n1, job_id="llm-7", rank="3"),
-            _alert("GPURankStalled", "page", n1, job_id="llm-7", rank="3"),
-            _alert("GPURankStalled", "page", n1, job_id="llm-7", rank="2"),
-            _alert("GPURankStalled", "page", n2, job_id="llm-7", rank="0"),
-            _alert("GPURankDown", "page", n2, job_id="llm-7", rank="1"),
+            _alert("GPURankDown", "critical", n1, job_id="llm-7", rank="3"),
+            _alert("GPURankStalled", "critical", n1, job_id="llm-7", rank="3"),
+            _alert("GPURankStalled", "critical", n1, job_id="llm-7", rank="2"),
+            _alert("GPURankStalled", "critical", n2, job_id="llm-7", rank="0"),
+            _alert("GPURankDown", "critical", n2, job_id="llm-7", rank="1"),
             _alert("GPURankFDExhaustion", "warning", n1, job_id="llm-7", rank="3"),
-            _alert("GPURankStalled", "page", n2, job_id="other-job", rank="0"),
+            _alert("GPURankStalled", "critical", n2, job_id="other-job", rank="0"),
         ]
         am.post_alerts(alerts)
 
@@ -220,3 +224,61 @@ def test_rules_agree_with_the_daemon() -> None:
         for kinds in re.findall(r'kind=~?"([a-z_|]+)"', expr):
             for kind in kinds.split("|"):
                 assert f'kind="{kind}"' in source, f"no finding of kind {kind} in gpuwatchd/"
+
+
+# A routing tree written for the monitoring mixins' alerts (kube-prometheus, node-mixin), as a
+# site already runs it before gpuwatchd arrives: critical pages, warning opens a ticket, anything
+# else is dropped. gpuwatchd's alerts must land where that site's own alerts do.
+MIXIN_ROUTES = """
+route:
+  receiver: "null"
+  routes:
+    - {receiver: pager, matchers: ['severity="critical"']}
+    - {receiver: tickets, matchers: ['severity="warning"']}
+receivers: [{name: "null"}, {name: pager}, {name: tickets}]
+"""
+
+
+def test_a_mixin_routing_tree_pages_the_critical_alerts(tmp_path: Path) -> None:
+    """amtool on a mixin-style tree: every alert of the rules goes where its severity says, the
+    OOM kill to the pager (with severity=page it went to the null receiver)."""
+    tree = tmp_path / "am-site.yml"
+    tree.write_text(MIXIN_ROUTES)
+    want = {"critical": "pager", "warning": "tickets", "info": "null"}
+    for name, r in _rules().items():
+        labels = [f"alertname={name}", *(f"{k}={v}" for k, v in r["labels"].items())]
+        p = run([AMTOOL, "config", "routes", "test", f"--config.file={tree}", *labels])
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert p.stdout.strip() == want[r["labels"]["severity"]], (name, p.stdout)
+    p = run([AMTOOL, "config", "routes", "test", f"--config.file={tree}",
+             "alertname=GPURankOOMKilled", "severity=critical", "job_id=llm-7", "rank=3"])
+    assert p.stdout.strip() == "pager"
+
+
+def test_summaries_are_static_sentences() -> None:
+    """The mixins' style guide: one summary per alert name, a sentence with a capital letter and
+    a period; the changing facts go in the description."""
+    for name, r in _rules().items():
+        summary = r["annotations"]["summary"]
+        assert "{{" not in summary and "$" not in summary, (name, summary)
+        assert summary[0].isupper() and summary.endswith("."), (name, summary)
+        assert "{{" in r["annotations"]["description"], name  # the facts moved here
+
+
+def test_the_job_selector_is_one_string_that_matches_every_deployment(tmp_path: Path) -> None:
+    """Every selection of the daemon's scrape job uses the one selector the docs and the Helm
+    chart replace, and it matches the names each deployment gives the job: a static job, the
+    PodMonitor's <namespace>/<name>, the chart's jobLabel. Replaced by another selector, the
+    promtool tests' GpuwatchdDown expectation for job="monitoring/gpuwatchd" must fail."""
+    text = RULES.read_text()
+    selectors = re.findall(r'job=~?"[^"]*"', text)
+    assert selectors and set(selectors) == {JOB_SELECTOR}, selectors
+    assert "up{" + JOB_SELECTOR + "}" in text
+    pattern = re.compile(JOB_SELECTOR.split('"')[1])
+    for job in ("gpuwatchd", "monitoring/gpuwatchd", "gpuwatchd/gpuwatchd", "gpuwatchd-fleet"):
+        assert pattern.fullmatch(job), job
+    assert not pattern.fullmatch("node")
+    (tmp_path / RULES.name).write_text(text.replace(JOB_SELECTOR, 'job=~"gpuwatchd.*"'))
+    (tmp_path / RULE_TESTS.name).write_text(RULE_TESTS.read_text())
+    p = run([PROMTOOL, "test", "rules", RULE_TESTS.name], cwd=tmp_path)
+    assert p.returncode != 0 and "monitoring/gpuwatchd" in p.stdout + p.stderr

@@ -136,7 +136,7 @@ def test_oom_kill_pages_once_through_prometheus_and_alertmanager_every_panel_has
                        f"{scraped - kill_wall:.2f} s; -> webhook page through Prometheus "
                        f"(1 s evaluation) + Alertmanager (1 s group_wait): {latency:.2f} s")
                 lab = alert["labels"]
-                assert lab["severity"] == "page"
+                assert lab["severity"] == "critical"
                 assert lab["instance"] == node.address
                 assert (lab["comm"], lab["killer"]) == ("python", "kernel")
                 desc = alert["annotations"]["description"]

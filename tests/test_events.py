@@ -121,7 +121,8 @@ def test_alert_labels_match_the_prometheus_rule() -> None:
     series_labels = {"job_id", "rank", "comm", "killer", "instance", "job"}
     r = rule("GPURankOOMKilled")
     assert set(a["labels"]) == {"alertname"} | series_labels | set(r["labels"])
-    assert a["labels"]["severity"] == r["labels"]["severity"] == "page"
+    assert a["labels"]["severity"] == r["labels"]["severity"] == "critical"
+    assert a["annotations"]["summary"] == r["annotations"]["summary"]
     assert a["annotations"]["runbook_url"] == r["annotations"]["runbook_url"]
     xid = ev.Event(key="x", kind="xid", time=time.time(), severity="page", summary="GPU 0 Xid 79",
                    fields=frozen_map({"xid": 79, "gpu": "0", "uuid": "GPU-1", "pci": "0000:3b:00"}),
@@ -130,6 +131,7 @@ def test_alert_labels_match_the_prometheus_rule() -> None:
     assert ax is not None and ax["labels"]["alertname"] == "GPUXidCritical"
     assert set(ax["labels"]) == {"alertname", "instance", "job", "severity", "gpu", "uuid", "xid"}
     assert ax["annotations"]["runbook_url"] == rule("GPUXidCritical")["annotations"]["runbook_url"]
+    assert ax["annotations"]["summary"] == rule("GPUXidCritical")["annotations"]["summary"]
     assert am.alert_for(oom_event(alert=False), "n1:9863") is None
 
 
@@ -186,7 +188,7 @@ def test_push_to_a_real_alertmanager(alertmanager: str) -> None:
         assert len(got) == 1
         labels = got[0]["labels"]
         assert labels == {"alertname": "GPURankOOMKilled", "instance": "gpu-node-001:9863",
-                          "job": "gpuwatchd", "severity": "page", "job_id": "llm-7", "rank": "3",
+                          "job": "gpuwatchd", "severity": "critical", "job_id": "llm-7", "rank": "3",
                           "comm": "python3", "killer": "kernel"}
         assert "15 peers alive" in got[0]["annotations"]["description"]
         assert got[0]["status"]["state"] == "active"

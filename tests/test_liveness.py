@@ -8,12 +8,15 @@ import itertools
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from daemonutil import DaemonProc, write_config
+from kernel_oom_helpers import MemCgroup
 
 from gpuwatchd.config import load_config
 from gpuwatchd.daemon.core import Daemon
@@ -141,6 +144,36 @@ def test_cycles_that_stop_for_good_stop_the_watchdog(running: Any) -> None:
     assert pings.watchdog(since=back)
 
 
+def _healthy(d: Daemon) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://{d.config.web.listen_address}/-/healthy", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_healthy_fails_while_cycles_stop_and_recovers(running: Any) -> None:
+    """/-/healthy, the DaemonSet's liveness probe, says what the unit's watchdog says: 503 once
+    no cycle finished within liveness_seconds (the process still answers), 200 again when
+    cycles resume. Before, it answered 200 while the process answered, so a pod whose cycle
+    stopped was never restarted."""
+    d, gate, _pings = running(liveness_seconds=2.0)
+    assert _healthy(d) == (200, "gpuwatchd is Healthy.\n")
+    gate.wedged.set()
+    gate.entered.clear()
+    assert gate.entered.wait(5)
+    time.sleep(2.0 + 1.0)
+    status, body = _healthy(d)
+    assert status == 503, body
+    assert body.startswith("gpuwatchd is not healthy: no cycle finished for "), body
+    gate.wedged.clear()
+    gate.release.set()
+    deadline = time.monotonic() + 5
+    while _healthy(d)[0] != 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _healthy(d)[0] == 200
+
+
 def test_daemon_exports_its_own_oom_score_adj(tmp_path: Path) -> None:
     path, cfg = write_config(tmp_path)
     d = DaemonProc(path, cfg)
@@ -153,3 +186,22 @@ def test_daemon_exports_its_own_oom_score_adj(tmp_path: Path) -> None:
         assert "oom_score_adj of the daemon:" in d.log()
     finally:
         d.stop()
+
+
+def test_daemon_exports_the_memory_limit_of_its_own_cgroup(tmp_path: Path) -> None:
+    """What the GpuwatchdMemoryHigh alert compares process_resident_memory_bytes with: the limit
+    of the cgroup the daemon runs in (the unit's MemoryMax=, the pod's limits.memory), followed
+    when the daemon is moved into a real memory cgroup with a 300 MiB limit."""
+    path, cfg = write_config(tmp_path)
+    d = DaemonProc(path, cfg)
+    cg = MemCgroup("selflimit", limit_bytes=300 << 20)
+    try:
+        cg.adopt(d.proc.pid)
+        d.wait_for(lambda: d.value("gpuwatch_process_memory_limit_bytes") == float(300 << 20),
+                   what="gpuwatch_process_memory_limit_bytes 300 MiB")
+        rss = d.value("process_resident_memory_bytes")
+        assert rss is not None and 0 < rss < 300 << 20
+    finally:
+        d.stop()
+        cg.remove()
+

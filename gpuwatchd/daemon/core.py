@@ -52,6 +52,7 @@ from gpuwatchd.model import BadRankFile, CollectorStatus, NodeState, RankEntry, 
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.discovery import discover
 from gpuwatchd.sources.heartbeats import HeartbeatRoots
+from gpuwatchd.sources.memcg import MemcgReader
 from gpuwatchd.sources.pidns import PidNamespaces
 from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.sources.rankfiles import RankDirMissing, RankFileReader, guard_entries
@@ -134,7 +135,8 @@ class Daemon:
         self.write_state = write_state  # False for read-only users (gpuwatchd ps)
         self.subsystems: list[Subsystem] = subsystems if subsystems is not None else default_subsystems(config)
         self.parts = Parts.of(self.subsystems)  # the same parts by name, for the track stage
-        self.registry = make_registry(lambda: self.state, self.counters)
+        self.registry = make_registry(lambda: self.state, self.counters,
+                                      liveness=self.liveness_problem)
         self.web: WebServer | None = None
         self._discovered: list[RankEntry] = []
         self._last_discovery = float("-inf")
@@ -142,6 +144,9 @@ class Daemon:
         self._state_key: object = None  # what the last state.json said (``_state_due``)
         self._state_written = float("-inf")
         self._cycle_lock = threading.Lock()
+        # the daemon's own memory cgroup, as this process sees it (not the watched host's paths):
+        # its limit is read each cycle (about five reads of a few bytes: 0.1 ms)
+        self._own_memcg = MemcgReader(cgroup_root="/sys/fs/cgroup")
         self.exit_status = 0  # what `gpuwatchd run` exits with (request_exit)
         # subsystem name -> why it did not start: exported as collector_success{collector=name} 0
         self.failed_subsystems: dict[str, str] = {}
@@ -213,7 +218,8 @@ class Daemon:
             tracked = track(self.parts, self, ranks, beats, dict(self.failed_subsystems))  # parts by name
             state, self.memory = build_state(self.join_inputs(reading, claims, beats, tracked, t0), self.memory)
             state = dataclasses.replace(state, cycle_seconds=time.monotonic() - t0,
-                                        oom_score_adj=self._oom_score_adj())
+                                        oom_score_adj=self._oom_score_adj(),
+                                        memory_limit_bytes=self._own_memcg.own_limit_bytes())
             self.state = state                              # what the exporter and the CLI read: one swap
             self.publish(state)                             # after_join hooks, state.json
             self._last_cycle_end = time.monotonic()
@@ -286,6 +292,14 @@ class Daemon:
     def alive(self) -> bool:
         """Do cycles keep finishing? (What WATCHDOG=1 asserts.)"""
         return time.monotonic() - self._last_cycle_end <= self.liveness_bound()
+
+    def liveness_problem(self) -> str:
+        """"" while cycles keep finishing, else why not: what /-/healthy answers 503 with, so a
+        pod's liveness probe restarts a daemon whose cycles stopped, as the unit's watchdog does."""
+        since = time.monotonic() - self._last_cycle_end
+        if since <= self.liveness_bound():
+            return ""
+        return f"no cycle finished for {since:.0f} s (bound {self.liveness_bound():.0f} s)"
 
     def _watchdog(self, every: float) -> None:
         """Feed the systemd watchdog while cycles keep finishing; stop (and say why) when not."""

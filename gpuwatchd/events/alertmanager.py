@@ -14,8 +14,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gpuwatchd.events.log import ALERT_NAMES, RUNBOOK_ANCHORS, RUNBOOK_BASE
-from gpuwatchd.model import PAGE
+from gpuwatchd.events.log import (
+    ALERT_NAMES,
+    ALERT_SEVERITY,
+    ALERT_SUMMARIES,
+    RUNBOOK_ANCHORS,
+    RUNBOOK_BASE,
+)
 from gpuwatchd.model.events import Event
 from gpuwatchd.units import fmt_rfc3339
 
@@ -50,7 +55,7 @@ def alert_for(
     name = ALERT_NAMES.get(event.kind)
     if name is None or not event.alert:
         return None
-    labels = {"alertname": name, "instance": instance, "job": scrape_job, "severity": PAGE}
+    labels = {"alertname": name, "instance": instance, "job": scrape_job, "severity": ALERT_SEVERITY}
     if event.kind == "oom_kill":
         labels.update(job_id=event.job_id, rank=event.rank, comm=event.comm, killer=event.killer)
     else:  # Xid: the GPU is the subject, as in gpuwatch_gpu_xid_errors_total
@@ -63,7 +68,7 @@ def alert_for(
     return {
         "labels": labels,
         "annotations": {
-            "summary": event.summary.split(";")[0][:200],
+            "summary": ALERT_SUMMARIES[event.kind],
             "description": event.summary,
             "runbook_url": f"{runbook_base}#{RUNBOOK_ANCHORS.get(event.kind, '')}",
         },

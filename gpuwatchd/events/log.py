@@ -52,6 +52,16 @@ MESSAGE_IDS: Mapping[str, str] = frozen_map(
     }
 )
 ALERT_NAMES: Mapping[str, str] = frozen_map({"oom_kill": "GPURankOOMKilled", "xid": "GPUXidCritical"})
+# The rules' static summaries of the same alerts (deploy/prometheus/gpuwatchd.rules.yml; tests/
+# test_alert_rules.py keeps them equal), so the push path and the rule annotate alike.
+ALERT_SUMMARIES: Mapping[str, str] = frozen_map({
+    "oom_kill": "A rank of a training job was killed for lack of host memory.",
+    "xid": "A GPU failed: a critical Xid error, or it left the PCI bus.",
+})
+# An event that pages is a `critical` alert: the monitoring mixins' word for "an on-call person
+# acts now", which routing trees written for kube-prometheus send to the pager. Findings and
+# events keep their own word, "page" (gpuwatch_finding{severity}, `gpuwatchd ps`).
+ALERT_SEVERITY = "critical"
 RUNBOOK_ANCHORS: Mapping[str, str] = frozen_map(
     {"oom_kill": "gpurankoomkilled", "xid": "gpuxidcritical"}
 )

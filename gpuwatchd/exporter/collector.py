@@ -121,6 +121,12 @@ class StateCollector:
                      "oom_score_adj): -900 when the unit's OOMScoreAdjust took effect.")
             adj.add_metric([], s.oom_score_adj)
             out.append(adj)
+        if s.memory_limit_bytes is not None:
+            lim = _g("process_memory_limit_bytes", "The memory limit of the daemon's own cgroup in "
+                     "bytes: the tightest memory.max (v1 memory.limit_in_bytes) on its path, i.e. "
+                     "the unit's MemoryMax= or the pod's limits.memory; absent without a limit.")
+            lim.add_metric([], s.memory_limit_bytes)
+            out.append(lim)
         return out
 
     def _gpus(self, s: NodeState) -> list[Metric]:
@@ -265,9 +271,10 @@ class StateRegistry(Registry):
     ``name[]`` filter, exporter/exposition.py) is reused until the state or a counter changes,
     so a scrape between two cycles costs a dictionary lookup, whatever it asks for."""
 
-    def __init__(self, collector: StateCollector) -> None:
+    def __init__(self, collector: StateCollector, liveness: Callable[[], str] = lambda: "") -> None:
         super().__init__()
         self.collector = collector
+        self._liveness = liveness
         self.register(collector)
         self._cache: dict[str, tuple[NodeState | None, int, Exposition]] = {}
         self._render_lock = threading.Lock()  # Registry has its own _lock
@@ -296,7 +303,13 @@ class StateRegistry(Registry):
         """The state /-/ready judges (None: the first cycle has not ended)."""
         return self.collector.get_state()
 
+    def liveness(self) -> str:
+        """Why /-/healthy fails ("" while cycles keep finishing: the daemon's watchdog rule)."""
+        return self._liveness()
+
 
 def make_registry(get_state: Callable[[], NodeState | None], counters: CounterStore,
-                  process: Callable[[], list[Metric]] = process_families) -> StateRegistry:
-    return StateRegistry(StateCollector(get_state, counters, process))
+                  process: Callable[[], list[Metric]] = process_families,
+                  liveness: Callable[[], str] = lambda: "") -> StateRegistry:
+    """``liveness``: "" while the producer of the states is alive, else why not (/-/healthy)."""
+    return StateRegistry(StateCollector(get_state, counters, process), liveness)

@@ -339,6 +339,9 @@ class NodeState:
     # the daemon's own /proc/self/oom_score_adj (None where unreadable): shows that the unit's
     # OOMScoreAdjust took effect
     oom_score_adj: int | None = None
+    # the memory limit of the daemon's own cgroup (None: unlimited or unknown), for the
+    # GpuwatchdMemoryHigh alert against process_resident_memory_bytes
+    memory_limit_bytes: int | None = None
 
 
 # Who reported an Xid (join/xid_dedup.py counts one reported by both once).

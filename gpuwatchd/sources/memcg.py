@@ -220,6 +220,17 @@ class MemcgReader:
                 best = level
         return best
 
+    def own_limit_bytes(self, cgroup_file: str = "/proc/self/cgroup") -> int | None:
+        """The memory limit that bounds the calling process (the daemon itself: the unit's
+        ``MemoryMax=``, the pod's ``limits.memory``), the tightest on its cgroup path as for a
+        rank; None without a limit or a memory controller. Read from this process's own view
+        (``/proc/self``, the ``/sys/fs/cgroup`` it sees), never the watched host's."""
+        text = read_capped(cgroup_file)
+        if text is None or not self.available:
+            return None
+        got = self.read(parse_cgroup_file(text))
+        return None if got is None else got.limit_bytes
+
     def node(self) -> NodeMemory | None:
         mem = parse_meminfo(read_capped(self.paths.proc("meminfo")))
         if mem is None:

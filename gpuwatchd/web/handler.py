@@ -5,7 +5,8 @@ checker, the per-client token buckets). The request arrives parsed (``Conn.reque
 ``h11.Request``: web/request.py) and the response leaves through the same h11 connection into
 ``Conn.out``. No socket I/O here: ``web/listener.py`` moves the bytes, ``web/server.py`` serves.
 
-Routes: ``/metrics`` (``name[]`` filters, gzip when asked), ``/-/healthy`` (the process answers),
+Routes: ``/metrics`` (``name[]`` filters, gzip when asked), ``/-/healthy`` (the process answers
+and its cycles keep finishing: the systemd watchdog's rule, for a pod's liveness probe),
 ``/-/ready`` (the first cycle has ended and no collector's call is stuck), ``/`` (a landing
 page). Everything is answered from what the registry cached for the current cycle
 (exporter/collector.py): a scrape, filtered or compressed, renders nothing new. A registry that
@@ -58,7 +59,7 @@ LANDING_PAGE = b"""<!DOCTYPE html>
 <p>Per-node monitor of GPU training jobs: ranks, GPU memory, OOM kills, GIL, stalls.</p>
 <ul>
 <li><a href="metrics">Metrics</a></li>
-<li><a href="-/healthy">Health</a> (the process is up)</li>
+<li><a href="-/healthy">Health</a> (the process is up and its cycles keep finishing)</li>
 <li><a href="-/ready">Readiness</a> (the first cycle has ended, no collector is stuck)</li>
 </ul>
 </body>
@@ -197,6 +198,11 @@ class Site:
         if req.path == "/metrics":
             return self._metrics(conn, active, req)
         if req.path == "/-/healthy":
+            live = getattr(self.registry, "liveness", None)
+            why = live() if live is not None else ""
+            if why:
+                return self._send(conn, active, req, 503,
+                                  f"gpuwatchd is not healthy: {why}\n".encode(), TEXT)
             return self._send(conn, active, req, 200, b"gpuwatchd is Healthy.\n", TEXT)
         if req.path == "/-/ready":
             why = self._not_ready()
