@@ -7,6 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -28,6 +29,7 @@ from gpuwatchd.model import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
+POD_UID = "0b8d1c2e-3f4a-4b5c-8d6e-7f8091a2b3c4"
 
 
 def full_state() -> tuple[NodeState, CounterStore]:
@@ -35,7 +37,8 @@ def full_state() -> tuple[NodeState, CounterStore]:
                     start_time=1.0, cpu_seconds=2.5, rss_bytes=1 << 30, threads=40, open_fds=900,
                     max_fds_soft=1024, max_fds_hard=4096)
     ranks = (
-        RankState("llm-7", 0, 10, 0, 2, True, p, (10, 11), ("0",), 1700000000.0, True, step=1200),
+        RankState("llm-7", 0, 10, 0, 2, True, p, (10, 11), ("0",), 1700000000.0, True, step=1200,
+                  container=f"Kubernetes pod {POD_UID}"),
         RankState("llm-7", 1, 12, 1, 2, False, None, died_at=1700000001.0),
     )
     gpus = (GpuDevice(0, "GPU-a", "NVIDIA H200", "00000000:3B:00.0", 150 << 30, 60 << 30, 0.97,
@@ -72,7 +75,7 @@ def full_state() -> tuple[NodeState, CounterStore]:
                       findings=findings, collectors=collectors, cycle_seconds=0.004,
                       rank_memory=memory, node_memory=node,
                       collectives=(CollectiveStatus("llm-7", 0, 10, "0", 5, 4, "nccl:all_reduce"),),
-                      oom_score_adj=-900)
+                      oom_score_adj=-900, memory_limit_bytes=256 << 20)
     return state, counters
 
 
@@ -123,6 +126,46 @@ def test_values_and_labels() -> None:
     assert 'gpuwatch_oom_kills_total{comm="python",job_id="llm-7",killer="kernel",rank="0"} 0.0' in text
     assert 'gpuwatch_oom_kills_total{comm="python",job_id="llm-7",killer="kernel",rank="1"} 1.0' in text
     assert 'hostname' not in text and 'job="' not in text
+
+
+def test_rank_pod_info_joins_kube_state_metrics_on_uid(tmp_path: Path) -> None:
+    """A rank in a pod gets gpuwatch_rank_pod_info{job_id,rank,uid}; promtool proves that
+    `on (uid) group_left (namespace, pod) kube_pod_info` names the pod of a down rank, with
+    kube-state-metrics' own labels (its job and instance differ from the daemon's)."""
+    state, counters = full_state()
+    text = exposition(state, counters)
+    assert f'gpuwatch_rank_pod_info{{job_id="llm-7",rank="0",uid="{POD_UID}"}} 1.0' in text
+    assert 'gpuwatch_rank_pod_info{job_id="llm-7",rank="1"' not in text  # not in a pod
+    tests = {
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": [
+                {"series": f'gpuwatch_rank_pod_info{{instance="node1",job="gpuwatchd",job_id="llm-7",'
+                           f'rank="0",uid="{POD_UID}"}}', "values": "1x3"},
+                {"series": 'gpuwatch_rank_up{instance="node1",job="gpuwatchd",job_id="llm-7",'
+                           'rank="0"}', "values": "0x3"},
+                {"series": f'kube_pod_info{{instance="10.0.0.9:8080",job="kube-state-metrics",'
+                           f'namespace="team-a",pod="llm-7-worker-0",uid="{POD_UID}",node="node1"}}',
+                 "values": "1x3"},
+            ],
+            "promql_expr_test": [{
+                "expr": "(gpuwatch_rank_up == 0) * on (instance, job_id, rank) group_left (uid) "
+                        "gpuwatch_rank_pod_info * on (uid) group_left (namespace, pod) "
+                        "max by (uid, namespace, pod) (kube_pod_info)",
+                "eval_time": "2m",
+                "exp_samples": [{"labels": '{instance="node1",job="gpuwatchd",job_id="llm-7",'
+                                           f'rank="0",uid="{POD_UID}",namespace="team-a",'
+                                           'pod="llm-7-worker-0"}', "value": 0}],
+            }],
+        }],
+    }
+    (tmp_path / "join.test.yml").write_text(yaml.safe_dump(tests))
+    promtool = shutil.which("promtool")
+    assert promtool
+    r = subprocess.run([promtool, "test", "rules", "join.test.yml"], cwd=tmp_path,
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_dead_process_series_vanish_with_fresh_families() -> None:

@@ -25,7 +25,8 @@ loses one fails here, whatever the golden file then says.
 
 The only values that depend on the machine are the collectors' wall-clock durations (replaced by
 0), the daemon's own /proc/self/oom_score_adj and process_* self-metrics (replaced by 0;
-tests/test_exposition_formats.py compares those with client_python's ProcessCollector) and the
+tests/test_exposition_formats.py compares those with client_python's ProcessCollector), the
+memory limit of the test's own cgroup (left out: tests/test_liveness.py checks it) and the
 user name of the fixture's
 owner (replaced by ``USER``). RSS is pages times the page size: the golden file is for 4 KiB pages
 (x86-64, where CI runs).
@@ -137,6 +138,8 @@ def _exposition(tmp_path: Path, accept: str | None = None) -> str:
     text = DURATION.sub(lambda m: f"{m.group(1)} 0.0", text)
     text = re.sub(r"^gpuwatch_process_oom_score_adj \S+$", "gpuwatch_process_oom_score_adj 0.0", text, flags=re.M)
     text = re.sub(r"^(process_\w+) \S+$", r"\1 0.0", text, flags=re.M)
+    # the limit of the test process's own cgroup: present only where the machine sets one
+    text = re.sub(r"^(# (HELP|TYPE) )?gpuwatch_process_memory_limit_bytes\b.*\n", "", text, flags=re.M)
     return text.replace(f'"{pwd.getpwuid(os.stat(PROC).st_uid).pw_name}"', '"USER"')
 
 

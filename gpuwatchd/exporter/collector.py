@@ -20,7 +20,7 @@ from gpuwatchd.exporter.memory import memory_families
 from gpuwatchd.exporter.process import process_families
 from gpuwatchd.exporter.render import Prefixes, openmetrics_parts, text_parts
 from gpuwatchd.isolation import guarded
-from gpuwatchd.model import COUNTER_LABELS, THROTTLE_REASONS, NodeState
+from gpuwatchd.model import COUNTER_LABELS, THROTTLE_REASONS, NodeState, pod_uid
 
 P = "gpuwatch_"
 
@@ -196,8 +196,14 @@ class StateCollector:
                      "stall.after_seconds.", jr)
         step = _g("rank_step", "The step the rank passed to its last gpuwatchd.heartbeat(step); "
                   "deriv() of it is the rank's step rate. Absent when the rank sends no step.", jr)
+        pod = _g("rank_pod_info", "Always 1 per rank that runs in a Kubernetes pod: uid is the "
+                 "pod's UID, read from the rank's cgroup path (no API call), as kube-state-metrics' "
+                 "kube_pod_info{uid} carries it, so on (uid) joins the two.", [*jr, "uid"])
         for r in s.ranks:
             labels = [r.job_id, str(r.rank)]
+            uid = pod_uid(r.container)
+            if uid:
+                pod.add_metric([*labels, uid], 1)
             info.add_metric([*labels, "" if r.local_rank is None else str(r.local_rank), str(r.pid),
                              "" if r.world_size is None else str(r.world_size)], 1)
             up.add_metric(labels, 1 if r.alive else 0)
@@ -216,7 +222,7 @@ class StateCollector:
             cpu.add_metric(labels, p.cpu_seconds)
             rss.add_metric(labels, p.rss_bytes)
             thr.add_metric(labels, p.threads)
-        return [info, up, fds, maxfds, cpu, rss, thr, prog, stalled, step]
+        return [info, up, fds, maxfds, cpu, rss, thr, prog, stalled, step, pod]
 
     def _collectives(self, s: NodeState) -> list[Metric]:
         labels = ["job_id", "rank", "pg"]

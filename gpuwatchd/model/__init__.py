@@ -134,6 +134,15 @@ def rank_alive(proc: ProcessInfo | None, expected_start_ticks: int | None) -> bo
         expected_start_ticks is None or proc.start_ticks == expected_start_ticks)
 
 
+# RankState.container of a rank in a Kubernetes pod: this, then the pod's UID (sources/containers.py)
+KUBERNETES_POD = "Kubernetes pod "
+
+
+def pod_uid(container: str) -> str:
+    """The pod UID of a ``RankState.container`` ("" when the rank runs in no Kubernetes pod)."""
+    return container[len(KUBERNETES_POD):] if container.startswith(KUBERNETES_POD) else ""
+
+
 @dataclass(frozen=True)
 class RankState(RankIdentity):
     job_id: str

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import re
 
+from gpuwatchd.model import KUBERNETES_POD
+
 _UUID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}"
 _POD = re.compile(r"kubepods\b.*?pod(" + _UUID + r")")
 _SLURM = re.compile(r"(?:^|/)(?:slurm|slurmstepd\.scope)/(?:uid_\d+/)?job_(\d{1,12})(?:/step_([A-Za-z0-9_]{1,24}))?")
@@ -34,7 +36,7 @@ def identity(cgroup_text: str | None) -> str:
     for path in paths:
         m = _POD.search(path)
         if m:
-            return f"Kubernetes pod {m.group(1).replace('_', '-')}"
+            return KUBERNETES_POD + m.group(1).replace("_", "-")
     for path in paths:
         m = _SLURM.search(path)
         if m:
