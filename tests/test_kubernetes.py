@@ -113,6 +113,8 @@ def test_scrape_objects_point_at_the_metrics_port(rendered: dict[str, dict[str, 
     labels = rendered["DaemonSet"]["spec"]["template"]["metadata"]["labels"]
     pm = rendered["PodMonitor"]["spec"]
     assert pm["selector"]["matchLabels"].items() <= labels.items()
+    # job="gpuwatchd" in any namespace: the pods' name label, not "<namespace>/<PodMonitor>"
+    assert labels[pm["jobLabel"]] == "gpuwatchd"
     [ep] = pm["podMetricsEndpoints"]
     assert ep["port"] == "metrics" and ep["path"] == "/metrics"
     svc = rendered["Service"]["spec"]
