@@ -282,3 +282,18 @@ def test_the_job_selector_is_one_string_that_matches_every_deployment(tmp_path: 
     (tmp_path / RULE_TESTS.name).write_text(RULE_TESTS.read_text())
     p = run([PROMTOOL, "test", "rules", RULE_TESTS.name], cwd=tmp_path)
     assert p.returncode != 0 and "monitoring/gpuwatchd" in p.stdout + p.stderr
+
+
+def test_the_documented_selector_replacement_works(tmp_path: Path) -> None:
+    """deploy/prometheus/README.md's sed line, run as written: every selection of the job is
+    replaced and the result still passes promtool."""
+    readme = (REPO / "deploy/prometheus/README.md").read_text()
+    [line] = [ln for ln in readme.splitlines() if ln.startswith("sed ")]
+    cmd = line.replace("/etc/prometheus/rules/gpuwatchd.rules.yml", str(tmp_path / "out.yml"))
+    p = run(["bash", "-c", cmd], cwd=RULES.parent)
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = (tmp_path / "out.yml").read_text()
+    assert JOB_SELECTOR not in out
+    assert out.count('job="gpu-exporters"') == RULES.read_text().count(JOB_SELECTOR) >= 2
+    p = run([PROMTOOL, "check", "rules", str(tmp_path / "out.yml")])
+    assert p.returncode == 0, p.stdout + p.stderr
