@@ -379,6 +379,11 @@ def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
     for probe in ("threads", "dump"):
         add("gpuwatch_cycle_deferred_probes_total", "counter", {"probe": probe}, 0)
     add("gpuwatch_process_oom_score_adj", "gauge", {}, -900)
+    add("gpuwatch_process_memory_limit_bytes", "gauge", {}, 256 * 2**20)
+    add("process_resident_memory_bytes", "gauge", {}, 40 * 2**20)
+    add("process_cpu_seconds_total", "counter", {}, now % 1000 / 100)
+    add("process_open_fds", "gauge", {}, 23)
+    add("process_start_time_seconds", "gauge", {}, now - 3600)
     add("gpuwatch_finding", "gauge", {"kind": "bad_rank_file", "severity": "warning", "job_id": "",
                                       "rank": "", "pid": ""}, 1)
     for c in ("procfs", "rankfiles", "nvml", "kernel_log", "pyspy"):
@@ -396,6 +401,7 @@ def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
         add("gpuwatch_rank_info", "gauge",
             {**jr, "local_rank": str(r.gpu), "pid": str(r.pid), "world_size": str(r.world_size)}, 1)
         add("gpuwatch_rank_up", "gauge", jr, 1 if r.up else 0)
+        add("gpuwatch_rank_pod_info", "gauge", {**jr, "uid": f"0b8d1c2e-3f4a-4b5c-8d6e-7f8091a2b3c{r.rank}"}, 1)
         add("gpuwatch_oom_kills_total", "counter", {**jr, "comm": "python" if r.oom_kills else "",
                                                      "killer": "kernel" if r.oom_kills else ""},
             r.oom_kills)
@@ -462,6 +468,15 @@ GRAFANA_VARS = {
     "$__rate_interval": "4s",
     "$__interval": "1s",
     "$__range": "10m",
+    "$rank": ".*",  # the Job dashboard's rank variable at "All"
+    "$job": "gpuwatchd",  # the Health dashboard's scrape job (prometheus() names it so)
+}
+# Series a daemon exports only where the node has the thing they describe: panels that read them
+# are empty on a node without it (tests/test_e2e_alerting.py's real daemons), and the stand-in
+# node of tests/test_dashboards.py has them.
+CONDITIONAL_SERIES = {
+    "gpuwatch_rank_pod_info": "ranks in Kubernetes pods",
+    "gpuwatch_process_memory_limit_bytes": "a daemon with a memory limit (MemoryMax=, a pod's)",
 }
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -54,10 +55,19 @@ def _expand(expr: str) -> str:
     return expr
 
 
+def _annotation_exprs() -> list[tuple[str, str, str]]:
+    """(dashboard file, annotation name, expr) of every Prometheus annotation."""
+    return [(path.name, a["name"], a["expr"]) for path in sorted(DASHBOARDS.glob("*.json"))
+            for a in json.loads(path.read_text())["annotations"]["list"] if "expr" in a]
+
+
 def _all_exprs() -> list[tuple[str, str]]:
     out = [(f"{d} / {title}", fill_vars(e, instance="node1:9863", job_id="llm-7"))
            for d, title, e in dashboard_panels()]
-    out += [(f"{d} / variable {name}", fill_vars(e)) for d, name, e in dashboard_variable_queries()]
+    out += [(f"{d} / variable {name}", fill_vars(e, instance="node1:9863", job_id="llm-7"))
+            for d, name, e in dashboard_variable_queries()]
+    out += [(f"{d} / annotation {name}", fill_vars(e, instance="node1:9863", job_id="llm-7"))
+            for d, name, e in _annotation_exprs()]
     out += [(f"rule {name}", e) for name, e in rule_exprs()]
     out += [(f"recording rule {name}", e) for name, e in _recorded().items()]
     return out
@@ -100,7 +110,7 @@ def test_dashboards_are_well_formed() -> None:
     job = json.loads((DASHBOARDS / "gpuwatchd-job.json").read_text())
     for p in job["panels"]:
         for t in p.get("targets", []):
-            assert 'job_id="$job_id"' in t["expr"], p["title"]
+            assert 'job_id=~"$job_id"' in t["expr"], p["title"]
 
 
 def test_provisioning_points_at_the_dashboards() -> None:
@@ -184,8 +194,9 @@ def _real_daemon_metric_names(tmp_path: Path) -> set[str]:
     from gpuwatchd.model import CollectiveStatus, GpuDevice, RankState
 
     fuller = NodeState(
-        timestamp=time.time(),
-        ranks=(RankState("x", 0, 1, 0, 1, True, None, step=1),),
+        timestamp=time.time(), memory_limit_bytes=256 << 20,
+        ranks=(RankState("x", 0, 1, 0, 1, True, None, step=1,
+                         container="Kubernetes pod 0b8d1c2e-3f4a-4b5c-8d6e-7f8091a2b3c4"),),
         gpus=(GpuDevice(0, "GPU-x", "n", "p", 1, 1, 0.5, throttle_reasons=0x40),),
         collectives=(CollectiveStatus("x", 0, 1, "0", 5, 4),))
     text += generate_latest(make_registry(lambda: fuller, counters)).decode()
@@ -204,7 +215,7 @@ def test_expressions_use_only_series_the_daemon_exports(exported: set[str]) -> N
         names = set(re.findall(r"\bgpuwatch_\w+", expr))
         # any other selector (an identifier followed by {) must be one Prometheus adds itself
         others = set(re.findall(r"\b([a-z_:][a-z0-9_:]*)\{", expr)) - names
-        bad = (names - exported) | (others - PROMETHEUS_SERIES)
+        bad = (names - exported) | (others - PROMETHEUS_SERIES - exported)  # or its process_*
         if bad:
             missing[where] = bad
     assert not missing, f"not exported by the daemon: {missing}"
@@ -248,7 +259,54 @@ def test_every_panel_returns_data_from_prometheus(tmp_path: Path) -> None:
                 empty.append((d, title, q))
         assert not empty, empty
         for d, name, q in dashboard_variable_queries():
-            assert prom.query(q), (d, name)
+            assert prom.query(fill_vars(q, instance=node.address, job_id="llm-7")), (d, name)
         first = [p for p in dashboard_panels() if p[1] == "First rank to fail"]
         (res,) = prom.query(fill_vars(first[0][2], job_id="llm-7"))
         assert res["metric"]["rank"] == "1"
+
+
+def _dash(name: str) -> dict[str, Any]:
+    return dict(json.loads((DASHBOARDS / f"gpuwatchd-{name}.json").read_text()))
+
+
+def test_dashboards_have_what_an_sre_looks_for() -> None:
+    """Multi-select node and job variables and a rank variable; from a failed rank (Job) a click
+    to its node (Node) at the same time; OOM kills and Xids marked on the graphs; the daemon's
+    own footprint (process_*, cycle duration) in a row of the Health dashboard."""
+    node, job, health = _dash("node"), _dash("job"), _dash("health")
+    variables = {d: {v["name"]: v for v in dash["templating"]["list"]}
+                 for d, dash in (("node", node), ("job", job), ("health", health))}
+    for d, name in (("node", "instance"), ("job", "job_id"), ("job", "rank"), ("health", "job")):
+        v = variables[d][name]
+        assert v["multi"] and v["includeAll"] and v["allValue"] == ".*", (d, name)
+    assert '$job_id' in variables["job"]["rank"]["query"]["query"]  # the ranks of the chosen jobs
+    for p in node["panels"] + job["panels"]:
+        for t in p.get("targets", []):
+            for var in ("instance", "job_id", "rank"):
+                assert f'{var}="${var}"' not in t["expr"], (p["title"], "a multi value needs =~")
+
+    linked = {p["title"] for p in job["panels"] for link in p.get("fieldConfig", {})
+              .get("defaults", {}).get("links", []) if link["url"].startswith(
+                  "/d/gpuwatchd-node/gpuwatchd-node?var-instance=$")}
+    for p in job["panels"]:
+        names_node = p["type"] == "table" or (p["type"] == "timeseries" and any(
+            "{{instance}}" in t["legendFormat"] for t in p["targets"]))
+        assert (p["title"] in linked) == names_node, p["title"]
+    assert "First rank to fail" in linked and "Stalled, per rank" in linked
+
+    for dash in (node, job):
+        anns = {a["name"]: a["expr"] for a in dash["annotations"]["list"] if "expr" in a}
+        assert "gpuwatch_oom_kills_total" in anns["OOM kills"]
+        assert "gpuwatch_gpu_xid_errors_total" in anns["Xid errors"]
+
+    rows: dict[str, list[str]] = {}
+    current = ""
+    for p in health["panels"]:
+        if p["type"] == "row":
+            current = p["title"]
+            continue
+        rows.setdefault(current, []).extend(t["expr"] for t in p["targets"])
+    footprint = " ".join(rows["Daemon footprint"])
+    for series in ("process_resident_memory_bytes", "gpuwatch_process_memory_limit_bytes",
+                   "process_cpu_seconds_total", "gpuwatch_cycle_duration_seconds"):
+        assert series in footprint, series

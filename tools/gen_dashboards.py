@@ -6,11 +6,14 @@
 
 Plain Python and the standard library, so that a panel is one line in a list and the JSON stays
 reviewable; the generated files are committed and provisioned by grafana/provisioning/.
-Every expression uses only gpuwatch_* series the daemon exports (tests/test_dashboards.py checks
-them against the daemon's real /metrics and parses each one with promtool).
+Every expression uses only series the daemon exports (tests/test_dashboards.py checks them against
+the daemon's real /metrics and parses each one with promtool). Every field Grafana's schema
+requires is written out (tests/test_dashboard_schema.py: a grafana-foundation-sdk round trip
+changes nothing), so a typed tool that loads these files keeps what they say (legends on).
 
-Variables used in expressions: $instance (Node), $job_id (Job), $__rate_interval, $__range and
-$__interval (Grafana built-ins).
+Variables used in expressions: $instance (Node, multi-select), $job_id and $rank (Job,
+multi-select), $job (Health: the scrape job), $__rate_interval, $__range and $__interval (Grafana
+built-ins).
 
 Panels whose query would touch every rank of a big job or every node of the fleet at each step
 read the recording rules of deploy/prometheus/gpuwatchd.recording.yml (`rank:...`,
@@ -54,6 +57,7 @@ class Panel:
     max: float | None = None
     overrides: list[dict[str, Any]] = field(default_factory=list)
     transformations: list[dict[str, Any]] = field(default_factory=list)
+    links: list[dict[str, Any]] = field(default_factory=list)  # data links (fieldConfig)
 
 
 def graph(expr: str, legend: str = "") -> Target:
@@ -83,6 +87,10 @@ def _panel_json(p: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
                               "showPoints": "never", "spanNulls": False}
     if p.kind == "stat":
         defaults["color"] = {"mode": "thresholds"}
+    if p.kind == "table":
+        defaults["custom"] = {"align": "auto", "inspect": False}
+    if p.links:
+        defaults["links"] = p.links
     out: dict[str, Any] = {
         "id": pid,
         "type": p.kind,
@@ -90,6 +98,8 @@ def _panel_json(p: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
         "description": p.description,
         "datasource": DS,
         "gridPos": {"h": p.height, "w": p.width, "x": x, "y": y},
+        "transparent": False,
+        "repeatDirection": "h",
         "fieldConfig": {"defaults": defaults, "overrides": p.overrides},
         "targets": [
             {
@@ -105,15 +115,19 @@ def _panel_json(p: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
         ],
     }
     if p.kind == "timeseries":
-        out["options"] = {"legend": {"displayMode": "table", "placement": "bottom",
-                                     "calcs": ["lastNotNull", "max"]},
+        out["options"] = {"legend": {"showLegend": True, "displayMode": "table",
+                                     "placement": "bottom", "calcs": ["lastNotNull", "max"]},
                           "tooltip": {"mode": "multi", "sort": "desc"}}
     elif p.kind == "stat":
         out["options"] = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "",
                                             "values": False},
-                          "colorMode": "background", "graphMode": "none", "textMode": "auto"}
+                          "colorMode": "background", "graphMode": "none", "textMode": "auto",
+                          "justifyMode": "auto", "orientation": "auto", "wideLayout": True,
+                          "showPercentChange": False, "percentChangeColorMode": "standard"}
     elif p.kind == "table":
-        out["options"] = {"showHeader": True, "cellHeight": "sm"}
+        out["options"] = {"showHeader": True, "cellHeight": "sm", "frameIndex": 0,
+                          "showTypeIcons": False,
+                          "footer": {"show": False, "countRows": False, "reducer": []}}
         out["transformations"] = p.transformations or [
             {"id": "organize", "options": {"excludeByName": {"Time": True, "__name__": True,
                                                              "job": True}}}
@@ -122,7 +136,8 @@ def _panel_json(p: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
 
 
 def dashboard(uid: str, title: str, description: str, variables: list[dict[str, Any]],
-              rows: list[tuple[str, list[Panel]]], tags: list[str]) -> dict[str, Any]:
+              rows: list[tuple[str, list[Panel]]], tags: list[str],
+              annotations: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     panels: list[dict[str, Any]] = []
     pid = 1
     y = 0
@@ -154,14 +169,16 @@ def dashboard(uid: str, title: str, description: str, variables: list[dict[str, 
         "version": 1,
         "time": {"from": "now-3h", "to": "now"},
         "timezone": "utc",
+        "fiscalYearStartMonth": 0,
         "links": [
             {"type": "dashboards", "tags": ["gpuwatchd"], "asDropdown": True,
-             "title": "gpuwatchd", "includeVars": False, "keepTime": True}
+             "title": "gpuwatchd", "includeVars": False, "keepTime": True,
+             "icon": "external link", "targetBlank": False, "tooltip": ""}
         ],
         "annotations": {"list": [{
             "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"},
             "enable": True, "hide": True, "iconColor": "rgba(0, 211, 255, 1)",
-            "name": "Annotations & Alerts", "type": "dashboard"}]},
+            "name": "Annotations & Alerts", "type": "dashboard"}, *(annotations or [])]},
         "templating": {"list": [DATASOURCE_VAR, *variables]},
         "panels": panels,
     }
@@ -169,22 +186,51 @@ def dashboard(uid: str, title: str, description: str, variables: list[dict[str, 
 
 DATASOURCE_VAR: dict[str, Any] = {
     "name": "datasource", "label": "Prometheus", "type": "datasource", "query": "prometheus",
-    "current": {}, "hide": 0, "refresh": 1, "regex": "", "options": [],
+    "current": {"text": "", "value": ""}, "hide": 0, "refresh": 1, "regex": "", "options": [],
+    "multi": False, "includeAll": False, "skipUrlSync": False, "allowCustomValue": True,
+    "auto": False, "auto_count": 30, "auto_min": "10s",
 }
 
 
 def query_var(name: str, label: str, query: str, multi: bool = False) -> dict[str, Any]:
-    return {
+    """A query variable; ``multi``: several values or All (".*"), used as ``label=~"$name"``."""
+    v: dict[str, Any] = {
         "name": name, "label": label, "type": "query", "datasource": DS,
         "query": {"query": query, "refId": f"{name}-var"}, "definition": query,
-        "refresh": 2, "sort": 1, "multi": multi, "includeAll": False, "current": {},
-        "hide": 0, "options": [], "regex": "",
+        "refresh": 2, "sort": 1 if name != "rank" else 3, "multi": multi, "includeAll": multi,
+        "current": {"text": "", "value": ""}, "hide": 0, "options": [], "regex": "",
+        "skipUrlSync": False, "allowCustomValue": True,
+        "auto": False, "auto_count": 30, "auto_min": "10s",
+    }
+    if multi:
+        v["allValue"] = ".*"
+    return v
+
+
+def annotation(name: str, expr: str, color: str, title: str, text: str, tags: str) -> dict[str, Any]:
+    """Events drawn on every graph of the dashboard: one mark per step where ``expr`` has a
+    sample (a counter that rose), titled and tagged from the series' labels. The query is in
+    the Prometheus data source's own fields (expr, step, titleFormat, ...), which Grafana's
+    schema leaves to the data source."""
+    return {
+        "name": name, "datasource": DS, "enable": True, "hide": False, "iconColor": color,
+        "builtIn": 0, "expr": expr, "step": "1m", "titleFormat": title, "textFormat": text,
+        "tagKeys": tags, "useValueForTime": False,
     }
 
 
 # --- Node ---------------------------------------------------------------------------------------
-N = 'instance="$instance"'
+N = 'instance=~"$instance"'
 RED_AT_1 = [(None, "green"), (1, "red")]
+
+# Job -> Node: a series (timeseries) or a row (table) that names a node opens that node's
+# dashboard at the same time range.
+_NODE_URL = ("/d/gpuwatchd-node/gpuwatchd-node?var-instance={}&${{__url_time_range}}"
+             "&${{datasource:queryparam}}")
+NODE_LINK = [{"title": "Node ${__field.labels.instance}", "targetBlank": False,
+              "url": _NODE_URL.format("${__field.labels.instance}")}]
+NODE_LINK_ROW = [{"title": "Node ${__data.fields.instance}", "targetBlank": False,
+                  "url": _NODE_URL.format("${__data.fields.instance}")}]
 
 NODE_ROWS: list[tuple[str, list[Panel]]] = [
     ("Node", [
@@ -316,11 +362,12 @@ NODE_ROWS: list[tuple[str, list[Panel]]] = [
 ]
 
 # --- Job ----------------------------------------------------------------------------------------
-J = 'job_id="$job_id"'
+J = 'job_id=~"$job_id"'
+JR = 'job_id=~"$job_id",rank=~"$rank"'  # per-rank panels follow the rank selection too
 # Time at which each rank first failed in the range: dead, stalled, or OOM-killed. The earliest is
 # the rank the others wait for (DESIGN §1: one rank dies, its peers hang in a collective).
 FAILED_AT = (
-    f"min by (instance, rank) (min_over_time(timestamp("
+    f"min by (job_id, instance, rank) (min_over_time(timestamp("
     f"gpuwatch_rank_up{{{J}}} == 0 or gpuwatch_rank_stalled{{{J}}} == 1"
     f" or gpuwatch_oom_kills_total{{{J}}} > 0"
     f")[$__range:$__interval]))"
@@ -362,21 +409,27 @@ JOB_ROWS: list[tuple[str, list[Panel]]] = [
         Panel("Failed ranks, in order", "table",
               [table(f"sort({FAILED_AT}) * 1000")], unit="dateTimeAsIso", width=12, height=5),
         Panel("Ranks", "table",
-              [table(f"gpuwatch_rank_info{{{J}}}")], width=24, height=8,
+              [table(f"gpuwatch_rank_info{{{JR}}}")], width=24, height=8,
               description="Every registered rank of the job on every node (pid, local rank)."),
+        Panel("Pods of the ranks", "table",
+              [table(f"gpuwatch_rank_pod_info{{{JR}}}")], width=24, height=6,
+              description="Ranks that run in Kubernetes pods, with the pod's UID from the rank's "
+                          "cgroup path. With kube-state-metrics in the same Prometheus, "
+                          "`* on (uid) group_left (namespace, pod) kube_pod_info` names the pod "
+                          "(docs/integration.md). Empty outside Kubernetes."),
     ]),
     ("State over time", [
         Panel("Ranks up / down", "timeseries",
               [graph(f"count(gpuwatch_rank_up{{{J}}} == 1) or vector(0)", "up"),
                graph(f"count(gpuwatch_rank_up{{{J}}} == 0) or vector(0)", "down")], min=0),
         Panel("Stalled, per rank", "timeseries",
-              [graph(f"gpuwatch_rank_stalled{{{J}}}", "rank {{rank}} ({{instance}})")], min=0, max=1),
+              [graph(f"gpuwatch_rank_stalled{{{JR}}}", "rank {{rank}} ({{instance}})")], min=0, max=1),
         Panel("OOM kills by rank", "timeseries",
-              [graph(f"gpuwatch_oom_kills_total{{{J}}}",
+              [graph(f"gpuwatch_oom_kills_total{{{JR}}}",
                  "rank {{rank}} {{comm}} ({{killer}}, {{instance}})")], unit="none", min=0),
         Panel("Active findings", "table", [table(f"gpuwatch_finding{{{J}}} == 1")]),
         Panel("Time since last progress", "timeseries",
-              [graph(f"time() - gpuwatch_rank_progress_timestamp_seconds{{{J}}}",
+              [graph(f"time() - gpuwatch_rank_progress_timestamp_seconds{{{JR}}}",
                      "rank {{rank}} ({{instance}})")], unit="s", min=0,
               description="Age of each rank's last heartbeat / observed progress; a rank is "
                           "stalled when this passes stall.after_seconds."),
@@ -387,7 +440,7 @@ JOB_ROWS: list[tuple[str, list[Panel]]] = [
     ]),
     ("Progress and stragglers", [
         Panel("Step rate per rank", "timeseries",
-              [graph(f"deriv(gpuwatch_rank_step{{{J}}}[5m])", "rank {{rank}} ({{instance}})")],
+              [graph(f"deriv(gpuwatch_rank_step{{{JR}}}[5m])", "rank {{rank}} ({{instance}})")],
               unit="none", min=0,
               description="Steps per second from each rank's gpuwatchd.heartbeat(step)."),
         Panel("Step rate / job median", "timeseries",
@@ -401,32 +454,32 @@ JOB_ROWS: list[tuple[str, list[Panel]]] = [
               [table(f"bottomk(3, {STEP_RATIO})")], unit="percentunit",
               description="The three ranks furthest below the job's median step rate."),
         Panel("Collective sequence per rank", "table",
-              [table(f"gpuwatch_rank_collective_last_started_seq{{{J}}}", "entered"),
-               table(f"gpuwatch_rank_collective_last_completed_seq{{{J}}}", "completed")],
+              [table(f"gpuwatch_rank_collective_last_started_seq{{{JR}}}", "entered"),
+               table(f"gpuwatch_rank_collective_last_completed_seq{{{JR}}}", "completed")],
               description="Last collective each rank entered (flight recorder, read when the job "
                           "looks stalled): the rank with the lowest number never entered the "
                           "collective its peers wait in."),
     ]),
     ("Resources", [
         Panel("GPU memory per rank", "timeseries",
-              [graph(f"gpuwatch_rank_gpu_memory_bytes{{{J}}}",
+              [graph(f"gpuwatch_rank_gpu_memory_bytes{{{JR}}}",
                  "rank {{rank}} GPU {{gpu}} ({{instance}})")], unit="bytes", min=0),
         Panel("GIL held per rank", "timeseries",
-              [graph(f"rate(gpuwatch_rank_gil_held_samples_total{{{J}}}[5m])"
-                     f" / rate(gpuwatch_rank_gil_samples_total{{{J}}}[5m])",
+              [graph(f"rate(gpuwatch_rank_gil_held_samples_total{{{JR}}}[5m])"
+                     f" / rate(gpuwatch_rank_gil_samples_total{{{JR}}}[5m])",
                  "rank {{rank}} ({{instance}})")], unit="percentunit", min=0, max=1),
         Panel("Open fds / limit per rank", "timeseries",
-              [graph(f"gpuwatch_rank_open_fds{{{J}}} / gpuwatch_rank_max_fds{{{J}}}",
+              [graph(f"gpuwatch_rank_open_fds{{{JR}}} / gpuwatch_rank_max_fds{{{JR}}}",
                  "rank {{rank}} ({{instance}})")], unit="percentunit", min=0, max=1,
               thresholds=[(None, "green"), (0.9, "red")]),
         Panel("Resident memory per rank", "timeseries",
-              [graph(f"gpuwatch_rank_resident_memory_bytes{{{J}}}", "rank {{rank}} ({{instance}})")],
+              [graph(f"gpuwatch_rank_resident_memory_bytes{{{JR}}}", "rank {{rank}} ({{instance}})")],
               unit="bytes", min=0),
     ]),
 ]
 
 # --- gpuwatchd health ---------------------------------------------------------------------------
-UPJ = 'job=~"gpuwatchd.*"'
+UPJ = 'job=~"$job"'  # the Health dashboard's scrape-job variable
 def nonzero(counter: str, label: str) -> str:
     """A fleet-wide graph of a rarely rising counter: only the nodes where it rose, a 0 line while
     none did. Filtering before the sum keeps it under 1 s at 1,250 nodes x several label values
@@ -462,12 +515,42 @@ HEALTH_ROWS: list[tuple[str, list[Panel]]] = [
               description="1: the collector's last run succeeded; 0: it failed (or its source "
                           "is absent on this node, e.g. nvml without a driver)."),
     ]),
+    ("Daemon footprint", [
+        Panel("Daemon resident memory (10 largest)", "timeseries",
+              [graph(f"topk(10, process_resident_memory_bytes{{{UPJ}}})", "{{instance}}")],
+              unit="bytes", min=0,
+              description="RSS of the daemon itself (budget: 60 MB at 64 watched processes; the "
+                          "unit's MemoryMax=256M, the pod's memory limit)."),
+        Panel("Daemon memory / its limit (10 highest)", "timeseries",
+              [graph(f"topk(10, process_resident_memory_bytes{{{UPJ}}} / on (instance, job) "
+                     f"gpuwatch_process_memory_limit_bytes)", "{{instance}}")],
+              unit="percentunit", min=0, max=1, thresholds=[(None, "green"), (0.8, "orange")],
+              description="RSS over the memory limit of the daemon's own cgroup: "
+                          "GpuwatchdMemoryHigh fires above 0.8 for 15 minutes. Empty where the "
+                          "daemon runs without a limit."),
+        Panel("Daemon CPU (10 busiest)", "timeseries",
+              [graph(f"topk(10, rate(process_cpu_seconds_total{{{UPJ}}}[$__rate_interval]))",
+                     "{{instance}}")], unit="percentunit", min=0,
+              description="CPU of the daemon (share of one core; budget 0.5 % at a 5 s cycle, "
+                          "the unit's CPUQuota=25 %). py-spy samples run as its children and "
+                          "are not in this number."),
+        Panel("Cycle duration (10 slowest)", "timeseries",
+              [graph("topk(10, gpuwatch_cycle_duration_seconds)", "{{instance}}")], unit="s",
+              min=0),
+        Panel("Daemon open fds (10 most)", "timeseries",
+              [graph(f"topk(10, process_open_fds{{{UPJ}}})", "{{instance}}")], min=0),
+        Panel("Daemon restarts (range)", "stat",
+              [stat(f"sum(changes(process_start_time_seconds{{{UPJ}}}[$__range])) or vector(0)")],
+              unit="none", thresholds=[(None, "green"), (1, "orange")],
+              description="Restarts of the daemons in the time range (watchdog, OOM kill, "
+                          "upgrade)."),
+    ]),
     ("Cycle and scrape", [
-        Panel("Cycle duration", "timeseries",
-              [graph("gpuwatch_cycle_duration_seconds", "{{instance}}")], unit="s", min=0),
         Panel("Time since last cycle", "timeseries",
               [graph("time() - gpuwatch_last_cycle_timestamp_seconds", "{{instance}}")],
-              unit="s", min=0),
+              unit="s", min=0,
+              description="GpuwatchdCycleStopped fires when a daemon's last cycle stops moving "
+                          "for 5 minutes; /-/healthy answers 503 after two intervals plus 30 s."),
         Panel("Scrape duration", "timeseries",
               [graph(f"scrape_duration_seconds{{{UPJ}}}", "{{instance}}")], unit="s", min=0),
         Panel("Series per scrape", "timeseries",
@@ -525,23 +608,57 @@ HEALTH_ROWS: list[tuple[str, list[Panel]]] = [
 ]
 
 
+OOM_TEXT = "{{job_id}} rank {{rank}}: {{comm}} killed by the {{killer}} OOM killer"
+XID_TEXT = "GPU {{gpu}} ({{uuid}}) Xid {{xid}} on {{instance}}"
+NODE_ANNOTATIONS = [
+    annotation("OOM kills", f"changes(gpuwatch_oom_kills_total{{{N}}}[1m]) > 0", "red",
+               "OOM kill", OOM_TEXT, "job_id,rank"),
+    annotation("Xid errors", f"changes(gpuwatch_gpu_xid_errors_total{{{N}}}[1m]) > 0", "orange",
+               "Xid {{xid}}", XID_TEXT, "gpu,xid"),
+]
+JOB_ANNOTATIONS = [
+    annotation("OOM kills", f"changes(gpuwatch_oom_kills_total{{{J}}}[1m]) > 0", "red",
+               "OOM kill", OOM_TEXT, "job_id,rank"),
+    # Xids of the GPUs of the job's nodes (an Xid names a GPU, not a rank)
+    annotation("Xid errors", f"changes(gpuwatch_gpu_xid_errors_total[1m]) > 0 and on (instance) "
+               f"count by (instance) (gpuwatch_rank_info{{{J}}})", "orange", "Xid {{xid}}",
+               XID_TEXT, "gpu,xid"),
+]
+
+
+def with_node_links(rows: list[tuple[str, list[Panel]]]) -> list[tuple[str, list[Panel]]]:
+    """The rows with a link to the Node dashboard on every panel whose series or rows name a
+    node: timeseries with {{instance}} in a legend, and tables."""
+    for _, panels in rows:
+        for p in panels:
+            if p.kind == "table":
+                p.links = NODE_LINK_ROW
+            elif p.kind == "timeseries" and any("{{instance}}" in t.legend for t in p.targets):
+                p.links = NODE_LINK
+    return rows
+
+
 def build() -> dict[str, dict[str, Any]]:
     return {
         "gpuwatchd-node.json": dashboard(
             "gpuwatchd-node", "gpuwatchd / Node",
             "One GPU node: GPUs, GPU memory by rank and by orphan, fds, GIL, OOM kills, findings.",
-            [query_var("instance", "Node", "label_values(gpuwatch_build_info, instance)")],
-            NODE_ROWS, ["node"]),
+            [query_var("instance", "Node", "label_values(gpuwatch_build_info, instance)", multi=True)],
+            NODE_ROWS, ["node"], NODE_ANNOTATIONS),
         "gpuwatchd-job.json": dashboard(
             "gpuwatchd-job", "gpuwatchd / Job",
             "One training job across every node: ranks up/down/stalled/OOM-killed, the first rank "
             "to fail, per-rank GPU memory, GIL and fds.",
-            [query_var("job_id", "Job", "label_values(gpuwatch_rank_info, job_id)")],
-            JOB_ROWS, ["job"]),
+            [query_var("job_id", "Job", "label_values(gpuwatch_rank_info, job_id)", multi=True),
+             query_var("rank", "Rank",
+                       'label_values(gpuwatch_rank_info{job_id=~"$job_id"}, rank)', multi=True)],
+            with_node_links(JOB_ROWS), ["job"], JOB_ANNOTATIONS),
         "gpuwatchd-health.json": dashboard(
             "gpuwatchd-health", "gpuwatchd / Daemon health",
             "The daemons themselves: scrapes, collectors, cycle time, errors.",
-            [], HEALTH_ROWS, ["health"]),
+            [query_var("job", "Scrape job", 'label_values(up{job=~".*gpuwatchd.*"}, job)',
+                       multi=True)],
+            HEALTH_ROWS, ["health"]),
     }
 
 
