@@ -20,7 +20,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from promstack import PROMTOOL, run
-from test_kubernetes import _render as render_kustomization
+from test_kubernetes import render_kustomization
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "deploy" / "helm" / "gpuwatchd"

@@ -19,11 +19,11 @@ KUSTOMIZE = ROOT / "deploy" / "kubernetes"
 UNIT = ROOT / "systemd" / "gpuwatchd.service"
 
 
-def _render() -> list[dict[str, Any]]:
+def render_kustomization() -> list[dict[str, Any]]:
     """What `kubectl apply -k` applies for this kustomization (which only lists resources and
     sets the namespace), without needing kubectl."""
     k = yaml.safe_load((KUSTOMIZE / "kustomization.yaml").read_text())
-    assert set(k) == {"apiVersion", "kind", "namespace", "resources"}, "render() covers this"
+    assert set(k) == {"apiVersion", "kind", "namespace", "resources"}, "this covers only those"
     docs = []
     for name in k["resources"]:
         for d in yaml.safe_load_all((KUSTOMIZE / name).read_text()):
@@ -36,7 +36,7 @@ def _render() -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, dict[str, Any]]:
-    docs = _render()
+    docs = render_kustomization()
     kubectl = shutil.which("kubectl")
     if kubectl:  # where kubectl exists, its kustomize must agree with the rendering above
         out = subprocess.run([kubectl, "kustomize", str(KUSTOMIZE)], capture_output=True,

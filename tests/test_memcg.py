@@ -133,6 +133,29 @@ def test_paths_cannot_leave_the_hierarchy_and_depth_is_bounded(tmp_path: Path) -
     assert memcg.parse_psi(memcg.read_capped(str(big))) is not None  # read is capped, head still parses
 
 
+def test_own_limit_is_the_smallest_on_the_path_v2(tmp_path: Path) -> None:
+    """The daemon's own limit (gpuwatch_process_memory_limit_bytes): under systemd a slice's
+    limit tighter than the unit's MemoryMax= wins; in a pod's cgroup namespace the path is "/"
+    and the limit is the namespace root's memory.max; without a limit, None."""
+    root = tmp_path / "cg"
+    unit = root / "system.slice" / "gpuwatchd.service"
+    unit.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpu memory\n")
+    (root / "system.slice" / "memory.max").write_text("max\n")
+    (unit / "memory.max").write_text(f"{256 << 20}\n")
+    own = tmp_path / "cgroup"
+    own.write_text("0::/system.slice/gpuwatchd.service\n")
+    r = memcg.MemcgReader(cgroup_root=str(root))
+    assert r.own_limit_bytes(str(own)) == 256 << 20
+    (root / "system.slice" / "memory.max").write_text(f"{200 << 20}\n")
+    assert r.own_limit_bytes(str(own)) == 200 << 20
+    own.write_text("0::/\n")
+    assert r.own_limit_bytes(str(own)) is None  # a host's root cgroup has no memory.max
+    (root / "memory.max").write_text(f"{512 << 20}\n")  # a pod's namespace root has one
+    assert r.own_limit_bytes(str(own)) == 512 << 20
+    assert r.own_limit_bytes(str(tmp_path / "absent")) is None
+
+
 def test_cgroup_file_parsing() -> None:
     text = "12:memory:/slurm/uid_0/job_7\n11:cpu,cpuacct:/x\n0::/user.slice\n"
     assert memcg.parse_cgroup_file(text) == CgroupPaths("/slurm/uid_0/job_7", "/user.slice")

@@ -20,7 +20,8 @@ from gpuwatchd.exporter.memory import memory_families
 from gpuwatchd.exporter.process import process_families
 from gpuwatchd.exporter.render import Prefixes, openmetrics_parts, text_parts
 from gpuwatchd.isolation import guarded
-from gpuwatchd.model import COUNTER_LABELS, THROTTLE_REASONS, NodeState, pod_uid
+from gpuwatchd.model import COUNTER_LABELS, THROTTLE_REASONS, NodeState
+from gpuwatchd.sources.containers import pod_uid
 
 P = "gpuwatch_"
 

@@ -137,15 +137,6 @@ def rank_alive(proc: ProcessInfo | None, expected_start_ticks: int | None) -> bo
         expected_start_ticks is None or proc.start_ticks == expected_start_ticks)
 
 
-# RankState.container of a rank in a Kubernetes pod: this, then the pod's UID (sources/containers.py)
-KUBERNETES_POD = "Kubernetes pod "
-
-
-def pod_uid(container: str) -> str:
-    """The pod UID of a ``RankState.container`` ("" when the rank runs in no Kubernetes pod)."""
-    return container[len(KUBERNETES_POD):] if container.startswith(KUBERNETES_POD) else ""
-
-
 @dataclass(frozen=True)
 class RankState(RankIdentity):
     job_id: str
@@ -353,8 +344,7 @@ class NodeState:
     # the daemon's own /proc/self/oom_score_adj (None where unreadable): shows that the unit's
     # OOMScoreAdjust took effect
     oom_score_adj: int | None = None
-    # the memory limit of the daemon's own cgroup (None: unlimited or unknown), for the
-    # GpuwatchdMemoryHigh alert against process_resident_memory_bytes
+    # the limit of the daemon's own memory cgroup (None: unlimited or unknown)
     memory_limit_bytes: int | None = None
 
 

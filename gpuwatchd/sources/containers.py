@@ -25,6 +25,8 @@ _POD = re.compile(r"kubepods\b.*?pod(" + _UUID + r")")
 _SLURM = re.compile(r"(?:^|/)(?:slurm|slurmstepd\.scope)/(?:uid_\d+/)?job_(\d{1,12})(?:/step_([A-Za-z0-9_]{1,24}))?")
 _DOCKER = re.compile(r"(?:/docker/|docker-)([0-9a-f]{12})[0-9a-f]{52}")
 _PODMAN = re.compile(r"libpod-([0-9a-f]{12})[0-9a-f]{52}")
+# identity() of a process in a Kubernetes pod: this, then the pod's UID
+KUBERNETES_POD = "Kubernetes pod "
 
 
 def identity(cgroup_text: str | None) -> str:
@@ -49,3 +51,9 @@ def identity(cgroup_text: str | None) -> str:
         if m:
             return f"Podman container {m.group(1)}"
     return ""
+
+
+def pod_uid(container: str) -> str:
+    """The pod UID in an ``identity()`` ("" when the process runs in no Kubernetes pod): the
+    ``uid`` label that kube-state-metrics' ``kube_pod_info`` carries too."""
+    return container[len(KUBERNETES_POD):] if container.startswith(KUBERNETES_POD) else ""
