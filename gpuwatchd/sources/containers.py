@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import re
 
-from gpuwatchd.model import KUBERNETES_POD
 
 _UUID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}"
 _POD = re.compile(r"kubepods\b.*?pod(" + _UUID + r")")
