@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import re
 
-
 _UUID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}"
 _POD = re.compile(r"kubepods\b.*?pod(" + _UUID + r")")
 _SLURM = re.compile(r"(?:^|/)(?:slurm|slurmstepd\.scope)/(?:uid_\d+/)?job_(\d{1,12})(?:/step_([A-Za-z0-9_]{1,24}))?")
