@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log.level", dest="log_level", choices=LEVELS, default=None,
                    help="only log records at this level or above (overrides log_level; default info)")
     p.add_argument("--log.format", dest="log_format", choices=FORMATS, default="text",
-                   help="text (default), logfmt or json: one record per line")
+                   help="text (default), logfmt or json (one record a line, for Loki or Elasticsearch)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("config", help="configuration tools")
