@@ -19,6 +19,7 @@ from pathlib import Path
 
 import distutil
 import pytest
+from packaging.metadata import Metadata
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -187,6 +188,11 @@ def test_the_client_wheel_alone_runs_the_rank_side(world: dict, client_env: Path
     """A training image's venv with gpuwatchd-client and nothing else: one distribution, every
     in-process module imports, and nothing but the standard library comes with them; the rank
     API, the zero-code heartbeat and the launcher shim work there."""
+    wheel = distutil.build_client()
+    with zipfile.ZipFile(wheel) as whl:
+        raw = whl.read(f"gpuwatchd_client-{distutil.version()}.dist-info/METADATA")
+    meta = Metadata.from_email(raw, validate=True)  # the parser pip and twine use
+    assert (meta.name, meta.requires_dist, meta.license_expression) == ("gpuwatchd-client", None, "Apache-2.0")
     listed = subprocess.run([sys.executable, "-m", "pip", "--python", str(client_env), "list",
                              "--format", "json", "--disable-pip-version-check"],
                             capture_output=True, text=True, check=True, timeout=120)
