@@ -124,6 +124,7 @@ def main() -> int:
     ap.add_argument("--variants", default="no-gil,defaults")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="gwrss-bench-"))
+    (tmp / "ranks").mkdir()  # `gpuwatchd register` refuses a rank directory that does not exist
     nvml = f"nvml:\n  fixture: {args.nvml_fixture}\n" if args.nvml_fixture else ""
     configs = {"no-gil": "kernel_log: 'off'\ngil:\n  enabled: false\n" + nvml, "defaults": nvml}
     checkouts = [("", str(REPO))] + ([("before ", args.main_repo)] if args.main_repo else [])

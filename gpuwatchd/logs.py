@@ -1,10 +1,11 @@
 """The daemon's log: ``--log.level`` and ``--log.format`` (the flags and values of Prometheus'
-exporters, promslog), one record per line in every format.
+exporters, promslog).
 
 ``text`` (the default) is ``TIME LEVEL LOGGER: message`` (without the time under journald, which
 stamps each line itself); ``logfmt`` is ``ts=... level=info logger=... msg="..."``; ``json`` one
 object per line with the same keys. A message with line breaks (a refused reload lists every
-problem) stays one record: logfmt and JSON escape the breaks, so Loki or Elasticsearch never split it.
+problem) stays one line in logfmt and JSON, which escape the breaks, so Loki or Elasticsearch never
+split it.
 """
 
 from __future__ import annotations

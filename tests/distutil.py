@@ -1,7 +1,8 @@
 """What fleets install, built the way a release builds it, once per test run: the wheel and the
 sdist (``python -m build``), the Debian package (``deploy/debian/build.sh``) and the DaemonSet's
 image (``deploy/image/build.sh``), for tests/test_wheel.py, tests/test_systemd_boot.py and
-tests/test_image.py.
+tests/test_image.py; and the training images' ``gpuwatchd-client`` wheel
+(``tools/build_client.py``) for tests/test_autobeat.py.
 
 Each is built from a copy of the working tree (``python -m build`` writes ``*.egg-info`` where it
 runs), optionally with another ``__version__`` (the upgrade test's second build). Builds are kept
@@ -67,6 +68,19 @@ def build_dist(ver: str | None = None) -> tuple[Path, Path]:
     [wheel] = out.glob("gpuwatchd-*.whl")
     [sdist] = out.glob("gpuwatchd-*.tar.gz")
     return wheel, sdist
+
+
+def build_client() -> Path:
+    """gpuwatchd-client's wheel by ``tools/build_client.py`` (``python -m build``) from a copy of
+    the working tree: the rank side alone, for training images (docs/packaging.md)."""
+    key = ("client", "")
+    if key not in _built:
+        out = _WORK / "client"
+        res = subprocess.run([sys.executable, str(source() / "tools" / "build_client.py"), "--outdir",
+                              str(out)], capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, f"tools/build_client.py failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+        [_built[key]] = out.glob("gpuwatchd_client-*.whl")
+    return _built[key]
 
 
 def build_deb(ver: str | None = None) -> Path:

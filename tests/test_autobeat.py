@@ -19,6 +19,7 @@ from pathlib import Path
 
 import distutil
 import pytest
+from packaging.metadata import Metadata
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -152,6 +153,80 @@ def test_wheel_pth_beats_only_when_asked(world: dict, wheel_env: Path) -> None:
     assert "done 3" in out
     (entry,) = _rank_file(world)["ranks"]
     assert entry["rank"] == 3 and Path(entry["heartbeat"]).read_text().strip() == "1"
+
+
+# What a training process imports of gpuwatchd, all of it (tools/build_client.py's CLIENT_FILES).
+CLIENT_MODULES = ("gpuwatchd", "gpuwatchd.autobeat", "gpuwatchd.run", "gpuwatchd.rank.api",
+                  "gpuwatchd.rank.rankfile", "gpuwatchd.rank.cuda_oom", "gpuwatchd.rank.flight_recorder")
+ONLY_STDLIB = f"""
+import sys, importlib
+for m in {CLIENT_MODULES!r}:
+    importlib.import_module(m)
+import gpuwatchd
+assert callable(gpuwatchd.register_rank) and callable(gpuwatchd.heartbeat)
+print(sorted({{m.split(".")[0] for m in sys.modules}} - set(sys.stdlib_module_names) - {{"__main__"}}))
+"""
+
+
+@pytest.fixture(scope="module")
+def client_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A bare venv (no pip, no setuptools: nothing) into which pip installs gpuwatchd-client's
+    wheel (tools/build_client.py) with its dependencies resolved and no index: it installs only
+    because it has none."""
+    tmp = tmp_path_factory.mktemp("client")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp / "venv")], check=True,
+                   timeout=120)
+    python = tmp / "venv/bin/python"
+    r = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index",
+                        "--disable-pip-version-check", str(distutil.build_client())],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return python
+
+
+def test_the_client_wheel_alone_runs_the_rank_side(world: dict, client_env: Path) -> None:
+    """A training image's venv with gpuwatchd-client and nothing else: one distribution, every
+    in-process module imports, and nothing but the standard library comes with them; the rank
+    API, the zero-code heartbeat and the launcher shim work there."""
+    wheel = distutil.build_client()
+    with zipfile.ZipFile(wheel) as whl:
+        raw = whl.read(f"gpuwatchd_client-{distutil.version()}.dist-info/METADATA")
+    meta = Metadata.from_email(raw, validate=True)  # the parser pip and twine use
+    assert (meta.name, meta.requires_dist, meta.license_expression) == ("gpuwatchd-client", None, "Apache-2.0")
+    listed = subprocess.run([sys.executable, "-m", "pip", "--python", str(client_env), "list",
+                             "--format", "json", "--disable-pip-version-check"],
+                            capture_output=True, text=True, check=True, timeout=120)
+    assert [d["name"] for d in json.loads(listed.stdout)] == ["gpuwatchd-client"]
+    (site,) = (client_env.parent.parent / "lib").glob("python3*/site-packages")
+    size = sum(f.stat().st_size for f in site.rglob("*") if f.is_file())
+    # measured: 172,663 B with pip's byte code (docs/packaging.md); the daemon's wheel with its
+    # six dependencies adds 16.1 MB to the same bare venv
+    assert size < 1_000_000, size
+    env = {k: v for k, v in world["env"].items() if k != "PYTHONPATH"}  # not even the fake torch
+    out = subprocess.run([str(client_env), "-I", "-c", ONLY_STDLIB], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "['gpuwatchd']", out
+    # the launcher shim, then the .pth file: each registers the rank and beats
+    _run([str(client_env), "-m", "gpuwatchd.run", "train.py", "3"], world["env"], world["tmp"])
+    (entry,) = _rank_file(world)["ranks"]
+    assert entry["rank"] == 3 and Path(entry["heartbeat"]).read_text().strip() == "1"
+    for f in Path(world["rank_dir"]).iterdir():
+        f.unlink()
+    out = _run([str(client_env), "train.py", "3"], {**world["env"], "GPUWATCHD_HEARTBEAT": "1"},
+               world["tmp"])
+    assert "done 3" in out and _rank_file(world)["job_id"] == world["job"]
+
+
+def test_the_daemon_wheel_cannot_install_so(tmp_path: Path) -> None:
+    """Why the client is its own distribution: the daemon's wheel in the same bare venv, with no
+    index, stops at its first dependency (a training image would get all six, ~16 MB)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True,
+                   timeout=120)
+    wheel, _ = distutil.build_dist()
+    r = subprocess.run([sys.executable, "-m", "pip", "--python", str(tmp_path / "venv/bin/python"),
+                        "install", "--no-index", "--disable-pip-version-check", str(wheel)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "No matching distribution found for" in r.stderr, r.stdout + r.stderr
 
 
 def test_heartbeat_reaches_the_daemon(world: dict) -> None:

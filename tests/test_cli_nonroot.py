@@ -123,3 +123,15 @@ def test_the_message_names_the_state_directorys_group() -> None:
         assert out.stderr == (f"gpuwatchd ps: cannot read {state}/state.json: permission denied; run "
                               "as root, or ask for group daemon (usermod -aG daemon $USER; "
                               "docs/cli.md)\n")
+
+
+def test_an_event_log_written_0600_before_is_readable_by_the_group_after_the_start(tmp_path: Path) -> None:
+    """An upgrade from a daemon that wrote its files 0600 (the unit's UMask=0077): the event log is
+    the one file not rewritten every cycle, so the daemon's start fixes its mode."""
+    from gpuwatchd.events.log import JsonlSink
+
+    log = tmp_path / "events.jsonl"
+    log.write_text("")
+    log.chmod(0o600)
+    JsonlSink(str(tmp_path))
+    assert log.stat().st_mode & 0o777 == 0o640

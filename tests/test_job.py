@@ -51,6 +51,9 @@ def test_unreachable_prometheus_exits_3() -> None:
     p = _cli("llm-7", "--prometheus", "http://127.0.0.1:9", "--timeout", "2")
     assert p.returncode == 3  # not the user's query: nothing answered (docs/cli.md)
     assert "cannot reach Prometheus" in p.stderr
+    # without a scheme it is the user's typo: exit 2, saying what was meant
+    p = _cli("llm-7", "--prometheus", "127.0.0.1:9", "--timeout", "2")
+    assert p.returncode == 2 and "did you mean http://127.0.0.1:9?" in p.stderr, p
 
 
 def test_job_across_two_nodes_names_first_oom_killed_rank(tmp_path: Path) -> None:

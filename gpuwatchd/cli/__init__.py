@@ -182,7 +182,12 @@ def cmd_ps(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gpuwatchd", description="Per-node monitoring of GPU training ranks.")
+    parser = argparse.ArgumentParser(
+        prog="gpuwatchd", description="Per-node monitoring of GPU training ranks.",
+        epilog="Exit codes, in every command: 0 fine; 1 found a problem (check, job); 2 what you gave "
+        "is wrong (options, files, a PID or directory that does not exist, a port in use); 3 what the "
+        "command needs cannot be read or reached (the daemon's files, Prometheus, NVML). Errors are "
+        "one line on stderr.")
     parser.add_argument("--version", action="version", version=f"gpuwatchd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -195,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log.level", dest="log_level", choices=LEVELS, default=None,
                    help="only log records at this level or above (overrides log_level; default info)")
     p.add_argument("--log.format", dest="log_format", choices=FORMATS, default="text",
-                   help="text (default), logfmt or json: one record per line")
+                   help="text (default), logfmt or json (one record a line, for Loki or Elasticsearch)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("config", help="configuration tools")

@@ -390,6 +390,10 @@ def render_text(jv: JobView) -> str:
 def run(args: argparse.Namespace) -> int:
     """Exit 0: every rank up; 1: some rank failed; 2: no such job or a bad query; 3: Prometheus
     cannot be reached."""
+    if "://" not in args.prometheus:  # urllib's "unknown url type" is the user's typo, not an outage
+        print(f"gpuwatchd job: --prometheus {args.prometheus!r} is not a URL; did you mean "
+              f"http://{args.prometheus}?", file=sys.stderr)
+        return EXIT_USAGE
     prom = Prometheus(args.prometheus, timeout=args.timeout)
     try:
         jv = job_view(prom, args.job_id, lookback=args.lookback)

@@ -158,6 +158,8 @@ class JsonlSink:
         with contextlib.suppress(OSError):  # unwritable: each append fails, and is counted
             os.makedirs(state_dir, exist_ok=True)
         self.path = os.path.join(state_dir, filename)
+        with contextlib.suppress(OSError):  # a log an older daemon wrote 0600: readable by the group now
+            os.chmod(self.path, FILE_MODE)
         self.files = files
         self._lock = threading.Lock()
 
