@@ -112,18 +112,27 @@ def _wait_for_step(rank_dir: Path, job: str, p: subprocess.Popen[str], step: int
     raise AssertionError(f"step {step} never read (last {got}); rank out {out!r} err {err!r}")
 
 
+@pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("kind", ["file", "directory", "fifo"])
 def test_r4_another_users_tmp_name_does_not_stop_the_heartbeat(
         users: tuple[int, int], world: Path, ranks_started: list[subprocess.Popen[str]],
-        kind: str) -> None:
+        kind: str, when: str) -> None:
+    """U1 plants the old temp name (and, before U2 registers, the heartbeat's own name) before
+    U2's rank registers, or after its heartbeat is named in its rank file and beating (the
+    issue's case: the next beats failed and the rank paged ``rank_stalled``)."""
     ranks, job = world / "ranks", _job()
     plant = {"file": ["/usr/bin/touch"], "directory": ["/usr/bin/mkdir"],
              "fifo": ["/usr/bin/mkfifo"]}[kind]
-    for name in (f"{job}.0.hb.tmp", f"{job}.0.hb"):  # the old temp name and the file itself
-        assert as_user(U1, *plant, str(ranks / name)).returncode == 0
-    p = _start_rank(ranks_started, ranks, job, 60)
-    _wait_for_step(ranks, job, p, 10)
-    _step, mtime = _wait_for_step(ranks, job, p, 20)
+    names = [f"{job}.0.hb.tmp", f"{job}.0.hb"] if when == "before" else [f"{job}.0.hb.tmp"]
+    if when == "before":
+        for name in names:
+            assert as_user(U1, *plant, str(ranks / name)).returncode == 0
+    p = _start_rank(ranks_started, ranks, job, 80)
+    step, _ = _wait_for_step(ranks, job, p, 3)
+    if when == "after":
+        for name in names:
+            assert as_user(U1, *plant, str(ranks / name)).returncode == 0
+    _, mtime = _wait_for_step(ranks, job, p, (step or 0) + 15)
     assert time.time() - mtime < 5
 
 
