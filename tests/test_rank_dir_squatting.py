@@ -112,18 +112,27 @@ def _wait_for_step(rank_dir: Path, job: str, p: subprocess.Popen[str], step: int
     raise AssertionError(f"step {step} never read (last {got}); rank out {out!r} err {err!r}")
 
 
+@pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("kind", ["file", "directory", "fifo"])
 def test_r4_another_users_tmp_name_does_not_stop_the_heartbeat(
         users: tuple[int, int], world: Path, ranks_started: list[subprocess.Popen[str]],
-        kind: str) -> None:
+        kind: str, when: str) -> None:
+    """U1 plants the old temp name (and, before U2 registers, the heartbeat's own name) before
+    U2's rank registers, or after its heartbeat is named in its rank file and beating (the
+    issue's case: the next beats failed and the rank paged ``rank_stalled``)."""
     ranks, job = world / "ranks", _job()
     plant = {"file": ["/usr/bin/touch"], "directory": ["/usr/bin/mkdir"],
              "fifo": ["/usr/bin/mkfifo"]}[kind]
-    for name in (f"{job}.0.hb.tmp", f"{job}.0.hb"):  # the old temp name and the file itself
-        assert as_user(U1, *plant, str(ranks / name)).returncode == 0
-    p = _start_rank(ranks_started, ranks, job, 60)
-    _wait_for_step(ranks, job, p, 10)
-    _step, mtime = _wait_for_step(ranks, job, p, 20)
+    names = [f"{job}.0.hb.tmp", f"{job}.0.hb"] if when == "before" else [f"{job}.0.hb.tmp"]
+    if when == "before":
+        for name in names:
+            assert as_user(U1, *plant, str(ranks / name)).returncode == 0
+    p = _start_rank(ranks_started, ranks, job, 80)
+    step, _ = _wait_for_step(ranks, job, p, 3)
+    if when == "after":
+        for name in names:
+            assert as_user(U1, *plant, str(ranks / name)).returncode == 0
+    _, mtime = _wait_for_step(ranks, job, p, (step or 0) + 15)
     assert time.time() - mtime < 5
 
 
@@ -246,3 +255,35 @@ def test_r21_a_fifo_at_the_request_name_does_not_block_the_flight_recorder(
         time.sleep(0.1)
     assert doc is not None and doc.get("nonce") == "n-r21", "the responder never answered"
     assert doc["pid"] == p.pid
+
+
+def test_r4_r15_the_daemon_does_not_page_a_rank_another_user_blinds(
+        users: tuple[int, int], small_fs: Path, ranks_started: list[subprocess.Popen[str]]) -> None:
+    """The issue's pages, through the real daemon (stall after 3 s): U2's rank beats; U1 makes
+    ``JOB.0.hb.tmp`` a directory and fills the rank directory's file system. On a7db82e
+    ``rank_stalled`` was paged 3.7 s later (R4) and 3.9 s later (R15); now the step keeps rising."""
+    from daemonutil import DaemonProc, has_finding, write_config
+
+    home = small_fs.parent / "d"
+    home.mkdir()
+    cfg_path, cfg = write_config(home, rank_dir=str(small_fs), stall={"after_seconds": 3})
+    d = DaemonProc(cfg_path, cfg)
+    job = _job()
+    try:
+        _start_rank(ranks_started, small_fs, job, 400)
+        d.wait_for(lambda: (d.value("gpuwatch_rank_step", job_id=job, rank="0") or 0) >= 3,
+                   timeout=30, what="step 3 on /metrics")
+        assert as_user(U1, "/usr/bin/mkdir", str(small_fs / f"{job}.0.hb.tmp")).returncode == 0
+        fill = subprocess.Popen(["setpriv", f"--reuid={U1}", f"--regid={U1}", "--clear-groups",
+                                 "/usr/bin/python3", "-c", FILL, str(small_fs)],
+                                stdout=subprocess.PIPE, text=True)
+        ranks_started.append(fill)
+        assert fill.stdout is not None and fill.stdout.readline() == "full\n"
+        before = d.value("gpuwatch_rank_step", job_id=job, rank="0") or 0
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            assert not has_finding(d, "rank_stalled", job_id=job, rank="0"), d.log()
+            time.sleep(0.5)
+        assert (d.value("gpuwatch_rank_step", job_id=job, rank="0") or 0) >= before + 20
+    finally:
+        assert d.stop() == 0

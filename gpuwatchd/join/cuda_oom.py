@@ -92,9 +92,8 @@ class OomTracker:
         self._claims: dict[tuple[str, int], tuple[frozenset[int], float]] = {}
 
     def _remember(self, claims: Mapping[tuple[str, int], frozenset[int]], now: float) -> None:
-        for key, uids in claims.items():
-            old = self._claims.get(key)
-            self._claims[key] = ((old[0] | uids) if old else uids, now)
+        for key, uids in claims.items():  # a live claim replaces what was remembered of it
+            self._claims[key] = (uids, now)
         self._claims = {k: v for k, v in self._claims.items()
                         if now - v[1] <= CLAIM_MEMORY_SECONDS}
 

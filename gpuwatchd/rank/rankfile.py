@@ -120,7 +120,7 @@ def parse_rank_document(doc: Any, path: str = "", owner_uid: int | None = None) 
     unknown = set(doc) - TOP_KEYS
     if unknown:
         raise RankFileError(f"unknown key(s) {sorted(unknown)!r:.80}")
-    if doc.get("version") != SCHEMA_VERSION:
+    if isinstance(doc.get("version"), bool) or doc.get("version") != SCHEMA_VERSION:  # True == 1
         raise RankFileError(f"version must be {SCHEMA_VERSION}, got {doc.get('version')!r:.20}")
     job_id = doc.get("job_id")
     if not isinstance(job_id, str) or not JOB_ID_RE.match(job_id):
