@@ -91,7 +91,9 @@ def test_host_paths_match_the_config(rendered: dict[str, dict[str, Any]],
     for m in mounts.values():
         if m["name"] in host:
             assert host[m["name"]] == m["mountPath"], m  # same path inside and outside
-    assert mounts["/run/gpuwatch/ranks"]["readOnly"] is True
+    # writable: flight-recorder requests and counted CUDA-OOM event files (read-only, every
+    # request failed and each event was counted again each cycle)
+    assert not mounts["/run/gpuwatch/ranks"].get("readOnly", False)
     assert not mounts["/var/lib/gpuwatchd"].get("readOnly", False)
 
     cfg_file = tmp_path / "config.yaml"
