@@ -190,6 +190,8 @@ def _with_statement(job: RasJob, present: tuple[RasRank, ...]) -> RasJob:
             parts[0] += f"; the {len(ahead)} others wait in {fn} #{top}"
     statement = "; ".join(parts)
     dead = sum(r.missing == "dead" for r in job.missing)
+    named = tuple((r.rank, r.host, r.pid, r.missing or "behind") for r in culprits[:MAX_NAMED]) + \
+        tuple((r.rank, r.host, r.pid, "async_error") for r in job.errors[:MAX_NAMED])
     local = tuple(replace(s, dead=dead, unresponsive=len(job.missing) - dead, errors=len(job.errors),
-                          culprit=statement) for s in job.local)
+                          culprit=statement, culprits=named) for s in job.local)
     return replace(job, statement=statement, local=local)
