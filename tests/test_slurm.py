@@ -167,9 +167,8 @@ def test_task_prolog_turns_on_torchs_dump_pipe_for_a_job_that_opts_in(node: dict
     d = tmp / f"gpuwatch-fr-{os.getuid()}" / "77.0.3"
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
-        f"export TORCH_NCCL_DEBUG_INFO_PIPE_FILE={d}/pipe_", "export TORCH_FR_BUFFER_SIZE=2000",
-        "export TORCH_NCCL_TRACE_BUFFER_SIZE=2000", f"export TORCH_FR_DUMP_TEMP_FILE={d}/trace_",
-        f"export TORCH_NCCL_DEBUG_INFO_TEMP_FILE={d}/trace_"]
+        f"export TORCH_FR_DEBUG_INFO_PIPE_FILE={d}/pipe_", f"export TORCH_NCCL_DEBUG_INFO_PIPE_FILE={d}/pipe_",
+        "export TORCH_FR_BUFFER_SIZE=2000", f"export TORCH_FR_DUMP_TEMP_FILE={d}/trace_"]
     assert d.is_dir() and d.stat().st_mode & 0o777 == 0o700
     own = _hook("task_prolog.sh", _task_env(node, GPUWATCHD_FR_PIPE="1", TMPDIR=str(tmp),
                                             TORCH_NCCL_DEBUG_INFO_PIPE_FILE="/mine/p_"))

@@ -137,7 +137,7 @@ def test_the_pipe_dumps_and_a_fifo_not_the_ranks_is_never_written(
 
 
 def test_settings_follow_torchs_variables() -> None:
-    env = {"TORCH_NCCL_DEBUG_INFO_PIPE_FILE": "/tmp/p_", "TORCH_FR_BUFFER_SIZE": "2000"}
+    env = {"TORCH_FR_DEBUG_INFO_PIPE_FILE": "/tmp/p_", "TORCH_FR_BUFFER_SIZE": "2000"}
     s = settings(env, 3)
     assert s is not None and (s.pipe, s.dump) == ("/tmp/p_3.pipe", "/tmp/nccl_trace_rank_3")
     assert settings({**env, "TORCH_FR_BUFFER_SIZE": "0"}, 3) is None  # no trace buffer: no pipe

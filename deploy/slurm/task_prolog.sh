@@ -29,18 +29,17 @@ fr_pipe() {
     [ -d "$base" ] && [ ! -L "$base" ] && [ -O "$base" ] || return
     mkdir -m 700 "$dir" 2>/dev/null
     [ -d "$dir" ] && [ ! -L "$dir" ] && [ -O "$dir" ] || return
+    # the pipe under its current name and the one torch read before the TORCH_FR_ names; the
+    # buffer and the dump file only under the current names (the old ones are nccl_legacy_env)
+    echo "export TORCH_FR_DEBUG_INFO_PIPE_FILE=$dir/pipe_"
     echo "export TORCH_NCCL_DEBUG_INFO_PIPE_FILE=$dir/pipe_"
-    if [ -z "${TORCH_FR_BUFFER_SIZE:-}${TORCH_NCCL_TRACE_BUFFER_SIZE:-}" ]; then
+    [ -n "${TORCH_FR_BUFFER_SIZE:-}${TORCH_NCCL_TRACE_BUFFER_SIZE:-}" ] ||
         echo "export TORCH_FR_BUFFER_SIZE=2000"
-        echo "export TORCH_NCCL_TRACE_BUFFER_SIZE=2000"
-    fi
-    if [ -z "${TORCH_FR_DUMP_TEMP_FILE:-}${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-}" ]; then
+    [ -n "${TORCH_FR_DUMP_TEMP_FILE:-}${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-}" ] ||
         echo "export TORCH_FR_DUMP_TEMP_FILE=$dir/trace_"
-        echo "export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=$dir/trace_"
-    fi
 }
 if [ "${GPUWATCHD_FR_PIPE:-0}" = 1 ] && [ -n "${SLURM_JOB_ID:-}" ] && \
-        [ -z "${TORCH_NCCL_DEBUG_INFO_PIPE_FILE:-}" ]; then
+        [ -z "${TORCH_FR_DEBUG_INFO_PIPE_FILE:-}${TORCH_NCCL_DEBUG_INFO_PIPE_FILE:-}" ]; then
     fr_pipe
 fi
 

@@ -2,8 +2,9 @@
 environment (no ``register_rank()`` needed): a write to the rank's FIFO makes ProcessGroupNCCL
 dump its flight recorder, and training goes on.
 
-torch (``ProcessGroupNCCL.hpp``, ``struct DumpPipe``): with ``TORCH_NCCL_DEBUG_INFO_PIPE_FILE`` set
-and a trace buffer (``TORCH_FR_BUFFER_SIZE``, formerly ``TORCH_NCCL_TRACE_BUFFER_SIZE``, > 0) each
+torch (``ProcessGroupNCCL.hpp``, ``struct DumpPipe``): with ``TORCH_FR_DEBUG_INFO_PIPE_FILE``
+(formerly ``TORCH_NCCL_DEBUG_INFO_PIPE_FILE``) set and a trace buffer (``TORCH_FR_BUFFER_SIZE``,
+formerly ``TORCH_NCCL_TRACE_BUFFER_SIZE``, > 0) each
 rank makes the FIFO ``<stem><global rank>.pipe`` and polls it; on any byte it writes the dump to
 ``<prefix><global rank>`` (``TORCH_FR_DUMP_TEMP_FILE``, formerly ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``,
 default ``/tmp/nccl_trace_rank_``) as a pickle of plain containers.
@@ -31,8 +32,8 @@ from typing import Any
 
 from gpuwatchd.join.flight_recorder import MAX_ENTRIES_READ, MAX_GROUPS
 
-PIPE_VARS = ("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE",
-             "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+PIPE_VARS = ("TORCH_FR_DEBUG_INFO_PIPE_FILE", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_FR_BUFFER_SIZE",
+             "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 DEFAULT_DUMP_PREFIX = "/tmp/nccl_trace_rank_"
 MAX_DUMP_BYTES = 16 << 20  # 2,000 entries with their stack frames: a few MB
 # what gpuwatchd/join/flight_recorder.py parse_response reads of an entry and of a group's status
@@ -49,7 +50,7 @@ class PipeSettings:
 
 def settings(env: Mapping[str, str], rank: int) -> PipeSettings | None:
     """The rank's FIFO and dump paths, or None when its environment does not turn the pipe on."""
-    stem = env.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "")
+    stem = env.get("TORCH_FR_DEBUG_INFO_PIPE_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "")
     size = env.get("TORCH_FR_BUFFER_SIZE", env.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")).strip()
     if not stem or not size.isascii() or not size.isdigit() or int(size[:9]) <= 0:
         return None

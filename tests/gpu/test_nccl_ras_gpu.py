@@ -2,7 +2,7 @@
 
 A world-size-1 torchrun job trains on cuda:0 with the NCCL backend (tests/gpu/ras_train.py), with
 ``NCCL_RAS_ADDR`` on a free loopback port and torch's dump pipe turned on through its environment
-(``TORCH_NCCL_DEBUG_INFO_PIPE_FILE``, a trace buffer, ``TORCH_FR_DUMP_TEMP_FILE``), as the shipped
+(``TORCH_FR_DEBUG_INFO_PIPE_FILE`` and its old name, a trace buffer, ``TORCH_FR_DUMP_TEMP_FILE``), as the shipped
 Slurm TaskProlog sets them for a job that opts in. The real daemon watches (interval 0.5 s,
 ``stall.after_seconds`` 2 s, RAS every 1 s, the flight recorder every 5 s).
 
@@ -75,6 +75,7 @@ def test_nccl_ras_counts_and_the_dump_pipe_on_a_real_job(tmp_path: Path) -> None
            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1",
            "NCCL_RAS_ADDR": f"127.0.0.1:{free_port()}",
            "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": f"{tmp_path}/fr/pipe_",
+           "TORCH_FR_DEBUG_INFO_PIPE_FILE": f"{tmp_path}/fr/pipe_",
            "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
            "TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path}/fr/trace_",
            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{tmp_path}/fr/trace_"}
