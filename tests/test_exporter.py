@@ -26,6 +26,7 @@ from gpuwatchd.model import (
     RankMemory,
     RankState,
 )
+from gpuwatchd.model.nccl_ras import RasRankStatus
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -72,6 +73,8 @@ def full_state() -> tuple[NodeState, CounterStore]:
                       findings=findings, collectors=collectors, cycle_seconds=0.004,
                       rank_memory=memory, node_memory=node,
                       collectives=(CollectiveStatus("llm-7", 0, 10, "0", 5, 4, "nccl:all_reduce"),),
+                      nccl_ras=(RasRankStatus("llm-7", 0, 10, 0, 10239, {"AllReduce": 10234}, 90.0, 100.0,
+                                              dead=1, culprits=((3, "10.1.0.5", 4104, "dead"),)),),
                       oom_score_adj=-900)
     return state, counters
 
