@@ -146,10 +146,12 @@ class FlightRecorderSubsystem(Subsystem):
             return
         if ask is None or ask.answered:
             return
+        if now - ask.asked_at >= PIPE_GRACE_SECONDS:  # looked for no more until the next byte
+            if key in self._readings and self._readings[key].error == "waiting":
+                self._readings[key] = FrReading(e.job_id, e.rank, e.pid, error="no answer")
+            return
         mtime = dump_mtime(dump, uid)
         if mtime is None or mtime == ask.dump_before:
-            if now - ask.asked_at >= PIPE_GRACE_SECONDS:
-                self._readings[key] = FrReading(e.job_id, e.rank, e.pid, error="no answer")
             return
         try:
             doc = {"version": 1, "time": mtime, "trace": read_dump(dump, uid)}
