@@ -10,7 +10,7 @@ Slurm TaskProlog sets them for a job that opts in. The real daemon watches (inte
 2. The job stops calling ``heartbeat()`` but keeps training: gpuwatchd finds it stalled, asks
    its RAS port, joins the answer to rank 0 by PID, and ``gpuwatchd ps --json`` shows the
    rank's op counts (``nccl_ras[].ops``) grow from one answer to the next; the moving counts
-   keep ``rank_stalled`` from being raised.
+   keep the rank from being stalled (``gpuwatch_rank_stalled`` 0, no ``rank_stalled`` finding).
 3. Through the pipe: the daemon writes to the rank's FIFO, reads the pickled dump, and the
    rank's collective series appears (``gpuwatch_rank_collective_last_started_seq``); the job's
    step counter keeps growing after the dump (training goes on).
@@ -61,7 +61,9 @@ def ras_ops(cfg_path: Path, job_id: str) -> list[tuple[int, float]]:
 
 
 def stalled(d: DaemonProc, job_id: str) -> bool:
-    return d.value("gpuwatch_finding", kind="rank_stalled", job_id=job_id, rank="0") == 1.0
+    """The page's gauge and the finding agree that rank 0 is stalled."""
+    return d.value("gpuwatch_finding", kind="rank_stalled", job_id=job_id, rank="0") == 1.0 and \
+        d.value("gpuwatch_rank_stalled", job_id=job_id, rank="0") == 1.0
 
 
 def test_nccl_ras_counts_and_the_dump_pipe_on_a_real_job(tmp_path: Path) -> None:
@@ -114,7 +116,9 @@ def test_nccl_ras_counts_and_the_dump_pipe_on_a_real_job(tmp_path: Path) -> None
             return len(seen) >= 3 and seen[-1][0] > seen[-2][0] > seen[0][0]
 
         wait_until(counts_move, 60, "RAS op counts that grow in gpuwatchd ps --json", log)
-        assert not stalled(d, job_id), "moving RAS counts must keep rank_stalled away"
+        assert d.value("gpuwatch_rank_stalled", job_id=job_id, rank="0") == 0.0, \
+            "moving RAS counts must keep the rank from being stalled (the page's gauge)"
+        assert d.value("gpuwatch_finding", kind="rank_stalled", job_id=job_id, rank="0") is None
 
         wait_until(lambda: (d.value("gpuwatch_rank_collective_last_started_seq", job_id=job_id,
                                     rank="0", pg="0") or 0) > 0, 60,
