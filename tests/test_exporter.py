@@ -27,6 +27,7 @@ from gpuwatchd.model import (
     RankMemory,
     RankState,
 )
+from gpuwatchd.model.nccl_ras import RasRankStatus
 
 REPO = Path(__file__).resolve().parent.parent
 POD_UID = "0b8d1c2e-3f4a-4b5c-8d6e-7f8091a2b3c4"
@@ -76,6 +77,8 @@ def full_state() -> tuple[NodeState, CounterStore]:
                       findings=findings, collectors=collectors, cycle_seconds=0.004,
                       rank_memory=memory, node_memory=node,
                       collectives=(CollectiveStatus("llm-7", 0, 10, "0", 5, 4, "nccl:all_reduce"),),
+                      nccl_ras=(RasRankStatus("llm-7", 0, 10, 0, 10239, {"AllReduce": 10234}, 90.0, 100.0,
+                                              dead=1, culprits=((3, "10.1.0.5", 4104, "dead"),)),),
                       oom_score_adj=-900, memory_limit_bytes=256 << 20)
     return state, counters
 

@@ -195,7 +195,11 @@ def test_unanswered_ranks_are_asked_less_often_and_discovered_ones_never(tmp_pat
     mute = RankEntry("j", 0, pid)
     answering = RankEntry("j", 1, pid)
     found = RankEntry("j", 2, pid, source="environ")
-    daemon = SimpleNamespace(config=SimpleNamespace(rank_dir=str(tmp_path)))
+    from gpuwatchd.paths import HostPaths
+    from gpuwatchd.sources.procfs import ProcfsReader
+
+    daemon = SimpleNamespace(config=SimpleNamespace(rank_dir=str(tmp_path)), paths=HostPaths(),
+                             procfs=ProcfsReader(HostPaths()))  # its environment sets no dump pipe
     verdicts = {e.rank_id: StallVerdict("j", e.rank, pid, True, 0.0, True, "stack", 600.0)
                 for e in (mute, answering, found)}
     responder = fr.Responder(str(tmp_path), "j", 1, dump=lambda: {"entries": []})

@@ -18,12 +18,15 @@ from gpuwatchd.rank.flight_recorder import MAX_BYTES
 from gpuwatchd.sources import flight_recorder_files as frf
 
 N = 131_000
-SHAPES = {  # name -> Python expression of the bytes, all at most MAX_BYTES
-    "escaped quotes, unterminated": "b'\"' + b'\\\\\"' * N",
-    "backslash runs, unterminated": "b'\"' + b'\\\\' * (2 * N - 1)",
-    "quote then escapes and brackets": "b'[\"' + b'\\\\\"[{' * (N // 2)",
-    "many short unterminated strings": "b'\"a\\\\' * (N // 2)",
-    "many terminated strings in brackets": "b'[' + b'\"\\\\\"\",' * (N // 3) + b'1]'",
+# name -> (Python expression of the bytes, all at most MAX_BYTES; the bound in seconds): the
+# unterminated shapes are scanned once (1-3 ms here), the last is valid JSON of 43,000 strings whose
+# parse is real work (about 35 ms here)
+SHAPES = {
+    "escaped quotes, unterminated": ("b'\"' + b'\\\\\"' * N", 0.1),
+    "backslash runs, unterminated": ("b'\"' + b'\\\\' * (2 * N - 1)", 0.1),
+    "quote then escapes and brackets": ("b'[\"' + b'\\\\\"[{' * (N // 2)", 0.1),
+    "many short unterminated strings": ("b'\"a\\\\' * (N // 2)", 0.1),
+    "many terminated strings in brackets": ("b'[' + b'\"\\\\\"\",' * (N // 3) + b'1]'", 0.5),
 }
 CHILD = """
 import sys, time
@@ -31,26 +34,30 @@ from gpuwatchd.sources.flight_recorder_files import loads_answer
 N = {n}
 raw = {expr}
 assert len(raw) <= {cap}, len(raw)
-t = time.perf_counter()
-try:
-    loads_answer(raw)
-except ValueError:
-    pass
-print(len(raw), time.perf_counter() - t)
+best = 1e9
+for _ in range(5):  # the least of five: a busy machine preempts one run, never the five
+    t = time.perf_counter()
+    try:
+        loads_answer(raw)
+    except ValueError:
+        pass
+    best = min(best, time.perf_counter() - t)
+print(len(raw), best)
 """
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_an_adversarial_answer_is_bounded_in_linear_time(name: str) -> None:
-    code = CHILD.format(n=N, expr=SHAPES[name], cap=MAX_BYTES)
+    expr, bound = SHAPES[name]
+    code = CHILD.format(n=N, expr=expr, cap=MAX_BYTES)
     try:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=20, check=True).stdout.split()
+                             timeout=60, check=True).stdout.split()
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{name}: the check ran past 20 s (quadratic)")
+        pytest.fail(f"{name}: the check ran past 60 s (quadratic)")
     size, seconds = int(out[0]), float(out[1])
     assert size > 170_000
-    assert seconds < 0.1, f"{name}: {size} bytes took {seconds:.3f} s"
+    assert seconds < bound, f"{name}: {size} bytes took {seconds:.3f} s"
 
 
 def test_larger_than_the_cap_is_refused_before_any_pattern() -> None:

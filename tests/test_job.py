@@ -180,3 +180,24 @@ def test_job_names_the_rank_behind_in_the_flight_recorder_and_the_straggler(
         assert f"straggler: rank 2 on {node.address} makes 0.00 steps/s" in out.stdout
         doc = json.loads(_cli("fr-7", "--prometheus", prom.url, "--json").stdout)
         assert doc["behind"][0]["rank"] == "2" and doc["stragglers"][0]["rank"] == "2"
+
+
+def test_job_names_the_nccl_ras_culprit_every_node_names(tmp_path: Path) -> None:
+    """Two nodes' daemons each asked NCCL RAS about fr-8 and both name rank 3 on 10.1.0.5
+    (pid 4104) dead (``gpuwatch_nccl_ras_culprit``): `gpuwatchd job` says it once, with both."""
+    culprit = ('# TYPE gpuwatch_nccl_ras_culprit gauge\ngpuwatch_nccl_ras_culprit{job_id="fr-8",'
+               'nccl_rank="3",host="10.1.0.5",pid="4104",reason="dead"} 1\n')
+    a_ranks = [NodeRank("fr-8", 0, 1000, 4, gpu=0)]
+    b_ranks = [NodeRank("fr-8", 2, 2000, 4, gpu=0)]
+    with MetricsServer(node_exposition(a_ranks).replace("# EOF\n", "") + culprit) as a, \
+            MetricsServer(node_exposition(b_ranks).replace("# EOF\n", "") + culprit) as b, \
+            prometheus(tmp_path, [a.address, b.address]) as prom:
+        wait_until(lambda: len(prom.query('gpuwatch_nccl_ras_culprit{job_id="fr-8"}')) == 2, 30,
+                   "both nodes' culprit series")
+        out = _cli("fr-8", "--prometheus", prom.url)
+        nodes = ", ".join(sorted([a.address, b.address]))
+        assert f"NCCL RAS: rank 3 on 10.1.0.5 (pid 4104) is dead (seen from {nodes})" in out.stdout
+        assert out.stdout.count("NCCL RAS:") == 1
+        doc = json.loads(_cli("fr-8", "--prometheus", prom.url, "--json").stdout)
+        assert doc["nccl_ras_culprits"] == [{"nccl_rank": "3", "host": "10.1.0.5", "pid": "4104",
+                                             "reason": "dead", "seen_by": sorted([a.address, b.address])}]

@@ -160,12 +160,14 @@ def test_ras_names_the_culprit_and_hostile_ports_change_nothing(
 
         # counts that move: the rank is at work, not stalled, and ps --json shows them move
         d.wait_for(lambda: moving.name not in _findings(world, "rank_stalled")
-                   and len(_ops(world, moving.name)) == 2, timeout=20,
-                   what="no rank_stalled for a job whose RAS counts move")
+                   and len(_ops(world, moving.name)) == 2
+                   and d.value("gpuwatch_rank_stalled", job_id=moving.name, rank="0") == 0.0,
+                   timeout=20, what="not stalled (finding and gauge) while its RAS counts move")
         first = _ops(world, moving.name)[0]
         d.wait_for(lambda: _ops(world, moving.name).get(0, 0) > first, timeout=10,
                    what="op counts that move in state.json")
         assert moving.name not in _findings(world, "nccl_rank_missing")
+        assert d.value("gpuwatch_rank_stalled", job_id=dead.name, rank="0") == 1.0
 
         # hostile: nothing of theirs reaches a finding, and the daemon keeps its cycle
         end = time.monotonic() + 5
@@ -176,6 +178,8 @@ def test_ras_names_the_culprit_and_hostile_ports_change_nothing(
             stalled = _findings(world, "rank_stalled")
             assert "NCCL RAS" not in stalled.get(squat.name, "")
             assert d.value("gpuwatch_collector_success", collector="nccl_ras") != 0.0
+            # slow and silent listeners cost the cycle one time-out (1 s) for all of them
+            assert (d.value("gpuwatch_cycle_duration_seconds") or 0) < 2.5
             time.sleep(0.5)
         assert squat.name in _findings(world, "rank_stalled")  # the stall itself still pages
         assert all(f"ras{m}" in _findings(world, "rank_stalled") for m in hostile)

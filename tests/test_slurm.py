@@ -157,3 +157,28 @@ def test_scripts_are_executable_and_parse() -> None:
     readme = (SLURM / "README.md").read_text()
     for script in ("prolog.sh", "epilog.sh", "task_prolog.sh", "task_epilog.sh"):
         assert script in readme
+
+
+def test_task_prolog_turns_on_torchs_dump_pipe_for_a_job_that_opts_in(node: dict[str, object]) -> None:
+    """GPUWATCHD_FR_PIPE=1: export lines for torch's dump pipe into a directory private to the
+    task; the TaskEpilog removes it. A base directory another user made first turns it off."""
+    tmp = Path(str(node["tmp"]))
+    out = _hook("task_prolog.sh", _task_env(node, GPUWATCHD_FR_PIPE="1", TMPDIR=str(tmp)))
+    d = tmp / f"gpuwatch-fr-{os.getuid()}" / "77.0.3"
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        f"export TORCH_FR_DEBUG_INFO_PIPE_FILE={d}/pipe_", f"export TORCH_NCCL_DEBUG_INFO_PIPE_FILE={d}/pipe_",
+        "export TORCH_FR_BUFFER_SIZE=2000", f"export TORCH_FR_DUMP_TEMP_FILE={d}/trace_"]
+    assert d.is_dir() and d.stat().st_mode & 0o777 == 0o700
+    own = _hook("task_prolog.sh", _task_env(node, GPUWATCHD_FR_PIPE="1", TMPDIR=str(tmp),
+                                            TORCH_NCCL_DEBUG_INFO_PIPE_FILE="/mine/p_"))
+    assert own.stdout == ""  # the job's own setting wins
+    assert _hook("task_epilog.sh", _task_env(node, GPUWATCHD_FR_PIPE="1", TMPDIR=str(tmp))).returncode == 0
+    assert not d.exists()
+
+    theirs = tmp / "other"
+    theirs.mkdir()
+    (theirs / f"gpuwatch-fr-{os.getuid()}").mkdir()
+    os.chown(theirs / f"gpuwatch-fr-{os.getuid()}", 65534, 65534)
+    squatted = _hook("task_prolog.sh", _task_env(node, GPUWATCHD_FR_PIPE="1", TMPDIR=str(theirs)))
+    assert squatted.returncode == 0 and squatted.stdout == ""

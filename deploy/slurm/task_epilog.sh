@@ -5,6 +5,16 @@
 # killed step left behind.
 export PATH=/usr/local/bin:/usr/bin:/bin
 
+# The task's flight-recorder pipe directory (task_prolog.sh, GPUWATCHD_FR_PIPE=1): removed when
+# it is the user's own directory, never through a link.
+if [ "${GPUWATCHD_FR_PIPE:-0}" = 1 ] && [ -n "${SLURM_JOB_ID:-}" ]; then
+    fr_dir="${TMPDIR:-/tmp}/gpuwatch-fr-$(id -u)/$SLURM_JOB_ID.${SLURM_STEP_ID:-0}.${SLURM_PROCID:-0}"
+    case "$fr_dir" in
+        *[!A-Za-z0-9_./-]*) ;;
+        *) [ -d "$fr_dir" ] && [ ! -L "$fr_dir" ] && [ -O "$fr_dir" ] && rm -rf -- "$fr_dir" ;;
+    esac
+fi
+
 [ "${GPUWATCHD_SLURM_REGISTER:-1}" = 0 ] && exit 0
 [ -n "${SLURM_JOB_ID:-}" ] && [ -n "${SLURM_PROCID:-}" ] || exit 0
 

@@ -93,6 +93,8 @@ class JobView:
     behind: list[tuple[RankView, str, int, int]] = field(default_factory=list)
     median_step_rate: float | None = None
     stragglers: list[RankView] = field(default_factory=list)
+    # NCCL RAS's culprits (gpuwatch_nccl_ras_culprit), with the nodes whose daemon named them
+    ras_culprits: list[dict[str, Any]] = field(default_factory=list)
 
     def counts(self) -> dict[str, int]:
         out = {s: 0 for s in (UP, STALLED, DEAD, OOM_KILLED, MISSING)}
@@ -114,6 +116,7 @@ class JobView:
             "stragglers": [{"instance": r.instance, "rank": r.rank, "step_rate": r.step_rate}
                            for r in self.stragglers],
             "ranks": [asdict(r) for r in self.ranks],
+            "nccl_ras_culprits": self.ras_culprits,
         }
 
 
@@ -295,12 +298,20 @@ def job_view(prom: Prometheus, job_id: str, lookback: str = "1h", at: float | No
     for s in prom.query(f"deriv(gpuwatch_rank_step{sel}[{STEP_WINDOW}])", at):
         view(s["metric"]).step_rate = float(s["value"][1])
     seqs: dict[str, list[tuple[tuple[str, str], int]]] = {}
+    jv_culprits: dict[tuple[str, str, str, str], list[str]] = {}
+    for s in prom.query(f"gpuwatch_nccl_ras_culprit{sel}", at):  # every node names the same ones
+        m = s["metric"]
+        seen_by = jv_culprits.setdefault((m.get("nccl_rank", ""), m.get("host", ""), m.get("pid", ""),
+                                          m.get("reason", "")), [])
+        seen_by.append(m.get("instance", ""))
     for s in prom.query(f"gpuwatch_rank_collective_last_started_seq{sel}", at):
         seqs.setdefault(s["metric"].get("pg", ""), []).append(
             (_key(s["metric"]), int(float(s["value"][1]))))
 
     order = sorted(ranks.values(), key=lambda r: (r.rank_number, r.rank, r.instance))
     jv = JobView(job_id=job_id, ranks=order)
+    jv.ras_culprits = [{"nccl_rank": k[0], "host": k[1], "pid": k[2], "reason": k[3],
+                        "seen_by": sorted(set(v))} for k, v in sorted(jv_culprits.items())]
     for pg, entered in sorted(seqs.items()):
         top = max(seq for _, seq in entered)
         jv.behind += [(view({"instance": k[0], "rank": k[1]}), pg, seq, top)
@@ -362,6 +373,9 @@ def render_text(jv: JobView) -> str:
     for r, pg, seq, top in jv.behind:
         lines.append(f"flight recorder: rank {r.rank} on {r.instance} never entered collective "
                      f"#{top} of process group {pg} (its last: #{seq})")
+    for cul in jv.ras_culprits:
+        lines.append(f"NCCL RAS: rank {cul['nccl_rank']} on {cul['host']} (pid {cul['pid']}) is "
+                     f"{cul['reason'].replace('_', ' ')} (seen from {', '.join(cul['seen_by'])})")
     for r in jv.stragglers:
         lines.append(f"straggler: rank {r.rank} on {r.instance} makes {r.step_rate:.2f} steps/s, "
                      f"{(r.step_rate or 0) / (jv.median_step_rate or 1):.2f}x the job's median "

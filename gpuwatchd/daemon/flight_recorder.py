@@ -9,6 +9,12 @@ a file system error loses that rank's request this cycle, never the other ranks'
 with a rank file are asked (the responder runs in ``register_rank()``); an unanswered rank is asked
 again after 2, 4, then at most ``MAX_BACKOFF`` x the interval, and its answer file is looked for
 every cycle for the first half-interval after a request, then every ``LATE_POLL_SECONDS``.
+
+A rank whose own environment turns on PyTorch's dump pipe (``TORCH_NCCL_DEBUG_INFO_PIPE_FILE`` and
+a trace buffer: gpuwatchd/sources/torch_dump_pipe.py) is asked through that pipe instead, rank
+file or not: one byte into its FIFO (only a FIFO owned by the rank's uid), then its pickled dump
+is read where the rank writes it once its mtime moves, within ``PIPE_GRACE_SECONDS``. Its
+environment is read once per rank process, and only while its job is stalled or suspect.
 """
 
 from __future__ import annotations
@@ -25,6 +31,15 @@ from gpuwatchd.model import ProcessInfo, RankEntry, RankId
 from gpuwatchd.model.stall import StallVerdict
 from gpuwatchd.rank.flight_recorder import request_path, response_path
 from gpuwatchd.sources.flight_recorder_files import read_response, write_request
+from gpuwatchd.sources.torch_dump_pipe import (
+    PIPE_VARS,
+    PipeSettings,
+    dump_mtime,
+    in_root,
+    read_dump,
+    settings,
+    trigger,
+)
 
 log = logging.getLogger(__name__)
 # The rank's thread polls every 0.5 s: an answer missing this long after the request is "no
@@ -38,6 +53,9 @@ MAX_BACKOFF = 8
 # After the grace, an unanswered request's answer file is looked for this often, not every cycle
 # (a late answer still counts; 64 ranks without a responder cost an open() each per cycle).
 LATE_POLL_SECONDS = 30.0
+# torch's heartbeat monitor looks at the pipe about every second (TORCH_NCCL_COORD_CHECK_MILSEC)
+# and may wait for the GIL before writing: a dump this late after the byte is "no answer".
+PIPE_GRACE_SECONDS = 15.0
 
 
 @dataclass
@@ -48,6 +66,7 @@ class _Ask:
     answered: bool = False
     misses: int = 0  # requests in a row that got no answer within the grace, this one excepted
     polled_at: float = 0.0  # the last look for its answer
+    dump_before: float | None = None  # through the pipe: the dump file's mtime before the byte
 
 
 class FlightRecorderSubsystem(Subsystem):
@@ -60,6 +79,7 @@ class FlightRecorderSubsystem(Subsystem):
         self._asks: dict[RankId, _Ask] = {}
         self._readings: dict[RankId, FrReading] = {}
         self._request_error: str | None = None  # why the last request could not be written
+        self._pipes: dict[RankId, tuple[int, PipeSettings | None]] = {}  # (pid, settings)
 
     def track(self, daemon: DaemonContext, ranks: Ranks,
               verdicts: Mapping[RankId, StallVerdict]) -> FlightOutput:  # fmt: skip
@@ -73,8 +93,14 @@ class FlightRecorderSubsystem(Subsystem):
         for key in set(self._asks) | set(self._readings):
             if key not in live or live[key].pid != (self._asks.get(key) or self._readings[key]).pid:
                 self._forget(rank_dir, key)
+        for key in set(self._pipes) - set(live):
+            del self._pipes[key]
         for key, e in live.items():
             ask = self._asks.get(key)
+            pipe = self._pipe_of(daemon, e) if e.job_id in stalled_jobs or key in self._pipes else None
+            if pipe is not None:
+                self._through_pipe(daemon, e, pipe, processes[e.pid].uid, now, e.job_id in stalled_jobs)
+                continue
             if e.source != "rankfile":
                 continue  # discovered: no responder (it runs in register_rank())
             if e.job_id in stalled_jobs and (ask is None or now - ask.asked_at >= self._wait(ask)):
@@ -90,6 +116,50 @@ class FlightRecorderSubsystem(Subsystem):
                     self._readings[key] = FrReading(e.job_id, e.rank, e.pid, error="no answer")
         readings = {k: r for k, r in self._readings.items() if k[0] in stalled_jobs}
         return FlightOutput(readings, tuple(g for r in self._readings.values() for g in r.groups))
+
+    def _pipe_of(self, daemon: DaemonContext, e: RankEntry) -> PipeSettings | None:
+        known = self._pipes.get(e.rank_id)
+        if known is not None and known[0] == e.pid:
+            return known[1]
+        env = daemon.procfs.environ_values(e.pid, PIPE_VARS)
+        if env is None:
+            return None  # unreadable for now: asked again next cycle
+        found = settings(env, e.rank)
+        self._pipes[e.rank_id] = (e.pid, found)
+        return found
+
+    def _through_pipe(self, daemon: DaemonContext, e: RankEntry, pipe: PipeSettings, uid: int,
+                      now: float, stalled: bool) -> None:
+        key, ask = e.rank_id, self._asks.get(e.rank_id)
+        root = daemon.paths.proc(e.pid, "root")
+        dump = in_root(root, pipe.dump)
+        if stalled and (ask is None or now - ask.asked_at >= self._wait(ask)):
+            before = dump_mtime(dump, uid)
+            try:
+                trigger(in_root(root, pipe.pipe), uid)
+            except (OSError, ValueError) as exc:
+                self._readings[key] = FrReading(e.job_id, e.rank, e.pid, error=f"pipe refused: {exc}"[:200])
+                self._asks[key] = _Ask(e.pid, "", now, answered=True)  # asked again at the interval
+                return
+            misses = 0 if ask is None or ask.answered else min(ask.misses + 1, MAX_BACKOFF)
+            self._asks[key] = _Ask(e.pid, "", now, misses=misses, dump_before=before)
+            self._readings.setdefault(key, FrReading(e.job_id, e.rank, e.pid, error="waiting"))
+            return
+        if ask is None or ask.answered:
+            return
+        if now - ask.asked_at >= PIPE_GRACE_SECONDS:  # looked for no more until the next byte
+            if key in self._readings and self._readings[key].error == "waiting":
+                self._readings[key] = FrReading(e.job_id, e.rank, e.pid, error="no answer")
+            return
+        mtime = dump_mtime(dump, uid)
+        if mtime is None or mtime == ask.dump_before:
+            return
+        try:
+            doc = {"version": 1, "time": mtime, "trace": read_dump(dump, uid)}
+            self._readings[key] = parse_response(doc, e.job_id, e.rank, e.pid)
+        except (OSError, ValueError) as exc:
+            self._readings[key] = FrReading(e.job_id, e.rank, e.pid, error=f"refused: {exc}"[:200])
+        ask.answered = True
 
     def _wait(self, ask: _Ask | None) -> float:
         """How long after ``ask`` the next request may go (MAX_BACKOFF)."""

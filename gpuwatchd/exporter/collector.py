@@ -275,6 +275,10 @@ class StateCollector:
                      ["job_id", "reason"])
         errors = _g("nccl_ras_async_error_ranks", "Ranks of the job with an asynchronous NCCL error "
                     "or the abort flag set, per NCCL RAS.", ["job_id"])
+        culprit = _g("nccl_ras_culprit", "1 per rank that NCCL RAS names as the one its job waits for "
+                     "(reason: dead, unresponsive, missing, behind, async_error), at most 4 of each; "
+                     "nccl_rank is its rank in NCCL's world communicator, host its RAS address.",
+                     ["job_id", "nccl_rank", "host", "pid", "reason"])
         jobs: set[str] = set()
         for r in s.nccl_ras:
             ops.add_metric([r.job_id, str(r.rank)], r.ops)
@@ -284,7 +288,9 @@ class StateCollector:
                 missing.add_metric([r.job_id, "dead"], r.dead)
                 missing.add_metric([r.job_id, "unresponsive"], r.unresponsive)
                 errors.add_metric([r.job_id], r.errors)
-        return [ops, still, missing, errors]
+                for rank, host, pid, reason in r.culprits:
+                    culprit.add_metric([r.job_id, str(rank), host, str(pid), reason], 1)
+        return [ops, still, missing, errors, culprit]
 
     def _findings(self, s: NodeState) -> list[Metric]:
         m = _g("finding", "1 per active finding (diagnosis); the explanation is in the events log, "

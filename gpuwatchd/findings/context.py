@@ -108,16 +108,6 @@ def collective_words(ctx: FindingContext, job_id: str) -> list[str]:
     return first + compare(x for k, x in ctx.flight_records.items() if k[0] == job_id)
 
 
-def ras_moving(ctx: FindingContext, r: RankState) -> bool:
-    """NCCL RAS's latest answer for ``r``'s job, asked within two intervals, shows ``r``'s
-    operation count moved since the answer before: the rank issues collectives, so a stack that
-    waits in one at every look is a rank at work, not a stalled one."""
-    ras = ctx.nccl_ras.get(r.job_id)
-    if ras is None or ras.progressing is not True or \
-            ctx.now - ras.asked_at > 2 * ctx.config.stall.nccl_ras_interval_seconds:
-        return False
-    return any(s.pid == r.pid and s.moved_at == ras.asked_at for s in ras.local)
-
 
 def rank_label(r: RankState) -> str:
     """"rank 0 of job llm (pid 48213 (1 in its container), Kubernetes pod 0b8d...)"."""

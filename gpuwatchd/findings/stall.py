@@ -32,7 +32,6 @@ from gpuwatchd.findings.context import (
     rank_gpus,
     rank_label,
     ranks_gpu_memory,
-    ras_moving,
 )
 from gpuwatchd.model import INFO, PAGE, WARNING, Finding, RankId, RankState
 from gpuwatchd.model.stall import StallVerdict
@@ -106,8 +105,6 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
             yield _unconfirmed(r, v, ctx)
             continue
         if v is None or not r.alive or not r.stalled or not v.stalled or v.pid != r.pid:
-            continue
-        if ras_moving(ctx, r):  # NCCL RAS: its collectives count up, so it is at work
             continue
         since = ""
         if v.progress_timestamp is not None:

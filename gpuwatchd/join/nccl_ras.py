@@ -108,6 +108,15 @@ class _Seen:
     any_moved_at: float
 
 
+def counts_moving(ras: RasJob | None, pid: int, now: float, interval: float) -> bool:
+    """RAS's latest answer for the job, asked within two intervals, shows the rank ``pid``'s
+    operation count moved since the answer before: it issues collectives, so a stack that waits
+    in one at every look (or a heartbeat that stopped) is a rank at work, not a stalled one."""
+    if ras is None or ras.progressing is not True or now - ras.asked_at > 2 * interval:
+        return False
+    return any(s.pid == pid and s.moved_at == ras.asked_at for s in ras.local)
+
+
 def _lagging_op(present: tuple[RasRank, ...]) -> tuple[str, int]:
     """The function the ranks disagree on most (else the busiest), and its highest count."""
     best, spread = "", -1
@@ -190,6 +199,8 @@ def _with_statement(job: RasJob, present: tuple[RasRank, ...]) -> RasJob:
             parts[0] += f"; the {len(ahead)} others wait in {fn} #{top}"
     statement = "; ".join(parts)
     dead = sum(r.missing == "dead" for r in job.missing)
+    named = tuple((r.rank, r.host, r.pid, r.missing or "behind") for r in culprits[:MAX_NAMED]) + \
+        tuple((r.rank, r.host, r.pid, "async_error") for r in job.errors[:MAX_NAMED])
     local = tuple(replace(s, dead=dead, unresponsive=len(job.missing) - dead, errors=len(job.errors),
-                          culprit=statement) for s in job.local)
+                          culprit=statement, culprits=named) for s in job.local)
     return replace(job, statement=statement, local=local)

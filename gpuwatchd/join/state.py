@@ -15,6 +15,7 @@ from gpuwatchd import findings
 from gpuwatchd.config import Config
 from gpuwatchd.findings.context import RuleReadings, readings_of
 from gpuwatchd.join import rank_claims
+from gpuwatchd.join.nccl_ras import counts_moving
 from gpuwatchd.model import (
     BadRankFile,
     CgroupPaths,
@@ -137,7 +138,8 @@ def build_state(inputs: CycleInputs, memory: JoinMemory | None = None) -> tuple[
             world_size=e.world_size, alive=alive, process=proc if alive else None, tree=tree,
             gpus=e.gpus, progress_timestamp=inputs.progress.get(
                 rid, inputs.heartbeats.get(rid)),
-            stalled=bool(inputs.stalled.get(rid, False)) and alive,
+            stalled=bool(inputs.stalled.get(rid, False)) and alive and not counts_moving(
+                inputs.nccl_ras.get(e.job_id), e.pid, now, inputs.config.stall.nccl_ras_interval_seconds),
             died_at=died_at.get(key), ns_pid=e.ns_pid, container=e.container,
             step=inputs.steps.get(rid) if alive else None,
         ))

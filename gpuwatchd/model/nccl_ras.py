@@ -50,6 +50,9 @@ class RasRankStatus:
     unresponsive: int = 0
     errors: int = 0
     culprit: str = ""
+    # the ranks named in it: (RAS rank, host, pid, "dead" | "unresponsive" | "missing" | "behind"
+    # | "async_error"), at most join/nccl_ras.py MAX_NAMED of each kind
+    culprits: tuple[tuple[int, str, int, str], ...] = ()
 
 
 @dataclass(frozen=True)
