@@ -381,6 +381,8 @@ def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
     for probe in ("threads", "dump"):
         add("gpuwatch_cycle_deferred_probes_total", "counter", {"probe": probe}, 0)
     add("gpuwatch_process_oom_score_adj", "gauge", {}, -900)
+    add("gpuwatch_config_last_reload_successful", "gauge", {}, 1)
+    add("gpuwatch_config_last_reload_success_timestamp_seconds", "gauge", {}, now - 3600)
     add("gpuwatch_process_memory_limit_bytes", "gauge", {}, 256 * 2**20)
     add("process_resident_memory_bytes", "gauge", {}, 40 * 2**20)
     add("process_cpu_seconds_total", "counter", {}, now % 1000 / 100)
@@ -434,6 +436,13 @@ def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
         add("gpuwatch_rank_collective_last_started_seq", "gauge", {**jr, "pg": "0"},
             4 if r.stalled else 5)
         add("gpuwatch_rank_collective_last_completed_seq", "gauge", {**jr, "pg": "0"}, 4)
+        if any(p.stalled for p in ranks if p.job_id == r.job_id):  # NCCL RAS asked: a suspect job
+            add("gpuwatch_nccl_ras_rank_operations", "gauge", jr, 10234 if r.stalled else 10239)
+            add("gpuwatch_nccl_ras_rank_operations_unchanged_seconds", "gauge", jr, 90.0)
+            add("gpuwatch_nccl_ras_missing_ranks", "gauge", {"job_id": r.job_id, "reason": "dead"}, 1)
+            add("gpuwatch_nccl_ras_async_error_ranks", "gauge", {"job_id": r.job_id}, 0)
+            add("gpuwatch_nccl_ras_culprit", "gauge", {"job_id": r.job_id, "nccl_rank": "3",
+                                                       "host": "10.1.0.5", "pid": "4104", "reason": "dead"}, 1)
         for reason in ("gpu_idle", "sw_power_cap", "hw_slowdown", "hw_thermal"):
             add("gpuwatch_gpu_clock_throttled", "gauge", {**g, "reason": reason}, 0)
         add("gpuwatch_cuda_oom_errors_total", "counter", {**jr, "gpu": str(r.gpu)}, 0)

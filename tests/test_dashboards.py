@@ -191,7 +191,8 @@ def _real_daemon_metric_names(tmp_path: Path) -> set[str]:
     for name, labels in COUNTER_LABELS.items():
         counters.inc(name, tuple("x" for _ in labels))
     # families that need a GPU (NVML), a heartbeat step or a flight-recorder answer
-    from gpuwatchd.model import CollectiveStatus, GpuDevice, RankState
+    from gpuwatchd.model import GpuDevice, RankState
+    from gpuwatchd.model.collectives import CollectiveStatus
 
     fuller = NodeState(
         timestamp=time.time(), memory_limit_bytes=256 << 20,
@@ -245,7 +246,7 @@ def test_every_panel_returns_data_from_prometheus(tmp_path: Path) -> None:
         time.sleep(2)
         for r in ranks:
             r.gil_samples, r.gil_held = 150, 40
-        ranks[1].oom_kills, ranks[1].up = 1, False
+        ranks[1].oom_kills, ranks[1].up, ranks[1].exit_cause = 1, False, "oom_kill"
         node.text = node_exposition(ranks)
         time.sleep(3)
         ranks[2].stalled = True

@@ -418,6 +418,32 @@ JOB_ROWS: list[tuple[str, list[Panel]]] = [
                           "`* on (uid) group_left (namespace, pod) kube_pod_info` names the pod "
                           "(docs/integration.md). Empty outside Kubernetes."),
     ]),
+    ("Rank exits and NCCL's own view", [
+        Panel("Rank exits by cause (range)", "table",
+              [table(f"sum by (instance, rank, cause) (max_over_time(gpuwatch_rank_exits_total{{{JR}}}"
+                     f"[$__range]))")], unit="none", width=12, height=6,
+              description="Every exit of a rank of the job, by cause (exit_0, exit_nonzero, the "
+                          "signal, oom_kill, unknown), read the moment it ended. `gpuwatchd events` "
+                          "on the node says which rank failed first and which were torn down after "
+                          "it (docs/runbooks.md#rank-exits)."),
+        Panel("NCCL RAS: the culprit", "table",
+              [table(f"gpuwatch_nccl_ras_culprit{{{J}}} == 1")], width=12, height=6,
+              description="The ranks NCCL's RAS names when the job's counts stop: dead, "
+                          "unresponsive, or behind (lowest operation count), with host and pid, as "
+                          "seen from each node. Asked only for suspect jobs (docs/runbooks.md)."),
+        Panel("NCCL RAS: collective operations per rank", "timeseries",
+              [graph(f"gpuwatch_nccl_ras_rank_operations{{{JR}}}", "rank {{rank}} ({{instance}})")],
+              unit="none", min=0,
+              description="Collective operations each local rank has issued, per NCCL RAS, while "
+                          "the job is suspect: moving counts mean the job progresses."),
+        Panel("NCCL RAS: seconds since the counts moved", "timeseries",
+              [graph(f"gpuwatch_nccl_ras_rank_operations_unchanged_seconds{{{JR}}}",
+                     "rank {{rank}} ({{instance}})")], unit="s", min=0),
+        Panel("NCCL RAS: missing ranks and async errors", "timeseries",
+              [graph(f"gpuwatch_nccl_ras_missing_ranks{{{J}}}", "missing: {{reason}} ({{instance}})"),
+               graph(f"gpuwatch_nccl_ras_async_error_ranks{{{J}}}", "async error ({{instance}})")],
+              unit="none", min=0, width=24, height=6),
+    ]),
     ("State over time", [
         Panel("Ranks up / down", "timeseries",
               [graph(f"count(gpuwatch_rank_up{{{J}}} == 1) or vector(0)", "up"),
@@ -600,6 +626,15 @@ HEALTH_ROWS: list[tuple[str, list[Panel]]] = [
                           "helpers, never counted as the node's OOM kills. Each run is killed by "
                           "the daemon itself at 64 MiB RSS, so this stays 0 unless MemoryMax is "
                           "lowered."),
+        Panel("Last config reload", "stat",
+              [stat("gpuwatch_config_last_reload_successful", "{{instance}}"),
+               stat("time() - gpuwatch_config_last_reload_success_timestamp_seconds",
+                    "{{instance}} seconds since the last good load")], unit="none",
+              thresholds=[(None, "red"), (1, "green")],
+              description="1 when the last load of the config file (start or SIGHUP) succeeded; "
+                          "0 when a reload was refused and the old config still runs (the log "
+                          "names every bad key). gpuwatch_config_last_reload_success_timestamp_"
+                          "seconds says when it last succeeded."),
         Panel("Daemon oom_score_adj", "stat",
               [stat("gpuwatch_process_oom_score_adj", "{{instance}}")], unit="none",
               description="The daemon's own /proc/self/oom_score_adj: -900 when the unit's "

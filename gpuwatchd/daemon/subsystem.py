@@ -29,7 +29,6 @@ from gpuwatchd.join.straggler import RankRate
 from gpuwatchd.model import (
     AttributedOom,
     CgroupPaths,
-    CollectiveStatus,
     CollectorStatus,
     GilReading,
     GpuDevice,
@@ -44,6 +43,7 @@ from gpuwatchd.model import (
     RankMemory,
     frozen_map,
 )
+from gpuwatchd.model.collectives import CollectiveStatus
 from gpuwatchd.model.events import Event
 from gpuwatchd.model.exits import RankExit
 from gpuwatchd.model.nccl_ras import RasJob

@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatchd.escape import printable
-from gpuwatchd.model import CollectiveStatus
+from gpuwatchd.model.collectives import MAX_ENTRIES_READ, MAX_GROUPS, CollectiveStatus
 
-MAX_GROUPS = 16  # process groups exported per rank (series budget)
-MAX_ENTRIES_READ = 4096
+
 def _label(value: Any, limit: int, what: str) -> str:
     text = str(value)[:limit]
     if not text.isprintable():

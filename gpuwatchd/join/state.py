@@ -19,7 +19,6 @@ from gpuwatchd.join.nccl_ras import counts_moving
 from gpuwatchd.model import (
     BadRankFile,
     CgroupPaths,
-    CollectiveStatus,
     CollectorStatus,
     Finding,
     GpuDevice,
@@ -35,6 +34,7 @@ from gpuwatchd.model import (
     frozen_map,
     rank_alive,
 )
+from gpuwatchd.model.collectives import CollectiveStatus
 
 
 @dataclass(frozen=True)

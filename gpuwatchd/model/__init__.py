@@ -12,10 +12,10 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
-if TYPE_CHECKING:
-    from gpuwatchd.model.nccl_ras import RasRankStatus  # it imports this module
+from gpuwatchd.model.collectives import CollectiveStatus
+from gpuwatchd.model.nccl_ras import RasRankStatus
 
 # nvml.h clocksEventReasons bits -> the reason label of gpuwatch_gpu_clock_throttled
 THROTTLE_REASONS: Mapping[str, int] = {
@@ -309,20 +309,6 @@ class NodeMemoryState:
     pressure_some_avg10: float | None = None
     pressure_some_seconds: float | None = None
     pressure_full_seconds: float | None = None
-
-
-@dataclass(frozen=True)
-class CollectiveStatus:
-    """One process group of one rank, from its flight-recorder dump (gpuwatchd/join/flight_recorder.py)."""
-
-    job_id: str
-    rank: int
-    pid: int
-    pg: str  # process group id as the flight recorder names it ("0" = the default group)
-    last_started: int  # highest collective sequence number the rank entered (-1: none)
-    last_completed: int  # highest one it completed (-1: none)
-    last_name: str = ""  # profiling name of the last one entered, e.g. "gloo:all_reduce"
-    timestamp: float = 0.0  # when the rank wrote the dump
 
 
 @dataclass(frozen=True)

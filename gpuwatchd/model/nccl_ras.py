@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-
-from gpuwatchd.model import frozen_map
+from types import MappingProxyType
 
 
 @dataclass(frozen=True)
@@ -17,7 +16,7 @@ class RasRank:
     host: str
     pid: int
     cuda_dev: int = -1
-    counts: Mapping[str, int] = field(default_factory=frozen_map)  # function -> operations issued
+    counts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))  # function -> operations issued
     init_state: int = 0
     async_error: int = 0
     abort: bool = False

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpuwatchd.join.flight_recorder import MAX_ENTRIES_READ, MAX_GROUPS
+from gpuwatchd.model.collectives import MAX_ENTRIES_READ, MAX_GROUPS
 
 PIPE_VARS = ("TORCH_FR_DEBUG_INFO_PIPE_FILE", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_FR_BUFFER_SIZE",
              "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
