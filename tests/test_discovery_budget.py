@@ -91,3 +91,20 @@ def test_r7_a_users_huge_environments_do_not_starve_roots_rank(
         if spawner.stdin is not None:
             spawner.stdin.close()
         spawner.wait(60)
+
+
+def test_r5_a_unicode_digit_rank_does_not_fail_the_pass(procs: list[subprocess.Popen[Any]]) -> None:
+    """``RANK=²`` passes ``str.isdigit()`` and fails ``int()``: it raised out of the whole pass,
+    so every discovered rank froze. Now that process names no rank and the pass goes on."""
+    from gpuwatchd.paths import HostPaths
+    from gpuwatchd.sources.discovery import discover
+    from gpuwatchd.sources.procfs import ProcfsReader
+
+    job = f"digits{os.getpid()}"
+    sleep = ["/usr/bin/python3", "-c", "import time; time.sleep(300)"]
+    base = {"PATH": "/usr/bin:/bin", "TORCHELASTIC_RUN_ID": job, "WORLD_SIZE": "2"}
+    odd = subprocess.Popen(sleep, env={**base, "RANK": "\u00b2"})
+    good = subprocess.Popen(sleep, env={**base, "RANK": "0"})
+    procs += [odd, good]
+    found = [(e.rank, e.pid) for e in discover(ProcfsReader(HostPaths()), ("torchrun",)) if e.job_id == job]
+    assert found == [(0, good.pid)]
