@@ -21,13 +21,10 @@ one is in its grace (a flood that reconnects stays younger than the grace), and 
 in the accept queue meanwhile (``BACKLOG``, 4096, capped by net.core.somaxconn, so the kernel keeps
 completing handshakes and a scraper's connect is not left to SYN retries). Each turn of the loop
 reads the connections that have data before it accepts new ones (at most ``ACCEPT_BATCH``).
-
-No client's bytes can hold the loop: a request that did not arrive whole in one read is read
-again at most every ``read_pace`` (0.1 s: its bytes wait in the kernel, the connection out of
-the selector meanwhile), a head is at most ``max_head_bytes``, a body at most 64 KiB in 16
-pieces (web/request.py), all within ``request_timeout``. 32 connections streaming a body as
-one-byte chunks under CPUQuota=25% delayed scrapes up to 7.2 s; now at most 0.22 s
-(tests/test_web_quota.py). Under such an attack a new
+No client's bytes hold the loop: a request that did not arrive whole in one read is read again
+at most every ``read_pace`` (its bytes wait in the kernel meanwhile), a body is at most 64 KiB in
+16 pieces (web/request.py); 32 one-byte-chunk body streams under CPUQuota=25% delayed scrapes
+7.2 s, now 0.22 s (tests/test_web_quota.py). Under such an attack a new
 connection waits about (hostile connections - max_connections) * eviction_grace /
 max_connections in the accept queue: 0.4 s for 200 against 64; past max_connections + BACKLOG
 the kernel drops SYNs and the client retransmits after 1, 3, 7 s (docs/security.md).
@@ -78,9 +75,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Accepts per loop turn, so a connect flood cannot starve the reads: each one reads and frames
-# what came with the connection (a reconnecting body flood under CPUQuota=25%: scrapes p50 0.23 s
-# with 32 per turn, 0.11 s with 8).
+# Accepts per loop turn, so a connect flood cannot starve the reads (each reads what came with
+# it: a reconnecting body flood under CPUQuota=25% gave scrapes p50 0.23 s at 32, 0.11 s at 8).
 ACCEPT_BATCH = 8
 
 _LISTEN = object()
@@ -234,15 +230,11 @@ class Listener:
             self._add(sock, host)
 
     def _victim(self, now: float, grace: float) -> tuple[Conn | None, float | None]:
-        """The waiting connection a newcomer replaces, or (None, when the first one that may be
-        replaced ends its grace; None if nothing waits). By tier (``Conn.tier``): every
-        connection that never completed a request goes before one that was answered, and those
-        before one that was served (a scraper's idle keep-alive): while one of a lower tier is
-        still in its grace, newcomers wait for it rather than push out a higher tier (a flood
-        that reconnects keeps its own connections younger than the grace; it pushed out the
-        scraper's, 28 of 56 scrapes failed). Within a tier: from the client address holding the
-        most waiting connections, so a flooder pushes out its own; the fewest answers first; the
-        one that began to wait first. At most ``max_connections`` looked at."""
+        """The waiting connection a newcomer replaces, or (None, when the first that may be ends
+        its grace). By tier (``Conn.tier``): while one of a lower tier is in its grace, newcomers
+        wait for it rather than push out a higher one (a reconnecting flood stays younger than
+        the grace: it pushed out the scraper's keep-alive, 28 of 56 scrapes failed). Within a
+        tier: the address holding most, the fewest answers, the one that began to wait first."""
         per_addr = collections.Counter(c.addr for c in self._waiting)
         best: Conn | None = None
         best_key: tuple[int, int, int, float] | None = None
@@ -300,15 +292,13 @@ class Listener:
         if conn.phase == "write":
             self._flush(conn)
             return True
-        if conn.reading_partial():
-            due = conn.read_at + self.limits.read_pace
-            if time.monotonic() < due:
-                # Part of its request came in the last read: the rest waits in the kernel until
-                # the pace allows the next read (``_unpark``), so a client sending a byte at a
-                # time costs the loop one read per read_pace, not one per byte.
-                self._sel.unregister(conn.sock)
-                self._parked[conn] = due
-                return True
+        due = conn.read_at + self.limits.read_pace
+        if conn.reading_partial() and time.monotonic() < due:
+            # Part of its request came in the last read: the rest waits in the kernel for the
+            # next read (``_unpark``): a byte at a time costs one read per read_pace, not per byte.
+            self._sel.unregister(conn.sock)
+            self._parked[conn] = due
+            return True
         if conn.phase == "handshake":
             import ssl  # loaded already: this connection was wrapped in a TLS context
 
