@@ -13,6 +13,7 @@ holder mapped onto a real process, as in test_rankfile_crowding.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -162,3 +163,39 @@ def test_r3_a_restart_keeps_the_jobs_owner(users: tuple[int, int], world: Path,
         d.stop()
     owners = json.loads((world / "state" / "job_owners.json").read_text())["owners"]
     assert owners[job] == users[1], owners
+
+
+def test_r3_a_slurm_job_belongs_to_its_cgroups_user_whoever_claimed_its_id_first(
+        users: tuple[int, int], world: Path, procs: list[subprocess.Popen[Any]]) -> None:
+    """U1 claims a predictable Slurm job id before the job starts; U2's rank of that job runs in
+    slurmstepd's cgroup ``/slurm/uid_U2/job_N`` (made here as root, as slurmstepd does, in the
+    v1 memory hierarchy): the job is U2's, U1's claim is refused."""
+    ranks = world / "ranks"
+    job = str(900_000 + os.getpid() % 100_000)
+    cg = Path("/sys/fs/cgroup/memory/slurm") / f"uid_{users[1]}" / f"job_{job}"
+    made = [p for p in (cg.parent.parent, cg.parent, cg) if not p.exists()]  # removed afterwards
+    cg.mkdir(parents=True)
+    try:
+        squatter = _as(U1, procs)
+        user_writes(U1, ranks / "u1.json", _doc(job, squatter.pid, [1]))
+        path, cfg = write_config(world, rank_dir=str(ranks))
+        d = DaemonProc(path, cfg)
+        try:
+            d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id=job, rank="1") == 1.0,
+                       what="U1's claim of the job id up (the job had no other claimant)")
+            u2_rank = _as(U2, procs)
+            (cg / "cgroup.procs").write_text(str(u2_rank.pid))
+            user_writes(U2, ranks / "u2.json", _doc(job, u2_rank.pid, [0]))
+            d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id=job, rank="0") == 1.0
+                       and d.value("gpuwatch_rank_up", job_id=job, rank="1") is None,
+                       what="the Slurm job's rank up, the squatter's refused")
+            assert any("u1.json" in b and "rank_conflict" in b for b in _bad_files(world))
+        finally:
+            d.stop()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        for level in reversed(made):
+            with contextlib.suppress(OSError):
+                level.rmdir()

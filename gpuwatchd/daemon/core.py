@@ -212,7 +212,8 @@ class Daemon:
             t0 = time.monotonic()
             reading = self.read()                           # rank files, /proc, heartbeats (Collectors)
             claims = rank_claims.decide(reading.entries, reading.proc.processes, self.memory.job_owners,
-                                        self.memory.claimant_uids, self.memory.start_ticks)
+                                        self.memory.claimant_uids, self.memory.start_ticks,
+                                        reading.proc.cgroups)
             ranks, beats = accepted(reading, claims)        # from here on: the accepted claims only
             tracked = track(self.parts, self, ranks, beats, dict(self.failed_subsystems))  # parts by name
             state, self.memory = build_state(self.join_inputs(reading, claims, beats, tracked, t0), self.memory)
