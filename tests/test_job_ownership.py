@@ -199,3 +199,32 @@ def test_r3_a_slurm_job_belongs_to_its_cgroups_user_whoever_claimed_its_id_first
         for level in reversed(made):
             with contextlib.suppress(OSError):
                 level.rmdir()
+
+
+@pytest.mark.parametrize(("content", "owners", "reason"), [
+    ('{"version": 1, "owners": {"a": 1000, "b": 0}}', {"a": 1000, "b": 0}, None),
+    ('{"version": 1, "owners": {"a": 1e400, "b\\n": 5, "c": -1, "d": true, "e": 7}}', {"e": 7}, "invalid"),
+    ('{"version": 1, "owners": {"a": ' + "9" * 5000 + "}}", {}, "unreadable"),
+    ("[" * 100_000 + "]" * 100_000, {}, "unreadable"),
+    ('{"owners": {' + ", ".join(f'"j{i}": 1' for i in range(5000)) + "}}", None, "invalid"),
+    (b'{"owners": {"\xff": 1}}', {}, "unreadable"),
+])
+def test_a_job_owners_file_is_untrusted_input(tmp_path: Path, content: str | bytes,
+                                              owners: dict[str, int] | None, reason: str | None) -> None:
+    """What the daemon reads back from state_dir (a crash, a disk error, a hand edit) is bounded
+    and validated: a bad member is skipped, a bad file ignored, each counted."""
+    from gpuwatchd.counters import CounterStore
+    from gpuwatchd.rank.rankfile import MAX_RANKS_PER_NODE
+    from gpuwatchd.sources.job_owners import FILE, JobOwnerFile
+    from gpuwatchd.statefile import StateFiles
+
+    path = tmp_path / FILE
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    counters = CounterStore()
+    got = JobOwnerFile(str(tmp_path), StateFiles(counters)).load()
+    if owners is None:  # more jobs than a node can watch: the first MAX_RANKS_PER_NODE are kept
+        assert len(got) == MAX_RANKS_PER_NODE
+    else:
+        assert got == owners
+    rejected = counters.get("state_records_rejected", (FILE, reason)) if reason else 0
+    assert (rejected > 0) == (reason is not None)
