@@ -1,5 +1,5 @@
 """Writing and reading the files of ``state_dir`` (state.json, events.jsonl, rank_trees.json,
-kmsg.json, journal.cursor): atomic, with nothing left behind, and every failure exported.
+kmsg.json, journal.cursor, job_owners.json): atomic, with nothing left behind, and every failure exported.
 
 A full or read-only ``state_dir`` must not be a log line per cycle that nobody reads:
 ``gpuwatch_state_write_errors_total{file}`` counts each failed write (``ENOSPC``, ``EROFS``,

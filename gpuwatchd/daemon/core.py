@@ -132,9 +132,10 @@ class Daemon:
         self.services = services or Services.build(config, self.paths)
         self.reload_requested: threading.Event = LinkedEvent(self._wake)
         self.state: NodeState | None = None
-        # a job's owner is decided once and kept across restarts (trust rule 2)
+        # a job's owner is decided once and kept across restarts (trust rule 2); a read-only
+        # user (gpuwatchd ps without a fresh state.json) decides from this one cycle
         self.job_owner_file = JobOwnerFile(config.state_dir, self.state_files)
-        self.memory = JoinMemory(job_owners=self.job_owner_file.load())
+        self.memory = JoinMemory(job_owners=self.job_owner_file.load() if write_state else {})
         self.write_state = write_state  # False for read-only users (gpuwatchd ps)
         self.subsystems: list[Subsystem] = subsystems if subsystems is not None else default_subsystems(config)
         self.parts = Parts.of(self.subsystems)  # the same parts by name, for the track stage
@@ -223,7 +224,8 @@ class Daemon:
             t0 = time.monotonic()
             reading = self.read()                           # rank files, /proc, heartbeats (Collectors)
             claims = rank_claims.decide(reading.entries, reading.proc.processes, self.memory.job_owners,
-                                        self.memory.claimant_uids, self.memory.start_ticks)
+                                        self.memory.claimant_uids, self.memory.start_ticks,
+                                        reading.proc.cgroups)
             ranks, beats = accepted(reading, claims)        # from here on: the accepted claims only
             tracked = track(self.parts, self, ranks, beats, dict(self.failed_subsystems))  # parts by name
             state, self.memory = build_state(self.join_inputs(reading, claims, beats, tracked, t0), self.memory)

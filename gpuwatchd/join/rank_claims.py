@@ -12,6 +12,9 @@ rules", docs/security.md §4):
    from start times, where an older process of another user claiming the job would win.
    A claim by any other uid for that job (a user's file, even for the user's own process, or a
    discovered process of another user) is refused; root-owned files are never refused by this.
+   One claim beats a remembered owner: a process in the job's own Slurm cgroup
+   (``/slurm/uid_U/job_N``, made by slurmstepd as root) claiming job N or N.STEP makes U the
+   owner, so a user who claimed a predictable Slurm job id before it started loses it.
    ``gpuwatchd check`` applies rules 1 and 3 only (``one_owner_per_job=False``): for it, rule 2
    could only make a user's own registered rank look unregistered, and be killed.
 3. Of several claims on one ``(job_id, rank)`` the most trusted wins: root-owned files, then
@@ -39,10 +42,11 @@ it is never a rank, so it can never page.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from gpuwatchd.model import BadRankFile, ProcessInfo, RankEntry, RankId, RankProcess
+from gpuwatchd.model import BadRankFile, CgroupPaths, ProcessInfo, RankEntry, RankId, RankProcess
 from gpuwatchd.rank.rankfile import MAX_RANKS_PER_JOB
 
 ROOT_FILE, VERIFIED_FILE, DISCOVERED, UNVERIFIED = range(4)
@@ -80,10 +84,36 @@ def _where(e: RankEntry) -> str:
     return e.path or f"discovery (pid {e.pid})"
 
 
+# Slurm's cgroup v1 layout (task/cgroup plugin): made by slurmstepd as root, so a process in it
+# is in that Slurm job of that uid; a user cannot move a process into another user's job.
+_SLURM_CGROUP = re.compile(r"/slurm/uid_([0-9]{1,10})/job_([0-9]{1,12})(?:/|$)", re.ASCII)
+
+
+def slurm_jobs(cgroups: Mapping[int, CgroupPaths]) -> dict[int, tuple[str, int]]:
+    """pid -> (Slurm job id, its uid) for each process whose cgroup path says so (v1's
+    ``/slurm/uid_U/job_N``; the v2 layout names no uid and is not used)."""
+    out: dict[int, tuple[str, int]] = {}
+    for pid, paths in cgroups.items():
+        m = _SLURM_CGROUP.search(paths.memory_v1) or _SLURM_CGROUP.search(paths.unified)
+        if m is not None:
+            out[pid] = (m[2], int(m[1]))
+    return out
+
+
+def _scheduler_owner(e: RankEntry, proc: ProcessInfo, scheduler: Mapping[int, tuple[str, int]]) -> bool:
+    """Is ``e`` a claim of its own Slurm job (job id N or N.STEP) by a process in that job?"""
+    job = scheduler.get(e.pid)
+    return (job is not None and proc.uid == job[1]
+            and (e.job_id == job[0] or e.job_id.startswith(job[0] + ".")))
+
+
 def job_owners(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
                known: Mapping[str, int],
-               known_ticks: Mapping[RankProcess, int] | None = None) -> dict[str, int]:
-    """job_id -> owning uid: ``known`` first, then the first trusted live claim of each job."""
+               known_ticks: Mapping[RankProcess, int] | None = None,
+               scheduler: Mapping[int, tuple[str, int]] | None = None) -> dict[str, int]:
+    """job_id -> owning uid: a live claim by a process of that Slurm job (``scheduler``: the
+    scheduler's word beats anyone's earlier claim of a predictable job id), else ``known``,
+    else the first trusted live claim of each job."""
     owners = dict(known)
     live: list[tuple[int, int, str, int, RankEntry, ProcessInfo]] = []
     for e in entries:
@@ -96,6 +126,9 @@ def job_owners(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo
         live.append((tier, proc.start_ticks, e.path, e.pid, e, proc))
     for *_, e, proc in sorted(live, key=lambda t: t[:4]):
         owners.setdefault(e.job_id, proc.uid)
+    for *_, e, proc in live:
+        if scheduler and _scheduler_owner(e, proc, scheduler):
+            owners[e.job_id] = proc.uid
     return owners
 
 
@@ -122,6 +155,7 @@ def select(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
            last_uids: Mapping[ClaimantKey, int] | None = None,
            known_ticks: Mapping[RankProcess, int] | None = None,
            one_owner_per_job: bool = True, per_job: int = MAX_RANKS_PER_JOB,
+           scheduler: Mapping[int, tuple[str, int]] | None = None,
            ) -> tuple[list[RankEntry], list[BadRankFile], dict[str, int]]:
     """(accepted entries, refusals, job owners of the accepted jobs). ``last_uids``:
     ``claimant_uids`` of this cycle (a gone process's claim is judged by its last uid);
@@ -132,7 +166,7 @@ def select(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
     claims first: another uid's claims never take a job's places."""
     entries = list(entries)
     last_uids = last_uids or {}
-    owners = job_owners(entries, processes, known_owners or {}, known_ticks)
+    owners = job_owners(entries, processes, known_owners or {}, known_ticks, scheduler)
     if not one_owner_per_job:
         owners = {}
     per_job_n: dict[str, int] = {}
@@ -209,10 +243,13 @@ class Claims:
 def decide(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
            known_owners: Mapping[str, int] | None = None,
            last_uids: Mapping[ClaimantKey, int] | None = None,
-           known_ticks: Mapping[RankProcess, int] | None = None) -> Claims:
+           known_ticks: Mapping[RankProcess, int] | None = None,
+           cgroups: Mapping[int, CgroupPaths] | None = None) -> Claims:
     """``claimant_uids`` then ``select``: the accepted entries, the refusals and the memory for
-    the next cycle (``known_owners``, ``last_uids`` and ``known_ticks`` are the last cycle's)."""
+    the next cycle (``known_owners``, ``last_uids`` and ``known_ticks`` are the last cycle's;
+    ``cgroups``: this cycle's cgroup of each claimed process, ``slurm_jobs``)."""
     entries = list(entries)
     uids = claimant_uids(entries, processes, last_uids or {})
-    accepted, refused, owners = select(entries, processes, known_owners, uids, known_ticks)
+    accepted, refused, owners = select(entries, processes, known_owners, uids, known_ticks,
+                                       scheduler=slurm_jobs(cgroups or {}))
     return Claims(tuple(accepted), tuple(refused), owners, uids)

@@ -18,15 +18,17 @@ each):
   than 128 KiB of other variables is not discovered, and is registered with a rank file instead
   (docs/security.md). A 2 MiB environment costs what a 128 KiB one does.
 - A pass reads at most ``PASS_ENVIRON_BYTES`` (16 MiB: 128 full prefixes, 4000 environments of
-  4 KiB) of environments not seen before, in turns between uids (one process of each uid per
-  turn, root first, each uid's lowest PIDs first): one user's thousands of new processes wait
-  for later passes, never another uid's rank. What a pass leaves unread is read by the next.
+  4 KiB) of environments not seen before, shared max-min fairly in bytes between uids (the next
+  read is for the uid that has read least in this pass; each uid's lowest PIDs first): one
+  user's thousands of new processes, or huge environments, wait for later passes, never another
+  uid's rank. What a pass leaves unread is read by the next.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -87,13 +89,22 @@ class Discoverer:
                 pending.setdefault(uid, []).append((pid, ticks, ppid))
         self.deferred = 0
         left = self.budget
-        for uid, pid, ticks, ppid in _turns(pending):
+        # Max-min fair in bytes: the next read is for the uid that has read least so far in this
+        # pass, so root's 4 KiB environments are not held back by a user's 128 KiB ones.
+        turns = [(0, uid, collections.deque(sorted(ps))) for uid, ps in sorted(pending.items())]
+        heapq.heapify(turns)
+        while turns:
+            used, uid, queue = heapq.heappop(turns)
             if left < self.prefix:  # a prefix cut short would be remembered as the whole
-                self.deferred += 1
-                continue
+                self.deferred += len(queue) + sum(len(q) for *_, q in turns)
+                break
+            pid, ticks, ppid = queue.popleft()
             raw = procfs.environ_block(pid, self.prefix)
             self.reads += 1
-            left -= max(len(raw or b""), MIN_READ_COST)
+            cost = max(len(raw or b""), MIN_READ_COST)
+            left -= cost
+            if queue:
+                heapq.heappush(turns, (used + cost, uid, queue))
             if not raw:  # gone, not permitted, or empty for a moment after exec: not remembered
                 continue
             seen[pid] = _Seen(ticks, uid, ppid, _claim(environ_pick(raw, DISCOVERY_VARS), launchers))
@@ -106,18 +117,6 @@ def _claim(env: dict[str, str], launchers: tuple[str, ...]) -> Claim | None:
         return claim_from_env(env, launchers)
     except ValueError:  # a value the launcher parse refuses (RANK=²): no rank, the pass goes on
         return None
-
-
-def _turns(pending: dict[int, list[tuple[int, int, int]]]) -> Iterable[tuple[int, int, int, int]]:
-    """(uid, pid, start ticks, ppid) in turns: one process of each uid per turn, root first,
-    each uid's lowest PIDs first (a launcher's ranks before the processes they start)."""
-    queues = collections.deque((uid, collections.deque(sorted(ps))) for uid, ps in sorted(pending.items()))
-    while queues:
-        uid, q = queues.popleft()
-        pid, ticks, ppid = q.popleft()
-        yield uid, pid, ticks, ppid
-        if q:
-            queues.append((uid, q))
 
 
 def _ranks(procfs: ProcfsReader, seen: dict[int, _Seen]) -> list[RankEntry]:

@@ -3,25 +3,28 @@ head and written to by one thread (an epoll loop), so that a connection which se
 byte at a time (slowloris), or reads its answer slowly costs a file descriptor and a small
 buffer, never a thread.
 
-Only a connection whose request is complete goes to a worker thread (at most
-``max_workers``); the worker builds the response in memory (the body is the exporter's cached
-bytes, shared, not copied) and gives it back to the loop, which writes it and keeps the
-connection for the next request: no worker ever waits on a client. The bytes are framed into
+Only a connection whose request is complete goes to a worker thread (at most ``max_workers``),
+which builds the response in memory (the exporter's cached bytes, shared) and gives it back to
+the loop to write: no worker ever waits on a client. The bytes are framed into
 requests by web/request.py (h11): a head is found here and must fit ``max_head_bytes`` however it
 arrives, a body is read and discarded, and what follows a request is the next one (pipelining;
 a client that half-closes after its requests still gets every answer). When ``max_connections``
-are open, a new connection takes the place of one that is *waiting on its client* (handshake,
-request head, response not yet read, keep-alive idle): one of the client address holding the
-most waiting connections, one that never sent a complete request before one that has been
-answered (a scraper's idle keep-alive), the one that began to wait first (``_victim``), so a
-client holding many half-open connections only ever pushes out its own. No connection is pushed
-out sooner than ``eviction_grace`` (0.2 s) after it began to wait, and newcomers wait in the
-accept queue meanwhile (``BACKLOG``, 4096, capped by net.core.somaxconn, so the kernel keeps
-completing handshakes and a scraper's connect is not left to SYN retries). Each turn of the loop
-reads the connections that have data before it accepts new ones. Under such an attack a new
-connection waits about (hostile connections - max_connections) * eviction_grace /
-max_connections in the accept queue: 0.4 s for 200 against 64; past max_connections + BACKLOG
-the kernel drops SYNs and the client retransmits after 1, 3, 7 s (docs/security.md).
+are open, a new connection takes the place of one *waiting on its client* (handshake, request
+head, response not yet read, keep-alive idle), by tier: one that never completed a request, then
+one answered, then one served (a scraper's idle keep-alive); within a tier, of the address
+holding the most, with the fewest answers, the first to wait (``_victim``): a flooder pushes out
+its own. None is pushed out sooner than ``eviction_grace`` (0.2 s) after it began to wait, nor a
+higher tier while a lower one is in its grace (a reconnecting flood stays younger than that);
+newcomers wait in the accept queue meanwhile (``BACKLOG``, 4096, capped by net.core.somaxconn).
+A new connection then waits about (hostile - max_connections) * eviction_grace / max_connections
+there: 0.4 s for 200 against 64; past max_connections + BACKLOG the kernel drops SYNs and the
+client retransmits after 1, 3, 7 s (docs/security.md).
+
+No client's bytes hold the loop: each turn reads the connections with data before it accepts
+(at most ``ACCEPT_BATCH``); a read is at most ``RECVS_PER_READ`` recv calls, and a request that
+did not arrive whole is read again at most every ``read_pace`` (its bytes wait in the kernel); a
+body is at most 64 KiB in 16 pieces (web/request.py). 32 one-byte-chunk body streams under
+CPUQuota=25% delayed scrapes 7.2 s, now 0.22 s (tests/test_web_quota.py).
 
 Deadlines: TLS handshake and request head within ``request_timeout`` of the accept, the response
 read by the client within ``write_timeout``, keep-alive idle ``idle_timeout``. Connections dropped
@@ -29,13 +32,10 @@ for lack of room, for a missed deadline or for lack of a thread are passed to ``
 (the daemon counts them in ``gpuwatch_web_connections_dropped_total``) and logged as one warning
 per ``log_interval`` seconds, however many there were.
 
-Cost: one thread for this loop and, once requests arrive, up to ``max_workers`` workers; per open
-connection one fd, at most ``max_head_bytes`` of request and the headers of its response; the
-loop wakes for I/O, ``stop()`` (a self-pipe) and the nearest deadline, not while nothing waits
-(bench/cycle_profile.py). Privilege: none.
-
-The workers are the listener's ``WorkerPool`` (web/workers.py): the loop submits a connection
-whose request is complete, a worker hands it back answered through ``Listener.hand_back``.
+Cost: one thread for this loop and up to ``max_workers`` workers (web/workers.py's
+``WorkerPool``: a worker hands a connection back answered through ``Listener.hand_back``); per
+connection one fd, at most ``max_head_bytes`` of request and its response's headers; the loop
+wakes for I/O, ``stop()`` and the nearest deadline only (bench/cycle_profile.py). Privilege: none.
 """
 
 from __future__ import annotations
@@ -69,7 +69,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ACCEPT_BATCH = 8  # accepts per loop turn, so a connect flood cannot starve the reads
+# Accepts per loop turn, so a connect flood cannot starve the reads (each reads what came with
+# it: a reconnecting body flood under CPUQuota=25% gave scrapes p50 0.23 s at 32, 0.11 s at 8).
+ACCEPT_BATCH = 8
+RECVS_PER_READ = 64  # a TLS client sending 1-byte records made 32,768 recv calls per read
 
 _LISTEN = object()
 _WAKE = object()
@@ -96,8 +99,7 @@ class Listener:
         self._wake_w.setblocking(False)
         self._waiting: collections.OrderedDict[Conn, None] = collections.OrderedDict()  # oldest first
         self._busy: dict[Conn, None] = {}  # ready or active; only the loop changes these two
-        # Waiting connections out of the selector until their next paced read (``read_pace``).
-        self._parked: dict[Conn, float] = {}
+        self._parked: dict[Conn, float] = {}  # out of the selector until their next paced read
         self._back: collections.deque[tuple[Conn, bool]] = collections.deque()  # from workers
         self.workers = WorkerPool(limits.max_workers, serve, self.hand_back)
         self._stop = threading.Event()
@@ -222,15 +224,11 @@ class Listener:
             self._add(sock, host)
 
     def _victim(self, now: float, grace: float) -> tuple[Conn | None, float | None]:
-        """The waiting connection a newcomer replaces, or (None, when the first one that may be
-        replaced ends its grace; None if nothing waits). By tier (``Conn.tier``): every
-        connection that never completed a request goes before one that was answered, and those
-        before one that was served (a scraper's idle keep-alive): while one of a lower tier is
-        still in its grace, newcomers wait for it rather than push out a higher tier (a flood
-        that reconnects keeps its own connections younger than the grace; it pushed out the
-        scraper's, 28 of 56 scrapes failed). Within a tier: from the client address holding the
-        most waiting connections, so a flooder pushes out its own; the fewest answers first; the
-        one that began to wait first. At most ``max_connections`` looked at."""
+        """The waiting connection a newcomer replaces, or (None, when the first that may be ends
+        its grace). By tier (``Conn.tier``): while one of a lower tier is in its grace, newcomers
+        wait for it rather than push out a higher one (a reconnecting flood stays younger than
+        the grace: it pushed out the scraper's keep-alive, 28 of 56 scrapes failed). Within a
+        tier: the address holding most, the fewest answers, the one that began to wait first."""
         per_addr = collections.Counter(c.addr for c in self._waiting)
         best: Conn | None = None
         best_key: tuple[int, int, int, float] | None = None
@@ -288,15 +286,13 @@ class Listener:
         if conn.phase == "write":
             self._flush(conn)
             return True
-        if conn.reading_partial():
-            due = conn.read_at + self.limits.read_pace
-            if time.monotonic() < due:
-                # Part of its request came in the last read: the rest waits in the kernel until
-                # the pace allows the next read (``_unpark``), so a client sending a byte at a
-                # time costs the loop one read per read_pace, not one per byte.
-                self._sel.unregister(conn.sock)
-                self._parked[conn] = due
-                return True
+        due = conn.read_at + self.limits.read_pace
+        if conn.reading_partial() and time.monotonic() < due:
+            # Part of its request came in the last read: the rest waits in the kernel for the
+            # next read (``_unpark``): a byte at a time costs one read per read_pace, not per byte.
+            self._sel.unregister(conn.sock)
+            self._parked[conn] = due
+            return True
         if conn.phase == "handshake":
             import ssl  # loaded already: this connection was wrapped in a TLS context
 
@@ -334,23 +330,30 @@ class Listener:
     def _read(self, conn: Conn) -> None:
         want_read, want_write = tls_retry_errors()
         conn.read_at = time.monotonic()
-        while len(conn.buf) <= self.limits.max_head_bytes:
+        capped = True  # unless the socket runs dry first: a TLS recv gives one record, maybe 1 byte
+        for _ in range(RECVS_PER_READ):
+            if len(conn.buf) > self.limits.max_head_bytes:
+                break
             try:
                 chunk = conn.sock.recv(16384)
             except (BlockingIOError, InterruptedError, want_read, want_write):
+                capped = False
                 break
             except (OSError, ValueError) as e:
                 log.debug("connection from %s ended: %s", conn.addr, e)
                 self._close(conn)
                 return
             if not chunk:
-                conn.eof = True
+                conn.eof, capped = True, False
                 break
             if conn.phase == "idle":  # the next request began: its head has request_timeout
                 conn.phase = "head"
                 conn.deadline = time.monotonic() + self.limits.request_timeout
             conn.buf += chunk
         self._advance(conn)
+        if capped and conn in self._waiting and conn.reading_partial() and conn not in self._parked:
+            self._sel.unregister(conn.sock)  # the rest, maybe decrypted already, at the next pace
+            self._parked[conn] = conn.read_at + self.limits.read_pace
 
     def _advance(self, conn: Conn) -> None:
         """Frame the next request out of ``conn.buf`` (web/request.py): its head, then its body,
