@@ -156,7 +156,7 @@ WATCH_AS_NOBODY = textwrap.dedent("""
     pid, start = int(sys.argv[2]), int(sys.argv[3])
     w = ExitWatcher(HostPaths(), 4)
     w.start()
-    w.sync({(pid, start): Watch(pid, start, 0, "victim")})
+    w.sync({(pid, start)}, {(pid, start): Watch(pid, start, 0, "victim")})
     print("watching", flush=True)
     got = []
     deadline = time.monotonic() + 15

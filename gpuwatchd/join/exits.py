@@ -168,7 +168,8 @@ class ExitLedger:
     def add(self, new: Iterable[RankExit], events: Sequence[Event]) -> list[RankExit]:
         """Classify ``new`` and keep them; the new ones as ordered within their jobs."""
         with self._lock:
-            fresh = [classify(x, self.faults, events) for x in new]
+            have = {(x.pid, x.start_ticks) for x in self._exits}
+            fresh = [classify(x, self.faults, events) for x in new if (x.pid, x.start_ticks) not in have]
             self._exits.extend(fresh)
             self._exits = self._exits[-self.limit:]
             self._reorder({x.job_id for x in fresh})
