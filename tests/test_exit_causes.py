@@ -85,6 +85,12 @@ def test_the_kernel_names_the_cause_and_order_names_the_first() -> None:
     killed = classify(_exit(2, 1000.0, signal.SIGKILL, 3), faults, [oom])
     assert (killed.cause, killed.verdict) == ("oom_kill", NODE) and "2.0 GiB" in killed.kernel
     assert classify(_exit(3, 1000, signal.SIGKILL, 4), faults, []).verdict == KILLED
+    # the rank ended (exit 1) of its DataLoader worker's OOM kill: the node's doing, said so
+    worker = Event(key="w", kind="oom_kill", time=999.0, severity="page", summary="", pid=555,
+                   comm="pt_data_worker", killer="kernel", worker=True, fields={"rank_pid": 103})
+    died = classify(_exit(3, 1000.0, 1 << 8, 4), faults, [worker])
+    assert (died.cause, died.verdict, died.oom_event) == ("exit_nonzero", NODE, "w")
+    assert died.kernel == "its worker pid 555 (pt_data_worker) was killed by the kernel OOM killer before it"
     assert classify(_exit(3, 1000, signal.SIGTERM, 4), faults, []).verdict == STOPPED
     assert classify(_exit(3, 1000, None, 4), faults, []).verdict == CRASHED  # discovered: unread
     assert classify(_exit(3, 1000, None, 4, registered=True), faults, []).verdict == KILLED
