@@ -192,7 +192,7 @@ class ExitWatcher:
         with self._lock:
             for key in [k for k in self._by_key if k not in wanted]:
                 self._close(self._by_key[key])
-            self.skipped = 0
+            self.skipped, self.error = 0, ""  # each sync says what it could not watch
             for key, w in new.items():
                 if key in self._by_key or key in self._ended:
                     continue
