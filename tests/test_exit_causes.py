@@ -94,6 +94,16 @@ def test_the_kernel_names_the_cause_and_order_names_the_first() -> None:
     assert classify(_exit(3, 1000, signal.SIGTERM, 4), faults, []).verdict == STOPPED
     assert classify(_exit(3, 1000, None, 4), faults, []).verdict == CRASHED  # discovered: unread
     assert classify(_exit(3, 1000, None, 4, registered=True), faults, []).verdict == KILLED
+    # an Xid naming the PID (NVRM: Xid (PCI:...): 79, pid=103, ...): a critical one is the node's
+    # doing; an application fault (13) is said, and the death stays the code's
+    xid79 = Event(key="x", kind="xid", time=995.0, severity="page", summary="", pid=103,
+                  fields={"xid": 79, "gpu": "0"})
+    xid13 = Event(key="y", kind="xid", time=995.0, severity="info", summary="", pid=103,
+                  fields={"xid": 13, "gpu": "0"})
+    lost = classify(_exit(3, 1000.0, signal.SIGABRT, 4), faults, [xid79])
+    assert (lost.verdict, lost.kernel) == (NODE, "Xid 79 on GPU 0")
+    app = classify(_exit(3, 1000.0, signal.SIGABRT, 4), faults, [xid13])
+    assert (app.verdict, app.kernel) == (CRASHED, "Xid 13 on GPU 0")
     # one wake read both (same time): the kernel's readiness order (seq) says which came first
     term = classify(_exit(0, 1000.0, signal.SIGTERM, 1 + 5), faults, [])
     ordered = {x.rank: x for x in order([term, segv])}
