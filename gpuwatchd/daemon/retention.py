@@ -7,9 +7,10 @@ the ranks registered now (rank files and discovery, alive or dead) and drops the
 every other ``(job_id, rank)``:
 
 - after ``retention.ended_rank_seconds`` (default 120 s) without the rank being registered and
-  without an increment: its GIL sample counters and its OOM counters still at 0;
-- after ``retention.oom_kill_seconds`` (default 1800 s): its non-zero OOM-kill, CUDA-OOM and
-  rank-exit counters (``EVENT_COUNTERS``). ``GPURankOOMKilled`` looks back 10 minutes (``increase(...[10m])``,
+  without an increment: its GIL sample counters, its OOM counters still at 0 and its exit counts
+  (``rank_exits``: no alert looks back at them, Prometheus keeps their history);
+- after ``retention.oom_kill_seconds`` (default 1800 s): its non-zero OOM-kill and CUDA-OOM
+  counters (``EVENT_COUNTERS``). ``GPURankOOMKilled`` looks back 10 minutes (``increase(...[10m])``,
   ``offset 10m``), and its third branch (kill and ``gpuwatch_rank_up == 0``) holds while the rank
   is still registered, when nothing is dropped at all. Dropping a counter earlier than the rule's
   window would let it reappear from the event log after a restart and page again.
@@ -27,7 +28,7 @@ from gpuwatchd.config import RetentionConfig
 from gpuwatchd.counters import CounterStore, Series, rank_label_positions
 from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
 
-EVENT_COUNTERS = frozenset({"oom_kills", "cuda_oom_errors", "rank_exits"})
+EVENT_COUNTERS = frozenset({"oom_kills", "cuda_oom_errors"})
 # (job_id, rank) as the label values the counter series carry: not a RankId, whose rank is an int
 RankLabels = tuple[str, str]
 
