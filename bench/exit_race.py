@@ -58,7 +58,8 @@ def race(n: int) -> dict[str, object]:
     report = os.fdopen(rep_r)
     for _ in range(n):
         pid = int(ready.readline())
-        watcher.sync({(pid, start_ticks(pid)): Watch(pid, start_ticks(pid), os.geteuid(), "child")})
+        key = (pid, start_ticks(pid))
+        watcher.sync({key}, {key: Watch(pid, key[1], os.geteuid(), "child")})
         os.write(go_w, b"x")
         seen_pid, status = (int(x) for x in report.readline().split())
         deadline = time.monotonic() + 5
@@ -73,7 +74,7 @@ def race(n: int) -> dict[str, object]:
         else:
             out[x.read_by] += 1
             out["wrong"] += x.status != status
-        watcher.sync({})
+        watcher.sync(set(), {})
     os.waitpid(launcher, 0)
     watcher.stop()
     return {"exits": n, "kernel": os.uname().release, **out}

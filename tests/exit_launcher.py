@@ -3,9 +3,10 @@ torchrun's variables: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, TORCHELAST
 each the moment it ends (blocked in waitpid, tighter than torchrun's 0.1 s monitor), and on the
 first failure SIGTERMs the others at once and SIGKILLs what is left a second later.
 
-    python exit_launcher.py JOB_ID FAULT DELAY [--no-teardown] [--world N]
+    python exit_launcher.py JOB_ID FAULT GO_FILE [--no-teardown] [--world N]
 
-Rank 1 meets FAULT after DELAY seconds; the other ranks sleep. Faults: exc (an uncaught
+Rank 1 meets FAULT once GO_FILE exists (the test creates it when the daemon watches both ranks);
+the other ranks sleep. Faults: exc (an uncaught
 exception), exit3, segv (a real SIGSEGV: ctypes reads address 1), abort (os.abort), kill, term,
 int (the signal sent to itself), ok (exit 0). Rank 0 of an ``ok`` job ends with exit 0 too.
 Prints one JSON line: {"pids": {rank: pid}, "reaped": {rank: [wait status, monotonic time]}}.
@@ -22,9 +23,10 @@ import time
 
 RANK = r"""
 import os, signal, sys, time
-fault, delay = sys.argv[1], float(sys.argv[2])
+fault, go = sys.argv[1], sys.argv[2]
 rank = int(os.environ["RANK"])
-time.sleep(delay)
+while not os.path.exists(go):
+    time.sleep(0.01)
 if rank != 1:
     if fault == "ok":
         sys.exit(0)
@@ -46,14 +48,14 @@ sys.exit(0)
 
 
 def main() -> int:
-    job, fault, delay = sys.argv[1], sys.argv[2], sys.argv[3]
+    job, fault, go = sys.argv[1], sys.argv[2], sys.argv[3]
     teardown = "--no-teardown" not in sys.argv
     world = int(sys.argv[sys.argv.index("--world") + 1]) if "--world" in sys.argv else 2
     procs = {}
     for rank in range(world):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                "LOCAL_WORLD_SIZE": str(world), "TORCHELASTIC_RUN_ID": job, "GROUP_RANK": "0"}
-        procs[rank] = subprocess.Popen([sys.executable, "-c", RANK, fault, delay], env=env)
+        procs[rank] = subprocess.Popen([sys.executable, "-c", RANK, fault, go], env=env)
     by_pid = {p.pid: r for r, p in procs.items()}
     reaped: dict[int, list[float]] = {}
     killed_at: float | None = None

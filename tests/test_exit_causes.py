@@ -85,9 +85,25 @@ def test_the_kernel_names_the_cause_and_order_names_the_first() -> None:
     killed = classify(_exit(2, 1000.0, signal.SIGKILL, 3), faults, [oom])
     assert (killed.cause, killed.verdict) == ("oom_kill", NODE) and "2.0 GiB" in killed.kernel
     assert classify(_exit(3, 1000, signal.SIGKILL, 4), faults, []).verdict == KILLED
+    # the rank ended (exit 1) of its DataLoader worker's OOM kill: the node's doing, said so
+    worker = Event(key="w", kind="oom_kill", time=999.0, severity="page", summary="", pid=555,
+                   comm="pt_data_worker", killer="kernel", worker=True, fields={"rank_pid": 103})
+    died = classify(_exit(3, 1000.0, 1 << 8, 4), faults, [worker])
+    assert (died.cause, died.verdict, died.oom_event) == ("exit_nonzero", NODE, "w")
+    assert died.kernel == "its worker pid 555 (pt_data_worker) was killed by the kernel OOM killer before it"
     assert classify(_exit(3, 1000, signal.SIGTERM, 4), faults, []).verdict == STOPPED
     assert classify(_exit(3, 1000, None, 4), faults, []).verdict == CRASHED  # discovered: unread
     assert classify(_exit(3, 1000, None, 4, registered=True), faults, []).verdict == KILLED
+    # an Xid naming the PID (NVRM: Xid (PCI:...): 79, pid=103, ...): a critical one is the node's
+    # doing; an application fault (13) is said, and the death stays the code's
+    xid79 = Event(key="x", kind="xid", time=995.0, severity="page", summary="", pid=103,
+                  fields={"xid": 79, "gpu": "0"})
+    xid13 = Event(key="y", kind="xid", time=995.0, severity="info", summary="", pid=103,
+                  fields={"xid": 13, "gpu": "0"})
+    lost = classify(_exit(3, 1000.0, signal.SIGABRT, 4), faults, [xid79])
+    assert (lost.verdict, lost.kernel) == (NODE, "Xid 79 on GPU 0")
+    app = classify(_exit(3, 1000.0, signal.SIGABRT, 4), faults, [xid13])
+    assert (app.verdict, app.kernel) == (CRASHED, "Xid 13 on GPU 0")
     # one wake read both (same time): the kernel's readiness order (seq) says which came first
     term = classify(_exit(0, 1000.0, signal.SIGTERM, 1 + 5), faults, [])
     ordered = {x.rank: x for x in order([term, segv])}
@@ -156,7 +172,7 @@ WATCH_AS_NOBODY = textwrap.dedent("""
     pid, start = int(sys.argv[2]), int(sys.argv[3])
     w = ExitWatcher(HostPaths(), 4)
     w.start()
-    w.sync({(pid, start): Watch(pid, start, 0, "victim")})
+    w.sync({(pid, start)}, {(pid, start): Watch(pid, start, 0, "victim")})
     print("watching", flush=True)
     got = []
     deadline = time.monotonic() + 15

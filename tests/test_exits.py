@@ -24,7 +24,6 @@ import pytest
 from tests.daemonutil import DaemonProc, finding_jobs, write_config
 
 LAUNCHER = str(Path(__file__).resolve().parent / "exit_launcher.py")
-DELAY = "2.0"  # seconds before rank 1's fault: discovery (every 0.2 s) finds both ranks first
 
 
 def events(state_dir: str) -> list[dict]:
@@ -50,19 +49,31 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
         d.stop()
 
 
-def launch(job: str, fault: str, state_dir: str) -> tuple[dict, float, float | None]:
+def start(d: DaemonProc, job: str, fault: str, *extra: str) -> subprocess.Popen[str]:
+    """Start the launcher; rank 1 meets its fault once the daemon shows both ranks up."""
+    go = Path(d.cfg["state_dir"]).parent / f"{job}.go"
+    p = subprocess.Popen([sys.executable, LAUNCHER, job, fault, str(go), *extra],
+                         stdout=subprocess.PIPE, text=True)
+    d.wait_for(lambda: all(d.value("gpuwatch_rank_up", job_id=job, rank=r) == 1 for r in "01"),
+               timeout=30, what="both ranks discovered")
+    go.touch()
+    return p
+
+
+def launch(d: DaemonProc, job: str, fault: str) -> tuple[dict, float, float | None]:
     """Run one job to its end, watching the event log meanwhile: (the launcher's report, the wall
     time rank 1 was reaped, the wall time rank 1's rank_exit line appeared in events.jsonl)."""
-    log = Path(state_dir) / "events.jsonl"
+    log = Path(d.cfg["state_dir"]) / "events.jsonl"
     t0_wall, t0_mono = time.time(), time.monotonic()
-    p = subprocess.Popen([sys.executable, LAUNCHER, job, fault, DELAY], stdout=subprocess.PIPE, text=True)
+    p = start(d, job, fault)
+    t_go = time.monotonic()
     seen: float | None = None
     needle = f'"job_id":"{job}","key":"rank_exit:'
-    while seen is None and time.monotonic() - t0_mono < 30:
+    while seen is None and time.monotonic() - t_go < 30:
         text = log.read_text() if log.exists() else ""
         if any(needle in line and '"rank":"1"' in line for line in text.splitlines()):
             seen = time.time()
-        elif p.poll() is not None and time.monotonic() - t0_mono > 10:
+        elif p.poll() is not None and time.monotonic() - t_go > 10:
             break
         time.sleep(0.01)
     out, _ = p.communicate(timeout=60)
@@ -71,7 +82,7 @@ def launch(job: str, fault: str, state_dir: str) -> tuple[dict, float, float | N
     return report, reaped_wall, seen
 
 
-def wait_events(d: DaemonProc, job: str, n: int = 2, timeout: float = 10.0) -> dict[str, dict]:
+def wait_events(d: DaemonProc, job: str, n: int = 2, timeout: float = 20.0) -> dict[str, dict]:
     state = d.cfg["state_dir"]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -98,7 +109,7 @@ CASES = [
 def test_each_death_is_named_first_and_the_teardown_after_it(daemon: DaemonProc, fault: str, cause: str,
                                                             words: str, kinds: set[str]) -> None:
     job = f"exit-{fault}-{os.getpid()}"
-    report, reaped, seen = launch(job, fault, daemon.cfg["state_dir"])
+    report, reaped, seen = launch(daemon, job, fault)
     got = wait_events(daemon, job)
     one, zero = got["1"], got["0"]
     delay = one["time"] - reaped  # the watcher's wake against the launcher's reap (wall clocks)
@@ -127,7 +138,7 @@ def test_each_death_is_named_first_and_the_teardown_after_it(daemon: DaemonProc,
 
 def test_a_finished_job_says_nothing_but_its_events(daemon: DaemonProc) -> None:
     job = f"exit-ok-{os.getpid()}"
-    launch(job, "ok", daemon.cfg["state_dir"])
+    launch(daemon, job, "ok")
     got = wait_events(daemon, job)
     assert {e["fields"]["cause"] for e in got.values()} == {"exit_0"}, got
     assert all(e["severity"] == "info" and e["fields"]["first_pid"] is None for e in got.values())
@@ -139,8 +150,7 @@ def test_a_death_that_leaves_a_peer_waiting_pages_with_its_cause(daemon: DaemonP
     """No teardown: rank 0 lives on after rank 1's segfault and waits for it. rank_down pages
     once the peer is still alive after the launcher's grace, naming the signal and the kernel line."""
     job = f"exit-wait-{os.getpid()}"
-    launcher = subprocess.Popen([sys.executable, LAUNCHER, job, "segv", DELAY, "--no-teardown"],
-                                stdout=subprocess.PIPE, text=True)
+    launcher = start(daemon, job, "segv", "--no-teardown")
     try:
         got = wait_events(daemon, job, n=1)
         assert got["1"]["fields"]["cause"] == "SIGSEGV"

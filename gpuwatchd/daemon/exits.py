@@ -19,7 +19,7 @@ import time
 from gpuwatchd.daemon.subsystem import DaemonContext, ExitOutput, Ranks, Subsystem
 from gpuwatchd.isolation import guarded
 from gpuwatchd.join.exits import ExitLedger, exit_words
-from gpuwatchd.model import INFO, PAGE, WARNING, CollectorStatus, RankEntry, RankProcess, frozen_map
+from gpuwatchd.model import INFO, PAGE, WARNING, CollectorStatus, RankProcess, frozen_map
 from gpuwatchd.model.events import Event
 from gpuwatchd.model.exits import CRASHED, KILLED, NODE, RankExit
 from gpuwatchd.rank.rankfile import MAX_RANKS_PER_NODE
@@ -39,7 +39,6 @@ class ExitsSubsystem(Subsystem):
         self._daemon: DaemonContext | None = None
         self._boot_id = ""
         self._lock = threading.Lock()  # the watcher's exits -> the ledger -> the event log
-        self._who: dict[tuple[int, int], RankEntry] = {}  # (pid, start ticks) -> its claim
         self._first_start: dict[RankProcess, int] = {}  # a claim's process, as first watched
         self._written: set[tuple[int, int]] = set()  # exits whose event is written
         self._woken = threading.Event()
@@ -88,8 +87,9 @@ class ExitsSubsystem(Subsystem):
                     daemon.services.events.record(self._event(x))
             return list(ledger.recent())
 
-    def _identify(self, e: ProcessExit) -> RankExit | None:
-        entry = self._who.pop((e.pid, e.start_ticks), None)
+    @staticmethod
+    def _identify(e: ProcessExit) -> RankExit | None:
+        entry = e.entry
         if entry is None:
             return None
         return RankExit(job_id=entry.job_id, rank=entry.rank, pid=e.pid, comm=e.comm, time=e.time,
@@ -117,25 +117,28 @@ class ExitsSubsystem(Subsystem):
             return ExitOutput()
         t0 = time.monotonic()
         exits = self._collect()  # first: a rank found dead this cycle has its exit here
-        wanted: dict[tuple[int, int], Watch] = {}
-        who: dict[tuple[int, int], RankEntry] = {}
+        wanted: set[tuple[int, int]] = set()
+        new: dict[tuple[int, int], Watch] = {}
         first: dict[RankProcess, int] = {}
+        processes, known_start, watched = ranks.processes, self._first_start, watcher.keys()
         for e in ranks.entries:
-            proc = ranks.processes.get(e.pid)
+            proc = processes.get(e.pid)
             if proc is None or proc.state in ("Z", "X"):
                 continue
-            known = e.start_ticks if e.start_ticks is not None else self._first_start.get(e.rank_process)
-            if known is not None and known != proc.start_ticks:
+            rp, start = e.rank_process, proc.start_ticks
+            known = e.start_ticks if e.start_ticks is not None else known_start.get(rp)
+            if known is not None and known != start:
                 continue  # the PID names another process now: not this rank
-            first[e.rank_process] = proc.start_ticks
-            key = (e.pid, proc.start_ticks)
-            wanted[key] = Watch(e.pid, proc.start_ticks, proc.uid, proc.comm)
-            who[key] = e
+            first[rp] = start
+            key = (e.pid, start)
+            wanted.add(key)
+            if key not in watched:
+                new[key] = Watch(e.pid, start, proc.uid, proc.comm, e)
         with self._lock:
-            # exactly the watched: a claim no longer here loses its watch (bounded by the cap;
-            # one that exited before this cycle's reading was drained by ``_collect`` above)
-            self._who, self._first_start = who, first
-            watcher.sync(wanted)
+            # exactly the watched: a claim no longer here loses its watch (bounded by the cap);
+            # each watch carries its claim, so an exit read later is still named
+            self._first_start = first
+            watcher.sync(wanted, new)
             self._written &= {(x.pid, x.start_ticks) for x in exits}
         ledger.prune(ranks.now, {(e.job_id, e.rank, e.pid) for e in ranks.entries})
         if watcher.running:

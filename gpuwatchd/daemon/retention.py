@@ -7,7 +7,8 @@ the ranks registered now (rank files and discovery, alive or dead) and drops the
 every other ``(job_id, rank)``:
 
 - after ``retention.ended_rank_seconds`` (default 120 s) without the rank being registered and
-  without an increment: its GIL sample counters and its OOM counters still at 0;
+  without an increment: its GIL sample counters, its OOM counters still at 0 and its exit counts
+  (``rank_exits``: no alert looks back at them, Prometheus keeps their history);
 - after ``retention.oom_kill_seconds`` (default 1800 s): its non-zero OOM-kill and CUDA-OOM
   counters (``EVENT_COUNTERS``). ``GPURankOOMKilled`` looks back 10 minutes (``increase(...[10m])``,
   ``offset 10m``), and its third branch (kill and ``gpuwatch_rank_up == 0``) holds while the rank

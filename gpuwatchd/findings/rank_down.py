@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 from gpuwatchd.findings.context import FindingContext, rank_finding, rank_label
 from gpuwatchd.model import PAGE, Finding, RankState
-from gpuwatchd.model.exits import CRASHED, FINISHED, KILLED, NODE, OOM_KILL, STOPPED, RankExit
+from gpuwatchd.model.exits import CRASHED, FINISHED, KILLED, NODE, STOPPED, RankExit
 from gpuwatchd.units import fmt_clock, fmt_clock_ms
 
 # torchrun SIGTERMs the other ranks as soon as its monitor (every 0.1 s) sees a failure; a peer
@@ -103,7 +103,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         )
     live = {(r.job_id, r.rank, r.pid) for r in ctx.ranks if r.alive}
     for key, x in exits.items():  # exits of ranks no longer listed (discovered ones vanish)
-        if key in live or x.registered or ctx.now - x.time > ACTIVE_SECONDS or x.cause == OOM_KILL:
+        if key in live or x.registered or ctx.now - x.time > ACTIVE_SECONDS or x.oom_event:
             continue  # unregistered: cleaned up; an OOM kill pages as rank_oom_killed already
         if pages(x, ctx):
             yield _from_exit(ctx, x, None)

@@ -8,8 +8,8 @@ dead), bounded by ``limit``; the findings read it each cycle (findings/rank_down
 findings/job_crashed.py), the event log gets one event per exit.
 
 The verdict of a job's first failure (the earliest exit that is not exit 0):
-- ``node``: an OOM killer named the PID, SIGBUS (a hardware memory error, a vanished mapping), or
-  a critical Xid named it: the node ended it;
+- ``node``: an OOM killer named the PID or one of its workers, SIGBUS (a hardware memory error, a
+  vanished mapping), or a critical Xid named it: the node ended it;
 - ``killed``: SIGKILL that no OOM killer named, or a registered rank's status that could not be
   read: nothing in the process's own code ends it that way (a discovered rank's unread status is
   ``crashed``: it pages only when it leaves a peer waiting);
@@ -79,10 +79,17 @@ def describe_status(status: int | None, unknown: str = "") -> tuple[str, str]:
 
 
 def _oom_event(pid: int, t: float, events: Iterable[Event]) -> Event | None:
+    """The OOM kill of ``pid`` itself, else of a process of its tree (a DataLoader worker, whose
+    death the rank then dies of: "DataLoader worker ... is killed by signal: Killed")."""
+    worker = None
     for ev in events:
-        if ev.kind == "oom_kill" and ev.pid == pid and OOM_WINDOW[0] <= ev.time - t <= OOM_WINDOW[1]:
+        if ev.kind != "oom_kill" or not OOM_WINDOW[0] <= ev.time - t <= OOM_WINDOW[1]:
+            continue
+        if ev.pid == pid:
             return ev
-    return None
+        if ev.worker and ev.fields.get("rank_pid") == pid:
+            worker = ev
+    return worker
 
 
 def _xid_event(pid: int, t: float, events: Iterable[Event]) -> Event | None:
@@ -109,16 +116,20 @@ def classify(x: RankExit, faults: KernelFaults | None, events: Sequence[Event]) 
     if oom is not None:
         rss = oom.fields.get("rss_bytes")
         held = f" holding {fmt_bytes(rss)} RSS" if isinstance(rss, int) else ""
-        kernel = f"killed by the {oom.killer} OOM killer{held}" if oom.killer == "kernel" \
-            else f"killed by {oom.killer}{held}"
-        cause, verdict = OOM_KILL, NODE
+        by = "the kernel OOM killer" if oom.killer == "kernel" else oom.killer
+        if oom.pid == x.pid:
+            kernel, cause = f"killed by {by}{held}", OOM_KILL
+        else:  # the rank ended of its worker's kill: its own status stays its cause
+            kernel = f"its worker pid {oom.pid} ({oom.comm}) was killed by {by}{held} before it"
+        verdict = NODE
     xid = _xid_event(x.pid, x.time, events)
     if xid is not None:
         n = xid.fields.get("xid")
         kernel = "; ".join(w for w in (kernel, f"Xid {n} on GPU {xid.fields.get('gpu', '') or '?'}") if w)
         if isinstance(n, int) and n in CRITICAL_XIDS:
             verdict = NODE
-    return replace(x, cause=cause, how=how, kernel=kernel, verdict=verdict)
+    return replace(x, cause=cause, how=how, kernel=kernel, verdict=verdict,
+                   oom_event=oom.key if oom is not None else "")
 
 
 def order(exits: Sequence[RankExit]) -> list[RankExit]:
@@ -168,7 +179,8 @@ class ExitLedger:
     def add(self, new: Iterable[RankExit], events: Sequence[Event]) -> list[RankExit]:
         """Classify ``new`` and keep them; the new ones as ordered within their jobs."""
         with self._lock:
-            fresh = [classify(x, self.faults, events) for x in new]
+            have = {(x.pid, x.start_ticks) for x in self._exits}
+            fresh = [classify(x, self.faults, events) for x in new if (x.pid, x.start_ticks) not in have]
             self._exits.extend(fresh)
             self._exits = self._exits[-self.limit:]
             self._reorder({x.job_id for x in fresh})

@@ -56,6 +56,7 @@ class RankExit:
     unknown: str = ""            # why ``status`` is None
     read_by: str = ""            # "stat" (the zombie's) | "pidfd" (PIDFD_INFO_EXIT, after the reap)
     seq: int = 0                 # the watcher's order: exits read in one wake share their time
+    oom_event: str = ""          # the key of the OOM-kill event that named it or one of its workers
 
     @property
     def first(self) -> bool:

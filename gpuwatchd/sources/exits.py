@@ -12,8 +12,9 @@ thread then reads, in this order:
    "exit 0". Field 22 (start time) must be the one the cycle saw: a reused PID is not the rank.
 2. once the parent has reaped it: ``ioctl(pidfd, PIDFD_GET_INFO)`` with ``PIDFD_INFO_EXIT``
    (Linux >= 6.15), which keeps the exit status of a reaped process for a pidfd opened before it
-   exited. Against a launcher blocked in ``waitpid`` (bench/exit_race.py) the zombie was read in
-   about half the exits on a loaded 2-core VM; the ioctl answers the rest.
+   exited. Against a launcher blocked in ``waitpid`` (bench/exit_race.py, a loaded 2-core VM,
+   kernel 6.18) the zombie was read in 40-66 % of the exits, the ioctl answered the rest: none
+   unknown, none wrong.
 3. neither: the cause is "unknown (reaped before read)", said as such.
 
 The exit's time is the thread's wake (``clock()``), to the millisecond. Cost: one fd per watched
@@ -35,10 +36,11 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from gpuwatchd.isolation import run_forever
+from gpuwatchd.model import RankEntry
 from gpuwatchd.paths import HostPaths
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ class Watch:
     start_ticks: int
     uid: int
     comm: str
+    entry: RankEntry | None = None  # who the process is (the claim), handed back with its exit
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class ProcessExit:
     unknown: str = ""           # why the status is unknown
     read_by: str = ""           # "stat" (the zombie) | "pidfd" (PIDFD_INFO_EXIT after the reap)
     seq: int = 0                # the order the kernel made them ready in (one wake reads several)
+    entry: RankEntry | None = None  # the watch's
 
 
 def _stat_fields(text: str) -> list[str]:
@@ -138,6 +142,9 @@ class ExitWatcher:
         self._waiting: dict[int, tuple[float, float]] = {}  # pidfd -> (wake time, give up at)
         self._exits: deque[ProcessExit] = deque(maxlen=4 * max_watched)
         self._seq = 0
+        # (pid, start ticks) of the exits recorded lately: a cycle that works from a collector's
+        # last good reading (one timed out) still shows them alive, and they are not watched again
+        self._ended: dict[tuple[int, int], None] = {}
         self._epoll: select.epoll | None = None
         self._wake_r = self._wake_w = -1
         self._stop = threading.Event()
@@ -177,17 +184,17 @@ class ExitWatcher:
 
     # -- the cycle ---------------------------------------------------------------------------------
 
-    def sync(self, wanted: Mapping[tuple[int, int], Watch]) -> None:
-        """Watch exactly ``wanted`` ((pid, start ticks) -> the process): new ones get a pidfd,
-        those no longer wanted lose theirs."""
+    def sync(self, wanted: Collection[tuple[int, int]], new: Mapping[tuple[int, int], Watch]) -> None:
+        """Watch exactly ``wanted`` ((pid, start ticks)): those no longer wanted lose their
+        pidfd, and each of ``new`` (the wanted ones not watched yet, with their process) gets one."""
         if self._epoll is None:
             return
         with self._lock:
             for key in [k for k in self._by_key if k not in wanted]:
                 self._close(self._by_key[key])
-            self.skipped = 0
-            for key, w in wanted.items():
-                if key in self._by_key:
+            self.skipped, self.error = 0, ""  # each sync says what it could not watch
+            for key, w in new.items():
+                if key in self._by_key or key in self._ended:
                     continue
                 if len(self._by_key) >= self.max_watched:
                     self.skipped += 1
@@ -246,6 +253,11 @@ class ExitWatcher:
             out = list(self._exits)
             self._exits.clear()
         return out
+
+    def keys(self) -> frozenset[tuple[int, int]]:
+        """The (pid, start ticks) watched now."""
+        with self._lock:
+            return frozenset(self._by_key)
 
     @property
     def watched(self) -> int:
@@ -319,9 +331,12 @@ class ExitWatcher:
         return True
 
     def _record(self, w: Watch, when: float, status: int | None, unknown: str, by: str) -> None:
+        self._ended[(w.pid, w.start_ticks)] = None
+        while len(self._ended) > 4 * self.max_watched:
+            del self._ended[next(iter(self._ended))]
         self._seq += 1
         self._exits.append(ProcessExit(w.pid, w.start_ticks, w.comm, when, status, unknown, by,
-                                       self._seq))
+                                       self._seq, w.entry))
 
     def _kick(self) -> None:
         """End the thread's current sleep (the pipe is non-blocking: a full one is awake already)."""
