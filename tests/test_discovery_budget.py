@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -108,3 +109,38 @@ def test_r5_a_unicode_digit_rank_does_not_fail_the_pass(procs: list[subprocess.P
     procs += [odd, good]
     found = [(e.rank, e.pid) for e in discover(ProcfsReader(HostPaths()), ("torchrun",)) if e.job_id == job]
     assert found == [(0, good.pid)]
+
+
+# A launcher's child before its exec: the parent's environment (no RANK) for a moment, then the
+# rank's, with the same pid and start time (torchrun's workers: fork + exec of subprocess.Popen).
+# Kept from the first read, such a rank was never discovered (three of eight 2-rank torchrun jobs
+# on the H100 lost a rank that way, and its exit was never watched).
+EXEC_LATER = r"""
+import os, sys, time
+time.sleep(float(sys.argv[1]))
+os.execve(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)"],
+          {**os.environ, "TORCHELASTIC_RUN_ID": sys.argv[2], "RANK": "0", "LOCAL_RANK": "0",
+           "WORLD_SIZE": "1"})
+"""
+
+
+def test_a_process_read_before_its_exec_is_found_once_it_execs_as_a_rank(
+        procs: list[subprocess.Popen[Any]]) -> None:
+    from gpuwatchd.paths import HostPaths
+    from gpuwatchd.sources.discovery import Discoverer
+    from gpuwatchd.sources.procfs import ProcfsReader
+
+    job = f"exec-{os.getpid()}"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    p = subprocess.Popen([sys.executable, "-c", EXEC_LATER, "1.0", job], env=env)
+    procs.append(p)
+    clock = [100.0]
+    keeper, procfs = Discoverer(clock=lambda: clock[0]), ProcfsReader(HostPaths())
+    assert not [e for e in keeper.scan(procfs, ("torchrun",)) if e.job_id == job]  # before the exec
+    for _ in range(50):  # the exec, then the next pass (a discovery interval later)
+        time.sleep(0.1)
+        if b"RANK=0" in Path(f"/proc/{p.pid}/environ").read_bytes():
+            break
+    clock[0] += 1.0
+    found = [(e.rank, e.pid) for e in keeper.scan(procfs, ("torchrun",)) if e.job_id == job]
+    assert found == [(0, p.pid)]

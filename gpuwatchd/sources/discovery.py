@@ -13,6 +13,12 @@ each):
 - ``environ`` is what the process was started with (the kernel shows the initial environment
   block; ``setenv`` does not change it), so each process's is read once in its lifetime: the
   verdict is kept per (pid, start ticks) for as long as the process is listed (``Discoverer``).
+- Except at the start of a process's life: between fork and exec, ``environ`` is still the
+  parent's (torchrun's, with no RANK), and the start time does not change at exec. A process
+  that names no rank is read again at each pass for its first ``SETTLE_SECONDS`` (10 s) after
+  it was first read; a claim, once read, is kept. (Kept from the first read, a torchrun worker
+  read in that window was never discovered, so its exit was never watched: seen on the H100,
+  three of eight 2-rank jobs lost a rank that way.)
 - Only the first ``ENVIRON_PREFIX_BYTES`` (128 KiB) of it are read. Launchers put their variables
   into a normal-sized environment (a few KiB); a process whose rank variables sit behind more
   than 128 KiB of other variables is not discovered, and is registered with a rank file instead
@@ -30,7 +36,8 @@ import collections
 import dataclasses
 import heapq
 import os
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from gpuwatchd.model import RankEntry
@@ -42,6 +49,7 @@ __all__ = ["ENVIRON_PREFIX_BYTES", "PASS_ENVIRON_BYTES", "Discoverer", "discover
 ENVIRON_PREFIX_BYTES = 128 * 1024
 PASS_ENVIRON_BYTES = 16 * 1024 * 1024
 MIN_READ_COST = 4096  # what a read counts against the pass's budget at least (an empty one too)
+SETTLE_SECONDS = 10.0  # a process naming no rank is read again for this long (fork before exec)
 
 Claim = tuple[str, int, "int | None", "int | None"]  # (job_id, rank, local_rank, world_size)
 
@@ -54,15 +62,18 @@ class _Seen:
     uid: int
     ppid: int
     claim: Claim | None
+    read_at: float = 0.0  # the Discoverer's clock at the first read of this process
 
 
 class Discoverer:
     """Discovery with memory across passes: each process's environment is read once (per pid
     and start time), and each pass reads at most ``budget`` bytes of new ones, shared by uid."""
 
-    def __init__(self, prefix: int = ENVIRON_PREFIX_BYTES, budget: int = PASS_ENVIRON_BYTES) -> None:
+    def __init__(self, prefix: int = ENVIRON_PREFIX_BYTES, budget: int = PASS_ENVIRON_BYTES,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.prefix = prefix
         self.budget = budget
+        self.clock = clock
         self._seen: dict[int, _Seen] = {}
         self.deferred = 0  # processes of the last pass whose environment is still to be read
         self.reads = 0  # environments read, all passes (tests, bench)
@@ -74,6 +85,8 @@ class Discoverer:
         launchers = tuple(launchers)
         pending: dict[int, list[tuple[int, int, int]]] = {}  # uid -> (pid, start ticks, ppid)
         seen: dict[int, _Seen] = {}
+        now = self.clock()
+        first_read: dict[int, float] = {}  # pids read again while they settle: their first read
         for pid in procfs.pids():
             try:
                 fields = procfs.read_stat(pid)[1]
@@ -82,7 +95,11 @@ class Discoverer:
             except (ValueError, IndexError, ProcessGone, OSError):
                 continue
             old = self._seen.get(pid)
-            if old is not None and old.start_ticks == ticks:
+            if old is not None and old.start_ticks == ticks and old.claim is None and \
+                    now - old.read_at < SETTLE_SECONDS:
+                first_read[pid] = old.read_at  # maybe read between fork and exec: read again
+                pending.setdefault(uid, []).append((pid, ticks, ppid))
+            elif old is not None and old.start_ticks == ticks:
                 # the same process (a setuid since is its new claimant; its environment is the same)
                 seen[pid] = old if old.uid == uid else dataclasses.replace(old, uid=uid)
             else:
@@ -107,7 +124,8 @@ class Discoverer:
                 heapq.heappush(turns, (used + cost, uid, queue))
             if not raw:  # gone, not permitted, or empty for a moment after exec: not remembered
                 continue
-            seen[pid] = _Seen(ticks, uid, ppid, _claim(environ_pick(raw, DISCOVERY_VARS), launchers))
+            seen[pid] = _Seen(ticks, uid, ppid, _claim(environ_pick(raw, DISCOVERY_VARS), launchers),
+                              first_read.get(pid, now))
         self._seen = seen  # processes no longer listed are forgotten
         return _ranks(procfs, seen)
 
