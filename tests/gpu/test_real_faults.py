@@ -192,8 +192,11 @@ def test_a_death_of_the_catalog_is_named_with_its_cause_and_first(world: World, 
     # closed by peer") a moment before the launcher's signal; either way after rank 1, and said so
     assert zero["fields"]["first_rank"] == 1 and zero["time"] >= one["time"], zero
     assert one["time"] - at <= DEATH_BOUND
-    if fault == "SEGFAULT":
-        assert "segfault at 1" in one["summary"], one
+    if fault == "SEGFAULT":  # the kernel's own line, where the daemon can read the kernel log
+        if world.d.value("gpuwatch_collector_success", collector="kernel_log") == 1.0:
+            assert "segfault at 1" in one["summary"], one
+        else:
+            say("SEGFAULT kernel line", "no kernel log readable on this machine (a container)")
     world.wait(lambda: p.poll() is not None, 60, f"{fault}: torchrun ended")
     time.sleep(2 * INTERVAL)
     kinds = sorted({(f["kind"], f["severity"]) for f in world.findings(job)})
