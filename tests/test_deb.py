@@ -6,8 +6,8 @@ dependency itself, not borrowing one from the build host's Debian packages; lint
 error or warning beyond deploy/debian/lintian-overrides), its manual page and copyright file.
 Installing, upgrading and purging it under a booted systemd: tests/test_systemd_boot.py; its
 maintainer scripts against accounts that existed before it (dpkg in a chroot on an overlay of the
-same Debian 12 root, so this host's accounts are never touched) here. About 20 s for lintian and
-30 s for the chroot runs once built (2-core VM: 25 and 40 s).
+same Debian 12 root, so this host's accounts are never touched) here. Once built, lintian 30-40 s
+and the three dpkg runs 11-20 s on the 2-core VM shared with other work.
 """
 
 from __future__ import annotations

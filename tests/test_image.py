@@ -24,8 +24,9 @@ the host's (runc cannot raise them here: the issue's measurement).
 Reproducible: a second build of the same inputs (--no-cache) gives the same layers and the same
 image ID; its labels are the OCI ones, from the version, the revision and SOURCE_DATE_EPOCH.
 
-Needs root, podman, runc, mmdebstrap, journald; about 40 s with the Debian root cached
-(/var/cache/gpuwatchd-test-rootfs), 80 s cold.
+Needs root, podman, runc, mmdebstrap, journald. On the 2-core VM shared with other work: the
+build 110 s, the second build 80 s, the pod 30 s, with the Debian root cached
+(/var/cache/gpuwatchd-test-rootfs); mmdebstrap adds 2-9 min when it is not.
 """
 
 from __future__ import annotations
