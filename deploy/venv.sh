@@ -13,7 +13,8 @@
 # --no-byte-code leaves none: the Debian package compiles it in postinst), pip and setuptools are
 # removed (nothing installs into it later), the interpreter link is relative, and the wheels'
 # ELF files are stripped of their symbols (strip --strip-unneeded, as dh_strip does: 4.1 of
-# 11.5 MB; their RECORD lines get the new hashes and sizes). pip runs without the system's
+# 11.5 MB), and every RECORD line gets the hash and size of the file as installed (pip's check
+# holds; the venv is the same wherever it was staged). pip runs without the system's
 # site-packages (a python3-yaml on the build host would satisfy PyYAML and leave it out); the
 # venv sees them afterwards, for Debian's python3-systemd (the journal source).
 #   --find-links DIR   dependencies' wheels from DIR only (no index: offline builds, CI)
@@ -60,31 +61,30 @@ find "$V" -name __pycache__ -prune -exec rm -rf {} +
 # /usr/lib/gpuwatchd/bin/python3.X -> ../../../bin/python3.X (/usr/bin/python3.X), relative: the
 # package's links stay inside /usr (Debian Policy 10.5)
 ln -sfn "../../../bin/python$PYVER" "$V/bin/python$PYVER"
-# the wheels' ELF files, stripped; RECORD keeps matching the files (pip's own format)
+# the wheels' ELF files, stripped
 find "$V" -type f \( -name '*.so' -o -name '*.so.*' -o -perm -u+x \) -print0 | sort -z \
     | while IFS= read -r -d '' f; do
         [ "$(head -c 4 "$f" | od -An -c | tr -d ' ')" = '177ELF' ] || continue
         strip --strip-unneeded --remove-section=.comment --remove-section=.note "$f"
-        echo "${f#"$V"/}"
-    done > "$ROOT/.stripped"
-PYTHONHASHSEED=0 "$PYTHON" - "$V" "$ROOT/.stripped" <<'RECORD'
+    done
+# RECORD matches the files again (pip's format): the stripped binaries, and the scripts whose #!
+# named the staging root (their sizes depended on where the venv was staged)
+PYTHONHASHSEED=0 "$PYTHON" - "$V" <<'RECORD'
 import base64, csv, hashlib, io, pathlib, sys
-venv, stripped = pathlib.Path(sys.argv[1]), set(pathlib.Path(sys.argv[2]).read_text().split("\n"))
+venv = pathlib.Path(sys.argv[1])
 for record in venv.glob("lib/python*/site-packages/*.dist-info/RECORD"):
     site = record.parent.parent
-    rows = list(csv.reader(io.StringIO(record.read_text())))
+    # rows of files removed above (direct_url.json) go; the rest get the installed files' hashes
+    rows = [r for r in csv.reader(io.StringIO(record.read_text())) if (site / r[0]).exists()]
     for row in rows:
-        path = (site / row[0]).resolve()
-        rel = str(path.relative_to(venv.resolve())) if path.is_relative_to(venv.resolve()) else ""
-        if rel in stripped:
-            data = path.read_bytes()
+        if len(row) == 3 and row[1]:
+            data = (site / row[0]).read_bytes()
             digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
             row[1:3] = [f"sha256={digest}", str(len(data))]
     out = io.StringIO()
     csv.writer(out, lineterminator="\n").writerows(rows)
     record.write_text(out.getvalue())
 RECORD
-rm -f "$ROOT/.stripped"
 if [ -n "$BYTECODE" ]; then
     PYTHONHASHSEED=0 "$PYTHON" -m compileall -q -j0 -s "$ROOT" -p / --invalidation-mode checked-hash \
         "$V/lib" >&2

@@ -131,4 +131,4 @@ def test_every_container_runs_the_image_of_this_version(rendered: dict[str, dict
 
     pod = rendered["DaemonSet"]["spec"]["template"]["spec"]
     images = {c["image"] for c in pod["containers"] + pod["initContainers"]}
-    assert images == {f"ghcr.io/gpuwatchd/gpuwatchd:{__version__.replace('+', '-')}"}
+    assert images == {f"localhost/gpuwatchd:{__version__.replace('+', '-')}"}

@@ -85,7 +85,8 @@ def test_sdist_holds_what_the_packages_are_built_from() -> None:
         names = {n[len(top):] for n in t.getnames() if n.startswith(top)}
     needed = {"pyproject.toml", "README.md", "LICENSE", "config.example.yaml", "MANIFEST.in",
               "gpuwatchd/rank/rankfile.schema.json", "deploy/install.sh", "deploy/debian/build.sh",
-              "deploy/debian/postinst", "deploy/image/build.sh",
+              "deploy/debian/postinst", "deploy/debian/copyright.py", "deploy/debian/manpage.py",
+              "deploy/debian/lintian-overrides", "deploy/image/build.sh", "Containerfile", ".dockerignore",
               "tools/build_client.py", "client/pyproject.toml", "client/README.md"}
     needed |= set(_git_files("systemd"))
     assert needed - names == set()

@@ -1,44 +1,49 @@
 #!/bin/bash
-# Build the DaemonSet's image (deploy/kubernetes/daemonset.yaml) from Debian packages and
-# gpuwatchd's wheel only: a Debian 12 root made by mmdebstrap, the venv /usr/lib/gpuwatchd that the
-# Debian package holds too (deploy/venv.sh), imported with podman. No base image of any registry.
+# Build the DaemonSet's image (deploy/kubernetes/daemonset.yaml) from the Containerfile, with
+# podman, reproducibly: the labels' version, revision and creation
+# time, SOURCE_DATE_EPOCH, and --timestamp, so the same inputs give the same layers.
 #
-#   python3 -m build --wheel --outdir dist .
-#   deploy/image/build.sh --wheel dist/gpuwatchd-*.whl          # -> ghcr.io/gpuwatchd/gpuwatchd:VERSION
-#   podman push ghcr.io/gpuwatchd/gpuwatchd:VERSION docker://REGISTRY/gpuwatchd:VERSION
+#   deploy/image/build.sh                                  # -> localhost/gpuwatchd:VERSION
+#   podman push localhost/gpuwatchd:VERSION docker://REGISTRY/gpuwatchd:VERSION
+#   deploy/image/build.sh --platform linux/arm64           # GH200/GB200 nodes (QEMU binfmt on amd64)
 #
-# The image: ENTRYPOINT /usr/lib/gpuwatchd/bin/gpuwatchd, CMD run --config.file
-# /etc/gpuwatchd/config.yaml (the DaemonSet's args), python3 on PATH (its init container), uid 0
-# (the DaemonSet drops every capability but three: deploy/kubernetes/README.md). Its packages:
-# Debian's essential set plus python3, python3-systemd (the host journal) and libudev1.
-# tests/test_image.py builds it and runs it under the DaemonSet's security context.
+# The Containerfile builds FROM docker.io/library/debian:12-slim; --local-base builds FROM a
+# Debian 12 root made here by mmdebstrap instead (root, no registry: CI and air-gapped hosts).
+# The build context is a copy of the source tree (no .git, .venv or build output).
 #
 # Options:
-#   --wheel FILE       gpuwatchd's wheel (required unless --base-only)
-#   --find-links DIR   the dependencies' wheels from DIR only (no index)
-#   --tag NAME         image name (default ghcr.io/gpuwatchd/gpuwatchd:VERSION, "+" as "-")
-#   --base TAR         reuse a root made by --base-only (the same recipe) instead of mmdebstrap
+#   --tag NAME         image name (default localhost/gpuwatchd:VERSION, "+" as "-")
+#   --platform P       the image's platform (default: this host's)
+#   --find-links DIR   setuptools' and the dependencies' wheels from DIR only (no index)
+#   --local-base       make the Debian 12 root with mmdebstrap and build FROM it
+#   --base TAR         build FROM a root made by --base-only (the same recipe)
 #   --base-only TAR    only make the Debian root (mmdebstrap) into TAR, and stop
 #   --mirror URL       Debian mirror for mmdebstrap (default: mmdebstrap's, from the host's apt)
+#   -- ARGS            further arguments of `podman build` (e.g. --no-cache)
 # Environment: PODMAN (default "podman"; e.g. "podman --root DIR" for a private store),
-# SOURCE_DATE_EPOCH (file times of the root; default: the wheel's mtime).
-# Needs root (mmdebstrap, podman), mmdebstrap, podman, python3-venv of the same Debian release.
+# SOURCE_DATE_EPOCH (default: the last commit's time, else gpuwatchd/__init__.py's mtime).
+# Prints the image's name on its last line. Needs podman (or buildah); mmdebstrap and root for
+# --local-base / --base-only.
 set -euo pipefail
 
 SRC=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 SUITE=bookworm
-PACKAGES=python3,python3-systemd,libudev1
-WHEEL= LINKS= TAG= BASE= BASE_ONLY= MIRROR=
+# the root both stages build from: the builder's packages and the final stage's
+PACKAGES=python3,python3-venv,python3-systemd,libudev1,binutils
+TAG= PLATFORM= LINKS= LOCAL_BASE= BASE= BASE_ONLY= MIRROR=
+EXTRA=()
 PODMAN=${PODMAN:-podman}
 die() { echo "deploy/image/build.sh: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
     case "$1" in
-        --wheel) WHEEL=${2:?}; shift 2 ;;
-        --find-links) LINKS=${2:?}; shift 2 ;;
         --tag) TAG=${2:?}; shift 2 ;;
+        --platform) PLATFORM=${2:?}; shift 2 ;;
+        --find-links) LINKS=${2:?}; shift 2 ;;
+        --local-base) LOCAL_BASE=1; shift ;;
         --base) BASE=${2:?}; shift 2 ;;
         --base-only) BASE_ONLY=${2:?}; shift 2 ;;
         --mirror) MIRROR=${2:?}; shift 2 ;;
+        --) shift; EXTRA=("$@"); break ;;
         -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) die "unknown option $1 (see --help)" ;;
     esac
@@ -49,13 +54,15 @@ trap 'rm -rf "$TMP"' EXIT
 
 make_base() {  # the Debian root, as a tar; nothing of gpuwatchd in it
     command -v mmdebstrap >/dev/null || die "mmdebstrap not found (apt-get install mmdebstrap)"
-    # no docs, man pages or locales (--dpkgopt): nothing runs them; apt's lists and caches go too
+    # no docs but the copyright files, no man pages or locales (--dpkgopt): nothing runs them;
+    # apt's lists and caches go too
     mmdebstrap --quiet --variant=essential --include="$PACKAGES" --format=tar \
-        --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
+        --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
+        --dpkgopt='path-exclude=/usr/share/man/*' \
         --dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/info/*' \
         --customize-hook='rm -f "$1"/etc/machine-id "$1"/etc/hostname "$1"/etc/resolv.conf' \
         --customize-hook='rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/* "$1"/var/log/*' \
-        "$SUITE" "$1" ${MIRROR:+"$MIRROR"}
+        ${PLATFORM:+--architectures="${PLATFORM#linux/}"} "$SUITE" "$1" ${MIRROR:+"$MIRROR"}
 }
 
 if [ -n "$BASE_ONLY" ]; then
@@ -63,37 +70,39 @@ if [ -n "$BASE_ONLY" ]; then
     exit 0
 fi
 
-[ -f "$WHEEL" ] || die "--wheel FILE is required (build one with: python3 -m build --wheel)"
-PEP440=$(basename "$WHEEL" | cut -d- -f2)
-TAG=${TAG:-ghcr.io/gpuwatchd/gpuwatchd:${PEP440//+/-}}
-export SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-$(stat -c %Y "$WHEEL")}
+VERSION=$(sed -n 's/^__version__ = "\([^"]*\)"$/\1/p' "$SRC/gpuwatchd/__init__.py")
+[ -n "$VERSION" ] || die "no __version__ in gpuwatchd/__init__.py"
+TAG=${TAG:-localhost/gpuwatchd:${VERSION//+/-}}
+REVISION=$(git -C "$SRC" rev-parse HEAD 2>/dev/null || echo unknown)
+if [ -z "${SOURCE_DATE_EPOCH:-}" ]; then
+    SOURCE_DATE_EPOCH=$(git -C "$SRC" log -1 --format=%ct 2>/dev/null || stat -c %Y "$SRC/gpuwatchd/__init__.py")
+fi
+CREATED=$(date -u -d "@$SOURCE_DATE_EPOCH" +%Y-%m-%dT%H:%M:%SZ)
 
-if [ -z "$BASE" ]; then
+CTX="$TMP/context"
+mkdir "$CTX"
+tar -C "$SRC" --exclude-vcs --exclude='./.venv*' --exclude='__pycache__' --exclude='*.egg-info' \
+    --exclude=./build --exclude=./dist --exclude=./.mypy_cache --exclude=./.ruff_cache \
+    --exclude=./.pytest_cache -cf - . | tar -C "$CTX" -xf -
+args=(--timestamp "$SOURCE_DATE_EPOCH" --build-arg "SOURCE_DATE_EPOCH=$SOURCE_DATE_EPOCH"
+      --build-arg "VERSION=$VERSION" --build-arg "REVISION=$REVISION" --build-arg "CREATED=$CREATED")
+if [ -n "$LINKS" ]; then
+    mkdir "$CTX/.wheelhouse"
+    cp "$LINKS"/*.whl "$CTX/.wheelhouse/"
+    args+=(--build-arg WHEELHOUSE=.wheelhouse)
+fi
+if [ -n "$LOCAL_BASE" ] && [ -z "$BASE" ]; then
     make_base "$TMP/base.tar"
     BASE="$TMP/base.tar"
 fi
-# the venv is made with this host's python3 for the image's: the same Debian release, checked
-tar -tf "$BASE" ./usr/bin/python3.11 >/dev/null 2>&1 || die "the root has no /usr/bin/python3.11"
-[ -x /usr/bin/python3.11 ] || die "this host has no /usr/bin/python3.11 (build on Debian 12)"
-
-S="$TMP/stage"
-bash "$SRC/deploy/venv.sh" --wheel "$WHEEL" ${LINKS:+--find-links "$LINKS"} \
-    --python /usr/bin/python3.11 --root "$S" >/dev/null
-install -d -m 0755 "$S/etc/gpuwatchd" "$S/run/gpuwatch" "$S/var/lib/gpuwatchd"
-install -d -m 1777 "$S/run/gpuwatch/ranks"
-install -m 0644 "$SRC/config.example.yaml" "$S/etc/gpuwatchd/config.yaml"
-cp "$BASE" "$TMP/image.tar"
-tar -C "$S" --owner=0 --group=0 --numeric-owner --mtime="@$SOURCE_DATE_EPOCH" \
-    -rf "$TMP/image.tar" ./usr/lib/gpuwatchd ./etc/gpuwatchd ./run/gpuwatch ./var/lib/gpuwatchd
-
-$PODMAN import --quiet \
-    --change 'ENTRYPOINT ["/usr/lib/gpuwatchd/bin/gpuwatchd"]' \
-    --change 'CMD ["run", "--config.file", "/etc/gpuwatchd/config.yaml"]' \
-    --change 'ENV PATH=/usr/lib/gpuwatchd/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-    --change 'EXPOSE 9863/tcp' \
-    --change "LABEL org.opencontainers.image.title=gpuwatchd" \
-    --change "LABEL org.opencontainers.image.version=$PEP440" \
-    --change "LABEL org.opencontainers.image.licenses=Apache-2.0" \
-    --change "LABEL org.opencontainers.image.source=https://github.com/gpuwatchd/gpuwatchd" \
-    "$TMP/image.tar" "$TAG" >/dev/null
+if [ -n "$BASE" ]; then
+    # one root for both stages; its name is the tar's digest, so a new root is a new name
+    name="localhost/gpuwatchd-base:$(sha256sum "$BASE" | cut -c1-16)"
+    $PODMAN image exists "$name" 2>/dev/null || $PODMAN import --quiet "$BASE" "$name" >/dev/null
+    args+=(--build-arg "BASE=$name" --build-arg "BUILDER_BASE=$name")
+fi
+# with the wheels and the root given, nothing is fetched: the build runs without a network
+if [ -n "$LINKS" ] && [ -n "$BASE" ]; then args+=(--network=none); fi
+$PODMAN build ${PLATFORM:+--platform "$PLATFORM"} "${args[@]}" -t "$TAG" \
+    -f "$CTX/Containerfile" "${EXTRA[@]}" "$CTX" >&2
 echo "$TAG"
