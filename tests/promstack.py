@@ -492,6 +492,7 @@ GRAFANA_VARS = {
 CONDITIONAL_SERIES = {
     "gpuwatch_rank_pod_info": "ranks in Kubernetes pods",
     "gpuwatch_process_memory_limit_bytes": "a daemon with a memory limit (MemoryMax=, a pod's)",
+    "gpuwatch_nccl_ras_": "a suspect NCCL job answering on its RAS port (NCCL >= 2.28)",
 }
 
 
