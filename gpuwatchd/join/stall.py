@@ -65,7 +65,13 @@ from gpuwatchd.join.stall_spin import (
     spinning_python,
 )
 from gpuwatchd.join.stall_track import RankTrack
-from gpuwatchd.join.stall_verdicts import main_stack, name_suspects, summarize_threads
+from gpuwatchd.join.stall_verdicts import (
+    gil_holder,
+    judge_jobs,
+    main_stack,
+    name_suspects,
+    summarize_threads,
+)
 from gpuwatchd.model import RankId
 from gpuwatchd.model.stall import RankProbe, StallVerdict
 from gpuwatchd.model.threads import ThreadInfo, ThreadStack
@@ -94,6 +100,13 @@ MAX_DUMP_MISSES = 4
 # At most this many tasks of one process are read per look: a process with 3000 threads costs the
 # same as one with 256 (the main thread and the oldest threads come first, by tid).
 MAX_PROBE_THREADS = 256
+# The conclusive bound (stall.conclusive_seconds): a shape that leaves no doubt (a lock-order
+# deadlock, a thread holding the GIL at one line while the main thread waits, a GPU-confirmed
+# spin; with the job's other ranks: a stopped rank, a dead peer, the odd one out of a collective,
+# join/stall_verdicts.py judge_jobs) is stalled once proven still this long, not after_seconds.
+# The looks come at least every third of it, so that a hang is paged within
+# conclusive + conclusive / 3 + a cycle of its start (40 + 13 + 5 s at the shipped defaults).
+CONCLUSIVE_SECONDS = 40.0
 
 
 class StallTracker:
@@ -109,13 +122,17 @@ class StallTracker:
         compile_after_seconds: float | None = None,
         budget_seconds: float | None = None,
         max_threads: int = MAX_PROBE_THREADS,
+        conclusive_seconds: float = CONCLUSIVE_SECONDS,
     ) -> None:
         """``looks``: what reads the host for a look (sources/stall_looks.py).
         ``compile_after_seconds``: a rank still in torch.compile with its CPU busy is reported
         as compiling, and stalled only after this long without progress (default 6x after).
         ``budget_seconds``: the most one ``observe`` spends on thread looks and dumps (default
-        a fifth of a cycle, at least 50 ms); ``max_threads``: tasks read per process per look."""
+        a fifth of a cycle, at least 50 ms); ``max_threads``: tasks read per process per look.
+        ``conclusive_seconds``: the bound of the conclusive shapes (CONCLUSIVE_SECONDS), at most
+        ``after_seconds``."""
         self.after = after_seconds
+        self.conclusive = min(conclusive_seconds, after_seconds)
         self.compile_after = (compile_after_seconds if compile_after_seconds is not None
                               else 6 * after_seconds)  # fmt: skip
         self.budget = budget_seconds if budget_seconds is not None else max(0.05, cycle_seconds / 5)
@@ -124,7 +141,8 @@ class StallTracker:
         self.deferred: collections.Counter[str] = collections.Counter()
         self.looks = looks
         if dump_interval_seconds is None:
-            dump_interval_seconds = min(max(after_seconds / 5, cycle_seconds), 60.0)
+            dump_interval_seconds = min(max(after_seconds / 5, cycle_seconds), 60.0,
+                                        max(self.conclusive / 3, cycle_seconds))
         self.dump_interval = dump_interval_seconds
         self._tracks: dict[RankId, RankTrack] = {}
         self._clk_tck = looks.clk_tck
@@ -160,7 +178,8 @@ class StallTracker:
                 verdicts[p.key] = verdict
         finally:
             self.cycle.end()
-        return name_suspects(confirm_by_peers(verdicts))
+        judged = judge_jobs(verdicts, now, self.conclusive, self.conclusive + self.dump_interval)
+        return name_suspects(confirm_by_peers(judged))
 
     def note_gpus(self, readings: dict[RankId, GpuReading]) -> None:
         """This cycle's NVML view of each rank's GPUs (the daemon calls it after its join, where the
@@ -188,13 +207,15 @@ class StallTracker:
         else:
             hb_mtime = self.looks.heartbeat_mtime(p.heartbeat, p.owner_uid) if p.heartbeat else None
         age = now - (hb_mtime or tr.first_seen)
-        if p.heartbeat and not stopped and age <= self.after / 2:
+        if p.heartbeat and not stopped and age <= min(self.after / 2, self.conclusive / 3):
             # a beating rank: its heartbeat says it all, no need to look at its threads. One
-            # that is late (past half the bound) is looked at like a stalled one, so that the
-            # first stalled look already knows each thread's CPU share, the workers' CPU and
-            # whether it was compiling.
+            # that is late (past a third of the conclusive bound) is looked at like a stalled
+            # one, so that by the conclusive bound a look knows each thread's CPU share, the
+            # workers' CPU and whether it was compiling, and a dump (at most one a dump interval,
+            # from a dump interval before the conclusive bound) where its threads are.
             return StallVerdict(p.job_id, p.rank, p.pid, True, hb_mtime or tr.first_seen, False,
-                                "heartbeat", max(0.0, age))
+                                "heartbeat", max(0.0, age), doing=f"beats (last heartbeat "
+                                f"{max(0.0, age):.0f} s ago)")
         # Per-thread detail only at the look cadence (the dump interval), not every cycle: between
         # looks the verdict keeps the last look's thread view (issue 14: per-thread reads of every
         # torch rank every cycle were most of the daemon's CPU).
@@ -255,16 +276,28 @@ class StallTracker:
             # unchanged (a look that changes dumps again): the same place the whole time
             stalled_so_far = tr.identical >= 1 and now - progress >= self.after and (
                 tr.last_dump_at - tr.last_change >= self.after)
-        if stopped and tr.stopped_since is not None and now - tr.stopped_since >= self.after:
+        # proven still this long: the heartbeat's age, or the span of the last comparison that
+        # found the same stacks (a dump or a proof, join/stall.py _stack_progress)
+        if p.heartbeat:
+            still = now - progress
+        else:
+            still = min(now - progress, tr.last_dump_at - tr.last_change) if tr.identical >= 1 else 0.0
+        stopped_for = now - tr.stopped_since if tr.stopped_since is not None else None
+        if stopped_for is not None and tr.stopped_since is not None and stopped_for >= self.after:
             method, stalled_so_far = "stopped", True
             progress = min(progress, tr.stopped_since)
-        late = bool(p.heartbeat) and not stalled_so_far
+        held = still >= self.conclusive and not stalled_so_far
+        # one thread held the GIL at the same line in every dump for the conclusive bound
+        gil_held = tr.gil_key is not None and tr.stacks_at - tr.gil_since >= self.conclusive
+        late = bool(p.heartbeat) and not stalled_so_far and \
+            age > min(self.after / 2, self.conclusive - self.dump_interval)
         if (stalled_so_far or late) and now - tr.last_dump_at >= self.dump_interval and p.heartbeat:
             # the stuck frames for the explanation (heartbeat ranks are not dumped otherwise)
             stacks, _ = self.cycle.dump(now, p.pid)
             if stacks is not None:
                 tr.stacks, tr.last_dump_at = stacks, now
                 tr.dump_slices, tr.stacks_at, tr.proven_at = None, now, None
+                tr.note_gil(stacks, now)
         if tr.words_of is not tr.stacks:  # once per dump, not per cycle
             main = main_stack(tr.stacks)
             tr.frames = tuple(str(f) for f in main.frames[:MAX_FRAMES]) if main else ()
@@ -273,9 +306,9 @@ class StallTracker:
         frames, location = tr.frames, tr.location
         analysis = None
         compiling = False
-        spin = spinning_python(tr.stacks, spinning) if stalled_so_far and spinning and \
+        spin = spinning_python(tr.stacks, spinning) if (stalled_so_far or held) and spinning and \
             method in ("stack", "proc") else frozenset()
-        if (stalled_so_far or late) and tr.stacks:
+        if (stalled_so_far or late or held or gil_held) and tr.stacks:
             if tr.analysis is None or self._analysis_stale(p, tr):
                 # at the look cadence: its inputs are the last dump's stacks and the last look's
                 # threads, and a stalled rank's analysis every cycle was most of what 64 such
@@ -298,11 +331,27 @@ class StallTracker:
                 compiling = True
                 stalled_so_far = now - progress > self.compile_after
                 method = "compiling"
-        ambiguous, confirmed_by, gpu_words = False, "", ""
-        if spin and stalled_so_far and not compiling:
-            confirmed_by, gpu_words = confirm_spin(tr.gpu, progress, now, self.after, analysis)
-            stalled_so_far = bool(confirmed_by)
-            ambiguous = not stalled_so_far
+        ambiguous, confirmed_by, gpu_words, conclusive = False, "", "", ""
+        # a conclusive shape of its own (the stacks dumped since its last heartbeat, for a rank
+        # with one): stalled at the conclusive bound, and whatever its threads burn
+        own = analysis is not None and not compiling and method != "stopped" and (
+            not p.heartbeat or tr.stacks_at >= progress)
+        if own and (stalled_so_far or held) and analysis is not None and "deadlock" in analysis.kinds:
+            stalled_so_far, conclusive = True, "deadlock" if held else ""
+        elif own and gil_held and analysis is not None and gil_holder(analysis):
+            conclusive = "" if stalled_so_far else "gil"
+            stalled_so_far, spin, progress = True, frozenset(), min(progress, tr.gil_since)
+            still = max(still, tr.stacks_at - tr.gil_since)
+        if spin and (stalled_so_far or held) and not compiling:
+            bound = self.after if stalled_so_far else self.conclusive
+            confirmed_by, gpu_words = confirm_spin(tr.gpu, progress, now, bound, analysis)
+            if stalled_so_far:
+                stalled_so_far = bool(confirmed_by)
+                ambiguous = not stalled_so_far
+            elif confirmed_by == "gpu_spin":  # a kernel that never ends: conclusive
+                stalled_so_far, conclusive = True, "gpu_spin"
+            else:
+                confirmed_by = ""  # not stalled (yet): nothing to confirm
         return StallVerdict(
             job_id=p.job_id, rank=p.rank, pid=p.pid, alive=True, progress_timestamp=progress,
             stalled=stalled_so_far, method=method, no_progress_seconds=max(0.0, now - progress),
@@ -313,7 +362,27 @@ class StallTracker:
             else None,
             unchanged_quiet_ms=tr.quiet_run_ns / 1e6 if tr.proven_at is not None and tr.quiet_proof
             and method == "stack" else None,
+            still_seconds=max(0.0, still), stopped_seconds=stopped_for, conclusive=conclusive,
+            doing=self._doing(now, p, tr, progress, shares, stalled_so_far or ambiguous),
         )  # fmt: skip
+
+    def _doing(self, now: float, p: RankProbe, tr: RankTrack, progress: float,
+               shares: dict[int, float], stuck: bool) -> str:
+        """What a rank that progresses does, in words (a waiting peer's page or its absence says
+        it); "" for a rank with no progress seen within the conclusive bound."""
+        if stuck or now - progress > self.conclusive + self.dump_interval:
+            return ""
+        if progress <= tr.first_seen and not p.heartbeat:
+            return ""  # nothing seen move since first sight
+        if p.heartbeat:
+            return f"beats (last heartbeat {now - progress:.0f} s ago)"
+        active = tr.gpu.active_at()
+        if active is not None and now - active <= self.dump_interval:
+            return "moves data on its GPU"
+        busiest = max(shares.values(), default=0.0)
+        if busiest >= WORK_SHARE:
+            return f"works on its CPU ({min(busiest, 1.0):.0%} of a core)"
+        return "moved its Python stack since the last dump"
 
     @staticmethod
     def _analysis_stale(p: RankProbe, tr: RankTrack) -> bool:
@@ -384,6 +453,8 @@ class StallTracker:
                 # rank has moved and settled (a dump in the middle of a move would see neither place)
                 if proc_fp != tr.proc_fp and proc_fp == tr.look_fp:
                     tr.dump_due = True
+            if proc_fp != tr.look_fp:
+                tr.view_since = now
             tr.look_fp = proc_fp
         if before_second_look and self.looks.can_dump:
             # No dump at first sight (issue 22: a node's ranks were all dumped at once when the
@@ -411,16 +482,23 @@ class StallTracker:
         # change of view between them: a hang is seen after_seconds after the first look that
         # shows it settled, plus a look or two.
         stalled = tr.identical >= 1 and tr.last_dump_at - tr.last_change >= self.after
+        # proven still for the conclusive bound: the next comparison is the after_seconds one
+        held = tr.identical >= 1 and tr.last_dump_at - tr.last_change >= self.conclusive
+        changed_at = now
+        if tr.dump_due and tr.view_since > tr.last_change:
+            # the view changed at a look and held at the next: the new place dates from the first
+            changed_at = tr.view_since
         if tr.dump_due or not self.looks.can_dump:
             due = tr.last_dump_at + self.dump_interval  # (without py-spy the view is the comparison)
         elif never:
             # The first dump is due at once, unless the rank has been quiet since first sight:
             # then it is the first of the two a stall needs, a dump interval before the second.
-            due = tr.last_change + self.after - self.dump_interval if tr.quiet else now
+            due = tr.last_change + self.conclusive - self.dump_interval if tr.quiet else now
         elif stalled:
             due = tr.last_dump_at + max(self.dump_interval, self.after)
         else:
-            due = max(tr.last_dump_at + self.dump_interval, tr.last_change + self.after)
+            due = max(tr.last_dump_at + self.dump_interval,
+                      tr.last_change + (self.after if held else self.conclusive))
         if now < due:
             return ("stack" if tr.stacks else "proc"), tr.last_change
         if self.cycle.dump_over_budget(p.pid):
@@ -434,7 +512,7 @@ class StallTracker:
             # blocked at 0 % CPU is dumped once per episode (issue 22: the dumps were its cost).
             stacks: tuple[ThreadStack, ...] | None = tr.stacks
             hopeless, proven, tr.quiet_proof = False, True, False
-        elif asleep and stalled and tr.quiet and now - tr.stacks_at < QUIET_REDUMP * self.after:
+        elif asleep and held and tr.quiet and now - tr.stacks_at < QUIET_REDUMP * self.after:
             # Stalled, and its Python threads quiet at every look since the dump (QUIET_SHARE):
             # that dump still stands, re-checked by a dump every QUIET_REDUMP x after_seconds.
             stacks, hopeless, proven, tr.quiet_proof = tr.stacks, False, True, True
@@ -458,6 +536,7 @@ class StallTracker:
                 tr.dump_slices = self.cycle.slices_before_dump(p.pid)
                 tr.stacks_at = now
                 tr.quiet, tr.quiet_run_ns = True, 0
+                tr.note_gil(stacks, now)
             tr.proven_at = now if proven else None
             tr.stacks, tr.last_dump_at = stacks, now
             method = "stack"
@@ -475,7 +554,7 @@ class StallTracker:
             fp = tuple((t.tid, t.state, t.wchan, t.tid in spinning) for t in threads)
         if fp != tr.fingerprint or tr.worked:
             if tr.fingerprint is not None:
-                tr.last_change = now
+                tr.last_change = changed_at
             tr.worked = False
             tr.fingerprint, tr.identical = fp, 0
         else:
