@@ -268,7 +268,7 @@ class StallTracker:
             stalled_so_far = now - progress > self.after
         else:
             method, progress = self._stack_progress(now, p, tr, threads, spinning, look_due)
-            # a GPU that only this rank uses and that moves data is doing the rank's work
+            # a GPU that only its job uses and that moves data is doing the job's work
             active = tr.gpu.active_at()
             if active is not None and active > progress:
                 progress = active
