@@ -499,6 +499,17 @@ class StallTracker:
         else:
             due = max(tr.last_dump_at + self.dump_interval,
                       tr.last_change + (self.after if held else self.conclusive))
+        # A Python thread that starts burning a core is dumped at once (a dump interval after the
+        # last), and one seen holding the GIL again a conclusive bound after: the GIL shape needs
+        # two dumps that far apart, and the main thread that polls for the GIL every 5 ms makes
+        # the view flicker (no settled change to dump on)
+        burning = spinning_python(tr.stacks, spinning)
+        if not burning:
+            tr.spin_dumped = False
+        elif not tr.spin_dumped:
+            due = min(due, tr.last_dump_at + self.dump_interval)
+        if tr.gil_key is not None:
+            due = min(due, max(tr.last_dump_at + self.dump_interval, tr.gil_since + self.conclusive))
         if now < due:
             return ("stack" if tr.stacks else "proc"), tr.last_change
         if self.cycle.dump_over_budget(p.pid):
@@ -537,6 +548,7 @@ class StallTracker:
                 tr.stacks_at = now
                 tr.quiet, tr.quiet_run_ns = True, 0
                 tr.note_gil(stacks, now)
+                tr.spin_dumped = bool(burning)
             tr.proven_at = now if proven else None
             tr.stacks, tr.last_dump_at = stacks, now
             method = "stack"

@@ -72,6 +72,7 @@ class RankTrack:
     # the stacks' fingerprint does not hold; these frames do)
     gil_key: Any = None
     gil_since: float = 0.0
+    spin_dumped: bool = False  # dumped since its Python threads started burning a core
 
     def note_gil(self, stacks: tuple[ThreadStack, ...], now: float) -> None:
         """Remember who held the GIL in this dump, where (join/stall_verdicts.py gil_holder)."""
