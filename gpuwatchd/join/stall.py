@@ -140,9 +140,13 @@ class StallTracker:
         # looks deferred because the budget was spent, by kind ("threads", "dump"); cumulative
         self.deferred: collections.Counter[str] = collections.Counter()
         self.looks = looks
+        # an awake rank whose /proc view changed is dumped at most this often (the look cadence
+        # before the conclusive bound: a fifth of after_seconds, at most a minute)
         if dump_interval_seconds is None:
-            dump_interval_seconds = min(max(after_seconds / 5, cycle_seconds), 60.0,
-                                        max(self.conclusive / 3, cycle_seconds))
+            self.redump_interval = min(max(after_seconds / 5, cycle_seconds), 60.0)
+            dump_interval_seconds = min(self.redump_interval, max(self.conclusive / 3, cycle_seconds))
+        else:
+            self.redump_interval = dump_interval_seconds
         self.dump_interval = dump_interval_seconds
         self._tracks: dict[RankId, RankTrack] = {}
         self._clk_tck = looks.clk_tck
@@ -484,12 +488,21 @@ class StallTracker:
         stalled = tr.identical >= 1 and tr.last_dump_at - tr.last_change >= self.after
         # proven still for the conclusive bound: the next comparison is the after_seconds one
         held = tr.identical >= 1 and tr.last_dump_at - tr.last_change >= self.conclusive
+        burning = spinning_python(tr.stacks, spinning)
+        # Only where a conclusive shape can be are comparisons due at look pace: its Python
+        # threads asleep at the last look (a lock, a collective: the schedstat proof usually
+        # spares the dump) or one burning a core (a GPU spin, the GIL). A rank awake at changing
+        # places keeps the pace of after_seconds (at the shipped defaults, a dump every
+        # conclusive bound of a rank at 1 % CPU whose stacks move was 23 dumps in 900 s, not 3).
+        settled = bool(burning) or not any(v[1] == "R" for v in tr.look_fp or ())
         changed_at = now
         if tr.dump_due and tr.view_since > tr.last_change:
             # the view changed at a look and held at the next: the new place dates from the first
             changed_at = tr.view_since
-        if tr.dump_due or not self.looks.can_dump:
+        if not self.looks.can_dump:
             due = tr.last_dump_at + self.dump_interval  # (without py-spy the view is the comparison)
+        elif tr.dump_due:
+            due = tr.last_dump_at + (self.dump_interval if settled else self.redump_interval)
         elif never:
             # The first dump is due at once, unless the rank has been quiet since first sight:
             # then it is the first of the two a stall needs, a dump interval before the second.
@@ -497,13 +510,12 @@ class StallTracker:
         elif stalled:
             due = tr.last_dump_at + max(self.dump_interval, self.after)
         else:
-            due = max(tr.last_dump_at + self.dump_interval,
-                      tr.last_change + (self.after if held else self.conclusive))
+            bound = self.conclusive if settled and not held else self.after
+            due = max(tr.last_dump_at + self.dump_interval, tr.last_change + bound)
         # A Python thread that starts burning a core is dumped at once (a dump interval after the
         # last), and one seen holding the GIL again a conclusive bound after: the GIL shape needs
         # two dumps that far apart, and the main thread that polls for the GIL every 5 ms makes
         # the view flicker (no settled change to dump on)
-        burning = spinning_python(tr.stacks, spinning)
         if not burning:
             tr.spin_dumped = False
         elif not tr.spin_dumped:
