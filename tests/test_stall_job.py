@@ -54,7 +54,16 @@ def barrier():
 def all_reduce():
     _never.acquire()
 """
-# SIGUSR1 makes a working rank enter the collective (its evaluation is over)
+# SIGUSR1 makes a working rank enter the collective (its evaluation is over). The "hb_" shapes
+# beat the heartbeat file named by $GW_HB (its mtime, as gpuwatchd.heartbeat does) for a few
+# steps first, as a job with heartbeats at each optimizer step does before its evaluation.
+_BEATS = """
+        import os, time
+        for _ in range(3):
+            with open(os.environ["GW_HB"], "a"):
+                os.utime(os.environ["GW_HB"])
+            time.sleep(0.1)
+"""
 SHAPES = {
     "barrier": """
         import distributed_c10d
@@ -77,6 +86,24 @@ SHAPES = {
         while not done.is_set():
             evaluate()
         distributed_c10d.all_reduce()
+    """,
+    "hb_barrier": _BEATS + """
+        import distributed_c10d
+        print("ready", flush=True)
+        distributed_c10d.barrier()
+    """,
+    "hb_evaluate": _BEATS + """
+        import time
+
+        def evaluate():  # ~30 % of a core, in batches, no optimizer step: no heartbeat
+            t = time.perf_counter()
+            while time.perf_counter() - t < 0.015:
+                pass
+            time.sleep(0.035)
+
+        print("ready", flush=True)
+        while True:
+            evaluate()
     """,
     "load_batch": """
         import threading
@@ -147,7 +174,8 @@ def launch(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[str]]]:
 
     def start(shape: str, job: str, rank: int = 0, world: int = 2) -> subprocess.Popen[str]:
         env = {**os.environ, "TORCHELASTIC_RUN_ID": job, "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "PYTHONPATH": str(tmp_path)}
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "PYTHONPATH": str(tmp_path),
+               "GW_HB": str(tmp_path / f"{job}.{rank}.hb")}
         p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SHAPES[shape])],
                              stdout=subprocess.PIPE, text=True, env=env)
         started.append(p)
@@ -162,10 +190,10 @@ def launch(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[str]]]:
         p.wait()
 
 
-def _probe(job: str, rank: int, p: subprocess.Popen[str]) -> RankProbe:
+def _probe(job: str, rank: int, p: subprocess.Popen[str], hb: str | None = None) -> RankProbe:
     """/proc's alive and state, as the daemon's procfs source gives them every cycle."""
     state = process_state(HostPaths(), p.pid)
-    return RankProbe(job, rank, p.pid, state not in (None, "Z"), state or "", None)
+    return RankProbe(job, rank, p.pid, state not in (None, "Z"), state or "", hb)
 
 
 def _tracker(after: float, conclusive: float, shipped_cadence: bool = False) -> StallTracker:
@@ -260,6 +288,28 @@ def test_rank0_working_alone_then_stopping(launch) -> None:
     assert v[0].stalled and v[1].stalled, v
     assert v[0].conclusive == "" and v[1].conclusive == "", v  # after_seconds, not conclusive
     assert time.time() - t_stop >= after - CYCLE
+
+
+def test_heartbeat_job_rank0_working_alone_is_not_paged(launch, tmp_path: Path) -> None:
+    """With heartbeats at each optimizer step, neither rank beats while rank 0 evaluates: rank 0
+    works (its CPU in the working band at each look), so it progresses without beating, and rank
+    1, silent in the barrier, waits for it. Before, both were paged after_seconds into the
+    evaluation by their heartbeats."""
+    after, conclusive = 2.0, 1.0
+    job = f"hbeval-{uuid.uuid4().hex[:8]}"
+    ranks = {0: launch("hb_evaluate", job, 0), 1: launch("hb_barrier", job, 1)}
+    hbs = {r: str(tmp_path / f"{job}.{r}.hb") for r in ranks}
+    tracker = _tracker(after, conclusive)
+    t0, seen, v = time.time(), [], {}
+    while time.time() - t0 < 3 * after:
+        out = tracker.observe(time.time(), [_probe(job, r, p, hbs[r]) for r, p in ranks.items()])
+        v = {k[1]: x for k, x in out.items()}
+        seen.append({r: x.stalled for r, x in v.items()})
+        time.sleep(CYCLE)
+    assert not any(s[0] or s[1] for s in seen), seen
+    assert time.time() - os.stat(hbs[0]).st_mtime >= 3 * after - 0.5  # no beat all along
+    assert v[0].method == "heartbeat" and v[0].doing.startswith("works on its CPU"), v[0]
+    assert v[1].waits_for.startswith("rank 1 waits in barrier for rank 0, which works on its CPU"), v[1]
 
 
 @pytest.mark.parametrize("shape", ["deadlock", "gil", "stopped", "odd_one_out", "peer_down",

@@ -21,14 +21,23 @@ A thread that burns a core at the one line of every dump is ambiguous (a healthy
 each step looks the same): join/stall_spin.py says when that is a stall (the GPU's readings, the
 peers) and otherwise the verdict is ``ambiguous``, a warning, never a page.
 
+Conclusive shapes are stalled at ``stall.conclusive_seconds`` instead (CONCLUSIVE_SECONDS: a
+lock-order deadlock, the GIL held at one line while the main thread waits, a GPU-confirmed spin
+here; a stopped rank, a dead peer and the odd one out of a collective with the job's other ranks,
+join/stall_verdicts.py ``judge_jobs``), which also says that a rank waiting in a collective while
+a peer of its job progresses is not stalled (``waits_for``: the ``rank_waiting`` info).
+
 Pure given its looker: this module decides which looks are due and turns what they read into
 verdicts; the reads themselves are the looker's (``Looker``; the daemon's is
 sources/stall_looks.py ``StallLooks``): the heartbeat file's mtime, ``/proc/PID/task/*/schedstat``
 (and ``{stat,wchan}`` of the tasks that ran since the last look), ``py-spy dump``.
 Cost: one stat per heartbeat rank per cycle (done by the daemon); per-thread reads per
 heartbeat-less or stalled *process* every ``dump interval`` (after_seconds/5, at least one cycle,
-at most 60 s): one ``schedstat`` per task, two more for a task that ran; and one dump (~10 ms)
-when that /proc view changed and settled, else once per after_seconds (issue 22: the dumps were
+at most 60 s and a third of the conclusive bound: 13.3 s at the shipped defaults, 4 x the looks of
+before): one ``schedstat`` per task, two more for a task that ran; and one dump (~10 ms)
+when that /proc view changed and settled (at the old pace, after_seconds/5, for a rank whose
+Python threads are awake), else once per after_seconds, or at the conclusive bound for a rank
+asleep or burning a core, where a conclusive shape can be (issue 22: the dumps were
 what a heartbeat-less rank cost beside a beating one), none while no task ran since the last dump
 (the same tasks with the same schedstat run time and slice count prove its stacks still hold),
 none at first sight (the first dump waits for the second look, which knows each thread's CPU
@@ -244,7 +253,7 @@ class StallTracker:
             # pin-memory or NCCL thread, may work beside a hung main thread)
             python_tids = {s.tid for s in tr.stacks if s.tid} or (set(shares) if tr.stacks else {p.pid})
             if any(WORK_SHARE <= shares[t] < SPIN_SHARE for t in python_tids if t in shares):
-                tr.worked = True
+                tr.worked, tr.work_at = True, now
             if tr.threads_at:
                 self._note_quiet(tr, python_tids, last_slices, elapsed)
             active = tr.gpu.active_at()
@@ -267,8 +276,13 @@ class StallTracker:
 
         stalled_so_far = False
         if p.heartbeat:
-            method = "heartbeat"
-            progress = hb_mtime if hb_mtime is not None else tr.first_seen
+            # A rank late with its heartbeat that works (its Python threads in the working band
+            # at a look, or data moving on a GPU only its job holds) progresses without beating:
+            # rank 0 evaluating or saving a checkpoint between two optimizer steps (autobeat
+            # beats at each). A spin, a block or an idle GPU is no work: the heartbeat decides.
+            method, tr.worked = "heartbeat", False
+            progress = max(hb_mtime if hb_mtime is not None else tr.first_seen, tr.work_at,
+                           tr.gpu.active_at() or float("-inf"))
             stalled_so_far = now - progress > self.after
         else:
             method, progress = self._stack_progress(now, p, tr, threads, spinning, look_due)
@@ -294,7 +308,7 @@ class StallTracker:
         # one thread held the GIL at the same line in every dump for the conclusive bound
         gil_held = tr.gil_key is not None and tr.stacks_at - tr.gil_since >= self.conclusive
         late = bool(p.heartbeat) and not stalled_so_far and \
-            age > min(self.after / 2, self.conclusive - self.dump_interval)
+            now - progress > min(self.after / 2, self.conclusive - self.dump_interval)
         if (stalled_so_far or late) and now - tr.last_dump_at >= self.dump_interval and p.heartbeat:
             # the stuck frames for the explanation (heartbeat ranks are not dumped otherwise)
             stacks, _ = self.cycle.dump(now, p.pid)
@@ -378,7 +392,7 @@ class StallTracker:
             return ""
         if progress <= tr.first_seen and not p.heartbeat:
             return ""  # nothing seen move since first sight
-        if p.heartbeat:
+        if p.heartbeat and tr.work_at < progress and (tr.gpu.active_at() or 0.0) < progress:
             return f"beats (last heartbeat {now - progress:.0f} s ago)"
         active = tr.gpu.active_at()
         if active is not None and now - active <= self.dump_interval:

@@ -73,6 +73,7 @@ class RankTrack:
     gil_key: Any = None
     gil_since: float = 0.0
     spin_dumped: bool = False  # dumped since its Python threads started burning a core
+    work_at: float = float("-inf")  # the last look that found its Python threads working
 
     def note_gil(self, stacks: tuple[ThreadStack, ...], now: float) -> None:
         """Remember who held the GIL in this dump, where (join/stall_verdicts.py gil_holder)."""
