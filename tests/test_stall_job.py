@@ -33,7 +33,8 @@ from daemonutil import DaemonProc, write_config
 
 from gpuwatchd.join.stall import StallTracker
 from gpuwatchd.join.stall_spin import GpuReading
-from gpuwatchd.model.stall import RankProbe, StallVerdict
+from gpuwatchd.join.stall_verdicts import judge_jobs
+from gpuwatchd.model.stall import HangAnalysis, Pattern, RankProbe, StallVerdict, ThreadView
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy
@@ -383,3 +384,56 @@ def test_ambiguous_shapes_still_wait_after_seconds(launch) -> None:
         assert name in stalled_at and stalled_at[name] >= after - CYCLE, (name, stalled_at)
         assert last[name].conclusive == "", last[name]
     assert f"{job}-spin:0" not in stalled_at, last[f"{job}-spin:0"]
+
+
+def _view(kind: str, name: str = "MainThread", share: float = 0.0, state: str = "S",
+          waits_on: str = "") -> ThreadView:
+    return ThreadView(1, name, state, "futex_do_wait", share, False, (), kind, waits_on)
+
+
+def _verdict(rank: int, *, stalled: bool = False, still: float = 0.0, kind: str = "",
+             pattern: str = "", progress: float = 0.0, doing: str = "", alive: bool = True,
+             stopped: float | None = None, state: str = "S", conclusive: str = "") -> StallVerdict:
+    views = (_view(kind, state=state, waits_on="collective barrier" if kind == "collective" else ""),) \
+        if kind else ()
+    a = HangAnalysis(views, (), (Pattern(pattern, ""),) if pattern else ()) if kind else None
+    return StallVerdict("j", rank, 100 + rank, alive, progress, stalled, "stack", 0.0,
+                        analysis=a, still_seconds=still, doing=doing, stopped_seconds=stopped,
+                        conclusive=conclusive)
+
+
+def test_judge_jobs_rules() -> None:
+    """The job rules on plain verdicts (now 1000, conclusive 40, fresh 53): who is excused by a
+    progressing peer, and which shapes are conclusive only with the peers."""
+    def judge(*vs: StallVerdict) -> dict[int, StallVerdict]:
+        return {k[1]: v for k, v in judge_jobs({v.key: v for v in vs}, 1000.0, 40.0, 53.0).items()}
+
+    working = _verdict(0, progress=995.0, doing="works on its CPU (45% of a core)")
+    waiter = _verdict(1, stalled=True, still=400.0, kind="collective", pattern="collective")
+    out = judge(working, waiter)
+    assert not out[1].stalled and out[1].waits_for.startswith(
+        "rank 1 waits in barrier for rank 0, which works on its CPU (45% of a core)")
+    # a peer whose last progress is older than the window is no progress: the waiter stays paged
+    assert judge(_verdict(0, progress=900.0, doing="x"), waiter)[1].stalled
+    # a deadlock or a rank blocked on a lock (no wait for a peer) is not excused by a peer's work
+    deadlock = _verdict(1, stalled=True, still=400.0, kind="lock", pattern="deadlock",
+                        conclusive="deadlock")
+    assert judge(working, deadlock)[1].stalled
+    assert judge(working, _verdict(1, stalled=True, still=400.0, kind="lock",
+                                   pattern="lock_wait"))[1].stalled
+    # the odd one out: blocked on a lock elsewhere while the peer waits in the collective
+    coll = _verdict(0, still=45.0, kind="collective", pattern="collective")
+    out = judge(coll, _verdict(1, still=45.0, kind="lock", pattern="lock_wait"))
+    assert (out[0].conclusive, out[1].conclusive) == ("waits_for_stuck", "odd_one_out")
+    # ...but not idle in a queue (its DataLoader workers may still deliver), nor in D, nor before
+    # the bound
+    for other in (_verdict(1, still=45.0, kind="queue"), _verdict(1, still=45.0, kind="lock", state="D"),
+                  _verdict(1, still=39.0, kind="lock")):
+        assert not any(v.stalled for v in judge(coll, other).values()), other
+    # stopped while a peer runs; a whole job stopped (a scheduler's suspend) waits after_seconds
+    out = judge(_verdict(0, progress=999.0, doing="x"), _verdict(1, stopped=41.0))
+    assert out[1].stalled and out[1].conclusive == "stopped" and out[1].method == "stopped"
+    assert not any(v.stalled for v in judge(_verdict(0, stopped=41.0), _verdict(1, stopped=41.0)).values())
+    # a dead peer: the still one is paged at the bound
+    out = judge(_verdict(0, alive=False), _verdict(1, still=41.0))
+    assert out[1].stalled and out[1].conclusive == "peer_down"

@@ -85,12 +85,18 @@ def _in_collective(v: StallVerdict) -> bool:
 
 
 def _stuck_elsewhere(v: StallVerdict) -> bool:
-    """Still outside a collective with none of its Python threads burning a core (that is the
-    ambiguous spin: join/stall_spin.py) or in uninterruptible I/O (D: a slow write, a checkpoint
-    to a slow filesystem, may still end)."""
+    """Still outside a collective, its main thread blocked (on a lock, or asleep where nothing
+    says it waits for work: not idle in a queue, a select or ``Event.wait``, where a DataLoader's
+    busy workers or a slow socket may still deliver, unless its workers are dead or stopped:
+    ``starved``), with none of its Python threads burning a core (the ambiguous spin,
+    join/stall_spin.py) or in uninterruptible I/O (D: a checkpoint to a slow filesystem)."""
     a = v.analysis
-    return a is not None and not _in_collective(v) and v.stopped_seconds is None and not any(
-        (t.cpu_share or 0.0) >= SPIN_SHARE or t.state == "D" for t in a.threads)
+    if a is None or _in_collective(v) or v.stopped_seconds is not None:
+        return False
+    main = next((t for t in a.threads if t.name == "MainThread"), None)
+    if main is None or (main.kind not in ("lock", "waiting") and "starved" not in a.kinds):
+        return False
+    return not any((t.cpu_share or 0.0) >= SPIN_SHARE or t.state == "D" for t in a.threads)
 
 
 def judge_jobs(verdicts: Mapping[RankId, StallVerdict], now: float, conclusive: float,
