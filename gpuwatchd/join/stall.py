@@ -232,7 +232,12 @@ class StallTracker:
         # Per-thread detail only at the look cadence (the dump interval), not every cycle: between
         # looks the verdict keeps the last look's thread view (issue 14: per-thread reads of every
         # torch rank every cycle were most of the daemon's CPU).
-        look_due = tr.threads_at == 0.0 or now - tr.threads_at >= self.dump_interval
+        # A rank already stalled is looked at the old pace (a fifth of after_seconds, at most a
+        # minute): the conclusive bound's cadence is for seeing a hang begin (64 stalled ranks
+        # looked at every 13.3 s cost 1.6 x the 60 s looks of before, bench/cycle_fast.py)
+        every = self.redump_interval if tr.verdict is not None and tr.verdict.stalled \
+            else self.dump_interval
+        look_due = tr.threads_at == 0.0 or now - tr.threads_at >= every
         if look_due and self.cycle.over_budget(p.pid):
             return self._deferred(now, p, tr, "threads")
         if look_due:
