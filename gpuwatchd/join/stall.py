@@ -33,8 +33,8 @@ sources/stall_looks.py ``StallLooks``): the heartbeat file's mtime, ``/proc/PID/
 (and ``{stat,wchan}`` of the tasks that ran since the last look), ``py-spy dump``.
 Cost: one stat per heartbeat rank per cycle (done by the daemon); per-thread reads per
 heartbeat-less or stalled *process* every ``dump interval`` (after_seconds/5, at least one cycle,
-at most 60 s and a third of the conclusive bound: 13.3 s at the shipped defaults, 4 x the looks of
-before): one ``schedstat`` per task, two more for a task that ran; and one dump (~10 ms)
+at most 60 s and, until it is stalled, a third of the conclusive bound: 13.3 s at the shipped
+defaults, 4 x the looks of before): one ``schedstat`` per task, two more for a task that ran; and one dump (~10 ms)
 when that /proc view changed and settled (at the old pace, after_seconds/5, for a rank whose
 Python threads are awake), else once per after_seconds, or at the conclusive bound for a rank
 asleep or burning a core, where a conclusive shape can be (issue 22: the dumps were
