@@ -71,6 +71,10 @@ class GilConfig:
 @dataclass(frozen=True)
 class StallConfig:
     after_seconds: float = 300.0
+    # the bound of the hangs whose evidence leaves no doubt (a lock-order deadlock, a GIL held at
+    # one line, a GPU-confirmed spin, a stopped rank, a dead peer, the odd one out of a
+    # collective: join/stall.py CONCLUSIVE_SECONDS); at most after_seconds
+    conclusive_seconds: float = 40.0
     # a rank in torch.compile / Inductor / Triton autotuning with its CPU busy is "compiling", and
     # paged as stalled only after this long without progress (compiles of large models take long)
     compile_after_seconds: float = 1800.0
@@ -200,6 +204,7 @@ SCHEMA: Mapping[str, Any] = {
         },
     ),
     "stall": (StallConfig, {"after_seconds": check_number(0.0),
+                            "conclusive_seconds": check_number(0.0),
                             "compile_after_seconds": check_number(0.0),
                             "flight_recorder": check_boolean,
                             "flight_recorder_interval_seconds": check_number(0.0),

@@ -337,6 +337,20 @@ def test_rank_gpu_readings_exclusive_only_without_other_holders() -> None:
     assert out[("j", 1)] == GpuReading(50.0, 0.5, 0.2, False)
 
 
+def test_rank_gpu_readings_a_gpu_shared_by_one_jobs_ranks_is_theirs() -> None:
+    """Rank 0 evaluates on the GPU that rank 1 (waiting in a barrier) also holds: the traffic
+    there is the job's progress for both; a rank of another job on it makes it shared."""
+    gpus = (GpuDevice(0, "GPU-a", "H200", "0", 1, 1, 0.7, memory_utilization_ratio=0.3),)
+    rows = tuple(GpuProcessRow(0, "GPU-a", 10 + r, 1 << 30, "python", "u", "j", str(r)) for r in (0, 1))
+    ranks = (RankState("j", 0, 10, 0, 2, True, None), RankState("j", 1, 11, 1, 2, True, None))
+    out = rank_gpu_readings(NodeState(50.0, ranks=ranks, gpus=gpus, gpu_processes=rows))
+    assert out[("j", 0)].exclusive and out[("j", 1)].exclusive
+    rows += (GpuProcessRow(0, "GPU-a", 20, 1 << 30, "python", "u", "k", "0"),)
+    ranks += (RankState("k", 0, 20, 0, 1, True, None),)
+    out = rank_gpu_readings(NodeState(50.0, ranks=ranks, gpus=gpus, gpu_processes=rows))
+    assert not any(r.exclusive for r in out.values())
+
+
 def test_quiet_rank_is_dumped_twice_per_stall_episode(launch) -> None:
     """The cost contract for a rank asleep at one line (issue 22: 64 such ranks without heartbeat
     cost 2.7 x the same ranks beating, dumped each at their second look and then once per

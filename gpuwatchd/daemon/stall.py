@@ -82,7 +82,8 @@ class StallSubsystem(Subsystem):
             )  # fmt: skip
         self.stall = StallTracker(self.config.stall.after_seconds, StallLooks(self.spy, daemon.paths),
                                   cycle_seconds=self.config.interval_seconds,
-                                  compile_after_seconds=self.config.stall.compile_after_seconds)  # fmt: skip
+                                  compile_after_seconds=self.config.stall.compile_after_seconds,
+                                  conclusive_seconds=self.config.stall.conclusive_seconds)  # fmt: skip
 
     def start(self, daemon: DaemonContext) -> None:
         self._ensure(daemon)

@@ -17,6 +17,12 @@ torch.compile / Inductor / Triton frames with its CPU busy; it becomes ``rank_st
 stall (join/stall_spin.py: the GPU busy with no memory traffic or idle in every NVML reading, a
 peer of the job stalled without ambiguity): a healthy loop that syncs every step or calls one
 GIL-releasing C function again and again looks the same. It says what would confirm it.
+``rank_waiting`` (info, never a page): a rank that would be stalled, but waits in a collective
+or on its GPU while a peer of its job progresses (join/stall_verdicts.py judge_jobs): the job is
+not hung while that peer works (rank 0 evaluating or saving alone while the others wait in a
+barrier). It says for whom and what that peer does; the rank is paged once the peer stops too.
+A ``rank_stalled`` paged within ``stall.conclusive_seconds`` (a shape that leaves no doubt) says
+which shape made it conclusive.
 Shell equivalent: ``stat -c %y HEARTBEAT``; ``py-spy dump --nonblocking -p PID`` repeated;
 ``cat /proc/PID/task/*/wchan``.
 """
@@ -104,6 +110,9 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         if v is not None and r.alive and v.ambiguous and not v.stalled and v.pid == r.pid:
             yield _unconfirmed(r, v, ctx)
             continue
+        if v is not None and r.alive and v.waits_for and not v.stalled and v.pid == r.pid:
+            yield _waiting(r, v)
+            continue
         if v is None or not r.alive or not r.stalled or not v.stalled or v.pid != r.pid:
             continue
         since = ""
@@ -134,6 +143,8 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         if fr is None:
             fr = words_of[r.job_id] = collective_words(ctx, r.job_id)
         lead += "".join(f"{x}; " for x in fr)
+        if v.conclusive:
+            lead += f"conclusive: {CONCLUSIVE[v.conclusive].format(_duration(v.still_seconds))}; "
         if v.confirmed_by:
             lead += f"{CONFIRMED[v.confirmed_by]} ({v.gpu_evidence}); "
         if v.unchanged is not None and v.unchanged_quiet_ms is not None:
@@ -163,6 +174,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
                 "patterns": list(v.analysis.kinds) if v.analysis else [],
                 "flight_recorder": fr,
                 "confirmed_by": v.confirmed_by,
+                "conclusive": v.conclusive,
                 "unchanged_since_dump": None if v.unchanged is None else round(v.unchanged[0], 3),
                 "quiet_cpu_ms_since_dump": None if v.unchanged_quiet_ms is None
                 else round(v.unchanged_quiet_ms, 1),
@@ -170,6 +182,22 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
             },
         )
 
+
+# why a rank_stalled did not wait for stall.after_seconds ({} is how long it was proven still)
+CONCLUSIVE = {
+    "deadlock": "a lock-order deadlock, its threads blocked acquiring locks at 0 % CPU with the "
+                "same stacks for {} (stall.conclusive_seconds)",
+    "gil": "a thread held the GIL at the same line in two dumps over {} while the main thread "
+           "waits for it (stall.conclusive_seconds)",
+    "gpu_spin": "a kernel that never ends under it for {} (stall.conclusive_seconds)",
+    "stopped": "stopped for {} while its peers run (stall.conclusive_seconds)",
+    "peer_down": "a rank of its job is down and this one has not moved for {} "
+                 "(stall.conclusive_seconds)",
+    "odd_one_out": "the odd one out: still outside the collective for {} while its peers wait in "
+                   "it and none progresses (stall.conclusive_seconds)",
+    "waits_for_stuck": "it waits in the collective for {} for a peer stuck elsewhere, the odd one "
+                       "out (stall.conclusive_seconds)",
+}
 
 CONFIRMED = {
     "gpu_spin": "confirmed by the GPU: busy with no memory traffic in every reading, a kernel that "
@@ -202,6 +230,20 @@ def _unconfirmed(r: RankState, v: StallVerdict, ctx: FindingContext) -> Finding:
         evidence={"method": v.method, "no_progress_seconds": round(v.no_progress_seconds, 1),
                   "stuck_frames": list(v.stuck_frames), "gpu_evidence": v.gpu_evidence,
                   "patterns": list(v.analysis.kinds) if v.analysis else []},
+    )
+
+
+def _waiting(r: RankState, v: StallVerdict) -> Finding:
+    return rank_finding(
+        r,
+        kind="rank_waiting",
+        severity=INFO,
+        explanation=(
+            f"{rank_label(r)}: {v.waits_for}; not paged while its job progresses (the job is hung "
+            "when none of its ranks makes progress; docs/runbooks.md#rank_waiting)"
+        ),
+        evidence={"no_progress_seconds": round(v.no_progress_seconds, 1), "waits_for": v.waits_for,
+                  "stuck_frames": list(v.stuck_frames)},
     )
 
 

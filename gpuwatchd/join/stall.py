@@ -21,14 +21,23 @@ A thread that burns a core at the one line of every dump is ambiguous (a healthy
 each step looks the same): join/stall_spin.py says when that is a stall (the GPU's readings, the
 peers) and otherwise the verdict is ``ambiguous``, a warning, never a page.
 
+Conclusive shapes are stalled at ``stall.conclusive_seconds`` instead (CONCLUSIVE_SECONDS: a
+lock-order deadlock, the GIL held at one line while the main thread waits, a GPU-confirmed spin
+here; a stopped rank, a dead peer and the odd one out of a collective with the job's other ranks,
+join/stall_verdicts.py ``judge_jobs``), which also says that a rank waiting in a collective while
+a peer of its job progresses is not stalled (``waits_for``: the ``rank_waiting`` info).
+
 Pure given its looker: this module decides which looks are due and turns what they read into
 verdicts; the reads themselves are the looker's (``Looker``; the daemon's is
 sources/stall_looks.py ``StallLooks``): the heartbeat file's mtime, ``/proc/PID/task/*/schedstat``
 (and ``{stat,wchan}`` of the tasks that ran since the last look), ``py-spy dump``.
 Cost: one stat per heartbeat rank per cycle (done by the daemon); per-thread reads per
 heartbeat-less or stalled *process* every ``dump interval`` (after_seconds/5, at least one cycle,
-at most 60 s): one ``schedstat`` per task, two more for a task that ran; and one dump (~10 ms)
-when that /proc view changed and settled, else once per after_seconds (issue 22: the dumps were
+at most 60 s and, until it is stalled, a third of the conclusive bound: 13.3 s at the shipped
+defaults, 4 x the looks of before): one ``schedstat`` per task, two more for a task that ran; and one dump (~10 ms)
+when that /proc view changed and settled (at the old pace, after_seconds/5, for a rank whose
+Python threads are awake), else once per after_seconds, or at the conclusive bound for a rank
+asleep or burning a core, where a conclusive shape can be (issue 22: the dumps were
 what a heartbeat-less rank cost beside a beating one), none while no task ran since the last dump
 (the same tasks with the same schedstat run time and slice count prove its stacks still hold),
 none at first sight (the first dump waits for the second look, which knows each thread's CPU
@@ -65,7 +74,13 @@ from gpuwatchd.join.stall_spin import (
     spinning_python,
 )
 from gpuwatchd.join.stall_track import RankTrack
-from gpuwatchd.join.stall_verdicts import main_stack, name_suspects, summarize_threads
+from gpuwatchd.join.stall_verdicts import (
+    gil_holder,
+    judge_jobs,
+    main_stack,
+    name_suspects,
+    summarize_threads,
+)
 from gpuwatchd.model import RankId
 from gpuwatchd.model.stall import RankProbe, StallVerdict
 from gpuwatchd.model.threads import ThreadInfo, ThreadStack
@@ -94,6 +109,13 @@ MAX_DUMP_MISSES = 4
 # At most this many tasks of one process are read per look: a process with 3000 threads costs the
 # same as one with 256 (the main thread and the oldest threads come first, by tid).
 MAX_PROBE_THREADS = 256
+# The conclusive bound (stall.conclusive_seconds): a shape that leaves no doubt (a lock-order
+# deadlock, a thread holding the GIL at one line while the main thread waits, a GPU-confirmed
+# spin; with the job's other ranks: a stopped rank, a dead peer, the odd one out of a collective,
+# join/stall_verdicts.py judge_jobs) is stalled once proven still this long, not after_seconds.
+# The looks come at least every third of it, so that a hang is paged within
+# conclusive + conclusive / 3 + a cycle of its start (40 + 13 + 5 s at the shipped defaults).
+CONCLUSIVE_SECONDS = 40.0
 
 
 class StallTracker:
@@ -109,13 +131,17 @@ class StallTracker:
         compile_after_seconds: float | None = None,
         budget_seconds: float | None = None,
         max_threads: int = MAX_PROBE_THREADS,
+        conclusive_seconds: float = CONCLUSIVE_SECONDS,
     ) -> None:
         """``looks``: what reads the host for a look (sources/stall_looks.py).
         ``compile_after_seconds``: a rank still in torch.compile with its CPU busy is reported
         as compiling, and stalled only after this long without progress (default 6x after).
         ``budget_seconds``: the most one ``observe`` spends on thread looks and dumps (default
-        a fifth of a cycle, at least 50 ms); ``max_threads``: tasks read per process per look."""
+        a fifth of a cycle, at least 50 ms); ``max_threads``: tasks read per process per look.
+        ``conclusive_seconds``: the bound of the conclusive shapes (CONCLUSIVE_SECONDS), at most
+        ``after_seconds``."""
         self.after = after_seconds
+        self.conclusive = min(conclusive_seconds, after_seconds)
         self.compile_after = (compile_after_seconds if compile_after_seconds is not None
                               else 6 * after_seconds)  # fmt: skip
         self.budget = budget_seconds if budget_seconds is not None else max(0.05, cycle_seconds / 5)
@@ -123,8 +149,13 @@ class StallTracker:
         # looks deferred because the budget was spent, by kind ("threads", "dump"); cumulative
         self.deferred: collections.Counter[str] = collections.Counter()
         self.looks = looks
+        # an awake rank whose /proc view changed is dumped at most this often (the look cadence
+        # before the conclusive bound: a fifth of after_seconds, at most a minute)
         if dump_interval_seconds is None:
-            dump_interval_seconds = min(max(after_seconds / 5, cycle_seconds), 60.0)
+            self.redump_interval = min(max(after_seconds / 5, cycle_seconds), 60.0)
+            dump_interval_seconds = min(self.redump_interval, max(self.conclusive / 3, cycle_seconds))
+        else:
+            self.redump_interval = dump_interval_seconds
         self.dump_interval = dump_interval_seconds
         self._tracks: dict[RankId, RankTrack] = {}
         self._clk_tck = looks.clk_tck
@@ -160,7 +191,8 @@ class StallTracker:
                 verdicts[p.key] = verdict
         finally:
             self.cycle.end()
-        return name_suspects(confirm_by_peers(verdicts))
+        judged = judge_jobs(verdicts, now, self.conclusive, self.conclusive + self.dump_interval)
+        return name_suspects(confirm_by_peers(judged))
 
     def note_gpus(self, readings: dict[RankId, GpuReading]) -> None:
         """This cycle's NVML view of each rank's GPUs (the daemon calls it after its join, where the
@@ -188,17 +220,24 @@ class StallTracker:
         else:
             hb_mtime = self.looks.heartbeat_mtime(p.heartbeat, p.owner_uid) if p.heartbeat else None
         age = now - (hb_mtime or tr.first_seen)
-        if p.heartbeat and not stopped and age <= self.after / 2:
+        if p.heartbeat and not stopped and age <= min(self.after / 2, self.conclusive / 3):
             # a beating rank: its heartbeat says it all, no need to look at its threads. One
-            # that is late (past half the bound) is looked at like a stalled one, so that the
-            # first stalled look already knows each thread's CPU share, the workers' CPU and
-            # whether it was compiling.
+            # that is late (past a third of the conclusive bound) is looked at like a stalled
+            # one, so that by the conclusive bound a look knows each thread's CPU share, the
+            # workers' CPU and whether it was compiling, and a dump (at most one a dump interval,
+            # from a dump interval before the conclusive bound) where its threads are.
             return StallVerdict(p.job_id, p.rank, p.pid, True, hb_mtime or tr.first_seen, False,
-                                "heartbeat", max(0.0, age))
+                                "heartbeat", max(0.0, age), doing=f"beats (last heartbeat "
+                                f"{max(0.0, age):.0f} s ago)")
         # Per-thread detail only at the look cadence (the dump interval), not every cycle: between
         # looks the verdict keeps the last look's thread view (issue 14: per-thread reads of every
         # torch rank every cycle were most of the daemon's CPU).
-        look_due = tr.threads_at == 0.0 or now - tr.threads_at >= self.dump_interval
+        # A rank already stalled is looked at the old pace (a fifth of after_seconds, at most a
+        # minute): the conclusive bound's cadence is for seeing a hang begin (64 stalled ranks
+        # looked at every 13.3 s cost 1.6 x the 60 s looks of before, bench/cycle_fast.py)
+        every = self.redump_interval if tr.verdict is not None and tr.verdict.stalled \
+            else self.dump_interval
+        look_due = tr.threads_at == 0.0 or now - tr.threads_at >= every
         if look_due and self.cycle.over_budget(p.pid):
             return self._deferred(now, p, tr, "threads")
         if look_due:
@@ -219,7 +258,7 @@ class StallTracker:
             # pin-memory or NCCL thread, may work beside a hung main thread)
             python_tids = {s.tid for s in tr.stacks if s.tid} or (set(shares) if tr.stacks else {p.pid})
             if any(WORK_SHARE <= shares[t] < SPIN_SHARE for t in python_tids if t in shares):
-                tr.worked = True
+                tr.worked, tr.work_at = True, now
             if tr.threads_at:
                 self._note_quiet(tr, python_tids, last_slices, elapsed)
             active = tr.gpu.active_at()
@@ -242,12 +281,17 @@ class StallTracker:
 
         stalled_so_far = False
         if p.heartbeat:
-            method = "heartbeat"
-            progress = hb_mtime if hb_mtime is not None else tr.first_seen
+            # A rank late with its heartbeat that works (its Python threads in the working band
+            # at a look, or data moving on a GPU only its job holds) progresses without beating:
+            # rank 0 evaluating or saving a checkpoint between two optimizer steps (autobeat
+            # beats at each). A spin, a block or an idle GPU is no work: the heartbeat decides.
+            method, tr.worked = "heartbeat", False
+            progress = max(hb_mtime if hb_mtime is not None else tr.first_seen, tr.work_at,
+                           tr.gpu.active_at() or float("-inf"))
             stalled_so_far = now - progress > self.after
         else:
             method, progress = self._stack_progress(now, p, tr, threads, spinning, look_due)
-            # a GPU that only this rank uses and that moves data is doing the rank's work
+            # a GPU that only its job uses and that moves data is doing the job's work
             active = tr.gpu.active_at()
             if active is not None and active > progress:
                 progress = active
@@ -255,16 +299,28 @@ class StallTracker:
             # unchanged (a look that changes dumps again): the same place the whole time
             stalled_so_far = tr.identical >= 1 and now - progress >= self.after and (
                 tr.last_dump_at - tr.last_change >= self.after)
-        if stopped and tr.stopped_since is not None and now - tr.stopped_since >= self.after:
+        # proven still this long: the heartbeat's age, or the span of the last comparison that
+        # found the same stacks (a dump or a proof, join/stall.py _stack_progress)
+        if p.heartbeat:
+            still = now - progress
+        else:
+            still = min(now - progress, tr.last_dump_at - tr.last_change) if tr.identical >= 1 else 0.0
+        stopped_for = now - tr.stopped_since if tr.stopped_since is not None else None
+        if stopped_for is not None and tr.stopped_since is not None and stopped_for >= self.after:
             method, stalled_so_far = "stopped", True
             progress = min(progress, tr.stopped_since)
-        late = bool(p.heartbeat) and not stalled_so_far
+        held = still >= self.conclusive and not stalled_so_far
+        # one thread held the GIL at the same line in every dump for the conclusive bound
+        gil_held = tr.gil_key is not None and tr.stacks_at - tr.gil_since >= self.conclusive
+        late = bool(p.heartbeat) and not stalled_so_far and \
+            now - progress > min(self.after / 2, self.conclusive - self.dump_interval)
         if (stalled_so_far or late) and now - tr.last_dump_at >= self.dump_interval and p.heartbeat:
             # the stuck frames for the explanation (heartbeat ranks are not dumped otherwise)
             stacks, _ = self.cycle.dump(now, p.pid)
             if stacks is not None:
                 tr.stacks, tr.last_dump_at = stacks, now
                 tr.dump_slices, tr.stacks_at, tr.proven_at = None, now, None
+                tr.note_gil(stacks, now)
         if tr.words_of is not tr.stacks:  # once per dump, not per cycle
             main = main_stack(tr.stacks)
             tr.frames = tuple(str(f) for f in main.frames[:MAX_FRAMES]) if main else ()
@@ -273,9 +329,9 @@ class StallTracker:
         frames, location = tr.frames, tr.location
         analysis = None
         compiling = False
-        spin = spinning_python(tr.stacks, spinning) if stalled_so_far and spinning and \
+        spin = spinning_python(tr.stacks, spinning) if (stalled_so_far or held) and spinning and \
             method in ("stack", "proc") else frozenset()
-        if (stalled_so_far or late) and tr.stacks:
+        if (stalled_so_far or late or held or gil_held) and tr.stacks:
             if tr.analysis is None or self._analysis_stale(p, tr):
                 # at the look cadence: its inputs are the last dump's stacks and the last look's
                 # threads, and a stalled rank's analysis every cycle was most of what 64 such
@@ -298,11 +354,27 @@ class StallTracker:
                 compiling = True
                 stalled_so_far = now - progress > self.compile_after
                 method = "compiling"
-        ambiguous, confirmed_by, gpu_words = False, "", ""
-        if spin and stalled_so_far and not compiling:
-            confirmed_by, gpu_words = confirm_spin(tr.gpu, progress, now, self.after, analysis)
-            stalled_so_far = bool(confirmed_by)
-            ambiguous = not stalled_so_far
+        ambiguous, confirmed_by, gpu_words, conclusive = False, "", "", ""
+        # a conclusive shape of its own (the stacks dumped since its last heartbeat, for a rank
+        # with one): stalled at the conclusive bound, and whatever its threads burn
+        own = analysis is not None and not compiling and method != "stopped" and (
+            not p.heartbeat or tr.stacks_at >= progress)
+        if own and (stalled_so_far or held) and analysis is not None and "deadlock" in analysis.kinds:
+            stalled_so_far, conclusive = True, "deadlock" if held else ""
+        elif own and gil_held and analysis is not None and gil_holder(analysis):
+            conclusive = "" if stalled_so_far else "gil"
+            stalled_so_far, spin, progress = True, frozenset(), min(progress, tr.gil_since)
+            still = max(still, tr.stacks_at - tr.gil_since)
+        if spin and (stalled_so_far or held) and not compiling:
+            bound = self.after if stalled_so_far else self.conclusive
+            confirmed_by, gpu_words = confirm_spin(tr.gpu, progress, now, bound, analysis)
+            if stalled_so_far:
+                stalled_so_far = bool(confirmed_by)
+                ambiguous = not stalled_so_far
+            elif confirmed_by == "gpu_spin":  # a kernel that never ends: conclusive
+                stalled_so_far, conclusive = True, "gpu_spin"
+            else:
+                confirmed_by = ""  # not stalled (yet): nothing to confirm
         return StallVerdict(
             job_id=p.job_id, rank=p.rank, pid=p.pid, alive=True, progress_timestamp=progress,
             stalled=stalled_so_far, method=method, no_progress_seconds=max(0.0, now - progress),
@@ -313,7 +385,27 @@ class StallTracker:
             else None,
             unchanged_quiet_ms=tr.quiet_run_ns / 1e6 if tr.proven_at is not None and tr.quiet_proof
             and method == "stack" else None,
+            still_seconds=max(0.0, still), stopped_seconds=stopped_for, conclusive=conclusive,
+            doing=self._doing(now, p, tr, progress, shares, stalled_so_far or ambiguous),
         )  # fmt: skip
+
+    def _doing(self, now: float, p: RankProbe, tr: RankTrack, progress: float,
+               shares: dict[int, float], stuck: bool) -> str:
+        """What a rank that progresses does, in words (a waiting peer's page or its absence says
+        it); "" for a rank with no progress seen within the conclusive bound."""
+        if stuck or now - progress > self.conclusive + self.dump_interval:
+            return ""
+        if progress <= tr.first_seen and not p.heartbeat:
+            return ""  # nothing seen move since first sight
+        if p.heartbeat and tr.work_at < progress and (tr.gpu.active_at() or 0.0) < progress:
+            return f"beats (last heartbeat {now - progress:.0f} s ago)"
+        active = tr.gpu.active_at()
+        if active is not None and now - active <= self.dump_interval:
+            return "moves data on its GPU"
+        busiest = max(shares.values(), default=0.0)
+        if busiest >= WORK_SHARE:
+            return f"works on its CPU ({min(busiest, 1.0):.0%} of a core)"
+        return "moved its Python stack since the last dump"
 
     @staticmethod
     def _analysis_stale(p: RankProbe, tr: RankTrack) -> bool:
@@ -384,6 +476,8 @@ class StallTracker:
                 # rank has moved and settled (a dump in the middle of a move would see neither place)
                 if proc_fp != tr.proc_fp and proc_fp == tr.look_fp:
                     tr.dump_due = True
+            if proc_fp != tr.look_fp:
+                tr.view_since = now
             tr.look_fp = proc_fp
         if before_second_look and self.looks.can_dump:
             # No dump at first sight (issue 22: a node's ranks were all dumped at once when the
@@ -411,16 +505,42 @@ class StallTracker:
         # change of view between them: a hang is seen after_seconds after the first look that
         # shows it settled, plus a look or two.
         stalled = tr.identical >= 1 and tr.last_dump_at - tr.last_change >= self.after
-        if tr.dump_due or not self.looks.can_dump:
+        # proven still for the conclusive bound: the next comparison is the after_seconds one
+        held = tr.identical >= 1 and tr.last_dump_at - tr.last_change >= self.conclusive
+        burning = spinning_python(tr.stacks, spinning)
+        # Only where a conclusive shape can be are comparisons due at look pace: its Python
+        # threads asleep at the last look (a lock, a collective: the schedstat proof usually
+        # spares the dump) or one burning a core (a GPU spin, the GIL). A rank awake at changing
+        # places keeps the pace of after_seconds (at the shipped defaults, a dump every
+        # conclusive bound of a rank at 1 % CPU whose stacks move was 23 dumps in 900 s, not 3).
+        settled = bool(burning) or not any(v[1] == "R" for v in tr.look_fp or ())
+        changed_at = now
+        if tr.dump_due and tr.view_since > tr.last_change:
+            # the view changed at a look and held at the next: the new place dates from the first
+            changed_at = tr.view_since
+        if not self.looks.can_dump:
             due = tr.last_dump_at + self.dump_interval  # (without py-spy the view is the comparison)
+        elif tr.dump_due:
+            due = tr.last_dump_at + (self.dump_interval if settled else self.redump_interval)
         elif never:
             # The first dump is due at once, unless the rank has been quiet since first sight:
             # then it is the first of the two a stall needs, a dump interval before the second.
-            due = tr.last_change + self.after - self.dump_interval if tr.quiet else now
+            due = tr.last_change + self.conclusive - self.dump_interval if tr.quiet else now
         elif stalled:
             due = tr.last_dump_at + max(self.dump_interval, self.after)
         else:
-            due = max(tr.last_dump_at + self.dump_interval, tr.last_change + self.after)
+            bound = self.conclusive if settled and not held else self.after
+            due = max(tr.last_dump_at + self.dump_interval, tr.last_change + bound)
+        # A Python thread that starts burning a core is dumped at once (a dump interval after the
+        # last), and one seen holding the GIL again a conclusive bound after: the GIL shape needs
+        # two dumps that far apart, and the main thread that polls for the GIL every 5 ms makes
+        # the view flicker (no settled change to dump on)
+        if not burning:
+            tr.spin_dumped = False
+        elif not tr.spin_dumped:
+            due = min(due, tr.last_dump_at + self.dump_interval)
+        if tr.gil_key is not None:
+            due = min(due, max(tr.last_dump_at + self.dump_interval, tr.gil_since + self.conclusive))
         if now < due:
             return ("stack" if tr.stacks else "proc"), tr.last_change
         if self.cycle.dump_over_budget(p.pid):
@@ -434,7 +554,7 @@ class StallTracker:
             # blocked at 0 % CPU is dumped once per episode (issue 22: the dumps were its cost).
             stacks: tuple[ThreadStack, ...] | None = tr.stacks
             hopeless, proven, tr.quiet_proof = False, True, False
-        elif asleep and stalled and tr.quiet and now - tr.stacks_at < QUIET_REDUMP * self.after:
+        elif asleep and held and tr.quiet and now - tr.stacks_at < QUIET_REDUMP * self.after:
             # Stalled, and its Python threads quiet at every look since the dump (QUIET_SHARE):
             # that dump still stands, re-checked by a dump every QUIET_REDUMP x after_seconds.
             stacks, hopeless, proven, tr.quiet_proof = tr.stacks, False, True, True
@@ -458,6 +578,8 @@ class StallTracker:
                 tr.dump_slices = self.cycle.slices_before_dump(p.pid)
                 tr.stacks_at = now
                 tr.quiet, tr.quiet_run_ns = True, 0
+                tr.note_gil(stacks, now)
+                tr.spin_dumped = bool(burning)
             tr.proven_at = now if proven else None
             tr.stacks, tr.last_dump_at = stacks, now
             method = "stack"
@@ -475,7 +597,7 @@ class StallTracker:
             fp = tuple((t.tid, t.state, t.wchan, t.tid in spinning) for t in threads)
         if fp != tr.fingerprint or tr.worked:
             if tr.fingerprint is not None:
-                tr.last_change = now
+                tr.last_change = changed_at
             tr.worked = False
             tr.fingerprint, tr.identical = fp, 0
         else:

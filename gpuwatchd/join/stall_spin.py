@@ -12,14 +12,14 @@ and what these rules use:
 - **the GPU's memory controller** (``nvmlDeviceGetUtilizationRates().memory``, read every cycle
   anyway): a GPU that does work moves data; a kernel that never ends (a spin on a flag, a peer that
   never arrives) keeps the GPU "busy" with no memory traffic. A reading with memory activity on a
-  GPU that only this rank uses counts as progress (``MEM_ACTIVE``); every reading over the window
+  GPU that only this rank's job uses counts as progress (``MEM_ACTIVE``); every reading over the window
   busy (``GPU_BUSY``) with none is a *GPU spin* and confirms the stall;
 - **the GPU idle** in every reading while a Python thread sits in a torch GPU wait
   (``synchronize``, ``.item()`` with a torch frame of its own): the work it waits for never runs;
 - **the peers of the same job**: a peer stalled without ambiguity (blocked at 0 % CPU, a lost
   heartbeat, stopped) means the collective cannot progress, so the spinning rank waits for it.
 
-The readings are device-wide. On a GPU that another process (not of the rank's tree) also holds
+The readings are device-wide. On a GPU that another process (not a rank of the job) also holds
 memory on, memory traffic may be that process's: it is no evidence of progress there. No traffic
 at all, or an idle GPU, holds for every process on it, so those still confirm; after traffic there,
 the readings after it decide once ``after_seconds`` have passed (as if it were the rank's progress).
@@ -51,7 +51,7 @@ WORK_SHARE = 0.05  # as join/stall.py: below it a thread did no work since the l
 @dataclass(frozen=True)
 class GpuReading:
     """One cycle's NVML view of a rank's GPUs: the busiest GPU's utilisation and memory-controller
-    share, and whether the rank's tree is the only holder of memory on all of them."""
+    share, and whether the ranks of its job are the only holders of memory on all of them."""
 
     at: float
     util: float | None
@@ -188,14 +188,17 @@ def confirm_spin(window: GpuWindow, since: float, now: float, after: float,
 
 def rank_gpu_readings(state: NodeState) -> dict[RankId, GpuReading]:
     """Each rank's GPUs in this state (those its tree holds memory on and those its rank file
-    names), with whether anybody else holds memory on them."""
+    names), with whether anybody outside its job holds memory on them. Ranks of one job that
+    share a GPU share its evidence: data moving there is the job's progress (rank 0 evaluating
+    on the GPU that rank 1, waiting in a barrier, also holds), and no traffic holds for both."""
     holders: dict[int, set[tuple[str, str]]] = collections.defaultdict(set)
     for p in state.gpu_processes:
         holders[p.gpu_index].add((p.job_id, p.rank) if p.job_id else ("", f"pid {p.pid}"))
     out: dict[RankId, GpuReading] = {}
     for r in state.ranks:
         me = (r.job_id, str(r.rank))
-        rows = [(g.utilization_ratio, g.memory_utilization_ratio, holders[g.index] <= {me})
+        rows = [(g.utilization_ratio, g.memory_utilization_ratio,
+                 all(job == r.job_id for job, _ in holders[g.index]))
                 for g in state.gpus
                 if me in holders[g.index] or g.uuid in r.gpus or str(g.index) in r.gpus]
         reading = readings_for(state.timestamp, rows)

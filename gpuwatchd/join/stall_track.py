@@ -44,6 +44,7 @@ class RankTrack:
     gpu: GpuWindow = field(default_factory=GpuWindow)  # NVML readings of its GPUs (stall_spin.py)
     proc_fp: Any = None  # the /proc view at the last dump: (tid, state, wchan, spinning)
     look_fp: Any = None  # the /proc view at the last look
+    view_since: float = 0.0  # the time of the first look that showed look_fp
     dump_due: bool = False  # the view changed since the last dump and held for a look
     sched: dict[int, tuple[int, int]] = field(default_factory=dict)  # tid -> schedstat (run, wait)
     # every task's (run ns, run slices) read right before the last py-spy dump (None: unknown),
@@ -65,3 +66,22 @@ class RankTrack:
     words_of: tuple[ThreadStack, ...] | None = None
     frames: tuple[str, ...] = ()
     location: tuple[str, ...] = ()
+    # a thread other than the main one holding the GIL in the dumps: (its tid or name, its frames,
+    # the main thread's frames) of the last dump, and the time of the first dump that showed it
+    # (the main thread's state flickers between R and S as it polls for the GIL every 5 ms, so
+    # the stacks' fingerprint does not hold; these frames do)
+    gil_key: Any = None
+    gil_since: float = 0.0
+    spin_dumped: bool = False  # dumped since its Python threads started burning a core
+    work_at: float = float("-inf")  # the last look that found its Python threads working
+
+    def note_gil(self, stacks: tuple[ThreadStack, ...], now: float) -> None:
+        """Remember who held the GIL in this dump, where (join/stall_verdicts.py gil_holder)."""
+        owner = next((s for s in stacks if s.owns_gil), None)
+        main = next((s for s in stacks if s.name == "MainThread"), None)
+        key = None if owner is None or main is None or owner is main else (
+            owner.tid or owner.name, tuple((f.name, f.filename, f.line) for f in owner.frames),
+            tuple((f.name, f.filename, f.line) for f in main.frames))
+        if key is None or key != self.gil_key:
+            self.gil_since = now
+        self.gil_key = key

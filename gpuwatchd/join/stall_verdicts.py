@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 
 from gpuwatchd.model import RankId
-from gpuwatchd.model.stall import StallVerdict
+from gpuwatchd.model.stall import HangAnalysis, StallVerdict
 from gpuwatchd.model.threads import ThreadInfo, ThreadStack
+from gpuwatchd.units import fmt_span
 
 
 def main_stack(stacks: Iterable[ThreadStack]) -> ThreadStack | None:
@@ -39,6 +41,128 @@ def summarize_threads(threads: Iterable[ThreadInfo], spinning: Iterable[int] = (
     return text
 
 
+# a thread that used at least this share of a core between two looks burns it (stall.SPIN_SHARE),
+# one below WORK_SHARE did no work (stall.WORK_SHARE)
+SPIN_SHARE = 0.9
+WORK_SHARE = 0.05
+# where a rank's wait may be for a peer of its job: a collective or barrier, the GPU (an NCCL
+# kernel waits for its peers there), or a kernel that never ends (confirmed by the GPU)
+PEER_WAITS = frozenset({"collective", "gpu_wait", "native_spin"})
+# the conclusive shapes of one rank alone; a peer's progress does not explain them
+OWN_SHAPES = frozenset({"deadlock", "gil"})
+
+
+def gil_holder(analysis: HangAnalysis) -> bool:
+    """In the analysed dump a thread other than the main one holds the GIL and burns a core,
+    while the main thread did no work since the last look and waits for neither a queue nor a
+    thread: the main thread waits for the GIL (a catastrophic regex, one C call that never lets
+    it go). The tracker adds that the same thread held it at the same line, the main thread at
+    the same place, in every dump over the bound (RankTrack.gil_since)."""
+    main = next((t for t in analysis.threads if t.name == "MainThread"), None)
+    holder = next((t for t in analysis.threads if t.owns_gil), None)
+    if main is None or holder is None or holder is main:
+        return False
+    return (holder.cpu_share or 0.0) >= SPIN_SHARE and (main.cpu_share or 0.0) < WORK_SHARE and \
+        main.kind not in ("idle", "queue", "join")
+
+
+def waits_on(v: StallVerdict) -> str:
+    """Where a rank waits that may be for a peer of its job, in words ("barrier"), else ""."""
+    if v.confirmed_by == "gpu_spin" or v.conclusive == "gpu_spin":
+        return "a kernel that never ends on its GPU"
+    if v.analysis is None:
+        return ""
+    for t in v.analysis.threads:
+        if t.kind == "collective":
+            return t.waits_on.removeprefix("collective ")
+    if set(v.analysis.kinds) & PEER_WAITS:
+        return "its GPU"
+    return ""
+
+
+def _in_collective(v: StallVerdict) -> bool:
+    return (v.analysis is not None and "collective" in v.analysis.kinds) or v.conclusive == "gpu_spin"
+
+
+def _stuck_elsewhere(v: StallVerdict) -> bool:
+    """Still outside a collective, its main thread blocked (on a lock, or asleep where nothing
+    says it waits for work: not idle in a queue, a select or ``Event.wait``, where a DataLoader's
+    busy workers or a slow socket may still deliver, unless its workers are dead or stopped:
+    ``starved``), with none of its Python threads burning a core (the ambiguous spin,
+    join/stall_spin.py) or in uninterruptible I/O (D: a checkpoint to a slow filesystem)."""
+    a = v.analysis
+    if a is None or _in_collective(v) or v.stopped_seconds is not None:
+        return False
+    main = next((t for t in a.threads if t.name == "MainThread"), None)
+    if main is None or (main.kind not in ("lock", "waiting") and "starved" not in a.kinds):
+        return False
+    return not any((t.cpu_share or 0.0) >= SPIN_SHARE or t.state == "D" for t in a.threads)
+
+
+def judge_jobs(verdicts: Mapping[RankId, StallVerdict], now: float, conclusive: float,
+               fresh: float) -> dict[RankId, StallVerdict]:  # fmt: skip
+    """The job's view of each rank's verdict (ranks of one job on this node, linear in them).
+
+    - A rank stalled while it waits where a peer may hold it (a collective, the GPU: PEER_WAITS),
+      and not in a shape of its own (OWN_SHAPES), is not stalled while a peer of its job
+      progresses: one whose verdict saw progress within ``fresh`` seconds (a heartbeat, work on
+      its CPU or GPU, a new stack). Its ``waits_for`` says for whom and what that peer does.
+    - Conclusive with the peers, once proven still for ``conclusive`` seconds: a rank stopped
+      (state T) while a peer runs; a rank whose peer is dead; the odd one out of a collective (a
+      rank still elsewhere, ``_stuck_elsewhere``, while a peer waits in the collective and none
+      progresses) and the ranks that wait for it.
+    """
+    out = dict(verdicts)
+    jobs: dict[str, list[StallVerdict]] = collections.defaultdict(list)
+    for v in verdicts.values():
+        jobs[v.job_id].append(v)
+    for ranks in jobs.values():
+        if len(ranks) < 2:
+            continue
+        progressing = [v for v in ranks if v.alive and not v.stalled and not v.ambiguous
+                       and v.stopped_seconds is None and v.doing
+                       and v.progress_timestamp is not None
+                       and now - v.progress_timestamp <= fresh]  # fmt: skip
+        dead = [v for v in ranks if not v.alive]
+        held = [v for v in ranks if v.alive and not v.stalled and v.still_seconds >= conclusive]
+        waiting = [v for v in ranks if v.alive and (v.stalled or v.still_seconds >= conclusive)
+                   and _in_collective(v)]  # fmt: skip
+        odd = [v for v in held if _stuck_elsewhere(v)] if waiting and not progressing else []
+        for v in ranks:
+            if not v.alive:
+                continue
+            peers = [p for p in progressing if p.rank != v.rank]
+            where = waits_on(v)
+            if v.stalled and peers and where and v.conclusive not in OWN_SHAPES:
+                p = min(peers, key=lambda x: x.rank)
+                words = (f"rank {v.rank} waits in {where} for rank {p.rank}, which {p.doing}; "
+                         f"waiting for {fmt_span(v.no_progress_seconds)}")
+                out[v.key] = replace(v, stalled=False, ambiguous=False, conclusive="",
+                                     confirmed_by="", waits_for=words)
+                continue
+            if v.stalled:
+                continue
+            runs = [o for o in ranks if o.rank != v.rank and o.alive and o.stopped_seconds is None]
+            why = ""
+            if v.stopped_seconds is not None and v.stopped_seconds >= conclusive and runs:
+                why = "stopped"
+                out[v.key] = replace(v, stalled=True, method="stopped", conclusive=why,
+                                     progress_timestamp=min(v.progress_timestamp or now,
+                                                            now - v.stopped_seconds))
+                continue
+            if v not in held:
+                continue
+            if dead:
+                why = "peer_down"
+            elif v in odd:
+                why = "odd_one_out"
+            elif v in waiting and odd:
+                why = "waits_for_stuck"
+            if why:
+                out[v.key] = replace(v, stalled=True, ambiguous=False, conclusive=why)
+    return out
+
+
 def name_suspects(
     verdicts: Mapping[RankId, StallVerdict],
 ) -> dict[RankId, StallVerdict]:
@@ -48,8 +172,6 @@ def name_suspects(
     numbers). If one place holds a strict majority (at least two ranks), every rank elsewhere is a
     suspect; a dead rank among live peers always is.
     """
-    from dataclasses import replace
-
     out = dict(verdicts)
     jobs: dict[str, list[StallVerdict]] = collections.defaultdict(list)
     for v in verdicts.values():

@@ -177,6 +177,18 @@ class StallVerdict:
     # when that proof was the quiet one (join/stall.py QUIET_SHARE): its Python threads ran only
     # this many ms in all since the dump, asleep at the same place at every look; None: none ran
     unchanged_quiet_ms: float | None = None
+    # how long the rank is proven still: the span of its last comparison with the same stacks
+    # (two dumps, or a dump and a proof), its heartbeat's age, or how long it has been stopped
+    still_seconds: float = 0.0
+    stopped_seconds: float | None = None  # in state T this long; None: not stopped
+    # why it was stalled within stall.conclusive_seconds instead of after_seconds: "deadlock",
+    # "gil", "gpu_spin", "stopped", "peer_down", "odd_one_out", "waits_for_stuck"; "" otherwise
+    conclusive: str = ""
+    # what a progressing rank does, in words ("works on its CPU (45 % of a core)")
+    doing: str = ""
+    # a rank that would be stalled but waits for a peer of its job that progresses: not stalled,
+    # and the words that say for whom ("waits in barrier for rank 0, which ...")
+    waits_for: str = ""
 
     @property
     def key(self) -> RankId:
