@@ -26,6 +26,7 @@ import textwrap
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -413,6 +414,13 @@ def test_judge_jobs_rules() -> None:
     out = judge(working, waiter)
     assert not out[1].stalled and out[1].waits_for.startswith(
         "rank 1 waits in barrier for rank 0, which works on its CPU (45% of a core)")
+    # a peer burning a core at one line, unconfirmed (rank 0 evaluating with .item() per batch on
+    # the H100 looked so, and its waiting peer was paged 8 s into the barrier): not paged either
+    unsure = replace(_verdict(0, progress=900.0), ambiguous=True)
+    out = judge(unsure, waiter)
+    assert not out[1].stalled and "waits in barrier for rank 0, which burns a core" in out[1].waits_for
+    # ...until rank 0's own verdict confirms its hang: then the waiter is paged again
+    assert judge(replace(unsure, ambiguous=False, stalled=True, confirmed_by="gpu_spin"), waiter)[1].stalled
     # a peer whose last progress is older than the window is no progress: the waiter stays paged
     assert judge(_verdict(0, progress=900.0, doing="x"), waiter)[1].stalled
     # a deadlock or a rank blocked on a lock (no wait for a peer) is not excused by a peer's work

@@ -123,6 +123,11 @@ def judge_jobs(verdicts: Mapping[RankId, StallVerdict], now: float, conclusive: 
                        and v.stopped_seconds is None and v.doing
                        and v.progress_timestamp is not None
                        and now - v.progress_timestamp <= fresh]  # fmt: skip
+        # a peer that burns a core at one line with nothing to confirm a hang (its own verdict
+        # is ambiguous: rank_stall_unconfirmed): a rank 0 evaluating on the GPU with .item() per
+        # batch looks so (seen on the H100: its waiting peer was paged 8 s into the barrier)
+        unsure = [v for v in ranks if v.alive and not v.stalled and v.ambiguous
+                  and v.stopped_seconds is None]  # fmt: skip
         dead = [v for v in ranks if not v.alive]
         held = [v for v in ranks if v.alive and not v.stalled and v.still_seconds >= conclusive]
         waiting = [v for v in ranks if v.alive and (v.stalled or v.still_seconds >= conclusive)
@@ -132,10 +137,17 @@ def judge_jobs(verdicts: Mapping[RankId, StallVerdict], now: float, conclusive: 
             if not v.alive:
                 continue
             peers = [p for p in progressing if p.rank != v.rank]
+            maybe = [p for p in unsure if p.rank != v.rank]
             where = waits_on(v)
-            if v.stalled and peers and where and v.conclusive not in OWN_SHAPES:
-                p = min(peers, key=lambda x: x.rank)
-                words = (f"rank {v.rank} waits in {where} for rank {p.rank}, which {p.doing}; "
+            if v.stalled and (peers or maybe) and where and v.conclusive not in OWN_SHAPES:
+                if peers:
+                    p = min(peers, key=lambda x: x.rank)
+                    doing = p.doing
+                else:  # ambiguous, so this one is not paged either: the peer's verdict says why
+                    p = min(maybe, key=lambda x: x.rank)
+                    doing = ("burns a core at one line: a loop that syncs its GPU every step, or "
+                             "a hang nothing confirms yet (its rank_stall_unconfirmed)")
+                words = (f"rank {v.rank} waits in {where} for rank {p.rank}, which {doing}; "
                          f"waiting for {fmt_span(v.no_progress_seconds)}")
                 out[v.key] = replace(v, stalled=False, ambiguous=False, conclusive="",
                                      confirmed_by="", waits_for=words)
