@@ -15,7 +15,6 @@ from gpuwatchd.counters import CounterStore
 from gpuwatchd.exporter.collector import make_registry
 from gpuwatchd.exporter.process import process_families
 from gpuwatchd.model import (
-    CollectiveStatus,
     CollectorStatus,
     Finding,
     GpuDevice,
@@ -27,6 +26,7 @@ from gpuwatchd.model import (
     RankMemory,
     RankState,
 )
+from gpuwatchd.model.collectives import CollectiveStatus
 from gpuwatchd.model.nccl_ras import RasRankStatus
 
 REPO = Path(__file__).resolve().parent.parent

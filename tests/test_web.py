@@ -465,7 +465,7 @@ def test_web_config_check_command(pki: Path, tmp_path: Path,
     assert _cli("web-config", "check", good) == 0
     assert "RequireAndVerifyClientCert" in capsys.readouterr().out
     bad = _write_config(tmp_path, "basic_auth_users:\n  bob: hunter2\n")
-    assert _cli("web-config", "check", bad) == 1
+    assert _cli("web-config", "check", bad) == 2  # a bad config: 2, as `config check` (docs/cli.md)
     err = capsys.readouterr().err
     assert "basic_auth_users.bob" in err and "hunter2" not in err
 
@@ -483,7 +483,7 @@ def test_web_config_commands_through_the_real_cli(pki: Path, tmp_path: Path) -> 
     out = gw("check", cfg)
     assert out.returncode == 0 and "basic auth for 1 user(s)" in out.stdout
     out = gw("check", _write_config(tmp_path, "tls_server_config:\n  cert_file: x.crt\n"))
-    assert out.returncode == 1 and "tls_server_config.key_file" in out.stderr
+    assert out.returncode == 2 and "tls_server_config.key_file" in out.stderr
 
 
 SERVER_SCRIPT = """
