@@ -23,6 +23,9 @@ import time
 
 RANK = r"""
 import os, signal, sys, time
+# a rank started from a background shell inherits SIGINT ignored (bash ignores it for `cmd &`
+# without job control): the default, as a rank under torchrun in a terminal or a unit has it
+signal.signal(signal.SIGINT, signal.SIG_DFL)
 fault, go = sys.argv[1], sys.argv[2]
 rank = int(os.environ["RANK"])
 while not os.path.exists(go):
