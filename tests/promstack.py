@@ -631,13 +631,18 @@ FR_RECORDING = REPO / "tests" / "fixtures" / "hang" / "fr_gloo_rank0.json"
 
 
 def sleeper(flight_recorder: tuple[Path, str, int] | None = None,
-            on_cpu: bool = False) -> subprocess.Popen[bytes]:
+            on_cpu: bool = False, until: Path | None = None) -> subprocess.Popen[bytes]:
     """A live rank that just waits (as a peer blocked in a collective would). With
     ``flight_recorder`` (rank_dir, job_id, rank) it also answers the daemon's flight-recorder
     requests, as a registered rank's thread does, with the dump recorded on the H200 of a rank
     waiting in collective #5 (tests/fixtures/hang/README.md). ``on_cpu``: it spends about half a
-    core meanwhile (the GIL sampler skips a rank below 0.3 of a core: daemon/gil.py)."""
-    wait = ("t0 = time.monotonic()\nwhile time.monotonic() - t0 < 600:\n    t = time.monotonic()\n"
+    core meanwhile (the GIL sampler skips a rank below 0.3 of a core: daemon/gil.py), until the
+    file ``until`` exists: then it waits at 0 % CPU, as a peer blocked in a collective does (a
+    heartbeat rank that works on its CPU is progressing, not stalled: join/stall.py)."""
+    stop = f"os.path.exists({str(until)!r})" if until is not None else "False"
+    wait = ("import os\nt0 = time.monotonic()\nwhile time.monotonic() - t0 < 600:\n"
+            f"    if {stop}:\n        time.sleep(600)\n"
+            "    t = time.monotonic()\n"
             "    while time.monotonic() - t < 0.01:\n        pass\n    time.sleep(0.01)\n"
             if on_cpu else "time.sleep(600)\n")
     if flight_recorder is None:

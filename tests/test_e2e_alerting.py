@@ -99,7 +99,9 @@ def test_oom_kill_pages_once_through_prometheus_and_alertmanager_every_panel_has
     cgroups.append(peer_cg)
     # the peer answers the flight-recorder request the daemon sends once it stalls
     # on CPU, so that the GIL sampler samples it (the GIL panels have data)
-    peer = sleeper(flight_recorder=(tmp_path / "node-a" / "ranks", job_id, 0), on_cpu=True)
+    blocked = tmp_path / "peer-blocked"  # once rank 1 is killed, rank 0 waits for it at 0 % CPU
+    peer = sleeper(flight_recorder=(tmp_path / "node-a" / "ranks", job_id, 0), on_cpu=True,
+                   until=blocked)
     peer_cg.adopt(peer.pid)
     orphan = sleeper()  # holds GPU memory in the replay but belongs to no rank
     procs += [peer, orphan]
@@ -126,6 +128,7 @@ def test_oom_kill_pages_once_through_prometheus_and_alertmanager_every_panel_has
                 wait_until(lambda: _scraped_at_zero(prom, job_id, "1"), 30,
                            "rank 1's OOM counter scraped at 0")
                 t0 = _kill(victim)
+                blocked.touch()
                 got = wait_until(lambda: _oom_page(hook, job_id, "1"), 60, "the OOM page")
                 latency = got[0] - t0
                 alert = got[1]
