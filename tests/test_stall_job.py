@@ -157,6 +157,25 @@ SHAPES = {
         while True:
             time.sleep(0.05)  # the training loop: waits for the GIL after each sleep
     """,
+    "gil_late": """
+        import re, signal, threading, time
+
+        def tokenize():
+            time.sleep(0.2)  # as the catalog's fault thread: started, then takes the GIL
+            re.match(r"(a+)+$", "a" * 64 + "b")  # catastrophic: one C call that keeps the GIL
+
+        def fault(*_):
+            threading.Thread(target=tokenize, name="tokenizer", daemon=True).start()
+
+        signal.signal(signal.SIGUSR1, fault)
+        print("ready", flush=True)
+        time.sleep(2.0)  # start-up at 0 % CPU: dumped, as a rank is while it loads
+        while True:  # the training loop: a step's CPU work, then a wait
+            end = time.monotonic() + 0.02
+            while time.monotonic() < end:
+                pass
+            time.sleep(0.05)
+    """,
     "c_spin": """
         import ctypes, mmap
         page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
@@ -353,6 +372,28 @@ def test_conclusive_shapes_are_paged_within_the_conclusive_bound(launch, shape: 
     assert elapsed <= conclusive + tracker.dump_interval + CYCLE + 2.0, elapsed
     for r in set(ranks) - set(expect):
         assert not v[r].stalled, v[r]
+
+
+def test_a_gil_holder_started_mid_training_is_paged_within_the_conclusive_bound(launch) -> None:
+    """A rank dumped at start-up, then training (its main thread in the working band), starts a
+    thread that keeps the GIL in one C call (the catalog's GIL fault): a thread burning a core
+    that no dump has shown yet is dumped a dump interval after it starts burning
+    (join/stall_spin.py new_spinners), and the rank is stalled ("gil") within the conclusive
+    bound of that dump;
+    it is never stalled while it trains."""
+    after, conclusive = 300.0, 2.0
+    job = f"gil-late-{uuid.uuid4().hex[:8]}"
+    ranks = {0: launch("gil_late", job, 0, 1)}
+    tracker = _tracker(after, conclusive, shipped_cadence=True)
+    _, v, seen = _run(tracker, ranks, job, 6.0)
+    assert not any(s[0] for s in seen), seen
+    assert tracker._tracks[(job, 0)].stacks, "the rank was dumped at start-up"
+    os.kill(ranks[0].pid, signal.SIGUSR1)
+    elapsed, v, _ = _run(tracker, ranks, job, conclusive + 8, lambda v: v[0].stalled)
+    print(f"gil_late {elapsed:.2f} s", v[0].conclusive, v[0].doing)
+    assert v[0].stalled and v[0].conclusive == "gil", v[0]
+    # a look to see the new thread burn, a dump interval, the conclusive bound, a cycle, slack
+    assert elapsed <= conclusive + 2 * tracker.dump_interval + CYCLE + 2.0, elapsed
 
 
 def test_ambiguous_shapes_still_wait_after_seconds(launch) -> None:

@@ -70,6 +70,7 @@ from gpuwatchd.join.stall_spin import (
     GpuReading,
     confirm_by_peers,
     confirm_spin,
+    new_spinners,
     runnable_shares,
     spinning_python,
 )
@@ -539,8 +540,22 @@ class StallTracker:
             tr.spin_dumped = False
         elif not tr.spin_dumped:
             due = min(due, tr.last_dump_at + self.dump_interval)
+        # A thread burning a core that the last dump did not show is dumped the same way: the
+        # view holds only that dump's Python threads, and the main thread waiting for a GIL the
+        # new thread keeps flickers between R and S (no settled change). Undumped, the GIL fault
+        # of the catalog was first dumped after_seconds after the last change (the device: paged
+        # 61.6 s after the fault at after_seconds 30, not within the conclusive bound).
+        if new_spinners(tr.stacks, spinning, tr.spin_native):
+            due = min(due, tr.last_dump_at + self.dump_interval)
         if tr.gil_key is not None:
             due = min(due, max(tr.last_dump_at + self.dump_interval, tr.gil_since + self.conclusive))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("stall pacing: pid %d due in %.1f s (identical %d, settled %s, burning %s, "
+                      "new spinners %s, gil held since %.1f s, dump_due %s, last change %.1f s ago)",
+                      p.pid, due - now, tr.identical, settled, sorted(burning),
+                      sorted(new_spinners(tr.stacks, spinning, tr.spin_native)),
+                      now - tr.gil_since if tr.gil_key is not None else -1.0, tr.dump_due,
+                      now - tr.last_change)
         if now < due:
             return ("stack" if tr.stacks else "proc"), tr.last_change
         if self.cycle.dump_over_budget(p.pid):
@@ -580,6 +595,7 @@ class StallTracker:
                 tr.quiet, tr.quiet_run_ns = True, 0
                 tr.note_gil(stacks, now)
                 tr.spin_dumped = bool(burning)
+                tr.spin_native = spinning - {s.tid for s in stacks if s.tid}
             tr.proven_at = now if proven else None
             tr.stacks, tr.last_dump_at = stacks, now
             method = "stack"

@@ -150,6 +150,18 @@ def spinning_python(stacks: Iterable[ThreadStack], spinning: frozenset[int]) -> 
     return spinning & frozenset(tids)
 
 
+def new_spinners(stacks: Iterable[ThreadStack], spinning: frozenset[int],
+                 native: frozenset[int]) -> frozenset[int]:
+    """The threads burning a core that the last dump did not show: started since (the catalog's
+    GIL fault starts a thread that keeps the GIL in one C call while the rank trains), neither a
+    Python thread of that dump nor a native one it showed spinning (``native``). Empty before the
+    first dump and where the dumps give no tids (``spinning_python`` counts every spinner then)."""
+    stacks = tuple(stacks)
+    if not stacks or any(not s.tid for s in stacks):
+        return frozenset()
+    return spinning - {s.tid for s in stacks} - native
+
+
 def runnable_shares(schedstat: Callable[[int, int], tuple[int, int] | None], pid: int,
                     prev: Mapping[int, tuple[int, int]],
                     shares: Mapping[int, float], elapsed: float,

@@ -73,6 +73,9 @@ class RankTrack:
     gil_key: Any = None
     gil_since: float = 0.0
     spin_dumped: bool = False  # dumped since its Python threads started burning a core
+    # threads burning a core at the last dump that it showed with no Python stack (native
+    # helpers: an OpenMP pool, NCCL's proxy): a spinner outside both is new since the dump
+    spin_native: frozenset[int] = frozenset()
     work_at: float = float("-inf")  # the last look that found its Python threads working
 
     def note_gil(self, stacks: tuple[ThreadStack, ...], now: float) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -69,7 +70,8 @@ class World:
             stall={"after_seconds": AFTER})
         self.cfg_path = cfg_path
         self.state = Path(self.cfg["state_dir"]) / "state.json"
-        self.d = DaemonProc(cfg_path, self.cfg)
+        # debug: the stall tracker's dump pacing per rank, printed for a hang paged late
+        self.d = DaemonProc(cfg_path, self.cfg, args=("--log.level", "debug"))
         self.procs: list[subprocess.Popen[str]] = []
 
     def torchrun(self, job: str, nproc: int, *args: str) -> subprocess.Popen[str]:
@@ -216,6 +218,11 @@ def test_a_conclusive_hang_of_the_catalog_is_paged_within_a_minute(world: World,
     peers = [g for g in world.findings(job) if g["kind"] == "rank_stalled" and g["rank"] == "0"]
     say(f"{fault} rank 0", peers[0]["explanation"] if peers else "not paged")
     world.stop(p)
+    if delay > CONCLUSIVE_BOUND:  # how the dumps were paced: what made it late
+        m = re.search(r"\(pid (\d+)\)", f["explanation"])
+        pid = m.group(1) if m else None
+        print("\n".join(line for line in world.d.log().splitlines()
+                        if "stall pacing" in line and (pid is None or f"pid {pid} " in line))[-6000:])
     assert delay <= CONCLUSIVE_BOUND, delay
 
 
