@@ -10,7 +10,7 @@ ranks, then measures
     their command line): CPU seconds per scrape, from its /proc/PID/stat utime+stime;
 and prints the ratio. Also the /metrics latency for a synthetic 8 GPU x 64 process state.
 
-    .venv/bin/python bench/bench_daemon.py [--sizes 16,64,256] [--cycles 50]
+    .venv/bin/python -m bench.bench_daemon [--sizes 16,64,256] [--cycles 50]
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import argparse
 import os
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,15 +26,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from gpuwatchd.config import Config, DiscoveryConfig, GilConfig, NvmlConfig, WebConfig  # noqa: E402
-from gpuwatchd.counters import CounterStore  # noqa: E402
-from gpuwatchd.daemon.core import Daemon  # noqa: E402
-from gpuwatchd.exporter.collector import make_registry  # noqa: E402
-from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, ProcessInfo, RankState  # noqa: E402
-from gpuwatchd.rank.rankfile import write_rank_file  # noqa: E402
+from bench.benchlib import REPO, cpu_seconds, free_port, pct, rss_kib
+from gpuwatchd.config import Config, DiscoveryConfig, GilConfig, NvmlConfig, WebConfig
+from gpuwatchd.counters import CounterStore
+from gpuwatchd.daemon.core import Daemon
+from gpuwatchd.exporter.collector import make_registry
+from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, ProcessInfo, RankState
+from gpuwatchd.rank.rankfile import write_rank_file
 
 MARKER = "gpuwatchd-bench-rank"
 CHILD = (
@@ -52,31 +49,6 @@ CHILD = (
     "        open(hb, 'w').close()  # what gpuwatchd.heartbeat(step) does, once a second\n"
     "    time.sleep(1)\n"
 )
-CLK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_of(pid: int, children: bool = False) -> float:
-    """utime+stime of ``pid`` (plus its reaped children's, e.g. py-spy runs, with children=True)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    own = int(fields[11]) + int(fields[12])
-    return (own + (int(fields[13]) + int(fields[14]) if children else 0)) / CLK
-
-
-def rss_of(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def start_ranks(n: int, hb_dir: str | None = None, threads: int = 1) -> list[subprocess.Popen[str]]:
     env = {**os.environ, "BENCH_THREADS": str(threads)}
     procs = [subprocess.Popen([sys.executable, "-c", CHILD, MARKER, *([f"{hb_dir}/{i}.hb"] if hb_dir else [])],
@@ -96,10 +68,6 @@ def scrape_latencies(url: str, n: int) -> list[float]:
         out.append(time.perf_counter() - t0)
     return out
 
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
 def bench_gpuwatchd(n: int, rank_dir: str, state_dir: str, cycles: int,
@@ -154,12 +122,12 @@ def bench_daemon_process(rank_dir: str, state_dir: str, scrapes: int, window: fl
                 raise TimeoutError("daemon did not come up")
             time.sleep(0.2)
         lat = scrape_latencies(url, scrapes)
-        c0, k0, t0 = cpu_of(p.pid), cpu_of(p.pid, children=True), time.monotonic()
+        c0, k0, t0 = cpu_seconds(p.pid, children=False), cpu_seconds(p.pid, children=True), time.monotonic()
         time.sleep(window)  # cycles at 5 s, no scrapes: the steady-state cost of watching
         elapsed = time.monotonic() - t0
-        share = (cpu_of(p.pid) - c0) / elapsed
-        with_children = (cpu_of(p.pid, children=True) - k0) / elapsed
-        return {"p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3, "rss_mb": rss_of(p.pid) / 1e6,
+        share = (cpu_seconds(p.pid, children=False) - c0) / elapsed
+        with_children = (cpu_seconds(p.pid, children=True) - k0) / elapsed
+        return {"p50_ms": pct(lat, 0.5) * 1e3, "p99_ms": pct(lat, 0.99) * 1e3, "rss_mb": rss_kib(p.pid) * 1024 / 1e6,
                 "cpu_share_at_5s": share, "cpu_share_with_pyspy": with_children}
     finally:
         p.terminate()
@@ -193,9 +161,9 @@ def bench_process_exporter(n: int, scrapes: int) -> dict[str, float] | None:
                 raise TimeoutError(f"process-exporter saw {groups} of {n} processes")
             time.sleep(0.2)
         assert "namedprocess_namegroup_open_filedesc" in body
-        c0 = cpu_of(p.pid)
+        c0 = cpu_seconds(p.pid, children=False)
         lat = scrape_latencies(url, scrapes)
-        return {"cpu_per_scrape_s": (cpu_of(p.pid) - c0) / scrapes, "p50_ms": pct(lat, 0.5) * 1e3,
+        return {"cpu_per_scrape_s": (cpu_seconds(p.pid, children=False) - c0) / scrapes, "p50_ms": pct(lat, 0.5) * 1e3,
                 "p99_ms": pct(lat, 0.99) * 1e3}
     finally:
         p.terminate()

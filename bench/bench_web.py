@@ -9,7 +9,7 @@ basic auth (cost 10, cached after the first success), each on one keep-alive con
 Prometheus scrapes, and the first request of a fresh connection (TLS handshake included). Also the
 cost of one uncached bcrypt check.
 
-    .venv/bin/python bench/bench_web.py [--requests 300]
+    .venv/bin/python -m bench.bench_web [--requests 300]
 """
 
 from __future__ import annotations

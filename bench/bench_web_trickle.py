@@ -7,7 +7,7 @@ search of the whole buffer each time (what the first version of the loop did) is
 the head size. Prints the CPU time per connection for a head of ``--bytes`` (default 32000, just
 under ``Limits.max_head_bytes``) fed one byte at a time, both ways.
 
-    .venv/bin/python bench/bench_web_trickle.py [--bytes 32000]
+    .venv/bin/python -m bench.bench_web_trickle [--bytes 32000]
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ are not resources but records of events: they grow by design, the counters until
 ``retention.oom_kill_seconds`` (30 min), the log until ``max_log_bytes`` (16 MB, then compacted).
 Not a timed test: a soak whose numbers are kept in bench/results/.
 
-Run as root (memory cgroups, /dev/kmsg): ``.venv/bin/python bench/churn_soak.py
+Run as root (memory cgroups, /dev/kmsg): ``.venv/bin/python -m bench.churn_soak
 [--duration 600] [--jobs-per-second 2]``; ``--repo DIR`` runs another checkout's daemon (the
 code before a fix) with the same load.
 """
@@ -42,19 +42,12 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+from bench.benchlib import REPO, free_port, rss_kib
+
 RANK_CODE = "import time\nwhile True:\n    time.sleep(0.05)\n"
 # Waits a second (registered meanwhile), then writes 64 MiB into a 32 MiB cgroup.
 OOM_CODE = "import time\ntime.sleep(1.0)\nx = b'x' * (64 << 20)\ntime.sleep(60)\n"
 CGROUP_V1 = "/sys/fs/cgroup/memory"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class MemCgroup:
@@ -116,8 +109,7 @@ def measure(url: str, pid: int, state_dir: Path) -> dict[str, float]:
     live = sum(1 for ln in lines if ln.startswith("gpuwatch_rank_up{") and ln.endswith(" 1.0"))
     kills = sum(float(ln.rsplit(" ", 1)[1]) for ln in lines
                 if ln.startswith("gpuwatch_oom_kills_total{") and 'job_id="soak-' in ln)
-    with open(f"/proc/{pid}/status") as f:
-        rss_kb = next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
+    rss_kb = rss_kib(pid)
 
     # the least of five reads 0.2 s apart: a py-spy child in flight holds pipes for a moment;
     # a leak still shows, in every read

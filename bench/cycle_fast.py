@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The daemon's steady-state CPU per cycle at torch-shaped ranks, without waiting for the clock.
 
-    .venv/bin/python bench/cycle_fast.py [--ranks 64] [--warmup 70] [--cycles 150] [--rounds 3]
+    .venv/bin/python -m bench.cycle_fast [--ranks 64] [--warmup 70] [--cycles 150] [--rounds 3]
         [--main-repo /path/to/other/checkout] [--parts]
 
 ``bench/cycle_profile.py`` paces its cycles at the real interval, so a window that fills the
@@ -32,9 +32,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import cycle_profile  # bench/ is sys.path[0]
-
-REPO = Path(__file__).resolve().parents[1]
+from bench import cycle_profile
+from bench.benchlib import REPO
 
 CHILD = r"""
 import collections, dataclasses, gc, glob, os, resource, sys, time

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Daemon CPU per cycle and per scrape at torch-shaped ranks, without a GPU (issue 14, goals 1-2).
 
-    .venv/bin/python bench/cycle_profile.py [--ranks 64] [--seconds 120] [--main-repo /work/main]
+    .venv/bin/python -m bench.cycle_profile [--ranks 64] [--seconds 120] [--main-repo /work/main]
         [--profile] [--config-extra YAML]
 
 Reproduces the shape of bench/nvml_poll.py's device workload on any Linux box:
@@ -43,20 +43,16 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from nvml_poll import cpu_seconds, rss_mib  # bench/ is sys.path[0]: the same /proc readers
+from bench.benchlib import CLK, REPO, cpu_seconds, free_port, get, rss_kib, task_ticks
 
-REPO = Path(__file__).resolve().parents[1]
 FIXTURE = REPO / "tests/fixtures/nvml/h200_bench_9procs.json"
-CLK = os.sysconf("SC_CLK_TCK")
 SHIM = REPO / "bench/thread_names.py"  # names every thread (comm) and totals exited threads' CPU
 
 RANK = r"""
@@ -99,23 +95,6 @@ while True:
 """
 
 
-def cpu_s(pid: int, children: bool = False) -> float:
-    return cpu_seconds(pid, children)
-
-
-def task_ticks(pid: int) -> dict[int, tuple[str, int, int]]:
-    """tid -> (comm, utime+stime ticks, voluntary context switches: its wake-ups from sleep)."""
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            raw = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-            f = raw.rsplit(")", 1)[1].split()
-            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
-            vol = int(status.split("voluntary_ctxt_switches:")[1].split()[0])
-            out[int(tid)] = (raw[raw.find("(") + 1 : raw.rfind(")")], int(f[11]) + int(f[12]), vol)
-    return out
-
-
 def exited_cpu(path: Path) -> dict[str, list[float]]:
     with contextlib.suppress(OSError, ValueError):
         return dict(json.loads(path.read_text()))
@@ -143,17 +122,6 @@ def by_name(pid: int, first: dict[int, tuple[str, int, int]], last: dict[int, tu
                 r[i] += row[i] - (old[i] if i < len(old) else 0)
     rows["unaccounted"] = [own - sum(r[0] for r in rows.values()), 0, 0]
     return sorted(((k, r[0], int(r[1]), int(r[2])) for k, r in rows.items()), key=lambda r: -r[1])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=20) as r:
-        return bytes(r.read())
 
 
 def derive_fixture(pids: list[int], out: Path) -> None:
@@ -270,14 +238,14 @@ def window(args: argparse.Namespace, daemons: dict[str, tuple[subprocess.Popen[b
     files = {k: Path(os.environ.get("GW_BENCH_TMP", "")) / f"{k}.threads.json" for k in pids}
     ex0 = {k: exited_cpu(files[k]) for k in pids}
     seen: dict[str, dict[int, tuple[str, int]]] = {k: dict(v) for k, v in t0s.items()}
-    own0 = {k: cpu_s(pid) for k, pid in pids.items()}
-    all0 = {k: cpu_s(pid, True) for k, pid in pids.items()}
-    ts0 = {k: cycles_seen(get(u)) for k, (_, u) in daemons.items()}
+    own0 = {k: cpu_seconds(pid, children=False) for k, pid in pids.items()}
+    all0 = {k: cpu_seconds(pid, children=True) for k, pid in pids.items()}
+    ts0 = {k: cycles_seen(get(u, 20)) for k, (_, u) in daemons.items()}
     t0 = time.monotonic()
     scrapes = 0
     while time.monotonic() - t0 < seconds:
         for _, u in daemons.values():
-            get(u)
+            get(u, 20)
         scrapes += 1
         while (left := t0 + scrapes * args.interval - time.monotonic()) > 0:
             time.sleep(min(1.0, left))  # sample every thread each second: short ones show too
@@ -286,8 +254,8 @@ def window(args: argparse.Namespace, daemons: dict[str, tuple[subprocess.Popen[b
     wall = time.monotonic() - t0
     res: dict[str, dict[str, Any]] = {}
     for k, pid in pids.items():
-        own, tot = cpu_s(pid) - own0[k], cpu_s(pid, True) - all0[k]
-        body = get(daemons[k][1])
+        own, tot = cpu_seconds(pid, children=False) - own0[k], cpu_seconds(pid, children=True) - all0[k]
+        body = get(daemons[k][1], 20)
         cycles = max(1.0, round((cycles_seen(body) - ts0[k]) / args.interval))
         t1 = task_ticks(pid)
         seen[k].update(t1)
@@ -296,14 +264,14 @@ def window(args: argparse.Namespace, daemons: dict[str, tuple[subprocess.Popen[b
         res[k] = {"wall_s": wall, "cpu_percent_own": 100 * own / wall,
                   "cpu_percent_with_children": 100 * tot / wall, "cycles": cycles,
                   "scrapes": scrapes, "cpu_ms_per_cycle": 1e3 * own / cycles,
-                  "rss_mib": rss_mib(pid), "ranks_up": ranks_up(body), "exposition_bytes": len(body),
+                  "rss_mib": rss_kib(pid) / 1024, "ranks_up": ranks_up(body), "exposition_bytes": len(body),
                   "threads_cpu_s": [(round(c, 2), "main" if t == pid else n) for c, t, n in threads[::-1][:5]],
                   "by_name": table}
     for k, (p, u) in daemons.items():  # scrape cost: a burst, after the window
-        c0 = cpu_s(p.pid)
+        c0 = cpu_seconds(p.pid, children=False)
         for _ in range(args.burst):
-            get(u)
-        res[k]["cpu_ms_per_scrape_burst"] = 1e3 * (cpu_s(p.pid) - c0) / args.burst
+            get(u, 20)
+        res[k]["cpu_ms_per_scrape_burst"] = 1e3 * (cpu_seconds(p.pid, children=False) - c0) / args.burst
     return res
 
 
@@ -549,7 +517,7 @@ def main() -> int:
             up = None
             while True:
                 with contextlib.suppress(OSError):
-                    up = ranks_up(get(u))
+                    up = ranks_up(get(u, 20))
                     if up == args.ranks:
                         break
                 log_file = tmp / f"{name}.log"

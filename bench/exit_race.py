@@ -8,7 +8,7 @@ was read: from the zombie's /proc/PID/stat (won the race), from PIDFD_INFO_EXIT 
 (Linux >= 6.15), or not at all ("reaped before read"), and checks every status read against
 the one the launcher saw.
 
-    .venv/bin/python bench/exit_race.py [--n 100]
+    .venv/bin/python -m bench.exit_race [--n 100]
 """
 
 from __future__ import annotations
@@ -18,18 +18,15 @@ import faulthandler
 import json
 import os
 import signal
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench.benchlib import stat_fields
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.exits import ExitWatcher, Watch
 
 
 def start_ticks(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
+    return int(stat_fields(pid)[19])
 
 
 def race(n: int) -> dict[str, object]:

@@ -2,20 +2,17 @@
 """The exits part's cost: ``ExitsSubsystem.track`` at 64 watched ranks (real sleeping processes,
 a pidfd each), 500 calls in-process, and the CPU of its watcher thread while nothing exits.
 
-    .venv/bin/python bench/exits_track.py
+    .venv/bin/python -m bench.exits_track
 """
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from bench.benchlib import cpu_seconds
 from gpuwatchd.config import Config
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.exits import ExitsSubsystem
@@ -45,12 +42,6 @@ class Context:
         raise SystemExit(why)
 
 
-def thread_cpu(tid: int) -> float:
-    with open(f"/proc/self/task/{tid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def main() -> None:
     procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
              for _ in range(RANKS)]
@@ -73,9 +64,10 @@ def main() -> None:
               f"({wall / CALLS * 1e6:.0f} us wall)")
         thread = part.watcher._thread
         assert thread is not None and thread.native_id is not None
-        before = thread_cpu(thread.native_id)
+        before = cpu_seconds("self", children=False, tid=thread.native_id)
         time.sleep(10)
-        print(f"watcher thread CPU over 10 s with nothing exiting: {thread_cpu(thread.native_id) - before:.2f} s")
+        spent = cpu_seconds("self", children=False, tid=thread.native_id) - before
+        print(f"watcher thread CPU over 10 s with nothing exiting: {spent:.2f} s")
         part.stop()
     finally:
         for p in procs:

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
+from bench.benchlib import REPO, free_port
+
 FIXTURE = REPO / "tests" / "fixtures" / "nvml" / "derived_h200_x8.json"
 GPUS = 8
 WORKERS_PER_RANK = 2
@@ -58,14 +59,6 @@ while True:
     step += 1
     time.sleep(1)
 """
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _scrape(url: str) -> str | None:
@@ -130,7 +123,7 @@ def node_exposition(timeout: float = 60.0, gil: bool = True) -> str:
                     dev.setdefault("clocks_event_reasons", 0)
             fixture = d / "nvml.json"
             fixture.write_text(json.dumps(doc))
-            port = _free_port()
+            port = free_port()
             cfg = {"web": {"listen_address": f"127.0.0.1:{port}"}, "interval_seconds": 1,
                    "rank_dir": str(ranks_dir), "state_dir": str(state), "kernel_log": "kmsg",
                    "nvml": {"fixture": str(fixture)}, "discovery": {"enabled": False},

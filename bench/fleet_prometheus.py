@@ -2,8 +2,8 @@
 """Fleet scale in a real Prometheus: every shipped alert rule and dashboard panel against a
 backfilled fleet of gpuwatchd nodes (issue 14, goal 4).
 
-    .venv/bin/python bench/fleet_prometheus.py                      # 1,250 nodes x 8 GPUs, 6 h
-    .venv/bin/python bench/fleet_prometheus.py --nodes 50 --hours 1 # a quick run
+    .venv/bin/python -m bench.fleet_prometheus                     # 1,250 nodes x 8 GPUs, 6 h
+    .venv/bin/python -m bench.fleet_prometheus--nodes 50 --hours 1 # a quick run
 
 1. One real node: `gpuwatchd run` with 8 real ranks, 16 DataLoader-style worker children and the
    8-GPU NVML fixture (bench/fleet_node.py); its /metrics is counted and becomes the template.
@@ -50,11 +50,10 @@ from typing import Any
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fleet_node import FIXTURE, node_exposition
-from fleet_openmetrics import SCRAPE_SERIES, Fleet, default_incidents, parse_exposition
+from bench.benchlib import REPO, free_port, pct
+from bench.fleet_node import FIXTURE, node_exposition
+from bench.fleet_openmetrics import SCRAPE_SERIES, Fleet, default_incidents, parse_exposition
 
-REPO = Path(__file__).resolve().parent.parent
 PROM_DIR = REPO / "deploy" / "prometheus"
 ALERT_RULES = PROM_DIR / "gpuwatchd.rules.yml"
 RECORDING_RULES = PROM_DIR / "gpuwatchd.recording.yml"
@@ -63,14 +62,6 @@ PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 NICE = ["nice", "-n", "10"]
 BYTES_PER_SAMPLE = 140  # measured on the generator's output (labels of a gpuwatchd node)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def say(*a: object) -> None:
@@ -163,11 +154,6 @@ def fill(expr: str, subs: dict[str, str]) -> str:
 
 def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 # --- the phases ----------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 """GIL sampling's share of the daemon's CPU at shipped defaults, before and after the adaptive
 schedule, on real Python ranks with real py-spy.
 
-    python3 bench/gil_adaptive.py [--ranks 64] [--busy 2] [--convoys 0,1] [--seconds 120]
+    python3 -m bench.gil_adaptive [--ranks 64] [--busy 2] [--convoys 0,1] [--seconds 120]
                                   [--warmup 15] [--before-rev 6e08b57] [--skip-cost]
 
 1. py-spy's cost per run against duration x rate: ``PySpy.record_gil`` (what the daemon runs) on a
@@ -34,19 +34,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from gpuwatchd.sources.pyspy import PySpy, resolve_pyspy  # noqa: E402
+from bench.benchlib import REPO, cpu_seconds, get, self_cpu
+from gpuwatchd.sources.pyspy import PySpy, resolve_pyspy
 
 RANK = r"""
 import sys, threading, time
@@ -98,17 +94,6 @@ ev.wait()
 """
 
 
-def cpu_seconds(pid: int, children: bool) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    idx = (11, 12, 13, 14) if children else (11, 12)
-    return sum(int(fields[i]) for i in idx) / os.sysconf("SC_CLK_TCK")
-
-
-def self_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def cost_model() -> None:
     target = subprocess.Popen([sys.executable, "-c", TARGET], stdout=subprocess.PIPE, text=True)
     try:
@@ -151,11 +136,6 @@ def nvml_replay(path: Path) -> None:
     src["cycles"] = [{**cycle, "count": 2, "devices": devices}]
     src["note"] = "derived from derived_h200_x8.json: GPU 0 95 % busy, GPU 1 idle (bench)"
     path.write_text(json.dumps(src))
-
-
-def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return str(r.read().decode())
 
 
 def gil_samples(text: str) -> float:
@@ -216,7 +196,7 @@ def window(args: argparse.Namespace, tmp: Path, convoy: int) -> None:
         def poll() -> None:
             for name, url in urls.items():
                 try:
-                    text = scrape(url)
+                    text = get(url).decode()
                 except OSError:
                     continue
                 if convoy and name not in found and saturated(text, 0):
@@ -226,9 +206,9 @@ def window(args: argparse.Namespace, tmp: Path, convoy: int) -> None:
         while time.monotonic() < end:
             poll()
             time.sleep(1)
-        own0 = {k: cpu_seconds(p.pid, False) for k, p in daemons.items()}
-        all0 = {k: cpu_seconds(p.pid, True) for k, p in daemons.items()}
-        samples0 = {k: gil_samples(scrape(u)) for k, u in urls.items()}
+        own0 = {k: cpu_seconds(p.pid, children=False) for k, p in daemons.items()}
+        all0 = {k: cpu_seconds(p.pid, children=True) for k, p in daemons.items()}
+        samples0 = {k: gil_samples(get(u).decode()) for k, u in urls.items()}
         t0 = time.monotonic()
         while time.monotonic() - t0 < args.seconds:
             poll()
@@ -237,11 +217,11 @@ def window(args: argparse.Namespace, tmp: Path, convoy: int) -> None:
         print(f"2. {args.ranks} real Python ranks ({convoy} GIL-convoyed on an idle GPU, {args.busy} "
               f"busy on a busy GPU, {args.ranks - convoy - args.busy} light), shipped defaults, "
               f"{wall:.0f} s window after {args.warmup:.0f} s")
-        own_of = {name: cpu_seconds(p.pid, False) - own0[name] for name, p in daemons.items()}
+        own_of = {name: cpu_seconds(p.pid, children=False) - own0[name] for name, p in daemons.items()}
         for name, p in daemons.items():
             own = own_of[name]
-            kids = cpu_seconds(p.pid, True) - all0[name] - own
-            taken = gil_samples(scrape(urls[name])) - samples0[name]
+            kids = cpu_seconds(p.pid, children=True) - all0[name] - own
+            taken = gil_samples(get(urls[name]).decode()) - samples0[name]
             when = (f"{found[name]:.0f} s after start" if name in found
                     else "not in the run" if convoy else "none (no convoyed rank)")
             print(f"   {name:6s} daemon own {100 * own / wall:.3f} % of a core, py-spy children "

@@ -1,6 +1,6 @@
 """GIL sampling overhead: throughput of a many-thread Python target with sampling on vs off.
 
-Usage: python bench/gil_overhead.py [--threads 64] [--workers 1] [--window 3] [--pairs 8]
+Usage: python -m bench.gil_overhead [--threads 64] [--workers 1] [--window 3] [--pairs 8]
                                     [--rate 50] [--pyspy PATH] [--pin CPU] [--blocking] [--json]
 
 The target (started here) runs ``--workers`` threads counting in a Python loop plus idle threads
@@ -36,9 +36,6 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpuwatchd.sources.pyspy import PySpy, resolve_pyspy
 

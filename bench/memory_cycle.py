@@ -7,7 +7,7 @@ For N ranks (real processes) in real v1 memory cgroups, laid out two ways — al
 tracker) as the difference between the real ``Daemon.cycle()`` with and without the subsystem,
 side by side with the cycle without it (rank files, /proc, join), per cycle and per rank.
 
-    sudo .venv/bin/python bench/memory_cycle.py [--sizes 8,64] [--cycles 50]
+    sudo .venv/bin/python -m bench.memory_cycle [--sizes 8,64] [--cycles 50]
 """
 
 from __future__ import annotations
@@ -16,19 +16,13 @@ import argparse
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
-
-from kernel_oom_helpers import MemCgroup  # noqa: E402
-
-from gpuwatchd.config import Config, DiscoveryConfig, GilConfig, NvmlConfig  # noqa: E402
-from gpuwatchd.daemon.core import Daemon  # noqa: E402
-from gpuwatchd.daemon.memory import MemorySubsystem  # noqa: E402
-from gpuwatchd.rank.rankfile import write_rank_file  # noqa: E402
-from gpuwatchd.sources.pyspy import PySpy  # noqa: E402
+from gpuwatchd.config import Config, DiscoveryConfig, GilConfig, NvmlConfig
+from gpuwatchd.daemon.core import Daemon
+from gpuwatchd.daemon.memory import MemorySubsystem
+from gpuwatchd.rank.rankfile import write_rank_file
+from gpuwatchd.sources.pyspy import PySpy
+from tests.kernel_oom_helpers import MemCgroup
 
 CHILD = "import sys; x = bytearray(8 << 20); print(flush=True); sys.stdin.read()"
 

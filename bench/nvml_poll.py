@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark on a GPU node: NVML poll cost per cycle, and daemon CPU next to nvitop-exporter.
 
-    python3 bench/nvml_poll.py --sizes 32,64 --gib 1 --seconds 60 --out bench.json \
+    python3 -m bench.nvml_poll --sizes 32,64 --gib 1 --seconds 60 --out bench.json \
         [--pyspy PATH] [--main-repo PATH] [--defaults]
 
 1. Starts torch processes that each hold ``--gib`` GiB (tests/gpu/holder.py) and beat a heartbeat
@@ -44,43 +44,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from gpuwatchd.sources.nvml import NvmlSource  # noqa: E402
-
-
-def cpu_seconds(pid: int, children: bool = True) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    # utime stime, plus cutime cstime (reaped children: py-spy runs)
-    return sum(int(fields[i]) for i in ((11, 12, 13, 14) if children else (11, 12))) / tick
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def scrape(url: str) -> tuple[float, int]:
-    t0 = time.perf_counter()
-    with urllib.request.urlopen(url, timeout=10) as r:
-        body = r.read()
-    return time.perf_counter() - t0, len(body)
-
-
-def wait_http(url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            scrape(url)
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+from bench.benchlib import CLK, REPO, cpu_seconds, rss_kib, scrape, task_ticks, wait_http
+from gpuwatchd.sources.nvml import NvmlSource
 
 
 def start_holders(args: argparse.Namespace, tmp: Path, first: int, last: int,
@@ -168,18 +133,6 @@ def nvml_call_costs(n: int) -> dict[str, float]:
         return out
     finally:
         nv.nvmlShutdown()
-
-
-def task_ticks(pid: int) -> dict[int, tuple[str, int]]:
-    """tid -> (comm, utime+stime ticks); the daemons run under bench/thread_names.py, so a
-    thread's comm is its Python name."""
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            raw = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-            f = raw.rsplit(")", 1)[1].split()
-            out[int(tid)] = (raw[raw.find("(") + 1 : raw.rfind(")")], int(f[11]) + int(f[12]))
-    return out
 
 
 IDLE_LEAVES = ("wait (threading.py", "select (selectors.py", "sleep", "_wait_for_tstate_lock",
@@ -280,7 +233,7 @@ def cpu_window(args: argparse.Namespace, tmp: Path, n: int, logs: contextlib.Exi
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     tasks0 = task_ticks(procs[profiled].pid) if profiled in procs else {}
     own0 = {k: cpu_seconds(p.pid, children=False) for k, p in procs.items()}
-    all0 = {k: cpu_seconds(p.pid) for k, p in procs.items()}
+    all0 = {k: cpu_seconds(p.pid, children=True) for k, p in procs.items()}
     t0 = time.monotonic()
     print(f"  {n} ranks, window from epoch {time.time():.1f} for {args.seconds:.0f} s; daemon pids "
           + ", ".join(f"{k} {p.pid}" for k, p in procs.items()), flush=True)
@@ -295,11 +248,10 @@ def cpu_window(args: argparse.Namespace, tmp: Path, n: int, logs: contextlib.Exi
     wall = time.monotonic() - t0
     if profiled in procs:
         tasks1 = task_ticks(procs[profiled].pid)
-        tick = os.sysconf("SC_CLK_TCK")
         by_comm: dict[str, float] = {}
-        for t, (comm, ticks) in tasks1.items():
+        for t, (comm, ticks, _) in tasks1.items():
             name = "main" if t == procs[profiled].pid else comm
-            by_comm[name] = by_comm.get(name, 0.0) + (ticks - tasks0.get(t, (comm, 0))[1]) / tick
+            by_comm[name] = by_comm.get(name, 0.0) + (ticks - tasks0.get(t, (comm, 0, 0))[1]) / CLK
         rows = ", ".join(f"{k} {v:.2f}" for k, v in sorted(by_comm.items(), key=lambda kv: -kv[1])
                          if v > 0)
         print(f"  {n} ranks, {profiled} CPU s in the window by thread (alive at the end): {rows}",
@@ -308,8 +260,8 @@ def cpu_window(args: argparse.Namespace, tmp: Path, n: int, logs: contextlib.Exi
         prof.wait(30)
         print_profile(tmp / f"prof-{n}.raw", n)
     own = {k: cpu_seconds(p.pid, children=False) - own0[k] for k, p in procs.items()}
-    tot = {k: cpu_seconds(p.pid) - all0[k] for k, p in procs.items()}
-    rss = {k: rss_mib(p.pid) for k, p in procs.items()}
+    tot = {k: cpu_seconds(p.pid, children=True) - all0[k] for k, p in procs.items()}
+    rss = {k: rss_kib(p.pid) / 1024 for k, p in procs.items()}
     bodies = {k: urllib.request.urlopen(u, timeout=10).read().decode() for k, u in urls.items()
               if k.startswith("gpuwatchd")}
     for k, body in bodies.items():  # kept with --keep: what each daemon said at the end

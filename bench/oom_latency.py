@@ -14,7 +14,7 @@ The kernel's timestamp (printk's local_clock, µs since boot; stored by the daem
 ``fields.monotonic_usec`` of the event) is compared with CLOCK_MONOTONIC, which is the same clock
 here up to a few µs; the latency from the parent's waitpid() return is printed as well.
 
-Run as root: ``.venv/bin/python bench/oom_latency.py [--kills 20] [--interval 5]``.
+Run as root: ``.venv/bin/python -m bench.oom_latency [--kills 20] [--interval 5]``.
 """
 
 from __future__ import annotations
@@ -34,18 +34,9 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO))
-
-from daemonutil import DaemonProc, free_port, write_config  # noqa: E402
-from kernel_oom_helpers import MemCgroup, go  # noqa: E402
-
-
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    k = min(len(s) - 1, max(0, round(p / 100 * len(s) + 0.5) - 1))
-    return s[k]
+from bench.benchlib import REPO, free_port, pct
+from tests.daemonutil import DaemonProc, write_config
+from tests.kernel_oom_helpers import MemCgroup, go
 
 
 def start_alertmanager(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -134,8 +125,8 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
     def line(name: str, xs: list[float], target: float) -> str:
-        p99 = pct(xs, 99)
-        return (f"{name:<28} n={len(xs)} p50={pct(xs, 50) * 1e3:7.1f} ms  p99={p99 * 1e3:7.1f} ms  "
+        p99 = pct(xs, 0.99)
+        return (f"{name:<28} n={len(xs)} p50={pct(xs, 0.5) * 1e3:7.1f} ms  p99={p99 * 1e3:7.1f} ms  "
                 f"max={max(xs) * 1e3:7.1f} ms  mean={statistics.mean(xs) * 1e3:7.1f} ms  "
                 f"target p99 <= {target:.0f} s: {'PASS' if p99 <= target else 'FAIL'}")
     print()
@@ -144,7 +135,7 @@ def main() -> int:
     print(line("kill -> /metrics", to_metric, 1.0))
     print(line("kill -> Alertmanager (push)", to_alert, 2.0))
     print(line("waitpid -> /metrics", from_wait, 1.0))
-    ok = pct(to_metric, 99) <= 1.0 and pct(to_alert, 99) <= 2.0
+    ok = pct(to_metric, 0.99) <= 1.0 and pct(to_alert, 0.99) <= 2.0
     return 0 if ok else 1
 
 

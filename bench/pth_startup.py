@@ -3,7 +3,7 @@ torch.optim is imported"): ``python -c pass`` in a venv laid out as the wheel in
 (the package and the .pth file at the top of site-packages), with GPUWATCHD_HEARTBEAT unset and
 set to 1, interleaved, N runs each (as hyperfine would: a warm-up, then wall time per run).
 
-    python bench/pth_startup.py [--runs 200] [--repo CHECKOUT] [--out FILE]
+    python -m bench.pth_startup [--runs 200] [--repo CHECKOUT] [--out FILE]
 
 Prints the median, p10 and p90 of each (wall time, and the child's user+system CPU time, which a
 loaded machine disturbs less), the difference of the medians, and the modules the variable adds
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from bench.benchlib import REPO
 
 
 def venv_like_the_wheel(tmp: Path, repo: Path) -> Path:

@@ -4,7 +4,7 @@ number of series with N root-owned rank files (one rank each, 256 ranks a job, n
 processes), for several N, each run of ``gpuwatchd run`` with the shipped defaults (GIL sampling
 and discovery on; kernel log and NVML off: no GPU here) for ``--seconds``.
 
-    python3 bench/rank_caps_rss.py [--ranks 0,1000,2000,4096] [--seconds 60] [--before PATH]
+    python3 -m bench.rank_caps_rss [--ranks 0,1000,2000,4096] [--seconds 60] [--before PATH]
 
 Prints one line per N, and RSS per 1,000 ranks over the N=0 run; with ``--before`` the same runs
 of another checkout (the code before a change, with this one's interpreter) come first, in the
@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,23 +25,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.benchlib import REPO, free_port, proc_status
+
 SLEEP = "import time\nwhile True:\n    time.sleep(1)\n"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _status(pid: int) -> dict[str, int]:
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) // 1024
-    return out
+    return {k: v // 1024 for k, v in proc_status(pid, ("VmRSS", "VmHWM")).items()}  # MiB
 
 
 def _metrics(port: int) -> str:
@@ -60,7 +49,7 @@ def run(n: int, pids: list[int], seconds: float, repo: Path) -> dict[str, float]
     for i in range(n):
         (ranks / f"r{i:05d}.json").write_text(json.dumps(
             {"version": 1, "job_id": f"job{i // 256}", "ranks": [{"rank": i % 256, "pid": pids[i % len(pids)]}]}))
-    port = _port()
+    port = free_port()
     cfg = world / "config.yaml"
     cfg.write_text(f'web: {{listen_address: "127.0.0.1:{port}"}}\nrank_dir: {ranks}\n'
                    f"state_dir: {world / 'state'}\nkernel_log: \"off\"\nnvml: {{enabled: false}}\n"

@@ -4,9 +4,9 @@ files of one owner, scanned by ``RankFileReader.scan`` three times (the first pa
 hit the cache), wall time and the process's peak RSS, for this checkout and, with ``--before``,
 another one (the code before a change), side by side in one run.
 
-    python3 bench/rankdir_flood.py [--files 100000] [--before PATH]
+    python3 -m bench.rankdir_flood [--files 100000] [--before PATH]
 
-Each checkout runs in a fresh interpreter of its own (its ``gpuwatchd`` first on sys.path).
+Each checkout runs in a fresh interpreter started in that checkout (its ``gpuwatchd`` first on sys.path).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.benchlib import REPO
+
 PROBE = r"""
 import resource, sys, time
-sys.path.insert(0, sys.argv[1])
 from gpuwatchd.sources.rankfiles import RankFileReader
-r = RankFileReader(sys.argv[2])
+r = RankFileReader(sys.argv[1])
 times = []
 for _ in range(3):
     t = time.perf_counter(); entries, bad = r.scan(); times.append(time.perf_counter() - t)
@@ -45,7 +45,7 @@ def main() -> None:
         print(f"{'checkout':<16} {'scan 1 s':>8} {'scan 2 s':>8} {'scan 3 s':>8} {'refusals':>8} "
               f"{'peak RSS':>8}")
         for repo in [*([args.before] if args.before else []), REPO]:
-            out = subprocess.run([sys.executable, "-c", PROBE, str(repo), str(d)],
+            out = subprocess.run([sys.executable, "-c", PROBE, str(d)], cwd=repo,
                                  capture_output=True, text=True, check=True).stdout.split()
             print(f"{str(repo)[-16:]:<16} {out[0]:>8} {out[1]:>8} {out[2]:>8} {out[3]:>8} "
                   f"{out[4]:>5} MB")

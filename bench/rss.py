@@ -2,7 +2,7 @@
 """Resident memory of the daemon (issue 14): RSS at start and after N cycles with M real ranks,
 anonymous vs file-backed, side by side with another checkout ("before") and nvitop-exporter.
 
-    python3 bench/rss.py [--ranks 32] [--threads 24] [--cycles 30] [--interval 1]
+    python3 -m bench.rss [--ranks 32] [--threads 24] [--cycles 30] [--interval 1]
         [--main-repo /work/main] [--nvitop-python PATH] [--nvml-fixture FILE | --nvml-fixture '']
 
 1. Starts ``--ranks`` Python processes with ``--threads`` sleeping threads each (a torch rank
@@ -36,7 +36,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.benchlib import REPO, proc_status, wait_http
+
 FIXTURE = REPO / "tests/fixtures/nvml/h200_bench_9procs.json"
 RANK = """import os, sys, threading, time
 ev = threading.Event()
@@ -54,14 +55,7 @@ LIBS = ("libssl", "libcrypto", "libsystemd", "libudev", "libnvidia-ml", "_yaml",
 
 
 def status(pid: int) -> dict[str, int]:
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
-            out[key] = int(value.split()[0])  # kB
-        elif key == "Threads":
-            out[key] = int(value)
-    return out
+    return proc_status(pid, ("VmRSS", "RssAnon", "RssFile", "VmHWM", "Threads"))  # kB, a count
 
 
 def libraries(pid: int) -> dict[str, int]:
@@ -84,19 +78,6 @@ def mib(kb: int) -> str:
 def row(name: str, when: str, s: dict[str, int]) -> str:
     return (f"  {name:26s} {when:6s} VmRSS {mib(s['VmRSS'])} MiB  anon {mib(s['RssAnon'])}  file "
             f"{mib(s['RssFile'])}  peak {mib(s['VmHWM'])}  threads {s['Threads']}")
-
-
-def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=10) as r:
-                r.read()
-            return
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
 
 
 def footprint(python: str, code: str, env: dict[str, str], cwd: str) -> dict[str, int]:
@@ -168,7 +149,7 @@ def main() -> int:
                 urls[name] = f"http://127.0.0.1:{port}/metrics"
         start = {}
         for name, url in urls.items():
-            wait_http(url, daemons[name])
+            wait_http(url, 90, daemons[name])
             start[name] = status(daemons[name].pid)
         t0 = time.monotonic()
         peak = {name: 0 for name in daemons}
@@ -198,7 +179,7 @@ def main() -> int:
                                    str(args.interval)], stdout=subprocess.DEVNULL,
                                   stderr=subprocess.PIPE)
             try:
-                wait_http(f"http://127.0.0.1:{port + 1}/metrics", nv, timeout=30)
+                wait_http(f"http://127.0.0.1:{port + 1}/metrics", 30, nv)
                 time.sleep(args.cycles * args.interval)
                 print(row("nvitop-exporter", "after", status(nv.pid)))
             except OSError:

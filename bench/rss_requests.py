@@ -7,13 +7,12 @@ For each checkout (a directory holding a ``gpuwatchd`` package; default: this on
 for two cycles, then sends each request in turn and prints VmRSS and whether OpenSSL is mapped
 after it. Loopback only; writes nothing outside a temporary directory.
 
-    python bench/rss_requests.py [OLD_CHECKOUT ...]      # e.g. a `git archive 63318c5` export
+    python -m bench.rss_requests [OLD_CHECKOUT ...]      # e.g. a `git archive 63318c5` export
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,7 +20,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from bench.benchlib import REPO, free_port, rss_kib
+
 FIXTURE = REPO / "tests/fixtures/nvml/h200_bench_9procs.json"
 PROMETHEUS = ("application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,application/"
               "openmetrics-text;version=0.0.1;q=0.5,text/plain;version=1.0.0;escaping=allow-utf-8;"
@@ -41,26 +41,13 @@ REQUESTS = [
 ]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
-
-
 def _ssl_mapped(pid: int) -> bool:
     return any("libssl" in line or "/_ssl." in line for line in Path(f"/proc/{pid}/maps").read_text().splitlines())
 
 
 def run(checkout: Path) -> list[tuple[int, bool]]:
     with tempfile.TemporaryDirectory(prefix="rss-requests-") as tmp:
-        port = _port()
+        port = free_port()
         (Path(tmp) / "ranks").mkdir()
         cfg = Path(tmp) / "config.yaml"
         cfg.write_text(f"web: {{listen_address: '127.0.0.1:{port}'}}\ninterval_seconds: 0.5\n"
@@ -89,7 +76,7 @@ def run(checkout: Path) -> list[tuple[int, bool]]:
                 with urllib.request.urlopen(urllib.request.Request(url + query, headers=headers), timeout=10) as r:
                     r.read()
                 time.sleep(0.3)
-                out.append((_rss_kib(proc.pid), _ssl_mapped(proc.pid)))
+                out.append((rss_kib(proc.pid), _ssl_mapped(proc.pid)))
             return out
         finally:
             proc.terminate()

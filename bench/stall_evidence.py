@@ -21,7 +21,7 @@ non-voluntary context switches, minor faults, run slices (schedstat), read/write
 pairs the main thread shows); with NVML, per reading (every 0.2 s) the GPU's utilisation, the
 memory controller's, power, SM clock and the process's own SM/memory utilisation.
 
-Run: ``python bench/stall_evidence.py [--shapes ...] [--window 6] [--pyspy PATH]``.
+Run: ``python -m bench.stall_evidence [--shapes ...] [--window 6] [--pyspy PATH]``.
 Cost: one process per shape at a time; prints one table. Privilege: ptrace of own children.
 """
 

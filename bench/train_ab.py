@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Training throughput with gpuwatchd watching vs without: A/B interleaved windows on a GPU node.
 
-    python3 bench/train_ab.py --pyspy PATH [--conditions defaults,continuous] [--pairs 6]
+    python3 -m bench.train_ab --pyspy PATH [--conditions defaults,continuous] [--pairs 6]
                               [--window 6] [--warmup 20] [--out F.json]
 
 One real training process (a bf16 MLP stack trained with AdamW on the GPU, its loss read back every
@@ -36,11 +36,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from gpuwatchd.sources.pyspy import PySpy  # noqa: E402
-from gpuwatchd.sources.pyspy_output import PySpyError  # noqa: E402
+from bench.benchlib import REPO
+from gpuwatchd.sources.pyspy import PySpy
+from gpuwatchd.sources.pyspy_output import PySpyError
 
 TRAINER = r"""
 import os, sys, time

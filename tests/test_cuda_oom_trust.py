@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from userutil import shared_rank_world, system_user, user_writes
+from userutil import rank_world_fixture, user_writes, users_fixture
 
 from gpuwatchd.config import parse_config
 from gpuwatchd.daemon.core import Daemon
@@ -40,16 +40,10 @@ UUID = "GPU-d6a79800-1da5-699b-0f9c-f55eb218f8b2"
 SLEEP = ["/usr/bin/python3", "-c", "import time; time.sleep(300)"]
 
 
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[int, int]]:
-    with system_user(U1) as u1, system_user(U2) as u2:
-        yield u1, u2
+users = users_fixture(U1, U2)
 
 
-@pytest.fixture
-def world() -> Iterator[Path]:
-    with shared_rank_world("gw-oom-") as d:
-        yield d
+world = rank_world_fixture("gw-oom-")
 
 
 @pytest.fixture

@@ -12,11 +12,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from userutil import shared_rank_world, system_user
+from userutil import shared_rank_world, users_fixture
 
 USER = "gwtrustrank-u"  # test_rank_claims.py's user
 TESTS = str(Path(__file__).resolve().parent)
@@ -70,10 +68,7 @@ finally:
 """
 
 
-@pytest.fixture(scope="module")
-def user() -> Iterator[int]:
-    with system_user(USER) as uid:
-        yield uid
+user = users_fixture(USER)
 
 
 def test_a_dead_discovered_rank_whose_pid_another_user_takes_still_pages(user: int) -> None:

@@ -18,13 +18,11 @@ import shutil
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from daemonutil import DaemonProc, write_config
-from userutil import shared_rank_world, system_user, user_writes
+from userutil import rank_world_fixture, user_writes, users_fixture
 
 USER = "gw-n2-fr"
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -38,16 +36,10 @@ HOSTILE = {  # rank -> (the trace's raw JSON text, what the refusal says)
 }
 
 
-@pytest.fixture(scope="module")
-def user() -> Iterator[int]:
-    with system_user(USER) as uid:
-        yield uid
+user = users_fixture(USER)
 
 
-@pytest.fixture
-def world() -> Iterator[Path]:
-    with shared_rank_world("gw-n2-") as d:
-        yield d
+world = rank_world_fixture("gw-n2-")
 
 
 def _scrape(url: str, openmetrics: bool) -> str:

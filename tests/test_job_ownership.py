@@ -18,14 +18,13 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from daemonutil import DaemonProc, finding_jobs, write_config
 from test_rankfile_crowding import _alive, _check, fixture  # noqa: F401 - fixture is a fixture
-from userutil import shared_rank_world, system_user, user_writes
+from userutil import rank_world_fixture, setpriv, user_writes, users_fixture
 
 from gpuwatchd.cli import check
 
@@ -33,21 +32,15 @@ U1, U2 = "gw-crowd-u1", "gw-crowd-u2"  # test_rankfile_crowding.py's users
 SLEEP = ["/usr/bin/python3", "-c", "import time; time.sleep(300)"]
 
 
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[int, int]]:
-    with system_user(U1) as u1, system_user(U2) as u2:
-        yield u1, u2
+users = users_fixture(U1, U2)
 
 
-@pytest.fixture
-def world() -> Iterator[Path]:
-    with shared_rank_world("gw-own-") as d:
-        yield d
+world = rank_world_fixture("gw-own-")
 
 
 def _as(user: str | None, procs: list[subprocess.Popen[Any]], env: dict[str, str] | None = None,
         ) -> subprocess.Popen[Any]:
-    pre = [] if user is None else ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"]
+    pre = [] if user is None else setpriv(user)
     p = subprocess.Popen([*pre, *SLEEP], env={"PATH": "/usr/bin:/bin", **(env or {})})
     procs.append(p)
     return p

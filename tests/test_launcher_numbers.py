@@ -13,11 +13,10 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from userutil import shared_rank_world, system_user
+from userutil import setpriv, shared_rank_world, users_fixture
 
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.rank.rankfile import claim_from_env
@@ -40,16 +39,13 @@ def test_only_ascii_digits_name_a_rank(value: str) -> None:
                           ("torchrun",)) == ("j", 3, None, None)
 
 
-@pytest.fixture(scope="module")
-def user() -> Iterator[int]:
-    with system_user(U1) as uid:
-        yield uid
+user = users_fixture(U1)
 
 
 def test_another_users_odd_rank_does_not_stop_discovery(user: int) -> None:
     job = f"r5-{uuid.uuid4().hex[:8]}"
     base = {"PATH": "/usr/bin:/bin", "TORCHELASTIC_RUN_ID": job}
-    odd = subprocess.Popen(["setpriv", f"--reuid={U1}", f"--regid={U1}", "--clear-groups", *SLEEP],
+    odd = subprocess.Popen([*setpriv(U1), *SLEEP],
                            env={**base, "RANK": "²"})
     mine = subprocess.Popen(SLEEP, env={**base, "TORCHELASTIC_RUN_ID": f"{job}-root", "RANK": "0"})
     try:

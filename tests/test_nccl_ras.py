@@ -16,13 +16,12 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from daemonutil import DaemonProc, free_port, write_config
-from userutil import shared_rank_world, system_user
+from userutil import rank_world_fixture, users_fixture
 
 from gpuwatchd.join.nccl_ras import RasTracker, parse_status
 
@@ -33,16 +32,10 @@ LOCAL_HOST = "10.1.0.4"  # the fixtures' node; the test's ranks are on 127.0.0.1
 REMOTE = "10.1.0.5"
 
 
-@pytest.fixture(scope="module")
-def user() -> Iterator[int]:
-    with system_user(USER) as uid:
-        yield uid
+user = users_fixture(USER)
 
 
-@pytest.fixture
-def world() -> Iterator[Path]:
-    with shared_rank_world("gw-ras-") as d:
-        yield d
+world = rank_world_fixture("gw-ras-")
 
 
 def _answer(fixture: str, pids: list[int], ops: bool = False) -> str:

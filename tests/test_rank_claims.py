@@ -18,29 +18,22 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 from daemonutil import DaemonProc, finding_jobs, write_config
-from userutil import shared_rank_world, system_user, user_writes
+from userutil import rank_world_fixture, setpriv, user_writes, users_fixture
 
 USER = "gwtrustrank-u"
 NO_SUCH_PID = 4_100_000  # above any pid_max in use, within the schema's bound
 SLEEP = ["/usr/bin/python3", "-c", "import time; time.sleep(300)"]
 
 
-@pytest.fixture(scope="module")
-def user() -> Iterator[int]:
-    with system_user(USER) as uid:
-        yield uid
+user = users_fixture(USER)
 
 
-@pytest.fixture
-def world() -> Iterator[Path]:
-    with shared_rank_world("gwtrustrank-") as d:
-        yield d
+world = rank_world_fixture("gwtrustrank-")
 
 
 def _doc(job: str, ranks: list[dict[str, Any]]) -> str:
@@ -49,7 +42,7 @@ def _doc(job: str, ranks: list[dict[str, Any]]) -> str:
 
 def _as_user_popen(procs: list[subprocess.Popen[Any]], argv: list[str],
                    env: dict[str, str] | None = None) -> subprocess.Popen[Any]:
-    p = subprocess.Popen(["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups", *argv],
+    p = subprocess.Popen([*setpriv(USER), *argv],
                          env={"PATH": "/usr/bin:/bin", **(env or {})})
     procs.append(p)
     return p

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from userutil import as_user, shared_rank_world, system_user
+from userutil import as_user, rank_world_fixture, setpriv, users_fixture
 
 from gpuwatchd.rank.flight_recorder import request_path, response_path
 from gpuwatchd.sources.flight_recorder_files import read_response, write_request
@@ -51,16 +51,10 @@ time.sleep(120)
 """
 
 
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[int, int]]:
-    with system_user(U1) as u1, system_user(U2) as u2:
-        yield u1, u2
+users = users_fixture(U1, U2)
 
 
-@pytest.fixture
-def world() -> Iterator[Path]:
-    with shared_rank_world("gw-rs-") as d:
-        yield d
+world = rank_world_fixture("gw-rs-")
 
 
 @pytest.fixture
@@ -79,7 +73,7 @@ def _job() -> str:
 def _start_rank(procs: list[subprocess.Popen[str]], rank_dir: Path, job: str, steps: int,
                 fr: bool = False) -> subprocess.Popen[str]:
     p = subprocess.Popen(
-        ["setpriv", f"--reuid={U2}", f"--regid={U2}", "--clear-groups", "/usr/bin/python3", "-c",
+        [*setpriv(U2), "/usr/bin/python3", "-c",
          RANK, job, str(steps), "fr" if fr else "-"],
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "GPUWATCH_RANK_DIR": str(rank_dir)},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

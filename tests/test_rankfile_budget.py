@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from userutil import as_user, shared_rank_world, system_user
+from userutil import as_user, rank_world_fixture, system_user
 
 U1 = "gw-crowd-u1"  # test_rankfile_crowding.py's user
 REPO = Path(__file__).resolve().parent.parent
@@ -52,10 +52,7 @@ def u1() -> Iterator[int]:
         yield uid
 
 
-@pytest.fixture
-def world() -> Iterator[Path]:
-    with shared_rank_world("gw-budget-") as d:
-        yield d
+world = rank_world_fixture("gw-budget-")
 
 
 def _scan(ranks: Path) -> dict[str, Any]:

@@ -17,13 +17,12 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from daemonutil import DaemonProc, finding_jobs, write_config
-from userutil import as_user, shared_rank_world, system_user, user_writes
+from userutil import as_user, rank_world_fixture, setpriv, user_writes, users_fixture
 
 from gpuwatchd.cli import check
 from gpuwatchd.config import load_config
@@ -40,20 +39,14 @@ JUNK = ("import sys\nfor i in range(int(sys.argv[2])):\n"
         "    open(f'{sys.argv[1]}/!{sys.argv[3]}{i:05d}.json', 'w').close()\n")
 
 
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[int, int]]:
-    with system_user(U1) as u1, system_user(U2) as u2:
-        yield u1, u2
+users = users_fixture(U1, U2)
 
 
-@pytest.fixture
-def world() -> Iterator[Path]:
-    with shared_rank_world("gw-crowd-") as d:
-        yield d
+world = rank_world_fixture("gw-crowd-")
 
 
 def _popen_as(user: str, procs: list[subprocess.Popen[Any]]) -> subprocess.Popen[Any]:
-    p = subprocess.Popen(["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *SLEEP],
+    p = subprocess.Popen([*setpriv(user), *SLEEP],
                          env={"PATH": "/usr/bin:/bin"})
     procs.append(p)
     return p

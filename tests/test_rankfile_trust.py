@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from daemonutil import DaemonProc, write_config
-from userutil import as_user, shared_rank_world, system_user, user_writes
+from userutil import as_user, rank_world_fixture, user_writes, users_fixture
 
 from gpuwatchd.join.state import select_entries
 from gpuwatchd.model import RankEntry
@@ -36,16 +36,10 @@ def _beat(entry: RankEntry) -> float | None:
 USER = "gw-h7-trust"
 
 
-@pytest.fixture(scope="module")
-def user() -> Iterator[int]:
-    with system_user(USER) as uid:
-        yield uid
+user = users_fixture(USER)
 
 
-@pytest.fixture
-def world() -> Iterator[Path]:
-    with shared_rank_world("gw-h7-trust-") as d:
-        yield d
+world = rank_world_fixture("gw-h7-trust-")
 
 
 def _as_user(*argv: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:

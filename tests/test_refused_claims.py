@@ -18,13 +18,12 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from daemonutil import DaemonProc, write_config
-from userutil import shared_rank_world, system_user, user_writes
+from userutil import rank_world_fixture, setpriv, user_writes, users_fixture
 
 U1, U2 = "gw-n3-u1", "gw-n3-u2"
 SLEEP = ["/usr/bin/python3", "-c", "import time; time.sleep(300)"]
@@ -34,20 +33,14 @@ BEAT = ["/usr/bin/python3", "-c",
         "import os, sys, time\nwhile True:\n    os.utime(sys.argv[1]); time.sleep(0.2)"]
 
 
-@pytest.fixture(scope="module")
-def users() -> Iterator[tuple[int, int]]:
-    with system_user(U1) as u1, system_user(U2) as u2:
-        yield u1, u2
+users = users_fixture(U1, U2)
 
 
-@pytest.fixture
-def world() -> Iterator[Path]:
-    with shared_rank_world("gw-n3-") as d:
-        yield d
+world = rank_world_fixture("gw-n3-")
 
 
 def _as(user: str | None, argv: list[str], procs: list[subprocess.Popen[Any]]) -> subprocess.Popen[Any]:
-    pre = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] if user else []
+    pre = setpriv(user) if user else []
     p = subprocess.Popen([*pre, *argv], env={"PATH": "/usr/bin:/bin"})
     procs.append(p)
     return p

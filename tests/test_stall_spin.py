@@ -693,7 +693,8 @@ def test_working_rank_is_never_dumped(launch, tmp_path: Path) -> None:
     """Issue 22's cost, the common case: a heartbeat-less rank whose main thread works (in the
     working band, neither blocked nor burning a core) is progressing by that alone; it costs
     /proc looks and no py-spy run at all, not even at first sight. Before, the first look dumped
-    every rank (bench/results/diag22: 64 dumps of 9-11 ms each when the daemon started)."""
+    every rank (bench/results/pyspy_dump_cost_64ranks_h200.txt: 64 dumps of 9-11 ms each when the
+    daemon started)."""
     p = launch("worker", "works")
     spy, count = _counting_pyspy(tmp_path)
     after = 1.0

@@ -13,13 +13,11 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from daemonutil import REPO, DaemonProc, write_config
-from userutil import shared_rank_world, system_user, user_writes
+from userutil import rank_world_fixture, user_writes, users_fixture
 
 USER = "gw-n10-esc"
 EVIL = "\x1b]0;pwned\x07\r\nFORGED LINE\x1b[2J"
@@ -33,16 +31,10 @@ NAMED = ("import sys, time\nopen('/proc/self/comm', 'w').write(sys.argv[1])\n"
          "print('ready', flush=True)\ntime.sleep(300)\n")
 
 
-@pytest.fixture(scope="module")
-def user() -> Iterator[int]:
-    with system_user(USER) as uid:
-        yield uid
+user = users_fixture(USER)
 
 
-@pytest.fixture
-def world() -> Iterator[Path]:
-    with shared_rank_world("gw-n10-") as d:
-        yield d
+world = rank_world_fixture("gw-n10-")
 
 
 def _as_user(procs: list[subprocess.Popen[Any]], *argv: str) -> subprocess.Popen[Any]:

@@ -15,13 +15,12 @@ import os
 import pickle
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from daemonutil import DaemonProc, write_config
-from userutil import shared_rank_world, system_user
+from userutil import rank_world_fixture, setpriv, users_fixture
 
 from gpuwatchd.sources.torch_dump_pipe import plain, settings
 
@@ -30,16 +29,10 @@ RANK = FIXTURES / "torch_pipe" / "dump_pipe_rank.py"
 USER = "gw-fifo-other"
 
 
-@pytest.fixture(scope="module")
-def user() -> Iterator[int]:
-    with system_user(USER) as uid:
-        yield uid
+user = users_fixture(USER)
 
 
-@pytest.fixture
-def world() -> Iterator[Path]:
-    with shared_rank_world("gw-fifo-") as d:
-        yield d
+world = rank_world_fixture("gw-fifo-")
 
 
 class _Evil:
@@ -95,7 +88,7 @@ def test_the_pipe_dumps_and_a_fifo_not_the_ranks_is_never_written(
     theirs = world / "pipes" / "pipetheirs_0.pipe"
     got = world / "theirs.got"
     reader = subprocess.Popen(
-        ["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups", "/usr/bin/python3", "-c",
+        [*setpriv(USER), "/usr/bin/python3", "-c",
          "import os, sys, time\n"
          f"os.mkfifo({str(theirs)!r}, 0o666)\n"
          f"fd = os.open({str(theirs)!r}, os.O_RDONLY | os.O_NONBLOCK)\n"

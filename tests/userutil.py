@@ -15,6 +15,9 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 
 def run_locked(cmd: list[str]) -> None:
@@ -106,9 +109,14 @@ def _last_one_out(fd: int) -> bool:
     return True
 
 
+def setpriv(user: str) -> list[str]:
+    """The command prefix that runs what follows as ``user`` (its uid and gid, no other groups)."""
+    return ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"]
+
+
 def as_user(user: str, *argv: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *argv],
+        [*setpriv(user), *argv],
         input=stdin, capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"},
     )
 
@@ -120,6 +128,30 @@ def user_writes(user: str, path: Path, content: str | bytes) -> None:
                   "import sys; open(sys.argv[1], 'wb').write(bytes.fromhex(sys.stdin.read()))",
                   str(path), stdin=data)
     assert out.returncode == 0, out.stderr
+
+
+def users_fixture(*names: str) -> Any:
+    """A module-scoped fixture of the uids of real users ``names`` (system_user each), for a test
+    module to bind: ``users = users_fixture(U1, U2)``; with one name, the uid alone."""
+
+    @pytest.fixture(scope="module")
+    def users() -> Iterator[Any]:
+        with contextlib.ExitStack() as stack:
+            uids = tuple(stack.enter_context(system_user(n)) for n in names)
+            yield uids[0] if len(uids) == 1 else uids
+
+    return users
+
+
+def rank_world_fixture(prefix: str) -> Any:
+    """A fixture of a shared_rank_world(``prefix``) per test: ``world = rank_world_fixture("gw-x-")``."""
+
+    @pytest.fixture
+    def world() -> Iterator[Path]:
+        with shared_rank_world(prefix) as d:
+            yield d
+
+    return world
 
 
 @contextlib.contextmanager

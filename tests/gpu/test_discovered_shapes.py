@@ -22,24 +22,19 @@ from __future__ import annotations
 import json
 import os
 import site
-import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(REPO / "tests"))
-
-from daemonutil import DaemonProc, write_config  # noqa: E402
+from daemonutil import free_port
+from gpuworld import HERE, REPO, repo_env, say
+from gpuworld import World as DaemonWorld
 
 INTERVAL = 0.5
 AFTER = 4.0
@@ -47,67 +42,22 @@ DISCOVERY = 1.0
 LOOK = max(AFTER / 5, INTERVAL)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class World:
+class World(DaemonWorld):
     def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        cfg_path, self.cfg = write_config(
-            tmp, interval_seconds=INTERVAL, nvml={"enabled": True},
-            discovery={"enabled": True, "interval_seconds": DISCOVERY},
-            stall={"after_seconds": AFTER, "compile_after_seconds": 600})
-        self.rank_dir = Path(self.cfg["rank_dir"])
-        self.state = Path(self.cfg["state_dir"]) / "state.json"
-        self.d = DaemonProc(cfg_path, self.cfg)
-        self.procs: list[subprocess.Popen[str]] = []
+        super().__init__(tmp, poll=0.1, interval_seconds=INTERVAL,
+                         discovery={"enabled": True, "interval_seconds": DISCOVERY},
+                         stall={"after_seconds": AFTER, "compile_after_seconds": 600})
 
     def env(self, job: str, rank: int = 0, world: int = 1) -> dict[str, str]:
-        return {**os.environ, "TORCHELASTIC_RUN_ID": job, "RANK": str(rank), "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(world), "GPUWATCH_RANK_DIR": str(self.rank_dir),
-                "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        return repo_env(TORCHELASTIC_RUN_ID=job, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                        GPUWATCH_RANK_DIR=str(self.rank_dir))
 
-    def start(self, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
-        self.procs.append(p)
-        return p
+    def start(self, cmd: list[str], env: dict[str, str], **popen: Any) -> subprocess.Popen[str]:
+        return super().start(cmd, env, start_new_session=True, **popen)
 
     def rank(self, mode: str, job: str, rank: int = 0, world: int = 1, *extra: str) -> subprocess.Popen[str]:
         return self.start([sys.executable, str(HERE / "discovered_rank.py"), mode, *extra],
                           self.env(job, rank, world))
-
-    @staticmethod
-    def ready(p: subprocess.Popen[str], timeout: float = 120.0) -> None:
-        got: list[str] = []
-        reader = threading.Thread(target=lambda: got.append(p.stdout.readline() if p.stdout else ""),
-                                  daemon=True)
-        reader.start()
-        reader.join(timeout)
-        assert got and got[0].strip() == "ready", f"{p.args} not ready in {timeout:.0f} s: {got}"
-
-    def findings(self, job: str) -> list[dict[str, Any]]:
-        try:
-            state = json.loads(self.state.read_text())
-        except (OSError, ValueError):
-            return []
-        return [f for f in state["findings"] if f.get("job_id") == job]
-
-    def wait(self, pred: Callable[[], Any], timeout: float, what: str) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            got = pred()
-            if got:
-                return got
-            time.sleep(0.1)
-        try:  # what the daemon did say, per rank: the reason a page did not come
-            said = [(f.get("job_id"), f.get("rank"), f["kind"], f.get("explanation", "")[:600])
-                    for f in json.loads(self.state.read_text())["findings"]]
-        except (OSError, ValueError, KeyError):
-            said = []
-        raise AssertionError(f"timed out: {what}\nfindings: {said}\n{self.d.log()[-3000:]}")
 
     def watched(self, job: str, ranks: int) -> None:
         self.wait(lambda: all(self.d.value("gpuwatch_rank_stalled", job_id=job, rank=str(r)) is not None
@@ -116,26 +66,12 @@ class World:
     def paged(self, job: str) -> dict[str, dict[str, Any]]:
         return {f["rank"]: f for f in self.findings(job) if f["kind"] == "rank_stalled"}
 
-    def stop(self, *procs: subprocess.Popen[str]) -> None:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-            p.wait()
-
-    def close(self) -> None:
-        self.stop(*self.procs)
-        self.d.stop()
-
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     w = World(tmp_path_factory.mktemp("discovered"))
     yield w
     w.close()
-
-
-def say(what: str, text: Any) -> None:
-    print(f"SAW {what}: {text}", flush=True)
 
 
 def _never_paged(world: World, job: str, seconds: float) -> list[str]:
@@ -162,7 +98,7 @@ def test_healthy_item_loop_is_never_paged(world: World) -> None:
 
 def test_two_rank_job_with_checkpoint_pauses_is_never_paged(world: World) -> None:
     job = f"ckpt-{uuid.uuid4().hex[:6]}"
-    port = str(_port())
+    port = str(free_port())
     procs = [world.rank("ckpt", job, r, 2, port, str(AFTER / 2)) for r in range(2)]
     for p in procs:
         world.ready(p)
@@ -200,7 +136,7 @@ def test_deadlock_is_paged(world: World) -> None:
 
 def test_collective_hang_names_the_odd_one_out(world: World) -> None:
     job = f"coll-{uuid.uuid4().hex[:6]}"
-    port = str(_port())
+    port = str(free_port())
     procs = [world.rank("data_hang", job, r, 3, port, "0") for r in range(3)]
     for p in procs:
         world.ready(p)
@@ -222,7 +158,7 @@ def _torchrun(world: World, python: str, job: str, extra_env: dict[str, str], *a
     env.update(extra_env)
     # static rendezvous: --standalone would replace the run id (the job id) with a random one
     return world.start([python, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
-                        "--master-addr", "127.0.0.1", "--master-port", str(_port()), "--rdzv-id", job,
+                        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--rdzv-id", job,
                         *args], env)
 
 

@@ -26,17 +26,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(REPO / "tests"))
-
-from daemonutil import DaemonProc, free_port, write_config  # noqa: E402
+from daemonutil import free_port
+from gpuworld import HERE, repo_env
+from gpuworld import World as DaemonWorld
 
 INTERVAL = 0.5
 AFTER = 1.5
@@ -44,57 +40,18 @@ SLACK = 0.5
 OUT = Path(os.environ["GW_OUT"]) if os.environ.get("GW_OUT") else None
 
 
-class World:
+class World(DaemonWorld):
+    ready_timeout = 90.0
+
     def __init__(self, tmp: Path, after: float = AFTER) -> None:
-        self.tmp = tmp
-        cfg_path, self.cfg = write_config(
-            tmp, interval_seconds=INTERVAL, nvml={"enabled": True},
-            stall={"after_seconds": after, "compile_after_seconds": 600,
-                   "flight_recorder_interval_seconds": 30})
-        self.rank_dir = Path(self.cfg["rank_dir"])
-        self.state = Path(self.cfg["state_dir"]) / "state.json"
-        self.d = DaemonProc(cfg_path, self.cfg)
-        self.procs: list[subprocess.Popen[str]] = []
+        super().__init__(tmp, poll=0.05, interval_seconds=INTERVAL,
+                         stall={"after_seconds": after, "compile_after_seconds": 600,
+                                "flight_recorder_interval_seconds": 30})
 
     def rank(self, mode: str, job: str, rank: int = 0, *extra: str,
              env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-        p = subprocess.Popen(
-            [sys.executable, str(HERE / "hang_shape_rank.py"), mode, str(self.rank_dir), job,
-             str(rank), *extra], stdout=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                 **(env or {})})
-        self.procs.append(p)
-        return p
-
-    @staticmethod
-    def ready(p: subprocess.Popen[str], timeout: float = 90.0) -> None:
-        """Wait for the rank's "ready" line, bounded: on the first device run the idle_wait rank
-        never printed it and a plain readline() held the rest of the run until its time limit."""
-        assert p.stdout is not None
-        got: list[str] = []
-        reader = threading.Thread(target=lambda: got.append(p.stdout.readline() if p.stdout else ""),
-                                  daemon=True)
-        reader.start()
-        reader.join(timeout)
-        if not got:
-            p.kill()
-        assert got and got[0].strip() == "ready", f"rank {p.args} not ready in {timeout:.0f} s: {got}"
-
-    def findings(self, job: str) -> list[dict[str, Any]]:
-        try:
-            state = json.loads(self.state.read_text())
-        except (OSError, ValueError):
-            return []
-        return [f for f in state["findings"] if f.get("job_id") == job]
-
-    def wait(self, pred: Callable[[], Any], timeout: float, what: str) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            got = pred()
-            if got:
-                return got
-            time.sleep(0.05)
-        raise AssertionError(f"timed out: {what}\n{self.d.log()[-3000:]}")
+        return self.start([sys.executable, str(HERE / "hang_shape_rank.py"), mode, str(self.rank_dir), job,
+                           str(rank), *extra], repo_env(**(env or {})))
 
     def finding(self, job: str, rank: int, kind: str, text: str = "") -> str:
         return next((f["explanation"] for f in self.findings(job)
@@ -108,13 +65,6 @@ class World:
         out = subprocess.run([spy, "dump", "--json", "--nonblocking", "-p", str(pid)],
                              capture_output=True, text=True, timeout=30)
         (OUT / f"dump_{name}.json").write_text(out.stdout)
-
-    def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        self.d.stop()
 
 
 @pytest.fixture(scope="module")

@@ -21,23 +21,19 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(REPO / "tests"))
-
-from daemonutil import DaemonProc, write_config  # noqa: E402
+from daemonutil import free_port
+from gpuworld import HERE, REPO, repo_env, say
+from gpuworld import World as DaemonWorld
 
 INTERVAL = 1.0
 AFTER = float(os.environ.get("GPUWATCH_TEST_AFTER", "30"))
@@ -51,68 +47,21 @@ DEATHS = {  # fault -> what the first exit's cause must say
 HANGS = {"GPU_SLEEP": "GPU", "GIL": "GIL", "STOP": "stopped"}
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def say(what: str, text: Any) -> None:
-    print(f"SAW {what}: {text}", flush=True)
-
-
-class World:
+class World(DaemonWorld):
     def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        cfg_path, self.cfg = write_config(
-            tmp, interval_seconds=INTERVAL, nvml={"enabled": True},
-            discovery={"enabled": True, "interval_seconds": DISCOVERY},
-            stall={"after_seconds": AFTER})
-        self.cfg_path = cfg_path
-        self.state = Path(self.cfg["state_dir"]) / "state.json"
         # debug: the stall tracker's dump pacing per rank, printed for a hang paged late
-        self.d = DaemonProc(cfg_path, self.cfg, args=("--log.level", "debug"))
-        self.procs: list[subprocess.Popen[str]] = []
+        super().__init__(tmp, daemon_args=("--log.level", "debug"), interval_seconds=INTERVAL,
+                         discovery={"enabled": True, "interval_seconds": DISCOVERY},
+                         stall={"after_seconds": AFTER})
 
     def torchrun(self, job: str, nproc: int, *args: str) -> subprocess.Popen[str]:
-        env = {k: v for k, v in os.environ.items()
+        env = {k: v for k, v in repo_env().items()
                if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
-        env["PYTHONPATH"] = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
         # static rendezvous: --standalone would replace the run id (the job id) with a random one
-        p = subprocess.Popen(
+        return self.start(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-             "--master-addr", "127.0.0.1", "--master-port", str(_port()), "--rdzv-id", job, *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
-        self.procs.append(p)
-        return p
-
-    def findings(self, job: str) -> list[dict[str, Any]]:
-        try:
-            state = json.loads(self.state.read_text())
-        except (OSError, ValueError):
-            return []
-        return [f for f in state["findings"] if f.get("job_id") == job]
-
-    def wait(self, pred: Callable[[], Any], timeout: float, what: str) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            got = pred()
-            if got:
-                return got
-            time.sleep(0.2)
-        said = [(f.get("job_id"), f.get("rank"), f["kind"], f.get("explanation", "")[:600])
-                for f in json.loads(self.state.read_text()).get("findings", [])] if self.state.exists() else []
-        raise AssertionError(f"timed out: {what}\nfindings: {said}\n{self.d.log()[-3000:]}")
-
-    def stop(self, *procs: subprocess.Popen[str]) -> None:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-            p.wait()
-
-    def close(self) -> None:
-        self.stop(*self.procs)
-        self.d.stop()
+             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--rdzv-id", job, *args],
+            env, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 class Lines:

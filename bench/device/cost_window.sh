@@ -1,8 +1,11 @@
-# The last device run of a session: the GPU suite, then issue 22's cost window (bench/nvml_poll.py).
+# A device run of the GPU suite, then the 64-rank cost window (bench/nvml_poll.py: the heartbeat path
+# and the heartbeat-less one beside nvitop-exporter, shipped defaults), from the repository root:
+#   bash bench/device/cost_window.sh
 #   run with the wheels of py-spy, pyudev, bcrypt, h11, nvitop, nvitop-exporter in .whl/
 #   env: BENCH_SECONDS (window), WORK_MS (each holder's CPU every 50 ms), MAIN_REPO (a "before"
 #   checkout beside), SKIP_SUITE=1 (the cost window only)
 set -u
+cd "$(dirname "$0")/../.."
 python3 -m pip install -q --no-deps --no-index --prefix /tmp/site .whl/*.whl 2>&1 | tail -2
 export PATH=/tmp/site/bin:$PATH PYTHONPATH=/tmp/site/lib/python3.12/site-packages:$PWD
 rev=$(cat .rev 2>/dev/null || echo "?")
@@ -17,8 +20,8 @@ only=gpuwatchd-defaults-hb,gpuwatchd-defaults-nohb
 # MAIN_REPO: a checkout (its gpuwatchd/ at least) whose heartbeat daemon runs beside, as "before"
 [ -n "${MAIN_REPO:-}" ] && { args="$args --main-repo $MAIN_REPO"; only="$only,gpuwatchd-before-defaults-hb"; }
 args="$args --only $only --profile-variant gpuwatchd-defaults-hb"
-echo "# bench/nvml_poll.py $args --pyspy bench/pyspy_counting.sh; H200, main $rev" > $OUT/bench.log
-python3 bench/nvml_poll.py $args --pyspy $PWD/bench/pyspy_counting.sh --keep $OUT/keep --out $OUT/bench.json >> $OUT/bench.log 2>&1
+echo "# python3 -m bench.nvml_poll $args --pyspy bench/pyspy_counting.sh; H200, main $rev" > $OUT/bench.log
+python3 -m bench.nvml_poll $args --pyspy $PWD/bench/pyspy_counting.sh --keep $OUT/keep --out $OUT/bench.json >> $OUT/bench.log 2>&1
 echo "rc=$?" >> $OUT/bench.log
 cp /tmp/pyspy_calls.log $OUT/ 2>/dev/null
 for m in $OUT/keep/*.metrics; do  # what each daemon said at the end of the window: its findings
