@@ -1,4 +1,4 @@
-"""Heartbeats with no code change (issue 22): register the rank and beat once per optimizer step.
+"""Heartbeats with no code change: register the rank and beat once per optimizer step.
 
 Turned on for a job, not per script, in either of two ways:
 

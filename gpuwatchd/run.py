@@ -1,6 +1,6 @@
 """Launcher shim for heartbeats with no code change: ``python -m gpuwatchd.run train.py ARGS``,
 ``python -m gpuwatchd.run -m package.module ARGS``, or under torchrun ``torchrun ... -m
-gpuwatchd.run train.py ARGS`` (issue 22).
+gpuwatchd.run train.py ARGS``.
 
 Installs the optimizer-step hook of gpuwatchd/autobeat.py (register the rank at the first step,
 then a heartbeat per step, at most once a second) and runs the script or module as ``__main__``

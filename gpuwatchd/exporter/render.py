@@ -199,7 +199,7 @@ EOF = "# EOF\n"
 
 def join(parts: Iterable[Part], om: bool) -> bytes:
     # "replace": a label value that cannot be encoded (a lone surrogate) shows as "?" in its own
-    # series, never an exception that blanks the whole scrape (issue 23 N2; refused upstream too)
+    # series, never an exception that blanks the whole scrape
     return ("".join(p.header + p.lines for p in parts) + (EOF if om else "")).encode("utf-8", "replace")
 
 

@@ -30,7 +30,7 @@ PID, rather than becoming that process's refused claim.
 ``decide`` is the one place that says which claims of a cycle are accepted: the daemon calls it
 once, right after /proc is read and before any subsystem looks at a rank, and every reading of the
 cycle (heartbeats, stall verdicts, GIL samples, memory, stragglers, flight recorder, the join)
-sees only its ``accepted`` entries (issue 23 N3: refused claims drove other ranks' readings).
+sees only its ``accepted`` entries (a refused claim must never drive another rank's readings).
 
 The series limit of a job (``MAX_RANKS_PER_JOB`` accepted ranks) is applied here, after
 ownership, the most trusted claims first: the caps before the claims (sources/rankfiles.py) are
@@ -67,7 +67,7 @@ def _process(e: RankEntry, processes: Mapping[int, ProcessInfo],
     (``start_ticks`` of the file or of discovery, else the start time the join first saw for this
     (job, rank, pid), ``known_ticks``). One that took the PID after the claimant exited is not
     the claimant, and the claim is that of a gone process: a rank file's stays a dead rank
-    (rank_down) instead of becoming that process's refused claim (issue 23 N4), a discovered
+    (rank_down) instead of becoming that process's refused claim, a discovered
     one is judged by its last uid (``claimant_uids``)."""
     proc = processes.get(e.pid)
     if proc is None:

@@ -36,7 +36,7 @@ MAX_FILES_PER_OWNER = 1024
 # bad_rank_file finding instead of flooding Prometheus. A node runs at most a few dozen ranks.
 MAX_RANKS_PER_JOB = 256
 MAX_RANKS_PER_OWNER = 1024
-# Memory budget (issue 23 N11, bench/rank_caps_rss.py): each accepted rank costs the daemon about
+# Memory budget (bench/rank_caps_rss.py): each accepted rank costs the daemon about
 # 25 MB per 1,000 after a minute (series, GIL and stall state), so 4096 ranks (120 MB and growing)
 # did not fit the unit's MemoryMax=256M beside two py-spy runs of up to 64 MiB. At most this many
 # ranks are watched on a node, shared max-min fairly between owners (root is one of them).

@@ -348,7 +348,7 @@ class PySpy:
         a debugger, Slurm's suspend, or a ``gil.pyspy_path`` binary that does not honour
         ``--nonblocking``) is not the daemon, and resuming what the daemon did not stop would
         undo their decision. (It could not anyway: the unit has no CAP_KILL, so SIGCONT to
-        another user's process fails with EPERM; issue 23 N8.)"""
+        another user's process fails with EPERM.)"""
         if state_before in ("T", "t"):
             return  # stopped by its owner before the run: left as it was
         after = process_state(self.paths, pid)

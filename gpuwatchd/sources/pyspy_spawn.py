@@ -9,7 +9,7 @@ Errors are raised as ``PySpyError``; counting them is the caller's. Cost: one fo
 timer thread a run, and a look every ``POLL_SECONDS`` while it runs at the child's
 ``/proc/PID/statm`` and output sizes.
 
-The child itself is bounded (issue 23 N9): a hostile rank (500 threads x 300 frames) made one
+The child itself is bounded: a hostile rank (500 threads x 300 frames) made one
 ``dump`` grow to 265 MB RSS and 125 MB of JSON, over the unit's MemoryMax, before any cap applied.
 Now the run is killed as soon as its RSS passes ``MAX_RSS_BYTES`` or its stdout/stderr pass
 ``output_cap_bytes`` (py-spy's RSS grows about 20 MB/s while it walks such a target, so a look

@@ -2,7 +2,7 @@
 
 Every py-spy run is its own session and is SIGKILLed as a group at its time-out, but a helper at
 ``gil.pyspy_path`` that calls ``setsid()`` (or double-forks) leaves that group, and would outlive
-the kill as an orphan adopted by init (issue 11: 27 orphans in 30 s). So the daemon makes itself a
+the kill as an orphan adopted by init (measured: 27 orphans in 30 s). So the daemon makes itself a
 *child subreaper* (``prctl(PR_SET_CHILD_SUBREAPER)``, Linux >= 3.4): an orphan anywhere below a
 run is reparented to the daemon instead of init. It is then the daemon's own child, its pid
 cannot be reused before the daemon reaps it, and killing it by pid is safe. ``sweep`` SIGKILLs and
@@ -53,7 +53,7 @@ class ChildReaper:
         self._live: set[int] = set()
         self._warned = False
         # pid -> (helper name, started, ended or None) of the last RECENT_HELPERS spawns: a kernel
-        # OOM kill of one of them is the daemon's own helper, never a node OOM kill (issue 23 N9)
+        # OOM kill of one of them is the daemon's own helper, never a node OOM kill
         self._helpers: dict[int, tuple[str, float, float | None]] = {}
 
     def enable(self) -> bool:
@@ -118,7 +118,7 @@ class ChildReaper:
         if not self.enabled:
             return 0
         # One sweep at a time: two concurrent sweeps list the same stray, one reaps it, and the
-        # other's SIGKILL could then reach a process that reused its pid (issue 23).
+        # other's SIGKILL could then reach a process that reused its pid.
         with self._sweep_lock:
             return self._sweep()
 
