@@ -28,11 +28,12 @@ class Alert:
     """One alert of deploy/prometheus/gpuwatchd.rules.yml. ``severity`` is the monitoring
     mixins' word (critical pages, warning is a ticket, info is for dashboards); ``summary`` is the
     rule's static sentence, which the push path sends too; the runbook anchor is the lower-cased
-    name."""
+    name. ``per_rank``: it fires per rank, with the series' ``job_id``, ``rank`` and ``instance``."""
 
     name: str
     severity: str
     summary: str
+    per_rank: bool = False
 
     @property
     def anchor(self) -> str:
@@ -65,14 +66,16 @@ class FindingKind:
 
 
 ALERTS: tuple[Alert, ...] = (
-    Alert("GPURankOOMKilled", "critical", "A rank of a training job was killed for lack of host memory."),
-    Alert("GPURankDown", "critical", "A registered rank of a training job has exited."),
-    Alert("GPUJobCrashed", "warning", "A training job crashed by its own code."),
-    Alert("GPURankStalled", "critical", "A rank of a training job makes no progress."),
-    Alert("GPURankFDExhaustion", "warning", "A rank of a training job is running out of file descriptors."),
-    Alert("GPURankMemoryPressure", "warning", "A rank of a training job is running out of host memory."),
-    Alert("GPURankGILSaturated", "warning", "A rank of a training job is bound by the Python GIL."),
-    Alert("GPURankStraggler", "warning", "A rank is much slower than the other ranks of its job."),
+    Alert("GPURankOOMKilled", "critical", "A rank of a training job was killed for lack of host memory.",
+          per_rank=True),
+    Alert("GPURankDown", "critical", "A registered rank of a training job has exited.", per_rank=True),
+    Alert("GPUJobCrashed", "warning", "A training job crashed by its own code.", per_rank=True),
+    Alert("GPURankStalled", "critical", "A rank of a training job makes no progress.", per_rank=True),
+    Alert("GPURankFDExhaustion", "warning", "A rank of a training job is running out of file descriptors.",
+          per_rank=True),
+    Alert("GPURankMemoryPressure", "warning", "A rank of a training job is running out of host memory.", per_rank=True),
+    Alert("GPURankGILSaturated", "warning", "A rank of a training job is bound by the Python GIL.", per_rank=True),
+    Alert("GPURankStraggler", "warning", "A rank is much slower than the other ranks of its job.", per_rank=True),
     Alert("GPURankMisconfigured", "info", "A training job runs with a setting that makes it fragile."),
     Alert("GPUXidCritical", "critical", "A GPU failed: a critical Xid error, or it left the PCI bus."),
     Alert("GPUMemoryHeldByOrphan", "warning", "GPU memory is held by a process of no live job."),
