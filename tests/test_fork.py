@@ -23,7 +23,7 @@ import pytest
 
 from gpuwatchd.config import Config
 from gpuwatchd.findings import FindingContext
-from gpuwatchd.findings import fork as fork_rule
+from gpuwatchd.findings import fork_after_cuda as fork_rule
 from gpuwatchd.model import GpuProcessRow, RankState
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.devfds import read_evidence

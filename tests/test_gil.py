@@ -1,4 +1,4 @@
-"""gil.py (scheduler, convoy hint, counters), findings/gil.py and findings/stall.py, and the whole
+"""gil.py (scheduler, convoy hint, counters), findings/gil_saturated.py and findings/stall.py, and the whole
 py-spy path through the real daemon (`gpuwatchd run`) scraped over loopback."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from gpuwatchd.daemon.gil import GilSampler
 from gpuwatchd.daemon.gil_convoy import convoy_hint
 from gpuwatchd.daemon.gil_schedule import GilTarget
 from gpuwatchd.findings import FindingContext
-from gpuwatchd.findings import gil as gil_finding
+from gpuwatchd.findings import gil_saturated as gil_finding
 from gpuwatchd.findings import stall as stall_finding
 from gpuwatchd.model import GilReading, GpuDevice, RankState
 from gpuwatchd.model.stall import StallVerdict

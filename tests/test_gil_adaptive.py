@@ -28,7 +28,7 @@ from gpuwatchd.daemon.gil_signals import (
     saturation_bound,
 )
 from gpuwatchd.findings import FindingContext
-from gpuwatchd.findings import gil as gil_finding
+from gpuwatchd.findings import gil_saturated as gil_finding
 from gpuwatchd.model import GpuDevice, NodeState, ProcessInfo, RankState
 from gpuwatchd.sources.pyspy import PySpy
 

@@ -635,7 +635,7 @@ def test_daemon_ignores_a_spoofed_kill_and_reports_it(tmp_path: Path) -> None:
 
 def test_findings_rank_oom_killed_and_xid_critical(tmp_path: Path) -> None:
     from gpuwatchd.config import Config
-    from gpuwatchd.findings import FindingContext, oom, xid
+    from gpuwatchd.findings import FindingContext, rank_oom_killed, xid_critical
 
     p = proc(tmp_path)
     now = time.time()
@@ -653,7 +653,7 @@ def test_findings_rank_oom_killed_and_xid_critical(tmp_path: Path) -> None:
     dead = RankState("llm-7", 3, 4321, 3, 16, False, None, ())
     ctx = FindingContext(now=now + 5, config=Config(), ranks=(dead, *alive),
                          kernel_events=events)
-    (f,) = list(oom.find(ctx))
+    (f,) = list(rank_oom_killed.find(ctx))
     assert (f.kind, f.severity, f.job_id, f.rank, f.pid) == ("rank_oom_killed", "page", "llm-7", "3", "4321")
     assert "was killed by the kernel OOM killer at" in f.explanation
     assert "holding 80.3 GiB RSS" in f.explanation
@@ -661,10 +661,10 @@ def test_findings_rank_oom_killed_and_xid_critical(tmp_path: Path) -> None:
     assert f.explanation.endswith("15 peers alive: they will wait in their next collective")
     # 20 minutes later the rank is still registered and dead: still a finding; once it is gone, not
     later = FindingContext(now=now + 1200, config=Config(), ranks=(dead,), kernel_events=events)
-    assert len(list(oom.find(later))) == 1
+    assert len(list(rank_oom_killed.find(later))) == 1
     gone = FindingContext(now=now + 1200, config=Config(), ranks=(), kernel_events=events)
-    assert list(oom.find(gone)) == []
-    (x,) = list(xid.find(ctx))
+    assert list(rank_oom_killed.find(gone)) == []
+    (x,) = list(xid_critical.find(ctx))
     assert (x.kind, x.severity, x.evidence["xid"]) == ("xid_critical", "page", 79)
     assert "Xid 79" in x.explanation and "GPU has fallen off the bus" in x.explanation
-    assert list(xid.find(FindingContext(now=now + 700, config=Config(), kernel_events=events))) == []
+    assert list(xid_critical.find(FindingContext(now=now + 700, config=Config(), kernel_events=events))) == []

@@ -17,7 +17,7 @@ from gpuwatchd.config import Config
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.events.bus import EventBus
 from gpuwatchd.events.log import JsonlSink
-from gpuwatchd.findings import FindingContext, xid
+from gpuwatchd.findings import FindingContext, xid_critical
 from gpuwatchd.join.kernel_events import KernelEventProcessor
 from gpuwatchd.model.events import Event
 from gpuwatchd.model.kernel import KILLER_EARLYOOM, KILLER_KERNEL, LogRecord
@@ -159,7 +159,7 @@ def check_bus_lost(events: list[Event], counters: CounterStore) -> None:
     assert "installed in this system has NVRM: fallen off the bus" in first.summary
     assert sum(counters.snapshot()["gpu_xid_errors"].values()) == 3
     ctx = FindingContext(now=first.time + 1, config=Config(), kernel_events=tuple(events))
-    findings = list(xid.find(ctx))
+    findings = list(xid_critical.find(ctx))
     assert {f.evidence["pci"] for f in findings} == {"0000:b3:00", "0000:b4:00", "0000:3b:00"}
     assert all(f.kind == "xid_critical" and f.severity == "page" for f in findings)
 

@@ -1,4 +1,4 @@
-"""sources/memcg.py, memory_tracker.py, findings/memory.py: the v2 hierarchy from a fixture tree
+"""sources/memcg.py, memory_tracker.py, findings/rank_memory_pressure.py: the v2 hierarchy from a fixture tree
 (tests/fixtures/memcg/README.md), the v1 hierarchy of this machine for real, hostile files."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kernel_oom_helpers import MemCgroup
 from gpuwatchd.config import Config, ConfigError, MemoryConfig, parse_config
 from gpuwatchd.daemon.memory_evidence import snapshot_event, worse
 from gpuwatchd.findings import FindingContext
-from gpuwatchd.findings import memory as finding
+from gpuwatchd.findings import rank_memory_pressure as finding
 from gpuwatchd.join.memory_tracker import MAX_POINTS, MemoryTracker, slope
 from gpuwatchd.model import (
     CgroupMemory,

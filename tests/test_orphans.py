@@ -16,7 +16,7 @@ from pathlib import Path
 
 from gpuwatchd.config import Config
 from gpuwatchd.findings import FindingContext
-from gpuwatchd.findings import orphans as orphan_rule
+from gpuwatchd.findings import orphan_gpu_memory as orphan_rule
 from gpuwatchd.join.orphans import OrphanTracker, RankTrees, offenders, trees_from_entries
 from gpuwatchd.model import DEFUNCT, JOB_ENDED, REPARENTED, UNREGISTERED, RankEntry
 from gpuwatchd.sources.nvml_fixture import fixture_source

@@ -38,7 +38,7 @@ SPIN = ("import time\nwhile True:\n    t = time.monotonic()\n"
 
 def job_series(d: DaemonProc, prefix: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     """The counter series of the test's jobs (a recent kill's finding is a gauge with its own
-    window, findings/oom.py)."""
+    window, findings/rank_oom_killed.py)."""
     return {k: v for k, v in d.samples().items()
             if k[0].endswith("_total") and dict(k[1]).get("job_id", "").startswith(prefix)}
 

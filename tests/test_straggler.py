@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from gpuwatchd.config import Config, StragglerConfig
-from gpuwatchd.findings import FindingContext, straggler
+from gpuwatchd.findings import FindingContext, rank_straggler
 from gpuwatchd.join.straggler import RankRate
 from gpuwatchd.model import GpuDevice, RankState
 from gpuwatchd.sources.cgroup_cpu import parse_cpu_stat
@@ -128,7 +128,7 @@ def test_gpu_clock_throttle_reasons_from_nvml_name_a_cause() -> None:
     rr = RankRate("j", 1, 11, 2.0, 300.0, 10.0, (0, 1), 0.0, True)
     ctx = FindingContext(now=400.0, config=Config(), ranks=(r,), gpus=devices,
                          straggler={("j", 1): rr})
-    (f,) = straggler.find(ctx, ())
+    (f,) = rank_straggler.find(ctx, ())
     assert "GPU 0 clocks throttled: sw_power_cap, hw_thermal (NVML)" in f.explanation
     assert "0.20x its job's median of 10.00 steps/s" in f.explanation
 
@@ -142,9 +142,9 @@ def test_rank_memory_pressure_is_named_by_kind_when_present() -> None:
                          gpus=(GpuDevice(0, "u", "n", "p", None, None, None),),
                          straggler={("j", 1): rr})
     mem = Finding("rank_memory_pressure", "warning", "x", "j", "1", "11")
-    (f,) = straggler.find(ctx, (mem,))
+    (f,) = rank_straggler.find(ctx, (mem,))
     assert "causes: host memory pressure (rank_memory_pressure)" in f.explanation
-    (f,) = straggler.find(ctx, ())
+    (f,) = rank_straggler.find(ctx, ())
     assert "no cause visible to gpuwatchd" in f.explanation
 
 

@@ -27,7 +27,7 @@ from gpuwatchd.config import Config
 from gpuwatchd.daemon.fork_evidence import fork_evidence
 from gpuwatchd.daemon.proc_view import ProcView
 from gpuwatchd.escape import printable_tree
-from gpuwatchd.findings import FindingContext, fds, fork, nccl_env
+from gpuwatchd.findings import FindingContext, fd_exhaustion, fork_after_cuda, nccl_env
 from gpuwatchd.join.hang import analyze, wait_tids
 from gpuwatchd.join.rank_workers import worker_view
 from gpuwatchd.model import RankEntry, RankState
@@ -190,7 +190,7 @@ def collect(
     evidence = fork_evidence(reader, (tree,), view.processes, view.descendants, None)
     me = evidence.get(pid) or reader.read(pid, info.open_fds)  # a process without children too
     kids = [evidence[c] for c in children if c in evidence]
-    forked = fork.forked_children(me, kids) if me is not None else []
+    forked = fork_after_cuda.forked_children(me, kids) if me is not None else []
     report["fork"] = {
         "holds_cuda_context": bool(me and me.holds_cuda_device),
         "children": children,
@@ -213,7 +213,7 @@ def collect(
         fork_evidence={**evidence, pid: me} if me is not None else evidence,
     )
     kinds = {f["kind"] for f in found}
-    for rule in (fds.find, nccl_env.find, fork.find):
+    for rule in (fd_exhaustion.find, nccl_env.find, fork_after_cuda.find):
         for f in rule(ctx):
             if f.kind not in kinds:
                 found.append({"kind": f.kind, "severity": f.severity,

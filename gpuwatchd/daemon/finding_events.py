@@ -11,10 +11,11 @@ from __future__ import annotations
 from gpuwatchd.daemon.subsystem import DaemonContext, Subsystem
 from gpuwatchd.model import INFO, Finding, NodeState
 from gpuwatchd.model.events import Event
+from gpuwatchd.model.kinds import EVENT_KINDS
 from gpuwatchd.units import fmt_clock
 
-# Already events of their own (kernel_events.py).
-SKIP_KINDS = frozenset({"rank_oom_killed", "xid_critical"})
+# Already events of their own (kernel_events.py): the rows of model/kinds.py with an ``event``.
+SKIP_KINDS = EVENT_KINDS
 
 
 def finding_event(f: Finding, now: float, cleared: bool = False) -> Event:

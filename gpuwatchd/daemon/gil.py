@@ -405,7 +405,7 @@ class GilSampler:
             return sched.history[-1] if sched and sched.history else None
 
     def readings(self) -> Mapping[RankId, tuple[GilReading, ...]]:
-        """(job_id, rank) -> its recent readings, oldest first (what findings/gil.py reads)."""
+        """(job_id, rank) -> its recent readings, oldest first (what findings/gil_saturated.py reads)."""
         with self._lock:
             return {k: tuple(s.history) for k, s in self._ranks.items() if s.history}
 

@@ -18,7 +18,7 @@ down off CPU waits on something else (the stall detector's case), and on a loade
 rank's heartbeat jitters, which would pull in a full sample of each.
 The sampler adds its own: a convoy hint, a thread at ~100 % of a core, a GIL-bound last sample.
 A rank with a GPU known busy (>= ``GPU_BUSY_RATIO``) is healthy whatever else: ``gil_saturated``
-cannot fire for it (findings/gil.py), and its threads are not read by the convoy probe either.
+cannot fire for it (findings/gil_saturated.py), and its threads are not read by the convoy probe either.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 
 from gpuwatchd.config import GilConfig
-from gpuwatchd.findings.gil import GPU_BUSY_RATIO, rank_gpu_utilization
+from gpuwatchd.findings.gil_saturated import GPU_BUSY_RATIO, rank_gpu_utilization
 from gpuwatchd.model import NodeState, RankId
 
 CPU_SUSPECT_CORES = 0.3  # the lower end of the convoy band (daemon/gil.py CONVOY_CORES)

@@ -3,7 +3,7 @@ evidence snapshots of ``rank_memory_pressure``.
 
 ``track``: for every live rank, the memory cgroup level that bounds it, its tree's RSS and
 their growth (sources/memcg.py, memory_tracker.py), plus the node's MemAvailable and PSI; handed to
-the join as ``rank_memory`` / ``node_memory`` (exported) and to findings/memory.py,
+the join as ``rank_memory`` / ``node_memory`` (exported) and to findings/rank_memory_pressure.py,
 with the ``memory`` collector status. ``after_join``: when ``rank_memory_pressure`` is raised for a
 rank, or gets worse, one snapshot (memory_evidence.py) is taken in the background: a non-blocking
 py-spy dump never holds up the cycle. Snapshots go into the kernel-log subsystem's event log (one
@@ -25,7 +25,7 @@ from typing import Any
 from gpuwatchd.config import Config
 from gpuwatchd.daemon.memory_evidence import snapshot_event, worse
 from gpuwatchd.daemon.subsystem import DaemonContext, MemoryOutput, Ranks, Subsystem
-from gpuwatchd.findings.memory import KIND
+from gpuwatchd.findings.rank_memory_pressure import KIND
 from gpuwatchd.isolation import guarded
 from gpuwatchd.join.memory_tracker import MemoryTracker, TrackedRank
 from gpuwatchd.model import (

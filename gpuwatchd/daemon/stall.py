@@ -1,7 +1,7 @@
 """The daemon's stall part: the stall tracker (join/stall.py) and the GIL sampler (daemon/gil.py)
 wired into the cycle (config ``stall:`` and ``gil:``). Each cycle it probes every live rank
 (heartbeat, /proc state), hands the live ranks to the sampler, and returns the progress and stall
-verdicts, the GIL readings (for findings/gil.py and findings/stall.py) and the ``pyspy`` collector
+verdicts, the GIL readings (for findings/gil_saturated.py and findings/stall.py) and the ``pyspy`` collector
 status. After the join it hands the sampler each rank's signals from the new ``NodeState``
 (daemon/gil_signals.py: CPU while the GPU waits, heartbeat slowing, stalled), which is what makes
 the schedule adaptive; the GPU readings come from the nvml part, which the track stage hands
@@ -45,7 +45,8 @@ class StallSubsystem(Subsystem):
 
     ``track`` returns ``progress`` / ``stalled`` per (job_id, rank) (exported as
     ``gpuwatch_rank_progress_timestamp_seconds`` / ``gpuwatch_rank_stalled``), the readings for
-    findings/gil.py and findings/stall.py (``StallOutput.gil``, ``.verdicts``), and the ``pyspy`` collector status.
+    findings/gil_saturated.py and findings/stall.py (``StallOutput.gil``, ``.verdicts``), and the
+    ``pyspy`` collector status.
     """
 
     name = "pyspy"  # the collector label (a contract): the py-spy runner's and sampler's status

@@ -1,7 +1,7 @@
 """The straggler subsystem of the daemon: each cycle, the step rates of the heartbeat ranks
 (join/straggler.py, from the heartbeat steps and cgroup cpu.stat that sources/step_cpu.py reads)
 as ``steps`` (exported as ``gpuwatch_rank_step``) and ``FindingContext.straggler``
-(findings/straggler.py). The track stage hands it the heartbeats as an argument; the step and
+(findings/rank_straggler.py). The track stage hands it the heartbeats as an argument; the step and
 cpu.stat reads each run under ``guarded``.
 """
 

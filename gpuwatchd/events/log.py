@@ -33,6 +33,7 @@ from typing import Any, Protocol
 
 from gpuwatchd.model import frozen_map
 from gpuwatchd.model.events import Event
+from gpuwatchd.model.kinds import ALERT, KINDS
 from gpuwatchd.statefile import FILE_MODE, StateFiles
 
 log = logging.getLogger(__name__)
@@ -51,20 +52,16 @@ MESSAGE_IDS: Mapping[str, str] = frozen_map(
         "memory_snapshot": "b4123e60439d4076944d6c22d1ced6b1",
     }
 )
-ALERT_NAMES: Mapping[str, str] = frozen_map({"oom_kill": "GPURankOOMKilled", "xid": "GPUXidCritical"})
-# The rules' static summaries of the same alerts (deploy/prometheus/gpuwatchd.rules.yml; tests/
-# test_alert_rules.py keeps them equal), so the push path and the rule annotate alike.
-ALERT_SUMMARIES: Mapping[str, str] = frozen_map({
-    "oom_kill": "A rank of a training job was killed for lack of host memory.",
-    "xid": "A GPU failed: a critical Xid error, or it left the PCI bus.",
-})
+# The events the push path sends as alerts, each under the alert of the finding kind it records,
+# with that alert's static summary and runbook anchor (one row each in gpuwatchd/model/kinds.py,
+# which tests/test_finding_kinds.py checks against deploy/prometheus/gpuwatchd.rules.yml).
+ALERT_NAMES: Mapping[str, str] = frozen_map({k.event: k.alert for k in KINDS if k.event})
+ALERT_SUMMARIES: Mapping[str, str] = frozen_map({k.event: ALERT[k.alert].summary for k in KINDS if k.event})
 # An event that pages is a `critical` alert: the monitoring mixins' word for "an on-call person
 # acts now", which routing trees written for kube-prometheus send to the pager. Findings and
 # events keep their own word, "page" (gpuwatch_finding{severity}, `gpuwatchd ps`).
 ALERT_SEVERITY = "critical"
-RUNBOOK_ANCHORS: Mapping[str, str] = frozen_map(
-    {"oom_kill": "gpurankoomkilled", "xid": "gpuxidcritical"}
-)
+RUNBOOK_ANCHORS: Mapping[str, str] = frozen_map({k.event: k.runbook for k in KINDS if k.event})
 
 
 def _lines(f: Any, limit: int) -> Iterator[bytes | None]:

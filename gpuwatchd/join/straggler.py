@@ -4,7 +4,7 @@ Each cycle: the step of every heartbeat rank (read only when its heartbeat's mti
 ``due``; read by sources/step_cpu.py) goes into a window of ``straggler.window_seconds``; its rate is the
 steps over the window divided by the time. A rank whose rate is below ``straggler.ratio`` times
 the median rate of its job's ranks on this node (at least two with a rate) at every cycle for
-``straggler.for_seconds`` is a straggler (findings/straggler.py says why, with the causes
+``straggler.for_seconds`` is a straggler (findings/rank_straggler.py says why, with the causes
 gpuwatchd can see). The same window keeps its cgroup's ``cpu.stat`` (sources/cgroup_cpu.py), so
 CPU throttling over the window is known when it is named a straggler. Across nodes the exported
 ``gpuwatch_rank_step`` gives the alert rule ``GPURankStraggler`` the same comparison.

@@ -390,7 +390,7 @@ class AttributedOom:
         return RankProcess(self.event.job_id, self.event.rank, self.event.pid)
 
 
-# What the fd scan of a process found (sources/devfds.py; findings/fork.py words it)
+# What the fd scan of a process found (sources/devfds.py; findings/fork_after_cuda.py words it)
 
 @dataclass(frozen=True)
 class ProcEvidence:

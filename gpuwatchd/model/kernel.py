@@ -1,7 +1,7 @@
 """What the kernel log says, as values: the normalised record either source hands to the event
 processor (``LogRecord``), one recognised message (``Parsed``), who killed (``KILLER_*``), the Xids
 that page and the words for an OOM kill's scope. Produced by sources/kernel_lines.py, kmsg.py and
-journal.py; attributed by join/kernel_events.py; worded by findings/oom.py and findings/xid.py.
+journal.py; attributed by join/kernel_events.py; worded by findings/rank_oom_killed.py and findings/xid_critical.py.
 No I/O.
 """
 
