@@ -311,6 +311,23 @@ def test_rank0_working_alone_then_stopping(launch) -> None:
     assert time.time() - t_stop >= after - CYCLE
 
 
+def test_a_waiting_rank_is_not_paged_before_its_busy_peer_is_judged(launch) -> None:
+    """Rank 1 waits in the barrier; a second later rank 0 starts burning a core at one line (as
+    rank 0 evaluating with .item() per batch on a GPU it shares looked on the H100) and is not
+    judged before its own after_seconds, then is ambiguous (nothing confirms a hang). Rank 1 is
+    never stalled: the job has not been still for after_seconds while its peer's verdict is not
+    in. Before, rank 1 was stalled from its own after_seconds until rank 0's verdict came."""
+    after, conclusive = 2.0, 1.0
+    job = f"pend-{uuid.uuid4().hex[:8]}"
+    ranks = {1: launch("barrier", job, 1)}
+    time.sleep(1.0)
+    ranks[0] = launch("c_spin", job, 0)
+    tracker = _tracker(after, conclusive)
+    _, v, seen = _run(tracker, ranks, job, 3 * after + 1)
+    assert not any(s.get(1) for s in seen), seen
+    assert v[1].waits_for.startswith("rank 1 waits in barrier for rank 0, which "), v[1]
+
+
 def test_heartbeat_job_rank0_working_alone_is_not_paged(launch, tmp_path: Path) -> None:
     """With heartbeats at each optimizer step, neither rank beats while rank 0 evaluates: rank 0
     works (its CPU in the working band at each look), so it progresses without beating, and rank
@@ -462,8 +479,13 @@ def test_judge_jobs_rules() -> None:
     assert not out[1].stalled and "waits in barrier for rank 0, which burns a core" in out[1].waits_for
     # ...until rank 0's own verdict confirms its hang: then the waiter is paged again
     assert judge(replace(unsure, ambiguous=False, stalled=True, confirmed_by="gpu_spin"), waiter)[1].stalled
-    # a peer whose last progress is older than the window is no progress: the waiter stays paged
-    assert judge(_verdict(0, progress=900.0, doing="x"), waiter)[1].stalled
+    # a peer whose last progress is older than the window and whose own verdict is not in yet
+    # (still for less than after_seconds): the waiter waits for it, and is paged with it
+    out = judge(_verdict(0, progress=900.0, doing="x"), waiter)
+    assert not out[1].stalled and "which has made no progress for 2 min, not proven stuck yet" \
+        in out[1].waits_for, out[1].waits_for
+    assert judge(_verdict(0, stalled=True, progress=900.0, kind="collective", pattern="collective"),
+                 waiter)[1].stalled
     # a deadlock or a rank blocked on a lock (no wait for a peer) is not excused by a peer's work
     deadlock = _verdict(1, stalled=True, still=400.0, kind="lock", pattern="deadlock",
                         conclusive="deadlock")

@@ -105,8 +105,9 @@ def judge_jobs(verdicts: Mapping[RankId, StallVerdict], now: float, conclusive: 
 
     - A rank stalled while it waits where a peer may hold it (a collective, the GPU: PEER_WAITS),
       and not in a shape of its own (OWN_SHAPES), is not stalled while a peer of its job
-      progresses: one whose verdict saw progress within ``fresh`` seconds (a heartbeat, work on
-      its CPU or GPU, a new stack). Its ``waits_for`` says for whom and what that peer does.
+      progresses (its verdict saw progress within ``fresh`` seconds: a heartbeat, work on its CPU
+      or GPU, a new stack), is ambiguous, or is not judged yet (alive, not stalled). Its
+      ``waits_for`` says for whom and what that peer does.
     - Conclusive with the peers, once proven still for ``conclusive`` seconds: a rank stopped
       (state T) while a peer runs; a rank whose peer is dead; the odd one out of a collective (a
       rank still elsewhere, ``_stuck_elsewhere``, while a peer waits in the collective and none
@@ -133,20 +134,30 @@ def judge_jobs(verdicts: Mapping[RankId, StallVerdict], now: float, conclusive: 
         waiting = [v for v in ranks if v.alive and (v.stalled or v.still_seconds >= conclusive)
                    and _in_collective(v)]  # fmt: skip
         odd = [v for v in held if _stuck_elsewhere(v)] if waiting and not progressing else []
+        # a peer alive and not stalled, neither progressing nor ambiguous, nor the odd one out:
+        # its own verdict is not in yet (still for less than after_seconds), so the job has not
+        # been still for after_seconds and a rank waiting for it waits for that verdict (the
+        # H100: rank 0 evaluating alone, its .item() loop not yet judged, and rank 1 paged 12 s
+        # into the barrier at after_seconds 8). The delay is bounded by the peer's own bound.
+        pending = [v for v in ranks if v.alive and not v.stalled and not v.ambiguous
+                   and v.stopped_seconds is None and v not in progressing and v not in odd]
         for v in ranks:
             if not v.alive:
                 continue
             peers = [p for p in progressing if p.rank != v.rank]
-            maybe = [p for p in unsure if p.rank != v.rank]
+            maybe = [p for p in unsure + pending if p.rank != v.rank]
             where = waits_on(v)
             if v.stalled and (peers or maybe) and where and v.conclusive not in OWN_SHAPES:
                 if peers:
                     p = min(peers, key=lambda x: x.rank)
                     doing = p.doing
-                else:  # ambiguous, so this one is not paged either: the peer's verdict says why
+                else:  # ambiguous or not judged yet, so this one is not paged either
                     p = min(maybe, key=lambda x: x.rank)
                     doing = ("burns a core at one line: a loop that syncs its GPU every step, or "
-                             "a hang nothing confirms yet (its rank_stall_unconfirmed)")
+                             "a hang nothing confirms yet (its rank_stall_unconfirmed)") \
+                        if p.ambiguous else (
+                        f"has made no progress for {fmt_span(now - (p.progress_timestamp or now))}, not proven "
+                        f"stuck yet (its own verdict comes at after_seconds)")  # fmt: skip
                 words = (f"rank {v.rank} waits in {where} for rank {p.rank}, which {doing}; "
                          f"waiting for {fmt_span(v.no_progress_seconds)}")
                 out[v.key] = replace(v, stalled=False, ambiguous=False, conclusive="",

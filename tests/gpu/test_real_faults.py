@@ -102,8 +102,10 @@ def _start_faulted(world: World, fault: str, delay: float = 3.0) -> tuple[str, s
     p = world.torchrun(job, 2, str(HERE / "fault_rank.py"), fault, "--fault-rank", "1", "--delay", str(delay))
     out = Lines(p)
     deadline = time.monotonic() + 180
-    while out.count("ready") < 2:
-        assert time.monotonic() < deadline and p.poll() is None, [x for _, x in out.lines][-40:]
+    # both ranks past their first step, or the fault already injected (rank 0's "ready" may
+    # come after rank 1's fault: a device-side assert failed the job before both were counted)
+    while out.count("ready") < 2 and not any(x.startswith("fault ") for _, x in list(out.lines)):
+        assert time.monotonic() < deadline and p.poll() is None, [x for _, x in out.lines][:80]
         time.sleep(0.1)
     line = out.first("fault ", delay + 30)
     at = float(line.split("fault ")[-1].split()[0])
