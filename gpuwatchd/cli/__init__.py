@@ -83,8 +83,17 @@ def cmd_register(args: argparse.Namespace) -> int:
     if not os.path.isdir(rank_dir):
         raise CliError(f"rank directory {rank_dir} does not exist (the daemon watches "
                        f"{cfg.rank_dir}; systemd-tmpfiles --create makes it)", EXIT_USAGE)
-    if not os.path.exists(f"/proc/{args.pid}"):
-        raise CliError(f"no process {args.pid}", EXIT_USAGE)
+    try:
+        # /proc/PID's owner is the process's effective uid: what the daemon compares the file's
+        # owner with (join/rank_claims.py, rule 1)
+        proc_uid = os.stat(f"/proc/{args.pid}").st_uid
+    except FileNotFoundError:
+        raise CliError(f"no process {args.pid}", EXIT_USAGE) from None
+    me = os.geteuid()
+    if me != 0 and proc_uid != me:
+        raise CliError(f"process {args.pid} is uid {proc_uid}'s, not yours (uid {me}): the daemon "
+                       "reads a rank file only when root or the process's own user wrote it; "
+                       "register it as that user or as root (docs/cli.md)", EXIT_USAGE)
     gpus = [g for g in (args.gpus or "").split(",") if g]
     hb = args.heartbeat
     doc = build_document(args.job_id, args.rank, args.pid, local_rank=args.local_rank,
