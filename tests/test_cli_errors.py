@@ -75,3 +75,23 @@ def test_a_bad_file_is_exit_2_for_both_checks(tmp_path: Path) -> None:
     wc.write_text("basic_auth_users:\n  john: plain-text\n")
     out = gw("web-config", "check", str(wc))
     assert (out.returncode, out.stdout) == (2, "") and "not a bcrypt hash" in out.stderr
+
+
+def test_the_checks_take_the_file_as_run_does(tmp_path: Path) -> None:
+    """`config check --config.file F` and `web-config check --web.config.file F`, the flags `run`
+    takes (and the unit's ExecStart= shows), check F; before, argparse refused them with the top
+    level's usage (`gpuwatchd [-h] [--version] COMMAND ...`), exit 2, naming no file."""
+    good, _ = write_config(tmp_path)
+    out = gw("config", "check", "--config.file", str(good))
+    assert (out.returncode, out.stderr) == (0, ""), out
+    assert out.stdout.startswith(f"{good}: OK"), out.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("interval_seconds: 5s\n")
+    out = gw("config", "check", "--config.file", str(bad))
+    assert (out.returncode, out.stdout) == (2, "") and "interval_seconds" in out.stderr, out
+    wc = tmp_path / "web.yml"
+    wc.write_text("basic_auth_users:\n  john: plain-text\n")
+    out = gw("web-config", "check", "--web.config.file", str(wc))
+    assert (out.returncode, out.stdout) == (2, "") and "not a bcrypt hash" in out.stderr, out
+    one_line(gw("config", "check", str(good), "--config.file", str(bad)), 2,
+             "gpuwatchd config: two files given")

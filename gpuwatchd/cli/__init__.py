@@ -22,6 +22,7 @@ from gpuwatchd.cli.common import (
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
     CliError,
+    checked_file,
     load_state,
     resolve_config,
 )
@@ -59,6 +60,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_config_check(args: argparse.Namespace) -> int:
     """What a reload (SIGHUP) would accept: the unit's ExecReload= runs this before signalling."""
+    args.file = checked_file(args.file, args.config_file, "--config.file", DEFAULT_CONFIG)
     cfg = load_config(args.file)
     if cfg.web.config_file:
         from gpuwatchd.web.web_config import WebConfigError, load_web_config
@@ -215,7 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="configuration tools")
     csub = p.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     pc = csub.add_parser("check", help="validate a config file (exit 2 naming every bad key)")
-    pc.add_argument("file")
+    pc.add_argument("file", nargs="?",
+                    help=f"the config file (or --config.file; default {DEFAULT_CONFIG})")
+    pc.add_argument("--config.file", dest="config_file", default=None,
+                    help="the config file, as `run` takes it")
     pc.set_defaults(func=cmd_config_check)
 
     p = sub.add_parser("register", help="write a rank file for a process (launch scripts, Slurm)")

@@ -69,6 +69,18 @@ def config_arg(p: argparse.ArgumentParser) -> None:
                    help=f"YAML config (default: {DEFAULT_CONFIG} if it exists, else built-in defaults)")
 
 
+def checked_file(positional: str | None, flag: str | None, flag_name: str,
+                 default: str | None = None) -> str:
+    """The file a check command is given as ``FILE`` or as ``run``'s flag (one of them)."""
+    if positional and flag and positional != flag:
+        raise CliError(f"two files given ({positional} and {flag_name} {flag}): give one",
+                       EXIT_USAGE)
+    path = positional or flag or default
+    if path is None:
+        raise CliError(f"no file given: FILE or {flag_name} FILE", EXIT_USAGE)
+    return path
+
+
 def resolve_config(args: argparse.Namespace) -> Config:
     path = getattr(args, "config_file", None)
     if path is None and os.path.exists(DEFAULT_CONFIG):
