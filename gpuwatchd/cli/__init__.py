@@ -19,6 +19,7 @@ from gpuwatchd import __version__
 from gpuwatchd.cli import check, doctor, events, job, web_config
 from gpuwatchd.cli.common import (
     DEFAULT_CONFIG,
+    EXIT_MEANINGS,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
     CliError,
@@ -195,10 +196,9 @@ def cmd_ps(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpuwatchd", description="Per-node monitoring of GPU training ranks.",
-        epilog="Exit codes, in every command: 0 fine; 1 found a problem (check, job); 2 what you gave "
-        "is wrong (options, files, a PID or directory that does not exist, a port in use); 3 what the "
-        "command needs cannot be read or reached (the daemon's files, Prometheus, NVML). Errors are "
-        "one line on stderr.")
+        epilog="Exit codes, in every command: "
+        + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_MEANINGS)
+        + ". Errors are one line on stderr.")
     parser.add_argument("--version", action="version", version=f"gpuwatchd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

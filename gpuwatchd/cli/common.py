@@ -29,6 +29,15 @@ from gpuwatchd.config import Config, load_config, with_overrides
 
 DEFAULT_CONFIG = "/etc/gpuwatchd/config.yaml"
 EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+# What each code means, in every command: `gpuwatchd --help` and the manual page's EXIT STATUS
+EXIT_MEANINGS = (
+    (EXIT_OK, "done; nothing wrong found"),
+    (EXIT_FOUND, "the command worked and found a problem (check, job)"),
+    (EXIT_USAGE, "what you gave is wrong (options, files, a PID or directory that does not exist, "
+                 "another user's PID to register, a port in use)"),
+    (EXIT_UNAVAILABLE, "what the command needs cannot be read or reached (the daemon's files, "
+                       "Prometheus, NVML)"),
+)
 
 
 class CliError(Exception):
