@@ -59,3 +59,29 @@ def test_a_training_image_gets_the_client_wheel(path: Path) -> None:
            if TRAINING_IMAGE.search(text) and INSTALL.search(text) and not CLIENT.search(text)
            and not re.search(r"not (?:in|into) the training image", text)]
     assert bad == [], f"{path}: a training image's install that names no gpuwatchd-client: {bad}"
+
+
+def _build_commands(text: str) -> list[str]:
+    """Each `podman build` / `docker buildx build` command of ``text``, continuation lines joined
+    (the Containerfile's header comment's leading '#' dropped)."""
+    lines = [re.sub(r"^#\s?", "", ln).strip() for ln in text.splitlines()]
+    joined = re.sub(r"\\\n\s*", " ", "\n".join(lines))
+    return [ln for ln in joined.splitlines() if re.match(r"(podman|docker buildx|docker) build ", ln)]
+
+
+def test_every_documented_image_build_fills_the_oci_labels() -> None:
+    """The Containerfile's labels take the revision, the creation time and the timestamp from
+    build arguments with no usable default (REVISION=unknown, CREATED empty): a documented build
+    command that leaves one out makes an image labelled revision "unknown" or created "" (the
+    docker buildx commands did)."""
+    cf = (REPO / "Containerfile").read_text()
+    final = cf[cf.rindex("\nFROM "):]
+    required = {name for name, default in re.findall(r"^ARG (\w+)(?:=(.*))?$", final, re.M)
+                if default in ("", "unknown") and name != "BASE"}
+    assert required == {"REVISION", "CREATED", "SOURCE_DATE_EPOCH"}, required
+    commands = [(path.name, c) for path in (REPO / "Containerfile", REPO / "docs/packaging.md")
+                for c in _build_commands(path.read_text())]
+    assert {c.split()[0] for _, c in commands} == {"podman", "docker"}, commands
+    for where, c in commands:
+        given = set(re.findall(r"--build-arg (\w+)=", c))
+        assert required <= given, (where, c, required - given)
