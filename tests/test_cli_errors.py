@@ -95,3 +95,10 @@ def test_the_checks_take_the_file_as_run_does(tmp_path: Path) -> None:
     assert (out.returncode, out.stdout) == (2, "") and "not a bcrypt hash" in out.stderr, out
     one_line(gw("config", "check", str(good), "--config.file", str(bad)), 2,
              "gpuwatchd config: two files given")
+
+
+def test_unregister_refuses_a_missing_rank_dir(tmp_path: Path) -> None:
+    """As `register` does: a typo in --rank-dir is not "no rank file", exit 0."""
+    missing = tmp_path / "no-such-dir"
+    one_line(gw("unregister", "--job-id", "j", "--rank", "0", "--rank-dir", str(missing)), 2,
+             f"gpuwatchd unregister: rank directory {missing} does not exist")

@@ -171,3 +171,26 @@ def test_register_refuses_another_users_process_that_the_daemon_would_refuse() -
         finally:
             own.kill()
             own.wait()
+
+
+def test_unregister_says_when_the_rank_file_is_another_users() -> None:
+    """In the sticky rank directory only a file's owner (or root) removes it. ``unregister`` of
+    another user's rank file said "no rank file for job j rank 0", exit 0, with the file still
+    there; now it names the file and its owner, exit 3 (it cannot be removed by this user)."""
+    with system_user(USER), world() as d:
+        ranks = d / "ranks"
+        ranks.mkdir()
+        ranks.chmod(0o1777)
+        held = subprocess.Popen(["sleep", "60"])
+        try:
+            subprocess.run([sys.executable, "-m", "gpuwatchd", "register", "--job-id", "j", "--rank",
+                            "0", "--pid", str(held.pid), "--rank-dir", str(ranks)], check=True,
+                           capture_output=True, timeout=60)
+            out = cli_as(USER, "unregister", "--job-id", "j", "--rank", "0", "--rank-dir", str(ranks))
+            assert (out.returncode, out.stdout) == (3, ""), out
+            assert out.stderr == (f"gpuwatchd unregister: cannot remove {ranks}/j.0.json: it is uid "
+                                  "0's (only its owner or root removes it)\n"), out.stderr
+            assert (ranks / "j.0.json").exists()
+        finally:
+            held.kill()
+            held.wait()

@@ -114,9 +114,22 @@ def cmd_register(args: argparse.Namespace) -> int:
 
 def cmd_unregister(args: argparse.Namespace) -> int:
     from gpuwatchd.rank.api import unregister_rank
+    from gpuwatchd.rank.rankfile import rank_file_name
 
     cfg = resolve_config(args)
-    removed = unregister_rank(args.job_id, args.rank, args.rank_dir or cfg.rank_dir)
+    rank_dir = args.rank_dir or cfg.rank_dir
+    if not os.path.isdir(rank_dir):
+        raise CliError(f"rank directory {rank_dir} does not exist (the daemon watches "
+                       f"{cfg.rank_dir})", EXIT_USAGE)
+    removed = unregister_rank(args.job_id, args.rank, rank_dir)
+    path = os.path.join(rank_dir, rank_file_name(args.job_id, args.rank))
+    try:
+        left = os.lstat(path)
+    except FileNotFoundError:
+        left = None
+    if not removed and left is not None:  # the sticky directory: another user's file (EPERM)
+        raise CliError(f"cannot remove {path}: it is uid {left.st_uid}'s (only its owner or root "
+                       "removes it)", EXIT_UNAVAILABLE)
     if not removed:
         print(f"gpuwatchd unregister: no rank file for job {args.job_id}"
               + (f" rank {args.rank}" if args.rank is not None else ""), file=sys.stderr)
