@@ -102,3 +102,23 @@ def test_unregister_refuses_a_missing_rank_dir(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-dir"
     one_line(gw("unregister", "--job-id", "j", "--rank", "0", "--rank-dir", str(missing)), 2,
              f"gpuwatchd unregister: rank directory {missing} does not exist")
+
+
+def test_job_pointed_at_a_server_that_is_not_prometheus_says_so(tmp_path: Path) -> None:
+    """A new user's `--prometheus http://node:9863` (the exporter) or a wrong path: the server
+    answers 404 with no Prometheus error body. It said "HTTP 404 for '<query>': " and nothing
+    more; now it says the URL is not Prometheus's API and what it expects."""
+    import http.server
+    import threading
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        out = gw("job", "llm-7", "--prometheus", url)
+        one_line(out, 2, f"gpuwatchd job: {url}/api/v1/query answered HTTP 404: not Prometheus's "
+                         "query API (--prometheus takes the Prometheus server's URL, e.g. "
+                         "http://prometheus:9090)")
+    finally:
+        srv.shutdown()
