@@ -19,6 +19,7 @@ from gpuwatchd import strict_yaml
 from gpuwatchd.config_checks import (
     check_boolean,
     check_choice,
+    check_instance,
     check_integer,
     check_label_value,
     check_launchers,
@@ -103,7 +104,8 @@ class AlertmanagerConfig:
     url: str | None = None
     timeout_seconds: float = 2.0
     # labels of pushed alerts that Prometheus would attach (so Alertmanager merges both paths):
-    instance: str | None = None  # default: this host's name + web.listen_address's port
+    instance: str | None = None  # default: this host's name + web.listen_address's port; any
+    # value Prometheus gives the node's series (a host name without the port, where relabelled)
     job: str = "gpuwatchd"  # the scrape job's name in prometheus.yml
 
 
@@ -214,7 +216,7 @@ SCHEMA: Mapping[str, Any] = {
     "alertmanager": (
         AlertmanagerConfig,
         {"url": check_optional(check_url), "timeout_seconds": check_number(0.0, maximum=60),
-         "instance": check_optional(check_listen), "job": check_label_value},
+         "instance": check_optional(check_instance), "job": check_label_value},
     ),
     "nvml": (
         NvmlConfig,

@@ -81,6 +81,12 @@ def check_label_value(v: Any) -> str:
     return v
 
 
+def check_instance(v: Any) -> str:
+    """An ``instance`` label value as Prometheus may give it: ``host:port``, or a name that
+    relabelling left without the port (a node name)."""
+    return check_one_line(check_label_value(v))
+
+
 def check_string_list(v: Any) -> tuple[str, ...]:
     if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
         raise ValueError(f"must be a list of non-empty strings, got {v!r}")

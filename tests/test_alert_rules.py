@@ -281,3 +281,44 @@ def test_the_documented_selector_replacement_works(tmp_path: Path) -> None:
     assert out.count('job="gpu-exporters"') == RULES.read_text().count(JOB_SELECTOR) >= 2
     p = run([PROMTOOL, "check", "rules", str(tmp_path / "out.yml")])
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_the_push_merges_with_the_rule_only_where_prometheus_adds_no_labels(tmp_path: Path) -> None:
+    """What deploy/prometheus/README.md says of the direct push, in a real Alertmanager:
+
+    - a node Prometheus scrapes as ``node1`` (its relabelling dropped the port): the daemon's
+      pushed alert with ``alertmanager.instance: node1`` (a value the config refused before: it
+      had to be HOST:PORT) and the rule's alert are one alert;
+    - in Kubernetes the rule's alert also carries the Operator's target labels and
+      kube-prometheus-stack's external labels, so the two are two alerts whatever the instance:
+      there the push stays off (the Helm chart's default)."""
+    from gpuwatchd.config import parse_config
+    from gpuwatchd.events.alertmanager import alert_for, derive_instance
+    from gpuwatchd.model.events import Event
+
+    ev = Event("k", "oom_kill", time.time(), "critical", "rank 3 OOM-killed", job_id="llm-7",
+               rank="3", pid=4242, comm="python", killer="kernel", alert=True)
+    series = {"job_id": "llm-7", "rank": "3", "comm": "python", "killer": "kernel",
+              "job": "gpuwatchd", "alertname": "GPURankOOMKilled", "severity": "critical"}
+    cfg = parse_config({"alertmanager": {"url": "http://am:9093", "instance": "node1"}})
+    bare = alert_for(ev, cfg.alertmanager.instance)
+    operator = {"namespace": "monitoring", "pod": "gpuwatchd-7xk2p", "container": "gpuwatchd",
+                "endpoint": "metrics", "node": "node1",
+                "prometheus": "monitoring/kube-prometheus-stack-prometheus",
+                "prometheus_replica": "prometheus-kube-prometheus-stack-prometheus-0"}
+    in_pod = alert_for(ev, derive_instance(":9863", hostname="gpuwatchd-7xk2p"))
+    assert bare is not None and in_pod is not None
+    with alertmanager(tmp_path, {"route": {"receiver": "null"},
+                                 "receivers": [{"name": "null"}]}) as am:
+        rule = {"labels": {**series, "instance": "node1"}, "annotations": {},
+                "startsAt": bare["startsAt"]}
+        am.post_alerts([bare, rule])
+        time.sleep(0.5)
+        assert len(am.alerts()) == 1, am.alerts()
+    with alertmanager(tmp_path, {"route": {"receiver": "null"},
+                                 "receivers": [{"name": "null"}]}) as am:
+        rule = {"labels": {**series, "instance": "node1", **operator}, "annotations": {},
+                "startsAt": in_pod["startsAt"]}
+        am.post_alerts([in_pod, rule])
+        time.sleep(0.5)
+        assert len(am.alerts()) == 2, am.alerts()

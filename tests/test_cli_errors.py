@@ -75,3 +75,50 @@ def test_a_bad_file_is_exit_2_for_both_checks(tmp_path: Path) -> None:
     wc.write_text("basic_auth_users:\n  john: plain-text\n")
     out = gw("web-config", "check", str(wc))
     assert (out.returncode, out.stdout) == (2, "") and "not a bcrypt hash" in out.stderr
+
+
+def test_the_checks_take_the_file_as_run_does(tmp_path: Path) -> None:
+    """`config check --config.file F` and `web-config check --web.config.file F`, the flags `run`
+    takes (and the unit's ExecStart= shows), check F; before, argparse refused them with the top
+    level's usage (`gpuwatchd [-h] [--version] COMMAND ...`), exit 2, naming no file."""
+    good, _ = write_config(tmp_path)
+    out = gw("config", "check", "--config.file", str(good))
+    assert (out.returncode, out.stderr) == (0, ""), out
+    assert out.stdout.startswith(f"{good}: OK"), out.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("interval_seconds: 5s\n")
+    out = gw("config", "check", "--config.file", str(bad))
+    assert (out.returncode, out.stdout) == (2, "") and "interval_seconds" in out.stderr, out
+    wc = tmp_path / "web.yml"
+    wc.write_text("basic_auth_users:\n  john: plain-text\n")
+    out = gw("web-config", "check", "--web.config.file", str(wc))
+    assert (out.returncode, out.stdout) == (2, "") and "not a bcrypt hash" in out.stderr, out
+    one_line(gw("config", "check", str(good), "--config.file", str(bad)), 2,
+             "gpuwatchd config: two files given")
+
+
+def test_unregister_refuses_a_missing_rank_dir(tmp_path: Path) -> None:
+    """As `register` does: a typo in --rank-dir is not "no rank file", exit 0."""
+    missing = tmp_path / "no-such-dir"
+    one_line(gw("unregister", "--job-id", "j", "--rank", "0", "--rank-dir", str(missing)), 2,
+             f"gpuwatchd unregister: rank directory {missing} does not exist")
+
+
+def test_job_pointed_at_a_server_that_is_not_prometheus_says_so(tmp_path: Path) -> None:
+    """A new user's `--prometheus http://node:9863` (the exporter) or a wrong path: the server
+    answers 404 with no Prometheus error body. It said "HTTP 404 for '<query>': " and nothing
+    more; now it says the URL is not Prometheus's API and what it expects."""
+    import http.server
+    import threading
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        out = gw("job", "llm-7", "--prometheus", url)
+        one_line(out, 2, f"gpuwatchd job: {url}/api/v1/query answered HTTP 404: not Prometheus's "
+                         "query API (--prometheus takes the Prometheus server's URL, e.g. "
+                         "http://prometheus:9090)")
+    finally:
+        srv.shutdown()

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,3 +136,61 @@ def test_an_event_log_written_0600_before_is_readable_by_the_group_after_the_sta
     log.chmod(0o600)
     JsonlSink(str(tmp_path))
     assert log.stat().st_mode & 0o777 == 0o640
+
+
+def test_register_refuses_another_users_process_that_the_daemon_would_refuse() -> None:
+    """A user's rank file naming a process of another user is never read (rank_claims rule 1: the
+    file's owner must be root or the process's own uid): ``register`` says so, exit 2, and writes
+    nothing, instead of printing the file's path and exit 0 while the daemon skips it. Its own
+    process is registered; root registers anyone's."""
+    with system_user(USER) as uid, world() as d:
+        ranks = d / "ranks"
+        ranks.mkdir()
+        ranks.chmod(0o1777)
+        own = subprocess.Popen(["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups",
+                                "/usr/bin/sleep", "60"])
+        try:
+            out = cli_as(USER, "register", "--job-id", "j", "--rank", "0", "--pid", "1",
+                         "--rank-dir", str(ranks))
+            assert (out.returncode, out.stdout) == (2, ""), out
+            assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1, out.stderr
+            assert out.stderr.startswith("gpuwatchd register: process 1 is uid 0's, not yours "
+                                         f"(uid {uid})"), out.stderr
+            assert list(ranks.iterdir()) == []
+            for _ in range(100):  # setpriv has exec'd sleep: /proc shows the user's uid
+                if os.stat(f"/proc/{own.pid}").st_uid == uid:
+                    break
+                time.sleep(0.05)
+            out = cli_as(USER, "register", "--job-id", "j", "--rank", "0", "--pid", str(own.pid),
+                         "--rank-dir", str(ranks))
+            assert (out.returncode, out.stdout) == (0, f"{ranks}/j.0.json\n"), out
+            root = subprocess.run([sys.executable, "-m", "gpuwatchd", "register", "--job-id", "k",
+                                   "--rank", "0", "--pid", str(own.pid), "--rank-dir", str(ranks)],
+                                  capture_output=True, text=True, timeout=60)
+            assert root.returncode == 0, root
+        finally:
+            own.kill()
+            own.wait()
+
+
+def test_unregister_says_when_the_rank_file_is_another_users() -> None:
+    """In the sticky rank directory only a file's owner (or root) removes it. ``unregister`` of
+    another user's rank file said "no rank file for job j rank 0", exit 0, with the file still
+    there; now it names the file and its owner, exit 3 (it cannot be removed by this user)."""
+    with system_user(USER), world() as d:
+        ranks = d / "ranks"
+        ranks.mkdir()
+        ranks.chmod(0o1777)
+        held = subprocess.Popen(["sleep", "60"])
+        try:
+            subprocess.run([sys.executable, "-m", "gpuwatchd", "register", "--job-id", "j", "--rank",
+                            "0", "--pid", str(held.pid), "--rank-dir", str(ranks)], check=True,
+                           capture_output=True, timeout=60)
+            out = cli_as(USER, "unregister", "--job-id", "j", "--rank", "0", "--rank-dir", str(ranks))
+            assert (out.returncode, out.stdout) == (3, ""), out
+            assert out.stderr == (f"gpuwatchd unregister: cannot remove {ranks}/j.0.json: it is uid "
+                                  "0's (only its owner or root removes it)\n"), out.stderr
+            assert (ranks / "j.0.json").exists()
+        finally:
+            held.kill()
+            held.wait()

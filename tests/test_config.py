@@ -152,3 +152,23 @@ def test_a_merge_may_override_what_it_brings(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as e:  # 'base' is no config key; the merge itself is fine
         load_config(str(path))
     assert "appears twice" not in str(e.value) and "base" in str(e.value)
+
+
+def test_alertmanager_instance_is_any_label_value_prometheus_may_give() -> None:
+    """The pushed alerts' ``instance`` must equal what Prometheus labels the node with for
+    Alertmanager to merge the two paths: often the bare host name (relabelled without the port,
+    as this repository's PodMonitor does with the node name). It had to be HOST:PORT, so such a
+    node could not be matched at all."""
+    from gpuwatchd.events.alertmanager import alert_for
+    from gpuwatchd.model.events import Event
+
+    for instance in ("node1", "node1.example.org", "node1:9863", "[::1]:9863"):
+        c = parse_config({"alertmanager": {"url": "http://am:9093", "instance": instance}})
+        assert c.alertmanager.instance == instance
+        ev = Event("k", "oom_kill", 1.0, "critical", "s", job_id="j", rank="0", comm="python",
+                   killer="kernel", alert=True)
+        alert = alert_for(ev, c.alertmanager.instance)
+        assert alert is not None and alert["labels"]["instance"] == instance
+    for bad in ("", "a\nb", 5):
+        with pytest.raises(ConfigError, match=r"alertmanager\.instance"):
+            parse_config({"alertmanager": {"instance": bad}})

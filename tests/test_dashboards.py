@@ -311,3 +311,33 @@ def test_dashboards_have_what_an_sre_looks_for() -> None:
     for series in ("process_resident_memory_bytes", "gpuwatch_process_memory_limit_bytes",
                    "process_cpu_seconds_total", "gpuwatch_cycle_duration_seconds"):
         assert series in footprint, series
+
+
+def test_the_health_dashboard_finds_a_scrape_job_of_any_name(tmp_path: Path) -> None:
+    """The Health dashboard's `$job` lists every scrape job that has a gpuwatchd in it, whatever the
+    job is called (the rules' selector is a value users set: prometheusRule.jobSelector, or the
+    README's sed, e.g. for a job named gpu-exporters); it listed only names matching
+    `.*gpuwatchd.*`, so such a user's Health dashboard was empty. Evaluated by promtool: each
+    variable's label_values(EXPR, LABEL) as Grafana asks Prometheus for it."""
+    health = _dash("health")
+    [v] = [v for v in health["templating"]["list"] if v["name"] == "job"]
+    q = v["query"]["query"] if isinstance(v["query"], dict) else v["query"]
+    m = re.fullmatch(r"label_values\((.+), *(\w+)\)", q)
+    assert m, q
+    series = [
+        ('gpuwatch_build_info{instance="n1:9863",job="gpu-exporters",version="0.1.0"}', "1x5"),
+        ('up{instance="n1:9863",job="gpu-exporters"}', "1x5"),
+        ('up{instance="n1:9100",job="node"}', "1x5"),
+        ('gpuwatch_build_info{instance="n2",job="monitoring/gpuwatchd",version="0.1.0"}', "1x5"),
+        ('up{instance="n2",job="monitoring/gpuwatchd"}', "1x5"),
+    ]
+    tests = {"evaluation_interval": "1m", "tests": [{
+        "interval": "1m",
+        "input_series": [{"series": s, "values": v} for s, v in series],
+        "promql_expr_test": [{
+            "expr": f"count by ({m.group(2)}) ({m.group(1)})", "eval_time": "4m",
+            "exp_samples": [{"labels": "{job=\"gpu-exporters\"}", "value": 1},
+                            {"labels": "{job=\"monitoring/gpuwatchd\"}", "value": 1}]}]}]}
+    (tmp_path / "job.test.yml").write_text(yaml.safe_dump(tests))
+    p = run([PROMTOOL, "test", "rules", "job.test.yml"], cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr

@@ -164,6 +164,22 @@ def test_manual_page_has_every_subcommand(tree: Path) -> None:
     assert rendered.stderr == "", rendered.stderr
 
 
+def test_manual_page_says_what_each_exit_code_means(tree: Path) -> None:
+    """man-pages(7)'s EXIT STATUS, from the CLI's own table (the --help epilog shows the same): the
+    codes are the contract scripts rely on (docs/cli.md), and the page said none of them."""
+    from gpuwatchd.cli.common import EXIT_MEANINGS
+
+    page = gzip.decompress((tree / "usr/share/man/man1/gpuwatchd.1.gz").read_bytes()).decode()
+    rendered = subprocess.run(["man", "-l", "-"], input=page, capture_output=True, text=True,
+                              env={"PATH": "/usr/bin:/bin", "MANWIDTH": "200", "LC_ALL": "C"},
+                              check=True).stdout
+    section = rendered.split("\nEXIT STATUS\n", 1)[1].split("\nFILES\n", 1)[0]
+    for code, meaning in EXIT_MEANINGS:
+        assert re.search(rf"^ +{code} +{re.escape(meaning[:1].upper() + meaning[1:])}\.$", section,
+                         re.M), (code, section)
+    assert "exits 75" in section
+
+
 def test_copyright_lists_every_distribution_in_the_venv(tree: Path) -> None:
     text = (tree / "usr/share/doc/gpuwatchd/copyright").read_text()
     assert text.startswith("Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/")

@@ -117,6 +117,15 @@ def test_values_override_image_resources_config_and_the_scrape_job() -> None:
     assert config["data"]["config.yaml"] == "interval_seconds: 10\n"
 
 
+def test_an_empty_job_label_gives_the_operators_own_job_name() -> None:
+    """values.yaml: without jobLabel the Operator names the job "<namespace>/gpuwatchd", which the
+    rules' default selector matches. Setting it empty (or null) kept the file's jobLabel, so
+    job="gpuwatchd" whatever the value said."""
+    for unset in ("podMonitor.jobLabel=", "podMonitor.jobLabel=null"):
+        pm = by_kind(template(unset))["PodMonitor"][0]
+        assert "jobLabel" not in pm["spec"], (unset, pm["spec"])
+
+
 def _rule_groups(rule: dict[str, Any]) -> list[dict[str, Any]]:
     return list(rule["spec"]["groups"])
 

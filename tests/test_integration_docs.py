@@ -20,6 +20,9 @@ DCGM = {"instance": "10.1.2.3:9400", "job": "dcgm-exporter", "modelName": "NVIDI
         "Hostname": "node1"}
 KSM = {"instance": "10.0.0.9:8080", "job": "kube-state-metrics"}
 SJE = {"instance": "node1:9798", "job": "slurm-job-exporter"}
+KPS_NODE = {"job": "node-exporter", "namespace": "monitoring", "pod": "kps-prometheus-node-exporter-x1",
+            "service": "kps-prometheus-node-exporter", "endpoint": "http-metrics",
+            "container": "node-exporter"}
 
 
 def s(metric: str, values: str, *common: dict[str, str], **labels: str) -> tuple[str, str]:
@@ -49,6 +52,19 @@ CASES: dict[str, tuple[list[tuple[str, str]], list[tuple[str, float]]]] = {
          s("node_memory_MemAvailable_bytes", "5e9x5", instance="node1:9100", job="node"),
          s("node_memory_MemAvailable_bytes", "7e9x5", instance="node2:9100", job="node")],
         [(lab(instance="node1:9863", job="gpuwatchd", job_id="llm-7", rank="3", node="node1"), 5e9)],
+    ),
+    # kube-prometheus-stack: its node-exporter ServiceMonitor keeps instance="<host IP>:9100"
+    # (relabelings: [] in its values), while this repository's PodMonitor names gpuwatchd's
+    # instance after the node; node_uname_info carries the node's host name
+    "node_kps": (
+        [s("gpuwatch_rank_stalled", "1x5", GW, instance="node1", node="node1", job_id="llm-7", rank="3"),
+         s("gpuwatch_rank_stalled", "0x5", GW, instance="node2", node="node2", job_id="llm-7", rank="4"),
+         s("node_memory_MemAvailable_bytes", "5e9x5", KPS_NODE, instance="10.0.0.11:9100"),
+         s("node_memory_MemAvailable_bytes", "7e9x5", KPS_NODE, instance="10.0.0.12:9100"),
+         s("node_uname_info", "1x5", KPS_NODE, instance="10.0.0.11:9100", nodename="node1"),
+         s("node_uname_info", "1x5", KPS_NODE, instance="10.0.0.12:9100", nodename="node2")],
+        [(lab(instance="node1", node="node1", job="gpuwatchd", job_id="llm-7", rank="3",
+              nodename="node1"), 5e9)],
     ),
     "pods": (
         [s("gpuwatch_rank_pod_info", "1x5", GW, instance="node1", job_id="llm-7", rank="0", uid=POD),
@@ -92,4 +108,20 @@ def test_recipes_join_as_documented(tmp_path: Path) -> None:
         })
     (tmp_path / "recipes.test.yml").write_text(yaml.safe_dump({"evaluation_interval": "1m", "tests": tests}))
     p = run([PROMTOOL, "test", "rules", "recipes.test.yml"], cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_kube_prometheus_stack_node_exporter_does_not_share_the_instance(tmp_path: Path) -> None:
+    """Why the node_kps recipe: joined on instance as they are, kube-prometheus-stack's
+    node-exporter series (instance "<host IP>:9100") meet no gpuwatchd series (instance the node
+    name, from the PodMonitor); docs/integration.md said the two "match as they are"."""
+    series, _ = CASES["node_kps"]
+    tests = [{"name": "naive", "interval": "1m",
+              "input_series": [{"series": s, "values": v} for s, v in series],
+              "promql_expr_test": [{"expr": "gpuwatch_rank_stalled == 1 and on (instance) "
+                                            "node_memory_MemAvailable_bytes",
+                                    "eval_time": "4m", "exp_samples": []}]}]
+    (tmp_path / "naive.test.yml").write_text(yaml.safe_dump({"evaluation_interval": "1m",
+                                                             "tests": tests}))
+    p = run([PROMTOOL, "test", "rules", "naive.test.yml"], cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr

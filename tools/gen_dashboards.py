@@ -691,7 +691,9 @@ def build() -> dict[str, dict[str, Any]]:
         "gpuwatchd-health.json": dashboard(
             "gpuwatchd-health", "gpuwatchd / Daemon health",
             "The daemons themselves: scrapes, collectors, cycle time, errors.",
-            [query_var("job", "Scrape job", 'label_values(up{job=~".*gpuwatchd.*"}, job)',
+            # the jobs that scrape a gpuwatchd, by its own series: any job name (the rules'
+            # selector is the user's to set), where a name pattern found only gpuwatchd-ish ones
+            [query_var("job", "Scrape job", "label_values(gpuwatch_build_info, job)",
                        multi=True)],
             HEALTH_ROWS, ["health"]),
     }

@@ -18,6 +18,7 @@ import time
 
 from gpuwatchd import __version__
 from gpuwatchd.cli import build_parser
+from gpuwatchd.cli.common import EXIT_MEANINGS
 
 FILES = (
     ("/etc/gpuwatchd/config.yaml", "the configuration (gpuwatchd config check FILE validates one)"),
@@ -94,6 +95,15 @@ def main() -> None:
         *_options(parser),
         ".SH COMMANDS",
         *_commands(parser, parser.prog),
+        '.SH "EXIT STATUS"',
+        "One meaning per code, in every command; errors are one line on standard error.",
+    ]
+    for code, meaning in EXIT_MEANINGS:
+        lines += [".TP", f"\\fB{code}\\fR", _roff(meaning[:1].upper() + meaning[1:] + ".")]
+    lines += [
+        ".PP",
+        "\\fBrun\\fR also exits 75 once per boot when the device cgroup denies /dev/nvidia*, so that"
+        " systemd's Restart= brings it back with the devices.",
         ".SH FILES",
     ]
     for path, what in FILES:

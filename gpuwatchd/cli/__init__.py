@@ -19,9 +19,11 @@ from gpuwatchd import __version__
 from gpuwatchd.cli import check, doctor, events, job, web_config
 from gpuwatchd.cli.common import (
     DEFAULT_CONFIG,
+    EXIT_MEANINGS,
     EXIT_UNAVAILABLE,
     EXIT_USAGE,
     CliError,
+    checked_file,
     load_state,
     resolve_config,
 )
@@ -59,6 +61,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_config_check(args: argparse.Namespace) -> int:
     """What a reload (SIGHUP) would accept: the unit's ExecReload= runs this before signalling."""
+    args.file = checked_file(args.file, args.config_file, "--config.file", DEFAULT_CONFIG)
     cfg = load_config(args.file)
     if cfg.web.config_file:
         from gpuwatchd.web.web_config import WebConfigError, load_web_config
@@ -83,8 +86,17 @@ def cmd_register(args: argparse.Namespace) -> int:
     if not os.path.isdir(rank_dir):
         raise CliError(f"rank directory {rank_dir} does not exist (the daemon watches "
                        f"{cfg.rank_dir}; systemd-tmpfiles --create makes it)", EXIT_USAGE)
-    if not os.path.exists(f"/proc/{args.pid}"):
-        raise CliError(f"no process {args.pid}", EXIT_USAGE)
+    try:
+        # /proc/PID's owner is the process's effective uid: what the daemon compares the file's
+        # owner with (join/rank_claims.py, rule 1)
+        proc_uid = os.stat(f"/proc/{args.pid}").st_uid
+    except FileNotFoundError:
+        raise CliError(f"no process {args.pid}", EXIT_USAGE) from None
+    me = os.geteuid()
+    if me != 0 and proc_uid != me:
+        raise CliError(f"process {args.pid} is uid {proc_uid}'s, not yours (uid {me}): the daemon "
+                       "reads a rank file only when root or the process's own user wrote it; "
+                       "register it as that user or as root (docs/cli.md)", EXIT_USAGE)
     gpus = [g for g in (args.gpus or "").split(",") if g]
     hb = args.heartbeat
     doc = build_document(args.job_id, args.rank, args.pid, local_rank=args.local_rank,
@@ -102,9 +114,22 @@ def cmd_register(args: argparse.Namespace) -> int:
 
 def cmd_unregister(args: argparse.Namespace) -> int:
     from gpuwatchd.rank.api import unregister_rank
+    from gpuwatchd.rank.rankfile import rank_file_name
 
     cfg = resolve_config(args)
-    removed = unregister_rank(args.job_id, args.rank, args.rank_dir or cfg.rank_dir)
+    rank_dir = args.rank_dir or cfg.rank_dir
+    if not os.path.isdir(rank_dir):
+        raise CliError(f"rank directory {rank_dir} does not exist (the daemon watches "
+                       f"{cfg.rank_dir})", EXIT_USAGE)
+    removed = unregister_rank(args.job_id, args.rank, rank_dir)
+    path = os.path.join(rank_dir, rank_file_name(args.job_id, args.rank))
+    try:
+        left = os.lstat(path)
+    except FileNotFoundError:
+        left = None
+    if not removed and left is not None:  # the sticky directory: another user's file (EPERM)
+        raise CliError(f"cannot remove {path}: it is uid {left.st_uid}'s (only its owner or root "
+                       "removes it)", EXIT_UNAVAILABLE)
     if not removed:
         print(f"gpuwatchd unregister: no rank file for job {args.job_id}"
               + (f" rank {args.rank}" if args.rank is not None else ""), file=sys.stderr)
@@ -184,10 +209,9 @@ def cmd_ps(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gpuwatchd", description="Per-node monitoring of GPU training ranks.",
-        epilog="Exit codes, in every command: 0 fine; 1 found a problem (check, job); 2 what you gave "
-        "is wrong (options, files, a PID or directory that does not exist, a port in use); 3 what the "
-        "command needs cannot be read or reached (the daemon's files, Prometheus, NVML). Errors are "
-        "one line on stderr.")
+        epilog="Exit codes, in every command: "
+        + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_MEANINGS)
+        + ". Errors are one line on stderr.")
     parser.add_argument("--version", action="version", version=f"gpuwatchd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -206,7 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="configuration tools")
     csub = p.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     pc = csub.add_parser("check", help="validate a config file (exit 2 naming every bad key)")
-    pc.add_argument("file")
+    pc.add_argument("file", nargs="?",
+                    help=f"the config file (or --config.file; default {DEFAULT_CONFIG})")
+    pc.add_argument("--config.file", dest="config_file", default=None,
+                    help="the config file, as `run` takes it")
     pc.set_defaults(func=cmd_config_check)
 
     p = sub.add_parser("register", help="write a rank file for a process (launch scripts, Slurm)")

@@ -29,6 +29,15 @@ from gpuwatchd.config import Config, load_config, with_overrides
 
 DEFAULT_CONFIG = "/etc/gpuwatchd/config.yaml"
 EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+# What each code means, in every command: `gpuwatchd --help` and the manual page's EXIT STATUS
+EXIT_MEANINGS = (
+    (EXIT_OK, "done; nothing wrong found"),
+    (EXIT_FOUND, "the command worked and found a problem (check, job)"),
+    (EXIT_USAGE, "what you gave is wrong (options, files, a PID or directory that does not exist, "
+                 "another user's PID to register, a port in use)"),
+    (EXIT_UNAVAILABLE, "what the command needs cannot be read or reached (the daemon's files, "
+                       "Prometheus, NVML)"),
+)
 
 
 class CliError(Exception):
@@ -67,6 +76,18 @@ def _owner_group(path: str) -> str | None:
 def config_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config.file", dest="config_file", default=None,
                    help=f"YAML config (default: {DEFAULT_CONFIG} if it exists, else built-in defaults)")
+
+
+def checked_file(positional: str | None, flag: str | None, flag_name: str,
+                 default: str | None = None) -> str:
+    """The file a check command is given as ``FILE`` or as ``run``'s flag (one of them)."""
+    if positional and flag and positional != flag:
+        raise CliError(f"two files given ({positional} and {flag_name} {flag}): give one",
+                       EXIT_USAGE)
+    path = positional or flag or default
+    if path is None:
+        raise CliError(f"no file given: FILE or {flag_name} FILE", EXIT_USAGE)
+    return path
 
 
 def resolve_config(args: argparse.Namespace) -> Config:

@@ -146,6 +146,11 @@ class Prometheus:
                 detail = json.load(e).get("error", "")
             except (json.JSONDecodeError, OSError, AttributeError):
                 detail = ""
+            if not detail:  # no Prometheus error body: not its API (the exporter, a wrong path)
+                raise JobQueryError(
+                    f"{self.url}/api/v1/query answered HTTP {e.code}: not Prometheus's query API "
+                    "(--prometheus takes the Prometheus server's URL, e.g. http://prometheus:9090)"
+                ) from e
             raise JobQueryError(f"{self.url}: HTTP {e.code} for {expr!r}: {detail}") from e
         except (urllib.error.URLError, OSError, TimeoutError) as e:
             raise PrometheusUnreachable(f"cannot reach Prometheus at {self.url}: {e}") from e

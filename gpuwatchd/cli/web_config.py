@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from gpuwatchd.cli.common import EXIT_USAGE
+from gpuwatchd.cli.common import EXIT_USAGE, checked_file
 from gpuwatchd.web.web_config import WebConfigError, load_web_config
 
 
@@ -19,7 +19,9 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("web-config", help="check a /metrics web-config file (TLS, auth)")
     sub = p.add_subparsers(dest="web_config_command", required=True)
     c = sub.add_parser("check", help="validate a web-config file and load its certificates")
-    c.add_argument("file")
+    c.add_argument("file", nargs="?", help="the web-config file (or --web.config.file)")
+    c.add_argument("--web.config.file", dest="web_config_file", default=None,
+                   help="the web-config file, as `run` takes it")
     c.set_defaults(func=_cmd_check)
     h = sub.add_parser("hash", help="print a bcrypt hash for basic_auth_users (reads stdin)")
     h.add_argument("--cost", type=int, default=10)
@@ -27,6 +29,7 @@ def register(subparsers: Any) -> None:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    args.file = checked_file(args.file, args.web_config_file, "--web.config.file")
     try:
         cfg = load_web_config(args.file)
     except WebConfigError as e:

@@ -83,6 +83,10 @@ ALERTS: tuple[Alert, ...] = (
     Alert("GpuwatchdDown", "warning", "Prometheus cannot scrape gpuwatchd."),
     Alert("GpuwatchdCycleStopped", "warning", "The gpuwatchd daemon has stopped finishing cycles."),
     Alert("GpuwatchdMemoryHigh", "warning", "The gpuwatchd daemon uses most of its memory limit."),
+    # a refused reload (SIGHUP, a ConfigMap changed under the pod) leaves the old config running,
+    # silently but for one log line: the mixins' PrometheusBadConfig / AlertmanagerFailedReload
+    Alert("GpuwatchdConfigReloadFailed", "warning",
+          "The gpuwatchd daemon refused to reload its configuration."),
 )
 
 # In the order the rules run (the order of gpuwatch_finding's samples and of `gpuwatchd ps`).
