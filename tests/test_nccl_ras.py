@@ -25,6 +25,7 @@ from daemonutil import DaemonProc, free_port, write_config
 from userutil import shared_rank_world, system_user
 
 from gpuwatchd.join.nccl_ras import RasTracker, parse_status
+from gpuwatchd.sources.nccl_ras import decode_status
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl_ras"
 SERVER = FIXTURES / "ras_server.py"
@@ -109,7 +110,7 @@ def _ops(world: Path, job: str) -> dict[int, int]:
 
 def test_ras_names_the_culprit_and_hostile_ports_change_nothing(
         user: int, world: Path, procs: list[subprocess.Popen[Any]]) -> None:  # fmt: skip
-    dead = Job(world, "rasdead", "dead_rank.json", procs)
+    dead = Job(world, "rasdead", "dead_rank_2.28.9.json", procs)  # as NCCL 2.28.9 prints it
     unresponsive = Job(world, "rasunr", "unresponsive_rank.json", procs)
     lagging = Job(world, "raslag", "lagging.json", procs)
     failed = Job(world, "rasasync", "async_error.json", procs)
@@ -190,6 +191,19 @@ def test_ras_names_the_culprit_and_hostile_ports_change_nothing(
         assert stranger.poll() is None
     finally:
         d.stop()
+
+
+def test_a_missing_rank_as_nccl_2_28_prints_it_is_read() -> None:
+    # 2.28.7-2.28.9 leave out the comma after a missing rank's nvml_dev: not JSON as printed
+    raw = (FIXTURES / "dead_rank_2.28.9.json").read_bytes()
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(raw)
+    answer = parse_status(decode_status(raw))
+    assert [(r.rank, r.host, r.pid, r.missing) for r in answer.missing] == [(3, REMOTE, 4104, "dead")]
+    later = parse_status(decode_status((FIXTURES / "dead_rank.json").read_bytes()))
+    assert (later.size, later.ranks, later.missing) == (answer.size, answer.ranks, answer.missing)
+    with pytest.raises(ValueError):  # the comma is put back there only
+        decode_status(raw.replace(b'"considered_dead": true', b'"considered_dead": true 1'))
 
 
 def test_the_parser_refuses_other_shapes() -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ipaddress
 import itertools
 import os
+import re
 import socket
 import time
 from collections.abc import Iterable, Mapping
@@ -40,6 +41,11 @@ MAX_LINE_BYTES = 4096  # a handshake line (the server's own buffer is 4096)
 MAX_NET_BYTES = 8 << 20  # net/tcp of a namespace with about 50,000 sockets
 MAX_FDS_SCANNED = 16384  # per process: NCCL opens its RAS socket at init, among the first fds
 _LISTEN = "0A"
+# NCCL 2.28.7-2.28.9 print a missing rank with no comma after "nvml_dev" (src/ras/client_support.cc
+# ``jsonWriteMissingRank``: ``"nvml_dev": %d\n`` then ``"status": {``; 2.29.2 adds the comma), so
+# every answer that names a missing rank, the one that matters most, is not JSON as printed. The
+# comma is put back there only: the pattern is bounded (one line, the digits of an int).
+_NO_COMMA = re.compile(rb'("nvml_dev": -?[0-9]{1,11})(\r?\n[ ]{0,32}"status": \{)')
 
 
 class RasRefused(Exception):
@@ -244,9 +250,18 @@ def query(address: str, port: int, timeout: float = 2.0, max_bytes: int = MAX_AN
     finally:
         conn.sock.close()
     try:
-        return loads_answer(raw, max_bytes)
+        return decode_status(raw, max_bytes)
     except ValueError as exc:
         raise RasRefused(f"not JSON: {str(exc)[:80]}") from None
+
+
+def decode_status(raw: bytes, max_bytes: int = MAX_ANSWER_BYTES) -> Any:
+    """The ``STATUS`` document as NCCL printed it, decoded with the flight recorder's bounds;
+    a missing rank of NCCL 2.28.7-2.28.9 (``_NO_COMMA``) is read as 2.29 prints it. ValueError."""
+    if len(raw) > max_bytes:
+        raise ValueError(f"larger than {max_bytes} bytes")
+    fixed = _NO_COMMA.sub(rb"\1,\2", raw)
+    return loads_answer(fixed, max_bytes + len(fixed) - len(raw))
 
 
 def local_addresses(proc: Any, pid: int) -> frozenset[str]:
