@@ -206,6 +206,22 @@ def test_a_missing_rank_as_nccl_2_28_prints_it_is_read() -> None:
         decode_status(raw.replace(b'"considered_dead": true', b'"considered_dead": true 1'))
 
 
+def test_a_one_rank_communicator_counts_nothing() -> None:
+    # NCCL copies a one-rank collective locally (ncclLaunchOneRank), with no kernel plan to count
+    # it: a world-size-1 job's counts stay 0 while it trains, and that says nothing either way
+    doc = json.loads((FIXTURES / "healthy.json").read_text())
+    world = doc["communicators"][0]
+    world.update(size=1, ranks_count=1, ranks=world["ranks"][:1])
+    world["ranks"][0]["collective_counts"] = dict.fromkeys(world["ranks"][0]["collective_counts"], 0)
+    doc["communicators"] = [world]
+    tracker = RasTracker()
+    local = {4101: (0, 111)}
+    tracker.observe("j", 100.0, parse_status(doc), local, frozenset({LOCAL_HOST}))
+    later = tracker.observe("j", 160.0, parse_status(doc), local, frozenset({LOCAL_HOST}))
+    assert later.progressing is None and later.stopped_seconds == 0.0 and not later.statement
+    assert [(s.rank, s.ops, s.counted) for s in later.local] == [(0, 0, False)]
+
+
 def test_the_parser_refuses_other_shapes() -> None:
     for doc in ({}, {"communicators": {}}, {"communicators": [{"size": 1, "ranks": [{"rank": "x"}]}]},
                 {"communicators": [{"size": 1, "ranks": [{"rank": 0, "host": "\x1b[2J", "pid": 1,

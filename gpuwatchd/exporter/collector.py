@@ -281,8 +281,9 @@ class StateCollector:
                      ["job_id", "nccl_rank", "host", "pid", "reason"])
         jobs: set[str] = set()
         for r in s.nccl_ras:
-            ops.add_metric([r.job_id, str(r.rank)], r.ops)
-            still.add_metric([r.job_id, str(r.rank)], max(0.0, r.asked_at - r.moved_at))
+            if r.counted:  # a one-rank communicator's counts are always 0 (join/nccl_ras.py)
+                ops.add_metric([r.job_id, str(r.rank)], r.ops)
+                still.add_metric([r.job_id, str(r.rank)], max(0.0, r.asked_at - r.moved_at))
             if r.job_id not in jobs:
                 jobs.add(r.job_id)
                 missing.add_metric([r.job_id, "dead"], r.dead)

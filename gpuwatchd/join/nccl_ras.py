@@ -10,6 +10,9 @@ with ``init_state``/``async_error`` as ncclResult_t and the flags, ``collective_
 collective function) and ``missing_ranks`` (``status.unresponsive``, ``status.considered_dead``).
 The evidence uses the job's largest communicator (the world group: every rank is in it); the
 counts are collectives *issued* by each rank, so the ranks the others wait for have the lowest.
+NCCL counts only collectives launched through a kernel plan: a one-rank communicator's are local
+copies (``ncclLaunchOneRank``) and its counts stay 0 whatever it does, so they say nothing
+(``counted`` False: neither progress nor a stop; a world-size-1 job on the device showed 0).
 
 Joined by (host, PID) to the job's ranks on this node: a RAS rank whose PID is a watched rank's
 (host PID or the PID its container sees) and whose host is an address of this node. An answer
@@ -164,7 +167,10 @@ class RasTracker:
                 moved = moved or before is not None
         any_moved = now if seen is None or moved else seen.any_moved_at
         self._seen[job_id] = _Seen(ops, moved_at, any_moved)
-        progressing = None if seen is None else moved
+        counted = answer.size > 1  # a one-rank communicator's counts never move (module docstring)
+        progressing = None if seen is None or not counted else moved
+        if not counted:
+            any_moved = now
         present = answer.ranks
         errors = tuple(r for r in present if r.async_error not in (0, 7) or r.abort)
         behind: tuple[RasRank, ...] = ()
@@ -173,7 +179,8 @@ class RasTracker:
             if any(r.ops != low for r in present):
                 behind = tuple(r for r in present if r.ops == low)
         status = tuple(RasRankStatus(job_id, local[r.pid][0], local[r.pid][1], r.rank, r.ops,
-                                     r.counts, moved_at[(r.host, r.pid)], now, r.async_error)
+                                     r.counts, moved_at[(r.host, r.pid)], now, r.async_error,
+                                     counted=counted)
                        for r in sorted(mine, key=lambda r: r.rank))  # fmt: skip
         job = RasJob(job_id, now, nccl_version=answer.nccl_version, size=answer.size,
                      local=status, missing=answer.missing, errors=errors, behind=behind,

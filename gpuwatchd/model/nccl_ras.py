@@ -52,6 +52,10 @@ class RasRankStatus:
     # the ranks named in it: (RAS rank, host, pid, "dead" | "unresponsive" | "missing" | "behind"
     # | "async_error"), at most join/nccl_ras.py MAX_NAMED of each kind
     culprits: tuple[tuple[int, str, int, str], ...] = ()
+    # False: the rank's communicator has one rank, whose collectives NCCL never counts (a one-rank
+    # collective is a local copy, ncclLaunchOneRank, launched with no kernel plan, and only a plan
+    # adds to the counts RAS reads, comm->seqNumber: src/enqueue.cc, src/plugin/profiler.cc)
+    counted: bool = True
 
 
 @dataclass(frozen=True)
