@@ -59,7 +59,7 @@ class Job:
     """Two local ranks of one job, each a RAS server on the job's port (SO_REUSEPORT, as NCCL)."""
 
     def __init__(self, world: Path, name: str, fixture: str | None, procs: list[Any],
-                 mode: str = "normal", ops: bool = False) -> None:
+                 mode: str = "normal", ops: bool = False, beat_age: float = 600.0) -> None:
         self.name, self.port = name, free_port()
         self.answer = world / f"{name}.json"
         self.answer.write_text("{}")
@@ -76,7 +76,7 @@ class Job:
             self.answer.write_text(_answer(fixture, self.pids, ops))
         procs.extend(self.procs)
         ranks = world / "ranks"
-        old = time.time() - 600
+        old = time.time() - beat_age  # its last heartbeat
         entries = []
         for rank, p in enumerate(self.procs):
             hb = ranks / f"{name}.{rank}.hb"
@@ -191,6 +191,30 @@ def test_ras_names_the_culprit_and_hostile_ports_change_nothing(
         assert stranger.poll() is None
     finally:
         d.stop()
+
+
+def test_a_rank_that_stopped_beating_and_trains_is_asked(
+        world: Path, procs: list[subprocess.Popen[Any]]) -> None:  # fmt: skip
+    """The device run's shape: the job beats, then stops calling heartbeat() and trains on (its
+    main thread works half of the time): not stalled to the stall part, and its RAS port is asked
+    all the same once its heartbeat is late, so its counts are in ps --json. Before, only a
+    stalled or suspect rank's job was asked: this one never was."""
+    working = Job(world, "raswork", "healthy.json", procs, mode="work", ops=True, beat_age=0.0)
+    path, cfg = write_config(world, rank_dir=str(world / "ranks"), stall={
+        "after_seconds": 8.0, "flight_recorder": False, "nccl_ras_interval_seconds": 1,
+        "nccl_ras_timeout_seconds": 1.0})
+    d = DaemonProc(path, cfg)
+    try:
+        d.wait_for(lambda: len(_ops(world, working.name)) == 2, timeout=20,
+                   what="RAS counts of the job that works without a heartbeat")
+        first = _ops(world, working.name)[0]
+        d.wait_for(lambda: _ops(world, working.name).get(0, 0) > first, timeout=10,
+                   what="its counts moving")
+        assert d.value("gpuwatch_rank_stalled", job_id=working.name, rank="0") == 0.0
+        assert "NCCL RAS of job raswork (rank 0 heartbeat late (" in d.log(), d.log()
+        assert "(rank 0 stalled)" not in d.log(), d.log()
+    finally:
+        assert d.stop() == 0, d.log()
 
 
 def test_a_missing_rank_as_nccl_2_28_prints_it_is_read() -> None:

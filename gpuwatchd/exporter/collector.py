@@ -266,8 +266,9 @@ class StateCollector:
     def _nccl_ras(self, s: NodeState) -> list[Metric]:
         labels = ["job_id", "rank"]
         ops = _g("nccl_ras_rank_operations", "Collective operations the rank has issued, all "
-                 "functions, as NCCL RAS reports it (asked when a rank of the job looks stalled or "
-                 "suspect, every stall.nccl_ras_interval_seconds).", labels)
+                 "functions, as NCCL RAS reports it (asked when a rank of the job looks stalled, "
+                 "suspect, late with its heartbeat or in a collective, every "
+                 "stall.nccl_ras_interval_seconds).", labels)
         still = _g("nccl_ras_rank_operations_unchanged_seconds", "Seconds since NCCL RAS last saw "
                    "the rank's operation count change, at the latest answer.", labels)
         missing = _g("nccl_ras_missing_ranks", "Ranks of the job that NCCL RAS reports missing, by "

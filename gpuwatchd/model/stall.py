@@ -189,6 +189,10 @@ class StallVerdict:
     # a rank that would be stalled but waits for a peer of its job that progresses: not stalled,
     # and the words that say for whom ("waits in barrier for rank 0, which ...")
     waits_for: str = ""
+    # why the job's own view (NCCL RAS) is asked about it, stalled or not: "heartbeat late (12 s)",
+    # "in all_reduce at its last dump"; "" for a rank beating on time and not last seen in a
+    # collective (join/stall.py ``_watch``; daemon/nccl_ras.py ``ras_jobs``)
+    watch: str = ""
 
     @property
     def key(self) -> RankId:
