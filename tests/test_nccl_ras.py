@@ -25,7 +25,7 @@ from daemonutil import DaemonProc, free_port, write_config
 from userutil import shared_rank_world, system_user
 
 from gpuwatchd.join.nccl_ras import RasTracker, parse_status
-from gpuwatchd.sources.nccl_ras import decode_status
+from gpuwatchd.sources.nccl_ras import decode_status, ras_address
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl_ras"
 SERVER = FIXTURES / "ras_server.py"
@@ -244,6 +244,18 @@ def test_a_one_rank_communicator_counts_nothing() -> None:
     later = tracker.observe("j", 160.0, parse_status(doc), local, frozenset({LOCAL_HOST}))
     assert later.progressing is None and later.stopped_seconds == 0.0 and not later.statement
     assert [(s.rank, s.ops, s.counted) for s in later.local] == [(0, 0, False)]
+
+
+def test_nccl_ras_addr_as_nccl_reads_it() -> None:
+    # NCCL takes host:port with a name (getaddrinfo) or an address, [v6]:port; the port is what
+    # finds the listeners, so a name the daemon never resolves still asks the job's port
+    assert ras_address(None) == ("127.0.0.1", 28028)
+    assert ras_address("localhost:29000") == ("127.0.0.1", 29000)
+    assert ras_address("[::1]:29001") == ("::1", 29001)
+    assert ras_address("node-5.cluster:29002") == ("node-5.cluster", 29002)
+    for bad in ("28028", "host:", "host:0", "host:70000", "host:2x"):
+        with pytest.raises(ValueError):
+            ras_address(bad)
 
 
 def test_the_parser_refuses_other_shapes() -> None:

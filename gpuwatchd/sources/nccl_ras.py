@@ -60,8 +60,10 @@ class Listener:
 
 
 def ras_address(value: str | None) -> tuple[str, int]:
-    """``NCCL_RAS_ADDR`` (``host:port``, ``[v6]:port``) as (address, port); ``localhost`` and
-    numeric addresses only (no name lookup in the daemon's cycle); ValueError otherwise."""
+    """``NCCL_RAS_ADDR`` (``host:port``, ``[v6]:port``) as (address, port); ValueError for no
+    port. NCCL resolves a host name (``ncclSocketGetAddrFromString``: getaddrinfo, the first
+    answer); the daemon does no name lookup in its cycle and needs none: the listeners on the port
+    (``owned_listener``) say where to connect, so a name is returned as written."""
     if not value:
         return "127.0.0.1", DEFAULT_PORT
     host, sep, port_text = value.strip().rpartition(":")
@@ -73,7 +75,10 @@ def ras_address(value: str | None) -> tuple[str, int]:
     host = host.strip("[]")
     if host == "localhost":
         return "127.0.0.1", port
-    return str(ipaddress.ip_address(host)), port
+    try:
+        return str(ipaddress.ip_address(host)), port
+    except ValueError:
+        return host[:253], port
 
 
 def _hex_address(text: str) -> str:
