@@ -115,6 +115,7 @@ def test_ras_names_the_culprit_and_hostile_ports_change_nothing(
     lagging = Job(world, "raslag", "lagging.json", procs)
     failed = Job(world, "rasasync", "async_error.json", procs)
     moving = Job(world, "rasmove", "healthy.json", procs, ops=True)
+    text = Job(world, "rastext", "dead_rank_2.27.7.txt", procs, mode="text")  # NCCL 2.24-2.27
     squat = Job(world, "rassquat", None, procs)
     hostile = {mode: Job(world, f"ras{mode}", "dead_rank.json", procs, mode=mode)
                for mode in ("slow", "huge", "garbage", "silent")}
@@ -135,7 +136,7 @@ def test_ras_names_the_culprit_and_hostile_ports_change_nothing(
     try:
         def named() -> bool:
             found = _findings(world, "nccl_rank_missing")
-            return all(j.name in found for j in (dead, unresponsive, lagging, failed))
+            return all(j.name in found for j in (dead, unresponsive, lagging, failed, text))
 
         d.wait_for(named, timeout=60, what="a nccl_rank_missing finding for each RAS state")
         found = _findings(world, "nccl_rank_missing")
@@ -148,6 +149,7 @@ def test_ras_names_the_culprit_and_hostile_ports_change_nothing(
             in found[lagging.name]
         assert f"rank 3 on {REMOTE} (pid 4104) has an asynchronous NCCL error: remote process " \
                "error" in found[failed.name]
+        assert f"rank 3 on {REMOTE} (pid 4104) is dead per NCCL RAS" in found[text.name]
         # every node's stall finding carries the culprit
         stalled = _findings(world, "rank_stalled")
         assert "is dead per NCCL RAS" in stalled[dead.name]
@@ -258,8 +260,35 @@ def test_nccl_ras_addr_as_nccl_reads_it() -> None:
             ras_address(bad)
 
 
+@pytest.mark.parametrize(("fixture", "missing", "failed"), [
+    ("healthy_2.27.7.txt", [], []),
+    ("dead_rank_2.27.7.txt", [(3, REMOTE, 4104, "dead")], []),
+    ("async_error_2.26.6.txt", [], [(3, REMOTE, 4104, 6)]),
+    # 2.24-2.25 name the missing rank by number only, and the process that did not answer
+    ("unresponsive_rank_2.24.3.txt", [(-1, REMOTE, 4103, "unresponsive"), (2, "", -1, "unresponsive")], []),
+])
+def test_text_answers_of_nccl_2_24_to_2_27(fixture: str, missing: list[tuple[Any, ...]],
+                                           failed: list[tuple[Any, ...]]) -> None:  # fmt: skip
+    answer = parse_status((FIXTURES / fixture).read_text())
+    assert answer.text and answer.size == 4 and answer.nccl_version == fixture[-10:-4]
+    assert [(r.rank, r.host, r.pid, r.missing) for r in answer.missing] == missing
+    assert [(r.rank, r.host, r.pid, r.async_error) for r in answer.ranks] == failed
+    job = RasTracker().observe("j", 100.0, answer, {4101: (0, 111)}, frozenset({LOCAL_HOST}))
+    assert not job.error and job.progressing is None and not job.local and not job.behind
+    if missing:
+        assert job.statement.startswith(("rank 3 on 10.1.0.5 (pid 4104) is dead per NCCL RAS",
+                                         "process 4103 on 10.1.0.5 is unresponsive; rank 2 is "
+                                         "unresponsive per NCCL RAS")), job.statement
+    elif failed:
+        assert job.statement == "rank 3 on 10.1.0.5 (pid 4104) has an asynchronous NCCL error: " \
+            "remote process error", job.statement
+    else:
+        assert job.statement == ""
+
+
 def test_the_parser_refuses_other_shapes() -> None:
-    for doc in ({}, {"communicators": {}}, {"communicators": [{"size": 1, "ranks": [{"rank": "x"}]}]},
+    for doc in ("", "Job summary\n", {}, {"communicators": {}},
+                {"communicators": [{"size": 1, "ranks": [{"rank": "x"}]}]},
                 {"communicators": [{"size": 1, "ranks": [{"rank": 0, "host": "\x1b[2J", "pid": 1,
                                                           "collective_counts": {}}]}]}):
         with pytest.raises(ValueError):

@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gpuwatchd.escape import printable
+from gpuwatchd.join.ras_text import parse_text
 from gpuwatchd.model.nccl_ras import RasJob, RasRank, RasRankStatus
 
 MAX_COMMS = 256  # communicators read of one answer
@@ -43,8 +44,9 @@ FUNCTIONS = ("Broadcast", "Reduce", "AllGather", "ReduceScatter", "AllReduce")
 class RasAnswer:
     nccl_version: str
     size: int  # ranks of the communicator
-    ranks: tuple[RasRank, ...]  # present
+    ranks: tuple[RasRank, ...]  # present (text: only those with an asynchronous error)
     missing: tuple[RasRank, ...]
+    text: bool = False  # NCCL 2.24-2.27's text (join/ras_text.py): no counts, no rank list
 
 
 def _int(value: Any, what: str, low: int = -(2 ** 63)) -> int:
@@ -85,7 +87,11 @@ def _rank(d: Any, missing: bool) -> RasRank:
 
 
 def parse_status(doc: Any) -> RasAnswer:
-    """NCCL's JSON ``STATUS`` -> its largest communicator; ValueError for another shape."""
+    """NCCL's JSON ``STATUS`` -> its largest communicator; its text ``STATUS`` (a ``str``, NCCL
+    2.24-2.27) -> what join/ras_text.py reads of it; ValueError for another shape."""
+    if isinstance(doc, str):
+        version, size, failed, missing = parse_text(doc)
+        return RasAnswer(version, size, failed, missing, text=True)
     if not isinstance(doc, dict) or not isinstance(doc.get("communicators"), list):
         raise ValueError("not an NCCL RAS status (no communicators)")
     version = _text(doc.get("nccl_version", "?"), 16, "nccl_version")
@@ -150,6 +156,8 @@ class RasTracker:
                 addresses: frozenset[str]) -> RasJob:
         """``local``: RAS-visible PID (host or container PID) -> (gpuwatchd rank, host PID) of the
         job's live ranks here; ``addresses``: this node's addresses (empty: unknown, PID alone)."""
+        if answer.text:
+            return self._text(job_id, now, answer)
         mine = [r for r in answer.ranks if r.pid in local and (not addresses or r.host in addresses)]
         if not mine:
             return RasJob(job_id, now, error="the answer names none of the job's ranks here",
@@ -186,6 +194,18 @@ class RasTracker:
                      local=status, missing=answer.missing, errors=errors, behind=behind,
                      progressing=progressing, stopped_seconds=now - any_moved)
         return _with_statement(job, present)
+
+
+    def _text(self, job_id: str, now: float, answer: RasAnswer) -> RasJob:
+        """A text answer (NCCL 2.24-2.27): its missing and failed ranks, no counts, so neither
+        progress nor a stop, and no local rank's row (it lists no healthy rank to join). The port
+        was already proven the job's (every listener a socket of its ranks), which is what makes
+        an answer that names none of them here acceptable."""
+        self._seen.pop(job_id, None)
+        errors = tuple(r for r in answer.ranks if r.async_error not in (0, 7) or r.abort)
+        job = RasJob(job_id, now, nccl_version=answer.nccl_version, size=answer.size,
+                     missing=answer.missing, errors=errors)
+        return _with_statement(job, answer.ranks)
 
 
 def _with_statement(job: RasJob, present: tuple[RasRank, ...]) -> RasJob:

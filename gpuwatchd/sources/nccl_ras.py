@@ -10,8 +10,9 @@ rank's ``/proc/PID/fd``): a squatted or shared port is refused, never asked.
 
 The protocol is NCCL's own client's (``src/ras/client.cc`` in NVIDIA/nccl):
 ``CLIENT PROTOCOL 2`` -> ``SERVER PROTOCOL <n>``, ``TIMEOUT <s>`` -> ``OK``, ``SET FORMAT json``
--> ``OK`` (NCCL 2.28 and later; 2.24-2.27 answer ``ERROR: Unknown command``, which is refused
-here as ``no JSON``), ``STATUS`` -> the JSON document, then the server closes. One connection per
+-> ``OK`` (NCCL 2.28 and later; 2.24-2.27 answer ``ERROR: Unknown command``, and their
+``STATUS`` is text, returned as a ``str`` of printable ASCII for join/ras_text.py), ``STATUS`` ->
+the JSON document, then the server closes. One connection per
 query, closed at the end; a connect and total deadline (``timeout``), and at most ``max_bytes``
 read; the JSON is decoded with the flight recorder's bounds (nesting, number size).
 
@@ -244,8 +245,9 @@ def query(address: str, port: int, timeout: float = 2.0, max_bytes: int = MAX_AN
         if conn.line().upper() != "OK":
             raise RasRefused("TIMEOUT refused")
         conn.send("SET FORMAT json\n")
-        if conn.line().upper() != "OK":
-            raise RasRefused("no JSON (NCCL older than 2.28)")
+        reply = conn.line().upper()
+        if reply != "OK" and not reply.startswith("ERROR"):
+            raise RasRefused("SET FORMAT json refused")
         conn.send("STATUS\n")
         raw = conn.rest(max_bytes)
     except TimeoutError:
@@ -254,6 +256,11 @@ def query(address: str, port: int, timeout: float = 2.0, max_bytes: int = MAX_AN
         raise RasRefused(f"socket: {exc.strerror or exc}") from None
     finally:
         conn.sock.close()
+    if reply != "OK":  # NCCL 2.24-2.27: "ERROR: Unknown command", and STATUS answers text
+        text = raw.decode("utf-8", "replace")
+        if not text.isascii() or any(not (c.isprintable() or c in "\n\r\t") for c in text):
+            raise RasRefused("a text answer that is not printable ASCII")
+        return text
     try:
         return decode_status(raw, max_bytes)
     except ValueError as exc:
