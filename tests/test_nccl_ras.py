@@ -24,7 +24,9 @@ import pytest
 from daemonutil import DaemonProc, free_port, write_config
 from userutil import shared_rank_world, system_user
 
-from gpuwatchd.join.nccl_ras import RasTracker, parse_status
+from gpuwatchd.join.nccl_ras import RasTracker, confirm_by_ras, parse_status
+from gpuwatchd.model.nccl_ras import RasJob, RasRank
+from gpuwatchd.model.stall import HangAnalysis, Pattern, StallVerdict
 from gpuwatchd.sources.nccl_ras import decode_status, ras_address
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl_ras"
@@ -59,7 +61,7 @@ class Job:
     """Two local ranks of one job, each a RAS server on the job's port (SO_REUSEPORT, as NCCL)."""
 
     def __init__(self, world: Path, name: str, fixture: str | None, procs: list[Any],
-                 mode: str = "normal", ops: bool = False, beat_age: float = 600.0) -> None:
+                 mode: str = "normal", ops: bool = False, beat_age: float | None = 600.0) -> None:
         self.name, self.port = name, free_port()
         self.answer = world / f"{name}.json"
         self.answer.write_text("{}")
@@ -69,16 +71,19 @@ class Job:
             cmd = [sys.executable, "-c", "import time; time.sleep(600)"]
             self.procs = [subprocess.Popen(cmd, env=env) for _ in range(2)]
         else:
-            cmd = [sys.executable, str(SERVER), str(self.port), str(self.answer), mode]
+            cmd = [sys.executable, str(SERVER), str(self.port), str(self.answer), mode, str(world)]
             self.procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE) for _ in range(2)]
             for p in self.procs:
                 assert p.stdout is not None and p.stdout.readline().strip() == b"listening"
             self.answer.write_text(_answer(fixture, self.pids, ops))
         procs.extend(self.procs)
         ranks = world / "ranks"
-        old = time.time() - beat_age  # its last heartbeat
+        old = time.time() - (beat_age or 0.0)  # its last heartbeat
         entries = []
         for rank, p in enumerate(self.procs):
+            if beat_age is None:  # no heartbeat: its stacks say whether it moves
+                entries.append({"rank": rank, "pid": p.pid})
+                continue
             hb = ranks / f"{name}.{rank}.hb"
             hb.write_text("")
             os.utime(hb, (old, old))
@@ -219,6 +224,81 @@ def test_a_rank_that_stopped_beating_and_trains_is_asked(
         assert d.stop() == 0, d.log()
 
 
+C10D = """
+import threading
+_never = threading.Lock()
+_never.acquire()
+
+
+def all_reduce():
+    _never.acquire()  # a peer that never arrives: blocked at 0 % CPU
+"""
+
+
+def test_a_hang_that_ras_confirms_is_paged_at_the_conclusive_bound(
+        world: Path, procs: list[subprocess.Popen[Any]]) -> None:  # fmt: skip
+    """after_seconds 300, conclusive_seconds 3: two ranks here wait in all_reduce with no
+    heartbeat (both in the collective: alone, that is not conclusive, the peer they wait for may be
+    elsewhere). With RAS naming rank 3 dead and no count moving, they are paged at the conclusive
+    bound ("ras_missing"); the same ranks with RAS counts that stop but nobody missing (a peer
+    elsewhere busy outside collectives) are not paged."""
+    (world / "distributed_c10d.py").write_text(C10D)
+    dead = Job(world, "rasconcl", "dead_rank.json", procs, mode="collective", beat_age=None)
+    quiet = Job(world, "rasquiet", "healthy.json", procs, mode="collective", beat_age=None)
+    path, cfg = write_config(world, rank_dir=str(world / "ranks"), stall={
+        "after_seconds": 300.0, "conclusive_seconds": 3.0, "flight_recorder": False,
+        "nccl_ras_interval_seconds": 1, "nccl_ras_timeout_seconds": 1.0})
+    d = DaemonProc(path, cfg)
+    t0 = time.monotonic()
+    try:
+        d.wait_for(lambda: dead.name in _findings(world, "rank_stalled"), timeout=60,
+                   what="the RAS-confirmed hang paged")
+        print(f"paged {time.monotonic() - t0:.1f} s after the daemon's start (bound 3 s)")
+        text = _findings(world, "rank_stalled")[dead.name]
+        assert "conclusive: it waits in a collective, still for" in text, text
+        assert "NCCL RAS agrees" in text and "rank 3 on 10.1.0.5 (pid 4104) is dead per NCCL RAS" in text, text
+        assert d.value("gpuwatch_rank_stalled", job_id=dead.name, rank="0") == 1.0
+        end = time.monotonic() + 8  # the other job, RAS present and silent, over 2.5 x the bound
+        while time.monotonic() < end:
+            assert quiet.name not in _findings(world, "rank_stalled")
+            assert d.value("gpuwatch_rank_stalled", job_id=quiet.name, rank="0") != 1.0
+            time.sleep(0.5)
+        assert (_state(world).get("nccl_ras") or []) and quiet.name in {
+            r["job_id"] for r in _state(world)["nccl_ras"]}  # asked all along
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+GONE = (RasRank(3, REMOTE, 4104, missing="dead"),)
+
+
+@pytest.mark.parametrize(("change", "paged"), [
+    ({}, True),
+    ({"progressing": True}, False),  # counts move: the job works
+    ({"progressing": None}, False),  # the first answer, or text (no counts)
+    ({"stopped_seconds": 39.0}, False),
+    ({"missing_seconds": 39.0}, False),  # missing only lately (a leg that timed out once)
+    ({"missing": ()}, False),  # counts stopped, everyone present: a peer busy elsewhere
+    ({"size": 1}, False),  # NCCL counts nothing of a one-rank communicator
+    ({"error": "timed out"}, False),
+    ({"still": 39.0}, False),
+    ({"kinds": ("lock_wait",)}, False),  # not in a collective
+    ({"waits_for": "rank 1 waits in barrier for rank 0, which works"}, False),
+])
+def test_ras_confirms_a_hang_only_with_the_local_view(change: dict[str, Any], paged: bool) -> None:
+    job = {k: v for k, v in change.items() if k not in ("still", "kinds", "waits_for")}
+    ras = RasJob(**{"job_id": "j", "asked_at": 100.0, "size": 4, "missing": GONE, "progressing": False,
+                    "stopped_seconds": 41.0, "missing_seconds": 40.0, **job})  # type: ignore[arg-type]
+    analysis = HangAnalysis((), (), tuple(Pattern(k, "") for k in change.get("kinds", ("collective",))))
+    v = StallVerdict("j", 0, 4101, True, 50.0, False, "stack", 50.0, analysis=analysis,
+                     still_seconds=change.get("still", 45.0), waits_for=change.get("waits_for", ""))
+    out = confirm_by_ras({v.key: v, **{}}, {"j": ras}, 40.0)
+    assert (v.key in out) is paged
+    if paged:
+        assert out[v.key].stalled and out[v.key].conclusive == "ras_missing"
+    assert not confirm_by_ras({v.key: v}, {}, 40.0)  # no answer, no change
+
+
 def test_a_missing_rank_as_nccl_2_28_prints_it_is_read() -> None:
     # 2.28.7-2.28.9 leave out the comma after a missing rank's nvml_dev: not JSON as printed
     raw = (FIXTURES / "dead_rank_2.28.9.json").read_bytes()
@@ -306,5 +386,10 @@ def test_a_lagging_rank_is_named_only_once_counts_stop() -> None:
     assert second.progressing is False and [r.rank for r in second.behind] == [2]
     assert second.stopped_seconds == 10.0
     assert second.local[0].moved_at == 100.0 and second.local[0].ops == 10239
+    gone = parse_status(json.loads((FIXTURES / "dead_rank.json").read_text()))
+    assert tracker.observe("j", 120.0, gone, local, here).missing_seconds == 0.0
+    assert tracker.observe("j", 135.0, gone, local, here).missing_seconds == 15.0  # the streak
+    assert tracker.observe("j", 140.0, parse_status(doc), local, here).missing_seconds == 0.0
+    assert tracker.observe("j", 150.0, gone, local, here).missing_seconds == 0.0  # a new one
     other = tracker.observe("k", 100.0, parse_status(doc), {9999: (0, 9999)}, here)
     assert other.error == "the answer names none of the job's ranks here" and not other.local

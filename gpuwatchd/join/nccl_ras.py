@@ -28,7 +28,9 @@ from typing import Any
 
 from gpuwatchd.escape import printable
 from gpuwatchd.join.ras_text import parse_text
+from gpuwatchd.model import RankId
 from gpuwatchd.model.nccl_ras import RasJob, RasRank, RasRankStatus
+from gpuwatchd.model.stall import StallVerdict
 
 MAX_COMMS = 256  # communicators read of one answer
 MAX_RANKS = 8192  # ranks read of one communicator
@@ -115,6 +117,7 @@ class _Seen:
     ops: dict[tuple[str, int], int]  # (host, pid) -> ops
     moved_at: dict[tuple[str, int], float]
     any_moved_at: float
+    missing_at: float | None = None  # the first answer of the current streak naming missing ranks
 
 
 def counts_moving(ras: RasJob | None, pid: int, now: float, interval: float) -> bool:
@@ -174,7 +177,9 @@ class RasTracker:
                 moved_at[key] = now
                 moved = moved or before is not None
         any_moved = now if seen is None or moved else seen.any_moved_at
-        self._seen[job_id] = _Seen(ops, moved_at, any_moved)
+        missing_at = None if not answer.missing else (
+            seen.missing_at if seen is not None and seen.missing_at is not None else now)
+        self._seen[job_id] = _Seen(ops, moved_at, any_moved, missing_at)
         counted = answer.size > 1  # a one-rank communicator's counts never move (module docstring)
         progressing = None if seen is None or not counted else moved
         if not counted:
@@ -192,7 +197,8 @@ class RasTracker:
                        for r in sorted(mine, key=lambda r: r.rank))  # fmt: skip
         job = RasJob(job_id, now, nccl_version=answer.nccl_version, size=answer.size,
                      local=status, missing=answer.missing, errors=errors, behind=behind,
-                     progressing=progressing, stopped_seconds=now - any_moved)
+                     progressing=progressing, stopped_seconds=now - any_moved,
+                     missing_seconds=now - missing_at if missing_at is not None else 0.0)
         return _with_statement(job, present)
 
 
@@ -231,3 +237,29 @@ def _with_statement(job: RasJob, present: tuple[RasRank, ...]) -> RasJob:
     local = tuple(replace(s, dead=dead, unresponsive=len(job.missing) - dead, errors=len(job.errors),
                           culprit=statement, culprits=named) for s in job.local)
     return replace(job, statement=statement, local=local)
+
+
+def confirm_by_ras(verdicts: Mapping[RankId, StallVerdict], jobs: Mapping[str, RasJob],
+                   conclusive: float) -> dict[RankId, StallVerdict]:  # fmt: skip
+    """A rank here that waits in a collective, proven still for the conclusive bound, is stalled
+    then (``conclusive`` "ras_missing") when NCCL RAS agrees for as long: every answer of its job
+    over the bound names missing ranks (dead or unresponsive: a process gone, stopped or hung
+    whole, its RAS thread silent), and no count of the job moved over it. Both views at once,
+    for that long, or nothing: a peer on another node that works alone (an evaluation, a
+    checkpoint) is present to RAS, so its waiting peers here wait for ``after_seconds``; a rank
+    merely behind is never conclusive (it may be on its way), nor counts that NCCL never moves (a
+    one-rank communicator), nor a rank here that progresses, compiles, or waits for a local peer
+    that progresses (``waits_for``). Returns the verdicts it makes stalled, only those."""
+    out: dict[RankId, StallVerdict] = {}
+    for key, v in verdicts.items():
+        ras = jobs.get(key[0])
+        if v.stalled or not v.alive or v.compiling or v.waits_for or v.analysis is None or ras is None:
+            continue
+        if ras.error or ras.size < 2 or ras.progressing is not False or not ras.missing:
+            continue
+        if min(ras.stopped_seconds, ras.missing_seconds, v.still_seconds) < conclusive:
+            continue
+        if "collective" not in v.analysis.kinds:
+            continue
+        out[key] = replace(v, stalled=True, ambiguous=False, conclusive="ras_missing")
+    return out

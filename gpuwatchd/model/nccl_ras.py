@@ -79,4 +79,5 @@ class RasJob:
     behind: tuple[RasRank, ...] = ()  # the lowest counts, when counts stopped and differ
     progressing: bool | None = None  # counts moved since the previous answer (None: first)
     stopped_seconds: float = 0.0  # how long no rank's count moved
+    missing_seconds: float = 0.0  # how long every answer named missing ranks (0: none now)
     statement: str = ""  # the culprit in words ("" when none)

@@ -182,7 +182,8 @@ class StallVerdict:
     still_seconds: float = 0.0
     stopped_seconds: float | None = None  # in state T this long; None: not stopped
     # why it was stalled within stall.conclusive_seconds instead of after_seconds: "deadlock",
-    # "gil", "gpu_spin", "stopped", "peer_down", "odd_one_out", "waits_for_stuck"; "" otherwise
+    # "gil", "gpu_spin", "stopped", "peer_down", "odd_one_out", "waits_for_stuck", "ras_missing"
+    # (daemon/wiring.py, join/nccl_ras.py ``confirm_by_ras``); "" otherwise
     conclusive: str = ""
     # what a progressing rank does, in words ("works on its CPU (45 % of a core)")
     doing: str = ""
