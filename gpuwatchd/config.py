@@ -82,7 +82,7 @@ class StallConfig:
     # ask the ranks of a stalled job for their PyTorch flight-recorder dump (gpuwatchd/join/flight_recorder.py)
     flight_recorder: bool = True
     flight_recorder_interval_seconds: float = 60.0
-    # ask NCCL's RAS port (NCCL >= 2.28) about a stalled or suspect job (gpuwatchd/daemon/nccl_ras.py)
+    # ask NCCL's RAS port (NCCL >= 2.28) about a stalled, suspect or watched job (daemon/nccl_ras.py)
     nccl_ras: bool = True
     nccl_ras_interval_seconds: float = 10.0
     nccl_ras_timeout_seconds: float = 2.0

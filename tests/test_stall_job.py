@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 from daemonutil import DaemonProc, write_config
 
+from gpuwatchd.daemon.nccl_ras import ras_jobs
 from gpuwatchd.join.stall import StallTracker
 from gpuwatchd.join.stall_spin import GpuReading
 from gpuwatchd.join.stall_verdicts import judge_jobs
@@ -303,6 +304,10 @@ def test_rank0_working_alone_then_stopping(launch) -> None:
     assert not any(s[0] or s[1] for s in seen), seen
     # what rank 0 is seen doing depends on its share of a loaded CPU: work, or a stack that moves
     assert v[1].waits_for.startswith("rank 1 waits in barrier for rank 0, which "), v[1]
+    # neither is stalled, and the job's RAS port is still asked: rank 1 sits in a collective at
+    # its last dump, and only NCCL knows whether its collectives complete
+    assert v[1].watch == "in barrier at its last dump", v[1]
+    assert ras_jobs({(job, r): x for r, x in v.items()}) == {job}
     os.kill(ranks[0].pid, signal.SIGUSR1)
     t_stop = time.time()
     _, v, _ = _run(tracker, ranks, job, after + 6, lambda v: v[0].stalled and v[1].stalled)
@@ -348,6 +353,13 @@ def test_heartbeat_job_rank0_working_alone_is_not_paged(launch, tmp_path: Path) 
     assert time.time() - os.stat(hbs[0]).st_mtime >= 3 * after - 0.5  # no beat all along
     assert v[0].method == "heartbeat" and v[0].doing.startswith("works on its CPU"), v[0]
     assert v[1].waits_for.startswith("rank 1 waits in barrier for rank 0, which works on its CPU"), v[1]
+    # progressing without a beat: the job's RAS port is asked (the device run: a world-size-1 job
+    # that stopped beating and trained was never asked, its rank not stalled, not suspect)
+    assert v[0].watch.startswith("heartbeat late ("), v[0]
+    assert ras_jobs({(job, r): x for r, x in v.items()}) == {job}
+    os.utime(hbs[0])  # a beat on time: no reason to ask
+    beating = tracker.observe(time.time(), [_probe(job, 0, ranks[0], hbs[0])])
+    assert beating[(job, 0)].watch == "" and not ras_jobs(beating)
 
 
 @pytest.mark.parametrize("shape", ["deadlock", "gil", "stopped", "odd_one_out", "peer_down",

@@ -14,7 +14,7 @@ those it shows the daemon's latest state.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from gpuwatchd.config import Config
@@ -43,6 +43,7 @@ from gpuwatchd.daemon.subsystem import (
     Tracked,
 )
 from gpuwatchd.isolation import attempt
+from gpuwatchd.join.nccl_ras import confirm_by_ras
 from gpuwatchd.model import CollectorStatus, RankId
 
 S = TypeVar("S", bound=Subsystem)
@@ -113,6 +114,12 @@ def track(parts: Parts, daemon: DaemonContext, ranks: Ranks, heartbeats: Mapping
     memory = part(p.memory, lambda s: s.track(daemon, ranks), MemoryOutput())
     exits = part(p.exits, lambda s: s.track(daemon, ranks), ExitOutput())
     ras = part(p.nccl_ras, lambda s: s.track(daemon, ranks, stall.verdicts), RasOutput())
+    if ras.jobs:  # a rank in a collective that RAS confirms stuck: stalled at the conclusive bound
+        conf = daemon.config.stall
+        confirmed = confirm_by_ras(stall.verdicts, ras.jobs, min(conf.conclusive_seconds, conf.after_seconds))
+        if confirmed:
+            stall = replace(stall, verdicts={**stall.verdicts, **confirmed},
+                            stalled={**stall.stalled, **{k: True for k in confirmed}})
     for other in p.others:
         part(other, lambda s: s.observe(daemon, ranks), None)
     return Tracked(stall, flight, straggler, kernel, gpu, memory, exits, ras, down)

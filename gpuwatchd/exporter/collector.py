@@ -266,8 +266,9 @@ class StateCollector:
     def _nccl_ras(self, s: NodeState) -> list[Metric]:
         labels = ["job_id", "rank"]
         ops = _g("nccl_ras_rank_operations", "Collective operations the rank has issued, all "
-                 "functions, as NCCL RAS reports it (asked when a rank of the job looks stalled or "
-                 "suspect, every stall.nccl_ras_interval_seconds).", labels)
+                 "functions, as NCCL RAS reports it (asked when a rank of the job looks stalled, "
+                 "suspect, late with its heartbeat or in a collective, every "
+                 "stall.nccl_ras_interval_seconds).", labels)
         still = _g("nccl_ras_rank_operations_unchanged_seconds", "Seconds since NCCL RAS last saw "
                    "the rank's operation count change, at the latest answer.", labels)
         missing = _g("nccl_ras_missing_ranks", "Ranks of the job that NCCL RAS reports missing, by "
@@ -281,8 +282,9 @@ class StateCollector:
                      ["job_id", "nccl_rank", "host", "pid", "reason"])
         jobs: set[str] = set()
         for r in s.nccl_ras:
-            ops.add_metric([r.job_id, str(r.rank)], r.ops)
-            still.add_metric([r.job_id, str(r.rank)], max(0.0, r.asked_at - r.moved_at))
+            if r.counted:  # a one-rank communicator's counts are always 0 (join/nccl_ras.py)
+                ops.add_metric([r.job_id, str(r.rank)], r.ops)
+                still.add_metric([r.job_id, str(r.rank)], max(0.0, r.asked_at - r.moved_at))
             if r.job_id not in jobs:
                 jobs.add(r.job_id)
                 missing.add_metric([r.job_id, "dead"], r.dead)

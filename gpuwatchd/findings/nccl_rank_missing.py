@@ -1,13 +1,13 @@
 """nccl_rank_missing: NCCL RAS names the rank(s) a suspect job waits for, on this node or another.
 
 Input: ``ctx.nccl_ras`` (job_id -> RasJob, gpuwatchd/join/nccl_ras.py), asked only for jobs with
-a stalled or suspect rank. One finding per job, on its lowest live rank here, when RAS reports a
-rank missing (``dead`` or ``unresponsive``), a rank with an asynchronous NCCL error or abort, or
-counts that stopped with some ranks behind. The stall finding of the same job carries the same
-statement (findings/context.py ``collective_words``); this one says it where no rank here is
-stalled yet (the culprit is on another node). A warning: RAS sees liveness and counts, not
-every stall (a collective that times out can read "RUNNING OK"), and a rank between two
-collectives is briefly "behind".
+a stalled, suspect or watched rank (daemon/nccl_ras.py ``ras_jobs``). One finding per job, on its
+lowest live rank here, when RAS reports a rank missing (``dead`` or ``unresponsive``), a rank with
+an asynchronous NCCL error or abort, or counts that stopped with some ranks behind. The stall
+finding of the same job carries the same statement (findings/context.py ``collective_words``);
+this one says it where no rank here is stalled yet (the culprit is on another node). A warning:
+RAS sees liveness and counts, not every stall (a collective that times out can read "RUNNING
+OK"), and a rank between two collectives is briefly "behind".
 Shell equivalent: ``ncclras -f json`` on the node, read ``missing_ranks`` and the counts.
 """
 

@@ -197,6 +197,9 @@ CONCLUSIVE = {
                    "it and none progresses (stall.conclusive_seconds)",
     "waits_for_stuck": "it waits in the collective for {} for a peer stuck elsewhere, the odd one "
                        "out (stall.conclusive_seconds)",
+    "ras_missing": "it waits in a collective, still for {}, and NCCL RAS agrees: every answer over "
+                   "that time names a missing rank and no collective count of the job moved "
+                   "(stall.conclusive_seconds)",
 }
 
 CONFIRMED = {

@@ -94,6 +94,12 @@ def _collective(frames: Sequence[Frame]) -> Frame | None:
     return hits[-1] if hits else None
 
 
+def collective_name(frames: Sequence[Frame]) -> str:
+    """The name of the c10d collective a thread's frames are in (``all_reduce``), else ""."""
+    coll = _collective(frames)
+    return coll.name if coll else ""
+
+
 def classify(s: ThreadStack, info: ThreadInfo | None, share: float | None,
              wait: SyscallWait | None, asleep: bool = False) -> ThreadView:  # fmt: skip
     """What one thread is doing, from its frames, kernel state and CPU share. ``asleep``: the

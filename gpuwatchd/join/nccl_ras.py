@@ -10,6 +10,9 @@ with ``init_state``/``async_error`` as ncclResult_t and the flags, ``collective_
 collective function) and ``missing_ranks`` (``status.unresponsive``, ``status.considered_dead``).
 The evidence uses the job's largest communicator (the world group: every rank is in it); the
 counts are collectives *issued* by each rank, so the ranks the others wait for have the lowest.
+NCCL counts only collectives launched through a kernel plan: a one-rank communicator's are local
+copies (``ncclLaunchOneRank``) and its counts stay 0 whatever it does, so they say nothing
+(``counted`` False: neither progress nor a stop; a world-size-1 job on the device showed 0).
 
 Joined by (host, PID) to the job's ranks on this node: a RAS rank whose PID is a watched rank's
 (host PID or the PID its container sees) and whose host is an address of this node. An answer
@@ -24,7 +27,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gpuwatchd.escape import printable
+from gpuwatchd.join.ras_text import parse_text
+from gpuwatchd.model import RankId
 from gpuwatchd.model.nccl_ras import RasJob, RasRank, RasRankStatus
+from gpuwatchd.model.stall import StallVerdict
 
 MAX_COMMS = 256  # communicators read of one answer
 MAX_RANKS = 8192  # ranks read of one communicator
@@ -40,8 +46,9 @@ FUNCTIONS = ("Broadcast", "Reduce", "AllGather", "ReduceScatter", "AllReduce")
 class RasAnswer:
     nccl_version: str
     size: int  # ranks of the communicator
-    ranks: tuple[RasRank, ...]  # present
+    ranks: tuple[RasRank, ...]  # present (text: only those with an asynchronous error)
     missing: tuple[RasRank, ...]
+    text: bool = False  # NCCL 2.24-2.27's text (join/ras_text.py): no counts, no rank list
 
 
 def _int(value: Any, what: str, low: int = -(2 ** 63)) -> int:
@@ -82,7 +89,11 @@ def _rank(d: Any, missing: bool) -> RasRank:
 
 
 def parse_status(doc: Any) -> RasAnswer:
-    """NCCL's JSON ``STATUS`` -> its largest communicator; ValueError for another shape."""
+    """NCCL's JSON ``STATUS`` -> its largest communicator; its text ``STATUS`` (a ``str``, NCCL
+    2.24-2.27) -> what join/ras_text.py reads of it; ValueError for another shape."""
+    if isinstance(doc, str):
+        version, size, failed, missing = parse_text(doc)
+        return RasAnswer(version, size, failed, missing, text=True)
     if not isinstance(doc, dict) or not isinstance(doc.get("communicators"), list):
         raise ValueError("not an NCCL RAS status (no communicators)")
     version = _text(doc.get("nccl_version", "?"), 16, "nccl_version")
@@ -106,6 +117,7 @@ class _Seen:
     ops: dict[tuple[str, int], int]  # (host, pid) -> ops
     moved_at: dict[tuple[str, int], float]
     any_moved_at: float
+    missing_at: float | None = None  # the first answer of the current streak naming missing ranks
 
 
 def counts_moving(ras: RasJob | None, pid: int, now: float, interval: float) -> bool:
@@ -147,6 +159,8 @@ class RasTracker:
                 addresses: frozenset[str]) -> RasJob:
         """``local``: RAS-visible PID (host or container PID) -> (gpuwatchd rank, host PID) of the
         job's live ranks here; ``addresses``: this node's addresses (empty: unknown, PID alone)."""
+        if answer.text:
+            return self._text(job_id, now, answer)
         mine = [r for r in answer.ranks if r.pid in local and (not addresses or r.host in addresses)]
         if not mine:
             return RasJob(job_id, now, error="the answer names none of the job's ranks here",
@@ -163,8 +177,13 @@ class RasTracker:
                 moved_at[key] = now
                 moved = moved or before is not None
         any_moved = now if seen is None or moved else seen.any_moved_at
-        self._seen[job_id] = _Seen(ops, moved_at, any_moved)
-        progressing = None if seen is None else moved
+        missing_at = None if not answer.missing else (
+            seen.missing_at if seen is not None and seen.missing_at is not None else now)
+        self._seen[job_id] = _Seen(ops, moved_at, any_moved, missing_at)
+        counted = answer.size > 1  # a one-rank communicator's counts never move (module docstring)
+        progressing = None if seen is None or not counted else moved
+        if not counted:
+            any_moved = now
         present = answer.ranks
         errors = tuple(r for r in present if r.async_error not in (0, 7) or r.abort)
         behind: tuple[RasRank, ...] = ()
@@ -173,12 +192,26 @@ class RasTracker:
             if any(r.ops != low for r in present):
                 behind = tuple(r for r in present if r.ops == low)
         status = tuple(RasRankStatus(job_id, local[r.pid][0], local[r.pid][1], r.rank, r.ops,
-                                     r.counts, moved_at[(r.host, r.pid)], now, r.async_error)
+                                     r.counts, moved_at[(r.host, r.pid)], now, r.async_error,
+                                     counted=counted)
                        for r in sorted(mine, key=lambda r: r.rank))  # fmt: skip
         job = RasJob(job_id, now, nccl_version=answer.nccl_version, size=answer.size,
                      local=status, missing=answer.missing, errors=errors, behind=behind,
-                     progressing=progressing, stopped_seconds=now - any_moved)
+                     progressing=progressing, stopped_seconds=now - any_moved,
+                     missing_seconds=now - missing_at if missing_at is not None else 0.0)
         return _with_statement(job, present)
+
+
+    def _text(self, job_id: str, now: float, answer: RasAnswer) -> RasJob:
+        """A text answer (NCCL 2.24-2.27): its missing and failed ranks, no counts, so neither
+        progress nor a stop, and no local rank's row (it lists no healthy rank to join). The port
+        was already proven the job's (every listener a socket of its ranks), which is what makes
+        an answer that names none of them here acceptable."""
+        self._seen.pop(job_id, None)
+        errors = tuple(r for r in answer.ranks if r.async_error not in (0, 7) or r.abort)
+        job = RasJob(job_id, now, nccl_version=answer.nccl_version, size=answer.size,
+                     missing=answer.missing, errors=errors)
+        return _with_statement(job, answer.ranks)
 
 
 def _with_statement(job: RasJob, present: tuple[RasRank, ...]) -> RasJob:
@@ -204,3 +237,29 @@ def _with_statement(job: RasJob, present: tuple[RasRank, ...]) -> RasJob:
     local = tuple(replace(s, dead=dead, unresponsive=len(job.missing) - dead, errors=len(job.errors),
                           culprit=statement, culprits=named) for s in job.local)
     return replace(job, statement=statement, local=local)
+
+
+def confirm_by_ras(verdicts: Mapping[RankId, StallVerdict], jobs: Mapping[str, RasJob],
+                   conclusive: float) -> dict[RankId, StallVerdict]:  # fmt: skip
+    """A rank here that waits in a collective, proven still for the conclusive bound, is stalled
+    then (``conclusive`` "ras_missing") when NCCL RAS agrees for as long: every answer of its job
+    over the bound names missing ranks (dead or unresponsive: a process gone, stopped or hung
+    whole, its RAS thread silent), and no count of the job moved over it. Both views at once,
+    for that long, or nothing: a peer on another node that works alone (an evaluation, a
+    checkpoint) is present to RAS, so its waiting peers here wait for ``after_seconds``; a rank
+    merely behind is never conclusive (it may be on its way), nor counts that NCCL never moves (a
+    one-rank communicator), nor a rank here that progresses, compiles, or waits for a local peer
+    that progresses (``waits_for``). Returns the verdicts it makes stalled, only those."""
+    out: dict[RankId, StallVerdict] = {}
+    for key, v in verdicts.items():
+        ras = jobs.get(key[0])
+        if v.stalled or not v.alive or v.compiling or v.waits_for or v.analysis is None or ras is None:
+            continue
+        if ras.error or ras.size < 2 or ras.progressing is not False or not ras.missing:
+            continue
+        if min(ras.stopped_seconds, ras.missing_seconds, v.still_seconds) < conclusive:
+            continue
+        if "collective" not in v.analysis.kinds:
+            continue
+        out[key] = replace(v, stalled=True, ambiguous=False, conclusive="ras_missing")
+    return out

@@ -65,7 +65,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from gpuwatchd.join.cycle_looks import CycleLooks, Looker
-from gpuwatchd.join.hang import analyze, wait_tids
+from gpuwatchd.join.hang import analyze, collective_name, wait_tids
 from gpuwatchd.join.stall_spin import (
     GpuReading,
     confirm_by_peers,
@@ -326,6 +326,7 @@ class StallTracker:
             main = main_stack(tr.stacks)
             tr.frames = tuple(str(f) for f in main.frames[:MAX_FRAMES]) if main else ()
             tr.location = tuple(f.where for f in main.frames[:3]) if main else ()
+            tr.collective = collective_name(main.frames) if main else ""
             tr.words_of = tr.stacks
         frames, location = tr.frames, tr.location
         analysis = None
@@ -388,7 +389,21 @@ class StallTracker:
             and method == "stack" else None,
             still_seconds=max(0.0, still), stopped_seconds=stopped_for, conclusive=conclusive,
             doing=self._doing(now, p, tr, progress, shares, stalled_so_far or ambiguous),
+            watch=self._watch(now, p, tr, age),
         )  # fmt: skip
+
+    def _watch(self, now: float, p: RankProbe, tr: RankTrack, age: float) -> str:
+        """Why the job's own view (NCCL RAS) is worth asking about a rank that may be progressing:
+        its heartbeat is late (past the bound where its threads are looked at: working or not, a
+        rank that stopped beating may be one whose work is only local), or its last dump shows
+        its main thread in a collective and no look since found its Python threads working (a
+        rank waiting in one at every dump is at work only if its collectives complete). ""
+        otherwise: a rank beating on time, or working since its last dump, costs no query."""
+        if p.heartbeat and age > min(self.after / 2, self.conclusive / 3):
+            return f"heartbeat late ({age:.0f} s)"
+        if tr.collective and tr.stacks and tr.work_at < tr.stacks_at:
+            return f"in {tr.collective} at its last dump"
+        return ""
 
     def _doing(self, now: float, p: RankProbe, tr: RankTrack, progress: float,
                shares: dict[int, float], stuck: bool) -> str:

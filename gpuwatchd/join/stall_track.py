@@ -66,6 +66,7 @@ class RankTrack:
     words_of: tuple[ThreadStack, ...] | None = None
     frames: tuple[str, ...] = ()
     location: tuple[str, ...] = ()
+    collective: str = ""  # the c10d collective the main thread was in at that dump ("" none)
     # a thread other than the main one holding the GIL in the dumps: (its tid or name, its frames,
     # the main thread's frames) of the last dump, and the time of the first dump that showed it
     # (the main thread's state flickers between R and S as it polls for the GIL every 5 ms, so

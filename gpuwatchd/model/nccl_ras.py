@@ -27,6 +27,12 @@ class RasRank:
         return sum(self.counts.values())
 
     def where(self) -> str:
+        """"rank 3 on 10.1.0.5 (pid 4104)"; NCCL's text answers may know only the process (a
+        dead one: rank -1) or only the rank (2.24-2.25's missing ranks: no host, pid -1)."""
+        if self.rank < 0:
+            return f"process {self.pid} on {self.host}"
+        if self.pid < 0:
+            return f"rank {self.rank}"
         return f"rank {self.rank} on {self.host} (pid {self.pid})"
 
 
@@ -52,6 +58,10 @@ class RasRankStatus:
     # the ranks named in it: (RAS rank, host, pid, "dead" | "unresponsive" | "missing" | "behind"
     # | "async_error"), at most join/nccl_ras.py MAX_NAMED of each kind
     culprits: tuple[tuple[int, str, int, str], ...] = ()
+    # False: the rank's communicator has one rank, whose collectives NCCL never counts (a one-rank
+    # collective is a local copy, ncclLaunchOneRank, launched with no kernel plan, and only a plan
+    # adds to the counts RAS reads, comm->seqNumber: src/enqueue.cc, src/plugin/profiler.cc)
+    counted: bool = True
 
 
 @dataclass(frozen=True)
@@ -69,4 +79,5 @@ class RasJob:
     behind: tuple[RasRank, ...] = ()  # the lowest counts, when counts stopped and differ
     progressing: bool | None = None  # counts moved since the previous answer (None: first)
     stopped_seconds: float = 0.0  # how long no rank's count moved
+    missing_seconds: float = 0.0  # how long every answer named missing ranks (0: none now)
     statement: str = ""  # the culprit in words ("" when none)

@@ -182,13 +182,18 @@ class StallVerdict:
     still_seconds: float = 0.0
     stopped_seconds: float | None = None  # in state T this long; None: not stopped
     # why it was stalled within stall.conclusive_seconds instead of after_seconds: "deadlock",
-    # "gil", "gpu_spin", "stopped", "peer_down", "odd_one_out", "waits_for_stuck"; "" otherwise
+    # "gil", "gpu_spin", "stopped", "peer_down", "odd_one_out", "waits_for_stuck", "ras_missing"
+    # (daemon/wiring.py, join/nccl_ras.py ``confirm_by_ras``); "" otherwise
     conclusive: str = ""
     # what a progressing rank does, in words ("works on its CPU (45 % of a core)")
     doing: str = ""
     # a rank that would be stalled but waits for a peer of its job that progresses: not stalled,
     # and the words that say for whom ("waits in barrier for rank 0, which ...")
     waits_for: str = ""
+    # why the job's own view (NCCL RAS) is asked about it, stalled or not: "heartbeat late (12 s)",
+    # "in all_reduce at its last dump"; "" for a rank beating on time and not last seen in a
+    # collective (join/stall.py ``_watch``; daemon/nccl_ras.py ``ras_jobs``)
+    watch: str = ""
 
     @property
     def key(self) -> RankId:

@@ -10,8 +10,9 @@ rank's ``/proc/PID/fd``): a squatted or shared port is refused, never asked.
 
 The protocol is NCCL's own client's (``src/ras/client.cc`` in NVIDIA/nccl):
 ``CLIENT PROTOCOL 2`` -> ``SERVER PROTOCOL <n>``, ``TIMEOUT <s>`` -> ``OK``, ``SET FORMAT json``
--> ``OK`` (NCCL 2.28 and later; 2.24-2.27 answer ``ERROR: Unknown command``, which is refused
-here as ``no JSON``), ``STATUS`` -> the JSON document, then the server closes. One connection per
+-> ``OK`` (NCCL 2.28 and later; 2.24-2.27 answer ``ERROR: Unknown command``, and their
+``STATUS`` is text, returned as a ``str`` of printable ASCII for join/ras_text.py), ``STATUS`` ->
+the JSON document, then the server closes. One connection per
 query, closed at the end; a connect and total deadline (``timeout``), and at most ``max_bytes``
 read; the JSON is decoded with the flight recorder's bounds (nesting, number size).
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import ipaddress
 import itertools
 import os
+import re
 import socket
 import time
 from collections.abc import Iterable, Mapping
@@ -40,6 +42,11 @@ MAX_LINE_BYTES = 4096  # a handshake line (the server's own buffer is 4096)
 MAX_NET_BYTES = 8 << 20  # net/tcp of a namespace with about 50,000 sockets
 MAX_FDS_SCANNED = 16384  # per process: NCCL opens its RAS socket at init, among the first fds
 _LISTEN = "0A"
+# NCCL 2.28.7-2.28.9 print a missing rank with no comma after "nvml_dev" (src/ras/client_support.cc
+# ``jsonWriteMissingRank``: ``"nvml_dev": %d\n`` then ``"status": {``; 2.29.2 adds the comma), so
+# every answer that names a missing rank, the one that matters most, is not JSON as printed. The
+# comma is put back there only: the pattern is bounded (one line, the digits of an int).
+_NO_COMMA = re.compile(rb'("nvml_dev": -?[0-9]{1,11})(\r?\n[ ]{0,32}"status": \{)')
 
 
 class RasRefused(Exception):
@@ -54,8 +61,10 @@ class Listener:
 
 
 def ras_address(value: str | None) -> tuple[str, int]:
-    """``NCCL_RAS_ADDR`` (``host:port``, ``[v6]:port``) as (address, port); ``localhost`` and
-    numeric addresses only (no name lookup in the daemon's cycle); ValueError otherwise."""
+    """``NCCL_RAS_ADDR`` (``host:port``, ``[v6]:port``) as (address, port); ValueError for no
+    port. NCCL resolves a host name (``ncclSocketGetAddrFromString``: getaddrinfo, the first
+    answer); the daemon does no name lookup in its cycle and needs none: the listeners on the port
+    (``owned_listener``) say where to connect, so a name is returned as written."""
     if not value:
         return "127.0.0.1", DEFAULT_PORT
     host, sep, port_text = value.strip().rpartition(":")
@@ -67,7 +76,10 @@ def ras_address(value: str | None) -> tuple[str, int]:
     host = host.strip("[]")
     if host == "localhost":
         return "127.0.0.1", port
-    return str(ipaddress.ip_address(host)), port
+    try:
+        return str(ipaddress.ip_address(host)), port
+    except ValueError:
+        return host[:253], port
 
 
 def _hex_address(text: str) -> str:
@@ -233,8 +245,9 @@ def query(address: str, port: int, timeout: float = 2.0, max_bytes: int = MAX_AN
         if conn.line().upper() != "OK":
             raise RasRefused("TIMEOUT refused")
         conn.send("SET FORMAT json\n")
-        if conn.line().upper() != "OK":
-            raise RasRefused("no JSON (NCCL older than 2.28)")
+        reply = conn.line().upper()
+        if reply != "OK" and not reply.startswith("ERROR"):
+            raise RasRefused("SET FORMAT json refused")
         conn.send("STATUS\n")
         raw = conn.rest(max_bytes)
     except TimeoutError:
@@ -243,10 +256,24 @@ def query(address: str, port: int, timeout: float = 2.0, max_bytes: int = MAX_AN
         raise RasRefused(f"socket: {exc.strerror or exc}") from None
     finally:
         conn.sock.close()
+    if reply != "OK":  # NCCL 2.24-2.27: "ERROR: Unknown command", and STATUS answers text
+        text = raw.decode("utf-8", "replace")
+        if not text.isascii() or any(not (c.isprintable() or c in "\n\r\t") for c in text):
+            raise RasRefused("a text answer that is not printable ASCII")
+        return text
     try:
-        return loads_answer(raw, max_bytes)
+        return decode_status(raw, max_bytes)
     except ValueError as exc:
         raise RasRefused(f"not JSON: {str(exc)[:80]}") from None
+
+
+def decode_status(raw: bytes, max_bytes: int = MAX_ANSWER_BYTES) -> Any:
+    """The ``STATUS`` document as NCCL printed it, decoded with the flight recorder's bounds;
+    a missing rank of NCCL 2.28.7-2.28.9 (``_NO_COMMA``) is read as 2.29 prints it. ValueError."""
+    if len(raw) > max_bytes:
+        raise ValueError(f"larger than {max_bytes} bytes")
+    fixed = _NO_COMMA.sub(rb"\1,\2", raw)
+    return loads_answer(fixed, max_bytes + len(fixed) - len(raw))
 
 
 def local_addresses(proc: Any, pid: int) -> frozenset[str]:
