@@ -177,6 +177,24 @@ SHAPES = {
                 pass
             time.sleep(0.05)
     """,
+    "spin_late": """
+        import ctypes, mmap, signal, time
+        page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+        page.write(b"\\xeb\\xfe")  # jmp . : a C call that never returns, without the GIL
+        spin = ctypes.CFUNCTYPE(None)(ctypes.addressof(ctypes.c_char.from_buffer(page)))
+        hot = []
+        signal.signal(signal.SIGUSR1, lambda *_: hot.append(1))
+        print("ready", flush=True)
+        end = time.monotonic() + 4.0
+        while time.monotonic() < end:  # start-up at 100 % of a core (CUDA's init): dumped so
+            pass
+        while not hot:  # the training loop: ~30 % of a core
+            end = time.monotonic() + 0.015
+            while time.monotonic() < end:
+                pass
+            time.sleep(0.035)
+        spin()  # the next synchronisation spins behind a kernel that never ends
+    """,
     "c_spin": """
         import ctypes, mmap
         page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
@@ -423,6 +441,26 @@ def test_a_gil_holder_started_mid_training_is_paged_within_the_conclusive_bound(
     assert v[0].stalled and v[0].conclusive == "gil", v[0]
     # a look to see the new thread burn, a dump interval, the conclusive bound, a cycle, slack
     assert elapsed <= conclusive + 2 * tracker.dump_interval + CYCLE + 2.0, elapsed
+
+
+def test_a_spin_after_training_is_dumped_at_once_though_start_up_burned(launch) -> None:
+    """A rank dumped while it burned a core at start-up (CUDA's init), then training in the
+    working band, then spinning behind a kernel that never ends (the catalog's GPU_SLEEP; NVML:
+    busy, no memory traffic): the new burn is dumped a look after it starts, and the rank is
+    stalled ("gpu_spin") within the conclusive bound of that dump."""
+    after, conclusive = 300.0, 4.0
+    job = f"spin-late-{uuid.uuid4().hex[:8]}"
+    ranks = {0: launch("spin_late", job, 0, 1)}
+    tracker = _tracker(after, conclusive, shipped_cadence=True)
+    _, v, seen = _run(tracker, ranks, job, 9.0)
+    assert not any(s[0] for s in seen), seen
+    os.kill(ranks[0].pid, signal.SIGUSR1)
+    elapsed, v, _ = _run(tracker, ranks, job, 2 * conclusive + 6, lambda v: v[0].stalled,
+                         GpuReading(0.0, 1.0, 0.0, True))
+    print(f"spin_late {elapsed:.2f} s", v[0].conclusive)
+    assert v[0].stalled and v[0].conclusive == "gpu_spin", v[0]
+    # two looks to see the burn, the conclusive bound, a cycle, slack for a loaded 2-core VM
+    assert elapsed <= conclusive + 2 * tracker.dump_interval + CYCLE + 1.5, elapsed
 
 
 def test_ambiguous_shapes_still_wait_after_seconds(launch) -> None:

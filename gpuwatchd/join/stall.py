@@ -509,6 +509,9 @@ class StallTracker:
             tr.identical = 0
             tr.last_change = now
             tr.last_dump_at = now  # this look counts as the comparison: next one a dump interval on
+            # a burn seen after this work is a new one, dumped a dump interval on (a dump while
+            # it started up, CUDA's init at 100 % of a core, left it set through the training)
+            tr.spin_dumped = False
             tr.proc_fp, tr.dump_due, tr.proven_at = view(), False, None
             tr.quiet, tr.quiet_run_ns, tr.analysis_view = True, 0, None
             return ("stack" if tr.stacks else "proc"), now

@@ -136,8 +136,9 @@ KINDS: tuple[FindingKind, ...] = (
     FindingKind("job_crashed", WARNING, "GPUJobCrashed", "gpujobcrashed",
                 "the first rank of a job to fail on this node ended by its own code", "job_crashed"),
     FindingKind("nccl_rank_missing", WARNING, "", "nccl_rank_missing",
-                "NCCL RAS, asked because a rank of the job is stalled or suspect, names a rank the job "
-                "waits for", "nccl_rank_missing"),
+                "NCCL RAS, asked because a rank of the job is stalled, suspect, late with its "
+                "heartbeat or waiting in a collective, names a rank the job waits for",
+                "nccl_rank_missing"),
     FindingKind("rank_straggler", WARNING, "GPURankStraggler", "gpurankstraggler",
                 "the rank's step rate (`heartbeat(step)`) stays below `straggler.ratio` x its job's "
                 "median on this node for `straggler.for_seconds`", "rank_straggler",

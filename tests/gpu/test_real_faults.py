@@ -162,8 +162,12 @@ def test_a_death_of_the_catalog_is_named_with_its_cause_and_first(world: World, 
 @pytest.mark.parametrize("fault", sorted(HANGS))
 def test_a_conclusive_hang_of_the_catalog_is_paged_within_a_minute(world: World, fault: str) -> None:
     job, p, _out, at = _start_faulted(world, fault)
-    f = world.wait(lambda: next((f for f in world.findings(job) if f["kind"] == "rank_stalled"
-                                 and f["rank"] == "1"), None), CONCLUSIVE_BOUND + 15, f"{fault}: rank 1 paged")
+    try:
+        f = world.wait(lambda: next((f for f in world.findings(job) if f["kind"] == "rank_stalled"
+                                     and f["rank"] == "1"), None), CONCLUSIVE_BOUND + 15, f"{fault}: rank 1 paged")
+    except AssertionError:  # how the dumps were paced since the fault: what made it late
+        print("\n".join(line for line in world.d.log().splitlines() if "stall pacing" in line)[-8000:])
+        raise
     delay = time.time() - at
     say(f"{fault} paged {delay:.1f} s after the fault", f["explanation"])
     peers = [g for g in world.findings(job) if g["kind"] == "rank_stalled" and g["rank"] == "0"]
