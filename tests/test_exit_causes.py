@@ -152,6 +152,23 @@ def test_paging_by_cause_and_consequence() -> None:
     assert kinds(_ctx(1000.0 + 601, tuple(segv))) == set()
 
 
+def test_a_rank_seen_gone_before_its_exit_is_joined_waits_for_it() -> None:
+    """/proc shows the rank dead a cycle before the exit watcher's record arrives: no "gone, no
+    exit read" page within the grace (the H100: the catalog's TERM fault, a stop the launcher
+    tore down, paged rank_down 3 s after the death); with its exit, the stop says nothing; with
+    no exit read past the grace, it pages as before."""
+    dead = RankState(job_id="j", rank=1, pid=101, local_rank=1, world_size=2, alive=False,
+                     process=None, died_at=1000.0)
+    early = FindingContext(now=1001.0, config=Config(), ranks=(dead,), exits=())
+    assert list(rank_down.find(early)) == []
+    stop = order([classify(_exit(1, 1000.0, signal.SIGTERM, 1), None, [])])
+    joined = FindingContext(now=1003.0, config=Config(), ranks=(dead,), exits=tuple(stop))
+    assert list(rank_down.find(joined)) == []
+    late = FindingContext(now=1006.0, config=Config(), ranks=(dead,), exits=())
+    (f,) = rank_down.find(late)
+    assert f.severity == "page" and "no exit read" in f.explanation
+
+
 def test_the_watcher_reads_every_exit_against_a_launcher_that_reaps_at_once() -> None:
     """bench/exit_race.py: a launcher blocked in waitpid reaps each child the moment it ends."""
     import exit_race

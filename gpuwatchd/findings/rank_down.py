@@ -30,6 +30,11 @@ from gpuwatchd.units import fmt_clock, fmt_clock_ms
 # still alive this long after is waiting for the dead one, not being torn down.
 TEARDOWN_GRACE_SECONDS = 10.0
 ACTIVE_SECONDS = 600.0  # as rank_oom_killed: as long as the GPURankDown rule looks back
+# /proc may show a rank gone a cycle before the exit watcher's record of its exit is joined (its
+# event comes 0.8-2.5 s after the death on the H100): a dead rank with no exit read yet waits
+# this long for it, so that a stop or a crash the launcher tore down is not paged as "gone, no
+# exit read" (the H100: the catalog's TERM fault paged rank_down 3 s after the death)
+EXIT_READ_GRACE_SECONDS = 5.0
 
 
 def live_peers(ctx: FindingContext, job_id: str, pid: int) -> int:
@@ -91,6 +96,8 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
             if pages(x, ctx):
                 yield _from_exit(ctx, x, r)
             continue
+        if r.died_at is not None and ctx.now - r.died_at < EXIT_READ_GRACE_SECONDS:
+            continue  # its exit may not be joined yet
         alive = live_peers(ctx, r.job_id, r.pid)
         when = fmt_clock(r.died_at) if r.died_at else "unknown time"
         yield rank_finding(

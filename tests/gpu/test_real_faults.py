@@ -151,12 +151,24 @@ def test_a_death_of_the_catalog_is_named_with_its_cause_and_first(world: World, 
         else:
             say("SEGFAULT kernel line", "no kernel log readable on this machine (a container)")
     world.wait(lambda: p.poll() is not None, 60, f"{fault}: torchrun ended")
-    time.sleep(2 * INTERVAL)
-    kinds = sorted({(f["kind"], f["severity"]) for f in world.findings(job)})
+    # every finding of the job from now until the launcher's grace (rank_down's 10 s) has passed:
+    # a page raised for a cycle and gone is a page all the same
+    seen_kinds: set[tuple[str, str]] = set()
+    end = time.monotonic() + 12.0
+    while time.monotonic() < end:
+        seen_kinds |= {(f["kind"], f["severity"]) for f in world.findings(job)}
+        time.sleep(INTERVAL / 2)
+    kinds = sorted(seen_kinds)
     say(f"{fault} findings", kinds or "none")
-    # its own code crashed it: one warning for the job, never a page per rank
-    assert all(sev != "page" for kind, sev in kinds if kind != "rank_down") and \
-        sum(1 for f in world.findings(job) if f["severity"] == "page") <= 1, kinds
+    # docs/runbooks.md#rank-exits: SIGKILL with no OOM killer pages; a stop (SIGTERM, SIGINT) the
+    # launcher answered by ending the job says nothing; its own code crashing it is one warning
+    if one["fields"]["cause"] == "SIGKILL":
+        expected = {("rank_down", "page")}
+    elif one["fields"]["cause"] in ("SIGTERM", "SIGINT"):
+        expected = set()
+    else:
+        expected = {("job_crashed", "warning")}
+    assert seen_kinds == expected, kinds
 
 
 @pytest.mark.parametrize("fault", sorted(HANGS))
