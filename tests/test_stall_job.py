@@ -536,6 +536,13 @@ def test_judge_jobs_rules() -> None:
         in out[1].waits_for, out[1].waits_for
     assert judge(_verdict(0, stalled=True, progress=900.0, kind="collective", pattern="collective"),
                  waiter)[1].stalled
+    # ...but not a peer that waits in the collective itself, and never a conclusive verdict (the
+    # H100 at the shipped 300 s: GPU_SLEEP's "kernel that never ends" on rank 1 was excused by
+    # rank 0 waiting in all_reduce, not yet stalled, and not paged 75 s after the fault)
+    in_coll = _verdict(0, progress=900.0, kind="collective", pattern="collective")
+    assert judge(in_coll, waiter)[1].stalled
+    spin = replace(waiter, conclusive="gpu_spin", confirmed_by="gpu_spin")
+    assert judge(_verdict(0, progress=900.0, doing="x"), spin)[1].stalled
     # a deadlock or a rank blocked on a lock (no wait for a peer) is not excused by a peer's work
     deadlock = _verdict(1, stalled=True, still=400.0, kind="lock", pattern="deadlock",
                         conclusive="deadlock")

@@ -139,13 +139,17 @@ def judge_jobs(verdicts: Mapping[RankId, StallVerdict], now: float, conclusive: 
         # been still for after_seconds and a rank waiting for it waits for that verdict (the
         # H100: rank 0 evaluating alone, its .item() loop not yet judged, and rank 1 paged 12 s
         # into the barrier at after_seconds 8). The delay is bounded by the peer's own bound.
+        # Not a peer that waits in a collective itself (it waits too, maybe for a rank on
+        # another node), and never against a conclusive verdict: a pending peer excused the
+        # H100's GPU_SLEEP rank, "a kernel that never ends", while rank 0 waited in all_reduce.
         pending = [v for v in ranks if v.alive and not v.stalled and not v.ambiguous
-                   and v.stopped_seconds is None and v not in progressing and v not in odd]
+                   and v.stopped_seconds is None and v not in progressing and v not in odd
+                   and not _in_collective(v)]  # fmt: skip
         for v in ranks:
             if not v.alive:
                 continue
             peers = [p for p in progressing if p.rank != v.rank]
-            maybe = [p for p in unsure + pending if p.rank != v.rank]
+            maybe = [p for p in unsure + (pending if not v.conclusive else []) if p.rank != v.rank]
             where = waits_on(v)
             if v.stalled and (peers or maybe) and where and v.conclusive not in OWN_SHAPES:
                 if peers:
