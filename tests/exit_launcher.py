@@ -3,13 +3,15 @@ torchrun's variables: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, TORCHELAST
 each the moment it ends (blocked in waitpid, tighter than torchrun's 0.1 s monitor), and on the
 first failure SIGTERMs the others at once and SIGKILLs what is left a second later.
 
-    python exit_launcher.py JOB_ID FAULT GO_FILE [--no-teardown] [--world N]
+    python exit_launcher.py JOB_ID FAULT GO_FILE [--no-teardown] [--world N] [--restart]
 
 Rank 1 meets FAULT once GO_FILE exists (the test creates it when the daemon watches both ranks);
 the other ranks sleep. Faults: exc (an uncaught
 exception), exit3, segv (a real SIGSEGV: ctypes reads address 1), abort (os.abort), kill, term,
 int (the signal sent to itself), ok (exit 0). Rank 0 of an ``ok`` job ends with exit 0 too.
 Prints one JSON line: {"pids": {rank: pid}, "reaped": {rank: [wait status, monotonic time]}}.
+``--restart``: then starts the whole world again under the same job id (torchrun --max-restarts),
+ranks that only sleep, prints {"restarted": {rank: pid}} and waits for them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import os, signal, sys, time
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 fault, go = sys.argv[1], sys.argv[2]
 rank = int(os.environ["RANK"])
+if fault == "sleep":  # a restarted attempt that trains on
+    time.sleep(3600)
 while not os.path.exists(go):
     time.sleep(0.01)
 if rank != 1:
@@ -54,11 +58,16 @@ def main() -> int:
     job, fault, go = sys.argv[1], sys.argv[2], sys.argv[3]
     teardown = "--no-teardown" not in sys.argv
     world = int(sys.argv[sys.argv.index("--world") + 1]) if "--world" in sys.argv else 2
-    procs = {}
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "LOCAL_WORLD_SIZE": str(world), "TORCHELASTIC_RUN_ID": job, "GROUP_RANK": "0"}
-        procs[rank] = subprocess.Popen([sys.executable, "-c", RANK, fault, go], env=env)
+
+    def spawn(fault: str) -> dict[int, subprocess.Popen[bytes]]:
+        procs = {}
+        for rank in range(world):
+            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+                   "LOCAL_WORLD_SIZE": str(world), "TORCHELASTIC_RUN_ID": job, "GROUP_RANK": "0"}
+            procs[rank] = subprocess.Popen([sys.executable, "-c", RANK, fault, go], env=env)
+        return procs
+
+    procs = spawn(fault)
     by_pid = {p.pid: r for r, p in procs.items()}
     reaped: dict[int, list[float]] = {}
     killed_at: float | None = None
@@ -80,6 +89,11 @@ def main() -> int:
                 if r not in reaped:
                     p.send_signal(signal.SIGTERM)
     print(json.dumps({"pids": {r: p.pid for r, p in procs.items()}, "reaped": reaped}), flush=True)
+    if "--restart" in sys.argv:
+        again = spawn("sleep")
+        print(json.dumps({"restarted": {r: p.pid for r, p in again.items()}}), flush=True)
+        for p in again.values():
+            p.wait()
     return 0
 
 

@@ -152,6 +152,32 @@ def test_paging_by_cause_and_consequence() -> None:
     assert kinds(_ctx(1000.0 + 601, tuple(segv))) == set()
 
 
+def test_a_crash_the_launcher_restarted_is_not_paged_as_waiting_peers() -> None:
+    """torchrun --max-restarts: rank 1 crashes, the launcher ends rank 0 and starts both again
+    within seconds, under the same job id. The new ranks are alive 10 s after the crash but wait
+    for nobody: one job_crashed warning, no rank_down page. A peer that was running at the
+    death and is still alive 10 s on waits for it: paged, as before."""
+    from gpuwatchd.model import ProcessInfo
+
+    def rank(r: int, pid: int, started: float) -> RankState:
+        proc = ProcessInfo(pid, 1, "python", "S", 0, "root", 1, started, 0.0, 0, 1, None, None, None)
+        return RankState(job_id="j", rank=r, pid=pid, local_rank=r, world_size=2, alive=True,
+                         process=proc)
+
+    crash = order([classify(_exit(1, 1000.0, signal.SIGSEGV, 1), None, []),
+                   classify(_exit(0, 1000.1, signal.SIGTERM, 2), None, [])])
+    restarted = (rank(0, 200, 1003.0), rank(1, 201, 1003.0))
+    ctx = FindingContext(now=1015.0, config=Config(), ranks=restarted, exits=tuple(crash))
+    assert {(f.kind, f.severity) for f in [*rank_down.find(ctx), *job_crashed.find(ctx)]} == {
+        ("job_crashed", "warning")}
+    (crashed,) = job_crashed.find(ctx)
+    assert "the launcher restarted the job (2 new rank(s) on this node)" in crashed.explanation
+    alone = tuple(x for x in crash if x.rank == 1)
+    waiting = FindingContext(now=1015.0, config=Config(), ranks=(rank(0, 100, 900.0),), exits=alone)
+    (f,) = rank_down.find(waiting)
+    assert f.severity == "page" and "1 peer(s) on this node still alive" in f.explanation
+
+
 def test_a_rank_seen_gone_before_its_exit_is_joined_waits_for_it() -> None:
     """/proc shows the rank dead a cycle before the exit watcher's record arrives: no "gone, no
     exit read" page within the grace (the H100: the catalog's TERM fault, a stop the launcher

@@ -173,3 +173,36 @@ def test_a_death_that_leaves_a_peer_waiting_pages_with_its_cause(daemon: DaemonP
                     .read_text().split()] if launcher.poll() is None else []:
             os.kill(pid, signal.SIGKILL)
         launcher.wait(10)
+
+
+def test_a_crash_the_launcher_restarts_is_one_warning_not_a_page(daemon: DaemonProc) -> None:
+    """torchrun --max-restarts: rank 1 segfaults, the launcher ends rank 0 and starts both again
+    under the same job id at once. The new ranks are alive past the launcher's grace but wait for
+    nobody: one job_crashed (saying the job was restarted), never rank_down. Before, the
+    restarted ranks counted as peers left waiting, and the crash paged rank_down at 10 s."""
+    job = f"exit-restart-{os.getpid()}"
+    launcher = start(daemon, job, "segv", "--restart")
+    try:
+        assert launcher.stdout is not None
+        json.loads(launcher.stdout.readline())  # the first attempt ended
+        again = json.loads(launcher.stdout.readline())["restarted"]
+        daemon.wait_for(lambda: all(daemon.value("gpuwatch_rank_up", job_id=job, rank=r) == 1
+                                    for r in "01"), timeout=30, what="the restarted ranks up")
+        daemon.wait_for(lambda: job in finding_jobs(daemon, "job_crashed"), timeout=15,
+                        what="job_crashed")
+        end = time.monotonic() + 12.0  # past rank_down's 10 s grace
+        while time.monotonic() < end:
+            assert job not in finding_jobs(daemon, "rank_down")
+            time.sleep(0.5)
+        line = next(x for x in daemon.text().splitlines() if "gpuwatch_finding{" in x and job in x
+                    and 'kind="job_crashed"' in x)
+        assert 'rank="1"' in line, line
+        state = json.loads((Path(daemon.cfg["state_dir"]) / "state.json").read_text())
+        (crashed,) = [f for f in state["findings"] if f["kind"] == "job_crashed" and f["job_id"] == job]
+        assert "the launcher restarted the job (2 new rank(s) on this node)" in crashed["explanation"]
+        assert all(Path(f"/proc/{pid}").exists() for pid in again.values())
+    finally:
+        for pid in [int(p) for p in Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children")
+                    .read_text().split()] if launcher.poll() is None else []:
+            os.kill(pid, signal.SIGKILL)
+        launcher.wait(10)

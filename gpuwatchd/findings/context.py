@@ -162,3 +162,13 @@ __all__ = [
     "ranks_gpu_memory",
     "readings_of",
 ]
+
+
+def live_peers(ctx: FindingContext, job_id: str, pid: int, died: float | None = None) -> int:
+    """The ranks of the job alive now that were already running at ``died`` (a death): a rank
+    started after it is the launcher's restart of the job (torchrun --max-restarts ends every
+    rank and starts new ones within seconds), waiting for nobody. A start time is /proc's ticks
+    after /proc/stat's whole-second ``btime``, up to a second early: a peer is one that started
+    at least a second before the death."""
+    return sum(1 for p in ctx.ranks if p.job_id == job_id and p.alive and p.pid != pid and (
+        died is None or p.process is None or p.process.start_time <= died - 1.0))

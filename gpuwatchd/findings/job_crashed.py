@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpuwatchd.findings.context import FindingContext
+from gpuwatchd.findings.context import FindingContext, live_peers
 from gpuwatchd.model import WARNING, Finding
 from gpuwatchd.model.exits import CRASHED
 from gpuwatchd.units import fmt_clock_ms
@@ -26,8 +26,9 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
     for x in ctx.exits:
         if not x.first or x.verdict != CRASHED or ctx.now - x.time > ACTIVE_SECONDS:
             continue
-        if any(p.job_id == x.job_id and p.alive and p.pid != x.pid for p in ctx.ranks):
-            continue  # peers alive: torn down soon, or waiting (rank_down pages then)
+        if live_peers(ctx, x.job_id, x.pid, x.time):
+            continue  # peers alive since before it: torn down soon, or waiting (rank_down pages)
+        restarted = sum(1 for p in ctx.ranks if p.job_id == x.job_id and p.alive)
         after = sorted((y for y in ctx.exits if y.job_id == x.job_id and y.first_pid == x.pid
                         and y.pid != x.pid), key=lambda y: y.time)
         text = (f"job {x.job_id} crashed: rank {x.rank} (pid {x.pid}, {x.comm}) failed first, "
@@ -38,6 +39,8 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
             parts = [f"rank {y.rank} ({y.cause}, {y.after_seconds:.3f} s after)" for y in after[:8]]
             more = f" and {len(after) - 8} more" if len(after) > 8 else ""
             text += f"; the launcher then ended {', '.join(parts)}{more}"
+        if restarted:  # ranks started after the crash: the launcher's restart of the job
+            text += f"; the launcher restarted the job ({restarted} new rank(s) on this node)"
         yield Finding(
             kind="job_crashed", severity=WARNING, explanation=text, job_id=x.job_id,
             rank=str(x.rank), pid=str(x.pid), since=x.time,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpuwatchd.findings.context import FindingContext, rank_finding, rank_label
+from gpuwatchd.findings.context import FindingContext, live_peers, rank_finding, rank_label
 from gpuwatchd.model import PAGE, Finding, RankState
 from gpuwatchd.model.exits import CRASHED, FINISHED, KILLED, NODE, STOPPED, RankExit
 from gpuwatchd.units import fmt_clock, fmt_clock_ms
@@ -37,10 +37,6 @@ ACTIVE_SECONDS = 600.0  # as rank_oom_killed: as long as the GPURankDown rule lo
 EXIT_READ_GRACE_SECONDS = 5.0
 
 
-def live_peers(ctx: FindingContext, job_id: str, pid: int) -> int:
-    return sum(1 for p in ctx.ranks if p.job_id == job_id and p.alive and p.pid != pid)
-
-
 def pages(x: RankExit, ctx: FindingContext) -> bool:
     """Does this exit page (see the module docstring)?"""
     if not x.first or x.verdict == FINISHED:
@@ -48,7 +44,7 @@ def pages(x: RankExit, ctx: FindingContext) -> bool:
     if x.verdict in (NODE, KILLED):
         return True
     waited = ctx.now - x.time >= TEARDOWN_GRACE_SECONDS
-    return x.verdict in (CRASHED, STOPPED) and waited and live_peers(ctx, x.job_id, x.pid) > 0
+    return x.verdict in (CRASHED, STOPPED) and waited and live_peers(ctx, x.job_id, x.pid, x.time) > 0
 
 
 def torn_down(ctx: FindingContext, x: RankExit) -> str:
@@ -74,7 +70,7 @@ def _peers_tail(alive: int) -> str:
 
 
 def _from_exit(ctx: FindingContext, x: RankExit, r: RankState | None) -> Finding:
-    alive = live_peers(ctx, x.job_id, x.pid)
+    alive = live_peers(ctx, x.job_id, x.pid, x.time)
     who = rank_label(r) if r is not None else f"rank {x.rank} of job {x.job_id} (pid {x.pid})"
     text = f"{who} {cause_words(x)}{torn_down(ctx, x)}{_peers_tail(alive)}"
     evidence = {"died_at": x.time, "peers_alive": alive, "cause": x.cause, "verdict": x.verdict,
@@ -98,7 +94,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
             continue
         if r.died_at is not None and ctx.now - r.died_at < EXIT_READ_GRACE_SECONDS:
             continue  # its exit may not be joined yet
-        alive = live_peers(ctx, r.job_id, r.pid)
+        alive = live_peers(ctx, r.job_id, r.pid, r.died_at)
         when = fmt_clock(r.died_at) if r.died_at else "unknown time"
         yield rank_finding(
             r,
