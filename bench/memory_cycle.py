@@ -27,6 +27,7 @@ from kernel_oom_helpers import MemCgroup  # noqa: E402
 from gpuwatchd.config import Config, DiscoveryConfig, GilConfig, NvmlConfig  # noqa: E402
 from gpuwatchd.daemon.core import Daemon  # noqa: E402
 from gpuwatchd.daemon.memory import MemorySubsystem  # noqa: E402
+from gpuwatchd.daemon.wiring import Parts, no_parts  # noqa: E402
 from gpuwatchd.rank.rankfile import write_rank_file  # noqa: E402
 from gpuwatchd.sources.pyspy import PySpy  # noqa: E402
 
@@ -48,10 +49,9 @@ def measure(n: int, shared: bool, cycles: int) -> tuple[float, float]:
             write_rank_file(cfg.rank_dir, {"version": 1, "job_id": "bench", "world_size": n,
                                            "ranks": [{"rank": i, "pid": p.pid} for i, p in enumerate(procs)]},
                             "bench.json")
-            mem = MemorySubsystem(cfg, spy=PySpy(None))
-            plain = Daemon(cfg, subsystems=[], write_state=False)
-            with_memory = Daemon(cfg, subsystems=[mem], write_state=False)
-            mem.start(with_memory)
+            plain = Daemon(cfg, parts=no_parts, write_state=False)
+            with_memory = Daemon(cfg, write_state=False,
+                                 parts=lambda c, s: Parts(memory=MemorySubsystem(c, s, spy=PySpy(None))))
             cpu = {}
             for name, d in (("plain", plain), ("memory", with_memory)):
                 d.cycle()  # rank files and start times learnt

@@ -16,6 +16,7 @@ from typing import Any
 from gpuwatchd.config import Config, parse_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.nvml import NvmlSubsystem
+from gpuwatchd.daemon.wiring import Parts
 from gpuwatchd.findings import RULES, FindingContext, cuda_oom, evaluate
 from gpuwatchd.join.cuda_oom import FINDING_SECONDS
 from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
@@ -110,9 +111,11 @@ def test_the_daemon_names_the_co_tenants_and_drops_the_finding_after_its_window(
     clock = [1.9e9]
     # the recording's GPU 0: 447 2.6 GiB, 449 630 MiB, 450 630 MiB, 453 5.6 GiB
     pid_map = {447: rank0, 449: rank1, 450: stray2, 453: stray1}
-    sub = NvmlSubsystem(source=fixture_source(str(FIX / "h200_orphan_dataloader.json"), pid_map),
-                       watch_xid=False, watch_udev=False)
-    d = Daemon(cfg, subsystems=[sub], clock=lambda: clock[0])
+    d = Daemon(cfg, clock=lambda: clock[0], parts=lambda c, s: Parts(nvml=NvmlSubsystem(
+        c, s, source=fixture_source(str(FIX / "h200_orphan_dataloader.json"), pid_map),
+        watch_xid=False, watch_udev=False)))
+    sub = d.parts.nvml
+    assert sub is not None
     sub.start(d)
     try:
         first = d.cycle()

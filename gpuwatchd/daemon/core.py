@@ -43,21 +43,20 @@ from gpuwatchd.daemon.services import Services
 from gpuwatchd.daemon.state_json import state_json_text
 from gpuwatchd.daemon.subsystem import Ranks, Subsystem, Tracked
 from gpuwatchd.daemon.wake import LinkedEvent
-from gpuwatchd.daemon.wiring import Parts, default_subsystems, down_statuses, track
+from gpuwatchd.daemon.wiring import Parts, build_parts, down_statuses, track
 from gpuwatchd.exporter.collector import make_registry
 from gpuwatchd.isolation import Collector, PartialReading, attempt, guarded
 from gpuwatchd.join import rank_claims
+from gpuwatchd.join.orphans import trees_from_entries
 from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
 from gpuwatchd.model import BadRankFile, CollectorStatus, NodeState, RankEntry, RankId, RankProcess
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.discovery import Discoverer
-from gpuwatchd.sources.heartbeats import HeartbeatRoots
 from gpuwatchd.sources.job_owners import JobOwnerFile
 from gpuwatchd.sources.memcg import MemcgReader
 from gpuwatchd.sources.pidns import PidNamespaces
-from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.sources.rankfiles import RankDirMissing, RankFileReader, guard_entries
-from gpuwatchd.statefile import StateFiles, remove_temporaries
+from gpuwatchd.statefile import remove_temporaries
 from gpuwatchd.web.web_config import WebConfigError
 
 if TYPE_CHECKING:  # imported when the daemon starts serving (start), not before
@@ -87,7 +86,8 @@ def accepted(reading: Reading, claims: rank_claims.Claims) -> tuple[Ranks, Mappi
     accepted rank's heartbeat mtime (a refused claim on the same rank has another pid)."""
     proc = reading.proc
     beats = {RankId(j, r): t for (j, r, pid), t in proc.progress.items() if claims.accepts(j, r, pid)}
-    return Ranks(reading.now, claims.accepted, proc.processes, proc.descendants, proc.cgroups), beats
+    trees = trees_from_entries(claims.accepted, proc.processes, proc.descendants)
+    return Ranks(reading.now, claims.accepted, proc.processes, proc.descendants, proc.cgroups, trees), beats
 
 
 class Daemon:
@@ -101,7 +101,7 @@ class Daemon:
         paths: HostPaths | None = None,
         clock: Callable[[], float] = time.time,
         counters: CounterStore | None = None,
-        subsystems: list[Subsystem] | None = None,
+        parts: Callable[[Config, Services], Parts] = build_parts,
         services: Services | None = None,
         write_state: bool = True,
         liveness_seconds: float | None = None,
@@ -111,25 +111,30 @@ class Daemon:
         alive for the watchdog (default: ``2 * interval_seconds + CYCLE_TIME_LIMIT``).
         ``reap_strays``: make this process a child subreaper that kills and reaps every child
         which is not a running py-spy (gpuwatchd/sources/reaper.py); only for a process that is the
-        daemon and nothing else (``gpuwatchd run``), never one that starts children of its own."""
+        daemon and nothing else (``gpuwatchd run``), never one that starts children of its own.
+        ``services``: the shared services (default: built from ``config``, ``paths``, ``clock``
+        and ``counters``, which a given one already holds); ``parts``: builds the parts from
+        the config and the services (default: as configured, ``build_parts``)."""
         self.config = config
         self.reap_strays = reap_strays
         self.liveness_seconds = liveness_seconds
         self._last_cycle_end = time.monotonic()
         self.config_source = ConfigSource(config_path, listen_override, web_config_override)
-        self.paths = paths or HostPaths(procfs=config.procfs)
-        self.clock = clock
-        self.counters = counters or CounterStore()
+        # built once, handed to every part (daemon/services.py): py-spy, Xid de-dup, event log
+        self.services = services or Services.build(config, paths, clock=clock, counters=counters,
+                                                   write_state=write_state)
+        svc = self.services
+        self.paths = svc.paths
+        self.clock = svc.clock
+        self.counters = svc.counters
         # every write to state_dir goes through this: failures counted, no temporaries left
-        self.state_files = StateFiles(self.counters if write_state else None)
-        self.procfs = ProcfsReader(self.paths)
+        self.state_files = svc.state_files
+        self.procfs = svc.procfs
         self.rankfiles = RankFileReader(config.rank_dir)
         self.pidns = PidNamespaces(self.procfs)  # rank files written inside containers
-        self.heartbeat_roots = HeartbeatRoots()
+        self.heartbeat_roots = svc.heartbeat_roots
         self._wake = threading.Event()  # the main loop's sleep ends when either is set
         self.stop_event: threading.Event = LinkedEvent(self._wake)
-        # built once, handed to every subsystem (daemon/services.py): py-spy, Xid de-dup, event log
-        self.services = services or Services.build(config, self.paths)
         self.reload_requested: threading.Event = LinkedEvent(self._wake)
         self.state: NodeState | None = None
         # a job's owner is decided once and kept across restarts (trust rule 2); a read-only
@@ -137,11 +142,11 @@ class Daemon:
         self.job_owner_file = JobOwnerFile(config.state_dir, self.state_files)
         self.memory = JoinMemory(job_owners=self.job_owner_file.load() if write_state else {})
         self.write_state = write_state  # False for read-only users (gpuwatchd ps)
-        self.subsystems: list[Subsystem] = subsystems if subsystems is not None else default_subsystems(config)
-        self.parts = Parts.of(self.subsystems)  # the same parts by name, for the track stage
+        self.parts = parts(config, svc)  # every part built whole, by name
+        self.subsystems: list[Subsystem] = self.parts.all()  # in the order of their hooks
         # (last load of the config succeeded, Unix time of the last success): the constructor's
         # config is the first load; every SIGHUP sets it (gpuwatch_config_last_reload_*)
-        self.config_reload: tuple[bool, float] = (True, clock())
+        self.config_reload: tuple[bool, float] = (True, self.clock())
         self.registry = make_registry(lambda: self.state, self.counters,
                                       liveness=self.liveness_problem,
                                       config_reload=lambda: self.config_reload)
@@ -227,13 +232,13 @@ class Daemon:
                                         self.memory.claimant_uids, self.memory.start_ticks,
                                         reading.proc.cgroups)
             ranks, beats = accepted(reading, claims)        # from here on: the accepted claims only
-            tracked = track(self.parts, self, ranks, beats, dict(self.failed_subsystems))  # parts by name
+            tracked = track(self.parts, self, ranks, beats, self.state, dict(self.failed_subsystems))
             state, self.memory = build_state(self.join_inputs(reading, claims, beats, tracked, t0), self.memory)
             state = dataclasses.replace(state, cycle_seconds=time.monotonic() - t0,
                                         oom_score_adj=self._oom_score_adj(),
                                         memory_limit_bytes=self._own_memcg.own_limit_bytes())
             self.state = state                              # what the exporter and the CLI read: one swap
-            self.publish(state)                             # after_join hooks, state.json
+            self.publish(ranks, state)                      # after_join hooks, state.json
             self._last_cycle_end = time.monotonic()
             return state
 
@@ -275,11 +280,12 @@ class Daemon:
             nccl_ras=tracked.ras.jobs,
         )
 
-    def publish(self, state: NodeState) -> None:
+    def publish(self, ranks: Ranks, state: NodeState) -> None:
         """What the new state drives: the subsystems' after-join hooks (event log, rank trees,
         the GIL sampler's signals) and state.json, each isolated."""
         for sub in self.subsystems:
-            guarded(f"subsystem {sub.name} after_join", functools.partial(sub.after_join, self, state), None)
+            guarded(f"subsystem {sub.name} after_join", functools.partial(sub.after_join, self, ranks, state),
+                    None)
         if self.write_state and self._state_due(state):
             guarded("writing state file", lambda: self._write_state(state), None)
         if self.write_state:
@@ -384,7 +390,7 @@ class Daemon:
             guarded(f"stopping subsystem {sub.name}", sub.stop, None)
         self.rank_collector.close()
         self.proc_collector.close()
-        self.heartbeat_roots.close()
+        self.services.close()
         if self.web is not None:
             self.web.close()
             self.web = None

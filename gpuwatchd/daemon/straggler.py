@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gpuwatchd.config import StragglerConfig
+from gpuwatchd.config import Config
+from gpuwatchd.daemon.services import Services
 from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, StragglerOutput, Subsystem
 from gpuwatchd.isolation import guarded
 from gpuwatchd.join.straggler import StragglerTracker
@@ -20,16 +21,14 @@ from gpuwatchd.sources.step_cpu import StepCpuReader
 class StragglerSubsystem(Subsystem):
     name = "straggler"
 
-    def __init__(self, cfg: StragglerConfig) -> None:
-        self.cfg = cfg
-        self.tracker = StragglerTracker(cfg)
-        self.reader: StepCpuReader | None = None
+    def __init__(self, config: Config, services: Services) -> None:
+        self.cfg = config.straggler
+        self.tracker = StragglerTracker(self.cfg)
+        self.reader = StepCpuReader(services.paths, services.heartbeat_roots.step)
 
     def track(self, daemon: DaemonContext, ranks: Ranks,
               heartbeats: Mapping[RankId, float]) -> StragglerOutput:  # fmt: skip
         """``heartbeats``: each accepted rank's heartbeat mtime (the daemon's reading)."""
-        if self.reader is None:
-            self.reader = StepCpuReader(daemon.paths, daemon.heartbeat_roots.step)
         reader = self.reader
         entries = [e for e in ranks.entries if e.pid in ranks.processes]
         due = self.tracker.due(entries, heartbeats)  # read: sources, judged: the tracker

@@ -1,5 +1,5 @@
 """What a subsystem is, what of the daemon it may use, and what each part of the track stage
-returns: a leaf module, so that the subsystems (daemon/nvml.py, kernel_log.py, pyspy.py, memory.py,
+returns: a leaf module, so that the subsystems (daemon/nvml.py, kernel_log.py, stall.py, memory.py,
 ...) and the daemon that runs them (daemon/core.py) both import it and never each other.
 
 ``DaemonContext`` is the part of ``daemon.core.Daemon`` a subsystem sees: its configuration, host
@@ -7,9 +7,11 @@ paths, clock, counters, /proc reader, stop event, the shared services (daemon/se
 py-spy runner, the Xid de-duplicator, the event log), the state-file writer, and ``request_exit``.
 Nothing else of the daemon is reachable (no other subsystem), and nothing is patched onto it.
 
-The track stage (``daemon/wiring.py: track``) calls each part by name with what it needs as
-arguments: every part gets the cycle's ``Ranks``; the stall part and the straggler the
-heartbeats; the flight recorder the stall verdicts of the stall part. Each part returns its own
+Each part is built whole from the configuration and the services (``daemon/wiring.py:
+build_parts``). The track stage (``daemon/wiring.py: track``) calls each part by name with what
+it needs as arguments: every part gets the cycle's ``Ranks``; the NVML part the last state; the
+stall part the heartbeats and this cycle's GPU readings of each rank; the straggler the
+heartbeats; the flight recorder and NCCL RAS the stall verdicts of the stall part. Each part returns its own
 typed output, and ``Tracked`` holds one field per part: every field has exactly one producer.
 """
 
@@ -25,6 +27,7 @@ from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.services import Services
 from gpuwatchd.findings.context import GpuRemoved, NvmlLostGpu
 from gpuwatchd.join.flight_recorder import FrReading
+from gpuwatchd.join.orphans import RankTrees
 from gpuwatchd.join.straggler import RankRate
 from gpuwatchd.model import (
     AttributedOom,
@@ -82,6 +85,7 @@ class Ranks:
     processes: Mapping[int, ProcessInfo]            # each rank tree's /proc reading
     descendants: Mapping[int, tuple[int, ...]]      # rank PID -> its live descendants
     cgroups: Mapping[int, CgroupPaths]              # rank PID -> its cgroup (the process view)
+    trees: RankTrees = field(default_factory=RankTrees)  # pid -> the live rank whose tree it is in
 
 
 @dataclass(frozen=True)
@@ -193,8 +197,9 @@ class Subsystem:
     def observe(self, daemon: DaemonContext, ranks: Ranks) -> None:
         """See the cycle's ranks (a part with no output for the join)."""
 
-    def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
-        """See the new state (e.g. remember rank trees, emit events for new findings)."""
+    def after_join(self, daemon: DaemonContext, ranks: Ranks, state: NodeState) -> None:
+        """See the new state and the cycle's ranks it was joined from (e.g. remember rank trees,
+        emit events for new findings)."""
 
     def stop(self) -> None:
         """Release resources; threads end on ``daemon.stop_event``."""

@@ -9,7 +9,7 @@ Everything here is a frozen dataclass so that a scrape can read the latest state
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -181,6 +181,13 @@ class GpuProcess:
     pid: int
     used_memory_bytes: int | None
     kind: str = "compute"  # compute | graphics
+
+
+def is_rank_gpu(g: GpuDevice, named: Collection[str], held: Collection[int]) -> bool:
+    """The one rule for "is ``g`` one of this rank's GPUs": its rank file names it (index or
+    UUID: ``RankEntry.gpus``), or its process tree holds memory on it (``held``: the GPU indices,
+    from NVML's processes). A discovered rank names none, so what its tree holds is all there is."""
+    return g.index in held or g.uuid in named or str(g.index) in named
 
 
 @dataclass(frozen=True)
