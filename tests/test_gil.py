@@ -22,7 +22,7 @@ from gpuwatchd.daemon.gil_schedule import GilTarget
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import gil as gil_finding
 from gpuwatchd.findings import stall as stall_finding
-from gpuwatchd.model import GilReading, GpuDevice, RankState
+from gpuwatchd.model import GilReading, GpuDevice, GpuProcessRow, RankState
 from gpuwatchd.model.stall import StallVerdict
 from gpuwatchd.model.threads import ThreadInfo
 from gpuwatchd.paths import HostPaths
@@ -240,6 +240,20 @@ def test_gil_saturated_fires_only_when_the_gpu_waits() -> None:
     assert list(gil_finding.find(_ctx((_rank(),), gil={("llm-7", 3): cool}))) == []
     # readings of an earlier PID of the same rank do not count
     assert list(gil_finding.find(_ctx((_rank(pid=99),), gil=gil))) == []
+
+
+def test_gil_saturated_sees_the_gpu_a_discovered_rank_holds() -> None:
+    """A rank found by discovery (torchrun's environment) names no GPU: the GPU its tree holds
+    memory on is its own, as for the stall rules, so a busy one means Python is not the
+    bottleneck (read through the rank file's GPUs only, it was "GPU utilisation unknown" and
+    fired)."""
+    hot = (GilReading(4821, 249, 240), GilReading(4821, 249, 245))
+    held = (GpuProcessRow(0, "GPU-aaaa", 4821, 1 << 30, "python", "u", "llm-7", "3"),)
+    ctx = _ctx((_rank(gpus=()),), (_gpu(0.95),), gil={("llm-7", 3): hot}, gpu_processes=held)
+    assert list(gil_finding.find(ctx)) == []
+    ctx = _ctx((_rank(gpus=()),), (_gpu(0.12),), gil={("llm-7", 3): hot}, gpu_processes=held)
+    (f,) = gil_finding.find(ctx)
+    assert "GPU 0 was 12% busy" in f.explanation
 
 
 def test_rank_stalled_explains_frames_and_suspect() -> None:

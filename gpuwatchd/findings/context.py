@@ -28,6 +28,7 @@ from gpuwatchd.model import (
     RankMemory,
     RankState,
     frozen_map,
+    is_rank_gpu,
 )
 from gpuwatchd.model.events import Event
 from gpuwatchd.model.exits import RankExit
@@ -138,16 +139,14 @@ def rank_gpus(r: RankState, ctx: FindingContext,
               memory: Mapping[tuple[str, str], Mapping[str, int]] | None = None,
               ) -> list[tuple[str, float | None, int | None]]:  # fmt: skip
     """(gpu index, utilisation or None, bytes held by the rank's tree or None) per GPU of the
-    rank: those named in its rank file and those its processes hold memory on (``memory``:
+    rank (``model.is_rank_gpu``): those named in its rank file and those its processes hold memory on (``memory``:
     ``ranks_gpu_memory(ctx)``, made once by a caller that asks for many ranks)."""
     if memory is None:
         memory = ranks_gpu_memory(ctx)
     held = memory.get((r.job_id, str(r.rank)), {})
-    out = []
-    for g in ctx.gpus:
-        if str(g.index) in held or g.uuid in r.gpus or str(g.index) in r.gpus:
-            out.append((str(g.index), g.utilization_ratio, held.get(str(g.index))))
-    return out
+    indices = {int(i) for i in held}
+    return [(str(g.index), g.utilization_ratio, held.get(str(g.index)))
+            for g in ctx.gpus if is_rank_gpu(g, r.gpus, indices)]
 
 
 __all__ = [
