@@ -28,10 +28,10 @@ from gpuwatchd.model import (
     RankMemory,
     RankState,
     frozen_map,
-    is_rank_gpu,
 )
 from gpuwatchd.model.events import Event
 from gpuwatchd.model.exits import RankExit
+from gpuwatchd.model.gpus import is_rank_gpu
 from gpuwatchd.model.nccl_ras import RasJob
 from gpuwatchd.model.stall import StallVerdict
 
@@ -139,8 +139,9 @@ def rank_gpus(r: RankState, ctx: FindingContext,
               memory: Mapping[tuple[str, str], Mapping[str, int]] | None = None,
               ) -> list[tuple[str, float | None, int | None]]:  # fmt: skip
     """(gpu index, utilisation or None, bytes held by the rank's tree or None) per GPU of the
-    rank (``model.is_rank_gpu``): those named in its rank file and those its processes hold memory on (``memory``:
-    ``ranks_gpu_memory(ctx)``, made once by a caller that asks for many ranks)."""
+    rank (``model/gpus.py: is_rank_gpu``): those named in its rank file and those its processes
+    hold memory on (``memory``: ``ranks_gpu_memory(ctx)``, made once by a caller that asks for
+    many ranks)."""
     if memory is None:
         memory = ranks_gpu_memory(ctx)
     held = memory.get((r.job_id, str(r.rank)), {})

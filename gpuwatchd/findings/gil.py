@@ -16,16 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from gpuwatchd.findings.context import FindingContext, rank_finding, rank_label
-from gpuwatchd.model import (
-    WARNING,
-    Finding,
-    GilReading,
-    GpuDevice,
-    GpuProcessRow,
-    RankId,
-    RankState,
-    rank_gpu_devices,
-)
+from gpuwatchd.model import WARNING, Finding, GilReading, GpuDevice, GpuProcessRow, RankId, RankState
+from gpuwatchd.model.gpus import rank_gpu_devices
 
 GPU_BUSY_RATIO = 0.6
 CONSECUTIVE = 2
@@ -37,7 +29,7 @@ def _ratio(r: GilReading) -> float:
 
 def rank_gpu_utilization(r: RankState, gpus: Sequence[GpuDevice],
                          rows: Sequence[GpuProcessRow]) -> list[tuple[str, float]]:  # fmt: skip
-    """(gpu index, utilisation) for the rank's GPUs (``model.rank_gpu_devices``: named in its
+    """(gpu index, utilisation) for the rank's GPUs (``model/gpus.py: rank_gpu_devices``: named in its
     rank file or held by its tree, ``rows``) whose utilisation NVML reports."""
     return [(str(g.index), g.utilization_ratio) for g in rank_gpu_devices(r, gpus, rows)
             if g.utilization_ratio is not None]

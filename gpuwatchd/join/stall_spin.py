@@ -37,7 +37,8 @@ import collections
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from gpuwatchd.model import GpuDevice, GpuProcess, RankId, is_rank_gpu
+from gpuwatchd.model import GpuDevice, GpuProcess, RankId
+from gpuwatchd.model.gpus import is_rank_gpu
 from gpuwatchd.model.stall import HangAnalysis, StallVerdict
 from gpuwatchd.model.threads import ThreadStack
 
@@ -190,7 +191,7 @@ def confirm_spin(window: GpuWindow, since: float, now: float, after: float,
 def rank_gpu_readings(now: float, named: Mapping[RankId, Collection[str]], owner: Mapping[int, RankId],
                       gpus: Iterable[GpuDevice], gpu_processes: Iterable[GpuProcess],
                       ) -> dict[RankId, GpuReading]:  # fmt: skip
-    """Each rank's GPUs in this cycle's NVML reading (``model.is_rank_gpu``: those its tree holds
+    """Each rank's GPUs in this cycle's NVML reading (``model/gpus.py: is_rank_gpu``: those its tree holds
     memory on, ``owner`` being pid -> the live rank whose tree it is in, and those its rank file
     names, ``named``), with whether anybody outside its job holds memory on them. Ranks of one job
     that share a GPU share its evidence: data moving there is the job's progress (rank 0

@@ -9,7 +9,7 @@ Everything here is a frozen dataclass so that a scrape can read the latest state
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -181,22 +181,6 @@ class GpuProcess:
     pid: int
     used_memory_bytes: int | None
     kind: str = "compute"  # compute | graphics
-
-
-def is_rank_gpu(g: GpuDevice, named: Collection[str], held: Collection[int]) -> bool:
-    """The one rule for "is ``g`` one of this rank's GPUs": its rank file names it (index or
-    UUID: ``RankEntry.gpus``), or its process tree holds memory on it (``held``: the GPU indices,
-    from NVML's processes). A discovered rank names none, so what its tree holds is all there is."""
-    return g.index in held or g.uuid in named or str(g.index) in named
-
-
-def rank_gpu_devices(r: RankState, gpus: Iterable[GpuDevice],
-                     rows: Iterable[GpuProcessRow]) -> list[GpuDevice]:  # fmt: skip
-    """A joined rank's GPUs (``is_rank_gpu``): those its rank file names and those the join's GPU
-    rows attribute to its tree. For one rank; ``rank_gpus`` of findings/context.py asks for many."""
-    rank = str(r.rank)
-    held = {p.gpu_index for p in rows if p.job_id == r.job_id and p.rank == rank}
-    return [g for g in gpus if is_rank_gpu(g, r.gpus, held)]
 
 
 @dataclass(frozen=True)
