@@ -18,15 +18,18 @@ from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.nvml import NvmlSubsystem
 from gpuwatchd.daemon.wiring import Parts
 from gpuwatchd.findings import RULES, FindingContext, cuda_oom, evaluate
+from gpuwatchd.join import rank_claims
 from gpuwatchd.join.cuda_oom import FINDING_SECONDS
-from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
+from gpuwatchd.join.state import JoinMemory, build_state
 from gpuwatchd.model import AttributedOom, CoTenant, OomEvent
+from gpuwatchd.model.parts import GpuOutput, Tracked
 from gpuwatchd.rank.cuda_oom import PREFIX, SUFFIX
 from gpuwatchd.rank.rankfile import write_rank_file
 from gpuwatchd.sources.nvml_fixture import fixture_source
 
 FIX = Path(__file__).parent / "fixtures" / "nvml"
 UUID = "GPU-d6a79800-1da5-699b-0f9c-f55eb218f8b2"
+NO_CLAIMS = rank_claims.decide((), {}, {}, {}, {})  # a cycle without ranks
 
 
 def _oom() -> AttributedOom:
@@ -47,7 +50,7 @@ def test_no_reading_no_finding() -> None:
 
 
 def test_one_reading_is_one_warning_naming_each_co_tenant_largest_first() -> None:
-    ctx = FindingContext(now=200.0, config=Config(), cuda_ooms=(_oom(),))
+    ctx = FindingContext(now=200.0, config=Config(), parts=Tracked(gpu=GpuOutput(cuda_ooms=(_oom(),))))
     (f,) = [f for f in evaluate(ctx) if f.kind == "cuda_oom"]
     assert (f.kind, f.severity, f.job_id, f.rank, f.pid) == ("cuda_oom", "warning", "dflash", "0", "447")
     assert f.since == 100.0  # the moment of the error, not the cycle's
@@ -82,11 +85,11 @@ def test_two_ranks_two_findings_kept_by_the_join_with_their_since() -> None:
                                 co_tenants=())
     memory = None
     for now in (200.0, 230.0):  # the same readings on two cycles: the same two findings
-        inputs = CycleInputs(now=now, config=Config(), cuda_ooms=(_oom(), other))
-        state, memory = build_state(inputs, memory or JoinMemory())
+        state, memory = build_state(now, Config(), NO_CLAIMS, Tracked(gpu=GpuOutput(cuda_ooms=(_oom(), other))),
+                                    memory or JoinMemory())
         found = sorted((f.rank, f.pid, f.since) for f in state.findings if f.kind == "cuda_oom")
         assert found == [("0", "447", 100.0), ("1", "448", 150.0)]
-    state, _ = build_state(CycleInputs(now=260.0, config=Config()), memory)
+    state, _ = build_state(260.0, Config(), NO_CLAIMS, Tracked(), memory)
     assert [f for f in state.findings if f.kind == "cuda_oom"] == []
 
 

@@ -23,6 +23,7 @@ from gpuwatchd.join.kernel_faults import KernelFault, KernelFaults
 from gpuwatchd.model import RankState
 from gpuwatchd.model.events import Event
 from gpuwatchd.model.exits import CRASHED, KILLED, NODE, STOPPED, RankExit
+from gpuwatchd.model.parts import ExitOutput, Tracked
 from gpuwatchd.sources.kernel_lines import parse_kmsg, parse_message
 
 REPO = Path(__file__).resolve().parent.parent
@@ -118,7 +119,7 @@ def test_the_kernel_names_the_cause_and_order_names_the_first() -> None:
 def _ctx(now: float, exits: tuple[RankExit, ...], alive: tuple[int, ...] = ()) -> FindingContext:
     ranks = tuple(RankState(job_id="j", rank=r, pid=100 + r, local_rank=r, world_size=4, alive=True,
                             process=None) for r in alive)
-    return FindingContext(now=now, config=Config(), ranks=ranks, exits=exits)
+    return FindingContext(now=now, config=Config(), ranks=ranks, parts=Tracked(exits=ExitOutput(recent=exits)))
 
 
 def test_paging_by_cause_and_consequence() -> None:

@@ -30,6 +30,7 @@ from gpuwatchd.daemon.gil_signals import (
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import gil as gil_finding
 from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, ProcessInfo, RankState
+from gpuwatchd.model.parts import StallOutput, Tracked
 from gpuwatchd.sources.pyspy import PySpy
 
 # ----------------------------------------------------------------------------- signals
@@ -304,7 +305,8 @@ def test_a_gil_bound_rank_without_signals_within_the_bound(procs: list) -> None:
     def raised() -> bool:
         s.update_signals({t.key: _unknown(t.pid) for t in targets})  # no signal, every cycle
         s.tick()
-        ctx = FindingContext(now=time.time(), config=Config(), ranks=(ctx_rank,), gil=s.readings())
+        ctx = FindingContext(now=time.time(), config=Config(), ranks=(ctx_rank,),
+                             parts=Tracked(stall=StallOutput(gil=s.readings())))
         return any(f.kind == "gil_saturated" for f in gil_finding.find(ctx))
 
     try:

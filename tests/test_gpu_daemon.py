@@ -23,10 +23,11 @@ from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.nvml import NvmlSubsystem
 from gpuwatchd.daemon.services import Services
 from gpuwatchd.daemon.stall import StallSubsystem
-from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, StallOutput
+from gpuwatchd.daemon.subsystem import DaemonContext, Ranks
 from gpuwatchd.daemon.wiring import Parts
 from gpuwatchd.join.stall_spin import GpuReading
 from gpuwatchd.model import RankId
+from gpuwatchd.model.parts import StallOutput
 from gpuwatchd.rank.rankfile import write_rank_file
 from gpuwatchd.sources.nvml_fixture import fixture_source
 from gpuwatchd.sources.pyspy import PySpy

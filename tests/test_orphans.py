@@ -19,6 +19,7 @@ from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import orphans as orphan_rule
 from gpuwatchd.join.orphans import OrphanTracker, RankTrees, offenders, trees_from_entries
 from gpuwatchd.model import DEFUNCT, JOB_ENDED, REPARENTED, UNREGISTERED, RankEntry
+from gpuwatchd.model.parts import GpuOutput, Tracked
 from gpuwatchd.sources.nvml_fixture import fixture_source
 from gpuwatchd.sources.procfs import ProcfsReader
 
@@ -93,8 +94,8 @@ def test_seed_scenario_reparented_holder_after_grace(procs: list) -> None:
         o = found[0]
         assert o.comm == processes[child].comm and o.user == "root"
         assert o.first_seen == t0
-        ctx = FindingContext(now=t0 + 61 + 0.0, config=Config(), orphans=found,
-                             processes=processes)
+        ctx = FindingContext(now=t0 + 61 + 0.0, config=Config(),
+                             processes=processes, parts=Tracked(gpu=GpuOutput(orphans=found)))
         (finding,) = list(orphan_rule.find(ctx))
         text = finding.explanation
         assert finding.kind == "orphan_gpu_memory" and finding.pid == str(child)

@@ -15,8 +15,8 @@ from typing import Any
 
 from gpuwatchd.config import Config, StragglerConfig
 from gpuwatchd.findings import FindingContext, straggler
-from gpuwatchd.join.straggler import RankRate
 from gpuwatchd.model import GpuDevice, RankState
+from gpuwatchd.model.parts import GpuOutput, RankRate, StragglerOutput, Tracked
 from gpuwatchd.sources.cgroup_cpu import parse_cpu_stat
 from gpuwatchd.sources.heartbeat_step import read_step
 from gpuwatchd.sources.nvml_fixture import fixture_source
@@ -126,8 +126,8 @@ def test_gpu_clock_throttle_reasons_from_nvml_name_a_cause() -> None:
     assert idle[0].throttle_reasons is None  # recorded before the field: the driver "does not say"
     r = RankState("j", 1, 11, 1, 2, True, None, gpus=("0",))
     rr = RankRate("j", 1, 11, 2.0, 300.0, 10.0, (0, 1), 0.0, True)
-    ctx = FindingContext(now=400.0, config=Config(), ranks=(r,), gpus=devices,
-                         straggler={("j", 1): rr})
+    ctx = FindingContext(now=400.0, config=Config(), ranks=(r,),
+                         parts=Tracked(gpu=GpuOutput(gpus=devices), straggler=StragglerOutput(rates={("j", 1): rr})))
     (f,) = straggler.find(ctx, ())
     assert "GPU 0 clocks throttled: sw_power_cap, hw_thermal (NVML)" in f.explanation
     assert "0.20x its job's median of 10.00 steps/s" in f.explanation
@@ -139,8 +139,8 @@ def test_rank_memory_pressure_is_named_by_kind_when_present() -> None:
     r = RankState("j", 1, 11, 1, 2, True, None)
     rr = RankRate("j", 1, 11, 2.0, 300.0, 10.0, (0, 1), 0.0, True)
     ctx = FindingContext(now=400.0, config=Config(), ranks=(r,),
-                         gpus=(GpuDevice(0, "u", "n", "p", None, None, None),),
-                         straggler={("j", 1): rr})
+                         parts=Tracked(gpu=GpuOutput(gpus=(GpuDevice(0, "u", "n", "p", None, None, None),)),
+                                       straggler=StragglerOutput(rates={("j", 1): rr})))
     mem = Finding("rank_memory_pressure", "warning", "x", "j", "1", "11")
     (f,) = straggler.find(ctx, (mem,))
     assert "causes: host memory pressure (rank_memory_pressure)" in f.explanation

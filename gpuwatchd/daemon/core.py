@@ -41,15 +41,16 @@ from gpuwatchd.daemon.proc_view import ProcReading, ProcView
 from gpuwatchd.daemon.reload import ConfigSource, reload_config
 from gpuwatchd.daemon.services import Services
 from gpuwatchd.daemon.state_json import state_json_text
-from gpuwatchd.daemon.subsystem import Ranks, Subsystem, Tracked
+from gpuwatchd.daemon.subsystem import Ranks, Subsystem
 from gpuwatchd.daemon.wake import LinkedEvent
 from gpuwatchd.daemon.wiring import Parts, build_parts, down_statuses, track
 from gpuwatchd.exporter.collector import make_registry
 from gpuwatchd.isolation import Collector, PartialReading, attempt, guarded
 from gpuwatchd.join import rank_claims
 from gpuwatchd.join.orphans import trees_from_entries
-from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
+from gpuwatchd.join.state import JoinMemory, build_state
 from gpuwatchd.model import BadRankFile, CollectorStatus, NodeState, RankEntry, RankId, RankProcess
+from gpuwatchd.model.parts import Tracked
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.discovery import Discoverer
 from gpuwatchd.sources.job_owners import JobOwnerFile
@@ -233,7 +234,12 @@ class Daemon:
                                         reading.proc.cgroups)
             ranks, beats = accepted(reading, claims)        # from here on: the accepted claims only
             tracked = track(self.parts, self, ranks, beats, self.state, dict(self.failed_subsystems))
-            state, self.memory = build_state(self.join_inputs(reading, claims, beats, tracked, t0), self.memory)
+            proc = reading.proc
+            state, self.memory = build_state(
+                reading.now, self.config, claims, tracked, self.memory, processes=proc.processes,
+                descendants=proc.descendants, env_flags=proc.env_flags, bad_files=reading.bad_files,
+                heartbeats=beats, collectors=self.statuses(reading, tracked),
+                counters=self.counters.snapshot())
             state = dataclasses.replace(state, cycle_seconds=time.monotonic() - t0,
                                         oom_score_adj=self._oom_score_adj(),
                                         memory_limit_bytes=self._own_memcg.own_limit_bytes())
@@ -256,29 +262,12 @@ class Daemon:
         return Reading(self.clock(), tuple(entries), tuple(bad), proc,
                        (self.rank_collector.status, self.proc_collector.status))
 
-    def join_inputs(self, reading: Reading, claims: rank_claims.Claims, beats: Mapping[RankId, float],
-                    tracked: Tracked, t0: float) -> CycleInputs:
-        """The join's input, field by field from the one stage output that produced it."""
-        stall, gpu, mem = tracked.stall, tracked.gpu, tracked.memory
-        statuses = [*reading.statuses, *(s for s in (stall.status, tracked.kernel.status, gpu.status, mem.status,
-                                                     tracked.exits.status) if s is not None)]
-        statuses += down_statuses(statuses, tracked.down)
-        proc = reading.proc
-        return CycleInputs(
-            now=reading.now, config=self.config, entries=claims.accepted, bad_files=reading.bad_files,
-            processes={**proc.processes, **gpu.processes} if gpu.processes else proc.processes,
-            descendants=proc.descendants, env_flags=proc.env_flags, cgroups=proc.cgroups, heartbeats=beats,
-            claims=claims, gpus=gpu.gpus, gpu_processes=gpu.gpu_processes, orphans=gpu.orphans,
-            progress=stall.progress, stalled=stall.stalled, collectors=tuple(statuses),
-            counters=self.counters.snapshot(), cycle_seconds=time.monotonic() - t0,
-            steps=tracked.straggler.steps, collectives=tracked.flight.collectives,
-            rank_memory=mem.ranks, node_memory=mem.node, kernel_events=tracked.kernel.events,
-            orphan_jobs=gpu.orphan_jobs, fork_evidence=gpu.fork_evidence, gil=stall.gil, stall=stall.verdicts,
-            flight_records=tracked.flight.records, straggler=tracked.straggler.rates,
-            gpus_removed=gpu.gpus_removed, gpus_lost=gpu.gpus_lost, cuda_ooms=gpu.cuda_ooms,
-            exits=tracked.exits.exits,
-            nccl_ras=tracked.ras.jobs,
-        )
+    def statuses(self, reading: Reading, tracked: Tracked) -> tuple[CollectorStatus, ...]:
+        """Every collector's status: the daemon's own two, each part's, and a part that failed
+        to start or whose track raised as a collector that is down."""
+        own = [*reading.statuses, *(p.status for p in (tracked.stall, tracked.kernel, tracked.gpu,
+                                                        tracked.memory, tracked.exits) if p.status is not None)]
+        return (*own, *down_statuses(own, tracked.down))
 
     def publish(self, ranks: Ranks, state: NodeState) -> None:
         """What the new state drives: the subsystems' after-join hooks (event log, rank trees,

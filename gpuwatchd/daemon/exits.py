@@ -17,12 +17,13 @@ import threading
 import time
 
 from gpuwatchd.daemon.services import Services
-from gpuwatchd.daemon.subsystem import DaemonContext, ExitOutput, Ranks, Subsystem
+from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
 from gpuwatchd.isolation import guarded
 from gpuwatchd.join.exits import ExitLedger, exit_words
 from gpuwatchd.model import INFO, PAGE, WARNING, CollectorStatus, RankProcess, frozen_map
 from gpuwatchd.model.events import Event
 from gpuwatchd.model.exits import CRASHED, KILLED, NODE, RankExit
+from gpuwatchd.model.parts import ExitOutput
 from gpuwatchd.rank.rankfile import MAX_RANKS_PER_NODE
 from gpuwatchd.sources.exits import ExitWatcher, ProcessExit, Watch
 

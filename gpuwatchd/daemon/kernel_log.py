@@ -17,12 +17,13 @@ from typing import Any
 from gpuwatchd.config import Config
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.services import Services
-from gpuwatchd.daemon.subsystem import DaemonContext, KernelOutput, Ranks, Subsystem
+from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
 from gpuwatchd.isolation import guarded, run_forever
 from gpuwatchd.join.kernel_events import KernelEventProcessor
 from gpuwatchd.model import CollectorStatus, NodeState
 from gpuwatchd.model.events import Event
 from gpuwatchd.model.kernel import LogRecord
+from gpuwatchd.model.parts import KernelOutput
 from gpuwatchd.sources import reaper
 from gpuwatchd.sources.kernel_lines import parse_message
 from gpuwatchd.sources.kernel_log import KernelLogUnavailable, open_kernel_log, read_vmstat_oom_kill

@@ -25,7 +25,7 @@ from typing import Any
 from gpuwatchd.config import Config
 from gpuwatchd.daemon.memory_evidence import snapshot_event, worse
 from gpuwatchd.daemon.services import Services
-from gpuwatchd.daemon.subsystem import DaemonContext, MemoryOutput, Ranks, Subsystem
+from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
 from gpuwatchd.findings.memory import KIND
 from gpuwatchd.isolation import guarded
 from gpuwatchd.join.memory_tracker import MemoryTracker, TrackedRank
@@ -42,6 +42,7 @@ from gpuwatchd.model import (
     RankProcess,
     rank_alive,
 )
+from gpuwatchd.model.parts import MemoryOutput
 from gpuwatchd.sources.memcg import MemcgReader
 from gpuwatchd.sources.pyspy import PySpy
 from gpuwatchd.sources.pyspy_output import PySpyError

@@ -33,12 +33,12 @@ from gpuwatchd.config import Config
 from gpuwatchd.daemon.device_policy import EXIT_REEXPAND, DevicePolicyGuard
 from gpuwatchd.daemon.fork_evidence import fork_evidence
 from gpuwatchd.daemon.services import Services
-from gpuwatchd.daemon.subsystem import DaemonContext, GpuOutput, Ranks, Subsystem
-from gpuwatchd.findings.context import GpuRemoved, NvmlLostGpu
+from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
 from gpuwatchd.isolation import Collector, guarded
 from gpuwatchd.join.cuda_oom import OomTracker, claimants
 from gpuwatchd.join.orphans import OrphanTracker
 from gpuwatchd.model import GpuDevice, GpuProcess, GpuUevent, NodeState, OomEvent, ProcessInfo, ProcEvidence
+from gpuwatchd.model.parts import GpuOutput, GpuRemoved, NvmlLostGpu
 from gpuwatchd.sources.cuda_oom_events import OomEventFiles
 from gpuwatchd.sources.devfds import EvidenceReader
 from gpuwatchd.sources.nvidia_devices import probe
@@ -172,9 +172,9 @@ class NvmlSubsystem(Subsystem):
         return GpuOutput(
             status=self.collector.status,
             gpus=tuple(devices),
-            gpu_processes=tuple(procs),
+            holders=tuple(procs),
             orphans=tuple(orphans),
-            processes=extra,
+            other_processes=extra,
             fork_evidence=evidence,
             orphan_jobs=orphan_jobs,
             gpus_removed=removed,

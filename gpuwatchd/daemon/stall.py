@@ -29,11 +29,12 @@ from gpuwatchd.daemon.gil import DEFERRED_KINDS, MAX_SAMPLING_DUTY, GilSampler
 from gpuwatchd.daemon.gil_schedule import GilTarget
 from gpuwatchd.daemon.gil_signals import SignalTracker
 from gpuwatchd.daemon.services import Services
-from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, StallOutput, Subsystem
+from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
 from gpuwatchd.isolation import run_forever
 from gpuwatchd.join.stall import StallTracker
 from gpuwatchd.join.stall_spin import GpuReading
 from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo, RankId, rank_alive
+from gpuwatchd.model.parts import StallOutput
 from gpuwatchd.model.stall import RankProbe
 from gpuwatchd.sources.pyspy import PySpy
 from gpuwatchd.sources.pyspy_output import ABSENT, COLLECTOR

@@ -1,6 +1,6 @@
 """The straggler subsystem of the daemon: each cycle, the step rates of the heartbeat ranks
 (join/straggler.py, from the heartbeat steps and cgroup cpu.stat that sources/step_cpu.py reads)
-as ``steps`` (exported as ``gpuwatch_rank_step``) and ``FindingContext.straggler``
+as ``steps`` (exported as ``gpuwatch_rank_step``) and ``StragglerOutput.rates``
 (findings/straggler.py). The track stage hands it the heartbeats as an argument; the step and
 cpu.stat reads each run under ``guarded``.
 """
@@ -11,10 +11,11 @@ from collections.abc import Mapping
 
 from gpuwatchd.config import Config
 from gpuwatchd.daemon.services import Services
-from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, StragglerOutput, Subsystem
+from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
 from gpuwatchd.isolation import guarded
 from gpuwatchd.join.straggler import StragglerTracker
 from gpuwatchd.model import CpuStat, RankId
+from gpuwatchd.model.parts import StragglerOutput
 from gpuwatchd.sources.step_cpu import StepCpuReader
 
 

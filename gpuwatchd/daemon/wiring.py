@@ -29,23 +29,21 @@ from gpuwatchd.daemon.retention import RetentionSubsystem
 from gpuwatchd.daemon.services import Services
 from gpuwatchd.daemon.stall import StallSubsystem
 from gpuwatchd.daemon.straggler import StragglerSubsystem
-from gpuwatchd.daemon.subsystem import (
-    DaemonContext,
+from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
+from gpuwatchd.isolation import attempt
+from gpuwatchd.join.stall_spin import rank_gpu_readings
+from gpuwatchd.model import CollectorStatus, NodeState, RankId
+from gpuwatchd.model.parts import (
     ExitOutput,
     FlightOutput,
     GpuOutput,
     KernelOutput,
     MemoryOutput,
-    Ranks,
     RasOutput,
     StallOutput,
     StragglerOutput,
-    Subsystem,
     Tracked,
 )
-from gpuwatchd.isolation import attempt
-from gpuwatchd.join.stall_spin import rank_gpu_readings
-from gpuwatchd.model import CollectorStatus, NodeState, RankId
 
 S = TypeVar("S", bound=Subsystem)
 T = TypeVar("T")
@@ -126,7 +124,7 @@ def track(parts: Parts, daemon: DaemonContext, ranks: Ranks, heartbeats: Mapping
     p = parts
     gpu = part(p.nvml, lambda s: s.track(daemon, ranks, last), GpuOutput())
     named = {e.rank_id: e.gpus for e in ranks.entries}
-    gpus = rank_gpu_readings(ranks.now, named, ranks.trees.owner, gpu.gpus, gpu.gpu_processes)
+    gpus = rank_gpu_readings(ranks.now, named, ranks.trees.owner, gpu.gpus, gpu.holders)
     stall = part(p.stall, lambda s: s.track(daemon, ranks, heartbeats, gpus), StallOutput())
     flight = part(p.flight_recorder, lambda s: s.track(daemon, ranks, stall.verdicts), FlightOutput())
     ras = part(p.nccl_ras, lambda s: s.track(daemon, ranks, stall.verdicts), RasOutput())

@@ -1,6 +1,6 @@
 """gil_saturated: a rank's Python threads hold the GIL nearly all the time while its GPU waits.
 
-Input: the GIL readings of the last samples per rank (``ctx.gil``: (job_id, rank) ->
+Input: the GIL readings of the last samples per rank (``ctx.parts.stall.gil``: (job_id, rank) ->
 ``GilReading``s, oldest first, from gpuwatchd/daemon/gil.py) and the GPU utilisation of the rank's GPUs
 (those its rank file names and those its tree holds memory on: a discovered rank names none) when
 NVML knows it. Fires when the held ratio of each of the last two samples is at least
@@ -46,7 +46,7 @@ def top_holders(readings: Sequence[GilReading], n: int = 3) -> list[tuple[str, f
 
 
 def find(ctx: FindingContext) -> Iterable[Finding]:
-    readings: Mapping[RankId, Sequence[GilReading]] = ctx.gil
+    readings: Mapping[RankId, Sequence[GilReading]] = ctx.parts.stall.gil
     threshold = ctx.config.gil.held_threshold
     for r in ctx.ranks:
         recent = list(readings.get(r.rank_id, ()))[-CONSECUTIVE:]
@@ -55,7 +55,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         ratios = [_ratio(x) for x in recent]
         if min(ratios) < threshold:
             continue
-        utils = rank_gpu_utilization(r, ctx.gpus, ctx.gpu_processes)
+        utils = rank_gpu_utilization(r, ctx.parts.gpu.gpus, ctx.gpu_processes)
         if utils and max(u for _, u in utils) >= GPU_BUSY_RATIO:
             continue
         held = sum(x.held for x in recent) / max(sum(x.samples for x in recent), 1)
