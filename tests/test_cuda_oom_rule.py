@@ -20,6 +20,7 @@ from gpuwatchd.daemon.wiring import Parts
 from gpuwatchd.findings import RULES, FindingContext, cuda_oom, evaluate
 from gpuwatchd.join import rank_claims
 from gpuwatchd.join.cuda_oom import FINDING_SECONDS
+from gpuwatchd.join.orphans import RankTrees
 from gpuwatchd.join.state import JoinMemory, build_state
 from gpuwatchd.model import AttributedOom, CoTenant, OomEvent
 from gpuwatchd.model.parts import GpuOutput, Tracked
@@ -85,11 +86,11 @@ def test_two_ranks_two_findings_kept_by_the_join_with_their_since() -> None:
                                 co_tenants=())
     memory = None
     for now in (200.0, 230.0):  # the same readings on two cycles: the same two findings
-        state, memory = build_state(now, Config(), NO_CLAIMS, Tracked(gpu=GpuOutput(cuda_ooms=(_oom(), other))),
-                                    memory or JoinMemory())
+        state, memory = build_state(now, Config(), NO_CLAIMS, RankTrees(),
+                                    Tracked(gpu=GpuOutput(cuda_ooms=(_oom(), other))), memory or JoinMemory())
         found = sorted((f.rank, f.pid, f.since) for f in state.findings if f.kind == "cuda_oom")
         assert found == [("0", "447", 100.0), ("1", "448", 150.0)]
-    state, _ = build_state(260.0, Config(), NO_CLAIMS, Tracked(), memory)
+    state, _ = build_state(260.0, Config(), NO_CLAIMS, RankTrees(), Tracked(), memory)
     assert [f for f in state.findings if f.kind == "cuda_oom"] == []
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 from gpuwatchd.config import Config, FdsConfig
 from gpuwatchd.join import rank_claims
+from gpuwatchd.join.orphans import trees_from_entries
 from gpuwatchd.join.state import JoinMemory, build_state
 from gpuwatchd.model import BadRankFile, GpuProcess, ProcessInfo, RankEntry
 from gpuwatchd.model.parts import GpuOutput, Tracked
@@ -33,7 +35,9 @@ def run(now: float, entries: list[RankEntry], procs: list[ProcessInfo], memory: 
     processes = {p.pid: p for p in procs}
     claims = rank_claims.decide(tuple(entries), processes, memory.job_owners, memory.claimant_uids,
                                 memory.start_ticks)
-    return build_state(now, config, claims, parts or Tracked(), memory, processes=processes,
+    descendants: Mapping[int, tuple[int, ...]] = kw.get("descendants", {})  # type: ignore[assignment]
+    trees = trees_from_entries(claims.accepted, processes, descendants, memory.start_ticks)
+    return build_state(now, config, claims, trees, parts or Tracked(), memory, processes=processes,
                        **kw)  # type: ignore[arg-type]
 
 

@@ -324,6 +324,7 @@ def test_only_accepted_live_ranks_get_the_finding() -> None:
 
 def test_join_exports_host_memory_of_accepted_live_ranks_only() -> None:
     from gpuwatchd.join import rank_claims
+    from gpuwatchd.join.orphans import trees_from_entries
     from gpuwatchd.join.state import JoinMemory, build_state
     from gpuwatchd.model import RankEntry
     from gpuwatchd.model.parts import MemoryOutput, Tracked
@@ -333,7 +334,8 @@ def test_join_exports_host_memory_of_accepted_live_ranks_only() -> None:
     stranger = RankMemory("j", 1, 4242, 1 << 20)  # a claim the join never accepted
     processes = {os.getpid(): me}
     claims = rank_claims.decide((RankEntry("j", 0, os.getpid()),), processes, {}, {}, {})
-    state, _ = build_state(1.0, Config(), claims, Tracked(memory=MemoryOutput((claimed, stranger))),
+    trees = trees_from_entries(claims.accepted, processes, {})
+    state, _ = build_state(1.0, Config(), claims, trees, Tracked(memory=MemoryOutput((claimed, stranger))),
                            JoinMemory(), processes=processes)
     assert state.rank_memory == (claimed,)
 

@@ -82,12 +82,15 @@ class Reading:
     statuses: tuple[CollectorStatus, ...]       # the two collectors' status
 
 
-def accepted(reading: Reading, claims: rank_claims.Claims) -> tuple[Ranks, Mapping[RankId, float]]:
-    """The reading narrowed to the accepted claims: what the track stage's parts read, and each
-    accepted rank's heartbeat mtime (a refused claim on the same rank has another pid)."""
+def accepted(reading: Reading, claims: rank_claims.Claims,
+             known_ticks: Mapping[RankProcess, int]) -> tuple[Ranks, Mapping[RankId, float]]:
+    """The reading narrowed to the accepted claims: what the track stage's parts read (with each
+    rank's liveness and tree, computed once here: ``known_ticks``, the start time the join first
+    saw of a claim without one), and each accepted rank's heartbeat mtime (a refused claim on the
+    same rank has another pid)."""
     proc = reading.proc
     beats = {RankId(j, r): t for (j, r, pid), t in proc.progress.items() if claims.accepts(j, r, pid)}
-    trees = trees_from_entries(claims.accepted, proc.processes, proc.descendants)
+    trees = trees_from_entries(claims.accepted, proc.processes, proc.descendants, known_ticks)
     return Ranks(reading.now, claims.accepted, proc.processes, proc.descendants, proc.cgroups, trees), beats
 
 
@@ -232,11 +235,11 @@ class Daemon:
             claims = rank_claims.decide(reading.entries, reading.proc.processes, self.memory.job_owners,
                                         self.memory.claimant_uids, self.memory.start_ticks,
                                         reading.proc.cgroups)
-            ranks, beats = accepted(reading, claims)        # from here on: the accepted claims only
+            ranks, beats = accepted(reading, claims, self.memory.start_ticks)  # the accepted claims only
             tracked = track(self.parts, self, ranks, beats, self.state, dict(self.failed_subsystems))
             proc = reading.proc
             state, self.memory = build_state(
-                reading.now, self.config, claims, tracked, self.memory, processes=proc.processes,
+                reading.now, self.config, claims, ranks.trees, tracked, self.memory, processes=proc.processes,
                 descendants=proc.descendants, env_flags=proc.env_flags, bad_files=reading.bad_files,
                 heartbeats=beats, collectors=self.statuses(reading, tracked),
                 counters=self.counters.snapshot())

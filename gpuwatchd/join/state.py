@@ -16,6 +16,7 @@ from gpuwatchd import findings
 from gpuwatchd.config import Config
 from gpuwatchd.join import rank_claims
 from gpuwatchd.join.nccl_ras import counts_moving
+from gpuwatchd.join.orphans import RankTrees
 from gpuwatchd.model import (
     BadRankFile,
     CollectorStatus,
@@ -28,7 +29,6 @@ from gpuwatchd.model import (
     RankProcess,
     RankState,
     frozen_map,
-    rank_alive,
 )
 from gpuwatchd.model.parts import Tracked
 
@@ -55,7 +55,8 @@ def select_entries(
 
 
 def build_state(
-    now: float, config: Config, claims: rank_claims.Claims, parts: Tracked, memory: JoinMemory, *,
+    now: float, config: Config, claims: rank_claims.Claims, trees: RankTrees, parts: Tracked,
+    memory: JoinMemory, *,
     processes: Mapping[int, ProcessInfo] = frozen_map(),
     descendants: Mapping[int, tuple[int, ...]] = frozen_map(),
     env_flags: Mapping[int, tuple[str, ...]] = frozen_map(),
@@ -65,10 +66,12 @@ def build_state(
     counters: Mapping[str, Mapping[tuple[str, ...], float]] = frozen_map(),
 ) -> tuple[NodeState, JoinMemory]:
     """The cycle joined: ``claims`` decided before the parts ran (``rank_claims.decide``; every
-    reading is of an accepted pid), ``parts`` the track stage's outputs as the parts returned
-    them, and the daemon's own reading of the rank trees (``processes``: each tree's /proc,
-    ``descendants``, ``env_flags``; ``heartbeats``: each accepted rank's heartbeat mtime), the
-    rank files refused while read (``bad_files``), the collectors' statuses and the counters."""
+    reading is of an accepted pid), ``trees`` each accepted rank's liveness and tree, computed
+    once for the cycle before the parts ran (join/orphans.py ``trees_from_entries``), ``parts``
+    the track stage's outputs as the parts returned them, and the daemon's own reading of the
+    rank trees (``processes``: each tree's /proc, ``descendants``, ``env_flags``;
+    ``heartbeats``: each accepted rank's heartbeat mtime), the rank files refused while read
+    (``bad_files``), the collectors' statuses and the counters."""
     gpu = parts.gpu
     # the rank trees' processes and the GPU processes outside them (the NVML part's reading)
     processes = {**processes, **gpu.other_processes} if gpu.other_processes else processes
@@ -81,13 +84,13 @@ def build_state(
     fd_first: dict[RankProcess, tuple[float, int]] = {}
     fd_rates: dict[RankId, float] = {}
     ranks: list[RankState] = []
-    pid_owner: dict[int, RankId] = {}
+    pid_owner = trees.owner
 
     for e in sorted(entries, key=lambda e: (e.job_id, e.rank)):
         rid, key = e.rank_id, e.rank_process  # once per rank (the loop below is per process)
         proc = processes.get(e.pid)
         expected = e.start_ticks if e.start_ticks is not None else memory.start_ticks.get(key)
-        alive = rank_alive(proc, expected)
+        alive = key in trees.alive
         if alive and proc is not None:
             start_ticks[key] = proc.start_ticks
         elif expected is not None:
@@ -97,8 +100,6 @@ def build_state(
         tree: tuple[int, ...] = ()
         if alive and proc is not None:
             tree = (e.pid, *descendants.get(e.pid, ()))
-            for pid in tree:
-                pid_owner.setdefault(pid, rid)
             if proc.open_fds is not None:
                 first = memory.fd_first.get(key)
                 if first is None or proc.open_fds < first[1]:
