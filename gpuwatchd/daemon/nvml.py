@@ -16,9 +16,11 @@ Wires the GPU sources into the daemon's cycle; every collaborator is built in th
 - streaming: the NVML Xid event thread (``gpu_xid_errors``, de-duplicated against the kernel log
   through the daemon's shared ``XidDeduper``) and the udev thread.
 
-Returns ``gpus``, ``gpu_processes``, ``orphans``, ``processes`` (GPU PIDs outside the rank trees),
-``fork_evidence``, ``orphan_jobs``, ``gpus_removed``, ``gpus_lost`` and ``cuda_ooms`` (a
-``GpuOutput``) for the join. The /proc reads of GPU PIDs, the devfds evidence and the CUDA-OOM
+Returns ``gpus``, ``holders`` (NVML's processes per GPU), ``orphans``, ``other_processes`` (GPU
+PIDs outside the rank trees), ``fork_evidence``, ``orphan_jobs``, ``gpus_removed``, ``gpus_lost``
+and ``cuda_ooms`` (a ``GpuOutput``, model/parts.py) for the stall part's GPU readings, the join
+and the rules. The track stage hands it the last cycle's state, the co-tenants a CUDA OOM is
+attributed among. The /proc reads of GPU PIDs, the devfds evidence and the CUDA-OOM
 event files each run under ``guarded``: one that fails loses its own reading this cycle.
 """
 
