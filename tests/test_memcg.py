@@ -159,7 +159,7 @@ def test_own_limit_is_the_smallest_on_the_path_v2(tmp_path: Path) -> None:
 
 def test_cgroup_file_parsing() -> None:
     text = "12:memory:/slurm/uid_0/job_7\n11:cpu,cpuacct:/x\n0::/user.slice\n"
-    assert memcg.parse_cgroup_file(text) == CgroupPaths("/slurm/uid_0/job_7", "/user.slice")
+    assert memcg.parse_cgroup_file(text) == CgroupPaths("/slurm/uid_0/job_7", "/user.slice", "/x")
     assert memcg.parse_cgroup_file("garbage\n\n::\n") == CgroupPaths("", "")
 
 

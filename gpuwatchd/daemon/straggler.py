@@ -37,5 +37,5 @@ class StragglerSubsystem(Subsystem):
         no_steps: dict[RankId, int | None] = {}
         no_cpu: dict[RankId, CpuStat | None] = {}
         steps = guarded("straggler: heartbeat steps", lambda: reader.steps(due), no_steps)
-        cpu = guarded("straggler: cpu.stat", lambda: reader.cpu_stats(entries), no_cpu)
+        cpu = guarded("straggler: cpu.stat", lambda: reader.cpu_stats(entries, ranks.cgroups), no_cpu)
         return StragglerOutput(*self.tracker.observe(ranks.now, entries, heartbeats, steps, cpu))
