@@ -30,6 +30,7 @@ from bench.benchlib import REPO, cpu_seconds, free_port, pct, rss_kib
 from gpuwatchd.config import Config, DiscoveryConfig, GilConfig, NvmlConfig, WebConfig
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.core import Daemon
+from gpuwatchd.daemon.wiring import build_parts, no_parts
 from gpuwatchd.exporter.collector import make_registry
 from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, ProcessInfo, RankState
 from gpuwatchd.rank.rankfile import write_rank_file
@@ -78,7 +79,7 @@ def bench_gpuwatchd(n: int, rank_dir: str, state_dir: str, cycles: int,
     cfg = Config(rank_dir=rank_dir, state_dir=state_dir, interval_seconds=interval, kernel_log="off",
                  gil=GilConfig(enabled=False), nvml=NvmlConfig(enabled=False),
                  discovery=DiscoveryConfig(enabled=False), web=WebConfig(listen_address="127.0.0.1:0"))
-    d = Daemon(cfg, subsystems=None if stall else [])
+    d = Daemon(cfg, parts=build_parts if stall else no_parts)
     d.cycle()  # warm: rank files parsed, environ read once per rank
     t0 = time.process_time()
     w0 = time.perf_counter()

@@ -36,7 +36,7 @@ class Context:
         self.counters = CounterStore()
         self.procfs = ProcfsReader(paths)
         self.stop_event = threading.Event()
-        self.services = Services.build(self.config, paths)
+        self.services = Services.build(self.config, paths, event_log=False)
 
     def request_exit(self, status: int, why: str) -> None:
         raise SystemExit(why)
@@ -48,14 +48,14 @@ def main() -> None:
     try:
         time.sleep(1)
         ctx = Context(HostPaths())
-        part = ExitsSubsystem()
+        part = ExitsSubsystem(ctx.services)
         part.start(ctx)  # type: ignore[arg-type]
         entries = tuple(RankEntry(job_id="bench", rank=i, pid=p.pid, source="environ")
                         for i, p in enumerate(procs))
         processes = {p.pid: ctx.procfs.read_process(p.pid) for p in procs}
         ranks = Ranks(time.time(), entries, processes, {}, {})
         part.track(ctx, ranks)  # type: ignore[arg-type]
-        assert part.watcher is not None and part.watcher.watched == RANKS
+        assert part.watcher.watched == RANKS
         cpu0, wall0 = time.process_time(), time.perf_counter()
         for _ in range(CALLS):
             part.track(ctx, ranks)  # type: ignore[arg-type]

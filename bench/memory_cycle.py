@@ -20,6 +20,7 @@ import time
 from gpuwatchd.config import Config, DiscoveryConfig, GilConfig, NvmlConfig
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.memory import MemorySubsystem
+from gpuwatchd.daemon.wiring import Parts, no_parts
 from gpuwatchd.rank.rankfile import write_rank_file
 from gpuwatchd.sources.pyspy import PySpy
 from tests.kernel_oom_helpers import MemCgroup
@@ -42,10 +43,9 @@ def measure(n: int, shared: bool, cycles: int) -> tuple[float, float]:
             write_rank_file(cfg.rank_dir, {"version": 1, "job_id": "bench", "world_size": n,
                                            "ranks": [{"rank": i, "pid": p.pid} for i, p in enumerate(procs)]},
                             "bench.json")
-            mem = MemorySubsystem(cfg, spy=PySpy(None))
-            plain = Daemon(cfg, subsystems=[], write_state=False)
-            with_memory = Daemon(cfg, subsystems=[mem], write_state=False)
-            mem.start(with_memory)
+            plain = Daemon(cfg, parts=no_parts, write_state=False)
+            with_memory = Daemon(cfg, write_state=False,
+                                 parts=lambda c, s: Parts(memory=MemorySubsystem(c, s, spy=PySpy(None))))
             cpu = {}
             for name, d in (("plain", plain), ("memory", with_memory)):
                 d.cycle()  # rank files and start times learnt

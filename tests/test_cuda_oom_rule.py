@@ -16,16 +16,21 @@ from typing import Any
 from gpuwatchd.config import Config, parse_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.nvml import NvmlSubsystem
+from gpuwatchd.daemon.wiring import Parts
 from gpuwatchd.findings import RULES, FindingContext, cuda_oom, evaluate
+from gpuwatchd.join import rank_claims
 from gpuwatchd.join.cuda_oom import FINDING_SECONDS
-from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
+from gpuwatchd.join.orphans import RankTrees
+from gpuwatchd.join.state import JoinMemory, build_state
 from gpuwatchd.model import AttributedOom, CoTenant, OomEvent
+from gpuwatchd.model.parts import GpuOutput, Tracked
 from gpuwatchd.rank.cuda_oom import PREFIX, SUFFIX
 from gpuwatchd.rank.rankfile import write_rank_file
 from gpuwatchd.sources.nvml_fixture import fixture_source
 
 FIX = Path(__file__).parent / "fixtures" / "nvml"
 UUID = "GPU-d6a79800-1da5-699b-0f9c-f55eb218f8b2"
+NO_CLAIMS = rank_claims.decide((), {}, {}, {}, {})  # a cycle without ranks
 
 
 def _oom() -> AttributedOom:
@@ -46,7 +51,7 @@ def test_no_reading_no_finding() -> None:
 
 
 def test_one_reading_is_one_warning_naming_each_co_tenant_largest_first() -> None:
-    ctx = FindingContext(now=200.0, config=Config(), cuda_ooms=(_oom(),))
+    ctx = FindingContext(now=200.0, config=Config(), parts=Tracked(gpu=GpuOutput(cuda_ooms=(_oom(),))))
     (f,) = [f for f in evaluate(ctx) if f.kind == "cuda_oom"]
     assert (f.kind, f.severity, f.job_id, f.rank, f.pid) == ("cuda_oom", "warning", "dflash", "0", "447")
     assert f.since == 100.0  # the moment of the error, not the cycle's
@@ -81,11 +86,11 @@ def test_two_ranks_two_findings_kept_by_the_join_with_their_since() -> None:
                                 co_tenants=())
     memory = None
     for now in (200.0, 230.0):  # the same readings on two cycles: the same two findings
-        inputs = CycleInputs(now=now, config=Config(), cuda_ooms=(_oom(), other))
-        state, memory = build_state(inputs, memory or JoinMemory())
+        state, memory = build_state(now, Config(), NO_CLAIMS, RankTrees(),
+                                    Tracked(gpu=GpuOutput(cuda_ooms=(_oom(), other))), memory or JoinMemory())
         found = sorted((f.rank, f.pid, f.since) for f in state.findings if f.kind == "cuda_oom")
         assert found == [("0", "447", 100.0), ("1", "448", 150.0)]
-    state, _ = build_state(CycleInputs(now=260.0, config=Config()), memory)
+    state, _ = build_state(260.0, Config(), NO_CLAIMS, RankTrees(), Tracked(), memory)
     assert [f for f in state.findings if f.kind == "cuda_oom"] == []
 
 
@@ -110,9 +115,11 @@ def test_the_daemon_names_the_co_tenants_and_drops_the_finding_after_its_window(
     clock = [1.9e9]
     # the recording's GPU 0: 447 2.6 GiB, 449 630 MiB, 450 630 MiB, 453 5.6 GiB
     pid_map = {447: rank0, 449: rank1, 450: stray2, 453: stray1}
-    sub = NvmlSubsystem(source=fixture_source(str(FIX / "h200_orphan_dataloader.json"), pid_map),
-                       watch_xid=False, watch_udev=False)
-    d = Daemon(cfg, subsystems=[sub], clock=lambda: clock[0])
+    d = Daemon(cfg, clock=lambda: clock[0], parts=lambda c, s: Parts(nvml=NvmlSubsystem(
+        c, s, source=fixture_source(str(FIX / "h200_orphan_dataloader.json"), pid_map),
+        watch_xid=False, watch_udev=False)))
+    sub = d.parts.nvml
+    assert sub is not None
     sub.start(d)
     try:
         first = d.cycle()

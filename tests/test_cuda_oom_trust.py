@@ -29,6 +29,7 @@ from gpuwatchd.config import parse_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.flight_recorder import FlightRecorderSubsystem
 from gpuwatchd.daemon.nvml import NvmlSubsystem
+from gpuwatchd.daemon.wiring import Parts
 from gpuwatchd.model import RankEntry
 from gpuwatchd.rank.cuda_oom import PREFIX, SUFFIX
 from gpuwatchd.rank.rankfile import write_rank_file
@@ -81,10 +82,12 @@ def _write_event(user: str, rank_dir: Path, job: str, rank: Any, pid: int, n: in
 def _daemon(world: Path, ranks: dict[str, int], rank_dir: Path) -> tuple[Daemon, NvmlSubsystem]:
     cfg = parse_config({"rank_dir": str(rank_dir), "state_dir": str(world / "state"),
                         "gil": {"enabled": False}, "discovery": {"enabled": False}})
-    sub = NvmlSubsystem(source=fixture_source(str(FIX / "h200_orphan_dataloader.json"),
-                                              {447: ranks["root"], 449: ranks["u2"]}),
-                        watch_xid=False, watch_udev=False)
-    d = Daemon(cfg, subsystems=[sub])
+    d = Daemon(cfg, parts=lambda c, s: Parts(nvml=NvmlSubsystem(
+        c, s, source=fixture_source(str(FIX / "h200_orphan_dataloader.json"),
+                                    {447: ranks["root"], 449: ranks["u2"]}),
+        watch_xid=False, watch_udev=False)))
+    sub = d.parts.nvml
+    assert sub is not None
     sub.start(d)
     return d, sub
 

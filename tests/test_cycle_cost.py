@@ -169,6 +169,7 @@ def test_state_json_text_is_the_slow_encoding_byte_for_byte(tmp_path: Path) -> N
     from gpuwatchd.daemon.core import Daemon
     from gpuwatchd.daemon.nvml import NvmlSubsystem
     from gpuwatchd.daemon.state_json import state_json_text, state_to_json
+    from gpuwatchd.daemon.wiring import Parts
     from gpuwatchd.model import Finding
     from gpuwatchd.rank.rankfile import write_rank_file
 
@@ -183,7 +184,7 @@ def test_state_json_text_is_the_slow_encoding_byte_for_byte(tmp_path: Path) -> N
     daemon = Daemon(cfg, paths=HostPaths(procfs=str(PROC), sysfs=str(tmp_path / "sys"),
                                          devfs=str(tmp_path / "dev")),
                     clock=lambda: now[0], write_state=False,
-                    subsystems=[NvmlSubsystem(watch_xid=False, watch_udev=False)])
+                    parts=lambda c, s: Parts(nvml=NvmlSubsystem(c, s, watch_xid=False, watch_udev=False)))
     for sub in daemon.subsystems:
         sub.start(daemon)
     try:
@@ -336,6 +337,7 @@ def test_a_cycle_reads_each_ranks_stat_once(tmp_path: Path, rank: Rank,
 
     from gpuwatchd.config import load_config
     from gpuwatchd.daemon.core import Daemon
+    from gpuwatchd.daemon.wiring import no_parts
 
     others = [subprocess.Popen(["sleep", "600"]) for _ in range(3)]
     procs.extend(others)
@@ -343,7 +345,7 @@ def test_a_cycle_reads_each_ranks_stat_once(tmp_path: Path, rank: Rank,
     pids = [rank.pid] + [p.pid for p in others]
     (tmp_path / "ranks" / "j.json").write_text(json.dumps(
         {"version": 1, "job_id": "j", "ranks": [{"rank": i, "pid": p} for i, p in enumerate(pids)]}))
-    d = Daemon(load_config(str(path)), subsystems=[], write_state=False)
+    d = Daemon(load_config(str(path)), parts=no_parts, write_state=False)
     try:
         d.cycle()
         for _ in range(3):

@@ -26,6 +26,7 @@ from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.flight_recorder import FlightRecorderSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem
 from gpuwatchd.daemon.stall import StallSubsystem
+from gpuwatchd.daemon.wiring import Parts
 from gpuwatchd.model import CgroupMemory, CgroupPaths
 from gpuwatchd.sources.memcg import MemcgReader
 from gpuwatchd.sources.pyspy import PySpy
@@ -38,9 +39,9 @@ FIX = Path(__file__).parent / "fixtures" / "hang"
 def test_flight_recorder_gets_the_stall_verdicts_whatever_the_list_order(tmp_path: Path) -> None:
     path, _ = write_config(tmp_path, stall={"after_seconds": 1.0})
     cfg = load_config(str(path))
-    fr = FlightRecorderSubsystem(cfg.stall.flight_recorder_interval_seconds)
-    spy = StallSubsystem(cfg, spy=PySpy(None, unavailable_reason="not needed here"))
-    d = Daemon(cfg, subsystems=[fr, spy], write_state=False)  # the flight recorder first
+    d = Daemon(cfg, write_state=False, parts=lambda c, s: Parts(  # the flight recorder first
+        flight_recorder=FlightRecorderSubsystem(c.stall.flight_recorder_interval_seconds),
+        stall=StallSubsystem(c, s, spy=PySpy(None, unavailable_reason="not needed here"))))
     ranks = []
     try:
         for r in (0, 1):
@@ -76,16 +77,16 @@ class BrokenMemcg(MemcgReader):
 def test_a_failing_memcg_read_loses_only_that_reading(tmp_path: Path) -> None:
     path, _ = write_config(tmp_path)
     cfg = load_config(str(path))
-    mem = MemorySubsystem(cfg, reader=BrokenMemcg(Daemon(cfg, subsystems=[]).paths, cfg.memory.cgroup_root),
-                          spy=PySpy(None))
-    d = Daemon(cfg, subsystems=[mem], write_state=False)
+    d = Daemon(cfg, write_state=False, parts=lambda c, s: Parts(memory=MemorySubsystem(
+        c, s, reader=BrokenMemcg(s.paths, c.memory.cgroup_root), spy=PySpy(None))))
     p = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
         from gpuwatchd.rank.rankfile import write_rank_file
 
         write_rank_file(cfg.rank_dir, {"version": 1, "job_id": "stages-mem", "world_size": 1,
                                        "ranks": [{"rank": 0, "pid": p.pid}]}, "stages-mem-0.json")
-        mem.start(d)
+        for sub in d.subsystems:
+            sub.start(d)
         state = d.cycle()
         memory = next(c for c in state.collectors if c.name == "memory")
         assert memory.success, memory.error

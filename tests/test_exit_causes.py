@@ -23,6 +23,7 @@ from gpuwatchd.join.kernel_faults import KernelFault, KernelFaults
 from gpuwatchd.model import RankState
 from gpuwatchd.model.events import Event
 from gpuwatchd.model.exits import CRASHED, KILLED, NODE, STOPPED, RankExit
+from gpuwatchd.model.parts import ExitOutput, Tracked
 from gpuwatchd.sources.kernel_lines import parse_kmsg, parse_message
 
 REPO = Path(__file__).resolve().parent.parent
@@ -118,7 +119,7 @@ def test_the_kernel_names_the_cause_and_order_names_the_first() -> None:
 def _ctx(now: float, exits: tuple[RankExit, ...], alive: tuple[int, ...] = ()) -> FindingContext:
     ranks = tuple(RankState(job_id="j", rank=r, pid=100 + r, local_rank=r, world_size=4, alive=True,
                             process=None) for r in alive)
-    return FindingContext(now=now, config=Config(), ranks=ranks, exits=exits)
+    return FindingContext(now=now, config=Config(), ranks=ranks, parts=Tracked(exits=ExitOutput(recent=exits)))
 
 
 def test_paging_by_cause_and_consequence() -> None:
@@ -167,13 +168,15 @@ def test_a_crash_the_launcher_restarted_is_not_paged_as_waiting_peers() -> None:
     crash = order([classify(_exit(1, 1000.0, signal.SIGSEGV, 1), None, []),
                    classify(_exit(0, 1000.1, signal.SIGTERM, 2), None, [])])
     restarted = (rank(0, 200, 1003.0), rank(1, 201, 1003.0))
-    ctx = FindingContext(now=1015.0, config=Config(), ranks=restarted, exits=tuple(crash))
+    ctx = FindingContext(now=1015.0, config=Config(), ranks=restarted,
+                         parts=Tracked(exits=ExitOutput(recent=tuple(crash))))
     assert {(f.kind, f.severity) for f in [*rank_down.find(ctx), *job_crashed.find(ctx)]} == {
         ("job_crashed", "warning")}
     (crashed,) = job_crashed.find(ctx)
     assert "the launcher restarted the job (2 new rank(s) on this node)" in crashed.explanation
     alone = tuple(x for x in crash if x.rank == 1)
-    waiting = FindingContext(now=1015.0, config=Config(), ranks=(rank(0, 100, 900.0),), exits=alone)
+    waiting = FindingContext(now=1015.0, config=Config(), ranks=(rank(0, 100, 900.0),),
+                         parts=Tracked(exits=ExitOutput(recent=alone)))
     (f,) = rank_down.find(waiting)
     assert f.severity == "page" and "1 peer(s) on this node still alive" in f.explanation
 
@@ -185,12 +188,15 @@ def test_a_rank_seen_gone_before_its_exit_is_joined_waits_for_it() -> None:
     no exit read past the grace, it pages as before."""
     dead = RankState(job_id="j", rank=1, pid=101, local_rank=1, world_size=2, alive=False,
                      process=None, died_at=1000.0)
-    early = FindingContext(now=1001.0, config=Config(), ranks=(dead,), exits=())
+    early = FindingContext(now=1001.0, config=Config(), ranks=(dead,),
+                         parts=Tracked(exits=ExitOutput(recent=())))
     assert list(rank_down.find(early)) == []
     stop = order([classify(_exit(1, 1000.0, signal.SIGTERM, 1), None, [])])
-    joined = FindingContext(now=1003.0, config=Config(), ranks=(dead,), exits=tuple(stop))
+    joined = FindingContext(now=1003.0, config=Config(), ranks=(dead,),
+                         parts=Tracked(exits=ExitOutput(recent=tuple(stop))))
     assert list(rank_down.find(joined)) == []
-    late = FindingContext(now=1006.0, config=Config(), ranks=(dead,), exits=())
+    late = FindingContext(now=1006.0, config=Config(), ranks=(dead,),
+                         parts=Tracked(exits=ExitOutput(recent=())))
     (f,) = rank_down.find(late)
     assert f.severity == "page" and "no exit read" in f.explanation
 

@@ -25,6 +25,7 @@ from gpuwatchd.config import Config
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import fork_after_cuda as fork_rule
 from gpuwatchd.model import GpuProcessRow, RankState
+from gpuwatchd.model.parts import GpuOutput, Tracked
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.devfds import read_evidence
 from gpuwatchd.sources.procfs import ProcfsReader
@@ -107,8 +108,8 @@ def _findings(devfs: Path, rank_pid: int, gpu_processes: tuple = ()) -> list:
     evidence = {pid: ev for pid in tree if (ev := read_evidence(paths, pid)) is not None}
     rank = RankState(job_id="llm-7", rank=1, pid=rank_pid, local_rank=1, world_size=8,
                      alive=True, process=procfs.read_process(rank_pid), tree=tree)
-    ctx = FindingContext(now=time.time(), config=Config(), ranks=(rank,),
-                         fork_evidence=evidence, gpu_processes=gpu_processes)
+    ctx = FindingContext(now=time.time(), config=Config(), ranks=(rank,), gpu_processes=gpu_processes,
+                         parts=Tracked(gpu=GpuOutput(fork_evidence=evidence)))
     return list(fork_rule.find(ctx))
 
 

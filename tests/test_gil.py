@@ -3,6 +3,7 @@ py-spy path through the real daemon (`gpuwatchd run`) scraped over loopback."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -22,7 +23,8 @@ from gpuwatchd.daemon.gil_schedule import GilTarget
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import gil_saturated as gil_finding
 from gpuwatchd.findings import stall as stall_finding
-from gpuwatchd.model import GilReading, GpuDevice, RankState
+from gpuwatchd.model import GilReading, GpuDevice, GpuProcessRow, RankState
+from gpuwatchd.model.parts import GpuOutput, StallOutput, Tracked
 from gpuwatchd.model.stall import StallVerdict
 from gpuwatchd.model.threads import ThreadInfo
 from gpuwatchd.paths import HostPaths
@@ -213,33 +215,50 @@ def _gpu(util: float | None) -> GpuDevice:
     return GpuDevice(0, "GPU-aaaa", "NVIDIA H200", "0000:3b:00.0", 1 << 37, 1 << 30, util)
 
 
-def _ctx(ranks: tuple[RankState, ...], gpus: tuple[GpuDevice, ...] = (), **extras: object
-         ) -> FindingContext:
+def _ctx(ranks: tuple[RankState, ...], gpus: tuple[GpuDevice, ...] = (), parts: Tracked | None = None,
+         **extras: object) -> FindingContext:
     cfg = Config(gil=GilConfig(held_threshold=0.8))
-    return FindingContext(now=2000.0, config=cfg, ranks=ranks, gpus=gpus, **extras)
+    parts = dataclasses.replace(parts or Tracked(), gpu=GpuOutput(gpus=gpus))
+    return FindingContext(now=2000.0, config=cfg, ranks=ranks, parts=parts, **extras)  # type: ignore[arg-type]
 
 
 def test_gil_saturated_fires_only_when_the_gpu_waits() -> None:
     hot = (GilReading(4821, 249, 240, (("collate (loader.py)", 200), ("step (train.py)", 40))),
            GilReading(4821, 249, 245, (("collate (loader.py)", 230),)))
     gil = {("llm-7", 3): hot}
-    (f,) = gil_finding.find(_ctx((_rank(),), (_gpu(0.12),), gil=gil))
+    (f,) = gil_finding.find(_ctx((_rank(),), (_gpu(0.12),), parts=Tracked(stall=StallOutput(gil=gil))))
     assert (f.kind, f.severity, f.job_id, f.rank, f.pid) == ("gil_saturated", "warning", "llm-7",
                                                              "3", "4821")
     assert "97%" in f.explanation and "GPU 0 was 12% busy" in f.explanation
     assert "collate (loader.py) 89%" in f.explanation
     assert f.evidence["top_functions"][0][0] == "collate (loader.py)"
     # unknown utilisation still fires, saying so
-    (f,) = gil_finding.find(_ctx((_rank(),), (_gpu(None),), gil=gil))
+    (f,) = gil_finding.find(_ctx((_rank(),), (_gpu(None),), parts=Tracked(stall=StallOutput(gil=gil))))
     assert "GPU utilisation unknown" in f.explanation
     # a busy GPU: Python is not the bottleneck
-    assert list(gil_finding.find(_ctx((_rank(),), (_gpu(0.95),), gil=gil))) == []
+    assert list(gil_finding.find(_ctx((_rank(),), (_gpu(0.95),), parts=Tracked(stall=StallOutput(gil=gil))))) == []
     # one hot sample is not "stays above"; a cool last sample clears it
-    assert list(gil_finding.find(_ctx((_rank(),), gil={("llm-7", 3): hot[:1]}))) == []
+    assert list(gil_finding.find(_ctx((_rank(),), parts=Tracked(stall=StallOutput(gil={("llm-7", 3): hot[:1]}))))) == []
     cool = (*hot, GilReading(4821, 249, 50))
-    assert list(gil_finding.find(_ctx((_rank(),), gil={("llm-7", 3): cool}))) == []
+    assert list(gil_finding.find(_ctx((_rank(),), parts=Tracked(stall=StallOutput(gil={("llm-7", 3): cool}))))) == []
     # readings of an earlier PID of the same rank do not count
-    assert list(gil_finding.find(_ctx((_rank(pid=99),), gil=gil))) == []
+    assert list(gil_finding.find(_ctx((_rank(pid=99),), parts=Tracked(stall=StallOutput(gil=gil))))) == []
+
+
+def test_gil_saturated_sees_the_gpu_a_discovered_rank_holds() -> None:
+    """A rank found by discovery (torchrun's environment) names no GPU: the GPU its tree holds
+    memory on is its own, as for the stall rules, so a busy one means Python is not the
+    bottleneck (read through the rank file's GPUs only, it was "GPU utilisation unknown" and
+    fired)."""
+    hot = (GilReading(4821, 249, 240), GilReading(4821, 249, 245))
+    held = (GpuProcessRow(0, "GPU-aaaa", 4821, 1 << 30, "python", "u", "llm-7", "3"),)
+    ctx = _ctx((_rank(gpus=()),), (_gpu(0.95),), gpu_processes=held,
+               parts=Tracked(stall=StallOutput(gil={("llm-7", 3): hot})))
+    assert list(gil_finding.find(ctx)) == []
+    ctx = _ctx((_rank(gpus=()),), (_gpu(0.12),), gpu_processes=held,
+               parts=Tracked(stall=StallOutput(gil={("llm-7", 3): hot})))
+    (f,) = gil_finding.find(ctx)
+    assert "GPU 0 was 12% busy" in f.explanation
 
 
 def test_rank_stalled_explains_frames_and_suspect() -> None:
@@ -253,7 +272,7 @@ def test_rank_stalled_explains_frames_and_suspect() -> None:
     ranks = (RankState("llm-7", 0, 100, 0, 4, True, None, stalled=True),
              RankState("llm-7", 3, 103, 3, 4, True, None, stalled=True))
     found = {f.rank: f for f in stall_finding.find(
-        _ctx(ranks, stall={("llm-7", 0): peer, ("llm-7", 3): odd}))}
+        _ctx(ranks, parts=Tracked(stall=StallOutput(verdicts={("llm-7", 0): peer, ("llm-7", 3): odd}))))}
     assert set(found) == {"0", "3"}
     f0 = found["0"]
     assert f0.kind == "rank_stalled" and f0.severity == "page"
@@ -264,7 +283,7 @@ def test_rank_stalled_explains_frames_and_suspect() -> None:
     assert "odd one out" in found["3"].explanation and "no heartbeat" in found["3"].explanation
     # the join decides alive/stalled: a rank it does not call stalled has no finding
     calm = (RankState("llm-7", 0, 100, 0, 4, True, None, stalled=False),)
-    assert list(stall_finding.find(_ctx(calm, stall={("llm-7", 0): peer}))) == []
+    assert list(stall_finding.find(_ctx(calm, parts=Tracked(stall=StallOutput(verdicts={("llm-7", 0): peer}))))) == []
 
 
 # ----------------------------------------------------------------------------- through the daemon

@@ -29,7 +29,8 @@ from gpuwatchd.daemon.gil_signals import (
 )
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import gil_saturated as gil_finding
-from gpuwatchd.model import GpuDevice, NodeState, ProcessInfo, RankState
+from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, ProcessInfo, RankState
+from gpuwatchd.model.parts import StallOutput, Tracked
 from gpuwatchd.sources.pyspy import PySpy
 
 # ----------------------------------------------------------------------------- signals
@@ -60,6 +61,18 @@ def test_signals_cpu_while_the_gpu_waits() -> None:
     assert busy.gpu_busy and busy.reasons == ()
     # a quiet process on an idle GPU (the device's torch holders): healthy
     assert tr.observe(_state(120, 23.55, util=0.0))[("llm", 0)].reasons == ()
+
+
+def test_signals_see_the_gpu_a_discovered_rank_holds() -> None:
+    """A discovered rank names no GPU: the busy GPU its tree holds memory on makes it healthy
+    for the GIL schedule, as for gil_saturated (not "GPU idle while on CPU")."""
+    tr = SignalTracker(cycle_seconds=5)
+    for t, cpu in ((100, 10.0), (105, 14.5)):
+        rank = RankState("llm", 0, 4821, 0, 8, True, _proc(4821, cpu), gpus=())
+        gpu = GpuDevice(0, "GPU-a", "NVIDIA H200", "0000:3b:00.0", 1 << 37, 1 << 30, 0.95)
+        row = GpuProcessRow(0, "GPU-a", 4821, 1 << 30, "python", "u", "llm", "0")
+        s = tr.observe(NodeState(timestamp=t, ranks=(rank,), gpus=(gpu,), gpu_processes=(row,)))[("llm", 0)]
+    assert s.gpu_busy and s.reasons == ()
 
 
 def test_signals_heartbeat_slowing_and_stalled() -> None:
@@ -292,7 +305,8 @@ def test_a_gil_bound_rank_without_signals_within_the_bound(procs: list) -> None:
     def raised() -> bool:
         s.update_signals({t.key: _unknown(t.pid) for t in targets})  # no signal, every cycle
         s.tick()
-        ctx = FindingContext(now=time.time(), config=Config(), ranks=(ctx_rank,), gil=s.readings())
+        ctx = FindingContext(now=time.time(), config=Config(), ranks=(ctx_rank,),
+                             parts=Tracked(stall=StallOutput(gil=s.readings())))
         return any(f.kind == "gil_saturated" for f in gil_finding.find(ctx))
 
     try:

@@ -49,6 +49,7 @@ from gpuwatchd.daemon.memory import MemorySubsystem
 from gpuwatchd.daemon.nvml import NvmlSubsystem
 from gpuwatchd.daemon.stall import StallSubsystem
 from gpuwatchd.daemon.straggler import StragglerSubsystem
+from gpuwatchd.daemon.wiring import Parts
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.rank.rankfile import write_rank_file
 from gpuwatchd.sources.pyspy import PySpy
@@ -118,10 +119,11 @@ def _exposition(tmp_path: Path, accept: str | None = None) -> str:
     now = [T0]
     paths = HostPaths(procfs=str(PROC), sysfs=str(tmp_path / "sys"), devfs=str(tmp_path / "dev"))
     daemon = Daemon(cfg, paths=paths, clock=lambda: now[0], write_state=False,
-                    subsystems=[StallSubsystem(cfg, spy=PySpy(None, unavailable_reason="not installed")),
-                                StragglerSubsystem(cfg.straggler), KernelLogSubsystem(),
-                                NvmlSubsystem(watch_xid=False, watch_udev=False),
-                                MemorySubsystem(cfg, spy=PySpy(None))])
+                    parts=lambda c, s: Parts(
+                        stall=StallSubsystem(c, s, spy=PySpy(None, unavailable_reason="not installed")),
+                        straggler=StragglerSubsystem(c, s), kernel_log=KernelLogSubsystem(c, s),
+                        nvml=NvmlSubsystem(c, s, watch_xid=False, watch_udev=False),
+                        memory=MemorySubsystem(c, s, spy=PySpy(None))))
     for sub in daemon.subsystems:
         sub.start(daemon)
     try:

@@ -13,15 +13,24 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Mapping
 from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from gpuwatchd.config import load_config
+from gpuwatchd.config import Config, load_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.nvml import NvmlSubsystem
+from gpuwatchd.daemon.services import Services
+from gpuwatchd.daemon.stall import StallSubsystem
+from gpuwatchd.daemon.subsystem import DaemonContext, Ranks
+from gpuwatchd.daemon.wiring import Parts
+from gpuwatchd.join.stall_spin import GpuReading
+from gpuwatchd.model import RankId
+from gpuwatchd.model.parts import StallOutput
 from gpuwatchd.rank.rankfile import write_rank_file
 from gpuwatchd.sources.nvml_fixture import fixture_source
+from gpuwatchd.sources.pyspy import PySpy
 
 FIX = Path(__file__).parent / "fixtures" / "nvml"
 UUID = "GPU-d6a79800-1da5-699b-0f9c-f55eb218f8b2"
@@ -74,9 +83,11 @@ def _daemon(tmp_path: Path, fixture: Path, pid_map: dict[int, int],
     )
     cfg = load_config(str(cfg_file))
     # the fixture's Xid events replay through the same RecordedNvml
-    sub = NvmlSubsystem(source=fixture_source(str(fixture), pid_map), watch_xid=watch_xid,
-                       watch_udev=udev is not None, udev_monitor=udev)
-    d = Daemon(cfg, subsystems=[sub])
+    d = Daemon(cfg, parts=lambda c, s: Parts(nvml=NvmlSubsystem(
+        c, s, source=fixture_source(str(fixture), pid_map), watch_xid=watch_xid,
+        watch_udev=udev is not None, udev_monitor=udev)))
+    sub = d.parts.nvml
+    assert sub is not None
     sub.start(d)
     return d, sub
 
@@ -175,7 +186,7 @@ def test_udev_remove_raises_gpu_lost_at_once_and_reinitialises_nvml(tmp_path: Pa
     d, sub = _daemon(tmp_path, FIX / "h200_orphan_dataloader.json", {}, watch_xid=False, udev=udev)
     try:
         d.cycle()
-        lib = sub.source.library  # type: ignore[union-attr]
+        lib = sub.source.library
         assert lib.init_calls == 1
         props = parse_uevent_file((FIX / "h200_pci_uevent.txt").read_text())
         udev.send("remove", props)
@@ -202,3 +213,43 @@ def test_nvml_gpu_is_lost_becomes_one_gpu_lost_finding(tmp_path: Path) -> None:
     assert lost.explanation.startswith("GPU 1: NVML reports the GPU is lost")
     nvml = next(c for c in state.collectors if c.name == "nvml")
     assert nvml.success  # the other GPU is still read
+
+
+class SeenGpus(StallSubsystem):
+    """The real stall part, keeping the GPU readings the track stage hands it each cycle."""
+
+    def __init__(self, config: Config, services: Services) -> None:
+        super().__init__(config, services, spy=PySpy(None, unavailable_reason="not needed here"))
+        self.seen: list[dict[RankId, GpuReading]] = []
+
+    def track(self, daemon: DaemonContext, ranks: Ranks, beats: Mapping[RankId, float],
+              gpus: Mapping[RankId, GpuReading]) -> StallOutput:
+        self.seen.append(dict(gpus))
+        return super().track(daemon, ranks, beats, gpus)
+
+
+def test_the_stall_part_gets_this_cycles_gpu_readings_of_a_rank_that_names_no_gpu(tmp_path: Path) -> None:
+    """NVML is read before the stall part, which is handed each rank's GPU readings of the same
+    cycle as an argument (not the last state's, after the join): at the first cycle already, for
+    a rank whose rank file names no GPU (the tree's GPU memory makes the GPU its own)."""
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    write_rank_file(str(tmp_path / "ranks"), {"version": 1, "job_id": "gpus-now", "world_size": 1,
+                                              "ranks": [{"rank": 0, "pid": rank.pid}]}, "gpus-now.json")
+    cfg_file = tmp_path / "config.yaml"
+    cfg_file.write_text(f"rank_dir: {tmp_path / 'ranks'}\nstate_dir: {tmp_path / 'state'}\n"
+                        "gil:\n  enabled: false\ndiscovery:\n  enabled: false\n")
+    d = Daemon(load_config(str(cfg_file)), parts=lambda c, s: Parts(
+        stall=SeenGpus(c, s), nvml=NvmlSubsystem(
+            c, s, source=fixture_source(str(FIX / "h200_orphan_dataloader.json"), {447: rank.pid}),
+            watch_xid=False, watch_udev=False)))
+    try:
+        state = d.cycle()
+    finally:
+        d.shutdown()
+        rank.kill()
+        rank.wait()
+    stall = d.parts.stall
+    assert isinstance(stall, SeenGpus)
+    (gpu,) = [g for g in state.gpus if g.index == 0]
+    assert stall.seen == [{("gpus-now", 0): GpuReading(state.timestamp, gpu.utilization_ratio,
+                                                       gpu.memory_utilization_ratio, False)}]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from gpuwatchd.config import Config
 from gpuwatchd.findings import FindingContext, evaluate, gpu_lost
-from gpuwatchd.findings.context import GpuRemoved, NvmlLostGpu
 from gpuwatchd.model import GpuDevice
+from gpuwatchd.model.parts import GpuOutput, GpuRemoved, NvmlLostGpu, Tracked
 from gpuwatchd.sources.udev import classify, parse_uevent_file
 
 FIX = Path(__file__).parent / "fixtures" / "nvml"
@@ -30,8 +30,8 @@ def test_no_reading_no_finding() -> None:
 def test_a_udev_removal_and_an_nvml_lost_gpu_are_one_page() -> None:
     known = GpuDevice(1, "GPU-b", "H200", "00000000:07:00.0", None, None, None)
     ctx = FindingContext(now=2000.0, config=Config(),
-                         gpus_removed=(_removed("remove", 1234.0),),
-                         gpus_lost=(NvmlLostGpu(1, known, 1990.0), NvmlLostGpu(2, None, 1990.0)))
+                         parts=Tracked(gpu=GpuOutput(gpus_removed=(_removed("remove", 1234.0),),
+                                       gpus_lost=(NvmlLostGpu(1, known, 1990.0), NvmlLostGpu(2, None, 1990.0)))))
     (f,) = [f for f in evaluate(ctx) if f.kind == "gpu_lost"]
     at = time.strftime("%H:%M:%S", time.localtime(1234.0))
     assert f.severity == "page" and f.since == 1234.0 and (f.job_id, f.rank, f.pid) == ("", "", "")
@@ -51,5 +51,5 @@ def test_a_udev_removal_and_an_nvml_lost_gpu_are_one_page() -> None:
 
 def test_a_removal_nvml_never_knew_is_named_by_its_address() -> None:
     (f,) = gpu_lost.find(FindingContext(now=0.0, config=Config(),
-                                        gpus_removed=(_removed("unbind", 5.0, "", ""),)))
+                                        parts=Tracked(gpu=GpuOutput(gpus_removed=(_removed("unbind", 5.0, "", ""),)))))
     assert f.explanation.startswith("GPU at PCI 0000:00:06.0 disappeared from the PCI bus (unbind")

@@ -20,6 +20,7 @@ from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import stall as stall_finding
 from gpuwatchd.join.stall import StallTracker
 from gpuwatchd.model import GpuDevice, GpuProcessRow, RankState
+from gpuwatchd.model.parts import GpuOutput, StallOutput, Tracked
 from gpuwatchd.model.stall import RankProbe, StallVerdict
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import pyspy
@@ -86,8 +87,9 @@ def until_stalled(tracker: StallTracker, pid: int, hb: str, seconds: float = 20.
 def explanation(v: StallVerdict, gpus: tuple[GpuDevice, ...] = (),
                 rows: tuple[GpuProcessRow, ...] = ()) -> str:
     r = RankState("hang-job", 0, v.pid, 0, 1, True, None, stalled=True, gpus=("0",) if gpus else ())
-    ctx = FindingContext(now=time.time(), config=Config(), ranks=(r,), gpus=gpus,
-                         gpu_processes=rows, stall={v.key: v})
+    ctx = FindingContext(now=time.time(), config=Config(), ranks=(r,),
+                         gpu_processes=rows,
+                         parts=Tracked(gpu=GpuOutput(gpus=gpus), stall=StallOutput(verdicts={v.key: v})))
     (f,) = stall_finding.find(ctx)
     assert f.kind == "rank_stalled"
     return f.explanation

@@ -14,6 +14,7 @@ from gpuwatchd.findings import stall as stall_finding
 from gpuwatchd.join.flight_recorder import compare, parse_response
 from gpuwatchd.join.hang import analyze
 from gpuwatchd.model import GpuDevice, GpuProcessRow, RankState
+from gpuwatchd.model.parts import GpuOutput, StallOutput, Tracked
 from gpuwatchd.model.stall import StallVerdict
 from gpuwatchd.model.threads import ThreadInfo
 from gpuwatchd.sources.pyspy_output import parse_dump_json
@@ -37,8 +38,8 @@ def explain(stacks: tuple, shares: dict, state: str, wchan: str, util: float) ->
     r = RankState("j", 0, 100, 0, 1, True, None, stalled=True, gpus=("0",))
     gpu = GpuDevice(0, "GPU-x", "NVIDIA H200", "0000:19:00.0", 150 << 30, 1 << 30, util)
     row = GpuProcessRow(0, "GPU-x", 100, 612 << 20, "python3", "root", "j", "0")
-    ctx = FindingContext(now=100.0, config=Config(), ranks=(r,), gpus=(gpu,), gpu_processes=(row,),
-                         stall={("j", 0): v})
+    ctx = FindingContext(now=100.0, config=Config(), ranks=(r,), gpu_processes=(row,),
+                         parts=Tracked(gpu=GpuOutput(gpus=(gpu,)), stall=StallOutput(verdicts={("j", 0): v})))
     (f,) = stall_finding.find(ctx)
     return f.explanation
 
@@ -111,7 +112,7 @@ def test_flight_recorder_desync_and_silence() -> None:
     out = compare([r0, r1])
     assert "desync: collective #4 of process group 0 is gloo:all_reduce on rank 0 but " \
         "gloo:broadcast on rank 1" in out
-    from gpuwatchd.join.flight_recorder import FrReading
+    from gpuwatchd.model.parts import FrReading
 
     silent = FrReading("j", 2, 3, error="no answer")
     assert any("rank 2 did not answer" in x for x in compare([r0, r1, silent]))

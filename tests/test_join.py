@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 from gpuwatchd.config import Config, FdsConfig
-from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
+from gpuwatchd.join import rank_claims
+from gpuwatchd.join.orphans import trees_from_entries
+from gpuwatchd.join.state import JoinMemory, build_state
 from gpuwatchd.model import BadRankFile, GpuProcess, ProcessInfo, RankEntry
+from gpuwatchd.model.parts import GpuOutput, Tracked
 
 CFG = Config()
 
@@ -25,10 +29,16 @@ def entry(rank: int, pid: int, *, owner: int | None = 1000, job: str = "llm-7", 
 
 
 def run(now: float, entries: list[RankEntry], procs: list[ProcessInfo], memory: JoinMemory | None = None,
-        config: Config = CFG, **kw: object):  # type: ignore[no-untyped-def]
-    inputs = CycleInputs(now=now, config=config, entries=tuple(entries), processes={p.pid: p for p in procs},
-                         **kw)  # type: ignore[arg-type]
-    return build_state(inputs, memory)
+        config: Config = CFG, parts: Tracked | None = None, **kw: object):  # type: ignore[no-untyped-def]
+    """One cycle as the daemon runs it: the claims decided, then the join."""
+    memory = memory or JoinMemory()
+    processes = {p.pid: p for p in procs}
+    claims = rank_claims.decide(tuple(entries), processes, memory.job_owners, memory.claimant_uids,
+                                memory.start_ticks)
+    descendants: Mapping[int, tuple[int, ...]] = kw.get("descendants", {})  # type: ignore[assignment]
+    trees = trees_from_entries(claims.accepted, processes, descendants, memory.start_ticks)
+    return build_state(now, config, claims, trees, parts or Tracked(), memory, processes=processes,
+                       **kw)  # type: ignore[arg-type]
 
 
 def kinds(state) -> set[tuple[str, str]]:  # type: ignore[no-untyped-def]
@@ -118,8 +128,9 @@ def test_gpu_processes_attributed_to_rank_trees() -> None:
     worker = proc(20, comm="pt_data_worker")
     s, _ = run(10, [entry(0, 10)], [proc(10), worker, proc(30, comm="stale")],
                descendants={10: (20,)},
-               gpu_processes=(GpuProcess(0, "GPU-a", 10, 40 << 30), GpuProcess(0, "GPU-a", 20, 1 << 30),
-                              GpuProcess(1, "GPU-b", 30, 55 << 30), GpuProcess(1, "GPU-b", 31, None)))
+               parts=Tracked(gpu=GpuOutput(holders=(
+                   GpuProcess(0, "GPU-a", 10, 40 << 30), GpuProcess(0, "GPU-a", 20, 1 << 30),
+                   GpuProcess(1, "GPU-b", 30, 55 << 30), GpuProcess(1, "GPU-b", 31, None)))))
     rows = {(r.pid, r.job_id, r.rank, r.comm) for r in s.gpu_processes}
     assert rows == {(10, "llm-7", "0", "python"), (20, "llm-7", "0", "pt_data_worker"),
                     (30, "", "", "stale"), (31, "", "", "")}

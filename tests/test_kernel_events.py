@@ -26,6 +26,7 @@ from gpuwatchd.join.kernel_events import KernelEventProcessor
 from gpuwatchd.join.rank_trees import RankTreeRecord, TreeMember
 from gpuwatchd.model import RankState
 from gpuwatchd.model.kernel import KILLER_OOMD, LogRecord
+from gpuwatchd.model.parts import KernelOutput, Tracked
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.journal import JournalSource
 from gpuwatchd.sources.kernel_lines import parse_kmsg, parse_message
@@ -652,7 +653,7 @@ def test_findings_rank_oom_killed_and_xid_critical(tmp_path: Path) -> None:
     alive = [RankState("llm-7", r, 5000 + r, r, 16, True, None, ()) for r in range(4, 19)]
     dead = RankState("llm-7", 3, 4321, 3, 16, False, None, ())
     ctx = FindingContext(now=now + 5, config=Config(), ranks=(dead, *alive),
-                         kernel_events=events)
+                         parts=Tracked(kernel=KernelOutput(events=events)))
     (f,) = list(rank_oom_killed.find(ctx))
     assert (f.kind, f.severity, f.job_id, f.rank, f.pid) == ("rank_oom_killed", "page", "llm-7", "3", "4321")
     assert "was killed by the kernel OOM killer at" in f.explanation
@@ -660,11 +661,13 @@ def test_findings_rank_oom_killed_and_xid_critical(tmp_path: Path) -> None:
     assert "in memory cgroup /user.slice/user-1000.slice/session-3.scope" in f.explanation
     assert f.explanation.endswith("15 peers alive: they will wait in their next collective")
     # 20 minutes later the rank is still registered and dead: still a finding; once it is gone, not
-    later = FindingContext(now=now + 1200, config=Config(), ranks=(dead,), kernel_events=events)
+    later = FindingContext(now=now + 1200, config=Config(), ranks=(dead,),
+                           parts=Tracked(kernel=KernelOutput(events=events)))
     assert len(list(rank_oom_killed.find(later))) == 1
-    gone = FindingContext(now=now + 1200, config=Config(), ranks=(), kernel_events=events)
+    gone = FindingContext(now=now + 1200, config=Config(), ranks=(), parts=Tracked(kernel=KernelOutput(events=events)))
     assert list(rank_oom_killed.find(gone)) == []
     (x,) = list(xid_critical.find(ctx))
     assert (x.kind, x.severity, x.evidence["xid"]) == ("xid_critical", "page", 79)
     assert "Xid 79" in x.explanation and "GPU has fallen off the bus" in x.explanation
-    assert list(xid_critical.find(FindingContext(now=now + 700, config=Config(), kernel_events=events))) == []
+    assert list(xid_critical.find(FindingContext(now=now + 700, config=Config(),
+                                        parts=Tracked(kernel=KernelOutput(events=events))))) == []

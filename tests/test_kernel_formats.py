@@ -21,6 +21,7 @@ from gpuwatchd.findings import FindingContext, xid_critical
 from gpuwatchd.join.kernel_events import KernelEventProcessor
 from gpuwatchd.model.events import Event
 from gpuwatchd.model.kernel import KILLER_EARLYOOM, KILLER_KERNEL, LogRecord
+from gpuwatchd.model.parts import KernelOutput, Tracked
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import kernel_formats
 from gpuwatchd.sources.kernel_lines import MAX_MESSAGE, KmsgRecord, parse_kmsg, parse_message
@@ -158,7 +159,7 @@ def check_bus_lost(events: list[Event], counters: CounterStore) -> None:
     assert "fell off the bus" in first.summary and "counted as Xid 79" in first.summary
     assert "installed in this system has NVRM: fallen off the bus" in first.summary
     assert sum(counters.snapshot()["gpu_xid_errors"].values()) == 3
-    ctx = FindingContext(now=first.time + 1, config=Config(), kernel_events=tuple(events))
+    ctx = FindingContext(now=first.time + 1, config=Config(), parts=Tracked(kernel=KernelOutput(events=tuple(events))))
     findings = list(xid_critical.find(ctx))
     assert {f.evidence["pci"] for f in findings} == {"0000:b3:00", "0000:b4:00", "0000:3b:00"}
     assert all(f.kind == "xid_critical" and f.severity == "page" for f in findings)

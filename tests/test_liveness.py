@@ -20,17 +20,22 @@ from kernel_oom_helpers import MemCgroup
 
 from gpuwatchd.config import load_config
 from gpuwatchd.daemon.core import Daemon
-from gpuwatchd.daemon.subsystem import Ranks, Subsystem
+from gpuwatchd.daemon.retention import RetentionSubsystem
+from gpuwatchd.daemon.services import Services
+from gpuwatchd.daemon.subsystem import Ranks
+from gpuwatchd.daemon.wiring import Parts
 
 PING_EVERY = 0.5  # WATCHDOG_USEC=1 s: a ping every half of it
 
 
-class Gate(Subsystem):
-    """A cycle contribution that can be made slow once (``slow_once``) or to hang (``wedge``)."""
+class Gate(RetentionSubsystem):
+    """A part of the cycle (in the series retention's place) that can be made slow once
+    (``slow_once``) or to hang (``wedge``)."""
 
     name = "gate"
 
-    def __init__(self) -> None:
+    def __init__(self, services: Services) -> None:
+        super().__init__(services)
         self.slow_once = 0.0
         self.entered = threading.Event()
         self.wedged = threading.Event()
@@ -84,9 +89,10 @@ def running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
     def start(liveness_seconds: float | None = None) -> tuple[Daemon, Gate, Pings]:
         path, _ = write_config(tmp_path)
-        gate = Gate()
         kw = {} if liveness_seconds is None else {"liveness_seconds": liveness_seconds}
-        d = Daemon(load_config(str(path)), subsystems=[gate], write_state=False, **kw)
+        d = Daemon(load_config(str(path)), parts=lambda c, s: Parts(retention=Gate(s)), write_state=False, **kw)
+        gate = d.parts.retention
+        assert isinstance(gate, Gate)
         t = threading.Thread(target=d.run, daemon=True)
         t.start()
         started.append((d, gate, t))

@@ -31,6 +31,7 @@ from gpuwatchd.model import (
     TreeProcessMemory,
 )
 from gpuwatchd.model.kernel import LogRecord
+from gpuwatchd.model.parts import MemoryOutput, Tracked
 from gpuwatchd.model.threads import Frame, ThreadStack
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import memcg
@@ -46,7 +47,7 @@ TASK = "/system.slice/slurmstepd.scope/job_7/step_0/user/task_3"
 def ctx_for(m: RankMemory, now: float = 0.0, alive: bool = True) -> FindingContext:
     """The finding's context with ``m``'s rank accepted by the join (alive or not)."""
     rank = RankState(m.job_id, m.rank, m.pid, None, None, alive, None)
-    return FindingContext(now=now, config=Config(), ranks=(rank,), rank_memory=(m,))
+    return FindingContext(now=now, config=Config(), ranks=(rank,), parts=Tracked(memory=MemoryOutput(rank_memory=(m,))))
 
 
 def cgroup_of(paths: HostPaths, pid: int) -> CgroupPaths | None:
@@ -158,7 +159,7 @@ def test_own_limit_is_the_smallest_on_the_path_v2(tmp_path: Path) -> None:
 
 def test_cgroup_file_parsing() -> None:
     text = "12:memory:/slurm/uid_0/job_7\n11:cpu,cpuacct:/x\n0::/user.slice\n"
-    assert memcg.parse_cgroup_file(text) == CgroupPaths("/slurm/uid_0/job_7", "/user.slice")
+    assert memcg.parse_cgroup_file(text) == CgroupPaths("/slurm/uid_0/job_7", "/user.slice", "/x")
     assert memcg.parse_cgroup_file("garbage\n\n::\n") == CgroupPaths("", "")
 
 
@@ -316,20 +317,26 @@ def test_only_accepted_live_ranks_get_the_finding() -> None:
     m = RankMemory("j", 1, 9, 50 << 30, cgroup="/c", working_set_bytes=79 << 30, limit_bytes=80 << 30)
     assert len(list(finding.find(ctx_for(m)))) == 1
     assert list(finding.find(ctx_for(m, alive=False))) == []  # dead (or its PID reused)
-    refused = FindingContext(now=0.0, config=Config(), rank_memory=(m,))  # not accepted
+    refused = FindingContext(now=0.0, config=Config(),
+                             parts=Tracked(memory=MemoryOutput(rank_memory=(m,))))  # not accepted
     assert list(finding.find(refused)) == []
 
 
 def test_join_exports_host_memory_of_accepted_live_ranks_only() -> None:
-    from gpuwatchd.join.state import CycleInputs, build_state
+    from gpuwatchd.join import rank_claims
+    from gpuwatchd.join.orphans import trees_from_entries
+    from gpuwatchd.join.state import JoinMemory, build_state
     from gpuwatchd.model import RankEntry
+    from gpuwatchd.model.parts import MemoryOutput, Tracked
 
     me = ProcessInfo(os.getpid(), 1, "python", "S", 0, "root", 1, 1.0, 1.0, 1 << 20, 1, 1, 1, 1)
     claimed = RankMemory("j", 0, os.getpid(), 1 << 20)
     stranger = RankMemory("j", 1, 4242, 1 << 20)  # a claim the join never accepted
-    state, _ = build_state(CycleInputs(now=1.0, config=Config(),
-                                       entries=(RankEntry("j", 0, os.getpid()),),
-                                       processes={os.getpid(): me}, rank_memory=(claimed, stranger)))
+    processes = {os.getpid(): me}
+    claims = rank_claims.decide((RankEntry("j", 0, os.getpid()),), processes, {}, {}, {})
+    trees = trees_from_entries(claims.accepted, processes, {})
+    state, _ = build_state(1.0, Config(), claims, trees, Tracked(memory=MemoryOutput((claimed, stranger))),
+                           JoinMemory(), processes=processes)
     assert state.rank_memory == (claimed,)
 
 

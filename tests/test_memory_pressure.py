@@ -22,7 +22,9 @@ from gpuwatchd.config import load_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem
+from gpuwatchd.daemon.services import Services
 from gpuwatchd.daemon.subsystem import Subsystem
+from gpuwatchd.daemon.wiring import Parts
 from gpuwatchd.events.bus import EventBus
 from gpuwatchd.events.log import JsonlSink, read_events
 from gpuwatchd.model import Finding, NodeState
@@ -100,12 +102,12 @@ def daemon(tmp_path: Path, **memory: float) -> tuple[Daemon, list[Subsystem]]:
         + "".join(f"  {k}: {v}\n" for k, v in settings.items()))
     (tmp_path / "ranks").mkdir(exist_ok=True)
     cfg = load_config(str(cfg_file))
-    kernel = KernelLogSubsystem(bus=EventBus([JsonlSink(cfg.state_dir)]))
-    mem = MemorySubsystem(cfg, spy=PySpy(resolve_pyspy(), max_concurrent=1))
-    subs: list[Subsystem] = [kernel, mem]
-    d = Daemon(cfg, subsystems=subs)
-    for s in subs:
-        s.start(d)
+    d = Daemon(cfg, services=Services.build(cfg, bus=EventBus([JsonlSink(cfg.state_dir)])),
+               parts=lambda c, s: Parts(kernel_log=KernelLogSubsystem(c, s), memory=MemorySubsystem(
+                   c, s, spy=PySpy(resolve_pyspy(), max_concurrent=1))))
+    subs = d.subsystems
+    for sub in subs:
+        sub.start(d)
     return d, subs
 
 

@@ -20,6 +20,8 @@ from test_kernel_events import COMM, export_entry, write_journal
 from gpuwatchd.config import load_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
+from gpuwatchd.daemon.services import Services
+from gpuwatchd.daemon.wiring import Parts
 from gpuwatchd.events.bus import EventBus
 from gpuwatchd.events.log import JsonlSink, read_events
 from gpuwatchd.join.oom_history import BASELINE_FILE, Baseline, load_baseline, save_baseline
@@ -65,9 +67,13 @@ def start_daemon(tmp_path: Path, kernel_log: str, journal: Path | None = None
     (tmp_path / "state").mkdir(exist_ok=True)
     cfg = load_config(str(cfg_file))
     clock = Clock()
-    sub = KernelLogSubsystem(journal_path=str(journal) if journal else None,
-                             bus=EventBus([JsonlSink(cfg.state_dir)]))
-    d = Daemon(cfg, subsystems=[sub], clock=clock, write_state=False)
+    d = Daemon(cfg, clock=clock, write_state=False,
+               services=Services.build(cfg, clock=clock, write_state=False,
+                                       bus=EventBus([JsonlSink(cfg.state_dir)])),
+               parts=lambda c, s: Parts(kernel_log=KernelLogSubsystem(
+                   c, s, journal_path=str(journal) if journal else None)))
+    sub = d.parts.kernel_log
+    assert sub is not None
     sub.start(d)
     assert _wait(lambda: sub.source is not None)
     assert _wait(lambda: sub.source.ready.is_set(), 20)

@@ -19,6 +19,7 @@ from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import orphan_gpu_memory as orphan_rule
 from gpuwatchd.join.orphans import OrphanTracker, RankTrees, offenders, trees_from_entries
 from gpuwatchd.model import DEFUNCT, JOB_ENDED, REPARENTED, UNREGISTERED, RankEntry
+from gpuwatchd.model.parts import GpuOutput, Tracked
 from gpuwatchd.sources.nvml_fixture import fixture_source
 from gpuwatchd.sources.procfs import ProcfsReader
 
@@ -93,8 +94,8 @@ def test_seed_scenario_reparented_holder_after_grace(procs: list) -> None:
         o = found[0]
         assert o.comm == processes[child].comm and o.user == "root"
         assert o.first_seen == t0
-        ctx = FindingContext(now=t0 + 61 + 0.0, config=Config(), orphans=found,
-                             processes=processes)
+        ctx = FindingContext(now=t0 + 61 + 0.0, config=Config(),
+                             processes=processes, parts=Tracked(gpu=GpuOutput(orphans=found)))
         (finding,) = list(orphan_rule.find(ctx))
         text = finding.explanation
         assert finding.kind == "orphan_gpu_memory" and finding.pid == str(child)
@@ -201,3 +202,18 @@ def test_adoption_by_a_sub_reaper_is_noticed_as_reparenting(procs: list) -> None
     assert [o.reason for o in tracker.update([gp], {a.pid: info}, trees, 0.0)] == [UNREGISTERED]
     adopted = replace(info, ppid=info.ppid + 100000)  # the sub-reaper's PID
     assert [o.reason for o in tracker.update([gp], {a.pid: adopted}, trees, 1.0)] == [REPARENTED]
+
+
+def test_a_reused_pid_is_no_rank_once_the_join_knows_the_ranks_start(procs: list) -> None:
+    """Liveness is one rule computed once per cycle (``trees_from_entries``, the daemon's
+    ``Ranks.trees``): a claim without a start time whose PID now names another process is dead
+    by the start time the join first saw, for the NVML part's orphans as for the join (which
+    alone knew it: the GPU memory of the PID's new process was the dead rank's)."""
+    holder = _sleep()
+    procs.append(holder)
+    processes = procfs.read_many([holder.pid])
+    e = RankEntry(job_id="j", rank=0, pid=holder.pid)  # registered without start_ticks
+    assert trees_from_entries([e], processes, {}).owner == {holder.pid: ("j", 0)}
+    first_seen = {e.rank_process: processes[holder.pid].start_ticks - 1}  # another process then
+    trees = trees_from_entries([e], processes, {}, first_seen)
+    assert trees.owner == {} and trees.alive == frozenset() and trees.known_jobs == {"j"}

@@ -29,7 +29,7 @@ from daemonutil import DaemonProc, write_config
 
 from gpuwatchd.join.stall import QUIET_REDUMP, StallTracker
 from gpuwatchd.join.stall_spin import MAX_READINGS, GpuReading, GpuWindow, rank_gpu_readings
-from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, RankState
+from gpuwatchd.model import GpuDevice, GpuProcess, RankId
 from gpuwatchd.model.stall import RankProbe, StallVerdict
 from gpuwatchd.model.threads import Dump
 from gpuwatchd.paths import HostPaths
@@ -328,11 +328,10 @@ def test_gpu_window_rules() -> None:
 def test_rank_gpu_readings_exclusive_only_without_other_holders() -> None:
     gpus = (GpuDevice(0, "GPU-a", "H200", "0", 1, 1, 1.0, memory_utilization_ratio=0.0),
             GpuDevice(1, "GPU-b", "H200", "1", 1, 1, 0.5, memory_utilization_ratio=0.2))
-    rows = (GpuProcessRow(0, "GPU-a", 10, 1 << 30, "python", "u", "j", "0"),
-            GpuProcessRow(1, "GPU-b", 11, 1 << 30, "python", "u", "j", "1"),
-            GpuProcessRow(1, "GPU-b", 12, 1 << 30, "python", "u", "", ""))
-    ranks = (RankState("j", 0, 10, 0, 2, True, None), RankState("j", 1, 11, 1, 2, True, None))
-    out = rank_gpu_readings(NodeState(50.0, ranks=ranks, gpus=gpus, gpu_processes=rows))
+    procs = (GpuProcess(0, "GPU-a", 10, 1 << 30), GpuProcess(1, "GPU-b", 11, 1 << 30),
+             GpuProcess(1, "GPU-b", 12, 1 << 30))
+    owner = {10: ("j", 0), 11: ("j", 1)}  # 12: no rank's tree
+    out = rank_gpu_readings(50.0, {("j", 0): (), ("j", 1): ()}, owner, gpus, procs)
     assert out[("j", 0)] == GpuReading(50.0, 1.0, 0.0, True)
     assert out[("j", 1)] == GpuReading(50.0, 0.5, 0.2, False)
 
@@ -341,13 +340,14 @@ def test_rank_gpu_readings_a_gpu_shared_by_one_jobs_ranks_is_theirs() -> None:
     """Rank 0 evaluates on the GPU that rank 1 (waiting in a barrier) also holds: the traffic
     there is the job's progress for both; a rank of another job on it makes it shared."""
     gpus = (GpuDevice(0, "GPU-a", "H200", "0", 1, 1, 0.7, memory_utilization_ratio=0.3),)
-    rows = tuple(GpuProcessRow(0, "GPU-a", 10 + r, 1 << 30, "python", "u", "j", str(r)) for r in (0, 1))
-    ranks = (RankState("j", 0, 10, 0, 2, True, None), RankState("j", 1, 11, 1, 2, True, None))
-    out = rank_gpu_readings(NodeState(50.0, ranks=ranks, gpus=gpus, gpu_processes=rows))
+    procs = tuple(GpuProcess(0, "GPU-a", 10 + r, 1 << 30) for r in (0, 1))
+    named: dict[RankId, tuple[str, ...]] = {("j", 0): (), ("j", 1): ()}
+    owner: dict[int, RankId] = {10: ("j", 0), 11: ("j", 1)}
+    out = rank_gpu_readings(50.0, named, owner, gpus, procs)
     assert out[("j", 0)].exclusive and out[("j", 1)].exclusive
-    rows += (GpuProcessRow(0, "GPU-a", 20, 1 << 30, "python", "u", "k", "0"),)
-    ranks += (RankState("k", 0, 20, 0, 1, True, None),)
-    out = rank_gpu_readings(NodeState(50.0, ranks=ranks, gpus=gpus, gpu_processes=rows))
+    procs += (GpuProcess(0, "GPU-a", 20, 1 << 30),)
+    named[("k", 0)], owner[20] = (), ("k", 0)
+    out = rank_gpu_readings(50.0, named, owner, gpus, procs)
     assert not any(r.exclusive for r in out.values())
 
 

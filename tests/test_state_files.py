@@ -295,6 +295,7 @@ def test_state_json_is_rewritten_when_a_reader_would_see_a_change_else_every_oth
     older than load_state's three intervals."""
     from gpuwatchd.config import load_config
     from gpuwatchd.daemon.core import Daemon
+    from gpuwatchd.daemon.wiring import no_parts
 
     path, raw = write_config(tmp_path, interval_seconds=0.4)
     cfg = load_config(str(path))
@@ -302,7 +303,7 @@ def test_state_json_is_rewritten_when_a_reader_would_see_a_change_else_every_oth
     procs.extend(ranks)
     for r, p in enumerate(ranks):
         register(raw, f"sj-{r}", p.pid)
-    d = Daemon(cfg, subsystems=[])
+    d = Daemon(cfg, parts=no_parts)
     state_path = Path(cfg.state_dir) / "state.json"
 
     def written() -> float:

@@ -15,10 +15,11 @@ from typing import Any
 
 from gpuwatchd.config import Config, StragglerConfig
 from gpuwatchd.findings import FindingContext, rank_straggler
-from gpuwatchd.join.straggler import RankRate
 from gpuwatchd.model import GpuDevice, RankState
+from gpuwatchd.model.parts import GpuOutput, RankRate, StragglerOutput, Tracked
 from gpuwatchd.sources.cgroup_cpu import parse_cpu_stat
 from gpuwatchd.sources.heartbeat_step import read_step
+from gpuwatchd.sources.memcg import parse_cgroup_file
 from gpuwatchd.sources.nvml_fixture import fixture_source
 
 PROGRAMS = Path(__file__).parent / "fixtures" / "pyspy" / "programs"
@@ -126,8 +127,8 @@ def test_gpu_clock_throttle_reasons_from_nvml_name_a_cause() -> None:
     assert idle[0].throttle_reasons is None  # recorded before the field: the driver "does not say"
     r = RankState("j", 1, 11, 1, 2, True, None, gpus=("0",))
     rr = RankRate("j", 1, 11, 2.0, 300.0, 10.0, (0, 1), 0.0, True)
-    ctx = FindingContext(now=400.0, config=Config(), ranks=(r,), gpus=devices,
-                         straggler={("j", 1): rr})
+    ctx = FindingContext(now=400.0, config=Config(), ranks=(r,),
+                         parts=Tracked(gpu=GpuOutput(gpus=devices), straggler=StragglerOutput(rates={("j", 1): rr})))
     (f,) = rank_straggler.find(ctx, ())
     assert "GPU 0 clocks throttled: sw_power_cap, hw_thermal (NVML)" in f.explanation
     assert "0.20x its job's median of 10.00 steps/s" in f.explanation
@@ -139,8 +140,8 @@ def test_rank_memory_pressure_is_named_by_kind_when_present() -> None:
     r = RankState("j", 1, 11, 1, 2, True, None)
     rr = RankRate("j", 1, 11, 2.0, 300.0, 10.0, (0, 1), 0.0, True)
     ctx = FindingContext(now=400.0, config=Config(), ranks=(r,),
-                         gpus=(GpuDevice(0, "u", "n", "p", None, None, None),),
-                         straggler={("j", 1): rr})
+                         parts=Tracked(gpu=GpuOutput(gpus=(GpuDevice(0, "u", "n", "p", None, None, None),)),
+                                       straggler=StragglerOutput(rates={("j", 1): rr})))
     mem = Finding("rank_memory_pressure", "warning", "x", "j", "1", "11")
     (f,) = rank_straggler.find(ctx, (mem,))
     assert "causes: host memory pressure (rank_memory_pressure)" in f.explanation
@@ -149,8 +150,10 @@ def test_rank_memory_pressure_is_named_by_kind_when_present() -> None:
 
 
 def _observe(t: Any, reader: Any, now: float, entries: list[Any], mtimes: dict[tuple[str, int], float]) -> Any:
-    """One cycle as daemon/straggler.py runs it: the due steps and the cpu.stat read, then judged."""
-    return t.observe(now, entries, mtimes, reader.steps(t.due(entries, mtimes)), reader.cpu_stats(entries))
+    """One cycle as daemon/straggler.py runs it: the due steps and the cpu.stat read (of the cgroup
+    the process view read for each rank), then judged."""
+    cgroups = {e.pid: parse_cgroup_file(Path(f"/proc/{e.pid}/cgroup").read_text()) for e in entries}
+    return t.observe(now, entries, mtimes, reader.steps(t.due(entries, mtimes)), reader.cpu_stats(entries, cgroups))
 
 
 def test_tracker_needs_two_ranks_and_the_full_bound(tmp_path: Path) -> None:
@@ -182,8 +185,8 @@ def test_a_cpu_stat_without_throttling_counters_is_not_looked_up_again_each_cycl
         tmp_path: Path) -> None:
     """A cgroup v2 without the cpu controller (the H200 host of bench/nvml_poll.py) has a
     cpu.stat of usage only: the rank's cgroup used to be looked up from /proc/PID/cgroup again
-    every cycle for every rank because of it. It is now looked up again only when the file is
-    gone (or after the TTL)."""
+    every cycle for every rank because of it. Its path is looked for again only when the file is
+    gone (or the process view reads another cgroup for the rank)."""
     from gpuwatchd.join.straggler import StragglerTracker
     from gpuwatchd.model import RankEntry
     from gpuwatchd.paths import HostPaths
@@ -201,7 +204,7 @@ def test_a_cpu_stat_without_throttling_counters_is_not_looked_up_again_each_cycl
             found.append(d / "cpu.stat")
     assert found
     t = StragglerTracker(StragglerConfig(window_seconds=10.0))
-    reader = StepCpuReader(HostPaths(sysfs=str(sys_root)), clock=lambda: now[0])
+    reader = StepCpuReader(HostPaths(sysfs=str(sys_root)))
     now = [1000.0]
     hb = tmp_path / "j.0.hb"
     hb.write_text("1")

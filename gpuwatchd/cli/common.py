@@ -102,7 +102,9 @@ def resolve_config(args: argparse.Namespace) -> Config:
 def load_state(cfg: Config) -> tuple[dict[str, Any], str]:
     """The daemon's latest state (``state_dir/state.json``) when fresh, else one local cycle."""
     from gpuwatchd.daemon.core import STATE_FILE, Daemon
+    from gpuwatchd.daemon.services import Services
     from gpuwatchd.daemon.state_json import state_to_json
+    from gpuwatchd.daemon.wiring import no_parts
 
     path = os.path.join(cfg.state_dir, STATE_FILE)
     why = f"daemon not running (no {path})"
@@ -124,5 +126,7 @@ def load_state(cfg: Config) -> tuple[dict[str, Any], str]:
         raise unreadable(path, e) from None
     except (ValueError, KeyError, TypeError, RecursionError):
         why = f"daemon state unusable ({path} is not the daemon's document)"
-    d = Daemon(cfg, subsystems=[], write_state=False)
+    # no part and no event log: this user's one cycle reads rank files and /proc only
+    d = Daemon(cfg, parts=no_parts, write_state=False,
+               services=Services.build(cfg, write_state=False, event_log=False))
     return state_to_json(d.cycle()), f"{why}: live /proc view, no GPU/kernel/GIL data"

@@ -31,6 +31,7 @@ from gpuwatchd.findings import FindingContext, fd_exhaustion, fork_after_cuda, n
 from gpuwatchd.join.hang import analyze, wait_tids
 from gpuwatchd.join.rank_workers import worker_view
 from gpuwatchd.model import RankEntry, RankState
+from gpuwatchd.model.parts import GpuOutput, Tracked
 from gpuwatchd.model.threads import ThreadInfo, ThreadStack
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import containers, devfds, taskwait
@@ -210,7 +211,7 @@ def collect(
     ctx = FindingContext(
         now=time.time(), config=cfg, ranks=(pseudo,), processes=view.processes,
         env_flags={pid: view.env_flags[pid]} if pid in view.env_flags else {pid: nccl_env.env_flags(env)},
-        fork_evidence={**evidence, pid: me} if me is not None else evidence,
+        parts=Tracked(gpu=GpuOutput(fork_evidence={**evidence, pid: me} if me is not None else evidence)),
     )
     kinds = {f["kind"] for f in found}
     for rule in (fd_exhaustion.find, nccl_env.find, fork_after_cuda.find):

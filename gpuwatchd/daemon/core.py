@@ -41,23 +41,23 @@ from gpuwatchd.daemon.proc_view import ProcReading, ProcView
 from gpuwatchd.daemon.reload import ConfigSource, reload_config
 from gpuwatchd.daemon.services import Services
 from gpuwatchd.daemon.state_json import state_json_text
-from gpuwatchd.daemon.subsystem import Ranks, Subsystem, Tracked
+from gpuwatchd.daemon.subsystem import Ranks, Subsystem
 from gpuwatchd.daemon.wake import LinkedEvent
-from gpuwatchd.daemon.wiring import Parts, default_subsystems, down_statuses, track
+from gpuwatchd.daemon.wiring import Parts, build_parts, down_statuses, track
 from gpuwatchd.exporter.collector import make_registry
 from gpuwatchd.isolation import Collector, PartialReading, attempt, guarded
 from gpuwatchd.join import rank_claims
-from gpuwatchd.join.state import CycleInputs, JoinMemory, build_state
+from gpuwatchd.join.orphans import trees_from_entries
+from gpuwatchd.join.state import JoinMemory, build_state
 from gpuwatchd.model import BadRankFile, CollectorStatus, NodeState, RankEntry, RankId, RankProcess
+from gpuwatchd.model.parts import Tracked
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.discovery import Discoverer
-from gpuwatchd.sources.heartbeats import HeartbeatRoots
 from gpuwatchd.sources.job_owners import JobOwnerFile
 from gpuwatchd.sources.memcg import MemcgReader
 from gpuwatchd.sources.pidns import PidNamespaces
-from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.sources.rankfiles import RankDirMissing, RankFileReader, guard_entries
-from gpuwatchd.statefile import StateFiles, remove_temporaries
+from gpuwatchd.statefile import remove_temporaries
 from gpuwatchd.web.web_config import WebConfigError
 
 if TYPE_CHECKING:  # imported when the daemon starts serving (start), not before
@@ -82,12 +82,16 @@ class Reading:
     statuses: tuple[CollectorStatus, ...]       # the two collectors' status
 
 
-def accepted(reading: Reading, claims: rank_claims.Claims) -> tuple[Ranks, Mapping[RankId, float]]:
-    """The reading narrowed to the accepted claims: what the track stage's parts read, and each
-    accepted rank's heartbeat mtime (a refused claim on the same rank has another pid)."""
+def accepted(reading: Reading, claims: rank_claims.Claims,
+             known_ticks: Mapping[RankProcess, int]) -> tuple[Ranks, Mapping[RankId, float]]:
+    """The reading narrowed to the accepted claims: what the track stage's parts read (with each
+    rank's liveness and tree, computed once here: ``known_ticks``, the start time the join first
+    saw of a claim without one), and each accepted rank's heartbeat mtime (a refused claim on the
+    same rank has another pid)."""
     proc = reading.proc
     beats = {RankId(j, r): t for (j, r, pid), t in proc.progress.items() if claims.accepts(j, r, pid)}
-    return Ranks(reading.now, claims.accepted, proc.processes, proc.descendants, proc.cgroups), beats
+    trees = trees_from_entries(claims.accepted, proc.processes, proc.descendants, known_ticks)
+    return Ranks(reading.now, claims.accepted, proc.processes, proc.descendants, proc.cgroups, trees), beats
 
 
 class Daemon:
@@ -101,7 +105,7 @@ class Daemon:
         paths: HostPaths | None = None,
         clock: Callable[[], float] = time.time,
         counters: CounterStore | None = None,
-        subsystems: list[Subsystem] | None = None,
+        parts: Callable[[Config, Services], Parts] = build_parts,
         services: Services | None = None,
         write_state: bool = True,
         liveness_seconds: float | None = None,
@@ -111,25 +115,30 @@ class Daemon:
         alive for the watchdog (default: ``2 * interval_seconds + CYCLE_TIME_LIMIT``).
         ``reap_strays``: make this process a child subreaper that kills and reaps every child
         which is not a running py-spy (gpuwatchd/sources/reaper.py); only for a process that is the
-        daemon and nothing else (``gpuwatchd run``), never one that starts children of its own."""
+        daemon and nothing else (``gpuwatchd run``), never one that starts children of its own.
+        ``services``: the shared services (default: built from ``config``, ``paths``, ``clock``
+        and ``counters``, which a given one already holds); ``parts``: builds the parts from
+        the config and the services (default: as configured, ``build_parts``)."""
         self.config = config
         self.reap_strays = reap_strays
         self.liveness_seconds = liveness_seconds
         self._last_cycle_end = time.monotonic()
         self.config_source = ConfigSource(config_path, listen_override, web_config_override)
-        self.paths = paths or HostPaths(procfs=config.procfs)
-        self.clock = clock
-        self.counters = counters or CounterStore()
+        # built once, handed to every part (daemon/services.py): py-spy, Xid de-dup, event log
+        self.services = services or Services.build(config, paths, clock=clock, counters=counters,
+                                                   write_state=write_state)
+        svc = self.services
+        self.paths = svc.paths
+        self.clock = svc.clock
+        self.counters = svc.counters
         # every write to state_dir goes through this: failures counted, no temporaries left
-        self.state_files = StateFiles(self.counters if write_state else None)
-        self.procfs = ProcfsReader(self.paths)
+        self.state_files = svc.state_files
+        self.procfs = svc.procfs
         self.rankfiles = RankFileReader(config.rank_dir)
         self.pidns = PidNamespaces(self.procfs)  # rank files written inside containers
-        self.heartbeat_roots = HeartbeatRoots()
+        self.heartbeat_roots = svc.heartbeat_roots
         self._wake = threading.Event()  # the main loop's sleep ends when either is set
         self.stop_event: threading.Event = LinkedEvent(self._wake)
-        # built once, handed to every subsystem (daemon/services.py): py-spy, Xid de-dup, event log
-        self.services = services or Services.build(config, self.paths)
         self.reload_requested: threading.Event = LinkedEvent(self._wake)
         self.state: NodeState | None = None
         # a job's owner is decided once and kept across restarts (trust rule 2); a read-only
@@ -137,11 +146,11 @@ class Daemon:
         self.job_owner_file = JobOwnerFile(config.state_dir, self.state_files)
         self.memory = JoinMemory(job_owners=self.job_owner_file.load() if write_state else {})
         self.write_state = write_state  # False for read-only users (gpuwatchd ps)
-        self.subsystems: list[Subsystem] = subsystems if subsystems is not None else default_subsystems(config)
-        self.parts = Parts.of(self.subsystems)  # the same parts by name, for the track stage
+        self.parts = parts(config, svc)  # every part built whole, by name
+        self.subsystems: list[Subsystem] = self.parts.all()  # in the order of their hooks
         # (last load of the config succeeded, Unix time of the last success): the constructor's
         # config is the first load; every SIGHUP sets it (gpuwatch_config_last_reload_*)
-        self.config_reload: tuple[bool, float] = (True, clock())
+        self.config_reload: tuple[bool, float] = (True, self.clock())
         self.registry = make_registry(lambda: self.state, self.counters,
                                       liveness=self.liveness_problem,
                                       config_reload=lambda: self.config_reload)
@@ -226,14 +235,19 @@ class Daemon:
             claims = rank_claims.decide(reading.entries, reading.proc.processes, self.memory.job_owners,
                                         self.memory.claimant_uids, self.memory.start_ticks,
                                         reading.proc.cgroups)
-            ranks, beats = accepted(reading, claims)        # from here on: the accepted claims only
-            tracked = track(self.parts, self, ranks, beats, dict(self.failed_subsystems))  # parts by name
-            state, self.memory = build_state(self.join_inputs(reading, claims, beats, tracked, t0), self.memory)
+            ranks, beats = accepted(reading, claims, self.memory.start_ticks)  # the accepted claims only
+            tracked = track(self.parts, self, ranks, beats, self.state, dict(self.failed_subsystems))
+            proc = reading.proc
+            state, self.memory = build_state(
+                reading.now, self.config, claims, ranks.trees, tracked, self.memory, processes=proc.processes,
+                descendants=proc.descendants, env_flags=proc.env_flags, bad_files=reading.bad_files,
+                heartbeats=beats, collectors=self.statuses(reading, tracked),
+                counters=self.counters.snapshot())
             state = dataclasses.replace(state, cycle_seconds=time.monotonic() - t0,
                                         oom_score_adj=self._oom_score_adj(),
                                         memory_limit_bytes=self._own_memcg.own_limit_bytes())
             self.state = state                              # what the exporter and the CLI read: one swap
-            self.publish(state)                             # after_join hooks, state.json
+            self.publish(ranks, state)                      # after_join hooks, state.json
             self._last_cycle_end = time.monotonic()
             return state
 
@@ -251,35 +265,19 @@ class Daemon:
         return Reading(self.clock(), tuple(entries), tuple(bad), proc,
                        (self.rank_collector.status, self.proc_collector.status))
 
-    def join_inputs(self, reading: Reading, claims: rank_claims.Claims, beats: Mapping[RankId, float],
-                    tracked: Tracked, t0: float) -> CycleInputs:
-        """The join's input, field by field from the one stage output that produced it."""
-        stall, gpu, mem = tracked.stall, tracked.gpu, tracked.memory
-        statuses = [*reading.statuses, *(s for s in (stall.status, tracked.kernel.status, gpu.status, mem.status,
-                                                     tracked.exits.status) if s is not None)]
-        statuses += down_statuses(statuses, tracked.down)
-        proc = reading.proc
-        return CycleInputs(
-            now=reading.now, config=self.config, entries=claims.accepted, bad_files=reading.bad_files,
-            processes={**proc.processes, **gpu.processes} if gpu.processes else proc.processes,
-            descendants=proc.descendants, env_flags=proc.env_flags, cgroups=proc.cgroups, heartbeats=beats,
-            claims=claims, gpus=gpu.gpus, gpu_processes=gpu.gpu_processes, orphans=gpu.orphans,
-            progress=stall.progress, stalled=stall.stalled, collectors=tuple(statuses),
-            counters=self.counters.snapshot(), cycle_seconds=time.monotonic() - t0,
-            steps=tracked.straggler.steps, collectives=tracked.flight.collectives,
-            rank_memory=mem.ranks, node_memory=mem.node, kernel_events=tracked.kernel.events,
-            orphan_jobs=gpu.orphan_jobs, fork_evidence=gpu.fork_evidence, gil=stall.gil, stall=stall.verdicts,
-            flight_records=tracked.flight.records, straggler=tracked.straggler.rates,
-            gpus_removed=gpu.gpus_removed, gpus_lost=gpu.gpus_lost, cuda_ooms=gpu.cuda_ooms,
-            exits=tracked.exits.exits,
-            nccl_ras=tracked.ras.jobs,
-        )
+    def statuses(self, reading: Reading, tracked: Tracked) -> tuple[CollectorStatus, ...]:
+        """Every collector's status: the daemon's own two, each part's, and a part that failed
+        to start or whose track raised as a collector that is down."""
+        own = [*reading.statuses, *(p.status for p in (tracked.stall, tracked.kernel, tracked.gpu,
+                                                        tracked.memory, tracked.exits) if p.status is not None)]
+        return (*own, *down_statuses(own, tracked.down))
 
-    def publish(self, state: NodeState) -> None:
+    def publish(self, ranks: Ranks, state: NodeState) -> None:
         """What the new state drives: the subsystems' after-join hooks (event log, rank trees,
         the GIL sampler's signals) and state.json, each isolated."""
         for sub in self.subsystems:
-            guarded(f"subsystem {sub.name} after_join", functools.partial(sub.after_join, self, state), None)
+            guarded(f"subsystem {sub.name} after_join", functools.partial(sub.after_join, self, ranks, state),
+                    None)
         if self.write_state and self._state_due(state):
             guarded("writing state file", lambda: self._write_state(state), None)
         if self.write_state:
@@ -384,7 +382,7 @@ class Daemon:
             guarded(f"stopping subsystem {sub.name}", sub.stop, None)
         self.rank_collector.close()
         self.proc_collector.close()
-        self.heartbeat_roots.close()
+        self.services.close()
         if self.web is not None:
             self.web.close()
             self.web = None

@@ -16,15 +16,16 @@ from __future__ import annotations
 import threading
 import time
 
-from gpuwatchd.daemon.subsystem import DaemonContext, ExitOutput, Ranks, Subsystem
+from gpuwatchd.daemon.services import Services
+from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
 from gpuwatchd.isolation import guarded
 from gpuwatchd.join.exits import ExitLedger, exit_words
 from gpuwatchd.model import INFO, PAGE, WARNING, CollectorStatus, RankProcess, frozen_map
 from gpuwatchd.model.events import Event
 from gpuwatchd.model.exits import CRASHED, KILLED, NODE, RankExit
+from gpuwatchd.model.parts import ExitOutput
 from gpuwatchd.rank.rankfile import MAX_RANKS_PER_NODE
 from gpuwatchd.sources.exits import ExitWatcher, ProcessExit, Watch
-from gpuwatchd.sources.kmsg import read_boot_id
 
 SETTLE_SECONDS = 0.5
 
@@ -32,28 +33,26 @@ SETTLE_SECONDS = 0.5
 class ExitsSubsystem(Subsystem):
     name = "exits"
 
-    def __init__(self, max_watched: int = MAX_RANKS_PER_NODE) -> None:
+    def __init__(self, services: Services, max_watched: int = MAX_RANKS_PER_NODE) -> None:
         self.max_watched = max_watched
-        self.watcher: ExitWatcher | None = None
-        self.ledger: ExitLedger | None = None
-        self._daemon: DaemonContext | None = None
-        self._boot_id = ""
+        self.events = services.events  # each settled exit is recorded here, its cause joined
+        self.clock = services.clock
+        self._boot_id = services.boot_id
+        self.ledger = ExitLedger(services.faults)
+        self._woken = threading.Event()
+        self.watcher = ExitWatcher(services.paths, max_watched, clock=services.clock,
+                                   on_exit=self._woken.set)
+        self._started = False  # the watcher's thread runs (pidfd_open allowed)
         self._lock = threading.Lock()  # the watcher's exits -> the ledger -> the event log
         self._first_start: dict[RankProcess, int] = {}  # a claim's process, as first watched
         self._written: set[tuple[int, int]] = set()  # exits whose event is written
-        self._woken = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_ok: float | None = None
 
     def start(self, daemon: DaemonContext) -> None:
-        self._daemon = daemon
-        self._boot_id = read_boot_id(daemon.paths)
-        self.ledger = ExitLedger(daemon.services.faults)
-        watcher = ExitWatcher(daemon.paths, self.max_watched, clock=daemon.clock,
-                              on_exit=self._woken.set)
-        watcher.start()  # OSError: the part failed to start, its collector reads 0
-        self.watcher = watcher
+        self.watcher.start()  # OSError: the part failed to start, its collector reads 0
+        self._started = True
         self._thread = threading.Thread(target=self._settle_loop, name="gpuwatchd-exit-events",
                                         daemon=True)
         self._thread.start()
@@ -68,23 +67,22 @@ class ExitsSubsystem(Subsystem):
 
     def _collect(self) -> list[RankExit]:
         """The watcher's new exits into the ledger, and an event for each settled one."""
-        watcher, ledger, daemon = self.watcher, self.ledger, self._daemon
-        if watcher is None or ledger is None or daemon is None:
+        watcher, ledger = self.watcher, self.ledger
+        if not self._started:
             return []
         with self._lock:
-            events = daemon.services.events.recent()
+            events = self.events.recent()
             raw = [x for x in (self._identify(e) for e in watcher.drain()) if x is not None]
             if raw:
                 ledger.add(raw, events)
             else:
-                ledger.refresh(events, daemon.clock())
-            now = daemon.clock()
+                ledger.refresh(events, self.clock())
+            now = self.clock()
             for x in ledger.recent():
                 key = (x.pid, x.start_ticks)
-                if key not in self._written and now - x.time >= SETTLE_SECONDS \
-                        and daemon.services.events.is_open:
+                if key not in self._written and now - x.time >= SETTLE_SECONDS:
                     self._written.add(key)
-                    daemon.services.events.record(self._event(x))
+                    self.events.add(self._event(x))
             return list(ledger.recent())
 
     @staticmethod
@@ -113,7 +111,7 @@ class ExitsSubsystem(Subsystem):
 
     def track(self, daemon: DaemonContext, ranks: Ranks) -> ExitOutput:
         watcher, ledger = self.watcher, self.ledger
-        if watcher is None or ledger is None:
+        if not self._started:  # failed to start: exported as down (wiring.down_statuses)
             return ExitOutput()
         t0 = time.monotonic()
         exits = self._collect()  # first: a rank found dead this cycle has its exit here
@@ -155,5 +153,5 @@ class ExitsSubsystem(Subsystem):
         self._woken.set()
         if self._thread is not None:
             self._thread.join(2.0)
-        if self.watcher is not None:
+        if self._started:
             self.watcher.stop()

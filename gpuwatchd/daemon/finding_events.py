@@ -8,7 +8,8 @@ events of the kernel log already and are not repeated here. Costs one set differ
 
 from __future__ import annotations
 
-from gpuwatchd.daemon.subsystem import DaemonContext, Subsystem
+from gpuwatchd.daemon.services import Services
+from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
 from gpuwatchd.model import INFO, Finding, NodeState
 from gpuwatchd.model.events import Event
 from gpuwatchd.model.kinds import EVENT_KINDS
@@ -35,21 +36,20 @@ def finding_event(f: Finding, now: float, cleared: bool = False) -> Event:
 class FindingEventsSubsystem(Subsystem):
     name = "finding_events"
 
-    def __init__(self) -> None:
+    def __init__(self, services: Services) -> None:
+        self.events = services.events  # one writer (and its compaction): daemon/services.py
         # After a (re)start every active finding is logged once: the timeline then says what
         # the daemon found when it started.
         self._active: dict[tuple[str, str, str, str], Finding] = {}
 
-    def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
-        events = daemon.services.events  # one writer (and its compaction): daemon/services.py
-        if not events.is_open:
-            return
+    def after_join(self, daemon: DaemonContext, ranks: Ranks, state: NodeState) -> None:
+        events = self.events
         now = daemon.clock()
         current = {f.key: f for f in state.findings if f.kind not in SKIP_KINDS}
         for key, f in current.items():
             if key not in self._active:
-                events.record(finding_event(f, now))
+                events.add(finding_event(f, now))
         for key, f in self._active.items():
             if key not in current:
-                events.record(finding_event(f, now, cleared=True))
+                events.add(finding_event(f, now, cleared=True))
         self._active = current

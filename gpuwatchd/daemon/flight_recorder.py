@@ -25,9 +25,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpuwatchd.daemon.subsystem import DaemonContext, FlightOutput, Ranks, Subsystem
-from gpuwatchd.join.flight_recorder import FrReading, parse_response
+from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
+from gpuwatchd.join.flight_recorder import parse_response
 from gpuwatchd.model import ProcessInfo, RankEntry, RankId
+from gpuwatchd.model.parts import FlightOutput, FrReading
 from gpuwatchd.model.stall import StallVerdict
 from gpuwatchd.rank.flight_recorder import request_path, response_path
 from gpuwatchd.sources.flight_recorder_files import read_response, write_request

@@ -83,7 +83,7 @@ class SignalTracker:
             cpu = None
             if prev is not None and now > prev.at:
                 cpu = max(0.0, (r.process.cpu_seconds - prev.cpu_seconds) / (now - prev.at))
-            utils = rank_gpu_utilization(r, state.gpus)
+            utils = rank_gpu_utilization(r, state.gpus, state.gpu_processes)
             gpu_busy = bool(utils) and max(u for _, u in utils) >= GPU_BUSY_RATIO
             if cpu is not None and cpu >= CPU_SUSPECT_CORES and not gpu_busy:
                 reasons.append(GPU_IDLE_ON_CPU)

@@ -6,8 +6,8 @@ their growth (sources/memcg.py, memory_tracker.py), plus the node's MemAvailable
 the join as ``rank_memory`` / ``node_memory`` (exported) and to findings/rank_memory_pressure.py,
 with the ``memory`` collector status. ``after_join``: when ``rank_memory_pressure`` is raised for a
 rank, or gets worse, one snapshot (memory_evidence.py) is taken in the background: a non-blocking
-py-spy dump never holds up the cycle. Snapshots go into the kernel-log subsystem's event log (one
-writer), where a following OOM kill of the rank links to the last one.
+py-spy dump never holds up the cycle. Snapshots go into the daemon's event log (one
+writer, daemon/services.py), where a following OOM kill of the rank links to the last one.
 
 Cost: a few small /sys and /proc reads per rank per cycle (sources/memcg.py); one py-spy dump per
 snapshot (~10-100 ms of py-spy's CPU, nothing measurable on the target: ``--nonblocking``).
@@ -24,7 +24,8 @@ from typing import Any
 
 from gpuwatchd.config import Config
 from gpuwatchd.daemon.memory_evidence import snapshot_event, worse
-from gpuwatchd.daemon.subsystem import DaemonContext, MemoryOutput, Ranks, Subsystem
+from gpuwatchd.daemon.services import Services
+from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
 from gpuwatchd.findings.rank_memory_pressure import KIND
 from gpuwatchd.isolation import guarded
 from gpuwatchd.join.memory_tracker import MemoryTracker, TrackedRank
@@ -41,6 +42,7 @@ from gpuwatchd.model import (
     RankProcess,
     rank_alive,
 )
+from gpuwatchd.model.parts import MemoryOutput
 from gpuwatchd.sources.memcg import MemcgReader
 from gpuwatchd.sources.pyspy import PySpy
 from gpuwatchd.sources.pyspy_output import PySpyError
@@ -51,33 +53,25 @@ log = logging.getLogger(__name__)
 class MemorySubsystem(Subsystem):
     name = "memory"
 
-    def __init__(self, config: Config, *, reader: MemcgReader | None = None,
+    def __init__(self, config: Config, services: Services, *, reader: MemcgReader | None = None,
                  spy: PySpy | None = None) -> None:
+        """``reader``: the memcg reader (default: the host's, under ``memory.cgroup_root``);
+        ``spy``: the py-spy runner (default: the daemon's one, and its concurrency limit)."""
         self.config = config
-        self.reader = reader
-        self.spy = spy
+        self.reader = reader or MemcgReader(services.paths, config.memory.cgroup_root)
+        self.spy = spy or services.spy
+        self.events = services.events  # snapshots go into the one event log
         self.tracker = MemoryTracker()
-        self._readings: dict[RankProcess, RankMemory] = {}
         # per rank process: (snapshots taken, last snapshot time, the finding it was taken for)
         self._snaps: dict[tuple[str, str, str], tuple[int, float, Finding]] = {}
         self._busy = threading.Lock()  # one py-spy dump at a time; a second request is dropped
         self._seq = 0
         self._last_ok: float | None = None
 
-    def start(self, daemon: DaemonContext) -> None:
-        if self.reader is None:
-            self.reader = MemcgReader(daemon.paths, self.config.memory.cgroup_root)
-        if self.spy is None:  # the daemon's one py-spy runner (and its concurrency limit)
-            self.spy = daemon.services.spy
-        self.events = daemon.services.events  # snapshots go into the one event log
-
     # -- each cycle --------------------------------------------------------------------------
 
     def track(self, daemon: DaemonContext, ranks: Ranks) -> MemoryOutput:
-        if self.reader is None:
-            self.start(daemon)
         reader = self.reader
-        assert reader is not None
         t0 = time.monotonic()
         now = float(ranks.now)
         cfg = daemon.config.memory
@@ -104,7 +98,6 @@ class MemorySubsystem(Subsystem):
             readings.append(self.tracker.observe(now, key, tree, processes, cg,
                                                  cfg.window_seconds, cfg.min_window_seconds))
         self.tracker.forget(live, ((p.pid, p.start_ticks) for p in processes.values()))
-        self._readings = {RankProcess(m.job_id, m.rank, m.pid): m for m in readings}
         n = guarded("memory: /proc/meminfo", reader.node, None)
         node = None if n is None else NodeMemoryState(
             n.total_bytes, n.available_bytes,
@@ -119,8 +112,11 @@ class MemorySubsystem(Subsystem):
                                  "" if ok else "cannot read /proc/meminfo")
         return MemoryOutput(tuple(readings), node, status)
 
-    def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
+    def after_join(self, daemon: DaemonContext, ranks: Ranks, state: NodeState) -> None:
+        """A snapshot for each rank whose ``rank_memory_pressure`` is new or worse, of its memory
+        reading in the state (``NodeState.rank_memory``: this part's output, live ranks only)."""
         cfg = daemon.config.memory
+        readings = {RankProcess(m.job_id, m.rank, m.pid): m for m in state.rank_memory}
         now = daemon.clock()
         current = {(f.job_id, f.rank, f.pid): f for f in state.findings if f.kind == KIND}
         live = {(r.job_id, str(r.rank), str(r.pid)) for r in state.ranks if r.alive}
@@ -132,7 +128,7 @@ class MemorySubsystem(Subsystem):
                 continue
             if not raised and not worse(f, last_f):
                 continue
-            m = self._readings.get(RankProcess(f.job_id, int(f.rank), int(f.pid)))
+            m = readings.get(RankProcess(f.job_id, int(f.rank), int(f.pid)))
             if m is not None and self._snapshot(f, m, now):
                 self._snaps[k] = (count + 1, now, f)
 
@@ -156,13 +152,12 @@ class MemorySubsystem(Subsystem):
 
     def _take(self, f: Finding, m: RankMemory, now: float, seq: int) -> None:
         stacks, error = None, ""
-        if self.spy is not None:
-            try:
-                stacks = self.spy.dump(m.pid, slot_wait=2.0)  # off the cycle: may wait a little
-            except PySpyError as e:
-                error = f"{e.reason}: {e.detail}"[:200]
+        try:
+            stacks = self.spy.dump(m.pid, slot_wait=2.0)  # off the cycle: may wait a little
+        except PySpyError as e:
+            error = f"{e.reason}: {e.detail}"[:200]
         ev = snapshot_event(f, m, now, stacks, error, seq)
-        self.events.record(ev)
+        self.events.add(ev)
         log.info("memory snapshot: %s", ev.summary)
 
     def stop(self) -> None:

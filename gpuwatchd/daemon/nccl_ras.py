@@ -21,10 +21,11 @@ import logging
 import time
 from collections.abc import Mapping
 
-from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, RasOutput, Subsystem
+from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
 from gpuwatchd.join.nccl_ras import RasTracker, parse_status
 from gpuwatchd.model import RankEntry, RankId
 from gpuwatchd.model.nccl_ras import RasJob
+from gpuwatchd.model.parts import RasOutput
 from gpuwatchd.model.stall import StallVerdict
 from gpuwatchd.sources.nccl_ras import RasRefused, env_address, local_addresses, owned_listener, query
 

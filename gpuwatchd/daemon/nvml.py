@@ -1,6 +1,7 @@
 """The daemon's NVML part: NVML collector, orphans, fork evidence, CUDA OOM events, Xid, udev.
 
-Wires the GPU sources into the daemon's cycle (duck-typed ``daemon.Subsystem``):
+Wires the GPU sources into the daemon's cycle; every collaborator is built in the constructor,
+``start`` starts the two threads:
 
 - ``track``: one NVML reading through the isolation wrapper (collector ``nvml``, time-out
   ``nvml.timeout_seconds``; a hung driver call never blocks the cycle or a scrape); /proc identity
@@ -15,9 +16,11 @@ Wires the GPU sources into the daemon's cycle (duck-typed ``daemon.Subsystem``):
 - streaming: the NVML Xid event thread (``gpu_xid_errors``, de-duplicated against the kernel log
   through the daemon's shared ``XidDeduper``) and the udev thread.
 
-Returns ``gpus``, ``gpu_processes``, ``orphans``, ``processes`` (GPU PIDs outside the rank trees),
-``fork_evidence``, ``orphan_jobs``, ``gpus_removed``, ``gpus_lost`` and ``cuda_ooms`` (a
-``GpuOutput``) for the join. The /proc reads of GPU PIDs, the devfds evidence and the CUDA-OOM
+Returns ``gpus``, ``holders`` (NVML's processes per GPU), ``orphans``, ``other_processes`` (GPU
+PIDs outside the rank trees), ``fork_evidence``, ``orphan_jobs``, ``gpus_removed``, ``gpus_lost``
+and ``cuda_ooms`` (a ``GpuOutput``, model/parts.py) for the stall part's GPU readings, the join
+and the rules. The track stage hands it the last cycle's state, the co-tenants a CUDA OOM is
+attributed among. The /proc reads of GPU PIDs, the devfds evidence and the CUDA-OOM
 event files each run under ``guarded``: one that fails loses its own reading this cycle.
 """
 
@@ -28,17 +31,18 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from gpuwatchd.config import Config
 from gpuwatchd.daemon.device_policy import EXIT_REEXPAND, DevicePolicyGuard
 from gpuwatchd.daemon.fork_evidence import fork_evidence
-from gpuwatchd.daemon.subsystem import DaemonContext, GpuOutput, Ranks, Subsystem
-from gpuwatchd.findings.context import GpuRemoved, NvmlLostGpu
+from gpuwatchd.daemon.services import Services
+from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
 from gpuwatchd.isolation import Collector, guarded
 from gpuwatchd.join.cuda_oom import OomTracker, claimants
-from gpuwatchd.join.orphans import OrphanTracker, trees_from_entries
+from gpuwatchd.join.orphans import OrphanTracker
 from gpuwatchd.model import GpuDevice, GpuProcess, GpuUevent, NodeState, OomEvent, ProcessInfo, ProcEvidence
+from gpuwatchd.model.parts import GpuOutput, GpuRemoved, NvmlLostGpu
 from gpuwatchd.sources.cuda_oom_events import OomEventFiles
 from gpuwatchd.sources.devfds import EvidenceReader
-from gpuwatchd.sources.kmsg import read_boot_id
 from gpuwatchd.sources.nvidia_devices import probe
 from gpuwatchd.sources.nvml import NvmlReadError, NvmlSource
 from gpuwatchd.sources.nvml_events import XidEventWatcher
@@ -54,66 +58,53 @@ Reading = tuple[tuple[GpuDevice, ...], tuple[GpuProcess, ...]]
 class NvmlSubsystem(Subsystem):
     name = "nvml"
 
-    def __init__(self, source: NvmlSource | None = None, watch_xid: bool = True,
-                 watch_udev: bool = True, guard: DevicePolicyGuard | None = None,
-                 udev_monitor: Any = None) -> None:
-        """``udev_monitor``: the pyudev ``Monitor`` the udev thread listens on (None: the kernel's
-        netlink; tests hand it recorded uevents, there being no GPU here to unplug)."""
-        self.source = source
-        self.udev_monitor = udev_monitor
+    def __init__(self, config: Config, services: Services, *, source: NvmlSource | None = None,
+                 watch_xid: bool = True, watch_udev: bool = True,
+                 guard: DevicePolicyGuard | None = None, udev_monitor: Any = None) -> None:
+        """Every collaborator built here, nothing started (``start`` starts the Xid and udev
+        threads). ``source``: the NVML reader (default: the driver, or ``nvml.fixture``'s
+        recording); ``guard``: the device-cgroup diagnosis (default: the host's, none with a
+        fixture); ``udev_monitor``: the pyudev ``Monitor`` the udev thread listens on (None: the
+        kernel's netlink; tests hand it recorded uevents, there being no GPU here to unplug)."""
+        cfg = config.nvml
+        paths = services.paths
+        self.source = source or open_nvml_source(cfg.fixture)
+        if guard is None and not cfg.fixture:
+            guard = DevicePolicyGuard(config.state_dir, services.boot_id,
+                                      probe_fn=lambda: probe(paths.dev(), paths.proc("devices")))
         self.guard = guard
-        self.watch_xid = watch_xid
-        self.watch_udev = watch_udev
-        self.collector: Collector[Reading] | None = None
-        self.tracker: OrphanTracker | None = None
-        self.oom: OomTracker | None = None
-        self.evidence: EvidenceReader | None = None
-        self.xid: XidEventWatcher | None = None
-        self.udev: UdevWatcher | None = None
+        timeout = cfg.timeout_seconds
+        self.collector: Collector[Reading] = Collector(
+            "nvml", self._read, timeout, 3 * config.interval_seconds + timeout, services.clock)
+        self.tracker = OrphanTracker(config.orphans.grace_seconds)
+        self.oom = OomTracker(services.clock)
+        self.oom_files = OomEventFiles(config.rank_dir, config.state_dir)
+        self.evidence = EvidenceReader(paths)
+        self.dedup = services.xid_dedup  # shared with the kernel log (daemon/services.py)
+        # the Xid event thread reads the source's library (the replay when reading a fixture)
+        self.xid = (XidEventWatcher(services.counters.inc, self.dedup, pynvml=self.source.library,
+                                    clock=services.clock) if watch_xid else None)  # fmt: skip
+        self.udev = (UdevWatcher(self._on_uevent, monitor=udev_monitor, clock=services.clock)
+                     if watch_udev and not cfg.fixture else None)  # fmt: skip
         # PCI address -> its remove/unbind, from the udev thread until an add/bind of it
         self._removed: dict[str, GpuRemoved] = {}
         self._lock = threading.Lock()
         self._devices: tuple[GpuDevice, ...] = ()
         self._known: dict[int, GpuDevice] = {}  # last good reading of each GPU index
-        self._last_state: NodeState | None = None
 
     # -- life cycle ---------------------------------------------------------------------------
     def start(self, daemon: DaemonContext) -> None:
-        cfg = daemon.config
-        if self.source is None:
-            self.source = open_nvml_source(cfg.nvml.fixture)
-        timeout = cfg.nvml.timeout_seconds
-        interval = cfg.interval_seconds
-        if self.guard is None and not cfg.nvml.fixture:
-            paths = daemon.paths
-            self.guard = DevicePolicyGuard(
-                cfg.state_dir, read_boot_id(paths),
-                probe_fn=lambda: probe(paths.dev(), paths.proc("devices")))
-        self.collector = Collector("nvml", self._read, timeout,
-                                   3 * interval + timeout, daemon.clock)
-        self.tracker = OrphanTracker(cfg.orphans.grace_seconds)
-        self.oom = OomTracker(daemon.clock)
-        self.oom_files = OomEventFiles(cfg.rank_dir, cfg.state_dir)
-        self.evidence = EvidenceReader(daemon.paths)
-        dedup = daemon.services.xid_dedup
-        self.dedup = dedup
-        if self.watch_xid:
-            lib = self.source.library  # the replay when reading a fixture
-            self.xid = XidEventWatcher(daemon.counters.inc, dedup, pynvml=lib, clock=daemon.clock)
-            self.xid.start()
-        if self.watch_udev and not cfg.nvml.fixture:
-            self.udev = UdevWatcher(self._on_uevent, monitor=self.udev_monitor, clock=daemon.clock)
-            self.udev.start()
+        for thread in (self.xid, self.udev):
+            if thread is not None:
+                thread.start()
 
     def stop(self) -> None:
-        if self.collector is not None:
-            self.collector.close()
+        self.collector.close()
         if self.xid is not None:
             self.xid.stop(timeout=0.5)  # in a wait of up to 5 s: it ends by itself after
         if self.udev is not None:
             self.udev.stop()
-        if self.source is not None:
-            self.source.close()
+        self.source.close()
 
     def _on_uevent(self, ev: GpuUevent) -> None:
         gpu = next((d for d in self._devices
@@ -124,13 +115,11 @@ class NvmlSubsystem(Subsystem):
                     ev, str(gpu.index) if gpu else "", gpu.uuid if gpu else "")
             else:
                 self._removed.pop(ev.pci_bus_id, None)
-        if self.source is not None:
-            self.source.reinit()
+        self.source.reinit()
 
     # -- one cycle ----------------------------------------------------------------------------
     def _read(self) -> Reading:
         """NVML's reading; when it fails and /dev/nvidia* is denied, an error that says why."""
-        assert self.source is not None
         try:
             return self.source.read()
         except Exception as exc:
@@ -139,10 +128,9 @@ class NvmlSubsystem(Subsystem):
                 raise NvmlDeviceDenied(f"{why} (NVML: {exc})") from exc
             raise
 
-    def track(self, daemon: DaemonContext, ranks: Ranks) -> GpuOutput:
-        if (self.collector is None or self.tracker is None or self.oom is None
-                or self.evidence is None):
-            return GpuOutput()
+    def track(self, daemon: DaemonContext, ranks: Ranks, last: NodeState | None) -> GpuOutput:
+        """``last``: the previous cycle's state (the co-tenants a CUDA OOM is attributed among:
+        the GPU memory as it was when the error was raised, before this reading)."""
         reading = self.collector.run()
         if reading is None and self.guard is not None:
             why = self.guard.restart_reason()
@@ -152,7 +140,7 @@ class NvmlSubsystem(Subsystem):
         self._devices = devices
         self._known.update((d.index, d) for d in devices)
         lost_now = tuple(NvmlLostGpu(i, self._known.get(i), daemon.clock())
-                         for i in sorted(self.source.lost_devices if self.source else ()))
+                         for i in sorted(self.source.lost_devices))
         self.dedup.learn_devices(devices)
         processes: dict[int, ProcessInfo] = dict(ranks.processes)
         missing = sorted({p.pid for p in procs} - set(processes))
@@ -163,9 +151,8 @@ class NvmlSubsystem(Subsystem):
         processes.update(extra)
         entries = ranks.entries
         descendants = ranks.descendants
-        trees = trees_from_entries(entries, processes, descendants)
         now = ranks.now
-        orphans = self.tracker.update(procs, processes, trees, now)
+        orphans = self.tracker.update(procs, processes, ranks.trees, now)
         orphan_jobs = {}
         for o in orphans:
             p = processes.get(o.pid)
@@ -179,7 +166,7 @@ class NvmlSubsystem(Subsystem):
             reader, entries, processes, descendants, gpu_pids if reading is not None else None), no_evidence)
         no_events: list[OomEvent] = []
         ooms = self.oom.observe(guarded("nvml: CUDA OOM event files", self.oom_files.read, no_events),
-                                daemon.counters.inc, self._last_state, {o.pid: o.reason for o in orphans},
+                                daemon.counters.inc, last, {o.pid: o.reason for o in orphans},
                                 {pid: p.comm for pid, p in processes.items()},
                                 claimants(entries, processes))
         with self._lock:
@@ -187,18 +174,15 @@ class NvmlSubsystem(Subsystem):
         return GpuOutput(
             status=self.collector.status,
             gpus=tuple(devices),
-            gpu_processes=tuple(procs),
+            holders=tuple(procs),
             orphans=tuple(orphans),
-            processes=extra,
+            other_processes=extra,
             fork_evidence=evidence,
             orphan_jobs=orphan_jobs,
             gpus_removed=removed,
             gpus_lost=lost_now,
             cuda_ooms=tuple(ooms),
         )
-
-    def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
-        self._last_state = state
 
 
 class NvmlDeviceDenied(NvmlReadError):

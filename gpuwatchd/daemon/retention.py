@@ -26,6 +26,7 @@ from collections.abc import Iterable
 
 from gpuwatchd.config import RetentionConfig
 from gpuwatchd.counters import CounterStore, Series, rank_label_positions
+from gpuwatchd.daemon.services import Services
 from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
 
 EVENT_COUNTERS = frozenset({"oom_kills", "cuda_oom_errors"})
@@ -75,11 +76,9 @@ class RetentionSubsystem(Subsystem):
 
     name = "retention"
 
-    def __init__(self) -> None:
-        self.policy: SeriesRetention | None = None
+    def __init__(self, services: Services) -> None:
+        self.policy = SeriesRetention(services.counters)
 
     def observe(self, daemon: DaemonContext, ranks: Ranks) -> None:
-        if self.policy is None or self.policy.counters is not daemon.counters:
-            self.policy = SeriesRetention(daemon.counters)
         registered = [(e.job_id, str(e.rank)) for e in ranks.entries]
         self.policy.apply(registered, ranks.now, daemon.config.retention)

@@ -1,73 +1,93 @@
-"""The daemon's shared services, built once per daemon and handed to every part explicitly
-(``DaemonContext.services``), never found by scanning the other parts:
+"""The daemon's shared services, built once per daemon before its parts (``build_parts`` in
+daemon/wiring.py takes them) and handed to every part in its constructor, never found by scanning
+the other parts:
 
+- ``paths``, ``clock``, ``counters``, ``state_files``, ``procfs``, ``heartbeat_roots``: the host's
+  roots, the one clock, the counter store, the one writer of ``state_dir`` (counted write errors),
+  the /proc reader and the heartbeat files read in each rank's own root;
 - ``spy``: the one py-spy runner, whose concurrency limit (``gil.max_concurrent``) bounds stall
   dumps, GIL sampling and memory snapshots together;
 - ``xid_dedup``: the Xid de-duplicator the NVML Xid watcher and the kernel log both record into,
   so that a critical Xid reported by both is counted once;
-- ``events``: the event log (``state_dir/events.jsonl`` and the counters it stands for), with one
-  writer: finding transitions and memory snapshots go into the same store as the kernel events;
+- ``events``: the event log (events/store.py: ``state_dir/events.jsonl``, the counters it stands
+  for, and the bus that appends to it, the journal and Alertmanager), with one writer that every
+  part records into: the kernel events, finding transitions, memory snapshots and rank exits;
 - ``faults``: the kernel's segfault / trap lines by PID, recorded by the kernel-log thread and
   read by the exits part when a rank's exit is joined with them.
 
-Building them reads nothing but the py-spy binary's path (``shutil.which``); no thread starts.
+Building them reads the py-spy binary's path (``shutil.which``), the boot id, and
+``state_dir/events.jsonl`` back into the counters (``event_log=False``: not read, for a one-cycle
+reader such as ``gpuwatchd ps``); no thread starts.
 """
 
 from __future__ import annotations
 
-import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpuwatchd.config import Config
-from gpuwatchd.join.event_store import EventStore
+from gpuwatchd.counters import CounterStore
+from gpuwatchd.events.alertmanager import derive_instance
+from gpuwatchd.events.bus import EventBus, build_bus
+from gpuwatchd.events.log import EventFile
+from gpuwatchd.events.store import EventStore
 from gpuwatchd.join.kernel_faults import KernelFaults
 from gpuwatchd.join.xid_dedup import XidDeduper
-from gpuwatchd.model.events import Event
 from gpuwatchd.paths import HostPaths
+from gpuwatchd.sources.heartbeats import HeartbeatRoots
+from gpuwatchd.sources.kmsg import read_boot_id
+from gpuwatchd.sources.procfs import ProcfsReader
 from gpuwatchd.sources.pyspy import PySpy
-
-
-class EventLog:
-    """The daemon's one writer of ``events.jsonl``. The kernel-log part opens it on the store its
-    processor reads back at start (``open``); until then, and in a daemon without a kernel-log
-    part, ``record`` stores nothing and says so (False), like a duplicate."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._store: EventStore | None = None
-
-    def open(self, store: EventStore) -> None:
-        with self._lock:
-            self._store = store
-
-    @property
-    def is_open(self) -> bool:
-        return self._store is not None
-
-    def record(self, ev: Event) -> bool:
-        """Store ``ev`` (counted exactly once by its key); False for a duplicate or a closed log."""
-        store = self._store
-        return store.add(ev) if store is not None else False
-
-    def recent(self) -> list[Event]:
-        """The kernel events (OOM kills, Xids) of the store's recent window; [] while closed."""
-        store = self._store
-        return store.recent() if store is not None else []
+from gpuwatchd.statefile import StateFiles, make_state_dir
 
 
 @dataclass
 class Services:
+    paths: HostPaths
+    clock: Callable[[], float]
+    counters: CounterStore
+    state_files: StateFiles
+    procfs: ProcfsReader
+    heartbeat_roots: HeartbeatRoots
     spy: PySpy
+    events: EventStore
+    boot_id: str = ""
     xid_dedup: XidDeduper = field(default_factory=XidDeduper)
-    events: EventLog = field(default_factory=EventLog)
     faults: KernelFaults = field(default_factory=KernelFaults)  # the kernel log's fault lines
 
     @classmethod
-    def build(cls, config: Config, paths: HostPaths) -> Services:
+    def build(cls, config: Config, paths: HostPaths | None = None, *,
+              clock: Callable[[], float] = time.time, counters: CounterStore | None = None,
+              write_state: bool = True, event_log: bool = True, spy: PySpy | None = None,
+              bus: EventBus | None = None) -> Services:  # fmt: skip
+        """``write_state``: count ``state_dir`` writes (False: a read-only user's daemon).
+        ``bus``: where new events go (None: the daemon's sinks, ``build_bus``)."""
+        paths = paths or HostPaths(procfs=config.procfs)
+        counters = counters or CounterStore()
+        files = StateFiles(counters if write_state else None)
         g = config.gil
-        spy = PySpy.from_config(
+        spy = spy or PySpy.from_config(
             g.pyspy_path, paths=paths, max_concurrent=g.max_concurrent,
             timeout_seconds=g.timeout_seconds,
             dump_timeout_seconds=min(5.0, max(1.0, config.interval_seconds / 2)),
         )
-        return cls(spy)
+        boot_id = read_boot_id(paths)
+        if event_log:
+            make_state_dir(config.state_dir)  # unwritable: events are still counted, writes counted
+            am = config.alertmanager
+            bus = bus or build_bus(
+                config.state_dir, alertmanager_url=am.url,
+                instance=am.instance or derive_instance(config.web.listen_address),
+                timeout_seconds=am.timeout_seconds, scrape_job=am.job, files=files)
+        events = EventStore(EventFile(config.state_dir, files), counters, bus=bus if event_log else None,
+                            boot_id=boot_id, clock=clock, read_back=event_log,
+                            retention_seconds=config.retention.oom_kill_seconds)
+        return cls(paths, clock, counters, files, ProcfsReader(paths), HeartbeatRoots(), spy, events,
+                   boot_id)
+
+    def close(self) -> None:
+        """End what the services hold open (the event sinks, the heartbeat roots)."""
+        if self.events.bus is not None:
+            self.events.bus.close()
+        self.heartbeat_roots.close()

@@ -1,12 +1,13 @@
 """The daemon's stall part: the stall tracker (join/stall.py) and the GIL sampler (daemon/gil.py)
-wired into the cycle (config ``stall:`` and ``gil:``). Each cycle it probes every live rank
-(heartbeat, /proc state), hands the live ranks to the sampler, and returns the progress and stall
-verdicts, the GIL readings (for findings/gil_saturated.py and findings/stall.py) and the ``pyspy`` collector
-status. After the join it hands the sampler each rank's signals from the new ``NodeState``
-(daemon/gil_signals.py: CPU while the GPU waits, heartbeat slowing, stalled), which is what makes
-the schedule adaptive; the GPU readings come from the nvml part, which the track stage hands
-nothing of this one's, so the state of the join is where they meet. The stall tracker's py-spy
-looks run inside this part's isolation (its dumps with their own time-outs and cycle budget).
+wired into the cycle (config ``stall:`` and ``gil:``), both built with the part. Each cycle it
+probes every live rank (heartbeat, /proc state), hands the stall tracker this cycle's GPU readings
+of each rank (the nvml part's output, which the track stage hands it: the spin rules' evidence) and
+the sampler the live ranks, and returns the progress and stall verdicts, the GIL readings (for
+findings/gil_saturated.py and findings/stall.py) and the ``pyspy`` collector status. After the join it hands
+the sampler each rank's signals from the new ``NodeState`` (daemon/gil_signals.py: CPU while the
+GPU waits, heartbeat slowing, stalled), which is what makes the schedule adaptive. The stall
+tracker's py-spy looks run inside this part's isolation (its dumps with their own time-outs and
+cycle budget).
 
 One part, not a stall part and a GIL part (issue 26): the ``pyspy`` collector status is the
 sampler's when GIL sampling is on and the runner's availability when it is off, one producer
@@ -27,11 +28,13 @@ from gpuwatchd.config import Config
 from gpuwatchd.daemon.gil import DEFERRED_KINDS, MAX_SAMPLING_DUTY, GilSampler
 from gpuwatchd.daemon.gil_schedule import GilTarget
 from gpuwatchd.daemon.gil_signals import SignalTracker
-from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, StallOutput, Subsystem
+from gpuwatchd.daemon.services import Services
+from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
 from gpuwatchd.isolation import run_forever
 from gpuwatchd.join.stall import StallTracker
-from gpuwatchd.join.stall_spin import rank_gpu_readings
+from gpuwatchd.join.stall_spin import GpuReading
 from gpuwatchd.model import CollectorStatus, NodeState, ProcessInfo, RankId, rank_alive
+from gpuwatchd.model.parts import StallOutput
 from gpuwatchd.model.stall import RankProbe
 from gpuwatchd.sources.pyspy import PySpy
 from gpuwatchd.sources.pyspy_output import ABSENT, COLLECTOR
@@ -51,45 +54,36 @@ class StallSubsystem(Subsystem):
 
     name = "pyspy"  # the collector label (a contract): the py-spy runner's and sampler's status
 
-    def __init__(self, config: Config, *, spy: PySpy | None = None,
+    def __init__(self, config: Config, services: Services, *, spy: PySpy | None = None,
                  tick_seconds: float = 1.0) -> None:  # fmt: skip
+        """``spy``: the py-spy runner (default: the daemon's one, shared with memory snapshots)."""
         self.config = config
-        self.spy = spy
-        self.sampler: GilSampler | None = None
-        self.stall: StallTracker | None = None
+        self.spy = spy or services.spy
+        if self.spy.binary is None:
+            log.warning("py-spy unavailable (%s): no GIL sampling, stall detection from "
+                        "heartbeats and /proc only", self.spy.unavailable_reason)  # fmt: skip
+        g = config.gil
+        self.sampler = GilSampler(
+            self.spy, services.counters, interval_seconds=g.interval_seconds,
+            duration_seconds=g.duration_seconds, rate_hz=g.rate_hz,
+            max_concurrent=g.max_concurrent, paths=services.paths, max_duty=MAX_SAMPLING_DUTY,
+            healthy_interval_seconds=g.healthy_interval_seconds,
+            confirmed_ratio=g.held_threshold,
+            # the /proc convoy probe reads every thread of every rank: once per cycle is enough
+            probe_seconds=max(2.0, config.interval_seconds),
+        ) if g.enabled else None  # fmt: skip
+        self.stall = StallTracker(config.stall.after_seconds, StallLooks(self.spy, services.paths),
+                                  cycle_seconds=config.interval_seconds,
+                                  compile_after_seconds=config.stall.compile_after_seconds,
+                                  conclusive_seconds=config.stall.conclusive_seconds)  # fmt: skip
         self.tick_seconds = tick_seconds
         self._thread: threading.Thread | None = None
         self._deferred_seen: collections.Counter[str] = collections.Counter()
         self.signals = SignalTracker(config.interval_seconds)
 
-    def _ensure(self, daemon: DaemonContext) -> None:
-        if self.stall is not None:
-            return
-        g = self.config.gil
-        if self.spy is None:
-            self.spy = daemon.services.spy  # shared with memory snapshots (daemon/services.py)
-            if self.spy.binary is None:
-                log.warning("py-spy unavailable (%s): no GIL sampling, stall detection from "
-                            "heartbeats and /proc only", self.spy.unavailable_reason)  # fmt: skip
-        if g.enabled:
-            self.sampler = GilSampler(
-                self.spy, daemon.counters, interval_seconds=g.interval_seconds,
-                duration_seconds=g.duration_seconds, rate_hz=g.rate_hz,
-                max_concurrent=g.max_concurrent, paths=daemon.paths, max_duty=MAX_SAMPLING_DUTY,
-                healthy_interval_seconds=g.healthy_interval_seconds,
-                confirmed_ratio=g.held_threshold,
-                # the /proc convoy probe reads every thread of every rank: once per cycle is enough
-                probe_seconds=max(2.0, self.config.interval_seconds),
-            )  # fmt: skip
-        self.stall = StallTracker(self.config.stall.after_seconds, StallLooks(self.spy, daemon.paths),
-                                  cycle_seconds=self.config.interval_seconds,
-                                  compile_after_seconds=self.config.stall.compile_after_seconds,
-                                  conclusive_seconds=self.config.stall.conclusive_seconds)  # fmt: skip
-
     def start(self, daemon: DaemonContext) -> None:
-        self._ensure(daemon)
         sampler = self.sampler
-        if sampler is None or self.spy is None or self.spy.binary is None:
+        if sampler is None or self.spy.binary is None:
             return
         stop: threading.Event = daemon.stop_event
 
@@ -103,12 +97,12 @@ class StallSubsystem(Subsystem):
         )
         self._thread.start()
 
-    def track(self, daemon: DaemonContext, ranks: Ranks,
-              beats: Mapping[RankId, float]) -> StallOutput:  # fmt: skip
-        """Probe every rank (``beats``: each accepted rank's heartbeat mtime), judge the stalls
-        and hand the sampler its targets."""
-        self._ensure(daemon)
-        assert self.stall is not None and self.spy is not None
+    def track(self, daemon: DaemonContext, ranks: Ranks, beats: Mapping[RankId, float],
+              gpus: Mapping[RankId, GpuReading]) -> StallOutput:  # fmt: skip
+        """Probe every rank (``beats``: each accepted rank's heartbeat mtime; ``gpus``: this
+        cycle's NVML view of each rank's GPUs, for the spin rules), judge the stalls and hand the
+        sampler its targets."""
+        self.stall.note_gpus(dict(gpus))
         processes: Mapping[int, ProcessInfo] = ranks.processes
         descendants: Mapping[int, tuple[int, ...]] = ranks.descendants
         seen: set[RankId] = set()
@@ -146,7 +140,6 @@ class StallSubsystem(Subsystem):
         )
 
     def status(self) -> CollectorStatus:
-        assert self.spy is not None
         if self.spy.binary is None:
             return CollectorStatus(COLLECTOR, False, 0.0, None,
                                    f"{ABSENT}: {self.spy.unavailable_reason}"[:300])  # fmt: skip
@@ -154,11 +147,9 @@ class StallSubsystem(Subsystem):
             return self.sampler.status()
         return CollectorStatus(COLLECTOR, True, 0.0, None, "")
 
-    def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
-        """Hand the sampler this cycle's signals per rank (readings flow in through
-        ``track``), and the stall tracker each rank's GPU readings (its spin rules)."""
-        if self.stall is not None:
-            self.stall.note_gpus(rank_gpu_readings(state))
+    def after_join(self, daemon: DaemonContext, ranks: Ranks, state: NodeState) -> None:
+        """Hand the sampler this cycle's signals per rank (its readings flow in through
+        ``track``): what makes its schedule adaptive."""
         if self.sampler is not None:
             self.sampler.update_signals(self.signals.observe(state))
 

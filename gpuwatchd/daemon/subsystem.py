@@ -1,5 +1,5 @@
 """What a subsystem is, what of the daemon it may use, and what each part of the track stage
-returns: a leaf module, so that the subsystems (daemon/nvml.py, kernel_log.py, pyspy.py, memory.py,
+returns: a leaf module, so that the subsystems (daemon/nvml.py, kernel_log.py, stall.py, memory.py,
 ...) and the daemon that runs them (daemon/core.py) both import it and never each other.
 
 ``DaemonContext`` is the part of ``daemon.core.Daemon`` a subsystem sees: its configuration, host
@@ -7,47 +7,31 @@ paths, clock, counters, /proc reader, stop event, the shared services (daemon/se
 py-spy runner, the Xid de-duplicator, the event log), the state-file writer, and ``request_exit``.
 Nothing else of the daemon is reachable (no other subsystem), and nothing is patched onto it.
 
-The track stage (``daemon/wiring.py: track``) calls each part by name with what it needs as
-arguments: every part gets the cycle's ``Ranks``; the stall part and the straggler the
-heartbeats; the flight recorder the stall verdicts of the stall part. Each part returns its own
+Each part is built whole from the configuration and the services (``daemon/wiring.py:
+build_parts``). The track stage (``daemon/wiring.py: track``) calls each part by name with what
+it needs as arguments: every part gets the cycle's ``Ranks``; the NVML part the last state; the
+stall part the heartbeats and this cycle's GPU readings of each rank; the straggler the
+heartbeats; the flight recorder and NCCL RAS the stall verdicts of the stall part. Each part returns its own
 typed output, and ``Tracked`` holds one field per part: every field has exactly one producer.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from gpuwatchd.config import Config
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.services import Services
-from gpuwatchd.findings.context import GpuRemoved, NvmlLostGpu
-from gpuwatchd.join.flight_recorder import FrReading
-from gpuwatchd.join.straggler import RankRate
+from gpuwatchd.join.orphans import RankTrees
 from gpuwatchd.model import (
-    AttributedOom,
     CgroupPaths,
-    CollectorStatus,
-    GilReading,
-    GpuDevice,
-    GpuProcess,
-    NodeMemoryState,
     NodeState,
-    Orphan,
     ProcessInfo,
-    ProcEvidence,
     RankEntry,
-    RankId,
-    RankMemory,
-    frozen_map,
 )
-from gpuwatchd.model.collectives import CollectiveStatus
-from gpuwatchd.model.events import Event
-from gpuwatchd.model.exits import RankExit
-from gpuwatchd.model.nccl_ras import RasJob
-from gpuwatchd.model.stall import StallVerdict
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.heartbeats import HeartbeatRoots
 from gpuwatchd.sources.procfs import ProcfsReader
@@ -82,98 +66,7 @@ class Ranks:
     processes: Mapping[int, ProcessInfo]            # each rank tree's /proc reading
     descendants: Mapping[int, tuple[int, ...]]      # rank PID -> its live descendants
     cgroups: Mapping[int, CgroupPaths]              # rank PID -> its cgroup (the process view)
-
-
-@dataclass(frozen=True)
-class StallOutput:
-    """Producer: ``StallSubsystem.track`` (heartbeats, /proc, py-spy looks; the GIL sampler)."""
-
-    progress: Mapping[RankId, float] = field(default_factory=frozen_map)  # last progress seen
-    stalled: Mapping[RankId, bool] = field(default_factory=frozen_map)
-    verdicts: Mapping[RankId, StallVerdict] = field(default_factory=frozen_map)
-    gil: Mapping[RankId, Sequence[GilReading]] = field(default_factory=frozen_map)
-    status: CollectorStatus | None = None           # collector ``pyspy``
-
-
-@dataclass(frozen=True)
-class FlightOutput:
-    """Producer: ``FlightRecorderSubsystem.track`` (given the stall verdicts)."""
-
-    records: Mapping[RankId, FrReading] = field(default_factory=frozen_map)  # of stalled jobs
-    collectives: tuple[CollectiveStatus, ...] = ()
-
-
-@dataclass(frozen=True)
-class RasOutput:
-    """Producer: ``NcclRasSubsystem.track`` (given the stall verdicts)."""
-
-    jobs: Mapping[str, RasJob] = field(default_factory=frozen_map)  # suspect jobs only
-
-
-@dataclass(frozen=True)
-class StragglerOutput:
-    """Producer: ``StragglerSubsystem.track`` (given the heartbeats)."""
-
-    steps: Mapping[RankId, int] = field(default_factory=frozen_map)
-    rates: Mapping[RankId, RankRate] = field(default_factory=frozen_map)
-
-
-@dataclass(frozen=True)
-class KernelOutput:
-    """Producer: ``KernelLogSubsystem.track`` (the kernel-log thread's events, /proc/vmstat)."""
-
-    events: tuple[Event, ...] = ()                  # recent OOM kills and Xids
-    status: CollectorStatus | None = None           # collector ``kernel_log``
-
-
-@dataclass(frozen=True)
-class GpuOutput:
-    """Producer: ``NvmlSubsystem.track`` (NVML, devfds, CUDA-OOM files, udev)."""
-
-    gpus: tuple[GpuDevice, ...] = ()
-    gpu_processes: tuple[GpuProcess, ...] = ()
-    orphans: tuple[Orphan, ...] = ()
-    processes: Mapping[int, ProcessInfo] = field(default_factory=frozen_map)  # GPU PIDs outside the rank trees
-    fork_evidence: Mapping[int, ProcEvidence] = field(default_factory=frozen_map)
-    orphan_jobs: Mapping[int, str] = field(default_factory=frozen_map)
-    gpus_removed: tuple[GpuRemoved, ...] = ()
-    gpus_lost: tuple[NvmlLostGpu, ...] = ()
-    cuda_ooms: tuple[AttributedOom, ...] = ()
-    status: CollectorStatus | None = None           # collector ``nvml``
-
-
-@dataclass(frozen=True)
-class MemoryOutput:
-    """Producer: ``MemorySubsystem.track`` (memcg, /proc/meminfo, PSI)."""
-
-    ranks: tuple[RankMemory, ...] = ()
-    node: NodeMemoryState | None = None
-    status: CollectorStatus | None = None           # collector ``memory``
-
-
-@dataclass(frozen=True)
-class ExitOutput:
-    """Producer: ``ExitsSubsystem.track`` (the exit watcher's pidfds, joined with the kernel's
-    fault lines and OOM-kill / Xid events)."""
-
-    exits: tuple[RankExit, ...] = ()                # the recent ones (join/exits.py ExitLedger)
-    status: CollectorStatus | None = None           # collector ``exits``
-
-
-@dataclass(frozen=True)
-class Tracked:
-    """The track stage's output (``daemon/wiring.py: track``): one field per part, each of which
-    has that part as its only producer; a part absent or down this cycle leaves its default."""
-
-    stall: StallOutput = StallOutput()
-    flight: FlightOutput = FlightOutput()
-    straggler: StragglerOutput = StragglerOutput()
-    kernel: KernelOutput = KernelOutput()
-    gpu: GpuOutput = GpuOutput()
-    memory: MemoryOutput = MemoryOutput()
-    exits: ExitOutput = ExitOutput()
-    ras: RasOutput = RasOutput()
-    down: Mapping[str, str] = field(default_factory=frozen_map)  # part -> why it is down
+    trees: RankTrees = field(default_factory=RankTrees)  # pid -> the live rank whose tree it is in
 
 
 class Subsystem:
@@ -193,8 +86,9 @@ class Subsystem:
     def observe(self, daemon: DaemonContext, ranks: Ranks) -> None:
         """See the cycle's ranks (a part with no output for the join)."""
 
-    def after_join(self, daemon: DaemonContext, state: NodeState) -> None:
-        """See the new state (e.g. remember rank trees, emit events for new findings)."""
+    def after_join(self, daemon: DaemonContext, ranks: Ranks, state: NodeState) -> None:
+        """See the new state and the cycle's ranks it was joined from (e.g. remember rank trees,
+        emit events for new findings)."""
 
     def stop(self) -> None:
         """Release resources; threads end on ``daemon.stop_event``."""

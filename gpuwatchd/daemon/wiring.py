@@ -14,7 +14,7 @@ those it shows the daemon's latest state.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, fields, replace
 from typing import TypeVar
 
 from gpuwatchd.config import Config
@@ -26,25 +26,25 @@ from gpuwatchd.daemon.memory import MemorySubsystem
 from gpuwatchd.daemon.nccl_ras import NcclRasSubsystem
 from gpuwatchd.daemon.nvml import NvmlSubsystem
 from gpuwatchd.daemon.retention import RetentionSubsystem
+from gpuwatchd.daemon.services import Services
 from gpuwatchd.daemon.stall import StallSubsystem
 from gpuwatchd.daemon.straggler import StragglerSubsystem
-from gpuwatchd.daemon.subsystem import (
-    DaemonContext,
+from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
+from gpuwatchd.isolation import attempt
+from gpuwatchd.join.nccl_ras import confirm_by_ras
+from gpuwatchd.join.stall_spin import rank_gpu_readings
+from gpuwatchd.model import CollectorStatus, NodeState, RankId
+from gpuwatchd.model.parts import (
     ExitOutput,
     FlightOutput,
     GpuOutput,
     KernelOutput,
     MemoryOutput,
-    Ranks,
     RasOutput,
     StallOutput,
     StragglerOutput,
-    Subsystem,
     Tracked,
 )
-from gpuwatchd.isolation import attempt
-from gpuwatchd.join.nccl_ras import confirm_by_ras
-from gpuwatchd.model import CollectorStatus, RankId
 
 S = TypeVar("S", bound=Subsystem)
 T = TypeVar("T")
@@ -59,46 +59,63 @@ def down_statuses(reported: list[CollectorStatus], down: Mapping[str, str]) -> l
             if name not in names]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Parts:
-    """The daemon's subsystems by name (each at most once); ``others``: parts with no output
-    for the join, which the track stage only lets ``observe`` the ranks."""
+    """The daemon's parts by name, each built whole (``build_parts``): None where the daemon does
+    not run that part (its config section is off, or a one-cycle reader such as ``gpuwatchd ps``
+    runs none). The order of ``all`` is that of their start and after-join hooks."""
 
     stall: StallSubsystem | None = None
     flight_recorder: FlightRecorderSubsystem | None = None
+    nccl_ras: NcclRasSubsystem | None = None
     straggler: StragglerSubsystem | None = None
     kernel_log: KernelLogSubsystem | None = None
+    exits: ExitsSubsystem | None = None
     nvml: NvmlSubsystem | None = None
     memory: MemorySubsystem | None = None
-    exits: ExitsSubsystem | None = None
-    nccl_ras: NcclRasSubsystem | None = None
-    others: list[Subsystem] = field(default_factory=list)
+    finding_events: FindingEventsSubsystem | None = None
+    retention: RetentionSubsystem | None = None
 
-    @classmethod
-    def of(cls, subsystems: list[Subsystem]) -> Parts:
-        parts = cls()
-        named = {StallSubsystem: "stall", FlightRecorderSubsystem: "flight_recorder",
-                 StragglerSubsystem: "straggler", KernelLogSubsystem: "kernel_log",
-                 NvmlSubsystem: "nvml", MemorySubsystem: "memory", ExitsSubsystem: "exits",
-                 NcclRasSubsystem: "nccl_ras"}
-        for sub in subsystems:
-            slot = next((n for t, n in named.items() if isinstance(sub, t)), None)
-            if slot is None:
-                parts.others.append(sub)
-            elif getattr(parts, slot) is not None:
-                raise ValueError(f"two {slot} subsystems: a part's output has one producer")
-            else:
-                setattr(parts, slot, sub)
-        return parts
+    def all(self) -> list[Subsystem]:
+        return [p for p in (getattr(self, f.name) for f in fields(self)) if p is not None]
+
+
+def build_parts(config: Config, services: Services) -> Parts:
+    """The parts a real daemon runs (NVML, kernel log, py-spy ...), as configured: the one place
+    they are built, each with every collaborator it has (``start`` only starts threads)."""
+    s = config.stall
+    return Parts(
+        stall=StallSubsystem(config, services),
+        flight_recorder=FlightRecorderSubsystem(s.flight_recorder_interval_seconds) if s.flight_recorder else None,
+        nccl_ras=(NcclRasSubsystem(s.nccl_ras_interval_seconds, s.nccl_ras_timeout_seconds)
+                  if s.nccl_ras else None),
+        straggler=StragglerSubsystem(config, services) if config.straggler.enabled else None,
+        kernel_log=KernelLogSubsystem(config, services),
+        exits=ExitsSubsystem(services),
+        nvml=NvmlSubsystem(config, services) if config.nvml.enabled else None,
+        memory=MemorySubsystem(config, services) if config.memory.enabled else None,
+        finding_events=FindingEventsSubsystem(services),
+        retention=RetentionSubsystem(services),
+    )
+
+
+def no_parts(config: Config, services: Services) -> Parts:
+    """No part at all: a daemon that reads rank files and /proc only (``gpuwatchd ps`` without a
+    running daemon, benches of the daemon's own reading)."""
+    return Parts()
 
 
 def track(parts: Parts, daemon: DaemonContext, ranks: Ranks, heartbeats: Mapping[RankId, float],
-          down: dict[str, str]) -> Tracked:
-    """Each part of the cycle by name, isolated: one that raises loses its own output (and is
-    added to ``down``, exported as a collector that is down), nothing else."""
+          last: NodeState | None, down: dict[str, str]) -> Tracked:
+    """Each part of the cycle by name, in the order of what it needs (NVML before the stall part,
+    which reads this cycle's GPUs; the stall verdicts before the flight recorder and NCCL RAS),
+    each handed what it reads as arguments; ``last``: the previous cycle's state, the only thing
+    of an earlier cycle a part is handed. ``down``: the parts that failed to start (not called).
+    Each call isolated: one that raises loses its own output (and is added to ``down``, exported
+    as a collector that is down), nothing else."""
 
     def part(sub: S | None, call: Callable[[S], T], default: T) -> T:
-        if sub is None:
+        if sub is None or sub.name in down:  # absent, or failed to start: its default output
             return default
         out, error = attempt(f"subsystem {sub.name} track", lambda: call(sub), default)
         if error is not None:
@@ -106,13 +123,11 @@ def track(parts: Parts, daemon: DaemonContext, ranks: Ranks, heartbeats: Mapping
         return out
 
     p = parts
-    stall = part(p.stall, lambda s: s.track(daemon, ranks, heartbeats), StallOutput())
+    gpu = part(p.nvml, lambda s: s.track(daemon, ranks, last), GpuOutput())
+    named = {e.rank_id: e.gpus for e in ranks.entries}
+    gpus = rank_gpu_readings(ranks.now, named, ranks.trees.owner, gpu.gpus, gpu.holders)
+    stall = part(p.stall, lambda s: s.track(daemon, ranks, heartbeats, gpus), StallOutput())
     flight = part(p.flight_recorder, lambda s: s.track(daemon, ranks, stall.verdicts), FlightOutput())
-    straggler = part(p.straggler, lambda s: s.track(daemon, ranks, heartbeats), StragglerOutput())
-    kernel = part(p.kernel_log, lambda s: s.track(daemon, ranks), KernelOutput())
-    gpu = part(p.nvml, lambda s: s.track(daemon, ranks), GpuOutput())
-    memory = part(p.memory, lambda s: s.track(daemon, ranks), MemoryOutput())
-    exits = part(p.exits, lambda s: s.track(daemon, ranks), ExitOutput())
     ras = part(p.nccl_ras, lambda s: s.track(daemon, ranks, stall.verdicts), RasOutput())
     if ras.jobs:  # a rank in a collective that RAS confirms stuck: stalled at the conclusive bound
         conf = daemon.config.stall
@@ -120,22 +135,9 @@ def track(parts: Parts, daemon: DaemonContext, ranks: Ranks, heartbeats: Mapping
         if confirmed:
             stall = replace(stall, verdicts={**stall.verdicts, **confirmed},
                             stalled={**stall.stalled, **{k: True for k in confirmed}})
-    for other in p.others:
-        part(other, lambda s: s.observe(daemon, ranks), None)
+    straggler = part(p.straggler, lambda s: s.track(daemon, ranks, heartbeats), StragglerOutput())
+    kernel = part(p.kernel_log, lambda s: s.track(daemon, ranks), KernelOutput())
+    memory = part(p.memory, lambda s: s.track(daemon, ranks), MemoryOutput())
+    exits = part(p.exits, lambda s: s.track(daemon, ranks), ExitOutput())
+    part(p.retention, lambda s: s.observe(daemon, ranks), None)
     return Tracked(stall, flight, straggler, kernel, gpu, memory, exits, ras, down)
-
-
-def default_subsystems(config: Config) -> list[Subsystem]:
-    """The subsystems a real daemon runs (NVML, kernel log, py-spy ...), as configured. Their
-    order is that of their after-join hooks and start; the track stage calls them by name."""
-    gpu: list[Subsystem] = [NvmlSubsystem()] if config.nvml.enabled else []
-    kernel = KernelLogSubsystem()
-    fr: list[Subsystem] = ([FlightRecorderSubsystem(config.stall.flight_recorder_interval_seconds)]
-                           if config.stall.flight_recorder else [])  # fmt: skip
-    ras: list[Subsystem] = ([NcclRasSubsystem(config.stall.nccl_ras_interval_seconds,
-                                              config.stall.nccl_ras_timeout_seconds)]
-                            if config.stall.nccl_ras else [])  # fmt: skip
-    slow: list[Subsystem] = [StragglerSubsystem(config.straggler)] if config.straggler.enabled else []
-    memory: list[Subsystem] = [MemorySubsystem(config)] if config.memory.enabled else []
-    return [StallSubsystem(config), *fr, *ras, *slow, kernel, ExitsSubsystem(), *gpu, *memory,
-            FindingEventsSubsystem(), RetentionSubsystem()]

@@ -14,7 +14,7 @@ Sinks never raise into the caller: a full disk, a missing journald or an unreach
 is logged and counted, and the event still reaches the other sinks.
 
 This module is the one home of ``events.jsonl``: ``JsonlSink`` appends to it, ``EventFile`` reads
-it back and rewrites it (what the event store, join/event_store.py, is handed: it counts and
+it back and rewrites it (what the event store, events/store.py, is handed: it counts and
 compacts, this does the I/O) and ``read_events`` streams it (``gpuwatchd events``, the CLI
 equivalent of ``cat state_dir/events.jsonl``). Cost: one append and fsync per event; a read-back
 streams the file a line at a time (at most ``MAX_LINE_BYTES`` held); a rewrite is one atomic
@@ -107,7 +107,7 @@ def read_events(path: str, on_reject: Callable[[str], None] | None = None) -> It
 
 
 class EventFile:
-    """``state_dir/events.jsonl`` read back and rewritten, for the event store (join/event_store.py),
+    """``state_dir/events.jsonl`` read back and rewritten, for the event store (events/store.py),
     which decides what is counted and what a compaction keeps; the appends are ``JsonlSink``'s.
     A failed rewrite and a line that cannot be used are the ``StateFiles``' to count."""
 

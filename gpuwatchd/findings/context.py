@@ -5,107 +5,53 @@ another rule or ``findings/__init__``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpuwatchd.config import Config
-from gpuwatchd.join.flight_recorder import FrReading, compare
-from gpuwatchd.join.straggler import RankRate
+from gpuwatchd.join.flight_recorder import compare
 from gpuwatchd.model import (
-    AttributedOom,
     BadRankFile,
     Finding,
-    GilReading,
-    GpuDevice,
     GpuProcessRow,
-    GpuUevent,
-    NodeMemoryState,
-    Orphan,
     ProcessInfo,
-    ProcEvidence,
     RankId,
-    RankMemory,
     RankState,
     frozen_map,
 )
-from gpuwatchd.model.events import Event
-from gpuwatchd.model.exits import RankExit
-from gpuwatchd.model.nccl_ras import RasJob
-from gpuwatchd.model.stall import StallVerdict
+from gpuwatchd.model.gpus import is_rank_gpu
+from gpuwatchd.model.parts import Tracked
 
 
 @dataclass(frozen=True)
-class GpuRemoved:
-    """A GPU's udev ``remove``/``unbind`` (sources/udev.py) not undone by an ``add``/``bind`` of
-    the same PCI address since, with the index and UUID NVML last showed there ("" if none)."""
+class FindingContext:
+    """One cycle as the rules read it: the join's own products (the ranks with their liveness and
+    trees, the GPU processes joined to them, fd growth, the refused claims) and every part's
+    output as the part returned it (``parts``: model/parts.py ``Tracked``, e.g.
+    ``ctx.parts.gpu.gpus_lost``, ``ctx.parts.stall.verdicts``). Typed fields: a misspelt name is
+    a mypy error, not a finding that silently never appears."""
 
-    uevent: GpuUevent
-    gpu_index: str = ""
-    uuid: str = ""
-
-
-@dataclass(frozen=True)
-class NvmlLostGpu:
-    """NVML answered NVML_ERROR_GPU_IS_LOST for GPU ``index`` at this cycle's reading, seen at
-    ``seen_at``; ``known``: its last good reading, if any."""
-
-    index: int
-    known: GpuDevice | None
-    seen_at: float
-
-
-@dataclass(frozen=True, kw_only=True)
-class RuleReadings:
-    """What the subsystems read for the finding rules only: carried unchanged from a part's
-    typed output (daemon/subsystem.py) through ``CycleInputs`` to ``FindingContext`` (both
-    extend this class).
-    Typed fields: a misspelt name is a mypy error, not a finding that silently never appears."""
-
-    rank_memory: tuple[RankMemory, ...] = ()  # RankMemory per live rank (memory subsystem)
-    node_memory: NodeMemoryState | None = None
-    kernel_events: tuple[Event, ...] = ()  # recent OOM kills and Xids (kernel-log subsystem)
-    orphan_jobs: Mapping[int, str] = field(default_factory=frozen_map)  # orphan pid -> its past job
-    fork_evidence: Mapping[int, ProcEvidence] = field(default_factory=frozen_map)  # pid -> devfds evidence
-    gil: Mapping[RankId, Sequence[GilReading]] = field(default_factory=frozen_map)
-    stall: Mapping[RankId, StallVerdict] = field(default_factory=frozen_map)
-    flight_records: Mapping[RankId, FrReading] = field(default_factory=frozen_map)  # stalled jobs
-    straggler: Mapping[RankId, RankRate] = field(default_factory=frozen_map)  # step rates
-    gpus_removed: tuple[GpuRemoved, ...] = ()  # udev: GPUs off the PCI bus (NVML subsystem)
-    gpus_lost: tuple[NvmlLostGpu, ...] = ()  # NVML: GPUs it reports lost (NVML subsystem)
-    cuda_ooms: tuple[AttributedOom, ...] = ()  # ranks' CUDA OOM events in their window (NVML subsystem)
-    exits: tuple[RankExit, ...] = ()  # rank exits with their causes, joined and ordered (exits part)
-    nccl_ras: Mapping[str, RasJob] = field(default_factory=frozen_map)  # suspect jobs (nccl_ras subsystem)
-
-
-def readings_of(r: RuleReadings) -> dict[str, Any]:
-    """The ``RuleReadings`` fields of ``r``, as keyword arguments for another ``RuleReadings``."""
-    return {f.name: getattr(r, f.name) for f in fields(RuleReadings)}
-
-
-@dataclass(frozen=True)
-class FindingContext(RuleReadings):
     now: float
     config: Config
     ranks: tuple[RankState, ...] = ()
-    processes: Mapping[int, ProcessInfo] = field(default_factory=frozen_map)
+    processes: Mapping[int, ProcessInfo] = field(default_factory=frozen_map)  # rank trees + GPU PIDs
     env_flags: Mapping[int, tuple[str, ...]] = field(default_factory=frozen_map)
     bad_files: tuple[BadRankFile, ...] = ()
     refused: tuple[BadRankFile, ...] = ()  # rank entries refused by the trust rules
     # (job_id, rank) -> open fds per second, measured over the rank's lifetime in this daemon
     fd_rates: Mapping[RankId, float] = field(default_factory=frozen_map)
-    gpus: tuple[GpuDevice, ...] = ()
-    gpu_processes: tuple[GpuProcessRow, ...] = ()
-    orphans: tuple[Orphan, ...] = ()
+    gpu_processes: tuple[GpuProcessRow, ...] = ()  # the NVML holders joined to the rank trees
+    parts: Tracked = field(default_factory=Tracked)
 
 
 def collective_words(ctx: FindingContext, job_id: str) -> list[str]:
     """The flight-recorder answers of ``job_id``'s stalled ranks compared, in words: which rank
     is behind in which collective (join/flight_recorder.py ``compare``), after NCCL RAS's culprit
     when it names one (join/nccl_ras.py); [] without answers."""
-    ras = ctx.nccl_ras.get(job_id)
+    ras = ctx.parts.ras.jobs.get(job_id)
     first = [ras.statement] if ras is not None and ras.statement else []
-    return first + compare(x for k, x in ctx.flight_records.items() if k[0] == job_id)
+    return first + compare(x for k, x in ctx.parts.flight.records.items() if k[0] == job_id)
 
 
 
@@ -138,29 +84,24 @@ def rank_gpus(r: RankState, ctx: FindingContext,
               memory: Mapping[tuple[str, str], Mapping[str, int]] | None = None,
               ) -> list[tuple[str, float | None, int | None]]:  # fmt: skip
     """(gpu index, utilisation or None, bytes held by the rank's tree or None) per GPU of the
-    rank: those named in its rank file and those its processes hold memory on (``memory``:
-    ``ranks_gpu_memory(ctx)``, made once by a caller that asks for many ranks)."""
+    rank (``model/gpus.py: is_rank_gpu``): those named in its rank file and those its processes
+    hold memory on (``memory``: ``ranks_gpu_memory(ctx)``, made once by a caller that asks for
+    many ranks)."""
     if memory is None:
         memory = ranks_gpu_memory(ctx)
     held = memory.get((r.job_id, str(r.rank)), {})
-    out = []
-    for g in ctx.gpus:
-        if str(g.index) in held or g.uuid in r.gpus or str(g.index) in r.gpus:
-            out.append((str(g.index), g.utilization_ratio, held.get(str(g.index))))
-    return out
+    indices = {int(i) for i in held}
+    return [(str(g.index), g.utilization_ratio, held.get(str(g.index)))
+            for g in ctx.parts.gpu.gpus if is_rank_gpu(g, r.gpus, indices)]
 
 
 __all__ = [
     "FindingContext",
-    "GpuRemoved",
-    "NvmlLostGpu",
-    "RuleReadings",
     "collective_words",
     "rank_finding",
     "rank_gpus",
     "rank_label",
     "ranks_gpu_memory",
-    "readings_of",
 ]
 
 

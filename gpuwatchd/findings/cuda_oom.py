@@ -1,6 +1,6 @@
 """cuda_oom: a rank hit CUDA out-of-memory; who else held memory on that GPU.
 
-Reads ``ctx.cuda_ooms``: the events the ranks' hook wrote (rank/cuda_oom.py), attributed by the
+Reads ``ctx.parts.gpu.cuda_ooms``: the events the ranks' hook wrote (rank/cuda_oom.py), attributed by the
 join at the cycle that read them (join/cuda_oom.py: host PID, GPU index, each co-tenant's job and
 rank or why it is an orphan, as they were then) and kept there ``FINDING_SECONDS`` after the
 error. One warning per job, rank and PID, its ``since`` the moment of the error. Pure; costs one
@@ -68,4 +68,4 @@ def oom_finding(oom: AttributedOom) -> Finding:
 
 
 def find(ctx: FindingContext) -> Iterable[Finding]:
-    return [oom_finding(o) for o in ctx.cuda_ooms]
+    return [oom_finding(o) for o in ctx.parts.gpu.cuda_ooms]

@@ -4,7 +4,7 @@ the ``fork`` start method) that inherited its ``/dev/nvidia*`` descriptors.
 CUDA does not survive fork: the child's copy of the context is unusable and any CUDA call in it
 fails or corrupts state (CUDA C Programming Guide, "Initialization"; PyTorch "CUDA in
 multiprocessing" note). How fork is told from spawn/forkserver, from /proc only
-(``ctx.fork_evidence``: pid -> ``model.ProcEvidence``), all three must hold:
+(``ctx.parts.gpu.fork_evidence``: pid -> ``model.ProcEvidence``), all three must hold:
 
 1. the parent holds a CUDA context: ``/dev/nvidiactl`` or ``/dev/nvidia-uvm`` open;
 2. no fresh exec in the child: same ``/proc/PID/exe`` *and* identical ``/proc/PID/cmdline`` as the
@@ -69,7 +69,7 @@ def gpu_use(parent: ProcEvidence, child: ProcEvidence,
 
 
 def find(ctx: FindingContext) -> Iterable[Finding]:
-    evidence: Mapping[int, ProcEvidence] = ctx.fork_evidence
+    evidence: Mapping[int, ProcEvidence] = ctx.parts.gpu.fork_evidence
     if not evidence:
         return
     memory: dict[int, list[tuple[int, int | None]]] = {}

@@ -1,8 +1,9 @@
 """gil_saturated: a rank's Python threads hold the GIL nearly all the time while its GPU waits.
 
-Input: the GIL readings of the last samples per rank (``ctx.gil``: (job_id, rank) ->
+Input: the GIL readings of the last samples per rank (``ctx.parts.stall.gil``: (job_id, rank) ->
 ``GilReading``s, oldest first, from gpuwatchd/daemon/gil.py) and the GPU utilisation of the rank's GPUs
-when NVML knows it. Fires when the held ratio of each of the last two samples is at least
+(those its rank file names and those its tree holds memory on: a discovered rank names none) when
+NVML knows it. Fires when the held ratio of each of the last two samples is at least
 ``gil.held_threshold`` and no GPU of the rank is busy (utilisation known and >= 60 % means the GPU
 is being fed, so a busy Python loop is not the bottleneck). The top GIL-holding functions go in
 the explanation and the evidence, never in labels (unbounded cardinality).
@@ -15,7 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from gpuwatchd.findings.context import FindingContext, rank_finding, rank_label
-from gpuwatchd.model import WARNING, Finding, GilReading, GpuDevice, RankId, RankState
+from gpuwatchd.model import WARNING, Finding, GilReading, GpuDevice, GpuProcessRow, RankId, RankState
+from gpuwatchd.model.gpus import rank_gpu_devices
 
 GPU_BUSY_RATIO = 0.6
 CONSECUTIVE = 2
@@ -25,14 +27,12 @@ def _ratio(r: GilReading) -> float:
     return r.held / r.samples if r.samples > 0 else 0.0
 
 
-def rank_gpu_utilization(r: RankState, gpus: Sequence[GpuDevice]) -> list[tuple[str, float]]:
-    """(gpu index, utilisation) for the rank's GPUs whose utilisation NVML reports."""
-    out = []
-    for want in r.gpus:
-        for g in gpus:
-            if want in (g.uuid, str(g.index)) and g.utilization_ratio is not None:
-                out.append((str(g.index), g.utilization_ratio))
-    return out
+def rank_gpu_utilization(r: RankState, gpus: Sequence[GpuDevice],
+                         rows: Sequence[GpuProcessRow]) -> list[tuple[str, float]]:  # fmt: skip
+    """(gpu index, utilisation) for the rank's GPUs (``model/gpus.py: rank_gpu_devices``: named in its
+    rank file or held by its tree, ``rows``) whose utilisation NVML reports."""
+    return [(str(g.index), g.utilization_ratio) for g in rank_gpu_devices(r, gpus, rows)
+            if g.utilization_ratio is not None]
 
 
 def top_holders(readings: Sequence[GilReading], n: int = 3) -> list[tuple[str, float]]:
@@ -46,7 +46,7 @@ def top_holders(readings: Sequence[GilReading], n: int = 3) -> list[tuple[str, f
 
 
 def find(ctx: FindingContext) -> Iterable[Finding]:
-    readings: Mapping[RankId, Sequence[GilReading]] = ctx.gil
+    readings: Mapping[RankId, Sequence[GilReading]] = ctx.parts.stall.gil
     threshold = ctx.config.gil.held_threshold
     for r in ctx.ranks:
         recent = list(readings.get(r.rank_id, ()))[-CONSECUTIVE:]
@@ -55,7 +55,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         ratios = [_ratio(x) for x in recent]
         if min(ratios) < threshold:
             continue
-        utils = rank_gpu_utilization(r, ctx.gpus)
+        utils = rank_gpu_utilization(r, ctx.parts.gpu.gpus, ctx.gpu_processes)
         if utils and max(u for _, u in utils) >= GPU_BUSY_RATIO:
             continue
         held = sum(x.held for x in recent) / max(sum(x.samples for x in recent), 1)

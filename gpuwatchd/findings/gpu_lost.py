@@ -1,8 +1,8 @@
 """gpu_lost: a GPU fell off the PCI bus, or NVML reports it lost.
 
-Reads ``ctx.gpus_removed`` (udev ``remove``/``unbind`` uevents of sources/udev.py, recorded by the
+Reads ``ctx.parts.gpu.gpus_removed`` (udev ``remove``/``unbind`` uevents of sources/udev.py, recorded by the
 NVML subsystem's callback the moment they arrive, so the next cycle pages without waiting for NVML
-to notice; kept until an ``add``/``bind`` of the same address) and ``ctx.gpus_lost``
+to notice; kept until an ``add``/``bind`` of the same address) and ``ctx.parts.gpu.gpus_lost``
 (NVML_ERROR_GPU_IS_LOST at this cycle's reading). One finding per node, since a finding's identity
 has no GPU label: its explanation and evidence name every GPU gone. Pure; costs nothing.
 Shell equivalent: ``udevadm monitor --kernel --subsystem-match=pci``; ``nvidia-smi -L``;
@@ -48,8 +48,8 @@ def nvml_lost_finding(index: int, known: GpuDevice | None, now: float) -> Findin
 
 
 def find(ctx: FindingContext) -> Iterable[Finding]:
-    lost = [lost_finding(r.uevent, r.gpu_index, r.uuid) for r in ctx.gpus_removed]
-    lost += [nvml_lost_finding(g.index, g.known, g.seen_at) for g in ctx.gpus_lost]
+    lost = [lost_finding(r.uevent, r.gpu_index, r.uuid) for r in ctx.parts.gpu.gpus_removed]
+    lost += [nvml_lost_finding(g.index, g.known, g.seen_at) for g in ctx.parts.gpu.gpus_lost]
     if lost:
         yield Finding(
             kind="gpu_lost", severity=PAGE,

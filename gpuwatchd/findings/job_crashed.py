@@ -6,7 +6,7 @@ owner reads its log; nobody is woken for a bug in the training script.
 A failure that leaves a peer alive pages as rank_down instead, as does one the node caused
 (findings/rank_down.py); a stop (SIGTERM / SIGINT / SIGHUP to the first) and exit 0 say nothing
 but their ``rank_exit`` events. Active ``ACTIVE_SECONDS`` from the first failure, then gone, like
-the findings of other dead things. Reads ``ctx.exits`` (join/exits.py) and the rank states.
+the findings of other dead things. Reads ``ctx.parts.exits.recent`` (join/exits.py) and the rank states.
 Shell equivalent: the ``ChildFailedError`` torchrun prints in the launcher's log on this node.
 """
 
@@ -23,13 +23,13 @@ ACTIVE_SECONDS = 600.0
 
 
 def find(ctx: FindingContext) -> Iterable[Finding]:
-    for x in ctx.exits:
+    for x in ctx.parts.exits.recent:
         if not x.first or x.verdict != CRASHED or ctx.now - x.time > ACTIVE_SECONDS:
             continue
         if live_peers(ctx, x.job_id, x.pid, x.time):
             continue  # peers alive since before it: torn down soon, or waiting (rank_down pages)
         restarted = sum(1 for p in ctx.ranks if p.job_id == x.job_id and p.alive)
-        after = sorted((y for y in ctx.exits if y.job_id == x.job_id and y.first_pid == x.pid
+        after = sorted((y for y in ctx.parts.exits.recent if y.job_id == x.job_id and y.first_pid == x.pid
                         and y.pid != x.pid), key=lambda y: y.time)
         text = (f"job {x.job_id} crashed: rank {x.rank} (pid {x.pid}, {x.comm}) failed first, "
                 f"{x.how} at {fmt_clock_ms(x.time)}")

@@ -1,6 +1,6 @@
 """nccl_rank_missing: NCCL RAS names the rank(s) a suspect job waits for, on this node or another.
 
-Input: ``ctx.nccl_ras`` (job_id -> RasJob, gpuwatchd/join/nccl_ras.py), asked only for jobs with
+Input: ``ctx.parts.ras.jobs`` (job_id -> RasJob, gpuwatchd/join/nccl_ras.py), asked only for jobs with
 a stalled, suspect or watched rank (daemon/nccl_ras.py ``ras_jobs``). One finding per job, on its
 lowest live rank here, when RAS reports a rank missing (``dead`` or ``unresponsive``), a rank with
 an asynchronous NCCL error or abort, or counts that stopped with some ranks behind. The stall
@@ -20,7 +20,7 @@ from gpuwatchd.model import WARNING, Finding
 
 
 def find(ctx: FindingContext) -> Iterable[Finding]:
-    for job_id, ras in sorted(ctx.nccl_ras.items()):
+    for job_id, ras in sorted(ctx.parts.ras.jobs.items()):
         if not ras.statement or not (ras.missing or ras.errors or ras.behind):
             continue
         live = [r for r in ctx.ranks if r.job_id == job_id and r.alive]

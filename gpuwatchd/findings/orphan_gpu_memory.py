@@ -1,7 +1,7 @@
 """orphan_gpu_memory: GPU memory held by a process that belongs to no live rank.
 
-Input: ``ctx.orphans`` (decided by ``gpuwatchd.join.orphans.OrphanTracker`` after the grace period),
-``ctx.processes`` for the holder's age, ``ctx.orphan_jobs`` (pid -> the job it belonged to
+Input: ``ctx.parts.gpu.orphans`` (decided by ``gpuwatchd.join.orphans.OrphanTracker`` after the grace period),
+``ctx.processes`` for the holder's age, ``ctx.parts.gpu.orphan_jobs`` (pid -> the job it belonged to
 while that job was alive). Shell equivalent: ``nvidia-smi --query-compute-apps=pid,used_memory
 --format=csv; ps -o pid,ppid,user,etime,comm -p PID``.
 """
@@ -26,7 +26,7 @@ def describe(o: Orphan, ctx: FindingContext) -> str:
     proc = ctx.processes.get(o.pid)
     age = f", running {fmt_age(ctx.now - proc.start_time)}" if proc is not None else ""
     who = f"{o.comm or '?'}, user {o.user or '?'}{age}"
-    job = ctx.orphan_jobs.get(o.pid)
+    job = ctx.parts.gpu.orphan_jobs.get(o.pid)
     why = _WHY.get(o.reason, o.reason)
     if job and o.reason in (REPARENTED, JOB_ENDED):
         why += f" (it belonged to job {job})"
@@ -40,7 +40,7 @@ def describe(o: Orphan, ctx: FindingContext) -> str:
 def find(ctx: FindingContext) -> Iterable[Finding]:
     # One finding per PID (the finding's identity is kind+pid), naming every GPU it holds.
     by_pid: dict[int, list[Orphan]] = {}
-    for o in ctx.orphans:
+    for o in ctx.parts.gpu.orphans:
         by_pid.setdefault(o.pid, []).append(o)
     for pid, held in sorted(by_pid.items()):
         first = held[0]

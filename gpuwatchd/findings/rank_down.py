@@ -1,6 +1,6 @@
 """rank_down: a rank whose process is gone, and whose death pages: a registered rank with no exit
 read (its process is gone, a zombie, or its PID was reused), or a rank whose recorded exit
-(findings' ``ctx.exits``, join/exits.py) leaves live peers waiting or was the node's doing.
+(findings' ``ctx.parts.exits.recent``, join/exits.py) leaves live peers waiting or was the node's doing.
 
 Paging by cause and consequence (docs/runbooks.md, "Rank exits"), for the first rank of its job
 to fail on this node (the ranks the launcher tore down after it are named there, not paged):
@@ -49,7 +49,7 @@ def pages(x: RankExit, ctx: FindingContext) -> bool:
 
 def torn_down(ctx: FindingContext, x: RankExit) -> str:
     """"; the launcher then ended rank 0 (SIGTERM, 0.004 s after)" for the ranks that followed."""
-    after = sorted((y for y in ctx.exits if y.job_id == x.job_id and y.first_pid == x.pid
+    after = sorted((y for y in ctx.parts.exits.recent if y.job_id == x.job_id and y.first_pid == x.pid
                     and y.pid != x.pid), key=lambda y: y.time)
     if not after:
         return ""
@@ -83,7 +83,7 @@ def _from_exit(ctx: FindingContext, x: RankExit, r: RankState | None) -> Finding
 
 
 def find(ctx: FindingContext) -> Iterable[Finding]:
-    exits = {(x.job_id, x.rank, x.pid): x for x in ctx.exits}
+    exits = {(x.job_id, x.rank, x.pid): x for x in ctx.parts.exits.recent}
     for r in ctx.ranks:
         if r.alive:
             continue

@@ -5,8 +5,8 @@ Raised (warning) when the working set of the memory cgroup that bounds a rank pa
 ``memory.horizon_seconds``, or when the growth of the rank's whole tree would use up the node's
 MemAvailable within the horizon. The explanation says when, in words and clock time.
 
-Reads ``ctx.rank_memory`` (``RankMemory`` per live rank, memory_subsystem.py) and
-``ctx.node_memory``. Pure; costs nothing. Shell equivalent:
+Reads ``ctx.parts.memory.rank_memory`` (``RankMemory`` per live rank, memory_subsystem.py) and
+``ctx.parts.memory.node``. Pure; costs nothing. Shell equivalent:
 ``cat /sys/fs/cgroup/memory/<path>/memory.{usage_in_bytes,limit_in_bytes}`` twice, a minute
 apart, and dividing.
 """
@@ -77,8 +77,8 @@ def explain(m: RankMemory, node: NodeMemoryState | None, a: dict[str, float | st
 
 
 def find(ctx: FindingContext) -> Iterable[Finding]:
-    readings: Iterable[RankMemory] = ctx.rank_memory
-    node: NodeMemoryState | None = ctx.node_memory
+    readings: Iterable[RankMemory] = ctx.parts.memory.rank_memory
+    node: NodeMemoryState | None = ctx.parts.memory.node
     cfg = ctx.config.memory
     # only ranks the join accepted (trust rules, PID reuse) and found alive
     live = {r.rank_process for r in ctx.ranks if r.alive}

@@ -1,7 +1,7 @@
 """rank_oom_killed: a rank (or one of its workers) was killed by the kernel OOM killer,
 systemd-oomd or earlyoom.
 
-Reads the recent kernel events the kernel-log subsystem puts in ``ctx.kernel_events``
+Reads the recent kernel events the kernel-log subsystem puts in ``ctx.parts.kernel.events``
 (gpuwatchd/join/kernel_events.py) and the joined rank states (for the peers still alive). Pure; costs
 nothing. Shell equivalent: ``dmesg -T | grep -i 'killed process'`` and matching the PID against the
 launcher's rank map by hand.
@@ -70,7 +70,7 @@ def _container_note(ctx: FindingContext, ev: Event) -> str:
 
 
 def find(ctx: FindingContext) -> Iterable[Finding]:
-    events: Iterable[Event] = ctx.kernel_events
+    events: Iterable[Event] = ctx.parts.kernel.events
     for ev in events:
         if ev.kind != "oom_kill" or not ev.job_id:
             continue

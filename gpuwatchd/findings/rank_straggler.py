@@ -1,9 +1,9 @@
 """rank_straggler: a rank slower than its job's median, with the causes gpuwatchd can see.
 
-Input: ``ctx.straggler`` ((job_id, rank) -> ``straggler.RankRate``: step rate over
+Input: ``ctx.parts.straggler.rates`` ((job_id, rank) -> ``straggler.RankRate``: step rate over
 ``straggler.window_seconds``, the job's median on this node, how long it has been below
 ``straggler.ratio`` times it, its cgroup's CPU throttling over the window), the GIL readings
-(``ctx.gil``), the rank's GPUs (NVML throttle reasons), its process tree and the
+(``ctx.parts.stall.gil``), the rank's GPUs (NVML throttle reasons), its process tree and the
 findings of the other rules (a late rule: ``gil_saturated`` and, where the memory helper
 provides it, ``rank_memory_pressure`` of the same rank are named as causes by kind).
 Shell equivalent: compare ``cat JOB.RANK.hb`` over time across ranks; ``cat .../cpu.stat``;
@@ -21,10 +21,10 @@ THROTTLED_SHARE = 0.1  # throttled in at least 10 % of the CFS periods of the wi
 
 
 def causes(r: RankState, ctx: FindingContext, found: tuple[Finding, ...]) -> list[str]:
-    rr = ctx.straggler[r.rank_id]
+    rr = ctx.parts.straggler.rates[r.rank_id]
     out = []
     mine = {f.kind: f for f in found if f.job_id == r.job_id and f.rank == str(r.rank)}
-    gil = list(ctx.gil.get(r.rank_id, ()))
+    gil = list(ctx.parts.stall.gil.get(r.rank_id, ()))
     if "gil_saturated" in mine:
         out.append("GIL saturated (gil_saturated)")
     elif gil and gil[-1].pid == r.pid and gil[-1].samples and \
@@ -35,7 +35,7 @@ def causes(r: RankState, ctx: FindingContext, found: tuple[Finding, ...]) -> lis
                    f"periods, {rr.throttled_seconds:.1f} s throttled in {rr.window_seconds:.0f} s "
                    "(cpu.stat)")
     for index, _, _ in rank_gpus(r, ctx):
-        g = next(d for d in ctx.gpus if str(d.index) == index)
+        g = next(d for d in ctx.parts.gpu.gpus if str(d.index) == index)
         if g.throttle_reasons:
             slow = [n for n in SLOWING_REASONS if g.throttle_reasons & THROTTLE_REASONS[n]]
             if slow:
@@ -52,7 +52,7 @@ def causes(r: RankState, ctx: FindingContext, found: tuple[Finding, ...]) -> lis
 
 
 def find(ctx: FindingContext, found: tuple[Finding, ...] = ()) -> Iterable[Finding]:
-    rates = ctx.straggler
+    rates = ctx.parts.straggler.rates
     for r in ctx.ranks:
         rr = rates.get(r.rank_id)
         if rr is None or not r.alive or rr.pid != r.pid or not rr.straggler or r.stalled:

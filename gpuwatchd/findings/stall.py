@@ -1,6 +1,6 @@
 """rank_stalled: a rank that is alive but has made no progress for ``stall.after_seconds``.
 
-Input: the stall verdicts of gpuwatchd/join/stall.py (``ctx.stall``: (job_id, rank) ->
+Input: the stall verdicts of gpuwatchd/join/stall.py (``ctx.parts.stall.verdicts``: (job_id, rank) ->
 ``StallVerdict``: last progress, method, the stuck frames of the rank's main Python thread, the
 thread states, every Python thread folded with its hang pattern (gpuwatchd/join/hang.py), and whether
 it is the job's odd one out on this node), plus the GPUs of the join (utilisation, memory held by
@@ -96,7 +96,7 @@ def _duration(seconds: float) -> str:
 
 
 def find(ctx: FindingContext) -> Iterable[Finding]:
-    verdicts: Mapping[RankId, StallVerdict] = ctx.stall
+    verdicts: Mapping[RankId, StallVerdict] = ctx.parts.stall.verdicts
     # made once for all the stalled ranks (64 stalled ranks each walked every verdict, every GPU
     # process and every flight record: quadratic, each cycle)
     memory: dict[tuple[str, str], dict[str, int]] | None = None

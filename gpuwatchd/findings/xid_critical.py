@@ -1,6 +1,6 @@
 """xid_critical: a GPU reported an Xid that means broken hardware, memory or links.
 
-Reads the recent kernel events the kernel-log subsystem puts in ``ctx.kernel_events``
+Reads the recent kernel events the kernel-log subsystem puts in ``ctx.parts.kernel.events``
 (``NVRM: Xid`` lines, gpuwatchd/join/kernel_events.py). Pure; costs nothing. Shell equivalent:
 ``dmesg -T | grep 'NVRM: Xid'`` and the NVIDIA Xid catalog.
 """
@@ -20,7 +20,7 @@ ACTIVE_SECONDS = 600.0
 
 
 def find(ctx: FindingContext) -> Iterable[Finding]:
-    events: Iterable[Event] = ctx.kernel_events
+    events: Iterable[Event] = ctx.parts.kernel.events
     latest: dict[tuple[str, int], Event] = {}
     for ev in events:
         xid = ev.fields.get("xid")

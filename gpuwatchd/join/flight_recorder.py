@@ -1,6 +1,6 @@
 """Daemon side of the flight recorder: ask stalled jobs' ranks for a dump, read it, compare ranks.
 
-When a rank of a job looks stalled (``CycleInputs.stall``, from the stall subsystem), every rank of
+When a rank of a job looks stalled (``StallOutput.verdicts``, from the stall part), every rank of
 that job on this node gets a request (``JOB.RANK.frreq`` with a fresh nonce, written atomically into
 the rank directory), at most every ``stall.flight_recorder_interval_seconds``. The rank's thread
 (gpuwatchd/rank/flight_recorder.py) answers with ``JOB.RANK.fr``; the next cycle reads it under the
@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from gpuwatchd.escape import printable
 from gpuwatchd.model.collectives import MAX_ENTRIES_READ, MAX_GROUPS, CollectiveStatus
+from gpuwatchd.model.parts import FrReading
 
 
 def _label(value: Any, limit: int, what: str) -> str:
@@ -37,20 +37,6 @@ def _label(value: Any, limit: int, what: str) -> str:
     if not text.isprintable():
         raise ValueError(f"{what} {printable(text)!s:.40} is not printable text")
     return text
-
-
-@dataclass(frozen=True)
-class FrReading:
-    """One rank's answer: its groups, or why there is none."""
-
-    job_id: str
-    rank: int
-    pid: int
-    groups: tuple[CollectiveStatus, ...] = ()
-    # pg -> {seq: profiling name} of the newest entries (for the desync check)
-    names: Mapping[str, Mapping[int, str]] = field(default_factory=dict)
-    # "waiting" just after a request, "no answer" after the grace, or the rank's own error
-    error: str = ""
 
 
 def parse_response(doc: Any, job_id: str, rank: int, pid: int) -> FrReading:

@@ -12,7 +12,7 @@ Pure logic plus the event log; the I/O (kmsg, journal, /proc/vmstat) is in sourc
   of a rank (DataLoader workers) are attributed to that rank and marked ``worker``.
 - Exactly once: every event has a key (boot id + kernel timestamp + PID), is appended to
   ``state_dir/events.jsonl`` before it is counted, and the counters are rebuilt from that file at
-  start (``EventStore``, event_store.py: the processor's ``store``). The source's resume
+  start (``EventStore``, events/store.py: the processor's ``store``). The source's resume
   position (kmsg seq + boot id, journal cursor) keeps re-reading small.
 - Nothing silently lost: ``/proc/vmstat oom_kill`` counts every kernel OOM kill since boot; kills
   it counts that no parsed line explains (ring overrun, source down) become ``unattributed``
@@ -37,7 +37,7 @@ from typing import Any
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.events.bus import EventBus
 from gpuwatchd.events.log import EventFile
-from gpuwatchd.join.event_store import HELPER_OOM_KILL, EventStore
+from gpuwatchd.events.store import HELPER_OOM_KILL, EventStore
 from gpuwatchd.join.kernel_faults import KernelFault, KernelFaults
 from gpuwatchd.join.kernel_notices import KernelNotices, is_history
 from gpuwatchd.join.oom_history import OomBaseline
@@ -86,12 +86,15 @@ class KernelEventProcessor:
         ended_grace_seconds: float | None = None,
         helper_of: Callable[[int, float], str | None] | None = None,
         faults: KernelFaults | None = None,
+        store: EventStore | None = None,
     ) -> None:
         """``parse``: a log message and its identifier -> what it says (the source's parser,
         sources/kernel_lines.py ``parse_message``).
         ``retention_seconds``: how long a compaction keeps the folded counter of a rank that
         is no longer registered (``retention.oom_kill_seconds``, retention.py; at run time it is
-        ``store.retention_seconds``)."""
+        ``store.retention_seconds``).
+        ``store``: the event log to record into (the daemon's one, ``Services.events``); None
+        (tests, a processor on its own): one over ``state_dir/events.jsonl`` with ``bus``."""
         files = files or StateFiles()  # the daemon passes its own, which counts
         # (pid, time) -> the name of the daemon's own helper that pid was then (its py-spy runs)
         self.helper_of = helper_of
@@ -109,12 +112,15 @@ class KernelEventProcessor:
         self._deficit_since: float | None = None
         self.peers = RankPeers()
         self.oom_baseline = OomBaseline(state_dir, boot_id)  # kills before the first start
-        make_state_dir(state_dir)  # unwritable: kills are still counted, writes counted
-        self.store = EventStore(
-            EventFile(state_dir, files), counters, bus=bus, boot_id=boot_id, clock=clock,
-            max_log_bytes=max_log_bytes, keep_events=keep_events,
-            retention_seconds=retention_seconds, recent_seconds=recent_seconds,
-            live_ranks=self.peers.live)
+        if store is None:
+            make_state_dir(state_dir)  # unwritable: kills are still counted, writes counted
+            store = EventStore(
+                EventFile(state_dir, files), counters, bus=bus, boot_id=boot_id, clock=clock,
+                max_log_bytes=max_log_bytes, keep_events=keep_events,
+                retention_seconds=retention_seconds, recent_seconds=recent_seconds)
+        # the ranks registered now, whose counters a compaction keeps: this processor's view
+        store.live_ranks = self.peers.live
+        self.store = store
         self.notices = KernelNotices(self.store, self.record, self.peers, self.oom_baseline, xid_dedup)
 
     def take_baseline(self, vmstat_oom_kill: int | None, now: float) -> bool:

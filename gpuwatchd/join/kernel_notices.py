@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from gpuwatchd.events.store import EventStore
 from gpuwatchd.join.bus_lost import BusLostDedup
-from gpuwatchd.join.event_store import EventStore
 from gpuwatchd.join.oom_history import HistoryKill, OomBaseline
 from gpuwatchd.join.oom_kills import Kill
 from gpuwatchd.join.rank_peers import RankPeers

@@ -34,7 +34,8 @@ from gpuwatchd.model import (
     ProcessInfo,
     RankEntry,
     RankId,
-    RankState,
+    RankProcess,
+    rank_alive,
 )
 
 
@@ -48,6 +49,7 @@ class RankTrees:
     # uids whose rank files were not all read (caps): a process of theirs may be a registered
     # rank that was not seen, so ``check --kill`` never signals it (0: nobody may be signalled)
     unread_owners: frozenset[int] = frozenset()
+    alive: frozenset[RankProcess] = frozenset()  # the live ranks' (job_id, rank, pid)
 
     def may_signal(self, uid: int | None) -> bool:
         return not self.unread_owners or (0 not in self.unread_owners and uid is not None
@@ -58,40 +60,32 @@ class RankTrees:
         return bool(self.known_jobs)
 
 
-def trees_from_states(ranks: Iterable[RankState]) -> RankTrees:
-    owner: dict[int, RankId] = {}
-    live: set[str] = set()
-    known: set[str] = set()
-    for r in ranks:
-        known.add(r.job_id)
-        if not r.alive:
-            continue
-        live.add(r.job_id)
-        for pid in r.tree or (r.pid,):
-            owner.setdefault(pid, r.rank_id)
-    return RankTrees(owner, frozenset(live), frozenset(known))
-
-
 def trees_from_entries(
     entries: Iterable[RankEntry],
     processes: Mapping[int, ProcessInfo],
     descendants: Mapping[int, Sequence[int]],
+    known_ticks: Mapping[RankProcess, int] | None = None,
 ) -> RankTrees:
-    """The same as the join computes, from the raw cycle inputs (used before the join runs)."""
+    """Each accepted rank's liveness and process tree, computed once per cycle (the daemon's
+    ``Ranks.trees``): alive by ``model.rank_alive`` against the claim's start time, else the one
+    the join first saw (``known_ticks``: ``JoinMemory.start_ticks``); its tree the rank and its
+    live descendants, a PID in two trees the first rank's by (job id, rank). The join, the NVML
+    part's orphans and the stall part's GPU readings all read this."""
     owner: dict[int, RankId] = {}
     live: set[str] = set()
     known: set[str] = set()
-    for e in entries:
+    alive: set[RankProcess] = set()
+    ticks = known_ticks or {}
+    for e in sorted(entries, key=lambda e: (e.job_id, e.rank)):
         known.add(e.job_id)
-        proc = processes.get(e.pid)
-        if proc is None or proc.state in ("Z", "X"):
+        expected = e.start_ticks if e.start_ticks is not None else ticks.get(e.rank_process)
+        if not rank_alive(processes.get(e.pid), expected):
             continue
-        if e.start_ticks is not None and proc.start_ticks != e.start_ticks:
-            continue  # PID reused by another process
         live.add(e.job_id)
+        alive.add(e.rank_process)
         for pid in (e.pid, *descendants.get(e.pid, ())):
             owner.setdefault(pid, e.rank_id)
-    return RankTrees(owner, frozenset(live), frozenset(known))
+    return RankTrees(owner, frozenset(live), frozenset(known), alive=frozenset(alive))
 
 
 def classify(

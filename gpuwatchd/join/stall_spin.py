@@ -26,17 +26,19 @@ the readings after it decide once ``after_seconds`` have passed (as if it were t
 Where nothing confirms a stall, the verdict is ``ambiguous`` (a warning, never a page) and says
 what would: a heartbeat, NVML, ``gpuwatchd doctor``.
 
-Pure, no I/O: the daemon hands the readings in after its join (daemon/stall.py). Memory: at most
+Pure, no I/O: the daemon's stall part hands the readings in before its looks, from the same
+cycle's NVML reading (daemon/stall.py). Memory: at most
 ``MAX_READINGS`` readings per rank. Cost: linear in them, for suspect ranks only.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from gpuwatchd.model import NodeState, RankId
+from gpuwatchd.model import GpuDevice, GpuProcess, RankId
+from gpuwatchd.model.gpus import is_rank_gpu
 from gpuwatchd.model.stall import HangAnalysis, StallVerdict
 from gpuwatchd.model.threads import ThreadStack
 
@@ -198,24 +200,31 @@ def confirm_spin(window: GpuWindow, since: float, now: float, after: float,
     return "", words
 
 
-def rank_gpu_readings(state: NodeState) -> dict[RankId, GpuReading]:
-    """Each rank's GPUs in this state (those its tree holds memory on and those its rank file
-    names), with whether anybody outside its job holds memory on them. Ranks of one job that
-    share a GPU share its evidence: data moving there is the job's progress (rank 0 evaluating
-    on the GPU that rank 1, waiting in a barrier, also holds), and no traffic holds for both."""
+def rank_gpu_readings(now: float, named: Mapping[RankId, Collection[str]], owner: Mapping[int, RankId],
+                      gpus: Iterable[GpuDevice], gpu_processes: Iterable[GpuProcess],
+                      ) -> dict[RankId, GpuReading]:  # fmt: skip
+    """Each rank's GPUs in this cycle's NVML reading (``model/gpus.py: is_rank_gpu``: those its tree holds
+    memory on, ``owner`` being pid -> the live rank whose tree it is in, and those its rank file
+    names, ``named``), with whether anybody outside its job holds memory on them. Ranks of one job
+    that share a GPU share its evidence: data moving there is the job's progress (rank 0
+    evaluating on the GPU that rank 1, waiting in a barrier, also holds), and no traffic holds for
+    both."""
     holders: dict[int, set[tuple[str, str]]] = collections.defaultdict(set)
-    for p in state.gpu_processes:
-        holders[p.gpu_index].add((p.job_id, p.rank) if p.job_id else ("", f"pid {p.pid}"))
+    held: dict[RankId, set[int]] = collections.defaultdict(set)
+    for p in gpu_processes:
+        rid = owner.get(p.pid)
+        holders[p.gpu_index].add((rid[0], str(rid[1])) if rid else ("", f"pid {p.pid}"))
+        if rid:
+            held[rid].add(p.gpu_index)
+    devices = tuple(gpus)
     out: dict[RankId, GpuReading] = {}
-    for r in state.ranks:
-        me = (r.job_id, str(r.rank))
+    for rid, names in named.items():
         rows = [(g.utilization_ratio, g.memory_utilization_ratio,
-                 all(job == r.job_id for job, _ in holders[g.index]))
-                for g in state.gpus
-                if me in holders[g.index] or g.uuid in r.gpus or str(g.index) in r.gpus]
-        reading = readings_for(state.timestamp, rows)
+                 all(job == rid[0] for job, _ in holders[g.index]))
+                for g in devices if is_rank_gpu(g, names, held.get(rid, ()))]
+        reading = readings_for(now, rows)
         if reading is not None:
-            out[r.rank_id] = reading
+            out[rid] = reading
     return out
 
 

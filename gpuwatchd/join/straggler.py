@@ -10,7 +10,7 @@ CPU throttling over the window is known when it is named a straggler. Across nod
 ``gpuwatch_rank_step`` gives the alert rule ``GPURankStraggler`` the same comparison.
 
 ``StragglerTracker.observe`` returns ``steps`` ((job_id, rank) -> step, exported as
-``gpuwatch_rank_step``) and the rates ((job_id, rank) -> ``RankRate``, ``FindingContext.straggler``);
+``gpuwatch_rank_step``) and the rates ((job_id, rank) -> ``RankRate``, ``StragglerOutput.rates``);
 the daemon's part is daemon/straggler.py. Memory: at most ``MAX_SAMPLES`` samples
 per live rank; dead ranks are forgotten at once.
 Pure: the reads (one small read of a heartbeat that changed, the cgroup's cpu.stat once per
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from gpuwatchd.config import StragglerConfig
 from gpuwatchd.model import CpuStat, RankEntry, RankId
+from gpuwatchd.model.parts import RankRate
 
 MAX_SAMPLES = 512
 
@@ -36,20 +37,7 @@ def _median(values: list[float]) -> float:
     return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
-@dataclass(frozen=True)
-class RankRate:
-    job_id: str
-    rank: int
-    pid: int
-    rate: float | None  # steps per second over the window; None until the window is half full
-    window_seconds: float  # what the rate was measured over
-    median: float | None  # median rate of the job's ranks on this node with a rate
-    peers: tuple[int, ...]  # the ranks the median was taken over
-    below_since: float | None  # first cycle of the current run below ratio * median
-    straggler: bool
-    throttled_periods: int = 0  # cpu.stat over the window
-    periods: int = 0
-    throttled_seconds: float = 0.0
+
 
 
 @dataclass

@@ -439,10 +439,12 @@ class CpuStat:
 
 @dataclass(frozen=True)
 class CgroupPaths:
-    """Where one process lives: v1 memory controller path, v2 unified path ("" when absent)."""
+    """Where one process lives: v1 memory controller path, v2 unified path, v1 cpu controller
+    path ("" when absent)."""
 
     memory_v1: str
     unified: str
+    cpu_v1: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """CPU throttling of a process's cgroup: ``cpu.stat`` (CFS bandwidth control).
 
-Reads ``/proc/PID/cgroup`` to find the process's cpu cgroup, then that cgroup's ``cpu.stat``:
+Finds the process's cpu cgroup from its ``/proc/PID/cgroup`` as the process view read it
+(``CgroupPaths``, sources/memcg.py), then reads that cgroup's ``cpu.stat``:
 cgroup v1 (``/sys/fs/cgroup/cpu,cpuacct/PATH/cpu.stat``: ``nr_periods``, ``nr_throttled``,
 ``throttled_time`` in ns) or v2 (``/sys/fs/cgroup/PATH/cpu.stat``: ``throttled_usec``). A quota
 (``cpu.cfs_quota_us`` / ``cpu.max``) that the rank keeps hitting shows as ``nr_throttled`` growing.
@@ -12,9 +13,8 @@ from __future__ import annotations
 
 import os
 
-from gpuwatchd.model import CpuStat
+from gpuwatchd.model import CgroupPaths, CpuStat
 from gpuwatchd.paths import HostPaths
-from gpuwatchd.sources.procfs import read_proc_cgroup
 
 V1_MOUNTS = ("cpu,cpuacct", "cpu", "cpuacct,cpu")
 
@@ -39,31 +39,21 @@ def parse_cpu_stat(text: str) -> CpuStat | None:
     return CpuStat(fields.get("nr_periods", 0), fields["nr_throttled"], seconds)
 
 
-def cgroup_cpu_stat_path(paths: HostPaths, pid: int) -> str | None:
-    """The cpu.stat of ``pid``'s cpu cgroup, or None (gone, no cpu controller)."""
-    text = read_proc_cgroup(paths, pid)
-    if text is None:
-        return None
+def cpu_stat_path(paths: HostPaths, where: CgroupPaths) -> str | None:
+    """The cpu.stat of the cpu cgroup ``where`` names (the process view's reading of
+    /proc/PID/cgroup), or None (no cpu controller, or not there)."""
     root = paths.sys("fs", "cgroup")
-    unified = None
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        rel = path.lstrip("/")
-        if ".." in rel.split("/"):
-            continue
-        if "cpu" in controllers.split(","):
+    if where.cpu_v1:
+        rel = where.cpu_v1.lstrip("/")
+        if ".." not in rel.split("/"):
             for mount in V1_MOUNTS:
                 candidate = os.path.join(root, mount, rel, "cpu.stat")
                 if os.path.exists(candidate):
                     return candidate
-        elif controllers == "":
-            unified = rel
-    if unified is not None:
+    rel = where.unified.lstrip("/")
+    if where.unified and ".." not in rel.split("/"):
         for base in (root, os.path.join(root, "unified")):
-            candidate = os.path.join(base, unified, "cpu.stat")
+            candidate = os.path.join(base, rel, "cpu.stat")
             if os.path.exists(candidate):
                 return candidate
     return None

@@ -31,12 +31,11 @@ from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources.journal import JournalSource, journal_available
 from gpuwatchd.sources.kernel_lines import RejectHandler
 from gpuwatchd.sources.kmsg import KmsgSource
-from gpuwatchd.sources.procfs import read_proc_cgroup
 from gpuwatchd.statefile import StateFiles
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KernelLogUnavailable", "open_kernel_log", "read_cgroup", "read_vmstat_oom_kill"]
+__all__ = ["KernelLogUnavailable", "open_kernel_log", "read_vmstat_oom_kill"]
 
 
 class KernelLogUnavailable(Exception):
@@ -82,20 +81,3 @@ def read_vmstat_oom_kill(paths: HostPaths) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
-
-
-def read_cgroup(paths: HostPaths, pid: int) -> str:
-    """The process's cgroup path: the v2 unified path, else the v1 memory controller's
-    (``cat /proc/PID/cgroup``); "" when the process is gone."""
-    text = read_proc_cgroup(paths, pid)
-    if text is None:
-        return ""
-    memory = unified = ""
-    for line in text.splitlines():
-        _id, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if controllers == "":
-            unified = path
-        elif "memory" in controllers.split(","):
-            memory = path
-    return memory or unified

@@ -59,16 +59,22 @@ def _int(text: str | None) -> int | None:
 
 
 def parse_cgroup_file(text: str) -> CgroupPaths:
-    """``/proc/PID/cgroup`` -> the v1 memory path and the v2 path."""
-    memory = unified = ""
+    """``/proc/PID/cgroup`` -> the v1 memory path, the v2 path and the v1 cpu path: the one parser
+    of the file (the process view reads it, daemon/proc_view.py; memory, the OOM attribution and
+    the straggler's cpu.stat take their paths from there)."""
+    memory = unified = cpu = ""
     for line in text.splitlines():
         _id, _, rest = line.partition(":")
         controllers, _, path = rest.partition(":")
         if controllers == "" and _id == "0":
             unified = path
-        elif "memory" in controllers.split(","):
+            continue
+        names = controllers.split(",")
+        if "memory" in names:
             memory = path
-    return CgroupPaths(memory, unified)
+        if "cpu" in names:
+            cpu = path
+    return CgroupPaths(memory, unified, cpu)
 
 
 def parse_psi(text: str | None) -> Psi | None:

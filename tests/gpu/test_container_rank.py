@@ -23,6 +23,7 @@ import pytest
 from gpuwatchd.config import load_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.nvml import NvmlSubsystem
+from gpuwatchd.daemon.wiring import Parts
 
 REPO = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -71,8 +72,10 @@ def test_rank_in_a_pid_namespace_is_attributed_by_nvmls_host_pid(
     cfg_file = tmp / "config.yaml"
     cfg_file.write_text(f"rank_dir: {tmp / 'ranks'}\nstate_dir: {tmp / 'state'}\n"
                         "discovery:\n  enabled: false\ngil:\n  enabled: false\n")
-    sub = NvmlSubsystem(watch_udev=False)
-    daemon = Daemon(load_config(str(cfg_file)), subsystems=[sub])
+    daemon = Daemon(load_config(str(cfg_file)),
+                    parts=lambda c, s: Parts(nvml=NvmlSubsystem(c, s, watch_udev=False)))
+    sub = daemon.parts.nvml
+    assert sub is not None
     sub.start(daemon)
     try:
         deadline = time.monotonic() + 60

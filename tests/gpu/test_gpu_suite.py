@@ -29,6 +29,7 @@ import pytest
 from gpuwatchd.config import load_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.nvml import NvmlSubsystem
+from gpuwatchd.daemon.wiring import Parts
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -72,8 +73,11 @@ class World:
             "orphans:\n  grace_seconds: 2\ndiscovery:\n  enabled: false\ngil:\n  enabled: false\n")
         self.procs: list[subprocess.Popen[Any]] = []
         self.pids: list[int] = []
-        self.sub = NvmlSubsystem(watch_udev=False)
-        self.daemon = Daemon(load_config(str(self.cfg_file)), subsystems=[self.sub])
+        self.daemon = Daemon(load_config(str(self.cfg_file)),
+                             parts=lambda c, s: Parts(nvml=NvmlSubsystem(c, s, watch_udev=False)))
+        sub = self.daemon.parts.nvml
+        assert sub is not None
+        self.sub = sub
         self.sub.start(self.daemon)
 
     def popen(self, args: list[str], **kw: Any) -> subprocess.Popen[Any]:

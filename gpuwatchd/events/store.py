@@ -1,8 +1,10 @@
 """The durable event store: the events of ``state_dir/events.jsonl`` as the source of the event
 counters, each event counted exactly once, the log compacted before it outgrows ``max_log_bytes``.
 
-``EventStore`` is an object of its own; ``KernelEventProcessor`` (join/kernel_events.py) holds one
-and everything it reads is a constructor argument. It does no I/O itself: the file is the
+``EventStore`` is the daemon's one event log, a service built once (daemon/services.py,
+``Services.events``): the kernel-event processor (join/kernel_events.py), the finding transitions,
+the memory snapshots and the exits all record into it, and everything it reads is a constructor
+argument. It does no I/O itself: the file is the
 ``EventFile`` it is handed (events/log.py, the one home of ``events.jsonl``: read back, size,
 rewrite) and new events go to the bus, whose JSONL sink appends them. ``add`` stores an event
 before it is counted (its key remembered in a ``BoundedKeys``), the constructor re-adds every
@@ -177,12 +179,15 @@ class EventStore:
         retention_seconds: float = 1800.0,
         recent_seconds: float = 3600.0,
         live_ranks: Callable[[], Iterable[RankId]] = tuple,
+        read_back: bool = True,
     ) -> None:
         """``file``: the stored events, read back at start and rewritten by a compaction.
         ``bus``: where a new event goes (its JSONL sink appends to ``file``; None: counted only).
         ``boot_id``: this boot's, for the kernel OOM kills it counted. ``recent_seconds``: how
         long ``recent`` keeps kernel events. ``live_ranks``: the (job id, rank) registered now,
-        whose counters a compaction keeps however old (``retention_seconds``: the others')."""
+        whose counters a compaction keeps however old (``retention_seconds``: the others').
+        ``read_back``: rebuild the counters from ``file`` (False: a one-cycle reader such as
+        ``gpuwatchd ps``, which shows no counter and records nothing)."""
         self.file = file
         self.counters = counters
         self.bus = bus
@@ -204,7 +209,16 @@ class EventStore:
         self._snapshots: dict[tuple[str, str, int], Event] = {}  # (job_id, rank, rank pid) -> last
         self._log_bytes = 0
         self._compact_at = max_log_bytes
-        self._rebuild()
+        # why the stored events could not be read back ("" when they were): counting new events
+        # then would count them twice after the next start, so nothing is stored
+        self.unreadable = ""
+        if read_back:
+            try:
+                self._rebuild()
+            except OSError as e:
+                self.unreadable = f"{file.path}: {e.strerror or e}"
+                log.error("the event log cannot be read back (%s): no event is stored or counted",
+                          self.unreadable)
 
     # -- what the processor reads ------------------------------------------------------------
 
@@ -303,9 +317,10 @@ class EventStore:
             self._boot_kernel_kills += boot_kills.get(self.boot_id, 0)
 
     def add(self, ev: Event) -> bool:
-        """Persist, count, fan out. False when the event was already stored (a duplicate)."""
+        """Persist, count, fan out. False when the event was already stored (a duplicate), or
+        the log could not be read back (``unreadable``)."""
         with self._lock:
-            if self._seen(ev):
+            if self.unreadable or self._seen(ev):
                 return False
             if self.bus is not None:
                 self.bus.emit(ev)  # JSONL first: durable before it is counted
