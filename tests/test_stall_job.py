@@ -434,7 +434,7 @@ def test_a_gil_holder_started_mid_training_is_paged_within_the_conclusive_bound(
     tracker = _tracker(after, conclusive, shipped_cadence=True)
     _, v, seen = _run(tracker, ranks, job, 6.0)
     assert not any(s[0] for s in seen), seen
-    assert tracker._tracks[(job, 0)].stacks, "the rank was dumped at start-up"
+    assert tracker._tracks[(job, 0)].dump.stacks, "the rank was dumped at start-up"
     os.kill(ranks[0].pid, signal.SIGUSR1)
     elapsed, v, _ = _run(tracker, ranks, job, conclusive + 8, lambda v: v[0].stalled)
     print(f"gil_late {elapsed:.2f} s", v[0].conclusive, v[0].doing)

@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 from daemonutil import DaemonProc, write_config
 
-from gpuwatchd.join.stall import QUIET_REDUMP, StallTracker
+from gpuwatchd.join.stall import StallTracker
+from gpuwatchd.join.stall_pacing import QUIET_REDUMP
 from gpuwatchd.join.stall_spin import MAX_READINGS, GpuReading, GpuWindow, rank_gpu_readings
 from gpuwatchd.model import GpuDevice, GpuProcess, RankId
 from gpuwatchd.model.stall import RankProbe, StallVerdict

@@ -57,7 +57,7 @@ def gil_holder(analysis: HangAnalysis) -> bool:
     while the main thread did no work since the last look and waits for neither a queue nor a
     thread: the main thread waits for the GIL (a catastrophic regex, one C call that never lets
     it go). The tracker adds that the same thread held it at the same line, the main thread at
-    the same place, in every dump over the bound (RankTrack.gil_since)."""
+    the same place, in every dump over the bound (join/stall_track.py GilWatch.since)."""
     main = next((t for t in analysis.threads if t.name == "MainThread"), None)
     holder = next((t for t in analysis.threads if t.owns_gil), None)
     if main is None or holder is None or holder is main:

@@ -174,7 +174,7 @@ class StallVerdict:
     # was a proof instead of a dump: no task ran in between (schedstat), so the stacks were the
     # dump's; None when the last comparison was a dump
     unchanged: tuple[float, float] | None = None
-    # when that proof was the quiet one (join/stall.py QUIET_SHARE): its Python threads ran only
+    # when that proof was the quiet one (join/stall_track.py QUIET_SHARE): its Python threads ran only
     # this many ms in all since the dump, asleep at the same place at every look; None: none ran
     unchanged_quiet_ms: float | None = None
     # how long the rank is proven still: the span of its last comparison with the same stacks
