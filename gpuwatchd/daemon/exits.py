@@ -25,7 +25,7 @@ from gpuwatchd.model.events import Event
 from gpuwatchd.model.exits import CRASHED, KILLED, NODE, RankExit
 from gpuwatchd.model.parts import ExitOutput
 from gpuwatchd.rank.rankfile import MAX_RANKS_PER_NODE
-from gpuwatchd.sources.exits import ExitWatcher, ProcessExit, Watch
+from gpuwatchd.sources.exits import ExitWatcher, ProcessExit, Watch, start_clock
 
 SETTLE_SECONDS = 0.5
 
@@ -38,7 +38,7 @@ class ExitsSubsystem(Subsystem):
         self.events = services.events  # each settled exit is recorded here, its cause joined
         self.clock = services.clock
         self._boot_id = services.boot_id
-        self.ledger = ExitLedger(services.faults)
+        self.ledger = ExitLedger(services.faults, started=start_clock())
         self._woken = threading.Event()
         self.watcher = ExitWatcher(services.paths, max_watched, clock=services.clock,
                                    on_exit=self._woken.set)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 
 from gpuwatchd.join.kernel_faults import KernelFaults
@@ -132,15 +132,21 @@ def classify(x: RankExit, faults: KernelFaults | None, events: Sequence[Event]) 
                    oom_event=oom.key if oom is not None else "")
 
 
-def order(exits: Sequence[RankExit]) -> list[RankExit]:
+def order(exits: Sequence[RankExit], started: Callable[[int], float] | None = None) -> list[RankExit]:
     """The exits of one job (any order) with their first failure named: the earliest exit that
-    is not exit 0, and for each later one within TEARDOWN_SECONDS how long after it ended."""
+    is not exit 0, and for each later one within TEARDOWN_SECONDS how long after it ended.
+    ``started``: a process's start (its /proc start ticks) as a Unix time; an exit of a process
+    that started after the first failure is no teardown of it but its launcher's restart of the
+    job (torchrun --max-restarts), whose own failure is a first again."""
     ranked = sorted(exits, key=lambda x: (x.time, x.seq))
     first: RankExit | None = None
     out = []
     for x in ranked:
         if first is not None and x.time - first.time > TEARDOWN_SECONDS:
             first = None  # a failure of its own, long after the last one's teardown
+        if first is not None and started is not None and x.start_ticks and \
+                started(x.start_ticks) > first.time:
+            first = None  # a rank of the restarted job: not torn down after that failure
         if first is None and x.cause != EXIT_0:
             first = x
         if first is None:
@@ -170,9 +176,11 @@ class ExitLedger:
     """The recent exits, joined and ordered (see the module docstring). Thread-safe: the exit
     thread adds, the cycle reads."""
 
-    def __init__(self, faults: KernelFaults | None = None, limit: int = 4096) -> None:
+    def __init__(self, faults: KernelFaults | None = None, limit: int = 4096,
+                 started: Callable[[int], float] | None = None) -> None:
         self.faults = faults
         self.limit = limit
+        self.started = started  # start ticks -> Unix time (order's restarts)
         self._lock = threading.Lock()
         self._exits: list[RankExit] = []
 
@@ -201,7 +209,7 @@ class ExitLedger:
     def _reorder(self, jobs: set[str]) -> None:
         for job in jobs:
             mine = [x for x in self._exits if x.job_id == job]
-            ordered = {(x.pid, x.start_ticks): x for x in order(mine)}
+            ordered = {(x.pid, x.start_ticks): x for x in order(mine, self.started)}
             self._exits = [ordered.get((x.pid, x.start_ticks), x) for x in self._exits]
 
     def prune(self, now: float, registered: set[tuple[str, int, int]]) -> None:

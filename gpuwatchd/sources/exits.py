@@ -115,6 +115,15 @@ def pidfd_exit_status(pidfd: int) -> int | None:
     return int(struct.unpack_from("=i", buf, EXIT_CODE_OFFSET)[0])
 
 
+
+def start_clock() -> Callable[[int], float]:
+    """A process's /proc start ticks (stat field 22, CLOCK_BOOTTIME) as a Unix time: the boot
+    instant from the two clocks now, to the microsecond (/proc/stat's ``btime`` is whole seconds,
+    up to a second early: too coarse to tell a restart a second after a death from a teardown)."""
+    boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+    hz = os.sysconf("SC_CLK_TCK")
+    return lambda ticks: boot + ticks / hz
+
 class ExitWatcher:
     """The pidfds of the watched processes and the thread that waits on them (see the module
     docstring). ``sync`` from the cycle, ``drain`` for the exits seen since the last drain;
