@@ -11,7 +11,9 @@ exception), exit3, segv (a real SIGSEGV: ctypes reads address 1), abort (os.abor
 int (the signal sent to itself), ok (exit 0). Rank 0 of an ``ok`` job ends with exit 0 too.
 Prints one JSON line: {"pids": {rank: pid}, "reaped": {rank: [wait status, monotonic time]}}.
 ``--restart``: then starts the whole world again under the same job id (torchrun --max-restarts),
-ranks that only sleep, prints {"restarted": {rank: pid}} and waits for them.
+ranks that only sleep, prints {"restarted": {rank: pid}} and waits for them. ``--restarts N``:
+instead, N times, starts the world again with the same fault, met 2 s after the start (a
+crash loop); one JSON line per attempt.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ fault, go = sys.argv[1], sys.argv[2]
 rank = int(os.environ["RANK"])
 if fault == "sleep":  # a restarted attempt that trains on
     time.sleep(3600)
+if os.environ.get("GW_ATTEMPT", "0") != "0":  # a restart meets its fault 2 s in, once watched
+    time.sleep(2.0)
 while not os.path.exists(go):
     time.sleep(0.01)
 if rank != 1:
@@ -59,15 +63,31 @@ def main() -> int:
     teardown = "--no-teardown" not in sys.argv
     world = int(sys.argv[sys.argv.index("--world") + 1]) if "--world" in sys.argv else 2
 
-    def spawn(fault: str) -> dict[int, subprocess.Popen[bytes]]:
+    def spawn(fault: str, attempt: int = 0) -> dict[int, subprocess.Popen[bytes]]:
         procs = {}
         for rank in range(world):
             env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                   "LOCAL_WORLD_SIZE": str(world), "TORCHELASTIC_RUN_ID": job, "GROUP_RANK": "0"}
+                   "LOCAL_WORLD_SIZE": str(world), "TORCHELASTIC_RUN_ID": job, "GROUP_RANK": "0",
+                   "GW_ATTEMPT": str(attempt)}
             procs[rank] = subprocess.Popen([sys.executable, "-c", RANK, fault, go], env=env)
         return procs
 
-    procs = spawn(fault)
+    restarts = int(sys.argv[sys.argv.index("--restarts") + 1]) if "--restarts" in sys.argv else 0
+    for attempt in range(restarts + 1):
+        if attempt:
+            time.sleep(1.5)  # torchrun's monitor and the new rendezvous take a few seconds
+        run_attempt(spawn(fault, attempt), world, teardown)
+    if "--restart" in sys.argv:
+        again = spawn("sleep")
+        print(json.dumps({"restarted": {r: p.pid for r, p in again.items()}}), flush=True)
+        for p in again.values():
+            p.wait()
+    return 0
+
+
+def run_attempt(procs: dict[int, subprocess.Popen[bytes]], world: int, teardown: bool) -> None:
+    """Reap each rank the moment it ends; on the first failure end the others (SIGTERM, then
+    SIGKILL a second later); print the attempt's JSON line."""
     by_pid = {p.pid: r for r, p in procs.items()}
     reaped: dict[int, list[float]] = {}
     killed_at: float | None = None
@@ -89,12 +109,6 @@ def main() -> int:
                 if r not in reaped:
                     p.send_signal(signal.SIGTERM)
     print(json.dumps({"pids": {r: p.pid for r, p in procs.items()}, "reaped": reaped}), flush=True)
-    if "--restart" in sys.argv:
-        again = spawn("sleep")
-        print(json.dumps({"restarted": {r: p.pid for r, p in again.items()}}), flush=True)
-        for p in again.values():
-            p.wait()
-    return 0
 
 
 if __name__ == "__main__":

@@ -206,3 +206,27 @@ def test_a_crash_the_launcher_restarts_is_one_warning_not_a_page(daemon: DaemonP
                     .read_text().split()] if launcher.poll() is None else []:
             os.kill(pid, signal.SIGKILL)
         launcher.wait(10)
+
+
+def test_a_job_that_crashes_again_after_each_restart_is_a_crash_loop(daemon: DaemonProc) -> None:
+    """A launcher that restarts the job after each crash (torchrun --max-restarts 2): rank 1
+    segfaults in each of the 3 attempts. One job_crash_loop warning names the 3 failures and that
+    they were the same rank and cause; nothing pages (each crash was torn down: job_crashed)."""
+    job = f"exit-loop-{os.getpid()}"
+    launcher = start(daemon, job, "segv", "--restarts", "2")
+    try:
+        assert launcher.stdout is not None
+        attempts = [json.loads(launcher.stdout.readline()) for _ in range(3)]
+        assert len({a["pids"]["1"] for a in attempts}) == 3
+        daemon.wait_for(lambda: job in finding_jobs(daemon, "job_crash_loop"), timeout=15,
+                        what="job_crash_loop")
+        state = json.loads((Path(daemon.cfg["state_dir"]) / "state.json").read_text())
+        (loop,) = [f for f in state["findings"] if f["kind"] == "job_crash_loop" and f["job_id"] == job]
+        assert loop["severity"] == "warning" and loop["rank"] == "1", loop
+        assert loop["explanation"].startswith(f"job {job} failed 3 times in 0 min on this node"), loop
+        assert loop["explanation"].count("rank 1 was killed by SIGSEGV") == 3, loop
+        assert "the same rank and cause each time" in loop["explanation"], loop
+        assert loop["pid"] == str(attempts[-1]["pids"]["1"])
+        assert not [f for f in state["findings"] if f["job_id"] == job and f["severity"] == "page"]
+    finally:
+        launcher.wait(30)

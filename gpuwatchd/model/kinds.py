@@ -135,6 +135,9 @@ KINDS: tuple[FindingKind, ...] = (
                 "a rank hit CUDA out-of-memory", "cuda_oom"),
     FindingKind("job_crashed", WARNING, "GPUJobCrashed", "gpujobcrashed",
                 "the first rank of a job to fail on this node ended by its own code", "job_crashed"),
+    FindingKind("job_crash_loop", WARNING, "", "job_crash_loop",
+                "a job's ranks on this node failed 3 times or more within 10 minutes, restarted by "
+                "its launcher each time", "job_crash_loop"),
     FindingKind("nccl_rank_missing", WARNING, "", "nccl_rank_missing",
                 "NCCL RAS, asked because a rank of the job is stalled, suspect, late with its "
                 "heartbeat or waiting in a collective, names a rank the job waits for",
