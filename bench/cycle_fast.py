@@ -2,7 +2,7 @@
 """The daemon's steady-state CPU per cycle at torch-shaped ranks, without waiting for the clock.
 
     .venv/bin/python -m bench.cycle_fast [--ranks 64] [--warmup 70] [--cycles 150] [--rounds 3]
-        [--main-repo /path/to/other/checkout] [--parts]
+        [--main-repo /path/to/other/checkout] [--beside NAME=PATH ...] [--parts]
 
 ``bench/cycle_profile.py`` paces its cycles at the real interval, so a window that fills the
 memory and straggler histories (300 s) takes minutes per checkout. Here every cycle runs back to
@@ -150,6 +150,9 @@ def main() -> int:
     ap.add_argument("--cycles", type=int, default=150)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--main-repo", default="", help="another checkout, measured in turn ('before')")
+    ap.add_argument("--beside", action="append", default=[], metavar="NAME=PATH",
+                    help="one more checkout measured in turn, under NAME (repeatable): e.g. the "
+                         "tip before a fix beside the fix and the old 'before'")
     ap.add_argument("--parts", action="store_true", help="the CPU of each part of the cycle")
     ap.add_argument("--no-heartbeat", action="store_true",
                     help="rank files without heartbeats: the stall rule's looks and py-spy dumps "
@@ -168,6 +171,9 @@ def main() -> int:
         checkouts = {"gpuwatchd": str(REPO)}
         if args.main_repo:
             checkouts["before"] = args.main_repo
+        for item in args.beside:
+            name, _, path = item.partition("=")
+            checkouts[name] = path
         results: dict[str, list[tuple[float, float]]] = {k: [] for k in checkouts}
         print(f"{args.ranks} ranks of {args.threads} threads, "
               f"{'no heartbeats' if args.no_heartbeat else 'heartbeats'}, {args.interval} s interval "

