@@ -1,5 +1,5 @@
 """The C allocator of the daemon process: fewer glibc arenas, and freed pages returned after
-each cycle (issue 14: the daemon's RSS next to nvitop-exporter's).
+each cycle (measured: the daemon's RSS next to nvitop-exporter's).
 
 - ``limit_arenas()`` at start, before any thread: ``mallopt(M_ARENA_MAX, 2)``. glibc gives each
   thread that allocates an arena of its own (up to 8 per core), whose touched pages stay resident

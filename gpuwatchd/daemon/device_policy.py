@@ -1,4 +1,4 @@
-"""Recovering from a device policy expanded before the NVIDIA driver registered (issue 12, item 2).
+"""Recovering from a device policy expanded before the NVIDIA driver registered.
 
 When NVML fails, ``DevicePolicyGuard.diagnose()`` probes the /dev/nvidia* nodes NVML needs
 (``sources.nvidia_devices``, at most once per ``probe_interval``, 15 s) and returns one line that

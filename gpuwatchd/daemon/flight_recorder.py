@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 ANSWER_GRACE_SECONDS = 2.0
 # A rank that left a request unanswered is asked again after twice the interval, then four
 # times, up to this factor; an answer brings it back to the interval. Most ranks that never answer
-# run no responder (no ``register_rank()``; issue 22: a stalled job's 64 ranks were each sent a
+# run no responder (no ``register_rank()``; measured: a stalled job's 64 ranks were each sent a
 # request file every minute that nobody read).
 MAX_BACKOFF = 8
 # After the grace, an unanswered request's answer file is looked for this often, not every cycle

@@ -325,7 +325,7 @@ class GilSampler:
 
     def _sample(self, target: GilTarget, full: bool | None = None) -> None:
         """One sample. Whatever it raises, the rank is not left in flight (it would never be
-        sampled again: its GIL counters froze for good when an error escaped; issue 23 N8)."""
+        sampled again: its GIL counters froze for good when an error escaped)."""
         try:
             self._sample_once(target, full)
         except BaseException:

@@ -9,7 +9,7 @@ GPU waits, heartbeat slowing, stalled), which is what makes the schedule adaptiv
 tracker's py-spy looks run inside this part's isolation (its dumps with their own time-outs and
 cycle budget).
 
-One part, not a stall part and a GIL part (issue 26): the ``pyspy`` collector status is the
+One part, not a stall part and a GIL part: the ``pyspy`` collector status is the
 sampler's when GIL sampling is on and the runner's availability when it is off, one producer
 either way; the part's name is the label a failed start or track is exported under; and the
 sampler's targets are this cycle's live probes, handed over before the stall looks take the

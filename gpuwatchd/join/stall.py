@@ -204,7 +204,7 @@ class StallTracker:
                                 "heartbeat", max(0.0, age), doing=f"beats (last heartbeat "
                                 f"{max(0.0, age):.0f} s ago)")
         # Per-thread detail only at the look cadence (the dump interval), not every cycle: between
-        # looks the verdict keeps the last look's thread view (issue 14: per-thread reads of every
+        # looks the verdict keeps the last look's thread view (measured: per-thread reads of every
         # torch rank every cycle were most of the daemon's CPU).
         # A rank already stalled is looked at the old pace (a fifth of after_seconds, at most a
         # minute): the conclusive bound's cadence is for seeing a hang begin (64 stalled ranks

@@ -5,7 +5,7 @@ verdict; the reads are the cycle's, join/cycle_looks.py).
 Cost: one dump (~10 ms) when the rank's /proc view (each Python thread's state, wchan, burning a
 core or not) changed and settled (at the old pace, after_seconds/5, for a rank whose Python
 threads are awake), else once per after_seconds, or at the conclusive bound for a rank asleep or
-burning a core, where a conclusive shape can be (issue 22: the dumps were what a heartbeat-less
+burning a core, where a conclusive shape can be (measured: the dumps were what a heartbeat-less
 rank cost beside a beating one); none while no task ran since the last dump (the same tasks with
 the same schedstat run time and slice count prove its stacks still hold); none at first sight
 (the first dump waits for the second look, which knows each thread's CPU share: a node's ranks
@@ -34,7 +34,7 @@ from gpuwatchd.model.threads import ThreadInfo, ThreadStack
 log = logging.getLogger(__name__)
 
 # A stalled rank quiet since its last dump (QUIET_SHARE) is not dumped again before this many
-# after_seconds: the dump still stands, re-checked that often (issue 22: 64 ranks asleep at one
+# after_seconds: the dump still stands, re-checked that often (measured: 64 ranks asleep at one
 # line were dumped once per after_seconds, 2.7 x the cost of the same ranks beating).
 QUIET_REDUMP = 6
 # A rank whose first dumps fail for a passing reason (busy slots, a time-out) is tried this many
@@ -97,7 +97,7 @@ class DumpPacing:
                 tr.view.since = now
             tr.view.at_look = proc_fp
         if before_second_look and self.looks.can_dump:
-            # No dump at first sight (issue 22: a node's ranks were all dumped at once when the
+            # No dump at first sight (measured: a node's ranks were all dumped at once when the
             # daemon or a job started): the next look, a dump interval on, knows each thread's
             # CPU share, and a rank that works needs no dump at all. The stall bound is unchanged:
             # the second dump is due after_seconds after the first look.
@@ -117,7 +117,7 @@ class DumpPacing:
             tr.quiet.restart()
             tr.hang.view = None
             return ("stack" if tr.dump.stacks else "proc"), now
-        # The dump cadence (issue 22: the dumps were what a rank without heartbeat cost beside one
+        # The dump cadence (measured: the dumps were what a rank without heartbeat cost beside one
         # with). A /proc view (each thread's state, wchan, burning a core or not) that changed
         # since the last dump and held for a look is dumped at once: a hang usually starts with
         # such a change. Otherwise the next dump comes after_seconds after the last change of
@@ -188,7 +188,7 @@ class DumpPacing:
             # The same tasks, none ran since the last dump (schedstat's numbers grow while a task
             # runs; one on a CPU throughout, which a tickless CPU may not count, reads R): a Python
             # stack changes only when its thread runs, so the stacks are that dump's. A rank
-            # blocked at 0 % CPU is dumped once per episode (issue 22: the dumps were its cost).
+            # blocked at 0 % CPU is dumped once per episode (the dumps were its cost).
             stacks: tuple[ThreadStack, ...] | None = tr.dump.stacks
             hopeless, proven, tr.quiet.proof = False, True, False
         elif asleep and held and tr.quiet.kept and now - tr.dump.stacks_at < QUIET_REDUMP * self.after:

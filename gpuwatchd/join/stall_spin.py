@@ -1,4 +1,4 @@
-"""The spin rules of stall detection (issue 22): when the same stack in every dump is a stall.
+"""The spin rules of stall detection: when the same stack in every dump is a stall.
 
 A thread that burns a core at one line is ambiguous from outside the process: a loop that syncs
 the GPU every step (``.item()``, ``synchronize``) spins in the CUDA driver at the same line as a
@@ -87,7 +87,7 @@ class GpuWindow:
 
         On a shared GPU, memory traffic may be this rank's progress or another process's: it is
         judged as on a GPU the rank alone uses, where it would be progress. The readings after the
-        last of it decide, once ``after`` seconds have passed since it (issue 22: the traffic of a
+        last of it decide, once ``after`` seconds have passed since it (measured: the traffic of a
         process starting beside a hung rank, kept in the window since the rank's last progress,
         left the hang "unknown" for as long as it lasted)."""
         rs = [r for r in self.readings if since <= r.at <= now]

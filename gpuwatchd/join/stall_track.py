@@ -26,7 +26,7 @@ from gpuwatchd.model.threads import ThreadInfo, ThreadStack
 # its thread runs, and one this quiet, asleep at the same place at every look, has had next to no
 # chance to: the first dump of a rank quiet since first sight waits until a dump interval before
 # the comparison is due, and a stalled rank quiet since its last dump is not dumped again before
-# QUIET_REDUMP x after_seconds (join/stall_pacing.py; issue 22: 64 ranks asleep at one line were
+# QUIET_REDUMP x after_seconds (join/stall_pacing.py; measured: 64 ranks asleep at one line were
 # dumped each at their second look and then once per after_seconds, 2.7 x the cost of the same
 # ranks beating).
 QUIET_SHARE = 0.002
@@ -182,7 +182,7 @@ class HangMemo:
         may change it. A look of a rank quiet since its dump (QUIET_SHARE), with its Python
         threads' view unchanged since the analysis and no workers, changes none of the inputs
         that its words show: the same frames, states, wchan and futex waits, each thread under
-        the idle share (issue 22: the analysis at each look of 64 stalled ranks asleep at one
+        the idle share (measured: the analysis at each look of 64 stalled ranks asleep at one
         line was half of what they cost beside the same ranks beating)."""
         if self.of[0] is not stacks:
             return True
