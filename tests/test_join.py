@@ -46,9 +46,12 @@ def kinds(state) -> set[tuple[str, str]]:  # type: ignore[no-untyped-def]
 
 
 def test_alive_and_dead_and_peers() -> None:
-    s, _ = run(10, [entry(0, 10), entry(1, 11)], [proc(10)])
+    s, mem = run(1200, [entry(0, 10), entry(1, 11)], [proc(10)])  # rank 0 started at 1100
     up = {r.rank: r.alive for r in s.ranks}
     assert up == {0: True, 1: False}
+    # seen dead with no exit read: it waits EXIT_READ_GRACE_SECONDS for the exit watcher's record
+    assert not [f for f in s.findings if f.kind == "rank_down"]
+    s, _ = run(1206, [entry(0, 10), entry(1, 11)], [proc(10)], mem)
     (down,) = [f for f in s.findings if f.kind == "rank_down"]
     assert down.rank == "1" and down.severity == "page" and "1 peer(s)" in down.explanation
 
@@ -57,6 +60,8 @@ def test_pid_reuse_is_detected_by_start_time() -> None:
     s, mem = run(10, [entry(0, 10)], [proc(10, start=100)])
     assert s.ranks[0].alive
     s, mem = run(15, [entry(0, 10)], [proc(10, start=999)], mem)  # same PID, another process
+    assert not s.ranks[0].alive
+    s, mem = run(21, [entry(0, 10)], [proc(10, start=999)], mem)  # past the exit-read grace
     assert not s.ranks[0].alive and ("rank_down", "0") in kinds(s)
     # the declared start time in the rank file wins from the first cycle on
     s, _ = run(10, [entry(0, 10, start=5)], [proc(10, start=100)])

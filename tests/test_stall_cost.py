@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from gpuwatchd.join.stall_spin import rank_gpu_readings
 from gpuwatchd.join.stall_verdicts import judge_jobs
-from gpuwatchd.model import GpuDevice, GpuProcessRow, NodeState, RankState
+from gpuwatchd.model import GpuDevice, GpuProcess, GpuProcessRow, RankState
 from gpuwatchd.model.stall import StallVerdict
 
 EQ_CALLS = [0]
@@ -70,7 +70,10 @@ def test_rank_gpu_readings_exclusive_as_every_holder_of_the_rank_job() -> None:
                      for r, g in itertools.product(ranks, gpus) if rnd.random() < 0.5)
         rows += tuple(GpuProcessRow(g.index, g.uuid, 900 + g.index, 1 << 30, "python", "u", "", "")
                       for g in gpus if rnd.random() < 0.2)
-        out = rank_gpu_readings(NodeState(50.0, ranks=ranks, gpus=gpus, gpu_processes=rows))
+        named = {r.rank_id: r.gpus for r in ranks}
+        owner = {r.pid: r.rank_id for r in ranks}
+        procs = tuple(GpuProcess(p.gpu_index, p.uuid, p.pid, p.used_memory_bytes) for p in rows)
+        out = rank_gpu_readings(50.0, named, owner, gpus, procs)
         for r in ranks:
             mine = [g for g in gpus if any(p.gpu_index == g.index and (p.job_id, p.rank) == (r.job_id, str(r.rank))
                                            for p in rows) or str(g.index) in r.gpus]

@@ -103,6 +103,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
             explanation=f"{rank_label(r)} is registered but its process is gone (seen dead at "
                         f"{when}; no exit read){_peers_tail(alive)}",
             evidence={"died_at": r.died_at, "peers_alive": alive},
+            since=r.died_at or 0.0,
         )
     live = {(r.job_id, r.rank, r.pid) for r in ctx.ranks if r.alive}
     for key, x in exits.items():  # exits of ranks no longer listed (discovered ones vanish)
