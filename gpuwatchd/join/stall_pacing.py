@@ -167,7 +167,8 @@ class DumpPacing:
         # new thread keeps flickers between R and S (no settled change). Undumped, the GIL fault
         # of the catalog was first dumped after_seconds after the last change (the device: paged
         # 61.6 s after the fault at after_seconds 30, not within the conclusive bound).
-        if spinning and new_spinners(tr.dump.stacks, spinning, tr.dump.spin_native):
+        fresh = new_spinners(tr.dump.stacks, spinning, tr.dump.spin_native) if spinning else frozenset()
+        if fresh:
             due = min(due, tr.dump.last_at + self.dump_interval)
         if tr.gil.key is not None:
             due = min(due, max(tr.dump.last_at + self.dump_interval, tr.gil.since + self.conclusive))
@@ -175,7 +176,7 @@ class DumpPacing:
             log.debug("stall pacing: pid %d due in %.1f s (identical %d, settled %s, burning %s, "
                       "new spinners %s, gil held since %.1f s, dump_due %s, last change %.1f s ago)",
                       p.pid, due - now, tr.dump.identical, settled, sorted(burning),
-                      sorted(new_spinners(tr.dump.stacks, spinning, tr.dump.spin_native)),
+                      sorted(fresh),
                       now - tr.gil.since if tr.gil.key is not None else -1.0, tr.view.dump_due,
                       now - tr.dump.last_change)
         if now < due:
