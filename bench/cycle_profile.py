@@ -88,10 +88,18 @@ with open(ready + '.tmp', 'w') as f:
     f.write(str(os.getpid()))
 os.replace(ready + '.tmp', ready)
 step = 0
+work = float(os.environ.get('GW_BENCH_WORK_MS', '0')) / 1e3
 while True:
     gpuwatchd.heartbeat(step)
     step += 1
-    time.sleep(1)
+    if not work:
+        time.sleep(1)
+        continue
+    for _ in range(20):  # --work-ms: the main thread works N ms every 50 ms (a training loop's CPU side)
+        t = time.perf_counter()
+        while time.perf_counter() - t < work:
+            pass
+        time.sleep(max(0.0, 0.05 - work))
 """
 
 
@@ -470,6 +478,9 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--no-heartbeat", action="store_true",
                     help="ranks register without a heartbeat (stall detection from /proc and dumps)")
+    ap.add_argument("--work-ms", type=float, default=0.0,
+                    help="each rank's main thread works N ms every 50 ms instead of sleeping (nvml_poll.py's "
+                         "--work-ms: heartbeat-less ranks that work are looked at, never dumped)")
     ap.add_argument("--nohb-beside", action="store_true",
                     help="a daemon of each checkout beside, reading the same ranks without their "
                     "heartbeats (asleep a second at a time between beats: the sleeping holders)")
@@ -487,6 +498,7 @@ def main() -> int:
         os.environ["GW_BENCH_IDLE"] = "1"
     tmp = Path(tempfile.mkdtemp(prefix="gwcpu-bench-"))
     os.environ["GW_BENCH_TMP"] = str(tmp)
+    os.environ["GW_BENCH_WORK_MS"] = str(args.work_ms)
     logs = contextlib.ExitStack()
     ranks: list[subprocess.Popen[bytes]] = []
     daemons: dict[str, tuple[subprocess.Popen[bytes], str]] = {}

@@ -23,6 +23,7 @@ import re
 import threading
 
 from gpuwatchd.counters import CounterStore
+from gpuwatchd.paths import read_bounded
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,7 @@ def atomic_write(path: str, data: str | bytes, fsync: bool = False) -> None:
 def read_capped(path: str, limit: int) -> bytes:
     """At most ``limit + 1`` bytes of ``path`` (one more than allowed, so the caller can tell an
     oversized file); FileNotFoundError / OSError as ``open`` raises them."""
-    with open(path, "rb") as f:
-        return f.read(limit + 1)
+    return read_bounded(path, limit + 1)
 
 
 def make_state_dir(path: str) -> None:

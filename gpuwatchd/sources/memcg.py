@@ -33,7 +33,7 @@ import os
 from typing import Any
 
 from gpuwatchd.model import CgroupMemory, CgroupPaths, NodeMemory, Psi
-from gpuwatchd.paths import HostPaths
+from gpuwatchd.paths import HostPaths, read_bounded
 
 READ_CAP = 16384
 MAX_DEPTH = 8
@@ -43,8 +43,7 @@ UNLIMITED = 1 << 60
 
 def read_capped(path: str) -> str | None:
     try:
-        with open(path, "rb") as f:
-            return f.read(READ_CAP).decode("ascii", "replace")
+        return read_bounded(path, READ_CAP).decode("ascii", "replace")
     except OSError:
         return None
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterable, Mapping
 
 from gpuwatchd.model import ProcessInfo
-from gpuwatchd.paths import HostPaths
+from gpuwatchd.paths import HostPaths, read_bounded
 
 MAX_ENVIRON_BYTES = 1 << 20
 LIMITS_TTL = 30.0
@@ -62,32 +62,13 @@ def read_proc_cgroup(paths: HostPaths, pid: int) -> str | None:
     process is gone: the one reader of that file. Its parsers are beside their users: memcg.py
     (the memory controller), cgroup_cpu.py (cpu.stat) and kernel_log.py (an OOM kill's cgroup)."""
     try:
-        return _read(paths.proc(pid, "cgroup"), 1 << 16).decode("utf-8", "replace")
+        return read_bounded(paths.proc(pid, "cgroup"), 1 << 16).decode("utf-8", "replace")
     except OSError:
         return None
 
 
 class ProcessGone(Exception):
     """The process exited (or was never there) while we were reading it."""
-
-
-def _read(path: str, limit: int = 1 << 16) -> bytes:
-    """Read up to ``limit`` bytes. procfs hands out at most a page per read(2) for files such as
-    ``environ`` and ``children``, so loop until EOF."""
-    chunks: list[bytes] = []
-    total = 0
-    # os.open/os.read, not open(): no file object per read (the cycle makes a thousand of these)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        while total < limit:
-            chunk = os.read(fd, limit - total)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-    finally:
-        os.close(fd)
-    return b"".join(chunks)
 
 
 def _read_line(path: str) -> bytes:
@@ -99,7 +80,7 @@ def _read_line(path: str) -> bytes:
         raw = os.read(fd, 4096)
         if len(raw) < 4096:
             return raw
-        return raw + _read(path)[4096:]  # never for stat; kept exact for anything longer
+        return raw + read_bounded(path)[4096:]  # never for stat; kept exact for anything longer
     finally:
         os.close(fd)
 
@@ -114,7 +95,7 @@ def thread_children(task_dir: str, limit: int = 1 << 16) -> list[int]:
         return out
     for tid in tids:
         try:
-            out.extend(int(x) for x in _read(os.path.join(task_dir, tid, "children"), limit).split())
+            out.extend(int(x) for x in read_bounded(os.path.join(task_dir, tid, "children"), limit).split())
         except (OSError, ValueError):
             continue
     return out
@@ -160,7 +141,7 @@ class ProcfsReader:
 
     def _boot_time(self) -> float:
         try:
-            for line in _read(self.paths.proc("stat"), 1 << 20).splitlines():
+            for line in read_bounded(self.paths.proc("stat"), 1 << 20).splitlines():
                 if line.startswith(b"btime "):
                     return float(line.split()[1])
         except (OSError, ValueError, IndexError):
@@ -217,7 +198,7 @@ class ProcfsReader:
 
     def fd_limits(self, pid: int) -> tuple[int | None, int | None]:
         try:
-            text = _read(self.paths.proc(pid, "limits")).decode("ascii", "replace")
+            text = read_bounded(self.paths.proc(pid, "limits")).decode("ascii", "replace")
         except OSError:
             return None, None
         for line in text.splitlines():
@@ -302,7 +283,7 @@ class ProcfsReader:
 
     def _read_children(self, path: str) -> list[int] | None:
         try:
-            return [int(x) for x in _read(path).split()]
+            return [int(x) for x in read_bounded(path).split()]
         except OSError:
             return None
         except ValueError:
@@ -345,7 +326,7 @@ class ProcfsReader:
         """The first ``limit`` bytes of the process's initial environment (NUL-separated), or None
         when it cannot be read (gone, not permitted)."""
         try:
-            return _read(self.paths.proc(pid, "environ"), limit)
+            return read_bounded(self.paths.proc(pid, "environ"), limit)
         except OSError:
             return None
 
@@ -355,7 +336,7 @@ class ProcfsReader:
         after fork/exec ``environ`` reads empty for a moment, and a caller must not remember that
         as "none of them set"."""
         try:
-            if not _read(self.paths.proc(pid, "environ"), 1):
+            if not read_bounded(self.paths.proc(pid, "environ"), 1):
                 return None
         except OSError:
             return None
@@ -365,7 +346,7 @@ class ProcfsReader:
         """The ``NSpid`` line of /proc/PID/status: the PID in each PID namespace, outermost (the
         host's) first, innermost (the container's own) last. None when the process is gone."""
         try:
-            raw = _read(self.paths.proc(pid, "status"), 1 << 14)
+            raw = read_bounded(self.paths.proc(pid, "status"), 1 << 14)
         except OSError:
             return None
         for line in raw.splitlines():

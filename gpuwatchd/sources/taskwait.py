@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from gpuwatchd.model.threads import SyscallWait
-from gpuwatchd.paths import HostPaths
+from gpuwatchd.paths import HostPaths, read_bounded
 
 
 def parse_syscall(text: str) -> SyscallWait | None:
@@ -47,8 +47,7 @@ def read_waits(paths: HostPaths, pid: int, tids: Iterable[int]) -> Mapping[int, 
     out: dict[int, SyscallWait] = {}
     for tid in tids:
         try:
-            with open(paths.proc(pid, "task", tid, "syscall"), "rb") as f:
-                text = f.read(512).decode("ascii", "replace")
+            text = read_bounded(paths.proc(pid, "task", tid, "syscall"), 512).decode("ascii", "replace")
         except OSError:
             continue
         w = parse_syscall(text)
@@ -60,8 +59,7 @@ def read_waits(paths: HostPaths, pid: int, tids: Iterable[int]) -> Mapping[int, 
 def context_switches(paths: HostPaths, pid: int) -> int | None:
     """Voluntary + involuntary context switches of ``pid``'s main thread; None when unreadable."""
     try:
-        with open(paths.proc(pid, "status"), "rb") as f:
-            text = f.read(8192).decode("ascii", "replace")
+        text = read_bounded(paths.proc(pid, "status"), 8192).decode("ascii", "replace")
     except OSError:
         return None
     total = None

@@ -13,14 +13,13 @@ import signal
 from collections.abc import Mapping, Sequence
 
 from gpuwatchd.model.threads import ThreadInfo
-from gpuwatchd.paths import HostPaths
+from gpuwatchd.paths import HostPaths, read_bounded
 
 log = logging.getLogger(__name__)
 
 
 def read_capped(path: str, limit: int = 65536) -> str:
-    with open(path, "rb") as f:
-        return f.read(limit).decode("utf-8", "replace")
+    return read_bounded(path, limit).decode("utf-8", "replace")
 
 
 def parse_stat(text: str) -> tuple[str, str, int]:
