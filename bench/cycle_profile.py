@@ -379,13 +379,25 @@ instrument(core, d)
 for _ in range(2):
     d.cycle()
 acc.clear()
+import os
+prof = None
+if os.environ.get("GW_PHASES_CPROFILE"):  # the measured cycles' main thread under cProfile too
+    import cProfile
+    prof = cProfile.Profile()
 t0 = time.thread_time()
 for _ in range({cycles}):
     c0 = time.monotonic()
+    if prof:
+        prof.enable()
     d.cycle()
+    if prof:
+        prof.disable()
     time.sleep(max(0.0, {interval} - (time.monotonic() - c0)))
 main = time.thread_time() - t0
 d.shutdown()
+if prof:
+    import pstats
+    pstats.Stats(prof).sort_stats("tottime").print_stats(int(os.environ["GW_PHASES_CPROFILE"]))
 n = {cycles}
 print(f"  in-process cycle parts, CPU ms per cycle over {{n}} cycles (main thread {{1e3 * main / n:.1f}}"
       " ms; collector threads on top):")
@@ -562,10 +574,12 @@ def main() -> int:
             print(f"  after/before: own {a['cpu_percent_own'] / b['cpu_percent_own']:.2f}, with "
                   f"children {a['cpu_percent_with_children'] / b['cpu_percent_with_children']:.2f}",
                   flush=True)
-        for name in ("gpuwatchd", "gpuwatchd-before")[: 1 + bool(args.main_repo)] if args.phases else ():
+        names = [n for n in ("gpuwatchd", "gpuwatchd-nohb", "gpuwatchd-before", "gpuwatchd-before-nohb")
+                 if n in daemons] if args.phases else []
+        for name in names:
             print(f"  {name}:", flush=True)
-            phases(tmp / f"{name}.yaml", str(REPO) if name == "gpuwatchd" else str(tmp / "before"),
-                   args.phases, args.interval)
+            phases(tmp / f"{name}.yaml", str(REPO) if not name.startswith("gpuwatchd-before")
+                   else str(tmp / "before"), args.phases, args.interval)
         if args.cprofile:
             cprofile(tmp / "gpuwatchd.yaml", str(REPO), args.cprofile, args.top)
         if args.profile:
