@@ -119,7 +119,7 @@ def test_the_daemon_names_the_co_tenants_and_drops_the_finding_after_its_window(
         c, s, source=fixture_source(str(FIX / "h200_orphan_dataloader.json"), pid_map),
         watch_xid=False, watch_udev=False)))
     sub = d.parts.nvml
-    assert sub is not None
+    assert isinstance(sub, NvmlSubsystem)
     sub.start(d)
     try:
         first = d.cycle()

@@ -87,7 +87,7 @@ def _daemon(world: Path, ranks: dict[str, int], rank_dir: Path) -> tuple[Daemon,
                                     {447: ranks["root"], 449: ranks["u2"]}),
         watch_xid=False, watch_udev=False)))
     sub = d.parts.nvml
-    assert sub is not None
+    assert isinstance(sub, NvmlSubsystem)
     sub.start(d)
     return d, sub
 

@@ -221,3 +221,38 @@ def test_unanswered_ranks_are_asked_less_often_and_discovered_ones_never(tmp_pat
     # unanswered: asked, then 2, 4 and 8 minutes later (8 x the interval at most)
     gaps = [b - a for a, b in itertools.pairwise(asked[0])]
     assert gaps == [120.0, 240.0, 480.0], asked[0]
+
+
+def test_a_rank_directory_that_refuses_requests_is_said_once_per_streak(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A request that cannot be written (a read-only rank directory: here a path under a file) is
+    logged once, however many cycles fail; once requests are written again that is said once; the
+    rank is asked each cycle meanwhile (no request went, so none is waiting for an answer)."""
+    from types import SimpleNamespace
+
+    from gpuwatchd.daemon.flight_recorder import FlightRecorderSubsystem
+    from gpuwatchd.model import RankEntry
+    from gpuwatchd.model.stall import StallVerdict
+    from gpuwatchd.paths import HostPaths
+    from gpuwatchd.sources.procfs import ProcfsReader
+
+    pid = os.getpid()
+    rank = RankEntry("j", 0, pid)
+    blocked = tmp_path / "ranks"
+    blocked.write_text("")  # a file: no request can be made under it
+    daemon = SimpleNamespace(config=SimpleNamespace(rank_dir=str(blocked)), paths=HostPaths(),
+                             procfs=ProcfsReader(HostPaths()))
+    verdicts = {rank.rank_id: StallVerdict("j", 0, pid, True, 0.0, True, "stack", 600.0)}
+    sub = FlightRecorderSubsystem(interval_seconds=60.0)
+    caplog.set_level("WARNING", logger="gpuwatchd.daemon.flight_recorder")
+    for cycle in range(4):
+        sub.track(daemon, _ranks(1000.0 + 5 * cycle, (rank,), pid), verdicts)  # type: ignore[arg-type]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "cannot be written" in said[0], said
+    blocked.unlink()
+    blocked.mkdir()
+    for cycle in range(4, 8):
+        sub.track(daemon, _ranks(1000.0 + 5 * cycle, (rank,), pid), verdicts)  # type: ignore[arg-type]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "written into" in said[1] and "again" in said[1], said
+    assert Path(fr.request_path(str(blocked), "j", 0)).exists()  # asked at once, then waits

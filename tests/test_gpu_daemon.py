@@ -87,7 +87,7 @@ def _daemon(tmp_path: Path, fixture: Path, pid_map: dict[int, int],
         c, s, source=fixture_source(str(fixture), pid_map), watch_xid=watch_xid,
         watch_udev=udev is not None, udev_monitor=udev)))
     sub = d.parts.nvml
-    assert sub is not None
+    assert isinstance(sub, NvmlSubsystem)
     sub.start(d)
     return d, sub
 

@@ -73,7 +73,7 @@ def start_daemon(tmp_path: Path, kernel_log: str, journal: Path | None = None
                parts=lambda c, s: Parts(kernel_log=KernelLogSubsystem(
                    c, s, journal_path=str(journal) if journal else None)))
     sub = d.parts.kernel_log
-    assert sub is not None
+    assert isinstance(sub, KernelLogSubsystem)
     sub.start(d)
     assert _wait(lambda: sub.source is not None)
     assert _wait(lambda: sub.source.ready.is_set(), 20)

@@ -76,7 +76,7 @@ def test_resolves_the_real_elf_binary_not_a_shim(tmp_path: Path) -> None:
 
 def test_absent_binary_is_a_reason_not_a_crash(tmp_path: Path, procs: list) -> None:
     spy = PySpy.from_config(str(tmp_path / "no-such-py-spy"))
-    assert spy.binary is None
+    assert spy.binary is None and not spy.available
     p = start("io4.py")
     procs.append(p)
     for call in (lambda: spy.dump(p.pid), lambda: spy.record_gil(p.pid, 50, 1)):

@@ -20,7 +20,7 @@ from gpuwatchd.daemon.services import Services
 from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
 from gpuwatchd.isolation import guarded
 from gpuwatchd.join.exits import ExitLedger, exit_words
-from gpuwatchd.model import INFO, PAGE, WARNING, CollectorStatus, RankProcess, frozen_map
+from gpuwatchd.model import INFO, PAGE, WARNING, CollectorStatus, RankProcess, frozen_map, rank_alive
 from gpuwatchd.model.events import Event
 from gpuwatchd.model.exits import CRASHED, KILLED, NODE, RankExit
 from gpuwatchd.model.parts import ExitOutput
@@ -120,13 +120,11 @@ class ExitsSubsystem(Subsystem):
         first: dict[RankProcess, int] = {}
         processes, known_start, watched = ranks.processes, self._first_start, watcher.keys()
         for e in ranks.entries:
-            proc = processes.get(e.pid)
-            if proc is None or proc.state in ("Z", "X"):
-                continue
-            rp, start = e.rank_process, proc.start_ticks
+            proc, rp = processes.get(e.pid), e.rank_process
             known = e.start_ticks if e.start_ticks is not None else known_start.get(rp)
-            if known is not None and known != start:
-                continue  # the PID names another process now: not this rank
+            if not rank_alive(proc, known):
+                continue  # gone, a zombie, or the PID names another process now: not this rank
+            start = proc.start_ticks
             first[rp] = start
             key = (e.pid, start)
             wanted.add(key)

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
 from gpuwatchd.join.flight_recorder import parse_response
@@ -59,15 +60,37 @@ LATE_POLL_SECONDS = 30.0
 PIPE_GRACE_SECONDS = 15.0
 
 
-@dataclass
-class _Ask:
-    pid: int
-    nonce: str
-    asked_at: float
-    answered: bool = False
+@dataclass(frozen=True)
+class Ask:
+    """A rank's last request for a dump: ``NEVER`` until its first, then the one sent last."""
+
+    pid: int = 0
+    nonce: str = ""
+    asked_at: float = -math.inf
+    pending: bool = False  # sent, and no answer in yet
     misses: int = 0  # requests in a row that got no answer within the grace, this one excepted
     polled_at: float = 0.0  # the last look for its answer
     dump_before: float | None = None  # through the pipe: the dump file's mtime before the byte
+
+    def due(self, now: float, interval: float) -> bool:
+        """May the next request go? At once the first time, ``interval`` after one answered (or
+        refused), 2, 4, then at most MAX_BACKOFF x ``interval`` after one left unanswered."""
+        wait = interval * min(2 ** (self.misses + 1), MAX_BACKOFF) if self.pending else interval
+        return now - self.asked_at >= wait
+
+    def look(self, now: float, interval: float) -> bool:
+        """Look for its answer file this cycle? While pending: every cycle for the grace and half
+        an interval after the request, then every LATE_POLL_SECONDS."""
+        return self.pending and (now - self.asked_at < ANSWER_GRACE_SECONDS + interval / 2 or
+                                 now - self.polled_at >= LATE_POLL_SECONDS)
+
+    def then(self, pid: int, nonce: str, now: float, dump_before: float | None = None) -> Ask:
+        """The request sent after this one: a miss more if this one is still unanswered."""
+        misses = min(self.misses + 1, MAX_BACKOFF) if self.pending else 0
+        return Ask(pid, nonce, now, pending=True, misses=misses, dump_before=dump_before)
+
+
+NEVER = Ask()
 
 
 class FlightRecorderSubsystem(Subsystem):
@@ -77,9 +100,9 @@ class FlightRecorderSubsystem(Subsystem):
 
     def __init__(self, interval_seconds: float = 60.0) -> None:
         self.interval = interval_seconds
-        self._asks: dict[RankId, _Ask] = {}
+        self._asks: dict[RankId, Ask] = {}
         self._readings: dict[RankId, FrReading] = {}
-        self._request_error: str | None = None  # why the last request could not be written
+        self._unwritable = False  # the last request could not be written (said once per streak)
         self._pipes: dict[RankId, tuple[int, PipeSettings | None]] = {}  # (pid, settings)
 
     def track(self, daemon: DaemonContext, ranks: Ranks,
@@ -97,19 +120,17 @@ class FlightRecorderSubsystem(Subsystem):
         for key in set(self._pipes) - set(live):
             del self._pipes[key]
         for key, e in live.items():
-            ask = self._asks.get(key)
+            ask = self._asks.get(key, NEVER)
             pipe = self._pipe_of(daemon, e) if e.job_id in stalled_jobs or key in self._pipes else None
             if pipe is not None:
                 self._through_pipe(daemon, e, pipe, processes[e.pid].uid, now, e.job_id in stalled_jobs)
                 continue
             if e.source != "rankfile":
                 continue  # discovered: no responder (it runs in register_rank())
-            if e.job_id in stalled_jobs and (ask is None or now - ask.asked_at >= self._wait(ask)):
+            if e.job_id in stalled_jobs and ask.due(now, self.interval):
                 self._ask(rank_dir, e, now, ask)
-            elif ask is not None and not ask.answered and (
-                    now - ask.asked_at < ANSWER_GRACE_SECONDS + self.interval / 2 or
-                    now - ask.polled_at >= LATE_POLL_SECONDS):
-                ask.polled_at = now
+            elif ask.look(now, self.interval):
+                self._asks[key] = replace(ask, polled_at=now)
                 self._collect(rank_dir, e, processes[e.pid].uid)
                 reading = self._readings.get(key)
                 if reading is not None and reading.error == "waiting" and \
@@ -131,22 +152,21 @@ class FlightRecorderSubsystem(Subsystem):
 
     def _through_pipe(self, daemon: DaemonContext, e: RankEntry, pipe: PipeSettings, uid: int,
                       now: float, stalled: bool) -> None:
-        key, ask = e.rank_id, self._asks.get(e.rank_id)
+        key, ask = e.rank_id, self._asks.get(e.rank_id, NEVER)
         root = daemon.paths.proc(e.pid, "root")
         dump = in_root(root, pipe.dump)
-        if stalled and (ask is None or now - ask.asked_at >= self._wait(ask)):
+        if stalled and ask.due(now, self.interval):
             before = dump_mtime(dump, uid)
             try:
                 trigger(in_root(root, pipe.pipe), uid)
             except (OSError, ValueError) as exc:
                 self._readings[key] = FrReading(e.job_id, e.rank, e.pid, error=f"pipe refused: {exc}"[:200])
-                self._asks[key] = _Ask(e.pid, "", now, answered=True)  # asked again at the interval
+                self._asks[key] = Ask(e.pid, "", now)  # not pending: asked again at the interval
                 return
-            misses = 0 if ask is None or ask.answered else min(ask.misses + 1, MAX_BACKOFF)
-            self._asks[key] = _Ask(e.pid, "", now, misses=misses, dump_before=before)
+            self._asks[key] = ask.then(e.pid, "", now, dump_before=before)
             self._readings.setdefault(key, FrReading(e.job_id, e.rank, e.pid, error="waiting"))
             return
-        if ask is None or ask.answered:
+        if not ask.pending:
             return
         if now - ask.asked_at >= PIPE_GRACE_SECONDS:  # looked for no more until the next byte
             if key in self._readings and self._readings[key].error == "waiting":
@@ -160,34 +180,25 @@ class FlightRecorderSubsystem(Subsystem):
             self._readings[key] = parse_response(doc, e.job_id, e.rank, e.pid)
         except (OSError, ValueError) as exc:
             self._readings[key] = FrReading(e.job_id, e.rank, e.pid, error=f"refused: {exc}"[:200])
-        ask.answered = True
+        self._asks[key] = replace(ask, pending=False)
 
-    def _wait(self, ask: _Ask | None) -> float:
-        """How long after ``ask`` the next request may go (MAX_BACKOFF)."""
-        if ask is None:
-            return 0.0
-        if ask.answered:
-            return self.interval
-        return self.interval * min(2 ** (ask.misses + 1), MAX_BACKOFF)
-
-    def _ask(self, rank_dir: str, e: RankEntry, now: float, last: _Ask | None = None) -> None:
+    def _ask(self, rank_dir: str, e: RankEntry, now: float, last: Ask = NEVER) -> None:
         nonce = os.urandom(8).hex()  # secrets.token_hex, without loading libcrypto via hmac
         try:
             write_request(request_path(rank_dir, e.job_id, e.rank), nonce)
         except OSError as exc:
             # once per streak: a read-only rank directory (a DaemonSet's readOnly mount) or one
             # the daemon's user may not write fails every request, and no dump ever comes
-            if self._request_error is None:
+            if not self._unwritable:
                 log.warning("flight-recorder requests cannot be written into %s (%s): no "
                             "flight-recorder dumps for stalled ranks until they can", rank_dir,
                             exc.strerror or exc)
-            self._request_error = str(exc)
+            self._unwritable = True
             return
-        if self._request_error is not None:
+        if self._unwritable:
             log.warning("flight-recorder requests are written into %s again", rank_dir)
-            self._request_error = None
-        misses = 0 if last is None or last.answered else min(last.misses + 1, MAX_BACKOFF)
-        self._asks[e.rank_id] = _Ask(e.pid, nonce, now, misses=misses)
+            self._unwritable = False
+        self._asks[e.rank_id] = last.then(e.pid, nonce, now)
         if e.rank_id not in self._readings:
             self._readings[e.rank_id] = FrReading(e.job_id, e.rank, e.pid, error="waiting")
 
@@ -209,7 +220,7 @@ class FlightRecorderSubsystem(Subsystem):
             self._readings[key] = parse_response(doc, e.job_id, e.rank, e.pid)
         except ValueError as exc:
             self._readings[key] = FrReading(e.job_id, e.rank, e.pid, error=f"refused: {exc}"[:200])
-        ask.answered = True
+        self._asks[key] = replace(ask, pending=False)
         with contextlib.suppress(OSError):
             os.unlink(request_path(rank_dir, e.job_id, e.rank))
 

@@ -66,6 +66,7 @@ class KernelLogSubsystem(Subsystem):
         self._error = ""
         self._running = False
         self._last_ok: float | None = None
+        self._history_owed = False  # the first start in this boot: its history event is not out
         self._history_due = 0.0
 
     def start(self, daemon: DaemonContext) -> None:
@@ -78,10 +79,11 @@ class KernelLogSubsystem(Subsystem):
         daemon.counters.ensure("kernel_log_overruns", ())
         # First start in this boot: what the kernel counted and the log replays is history.
         self._history_due = self.HISTORY_WAIT_SECONDS + time.monotonic()
-        self.processor.take_baseline(read_vmstat_oom_kill(paths), daemon.clock())
+        first = self.processor.take_baseline(read_vmstat_oom_kill(paths), daemon.clock())
         if cfg.kernel_log == "off":
-            self.processor.history_event("")
+            self.processor.history_event("")  # no replay to wait for
             return
+        self._history_owed = first
         self._thread = threading.Thread(
             target=self._run, args=(daemon,), name="kernel-log", daemon=True
         )
@@ -150,13 +152,16 @@ class KernelLogSubsystem(Subsystem):
 
     def _report_history(self) -> None:
         """The first start's history event, once the source has replayed its buffer."""
-        if self.processor.oom_baseline.history is None:
+        if not self._history_owed:
             return
         source = self.source
         if source is not None and source.ready.is_set():
             self.processor.history_event(source.name)
         elif time.monotonic() > self._history_due:
             self.processor.history_event("")
+        else:
+            return
+        self._history_owed = False
 
     def after_join(self, daemon: DaemonContext, ranks: Ranks, state: NodeState) -> None:
         """Give the attribution record this cycle's rank trees: the joined ranks (alive or not)

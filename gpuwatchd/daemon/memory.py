@@ -84,7 +84,7 @@ class MemorySubsystem(Subsystem):
         shared: dict[CgroupPaths, CgroupMemory | None] = {}  # and each cgroup's bounding level
         for e in ranks.entries:
             proc = processes.get(e.pid)
-            if e.rank_id in seen or proc is None or not rank_alive(proc, e.start_ticks):
+            if e.rank_id in seen or not rank_alive(proc, e.start_ticks):
                 continue
             seen.add(e.rank_id)
             key = TrackedRank(e.job_id, e.rank, e.pid, proc.start_ticks)

@@ -43,7 +43,7 @@ from gpuwatchd.model import GpuDevice, GpuProcess, GpuUevent, NodeState, OomEven
 from gpuwatchd.model.parts import GpuOutput, GpuRemoved, NvmlLostGpu
 from gpuwatchd.sources.cuda_oom_events import OomEventFiles
 from gpuwatchd.sources.devfds import EvidenceReader
-from gpuwatchd.sources.nvidia_devices import probe
+from gpuwatchd.sources.nvidia_devices import DeviceProbe, probe
 from gpuwatchd.sources.nvml import NvmlReadError, NvmlSource
 from gpuwatchd.sources.nvml_events import XidEventWatcher
 from gpuwatchd.sources.nvml_fixture import open_nvml_source
@@ -63,16 +63,16 @@ class NvmlSubsystem(Subsystem):
                  guard: DevicePolicyGuard | None = None, udev_monitor: Any = None) -> None:
         """Every collaborator built here, nothing started (``start`` starts the Xid and udev
         threads). ``source``: the NVML reader (default: the driver, or ``nvml.fixture``'s
-        recording); ``guard``: the device-cgroup diagnosis (default: the host's, none with a
-        fixture); ``udev_monitor``: the pyudev ``Monitor`` the udev thread listens on (None: the
-        kernel's netlink; tests hand it recorded uevents, there being no GPU here to unplug)."""
+        recording); ``guard``: the device-cgroup diagnosis (default: the host's; with a fixture,
+        one that finds no device node: a recording has none to deny); ``udev_monitor``: the
+        pyudev ``Monitor`` the udev thread listens on (None: the kernel's netlink; tests hand it
+        recorded uevents, there being no GPU here to unplug)."""
         cfg = config.nvml
         paths = services.paths
         self.source = source or open_nvml_source(cfg.fixture)
-        if guard is None and not cfg.fixture:
-            guard = DevicePolicyGuard(config.state_dir, services.boot_id,
-                                      probe_fn=lambda: probe(paths.dev(), paths.proc("devices")))
-        self.guard = guard
+        probe_fn = (lambda: DeviceProbe((), {})) if cfg.fixture else (
+            lambda: probe(paths.dev(), paths.proc("devices")))
+        self.guard = guard or DevicePolicyGuard(config.state_dir, services.boot_id, probe_fn=probe_fn)
         timeout = cfg.timeout_seconds
         self.collector: Collector[Reading] = Collector(
             "nvml", self._read, timeout, 3 * config.interval_seconds + timeout, services.clock)
@@ -123,7 +123,7 @@ class NvmlSubsystem(Subsystem):
         try:
             return self.source.read()
         except Exception as exc:
-            why = self.guard.diagnose() if self.guard is not None else ""
+            why = self.guard.diagnose()
             if why:
                 raise NvmlDeviceDenied(f"{why} (NVML: {exc})") from exc
             raise
@@ -132,7 +132,7 @@ class NvmlSubsystem(Subsystem):
         """``last``: the previous cycle's state (the co-tenants a CUDA OOM is attributed among:
         the GPU memory as it was when the error was raised, before this reading)."""
         reading = self.collector.run()
-        if reading is None and self.guard is not None:
+        if reading is None:
             why = self.guard.restart_reason()
             if why:
                 daemon.request_exit(EXIT_REEXPAND, why)

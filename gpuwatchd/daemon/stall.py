@@ -59,7 +59,7 @@ class StallSubsystem(Subsystem):
         """``spy``: the py-spy runner (default: the daemon's one, shared with memory snapshots)."""
         self.config = config
         self.spy = spy or services.spy
-        if self.spy.binary is None:
+        if not self.spy.available:
             log.warning("py-spy unavailable (%s): no GIL sampling, stall detection from "
                         "heartbeats and /proc only", self.spy.unavailable_reason)  # fmt: skip
         g = config.gil
@@ -83,7 +83,7 @@ class StallSubsystem(Subsystem):
 
     def start(self, daemon: DaemonContext) -> None:
         sampler = self.sampler
-        if sampler is None or self.spy.binary is None:
+        if sampler is None or not self.spy.available:
             return
         stop: threading.Event = daemon.stop_event
 
@@ -140,7 +140,7 @@ class StallSubsystem(Subsystem):
         )
 
     def status(self) -> CollectorStatus:
-        if self.spy.binary is None:
+        if not self.spy.available:
             return CollectorStatus(COLLECTOR, False, 0.0, None,
                                    f"{ABSENT}: {self.spy.unavailable_reason}"[:300])  # fmt: skip
         if self.sampler is not None:

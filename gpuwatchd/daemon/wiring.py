@@ -25,6 +25,7 @@ from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem
 from gpuwatchd.daemon.nccl_ras import NcclRasSubsystem
 from gpuwatchd.daemon.nvml import NvmlSubsystem
+from gpuwatchd.daemon.off import Off
 from gpuwatchd.daemon.retention import RetentionSubsystem
 from gpuwatchd.daemon.services import Services
 from gpuwatchd.daemon.stall import StallSubsystem
@@ -61,23 +62,26 @@ def down_statuses(reported: list[CollectorStatus], down: Mapping[str, str]) -> l
 
 @dataclass(frozen=True)
 class Parts:
-    """The daemon's parts by name, each built whole (``build_parts``): None where the daemon does
-    not run that part (its config section is off, or a one-cycle reader such as ``gpuwatchd ps``
-    runs none). The order of ``all`` is that of their start and after-join hooks."""
+    """The daemon's parts by name, each built whole (``build_parts``), or ``Off`` where the daemon
+    does not run it: every slot holds a part, and the track stage calls each the same way. The
+    order of ``all`` is that of their start and after-join hooks."""
 
-    stall: StallSubsystem | None = None
-    flight_recorder: FlightRecorderSubsystem | None = None
-    nccl_ras: NcclRasSubsystem | None = None
-    straggler: StragglerSubsystem | None = None
-    kernel_log: KernelLogSubsystem | None = None
-    exits: ExitsSubsystem | None = None
-    nvml: NvmlSubsystem | None = None
-    memory: MemorySubsystem | None = None
-    finding_events: FindingEventsSubsystem | None = None
-    retention: RetentionSubsystem | None = None
+    stall: StallSubsystem | Off[StallOutput] = Off("pyspy", StallOutput())
+    flight_recorder: FlightRecorderSubsystem | Off[FlightOutput] = Off("flight_recorder", FlightOutput())
+    nccl_ras: NcclRasSubsystem | Off[RasOutput] = Off("nccl_ras", RasOutput())
+    straggler: StragglerSubsystem | Off[StragglerOutput] = Off("straggler", StragglerOutput())
+    kernel_log: KernelLogSubsystem | Off[KernelOutput] = Off("kernel_log", KernelOutput())
+    exits: ExitsSubsystem | Off[ExitOutput] = Off("exits", ExitOutput())
+    nvml: NvmlSubsystem | Off[GpuOutput] = Off("nvml", GpuOutput())
+    memory: MemorySubsystem | Off[MemoryOutput] = Off("memory", MemoryOutput())
+    finding_events: FindingEventsSubsystem | Off[None] = Off("finding_events", None)
+    retention: RetentionSubsystem | Off[None] = Off("retention", None)
 
     def all(self) -> list[Subsystem]:
-        return [p for p in (getattr(self, f.name) for f in fields(self)) if p is not None]
+        return [getattr(self, f.name) for f in fields(self)]
+
+
+OFF = Parts()  # every part off: a daemon that reads rank files and /proc only
 
 
 def build_parts(config: Config, services: Services) -> Parts:
@@ -86,23 +90,24 @@ def build_parts(config: Config, services: Services) -> Parts:
     s = config.stall
     return Parts(
         stall=StallSubsystem(config, services),
-        flight_recorder=FlightRecorderSubsystem(s.flight_recorder_interval_seconds) if s.flight_recorder else None,
+        flight_recorder=(FlightRecorderSubsystem(s.flight_recorder_interval_seconds)
+                         if s.flight_recorder else OFF.flight_recorder),
         nccl_ras=(NcclRasSubsystem(s.nccl_ras_interval_seconds, s.nccl_ras_timeout_seconds)
-                  if s.nccl_ras else None),
-        straggler=StragglerSubsystem(config, services) if config.straggler.enabled else None,
+                  if s.nccl_ras else OFF.nccl_ras),
+        straggler=StragglerSubsystem(config, services) if config.straggler.enabled else OFF.straggler,
         kernel_log=KernelLogSubsystem(config, services),
         exits=ExitsSubsystem(services),
-        nvml=NvmlSubsystem(config, services) if config.nvml.enabled else None,
-        memory=MemorySubsystem(config, services) if config.memory.enabled else None,
+        nvml=NvmlSubsystem(config, services) if config.nvml.enabled else OFF.nvml,
+        memory=MemorySubsystem(config, services) if config.memory.enabled else OFF.memory,
         finding_events=FindingEventsSubsystem(services),
         retention=RetentionSubsystem(services),
     )
 
 
 def no_parts(config: Config, services: Services) -> Parts:
-    """No part at all: a daemon that reads rank files and /proc only (``gpuwatchd ps`` without a
+    """Every part off: a daemon that reads rank files and /proc only (``gpuwatchd ps`` without a
     running daemon, benches of the daemon's own reading)."""
-    return Parts()
+    return OFF
 
 
 def track(parts: Parts, daemon: DaemonContext, ranks: Ranks, heartbeats: Mapping[RankId, float],
@@ -114,8 +119,8 @@ def track(parts: Parts, daemon: DaemonContext, ranks: Ranks, heartbeats: Mapping
     Each call isolated: one that raises loses its own output (and is added to ``down``, exported
     as a collector that is down), nothing else."""
 
-    def part(sub: S | None, call: Callable[[S], T], default: T) -> T:
-        if sub is None or sub.name in down:  # absent, or failed to start: its default output
+    def part(sub: S, call: Callable[[S], T], default: T) -> T:
+        if sub.name in down:  # failed to start: its default output
             return default
         out, error = attempt(f"subsystem {sub.name} track", lambda: call(sub), default)
         if error is not None:

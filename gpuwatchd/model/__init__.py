@@ -12,7 +12,7 @@ import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 from gpuwatchd.model.collectives import CollectiveStatus
 from gpuwatchd.model.nccl_ras import RasRankStatus
@@ -129,10 +129,10 @@ class BadRankFile:
     reason: str
 
 
-def rank_alive(proc: ProcessInfo | None, expected_start_ticks: int | None) -> bool:
+def rank_alive(proc: ProcessInfo | None, expected_start_ticks: int | None) -> TypeGuard[ProcessInfo]:
     """The one rule for "is this rank alive": its process exists, is neither a zombie nor dead,
     and, when its start time is known (the rank file's, or the first one seen), is still the
-    process that started then (not a reused PID)."""
+    process that started then (not a reused PID). True says ``proc`` is a process (for mypy)."""
     return proc is not None and proc.state not in ("Z", "X") and (
         expected_start_ticks is None or proc.start_ticks == expected_start_ticks)
 

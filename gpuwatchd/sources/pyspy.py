@@ -167,6 +167,7 @@ class PySpy:
         runs py-spy as that user (needs root), e.g. an unprivileged sampling account;
         ``reaper``: the registry of this process's children (default: the process-wide one)."""
         self.binary = binary
+        self.available = binary is not None  # decided once: absent, every run fails with ABSENT
         self.reaper = reaper if reaper is not None else CHILDREN
         self.paths = paths or HostPaths()
         self.timeout_seconds = timeout_seconds

@@ -36,7 +36,7 @@ class StallLooks:
 
     @property
     def can_dump(self) -> bool:
-        return self.spy is not None and self.spy.binary is not None
+        return self.spy is not None and self.spy.available
 
     def heartbeat_mtime(self, path: str, owner_uid: int | None = None) -> float | None:
         """mtime, with the owner rule of sources/rankfiles.py checked at the moment of reading."""
@@ -51,7 +51,7 @@ class StallLooks:
     def dump(self, pid: int) -> Dump:
         """A non-blocking dump; a busy py-spy slot (the GIL sampler may hold them) is an error
         this time, never a wait."""
-        if self.spy is None or self.spy.binary is None:
+        if self.spy is None or not self.spy.available:
             return Dump(None, "py-spy absent", hopeless=True)
         try:
             return Dump(self.spy.dump(pid, slot_wait=0.0))

@@ -75,7 +75,7 @@ def test_rank_in_a_pid_namespace_is_attributed_by_nvmls_host_pid(
     daemon = Daemon(load_config(str(cfg_file)),
                     parts=lambda c, s: Parts(nvml=NvmlSubsystem(c, s, watch_udev=False)))
     sub = daemon.parts.nvml
-    assert sub is not None
+    assert isinstance(sub, NvmlSubsystem)
     sub.start(daemon)
     try:
         deadline = time.monotonic() + 60

@@ -76,7 +76,7 @@ class World:
         self.daemon = Daemon(load_config(str(self.cfg_file)),
                              parts=lambda c, s: Parts(nvml=NvmlSubsystem(c, s, watch_udev=False)))
         sub = self.daemon.parts.nvml
-        assert sub is not None
+        assert isinstance(sub, NvmlSubsystem)
         self.sub = sub
         self.sub.start(self.daemon)
 
