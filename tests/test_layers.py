@@ -38,9 +38,8 @@ PKG = Path(__file__).resolve().parent.parent / "gpuwatchd"
 
 # Lowest first. A module belongs to the first entry whose prefix names it or a package above it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("core", ("gpuwatchd.model", "gpuwatchd.config", "gpuwatchd.config_checks", "gpuwatchd.strict_yaml",
-              "gpuwatchd.paths", "gpuwatchd.units", "gpuwatchd.escape", "gpuwatchd.counters",
-              "gpuwatchd.isolation", "gpuwatchd.statefile", "gpuwatchd.logs")),
+    ("core", ("gpuwatchd.model", "gpuwatchd.config", "gpuwatchd.paths", "gpuwatchd.units", "gpuwatchd.escape",
+              "gpuwatchd.counters", "gpuwatchd.isolation", "gpuwatchd.statefile", "gpuwatchd.logs")),
     ("rank", ("gpuwatchd.rank",)),
     ("sources", ("gpuwatchd.sources",)),
     ("events", ("gpuwatchd.events",)),
