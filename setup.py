@@ -1,6 +1,6 @@
 """Only for the wheel's .pth file (issue 22): setuptools' pyproject tables cannot place a file at
 the top of site-packages, so build_py copies gpuwatchd/rank/gpuwatchd-heartbeat.pth there. It does
-nothing unless GPUWATCHD_HEARTBEAT is set (gpuwatchd/autobeat.py). Everything else is in
+nothing unless GPUWATCHD_HEARTBEAT is set (gpuwatchd/rank/autobeat.py). Everything else is in
 pyproject.toml."""
 
 import os

@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.benchlib import REPO, cpu_seconds, free_port, pct, rss_kib
-from gpuwatchd.config import Config, DiscoveryConfig, GilConfig, NvmlConfig, WebConfig
+from gpuwatchd.config.schema import Config, DiscoveryConfig, GilConfig, NvmlConfig, WebConfig
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.wiring import build_parts, no_parts

@@ -44,7 +44,7 @@ offset = [0.0]
 time.time = lambda: _time() + offset[0]
 time.monotonic = lambda: _mono() + offset[0]
 import gpuwatchd.daemon.core as core
-from gpuwatchd.config import load_config
+from gpuwatchd.config.schema import load_config
 cfg = load_config(cfg_path)
 cfg = dataclasses.replace(cfg, web=dataclasses.replace(cfg.web, listen_address="127.0.0.1:0"))
 exec(INSTRUMENT)  # cycle_profile.INSTRUMENT: acc, timed, instrument

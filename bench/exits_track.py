@@ -13,7 +13,7 @@ import threading
 import time
 
 from bench.benchlib import cpu_seconds
-from gpuwatchd.config import Config
+from gpuwatchd.config.schema import Config
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.exits import ExitsSubsystem
 from gpuwatchd.daemon.services import Services

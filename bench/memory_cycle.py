@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 
-from gpuwatchd.config import Config, DiscoveryConfig, GilConfig, NvmlConfig
+from gpuwatchd.config.schema import Config, DiscoveryConfig, GilConfig, NvmlConfig
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.memory import MemorySubsystem
 from gpuwatchd.daemon.wiring import Parts, no_parts

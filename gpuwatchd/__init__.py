@@ -3,7 +3,7 @@
 The launcher-side API lives here so that a training script needs only ``import gpuwatchd``:
 ``gpuwatchd.register_rank()`` and ``gpuwatchd.heartbeat(step)`` (see ``gpuwatchd.rank.api``).
 They are loaded at first use, so that importing a submodule (the wheel's .pth file imports
-``gpuwatchd.autobeat`` at interpreter start-up when GPUWATCHD_HEARTBEAT is set) costs no more
+``gpuwatchd.rank.autobeat`` at interpreter start-up when GPUWATCHD_HEARTBEAT is set) costs no more
 than that submodule. This module imports nothing, not even ``typing`` (5 ms at every start-up of
 every Python process of a job with GPUWATCHD_HEARTBEAT=1; tests/test_autobeat.py), nor
 ``__future__`` (so the one annotation is a string).

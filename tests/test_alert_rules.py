@@ -292,7 +292,7 @@ def test_the_push_merges_with_the_rule_only_where_prometheus_adds_no_labels(tmp_
     - in Kubernetes the rule's alert also carries the Operator's target labels and
       kube-prometheus-stack's external labels, so the two are two alerts whatever the instance:
       there the push stays off (the Helm chart's default)."""
-    from gpuwatchd.config import parse_config
+    from gpuwatchd.config.schema import parse_config
     from gpuwatchd.events.alertmanager import alert_for, derive_instance
     from gpuwatchd.model.events import Event
 

@@ -1,4 +1,4 @@
-"""Heartbeats with no code change (gpuwatchd/autobeat.py, gpuwatchd/run.py, the wheel's .pth file;
+"""Heartbeats with no code change (gpuwatchd/rank/autobeat.py, gpuwatchd/rank/run.py, the wheel's .pth file;
 issue 22) on real processes, with a torch-free stand-in for ``torch.optim.optimizer`` (torch is not
 installed here): a package ``torch`` whose ``optim.optimizer`` has the real API's
 ``register_optimizer_step_post_hook`` and an SGD that calls the hooks after each ``step()``.
@@ -94,7 +94,7 @@ def _rank_file(world: dict) -> dict:
 
 
 def test_launcher_shim_registers_and_beats(world: dict) -> None:
-    out = _run([sys.executable, "-m", "gpuwatchd.run", "train.py", "5"], world["env"], world["tmp"])
+    out = _run([sys.executable, "-m", "gpuwatchd.rank.run", "train.py", "5"], world["env"], world["tmp"])
     assert "done 5 loss 1.503239" in out  # the script ran as itself, its argv intact
     doc = _rank_file(world)
     assert doc["job_id"] == world["job"] and doc["world_size"] == 4
@@ -106,7 +106,7 @@ def test_launcher_shim_registers_and_beats(world: dict) -> None:
 
 
 def test_shim_runs_a_module_too(world: dict) -> None:
-    _run([sys.executable, "-m", "gpuwatchd.run", "-m", "train", "4", "0.4"], world["env"], world["tmp"])
+    _run([sys.executable, "-m", "gpuwatchd.rank.run", "-m", "train", "4", "0.4"], world["env"], world["tmp"])
     (entry,) = _rank_file(world)["ranks"]
     # steps 0.4 s apart: beats at step 1 and at the first step a second later (4, or 3 when slow)
     assert int(Path(entry["heartbeat"]).read_text()) in (3, 4)
@@ -121,7 +121,7 @@ def test_never_fails_the_job(world: dict, missing: str) -> None:
     else:
         for k in ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
             env.pop(k)
-    out = _run([sys.executable, "-m", "gpuwatchd.run", "train.py", "20"], env, world["tmp"])
+    out = _run([sys.executable, "-m", "gpuwatchd.rank.run", "train.py", "20"], env, world["tmp"])
     assert "done 20 loss" in out
     assert out.count("could not register rank") == 1  # one warning, not one per step
     assert not list(Path(world["rank_dir"]).glob("*.json"))
@@ -156,7 +156,7 @@ def test_wheel_pth_beats_only_when_asked(world: dict, wheel_env: Path) -> None:
 
 
 # What a training process imports of gpuwatchd, all of it (tools/build_client.py's CLIENT_FILES).
-CLIENT_MODULES = ("gpuwatchd", "gpuwatchd.autobeat", "gpuwatchd.run", "gpuwatchd.rank.api",
+CLIENT_MODULES = ("gpuwatchd", "gpuwatchd.rank.autobeat", "gpuwatchd.rank.run", "gpuwatchd.rank.api",
                   "gpuwatchd.rank.rankfile", "gpuwatchd.rank.cuda_oom", "gpuwatchd.rank.flight_recorder")
 ONLY_STDLIB = f"""
 import sys, importlib
@@ -207,7 +207,7 @@ def test_the_client_wheel_alone_runs_the_rank_side(world: dict, client_env: Path
                          text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "['gpuwatchd']", out
     # the launcher shim, then the .pth file: each registers the rank and beats
-    _run([str(client_env), "-m", "gpuwatchd.run", "train.py", "3"], world["env"], world["tmp"])
+    _run([str(client_env), "-m", "gpuwatchd.rank.run", "train.py", "3"], world["env"], world["tmp"])
     (entry,) = _rank_file(world)["ranks"]
     assert entry["rank"] == 3 and Path(entry["heartbeat"]).read_text().strip() == "1"
     for f in Path(world["rank_dir"]).iterdir():
@@ -237,7 +237,7 @@ def test_heartbeat_reaches_the_daemon(world: dict) -> None:
     home = world["tmp"] / "d"
     home.mkdir()
     cfg_path, cfg = write_config(home, rank_dir=str(world["rank_dir"]), stall={"after_seconds": 1.5})
-    p = subprocess.Popen([sys.executable, "-m", "gpuwatchd.run", "train.py", "25", "0.1", "hang"],
+    p = subprocess.Popen([sys.executable, "-m", "gpuwatchd.rank.run", "train.py", "25", "0.1", "hang"],
                          env=world["env"], cwd=world["tmp"], stdout=subprocess.PIPE, text=True)
     d = DaemonProc(cfg_path, cfg)
     try:
@@ -258,11 +258,12 @@ def test_heartbeat_reaches_the_daemon(world: dict) -> None:
 
 
 # What a bare interpreter start-up of the wheel's venv may import more with GPUWATCHD_HEARTBEAT=1:
-# the finder's module and its package, nothing else (typing alone took 5 ms of the 8.1 ms).
-STARTUP_EXTRA = {"gpuwatchd", "gpuwatchd.autobeat"}
+# the finder's module and its two packages (which import nothing), nothing else (typing alone took
+# 5 ms of the 8.1 ms).
+STARTUP_EXTRA = {"gpuwatchd", "gpuwatchd.rank", "gpuwatchd.rank.autobeat"}
 
 
-def test_the_pth_file_costs_two_tiny_modules_at_start_up(world: dict, wheel_env: Path) -> None:
+def test_the_pth_file_costs_three_tiny_modules_at_start_up(world: dict, wheel_env: Path) -> None:
     probe = "import sys; print(' '.join(sorted(sys.modules)))"
     env = {k: v for k, v in world["env"].items() if k != "PYTHONPATH"}
     base = set(_run([str(wheel_env), "-c", probe], env, world["tmp"]).split())

@@ -68,7 +68,7 @@ def scene(tmp_path: Path) -> Iterator[dict]:
 
 
 def _inputs(scene: dict, loop: bool = False) -> check.Inputs:
-    from gpuwatchd.config import load_config
+    from gpuwatchd.config.schema import load_config
 
     lib = RecordedNvml(json.loads(scene["fixture"].read_text()), pid_map=scene["pid_map"],
                        loop=loop)

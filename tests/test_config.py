@@ -9,8 +9,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuwatchd.config import DEFAULT_PORT, Config, ConfigError, load_config, parse_config, with_overrides
-from gpuwatchd.config_checks import parse_listen_address
+from gpuwatchd.config.checks import parse_listen_address
+from gpuwatchd.config.schema import DEFAULT_PORT, Config, ConfigError, load_config, parse_config, with_overrides
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -137,7 +137,7 @@ def test_unquoted_off_means_off() -> None:
     "web:\n  listen_address: ':9958'\n  listen_address: ':9959'\n",
 ])
 def test_a_key_given_twice_is_refused_naming_it(tmp_path: Path, text: str) -> None:
-    """Not silently last-wins (strict_yaml.py; exporter-toolkit's UnmarshalStrict does the same)."""
+    """Not silently last-wins (config/strict_yaml.py; exporter-toolkit's UnmarshalStrict does the same)."""
     path = tmp_path / "c.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError) as e:

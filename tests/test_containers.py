@@ -290,7 +290,7 @@ def test_check_does_not_call_a_containerised_rank_an_orphan(world: Path,
     import io
 
     from gpuwatchd.cli import check
-    from gpuwatchd.config import load_config
+    from gpuwatchd.config.schema import load_config
     from gpuwatchd.sources.nvml import NvmlSource
     from gpuwatchd.sources.nvml_fixture import RecordedNvml
 

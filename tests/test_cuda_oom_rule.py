@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gpuwatchd.config import Config, parse_config
+from gpuwatchd.config.schema import Config, parse_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.nvml import NvmlSubsystem
 from gpuwatchd.daemon.wiring import Parts

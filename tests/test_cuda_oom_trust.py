@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from userutil import rank_world_fixture, user_writes, users_fixture
 
-from gpuwatchd.config import parse_config
+from gpuwatchd.config.schema import parse_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.flight_recorder import FlightRecorderSubsystem
 from gpuwatchd.daemon.nvml import NvmlSubsystem

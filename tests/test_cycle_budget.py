@@ -13,7 +13,7 @@ from typing import Any
 
 from daemonutil import DaemonProc, write_config
 
-from gpuwatchd.config import load_config
+from gpuwatchd.config.schema import load_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.join.stall import StallTracker
 from gpuwatchd.model.stall import RankProbe

@@ -165,7 +165,7 @@ def test_state_json_text_is_the_slow_encoding_byte_for_byte(tmp_path: Path) -> N
 
     from test_golden_exposition import NVML, PROC, T0
 
-    from gpuwatchd.config import Config, NvmlConfig, OrphansConfig
+    from gpuwatchd.config.schema import Config, NvmlConfig, OrphansConfig
     from gpuwatchd.daemon.core import Daemon
     from gpuwatchd.daemon.nvml import NvmlSubsystem
     from gpuwatchd.daemon.state_json import state_json_text, state_to_json
@@ -335,7 +335,7 @@ def test_a_cycle_reads_each_ranks_stat_once(tmp_path: Path, rank: Rank,
 
     from daemonutil import write_config
 
-    from gpuwatchd.config import load_config
+    from gpuwatchd.config.schema import load_config
     from gpuwatchd.daemon.core import Daemon
     from gpuwatchd.daemon.wiring import no_parts
 

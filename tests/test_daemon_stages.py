@@ -21,7 +21,7 @@ from typing import Any
 
 from daemonutil import write_config
 
-from gpuwatchd.config import load_config
+from gpuwatchd.config.schema import load_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.flight_recorder import FlightRecorderSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem

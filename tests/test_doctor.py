@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from gpuwatchd.cli import doctor
-from gpuwatchd.config import Config
+from gpuwatchd.config.schema import Config
 from gpuwatchd.paths import HostPaths
 
 PROGRAMS = Path(__file__).parent / "fixtures" / "pyspy" / "programs"
@@ -146,7 +146,7 @@ def test_doctor_without_pyspy_still_reports_the_rest(procs: list) -> None:
                          text=True)
     procs.append(p)
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-    from gpuwatchd.config import GilConfig
+    from gpuwatchd.config.schema import GilConfig
 
     r = doctor.collect(p.pid, Config(gil=GilConfig(pyspy_path="/nonexistent/py-spy")))
     assert "absent" in r["python"]["error"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.config import Config
+from gpuwatchd.config.schema import Config
 from gpuwatchd.findings import job_crashed, rank_down
 from gpuwatchd.findings.context import FindingContext
 from gpuwatchd.join.exits import classify, describe_status, order

@@ -149,7 +149,7 @@ def test_daemon_names_the_rank_that_never_entered_the_collective(tmp_path: Path)
 def test_trace_buffer_size_under_its_old_name_is_a_renamed_variable(procs: list) -> None:
     """A real process started with TORCH_NCCL_TRACE_BUFFER_SIZE: /proc/PID/environ -> the
     nccl_legacy_env finding tells to use TORCH_FR_BUFFER_SIZE."""
-    from gpuwatchd.config import Config
+    from gpuwatchd.config.schema import Config
     from gpuwatchd.findings import FindingContext, nccl_env
     from gpuwatchd.model import RankState
     from gpuwatchd.sources.procfs import ProcfsReader

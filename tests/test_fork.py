@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.config import Config
+from gpuwatchd.config.schema import Config
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import fork_after_cuda as fork_rule
 from gpuwatchd.model import GpuProcessRow, RankState

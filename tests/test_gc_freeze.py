@@ -15,7 +15,7 @@ from daemonutil import free_port, write_config
 CHILD = textwrap.dedent(
     """
     import gc, sys, threading, time, weakref, yaml
-    from gpuwatchd.config import load_config
+    from gpuwatchd.config.schema import load_config
     from gpuwatchd.daemon.core import Daemon
     path, ports = sys.argv[1], [int(p) for p in sys.argv[2:]]
     d = Daemon(load_config(path), config_path=path)

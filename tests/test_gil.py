@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from daemonutil import DaemonProc, has_finding, write_config
 
-from gpuwatchd.config import Config, GilConfig
+from gpuwatchd.config.schema import Config, GilConfig
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.gil import GilSampler
 from gpuwatchd.daemon.gil_convoy import convoy_hint

@@ -15,7 +15,7 @@ import pytest
 from daemonutil import DaemonProc, has_finding, write_config
 from test_gil import BINARY, start
 
-from gpuwatchd.config import Config, ConfigError, GilConfig, parse_config
+from gpuwatchd.config.schema import Config, ConfigError, GilConfig, parse_config
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.gil import SCREEN_RATE_HZ, GilSampler
 from gpuwatchd.daemon.gil_schedule import GilTarget

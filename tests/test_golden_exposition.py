@@ -42,7 +42,7 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
-from gpuwatchd.config import Config, MemoryConfig, NvmlConfig, OrphansConfig
+from gpuwatchd.config.schema import Config, MemoryConfig, NvmlConfig, OrphansConfig
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem

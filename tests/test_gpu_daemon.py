@@ -18,7 +18,7 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from gpuwatchd.config import Config, load_config
+from gpuwatchd.config.schema import Config, load_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.nvml import NvmlSubsystem
 from gpuwatchd.daemon.services import Services

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from gpuwatchd.config import Config
+from gpuwatchd.config.schema import Config
 from gpuwatchd.findings import FindingContext, evaluate, gpu_lost
 from gpuwatchd.model import GpuDevice
 from gpuwatchd.model.parts import GpuOutput, GpuRemoved, NvmlLostGpu, Tracked

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatchd.config import Config
+from gpuwatchd.config.schema import Config
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import stall as stall_finding
 from gpuwatchd.join.stall import StallTracker

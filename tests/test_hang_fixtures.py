@@ -8,7 +8,7 @@ import copy
 import json
 from pathlib import Path
 
-from gpuwatchd.config import Config
+from gpuwatchd.config.schema import Config
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import stall as stall_finding
 from gpuwatchd.join.flight_recorder import compare, parse_response

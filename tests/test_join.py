@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from gpuwatchd.config import Config, FdsConfig
+from gpuwatchd.config.schema import Config, FdsConfig
 from gpuwatchd.join import rank_claims
 from gpuwatchd.join.orphans import trees_from_entries
 from gpuwatchd.join.state import JoinMemory, build_state

@@ -635,7 +635,7 @@ def test_daemon_ignores_a_spoofed_kill_and_reports_it(tmp_path: Path) -> None:
 
 
 def test_findings_rank_oom_killed_and_xid_critical(tmp_path: Path) -> None:
-    from gpuwatchd.config import Config
+    from gpuwatchd.config.schema import Config
     from gpuwatchd.findings import FindingContext, rank_oom_killed, xid_critical
 
     p = proc(tmp_path)

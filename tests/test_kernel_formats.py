@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_kernel_events import Pipeline, export_entry, wait_until, write_journal
 
-from gpuwatchd.config import Config
+from gpuwatchd.config.schema import Config
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.events.bus import EventBus
 from gpuwatchd.events.log import JsonlSink

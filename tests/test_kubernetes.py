@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpuwatchd.config import load_config
+from gpuwatchd.config.schema import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"

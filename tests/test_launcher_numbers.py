@@ -82,7 +82,7 @@ def test_a_zero_code_heartbeat_job_with_an_odd_rank_trains_on(user: int) -> None
         env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{world / 'lib'}:{REPO}",
                "GPUWATCH_RANK_DIR": str(world / "ranks"), "TORCHELASTIC_RUN_ID": "r5", "RANK": "²"}
         out = subprocess.run(["setpriv", f"--reuid={U1}", f"--regid={U1}", "--clear-groups",
-                              "/usr/bin/python3", "-m", "gpuwatchd.run", str(train)],
+                              "/usr/bin/python3", "-m", "gpuwatchd.rank.run", str(train)],
                              env=env, capture_output=True, text=True, timeout=60, cwd=world)
     assert out.returncode == 0 and "trained" in out.stdout, out.stderr
     assert out.stderr.count("could not register rank") == 1, out.stderr

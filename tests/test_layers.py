@@ -6,7 +6,7 @@ hide a cycle or a wrong-way dependency. Contracts:
 
 1. Layers, lowest first; a module imports only its own layer or lower ones.
 2. Code that runs inside a rank (``gpuwatchd/__init__.py``, ``gpuwatchd/rank/``, the zero-code
-   heartbeat ``gpuwatchd/autobeat.py`` and its launcher shim ``gpuwatchd/run.py``) reaches, through
+   heartbeat ``gpuwatchd/rank/autobeat.py`` and its launcher ``gpuwatchd/rank/run.py``) reaches, through
    everything it imports, nothing of the daemon, the sources, the web server or prometheus_client.
 3. Finding rules are independent of each other: a rule imports ``findings.context`` only.
 4. No import cycle, function-level imports included.
@@ -38,10 +38,9 @@ PKG = Path(__file__).resolve().parent.parent / "gpuwatchd"
 
 # Lowest first. A module belongs to the first entry whose prefix names it or a package above it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("core", ("gpuwatchd.model", "gpuwatchd.config", "gpuwatchd.config_checks", "gpuwatchd.strict_yaml",
-              "gpuwatchd.paths", "gpuwatchd.units", "gpuwatchd.escape", "gpuwatchd.counters",
-              "gpuwatchd.isolation", "gpuwatchd.statefile", "gpuwatchd.logs")),
-    ("rank", ("gpuwatchd.rank", "gpuwatchd.autobeat", "gpuwatchd.run")),
+    ("core", ("gpuwatchd.model", "gpuwatchd.config", "gpuwatchd.paths", "gpuwatchd.units", "gpuwatchd.escape",
+              "gpuwatchd.counters", "gpuwatchd.isolation", "gpuwatchd.statefile", "gpuwatchd.logs")),
+    ("rank", ("gpuwatchd.rank",)),
     ("sources", ("gpuwatchd.sources",)),
     ("events", ("gpuwatchd.events",)),
     # the join's trackers; the findings read their verdicts, join.state runs the rules last
@@ -54,7 +53,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("daemon", ("gpuwatchd.daemon",)),
     ("cli", ("gpuwatchd.cli", "gpuwatchd.__main__")),
 )
-RANK_SIDE = ("gpuwatchd", "gpuwatchd.rank", "gpuwatchd.autobeat", "gpuwatchd.run")
+RANK_SIDE = ("gpuwatchd", "gpuwatchd.rank")
 RANK_FORBIDDEN = ("gpuwatchd.daemon", "gpuwatchd.sources", "gpuwatchd.web", "gpuwatchd.exporter",
                   "gpuwatchd.cli", "prometheus_client", "yaml")
 # (pynvml is allowed: the CUDA-OOM hook snapshots co-tenants at the moment of the error, lazily.)

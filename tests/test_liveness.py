@@ -18,7 +18,7 @@ import pytest
 from daemonutil import DaemonProc, write_config
 from kernel_oom_helpers import MemCgroup
 
-from gpuwatchd.config import load_config
+from gpuwatchd.config.schema import load_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.retention import RetentionSubsystem
 from gpuwatchd.daemon.services import Services

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_oom_helpers import MemCgroup
 
-from gpuwatchd.config import Config, ConfigError, MemoryConfig, parse_config
+from gpuwatchd.config.schema import Config, ConfigError, MemoryConfig, parse_config
 from gpuwatchd.daemon.memory_evidence import snapshot_event, worse
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import rank_memory_pressure as finding

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from kernel_oom_helpers import MemCgroup
 
-from gpuwatchd.config import load_config
+from gpuwatchd.config.schema import load_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.memory import MemorySubsystem

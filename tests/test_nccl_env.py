@@ -3,7 +3,7 @@ and what of their values becomes a flag (``env_flags``); sources/procfs.py only 
 
 from __future__ import annotations
 
-from gpuwatchd.config import Config
+from gpuwatchd.config.schema import Config
 from gpuwatchd.findings import FindingContext, nccl_env
 from gpuwatchd.model import RankState
 

@@ -17,7 +17,7 @@ import pytest
 from kernel_oom_helpers import MemCgroup, go
 from test_kernel_events import COMM, export_entry, write_journal
 
-from gpuwatchd.config import load_config
+from gpuwatchd.config.schema import load_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.kernel_log import KernelLogSubsystem
 from gpuwatchd.daemon.services import Services

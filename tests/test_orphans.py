@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpuwatchd.config import Config
+from gpuwatchd.config.schema import Config
 from gpuwatchd.findings import FindingContext
 from gpuwatchd.findings import orphan_gpu_memory as orphan_rule
 from gpuwatchd.join.orphans import OrphanTracker, RankTrees, offenders, trees_from_entries

@@ -25,7 +25,7 @@ from daemonutil import DaemonProc, finding_jobs, write_config
 from userutil import as_user, rank_world_fixture, setpriv, user_writes, users_fixture
 
 from gpuwatchd.cli import check
-from gpuwatchd.config import load_config
+from gpuwatchd.config.schema import load_config
 from gpuwatchd.rank.rankfile import MAX_FILES, MAX_FILES_PER_OWNER, MAX_RANKS_PER_NODE
 from gpuwatchd.sources.nvml import NvmlSource
 from gpuwatchd.sources.nvml_fixture import RecordedNvml

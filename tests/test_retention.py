@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_oom_helpers import MemCgroup, go
 
-from gpuwatchd.config import RetentionConfig
+from gpuwatchd.config.schema import RetentionConfig
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.finding_events import finding_event
 from gpuwatchd.daemon.retention import SeriesRetention

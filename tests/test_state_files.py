@@ -293,7 +293,7 @@ def test_state_json_is_rewritten_when_a_reader_would_see_a_change_else_every_oth
     """state.json after each cycle (Daemon.cycle, real ranks): an unchanged node is written every
     other cycle (1.5 intervals), a rank that dies is in the very next file, and a file is never
     older than load_state's three intervals."""
-    from gpuwatchd.config import load_config
+    from gpuwatchd.config.schema import load_config
     from gpuwatchd.daemon.core import Daemon
     from gpuwatchd.daemon.wiring import no_parts
 

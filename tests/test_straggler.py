@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from gpuwatchd.config import Config, StragglerConfig
+from gpuwatchd.config.schema import Config, StragglerConfig
 from gpuwatchd.findings import FindingContext, rank_straggler
 from gpuwatchd.model import GpuDevice, RankState
 from gpuwatchd.model.parts import GpuOutput, RankRate, StragglerOutput, Tracked

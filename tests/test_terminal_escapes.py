@@ -101,7 +101,7 @@ def test_ps_doctor_events_and_check_escape_a_ranks_strings(
     fixture = world / "nvml.json"
     fixture.write_text(json.dumps(doc))
     from gpuwatchd.cli import check
-    from gpuwatchd.config import load_config
+    from gpuwatchd.config.schema import load_config
     from gpuwatchd.sources.nvml import NvmlSource
     from gpuwatchd.sources.nvml_fixture import RecordedNvml
 

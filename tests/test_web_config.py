@@ -1,4 +1,4 @@
-"""web/web_config.py on the checkers of config_checks.py: every problem of a web-config named as
+"""web/web_config.py on the checkers of config/checks.py: every problem of a web-config named as
 ``key.path: must be ..., got ...`` (a password hash's value never), and the inputs the checks
 used to let through to a crash: keys that are not strings, a zero rate-limit interval, a NUL
 byte in a certificate's name (also on a reload while serving)."""

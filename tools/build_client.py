@@ -1,5 +1,5 @@
 """Build the ``gpuwatchd-client`` wheel: the modules that run inside a training process (the rank
-API, the zero-code heartbeat, ``python -m gpuwatchd.run``) and nothing else, from this tree.
+API, the zero-code heartbeat, ``python -m gpuwatchd.rank.run``) and nothing else, from this tree.
 
     python3 tools/build_client.py --outdir dist
 
@@ -26,8 +26,6 @@ REPO = Path(__file__).resolve().parent.parent
 CLIENT_FILES = (
     "gpuwatchd/__init__.py",
     "gpuwatchd/py.typed",
-    "gpuwatchd/autobeat.py",
-    "gpuwatchd/run.py",
     "gpuwatchd/model/__init__.py",
     "gpuwatchd/model/collectives.py",
     "gpuwatchd/model/nccl_ras.py",
@@ -38,6 +36,8 @@ CLIENT_FILES = (
     "gpuwatchd/rank/rankfile.schema.json",
     "gpuwatchd/rank/cuda_oom.py",
     "gpuwatchd/rank/flight_recorder.py",
+    "gpuwatchd/rank/autobeat.py",
+    "gpuwatchd/rank/run.py",
     "gpuwatchd/rank/gpuwatchd-heartbeat.pth",
 )
 

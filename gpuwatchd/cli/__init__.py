@@ -28,7 +28,7 @@ from gpuwatchd.cli.common import (
     resolve_config,
 )
 from gpuwatchd.cli.common import config_arg as _config_arg
-from gpuwatchd.config import ConfigError, load_config
+from gpuwatchd.config.schema import ConfigError, load_config
 from gpuwatchd.escape import printable, printable_tree
 from gpuwatchd.logs import FORMATS, LEVELS
 from gpuwatchd.units import fmt_bytes

@@ -25,7 +25,7 @@ import os
 import time
 from typing import Any
 
-from gpuwatchd.config import Config, load_config, with_overrides
+from gpuwatchd.config.schema import Config, load_config, with_overrides
 
 DEFAULT_CONFIG = "/etc/gpuwatchd/config.yaml"
 EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpuwatchd.cli.common import EXIT_USAGE, CliError, load_state, resolve_config
-from gpuwatchd.config import Config
+from gpuwatchd.config.schema import Config
 from gpuwatchd.daemon.fork_evidence import fork_evidence
 from gpuwatchd.daemon.proc_view import ProcView
 from gpuwatchd.escape import printable_tree

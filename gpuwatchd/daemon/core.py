@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpuwatchd.config import Config, ConfigError
+from gpuwatchd.config.schema import Config, ConfigError
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon import allocator
 from gpuwatchd.daemon.notify import notify, watchdog_interval

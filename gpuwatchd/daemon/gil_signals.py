@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gpuwatchd.config import GilConfig
+from gpuwatchd.config.schema import GilConfig
 from gpuwatchd.findings.gil_saturated import GPU_BUSY_RATIO, rank_gpu_utilization
 from gpuwatchd.model import NodeState, RankId
 

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from gpuwatchd.config import Config
+from gpuwatchd.config.schema import Config
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.services import Services
 from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem

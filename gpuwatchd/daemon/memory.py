@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from gpuwatchd.config import Config
+from gpuwatchd.config.schema import Config
 from gpuwatchd.daemon.memory_evidence import snapshot_event, worse
 from gpuwatchd.daemon.services import Services
 from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem

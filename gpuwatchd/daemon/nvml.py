@@ -31,7 +31,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from gpuwatchd.config import Config
+from gpuwatchd.config.schema import Config
 from gpuwatchd.daemon.device_policy import EXIT_REEXPAND, DevicePolicyGuard
 from gpuwatchd.daemon.fork_evidence import fork_evidence
 from gpuwatchd.daemon.services import Services

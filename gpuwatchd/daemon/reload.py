@@ -5,7 +5,7 @@ from (``ConfigSource``: the file and the command-line flags that override it) an
 server. It returns the new config and the server now serving (``Reloaded``), or None when it
 refuses; ``Daemon.reload`` applies that. An invalid new config, a bad web-config or an address that
 cannot be bound keeps the running config and server, and logs every problem. Costs one config-file
-read (bounded by ``config.MAX_CONFIG_BYTES``) per reload.
+read (bounded by ``config.schema.MAX_CONFIG_BYTES``) per reload.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from gpuwatchd.config import Config, ConfigError, load_config, with_overrides
-from gpuwatchd.config_checks import parse_listen_address
+from gpuwatchd.config.checks import parse_listen_address
+from gpuwatchd.config.schema import Config, ConfigError, load_config, with_overrides
 from gpuwatchd.daemon.notify import notify
 from gpuwatchd.web.web_config import WebConfigError
 

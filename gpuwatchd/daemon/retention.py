@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpuwatchd.config import RetentionConfig
+from gpuwatchd.config.schema import RetentionConfig
 from gpuwatchd.counters import CounterStore, Series, rank_label_positions
 from gpuwatchd.daemon.services import Services
 from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gpuwatchd.config import Config
+from gpuwatchd.config.schema import Config
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.events.alertmanager import derive_instance
 from gpuwatchd.events.bus import EventBus, build_bus

@@ -24,7 +24,7 @@ import logging
 import threading
 from collections.abc import Mapping
 
-from gpuwatchd.config import Config
+from gpuwatchd.config.schema import Config
 from gpuwatchd.daemon.gil import DEFERRED_KINDS, MAX_SAMPLING_DUTY, GilSampler
 from gpuwatchd.daemon.gil_schedule import GilTarget
 from gpuwatchd.daemon.gil_signals import SignalTracker

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from gpuwatchd.config import Config
+from gpuwatchd.config.schema import Config
 from gpuwatchd.daemon.services import Services
 from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
 from gpuwatchd.isolation import guarded

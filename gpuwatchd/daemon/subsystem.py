@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gpuwatchd.config import Config
+from gpuwatchd.config.schema import Config
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.daemon.services import Services
 from gpuwatchd.join.orphans import RankTrees

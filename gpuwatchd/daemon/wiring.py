@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import TypeVar
 
-from gpuwatchd.config import Config
+from gpuwatchd.config.schema import Config
 from gpuwatchd.daemon.exits import ExitsSubsystem
 from gpuwatchd.daemon.finding_events import FindingEventsSubsystem
 from gpuwatchd.daemon.flight_recorder import FlightRecorderSubsystem

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpuwatchd.config import Config
+from gpuwatchd.config.schema import Config
 from gpuwatchd.join.flight_recorder import compare
 from gpuwatchd.model import (
     BadRankFile,

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from gpuwatchd import findings
-from gpuwatchd.config import Config
+from gpuwatchd.config.schema import Config
 from gpuwatchd.join import rank_claims
 from gpuwatchd.join.nccl_ras import counts_moving
 from gpuwatchd.join.orphans import RankTrees

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from gpuwatchd.config import StragglerConfig
+from gpuwatchd.config.schema import StragglerConfig
 from gpuwatchd.model import CpuStat, RankEntry, RankId
 from gpuwatchd.model.parts import RankRate
 

@@ -27,7 +27,7 @@ import logging
 import socket
 from typing import Any
 
-from gpuwatchd.config_checks import parse_listen_address
+from gpuwatchd.config.checks import parse_listen_address
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.exporter.families import Collector
 from gpuwatchd.web.connection import DROP_REASONS, Limits, bind

@@ -10,7 +10,7 @@ prometheus/exporter-toolkit ``docs/web-configuration.md``)::
     basic_auth_users:
       prometheus: $2b$10$...           # htpasswd -nBC 10 "" | tr -d ':\\n'
 
-Parsed into frozen dataclasses by the checkers of ``gpuwatchd.config_checks`` (as the main config
+Parsed into frozen dataclasses by the checkers of ``gpuwatchd.config.checks`` (as the main config
 is); ``WebConfigError`` names every bad key, as ``key.path: must be ..., got ...`` (never the value
 of a password hash). Like
 exporter-toolkit, the file (and the certificates it names) is looked at again on every new
@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from gpuwatchd import strict_yaml
-from gpuwatchd.config_checks import (
+from gpuwatchd.config import strict_yaml
+from gpuwatchd.config.checks import (
     Schema,
     check_boolean,
     check_choice,
@@ -224,8 +224,8 @@ def _rate_limit(r: Any, problems: list[str]) -> RateLimit | None:
 
 def parse_web_config(doc: Any, path: str = "<web-config>") -> WebConfig:
     """Validate a parsed web-config document; raises WebConfigError naming every bad key, with
-    the checkers and the "key: must be ..., got ..." messages of ``gpuwatchd.config``
-    (config_checks.py); a password hash's value is never in a message.
+    the checkers and the "key: must be ..., got ..." messages of ``gpuwatchd.config.schema``
+    (config/checks.py); a password hash's value is never in a message.
 
     Certificates are not loaded here (``build_ssl_context`` does that)."""
     problems: list[str] = []

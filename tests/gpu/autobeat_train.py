@@ -1,6 +1,6 @@
 """A training script that knows nothing of gpuwatchd (tests/gpu/test_discovered_shapes.py): a small
 model on the GPU, SGD for STEPS steps 0.1 s apart, then it stops stepping (sleeps) as a hung rank
-would. Run under ``torchrun ... -m gpuwatchd.run`` or with ``GPUWATCHD_HEARTBEAT=1`` where the
+would. Run under ``torchrun ... -m gpuwatchd.rank.run`` or with ``GPUWATCHD_HEARTBEAT=1`` where the
 wheel is installed, it gets a rank file and heartbeats without a line changed.
 
 usage: autobeat_train.py STEPS

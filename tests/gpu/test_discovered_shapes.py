@@ -10,7 +10,7 @@ judged by its stacks, /proc and NVML (join/stall_spin.py), with ``stall.after_se
    that never ends) behind ``synchronize()`` and behind ``.item()``, confirmed by the GPU; a
    deadlock; a collective hang (three gloo ranks, the last blocked in load_batch) with the odd one
    out named;
-3. heartbeats with no code change: ``torchrun ... -m gpuwatchd.run train.py`` and, with the wheel
+3. heartbeats with no code change: ``torchrun ... -m gpuwatchd.rank.run train.py`` and, with the wheel
    installed in a venv, ``GPUWATCHD_HEARTBEAT=1 torchrun ... train.py``: the rank file appears with
    its heartbeat, and when the script stops stepping it is paged with ``method: heartbeat``.
 
@@ -173,8 +173,8 @@ def _heartbeat_paged(world: World, job: str, what: str) -> None:
 
 def test_torchrun_launcher_shim_heartbeat(world: World) -> None:
     job = f"shim-{uuid.uuid4().hex[:6]}"
-    p = _torchrun(world, sys.executable, job, {}, "-m", "gpuwatchd.run", str(HERE / "autobeat_train.py"), "40")
-    _heartbeat_paged(world, job, "torchrun -m gpuwatchd.run")
+    p = _torchrun(world, sys.executable, job, {}, "-m", "gpuwatchd.rank.run", str(HERE / "autobeat_train.py"), "40")
+    _heartbeat_paged(world, job, "torchrun -m gpuwatchd.rank.run")
     world.stop(p)
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from gpuwatchd.config import load_config
+from gpuwatchd.config.schema import load_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.nvml import NvmlSubsystem
 from gpuwatchd.daemon.wiring import Parts

@@ -5,9 +5,9 @@ Turned on for a job, not per script, in either of two ways:
 - ``GPUWATCHD_HEARTBEAT=1`` in the ranks' environment, where the package is installed from its
   wheel: the wheel's ``gpuwatchd-heartbeat.pth`` runs at interpreter start-up and calls
   ``install()`` only when the variable is set (unset, empty or ``0``: nothing is imported);
-- the launcher shim, ``python -m gpuwatchd.run train.py ARGS`` or ``torchrun ... -m gpuwatchd.run
-  train.py ARGS`` (gpuwatchd/run.py), which calls ``install()`` and runs the script as
-  ``__main__``.
+- the launcher shim, ``python -m gpuwatchd.rank.run train.py ARGS`` or ``torchrun ... -m
+  gpuwatchd.rank.run train.py ARGS`` (rank/run.py), which calls ``install()`` and runs the script
+  as ``__main__``.
 
 ``install()`` imports nothing heavy and never torch: it puts a finder first on ``sys.meta_path``
 that waits for ``torch.optim.optimizer`` to be imported (by the script, when it is), lets the real
@@ -21,9 +21,11 @@ fails because of it: without a rank directory, daemon or launcher variables ``re
 logs one warning and every later step costs one dictionary lookup; a torch without the global hook
 (before 2.0) is left alone with a warning.
 
-Cost: at start-up this module and its package, nothing else (bench/pth_startup.py: +1.5 ms CPU a
-``python -c pass``); one finder call per import until torch.optim.optimizer is imported; then per
-optimizer step a clock read, and once a second one 21-byte write in place (rank/api.py).
+Cost: at start-up this module and its two packages (``gpuwatchd``, ``gpuwatchd.rank``: they
+import nothing), nothing else: +1.2 ms CPU a ``python -c pass`` on an idle 2-CPU VM, 0.3 ms of it
+the package ``gpuwatchd.rank`` (bench/results/pth_startup_rank_package_2cpu_vm.txt); one finder
+call per import until torch.optim.optimizer is imported; then per optimizer step a clock read, and
+once a second one 21-byte write in place (rank/api.py).
 Privilege: the rank's own.
 Shell equivalent: ``GPUWATCHD_HEARTBEAT=1 torchrun ... train.py``.
 """

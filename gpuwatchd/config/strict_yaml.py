@@ -1,4 +1,4 @@
-"""YAML for the configuration files (``gpuwatchd.config``, ``web/web_config.py``): PyYAML's safe
+"""YAML for the configuration files (``config/schema.py``, ``web/web_config.py``): PyYAML's safe
 loader, except that a mapping naming one key twice is refused, naming the key and both lines,
 instead of the last one silently winning (a second ``basic_auth_users`` entry of one name
 would replace the first hash). exporter-toolkit reads its web-config with yaml.v2's

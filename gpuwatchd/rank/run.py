@@ -1,12 +1,12 @@
-"""Launcher shim for heartbeats with no code change: ``python -m gpuwatchd.run train.py ARGS``,
-``python -m gpuwatchd.run -m package.module ARGS``, or under torchrun ``torchrun ... -m
-gpuwatchd.run train.py ARGS``.
+"""Launcher shim for heartbeats with no code change: ``python -m gpuwatchd.rank.run train.py ARGS``,
+``python -m gpuwatchd.rank.run -m package.module ARGS``, or under torchrun ``torchrun ... -m
+gpuwatchd.rank.run train.py ARGS``.
 
-Installs the optimizer-step hook of gpuwatchd/autobeat.py (register the rank at the first step,
+Installs the optimizer-step hook of rank/autobeat.py (register the rank at the first step,
 then a heartbeat per step, at most once a second) and runs the script or module as ``__main__``
 with ``sys.argv`` as it would have had (``runpy``, like ``python train.py``). Imports nothing but
 the standard library's runpy before the script runs; never fails the job for lack of a daemon.
-Cost and privilege: as gpuwatchd/autobeat.py. Shell equivalent: ``GPUWATCHD_HEARTBEAT=1 python
+Cost and privilege: as rank/autobeat.py. Shell equivalent: ``GPUWATCHD_HEARTBEAT=1 python
 train.py`` where the wheel (and its .pth file) is installed.
 """
 
@@ -16,9 +16,9 @@ import os
 import runpy
 import sys
 
-from gpuwatchd import autobeat
+from gpuwatchd.rank import autobeat
 
-USAGE = "usage: python -m gpuwatchd.run (SCRIPT | -m MODULE) [ARGS...]"
+USAGE = "usage: python -m gpuwatchd.rank.run (SCRIPT | -m MODULE) [ARGS...]"
 
 
 def main(argv: list[str] | None = None) -> None:

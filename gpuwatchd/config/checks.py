@@ -1,4 +1,4 @@
-"""The value checkers of the YAML configuration files: ``gpuwatchd.config``'s ``SCHEMA`` and the
+"""The value checkers of the YAML configuration files: ``config/schema.py``'s ``SCHEMA`` and the
 ``/metrics`` web-config (``gpuwatchd.web.web_config``) are built on them.
 
 Each checker takes one YAML value and returns it converted, or raises ``ValueError(reason)``; the

@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from gpuwatchd import strict_yaml
-from gpuwatchd.config_checks import (
+from gpuwatchd.config import strict_yaml
+from gpuwatchd.config.checks import (
     check_boolean,
     check_choice,
     check_instance,
