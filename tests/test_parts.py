@@ -12,7 +12,7 @@ from pathlib import Path
 
 from daemonutil import write_config
 
-from gpuwatchd.config import load_config
+from gpuwatchd.config.schema import load_config
 from gpuwatchd.daemon.core import Daemon
 from gpuwatchd.daemon.off import Off
 from gpuwatchd.daemon.wiring import Parts, build_parts
