@@ -3,19 +3,33 @@
 ``judge_jobs`` (join/stall_verdicts.py) ran ``v in list`` over a job's verdicts, which compares
 frozen dataclasses field by field: 64 beating ranks of one job cost 2.3 ms a cycle on the 2-core
 VM (bench/results/cycle_cost_64ranks_a7db82e_vs_head_2cpu_vm.txt). ``rank_gpu_readings``
-(join/stall_spin.py) scanned every holder of a GPU for every rank on it.
+(join/stall_spin.py) scanned every holder of a GPU for every rank on it. A heartbeat-less rank
+that works was looked at in full (every task's schedstat, 0.73 ms for 48 threads) at the look
+cadence; while its Python threads work, a glance at them stands for the look (join/stall.py
+``StallTracker._glance``), and the look that follows a glance that finds no work judges them over
+the glance's window, not since the last look.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 
+import pytest
+
+from gpuwatchd.join.stall import StallTracker
 from gpuwatchd.join.stall_spin import rank_gpu_readings
 from gpuwatchd.join.stall_verdicts import judge_jobs
 from gpuwatchd.model import GpuDevice, GpuProcess, GpuProcessRow, RankState
-from gpuwatchd.model.stall import StallVerdict
+from gpuwatchd.model.stall import RankProbe, StallVerdict
+from gpuwatchd.model.threads import ThreadInfo
+from gpuwatchd.sources.stall_looks import StallLooks
 
 EQ_CALLS = [0]
 
@@ -82,3 +96,90 @@ def test_rank_gpu_readings_exclusive_as_every_holder_of_the_rank_job() -> None:
                 continue
             alone = all(p.job_id == r.job_id for g in mine for p in rows if p.gpu_index == g.index)
             assert out[r.rank_id].exclusive == alone, (r, rows)
+
+
+# A rank of 21 threads whose main thread works half the time (20 ms of CPU, 20 ms asleep) until a
+# byte arrives on the pipe (its fd in argv), then blocks for good reading the next one.
+WORKER = """
+import os, sys, threading, time
+fd = int(sys.argv[1])
+ev = threading.Event()
+for _ in range(20):
+    threading.Thread(target=ev.wait, daemon=True).start()
+os.set_blocking(fd, False)
+print("up", flush=True)
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() - t < 0.02:
+        pass
+    try:
+        if os.read(fd, 1):
+            break
+    except BlockingIOError:
+        pass
+    time.sleep(0.02)
+os.set_blocking(fd, True)
+os.read(fd, 1)
+"""
+
+
+class CountedLooks(StallLooks):
+    """The daemon's looker, counting the looks that read every task."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.full = 0
+
+    def threads_since(self, pid: int, tids: Sequence[int],
+                      prev: Mapping[int, tuple[tuple[int, int], ThreadInfo]],
+                      ) -> tuple[tuple[ThreadInfo, ...], dict[int, tuple[int, int]]]:
+        self.full += 1
+        return super().threads_since(pid, tids, prev)
+
+
+@pytest.fixture
+def worker() -> Iterator[tuple[subprocess.Popen[str], int]]:
+    r, w = os.pipe()
+    p = subprocess.Popen([sys.executable, "-c", WORKER, str(r)], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, text=True, pass_fds=(r,))
+    os.close(r)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "up\n"
+        yield p, w
+    finally:
+        p.kill()
+        p.wait()
+        os.close(w)
+
+
+def test_a_working_rank_is_glanced_at_and_looked_at_again_once_it_stops(
+        worker: tuple[subprocess.Popen[str], int]) -> None:
+    """Looks every second: the first two read every task (the second finds the main thread
+    working), the next seven only glance at it; it blocks, and the glance after that finds no
+    work: the look that follows reads every task again and judges the main thread over the
+    glance's second, so no work is seen after the block, and the next look reads every task.
+    Before: nine looks of every task; and had that look compared since the last full one (eight
+    seconds, seven of them at work), the rank would have worked at it."""
+    p, w = worker
+    looks = CountedLooks()
+    tracker = StallTracker(60.0, looks, dump_interval_seconds=1.0, conclusive_seconds=60.0)
+    probe = RankProbe("glance", 0, p.pid, True, "R", None)
+    t0 = time.time()
+
+    def observe_at(k: int) -> StallVerdict:
+        time.sleep(max(0.0, t0 + k - time.time()))
+        return tracker.observe(t0 + k, [probe])[("glance", 0)]
+
+    for k in range(9):
+        v = observe_at(k)
+        assert not v.stalled
+    assert looks.full == 2, looks.full
+    assert v.progress_timestamp == t0 + 8  # the last glance found it working
+    os.write(w, b"x")  # it blocks now
+    v = observe_at(9)
+    assert looks.full == 3, looks.full
+    # its view moved (running to asleep): that is a change, but no work
+    assert "works on its CPU" not in v.doing, v.doing
+    v = observe_at(10)
+    assert looks.full == 4, looks.full  # not working: looked at in full
+    assert "works on its CPU" not in v.doing, v.doing

@@ -49,11 +49,34 @@ class Look:
     # Python threads in the working band, or its own GPU moving data, at a look since the last
     # comparison (a dump, a proof or a heartbeat verdict clears it)
     worked: bool = False
-    work_at: float = float("-inf")  # the last look that found its Python threads working
+    work_at: float = float("-inf")  # the last look or glance that found its Python threads working
+    # The last glance (join/stall.py ``StallTracker._glance``): a look at a rank that was working,
+    # cut to its Python threads' schedstat (run, wait), read at ``glance_at``; cleared by a look
+    glance_at: float = 0.0
+    glance: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def last(self) -> float:
+        """The time of the last look or glance: the next is due a look interval on."""
+        return max(self.at, self.glance_at)
+
+    def base(self, tid: int) -> tuple[float, tuple[int, int]] | None:
+        """(when, schedstat (run, wait)) of a Python thread at the last look or glance that read
+        it; None when neither did (a look reads it only for a thread in the working band)."""
+        if self.glance_at > self.at:
+            got = self.glance.get(tid)
+            return (self.glance_at, got) if got is not None else None
+        got = self.sched.get(tid)
+        return (self.at, got) if got is not None else None
+
+    def glanced(self, now: float, readings: dict[int, tuple[int, int]]) -> None:
+        self.glance_at, self.glance = now, readings
+        self.worked, self.work_at = True, now
 
     def record(self, now: float, threads: tuple[ThreadInfo, ...], spinning: frozenset[int],
                shares: dict[int, float]) -> None:
         self.threads, self.at, self.spinning, self.shares = threads, now, spinning, shares
+        self.glance_at, self.glance = 0.0, {}
         self.count += 1
 
 
