@@ -98,8 +98,8 @@ def test_rank_gpu_readings_exclusive_as_every_holder_of_the_rank_job() -> None:
             assert out[r.rank_id].exclusive == alone, (r, rows)
 
 
-# A rank of 21 threads whose main thread works half the time (20 ms of CPU, 20 ms asleep) until a
-# byte arrives on the pipe (its fd in argv), then blocks for good reading the next one.
+# A rank of 21 threads whose main thread works a fifth of the time (10 ms of CPU, 40 ms asleep);
+# a "t" on the pipe (its fd in argv) starts one more thread, a "b" blocks it for good.
 WORKER = """
 import os, sys, threading, time
 fd = int(sys.argv[1])
@@ -110,14 +110,17 @@ os.set_blocking(fd, False)
 print("up", flush=True)
 while True:
     t = time.perf_counter()
-    while time.perf_counter() - t < 0.02:
+    while time.perf_counter() - t < 0.01:
         pass
     try:
-        if os.read(fd, 1):
-            break
+        got = os.read(fd, 1)
     except BlockingIOError:
-        pass
-    time.sleep(0.02)
+        got = b""
+    if got == b"t":
+        threading.Thread(target=ev.wait, daemon=True).start()
+    elif got == b"b":
+        break
+    time.sleep(0.04)
 os.set_blocking(fd, True)
 os.read(fd, 1)
 """
@@ -154,32 +157,31 @@ def worker() -> Iterator[tuple[subprocess.Popen[str], int]]:
 
 def test_a_working_rank_is_glanced_at_and_looked_at_again_once_it_stops(
         worker: tuple[subprocess.Popen[str], int]) -> None:
-    """Looks every second: the first two read every task (the second finds the main thread
-    working), the next seven only glance at it; it blocks, and the glance after that finds no
-    work: the look that follows reads every task again and judges the main thread over the
-    glance's second, so no work is seen after the block, and the next look reads every task.
-    Before: nine looks of every task; and had that look compared since the last full one (eight
-    seconds, seven of them at work), the rank would have worked at it."""
+    """A look is due every 2 s, the cycle is 1 s. The first two looks read every task (the second
+    finds the main thread working); then glances stand for the looks while it works. A new
+    thread makes the glance a look at once; the rank blocks, and the glance after that finds no
+    work: the look that follows reads every task and judges the main thread over the glance's
+    window (no work after the block), and the next look comes a cycle later, not two. Before:
+    a look of every task every 2 s, nine in 16 s; had the look after the glances compared since
+    the last full one (five seconds, four of them at work), the rank would have worked at it."""
     p, w = worker
     looks = CountedLooks()
-    tracker = StallTracker(60.0, looks, dump_interval_seconds=1.0, conclusive_seconds=60.0)
+    tracker = StallTracker(60.0, looks, dump_interval_seconds=2.0, cycle_seconds=1.0,
+                           conclusive_seconds=60.0)
     probe = RankProbe("glance", 0, p.pid, True, "R", None)
     t0 = time.time()
-
-    def observe_at(k: int) -> StallVerdict:
+    full = {0: 1, 2: 2, 8: 3, 13: 4, 14: 5, 16: 6}  # looks of every task by then (glances between)
+    for k in range(17):
         time.sleep(max(0.0, t0 + k - time.time()))
-        return tracker.observe(t0 + k, [probe])[("glance", 0)]
-
-    for k in range(9):
-        v = observe_at(k)
+        v = tracker.observe(t0 + k, [probe])[("glance", 0)]
+        want = full.get(k, full[max(j for j in full if j <= k)])
+        assert looks.full == want, (k, looks.full)
         assert not v.stalled
-    assert looks.full == 2, looks.full
-    assert v.progress_timestamp == t0 + 8  # the last glance found it working
-    os.write(w, b"x")  # it blocks now
-    v = observe_at(9)
-    assert looks.full == 3, looks.full
-    # its view moved (running to asleep): that is a change, but no work
-    assert "works on its CPU" not in v.doing, v.doing
-    v = observe_at(10)
-    assert looks.full == 4, looks.full  # not working: looked at in full
-    assert "works on its CPU" not in v.doing, v.doing
+        if k in (4, 6, 9, 11):
+            assert v.progress_timestamp == t0 + k, k  # the glance found it working
+        if k in (13, 14, 16):
+            assert "works on its CPU" not in v.doing, (k, v.doing)
+        if k == 6:
+            os.write(w, b"t")  # a new thread: the next glance is a look
+        if k == 11:
+            os.write(w, b"b")  # it blocks

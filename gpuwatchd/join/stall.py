@@ -119,6 +119,7 @@ class StallTracker:
         self.compile_after = (compile_after_seconds if compile_after_seconds is not None
                               else 6 * after_seconds)  # fmt: skip
         self.budget = budget_seconds if budget_seconds is not None else max(0.05, cycle_seconds / 5)
+        self.cycle_seconds = cycle_seconds
         self.max_threads = max_threads
         # looks deferred because the budget was spent, by kind ("threads", "dump"); cumulative
         self.deferred: collections.Counter[str] = collections.Counter()
@@ -213,10 +214,14 @@ class StallTracker:
         # looked at every 13.3 s cost 1.6 x the 60 s looks of before, bench/cycle_fast.py)
         every = self.redump_interval if tr.verdict is not None and tr.verdict.stalled \
             else self.dump_interval
+        if tr.look.soon:
+            every = min(every, self.cycle_seconds)
         look_due = tr.look.at == 0.0 or now - tr.look.last >= every
         glance = self._glance(now, p, tr) if look_due and not p.heartbeat else None
-        if glance is not None and any(WORK_SHARE <= v < SPIN_SHARE for v in glance[1].values()):
-            tr.look.glanced(now, glance[0])  # still working: the glance stands for the look
+        if glance is not None and any(WORK_SHARE <= v < SPIN_SHARE for v in glance[1].values()) \
+                and glance[2] == tr.look.tasks:
+            # still working, and no thread came or went: the glance stands for the look
+            tr.look.glanced(now, glance[0])
             look_due = False
         if look_due and self.cycle.over_budget(p.pid):
             return self._deferred(now, p, tr, "threads")
@@ -249,7 +254,7 @@ class StallTracker:
             if active is not None and active > tr.dump.last_change and elapsed > 0:
                 # its own GPU moved data since the last change: progress (below), no dump needed
                 tr.look.worked = True
-            tr.look.record(now, threads, spinning, shares)
+            tr.look.record(now, threads, spinning, shares, self.cycle.task_count(p.pid), glance is not None)
             tr.look.busiest_worker = tr.workers.busiest(p.workers, elapsed)
             tr.look.summary = summarize_threads(threads, spinning)
             total = self.cycle.task_count(p.pid)
@@ -368,19 +373,23 @@ class StallTracker:
         )  # fmt: skip
 
     def _glance(self, now: float, p: RankProbe, tr: RankTrack,
-                ) -> tuple[dict[int, tuple[int, int]], dict[int, float]] | None:  # fmt: skip
+                ) -> tuple[dict[int, tuple[int, int]], dict[int, float], int | None] | None:  # fmt: skip
         """A look cut to the Python threads of a heartbeat-less rank that was working at its last
-        look or glance: their schedstat (run, wait), one read each, and their share of the window
-        since then (its runnable share, as a look's for a thread in the working band). Where one
-        still works the glance stands for the look (``StallTracker._observe_one``); else the look
-        follows, with these shares for the Python threads. A look reads every task (measured on
-        the 2-core VM: 0.73 ms for a 48-thread rank, a glance 0.012 ms; at 64 such ranks working,
-        the looks at the look cadence were most of what the heartbeat-less path cost beyond the
-        heartbeat path). A new thread, a native one, a spinner: the glance does not see them,
-        and none of them is a hang while the Python threads work; the look that follows the
-        first glance to find no work sees them (a thread's first look gives it no share, as
-        before). None where a glance cannot stand in: no look yet, not working at the last one,
-        a dump without thread ids (Python 3.10), a Python thread with no reading to compare."""
+        look or glance: their schedstat (run, wait), one read each, their share of the window
+        since then (its runnable share, as a look's for a thread in the working band), and the
+        rank's number of tasks (one ``/proc/PID/stat``). Where a Python thread still works and
+        no task came or went, the glance stands for the look (``StallTracker._observe_one``);
+        else the look follows at once, with these shares for the Python threads, and the next
+        look a cycle after it, which gives every thread a share over a window after the work
+        stopped. A look reads every task (measured on the 2-core VM: 0.73 ms for a 48-thread
+        rank, a glance 0.02 ms; at 64 such ranks working, the looks at the look cadence were
+        most of what the heartbeat-less path cost beyond the heartbeat path). A native thread
+        or a spinner beside working Python threads is no hang; once they stop, the two looks
+        see it: a thread that starts burning a core (the GIL fault of NVIDIA's catalog starts a
+        new one) is seen at most a cycle later than by looks at the look cadence, and a new
+        thread earlier (its look comes at the first glance after it started). None where a
+        glance cannot stand in: no look yet, not working at the last one, a dump without thread
+        ids (Python 3.10), a Python thread with no reading to compare."""
         if tr.look.at == 0.0 or tr.look.work_at < tr.look.last:
             return None
         tids = {s.tid or 0 for s in tr.dump.stacks} or {p.pid}
@@ -396,7 +405,7 @@ class StallTracker:
             (at, (run, wait)) = base
             readings[tid] = got
             shares[tid] = min(1.0, max(0.0, (got[0] - run + got[1] - wait) / 1e9 / (now - at)))
-        return readings, shares
+        return readings, shares, self.looks.thread_count(p.pid)
 
     def _watch(self, now: float, p: RankProbe, tr: RankTrack, age: float) -> str:
         """Why the job's own view (NCCL RAS) is worth asking about a rank that may be progressing:

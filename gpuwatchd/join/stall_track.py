@@ -54,6 +54,10 @@ class Look:
     # cut to its Python threads' schedstat (run, wait), read at ``glance_at``; cleared by a look
     glance_at: float = 0.0
     glance: dict[int, tuple[int, int]] = field(default_factory=dict)
+    tasks: int = 0  # the rank's number of tasks at the last look or glance
+    # the look followed a glance that found no work: the next comes a cycle on, not a look
+    # interval (it gives every thread a share over a window after the work stopped)
+    soon: bool = False
 
     @property
     def last(self) -> float:
@@ -70,13 +74,13 @@ class Look:
         return (self.at, got) if got is not None else None
 
     def glanced(self, now: float, readings: dict[int, tuple[int, int]]) -> None:
-        self.glance_at, self.glance = now, readings
+        self.glance_at, self.glance, self.soon = now, readings, False
         self.worked, self.work_at = True, now
 
     def record(self, now: float, threads: tuple[ThreadInfo, ...], spinning: frozenset[int],
-               shares: dict[int, float]) -> None:
+               shares: dict[int, float], tasks: int, after_glance: bool) -> None:
         self.threads, self.at, self.spinning, self.shares = threads, now, spinning, shares
-        self.glance_at, self.glance = 0.0, {}
+        self.glance_at, self.glance, self.tasks, self.soon = 0.0, {}, tasks, after_glance
         self.count += 1
 
 

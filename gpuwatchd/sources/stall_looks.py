@@ -78,3 +78,7 @@ class StallLooks:
 
     def context_switches(self, pid: int) -> int | None:
         return taskwait.context_switches(self.paths, pid)
+
+    def thread_count(self, pid: int) -> int | None:
+        got = threads.process_cpu(self.paths, pid)
+        return got[1] if got is not None else None
