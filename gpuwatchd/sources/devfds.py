@@ -27,9 +27,15 @@ from collections.abc import Callable, Iterable
 from gpuwatchd.model import ProcEvidence
 from gpuwatchd.paths import HostPaths
 
-# A cached fd scan is redone at least this often, for fds closed and others opened between two
-# looks (the number alone does not show that).
-EVIDENCE_TTL = 30.0
+# A cached fd scan is redone at least this often. What changes the fork_after_cuda evidence
+# changes what the reader checks every cycle: a new process (a fork, a reused PID) and an exec
+# change the identity, a CUDA context opened or closed changes the fd count by dozens; the scan
+# is redone then, the same cycle. The TTL catches only fds closed and as many others opened
+# between two cycles (a device fd swapped for another file), at most EVIDENCE_TTL seconds late.
+# At 30 s every steady process's fds were read again every sixth cycle: at 64 ranks of 300 fds,
+# 3,250 readlinks a cycle, the nvml part's 4.0 of 4.6 ms in cProfile (bench/cycle_fast.py
+# --children 3); at 300 s a tenth of that.
+EVIDENCE_TTL = 300.0
 
 
 def read_evidence(paths: HostPaths, pid: int) -> ProcEvidence | None:
