@@ -44,7 +44,10 @@ offset = [0.0]
 time.time = lambda: _time() + offset[0]
 time.monotonic = lambda: _mono() + offset[0]
 import gpuwatchd.daemon.core as core
-from gpuwatchd.config.schema import load_config
+try:
+    from gpuwatchd.config.schema import load_config
+except ImportError:  # a checkout from before config/ (a7db82e)
+    from gpuwatchd.config import load_config
 cfg = load_config(cfg_path)
 cfg = dataclasses.replace(cfg, web=dataclasses.replace(cfg.web, listen_address="127.0.0.1:0"))
 exec(INSTRUMENT)  # cycle_profile.INSTRUMENT: acc, timed, instrument

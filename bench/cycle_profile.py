@@ -368,7 +368,10 @@ def instrument(core, d):
 PHASES_CODE = r"""
 import collections, dataclasses, time
 import gpuwatchd.daemon.core as core
-from gpuwatchd.config.schema import load_config
+try:
+    from gpuwatchd.config.schema import load_config
+except ImportError:  # a checkout from before config/ (a7db82e)
+    from gpuwatchd.config import load_config
 cfg = load_config({cfg!r})
 cfg = dataclasses.replace(cfg, web=dataclasses.replace(cfg.web, listen_address="127.0.0.1:0"),
                           state_dir=cfg.state_dir + "-phases")
@@ -419,7 +422,10 @@ CPROFILE_CODE = r"""
 import collections, cProfile, dataclasses, gc, io, os, pstats, sys, time
 SORT = os.environ.get("GW_CPROFILE_SORT", "tottime")
 import gpuwatchd.daemon.core as core
-from gpuwatchd.config.schema import load_config
+try:
+    from gpuwatchd.config.schema import load_config
+except ImportError:  # a checkout from before config/ (a7db82e)
+    from gpuwatchd.config import load_config
 cfg = load_config({cfg!r})
 cfg = dataclasses.replace(cfg, web=dataclasses.replace(cfg.web, listen_address="127.0.0.1:0"),
                           state_dir=cfg.state_dir + "-cprofile")

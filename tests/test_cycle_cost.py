@@ -130,6 +130,33 @@ def test_fork_evidence_is_rescanned_only_when_the_fds_change(rank: Rank) -> None
     assert reader.read(child) is not None and reader.scans == 5
 
 
+def test_a_steady_processs_fds_are_not_read_again_within_the_evidence_ttl(rank: Rank) -> None:
+    """At the shipped TTL a process whose identity and fd count did not change is not scanned
+    again after 30 s (a rank's DataLoader workers hold hundreds of fds each: every sixth cycle
+    read them all); a change of its fd count is scanned the same cycle, and the TTL still
+    catches a same-count swap."""
+    from gpuwatchd.sources.devfds import EVIDENCE_TTL
+
+    paths = HostPaths(devfs=str(rank.dev))
+    clock = [0.0]
+    reader = EvidenceReader(paths, clock=lambda: clock[0])
+    rank.ask("cuda")
+    child = int(rank.ask("fork"))
+    first = reader.read(child)
+    assert first is not None and first.holds_cuda_device and reader.scans == 1
+    for t in (31.0, 61.0, 121.0, EVIDENCE_TTL - 1.0):  # one read every 5 s cycle up to the TTL
+        clock[0] = t
+        assert reader.read(child) is first
+    assert reader.scans == 1
+    parent = reader.read(rank.pid)
+    assert parent is not None and reader.scans == 2
+    rank.ask("open")  # one fd more: scanned at once, the TTL not waited for
+    assert reader.read(rank.pid) is not parent and reader.scans == 3
+    clock[0] = EVIDENCE_TTL + 1.0
+    again = reader.read(child)
+    assert again is not first and again == first and reader.scans == 4
+
+
 def test_children_of_a_process_without_a_cuda_device_are_not_scanned(rank: Rank) -> None:
     """fork_after_cuda needs a parent that holds a CUDA device: the fds of the children of one
     that holds none are never read (a rank's DataLoader workers hold hundreds)."""

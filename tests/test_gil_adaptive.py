@@ -75,6 +75,28 @@ def test_signals_see_the_gpu_a_discovered_rank_holds() -> None:
     assert s.gpu_busy and s.reasons == ()
 
 
+def test_a_ranks_gpus_from_the_index_of_held_gpus_are_those_from_its_rows() -> None:
+    """``held_by_rank`` (made once a cycle for the signals of every rank) gives each rank the
+    GPUs that filtering the rows for it gives: its own rows only, not another job's rank of the
+    same number, not a process in no rank's tree; the GPUs its rank file names besides."""
+    from gpuwatchd.model.gpus import held_by_rank, rank_gpu_devices
+
+    gpus = [GpuDevice(i, f"GPU-{i}", "NVIDIA H200", f"0000:{i:02x}:00.0", 1 << 37, 1 << 30, 0.1 * i)
+            for i in range(4)]
+    rows = (GpuProcessRow(1, "GPU-1", 11, 1 << 30, "python", "u", "llm", "0"),
+            GpuProcessRow(2, "GPU-2", 12, 1 << 30, "python", "u", "llm", "1"),
+            GpuProcessRow(3, "GPU-3", 13, 1 << 30, "python", "u", "other", "0"),
+            GpuProcessRow(0, "GPU-0", 14, 1 << 30, "python", "u", "", ""))
+    ranks = [RankState("llm", 0, 11, 0, 2, True, _proc(11, 1.0), gpus=("0",)),
+             RankState("llm", 1, 12, 1, 2, True, _proc(12, 1.0), gpus=()),
+             RankState("other", 0, 13, 0, 1, True, _proc(13, 1.0), gpus=("GPU-2",)),
+             RankState("idle", 0, 15, 0, 1, True, _proc(15, 1.0), gpus=())]
+    held = held_by_rank(rows)
+    got = [[g.index for g in rank_gpu_devices(r, gpus, rows, held)] for r in ranks]
+    assert got == [[g.index for g in rank_gpu_devices(r, gpus, rows)] for r in ranks]
+    assert got == [[0, 1], [2], [2, 3], []]
+
+
 def test_signals_heartbeat_slowing_and_stalled() -> None:
     tr = SignalTracker(cycle_seconds=5)
     t, step = 100.0, 0

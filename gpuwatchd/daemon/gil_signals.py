@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from gpuwatchd.config.schema import GilConfig
 from gpuwatchd.findings.gil_saturated import GPU_BUSY_RATIO, rank_gpu_utilization
 from gpuwatchd.model import NodeState, RankId
+from gpuwatchd.model.gpus import held_by_rank
 
 CPU_SUSPECT_CORES = 0.3  # the lower end of the convoy band (daemon/gil.py CONVOY_CORES)
 BEAT_CPU_CORES = 0.1  # a slowing heartbeat or a stall counts only with this much CPU
@@ -71,6 +72,7 @@ class SignalTracker:
         now = state.timestamp
         out: dict[RankId, RankSignals] = {}
         live: set[RankId] = set()
+        held = held_by_rank(state.gpu_processes)  # once: every rank below asks for its GPUs
         for r in state.ranks:
             if not r.alive or r.process is None:
                 continue
@@ -83,7 +85,7 @@ class SignalTracker:
             cpu = None
             if prev is not None and now > prev.at:
                 cpu = max(0.0, (r.process.cpu_seconds - prev.cpu_seconds) / (now - prev.at))
-            utils = rank_gpu_utilization(r, state.gpus, state.gpu_processes)
+            utils = rank_gpu_utilization(r, state.gpus, state.gpu_processes, held)
             gpu_busy = bool(utils) and max(u for _, u in utils) >= GPU_BUSY_RATIO
             if cpu is not None and cpu >= CPU_SUSPECT_CORES and not gpu_busy:
                 reasons.append(GPU_IDLE_ON_CPU)

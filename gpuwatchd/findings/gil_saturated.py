@@ -13,7 +13,7 @@ Shell equivalent: ``py-spy top --gil --pid PID`` (needs a TTY) or
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from gpuwatchd.findings.context import FindingContext, rank_finding, rank_label
 from gpuwatchd.model import WARNING, Finding, GilReading, GpuDevice, GpuProcessRow, RankId, RankState
@@ -27,11 +27,13 @@ def _ratio(r: GilReading) -> float:
     return r.held / r.samples if r.samples > 0 else 0.0
 
 
-def rank_gpu_utilization(r: RankState, gpus: Sequence[GpuDevice],
-                         rows: Sequence[GpuProcessRow]) -> list[tuple[str, float]]:  # fmt: skip
+def rank_gpu_utilization(r: RankState, gpus: Sequence[GpuDevice], rows: Sequence[GpuProcessRow],
+                         held: Mapping[tuple[str, str], Collection[int]] | None = None,
+                         ) -> list[tuple[str, float]]:  # fmt: skip
     """(gpu index, utilisation) for the rank's GPUs (``model/gpus.py: rank_gpu_devices``: named in its
-    rank file or held by its tree, ``rows``) whose utilisation NVML reports."""
-    return [(str(g.index), g.utilization_ratio) for g in rank_gpu_devices(r, gpus, rows)
+    rank file or held by its tree, ``rows``; ``held``: ``held_by_rank(rows)`` made once for many
+    ranks) whose utilisation NVML reports."""
+    return [(str(g.index), g.utilization_ratio) for g in rank_gpu_devices(r, gpus, rows, held)
             if g.utilization_ratio is not None]
 
 

