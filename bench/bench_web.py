@@ -67,12 +67,28 @@ def pki(d: Path) -> None:
     for name, ext in (("server", "subjectAltName=IP:127.0.0.1"), ("client", "subjectAltName=DNS:c")):
         (d / f"{name}.ext").write_text(ext + "\n")
         run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-            "-CAcreateserial", "-out", f"{name}.crt", "-days", "1", "-extfile", f"{name}.ext")
+        run(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            f"{name}.crt",
+            "-days",
+            "1",
+            "-extfile",
+            f"{name}.ext",
+        )
 
 
-def measure(server: web.WebServer, ctx: ssl.SSLContext | None, headers: dict[str, str],
-            n: int) -> tuple[list[float], float]:
+def measure(
+    server: web.WebServer, ctx: ssl.SSLContext | None, headers: dict[str, str], n: int
+) -> tuple[list[float], float]:
     port = server.address[1]
 
     def conn() -> http.client.HTTPConnection:
@@ -110,8 +126,10 @@ def main() -> None:
     plain = CollectorRegistry()
     plain.register(Fixed(args.series))
     reg = plain if args.render else Cached(generate_latest(plain))
-    print(f"exposition: {len(generate_latest(plain))} bytes, {args.series} series,"
-          f" {'rendered per request' if args.render else 'pre-rendered'}")
+    print(
+        f"exposition: {len(generate_latest(plain))} bytes, {args.series} series,"
+        f" {'rendered per request' if args.render else 'pre-rendered'}"
+    )
     with tempfile.TemporaryDirectory(prefix="gw-h7-bench-") as tmp:
         d = Path(tmp)
         pki(d)
@@ -119,17 +137,21 @@ def main() -> None:
         t0 = time.perf_counter()
         bcrypt.checkpw(b"pw", hashed.encode())
         bcrypt_ms = (time.perf_counter() - t0) * 1000
-        tls = ("tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
-               "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: ca.crt\n")
+        tls = (
+            "tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
+            "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: ca.crt\n"
+        )
         (d / "tls.yml").write_text(tls)
         (d / "auth.yml").write_text(tls + f"basic_auth_users:\n  prometheus: {hashed}\n")
         ctx = ssl.create_default_context(cafile=str(d / "ca.crt"))
         ctx.load_cert_chain(str(d / "client.crt"), str(d / "client.key"))
         auth = {"Authorization": "Basic " + base64.b64encode(b"prometheus:pw").decode()}
         rows = []
-        for label, cfg, c, h in (("plain HTTP", None, None, {}),
-                                 ("TLS + client cert", str(d / "tls.yml"), ctx, {}),
-                                 ("TLS + client cert + basic auth", str(d / "auth.yml"), ctx, auth)):
+        for label, cfg, c, h in (
+            ("plain HTTP", None, None, {}),
+            ("TLS + client cert", str(d / "tls.yml"), ctx, {}),
+            ("TLS + client cert + basic auth", str(d / "auth.yml"), ctx, auth),
+        ):
             server = web.serve(reg, "127.0.0.1:0", cfg)
             try:
                 times, fresh = measure(server, c, h, args.requests)

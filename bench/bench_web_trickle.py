@@ -28,14 +28,14 @@ def main() -> None:
         conn = Conn(s, "127.0.0.1", None, 0.0)
         t = time.process_time()
         for i in range(len(data)):
-            conn.buf += data[i:i + 1]
+            conn.buf += data[i : i + 1]
             conn.take_head()
             conn.request_line_too_long()
         incremental = time.process_time() - t
     buf = bytearray()
     t = time.process_time()
     for i in range(len(data)):
-        buf += data[i:i + 1]
+        buf += data[i : i + 1]
         HEAD_END.search(buf)
         buf.find(b"\n", 0, MAX_REQUEST_LINE + 2)
     rescanning = time.process_time() - t

@@ -79,13 +79,21 @@ class Job:
         self.procs: list[subprocess.Popen[bytes]] = []
         for r in range(ranks):
             in_cg = self.cgroup is not None and r == ranks - 1
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-c", OOM_CODE if in_cg else RANK_CODE],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                preexec_fn=self.cgroup.enter if in_cg and self.cgroup else None,
-            ))
-        doc = {"version": 1, "job_id": self.job_id, "world_size": ranks,
-               "ranks": [{"rank": r, "local_rank": r, "pid": p.pid} for r, p in enumerate(self.procs)]}
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", OOM_CODE if in_cg else RANK_CODE],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    preexec_fn=self.cgroup.enter if in_cg and self.cgroup else None,
+                )
+            )
+        doc = {
+            "version": 1,
+            "job_id": self.job_id,
+            "world_size": ranks,
+            "ranks": [{"rank": r, "local_rank": r, "pid": p.pid} for r, p in enumerate(self.procs)],
+        }
         self.path = rank_dir / f"{self.job_id}.json"
         tmp = rank_dir / f".{self.job_id}.tmp"
         tmp.write_text(json.dumps(doc))
@@ -107,8 +115,11 @@ def measure(url: str, pid: int, state_dir: Path) -> dict[str, float]:
         body = r.read()
     lines = [ln for ln in body.decode().splitlines() if ln and not ln.startswith("#")]
     live = sum(1 for ln in lines if ln.startswith("gpuwatch_rank_up{") and ln.endswith(" 1.0"))
-    kills = sum(float(ln.rsplit(" ", 1)[1]) for ln in lines
-                if ln.startswith("gpuwatch_oom_kills_total{") and 'job_id="soak-' in ln)
+    kills = sum(
+        float(ln.rsplit(" ", 1)[1])
+        for ln in lines
+        if ln.startswith("gpuwatch_oom_kills_total{") and 'job_id="soak-' in ln
+    )
     rss_kb = rss_kib(pid)
 
     # the least of five reads 0.2 s apart: a py-spy child in flight holds pipes for a moment;
@@ -170,8 +181,14 @@ def main() -> int:
         "rank_dir": str(tmp / "ranks"),
         "state_dir": str(tmp / "state"),
         "kernel_log": "kmsg" if kmsg else "off",
-        "gil": {"enabled": True, "interval_seconds": 3.0, "duration_seconds": 0.5, "rate_hz": 50,
-                "max_concurrent": 2, "pyspy_path": pyspy},
+        "gil": {
+            "enabled": True,
+            "interval_seconds": 3.0,
+            "duration_seconds": 0.5,
+            "rate_hz": 50,
+            "max_concurrent": 2,
+            "pyspy_path": pyspy,
+        },
         "nvml": {"enabled": False},
         "discovery": {"enabled": False},
     }
@@ -179,7 +196,9 @@ def main() -> int:
     log = open(tmp / "daemon.log", "wb")  # noqa: SIM115 - closed at the end
     daemon = subprocess.Popen(
         [sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(tmp / "config.yaml")],
-        stdout=log, stderr=subprocess.STDOUT, cwd=args.repo,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=args.repo,
         env={**os.environ, "PYTHONPATH": str(args.repo)},
     )
     url = f"http://{cfg['web']['listen_address']}/metrics"
@@ -196,10 +215,13 @@ def main() -> int:
                 if time.monotonic() > deadline or daemon.poll() is not None:
                     raise RuntimeError((tmp / "daemon.log").read_text()) from None
                 time.sleep(0.2)
-        print(f"# churn soak: {args.jobs_per_second:g} jobs/s, {args.live_jobs} live jobs x "
-              f"{args.ranks_per_job} ranks, OOM kill every {args.oom_every or 'no'} jobs, "
-              f"{args.duration:g} s, daemon interval {args.interval:g} s, kernel_log "
-              f"{cfg['kernel_log']}, repo {args.repo}", flush=True)
+        print(
+            f"# churn soak: {args.jobs_per_second:g} jobs/s, {args.live_jobs} live jobs x "
+            f"{args.ranks_per_job} ranks, OOM kill every {args.oom_every or 'no'} jobs, "
+            f"{args.duration:g} s, daemon interval {args.interval:g} s, kernel_log "
+            f"{cfg['kernel_log']}, repo {args.repo}",
+            flush=True,
+        )
         print(f"{'t_s':>7} " + " ".join(f"{c:>12}" for c in COLS), flush=True)
         t0 = time.monotonic()
         next_job = t0
@@ -231,20 +253,23 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             daemon.kill()
         log.close()
-    steady = [m for t, m in samples if args.steady_from <= t <= 0.8 * args.duration] or \
-        [m for _, m in samples]
+    steady = [m for t, m in samples if args.steady_from <= t <= 0.8 * args.duration] or [m for _, m in samples]
     first, last = samples[0][1], samples[-1][1]
-    print(f"\n# {started} jobs started, {ended} ended ({started * args.ranks_per_job} rank "
-          f"processes); steady = median of {len(steady)} samples from t={args.steady_from:g} s "
-          f"to t={0.8 * args.duration:g} s")
+    print(
+        f"\n# {started} jobs started, {ended} ended ({started * args.ranks_per_job} rank "
+        f"processes); steady = median of {len(steady)} samples from t={args.steady_from:g} s "
+        f"to t={0.8 * args.duration:g} s"
+    )
     print(f"{'figure':>12} {'start':>12} {'steady':>12} {'end':>12} {'end/steady':>11}")
     for c in COLS:
         s = statistics.median(m[c] for m in steady)
         ratio = f"{last[c] / s:11.3f}" if s else f"{'-':>11}"
         print(f"{c:>12} {first[c]:>12.1f} {s:>12.1f} {last[c]:>12.1f} {ratio}")
     oom_jobs = started // args.oom_every if args.oom_every else 0
-    print(f"# {oom_jobs} jobs ran a rank into its memory cgroup's limit; oom_kills = the sum of "
-          f"gpuwatch_oom_kills_total of soak jobs in /metrics; daemon exit {daemon.returncode}")
+    print(
+        f"# {oom_jobs} jobs ran a rank into its memory cgroup's limit; oom_kills = the sum of "
+        f"gpuwatch_oom_kills_total of soak jobs in /metrics; daemon exit {daemon.returncode}"
+    )
     if args.keep:
         print(f"# kept {tmp}")
     else:

@@ -148,20 +148,36 @@ def main() -> int:
     ap.add_argument("--children", type=int, default=0)
     ap.add_argument("--fds", type=int, default=300)
     ap.add_argument("--interval", type=float, default=5.0)
-    ap.add_argument("--warmup", type=int, default=70, help="cycles before the measured ones (70 x 5 s: "
-                    "the 300 s history windows full)")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=70,
+        help="cycles before the measured ones (70 x 5 s: the 300 s history windows full)",
+    )
     ap.add_argument("--cycles", type=int, default=150)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--main-repo", default="", help="another checkout, measured in turn ('before')")
-    ap.add_argument("--beside", action="append", default=[], metavar="NAME=PATH",
-                    help="one more checkout measured in turn, under NAME (repeatable): e.g. the "
-                         "tip before a fix beside the fix and the old 'before'")
+    ap.add_argument(
+        "--beside",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="one more checkout measured in turn, under NAME (repeatable): e.g. the "
+        "tip before a fix beside the fix and the old 'before'",
+    )
     ap.add_argument("--parts", action="store_true", help="the CPU of each part of the cycle")
-    ap.add_argument("--no-heartbeat", action="store_true",
-                    help="rank files without heartbeats: the stall rule's looks and py-spy dumps "
-                         "(every rank stalled after stall.after_seconds: the ranks sleep)")
-    ap.add_argument("--cprofile", type=int, default=0, help="print this many of cProfile's top "
-                    "functions (tottime) of the measured cycles")
+    ap.add_argument(
+        "--no-heartbeat",
+        action="store_true",
+        help="rank files without heartbeats: the stall rule's looks and py-spy dumps "
+        "(every rank stalled after stall.after_seconds: the ranks sleep)",
+    )
+    ap.add_argument(
+        "--cprofile",
+        type=int,
+        default=0,
+        help="print this many of cProfile's top functions (tottime) of the measured cycles",
+    )
     args = ap.parse_args()
     args.idle = False
     tmp = Path(tempfile.mkdtemp(prefix="gw-cycle-fast-"))
@@ -178,39 +194,63 @@ def main() -> int:
             name, _, path = item.partition("=")
             checkouts[name] = path
         results: dict[str, list[tuple[float, float]]] = {k: [] for k in checkouts}
-        print(f"{args.ranks} ranks of {args.threads} threads, "
-              f"{'no heartbeats' if args.no_heartbeat else 'heartbeats'}, {args.interval} s interval "
-              f"advanced per cycle; {args.warmup} + {args.cycles} cycles a round; "
-              f"{os.cpu_count()} CPUs", flush=True)
+        print(
+            f"{args.ranks} ranks of {args.threads} threads, "
+            f"{'no heartbeats' if args.no_heartbeat else 'heartbeats'}, {args.interval} s interval "
+            f"advanced per cycle; {args.warmup} + {args.cycles} cycles a round; "
+            f"{os.cpu_count()} CPUs",
+            flush=True,
+        )
         for rnd in range(args.rounds):
             for name, repo in checkouts.items():
                 cfg = tmp / f"{name}-{rnd}.yaml"
-                cfg.write_text(f"rank_dir: {ranks}\nstate_dir: {tmp / name}-{rnd}\ninterval_seconds: "
-                               f"{args.interval}\nnvml:\n  fixture: {fixture}\ngil:\n  pyspy_path: {pyspy}\n")
+                cfg.write_text(
+                    f"rank_dir: {ranks}\nstate_dir: {tmp / name}-{rnd}\ninterval_seconds: "
+                    f"{args.interval}\nnvml:\n  fixture: {fixture}\ngil:\n  pyspy_path: {pyspy}\n"
+                )
                 child = f"INSTRUMENT = {cycle_profile.INSTRUMENT!r}\n{CHILD}"
                 out = subprocess.run(
-                    [sys.executable, "-c", child, str(cfg), str(beats or ""), str(args.warmup),
-                     str(args.cycles), str(args.interval), "1" if args.parts else "0",
-                     str(args.cprofile)],
-                    env={**os.environ, "PYTHONPATH": repo}, cwd=repo, capture_output=True, text=True,
-                    timeout=1800)
+                    [
+                        sys.executable,
+                        "-c",
+                        child,
+                        str(cfg),
+                        str(beats or ""),
+                        str(args.warmup),
+                        str(args.cycles),
+                        str(args.interval),
+                        "1" if args.parts else "0",
+                        str(args.cprofile),
+                    ],
+                    env={**os.environ, "PYTHONPATH": repo},
+                    cwd=repo,
+                    capture_output=True,
+                    text=True,
+                    timeout=1800,
+                )
                 line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
                 if line is None:
                     print(f"  {name}: no result\n{out.stdout[-2000:]}{out.stderr[-2000:]}", flush=True)
                     return 1
                 _, main_ms, proc_ms, findings = line.split(" ", 3)
                 results[name].append((float(main_ms), float(proc_ms)))
-                print(f"  round {rnd + 1} {name:10s} main thread {float(main_ms):6.2f} ms, process "
-                      f"{float(proc_ms):6.2f} ms per cycle (one render included); findings {findings}",
-                      flush=True)
-                print("\n".join(ln for ln in out.stdout.splitlines() if ln.startswith("    ")),
-                      flush=True)  # each thread's CPU; the parts and the profile when asked
+                print(
+                    f"  round {rnd + 1} {name:10s} main thread {float(main_ms):6.2f} ms, process "
+                    f"{float(proc_ms):6.2f} ms per cycle (one render included); findings {findings}",
+                    flush=True,
+                )
+                print(
+                    "\n".join(ln for ln in out.stdout.splitlines() if ln.startswith("    ")), flush=True
+                )  # each thread's CPU; the parts and the profile when asked
         for name, rows in results.items():
             procs_ms = [p for _, p in rows]
             mains = [m for m, _ in rows]
-            print(f"  {name:10s} process ms per cycle: min {min(procs_ms):.2f}, median "
-                  f"{statistics.median(procs_ms):.2f}; main thread: min {min(mains):.2f}, median "
-                  f"{statistics.median(mains):.2f}", flush=True)
+            print(
+                f"  {name:10s} process ms per cycle: min {min(procs_ms):.2f}, median "
+                f"{statistics.median(procs_ms):.2f}; main thread: min {min(mains):.2f}, median "
+                f"{statistics.median(mains):.2f}",
+                flush=True,
+            )
     finally:
         for p in procs:
             p.kill()

@@ -109,9 +109,14 @@ def exited_cpu(path: Path) -> dict[str, list[float]]:
     return {}
 
 
-def by_name(pid: int, first: dict[int, tuple[str, int, int]], last: dict[int, tuple[str, int, int]],
-            exited0: dict[str, list[float]], exited1: dict[str, list[float]],
-            own: float) -> list[tuple[str, float, int, int]]:
+def by_name(
+    pid: int,
+    first: dict[int, tuple[str, int, int]],
+    last: dict[int, tuple[str, int, int]],
+    exited0: dict[str, list[float]],
+    exited1: dict[str, list[float]],
+    own: float,
+) -> list[tuple[str, float, int, int]]:
     """(thread name, CPU s in the window, threads, wake-ups): threads sampled in /proc every second
     (alive at a sample), plus those that exited (the shim's thread_time and RUSAGE_THREAD totals),
     plus what neither saw."""
@@ -141,8 +146,9 @@ def derive_fixture(pids: list[int], out: Path) -> None:
         mem = dev["compute"][0]["usedGpuMemory"]
         ts = dev["process_utilization"][0]["timeStamp"]
         dev["compute"] = [{"pid": p, "usedGpuMemory": mem} for p in pids]
-        dev["process_utilization"] = [{"memUtil": 0, "pid": p, "smUtil": 1, "timeStamp": ts + k}
-                                      for k, p in enumerate(pids[::2])]
+        dev["process_utilization"] = [
+            {"memUtil": 0, "pid": p, "smUtil": 1, "timeStamp": ts + k} for k, p in enumerate(pids[::2])
+        ]
         dev["memory"]["used"] = min(dev["memory"]["total"], mem * len(pids))
         dev["memory"]["free"] = dev["memory"]["total"] - dev["memory"]["used"]
         cycle.pop("nvidia_smi_compute_apps", None)
@@ -155,24 +161,44 @@ def overlay_replay(repo: Path, dest: Path) -> Path:
     """A copy of ``repo``'s package with this checkout's NVML replay (sources/nvml_fixture.py):
     the replay is test equipment, and an old one whose Xid wait returned at once would busy-loop
     the Xid watcher and swamp what is measured."""
-    shutil.copytree(repo / "gpuwatchd", dest / "gpuwatchd",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(repo / "gpuwatchd", dest / "gpuwatchd", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(REPO / "gpuwatchd/sources/nvml_fixture.py", dest / "gpuwatchd/sources/nvml_fixture.py")
     return dest
 
 
 def start_ranks(args: argparse.Namespace, tmp: Path) -> tuple[list[subprocess.Popen[bytes]], list[int]]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "GPUWATCHD_RANK_DIR": str(tmp / "ranks")}
+
     def rank_env(i: int) -> dict[str, str]:
         if not args.idle:
             return env
-        return {**env, "TORCHELASTIC_RUN_ID": "bench", "RANK": str(i), "LOCAL_RANK": str(i),
-                "WORLD_SIZE": str(args.ranks)}
+        return {
+            **env,
+            "TORCHELASTIC_RUN_ID": "bench",
+            "RANK": str(i),
+            "LOCAL_RANK": str(i),
+            "WORLD_SIZE": str(args.ranks),
+        }
 
-    procs = [subprocess.Popen([sys.executable, "-c", RANK, str(i), str(args.ranks), str(tmp / "ranks"),
-                               str(args.threads), str(args.children), str(args.fds),
-                               str(tmp / f"r{i}.pid")], env=rank_env(i), stdin=subprocess.DEVNULL)
-             for i in range(args.ranks)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                RANK,
+                str(i),
+                str(args.ranks),
+                str(tmp / "ranks"),
+                str(args.threads),
+                str(args.children),
+                str(args.fds),
+                str(tmp / f"r{i}.pid"),
+            ],
+            env=rank_env(i),
+            stdin=subprocess.DEVNULL,
+        )
+        for i in range(args.ranks)
+    ]
     deadline = time.monotonic() + 120
     while not all((tmp / f"r{i}.pid").exists() for i in range(args.ranks)):
         assert time.monotonic() < deadline, "ranks did not start"
@@ -217,19 +243,26 @@ def start_daemon(name: str, repo: str, args: argparse.Namespace, tmp: Path, fixt
     port = free_port()
     cfg = tmp / f"{name}.yaml"
     pyspy = args.pyspy or shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    cfg.write_text(f"rank_dir: {rank_dir or tmp / 'ranks'}\nstate_dir: {tmp / name}\ninterval_seconds: "
-                   f"{args.interval}\nweb:\n  listen_address: '127.0.0.1:{port}'\nnvml:\n  fixture: "
-                   f"{fixture}\ngil:\n  pyspy_path: {pyspy}\n{args.config_extra}\n")
+    cfg.write_text(
+        f"rank_dir: {rank_dir or tmp / 'ranks'}\nstate_dir: {tmp / name}\ninterval_seconds: "
+        f"{args.interval}\nweb:\n  listen_address: '127.0.0.1:{port}'\nnvml:\n  fixture: "
+        f"{fixture}\ngil:\n  pyspy_path: {pyspy}\n{args.config_extra}\n"
+    )
     env = {**os.environ, "PYTHONPATH": repo, "GW_THREAD_CPU_FILE": str(tmp / f"{name}.threads.json")}
-    p = subprocess.Popen([sys.executable, str(SHIM), "run", "--config.file", str(cfg)],
-                         env=env, cwd=repo, stdout=subprocess.DEVNULL,
-                         stderr=logs.enter_context((tmp / f"{name}.log").open("wb")))
+    p = subprocess.Popen(
+        [sys.executable, str(SHIM), "run", "--config.file", str(cfg)],
+        env=env,
+        cwd=repo,
+        stdout=subprocess.DEVNULL,
+        stderr=logs.enter_context((tmp / f"{name}.log").open("wb")),
+    )
     return p, f"http://127.0.0.1:{port}/metrics"
 
 
 def ranks_up(body: bytes) -> int:
-    return sum(1 for line in body.decode().splitlines()
-               if line.startswith("gpuwatch_rank_up{") and line.endswith(" 1.0"))
+    return sum(
+        1 for line in body.decode().splitlines() if line.startswith("gpuwatch_rank_up{") and line.endswith(" 1.0")
+    )
 
 
 def cycles_seen(body: bytes) -> float:
@@ -239,8 +272,9 @@ def cycles_seen(body: bytes) -> float:
     return 0.0
 
 
-def window(args: argparse.Namespace, daemons: dict[str, tuple[subprocess.Popen[bytes], str]],
-           seconds: float) -> dict[str, dict[str, Any]]:
+def window(
+    args: argparse.Namespace, daemons: dict[str, tuple[subprocess.Popen[bytes], str]], seconds: float
+) -> dict[str, dict[str, Any]]:
     pids = {k: p.pid for k, (p, _) in daemons.items()}
     t0s = {k: task_ticks(pid) for k, pid in pids.items()}
     files = {k: Path(os.environ.get("GW_BENCH_TMP", "")) / f"{k}.threads.json" for k in pids}
@@ -269,12 +303,19 @@ def window(args: argparse.Namespace, daemons: dict[str, tuple[subprocess.Popen[b
         seen[k].update(t1)
         table = by_name(pid, t0s[k], seen[k], ex0[k], exited_cpu(files[k]), own)
         threads = sorted(((t1[t][1] - t0s[k].get(t, ("", 0))[1]) / CLK, t, t1[t][0]) for t in t1)
-        res[k] = {"wall_s": wall, "cpu_percent_own": 100 * own / wall,
-                  "cpu_percent_with_children": 100 * tot / wall, "cycles": cycles,
-                  "scrapes": scrapes, "cpu_ms_per_cycle": 1e3 * own / cycles,
-                  "rss_mib": rss_kib(pid) / 1024, "ranks_up": ranks_up(body), "exposition_bytes": len(body),
-                  "threads_cpu_s": [(round(c, 2), "main" if t == pid else n) for c, t, n in threads[::-1][:5]],
-                  "by_name": table}
+        res[k] = {
+            "wall_s": wall,
+            "cpu_percent_own": 100 * own / wall,
+            "cpu_percent_with_children": 100 * tot / wall,
+            "cycles": cycles,
+            "scrapes": scrapes,
+            "cpu_ms_per_cycle": 1e3 * own / cycles,
+            "rss_mib": rss_kib(pid) / 1024,
+            "ranks_up": ranks_up(body),
+            "exposition_bytes": len(body),
+            "threads_cpu_s": [(round(c, 2), "main" if t == pid else n) for c, t, n in threads[::-1][:5]],
+            "by_name": table,
+        }
     for k, (p, u) in daemons.items():  # scrape cost: a burst, after the window
         c0 = cpu_seconds(p.pid, children=False)
         for _ in range(args.burst):
@@ -283,12 +324,24 @@ def window(args: argparse.Namespace, daemons: dict[str, tuple[subprocess.Popen[b
     return res
 
 
-PHASES = (("scrape", ("Listener", "workers.py", "handler.py", "encode_text")),
-          ("gil sampler", ("gil.py",)), ("kernel log", ("kernel_log", "kmsg.py", "kernel_events")),
-          ("cycle", ("Daemon.cycle", "isolation.py")))
-IDLE = ("wait (threading.py", "select (selectors.py", "sleep", "_wait_for_tstate_lock",
-        "poll (", "epoll", "get (queue.py", "accept (", "_worker (concurrent",
-        "nvmlEventSetWait")  # the replay sleeps there as the driver blocks
+PHASES = (
+    ("scrape", ("Listener", "workers.py", "handler.py", "encode_text")),
+    ("gil sampler", ("gil.py",)),
+    ("kernel log", ("kernel_log", "kmsg.py", "kernel_events")),
+    ("cycle", ("Daemon.cycle", "isolation.py")),
+)
+IDLE = (
+    "wait (threading.py",
+    "select (selectors.py",
+    "sleep",
+    "_wait_for_tstate_lock",
+    "poll (",
+    "epoll",
+    "get (queue.py",
+    "accept (",
+    "_worker (concurrent",
+    "nvmlEventSetWait",
+)  # the replay sleeps there as the driver blocks
 
 
 def fold(raw: Path, top: int) -> None:
@@ -494,21 +547,36 @@ def main() -> int:
     ap.add_argument("--config-extra", default="", help="YAML appended to both daemons' config")
     ap.add_argument("--profile", action="store_true", help="then py-spy record the first daemon")
     ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--no-heartbeat", action="store_true",
-                    help="ranks register without a heartbeat (stall detection from /proc and dumps)")
-    ap.add_argument("--work-ms", type=float, default=0.0,
-                    help="each rank's main thread works N ms every 50 ms instead of sleeping (nvml_poll.py's "
-                         "--work-ms: heartbeat-less ranks that work are looked at, never dumped)")
-    ap.add_argument("--nohb-beside", action="store_true",
-                    help="a daemon of each checkout beside, reading the same ranks without their "
-                    "heartbeats (asleep a second at a time between beats: the sleeping holders)")
-    ap.add_argument("--idle", action="store_true",
-                    help="ranks found by discovery (torchrun's variables, no rank file), every "
-                    "thread blocked: an idle holder or a hang (no heartbeat, no flight recorder)")
-    ap.add_argument("--phases", type=int, default=0,
-                    help="then time this many cycles of each checkout in-process, by part")
-    ap.add_argument("--cprofile", type=int, default=0,
-                    help="then cProfile this many back-to-back cycles + renders in-process")
+    ap.add_argument(
+        "--no-heartbeat",
+        action="store_true",
+        help="ranks register without a heartbeat (stall detection from /proc and dumps)",
+    )
+    ap.add_argument(
+        "--work-ms",
+        type=float,
+        default=0.0,
+        help="each rank's main thread works N ms every 50 ms instead of sleeping (nvml_poll.py's "
+        "--work-ms: heartbeat-less ranks that work are looked at, never dumped)",
+    )
+    ap.add_argument(
+        "--nohb-beside",
+        action="store_true",
+        help="a daemon of each checkout beside, reading the same ranks without their "
+        "heartbeats (asleep a second at a time between beats: the sleeping holders)",
+    )
+    ap.add_argument(
+        "--idle",
+        action="store_true",
+        help="ranks found by discovery (torchrun's variables, no rank file), every "
+        "thread blocked: an idle holder or a hang (no heartbeat, no flight recorder)",
+    )
+    ap.add_argument(
+        "--phases", type=int, default=0, help="then time this many cycles of each checkout in-process, by part"
+    )
+    ap.add_argument(
+        "--cprofile", type=int, default=0, help="then cProfile this many back-to-back cycles + renders in-process"
+    )
     args = ap.parse_args()
     if args.no_heartbeat:
         os.environ["GW_BENCH_NOHB"] = "1"
@@ -524,24 +592,26 @@ def main() -> int:
         t0 = time.monotonic()
         ranks, pids = start_ranks(args, tmp)
         nthreads = [len(os.listdir(f"/proc/{p}/task")) for p in pids]
-        print(f"{args.ranks} ranks up in {time.monotonic() - t0:.0f} s: threads {min(nthreads)}-"
-              f"{max(nthreads)} each, {args.children} forked workers each, {args.fds}+ fds; "
-              f"interval {args.interval} s, scraped every {args.interval} s, {args.seconds:.0f} s "
-              f"window; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}", flush=True)
+        print(
+            f"{args.ranks} ranks up in {time.monotonic() - t0:.0f} s: threads {min(nthreads)}-"
+            f"{max(nthreads)} each, {args.children} forked workers each, {args.fds}+ fds; "
+            f"interval {args.interval} s, scraped every {args.interval} s, {args.seconds:.0f} s "
+            f"window; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}",
+            flush=True,
+        )
         fixture = tmp / "nvml.json"
         derive_fixture(pids, fixture)
         daemons["gpuwatchd"] = start_daemon("gpuwatchd", str(REPO), args, tmp, fixture, logs)
         nohb = rank_dir_without_heartbeats(tmp) if args.nohb_beside else None
         if nohb:
-            daemons["gpuwatchd-nohb"] = start_daemon("gpuwatchd-nohb", str(REPO), args, tmp,
-                                                     fixture, logs, nohb)
+            daemons["gpuwatchd-nohb"] = start_daemon("gpuwatchd-nohb", str(REPO), args, tmp, fixture, logs, nohb)
         if args.main_repo:
             before = overlay_replay(Path(args.main_repo), tmp / "before")
-            daemons["gpuwatchd-before"] = start_daemon("gpuwatchd-before", str(before), args, tmp,
-                                                       fixture, logs)
+            daemons["gpuwatchd-before"] = start_daemon("gpuwatchd-before", str(before), args, tmp, fixture, logs)
             if nohb:
                 daemons["gpuwatchd-before-nohb"] = start_daemon(
-                    "gpuwatchd-before-nohb", str(before), args, tmp, fixture, logs, nohb)
+                    "gpuwatchd-before-nohb", str(before), args, tmp, fixture, logs, nohb
+                )
         deadline = time.monotonic() + 60
         for name, (_, u) in daemons.items():
             up = None
@@ -551,50 +621,89 @@ def main() -> int:
                     if up == args.ranks:
                         break
                 log_file = tmp / f"{name}.log"
-                assert time.monotonic() < deadline, f"{name} did not see every rank: {up} up; " \
+                assert time.monotonic() < deadline, (
+                    f"{name} did not see every rank: {up} up; "
                     f"its log: {log_file.read_text()[-1500:] if log_file.exists() else '?'}"
+                )
                 time.sleep(0.5)
         time.sleep(args.warmup)
         res = window(args, daemons, args.seconds)
         for k, r in res.items():
-            print(f"  {k:17s} CPU {r['cpu_percent_own']:.3f} % own, {r['cpu_percent_with_children']:.3f}"
-                  f" % with py-spy children; {r['cpu_ms_per_cycle']:.1f} ms CPU per cycle (scrape "
-                  f"included, {r['cycles']:.0f} cycles); {r['cpu_ms_per_scrape_burst']:.2f} ms per "
-                  f"back-to-back scrape; RSS {r['rss_mib']:.0f} MiB; ranks up {r['ranks_up']}; "
-                  f"{r['exposition_bytes']} B", flush=True)
+            print(
+                f"  {k:17s} CPU {r['cpu_percent_own']:.3f} % own, {r['cpu_percent_with_children']:.3f}"
+                f" % with py-spy children; {r['cpu_ms_per_cycle']:.1f} ms CPU per cycle (scrape "
+                f"included, {r['cycles']:.0f} cycles); {r['cpu_ms_per_scrape_burst']:.2f} ms per "
+                f"back-to-back scrape; RSS {r['rss_mib']:.0f} MiB; ranks up {r['ranks_up']}; "
+                f"{r['exposition_bytes']} B",
+                flush=True,
+            )
             print(f"  {'':17s} busiest threads (CPU s, comm): {r['threads_cpu_s']}", flush=True)
             print(f"  {'':17s} CPU by thread name over the window ({r['wall_s']:.0f} s):", flush=True)
-            print(f"  {'':19s}{'thread':32s} {'CPU s':>7s}   {'% core':>6s}  {'threads':>7s} "
-                  f"{'wake-ups/s':>10s}", flush=True)
+            print(
+                f"  {'':19s}{'thread':32s} {'CPU s':>7s}   {'% core':>6s}  {'threads':>7s} {'wake-ups/s':>10s}",
+                flush=True,
+            )
             for name, c, n, w in r["by_name"]:
-                print(f"  {'':19s}{name:32s} {c:7.3f} s {100 * c / r['wall_s']:6.3f} %  {n or '':>7} "
-                      f"{w / r['wall_s']:10.2f}", flush=True)
+                print(
+                    f"  {'':19s}{name:32s} {c:7.3f} s {100 * c / r['wall_s']:6.3f} %  {n or '':>7} "
+                    f"{w / r['wall_s']:10.2f}",
+                    flush=True,
+                )
         for hb, no in (("gpuwatchd", "gpuwatchd-nohb"), ("gpuwatchd-before", "gpuwatchd-before-nohb")):
             if no in res:
                 runs = pyspy_runs({k: daemons[k][0].pid for k in (hb, no)})
-                print(f"  {no} / {hb}: own {res[no]['cpu_percent_own'] / res[hb]['cpu_percent_own']:.2f}, "
-                      f"with children {res[no]['cpu_percent_with_children'] / res[hb]['cpu_percent_with_children']:.2f}"
-                      f"{runs}", flush=True)
+                print(
+                    f"  {no} / {hb}: own {res[no]['cpu_percent_own'] / res[hb]['cpu_percent_own']:.2f}, "
+                    f"with children {res[no]['cpu_percent_with_children'] / res[hb]['cpu_percent_with_children']:.2f}"
+                    f"{runs}",
+                    flush=True,
+                )
         if "gpuwatchd-before" in res:
             a, b = res["gpuwatchd"], res["gpuwatchd-before"]
-            print(f"  after/before: own {a['cpu_percent_own'] / b['cpu_percent_own']:.2f}, with "
-                  f"children {a['cpu_percent_with_children'] / b['cpu_percent_with_children']:.2f}",
-                  flush=True)
-        names = [n for n in ("gpuwatchd", "gpuwatchd-nohb", "gpuwatchd-before", "gpuwatchd-before-nohb")
-                 if n in daemons] if args.phases else []
+            print(
+                f"  after/before: own {a['cpu_percent_own'] / b['cpu_percent_own']:.2f}, with "
+                f"children {a['cpu_percent_with_children'] / b['cpu_percent_with_children']:.2f}",
+                flush=True,
+            )
+        names = (
+            [n for n in ("gpuwatchd", "gpuwatchd-nohb", "gpuwatchd-before", "gpuwatchd-before-nohb") if n in daemons]
+            if args.phases
+            else []
+        )
         for name in names:
             print(f"  {name}:", flush=True)
-            phases(tmp / f"{name}.yaml", str(REPO) if not name.startswith("gpuwatchd-before")
-                   else str(tmp / "before"), args.phases, args.interval)
+            phases(
+                tmp / f"{name}.yaml",
+                str(REPO) if not name.startswith("gpuwatchd-before") else str(tmp / "before"),
+                args.phases,
+                args.interval,
+            )
         if args.cprofile:
             cprofile(tmp / "gpuwatchd.yaml", str(REPO), args.cprofile, args.top)
         if args.profile:
             pyspy = args.pyspy or shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
             raw = tmp / "profile.txt"
-            subprocess.run([pyspy, "record", "--nonblocking", "--threads", "-r", "200", "-d",
-                            str(int(args.seconds)), "--format", "raw", "-o", str(raw), "-p",
-                            str(daemons["gpuwatchd"][0].pid)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+            subprocess.run(
+                [
+                    pyspy,
+                    "record",
+                    "--nonblocking",
+                    "--threads",
+                    "-r",
+                    "200",
+                    "-d",
+                    str(int(args.seconds)),
+                    "--format",
+                    "raw",
+                    "-o",
+                    str(raw),
+                    "-p",
+                    str(daemons["gpuwatchd"][0].pid),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                check=False,
+            )
             if raw.exists():
                 fold(raw, args.top)
     finally:

@@ -43,15 +43,13 @@ class Context:
 
 
 def main() -> None:
-    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-             for _ in range(RANKS)]
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]) for _ in range(RANKS)]
     try:
         time.sleep(1)
         ctx = Context(HostPaths())
         part = ExitsSubsystem(ctx.services)
         part.start(ctx)  # type: ignore[arg-type]
-        entries = tuple(RankEntry(job_id="bench", rank=i, pid=p.pid, source="environ")
-                        for i, p in enumerate(procs))
+        entries = tuple(RankEntry(job_id="bench", rank=i, pid=p.pid, source="environ") for i, p in enumerate(procs))
         processes = {p.pid: ctx.procfs.read_process(p.pid) for p in procs}
         ranks = Ranks(time.time(), entries, processes, {}, {})
         part.track(ctx, ranks)  # type: ignore[arg-type]
@@ -60,8 +58,7 @@ def main() -> None:
         for _ in range(CALLS):
             part.track(ctx, ranks)  # type: ignore[arg-type]
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-        print(f"track at {RANKS} ranks: {cpu / CALLS * 1e6:.0f} us CPU per cycle "
-              f"({wall / CALLS * 1e6:.0f} us wall)")
+        print(f"track at {RANKS} ranks: {cpu / CALLS * 1e6:.0f} us CPU per cycle ({wall / CALLS * 1e6:.0f} us wall)")
         thread = part.watcher._thread
         assert thread is not None and thread.native_id is not None
         before = cpu_seconds("self", children=False, tid=thread.native_id)

@@ -111,9 +111,19 @@ def node_exposition(timeout: float = 60.0, gil: bool = True) -> str:
                 hb = d / f"hb{r}"
                 hb.touch()
                 # own session: the rank and its workers are killed as one process group
-                procs.append(subprocess.Popen([sys.executable, "-c", RANK_PROGRAM, str(hb),
-                                               str(WORKERS_PER_RANK), str(cgs[r]) if cgs else ""],
-                                              start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-c",
+                            RANK_PROGRAM,
+                            str(hb),
+                            str(WORKERS_PER_RANK),
+                            str(cgs[r]) if cgs else "",
+                        ],
+                        start_new_session=True,
+                    )
+                )
             doc = json.loads(FIXTURE.read_text())
             live = {668 + r: p.pid for r, p in enumerate(procs)}
             for cycle in doc["cycles"]:
@@ -124,20 +134,46 @@ def node_exposition(timeout: float = 60.0, gil: bool = True) -> str:
             fixture = d / "nvml.json"
             fixture.write_text(json.dumps(doc))
             port = free_port()
-            cfg = {"web": {"listen_address": f"127.0.0.1:{port}"}, "interval_seconds": 1,
-                   "rank_dir": str(ranks_dir), "state_dir": str(state), "kernel_log": "kmsg",
-                   "nvml": {"fixture": str(fixture)}, "discovery": {"enabled": False},
-                   "gil": {"enabled": gil, "interval_seconds": 5, "duration_seconds": 1}}
+            cfg = {
+                "web": {"listen_address": f"127.0.0.1:{port}"},
+                "interval_seconds": 1,
+                "rank_dir": str(ranks_dir),
+                "state_dir": str(state),
+                "kernel_log": "kmsg",
+                "nvml": {"fixture": str(fixture)},
+                "discovery": {"enabled": False},
+                "gil": {"enabled": gil, "interval_seconds": 5, "duration_seconds": 1},
+            }
             (d / "config.yaml").write_text(yaml.safe_dump(cfg))
             for r, p in enumerate(procs):
-                subprocess.run([gw, "register", "--job-id", JOB_ID, "--rank", str(r),
-                                "--local-rank", str(r), "--pid", str(p.pid),
-                                "--world-size", str(WORLD_SIZE), "--gpus", str(r),
-                                "--heartbeat", str(d / f"hb{r}"), "--rank-dir", str(ranks_dir)],
-                               check=True, capture_output=True)
+                subprocess.run(
+                    [
+                        gw,
+                        "register",
+                        "--job-id",
+                        JOB_ID,
+                        "--rank",
+                        str(r),
+                        "--local-rank",
+                        str(r),
+                        "--pid",
+                        str(p.pid),
+                        "--world-size",
+                        str(WORLD_SIZE),
+                        "--gpus",
+                        str(r),
+                        "--heartbeat",
+                        str(d / f"hb{r}"),
+                        "--rank-dir",
+                        str(ranks_dir),
+                    ],
+                    check=True,
+                    capture_output=True,
+                )
             with (d / "daemon.log").open("wb") as log:
-                daemon = subprocess.Popen([gw, "run", "--config.file", str(d / "config.yaml")],
-                                          stdout=log, stderr=subprocess.STDOUT)
+                daemon = subprocess.Popen(
+                    [gw, "run", "--config.file", str(d / "config.yaml")], stdout=log, stderr=subprocess.STDOUT
+                )
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 text = _scrape(f"http://127.0.0.1:{port}/metrics")
@@ -146,8 +182,9 @@ def node_exposition(timeout: float = 60.0, gil: bool = True) -> str:
                 if daemon.poll() is not None:
                     break
                 time.sleep(0.5)
-            raise RuntimeError("daemon /metrics never showed all 8 ranks and GPUs:\n"
-                               + (d / "daemon.log").read_text()[-3000:])
+            raise RuntimeError(
+                "daemon /metrics never showed all 8 ranks and GPUs:\n" + (d / "daemon.log").read_text()[-3000:]
+            )
         finally:
             if daemon is not None:
                 daemon.terminate()
@@ -161,11 +198,10 @@ def node_exposition(timeout: float = 60.0, gil: bool = True) -> str:
 def _complete(text: str, gil: bool) -> bool:
     need = [f'gpuwatch_rank_up{{job_id="{JOB_ID}",rank="{r}"}} 1' for r in range(GPUS)]
     need += [f'gpuwatch_gpu_info{{gpu="{g}"' for g in range(GPUS)]
-    need += ['gpuwatch_rank_gpu_memory_bytes{', 'gpuwatch_gpu_clock_throttled{']
+    need += ["gpuwatch_rank_gpu_memory_bytes{", "gpuwatch_gpu_clock_throttled{"]
     need += [f'gpuwatch_rank_step{{job_id="{JOB_ID}",rank="{r}"}}' for r in range(GPUS)]
     if gil:
-        need += [f'gpuwatch_rank_gil_samples_total{{job_id="{JOB_ID}",rank="{r}"}}'
-                 for r in range(GPUS)]
+        need += [f'gpuwatch_rank_gil_samples_total{{job_id="{JOB_ID}",rank="{r}"}}' for r in range(GPUS)]
     return all(n in text for n in need)
 
 

@@ -23,18 +23,32 @@ from dataclasses import dataclass, field
 
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 # Prometheus's own series for every scraped target.
-SCRAPE_SERIES = ("up", "scrape_duration_seconds", "scrape_samples_scraped",
-                 "scrape_samples_post_metric_relabeling", "scrape_series_added")
+SCRAPE_SERIES = (
+    "up",
+    "scrape_duration_seconds",
+    "scrape_samples_scraped",
+    "scrape_samples_post_metric_relabeling",
+    "scrape_series_added",
+)
 # Series of a rank's live process: gone once the process is (OOM-killed rank).
 PROCESS_FAMILIES = {
-    "gpuwatch_rank_open_fds", "gpuwatch_rank_max_fds", "gpuwatch_rank_cpu_seconds_total",
-    "gpuwatch_rank_resident_memory_bytes", "gpuwatch_rank_threads",
-    "gpuwatch_rank_gpu_memory_bytes", "gpuwatch_gpu_process_memory_bytes",
-    "gpuwatch_rank_progress_timestamp_seconds", "gpuwatch_rank_stalled",
-    "gpuwatch_rank_gil_samples_total", "gpuwatch_rank_gil_held_samples_total",
-    "gpuwatch_rank_step", "gpuwatch_rank_tree_resident_memory_bytes",
-    "gpuwatch_rank_memory_cgroup_usage_bytes", "gpuwatch_rank_memory_cgroup_working_set_bytes",
-    "gpuwatch_rank_memory_cgroup_limit_bytes", "gpuwatch_rank_memory_pressure_waiting_seconds_total",
+    "gpuwatch_rank_open_fds",
+    "gpuwatch_rank_max_fds",
+    "gpuwatch_rank_cpu_seconds_total",
+    "gpuwatch_rank_resident_memory_bytes",
+    "gpuwatch_rank_threads",
+    "gpuwatch_rank_gpu_memory_bytes",
+    "gpuwatch_gpu_process_memory_bytes",
+    "gpuwatch_rank_progress_timestamp_seconds",
+    "gpuwatch_rank_stalled",
+    "gpuwatch_rank_gil_samples_total",
+    "gpuwatch_rank_gil_held_samples_total",
+    "gpuwatch_rank_step",
+    "gpuwatch_rank_tree_resident_memory_bytes",
+    "gpuwatch_rank_memory_cgroup_usage_bytes",
+    "gpuwatch_rank_memory_cgroup_working_set_bytes",
+    "gpuwatch_rank_memory_cgroup_limit_bytes",
+    "gpuwatch_rank_memory_pressure_waiting_seconds_total",
     "gpuwatch_rank_memory_pressure_stalled_seconds_total",
 }
 VARIANTS = 8  # node groups whose values move together
@@ -91,10 +105,14 @@ class Fleet:
         self.per_node = len(self.template) + len(SCRAPE_SERIES)
         tpl = [dict(s.labels) for s in self.template]
         self.t_job = next(d["job_id"] for d in tpl if d.get("job_id"))
-        self.t_pid_rank = {d["pid"]: int(d["local_rank"]) for s, d in zip(self.template, tpl, strict=True)
-                           if s.name == "gpuwatch_rank_info"}
-        self.t_uuid_gpu = {d["uuid"]: int(d["gpu"]) for s, d in zip(self.template, tpl, strict=True)
-                           if s.name == "gpuwatch_gpu_info"}
+        self.t_pid_rank = {
+            d["pid"]: int(d["local_rank"])
+            for s, d in zip(self.template, tpl, strict=True)
+            if s.name == "gpuwatch_rank_info"
+        }
+        self.t_uuid_gpu = {
+            d["uuid"]: int(d["gpu"]) for s, d in zip(self.template, tpl, strict=True) if s.name == "gpuwatch_gpu_info"
+        }
         self.gpus = len(self.t_uuid_gpu)
         self.jobs: list[tuple[int, int]] = []  # (first node, size)
         n = k = 0
@@ -171,13 +189,19 @@ class Fleet:
             return float(int(s.value + self.step_rate(variant) * age))
         if "_memory_pressure_" in n:
             return round(s.value + 0.001 * age, 3)
-        if n in ("gpuwatch_rank_tree_resident_memory_bytes", "gpuwatch_rank_memory_cgroup_usage_bytes",
-                 "gpuwatch_rank_memory_cgroup_working_set_bytes"):
+        if n in (
+            "gpuwatch_rank_tree_resident_memory_bytes",
+            "gpuwatch_rank_memory_cgroup_usage_bytes",
+            "gpuwatch_rank_memory_cgroup_working_set_bytes",
+        ):
             return float(int(s.value + (4 + variant + math.sin(age / 1200)) * 2**30))
         if n == "gpuwatch_gpu_utilization_ratio":
             return round(0.8 + 0.19 * math.sin(age / 900 + phase * 6.28), 3)
-        if n in ("gpuwatch_gpu_memory_used_bytes", "gpuwatch_rank_gpu_memory_bytes",
-                 "gpuwatch_gpu_process_memory_bytes"):
+        if n in (
+            "gpuwatch_gpu_memory_used_bytes",
+            "gpuwatch_rank_gpu_memory_bytes",
+            "gpuwatch_gpu_process_memory_bytes",
+        ):
             return float(int(s.value + (60 + 10 * variant + 5 * math.sin(age / 1800)) * 2**30))
         if n.endswith("_duration_seconds"):
             return round(s.value * (1 + 0.2 * math.sin(age / 300 + phase)), 6)
@@ -230,8 +254,7 @@ class Fleet:
                 yield fmt % vals_t[variant]
         yield "# EOF\n"
 
-    def _incident_chunk(self, node: int, ep: int, variant: int, t: float,
-                        incs: list[Incident]) -> str:
+    def _incident_chunk(self, node: int, ep: int, variant: int, t: float, incs: list[Incident]) -> str:
         prefixes = self._prefixes(node, ep)
         vals = self._values(variant, t)
         first = self.jobs[self.job_of[node]][0]
@@ -247,8 +270,11 @@ class Fleet:
             pid = str(self.pid(node, ep, inc.local_rank))
             for i, s in enumerate(self.template):
                 d = dict(s.labels)
-                if inc.kind in ("oom", "stall") and d.get("rank") == str(inc.local_rank) \
-                        and d.get("job_id") == self.t_job:
+                if (
+                    inc.kind in ("oom", "stall")
+                    and d.get("rank") == str(inc.local_rank)
+                    and d.get("job_id") == self.t_job
+                ):
                     if inc.kind == "oom":
                         if s.name in PROCESS_FAMILIES:
                             keep[i] = False
@@ -263,22 +289,42 @@ class Fleet:
                             vals[i] = self._value(s, variant, inc.at)
                         elif s.name == "gpuwatch_rank_stalled" and t >= inc.at + STALL_AFTER:
                             vals[i] = 1.0
-                elif inc.kind == "straggler" and d.get("rank") == str(inc.local_rank) \
-                        and d.get("job_id") == self.t_job and s.name == "gpuwatch_rank_step":
+                elif (
+                    inc.kind == "straggler"
+                    and d.get("rank") == str(inc.local_rank)
+                    and d.get("job_id") == self.t_job
+                    and s.name == "gpuwatch_rank_step"
+                ):
                     lost = (1 - STRAGGLER_SLOWDOWN) * self.step_rate(variant) * (t - inc.at)
                     vals[i] = float(int(self._value(s, variant, t) - lost))
             if inc.kind == "oom":
-                extra.append((f'gpuwatch_finding{{{inst},kind="rank_oom_killed",severity="page",'
-                              f'job_id="{jid}",rank="{rank}",pid="{pid}"}}', 1.0))
+                extra.append(
+                    (
+                        f'gpuwatch_finding{{{inst},kind="rank_oom_killed",severity="page",'
+                        f'job_id="{jid}",rank="{rank}",pid="{pid}"}}',
+                        1.0,
+                    )
+                )
             elif inc.kind == "stall" and t >= inc.at + STALL_AFTER:
-                extra.append((f'gpuwatch_finding{{{inst},kind="rank_stalled",severity="page",'
-                              f'job_id="{jid}",rank="{rank}",pid="{pid}"}}', 1.0))
+                extra.append(
+                    (
+                        f'gpuwatch_finding{{{inst},kind="rank_stalled",severity="page",'
+                        f'job_id="{jid}",rank="{rank}",pid="{pid}"}}',
+                        1.0,
+                    )
+                )
             elif inc.kind == "xid":
                 g = inc.local_rank
-                extra.append((f'gpuwatch_gpu_xid_errors_total{{{inst},gpu="{g}",'
-                              f'uuid="{self.uuid(node, g)}",xid="{inc.xid}"}}', 1.0))
-                extra.append((f'gpuwatch_finding{{{inst},kind="xid_critical",severity="page",'
-                              f'job_id="",rank="",pid=""}}', 1.0))
+                extra.append(
+                    (
+                        f'gpuwatch_gpu_xid_errors_total{{{inst},gpu="{g}",'
+                        f'uuid="{self.uuid(node, g)}",xid="{inc.xid}"}}',
+                        1.0,
+                    )
+                )
+                extra.append(
+                    (f'gpuwatch_finding{{{inst},kind="xid_critical",severity="page",job_id="",rank="",pid=""}}', 1.0)
+                )
         ts = int(t)
         out = [f"{p} {v!r} {ts}\n" for p, v, k in zip(prefixes, vals, keep, strict=True) if k]
         out += [f"{p} {v!r} {ts}\n" for p, v in extra]
@@ -293,16 +339,18 @@ def default_incidents(fleet: Fleet, now: float) -> list[Incident]:
     n = fleet.nodes
     a, b, c = 0, n // 3, (2 * n) // 3
     m = 60.0
-    out = [Incident("oom", a, now + 5 * m, local_rank=3),
-           Incident("oom", b, now - 120 * m, local_rank=0),
-           Incident("oom", c, now + 20 * m, local_rank=5),
-           Incident("stall", min(n - 1, a + 1), now - 20 * m, local_rank=1),
-           Incident("stall", min(n - 1, b + 1), now + 10 * m, local_rank=6),
-           Incident("stall", min(n - 1, c + 1), now - 180 * m, local_rank=2),
-           Incident("xid", min(n - 1, a + 2), now + 8 * m, local_rank=4, xid=79),
-           Incident("xid", min(n - 1, b + 2), now - 300 * m, local_rank=0, xid=48),
-           Incident("xid", min(n - 1, c + 2), now + 16 * m, local_rank=7, xid=94),
-           Incident("xid", min(n - 1, c + 3), now + 24 * m, local_rank=2, xid=79),
-           Incident("straggler", min(n - 1, a + 3), now - 40 * m, local_rank=5),
-           Incident("straggler", min(n - 1, b + 3), now - 90 * m, local_rank=1)]
+    out = [
+        Incident("oom", a, now + 5 * m, local_rank=3),
+        Incident("oom", b, now - 120 * m, local_rank=0),
+        Incident("oom", c, now + 20 * m, local_rank=5),
+        Incident("stall", min(n - 1, a + 1), now - 20 * m, local_rank=1),
+        Incident("stall", min(n - 1, b + 1), now + 10 * m, local_rank=6),
+        Incident("stall", min(n - 1, c + 1), now - 180 * m, local_rank=2),
+        Incident("xid", min(n - 1, a + 2), now + 8 * m, local_rank=4, xid=79),
+        Incident("xid", min(n - 1, b + 2), now - 300 * m, local_rank=0, xid=48),
+        Incident("xid", min(n - 1, c + 2), now + 16 * m, local_rank=7, xid=94),
+        Incident("xid", min(n - 1, c + 3), now + 24 * m, local_rank=2, xid=79),
+        Incident("straggler", min(n - 1, a + 3), now - 40 * m, local_rank=5),
+        Incident("straggler", min(n - 1, b + 3), now - 90 * m, local_rank=1),
+    ]
     return [i for i in out if fleet.start <= i.at <= fleet.end]

@@ -75,8 +75,10 @@ class Prom:
         self.data = workdir / "data"
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cfg = {"global": {"scrape_interval": "30s", "evaluation_interval": eval_interval},
-               "rule_files": [str(p) for p in rule_files]}
+        cfg = {
+            "global": {"scrape_interval": "30s", "evaluation_interval": eval_interval},
+            "rule_files": [str(p) for p in rule_files],
+        }
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(cfg))
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -85,16 +87,24 @@ class Prom:
         log = (self.dir / "prometheus.log").open("ab")
         # not niced (unlike the generator and promtool): its timings are the measurement
         self.proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={self.dir / 'prometheus.yml'}",
-             f"--storage.tsdb.path={self.data}", "--storage.tsdb.retention.time=30d",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--query.max-concurrency=2",
-             "--query.timeout=2m", "--log.level=error"],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "GOMAXPROCS": "2"})
+            [
+                PROMETHEUS,
+                f"--config.file={self.dir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={self.data}",
+                "--storage.tsdb.retention.time=30d",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--query.max-concurrency=2",
+                "--query.timeout=2m",
+                "--log.level=error",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "GOMAXPROCS": "2"},
+        )
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError((self.dir / "prometheus.log").read_text()[-3000:])
-            with contextlib.suppress(OSError), \
-                    urllib.request.urlopen(self.url + "/-/ready", timeout=2) as r:
+            with contextlib.suppress(OSError), urllib.request.urlopen(self.url + "/-/ready", timeout=2) as r:
                 if r.status == 200:
                     return time.monotonic() - t0
             time.sleep(0.5)
@@ -139,10 +149,9 @@ def variable_queries() -> list[tuple[str, str, str, str]]:
         for v in json.loads(path.read_text())["templating"]["list"]:
             if v["type"] == "query":
                 q = v["query"]["query"] if isinstance(v["query"], dict) else v["query"]
-                inner = q[len("label_values("):-1]
+                inner = q[len("label_values(") : -1]
                 sel, _, label = inner.rpartition(",")
-                out.append((path.stem.removeprefix("gpuwatchd-"), v["name"], sel.strip(),
-                            label.strip()))
+                out.append((path.stem.removeprefix("gpuwatchd-"), v["name"], sel.strip(), label.strip()))
     return out
 
 
@@ -164,12 +173,16 @@ def measure_node() -> str:
     text = node_exposition()
     tpl = parse_exposition(text)
     fams = Counter(s.name for s in tpl)
-    say(f"   /metrics after {time.monotonic() - t0:.1f} s: {len(tpl)} series from gpuwatchd "
+    say(
+        f"   /metrics after {time.monotonic() - t0:.1f} s: {len(tpl)} series from gpuwatchd "
         f"in {len(fams)} families, + {len(SCRAPE_SERIES)} Prometheus adds per target "
-        f"= {len(tpl) + len(SCRAPE_SERIES)} series per node ({len(text)} bytes)")
+        f"= {len(tpl) + len(SCRAPE_SERIES)} series per node ({len(text)} bytes)"
+    )
     per_gpu = {n: c for n, c in fams.items() if c >= 8}
-    say(f"   per GPU/rank (x8): {sum(per_gpu.values())} series in {len(per_gpu)} families; "
-        f"per node: {len(tpl) - sum(per_gpu.values())}")
+    say(
+        f"   per GPU/rank (x8): {sum(per_gpu.values())} series in {len(per_gpu)} families; "
+        f"per node: {len(tpl) - sum(per_gpu.values())}"
+    )
     for name, c in sorted(fams.items(), key=lambda x: (-x[1], x[0])):
         say(f"     {c:4d}  {name}")
     return text
@@ -206,11 +219,17 @@ def wait_compacted(prom: Prom, timeout: float = 900) -> float:
     raise RuntimeError("blocks not compacted")
 
 
-def bench_panels(prom: Prom, fleet: Fleet, args: argparse.Namespace,
-                 node: str, job: str) -> list[tuple[str, str, float, float, int]]:
+def bench_panels(
+    prom: Prom, fleet: Fleet, args: argparse.Namespace, node: str, job: str
+) -> list[tuple[str, str, float, float, int]]:
     iv = int(args.interval)
-    subs = {"$__rate_interval": f"{4 * iv}s", "$__interval": f"{iv}s",
-            "$__range": f"{int(args.range_hours * 3600)}s", "$instance": node, "$job_id": job}
+    subs = {
+        "$__rate_interval": f"{4 * iv}s",
+        "$__interval": f"{iv}s",
+        "$__range": f"{int(args.range_hours * 3600)}s",
+        "$instance": node,
+        "$job_id": job,
+    }
     rows = []
     for dash, title, t in panel_queries():
         expr = fill(t["expr"], subs)
@@ -221,31 +240,51 @@ def bench_panels(prom: Prom, fleet: Fleet, args: argparse.Namespace,
             if t.get("instant"):
                 dt, body = prom.get("/api/v1/query", {"query": expr, "time": f"{now:.3f}"})
             else:
-                dt, body = prom.get("/api/v1/query_range", {
-                    "query": expr, "start": f"{now - args.range_hours * 3600:.0f}",
-                    "end": f"{now:.0f}", "step": f"{iv}s"})
+                dt, body = prom.get(
+                    "/api/v1/query_range",
+                    {
+                        "query": expr,
+                        "start": f"{now - args.range_hours * 3600:.0f}",
+                        "end": f"{now:.0f}",
+                        "step": f"{iv}s",
+                    },
+                )
             times.append(dt)
         doc = json.loads(body)
         if doc.get("status") != "success":
             raise RuntimeError(f"{dash}/{title}: {doc}")
         kind = "instant" if t.get("instant") else "range"
-        rows.append((f"{dash} / {title} [{t['refId']}] ({kind})", expr, pct(times, 0.5),
-                     pct(times, 0.99), len(doc["data"]["result"])))
+        rows.append(
+            (
+                f"{dash} / {title} [{t['refId']}] ({kind})",
+                expr,
+                pct(times, 0.5),
+                pct(times, 0.99),
+                len(doc["data"]["result"]),
+            )
+        )
     for dash, name, sel, label in variable_queries():
         times = []
         for _ in range(args.runs):
             now = time.time()
-            dt, body = prom.get(f"/api/v1/label/{label}/values", {
-                "match[]": sel, "start": f"{now - args.range_hours * 3600:.0f}",
-                "end": f"{now:.0f}"})
+            dt, body = prom.get(
+                f"/api/v1/label/{label}/values",
+                {"match[]": sel, "start": f"{now - args.range_hours * 3600:.0f}", "end": f"{now:.0f}"},
+            )
             times.append(dt)
-        rows.append((f"{dash} / variable ${name} (label values)", sel, pct(times, 0.5),
-                     pct(times, 0.99), len(json.loads(body)["data"])))
+        rows.append(
+            (
+                f"{dash} / variable ${name} (label values)",
+                sel,
+                pct(times, 0.5),
+                pct(times, 0.99),
+                len(json.loads(body)["data"]),
+            )
+        )
     return rows
 
 
-def bench_rules(prom: Prom, evals: int, interval: float,
-                per_rule: dict[str, list[float]]) -> dict[str, list[float]]:
+def bench_rules(prom: Prom, evals: int, interval: float, per_rule: dict[str, list[float]]) -> dict[str, list[float]]:
     """evaluationTime of each rule group (and of each rule, into `per_rule`) after each of
     `evals` evaluations."""
     seen: dict[str, list[tuple[str, float]]] = {}
@@ -274,8 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=1250)
     ap.add_argument("--hours", type=float, default=6.0, help="time span of the backfilled data")
     ap.add_argument("--interval", type=float, default=30.0, help="seconds between samples")
-    ap.add_argument("--margin-minutes", type=float, default=60.0,
-                    help="how far the data run past the start time (covers the run itself)")
+    ap.add_argument(
+        "--margin-minutes",
+        type=float,
+        default=60.0,
+        help="how far the data run past the start time (covers the run itself)",
+    )
     ap.add_argument("--eval-interval", default="15s", help="rule evaluation_interval (shipped: 15s)")
     ap.add_argument("--range-hours", type=float, default=3.0, help="dashboard time range")
     ap.add_argument("--runs", type=int, default=10, help="runs per panel query")
@@ -284,28 +327,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     args = ap.parse_args(argv)
 
-    say(f"== 0. machine: {os.cpu_count()} cores, load average {_load()} at the start (1, 5, 15 min;"
-        " other work on the machine shares the cores: every timing below is an upper bound)\n")
+    say(
+        f"== 0. machine: {os.cpu_count()} cores, load average {_load()} at the start (1, 5, 15 min;"
+        " other work on the machine shares the cores: every timing below is an upper bound)\n"
+    )
     text = measure_node()
     tpl = parse_exposition(text)
     now = time.time()
     end = now + args.margin_minutes * 60
-    fleet = Fleet(tpl, nodes=args.nodes, start=end - args.hours * 3600, end=end,
-                  interval=args.interval)
+    fleet = Fleet(tpl, nodes=args.nodes, start=end - args.hours * 3600, end=end, interval=args.interval)
     fleet.incidents = default_incidents(fleet, now)
     est = fleet.samples_estimate()
-    say(f"\n== 2. fleet: {args.nodes} nodes x {fleet.gpus} GPUs = {args.nodes * fleet.gpus} GPUs, "
+    say(
+        f"\n== 2. fleet: {args.nodes} nodes x {fleet.gpus} GPUs = {args.nodes * fleet.gpus} GPUs, "
         f"{len(fleet.jobs)} jobs (largest {fleet.jobs[0][1]} nodes), "
         f"{args.nodes * fleet.per_node} live series, one sample per {args.interval:g} s over "
-        f"{args.hours:g} h (to {args.margin_minutes:g} min past now)")
-    say("   incidents: " + ", ".join(f"{i.kind} node {i.node} at now{(i.at - now) / 60:+.0f}m"
-                                     for i in fleet.incidents))
+        f"{args.hours:g} h (to {args.margin_minutes:g} min past now)"
+    )
+    say(
+        "   incidents: " + ", ".join(f"{i.kind} node {i.node} at now{(i.at - now) / 60:+.0f}m" for i in fleet.incidents)
+    )
     work = args.workdir or Path(tempfile.mkdtemp(prefix="gwfleet-prom-"))
     work.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(work).free
     need = est * BYTES_PER_SAMPLE
-    say(f"   estimate: {est / 1e6:.1f} M samples, {need / 2**30:.1f} GiB of OpenMetrics "
-        f"(free on {work}: {free / 2**30:.1f} GiB)")
+    say(
+        f"   estimate: {est / 1e6:.1f} M samples, {need / 2**30:.1f} GiB of OpenMetrics "
+        f"(free on {work}: {free / 2**30:.1f} GiB)"
+    )
     if need * 1.2 > free:
         say("   not enough disk: use --nodes/--hours/--interval to shrink the run")
         return 2
@@ -314,25 +363,45 @@ def main(argv: list[str] | None = None) -> int:
         om = work / "fleet.om"
         nbytes, dt = generate(fleet, om)
         say(f"   generated {nbytes / 2**30:.2f} GiB in {dt:.0f} s ({est / dt / 1e6:.2f} M samples/s)")
-        dt, out = run_timed([PROMTOOL, "tsdb", "create-blocks-from", "openmetrics",
-                             "--max-block-duration=54h", str(om), str(work / "data")])
+        dt, out = run_timed(
+            [
+                PROMTOOL,
+                "tsdb",
+                "create-blocks-from",
+                "openmetrics",
+                "--max-block-duration=54h",
+                str(om),
+                str(work / "data"),
+            ]
+        )
         om.unlink()
-        say(f"   promtool create-blocks-from openmetrics: {dt:.0f} s "
-            f"({est / dt / 1e6:.2f} M samples/s)")
+        say(f"   promtool create-blocks-from openmetrics: {dt:.0f} s ({est / dt / 1e6:.2f} M samples/s)")
         for line in out.splitlines():
             say("     " + line)
 
-        say("\n== 3. Prometheus " + subprocess.run([PROMETHEUS, "--version"], capture_output=True,
-                                                   text=True).stdout.splitlines()[0])
+        say(
+            "\n== 3. Prometheus "
+            + subprocess.run([PROMETHEUS, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+        )
         rules = [ALERT_RULES] + ([RECORDING_RULES] if RECORDING_RULES.exists() else [])
         prom = Prom(work, rules, args.eval_interval)
         say(f"   ready in {prom.start():.1f} s; rule files: {', '.join(p.name for p in rules)}")
         if RECORDING_RULES.exists():
             rec_dir = work / "recorded"
-            dt, out = run_timed([PROMTOOL, "tsdb", "create-blocks-from", "rules",
-                                 f"--start={int(fleet.start)}", f"--end={int(fleet.end)}",
-                                 f"--url={prom.url}", f"--eval-interval={int(args.interval)}s",
-                                 f"--output-dir={rec_dir}", *map(str, rules)])
+            dt, out = run_timed(
+                [
+                    PROMTOOL,
+                    "tsdb",
+                    "create-blocks-from",
+                    "rules",
+                    f"--start={int(fleet.start)}",
+                    f"--end={int(fleet.end)}",
+                    f"--url={prom.url}",
+                    f"--eval-interval={int(args.interval)}s",
+                    f"--output-dir={rec_dir}",
+                    *map(str, rules),
+                ]
+            )
             say(f"   promtool create-blocks-from rules (backfill of the recording rules): {dt:.0f} s")
             prom.stop()
             for b in rec_dir.iterdir():
@@ -349,9 +418,11 @@ def main(argv: list[str] | None = None) -> int:
 
         node = fleet.instance(fleet.incidents[0].node if fleet.incidents else 0)
         job = fleet.largest_job()
-        say(f"\n== 4. dashboard panels: {args.runs} runs each, range {args.range_hours:g} h, "
+        say(
+            f"\n== 4. dashboard panels: {args.runs} runs each, range {args.range_hours:g} h, "
             f"step {args.interval:g} s; $instance={node}, $job_id={job} "
-            f"({fleet.jobs[0][1] * fleet.gpus} ranks)")
+            f"({fleet.jobs[0][1] * fleet.gpus} ranks)"
+        )
         say(f"   load average before: {_load()} (the 2 cores are shared)")
         rows = bench_panels(prom, fleet, args, node, job)
         w = max(len(r[0]) for r in rows)
@@ -360,12 +431,16 @@ def main(argv: list[str] | None = None) -> int:
             flag = "  <-- over 1 s" if p99 >= 1 else ""
             say(f"   {name:<{w}}  {p50:7.3f} {p99:7.3f} {n:7d}{flag}")
         slow = [r for r in rows if r[3] >= 1]
-        say(f"   {len(rows)} queries; slowest p99 {max(r[3] for r in rows):.3f} s "
-            f"({max(rows, key=lambda r: r[3])[0]}); {len(slow)} over 1 s")
+        say(
+            f"   {len(rows)} queries; slowest p99 {max(r[3] for r in rows):.3f} s "
+            f"({max(rows, key=lambda r: r[3])[0]}); {len(slow)} over 1 s"
+        )
         say(f"   load average after: {_load()}")
 
-        say(f"\n== 5. rule groups: evaluationTime over {args.evals} evaluations "
-            f"(evaluation_interval {args.eval_interval})")
+        say(
+            f"\n== 5. rule groups: evaluationTime over {args.evals} evaluations "
+            f"(evaluation_interval {args.eval_interval})"
+        )
         sec = float(args.eval_interval.rstrip("s"))
         say(f"   load average before: {_load()}")
         per_rule: dict[str, list[float]] = {}
@@ -374,17 +449,14 @@ def main(argv: list[str] | None = None) -> int:
         for g, ts in sorted(groups.items()):
             total_p50 += statistics.median(ts)
             total_max += max(ts)
-            say(f"   {g:<45} p50 {statistics.median(ts):.3f} s  max {max(ts):.3f} s  "
-                f"({len(ts)} evaluations)")
+            say(f"   {g:<45} p50 {statistics.median(ts):.3f} s  max {max(ts):.3f} s  ({len(ts)} evaluations)")
         say(f"   whole rule set (sum of the groups): p50 {total_p50:.3f} s, max {total_max:.3f} s")
         for name, ts in sorted(per_rule.items(), key=lambda x: -statistics.median(x[1])):
             say(f"     rule {name:<55} p50 {statistics.median(ts):.3f} s  max {max(ts):.3f} s")
         say(f"   load average after: {_load()}")
         _, body = prom.get("/api/v1/alerts", {})
-        alerts = Counter((a["labels"]["alertname"], a["state"])
-                         for a in json.loads(body)["data"]["alerts"])
-        say("   alerts: " + (", ".join(f"{n} {s} x{c}" for (n, s), c in sorted(alerts.items()))
-                             or "none"))
+        alerts = Counter((a["labels"]["alertname"], a["state"]) for a in json.loads(body)["data"]["alerts"])
+        say("   alerts: " + (", ".join(f"{n} {s} x{c}" for (n, s), c in sorted(alerts.items())) or "none"))
     finally:
         if prom is not None:
             prom.stop()

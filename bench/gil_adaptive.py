@@ -100,8 +100,7 @@ def cost_model() -> None:
         assert target.stdout is not None and target.stdout.readline().strip() == "ready"
         spy = PySpy(resolve_pyspy(), timeout_seconds=60)
         print("1. py-spy record --gil --nonblocking on a 41-thread Python target, 3 runs each")
-        print(f"   {'duration':>8} {'rate':>5} {'ticks':>5} {'py-spy CPU/run':>15} "
-              f"{'caller CPU/run':>15}")
+        print(f"   {'duration':>8} {'rate':>5} {'ticks':>5} {'py-spy CPU/run':>15} {'caller CPU/run':>15}")
         points = []
         for seconds, rate in [(1, 20), (1, 50), (2, 50), (5, 20), (5, 50), (5, 100)]:
             own0, spent = self_cpu(), 0.0
@@ -110,17 +109,18 @@ def cost_model() -> None:
             own = (self_cpu() - own0) / 3
             ticks = seconds * rate - 1
             points.append((ticks, spent / 3))
-            print(f"   {seconds:>6} s {rate:>3} Hz {ticks:>5} {1e3 * spent / 3:>12.1f} ms "
-                  f"{1e3 * own:>12.1f} ms")
+            print(f"   {seconds:>6} s {rate:>3} Hz {ticks:>5} {1e3 * spent / 3:>12.1f} ms {1e3 * own:>12.1f} ms")
         n = len(points)
         mx = sum(t for t, _ in points) / n
         my = sum(c for _, c in points) / n
-        b = (sum((t - mx) * (c - my) for t, c in points)
-             / sum((t - mx) ** 2 for t, _ in points))
+        b = sum((t - mx) * (c - my) for t, c in points) / sum((t - mx) ** 2 for t, _ in points)
         a = my - b * mx
-        print(f"   fit: py-spy CPU per run = {1e3 * a:.1f} ms + {1e3 * b:.3f} ms x ticks "
-              f"(a 1 s 20 Hz screening: {1e3 * (a + 19 * b):.1f} ms; a 5 s 50 Hz sample: "
-              f"{1e3 * (a + 249 * b):.1f} ms)", flush=True)
+        print(
+            f"   fit: py-spy CPU per run = {1e3 * a:.1f} ms + {1e3 * b:.3f} ms x ticks "
+            f"(a 1 s 20 Hz screening: {1e3 * (a + 19 * b):.1f} ms; a 5 s 50 Hz sample: "
+            f"{1e3 * (a + 249 * b):.1f} ms)",
+            flush=True,
+        )
     finally:
         target.kill()
         target.wait()
@@ -139,14 +139,21 @@ def nvml_replay(path: Path) -> None:
 
 
 def gil_samples(text: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("gpuwatch_rank_gil_samples_total{"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("gpuwatch_rank_gil_samples_total{")
+    )
 
 
 def saturated(text: str, rank: int) -> bool:
-    return any(line.startswith("gpuwatch_finding{") and 'kind="gil_saturated"' in line
-               and f'rank="{rank}"' in line and line.endswith(" 1.0")
-               for line in text.splitlines())
+    return any(
+        line.startswith("gpuwatch_finding{")
+        and 'kind="gil_saturated"' in line
+        and f'rank="{rank}"' in line
+        and line.endswith(" 1.0")
+        for line in text.splitlines()
+    )
 
 
 def window(args: argparse.Namespace, tmp: Path, convoy: int) -> None:
@@ -154,13 +161,13 @@ def window(args: argparse.Namespace, tmp: Path, convoy: int) -> None:
     rank_dir.mkdir()
     fixture = tmp / "nvml.json"
     nvml_replay(fixture)
-    checkouts: dict[str, tuple[Path, str]] = {"after": (REPO, ""),
-                                              "gil-off": (REPO, "gil:\n  enabled: false\n")}
+    checkouts: dict[str, tuple[Path, str]] = {"after": (REPO, ""), "gil-off": (REPO, "gil:\n  enabled: false\n")}
     if args.before_rev:
         before = tmp / "before"
         before.mkdir()
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", args.before_rev],
-                                 check=True, capture_output=True).stdout
+        archive = subprocess.run(
+            ["git", "-C", str(REPO), "archive", args.before_rev], check=True, capture_output=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
         # the NVML replay of this checkout in both (the older one spun in its Xid event wait)
         replay = "gpuwatchd/sources/nvml_fixture.py"
@@ -172,8 +179,9 @@ def window(args: argparse.Namespace, tmp: Path, convoy: int) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     try:
         for i, kind in enumerate(kinds):
-            p = subprocess.Popen([sys.executable, "-c", RANK, kind, str(rank_dir), str(i)],
-                                 stdout=subprocess.PIPE, text=True, env=env)
+            p = subprocess.Popen(
+                [sys.executable, "-c", RANK, kind, str(rank_dir), str(i)], stdout=subprocess.PIPE, text=True, env=env
+            )
             ranks.append(p)
         for p in ranks:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
@@ -181,14 +189,19 @@ def window(args: argparse.Namespace, tmp: Path, convoy: int) -> None:
         for k, (name, (repo, extra)) in enumerate(checkouts.items()):
             port = args.port + k
             cfg = tmp / f"{name}.yaml"
-            cfg.write_text(f"rank_dir: {rank_dir}\nstate_dir: {tmp / name}\nweb:\n  "
-                           f"listen_address: '127.0.0.1:{port}'\nnvml:\n  fixture: {fixture}\n"
-                           f"{args.extra.replace(chr(92) + 'n', chr(10))}{extra}")
+            cfg.write_text(
+                f"rank_dir: {rank_dir}\nstate_dir: {tmp / name}\nweb:\n  "
+                f"listen_address: '127.0.0.1:{port}'\nnvml:\n  fixture: {fixture}\n"
+                f"{args.extra.replace(chr(92) + 'n', chr(10))}{extra}"
+            )
             log = (tmp / f"{name}.log").open("wb")
             daemons[name] = subprocess.Popen(
                 [sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg)],
-                cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, stdout=log,
-                stderr=subprocess.STDOUT)
+                cwd=repo,
+                env={**os.environ, "PYTHONPATH": str(repo)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
             started[name] = time.monotonic()
             urls[name] = f"http://127.0.0.1:{port}/metrics"
         found: dict[str, float] = {}
@@ -214,24 +227,36 @@ def window(args: argparse.Namespace, tmp: Path, convoy: int) -> None:
             poll()
             time.sleep(5)
         wall = time.monotonic() - t0
-        print(f"2. {args.ranks} real Python ranks ({convoy} GIL-convoyed on an idle GPU, {args.busy} "
-              f"busy on a busy GPU, {args.ranks - convoy - args.busy} light), shipped defaults, "
-              f"{wall:.0f} s window after {args.warmup:.0f} s")
+        print(
+            f"2. {args.ranks} real Python ranks ({convoy} GIL-convoyed on an idle GPU, {args.busy} "
+            f"busy on a busy GPU, {args.ranks - convoy - args.busy} light), shipped defaults, "
+            f"{wall:.0f} s window after {args.warmup:.0f} s"
+        )
         own_of = {name: cpu_seconds(p.pid, children=False) - own0[name] for name, p in daemons.items()}
         for name, p in daemons.items():
             own = own_of[name]
             kids = cpu_seconds(p.pid, children=True) - all0[name] - own
             taken = gil_samples(get(urls[name]).decode()) - samples0[name]
-            when = (f"{found[name]:.0f} s after start" if name in found
-                    else "not in the run" if convoy else "none (no convoyed rank)")
-            print(f"   {name:6s} daemon own {100 * own / wall:.3f} % of a core, py-spy children "
-                  f"{100 * kids / wall:.3f} %, total {100 * (own + kids) / wall:.3f} %; "
-                  f"{taken:.0f} GIL ticks sampled; gil_saturated for the convoyed rank: {when}",
-                  flush=True)
+            when = (
+                f"{found[name]:.0f} s after start"
+                if name in found
+                else "not in the run"
+                if convoy
+                else "none (no convoyed rank)"
+            )
+            print(
+                f"   {name:6s} daemon own {100 * own / wall:.3f} % of a core, py-spy children "
+                f"{100 * kids / wall:.3f} %, total {100 * (own + kids) / wall:.3f} %; "
+                f"{taken:.0f} GIL ticks sampled; gil_saturated for the convoyed rank: {when}",
+                flush=True,
+            )
             if name != "gil-off":
                 share = own - own_of["gil-off"] + kids
-                print(f"   {name:6s} GIL sampling's share (own - gil-off's own + children): "
-                      f"{100 * share / wall:.3f} % of a core", flush=True)
+                print(
+                    f"   {name:6s} GIL sampling's share (own - gil-off's own + children): "
+                    f"{100 * share / wall:.3f} % of a core",
+                    flush=True,
+                )
     finally:
         for p in daemons.values():
             p.send_signal(signal.SIGTERM)
@@ -256,9 +281,13 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=19930)
     ap.add_argument("--skip-cost", action="store_true")
     ap.add_argument("--convoys", default="0,1", help="a window per value: GIL-convoyed ranks in it")
-    ap.add_argument("--extra", default="", help="YAML appended to every daemon's config, e.g. "
-                    "\"discovery:\\n  enabled: false\\n\" where /proc scans of other users' "
-                    "processes dominate (a shared VM)")
+    ap.add_argument(
+        "--extra",
+        default="",
+        help="YAML appended to every daemon's config, e.g. "
+        '"discovery:\\n  enabled: false\\n" where /proc scans of other users\' '
+        "processes dominate (a shared VM)",
+    )
     args = ap.parse_args()
     if not args.skip_cost:
         cost_model()

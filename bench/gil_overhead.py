@@ -72,8 +72,9 @@ stop.wait()
 
 class Target:
     def __init__(self, threads: int, workers: int, cpus: set[int] | None = None) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", TARGET, str(threads), str(workers)],
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", TARGET, str(threads), str(workers)], stdout=subprocess.PIPE, text=True
+        )
         if cpus:
             for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
                 os.sched_setaffinity(int(tid), cpus)
@@ -116,9 +117,25 @@ def blocking_record(binary: str, pid: int, rate: int, seconds: int) -> float:
     contrast only; returns its CPU seconds."""
     with tempfile.TemporaryDirectory(prefix="gpuwatchd-bench-") as tmp:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        subprocess.run([binary, "record", "--format", "raw", "--hideprogress", "-r",
-                        str(rate), "-d", str(seconds), "-o", os.path.join(tmp, "o"), "-p",
-                        str(pid)], capture_output=True, check=False)
+        subprocess.run(
+            [
+                binary,
+                "record",
+                "--format",
+                "raw",
+                "--hideprogress",
+                "-r",
+                str(rate),
+                "-d",
+                str(seconds),
+                "-o",
+                os.path.join(tmp, "o"),
+                "-p",
+                str(pid),
+            ],
+            capture_output=True,
+            check=False,
+        )
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
@@ -133,8 +150,13 @@ def main() -> int:
     ap.add_argument("--pyspy", default=None)
     ap.add_argument("--blocking", action="store_true", help="also measure blocking mode")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--pin", type=int, default=None, metavar="CPU",
-                    help="pin the target to CPUs CPU..CPU+workers, everything else elsewhere")
+    ap.add_argument(
+        "--pin",
+        type=int,
+        default=None,
+        metavar="CPU",
+        help="pin the target to CPUs CPU..CPU+workers, everything else elsewhere",
+    )
     args = ap.parse_args()
 
     binary = resolve_pyspy(args.pyspy)
@@ -214,8 +236,7 @@ def main() -> int:
         result["throughput_blocking_median"] = round(statistics.median(blocking))
         result["loss_blocking_percent"] = round(100 * loss(blocking), 2)
         result["stalled_ms_per_s_blocking"] = round(1000 * statistics.median(stalls["blocking"]), 2)
-        result["blocking_pyspy_cpu_per_sampled_second"] = round(
-            block_cpu / (args.pairs * args.window), 4)
+        result["blocking_pyspy_cpu_per_sampled_second"] = round(block_cpu / (args.pairs * args.window), 4)
     if args.json:
         print(json.dumps(result))
     else:
@@ -223,18 +244,25 @@ def main() -> int:
         print(f"  {args.pairs} windows of {args.window} s per condition, sampling at {args.rate} Hz")
         print(f"  throughput off  (median): {result['throughput_off_median']:>12,} it/s")
         print(f"  throughput on   (median): {result['throughput_on_median']:>12,} it/s")
-        print(f"  loss with --gil --nonblocking: {result['loss_median_percent']:+.2f} % (median), "
-              f"{result['loss_mean_percent']:+.2f} % (mean); window noise "
-              f"{result['window_noise_percent']:.2f} %")
-        print(f"  paired loss (on vs adjacent off): {result['paired_loss_percent']:+.2f} % "
-              f"± {result['paired_loss_ci95_percent']:.2f} % (95 % CI)")
-        print(f"  target stalled (gaps > 1 ms, median ms per s): off "
-              f"{result['stalled_ms_per_s_off']}, on {result['stalled_ms_per_s_on']}")
+        print(
+            f"  loss with --gil --nonblocking: {result['loss_median_percent']:+.2f} % (median), "
+            f"{result['loss_mean_percent']:+.2f} % (mean); window noise "
+            f"{result['window_noise_percent']:.2f} %"
+        )
+        print(
+            f"  paired loss (on vs adjacent off): {result['paired_loss_percent']:+.2f} % "
+            f"± {result['paired_loss_ci95_percent']:.2f} % (95 % CI)"
+        )
+        print(
+            f"  target stalled (gaps > 1 ms, median ms per s): off "
+            f"{result['stalled_ms_per_s_off']}, on {result['stalled_ms_per_s_on']}"
+        )
         if args.blocking:
-            print(f"  blocking mode (never used by gpuwatchd): {result['loss_blocking_percent']:+.2f} "
-                  f"% loss, stalled {result['stalled_ms_per_s_blocking']} ms per s")
-        print(f"  py-spy CPU per sampled second: "
-              f"{result['pyspy_cpu_seconds_per_sampled_second']} s")
+            print(
+                f"  blocking mode (never used by gpuwatchd): {result['loss_blocking_percent']:+.2f} "
+                f"% loss, stalled {result['stalled_ms_per_s_blocking']} ms per s"
+            )
+        print(f"  py-spy CPU per sampled second: {result['pyspy_cpu_seconds_per_sampled_second']} s")
         print(f"  GIL-held ratio measured: {result['gil_held_ratio_mean']}")
     return 0
 

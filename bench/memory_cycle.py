@@ -29,23 +29,39 @@ CHILD = "import sys; x = bytearray(8 << 20); print(flush=True); sys.stdin.read()
 
 
 def measure(n: int, shared: bool, cycles: int) -> tuple[float, float]:
-    groups = [MemCgroup("gwmemory_bench", 1 << 30)] if shared else \
-        [MemCgroup(f"gwmemory_bench{i}", 1 << 30) for i in range(n)]
+    groups = (
+        [MemCgroup("gwmemory_bench", 1 << 30)]
+        if shared
+        else [MemCgroup(f"gwmemory_bench{i}", 1 << 30) for i in range(n)]
+    )
     try:
         procs = [groups[0 if shared else i].spawn(CHILD) for i in range(n)]
         for p in procs:
             assert p.stdout is not None
             p.stdout.readline()
         with tempfile.TemporaryDirectory() as tmp:
-            cfg = Config(rank_dir=f"{tmp}/ranks", state_dir=f"{tmp}/state", kernel_log="off",
-                         gil=GilConfig(enabled=False), nvml=NvmlConfig(enabled=False),
-                         discovery=DiscoveryConfig(enabled=False))
-            write_rank_file(cfg.rank_dir, {"version": 1, "job_id": "bench", "world_size": n,
-                                           "ranks": [{"rank": i, "pid": p.pid} for i, p in enumerate(procs)]},
-                            "bench.json")
+            cfg = Config(
+                rank_dir=f"{tmp}/ranks",
+                state_dir=f"{tmp}/state",
+                kernel_log="off",
+                gil=GilConfig(enabled=False),
+                nvml=NvmlConfig(enabled=False),
+                discovery=DiscoveryConfig(enabled=False),
+            )
+            write_rank_file(
+                cfg.rank_dir,
+                {
+                    "version": 1,
+                    "job_id": "bench",
+                    "world_size": n,
+                    "ranks": [{"rank": i, "pid": p.pid} for i, p in enumerate(procs)],
+                },
+                "bench.json",
+            )
             plain = Daemon(cfg, parts=no_parts, write_state=False)
-            with_memory = Daemon(cfg, write_state=False,
-                                 parts=lambda c, s: Parts(memory=MemorySubsystem(c, s, spy=PySpy(None))))
+            with_memory = Daemon(
+                cfg, write_state=False, parts=lambda c, s: Parts(memory=MemorySubsystem(c, s, spy=PySpy(None)))
+            )
             cpu = {}
             for name, d in (("plain", plain), ("memory", with_memory)):
                 d.cycle()  # rank files and start times learnt
@@ -69,10 +85,12 @@ def main() -> int:
         for shared in (True, False):
             mem, proc = measure(n, shared, args.cycles)
             layout = "one cgroup (one job)" if shared else "a cgroup each"
-            print(f"N={n:3d} ranks, {layout:21s}: memory {mem * 1e3:6.2f} ms CPU/cycle "
-                  f"({mem / n * 1e6:5.1f} us/rank) | rest of the cycle {proc * 1e3:6.2f} ms "
-                  f"({proc / n * 1e6:5.1f} us/rank) | at a 5 s cycle the memory part is "
-                  f"{mem / 5 * 100:.3f} % of a core")
+            print(
+                f"N={n:3d} ranks, {layout:21s}: memory {mem * 1e3:6.2f} ms CPU/cycle "
+                f"({mem / n * 1e6:5.1f} us/rank) | rest of the cycle {proc * 1e3:6.2f} ms "
+                f"({proc / n * 1e6:5.1f} us/rank) | at a 5 s cycle the memory part is "
+                f"{mem / 5 * 100:.3f} % of a core"
+            )
     return 0
 
 

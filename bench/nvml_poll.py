@@ -48,15 +48,32 @@ from bench.benchlib import CLK, REPO, cpu_seconds, rss_kib, scrape, task_ticks, 
 from gpuwatchd.sources.nvml import NvmlSource
 
 
-def start_holders(args: argparse.Namespace, tmp: Path, first: int, last: int,
-                  holders: list[subprocess.Popen[bytes]], env: dict[str, str]) -> None:
+def start_holders(
+    args: argparse.Namespace,
+    tmp: Path,
+    first: int,
+    last: int,
+    holders: list[subprocess.Popen[bytes]],
+    env: dict[str, str],
+) -> None:
     """Holders ``first..last-1``: started together, then registered as ranks of job 'bench'."""
     for i in range(first, last):
         hb = ["--heartbeat", str(tmp / f"h{i}.hb")]
         work = ["--work-ms", str(args.work_ms)] if args.work_ms else []
-        holders.append(subprocess.Popen(
-            [sys.executable, args.holder, "--gib", str(args.gib), "--ready-file",
-             str(tmp / f"h{i}.pid"), *hb, *work]))
+        holders.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    args.holder,
+                    "--gib",
+                    str(args.gib),
+                    "--ready-file",
+                    str(tmp / f"h{i}.pid"),
+                    *hb,
+                    *work,
+                ]
+            )
+        )
     deadline = time.monotonic() + 240
     while not all((tmp / f"h{i}.pid").exists() for i in range(first, last)):
         assert time.monotonic() < deadline, "holders did not start"
@@ -65,9 +82,27 @@ def start_holders(args: argparse.Namespace, tmp: Path, first: int, last: int,
     for i in range(first, last):
         pid = int((tmp / f"h{i}.pid").read_text())
         for rank_dir, hb in (("ranks", []), ("ranks-hb", ["--heartbeat", str(tmp / f"h{i}.hb")])):
-            subprocess.run([sys.executable, "-m", "gpuwatchd", "register", "--job-id", "bench",
-                            "--rank", str(i), "--pid", str(pid), "--rank-dir", str(tmp / rank_dir),
-                            *hb], check=True, env=env, cwd=str(REPO), capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "gpuwatchd",
+                    "register",
+                    "--job-id",
+                    "bench",
+                    "--rank",
+                    str(i),
+                    "--pid",
+                    str(pid),
+                    "--rank-dir",
+                    str(tmp / rank_dir),
+                    *hb,
+                ],
+                check=True,
+                env=env,
+                cwd=str(REPO),
+                capture_output=True,
+            )
 
 
 def poll_cost(args: argparse.Namespace) -> dict[str, Any]:
@@ -83,22 +118,30 @@ def poll_cost(args: argparse.Namespace) -> dict[str, Any]:
     smi = []
     for _ in range(5):
         t0 = time.perf_counter()
-        subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                        "--format=csv,noheader"], capture_output=True, check=True)
+        subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+            capture_output=True,
+            check=True,
+        )
         smi.append(time.perf_counter() - t0)
     samples.sort()
     poll = {
-        "gpus": len(devices), "gpu_processes": len(procs), "polls": len(samples),
-        "mean_ms": statistics.mean(samples) * 1e3, "p50_ms": samples[len(samples) // 2] * 1e3,
-        "p99_ms": samples[int(len(samples) * 0.99) - 1] * 1e3, "max_ms": samples[-1] * 1e3,
+        "gpus": len(devices),
+        "gpu_processes": len(procs),
+        "polls": len(samples),
+        "mean_ms": statistics.mean(samples) * 1e3,
+        "p50_ms": samples[len(samples) // 2] * 1e3,
+        "p99_ms": samples[int(len(samples) * 0.99) - 1] * 1e3,
+        "max_ms": samples[-1] * 1e3,
         "nvidia_smi_query_mean_ms": statistics.mean(smi) * 1e3,
     }
-    print(f"NVML poll: {len(procs)} GPU processes on {len(devices)} GPU(s): "
-          f"mean {poll['mean_ms']:.2f} ms, p50 {poll['p50_ms']:.2f} ms, p99 {poll['p99_ms']:.2f} ms "
-          f"per cycle (nvidia-smi --query-compute-apps: {poll['nvidia_smi_query_mean_ms']:.0f} ms)",
-          flush=True)
-    print("NVML calls on GPU 0, CPU µs each: " + ", ".join(f"{k} {v:.0f}" for k, v in calls.items()),
-          flush=True)
+    print(
+        f"NVML poll: {len(procs)} GPU processes on {len(devices)} GPU(s): "
+        f"mean {poll['mean_ms']:.2f} ms, p50 {poll['p50_ms']:.2f} ms, p99 {poll['p99_ms']:.2f} ms "
+        f"per cycle (nvidia-smi --query-compute-apps: {poll['nvidia_smi_query_mean_ms']:.0f} ms)",
+        flush=True,
+    )
+    print("NVML calls on GPU 0, CPU µs each: " + ", ".join(f"{k} {v:.0f}" for k, v in calls.items()), flush=True)
     poll["calls_us"] = calls
     return poll
 
@@ -110,11 +153,13 @@ def nvml_call_costs(n: int) -> dict[str, float]:
     nv.nvmlInit()
     try:
         h = nv.nvmlDeviceGetHandleByIndex(0)
-        reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
-            nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        reasons = (
+            getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        )
         todo = {
             "GetHandleByIndex": lambda: nv.nvmlDeviceGetHandleByIndex(0),
-            "GetUUID": lambda: nv.nvmlDeviceGetUUID(h), "GetName": lambda: nv.nvmlDeviceGetName(h),
+            "GetUUID": lambda: nv.nvmlDeviceGetUUID(h),
+            "GetName": lambda: nv.nvmlDeviceGetName(h),
             "GetPciInfo": lambda: nv.nvmlDeviceGetPciInfo(h),
             "GetMemoryInfo": lambda: nv.nvmlDeviceGetMemoryInfo(h),
             "GetUtilizationRates": lambda: nv.nvmlDeviceGetUtilizationRates(h),
@@ -135,8 +180,15 @@ def nvml_call_costs(n: int) -> dict[str, float]:
         nv.nvmlShutdown()
 
 
-IDLE_LEAVES = ("wait (threading.py", "select (selectors.py", "sleep", "_wait_for_tstate_lock",
-               "accept (socket.py", "get (queue.py", "poll (selectors.py")
+IDLE_LEAVES = (
+    "wait (threading.py",
+    "select (selectors.py",
+    "sleep",
+    "_wait_for_tstate_lock",
+    "accept (socket.py",
+    "get (queue.py",
+    "poll (selectors.py",
+)
 
 
 def print_profile(path: Path, n: int, top: int = 25) -> None:
@@ -187,28 +239,32 @@ def variants(args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
         # detection from /proc, dumps and NVML; issue 22)
         out.append(("gpuwatchd-defaults-nohb", here, f"gil:\n{pyspy}" if pyspy else "", "ranks"))
         if before:
-            out.append(("gpuwatchd-before-defaults-hb", before, f"gil:\n{pyspy}" if pyspy else "",
-                        "ranks-hb"))
+            out.append(("gpuwatchd-before-defaults-hb", before, f"gil:\n{pyspy}" if pyspy else "", "ranks-hb"))
     if args.only:
         out = [v for v in out if v[0] in args.only.split(",")]
     return out
 
 
-def cpu_window(args: argparse.Namespace, tmp: Path, n: int, logs: contextlib.ExitStack,
-               servers: list[subprocess.Popen[bytes]]) -> dict[str, Any]:
+def cpu_window(
+    args: argparse.Namespace, tmp: Path, n: int, logs: contextlib.ExitStack, servers: list[subprocess.Popen[bytes]]
+) -> dict[str, Any]:
     procs: dict[str, subprocess.Popen[bytes]] = {}
     urls: dict[str, str] = {}
     for k, (name, repo, extra, ranks) in enumerate(variants(args)):
         port = 19870 + 10 * len(servers) + k
         cfg = tmp / f"{name}-{n}.yaml"
-        cfg.write_text(f"rank_dir: {tmp / ranks}\nstate_dir: {tmp / name}-{n}\ninterval_seconds: "
-                       f"{args.interval}\nweb:\n  listen_address: '127.0.0.1:{port}'\n{extra}")
+        cfg.write_text(
+            f"rank_dir: {tmp / ranks}\nstate_dir: {tmp / name}-{n}\ninterval_seconds: "
+            f"{args.interval}\nweb:\n  listen_address: '127.0.0.1:{port}'\n{extra}"
+        )
         env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         procs[name] = subprocess.Popen(  # under the shim that names each thread (comm)
             [sys.executable, str(REPO / "bench/thread_names.py"), "run", "--config.file", str(cfg)],
             env=env,
-            cwd=repo, stdout=subprocess.DEVNULL,
-            stderr=logs.enter_context((tmp / f"{name}-{n}.log").open("wb")))
+            cwd=repo,
+            stdout=subprocess.DEVNULL,
+            stderr=logs.enter_context((tmp / f"{name}-{n}.log").open("wb")),
+        )
         urls[name] = f"http://127.0.0.1:{port}/metrics"
     servers.extend(procs.values())
     if not args.no_nvitop:
@@ -216,9 +272,10 @@ def cpu_window(args: argparse.Namespace, tmp: Path, n: int, logs: contextlib.Exi
         exporter_bin = shutil.which("nvitop-exporter")
         cmd = [exporter_bin] if exporter_bin else [sys.executable, "-m", "nvitop_exporter"]
         procs["nvitop-exporter"] = subprocess.Popen(
-            [*cmd, "--bind-address", "127.0.0.1", "--port", str(port), "--interval",
-             str(args.interval)], stdout=subprocess.DEVNULL,
-            stderr=logs.enter_context((tmp / f"nvitop-{n}.log").open("wb")))
+            [*cmd, "--bind-address", "127.0.0.1", "--port", str(port), "--interval", str(args.interval)],
+            stdout=subprocess.DEVNULL,
+            stderr=logs.enter_context((tmp / f"nvitop-{n}.log").open("wb")),
+        )
         servers.append(procs["nvitop-exporter"])
         urls["nvitop-exporter"] = f"http://127.0.0.1:{port}/metrics"
     for u in urls.values():
@@ -227,16 +284,35 @@ def cpu_window(args: argparse.Namespace, tmp: Path, n: int, logs: contextlib.Exi
     prof = None
     profiled = args.profile_variant
     if args.profile and args.pyspy and profiled in procs:  # py-spy on the daemon itself
-        prof = subprocess.Popen([args.pyspy, "record", "--nonblocking", "--threads", "-r", "100",
-                                 "-d", str(int(args.seconds)), "--format", "raw", "-o",
-                                 str(tmp / f"prof-{n}.raw"), "-p", str(procs[profiled].pid)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        prof = subprocess.Popen(
+            [
+                args.pyspy,
+                "record",
+                "--nonblocking",
+                "--threads",
+                "-r",
+                "100",
+                "-d",
+                str(int(args.seconds)),
+                "--format",
+                "raw",
+                "-o",
+                str(tmp / f"prof-{n}.raw"),
+                "-p",
+                str(procs[profiled].pid),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     tasks0 = task_ticks(procs[profiled].pid) if profiled in procs else {}
     own0 = {k: cpu_seconds(p.pid, children=False) for k, p in procs.items()}
     all0 = {k: cpu_seconds(p.pid, children=True) for k, p in procs.items()}
     t0 = time.monotonic()
-    print(f"  {n} ranks, window from epoch {time.time():.1f} for {args.seconds:.0f} s; daemon pids "
-          + ", ".join(f"{k} {p.pid}" for k, p in procs.items()), flush=True)
+    print(
+        f"  {n} ranks, window from epoch {time.time():.1f} for {args.seconds:.0f} s; daemon pids "
+        + ", ".join(f"{k} {p.pid}" for k, p in procs.items()),
+        flush=True,
+    )
     sizes: dict[str, int] = {}
     scrapes: dict[str, list[float]] = {k: [] for k in urls}
     while time.monotonic() - t0 < args.seconds:
@@ -252,18 +328,17 @@ def cpu_window(args: argparse.Namespace, tmp: Path, n: int, logs: contextlib.Exi
         for t, (comm, ticks, _) in tasks1.items():
             name = "main" if t == procs[profiled].pid else comm
             by_comm[name] = by_comm.get(name, 0.0) + (ticks - tasks0.get(t, (comm, 0, 0))[1]) / CLK
-        rows = ", ".join(f"{k} {v:.2f}" for k, v in sorted(by_comm.items(), key=lambda kv: -kv[1])
-                         if v > 0)
-        print(f"  {n} ranks, {profiled} CPU s in the window by thread (alive at the end): {rows}",
-              flush=True)
+        rows = ", ".join(f"{k} {v:.2f}" for k, v in sorted(by_comm.items(), key=lambda kv: -kv[1]) if v > 0)
+        print(f"  {n} ranks, {profiled} CPU s in the window by thread (alive at the end): {rows}", flush=True)
     if prof is not None:
         prof.wait(30)
         print_profile(tmp / f"prof-{n}.raw", n)
     own = {k: cpu_seconds(p.pid, children=False) - own0[k] for k, p in procs.items()}
     tot = {k: cpu_seconds(p.pid, children=True) - all0[k] for k, p in procs.items()}
     rss = {k: rss_kib(p.pid) / 1024 for k, p in procs.items()}
-    bodies = {k: urllib.request.urlopen(u, timeout=10).read().decode() for k, u in urls.items()
-              if k.startswith("gpuwatchd")}
+    bodies = {
+        k: urllib.request.urlopen(u, timeout=10).read().decode() for k, u in urls.items() if k.startswith("gpuwatchd")
+    }
     for k, body in bodies.items():  # kept with --keep: what each daemon said at the end
         (tmp / f"{k}-{n}.metrics").write_text(body)
     for p in procs.values():
@@ -274,26 +349,34 @@ def cpu_window(args: argparse.Namespace, tmp: Path, n: int, logs: contextlib.Exi
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-    res: dict[str, Any] = {"ranks": n, "seconds": wall, "interval_seconds": args.interval,
-                           "processes": {}}
+    res: dict[str, Any] = {"ranks": n, "seconds": wall, "interval_seconds": args.interval, "processes": {}}
     ref = tot.get("nvitop-exporter")
     for k in procs:
-        row = {"cpu_percent_own": 100 * own[k] / wall, "cpu_percent_with_children": 100 * tot[k] / wall,
-               "rss_mib": rss[k], "scrape_ms_mean": statistics.mean(scrapes[k]) * 1e3,
-               "exposition_bytes": sizes.get(k, 0)}
+        row = {
+            "cpu_percent_own": 100 * own[k] / wall,
+            "cpu_percent_with_children": 100 * tot[k] / wall,
+            "rss_mib": rss[k],
+            "scrape_ms_mean": statistics.mean(scrapes[k]) * 1e3,
+            "exposition_bytes": sizes.get(k, 0),
+        }
         if ref:
             row["ratio_to_nvitop"] = tot[k] / ref
         if k in bodies:
-            row["ranks_up"] = sum(1 for line in bodies[k].splitlines()
-                                  if line.startswith("gpuwatch_rank_up{") and line.endswith(" 1.0"))
-            row["cycle_line"] = next((line for line in bodies[k].splitlines()
-                                      if line.startswith("gpuwatch_cycle_duration_seconds ")), "")
+            row["ranks_up"] = sum(
+                1 for line in bodies[k].splitlines() if line.startswith("gpuwatch_rank_up{") and line.endswith(" 1.0")
+            )
+            row["cycle_line"] = next(
+                (line for line in bodies[k].splitlines() if line.startswith("gpuwatch_cycle_duration_seconds ")), ""
+            )
         res["processes"][k] = row
-        print(f"  {n} ranks, {k:26s} CPU {row['cpu_percent_own']:.3f} % own, "
-              f"{row['cpu_percent_with_children']:.3f} % with py-spy children, RSS "
-              f"{rss[k]:.0f} MiB" + (f", ratio to nvitop-exporter {row['ratio_to_nvitop']:.2f}"
-                                     if ref else "")
-              + (f", ranks up {row['ranks_up']}" if "ranks_up" in row else ""), flush=True)
+        print(
+            f"  {n} ranks, {k:26s} CPU {row['cpu_percent_own']:.3f} % own, "
+            f"{row['cpu_percent_with_children']:.3f} % with py-spy children, RSS "
+            f"{rss[k]:.0f} MiB"
+            + (f", ratio to nvitop-exporter {row['ratio_to_nvitop']:.2f}" if ref else "")
+            + (f", ranks up {row['ranks_up']}" if "ranks_up" in row else ""),
+            flush=True,
+        )
     return res
 
 
@@ -314,16 +397,23 @@ def main() -> int:
     ap.add_argument("--no-nvitop", action="store_true", help="(dry runs without a GPU)")
     ap.add_argument("--no-poll", action="store_true", help="skip the NVML poll timing")
     ap.add_argument("--holder", default=str(REPO / "tests/gpu/holder.py"))
-    ap.add_argument("--work-ms", type=float, default=0.0,
-                    help="holders work: N ms of CPU every 50 ms (a training loop's CPU side), "
-                    "instead of sleeping a second at a time")
-    ap.add_argument("--keep", default="", help="copy the daemons' logs, final /metrics and "
-                    "events.jsonl into this directory")
+    ap.add_argument(
+        "--work-ms",
+        type=float,
+        default=0.0,
+        help="holders work: N ms of CPU every 50 ms (a training loop's CPU side), "
+        "instead of sleeping a second at a time",
+    )
+    ap.add_argument(
+        "--keep", default="", help="copy the daemons' logs, final /metrics and events.jsonl into this directory"
+    )
     ap.add_argument("--only", default="", help="comma-separated daemon variants to run")
-    ap.add_argument("--profile-variant", default="gpuwatchd",
-                    help="the daemon variant --profile and the per-thread CPU look at")
-    ap.add_argument("--profile", action="store_true",
-                    help="py-spy record the 'gpuwatchd' variant during the window (needs --pyspy)")
+    ap.add_argument(
+        "--profile-variant", default="gpuwatchd", help="the daemon variant --profile and the per-thread CPU look at"
+    )
+    ap.add_argument(
+        "--profile", action="store_true", help="py-spy record the 'gpuwatchd' variant during the window (needs --pyspy)"
+    )
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else [args.procs]
     tmp = Path(tempfile.mkdtemp(prefix="gpuwatch-bench-"))
@@ -344,11 +434,20 @@ def main() -> int:
             if not args.no_poll and "poll" not in result:
                 result["poll"] = poll_cost(args)
                 if args.record:
-                    subprocess.run([sys.executable, str(REPO / "tools/record_nvml.py"), "--cycles",
-                                    "2", "--out", args.record, "--note",
-                                    f"H200: {n} torch processes holding {args.gib} GiB each, "
-                                    "registered as ranks 0..N-1 of job 'bench' (bench/nvml_poll.py)"],
-                                   check=True)
+                    subprocess.run(
+                        [
+                            sys.executable,
+                            str(REPO / "tools/record_nvml.py"),
+                            "--cycles",
+                            "2",
+                            "--out",
+                            args.record,
+                            "--note",
+                            f"H200: {n} torch processes holding {args.gib} GiB each, "
+                            "registered as ranks 0..N-1 of job 'bench' (bench/nvml_poll.py)",
+                        ],
+                        check=True,
+                    )
             result["windows"].append(cpu_window(args, tmp, n, logs, servers))
             if args.out:
                 Path(args.out).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")

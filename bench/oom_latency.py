@@ -44,9 +44,15 @@ def start_alertmanager(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     cfg = tmp / "am.yml"
     cfg.write_text(yaml.safe_dump({"route": {"receiver": "null"}, "receivers": [{"name": "null"}]}))
     proc = subprocess.Popen(
-        ["prometheus-alertmanager", f"--config.file={cfg}", f"--storage.path={tmp / 'am'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            "prometheus-alertmanager",
+            f"--config.file={cfg}",
+            f"--storage.path={tmp / 'am'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
     end = time.monotonic() + 30
@@ -61,8 +67,7 @@ def start_alertmanager(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 
 def am_has(url: str, job: str, rank: str) -> bool:
-    with urllib.request.urlopen(url + "/api/v2/alerts?filter=alertname%3D%22GPURankOOMKilled%22",
-                                timeout=2) as r:
+    with urllib.request.urlopen(url + "/api/v2/alerts?filter=alertname%3D%22GPURankOOMKilled%22", timeout=2) as r:
         alerts: list[dict[str, Any]] = json.load(r)
     return any(a["labels"].get("job_id") == job and a["labels"].get("rank") == rank for a in alerts)
 
@@ -75,8 +80,7 @@ def main() -> int:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="gw_h4_bench_"))
     am, am_url = start_alertmanager(tmp)
-    path, cfg = write_config(tmp, kernel_log="kmsg", interval_seconds=args.interval,
-                             alertmanager={"url": am_url})
+    path, cfg = write_config(tmp, kernel_log="kmsg", interval_seconds=args.interval, alertmanager={"url": am_url})
     d = DaemonProc(path, cfg)
     job = f"bench-{os.getpid()}"
     to_metric: list[float] = []
@@ -88,12 +92,29 @@ def main() -> int:
             try:
                 rank = cg.spawn()
                 subprocess.run(
-                    [sys.executable, "-m", "gpuwatchd", "register", "--rank-dir", cfg["rank_dir"],
-                     "--job-id", job, "--rank", str(i), "--pid", str(rank.pid)],
-                    check=True, capture_output=True, cwd=REPO,
+                    [
+                        sys.executable,
+                        "-m",
+                        "gpuwatchd",
+                        "register",
+                        "--rank-dir",
+                        cfg["rank_dir"],
+                        "--job-id",
+                        job,
+                        "--rank",
+                        str(i),
+                        "--pid",
+                        str(rank.pid),
+                    ],
+                    check=True,
+                    capture_output=True,
+                    cwd=REPO,
                 )
-                d.wait_for(lambda i=i: d.value("gpuwatch_oom_kills_total", job_id=job, rank=str(i)) == 0.0,
-                           timeout=3 * args.interval + 10, what=f"rank {i} observed")
+                d.wait_for(
+                    lambda i=i: d.value("gpuwatch_oom_kills_total", job_id=job, rank=str(i)) == 0.0,
+                    timeout=3 * args.interval + 10,
+                    what=f"rank {i} observed",
+                )
                 go(rank)
                 rank.wait(30)
                 t_wait = time.monotonic()
@@ -102,8 +123,7 @@ def main() -> int:
                     now = time.monotonic()
                     if now - t_wait > 30:
                         raise RuntimeError(f"kill {i}: metric={t_metric} alert={t_alert}\n{d.log()}")
-                    if t_metric is None and d.value("gpuwatch_oom_kills_total", job_id=job,
-                                                    rank=str(i)) == 1.0:
+                    if t_metric is None and d.value("gpuwatch_oom_kills_total", job_id=job, rank=str(i)) == 1.0:
                         t_metric = time.monotonic()
                     if t_alert is None and am_has(am_url, job, str(i)):
                         t_alert = time.monotonic()
@@ -114,8 +134,11 @@ def main() -> int:
                 to_metric.append(t_metric - t_kill)
                 to_alert.append(t_alert - t_kill)
                 from_wait.append(t_metric - t_wait)
-                print(f"kill {i + 1:2d}/{args.kills}: pid {rank.pid} -> metric {to_metric[-1] * 1e3:7.1f} ms,"
-                      f" alertmanager {to_alert[-1] * 1e3:7.1f} ms", flush=True)
+                print(
+                    f"kill {i + 1:2d}/{args.kills}: pid {rank.pid} -> metric {to_metric[-1] * 1e3:7.1f} ms,"
+                    f" alertmanager {to_alert[-1] * 1e3:7.1f} ms",
+                    flush=True,
+                )
             finally:
                 cg.remove()
     finally:
@@ -126,12 +149,16 @@ def main() -> int:
 
     def line(name: str, xs: list[float], target: float) -> str:
         p99 = pct(xs, 0.99)
-        return (f"{name:<28} n={len(xs)} p50={pct(xs, 0.5) * 1e3:7.1f} ms  p99={p99 * 1e3:7.1f} ms  "
-                f"max={max(xs) * 1e3:7.1f} ms  mean={statistics.mean(xs) * 1e3:7.1f} ms  "
-                f"target p99 <= {target:.0f} s: {'PASS' if p99 <= target else 'FAIL'}")
+        return (
+            f"{name:<28} n={len(xs)} p50={pct(xs, 0.5) * 1e3:7.1f} ms  p99={p99 * 1e3:7.1f} ms  "
+            f"max={max(xs) * 1e3:7.1f} ms  mean={statistics.mean(xs) * 1e3:7.1f} ms  "
+            f"target p99 <= {target:.0f} s: {'PASS' if p99 <= target else 'FAIL'}"
+        )
+
     print()
-    print(f"daemon interval_seconds={args.interval:g}, poll every {args.poll * 1e3:.0f} ms, "
-          f"kernel {os.uname().release}")
+    print(
+        f"daemon interval_seconds={args.interval:g}, poll every {args.poll * 1e3:.0f} ms, kernel {os.uname().release}"
+    )
     print(line("kill -> /metrics", to_metric, 1.0))
     print(line("kill -> Alertmanager (push)", to_alert, 2.0))
     print(line("waitpid -> /metrics", from_wait, 1.0))

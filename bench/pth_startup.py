@@ -29,8 +29,7 @@ from bench.benchlib import REPO
 def venv_like_the_wheel(tmp: Path, repo: Path) -> Path:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp / "venv")], check=True)
     (site,) = (tmp / "venv/lib").glob("python3*/site-packages")
-    shutil.copytree(repo / "gpuwatchd", site / "gpuwatchd",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(repo / "gpuwatchd", site / "gpuwatchd", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(repo / "gpuwatchd/rank/gpuwatchd-heartbeat.pth", site)
     python = tmp / "venv/bin/python"
     subprocess.run([str(python), "-m", "compileall", "-q", str(site / "gpuwatchd")], check=True)
@@ -66,16 +65,26 @@ def main() -> None:
             t_off.append(once(python, off))
             t_on.append(once(python, on))
         probe = "import sys; print(' '.join(sorted(sys.modules)))"
-        mods = [set(subprocess.run([str(python), "-c", probe], env=env, capture_output=True,
-                                   text=True, check=True).stdout.split()) for env in (off, on)]
-    lines = [f"python -c pass, {args.runs} runs each, interleaved; {sys.version.split()[0]}, "
-             f"{os.cpu_count()} CPUs; package from {args.repo}"]
+        mods = [
+            set(
+                subprocess.run(
+                    [str(python), "-c", probe], env=env, capture_output=True, text=True, check=True
+                ).stdout.split()
+            )
+            for env in (off, on)
+        ]
+    lines = [
+        f"python -c pass, {args.runs} runs each, interleaved; {sys.version.split()[0]}, "
+        f"{os.cpu_count()} CPUs; package from {args.repo}"
+    ]
     for i, what in ((0, "wall"), (1, "cpu")):
         for name, runs in (("GPUWATCHD_HEARTBEAT unset", t_off), ("GPUWATCHD_HEARTBEAT=1", t_on)):
             ts = [r[i] for r in runs]
             q = statistics.quantiles(ts, n=10)
-            lines.append(f"{what:4s} {name:26s} median {statistics.median(ts) * 1e3:6.2f} ms  "
-                         f"p10 {q[0] * 1e3:6.2f}  p90 {q[-1] * 1e3:6.2f}")
+            lines.append(
+                f"{what:4s} {name:26s} median {statistics.median(ts) * 1e3:6.2f} ms  "
+                f"p10 {q[0] * 1e3:6.2f}  p90 {q[-1] * 1e3:6.2f}"
+            )
         diff = statistics.median([r[i] for r in t_on]) - statistics.median([r[i] for r in t_off])
         lines.append(f"{what:4s} difference of the medians: {diff * 1e3:+.2f} ms")
     lines.append(f"modules added by GPUWATCHD_HEARTBEAT=1: {' '.join(sorted(mods[1] - mods[0]))}")

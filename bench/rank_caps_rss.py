@@ -47,16 +47,25 @@ def run(n: int, pids: list[int], seconds: float, repo: Path) -> dict[str, float]
     ranks = world / "ranks"
     ranks.mkdir()
     for i in range(n):
-        (ranks / f"r{i:05d}.json").write_text(json.dumps(
-            {"version": 1, "job_id": f"job{i // 256}", "ranks": [{"rank": i % 256, "pid": pids[i % len(pids)]}]}))
+        (ranks / f"r{i:05d}.json").write_text(
+            json.dumps(
+                {"version": 1, "job_id": f"job{i // 256}", "ranks": [{"rank": i % 256, "pid": pids[i % len(pids)]}]}
+            )
+        )
     port = free_port()
     cfg = world / "config.yaml"
-    cfg.write_text(f'web: {{listen_address: "127.0.0.1:{port}"}}\nrank_dir: {ranks}\n'
-                   f"state_dir: {world / 'state'}\nkernel_log: \"off\"\nnvml: {{enabled: false}}\n"
-                   f"gil: {{pyspy_path: {Path(sys.executable).parent / 'py-spy'}}}\n")
-    d = subprocess.Popen([sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg)],
-                         cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cfg.write_text(
+        f'web: {{listen_address: "127.0.0.1:{port}"}}\nrank_dir: {ranks}\n'
+        f'state_dir: {world / "state"}\nkernel_log: "off"\nnvml: {{enabled: false}}\n'
+        f"gil: {{pyspy_path: {Path(sys.executable).parent / 'py-spy'}}}\n"
+    )
+    d = subprocess.Popen(
+        [sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg)],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         t0 = time.monotonic()
         text = ""
@@ -69,11 +78,20 @@ def run(n: int, pids: list[int], seconds: float, repo: Path) -> dict[str, float]
             text = _metrics(port) or text
         st = _status(d.pid)
         series = sum(1 for ln in text.splitlines() if ln and not ln.startswith("#"))
-        cycle = next((float(ln.split()[-1]) for ln in text.splitlines()
-                      if ln.startswith("gpuwatch_cycle_duration_seconds ")), float("nan"))
+        cycle = next(
+            (float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith("gpuwatch_cycle_duration_seconds ")),
+            float("nan"),
+        )
         up = sum(1 for ln in text.splitlines() if ln.startswith("gpuwatch_rank_up{"))
-        return {"n": n, "rss_start": start, "rss": st["VmRSS"], "hwm": st["VmHWM"],
-                "series": series, "cycle": cycle, "ranks_up": up}
+        return {
+            "n": n,
+            "rss_start": start,
+            "rss": st["VmRSS"],
+            "hwm": st["VmHWM"],
+            "series": series,
+            "cycle": cycle,
+            "ranks_up": up,
+        }
     finally:
         d.terminate()
         d.wait(20)
@@ -89,23 +107,30 @@ def main() -> None:
     procs = [subprocess.Popen([sys.executable, "-c", SLEEP]) for _ in range(64)]
     repos = [*([args.before] if args.before else []), REPO]
     try:
-        table = {repo: [run(int(n), [p.pid for p in procs], args.seconds, repo)
-                        for n in args.ranks.split(",")] for repo in repos}
+        table = {
+            repo: [run(int(n), [p.pid for p in procs], args.seconds, repo) for n in args.ranks.split(",")]
+            for repo in repos
+        }
     finally:
         for p in procs:
             p.kill()
             p.wait()
-    print(f"# {sys.version.split()[0]}, {args.seconds:.0f} s each, 64 live processes, "
-          "root-owned files of one rank each")
-    print(f"{'checkout':<16} {'files':>6} {'ranks up':>8} {'RSS start':>9} {'RSS end':>8} "
-          f"{'peak':>6} {'MB/1000 ranks':>13} {'cycle s':>8} {'series':>7}")
+    print(
+        f"# {sys.version.split()[0]}, {args.seconds:.0f} s each, 64 live processes, root-owned files of one rank each"
+    )
+    print(
+        f"{'checkout':<16} {'files':>6} {'ranks up':>8} {'RSS start':>9} {'RSS end':>8} "
+        f"{'peak':>6} {'MB/1000 ranks':>13} {'cycle s':>8} {'series':>7}"
+    )
     for repo, rows in table.items():
         base = rows[0]["rss"]
         for r in rows:
             per = (r["rss"] - base) / r["ranks_up"] * 1000 if r["ranks_up"] else 0.0
-            print(f"{str(repo)[-16:]:<16} {r['n']:>6} {r['ranks_up']:>8} {r['rss_start']:>7} MB "
-                  f"{r['rss']:>5} MB {r['hwm']:>3} MB {per:>10.1f} MB {r['cycle']:>8.2f} "
-                  f"{r['series']:>7}")
+            print(
+                f"{str(repo)[-16:]:<16} {r['n']:>6} {r['ranks_up']:>8} {r['rss_start']:>7} MB "
+                f"{r['rss']:>5} MB {r['hwm']:>3} MB {per:>10.1f} MB {r['cycle']:>8.2f} "
+                f"{r['series']:>7}"
+            )
 
 
 if __name__ == "__main__":

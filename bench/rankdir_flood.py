@@ -42,13 +42,12 @@ def main() -> None:
         for i in range(args.files):
             (d / f"!{i:06d}.json").touch()
         print(f"# {args.files} empty files of one owner, Python {sys.version.split()[0]}")
-        print(f"{'checkout':<16} {'scan 1 s':>8} {'scan 2 s':>8} {'scan 3 s':>8} {'refusals':>8} "
-              f"{'peak RSS':>8}")
+        print(f"{'checkout':<16} {'scan 1 s':>8} {'scan 2 s':>8} {'scan 3 s':>8} {'refusals':>8} {'peak RSS':>8}")
         for repo in [*([args.before] if args.before else []), REPO]:
-            out = subprocess.run([sys.executable, "-c", PROBE, str(d)], cwd=repo,
-                                 capture_output=True, text=True, check=True).stdout.split()
-            print(f"{str(repo)[-16:]:<16} {out[0]:>8} {out[1]:>8} {out[2]:>8} {out[3]:>8} "
-                  f"{out[4]:>5} MB")
+            out = subprocess.run(
+                [sys.executable, "-c", PROBE, str(d)], cwd=repo, capture_output=True, text=True, check=True
+            ).stdout.split()
+            print(f"{str(repo)[-16:]:<16} {out[0]:>8} {out[1]:>8} {out[2]:>8} {out[3]:>8} {out[4]:>5} MB")
     finally:
         shutil.rmtree(d, ignore_errors=True)
 

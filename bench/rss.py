@@ -49,9 +49,25 @@ while True:
 """
 # What `gpuwatchd run` imports before it starts the daemon (the CLI, then the daemon's core).
 RUN_IMPORTS = "import gpuwatchd.cli, gpuwatchd.daemon.core"
-LIBS = ("libssl", "libcrypto", "libsystemd", "libudev", "libnvidia-ml", "_yaml", "libyaml",
-        "_bcrypt", "_ssl", "_hashlib", "_decimal", "_ctypes", "libffi", "libz", "liblzma",
-        "libbz2", "libpython")
+LIBS = (
+    "libssl",
+    "libcrypto",
+    "libsystemd",
+    "libudev",
+    "libnvidia-ml",
+    "_yaml",
+    "libyaml",
+    "_bcrypt",
+    "_ssl",
+    "_hashlib",
+    "_decimal",
+    "_ctypes",
+    "libffi",
+    "libz",
+    "liblzma",
+    "libbz2",
+    "libpython",
+)
 
 
 def status(pid: int) -> dict[str, int]:
@@ -76,14 +92,21 @@ def mib(kb: int) -> str:
 
 
 def row(name: str, when: str, s: dict[str, int]) -> str:
-    return (f"  {name:26s} {when:6s} VmRSS {mib(s['VmRSS'])} MiB  anon {mib(s['RssAnon'])}  file "
-            f"{mib(s['RssFile'])}  peak {mib(s['VmHWM'])}  threads {s['Threads']}")
+    return (
+        f"  {name:26s} {when:6s} VmRSS {mib(s['VmRSS'])} MiB  anon {mib(s['RssAnon'])}  file "
+        f"{mib(s['RssFile'])}  peak {mib(s['VmHWM'])}  threads {s['Threads']}"
+    )
 
 
 def footprint(python: str, code: str, env: dict[str, str], cwd: str) -> dict[str, int]:
     """RSS of a fresh interpreter that ran ``code`` and waits."""
-    p = subprocess.Popen([python, "-c", f"{code}\nimport sys\nprint(flush=True)\nsys.stdin.read()"],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=cwd)
+    p = subprocess.Popen(
+        [python, "-c", f"{code}\nimport sys\nprint(flush=True)\nsys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd=cwd,
+    )
     try:
         assert p.stdout is not None
         p.stdout.readline()
@@ -114,24 +137,43 @@ def main() -> int:
     def env_for(repo: str) -> dict[str, str]:
         return {**env, "PYTHONPATH": f"{repo}{os.pathsep}{env.get('PYTHONPATH', '')}"}
 
-    print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, {args.ranks} ranks x "
-          f"{args.threads} threads, interval {args.interval:g} s, {args.cycles} cycles, NVML "
-          f"{'replay of ' + Path(args.nvml_fixture).name if args.nvml_fixture else 'driver'}",
-          flush=True)
+    print(
+        f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, {args.ranks} ranks x "
+        f"{args.threads} threads, interval {args.interval:g} s, {args.cycles} cycles, NVML "
+        f"{'replay of ' + Path(args.nvml_fixture).name if args.nvml_fixture else 'driver'}",
+        flush=True,
+    )
     ranks: list[subprocess.Popen[bytes]] = []
     daemons: dict[str, subprocess.Popen[bytes]] = {}
     logs = contextlib.ExitStack()
     try:
         for _ in range(args.ranks):
-            ranks.append(subprocess.Popen([sys.executable, "-c", RANK, str(args.threads)],
-                                          stdout=subprocess.PIPE))
+            ranks.append(subprocess.Popen([sys.executable, "-c", RANK, str(args.threads)], stdout=subprocess.PIPE))
         for i, r in enumerate(ranks):
             assert r.stdout is not None
             pid = int(r.stdout.readline())
-            subprocess.run([sys.executable, "-m", "gpuwatchd", "register", "--job-id", "bench",
-                            "--rank", str(i), "--pid", str(pid), "--world-size", str(args.ranks),
-                            "--rank-dir", str(tmp / "ranks")],
-                           check=True, env=env_for(str(REPO)), cwd=str(REPO), capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "gpuwatchd",
+                    "register",
+                    "--job-id",
+                    "bench",
+                    "--rank",
+                    str(i),
+                    "--pid",
+                    str(pid),
+                    "--world-size",
+                    str(args.ranks),
+                    "--rank-dir",
+                    str(tmp / "ranks"),
+                ],
+                check=True,
+                env=env_for(str(REPO)),
+                cwd=str(REPO),
+                capture_output=True,
+            )
         urls: dict[str, str] = {}
         port = 19960
         for label, repo in checkouts:
@@ -139,13 +181,18 @@ def main() -> int:
                 name = f"{label}{variant}"
                 port += 1
                 cfg = tmp / f"{name.replace(' ', '-')}.yaml"
-                cfg.write_text(f"rank_dir: {tmp / 'ranks'}\nstate_dir: {tmp / cfg.stem}\n"
-                               f"interval_seconds: {args.interval}\nweb:\n  listen_address: "
-                               f"'127.0.0.1:{port}'\n{configs[variant]}")
+                cfg.write_text(
+                    f"rank_dir: {tmp / 'ranks'}\nstate_dir: {tmp / cfg.stem}\n"
+                    f"interval_seconds: {args.interval}\nweb:\n  listen_address: "
+                    f"'127.0.0.1:{port}'\n{configs[variant]}"
+                )
                 daemons[name] = subprocess.Popen(
                     [sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg)],
-                    env=env_for(repo), cwd=repo, stdout=subprocess.DEVNULL,
-                    stderr=logs.enter_context((tmp / f"{cfg.stem}.log").open("wb")))
+                    env=env_for(repo),
+                    cwd=repo,
+                    stdout=subprocess.DEVNULL,
+                    stderr=logs.enter_context((tmp / f"{cfg.stem}.log").open("wb")),
+                )
                 urls[name] = f"http://127.0.0.1:{port}/metrics"
         start = {}
         for name, url in urls.items():
@@ -166,26 +213,37 @@ def main() -> int:
             print(row(name, "after", after[name]) + f"  (max VmRSS seen {mib(peak[name])})")
         print("shared libraries mapped (resident kB):")
         for name, found in libs.items():
-            print(f"  {name:26s} " + (", ".join(f"{k} {v}" for k, v in sorted(found.items()))
-                                      or "-"))
+            print(f"  {name:26s} " + (", ".join(f"{k} {v}" for k, v in sorted(found.items())) or "-"))
         print(f"import footprint of `gpuwatchd run` ({RUN_IMPORTS}):")
         for label, repo in checkouts:
             s = footprint(sys.executable, RUN_IMPORTS, env_for(repo), repo)
             print(row(f"{label}gpuwatchd".strip(), "import", s))
         print(row("python -c pass", "import", footprint(sys.executable, "pass", env, str(tmp))))
         if args.nvitop_python:
-            nv = subprocess.Popen([args.nvitop_python, "-m", "nvitop_exporter", "--bind-address",
-                                   "127.0.0.1", "--port", str(port + 1), "--interval",
-                                   str(args.interval)], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE)
+            nv = subprocess.Popen(
+                [
+                    args.nvitop_python,
+                    "-m",
+                    "nvitop_exporter",
+                    "--bind-address",
+                    "127.0.0.1",
+                    "--port",
+                    str(port + 1),
+                    "--interval",
+                    str(args.interval),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            )
             try:
                 wait_http(f"http://127.0.0.1:{port + 1}/metrics", 30, nv)
                 time.sleep(args.cycles * args.interval)
                 print(row("nvitop-exporter", "after", status(nv.pid)))
             except OSError:
                 nv.wait(10)
-                why = (nv.stderr.read().decode(errors="replace").strip().splitlines() or ["?"]
-                       if nv.stderr else ["?"])[0]
+                why = (nv.stderr.read().decode(errors="replace").strip().splitlines() or ["?"] if nv.stderr else ["?"])[
+                    0
+                ]
                 print(f"  nvitop-exporter exited {nv.returncode} ({why[:70]}); its import alone:")
                 s = footprint(args.nvitop_python, "import nvitop_exporter.cli", env, str(tmp))
                 print(row("nvitop-exporter", "import", s))

@@ -23,19 +23,27 @@ from pathlib import Path
 from bench.benchlib import REPO, free_port, rss_kib
 
 FIXTURE = REPO / "tests/fixtures/nvml/h200_bench_9procs.json"
-PROMETHEUS = ("application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,application/"
-              "openmetrics-text;version=0.0.1;q=0.5,text/plain;version=1.0.0;escaping=allow-utf-8;"
-              "q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2")
+PROMETHEUS = (
+    "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.6,application/"
+    "openmetrics-text;version=0.0.1;q=0.5,text/plain;version=1.0.0;escaping=allow-utf-8;"
+    "q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2"
+)
 REQUESTS = [
     ("Prometheus' default Accept (OpenMetrics 1.0.0)", "", {"Accept": PROMETHEUS}),
     ("no Accept (text 0.0.4)", "", {}),
     ("Accept: text/plain;version=0.0.4", "", {"Accept": "text/plain;version=0.0.4"}),
     ("Accept: application/openmetrics-text", "", {"Accept": "application/openmetrics-text"}),
-    ("Accept: application/openmetrics-text;version=2.0.0", "",
-     {"Accept": "application/openmetrics-text;version=2.0.0"}),
+    (
+        "Accept: application/openmetrics-text;version=2.0.0",
+        "",
+        {"Accept": "application/openmetrics-text;version=2.0.0"},
+    ),
     ("Accept: text/plain;version=1.0.0", "", {"Accept": "text/plain;version=1.0.0"}),
-    ("Accept: text/plain;version=1.0.0;escaping=allow-utf-8", "",
-     {"Accept": "text/plain;version=1.0.0;escaping=allow-utf-8"}),
+    (
+        "Accept: text/plain;version=1.0.0;escaping=allow-utf-8",
+        "",
+        {"Accept": "text/plain;version=1.0.0;escaping=allow-utf-8"},
+    ),
     ("?name[]=gpuwatch_gpu_info", "?name[]=gpuwatch_gpu_info", {}),
     ("Accept-Encoding: gzip", "", {"Accept-Encoding": "gzip"}),
 ]
@@ -50,13 +58,20 @@ def run(checkout: Path) -> list[tuple[int, bool]]:
         port = free_port()
         (Path(tmp) / "ranks").mkdir()
         cfg = Path(tmp) / "config.yaml"
-        cfg.write_text(f"web: {{listen_address: '127.0.0.1:{port}'}}\ninterval_seconds: 0.5\n"
-                       f"rank_dir: {tmp}/ranks\nstate_dir: {tmp}/state\nkernel_log: 'off'\n"
-                       f"gil: {{enabled: false}}\ndiscovery: {{enabled: false}}\n"
-                       f"nvml: {{enabled: true, fixture: {FIXTURE}}}\n")
+        cfg.write_text(
+            f"web: {{listen_address: '127.0.0.1:{port}'}}\ninterval_seconds: 0.5\n"
+            f"rank_dir: {tmp}/ranks\nstate_dir: {tmp}/state\nkernel_log: 'off'\n"
+            f"gil: {{enabled: false}}\ndiscovery: {{enabled: false}}\n"
+            f"nvml: {{enabled: true, fixture: {FIXTURE}}}\n"
+        )
         env = {**os.environ, "PYTHONPATH": str(checkout)}
-        proc = subprocess.Popen([sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg)],
-                                cwd=checkout, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg)],
+            cwd=checkout,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             url = f"http://127.0.0.1:{port}/metrics"
             deadline = time.monotonic() + 30

@@ -116,7 +116,7 @@ def _task_counters(pid: int) -> dict[int, dict[str, Any]]:
         d: dict[str, Any] = {}
         try:
             raw = _rd(f"{base}/{t}/stat")
-            f = raw[raw.rfind(")") + 2:].split()
+            f = raw[raw.rfind(")") + 2 :].split()
             d["state"], d["minflt"], d["majflt"] = f[0], int(f[7]), int(f[9])
             d["ticks"] = int(f[11]) + int(f[12])
             for line in _rd(f"{base}/{t}/status").splitlines():
@@ -172,8 +172,9 @@ def _burst(pyspy: str | None, pid: int, n: int) -> tuple[int, int, float]:
     seen, ok = set(), 0
     t0 = time.monotonic()
     for _ in range(n):
-        r = subprocess.run([pyspy, "dump", "--json", "--nonblocking", "-p", str(pid)],
-                           capture_output=True, text=True, timeout=10)
+        r = subprocess.run(
+            [pyspy, "dump", "--json", "--nonblocking", "-p", str(pid)], capture_output=True, text=True, timeout=10
+        )
         if r.returncode != 0:
             continue
         try:
@@ -190,8 +191,7 @@ def _burst(pyspy: str | None, pid: int, n: int) -> tuple[int, int, float]:
 
 
 def measure(shape: str, window: float, burst: int, pyspy: str | None, nv: Any) -> dict[str, Any]:
-    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(PROGRAMS[shape])],
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(PROGRAMS[shape])], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None
         p.stdout.readline()
@@ -212,21 +212,25 @@ def measure(shape: str, window: float, burst: int, pyspy: str | None, nv: Any) -
         busiest = max(b, key=lambda t: b[t]["ticks"] - a.get(t, b[t])["ticks"])
         x, y = a.get(busiest, b[busiest]), b[busiest]
         row: dict[str, Any] = {
-            "shape": shape, "threads": len(b),
+            "shape": shape,
+            "threads": len(b),
             "cpu": (y["ticks"] - x["ticks"]) / tck / elapsed,
             "vcsw/s": (y["vcsw"] - x["vcsw"]) / elapsed,
             "nvcsw/s": (y["nvcsw"] - x["nvcsw"]) / elapsed,
             "minflt/s": (y["minflt"] - x["minflt"]) / elapsed,
             "slices/s": (y["slices"] - x["slices"]) / elapsed,
             "syscalls/s": ((y["syscr"] + y["syscw"]) - (x["syscr"] + x["syscw"])) / elapsed,
-            "wchan": y["wchan"] or "-", "state": y["state"],
+            "wchan": y["wchan"] or "-",
+            "state": y["state"],
             "all_vcsw/s": sum(b[t].get("vcsw", 0) - a.get(t, b[t]).get("vcsw", 0) for t in b) / elapsed,
             "burst": f"{distinct} of {ok} dumps ({spent:.2f} s)",
         }
         if gpu:
+
             def rng(k: str) -> str:
                 vals = [g[k] for g in gpu if g.get(k) is not None]
                 return f"{min(vals):g}-{max(vals):g}" if vals else "n/a"
+
             row.update({k: rng(k) for k in ("util", "mem_util", "power_w", "sm_mhz", "proc_sm", "proc_mem")})
         return row
     finally:
@@ -246,11 +250,15 @@ def main() -> None:
     keys = list(rows[0])
     for r in rows:
         keys += [k for k in r if k not in keys]
-    print(f"# stall_evidence: window {args.window} s, burst {args.burst} dumps, py-spy {args.pyspy}, "
-          f"NVML {'yes' if nv else 'no'}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+    print(
+        f"# stall_evidence: window {args.window} s, burst {args.burst} dumps, py-spy {args.pyspy}, "
+        f"NVML {'yes' if nv else 'no'}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
+    )
     for r in rows:
-        print("  " + ", ".join(f"{k} {r[k]:.3g}" if isinstance(r.get(k), float) else f"{k} {r.get(k)}"
-                               for k in keys if k in r))
+        print(
+            "  "
+            + ", ".join(f"{k} {r[k]:.3g}" if isinstance(r.get(k), float) else f"{k} {r.get(k)}" for k in keys if k in r)
+        )
 
 
 if __name__ == "__main__":

@@ -87,8 +87,7 @@ while True:
 
 class Trainer:
     def __init__(self, hb: Path) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", TRAINER, str(hb)], stdout=subprocess.PIPE,
-                                     text=True)
+        self.proc = subprocess.Popen([sys.executable, "-c", TRAINER, str(hb)], stdout=subprocess.PIPE, text=True)
         self.points: list[tuple[float, int]] = []
         self._lock = threading.Lock()
         threading.Thread(target=self._read, daemon=True).start()
@@ -136,7 +135,8 @@ def ratio_ci(on: list[float], off: list[float], n: int = 4000) -> tuple[float, f
     point = statistics.median(on) / statistics.median(off)
     boots = sorted(
         statistics.median(rng.choices(on, k=len(on))) / statistics.median(rng.choices(off, k=len(off)))
-        for _ in range(n))
+        for _ in range(n)
+    )
     return point, boots[int(0.025 * n)], boots[int(0.975 * n) - 1]
 
 
@@ -159,18 +159,23 @@ def run_condition(name: str, args: argparse.Namespace, trainer: Trainer, tmp: Pa
     if name == "defaults":
         port = 19990
         cfg = tmp / "defaults.yaml"
-        cfg.write_text(f"rank_dir: {tmp / 'ranks'}\nstate_dir: {tmp / 'state'}\n"
-                       f"web:\n  listen_address: '127.0.0.1:{port}'\ngil:\n  pyspy_path: {args.pyspy}\n")
-        daemon = subprocess.Popen([sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg)],
-                                  cwd=str(REPO), stdout=subprocess.DEVNULL,
-                                  stderr=(tmp / "defaults.log").open("wb"))
+        cfg.write_text(
+            f"rank_dir: {tmp / 'ranks'}\nstate_dir: {tmp / 'state'}\n"
+            f"web:\n  listen_address: '127.0.0.1:{port}'\ngil:\n  pyspy_path: {args.pyspy}\n"
+        )
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg)],
+            cwd=str(REPO),
+            stdout=subprocess.DEVNULL,
+            stderr=(tmp / "defaults.log").open("wb"),
+        )
         time.sleep(5)  # first cycle, rank seen
         pause(daemon.pid, signal.SIGSTOP)
     on: list[float] = []
     off: list[float] = []
     try:
         for pair in range(args.pairs):
-            for arm in (("on", "off") if pair % 2 == 0 else ("off", "on")):
+            for arm in ("on", "off") if pair % 2 == 0 else ("off", "on"):
                 worker = None
                 if arm == "on":
                     if daemon is not None:
@@ -197,17 +202,30 @@ def run_condition(name: str, args: argparse.Namespace, trainer: Trainer, tmp: Pa
             daemon.terminate()
             daemon.wait(15)
     point, lo, hi = ratio_ci(on, off)
-    res = {"condition": name, "windows_on": on, "windows_off": off, "window_seconds": args.window,
-           "median_on_steps_per_s": statistics.median(on), "median_off_steps_per_s": statistics.median(off),
-           "ratio_on_over_off": point, "ci95": [lo, hi]}
+    res = {
+        "condition": name,
+        "windows_on": on,
+        "windows_off": off,
+        "window_seconds": args.window,
+        "median_on_steps_per_s": statistics.median(on),
+        "median_off_steps_per_s": statistics.median(off),
+        "ratio_on_over_off": point,
+        "ci95": [lo, hi],
+    }
     if name == "continuous":
         res["pyspy_sampled_seconds"] = sampled["seconds"]
         res["pyspy_cpu_per_sampled_second"] = sampled["cpu"] / max(sampled["seconds"], 1.0)
-    what = ("shipped defaults (daemon running vs SIGSTOPped)" if name == "defaults"
-            else f"continuous GIL sampling at {args.rate} Hz vs none")
-    print(f"{what}: {res['median_on_steps_per_s']:.2f} vs {res['median_off_steps_per_s']:.2f} steps/s "
-          f"(median of {len(on)}+{len(off)} windows of {args.window:g} s): throughput ratio "
-          f"{point:.4f} (95 % CI {lo:.4f}-{hi:.4f})", flush=True)
+    what = (
+        "shipped defaults (daemon running vs SIGSTOPped)"
+        if name == "defaults"
+        else f"continuous GIL sampling at {args.rate} Hz vs none"
+    )
+    print(
+        f"{what}: {res['median_on_steps_per_s']:.2f} vs {res['median_off_steps_per_s']:.2f} steps/s "
+        f"(median of {len(on)}+{len(off)} windows of {args.window:g} s): throughput ratio "
+        f"{point:.4f} (95 % CI {lo:.4f}-{hi:.4f})",
+        flush=True,
+    )
     return res
 
 
@@ -232,9 +250,27 @@ def main() -> int:
             assert trainer.proc.poll() is None, "trainer died"
             assert time.monotonic() < deadline, "trainer did not start"
             time.sleep(0.2)
-        subprocess.run([sys.executable, "-m", "gpuwatchd", "register", "--job-id", "train-ab", "--rank", "0",
-                        "--pid", str(trainer.proc.pid), "--heartbeat", str(hb), "--rank-dir",
-                        str(tmp / "ranks")], check=True, cwd=str(REPO), capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gpuwatchd",
+                "register",
+                "--job-id",
+                "train-ab",
+                "--rank",
+                "0",
+                "--pid",
+                str(trainer.proc.pid),
+                "--heartbeat",
+                str(hb),
+                "--rank-dir",
+                str(tmp / "ranks"),
+            ],
+            check=True,
+            cwd=str(REPO),
+            capture_output=True,
+        )
         time.sleep(args.warmup)
         print(f"trainer warm: {trainer.rate(time.monotonic() - 3, time.monotonic()):.2f} steps/s", flush=True)
         for name in args.conditions.split(","):

@@ -21,8 +21,11 @@ Series = tuple[str, tuple[str, ...]]  # (counter name, label values)
 
 def rank_label_positions() -> dict[str, tuple[int, int]]:
     """Counter name -> positions of its ``job_id`` and ``rank`` labels (per-rank counters only)."""
-    return {name: (labels.index("job_id"), labels.index("rank"))
-            for name, labels in COUNTER_LABELS.items() if "job_id" in labels and "rank" in labels}
+    return {
+        name: (labels.index("job_id"), labels.index("rank"))
+        for name, labels in COUNTER_LABELS.items()
+        if "job_id" in labels and "rank" in labels
+    }
 
 
 class CounterStore:
@@ -40,8 +43,7 @@ class CounterStore:
         if len(labels) != len(want):
             raise ValueError(f"counter {name} takes labels {want}, got {labels}")
 
-    def inc(self, name: str, labels: tuple[str, ...] = (), n: float = 1.0,
-            at: float | None = None) -> None:
+    def inc(self, name: str, labels: tuple[str, ...] = (), n: float = 1.0, at: float | None = None) -> None:
         """Add ``n``; ``at`` is when it happened (an event replayed from the log at start is as
         old as the event, not as the restart)."""
         self._check(name, labels)
@@ -75,8 +77,11 @@ class CounterStore:
     def series(self) -> list[tuple[str, tuple[str, ...], float, float]]:
         """Every series as (name, labels, value, last changed)."""
         with self._lock:
-            return [(name, labels, v, self._touched.get((name, labels), 0.0))
-                    for name, series in self._values.items() for labels, v in series.items()]
+            return [
+                (name, labels, v, self._touched.get((name, labels), 0.0))
+                for name, series in self._values.items()
+                for labels, v in series.items()
+            ]
 
     def remove(self, drop: Iterable[Series]) -> int:
         """Forget these series (their rank has ended); returns how many were there."""

@@ -64,9 +64,15 @@ class Collector(Generic[T]):
     ``idle_seconds`` (or two time-outs) without a call, or at ``close()`` (after the call it is in, if any).
     """
 
-    def __init__(self, name: str, fn: Callable[[], T], timeout: float, max_age: float,
-                 clock: Callable[[], float] = time.time,
-                 idle_seconds: float = IDLE_WORKER_SECONDS) -> None:
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[[], T],
+        timeout: float,
+        max_age: float,
+        clock: Callable[[], float] = time.time,
+        idle_seconds: float = IDLE_WORKER_SECONDS,
+    ) -> None:
         self.name = name
         self.fn = fn
         self.idle_seconds = idle_seconds
@@ -114,8 +120,7 @@ class Collector(Generic[T]):
     def _submit(self, call: _Call[T]) -> None:
         with self._lock:
             if self._worker is None:
-                self._worker = threading.Thread(target=self._serve, name=f"collector-{self.name}",
-                                                daemon=True)
+                self._worker = threading.Thread(target=self._serve, name=f"collector-{self.name}", daemon=True)
                 self._worker.start()
             self._requests.put(call)
 
@@ -141,8 +146,12 @@ class Collector(Generic[T]):
                 # Once at INFO (again only when the reason changes): a node without the NVIDIA
                 # library says so in its log at the default level, not only in a metric.
                 if self._logged_error != f"not present: {e}":
-                    log.info("collector %s: source not present on this host, its metrics are absent "
-                             "(gpuwatch_collector_success 0): %s", self.name, e)
+                    log.info(
+                        "collector %s: source not present on this host, its metrics are absent "
+                        "(gpuwatch_collector_success 0): %s",
+                        self.name,
+                        e,
+                    )
                 return self._fail(f"not present: {e}", duration, quiet=True)
             return self._fail(f"{type(e).__name__}: {e}", duration)
         now = self.clock()
@@ -187,7 +196,6 @@ def run_forever(name: str, fn: Callable[[], Any], stop: threading.Event, backoff
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - isolation for streaming sources
-            log.error("streaming source %s crashed: %s: %s; restarting in %gs", name,
-                      type(e).__name__, e, backoff)
+            log.error("streaming source %s crashed: %s: %s; restarting in %gs", name, type(e).__name__, e, backoff)
         if stop.wait(backoff):
             return

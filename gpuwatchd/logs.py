@@ -21,8 +21,12 @@ LEVELS = ("debug", "info", "warning", "error")
 
 def _fields(record: logging.LogRecord, formatter: logging.Formatter) -> list[tuple[str, str]]:
     ts = dt.datetime.fromtimestamp(record.created, dt.timezone.utc).isoformat(timespec="milliseconds")
-    fields = [("ts", ts.replace("+00:00", "Z")), ("level", record.levelname.lower()),
-              ("logger", record.name), ("msg", record.getMessage())]
+    fields = [
+        ("ts", ts.replace("+00:00", "Z")),
+        ("level", record.levelname.lower()),
+        ("logger", record.name),
+        ("msg", record.getMessage()),
+    ]
     if record.exc_info:
         fields.append(("exc", formatter.formatException(record.exc_info)))
     return fields
@@ -52,7 +56,11 @@ def configure(level: str, fmt: str) -> None:
     elif fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter(
-            "%(levelname)s %(name)s: %(message)s" if os.environ.get("JOURNAL_STREAM")
-            else "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(
+            logging.Formatter(
+                "%(levelname)s %(name)s: %(message)s"
+                if os.environ.get("JOURNAL_STREAM")
+                else "%(asctime)s %(levelname)s %(name)s: %(message)s"
+            )
+        )
     logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler], force=True)

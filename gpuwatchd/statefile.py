@@ -27,8 +27,7 @@ from gpuwatchd.paths import read_bounded
 
 log = logging.getLogger(__name__)
 
-STATE_FILES = ("state.json", "events.jsonl", "rank_trees.json", "kmsg.json", "journal.cursor",
-               "job_owners.json")
+STATE_FILES = ("state.json", "events.jsonl", "rank_trees.json", "kmsg.json", "journal.cursor", "job_owners.json")
 # The temporaries of atomic_write, of the writers before it (".tmp") and of compaction.
 _TMP = re.compile(r"^(?P<file>.+?)\.(?:tmp(?:\.(?P<pid>\d+))?|compact)$")
 
@@ -51,7 +50,7 @@ def atomic_write(path: str, data: str | bytes, fsync: bool = False) -> None:
             os.fchmod(fd, FILE_MODE)  # whatever the umask (the unit's UMask=0077 would make 0600)
             view = memoryview(raw)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             if fsync:
                 os.fsync(fd)
         finally:
@@ -102,8 +101,8 @@ def remove_temporaries(state_dir: str) -> list[str]:
         if pid is not None and pid != os.getpid() and _alive(pid):
             continue  # another live process (a second daemon on the same state_dir) writes it
         with contextlib.suppress(OSError):
-                os.unlink(os.path.join(state_dir, name))
-                removed.append(name)
+            os.unlink(os.path.join(state_dir, name))
+            removed.append(name)
     return removed
 
 
@@ -146,9 +145,12 @@ class StateFiles:
             first = name not in self._failing
             self._failing[name] = why
         if first:
-            log.warning("cannot write state file %s: %s (counted in "
-                        "gpuwatch_state_write_errors_total; logged again when it recovers)",
-                        path, why)
+            log.warning(
+                "cannot write state file %s: %s (counted in "
+                "gpuwatch_state_write_errors_total; logged again when it recovers)",
+                path,
+                why,
+            )
         else:
             log.debug("cannot write state file %s: %s", path, why)
 
@@ -163,4 +165,3 @@ class StateFiles:
         """A record read back from ``path`` could not be used."""
         if self.counters is not None:
             self.counters.inc("state_records_rejected", (self._name(path), reason))
-

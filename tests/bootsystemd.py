@@ -39,12 +39,27 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 SUITE = "bookworm"
-PACKAGES = ("systemd", "systemd-sysv", "dbus", "python3", "python3-venv", "python3-systemd",
-            "procps", "curl", "util-linux", "iproute2")
+PACKAGES = (
+    "systemd",
+    "systemd-sysv",
+    "dbus",
+    "python3",
+    "python3-venv",
+    "python3-systemd",
+    "procps",
+    "curl",
+    "util-linux",
+    "iproute2",
+)
 # Units that wait for a terminal or for udev, which this container has no use for.
-MASKED = ("getty@tty1.service", "console-getty.service", "systemd-udevd.service",
-          "systemd-udevd-control.socket", "systemd-udevd-kernel.socket",
-          "systemd-networkd-wait-online.service")
+MASKED = (
+    "getty@tty1.service",
+    "console-getty.service",
+    "systemd-udevd.service",
+    "systemd-udevd-control.socket",
+    "systemd-udevd-kernel.socket",
+    "systemd-networkd-wait-online.service",
+)
 RECIPE_VERSION = "1"
 CACHE = Path(os.environ.get("GPUWATCHD_TEST_ROOTFS_CACHE", "/var/cache/gpuwatchd-test-rootfs"))
 ROOTFS_PYTHON = (3, 11)  # Debian 12's python3: the wheelhouse must match it
@@ -90,11 +105,16 @@ def cached_rootfs() -> Path:
             return target
         tmp = CACHE / f".build-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        cmd = [ensure_mmdebstrap(), "--variant=minbase", "--include=" + ",".join(PACKAGES),
-               "--customize-hook=chroot \"$1\" systemctl mask " + " ".join(MASKED),
-               # no hostname lookup of the host's name, no machine-id clash between boots
-               "--customize-hook=rm -f \"$1\"/etc/machine-id; : > \"$1\"/etc/machine-id",
-               SUITE, str(tmp)]
+        cmd = [
+            ensure_mmdebstrap(),
+            "--variant=minbase",
+            "--include=" + ",".join(PACKAGES),
+            '--customize-hook=chroot "$1" systemctl mask ' + " ".join(MASKED),
+            # no hostname lookup of the host's name, no machine-id clash between boots
+            '--customize-hook=rm -f "$1"/etc/machine-id; : > "$1"/etc/machine-id',
+            SUITE,
+            str(tmp),
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
         if res.returncode != 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -117,15 +137,34 @@ def dependency_wheels() -> Path:
             deps_cache.mkdir(parents=True)
             reqs = _dependencies(pyproject)
             if sys.version_info[:2] == ROOTFS_PYTHON:
-                subprocess.run([*pip, "wheel", "--wheel-dir", str(deps_cache), *reqs],
-                               check=True, capture_output=True, timeout=600)
+                subprocess.run(
+                    [*pip, "wheel", "--wheel-dir", str(deps_cache), *reqs], check=True, capture_output=True, timeout=600
+                )
             else:
                 v = "".join(map(str, ROOTFS_PYTHON))
-                subprocess.run([*pip, "download", "--dest", str(deps_cache), "--only-binary=:all:",
-                                "--python-version", v, "--implementation", "cp",
-                                "--platform", "manylinux2014_x86_64", "--platform",
-                                "manylinux_2_17_x86_64", "--platform", "linux_x86_64", *reqs],
-                               check=True, capture_output=True, timeout=600)
+                subprocess.run(
+                    [
+                        *pip,
+                        "download",
+                        "--dest",
+                        str(deps_cache),
+                        "--only-binary=:all:",
+                        "--python-version",
+                        v,
+                        "--implementation",
+                        "cp",
+                        "--platform",
+                        "manylinux2014_x86_64",
+                        "--platform",
+                        "manylinux_2_17_x86_64",
+                        "--platform",
+                        "linux_x86_64",
+                        *reqs,
+                    ],
+                    check=True,
+                    capture_output=True,
+                    timeout=600,
+                )
             (deps_cache / ".complete").touch()
     return deps_cache
 
@@ -139,13 +178,40 @@ def build_wheelhouse(source: Path, dest: Path) -> Path:
         shutil.copy2(whl, dest / whl.name)
     build = tempfile.mkdtemp(prefix=f"{PREFIX}-src-")
     try:
-        shutil.copytree(source, build, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns(".venv", ".venv-*", ".git", "__pycache__", "build",
-                                                      "*.egg-info", ".mypy_cache", ".ruff_cache",
-                                                      ".pytest_cache", ".dev"))
-        subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "wheel",
-                        "--no-deps", "--wheel-dir", str(dest), build],
-                       check=True, capture_output=True, timeout=300)
+        shutil.copytree(
+            source,
+            build,
+            dirs_exist_ok=True,
+            ignore=shutil.ignore_patterns(
+                ".venv",
+                ".venv-*",
+                ".git",
+                "__pycache__",
+                "build",
+                "*.egg-info",
+                ".mypy_cache",
+                ".ruff_cache",
+                ".pytest_cache",
+                ".dev",
+            ),
+        )
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "--disable-pip-version-check",
+                "-q",
+                "wheel",
+                "--no-deps",
+                "--wheel-dir",
+                str(dest),
+                build,
+            ],
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
     finally:
         shutil.rmtree(build, ignore_errors=True)
     return dest
@@ -159,6 +225,7 @@ def _dependencies(pyproject: str) -> list[str]:
 
 
 # --- cgroups ----------------------------------------------------------------------------------
+
 
 def _hierarchies() -> dict[str, Path]:
     """The v1/v2 hierarchy of each line of /proc/self/cgroup -> our cgroup's directory in it."""
@@ -314,14 +381,28 @@ class BootedSystemd:
         self.cgroups = make_cgroups(self.name)
         specs = list(_hierarchies())  # what to mount inside: v1 controllers, name=systemd, unified
         join = " ".join(shlex.quote(str(cg / "cgroup.procs")) for cg in self.cgroups)
-        launcher = (f"for f in {join}; do echo $$ > \"$f\"; done; exec unshare --fork --pid "
-                    "--mount --uts --ipc --net --cgroup --propagation private -- /bin/bash -c "
-                    f"{shlex.quote(_SETUP)} setup \"$@\"")
+        launcher = (
+            f'for f in {join}; do echo $$ > "$f"; done; exec unshare --fork --pid '
+            "--mount --uts --ipc --net --cgroup --propagation private -- /bin/bash -c "
+            f'{shlex.quote(_SETUP)} setup "$@"'
+        )
         self.launcher = subprocess.Popen(
-            ["/bin/bash", "-c", launcher, "launch", str(self.work / "root"), str(rootfs),
-             str(self.work), str(share), *specs],
-            stdin=subprocess.DEVNULL, stdout=self.console, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            [
+                "/bin/bash",
+                "-c",
+                launcher,
+                "launch",
+                str(self.work / "root"),
+                str(rootfs),
+                str(self.work),
+                str(share),
+                *specs,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=self.console,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.pid1 = 0
         try:
             self.pid1 = self._find_pid1(30.0)
@@ -335,8 +416,7 @@ class BootedSystemd:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.launcher.poll() is not None:
-                raise RuntimeError(f"container launcher exited {self.launcher.returncode}:\n"
-                                   + self.console_text())
+                raise RuntimeError(f"container launcher exited {self.launcher.returncode}:\n" + self.console_text())
             kids = Path(f"/proc/{self.launcher.pid}/task/{self.launcher.pid}/children")
             with contextlib.suppress(OSError):
                 for pid in kids.read_text().split():
@@ -349,13 +429,13 @@ class BootedSystemd:
     def _wait_running(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:  # the manager's socket appears a moment after exec
-            res = self.run(["systemctl", "is-system-running", "--wait"], check=False,
-                           timeout=max(1.0, deadline - time.monotonic()))
+            res = self.run(
+                ["systemctl", "is-system-running", "--wait"], check=False, timeout=max(1.0, deadline - time.monotonic())
+            )
             state = res.stdout.strip()
             # "offline" also while PID 1 has exec'd systemd but not yet made /run/systemd/system
             # (seen once under load): keep asking until the deadline
-            if (state and state != "offline") or time.monotonic() > deadline \
-                    or self.launcher.poll() is not None:
+            if (state and state != "offline") or time.monotonic() > deadline or self.launcher.poll() is not None:
                 break
             time.sleep(0.2)
         if state not in ("running", "degraded"):
@@ -369,15 +449,29 @@ class BootedSystemd:
             return (self.work / "console.log").read_text(errors="replace")[-4000:]
         return ""
 
-    def run(self, argv: Sequence[str], *, check: bool = True, timeout: float = 60.0,
-            input: str | None = None) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, argv: Sequence[str], *, check: bool = True, timeout: float = 60.0, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
         """``argv`` inside the container (all its namespaces, as root)."""
-        cmd = ["nsenter", "-t", str(self.pid1), "-a", "--", "/usr/bin/env", "-i", f"PATH={PATH}",
-               "LANG=C.UTF-8", "SYSTEMD_PAGER=", "SYSTEMD_COLORS=0", *argv]
+        cmd = [
+            "nsenter",
+            "-t",
+            str(self.pid1),
+            "-a",
+            "--",
+            "/usr/bin/env",
+            "-i",
+            f"PATH={PATH}",
+            "LANG=C.UTF-8",
+            "SYSTEMD_PAGER=",
+            "SYSTEMD_COLORS=0",
+            *argv,
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, input=input)
         if check and res.returncode != 0:
-            raise AssertionError(f"{shlex.join(argv)} exited {res.returncode}:\n"
-                                 f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+            raise AssertionError(
+                f"{shlex.join(argv)} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+            )
         return res
 
     def sh(self, script: str, **kw: object) -> subprocess.CompletedProcess[str]:

@@ -42,17 +42,27 @@ while True:
 
 
 class Container:
-    def __init__(self, env: Mapping[str, str], binds: Mapping[str, str] | None = None, *,
-                 cgroup: str | None = None, code: str = RANK_CODE) -> None:
+    def __init__(
+        self,
+        env: Mapping[str, str],
+        binds: Mapping[str, str] | None = None,
+        *,
+        cgroup: str | None = None,
+        code: str = RANK_CODE,
+    ) -> None:
         """``binds``: host path -> path inside (under /run or /mnt, which get a private tmpfs)."""
         script = ["set -e", "mount -t tmpfs gwtrustrank-run /run", "mount -t tmpfs gwtrustrank-mnt /mnt"]
         for host, inside in (binds or {}).items():
-            script += [f"mkdir -p {shlex.quote(inside)}",
-                       f"mount --bind {shlex.quote(host)} {shlex.quote(inside)}"]
+            script += [f"mkdir -p {shlex.quote(inside)}", f"mount --bind {shlex.quote(host)} {shlex.quote(inside)}"]
         # The container's own /tmp hides the host's; the interpreter and this checkout stay
         # reachable where they were (CI may clone the repository under /tmp).
-        keep = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, REPO)
-                       if os.path.realpath(p).startswith("/tmp/")})
+        keep = sorted(
+            {
+                os.path.realpath(p)
+                for p in (sys.prefix, sys.base_prefix, REPO)
+                if os.path.realpath(p).startswith("/tmp/")
+            }
+        )
         for i, path in enumerate(keep):
             script += [f"mkdir -p /run/gwkeep{i}", f"mount --rbind {shlex.quote(path)} /run/gwkeep{i}"]
         script += ["mount -t tmpfs gwtrustrank-tmp /tmp"]
@@ -71,7 +81,11 @@ class Container:
         self.proc = subprocess.Popen(
             ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", "\n".join(script)],
             env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "GW_CODE": code},
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=enter)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=enter,
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline().split()
         assert line[:1] == ["ready"], f"container did not start: {line}"

@@ -58,15 +58,24 @@ def write_config(tmp: Path, **overrides: Any) -> tuple[Path, dict[str, Any]]:
 
 
 class DaemonProc:
-    def __init__(self, config_path: Path, cfg: Mapping[str, Any], env: Mapping[str, str] | None = None,
-                 log_path: Path | None = None, args: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        config_path: Path,
+        cfg: Mapping[str, Any],
+        env: Mapping[str, str] | None = None,
+        log_path: Path | None = None,
+        args: Sequence[str] = (),
+    ) -> None:
         self.cfg = cfg
         self.url = f"http://{cfg['web']['listen_address']}/metrics"
         self.log_path = log_path or config_path.with_suffix(".log")
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(config_path), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            cwd=REPO,
         )
         try:
             self.wait_ready()
@@ -111,8 +120,7 @@ class DaemonProc:
             if pred():
                 return
             time.sleep(0.1)
-        raise AssertionError(f"timed out waiting for {what}; daemon log:\n{self.log()}\n"
-                             f"metrics:\n{self.text()}")
+        raise AssertionError(f"timed out waiting for {what}; daemon log:\n{self.log()}\nmetrics:\n{self.text()}")
 
     def log(self) -> str:
         self._log.flush()
@@ -141,5 +149,8 @@ def finding_jobs(d: DaemonProc, kind: str) -> set[str]:
     """The job_ids that have a ``kind`` finding now. A daemon with discovery enabled watches every
     process of the host, so ranks of other tests' jobs (another suite running at the same time)
     show up beside a test's own: a test asks about its own jobs, never "no finding at all"."""
-    return {dict(labels).get("job_id", "") for (name, labels), value in d.samples().items()
-            if name == "gpuwatch_finding" and dict(labels).get("kind") == kind and value == 1.0}
+    return {
+        dict(labels).get("job_id", "")
+        for (name, labels), value in d.samples().items()
+        if name == "gpuwatch_finding" and dict(labels).get("kind") == kind and value == 1.0
+    }

@@ -26,9 +26,22 @@ from pathlib import Path
 import bootsystemd
 
 REPO = Path(__file__).resolve().parent.parent
-IGNORE = shutil.ignore_patterns(".venv", ".venv-*", ".git", "__pycache__", "build", "dist",
-                                "*.egg-info", ".mypy_cache", ".ruff_cache", ".pytest_cache", ".dev",
-                                ".whl", ".gl", ".before")
+IGNORE = shutil.ignore_patterns(
+    ".venv",
+    ".venv-*",
+    ".git",
+    "__pycache__",
+    "build",
+    "dist",
+    "*.egg-info",
+    ".mypy_cache",
+    ".ruff_cache",
+    ".pytest_cache",
+    ".dev",
+    ".whl",
+    ".gl",
+    ".before",
+)
 _WORK = Path(tempfile.mkdtemp(prefix="gwdist-"))
 atexit.register(shutil.rmtree, _WORK, True)
 _built: dict[tuple[str, str], Path] = {}
@@ -49,8 +62,7 @@ def source(ver: str | None = None) -> Path:
         if ver:
             init = dest / "gpuwatchd" / "__init__.py"
             text = init.read_text()
-            init.write_text(re.sub(r'^__version__ = "[^"]+"', f'__version__ = "{ver}"', text,
-                                   count=1, flags=re.M))
+            init.write_text(re.sub(r'^__version__ = "[^"]+"', f'__version__ = "{ver}"', text, count=1, flags=re.M))
         _built[key] = dest
     return _built[key]
 
@@ -60,8 +72,12 @@ def build_dist(ver: str | None = None) -> tuple[Path, Path]:
     key = ("dist", ver or "")
     if key not in _built:
         out = _WORK / f"dist-{ver or 'tree'}"
-        res = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(source(ver))],
-                             capture_output=True, text=True, timeout=600)
+        res = subprocess.run(
+            [sys.executable, "-m", "build", "--outdir", str(out), str(source(ver))],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert res.returncode == 0, f"python -m build failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
         _built[key] = out
     out = _built[key]
@@ -76,8 +92,12 @@ def build_client() -> Path:
     key = ("client", "")
     if key not in _built:
         out = _WORK / "client"
-        res = subprocess.run([sys.executable, str(source() / "tools" / "build_client.py"), "--outdir",
-                              str(out)], capture_output=True, text=True, timeout=600)
+        res = subprocess.run(
+            [sys.executable, str(source() / "tools" / "build_client.py"), "--outdir", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert res.returncode == 0, f"tools/build_client.py failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
         [_built[key]] = out.glob("gpuwatchd_client-*.whl")
     return _built[key]
@@ -90,9 +110,21 @@ def build_deb(ver: str | None = None) -> Path:
     if key not in _built:
         wheel, _ = build_dist(ver)
         out = _WORK / f"deb-{ver or 'tree'}"
-        res = subprocess.run(["bash", str(source(ver) / "deploy" / "debian" / "build.sh"), "--wheel",
-                              str(wheel), "--find-links", str(bootsystemd.dependency_wheels()),
-                              "--out", str(out)], capture_output=True, text=True, timeout=600)
+        res = subprocess.run(
+            [
+                "bash",
+                str(source(ver) / "deploy" / "debian" / "build.sh"),
+                "--wheel",
+                str(wheel),
+                "--find-links",
+                str(bootsystemd.dependency_wheels()),
+                "--out",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert res.returncode == 0, f"deploy/debian/build.sh failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
         _built[key] = Path(res.stdout.strip().splitlines()[-1])
     return _built[key]

@@ -66,9 +66,16 @@ def main() -> int:
     def spawn(fault: str, attempt: int = 0) -> dict[int, subprocess.Popen[bytes]]:
         procs = {}
         for rank in range(world):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                   "LOCAL_WORLD_SIZE": str(world), "TORCHELASTIC_RUN_ID": job, "GROUP_RANK": "0",
-                   "GW_ATTEMPT": str(attempt)}
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(world),
+                "TORCHELASTIC_RUN_ID": job,
+                "GROUP_RANK": "0",
+                "GW_ATTEMPT": str(attempt),
+            }
             procs[rank] = subprocess.Popen([sys.executable, "-c", RANK, fault, go], env=env)
         return procs
 

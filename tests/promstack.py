@@ -32,9 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 ALERTMANAGER = (
-    shutil.which("prometheus-alertmanager")
-    or shutil.which("alertmanager")
-    or "/usr/bin/prometheus-alertmanager"
+    shutil.which("prometheus-alertmanager") or shutil.which("alertmanager") or "/usr/bin/prometheus-alertmanager"
 )
 AMTOOL = shutil.which("amtool") or "/usr/bin/amtool"
 
@@ -121,11 +119,7 @@ class Prometheus(_Server):
         return list(http_get_json(self.url + "/api/v1/alerts")["data"]["alerts"])
 
     def targets_up(self) -> list[dict[str, Any]]:
-        return [
-            t
-            for t in http_get_json(self.url + "/api/v1/targets")["data"]["activeTargets"]
-            if t["health"] == "up"
-        ]
+        return [t for t in http_get_json(self.url + "/api/v1/targets")["data"]["activeTargets"] if t["health"] == "up"]
 
 
 @contextlib.contextmanager
@@ -199,9 +193,7 @@ class Alertmanager(_Server):
 def shipped_alertmanager_config(webhook_url: str, group_wait: str = "1s") -> dict[str, Any]:
     """deploy/alertmanager/alertmanager.yml with its receivers pointed at ``webhook_url`` (path
     /page or /ticket kept) and short waits, everything else (routes, inhibitions) as shipped."""
-    cfg: dict[str, Any] = yaml.safe_load(
-        (REPO / "deploy/alertmanager/alertmanager.yml").read_text()
-    )
+    cfg: dict[str, Any] = yaml.safe_load((REPO / "deploy/alertmanager/alertmanager.yml").read_text())
     for rcv in cfg["receivers"]:
         for wh in rcv.get("webhook_configs", []):
             wh["url"] = webhook_url.rstrip("/") + "/" + rcv["name"]
@@ -295,10 +287,7 @@ class Webhook(_LoopbackServer):
         """Every alert of every notification so far: (receive time, path, alert)."""
         with self.lock:
             return [
-                (t, p, a)
-                for t, p, body in self.received
-                if path is None or p == path
-                for a in body.get("alerts", [])
+                (t, p, a) for t, p, body in self.received if path is None or p == path for a in body.get("alerts", [])
             ]
 
 
@@ -325,9 +314,7 @@ class MetricsServer(_LoopbackServer):
 
 
 def run(cmd: list[str], cwd: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ)
-    )
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
 
 
 # --- a stand-in node ---------------------------------------------------------------------------
@@ -388,8 +375,12 @@ def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
     add("process_cpu_seconds_total", "counter", {}, now % 1000 / 100)
     add("process_open_fds", "gauge", {}, 23)
     add("process_start_time_seconds", "gauge", {}, now - 3600)
-    add("gpuwatch_finding", "gauge", {"kind": "bad_rank_file", "severity": "warning", "job_id": "",
-                                      "rank": "", "pid": ""}, 1)
+    add(
+        "gpuwatch_finding",
+        "gauge",
+        {"kind": "bad_rank_file", "severity": "warning", "job_id": "", "rank": "", "pid": ""},
+        1,
+    )
     for c in ("procfs", "rankfiles", "nvml", "kernel_log", "pyspy"):
         add("gpuwatch_collector_success", "gauge", {"collector": c}, 1)
         add("gpuwatch_collector_duration_seconds", "gauge", {"collector": c}, 0.002)
@@ -406,22 +397,45 @@ def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
         add("gpuwatch_gpu_memory_used_bytes", "gauge", g, 40 * 2**30 if r.up else 0)
         add("gpuwatch_gpu_utilization_ratio", "gauge", g, 0.5 if r.up else 0)
         add("gpuwatch_gpu_xid_errors_total", "counter", {**g, "xid": "13"}, 0)
-        add("gpuwatch_rank_info", "gauge",
-            {**jr, "local_rank": str(r.gpu), "pid": str(r.pid), "world_size": str(r.world_size)}, 1)
+        add(
+            "gpuwatch_rank_info",
+            "gauge",
+            {**jr, "local_rank": str(r.gpu), "pid": str(r.pid), "world_size": str(r.world_size)},
+            1,
+        )
         add("gpuwatch_rank_up", "gauge", jr, 1 if r.up else 0)
         add("gpuwatch_rank_pod_info", "gauge", {**jr, "uid": f"0b8d1c2e-3f4a-4b5c-8d6e-7f8091a2b3c{r.rank}"}, 1)
-        add("gpuwatch_oom_kills_total", "counter", {**jr, "comm": "python" if r.oom_kills else "",
-                                                     "killer": "kernel" if r.oom_kills else ""},
-            r.oom_kills)
-        add("gpuwatch_finding", "gauge", {"kind": "nccl_error_handling_off", "severity": "warning",
-                                          **jr, "pid": str(r.pid)}, 1)
+        add(
+            "gpuwatch_oom_kills_total",
+            "counter",
+            {**jr, "comm": "python" if r.oom_kills else "", "killer": "kernel" if r.oom_kills else ""},
+            r.oom_kills,
+        )
+        add(
+            "gpuwatch_finding",
+            "gauge",
+            {"kind": "nccl_error_handling_off", "severity": "warning", **jr, "pid": str(r.pid)},
+            1,
+        )
         if not r.up:
-            add("gpuwatch_finding", "gauge",
-                {"kind": "rank_oom_killed" if r.oom_kills else "rank_down", "severity": "page",
-                 **jr, "pid": str(r.pid)}, 1)
+            add(
+                "gpuwatch_finding",
+                "gauge",
+                {
+                    "kind": "rank_oom_killed" if r.oom_kills else "rank_down",
+                    "severity": "page",
+                    **jr,
+                    "pid": str(r.pid),
+                },
+                1,
+            )
             continue
-        add("gpuwatch_gpu_process_memory_bytes", "gauge",
-            {**g, "pid": str(r.pid), "comm": "python", "user": "root", **jr}, 40 * 2**30)
+        add(
+            "gpuwatch_gpu_process_memory_bytes",
+            "gauge",
+            {**g, "pid": str(r.pid), "comm": "python", "user": "root", **jr},
+            40 * 2**30,
+        )
         add("gpuwatch_rank_gpu_memory_bytes", "gauge", {**jr, "gpu": str(r.gpu)}, 40 * 2**30)
         add("gpuwatch_rank_open_fds", "gauge", jr, 64)
         add("gpuwatch_rank_max_fds", "gauge", jr, 1024)
@@ -433,16 +447,19 @@ def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
         add("gpuwatch_rank_progress_timestamp_seconds", "gauge", jr, now - (600 if r.stalled else 1))
         add("gpuwatch_rank_stalled", "gauge", jr, 1 if r.stalled else 0)
         add("gpuwatch_rank_step", "gauge", jr, int(now * (10 - r.rank)) if not r.stalled else 100)
-        add("gpuwatch_rank_collective_last_started_seq", "gauge", {**jr, "pg": "0"},
-            4 if r.stalled else 5)
+        add("gpuwatch_rank_collective_last_started_seq", "gauge", {**jr, "pg": "0"}, 4 if r.stalled else 5)
         add("gpuwatch_rank_collective_last_completed_seq", "gauge", {**jr, "pg": "0"}, 4)
         if any(p.stalled for p in ranks if p.job_id == r.job_id):  # NCCL RAS asked: a suspect job
             add("gpuwatch_nccl_ras_rank_operations", "gauge", jr, 10234 if r.stalled else 10239)
             add("gpuwatch_nccl_ras_rank_operations_unchanged_seconds", "gauge", jr, 90.0)
             add("gpuwatch_nccl_ras_missing_ranks", "gauge", {"job_id": r.job_id, "reason": "dead"}, 1)
             add("gpuwatch_nccl_ras_async_error_ranks", "gauge", {"job_id": r.job_id}, 0)
-            add("gpuwatch_nccl_ras_culprit", "gauge", {"job_id": r.job_id, "nccl_rank": "3",
-                                                       "host": "10.1.0.5", "pid": "4104", "reason": "dead"}, 1)
+            add(
+                "gpuwatch_nccl_ras_culprit",
+                "gauge",
+                {"job_id": r.job_id, "nccl_rank": "3", "host": "10.1.0.5", "pid": "4104", "reason": "dead"},
+                1,
+            )
         for reason in ("gpu_idle", "sw_power_cap", "hw_slowdown", "hw_thermal"):
             add("gpuwatch_gpu_clock_throttled", "gauge", {**g, "reason": reason}, 0)
         add("gpuwatch_cuda_oom_errors_total", "counter", {**jr, "gpu": str(r.gpu)}, 0)
@@ -456,9 +473,19 @@ def node_exposition(ranks: list[NodeRank], now: float | None = None) -> str:
     add("gpuwatch_node_memory_available_bytes", "gauge", {}, 900 * 2**30)
     add("gpuwatch_node_memory_pressure_waiting_seconds_total", "counter", {}, now % 1000 / 10)
     add("gpuwatch_node_memory_pressure_stalled_seconds_total", "counter", {}, now % 1000 / 100)
-    add("gpuwatch_orphan_gpu_memory_bytes", "gauge",
-        {"gpu": "7", "uuid": "GPU-0007", "pid": "11223", "comm": "python", "user": "alice",
-         "reason": "reparented_to_init"}, 55 * 2**30)
+    add(
+        "gpuwatch_orphan_gpu_memory_bytes",
+        "gauge",
+        {
+            "gpu": "7",
+            "uuid": "GPU-0007",
+            "pid": "11223",
+            "comm": "python",
+            "user": "alice",
+            "reason": "reparented_to_init",
+        },
+        55 * 2**30,
+    )
     out: list[str] = []
     for name, (typ, samples) in fams.items():
         out.append(f"# HELP {name} {name} (stand-in node for tests).")
@@ -547,11 +574,10 @@ def derived_nvml_fixture(path: Path, pids: dict[int, int], xid: int | None = Non
         for dev in cycle["devices"]:
             dev.setdefault("clocks_event_reasons", 0)
             for key in ("compute", "graphics", "process_utilization"):
-                dev[key] = [dict(p, pid=pids[p["pid"]]) for p in dev.get(key, [])
-                            if p["pid"] in pids]
+                dev[key] = [dict(p, pid=pids[p["pid"]]) for p in dev.get(key, []) if p["pid"] in pids]
         cycle["nvidia_smi_compute_apps"] = [
-            dict(p, pid=pids[p["pid"]]) for p in cycle.get("nvidia_smi_compute_apps", [])
-            if p["pid"] in pids]
+            dict(p, pid=pids[p["pid"]]) for p in cycle.get("nvidia_smi_compute_apps", []) if p["pid"] in pids
+        ]
     if xid is not None:
         doc["xid_events"] = [{"device": 0, "xid": xid}]
     doc["note"] = "DERIVED at test time from h200_orphan_dataloader.json: PIDs of live processes"
@@ -588,11 +614,25 @@ class Daemon:
         self.proc: subprocess.Popen[bytes] | None = None
         self.gpuwatchd = str(Path(sys.executable).with_name("gpuwatchd"))
 
-    def register(self, job_id: str, rank: int, pid: int, world_size: int,
-                 gpus: str | None = None, heartbeat: Path | None = None) -> None:
-        cmd = [self.gpuwatchd, "register", "--job-id", job_id, "--rank", str(rank),
-               "--pid", str(pid), "--world-size", str(world_size), "--local-rank", str(rank),
-               "--rank-dir", str(self.rank_dir)]
+    def register(
+        self, job_id: str, rank: int, pid: int, world_size: int, gpus: str | None = None, heartbeat: Path | None = None
+    ) -> None:
+        cmd = [
+            self.gpuwatchd,
+            "register",
+            "--job-id",
+            job_id,
+            "--rank",
+            str(rank),
+            "--pid",
+            str(pid),
+            "--world-size",
+            str(world_size),
+            "--local-rank",
+            str(rank),
+            "--rank-dir",
+            str(self.rank_dir),
+        ]
         if gpus is not None:
             cmd += ["--gpus", gpus]
         if heartbeat is not None:
@@ -603,10 +643,10 @@ class Daemon:
 
     def start(self) -> Daemon:
         with self.log.open("wb") as out:
-            self.proc = subprocess.Popen([self.gpuwatchd, "run", "--config.file", str(self.config)],
-                                         stdout=out, stderr=subprocess.STDOUT)
-        wait_until(lambda: _ready(f"http://{self.address}/metrics") or self._died(), 30,
-                   f"daemon {self.address}")
+            self.proc = subprocess.Popen(
+                [self.gpuwatchd, "run", "--config.file", str(self.config)], stdout=out, stderr=subprocess.STDOUT
+            )
+        wait_until(lambda: _ready(f"http://{self.address}/metrics") or self._died(), 30, f"daemon {self.address}")
         assert self.proc.poll() is None, self.log.read_text()[-3000:]
         return self
 
@@ -630,8 +670,9 @@ class Daemon:
 FR_RECORDING = REPO / "tests" / "fixtures" / "hang" / "fr_gloo_rank0.json"
 
 
-def sleeper(flight_recorder: tuple[Path, str, int] | None = None,
-            on_cpu: bool = False, until: Path | None = None) -> subprocess.Popen[bytes]:
+def sleeper(
+    flight_recorder: tuple[Path, str, int] | None = None, on_cpu: bool = False, until: Path | None = None
+) -> subprocess.Popen[bytes]:
     """A live rank that just waits (as a peer blocked in a collective would). With
     ``flight_recorder`` (rank_dir, job_id, rank) it also answers the daemon's flight-recorder
     requests, as a registered rank's thread does, with the dump recorded on the H200 of a rank
@@ -640,16 +681,20 @@ def sleeper(flight_recorder: tuple[Path, str, int] | None = None,
     file ``until`` exists: then it waits at 0 % CPU, as a peer blocked in a collective does (a
     heartbeat rank that works on its CPU is progressing, not stalled: join/stall.py)."""
     stop = f"os.path.exists({str(until)!r})" if until is not None else "False"
-    wait = ("import os\nt0 = time.monotonic()\nwhile time.monotonic() - t0 < 600:\n"
-            f"    if {stop}:\n        time.sleep(600)\n"
-            "    t = time.monotonic()\n"
-            "    while time.monotonic() - t < 0.01:\n        pass\n    time.sleep(0.01)\n"
-            if on_cpu else "time.sleep(600)\n")
+    wait = (
+        "import os\nt0 = time.monotonic()\nwhile time.monotonic() - t0 < 600:\n"
+        f"    if {stop}:\n        time.sleep(600)\n"
+        "    t = time.monotonic()\n"
+        "    while time.monotonic() - t < 0.01:\n        pass\n    time.sleep(0.01)\n"
+        if on_cpu
+        else "time.sleep(600)\n"
+    )
     if flight_recorder is None:
         return subprocess.Popen([sys.executable, "-c", "import time\n" + wait])
     rank_dir, job_id, rank = flight_recorder
-    code = ("import json, sys, time\nfrom gpuwatchd.rank import flight_recorder as fr\n"
-            "rec = json.load(open(sys.argv[1]))['trace']\n"
-            "fr.start(sys.argv[2], sys.argv[3], int(sys.argv[4]), dump=lambda: rec)\n" + wait)
-    return subprocess.Popen([sys.executable, "-c", code, str(FR_RECORDING), str(rank_dir), job_id,
-                             str(rank)])
+    code = (
+        "import json, sys, time\nfrom gpuwatchd.rank import flight_recorder as fr\n"
+        "rec = json.load(open(sys.argv[1]))['trace']\n"
+        "fr.start(sys.argv[2], sys.argv[3], int(sys.argv[4]), dump=lambda: rec)\n" + wait
+    )
+    return subprocess.Popen([sys.executable, "-c", code, str(FR_RECORDING), str(rank_dir), job_id, str(rank)])

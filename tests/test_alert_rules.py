@@ -126,8 +126,7 @@ def test_amtool_check_config_and_routes() -> None:
 
 def _alert(name: str, severity: str, instance: str, **labels: str) -> dict[str, Any]:
     return {
-        "labels": {"alertname": name, "severity": severity, "instance": instance,
-                   "job": "gpuwatchd", **labels},
+        "labels": {"alertname": name, "severity": severity, "instance": instance, "job": "gpuwatchd", **labels},
         "annotations": {"summary": f"{name} {labels}"},
     }
 
@@ -139,8 +138,7 @@ def test_real_alertmanager_groups_per_job_and_inhibits(tmp_path: Path) -> None:
     with Webhook() as hook, alertmanager(tmp_path, shipped_alertmanager_config(hook.url)) as am:
         n1, n2 = "node1:9863", "node2:9863"
         alerts = [
-            _alert("GPURankOOMKilled", "critical", n1, job_id="llm-7", rank="3", comm="python",
-                   killer="kernel"),
+            _alert("GPURankOOMKilled", "critical", n1, job_id="llm-7", rank="3", comm="python", killer="kernel"),
             _alert("GPURankDown", "critical", n1, job_id="llm-7", rank="3"),
             _alert("GPURankStalled", "critical", n1, job_id="llm-7", rank="3"),
             _alert("GPURankStalled", "critical", n1, job_id="llm-7", rank="2"),
@@ -160,8 +158,9 @@ def test_real_alertmanager_groups_per_job_and_inhibits(tmp_path: Path) -> None:
         time.sleep(0.5)
         got = am.alerts()
         state = {
-            (a["labels"]["alertname"], a["labels"]["instance"], a["labels"]["job_id"],
-             a["labels"]["rank"]): bool(a["status"]["inhibitedBy"])
+            (a["labels"]["alertname"], a["labels"]["instance"], a["labels"]["job_id"], a["labels"]["rank"]): bool(
+                a["status"]["inhibitedBy"]
+            )
             for a in got
         }
         assert state == {
@@ -185,9 +184,7 @@ def test_real_alertmanager_groups_per_job_and_inhibits(tmp_path: Path) -> None:
         page_notes = [r[2] for r in hook.received if r[1] == "/page"]
         llm7 = [n for n in page_notes if n["groupLabels"] == {"job_id": "llm-7"}]
         assert len(llm7) == 1, page_notes
-        names = sorted(
-            (a["labels"]["alertname"], a["labels"]["rank"]) for a in llm7[0]["alerts"]
-        )
+        names = sorted((a["labels"]["alertname"], a["labels"]["rank"]) for a in llm7[0]["alerts"])
         assert names == [("GPURankDown", "1"), ("GPURankOOMKilled", "3")]
         assert not [r for r in hook.received if r[1] == "/ticket"]
 
@@ -234,8 +231,19 @@ def test_a_mixin_routing_tree_pages_the_critical_alerts(tmp_path: Path) -> None:
         p = run([AMTOOL, "config", "routes", "test", f"--config.file={tree}", *labels])
         assert p.returncode == 0, p.stdout + p.stderr
         assert p.stdout.strip() == want[r["labels"]["severity"]], (name, p.stdout)
-    p = run([AMTOOL, "config", "routes", "test", f"--config.file={tree}",
-             "alertname=GPURankOOMKilled", "severity=critical", "job_id=llm-7", "rank=3"])
+    p = run(
+        [
+            AMTOOL,
+            "config",
+            "routes",
+            "test",
+            f"--config.file={tree}",
+            "alertname=GPURankOOMKilled",
+            "severity=critical",
+            "job_id=llm-7",
+            "rank=3",
+        ]
+    )
     assert p.stdout.strip() == "pager"
 
 
@@ -296,29 +304,52 @@ def test_the_push_merges_with_the_rule_only_where_prometheus_adds_no_labels(tmp_
     from gpuwatchd.events.alertmanager import alert_for, derive_instance
     from gpuwatchd.model.events import Event
 
-    ev = Event("k", "oom_kill", time.time(), "critical", "rank 3 OOM-killed", job_id="llm-7",
-               rank="3", pid=4242, comm="python", killer="kernel", alert=True)
-    series = {"job_id": "llm-7", "rank": "3", "comm": "python", "killer": "kernel",
-              "job": "gpuwatchd", "alertname": "GPURankOOMKilled", "severity": "critical"}
+    ev = Event(
+        "k",
+        "oom_kill",
+        time.time(),
+        "critical",
+        "rank 3 OOM-killed",
+        job_id="llm-7",
+        rank="3",
+        pid=4242,
+        comm="python",
+        killer="kernel",
+        alert=True,
+    )
+    series = {
+        "job_id": "llm-7",
+        "rank": "3",
+        "comm": "python",
+        "killer": "kernel",
+        "job": "gpuwatchd",
+        "alertname": "GPURankOOMKilled",
+        "severity": "critical",
+    }
     cfg = parse_config({"alertmanager": {"url": "http://am:9093", "instance": "node1"}})
     bare = alert_for(ev, cfg.alertmanager.instance)
-    operator = {"namespace": "monitoring", "pod": "gpuwatchd-7xk2p", "container": "gpuwatchd",
-                "endpoint": "metrics", "node": "node1",
-                "prometheus": "monitoring/kube-prometheus-stack-prometheus",
-                "prometheus_replica": "prometheus-kube-prometheus-stack-prometheus-0"}
+    operator = {
+        "namespace": "monitoring",
+        "pod": "gpuwatchd-7xk2p",
+        "container": "gpuwatchd",
+        "endpoint": "metrics",
+        "node": "node1",
+        "prometheus": "monitoring/kube-prometheus-stack-prometheus",
+        "prometheus_replica": "prometheus-kube-prometheus-stack-prometheus-0",
+    }
     in_pod = alert_for(ev, derive_instance(":9863", hostname="gpuwatchd-7xk2p"))
     assert bare is not None and in_pod is not None
-    with alertmanager(tmp_path, {"route": {"receiver": "null"},
-                                 "receivers": [{"name": "null"}]}) as am:
-        rule = {"labels": {**series, "instance": "node1"}, "annotations": {},
-                "startsAt": bare["startsAt"]}
+    with alertmanager(tmp_path, {"route": {"receiver": "null"}, "receivers": [{"name": "null"}]}) as am:
+        rule = {"labels": {**series, "instance": "node1"}, "annotations": {}, "startsAt": bare["startsAt"]}
         am.post_alerts([bare, rule])
         time.sleep(0.5)
         assert len(am.alerts()) == 1, am.alerts()
-    with alertmanager(tmp_path, {"route": {"receiver": "null"},
-                                 "receivers": [{"name": "null"}]}) as am:
-        rule = {"labels": {**series, "instance": "node1", **operator}, "annotations": {},
-                "startsAt": in_pod["startsAt"]}
+    with alertmanager(tmp_path, {"route": {"receiver": "null"}, "receivers": [{"name": "null"}]}) as am:
+        rule = {
+            "labels": {**series, "instance": "node1", **operator},
+            "annotations": {},
+            "startsAt": in_pod["startsAt"],
+        }
         am.post_alerts([in_pod, rule])
         time.sleep(0.5)
         assert len(am.alerts()) == 2, am.alerts()

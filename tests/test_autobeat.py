@@ -77,8 +77,14 @@ def world(tmp_path: Path) -> dict[str, object]:
     rank_dir.mkdir()
     job = f"autobeat-{uuid.uuid4().hex[:8]}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUWATCH", "RANK", "SLURM_", "OMPI_"))}
-    env.update(PYTHONPATH=str(lib), GPUWATCH_RANK_DIR=str(rank_dir), TORCHELASTIC_RUN_ID=job,
-               RANK="3", LOCAL_RANK="1", WORLD_SIZE="4")
+    env.update(
+        PYTHONPATH=str(lib),
+        GPUWATCH_RANK_DIR=str(rank_dir),
+        TORCHELASTIC_RUN_ID=job,
+        RANK="3",
+        LOCAL_RANK="1",
+        WORLD_SIZE="4",
+    )
     return {"tmp": tmp_path, "env": env, "job": job, "rank_dir": rank_dir}
 
 
@@ -133,8 +139,7 @@ def wheel_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run: tests/distutil.py), unpacked as pip would place them, the .pth file at its top. The rank
     side needs only the standard library, so no dependency is installed."""
     tmp = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp / "venv")], check=True,
-                   timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp / "venv")], check=True, timeout=120)
     (site,) = (tmp / "venv/lib").glob("python3*/site-packages")
     wheel, _ = distutil.build_dist()
     with zipfile.ZipFile(wheel) as whl:
@@ -156,8 +161,15 @@ def test_wheel_pth_beats_only_when_asked(world: dict, wheel_env: Path) -> None:
 
 
 # What a training process imports of gpuwatchd, all of it (tools/build_client.py's CLIENT_FILES).
-CLIENT_MODULES = ("gpuwatchd", "gpuwatchd.rank.autobeat", "gpuwatchd.rank.run", "gpuwatchd.rank.api",
-                  "gpuwatchd.rank.rankfile", "gpuwatchd.rank.cuda_oom", "gpuwatchd.rank.flight_recorder")
+CLIENT_MODULES = (
+    "gpuwatchd",
+    "gpuwatchd.rank.autobeat",
+    "gpuwatchd.rank.run",
+    "gpuwatchd.rank.api",
+    "gpuwatchd.rank.rankfile",
+    "gpuwatchd.rank.cuda_oom",
+    "gpuwatchd.rank.flight_recorder",
+)
 ONLY_STDLIB = f"""
 import sys, importlib
 for m in {CLIENT_MODULES!r}:
@@ -174,12 +186,24 @@ def client_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
     wheel (tools/build_client.py) with its dependencies resolved and no index: it installs only
     because it has none."""
     tmp = tmp_path_factory.mktemp("client")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp / "venv")], check=True,
-                   timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp / "venv")], check=True, timeout=120)
     python = tmp / "venv/bin/python"
-    r = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index",
-                        "--disable-pip-version-check", str(distutil.build_client())],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-index",
+            "--disable-pip-version-check",
+            str(distutil.build_client()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return python
 
@@ -193,9 +217,23 @@ def test_the_client_wheel_alone_runs_the_rank_side(world: dict, client_env: Path
         raw = whl.read(f"gpuwatchd_client-{distutil.version()}.dist-info/METADATA")
     meta = Metadata.from_email(raw, validate=True)  # the parser pip and twine use
     assert (meta.name, meta.requires_dist, meta.license_expression) == ("gpuwatchd-client", None, "Apache-2.0")
-    listed = subprocess.run([sys.executable, "-m", "pip", "--python", str(client_env), "list",
-                             "--format", "json", "--disable-pip-version-check"],
-                            capture_output=True, text=True, check=True, timeout=120)
+    listed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(client_env),
+            "list",
+            "--format",
+            "json",
+            "--disable-pip-version-check",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     assert [d["name"] for d in json.loads(listed.stdout)] == ["gpuwatchd-client"]
     (site,) = (client_env.parent.parent / "lib").glob("python3*/site-packages")
     size = sum(f.stat().st_size for f in site.rglob("*") if f.is_file())
@@ -203,8 +241,9 @@ def test_the_client_wheel_alone_runs_the_rank_side(world: dict, client_env: Path
     # six dependencies adds 16.1 MB to the same bare venv
     assert size < 1_000_000, size
     env = {k: v for k, v in world["env"].items() if k != "PYTHONPATH"}  # not even the fake torch
-    out = subprocess.run([str(client_env), "-I", "-c", ONLY_STDLIB], env=env, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [str(client_env), "-I", "-c", ONLY_STDLIB], env=env, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and out.stdout.strip() == "['gpuwatchd']", out
     # the launcher shim, then the .pth file: each registers the rank and beats
     _run([str(client_env), "-m", "gpuwatchd.rank.run", "train.py", "3"], world["env"], world["tmp"])
@@ -212,20 +251,31 @@ def test_the_client_wheel_alone_runs_the_rank_side(world: dict, client_env: Path
     assert entry["rank"] == 3 and Path(entry["heartbeat"]).read_text().strip() == "1"
     for f in Path(world["rank_dir"]).iterdir():
         f.unlink()
-    out = _run([str(client_env), "train.py", "3"], {**world["env"], "GPUWATCHD_HEARTBEAT": "1"},
-               world["tmp"])
+    out = _run([str(client_env), "train.py", "3"], {**world["env"], "GPUWATCHD_HEARTBEAT": "1"}, world["tmp"])
     assert "done 3" in out and _rank_file(world)["job_id"] == world["job"]
 
 
 def test_the_daemon_wheel_cannot_install_so(tmp_path: Path) -> None:
     """Why the client is its own distribution: the daemon's wheel in the same bare venv, with no
     index, stops at its first dependency (a training image would get all six, ~16 MB)."""
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True,
-                   timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True, timeout=120)
     wheel, _ = distutil.build_dist()
-    r = subprocess.run([sys.executable, "-m", "pip", "--python", str(tmp_path / "venv/bin/python"),
-                        "install", "--no-index", "--disable-pip-version-check", str(wheel)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(tmp_path / "venv/bin/python"),
+            "install",
+            "--no-index",
+            "--disable-pip-version-check",
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode != 0 and "No matching distribution found for" in r.stderr, r.stdout + r.stderr
 
 
@@ -237,16 +287,24 @@ def test_heartbeat_reaches_the_daemon(world: dict) -> None:
     home = world["tmp"] / "d"
     home.mkdir()
     cfg_path, cfg = write_config(home, rank_dir=str(world["rank_dir"]), stall={"after_seconds": 1.5})
-    p = subprocess.Popen([sys.executable, "-m", "gpuwatchd.rank.run", "train.py", "25", "0.1", "hang"],
-                         env=world["env"], cwd=world["tmp"], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "gpuwatchd.rank.run", "train.py", "25", "0.1", "hang"],
+        env=world["env"],
+        cwd=world["tmp"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     d = DaemonProc(cfg_path, cfg)
     try:
-        d.wait_for(lambda: (d.value("gpuwatch_rank_step", job_id=world["job"], rank="3") or 0) >= 2,
-                   timeout=20, what="the rank's heartbeat step")
+        d.wait_for(
+            lambda: (d.value("gpuwatch_rank_step", job_id=world["job"], rank="3") or 0) >= 2,
+            timeout=20,
+            what="the rank's heartbeat step",
+        )
+
         def paged() -> list[dict]:
             state = json.loads((Path(cfg["state_dir"]) / "state.json").read_text())
-            return [f for f in state["findings"] if f["kind"] == "rank_stalled"
-                    and f["job_id"] == world["job"]]
+            return [f for f in state["findings"] if f["kind"] == "rank_stalled" and f["job_id"] == world["job"]]
 
         d.wait_for(lambda: bool(paged()), timeout=20, what="rank_stalled once the steps stop")
         (f,) = paged()

@@ -40,16 +40,19 @@ def scene(tmp_path: Path) -> Iterator[dict]:
     (recorded PID 453) whose wrapper was killed."""
     rank = _sleeper()
     wrapper = subprocess.Popen(
-        ["sh", "-c", f"nohup {sys.executable} -c 'import time; time.sleep(120)' >/dev/null 2>&1 &"
-                     " echo $!; wait"], stdout=subprocess.PIPE)
+        ["sh", "-c", f"nohup {sys.executable} -c 'import time; time.sleep(120)' >/dev/null 2>&1 & echo $!; wait"],
+        stdout=subprocess.PIPE,
+    )
     assert wrapper.stdout is not None
     stale = int(wrapper.stdout.readline())
     wrapper.kill()
     wrapper.wait()
     rank_dir = tmp_path / "ranks"
-    write_rank_file(str(rank_dir), {"version": 1, "job_id": "dflash", "world_size": 1,
-                                    "ranks": [{"rank": 0, "local_rank": 0, "pid": rank.pid}]},
-                    "dflash.json")
+    write_rank_file(
+        str(rank_dir),
+        {"version": 1, "job_id": "dflash", "world_size": 1, "ranks": [{"rank": 0, "local_rank": 0, "pid": rank.pid}]},
+        "dflash.json",
+    )
     doc = json.loads(H200.read_text())
     after = copy.deepcopy(doc["cycles"][-1])
     after["devices"][0]["compute"] = [p for p in after["devices"][0]["compute"] if p["pid"] != 453]
@@ -59,8 +62,15 @@ def scene(tmp_path: Path) -> Iterator[dict]:
     pid_map = {447: rank.pid, 449: rank.pid, 450: rank.pid, 453: stale}
     cfg = tmp_path / "config.yaml"
     cfg.write_text(f"rank_dir: {rank_dir}\nnvml:\n  fixture: {fixture}\n")
-    yield {"rank": rank, "stale": stale, "rank_dir": rank_dir, "fixture": fixture,
-           "pid_map": pid_map, "cfg": cfg, "tmp": tmp_path}
+    yield {
+        "rank": rank,
+        "stale": stale,
+        "rank_dir": rank_dir,
+        "fixture": fixture,
+        "pid_map": pid_map,
+        "cfg": cfg,
+        "tmp": tmp_path,
+    }
     with contextlib.suppress(ProcessLookupError):
         os.kill(stale, signal.SIGKILL)
     rank.kill()
@@ -70,8 +80,7 @@ def scene(tmp_path: Path) -> Iterator[dict]:
 def _inputs(scene: dict, loop: bool = False) -> check.Inputs:
     from gpuwatchd.config.schema import load_config
 
-    lib = RecordedNvml(json.loads(scene["fixture"].read_text()), pid_map=scene["pid_map"],
-                       loop=loop)
+    lib = RecordedNvml(json.loads(scene["fixture"].read_text()), pid_map=scene["pid_map"], loop=loop)
     cfg = load_config(str(scene["cfg"]))
     inputs = check.default_inputs(cfg, None, 5.0)
     source = NvmlSource(pynvml=lib)
@@ -97,7 +106,11 @@ def test_json_output(scene: dict) -> None:
     assert doc["status"] == "offenders"
     (o,) = doc["offenders"]
     assert (o["pid"], o["reason"], o["used_memory_bytes"], o["gpu"]) == (
-        scene["stale"], "reparented_to_init", 6008340480, 0)
+        scene["stale"],
+        "reparented_to_init",
+        6008340480,
+        0,
+    )
     assert o["age_seconds"] >= 0
 
 
@@ -131,9 +144,16 @@ def test_kill_reports_failure_when_memory_stays(scene: dict) -> None:
 
 
 def test_sigterm_ignored_gets_sigkill(tmp_path: Path) -> None:
-    p = subprocess.Popen([sys.executable, "-c", "import signal,time,sys; "
-                          "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); "
-                          "time.sleep(60)"], stdout=subprocess.PIPE)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import signal,time,sys; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); "
+            "time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+    )
     assert p.stdout is not None
     p.stdout.readline()
     threading.Thread(target=p.wait, daemon=True).start()  # reap it like init would
@@ -154,8 +174,7 @@ def test_cli_exit_codes(scene: dict, capsys: pytest.CaptureFixture[str]) -> None
     cfg = scene["tmp"] / "idle.yaml"
     cfg.write_text(f"rank_dir: {scene['rank_dir']}\nnvml:\n  fixture: {idle}\n")
     assert main(["check", "--config.file", str(cfg)]) == 0
-    assert "clean: no process outside a live job holds memory on 1 GPU(s) (0)" in \
-        capsys.readouterr().out
+    assert "clean: no process outside a live job holds memory on 1 GPU(s) (0)" in capsys.readouterr().out
     assert main(["check", "--config.file", str(cfg), "--gpus", "7"]) == 2
     err = capsys.readouterr()
     assert err.out == "" and "no single GPU matches '7'" in err.err

@@ -16,11 +16,16 @@ def gw(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_ps_with_and_without_daemon(tmp_path: Path) -> None:
     path, cfg = write_config(tmp_path)
-    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                            env={"NCCL_BLOCKING_WAIT": "1", "PATH": "/usr/bin:/bin"})
+    rank = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], env={"NCCL_BLOCKING_WAIT": "1", "PATH": "/usr/bin:/bin"}
+    )
     try:
-        assert gw("register", "--config.file", str(path), "--job-id", "ps-job", "--rank", "5",
-                  "--pid", str(rank.pid)).returncode == 0
+        assert (
+            gw(
+                "register", "--config.file", str(path), "--job-id", "ps-job", "--rank", "5", "--pid", str(rank.pid)
+            ).returncode
+            == 0
+        )
         d = DaemonProc(path, cfg)
         try:
             d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id="ps-job") == 1, what="rank up")

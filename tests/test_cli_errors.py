@@ -14,8 +14,7 @@ from daemonutil import free_port, write_config
 
 
 def gw(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gpuwatchd", *args], capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run([sys.executable, "-m", "gpuwatchd", *args], capture_output=True, text=True, timeout=60)
 
 
 def one_line(out: subprocess.CompletedProcess[str], code: int, text: str) -> None:
@@ -38,8 +37,11 @@ def test_a_port_in_use_names_the_address(tmp_path: Path) -> None:
 def test_since_takes_durations_and_times_and_refuses_words(tmp_path: Path) -> None:
     path, cfg = write_config(tmp_path)
     Path(cfg["state_dir"]).mkdir()
-    one_line(gw("events", "--config.file", str(path), "--since", "yesterday"), 2,
-             "gpuwatchd events: --since: 'yesterday' is not a duration (10m, 2h, 7d)")
+    one_line(
+        gw("events", "--config.file", str(path), "--since", "yesterday"),
+        2,
+        "gpuwatchd events: --since: 'yesterday' is not a duration (10m, 2h, 7d)",
+    )
     hour_ago = (dt.datetime.now() - dt.timedelta(hours=1)).isoformat(timespec="seconds")
     for since in ("1h", "all", hour_ago, hour_ago + "Z", "1700000000"):
         out = gw("events", "--config.file", str(path), "--since", since)
@@ -47,21 +49,26 @@ def test_since_takes_durations_and_times_and_refuses_words(tmp_path: Path) -> No
 
 
 def test_events_refuses_a_state_dir_that_does_not_exist(tmp_path: Path) -> None:
-    one_line(gw("events", "--state-dir", str(tmp_path / "nope")), 2,
-             f"no state directory {tmp_path / 'nope'}")
+    one_line(gw("events", "--state-dir", str(tmp_path / "nope")), 2, f"no state directory {tmp_path / 'nope'}")
 
 
 def test_register_refuses_a_missing_rank_dir_and_a_dead_pid(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-dir"
-    one_line(gw("register", "--job-id", "j", "--rank", "0", "--pid", "1", "--rank-dir", str(missing)),
-             2, f"gpuwatchd register: rank directory {missing} does not exist")
+    one_line(
+        gw("register", "--job-id", "j", "--rank", "0", "--pid", "1", "--rank-dir", str(missing)),
+        2,
+        f"gpuwatchd register: rank directory {missing} does not exist",
+    )
     assert not missing.exists()  # it was created, and the daemon never read it
     dead = subprocess.Popen(["true"])
     dead.wait()
     ranks = tmp_path / "ranks"
     ranks.mkdir()
-    one_line(gw("register", "--job-id", "j", "--rank", "0", "--pid", str(dead.pid), "--rank-dir",
-                str(ranks)), 2, f"gpuwatchd register: no process {dead.pid}")
+    one_line(
+        gw("register", "--job-id", "j", "--rank", "0", "--pid", str(dead.pid), "--rank-dir", str(ranks)),
+        2,
+        f"gpuwatchd register: no process {dead.pid}",
+    )
     assert list(ranks.iterdir()) == []
 
 
@@ -93,15 +100,17 @@ def test_the_checks_take_the_file_as_run_does(tmp_path: Path) -> None:
     wc.write_text("basic_auth_users:\n  john: plain-text\n")
     out = gw("web-config", "check", "--web.config.file", str(wc))
     assert (out.returncode, out.stdout) == (2, "") and "not a bcrypt hash" in out.stderr, out
-    one_line(gw("config", "check", str(good), "--config.file", str(bad)), 2,
-             "gpuwatchd config: two files given")
+    one_line(gw("config", "check", str(good), "--config.file", str(bad)), 2, "gpuwatchd config: two files given")
 
 
 def test_unregister_refuses_a_missing_rank_dir(tmp_path: Path) -> None:
     """As `register` does: a typo in --rank-dir is not "no rank file", exit 0."""
     missing = tmp_path / "no-such-dir"
-    one_line(gw("unregister", "--job-id", "j", "--rank", "0", "--rank-dir", str(missing)), 2,
-             f"gpuwatchd unregister: rank directory {missing} does not exist")
+    one_line(
+        gw("unregister", "--job-id", "j", "--rank", "0", "--rank-dir", str(missing)),
+        2,
+        f"gpuwatchd unregister: rank directory {missing} does not exist",
+    )
 
 
 def test_job_pointed_at_a_server_that_is_not_prometheus_says_so(tmp_path: Path) -> None:
@@ -117,8 +126,12 @@ def test_job_pointed_at_a_server_that_is_not_prometheus_says_so(tmp_path: Path) 
     try:
         url = f"http://127.0.0.1:{srv.server_address[1]}"
         out = gw("job", "llm-7", "--prometheus", url)
-        one_line(out, 2, f"gpuwatchd job: {url}/api/v1/query answered HTTP 404: not Prometheus's "
-                         "query API (--prometheus takes the Prometheus server's URL, e.g. "
-                         "http://prometheus:9090)")
+        one_line(
+            out,
+            2,
+            f"gpuwatchd job: {url}/api/v1/query answered HTTP 404: not Prometheus's "
+            "query API (--prometheus takes the Prometheus server's URL, e.g. "
+            "http://prometheus:9090)",
+        )
     finally:
         srv.shutdown()

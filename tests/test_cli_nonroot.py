@@ -34,8 +34,16 @@ USER = "gwclireader"
 
 
 def cli_as(user: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return as_user(user, "/usr/bin/env", f"PYTHONPATH={REPO}", "PYTHONDONTWRITEBYTECODE=1",
-                   "/usr/bin/python3", "-m", "gpuwatchd", *args)
+    return as_user(
+        user,
+        "/usr/bin/env",
+        f"PYTHONPATH={REPO}",
+        "PYTHONDONTWRITEBYTECODE=1",
+        "/usr/bin/python3",
+        "-m",
+        "gpuwatchd",
+        *args,
+    )
 
 
 @contextlib.contextmanager
@@ -56,25 +64,45 @@ def test_reader_group_reads_the_daemon_and_others_get_one_honest_line() -> None:
         os.chown(state, 0, gid)
         state.chmod(0o2750)  # the unit's 0750; setgid: the files get the group, as under the unit
         (d / "ranks").mkdir()
-        cfg = {"web": {"listen_address": f"127.0.0.1:{free_port()}"}, "interval_seconds": 0.5,
-               "rank_dir": str(d / "ranks"), "state_dir": str(state), "kernel_log": "off",
-               "gil": {"enabled": False}, "nvml": {"enabled": False},
-               "discovery": {"enabled": False}}
+        cfg = {
+            "web": {"listen_address": f"127.0.0.1:{free_port()}"},
+            "interval_seconds": 0.5,
+            "rank_dir": str(d / "ranks"),
+            "state_dir": str(state),
+            "kernel_log": "off",
+            "gil": {"enabled": False},
+            "nvml": {"enabled": False},
+            "discovery": {"enabled": False},
+        }
         path = d / "config.yaml"
         path.write_text(yaml.safe_dump(cfg))
         path.chmod(0o644)
         rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-        subprocess.run([sys.executable, "-m", "gpuwatchd", "register", "--config.file", str(path),
-                        "--job-id", "nr-job", "--rank", "0", "--pid", str(rank.pid)], check=True,
-                       capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gpuwatchd",
+                "register",
+                "--config.file",
+                str(path),
+                "--job-id",
+                "nr-job",
+                "--rank",
+                "0",
+                "--pid",
+                str(rank.pid),
+            ],
+            check=True,
+            capture_output=True,
+        )
         umask = os.umask(0o077)  # the unit's UMask=: the daemon inherits it
         try:
             daemon = DaemonProc(path, cfg, log_path=d / "daemon.log")
         finally:
             os.umask(umask)
         try:
-            daemon.wait_for(lambda: daemon.value("gpuwatch_rank_up", job_id="nr-job") == 1,
-                            what="rank up")
+            daemon.wait_for(lambda: daemon.value("gpuwatch_rank_up", job_id="nr-job") == 1, what="rank up")
             rank.kill()
             rank.wait()
             daemon.wait_for(lambda: (state / "events.jsonl").exists(), what="rank_down event")
@@ -121,9 +149,11 @@ def test_the_message_names_the_state_directorys_group() -> None:
         path.chmod(0o644)
         out = cli_as(USER, "ps", "--config.file", str(path))
         assert (out.returncode, out.stdout) == (3, ""), out
-        assert out.stderr == (f"gpuwatchd ps: cannot read {state}/state.json: permission denied; run "
-                              "as root, or ask for group daemon (usermod -aG daemon $USER; "
-                              "docs/cli.md)\n")
+        assert out.stderr == (
+            f"gpuwatchd ps: cannot read {state}/state.json: permission denied; run "
+            "as root, or ask for group daemon (usermod -aG daemon $USER; "
+            "docs/cli.md)\n"
+        )
 
 
 def test_an_event_log_written_0600_before_is_readable_by_the_group_after_the_start(tmp_path: Path) -> None:
@@ -147,26 +177,42 @@ def test_register_refuses_another_users_process_that_the_daemon_would_refuse() -
         ranks = d / "ranks"
         ranks.mkdir()
         ranks.chmod(0o1777)
-        own = subprocess.Popen(["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups",
-                                "/usr/bin/sleep", "60"])
+        own = subprocess.Popen(
+            ["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups", "/usr/bin/sleep", "60"]
+        )
         try:
-            out = cli_as(USER, "register", "--job-id", "j", "--rank", "0", "--pid", "1",
-                         "--rank-dir", str(ranks))
+            out = cli_as(USER, "register", "--job-id", "j", "--rank", "0", "--pid", "1", "--rank-dir", str(ranks))
             assert (out.returncode, out.stdout) == (2, ""), out
             assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1, out.stderr
-            assert out.stderr.startswith("gpuwatchd register: process 1 is uid 0's, not yours "
-                                         f"(uid {uid})"), out.stderr
+            assert out.stderr.startswith(f"gpuwatchd register: process 1 is uid 0's, not yours (uid {uid})"), out.stderr
             assert list(ranks.iterdir()) == []
             for _ in range(100):  # setpriv has exec'd sleep: /proc shows the user's uid
                 if os.stat(f"/proc/{own.pid}").st_uid == uid:
                     break
                 time.sleep(0.05)
-            out = cli_as(USER, "register", "--job-id", "j", "--rank", "0", "--pid", str(own.pid),
-                         "--rank-dir", str(ranks))
+            out = cli_as(
+                USER, "register", "--job-id", "j", "--rank", "0", "--pid", str(own.pid), "--rank-dir", str(ranks)
+            )
             assert (out.returncode, out.stdout) == (0, f"{ranks}/j.0.json\n"), out
-            root = subprocess.run([sys.executable, "-m", "gpuwatchd", "register", "--job-id", "k",
-                                   "--rank", "0", "--pid", str(own.pid), "--rank-dir", str(ranks)],
-                                  capture_output=True, text=True, timeout=60)
+            root = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "gpuwatchd",
+                    "register",
+                    "--job-id",
+                    "k",
+                    "--rank",
+                    "0",
+                    "--pid",
+                    str(own.pid),
+                    "--rank-dir",
+                    str(ranks),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert root.returncode == 0, root
         finally:
             own.kill()
@@ -183,13 +229,31 @@ def test_unregister_says_when_the_rank_file_is_another_users() -> None:
         ranks.chmod(0o1777)
         held = subprocess.Popen(["sleep", "60"])
         try:
-            subprocess.run([sys.executable, "-m", "gpuwatchd", "register", "--job-id", "j", "--rank",
-                            "0", "--pid", str(held.pid), "--rank-dir", str(ranks)], check=True,
-                           capture_output=True, timeout=60)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "gpuwatchd",
+                    "register",
+                    "--job-id",
+                    "j",
+                    "--rank",
+                    "0",
+                    "--pid",
+                    str(held.pid),
+                    "--rank-dir",
+                    str(ranks),
+                ],
+                check=True,
+                capture_output=True,
+                timeout=60,
+            )
             out = cli_as(USER, "unregister", "--job-id", "j", "--rank", "0", "--rank-dir", str(ranks))
             assert (out.returncode, out.stdout) == (3, ""), out
-            assert out.stderr == (f"gpuwatchd unregister: cannot remove {ranks}/j.0.json: it is uid "
-                                  "0's (only its owner or root removes it)\n"), out.stderr
+            assert out.stderr == (
+                f"gpuwatchd unregister: cannot remove {ranks}/j.0.json: it is uid "
+                "0's (only its owner or root removes it)\n"
+            ), out.stderr
             assert (ranks / "j.0.json").exists()
         finally:
             held.kill()

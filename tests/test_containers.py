@@ -47,8 +47,7 @@ def containers() -> Iterator[list[Container]]:
 
 
 def torchrun(job: str, rank: int) -> dict[str, str]:
-    return {"TORCHELASTIC_RUN_ID": job, "RANK": str(rank), "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2"}
+    return {"TORCHELASTIC_RUN_ID": job, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
 
 
 def _state(d: DaemonProc) -> dict[str, Any]:
@@ -63,8 +62,13 @@ def _findings(d: DaemonProc, kind: str) -> list[dict[str, Any]]:
 
 
 def _cli(cfg_path: Path, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "gpuwatchd", *args, "--config.file", str(cfg_path)],
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", *args, "--config.file", str(cfg_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     return out.stdout + out.stderr
 
 
@@ -85,8 +89,7 @@ def _beating(d: DaemonProc, job: str, seconds: float, quiet: tuple[str, ...] | N
     assert last is not None and last > first, (first, last)
 
 
-def test_pod_spec_path_rank_is_watched_then_rank_down(world: Path,
-                                                      containers: list[Container]) -> None:
+def test_pod_spec_path_rank_is_watched_then_rank_down(world: Path, containers: list[Container]) -> None:
     """What deploy/kubernetes/training-pod.example.yaml says, enacted: the host's rank directory
     bind-mounted at the pod's mountPath, the pod's env, register_rank() from torchrun's variables
     and heartbeat() every 0.25 s, in a new PID namespace (the rank is PID 1 there)."""
@@ -107,8 +110,10 @@ def test_pod_spec_path_rank_is_watched_then_rank_down(world: Path,
         doc = json.loads((ranks / "podjob.0.json").read_text())
         assert doc["ranks"][0]["pid"] == 1
         assert doc["ranks"][0]["pid_ns"] == os.stat(f"/proc/{c.pid}/ns/pid").st_ino
-        d.wait_for(lambda: d.value("gpuwatch_rank_info", job_id="podjob", rank="0",
-                                   pid=str(c.pid)) == 1.0, what="the pod's rank by its host PID")
+        d.wait_for(
+            lambda: d.value("gpuwatch_rank_info", job_id="podjob", rank="0", pid=str(c.pid)) == 1.0,
+            what="the pod's rank by its host PID",
+        )
         _beating(d, "podjob", 3.0)
         ps = _cli(path, "ps")
         assert f"pid {c.pid} (1 in its container)" in ps, ps
@@ -116,8 +121,9 @@ def test_pod_spec_path_rank_is_watched_then_rank_down(world: Path,
         assert f"PID {c.pid} (1 in its container)" in doctor and "rank 0 of job podjob" in doctor
         c.kill()
         t_kill = time.monotonic()
-        d.wait_for(lambda: d.value("gpuwatch_finding", kind="rank_down", job_id="podjob",
-                                   rank="0") == 1.0, what="rank_down")
+        d.wait_for(
+            lambda: d.value("gpuwatch_finding", kind="rank_down", job_id="podjob", rank="0") == 1.0, what="rank_down"
+        )
         took = time.monotonic() - t_kill
         [down] = _findings(d, "rank_down")
     finally:
@@ -143,27 +149,43 @@ def test_two_containers_both_pid_1_are_told_apart(world: Path, containers: list[
     assert not Path("/tmp/a.hb").exists()  # each heartbeat is only in its pod's own /tmp
     entry_a = json.loads((ranks / "pod-a.0.json").read_text())["ranks"][0]
     with system_user(USER):
-        user_writes(USER, ranks / "borrow.json", json.dumps({
-            "version": 1, "job_id": "borrow", "ranks": [
-                {"rank": 0, "pid": 1, "pid_ns": entry_a["pid_ns"],
-                 "start_ticks": entry_a["start_ticks"]}]}))
+        user_writes(
+            USER,
+            ranks / "borrow.json",
+            json.dumps(
+                {
+                    "version": 1,
+                    "job_id": "borrow",
+                    "ranks": [
+                        {"rank": 0, "pid": 1, "pid_ns": entry_a["pid_ns"], "start_ticks": entry_a["start_ticks"]}
+                    ],
+                }
+            ),
+        )
         d = DaemonProc(path, cfg)
         try:
-            d.wait_for(lambda: d.value("gpuwatch_rank_info", job_id="pod-a", pid=str(a.pid)) == 1.0
-                       and d.value("gpuwatch_rank_info", job_id="pod-b", pid=str(b.pid)) == 1.0,
-                       what="both pods' ranks, each by its own host PID")
+            d.wait_for(
+                lambda: (
+                    d.value("gpuwatch_rank_info", job_id="pod-a", pid=str(a.pid)) == 1.0
+                    and d.value("gpuwatch_rank_info", job_id="pod-b", pid=str(b.pid)) == 1.0
+                ),
+                what="both pods' ranks, each by its own host PID",
+            )
             _beating(d, "pod-a", 2.0)
             _beating(d, "pod-b", 0.5)
             # heartbeat(step): the step is read in the pod's /tmp too, not in the daemon's
-            d.wait_for(lambda: (d.value("gpuwatch_rank_step", job_id="pod-a", rank="0") or 0) > 0
-                       and (d.value("gpuwatch_rank_step", job_id="pod-b", rank="0") or 0) > 0,
-                       what="both pods' steps")
+            d.wait_for(
+                lambda: (
+                    (d.value("gpuwatch_rank_step", job_id="pod-a", rank="0") or 0) > 0
+                    and (d.value("gpuwatch_rank_step", job_id="pod-b", rank="0") or 0) > 0
+                ),
+                what="both pods' steps",
+            )
             assert d.value("gpuwatch_rank_info", job_id="borrow") is None
             reasons = [f["explanation"] for f in _findings(d, "bad_rank_file")]
             assert any("borrow.json" in r and "no process is pid 1" in r for r in reasons), reasons
             b.kill()
-            d.wait_for(lambda: d.value("gpuwatch_finding", kind="rank_down", job_id="pod-b") == 1.0,
-                       what="pod-b down")
+            d.wait_for(lambda: d.value("gpuwatch_finding", kind="rank_down", job_id="pod-b") == 1.0, what="pod-b down")
             assert d.value("gpuwatch_rank_up", job_id="pod-a", rank="0") == 1.0
             assert d.value("gpuwatch_finding", kind="rank_down", job_id="pod-a") is None
         finally:
@@ -208,17 +230,23 @@ def pod_cgroup() -> Iterator[tuple[str, str]]:
 
 
 def test_oom_kill_of_a_containerised_rank_is_attributed_to_it(
-        world: Path, containers: list[Container], pod_cgroup: tuple[str, str]) -> None:
+    world: Path, containers: list[Container], pod_cgroup: tuple[str, str]
+) -> None:
     leaf, pod_uid = pod_cgroup
     ranks = world / "ranks"
     path, cfg = write_config(world, rank_dir=str(ranks), kernel_log="kmsg")
     d = DaemonProc(path, cfg)
     try:
-        c = Container({**torchrun("oompod", 0), "GW_WAIT_GO": "1", "GW_HEARTBEAT": "/tmp/hb"},
-                      {str(ranks): "/run/gpuwatch/ranks"}, cgroup=leaf)
+        c = Container(
+            {**torchrun("oompod", 0), "GW_WAIT_GO": "1", "GW_HEARTBEAT": "/tmp/hb"},
+            {str(ranks): "/run/gpuwatch/ranks"},
+            cgroup=leaf,
+        )
         containers.append(c)
-        d.wait_for(lambda: d.value("gpuwatch_oom_kills_total", job_id="oompod", rank="0") == 0.0,
-                   what="the pod's rank watched, its OOM series at 0")
+        d.wait_for(
+            lambda: d.value("gpuwatch_oom_kills_total", job_id="oompod", rank="0") == 0.0,
+            what="the pod's rank watched, its OOM series at 0",
+        )
         assert d.value("gpuwatch_rank_info", job_id="oompod", pid=str(c.pid)) == 1.0
         [rank] = [r for r in _state(d)["ranks"] if r["job_id"] == "oompod"]
         assert rank["ns_pid"] == 1 and rank["container"] == f"Kubernetes pod {pod_uid}"
@@ -226,15 +254,24 @@ def test_oom_kill_of_a_containerised_rank_is_attributed_to_it(
         assert f"Kubernetes pod {pod_uid}" in doctor, doctor
         c.go()
         assert c.proc.wait(30) != 0
-        d.wait_for(lambda: d.value("gpuwatch_oom_kills_total", job_id="oompod", rank="0") == 1.0,
-                   what="the kill counted for the pod's rank")
+        d.wait_for(
+            lambda: d.value("gpuwatch_oom_kills_total", job_id="oompod", rank="0") == 1.0,
+            what="the kill counted for the pod's rank",
+        )
         d.wait_for(lambda: bool(_findings(d, "rank_oom_killed")), what="the finding")
         [oom] = _findings(d, "rank_oom_killed")
         downs = _findings(d, "rank_down")
         events = Path(cfg["state_dir"]) / "events.jsonl"
-        d.wait_for(lambda: events.exists() and any(
-            json.loads(x).get("kind") == "rank_down" and f"Kubernetes pod {pod_uid}" in x
-            for x in events.read_text().splitlines()), what="the rank_down event naming the pod")
+        d.wait_for(
+            lambda: (
+                events.exists()
+                and any(
+                    json.loads(x).get("kind") == "rank_down" and f"Kubernetes pod {pod_uid}" in x
+                    for x in events.read_text().splitlines()
+                )
+            ),
+            what="the rank_down event naming the pod",
+        )
     finally:
         d.stop()
     assert oom["job_id"] == "oompod" and oom["pid"] == str(c.pid), oom
@@ -248,15 +285,22 @@ def test_discovery_and_slurm_tasks_in_containers(world: Path, containers: list[C
     Slurm task in a container (Apptainer --pid, Docker) registers from SLURM_* variables. The job
     ids are this run's own: discovery sees the whole host, where another suite may run this test."""
     ranks = world / "ranks"
-    path, cfg = write_config(world, rank_dir=str(ranks),
-                             discovery={"enabled": True, "interval_seconds": 1})
+    path, cfg = write_config(world, rank_dir=str(ranks), discovery={"enabled": True, "interval_seconds": 1})
     env_job, slurm_job = f"envpod-{uuid.uuid4().hex[:8]}", str(uuid.uuid4().int % 10**9)
     found = Container({**torchrun(env_job, 0), "GW_REGISTER": "0"})
     containers.append(found)
     with memory_cgroup("slurm", "uid_0", f"job_{slurm_job}", "step_0", "task_0") as task_cgroup:
-        slurm = Container({"SLURM_JOB_ID": slurm_job, "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
-                           "SLURM_LOCALID": "0", "SLURM_NTASKS": "1"},
-                          {str(ranks): "/run/gpuwatch/ranks"}, cgroup=task_cgroup)
+        slurm = Container(
+            {
+                "SLURM_JOB_ID": slurm_job,
+                "SLURM_STEP_ID": "0",
+                "SLURM_PROCID": "0",
+                "SLURM_LOCALID": "0",
+                "SLURM_NTASKS": "1",
+            },
+            {str(ranks): "/run/gpuwatch/ranks"},
+            cgroup=task_cgroup,
+        )
         containers.append(slurm)
         try:
             _discover_both(path, cfg, (env_job, found), (slurm_job, slurm))
@@ -264,15 +308,19 @@ def test_discovery_and_slurm_tasks_in_containers(world: Path, containers: list[C
             slurm.close()
 
 
-def _discover_both(path: Path, cfg: dict[str, Any], found: tuple[str, Container],
-                   slurm: tuple[str, Container]) -> None:
+def _discover_both(path: Path, cfg: dict[str, Any], found: tuple[str, Container], slurm: tuple[str, Container]) -> None:
     (env_job, env_c), (slurm_id, slurm_c) = found, slurm
     slurm_job = f"{slurm_id}.0"
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_rank_info", job_id=env_job, pid=str(env_c.pid)) == 1.0
-                   and d.value("gpuwatch_rank_info", job_id=slurm_job, pid=str(slurm_c.pid)) == 1.0,
-                   what="the discovered and the Slurm rank by host PID", timeout=20)
+        d.wait_for(
+            lambda: (
+                d.value("gpuwatch_rank_info", job_id=env_job, pid=str(env_c.pid)) == 1.0
+                and d.value("gpuwatch_rank_info", job_id=slurm_job, pid=str(slurm_c.pid)) == 1.0
+            ),
+            what="the discovered and the Slurm rank by host PID",
+            timeout=20,
+        )
         by_job = {r["job_id"]: r for r in _state(d)["ranks"]}
         assert by_job[env_job]["ns_pid"] == 1 and by_job[slurm_job]["ns_pid"] == 1
         assert by_job[slurm_job]["container"] == f"Slurm job {slurm_id} step 0"  # its real cgroup
@@ -282,8 +330,7 @@ def _discover_both(path: Path, cfg: dict[str, Any], found: tuple[str, Container]
         d.stop()
 
 
-def test_check_does_not_call_a_containerised_rank_an_orphan(world: Path,
-                                                           containers: list[Container]) -> None:
+def test_check_does_not_call_a_containerised_rank_an_orphan(world: Path, containers: list[Container]) -> None:
     """gpuwatchd check (Slurm prolog) with NVML replayed from the H200 recording, its rank PIDs
     mapped onto the container's host PID (NVML reports host PIDs): the rank is not an offender,
     a real stale holder is."""
@@ -300,8 +347,9 @@ def test_check_does_not_call_a_containerised_rank_an_orphan(world: Path,
     stale = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         fixture = REPO / "tests" / "fixtures" / "nvml" / "h200_orphan_dataloader.json"
-        lib = RecordedNvml(json.loads(fixture.read_text()),
-                           pid_map={447: c.pid, 449: c.pid, 450: c.pid, 453: stale.pid})
+        lib = RecordedNvml(
+            json.loads(fixture.read_text()), pid_map={447: c.pid, 449: c.pid, 450: c.pid, 453: stale.pid}
+        )
         cfg_file = world / "check.yaml"
         cfg_file.write_text(f"rank_dir: {ranks}\nnvml:\n  fixture: {fixture}\n")
         inputs = check.default_inputs(load_config(str(cfg_file)), None, 5.0)
@@ -333,8 +381,7 @@ def test_an_unresolvable_claim_costs_one_pass_over_proc_per_retry(containers: li
     now = [1000.0]
     resolver = PidNamespaces(procfs, retry_seconds=30.0, clock=lambda: now[0])
     good = RankEntry(job_id="cost", rank=0, pid=1, pid_ns=ns, start_ticks=start, owner_uid=0)
-    ghost = RankEntry(job_id="ghost", rank=0, pid=77, pid_ns=ns, start_ticks=start, owner_uid=0,
-                      path="/r/ghost.json")
+    ghost = RankEntry(job_id="ghost", rank=0, pid=77, pid_ns=ns, start_ticks=start, owner_uid=0, path="/r/ghost.json")
     for _ in range(5):
         out, bad = resolver.resolve([good, ghost])
         assert [(e.job_id, e.pid, e.ns_pid) for e in out] == [("cost", c.pid, 1)]
@@ -346,8 +393,7 @@ def test_an_unresolvable_claim_costs_one_pass_over_proc_per_retry(containers: li
     assert resolver.scans == 2
 
 
-def test_host_side_registration_of_a_container_process(world: Path,
-                                                       containers: list[Container]) -> None:
+def test_host_side_registration_of_a_container_process(world: Path, containers: list[Container]) -> None:
     """A prolog on the host registers a container's process by its host PID (`gpuwatchd register
     --pid HOSTPID`): the file carries no pid_ns (the writer is on the host), the PID is taken as
     the host's, and the in-container PID is still shown."""
@@ -359,9 +405,26 @@ def test_host_side_registration_of_a_container_process(world: Path,
     ranks = world / "ranks"
     c = Container({"GW_REGISTER": "0"})
     containers.append(c)
-    out = subprocess.run([sys.executable, "-m", "gpuwatchd", "register", "--rank-dir", str(ranks),
-                          "--job-id", "hostreg", "--rank", "0", "--pid", str(c.pid)],
-                         capture_output=True, text=True, timeout=60, cwd=REPO)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpuwatchd",
+            "register",
+            "--rank-dir",
+            str(ranks),
+            "--job-id",
+            "hostreg",
+            "--rank",
+            "0",
+            "--pid",
+            str(c.pid),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr
     [entry] = json.loads((ranks / "hostreg.0.json").read_text())["ranks"]
     assert entry["pid"] == c.pid and "pid_ns" not in entry
@@ -370,22 +433,29 @@ def test_host_side_registration_of_a_container_process(world: Path,
     assert bad == [] and [(e.job_id, e.pid, e.ns_pid) for e in got] == [("hostreg", c.pid, 1)]
 
 
-@pytest.mark.parametrize("cgroup,expected", [
-    # kubelet, systemd cgroup driver (cgroup v2), as /proc/PID/cgroup shows it
-    ("0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod0b8d2c4e_3f7a_4e8b_9a1c_"
-     "2d3e4f5a6b7c.slice/cri-containerd-" + "ab" * 32 + ".scope\n",
-     "Kubernetes pod 0b8d2c4e-3f7a-4e8b-9a1c-2d3e4f5a6b7c"),
-    # kubelet, cgroupfs driver, guaranteed QoS (cgroup v1, several hierarchies)
-    ("12:memory:/kubepods/pod0b8d2c4e-3f7a-4e8b-9a1c-2d3e4f5a6b7c/" + "cd" * 32 + "\n"
-     "11:cpu,cpuacct:/kubepods/pod0b8d2c4e-3f7a-4e8b-9a1c-2d3e4f5a6b7c/" + "cd" * 32 + "\n",
-     "Kubernetes pod 0b8d2c4e-3f7a-4e8b-9a1c-2d3e4f5a6b7c"),
-    # slurmd, cgroup v2
-    ("0::/system.slice/slurmstepd.scope/job_1234/step_0/user/task_0\n", "Slurm job 1234 step 0"),
-    ("0::/system.slice/slurmstepd.scope/job_1234/step_batch/user/task_0\n", "Slurm job 1234 step batch"),
-    ("0::/system.slice/docker-" + "0123456789ab" + "e" * 52 + ".scope\n", "Docker container 0123456789ab"),
-    ("0::/user.slice/user-1000.slice/session-3.scope\n", ""),
-    ("garbage", ""),
-])
+@pytest.mark.parametrize(
+    "cgroup,expected",
+    [
+        # kubelet, systemd cgroup driver (cgroup v2), as /proc/PID/cgroup shows it
+        (
+            "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod0b8d2c4e_3f7a_4e8b_9a1c_"
+            "2d3e4f5a6b7c.slice/cri-containerd-" + "ab" * 32 + ".scope\n",
+            "Kubernetes pod 0b8d2c4e-3f7a-4e8b-9a1c-2d3e4f5a6b7c",
+        ),
+        # kubelet, cgroupfs driver, guaranteed QoS (cgroup v1, several hierarchies)
+        (
+            "12:memory:/kubepods/pod0b8d2c4e-3f7a-4e8b-9a1c-2d3e4f5a6b7c/" + "cd" * 32 + "\n"
+            "11:cpu,cpuacct:/kubepods/pod0b8d2c4e-3f7a-4e8b-9a1c-2d3e4f5a6b7c/" + "cd" * 32 + "\n",
+            "Kubernetes pod 0b8d2c4e-3f7a-4e8b-9a1c-2d3e4f5a6b7c",
+        ),
+        # slurmd, cgroup v2
+        ("0::/system.slice/slurmstepd.scope/job_1234/step_0/user/task_0\n", "Slurm job 1234 step 0"),
+        ("0::/system.slice/slurmstepd.scope/job_1234/step_batch/user/task_0\n", "Slurm job 1234 step batch"),
+        ("0::/system.slice/docker-" + "0123456789ab" + "e" * 52 + ".scope\n", "Docker container 0123456789ab"),
+        ("0::/user.slice/user-1000.slice/session-3.scope\n", ""),
+        ("garbage", ""),
+    ],
+)
 def test_container_identity_from_cgroup_paths(cgroup: str, expected: str) -> None:
     from gpuwatchd.sources.containers import identity
 

@@ -41,8 +41,7 @@ def _rank_script(rank_dir: Path, body: str) -> str:
 
 
 def _run(script: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=60)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
 
 
 def test_uncaught_torch_style_oom_writes_one_event_and_still_crashes(tmp_path: Path) -> None:
@@ -79,8 +78,9 @@ def test_other_errors_and_threads(tmp_path: Path) -> None:
 
 def test_observer_records_at_allocation_time(tmp_path: Path) -> None:
     hook = cuda_oom.OomHook(str(tmp_path), "j", 3)
-    path = cuda_oom.record_event(hook, device=None, requested_bytes=50 << 30,
-                                 free_bytes=38 << 30, source="allocator", now=10.0)
+    path = cuda_oom.record_event(
+        hook, device=None, requested_bytes=50 << 30, free_bytes=38 << 30, source="allocator", now=10.0
+    )
     assert path is not None
     events, problems = oom_files.read_events(str(tmp_path))
     assert problems == [] and len(events) == 1
@@ -118,8 +118,7 @@ def _explain(ev: OomEvent, state: NodeState) -> tuple[str, Finding]:
 
 
 def test_explanation_names_the_co_tenant_and_why_it_is_there() -> None:
-    ev = OomEvent("dflash", 0, 447, 100.0, UUID, 50 << 30,
-                           ((447, 2787115008), (453, 59818579968), (460, 1 << 30)))
+    ev = OomEvent("dflash", 0, 447, 100.0, UUID, 50 << 30, ((447, 2787115008), (453, 59818579968), (460, 1 << 30)))
     gpu, f = _explain(ev, _state())
     assert gpu == "0"
     assert f.kind == "cuda_oom" and (f.job_id, f.rank, f.pid) == ("dflash", "0", "447")
@@ -138,13 +137,13 @@ def test_a_rank_in_a_container_is_named_by_its_host_pid() -> None:
 
     rank = RankState("dflash", 0, 447, 0, 1, True, None, ns_pid=1)
     state = dataclasses.replace(_state(), ranks=(rank,))
-    ev = OomEvent("dflash", 0, 1, 100.0, UUID, 50 << 30,
-                           ((447, 2787115008), (460, 1 << 30)))
+    ev = OomEvent("dflash", 0, 1, 100.0, UUID, 50 << 30, ((447, 2787115008), (460, 1 << 30)))
     _, f = _explain(ev, state)
     assert f.pid == "447"
     assert f.explanation == (
         "rank 0 of job dflash (pid 447 (1 in its container)) hit CUDA OOM on GPU 0 (tried to "
-        "allocate 50.0 GiB); PID 460 (python3, rank 2 of job other) held 1.0 GiB there")
+        "allocate 50.0 GiB); PID 460 (python3, rank 2 of job other) held 1.0 GiB there"
+    )
 
 
 def test_without_snapshot_the_daemons_reading_is_used() -> None:
@@ -160,8 +159,7 @@ def test_tracker_counts_and_expires(tmp_path: Path) -> None:
     tr = oom_reader.OomTracker(clock=lambda: now[0])
     files = oom_files.OomEventFiles(str(tmp_path))
     hook = cuda_oom.OomHook(str(tmp_path), "dflash", 0)
-    cuda_oom.record_event(hook, device=None, requested_bytes=1 << 30, source="allocator",
-                          now=1000.0)
+    cuda_oom.record_event(hook, device=None, requested_bytes=1 << 30, source="allocator", now=1000.0)
     (f,) = tr.observe(files.read(), counters.inc, _state(), claims=CLAIMS)
     assert counters.get("cuda_oom_errors", ("dflash", "0", "")) == 1  # no UUID: GPU unknown
     assert f.since == 1000.0

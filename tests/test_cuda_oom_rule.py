@@ -60,34 +60,45 @@ def test_one_reading_is_one_warning_naming_each_co_tenant_largest_first() -> Non
         "PID 453 (python3, not in any job, its parent died and it was adopted by init) held "
         "55.7 GiB there; PID 460 (python3, rank 2 of job other) held 1.0 GiB there; "
         "PID 470 (not in any job, some_new_reason) held 5 MiB there; "
-        "PID 480 (nccl-proxy, not in any job) held an unknown amount there")
+        "PID 480 (nccl-proxy, not in any job) held an unknown amount there"
+    )
     assert dict(f.evidence) == {
-        "gpu": "0", "uuid": UUID, "requested_bytes": 50 << 30,
-        "co_tenants": [{"pid": 453, "used_memory_bytes": 59818579968},
-                       {"pid": 460, "used_memory_bytes": 1 << 30},
-                       {"pid": 470, "used_memory_bytes": 5 << 20},
-                       {"pid": 480, "used_memory_bytes": None}]}
+        "gpu": "0",
+        "uuid": UUID,
+        "requested_bytes": 50 << 30,
+        "co_tenants": [
+            {"pid": 453, "used_memory_bytes": 59818579968},
+            {"pid": 460, "used_memory_bytes": 1 << 30},
+            {"pid": 470, "used_memory_bytes": 5 << 20},
+            {"pid": 480, "used_memory_bytes": None},
+        ],
+    }
 
 
 def test_alone_on_an_unknown_gpu_in_a_container() -> None:
     ev = OomEvent("dflash", 1, 5000, 7.0, UUID, None, ())
-    f = cuda_oom.oom_finding(AttributedOom(ev, gpu="", ns_pid=1,
-                                           co_tenants=(CoTenant(5000, 1 << 30, "python3"),)))
+    f = cuda_oom.oom_finding(AttributedOom(ev, gpu="", ns_pid=1, co_tenants=(CoTenant(5000, 1 << 30, "python3"),)))
     assert f.explanation == (
         f"rank 1 of job dflash (pid 5000 (1 in its container)) hit CUDA OOM on GPU {UUID}; "
-        "no other process held memory there")
+        "no other process held memory there"
+    )
     assert dict(f.evidence) == {"gpu": "", "uuid": UUID, "requested_bytes": None, "co_tenants": []}
     nameless = AttributedOom(OomEvent("j", 2, 9, 1.0, "", None, None))
     assert "hit CUDA OOM on GPU ?;" in cuda_oom.oom_finding(nameless).explanation
 
 
 def test_two_ranks_two_findings_kept_by_the_join_with_their_since() -> None:
-    other = dataclasses.replace(_oom(), event=OomEvent("dflash", 1, 448, 150.0, UUID, 1 << 30, None),
-                                co_tenants=())
+    other = dataclasses.replace(_oom(), event=OomEvent("dflash", 1, 448, 150.0, UUID, 1 << 30, None), co_tenants=())
     memory = None
     for now in (200.0, 230.0):  # the same readings on two cycles: the same two findings
-        state, memory = build_state(now, Config(), NO_CLAIMS, RankTrees(),
-                                    Tracked(gpu=GpuOutput(cuda_ooms=(_oom(), other))), memory or JoinMemory())
+        state, memory = build_state(
+            now,
+            Config(),
+            NO_CLAIMS,
+            RankTrees(),
+            Tracked(gpu=GpuOutput(cuda_ooms=(_oom(), other))),
+            memory or JoinMemory(),
+        )
         found = sorted((f.rank, f.pid, f.since) for f in state.findings if f.kind == "cuda_oom")
         assert found == [("0", "447", 100.0), ("1", "448", 150.0)]
     state, _ = build_state(260.0, Config(), NO_CLAIMS, RankTrees(), Tracked(), memory)
@@ -99,25 +110,49 @@ def _comm(pid: int) -> str:
 
 
 def test_the_daemon_names_the_co_tenants_and_drops_the_finding_after_its_window(
-        tmp_path: Path, procs: list[subprocess.Popen[Any]]) -> None:
+    tmp_path: Path, procs: list[subprocess.Popen[Any]]
+) -> None:
     """End to end: the event file a rank wrote -> counted once, attributed with the daemon's
     reading of the GPU (no snapshot in the event) -> the cuda_oom finding, kept 600 s."""
     for _ in range(4):  # ranks 0 and 1 of the job, two processes of no job
         procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]))
     rank0, rank1, stray1, stray2 = (p.pid for p in procs)
     rank_dir = tmp_path / "ranks"
-    write_rank_file(str(rank_dir), {"version": 1, "job_id": "dflash", "world_size": 2,
-                                    "ranks": [{"rank": 0, "pid": rank0}, {"rank": 1, "pid": rank1}]},
-                    "dflash.json")
-    cfg = parse_config({"rank_dir": str(rank_dir), "state_dir": str(tmp_path / "state"),
-                        "orphans": {"grace_seconds": 0}, "gil": {"enabled": False},
-                        "discovery": {"enabled": False}})
+    write_rank_file(
+        str(rank_dir),
+        {
+            "version": 1,
+            "job_id": "dflash",
+            "world_size": 2,
+            "ranks": [{"rank": 0, "pid": rank0}, {"rank": 1, "pid": rank1}],
+        },
+        "dflash.json",
+    )
+    cfg = parse_config(
+        {
+            "rank_dir": str(rank_dir),
+            "state_dir": str(tmp_path / "state"),
+            "orphans": {"grace_seconds": 0},
+            "gil": {"enabled": False},
+            "discovery": {"enabled": False},
+        }
+    )
     clock = [1.9e9]
     # the recording's GPU 0: 447 2.6 GiB, 449 630 MiB, 450 630 MiB, 453 5.6 GiB
     pid_map = {447: rank0, 449: rank1, 450: stray2, 453: stray1}
-    d = Daemon(cfg, clock=lambda: clock[0], parts=lambda c, s: Parts(nvml=NvmlSubsystem(
-        c, s, source=fixture_source(str(FIX / "h200_orphan_dataloader.json"), pid_map),
-        watch_xid=False, watch_udev=False)))
+    d = Daemon(
+        cfg,
+        clock=lambda: clock[0],
+        parts=lambda c, s: Parts(
+            nvml=NvmlSubsystem(
+                c,
+                s,
+                source=fixture_source(str(FIX / "h200_orphan_dataloader.json"), pid_map),
+                watch_xid=False,
+                watch_udev=False,
+            )
+        ),
+    )
     sub = d.parts.nvml
     assert isinstance(sub, NvmlSubsystem)
     sub.start(d)
@@ -126,9 +161,17 @@ def test_the_daemon_names_the_co_tenants_and_drops_the_finding_after_its_window(
         assert [f for f in first.findings if f.kind == "cuda_oom"] == []
         reasons = {o.pid: cuda_oom.REASON_TEXT.get(o.reason, o.reason) for o in first.orphans}
         assert set(reasons) == {stray1, stray2}
-        event = {"version": 1, "kind": "cuda_oom", "job_id": "dflash", "rank": 0,
-                 "pid": rank0, "timestamp": clock[0] - 1, "device_uuid": UUID,
-                 "requested_bytes": 1 << 30, "co_tenants": None}
+        event = {
+            "version": 1,
+            "kind": "cuda_oom",
+            "job_id": "dflash",
+            "rank": 0,
+            "pid": rank0,
+            "timestamp": clock[0] - 1,
+            "device_uuid": UUID,
+            "requested_bytes": 1 << 30,
+            "co_tenants": None,
+        }
         (rank_dir / f"{PREFIX}dflash-0-{rank0}-1{SUFFIX}").write_text(json.dumps(event))
         clock[0] += 10
         states = [d.cycle(), d.cycle()]  # read (and removed) once, kept on the next cycle
@@ -143,7 +186,8 @@ def test_the_daemon_names_the_co_tenants_and_drops_the_finding_after_its_window(
                 f"1.0 GiB); PID {stray1} ({comm[stray1]}, not in any job, {reasons[stray1]}) held "
                 f"5.6 GiB there; PID {rank1} ({comm[rank1]}, rank 1 of job dflash) held 630 MiB "
                 f"there; PID {stray2} ({comm[stray2]}, not in any job, {reasons[stray2]}) held "
-                "630 MiB there")
+                "630 MiB there"
+            )
         clock[0] = event["timestamp"] + FINDING_SECONDS + 1
         late = d.cycle()
         assert [f for f in late.findings if f.kind == "cuda_oom"] == []

@@ -51,15 +51,22 @@ world = rank_world_fixture("gw-oom-")
 def ranks(users: tuple[int, int], world: Path) -> Iterator[dict[str, int]]:
     """root's rank 0 of job ``rootjob`` (a root-owned rank file) and U2's rank 0 of ``u2job``
     (U2's own file naming U2's own process)."""
-    procs = [subprocess.Popen(SLEEP),
-             subprocess.Popen(["setpriv", f"--reuid={U2}", f"--regid={U2}", "--clear-groups",
-                               *SLEEP], env={"PATH": "/usr/bin:/bin"})]
+    procs = [
+        subprocess.Popen(SLEEP),
+        subprocess.Popen(
+            ["setpriv", f"--reuid={U2}", f"--regid={U2}", "--clear-groups", *SLEEP], env={"PATH": "/usr/bin:/bin"}
+        ),
+    ]
     root_pid, u2_pid = (p.pid for p in procs)
     rank_dir = world / "ranks"
-    write_rank_file(str(rank_dir), {"version": 1, "job_id": "rootjob",
-                                    "ranks": [{"rank": 0, "pid": root_pid}]}, "rootjob.json")
-    user_writes(U2, rank_dir / "u2job.json", json.dumps(
-        {"version": 1, "job_id": "u2job", "ranks": [{"rank": 0, "pid": u2_pid}]}))
+    write_rank_file(
+        str(rank_dir), {"version": 1, "job_id": "rootjob", "ranks": [{"rank": 0, "pid": root_pid}]}, "rootjob.json"
+    )
+    user_writes(
+        U2,
+        rank_dir / "u2job.json",
+        json.dumps({"version": 1, "job_id": "u2job", "ranks": [{"rank": 0, "pid": u2_pid}]}),
+    )
     try:
         yield {"root": root_pid, "u2": u2_pid}
     finally:
@@ -69,23 +76,46 @@ def ranks(users: tuple[int, int], world: Path) -> Iterator[dict[str, int]]:
 
 
 def _event(job: str, rank: Any, pid: int, ts: float = 1.9e9) -> str:
-    return json.dumps({"version": 1, "kind": "cuda_oom", "job_id": job, "rank": rank, "pid": pid,
-                       "timestamp": ts, "device_uuid": UUID, "requested_bytes": 1 << 30,
-                       "co_tenants": None})
+    return json.dumps(
+        {
+            "version": 1,
+            "kind": "cuda_oom",
+            "job_id": job,
+            "rank": rank,
+            "pid": pid,
+            "timestamp": ts,
+            "device_uuid": UUID,
+            "requested_bytes": 1 << 30,
+            "co_tenants": None,
+        }
+    )
 
 
 def _write_event(user: str, rank_dir: Path, job: str, rank: Any, pid: int, n: int = 0) -> None:
-    user_writes(user, rank_dir / f"{PREFIX}{job}-{n}-{pid}-{time.time_ns()}{SUFFIX}",
-                _event(job, rank, pid))
+    user_writes(user, rank_dir / f"{PREFIX}{job}-{n}-{pid}-{time.time_ns()}{SUFFIX}", _event(job, rank, pid))
 
 
 def _daemon(world: Path, ranks: dict[str, int], rank_dir: Path) -> tuple[Daemon, NvmlSubsystem]:
-    cfg = parse_config({"rank_dir": str(rank_dir), "state_dir": str(world / "state"),
-                        "gil": {"enabled": False}, "discovery": {"enabled": False}})
-    d = Daemon(cfg, parts=lambda c, s: Parts(nvml=NvmlSubsystem(
-        c, s, source=fixture_source(str(FIX / "h200_orphan_dataloader.json"),
-                                    {447: ranks["root"], 449: ranks["u2"]}),
-        watch_xid=False, watch_udev=False)))
+    cfg = parse_config(
+        {
+            "rank_dir": str(rank_dir),
+            "state_dir": str(world / "state"),
+            "gil": {"enabled": False},
+            "discovery": {"enabled": False},
+        }
+    )
+    d = Daemon(
+        cfg,
+        parts=lambda c, s: Parts(
+            nvml=NvmlSubsystem(
+                c,
+                s,
+                source=fixture_source(str(FIX / "h200_orphan_dataloader.json"), {447: ranks["root"], 449: ranks["u2"]}),
+                watch_xid=False,
+                watch_udev=False,
+            )
+        ),
+    )
     sub = d.parts.nvml
     assert isinstance(sub, NvmlSubsystem)
     sub.start(d)
@@ -97,7 +127,8 @@ def _cuda_oom_series(d: Daemon) -> dict[tuple[str, ...], float]:
 
 
 def test_r8_an_event_counts_only_for_a_rank_of_its_files_owner(
-        users: tuple[int, int], world: Path, ranks: dict[str, int]) -> None:
+    users: tuple[int, int], world: Path, ranks: dict[str, int]
+) -> None:
     rank_dir = world / "ranks"
     d, sub = _daemon(world, ranks, rank_dir)
     try:
@@ -114,18 +145,18 @@ def test_r8_an_event_counts_only_for_a_rank_of_its_files_owner(
         sub.stop()
 
 
-def test_r11_an_odd_number_refuses_its_file_alone(
-        users: tuple[int, int], world: Path, ranks: dict[str, int]) -> None:
+def test_r11_an_odd_number_refuses_its_file_alone(users: tuple[int, int], world: Path, ranks: dict[str, int]) -> None:
     rank_dir = world / "ranks"
     d, sub = _daemon(world, ranks, rank_dir)
     try:
         d.cycle()  # the GPUs known: an event's GPU is named from the last state
-        user_writes(U1, rank_dir / f"{PREFIX}x-0-1-1{SUFFIX}",
-                    _event("u2job", 0, 1).replace('"rank": 0', '"rank": 1e400'))
-        user_writes(U1, rank_dir / f"{PREFIX}x-0-1-2{SUFFIX}",
-                    _event("u2job", 0, 1).replace('"rank": 0', '"rank": true'))
-        user_writes(U1, rank_dir / f"{PREFIX}x-0-1-3{SUFFIX}",
-                    _event("u2job", 0, 1).replace('"pid": 1', '"pid": 1.5'))
+        user_writes(
+            U1, rank_dir / f"{PREFIX}x-0-1-1{SUFFIX}", _event("u2job", 0, 1).replace('"rank": 0', '"rank": 1e400')
+        )
+        user_writes(
+            U1, rank_dir / f"{PREFIX}x-0-1-2{SUFFIX}", _event("u2job", 0, 1).replace('"rank": 0', '"rank": true')
+        )
+        user_writes(U1, rank_dir / f"{PREFIX}x-0-1-3{SUFFIX}", _event("u2job", 0, 1).replace('"pid": 1', '"pid": 1.5'))
         _write_event(U2, rank_dir, "u2job", 0, ranks["u2"])
         d.cycle()
         assert _cuda_oom_series(d) == {("u2job", "0", "0"): 1}
@@ -149,8 +180,8 @@ def read_only_view(world: Path) -> Iterator[Path]:
 
 
 def test_r9_r10_an_event_the_daemon_cannot_remove_counts_once_across_cycles_and_restarts(
-        users: tuple[int, int], world: Path, ranks: dict[str, int], read_only_view: Path,
-        caplog: pytest.LogCaptureFixture) -> None:
+    users: tuple[int, int], world: Path, ranks: dict[str, int], read_only_view: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     rank_dir = world / "ranks"
     caplog.set_level(logging.INFO)
     d, sub = _daemon(world, ranks, read_only_view)
@@ -177,7 +208,8 @@ def test_r9_r10_an_event_the_daemon_cannot_remove_counts_once_across_cycles_and_
 
 
 def test_r10_flight_recorder_requests_into_a_read_only_rank_dir_are_a_warning_once(
-        world: Path, read_only_view: Path, caplog: pytest.LogCaptureFixture) -> None:
+    world: Path, read_only_view: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     fr = FlightRecorderSubsystem(60.0)
     e = RankEntry(job_id="j", rank=0, pid=1, source="rankfile")
     caplog.set_level(logging.DEBUG)

@@ -28,9 +28,11 @@ CYCLE_BOUND = 6.0
 
 
 def many_threads(procs: list[subprocess.Popen[Any]], n: int) -> subprocess.Popen[str]:
-    code = ("import threading, time\nev = threading.Event()\n"
-            f"for _ in range({n}): threading.Thread(target=ev.wait, daemon=True).start()\n"
-            "print('ready', flush=True)\ntime.sleep(600)\n")
+    code = (
+        "import threading, time\nev = threading.Event()\n"
+        f"for _ in range({n}): threading.Thread(target=ev.wait, daemon=True).start()\n"
+        "print('ready', flush=True)\ntime.sleep(600)\n"
+    )
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     procs.append(p)
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
@@ -38,10 +40,12 @@ def many_threads(procs: list[subprocess.Popen[Any]], n: int) -> subprocess.Popen
 
 
 def test_one_process_listed_256_times_with_3000_threads_does_not_stall_the_cycle(
-        tmp_path: Path, procs: list[subprocess.Popen[Any]]) -> None:
+    tmp_path: Path, procs: list[subprocess.Popen[Any]]
+) -> None:
     p = many_threads(procs, THREADS)
-    path, cfg = write_config(tmp_path, interval_seconds=1.0,
-                             gil={"enabled": True, "interval_seconds": 2, "duration_seconds": 1})
+    path, cfg = write_config(
+        tmp_path, interval_seconds=1.0, gil={"enabled": True, "interval_seconds": 2, "duration_seconds": 1}
+    )
     doc = {"version": 1, "job_id": "wide", "ranks": [{"rank": i, "pid": p.pid} for i in range(LISTINGS)]}
     (tmp_path / "ranks" / "wide.json").write_text(json.dumps(doc))
     d = DaemonProc(path, cfg)  # the old code never finished its first cycle within wait_ready
@@ -63,14 +67,16 @@ def test_one_process_listed_256_times_with_3000_threads_does_not_stall_the_cycle
 
 
 def test_ten_thousand_root_owned_rank_files_do_not_stall_the_cycle(
-        tmp_path: Path, procs: list[subprocess.Popen[Any]]) -> None:
+    tmp_path: Path, procs: list[subprocess.Popen[Any]]
+) -> None:
     target = subprocess.Popen(["sleep", "600"])
     procs.append(target)
     path, _ = write_config(tmp_path, interval_seconds=1.0, gil={"enabled": True})
     ranks = tmp_path / "ranks"
     for i in range(10_000):
-        (ranks / f"job{i}.json").write_text(json.dumps(
-            {"version": 1, "job_id": f"job{i}", "ranks": [{"rank": 0, "pid": target.pid}]}))
+        (ranks / f"job{i}.json").write_text(
+            json.dumps({"version": 1, "job_id": f"job{i}", "ranks": [{"rank": 0, "pid": target.pid}]})
+        )
     d = Daemon(load_config(str(path)), write_state=False)
     try:
         for _ in range(3):
@@ -83,8 +89,7 @@ def test_ten_thousand_root_owned_rank_files_do_not_stall_the_cycle(
         d.shutdown()
 
 
-def test_the_look_budget_defers_and_rotates_but_never_starves(
-        procs: list[subprocess.Popen[Any]]) -> None:
+def test_the_look_budget_defers_and_rotates_but_never_starves(procs: list[subprocess.Popen[Any]]) -> None:
     sleepers = [subprocess.Popen(["sleep", "600"]) for _ in range(6)]
     procs.extend(sleepers)
     # budget 0: one new look per observe, every other look deferred and counted
@@ -100,8 +105,7 @@ def test_the_look_budget_defers_and_rotates_but_never_starves(
     assert all(v.threads_summary.startswith("1 threads:") for v in verdicts.values()), verdicts
 
 
-def test_a_pid_listed_many_times_is_read_once_per_look(
-        procs: list[subprocess.Popen[Any]]) -> None:
+def test_a_pid_listed_many_times_is_read_once_per_look(procs: list[subprocess.Popen[Any]]) -> None:
     p = many_threads(procs, 600)
     tracker = StallTracker(60.0, StallLooks(PySpy(None)), dump_interval_seconds=1000.0, budget_seconds=0.0)
     probes = [RankProbe("same", i, p.pid, True, "S") for i in range(64)]

@@ -75,8 +75,9 @@ class Rank:
         self.dev.mkdir(exist_ok=True)
         for name in ("nvidiactl", "nvidia-uvm", "nvidia0"):
             (self.dev / name).write_bytes(b"")
-        self.p = subprocess.Popen([sys.executable, "-c", RANK, str(self.dev)], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
+        self.p = subprocess.Popen(
+            [sys.executable, "-c", RANK, str(self.dev)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         procs.append(self.p)
         assert self.ask(None) == "ready"
         self.pid = self.p.pid
@@ -200,18 +201,31 @@ def test_state_json_text_is_the_slow_encoding_byte_for_byte(tmp_path: Path) -> N
     from gpuwatchd.model import Finding
     from gpuwatchd.rank.rankfile import write_rank_file
 
-    write_rank_file(str(tmp_path / "ranks"), {
-        "version": 1, "job_id": "golden", "world_size": 1,
-        "ranks": [{"rank": 0, "local_rank": 0, "pid": 447, "gpus": ["0"], "start_ticks": 571200}],
-    }, "golden.json")
-    cfg = Config(rank_dir=str(tmp_path / "ranks"), state_dir=str(tmp_path / "state"),
-                 procfs=str(PROC), nvml=NvmlConfig(fixture=str(NVML)),
-                 orphans=OrphansConfig(grace_seconds=30.0))
+    write_rank_file(
+        str(tmp_path / "ranks"),
+        {
+            "version": 1,
+            "job_id": "golden",
+            "world_size": 1,
+            "ranks": [{"rank": 0, "local_rank": 0, "pid": 447, "gpus": ["0"], "start_ticks": 571200}],
+        },
+        "golden.json",
+    )
+    cfg = Config(
+        rank_dir=str(tmp_path / "ranks"),
+        state_dir=str(tmp_path / "state"),
+        procfs=str(PROC),
+        nvml=NvmlConfig(fixture=str(NVML)),
+        orphans=OrphansConfig(grace_seconds=30.0),
+    )
     now = [T0]
-    daemon = Daemon(cfg, paths=HostPaths(procfs=str(PROC), sysfs=str(tmp_path / "sys"),
-                                         devfs=str(tmp_path / "dev")),
-                    clock=lambda: now[0], write_state=False,
-                    parts=lambda c, s: Parts(nvml=NvmlSubsystem(c, s, watch_xid=False, watch_udev=False)))
+    daemon = Daemon(
+        cfg,
+        paths=HostPaths(procfs=str(PROC), sysfs=str(tmp_path / "sys"), devfs=str(tmp_path / "dev")),
+        clock=lambda: now[0],
+        write_state=False,
+        parts=lambda c, s: Parts(nvml=NvmlSubsystem(c, s, watch_xid=False, watch_udev=False)),
+    )
     for sub in daemon.subsystems:
         sub.start(daemon)
     try:
@@ -222,19 +236,27 @@ def test_state_json_text_is_the_slow_encoding_byte_for_byte(tmp_path: Path) -> N
         for sub in daemon.subsystems:
             sub.stop()
     assert state.ranks and state.gpu_processes and state.orphans and state.findings
-    odd = Finding(kind="x", severity="warning", explanation="e",
-                  evidence={"ints": {3: 1}, "proxy": types.MappingProxyType({"a": (1, 2)}),
-                            "set": frozenset({"s"}), "float": float("nan")})
+    odd = Finding(
+        kind="x",
+        severity="warning",
+        explanation="e",
+        evidence={
+            "ints": {3: 1},
+            "proxy": types.MappingProxyType({"a": (1, 2)}),
+            "set": frozenset({"s"}),
+            "float": float("nan"),
+        },
+    )
     for s in (state, dataclasses.replace(state, findings=(*state.findings, odd))):
         slow = json.dumps(state_to_json(s), separators=(",", ":"), default=str)
         assert state_json_text(s) == slow
     tuple_key = dataclasses.replace(state, findings=(dataclasses.replace(odd, evidence={(1, 2): 3}),))
-    assert state_json_text(tuple_key) == json.dumps(state_to_json(tuple_key), separators=(",", ":"),
-                                                    default=str)  # the slow path
+    assert state_json_text(tuple_key) == json.dumps(
+        state_to_json(tuple_key), separators=(",", ":"), default=str
+    )  # the slow path
 
 
-def test_a_heartbeat_found_in_the_ranks_root_is_walked_once_a_cycle(tmp_path: Path,
-                                                                    rank: Rank) -> None:
+def test_a_heartbeat_found_in_the_ranks_root_is_walked_once_a_cycle(tmp_path: Path, rank: Rank) -> None:
     from gpuwatchd.sources.heartbeats import HeartbeatRoots, heartbeat_mtime
     from gpuwatchd.sources.rankfiles import guard_entries
 
@@ -244,8 +266,9 @@ def test_a_heartbeat_found_in_the_ranks_root_is_walked_once_a_cycle(tmp_path: Pa
     roots = HeartbeatRoots(ttl=30.0, clock=lambda: clock[0])
     found = RankEntry(job_id="j", rank=0, pid=rank.pid, heartbeat=str(hb))
     later = RankEntry(job_id="j", rank=1, pid=rank.pid, heartbeat=str(tmp_path / "r1.hb"))
-    other = RankEntry(job_id="j", rank=2, pid=rank.pid, heartbeat=str(hb),
-                      owner_uid=os.getuid() + 4242)  # not the file's owner: refused every cycle
+    other = RankEntry(
+        job_id="j", rank=2, pid=rank.pid, heartbeat=str(hb), owner_uid=os.getuid() + 4242
+    )  # not the file's owner: refused every cycle
     for cycle in range(3):
         got, _ = guard_entries([found, later, other], roots=roots)
         assert got[0].heartbeat_root == f"/proc/{rank.pid}/root"
@@ -264,15 +287,22 @@ def test_a_heartbeat_found_in_the_ranks_root_is_walked_once_a_cycle(tmp_path: Pa
     assert roots.walks == 10
 
 
-def test_environ_of_selected_names_reads_what_the_full_parse_reads(
-        procs: list[subprocess.Popen[Any]]) -> None:
+def test_environ_of_selected_names_reads_what_the_full_parse_reads(procs: list[subprocess.Popen[Any]]) -> None:
     """Discovery reads a few names of every process's environ each pass: found by search, not by
     splitting the whole block; the same values as the full parse, look-alikes not matched."""
-    env = {"RANK": "3", "XRANK": "9", "OTHER": "RANK=7", "LOCAL_RANK": "", "WORLD_SIZE": "8",
-           "UTF": "é\udcff", "PATH": os.environ.get("PATH", "")}
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                         env={k: v.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-                              for k, v in env.items()})
+    env = {
+        "RANK": "3",
+        "XRANK": "9",
+        "OTHER": "RANK=7",
+        "LOCAL_RANK": "",
+        "WORLD_SIZE": "8",
+        "UTF": "é\udcff",
+        "PATH": os.environ.get("PATH", ""),
+    }
+    p = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        env={k: v.encode("utf-8", "surrogateescape").decode("utf-8", "replace") for k, v in env.items()},
+    )
     procs.append(p)
     procfs = ProcfsReader()
     deadline = time.monotonic() + 30  # right after fork, before exec, environ reads empty
@@ -306,8 +336,12 @@ def test_stat_in_root_with_links_on_the_way(tmp_path: Path) -> None:
         st = stat_in_root(str(root), path)
         assert (st.st_ino, st.st_dev) == (want.st_ino, want.st_dev), path
     assert stat_in_root(str(root), "rel/b").st_ino == (root / "a" / "b").stat().st_ino
-    for path, code in (("a/b/f/x", errno.ENOTDIR), ("nope/f", errno.ENOENT),
-                       ("loop/f", errno.ELOOP), ("a/nope", errno.ENOENT)):
+    for path, code in (
+        ("a/b/f/x", errno.ENOTDIR),
+        ("nope/f", errno.ENOENT),
+        ("loop/f", errno.ELOOP),
+        ("a/nope", errno.ENOENT),
+    ):
         with pytest.raises(OSError) as e:
             stat_in_root(str(root), path)
         assert e.value.errno == code, path
@@ -343,8 +377,7 @@ def test_the_kept_heartbeat_directory_is_reached_inside_the_root(tmp_path: Path)
         assert read_step(name, None, dir_fd=fd) is None  # a link as the last name: not followed
     finally:
         os.close(fd)
-    for path, code in (("a/b/hb/x", errno.ENOTDIR), ("nope/hb", errno.ENOENT),
-                       ("loop/hb", errno.ELOOP)):
+    for path, code in (("a/b/hb/x", errno.ENOTDIR), ("nope/hb", errno.ENOENT), ("loop/hb", errno.ELOOP)):
         with pytest.raises(OSError) as e:
             open_parent_in_root(str(root), path)
         assert e.value.errno == code, path
@@ -354,8 +387,7 @@ def test_the_kept_heartbeat_directory_is_reached_inside_the_root(tmp_path: Path)
     assert len(os.listdir("/proc/self/fd")) == fds  # nothing left open by the walks or refusals
 
 
-def test_a_cycle_reads_each_ranks_stat_once(tmp_path: Path, rank: Rank,
-                                            procs: list[subprocess.Popen[Any]]) -> None:
+def test_a_cycle_reads_each_ranks_stat_once(tmp_path: Path, rank: Rank, procs: list[subprocess.Popen[Any]]) -> None:
     """The rank files' PID-namespace check asks for the start time, /proc asks for the whole stat
     line: one read of /proc/PID/stat per process per cycle serves both (and none is kept after)."""
     import json
@@ -370,8 +402,9 @@ def test_a_cycle_reads_each_ranks_stat_once(tmp_path: Path, rank: Rank,
     procs.extend(others)
     path, _ = write_config(tmp_path, interval_seconds=1.0)
     pids = [rank.pid] + [p.pid for p in others]
-    (tmp_path / "ranks" / "j.json").write_text(json.dumps(
-        {"version": 1, "job_id": "j", "ranks": [{"rank": i, "pid": p} for i, p in enumerate(pids)]}))
+    (tmp_path / "ranks" / "j.json").write_text(
+        json.dumps({"version": 1, "job_id": "j", "ranks": [{"rank": i, "pid": p} for i, p in enumerate(pids)]})
+    )
     d = Daemon(load_config(str(path)), parts=no_parts, write_state=False)
     try:
         d.cycle()
@@ -421,8 +454,7 @@ def test_collectors_reuse_one_worker_thread_and_end_it_when_idle() -> None:
     col.close()
 
 
-def test_a_heartbeat_in_the_ranks_root_is_read_with_one_fstatat_a_cycle(tmp_path: Path,
-                                                                       rank: Rank) -> None:
+def test_a_heartbeat_in_the_ranks_root_is_read_with_one_fstatat_a_cycle(tmp_path: Path, rank: Rank) -> None:
     """Reading a heartbeat in the rank's root used to open every directory on its path each
     cycle; the directory is now kept (O_PATH) and the file read with one fstatat, the owner rule
     checked each time, and the fd closed when the rank is no longer asked about."""
@@ -435,8 +467,7 @@ def test_a_heartbeat_in_the_ranks_root_is_read_with_one_fstatat_a_cycle(tmp_path
     hb.write_text("")
     roots = HeartbeatRoots(ttl=30.0)
     mine = RankEntry(job_id="j", rank=0, pid=rank.pid, heartbeat=str(hb))
-    theirs = RankEntry(job_id="j", rank=1, pid=rank.pid, heartbeat=str(hb),
-                       owner_uid=os.getuid() + 4242)
+    theirs = RankEntry(job_id="j", rank=1, pid=rank.pid, heartbeat=str(hb), owner_uid=os.getuid() + 4242)
     fds = len(os.listdir("/proc/self/fd"))
     for cycle in range(3):
         os.utime(hb, (1000.0 + cycle, 1000.0 + cycle))
@@ -458,14 +489,21 @@ def test_a_heartbeat_in_the_ranks_root_is_read_with_one_fstatat_a_cycle(tmp_path
     assert len(os.listdir("/proc/self/fd")) == fds
 
 
-def test_fork_evidence_rereads_exe_and_cmdline_only_after_an_exec(
-        procs: list[subprocess.Popen[Any]]) -> None:
+def test_fork_evidence_rereads_exe_and_cmdline_only_after_an_exec(procs: list[subprocess.Popen[Any]]) -> None:
     """Each cycle used to read every evidence process's stat, exe link and cmdline to tell a new
     process image from the old; the image's addresses in /proc/PID/stat tell it now, and exe and
     cmdline are read again only after an exec."""
-    p = subprocess.Popen([sys.executable, "-c", "import os, sys; print('ready', flush=True); "
-                          "sys.stdin.readline(); os.execv('/bin/sleep', ['sleep', '600'])"],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys; print('ready', flush=True); "
+            "sys.stdin.readline(); os.execv('/bin/sleep', ['sleep', '600'])",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     procs.append(p)
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     reader = EvidenceReader(HostPaths(), ttl=3600.0)

@@ -30,15 +30,30 @@ time.sleep(120)
 
 
 def spawn(code: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+    )
 
 
 def register(cfg: dict, job: str, rank: int, pid: int, *extra: str) -> None:
     subprocess.run(
-        [sys.executable, "-m", "gpuwatchd", "register", "--rank-dir", cfg["rank_dir"],
-         "--job-id", job, "--rank", str(rank), "--pid", str(pid), *extra],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "gpuwatchd",
+            "register",
+            "--rank-dir",
+            cfg["rank_dir"],
+            "--job-id",
+            job,
+            "--rank",
+            str(rank),
+            "--pid",
+            str(pid),
+            *extra,
+        ],
+        check=True,
+        capture_output=True,
     )
 
 
@@ -60,8 +75,10 @@ def test_fd_rank_is_watched_then_goes_down(daemon: DaemonProc) -> None:
         register(daemon.cfg, "llm-7", 3, child.pid, "--local-rank", "3", "--world-size", "16")
         assert child.stdout is not None and child.stdout.readline().strip() == "ready"
         labels = {"job_id": "llm-7", "rank": "3"}
-        daemon.wait_for(lambda: daemon.value("gpuwatch_rank_open_fds", **labels) == proc_fds(child.pid),
-                        what="open fds to match /proc")
+        daemon.wait_for(
+            lambda: daemon.value("gpuwatch_rank_open_fds", **labels) == proc_fds(child.pid),
+            what="open fds to match /proc",
+        )
         assert daemon.value("gpuwatch_rank_max_fds", **labels) == 1024
         assert daemon.value("gpuwatch_rank_up", **labels) == 1
         assert daemon.value("gpuwatch_rank_info", pid=str(child.pid), world_size="16", local_rank="3") == 1
@@ -83,12 +100,12 @@ def test_nccl_legacy_and_error_handling_off(daemon: DaemonProc) -> None:
         register(daemon.cfg, "nccl", 0, legacy.pid)
         register(daemon.cfg, "nccl", 1, off.pid)
         register(daemon.cfg, "nccl", 2, good.pid)
-        daemon.wait_for(lambda: has_finding(daemon, "nccl_legacy_env", job_id="nccl", rank="0"),
-                        what="nccl_legacy_env")
-        daemon.wait_for(lambda: has_finding(daemon, "nccl_error_handling_off", job_id="nccl", rank="1"),
-                        what="nccl_error_handling_off")
-        daemon.wait_for(lambda: daemon.value("gpuwatch_rank_up", job_id="nccl", rank="2") == 1,
-                        what="rank 2 up")
+        daemon.wait_for(lambda: has_finding(daemon, "nccl_legacy_env", job_id="nccl", rank="0"), what="nccl_legacy_env")
+        daemon.wait_for(
+            lambda: has_finding(daemon, "nccl_error_handling_off", job_id="nccl", rank="1"),
+            what="nccl_error_handling_off",
+        )
+        daemon.wait_for(lambda: daemon.value("gpuwatch_rank_up", job_id="nccl", rank="2") == 1, what="rank 2 up")
         assert not has_finding(daemon, "nccl_legacy_env", rank="2")
         assert not has_finding(daemon, "nccl_error_handling_off", rank="2")
         assert not has_finding(daemon, "nccl_legacy_env", rank="1")
@@ -103,8 +120,7 @@ def test_nccl_legacy_and_error_handling_off(daemon: DaemonProc) -> None:
 BAD_FILES: dict[str, bytes] = {
     "truncated.json": b'{"version": 1, "job_id": "x", "ranks": [{"rank": 0, "pid": 1',
     "wrong-types.json": b'{"version": 1, "job_id": 7, "ranks": [{"rank": "zero", "pid": "1"}]}',
-    "unicode.json": "{\"version\": 1, \"job_id\": \"\u202e\u0000\udcff\", \"ranks\": []}".encode(
-        "utf-8", "surrogatepass"),
+    "unicode.json": '{"version": 1, "job_id": "\u202e\u0000\udcff", "ranks": []}'.encode("utf-8", "surrogatepass"),
     "binary.json": bytes(range(256)) * 4,
     "huge.json": b'{"version": 1, "job_id": "' + b"a" * (300 * 1024) + b'"}',
     "deep.json": b"[" * 100000 + b"]" * 100000,
@@ -115,20 +131,26 @@ def test_malformed_rank_files_never_stop_the_daemon(daemon: DaemonProc, tmp_path
     rank_dir = Path(daemon.cfg["rank_dir"])
     for name, data in BAD_FILES.items():
         (rank_dir / name).write_bytes(data)
-    (tmp_path / "elsewhere.json").write_text(json.dumps(
-        {"version": 1, "job_id": "sneaky", "ranks": [{"rank": 0, "pid": os.getpid()}]}))
+    (tmp_path / "elsewhere.json").write_text(
+        json.dumps({"version": 1, "job_id": "sneaky", "ranks": [{"rank": 0, "pid": os.getpid()}]})
+    )
     (rank_dir / "symlink.json").symlink_to(tmp_path / "elsewhere.json")
     os.mkfifo(rank_dir / "fifo.json")
     good = spawn("import time; time.sleep(60)")
     try:
         register(daemon.cfg, "good-job", 0, good.pid)
-        daemon.wait_for(lambda: daemon.value("gpuwatch_rank_up", job_id="good-job", rank="0") == 1,
-                        what="good rank beside bad files")
+        daemon.wait_for(
+            lambda: daemon.value("gpuwatch_rank_up", job_id="good-job", rank="0") == 1,
+            what="good rank beside bad files",
+        )
         assert has_finding(daemon, "bad_rank_file")
         assert daemon.value("gpuwatch_rank_up", job_id="sneaky") is None
         state = json.loads((Path(daemon.cfg["state_dir"]) / "state.json").read_text())
-        reasons = {Path(f["evidence"]["path"]).name: f["evidence"]["reason"]
-                   for f in state["findings"] if f["kind"] == "bad_rank_file"}
+        reasons = {
+            Path(f["evidence"]["path"]).name: f["evidence"]["reason"]
+            for f in state["findings"]
+            if f["kind"] == "bad_rank_file"
+        }
         assert set(reasons) == {*BAD_FILES, "symlink.json", "fifo.json"}, reasons
         assert "symbolic link" in reasons["symlink.json"]
         assert "not a regular file" in reasons["fifo.json"]
@@ -147,7 +169,7 @@ def test_sighup_reload_keeps_old_config_when_new_is_bad(tmp_path: Path) -> None:
     try:
         original = path.read_text()
         bad = yaml.safe_load(original)  # (gil: is there already: a second one would be refused
-        bad["bogus_key"] = 1            # as a duplicate key before its values are looked at)
+        bad["bogus_key"] = 1  # as a duplicate key before its values are looked at)
         bad["gil"] = {**bad["gil"], "rate_hz": "fast"}
         path.write_text(yaml.safe_dump(bad))
         d.signal(signal.SIGHUP)
@@ -178,8 +200,12 @@ def test_sighup_reload_keeps_old_config_when_new_is_bad(tmp_path: Path) -> None:
 def test_bad_config_at_start_exits_2_naming_every_key(tmp_path: Path) -> None:
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("interval_seconds: -1\nweb: {listen_address: nope, colour: red}\nstall: 5\n")
-    r = subprocess.run([sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg)],
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 2
     for key in ("interval_seconds", "web.listen_address", "web.colour: unknown key", "stall:"):
         assert key in r.stderr, r.stderr
@@ -191,8 +217,11 @@ def test_listen_address_flag_overrides_file(tmp_path: Path) -> None:
     path, _ = write_config(tmp_path)
     port = free_port()
     log = open(tmp_path / "flag.log", "wb")  # noqa: SIM115
-    p = subprocess.Popen([sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(path),
-                          "--web.listen-address", f"[::1]:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(path), "--web.listen-address", f"[::1]:{port}"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         import urllib.request
 

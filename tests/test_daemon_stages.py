@@ -39,16 +39,23 @@ FIX = Path(__file__).parent / "fixtures" / "hang"
 def test_flight_recorder_gets_the_stall_verdicts_whatever_the_list_order(tmp_path: Path) -> None:
     path, _ = write_config(tmp_path, stall={"after_seconds": 1.0})
     cfg = load_config(str(path))
-    d = Daemon(cfg, write_state=False, parts=lambda c, s: Parts(  # the flight recorder first
-        flight_recorder=FlightRecorderSubsystem(c.stall.flight_recorder_interval_seconds),
-        stall=StallSubsystem(c, s, spy=PySpy(None, unavailable_reason="not needed here"))))
+    d = Daemon(
+        cfg,
+        write_state=False,
+        parts=lambda c, s: Parts(  # the flight recorder first
+            flight_recorder=FlightRecorderSubsystem(c.stall.flight_recorder_interval_seconds),
+            stall=StallSubsystem(c, s, spy=PySpy(None, unavailable_reason="not needed here")),
+        ),
+    )
     ranks = []
     try:
         for r in (0, 1):
             p = subprocess.Popen(
                 [sys.executable, str(PROGRAMS / "hang_rank.py"), "fr", cfg.rank_dir, "stages-fr", str(r)],
-                stdout=subprocess.PIPE, text=True,
-                env={**os.environ, "PYTHONPATH": str(REPO), "GW_FR_RECORDING": str(FIX / f"fr_gloo_rank{r}.json")})
+                stdout=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "PYTHONPATH": str(REPO), "GW_FR_RECORDING": str(FIX / f"fr_gloo_rank{r}.json")},
+            )
             ranks.append(p)
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         for s in d.subsystems:
@@ -77,14 +84,22 @@ class BrokenMemcg(MemcgReader):
 def test_a_failing_memcg_read_loses_only_that_reading(tmp_path: Path) -> None:
     path, _ = write_config(tmp_path)
     cfg = load_config(str(path))
-    d = Daemon(cfg, write_state=False, parts=lambda c, s: Parts(memory=MemorySubsystem(
-        c, s, reader=BrokenMemcg(s.paths, c.memory.cgroup_root), spy=PySpy(None))))
+    d = Daemon(
+        cfg,
+        write_state=False,
+        parts=lambda c, s: Parts(
+            memory=MemorySubsystem(c, s, reader=BrokenMemcg(s.paths, c.memory.cgroup_root), spy=PySpy(None))
+        ),
+    )
     p = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
         from gpuwatchd.rank.rankfile import write_rank_file
 
-        write_rank_file(cfg.rank_dir, {"version": 1, "job_id": "stages-mem", "world_size": 1,
-                                       "ranks": [{"rank": 0, "pid": p.pid}]}, "stages-mem-0.json")
+        write_rank_file(
+            cfg.rank_dir,
+            {"version": 1, "job_id": "stages-mem", "world_size": 1, "ranks": [{"rank": 0, "pid": p.pid}]},
+            "stages-mem-0.json",
+        )
         for sub in d.subsystems:
             sub.start(d)
         state = d.cycle()

@@ -21,11 +21,17 @@ plugins.register_default_plugins()  # the panel plugins' options and fieldConfig
 
 # (change, path with list indexes as []) -> why it is not a defect of the file
 ALLOWED = {
-    ("dropped", ".templating.list[].definition"):
-        "the query text Grafana's variable editor writes beside `query`; not in the schema",
-    **{("dropped", f".annotations.list[].{k}"):
-       "a Prometheus annotation's own query field: the schema leaves those to the data source"
-       for k in ("step", "titleFormat", "textFormat", "tagKeys", "useValueForTime")},
+    (
+        "dropped",
+        ".templating.list[].definition",
+    ): "the query text Grafana's variable editor writes beside `query`; not in the schema",
+    **{
+        (
+            "dropped",
+            f".annotations.list[].{k}",
+        ): "a Prometheus annotation's own query field: the schema leaves those to the data source"
+        for k in ("step", "titleFormat", "textFormat", "tagKeys", "useValueForTime")
+    },
 }
 # FieldConfig.links is an untyped list in the schema; the SDK models each data link as a
 # dashboard link and adds that type's fields (type, asDropdown, icon ...) to it.
@@ -63,8 +69,7 @@ def round_trip_changes(raw: dict[str, Any]) -> list[tuple[str, str, Any]]:
     return kept
 
 
-@pytest.mark.parametrize("name", ["gpuwatchd-node.json", "gpuwatchd-job.json",
-                                  "gpuwatchd-health.json"])
+@pytest.mark.parametrize("name", ["gpuwatchd-node.json", "gpuwatchd-job.json", "gpuwatchd-health.json"])
 def test_round_trip_through_the_schema_changes_nothing(name: str) -> None:
     raw = json.loads((DASHBOARDS / name).read_text())
     assert round_trip_changes(raw) == []
@@ -80,9 +85,11 @@ def test_the_oracle_sees_an_omitted_required_field() -> None:
     del st["options"]["wideLayout"]
     raw["notAField"] = 1
     got = {(c, re.sub(r"\[\d+\]", "[]", p), v) for c, p, v in round_trip_changes(raw)}
-    assert got == {("added", ".panels[].options.legend.showLegend", False),
-                   ("added", ".panels[].options.wideLayout", True),
-                   ("dropped", ".notAField", 1)}
+    assert got == {
+        ("added", ".panels[].options.legend.showLegend", False),
+        ("added", ".panels[].options.wideLayout", True),
+        ("dropped", ".notAField", 1),
+    }
 
 
 def test_the_sdk_is_the_pinned_grafana_version() -> None:

@@ -44,8 +44,7 @@ RECORDING = RECORDING_RULES
 
 def _recorded() -> dict[str, str]:
     docs = [yaml.safe_load(f.read_text()) for f in (RULES, RECORDING)]
-    return {r["record"]: r["expr"] for doc in docs for g in doc["groups"] for r in g["rules"]
-            if "record" in r}
+    return {r["record"]: r["expr"] for doc in docs for g in doc["groups"] for r in g["rules"] if "record" in r}
 
 
 def _expand(expr: str) -> str:
@@ -57,17 +56,26 @@ def _expand(expr: str) -> str:
 
 def _annotation_exprs() -> list[tuple[str, str, str]]:
     """(dashboard file, annotation name, expr) of every Prometheus annotation."""
-    return [(path.name, a["name"], a["expr"]) for path in sorted(DASHBOARDS.glob("*.json"))
-            for a in json.loads(path.read_text())["annotations"]["list"] if "expr" in a]
+    return [
+        (path.name, a["name"], a["expr"])
+        for path in sorted(DASHBOARDS.glob("*.json"))
+        for a in json.loads(path.read_text())["annotations"]["list"]
+        if "expr" in a
+    ]
 
 
 def _all_exprs() -> list[tuple[str, str]]:
-    out = [(f"{d} / {title}", fill_vars(e, instance="node1:9863", job_id="llm-7"))
-           for d, title, e in dashboard_panels()]
-    out += [(f"{d} / variable {name}", fill_vars(e, instance="node1:9863", job_id="llm-7"))
-            for d, name, e in dashboard_variable_queries()]
-    out += [(f"{d} / annotation {name}", fill_vars(e, instance="node1:9863", job_id="llm-7"))
-            for d, name, e in _annotation_exprs()]
+    out = [
+        (f"{d} / {title}", fill_vars(e, instance="node1:9863", job_id="llm-7")) for d, title, e in dashboard_panels()
+    ]
+    out += [
+        (f"{d} / variable {name}", fill_vars(e, instance="node1:9863", job_id="llm-7"))
+        for d, name, e in dashboard_variable_queries()
+    ]
+    out += [
+        (f"{d} / annotation {name}", fill_vars(e, instance="node1:9863", job_id="llm-7"))
+        for d, name, e in _annotation_exprs()
+    ]
     out += [(f"rule {name}", e) for name, e in rule_exprs()]
     out += [(f"recording rule {name}", e) for name, e in _recorded().items()]
     return out
@@ -77,7 +85,10 @@ def test_generated_dashboards_are_current() -> None:
     p = run([sys.executable, str(REPO / "tools/gen_dashboards.py"), "--check"])
     assert p.returncode == 0, p.stderr
     assert {p.name for p in DASHBOARDS.glob("*.json")} == {
-        "gpuwatchd-node.json", "gpuwatchd-job.json", "gpuwatchd-health.json"}
+        "gpuwatchd-node.json",
+        "gpuwatchd-job.json",
+        "gpuwatchd-health.json",
+    }
 
 
 def test_dashboards_are_well_formed() -> None:
@@ -103,8 +114,7 @@ def test_dashboards_are_well_formed() -> None:
             assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
             assert p["targets"], p["title"]
             for t in p["targets"]:
-                used = set(re.findall(r"\$(\w+)", t["expr"])) - {
-                    "__rate_interval", "__range", "__interval"}
+                used = set(re.findall(r"\$(\w+)", t["expr"])) - {"__rate_interval", "__range", "__interval"}
                 assert used <= variables, (path.name, p["title"], used)
     # the Job dashboard is the cross-node view: every query is scoped to $job_id
     job = json.loads((DASHBOARDS / "gpuwatchd-job.json").read_text())
@@ -125,16 +135,22 @@ def test_every_expression_parses(tmp_path: Path) -> None:
     """promtool parses each expression as a recording rule: one bad expression fails the check
     and names itself."""
     exprs = _all_exprs()
-    rules = {"groups": [{"name": "parse", "rules": [
-        {"record": f"parse:expr_{i}", "expr": e} for i, (_, e) in enumerate(exprs)]}]}
+    rules = {
+        "groups": [
+            {"name": "parse", "rules": [{"record": f"parse:expr_{i}", "expr": e} for i, (_, e) in enumerate(exprs)]}
+        ]
+    }
     f = tmp_path / "exprs.yml"
     f.write_text(yaml.safe_dump(rules))
     p = run([PROMTOOL, "check", "rules", str(f)])
     assert p.returncode == 0, p.stdout + p.stderr
     assert f"SUCCESS: {len(exprs)} rules found" in p.stdout
     # and the check can fail
-    f.write_text(yaml.safe_dump({"groups": [{"name": "bad", "rules": [
-        {"record": "parse:bad", "expr": "rate(gpuwatch_rank_up[5m]"}]}]}))
+    f.write_text(
+        yaml.safe_dump(
+            {"groups": [{"name": "bad", "rules": [{"record": "parse:bad", "expr": "rate(gpuwatch_rank_up[5m]"}]}]}
+        )
+    )
     assert run([PROMTOOL, "check", "rules", str(f)]).returncode != 0
 
 
@@ -159,18 +175,26 @@ def _real_daemon_metric_names(tmp_path: Path) -> set[str]:
     ranks.mkdir()
     state.mkdir()
     cfg = tmp_path / "config.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "web": {"listen_address": f"127.0.0.1:{port}"}, "interval_seconds": 1,
-        "rank_dir": str(ranks), "state_dir": str(state), "kernel_log": "off",
-        "nvml": {"enabled": False}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "web": {"listen_address": f"127.0.0.1:{port}"},
+                "interval_seconds": 1,
+                "rank_dir": str(ranks),
+                "state_dir": str(state),
+                "kernel_log": "off",
+                "nvml": {"enabled": False},
+            }
+        )
+    )
     (ranks / "broken.json").write_text("{not json")
     sleeper = subprocess.Popen(["sleep", "60"])
     gw = str(Path(sys.executable).with_name("gpuwatchd"))
-    daemon = subprocess.Popen([gw, "run", "--config.file", str(cfg)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    daemon = subprocess.Popen(
+        [gw, "run", "--config.file", str(cfg)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
-        run([gw, "register", "--job-id", "names", "--rank", "0", "--pid", str(sleeper.pid),
-             "--rank-dir", str(ranks)])
+        run([gw, "register", "--job-id", "names", "--rank", "0", "--pid", str(sleeper.pid), "--rank-dir", str(ranks)])
         import urllib.request
 
         def scrape() -> str | None:
@@ -195,11 +219,16 @@ def _real_daemon_metric_names(tmp_path: Path) -> set[str]:
     from gpuwatchd.model.collectives import CollectiveStatus
 
     fuller = NodeState(
-        timestamp=time.time(), memory_limit_bytes=256 << 20,
-        ranks=(RankState("x", 0, 1, 0, 1, True, None, step=1,
-                         container="Kubernetes pod 0b8d1c2e-3f4a-4b5c-8d6e-7f8091a2b3c4"),),
+        timestamp=time.time(),
+        memory_limit_bytes=256 << 20,
+        ranks=(
+            RankState(
+                "x", 0, 1, 0, 1, True, None, step=1, container="Kubernetes pod 0b8d1c2e-3f4a-4b5c-8d6e-7f8091a2b3c4"
+            ),
+        ),
         gpus=(GpuDevice(0, "GPU-x", "n", "p", 1, 1, 0.5, throttle_reasons=0x40),),
-        collectives=(CollectiveStatus("x", 0, 1, "0", 5, 4),))
+        collectives=(CollectiveStatus("x", 0, 1, "0", 5, 4),),
+    )
     text += generate_latest(make_registry(lambda: fuller, counters)).decode()
     names: set[str] = set()
     for fam in text_string_to_metric_families(text):
@@ -223,8 +252,7 @@ def test_expressions_use_only_series_the_daemon_exports(exported: set[str]) -> N
 
 
 def test_every_series_the_daemon_exports_is_on_a_dashboard(exported: set[str]) -> None:
-    on_panels = {n for _, _, e in dashboard_panels()
-                 for n in re.findall(r"\bgpuwatch_\w+", _expand(e))}
+    on_panels = {n for _, _, e in dashboard_panels() for n in re.findall(r"\bgpuwatch_\w+", _expand(e))}
     samples = {n for n in exported if n.startswith("gpuwatch_")}
     # a counter family is listed by its name without _total and its samples with it
     samples = {n for n in samples if (n + "_total") not in samples}
@@ -236,12 +264,17 @@ def test_every_panel_returns_data_from_prometheus(tmp_path: Path) -> None:
     OOM-killed, one stalled) and evaluates the recording rules: each panel's query, variables
     filled in, returns data.
     tests/test_e2e_alerting.py does the same against the real daemons."""
-    ranks = [NodeRank("llm-7", 0, 100, 3, gpu=0), NodeRank("llm-7", 1, 101, 3, gpu=1),
-             NodeRank("llm-7", 2, 102, 3, gpu=2)]
+    ranks = [
+        NodeRank("llm-7", 0, 100, 3, gpu=0),
+        NodeRank("llm-7", 1, 101, 3, gpu=1),
+        NodeRank("llm-7", 2, 102, 3, gpu=2),
+    ]
     for r in ranks:
         r.gil_samples, r.gil_held = 50, 10
-    with MetricsServer(node_exposition(ranks)) as node, \
-            prometheus(tmp_path, [node.address], rule_files=[RULES, RECORDING]) as prom:
+    with (
+        MetricsServer(node_exposition(ranks)) as node,
+        prometheus(tmp_path, [node.address], rule_files=[RULES, RECORDING]) as prom,
+    ):
         wait_until(lambda: prom.query("gpuwatch_rank_up"), 20, "first scrape")
         time.sleep(2)
         for r in ranks:
@@ -275,23 +308,29 @@ def test_dashboards_have_what_an_sre_looks_for() -> None:
     to its node (Node) at the same time; OOM kills and Xids marked on the graphs; the daemon's
     own footprint (process_*, cycle duration) in a row of the Health dashboard."""
     node, job, health = _dash("node"), _dash("job"), _dash("health")
-    variables = {d: {v["name"]: v for v in dash["templating"]["list"]}
-                 for d, dash in (("node", node), ("job", job), ("health", health))}
+    variables = {
+        d: {v["name"]: v for v in dash["templating"]["list"]}
+        for d, dash in (("node", node), ("job", job), ("health", health))
+    }
     for d, name in (("node", "instance"), ("job", "job_id"), ("job", "rank"), ("health", "job")):
         v = variables[d][name]
         assert v["multi"] and v["includeAll"] and v["allValue"] == ".*", (d, name)
-    assert '$job_id' in variables["job"]["rank"]["query"]["query"]  # the ranks of the chosen jobs
+    assert "$job_id" in variables["job"]["rank"]["query"]["query"]  # the ranks of the chosen jobs
     for p in node["panels"] + job["panels"]:
         for t in p.get("targets", []):
             for var in ("instance", "job_id", "rank"):
                 assert f'{var}="${var}"' not in t["expr"], (p["title"], "a multi value needs =~")
 
-    linked = {p["title"] for p in job["panels"] for link in p.get("fieldConfig", {})
-              .get("defaults", {}).get("links", []) if link["url"].startswith(
-                  "/d/gpuwatchd-node/gpuwatchd-node?var-instance=$")}
+    linked = {
+        p["title"]
+        for p in job["panels"]
+        for link in p.get("fieldConfig", {}).get("defaults", {}).get("links", [])
+        if link["url"].startswith("/d/gpuwatchd-node/gpuwatchd-node?var-instance=$")
+    }
     for p in job["panels"]:
-        names_node = p["type"] == "table" or (p["type"] == "timeseries" and any(
-            "{{instance}}" in t["legendFormat"] for t in p["targets"]))
+        names_node = p["type"] == "table" or (
+            p["type"] == "timeseries" and any("{{instance}}" in t["legendFormat"] for t in p["targets"])
+        )
         assert (p["title"] in linked) == names_node, p["title"]
     assert "First rank to fail" in linked and "Stalled, per rank" in linked
 
@@ -308,8 +347,12 @@ def test_dashboards_have_what_an_sre_looks_for() -> None:
             continue
         rows.setdefault(current, []).extend(t["expr"] for t in p["targets"])
     footprint = " ".join(rows["Daemon footprint"])
-    for series in ("process_resident_memory_bytes", "gpuwatch_process_memory_limit_bytes",
-                   "process_cpu_seconds_total", "gpuwatch_cycle_duration_seconds"):
+    for series in (
+        "process_resident_memory_bytes",
+        "gpuwatch_process_memory_limit_bytes",
+        "process_cpu_seconds_total",
+        "gpuwatch_cycle_duration_seconds",
+    ):
         assert series in footprint, series
 
 
@@ -331,13 +374,25 @@ def test_the_health_dashboard_finds_a_scrape_job_of_any_name(tmp_path: Path) -> 
         ('gpuwatch_build_info{instance="n2",job="monitoring/gpuwatchd",version="0.1.0"}', "1x5"),
         ('up{instance="n2",job="monitoring/gpuwatchd"}', "1x5"),
     ]
-    tests = {"evaluation_interval": "1m", "tests": [{
-        "interval": "1m",
-        "input_series": [{"series": s, "values": v} for s, v in series],
-        "promql_expr_test": [{
-            "expr": f"count by ({m.group(2)}) ({m.group(1)})", "eval_time": "4m",
-            "exp_samples": [{"labels": "{job=\"gpu-exporters\"}", "value": 1},
-                            {"labels": "{job=\"monitoring/gpuwatchd\"}", "value": 1}]}]}]}
+    tests = {
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [{"series": s, "values": v} for s, v in series],
+                "promql_expr_test": [
+                    {
+                        "expr": f"count by ({m.group(2)}) ({m.group(1)})",
+                        "eval_time": "4m",
+                        "exp_samples": [
+                            {"labels": '{job="gpu-exporters"}', "value": 1},
+                            {"labels": '{job="monitoring/gpuwatchd"}', "value": 1},
+                        ],
+                    }
+                ],
+            }
+        ],
+    }
     (tmp_path / "job.test.yml").write_text(yaml.safe_dump(tests))
     p = run([PROMTOOL, "test", "rules", "job.test.yml"], cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr

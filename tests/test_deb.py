@@ -44,38 +44,55 @@ def tree(deb: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 def _field(deb: Path, name: str) -> str:
-    return subprocess.run(["dpkg-deb", "--field", str(deb), name], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        ["dpkg-deb", "--field", str(deb), name], capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def test_control_fields(deb: Path) -> None:
-    arch = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    arch = subprocess.run(["dpkg", "--print-architecture"], capture_output=True, text=True, check=True).stdout.strip()
     assert deb.name == f"gpuwatchd_{distutil.version()}_{arch}.deb"
     assert _field(deb, "Package") == "gpuwatchd"
     assert _field(deb, "Version") == distutil.version()
     assert _field(deb, "Architecture") == arch
     depends = {d.split()[0] for d in _field(deb, "Depends").split(", ")}
     # libc6 and libgcc-s1: the wheels' compiled extensions (dpkg-shlibdeps)
-    assert {"python3.11", "python3-systemd", "libudev1", "systemd", "init-system-helpers",
-            "passwd", "libc6", "libgcc-s1"} == depends
+    assert {
+        "python3.11",
+        "python3-systemd",
+        "libudev1",
+        "systemd",
+        "init-system-helpers",
+        "passwd",
+        "libc6",
+        "libgcc-s1",
+    } == depends
 
 
 def test_files_owners_and_conffile(deb: Path, tree: Path) -> None:
-    listing = subprocess.run(["dpkg-deb", "--contents", str(deb)], capture_output=True, text=True,
-                             check=True).stdout.splitlines()
+    listing = subprocess.run(
+        ["dpkg-deb", "--contents", str(deb)], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     assert listing and all(line.split()[1] == "root/root" for line in listing), listing[:5]
     paths = {line.split()[5].lstrip(".").rstrip("/") for line in listing}
-    for p in ("/lib/systemd/system/gpuwatchd.service", "/usr/lib/tmpfiles.d/gpuwatchd.conf",
-              "/usr/lib/sysusers.d/gpuwatchd.conf", "/etc/gpuwatchd/config.yaml", "/usr/bin/gpuwatchd",
-              f"/{VENV}/bin/gpuwatchd", f"/{VENV}/bin/py-spy", "/usr/share/doc/gpuwatchd/copyright"):
+    for p in (
+        "/lib/systemd/system/gpuwatchd.service",
+        "/usr/lib/tmpfiles.d/gpuwatchd.conf",
+        "/usr/lib/sysusers.d/gpuwatchd.conf",
+        "/etc/gpuwatchd/config.yaml",
+        "/usr/bin/gpuwatchd",
+        f"/{VENV}/bin/gpuwatchd",
+        f"/{VENV}/bin/py-spy",
+        "/usr/share/doc/gpuwatchd/copyright",
+    ):
         assert p in paths, p
     # Debian Policy 9.1.2: nothing in /opt or /usr/local (dpkg would also remove /opt on purge)
     assert not [p for p in paths if p.startswith(("/opt", "/usr/local", "/var", "/run", "/home"))]
     assert (tree / "DEBIAN/conffiles").read_text().split() == ["/etc/gpuwatchd/config.yaml"]
     assert (tree / "etc/gpuwatchd/config.yaml").read_text() == (ROOT / "config.example.yaml").read_text()
-    res = subprocess.run(["md5sum", "--check", "--quiet", str(tree / "DEBIAN/md5sums")], cwd=tree,
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        ["md5sum", "--check", "--quiet", str(tree / "DEBIAN/md5sums")], cwd=tree, capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
@@ -85,8 +102,9 @@ def test_unit_as_packaged(tree: Path) -> None:
     assert packaged == source.replace("/usr/local/bin/gpuwatchd ", f"/{VENV}/bin/gpuwatchd ")
     assert f"ExecStart=/{VENV}/bin/gpuwatchd run --config.file /etc/gpuwatchd/config.yaml" in packaged
     for name in ("tmpfiles", "sysusers"):
-        assert (tree / f"usr/lib/{name}.d/gpuwatchd.conf").read_text() == \
-            (ROOT / f"systemd/gpuwatchd.{name}.conf").read_text()
+        assert (tree / f"usr/lib/{name}.d/gpuwatchd.conf").read_text() == (
+            ROOT / f"systemd/gpuwatchd.{name}.conf"
+        ).read_text()
 
 
 def test_maintainer_scripts_are_debhelpers_snippets(tree: Path) -> None:
@@ -95,10 +113,12 @@ def test_maintainer_scripts_are_debhelpers_snippets(tree: Path) -> None:
         assert subprocess.run(["sh", "-n", str(tree / "DEBIAN" / name)]).returncode == 0, name
         assert "# Automatically added by dh_" in text and "#UNITFILE" not in text, name
     post = scripts["postinst"]
-    order = [post.index(s) for s in ("systemd-sysusers", "systemd-tmpfiles", "deb-systemd-helper enable",
-                                     "deb-systemd-invoke start")]
+    order = [
+        post.index(s)
+        for s in ("systemd-sysusers", "systemd-tmpfiles", "deb-systemd-helper enable", "deb-systemd-invoke start")
+    ]
     assert order == sorted(order), order
-    assert 'deb-systemd-invoke stop gpuwatchd.service' in scripts["preinst"]  # stop before an upgrade
+    assert "deb-systemd-invoke stop gpuwatchd.service" in scripts["preinst"]  # stop before an upgrade
     assert '"$1" = remove' in scripts["prerm"] and "deb-systemd-invoke stop" in scripts["prerm"]
     assert "deb-systemd-helper purge gpuwatchd.service" in scripts["postrm"]
     assert "userdel gpuwatchd" in scripts["postrm"]
@@ -113,16 +133,24 @@ def test_venv_is_relocated_and_holds_every_dependency(tree: Path) -> None:
     assert (venv / "bin/python3.11").readlink() == Path("../../../bin/python3.11")
     assert (venv / "bin/gpuwatchd").read_text().splitlines()[0] == f"#!/{VENV}/bin/python"
     # no file names where it was built
-    leaked = subprocess.run(["grep", "-rlIF", str(distutil.work_dir()), str(venv)],
-                            capture_output=True, text=True).stdout.split()
+    leaked = subprocess.run(
+        ["grep", "-rlIF", str(distutil.work_dir()), str(venv)], capture_output=True, text=True
+    ).stdout.split()
     assert leaked == [], leaked
     assert not list(venv.glob("lib/python3.11/site-packages/pip")), "pip is left in the venv"
     # every dependency from the venv itself (a python3-yaml on the build host once satisfied
     # PyYAML and left it out: the package then failed on a node without python3-yaml)
-    code = ("import gpuwatchd, yaml, h11, pyudev, pynvml, bcrypt\n"
-            "for m in (gpuwatchd, yaml, h11, pyudev, pynvml, bcrypt): print(m.__file__)\n")
-    res = subprocess.run([str(venv / "bin/python3"), "-c", code], capture_output=True, text=True,
-                         cwd=tree, env={"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"})
+    code = (
+        "import gpuwatchd, yaml, h11, pyudev, pynvml, bcrypt\n"
+        "for m in (gpuwatchd, yaml, h11, pyudev, pynvml, bcrypt): print(m.__file__)\n"
+    )
+    res = subprocess.run(
+        [str(venv / "bin/python3"), "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tree,
+        env={"PATH": "/usr/bin:/bin", "PYTHONDONTWRITEBYTECODE": "1"},
+    )
     assert res.returncode == 0, res.stderr
     site = f"{venv}/lib/python3.11/site-packages/"
     outside = [f for f in res.stdout.split() if not f.startswith(site)]
@@ -136,15 +164,20 @@ def test_lintian_reports_nothing_beyond_the_overrides(deb: Path) -> None:
     (was 27 error and 7 warning lines: byte code, unstripped binaries, no libc dependency, a
     copyright file naming Apache-2.0 only, no manual page)."""
     assert shutil.which("lintian"), "lintian is missing (scripts/test installs it)"
-    res = subprocess.run(["lintian", "--tag-display-limit", "0", "--fail-on", "error,warning", str(deb)],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        ["lintian", "--tag-display-limit", "0", "--fail-on", "error,warning", str(deb)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     tags = [ln for ln in res.stdout.splitlines() if re.match(r"[EW]: ", ln)]
     assert tags == [] and res.returncode == 0, (res.returncode, tags, res.stderr[-2000:])
     overrides = (ROOT / "deploy/debian/lintian-overrides").read_text().split("\n\n")[1:]
     for block in overrides:  # each override follows the comment that justifies it
         lines = block.strip().splitlines()
-        assert lines[-1].startswith("gpuwatchd: ") and len(lines) >= 2 and \
-            all(ln.startswith("# ") for ln in lines[:-1]), block
+        assert (
+            lines[-1].startswith("gpuwatchd: ") and len(lines) >= 2 and all(ln.startswith("# ") for ln in lines[:-1])
+        ), block
 
 
 def test_manual_page_has_every_subcommand(tree: Path) -> None:
@@ -157,10 +190,16 @@ def test_manual_page_has_every_subcommand(tree: Path) -> None:
     assert sub.choices
     for name in sub.choices:
         assert f'.SS "gpuwatchd {name}"'.replace("-", "\\-") in page, name
-    rendered = subprocess.run(["man", "--warnings", "-l", "-"], input=page, capture_output=True,
-                              text=True, env={"PATH": "/usr/bin:/bin", "MANWIDTH": "100", "LC_ALL": "C.UTF-8"})
-    assert rendered.returncode == 0 and "--web.listen-address" in rendered.stdout.replace("\u2010", "-"), \
+    rendered = subprocess.run(
+        ["man", "--warnings", "-l", "-"],
+        input=page,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "MANWIDTH": "100", "LC_ALL": "C.UTF-8"},
+    )
+    assert rendered.returncode == 0 and "--web.listen-address" in rendered.stdout.replace("\u2010", "-"), (
         rendered.stderr
+    )
     assert rendered.stderr == "", rendered.stderr
 
 
@@ -170,13 +209,20 @@ def test_manual_page_says_what_each_exit_code_means(tree: Path) -> None:
     from gpuwatchd.cli.common import EXIT_MEANINGS
 
     page = gzip.decompress((tree / "usr/share/man/man1/gpuwatchd.1.gz").read_bytes()).decode()
-    rendered = subprocess.run(["man", "-l", "-"], input=page, capture_output=True, text=True,
-                              env={"PATH": "/usr/bin:/bin", "MANWIDTH": "200", "LC_ALL": "C"},
-                              check=True).stdout
+    rendered = subprocess.run(
+        ["man", "-l", "-"],
+        input=page,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "MANWIDTH": "200", "LC_ALL": "C"},
+        check=True,
+    ).stdout
     section = rendered.split("\nEXIT STATUS\n", 1)[1].split("\nFILES\n", 1)[0]
     for code, meaning in EXIT_MEANINGS:
-        assert re.search(rf"^ +{code} +{re.escape(meaning[:1].upper() + meaning[1:])}\.$", section,
-                         re.M), (code, section)
+        assert re.search(rf"^ +{code} +{re.escape(meaning[:1].upper() + meaning[1:])}\.$", section, re.M), (
+            code,
+            section,
+        )
     assert "exits 75" in section
 
 
@@ -207,13 +253,19 @@ def _in_a_chroot(deb: Path, script: str) -> dict[str, str]:
         for d in ("upper", "work", "root"):
             (work / d).mkdir()
         (work / "script").write_text(script)
-        outer = (f"set -e; mount -t overlay gwdeb -o lowerdir={rootfs},upperdir={work}/upper,"
-                 f"workdir={work}/work {work}/root; mount -t proc proc {work}/root/proc; "
-                 f"mount -t tmpfs gwdeb-run {work}/root/run; cp {deb} {work}/root/tmp/gpuwatchd.deb; "
-                 f"cp {work}/script {work}/root/tmp/script; exec chroot {work}/root /bin/sh -e /tmp/script")
-        res = subprocess.run(["unshare", "--mount", "--propagation", "private", "--pid", "--fork",
-                              "sh", "-c", outer], capture_output=True, text=True, timeout=300,
-                             env={"PATH": bootsystemd.PATH, "LC_ALL": "C"})
+        outer = (
+            f"set -e; mount -t overlay gwdeb -o lowerdir={rootfs},upperdir={work}/upper,"
+            f"workdir={work}/work {work}/root; mount -t proc proc {work}/root/proc; "
+            f"mount -t tmpfs gwdeb-run {work}/root/run; cp {deb} {work}/root/tmp/gpuwatchd.deb; "
+            f"cp {work}/script {work}/root/tmp/script; exec chroot {work}/root /bin/sh -e /tmp/script"
+        )
+        res = subprocess.run(
+            ["unshare", "--mount", "--propagation", "private", "--pid", "--fork", "sh", "-c", outer],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={"PATH": bootsystemd.PATH, "LC_ALL": "C"},
+        )
         assert res.returncode == 0, (res.returncode, res.stdout[-3000:], res.stderr[-3000:])
         return dict(ln.split("=", 1) for ln in res.stdout.splitlines() if re.match(r"[A-Z_]+=", ln))
     finally:
@@ -229,7 +281,9 @@ def test_maintainer_scripts_make_and_purge_only_their_own_account_and_state(deb:
       runs as that account, and purge keeps both;
     - neither exists: the package makes both, compiles its byte code (checked by hash), and purge
       removes the user, the group, the state directory and its own record, and nothing else."""
-    login = _in_a_chroot(deb, """
+    login = _in_a_chroot(
+        deb,
+        """
 useradd --create-home --home-dir /home/gpuwatchd --shell /bin/bash --uid 1500 gpuwatchd
 echo mine > /home/gpuwatchd/notes
 if dpkg -i /tmp/gpuwatchd.deb > /tmp/out 2>&1; then echo INSTALL=ok; else echo INSTALL=failed; fi
@@ -240,7 +294,8 @@ dpkg --purge gpuwatchd > /dev/null 2>&1 || true
 echo "ACCOUNT=$(getent passwd gpuwatchd)"
 echo "GROUP=$(getent group gpuwatchd | cut -d: -f1)"
 echo "NOTES=$(cat /home/gpuwatchd/notes)"
-""")
+""",
+    )
     assert login["INSTALL"] == "failed", login
     assert "(uid 1500, shell /bin/bash) and is not a system account" in login["SAID"], login
     # not installed (dpkg-query's second letter; "in": install was asked), nothing unpacked
@@ -248,7 +303,9 @@ echo "NOTES=$(cat /home/gpuwatchd/notes)"
     assert login["ACCOUNT"] == "gpuwatchd:x:1500:1500::/home/gpuwatchd:/bin/bash", login
     assert login["GROUP"] == "gpuwatchd" and login["NOTES"] == "mine", login
 
-    theirs = _in_a_chroot(deb, """
+    theirs = _in_a_chroot(
+        deb,
+        """
 useradd --system --no-create-home --home-dir /var/lib/gpuwatchd --shell /usr/sbin/nologin gpuwatchd
 mkdir -p /var/lib/gpuwatchd && echo theirs > /var/lib/gpuwatchd/kept
 before=$(getent passwd gpuwatchd)
@@ -260,12 +317,15 @@ echo "ACCOUNT=$(getent passwd gpuwatchd | cut -d: -f1,7)"
 echo "GROUP=$(getent group gpuwatchd | cut -d: -f1)"
 echo "KEPT=$(cat /var/lib/gpuwatchd/kept)"
 echo "RECORD_AFTER=$(test -e /var/lib/gpuwatchd-package && echo present || echo absent)"
-""")
+""",
+    )
     assert theirs["SAME_ACCOUNT"] == "yes" and theirs["RECORD"].strip() == "", theirs
     assert theirs["ACCOUNT"] == "gpuwatchd:/usr/sbin/nologin" and theirs["GROUP"] == "gpuwatchd", theirs
     assert theirs["KEPT"] == "theirs" and theirs["RECORD_AFTER"] == "absent", theirs
 
-    fresh = _in_a_chroot(deb, """
+    fresh = _in_a_chroot(
+        deb,
+        """
 find / -xdev -path /proc -prune -o -path /tmp -prune -o -path /var/lib/dpkg -prune -o -path /var/log -prune \
     -o -path /var/cache -prune -o -print | sort > /tmp/before
 dpkg -i /tmp/gpuwatchd.deb > /tmp/out 2>&1 || { cat /tmp/out; exit 1; }
@@ -283,7 +343,8 @@ echo "BACKUPS=$(grep -l '^gpuwatchd:' /etc/passwd- /etc/group- /etc/shadow- /etc
 find / -xdev -path /proc -prune -o -path /tmp -prune -o -path /var/lib/dpkg -prune -o -path /var/log -prune \
     -o -path /var/cache -prune -o -print | sort > /tmp/after
 echo "CHANGED=$(diff /tmp/before /tmp/after | grep '^[<>]' | tr '\n' ' ' || true)"
-""")
+""",
+    )
     assert fresh["ACCOUNT"] == "gpuwatchd:/var/lib/gpuwatchd:/usr/sbin/nologin" and int(fresh["UID"]) < 1000, fresh
     assert fresh["RECORD"].split() == ["user", "group", "state"], fresh
     assert fresh["PYC_FLAGS"] == "3", fresh  # hash-based, checked: never rewritten at run time

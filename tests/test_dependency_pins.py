@@ -25,9 +25,11 @@ FIXED = {"h11": (0, 16)}  # the first release with the fix, per advisory
 
 # The advisory's (GHSA-vqfr-h8mv-ghfj) payload: chunk "AAAAA" ended by "XX" instead of CRLF, so
 # that "2\r\n45\r\n0\r\n\r\n" and the next request are framed differently by the two parsers.
-SMUGGLE = (b"GET /one HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n"
-           b"5\r\nAAAAAXX2\r\n45\r\n0\r\n\r\n"
-           b"GET /two HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+SMUGGLE = (
+    b"GET /one HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"5\r\nAAAAAXX2\r\n45\r\n0\r\n\r\n"
+    b"GET /two HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+)
 
 
 def _lowest_admitted(name: str) -> tuple[int, ...]:

@@ -17,18 +17,21 @@ from gpuwatchd.sources.nvidia_devices import DeviceProbe, nvidia_drivers
 
 ROOT = Path(__file__).resolve().parent.parent
 NO_NVIDIA = "Character devices:\n  1 mem\n  4 tty\n\nBlock devices:\n  8 sd\n"
-WITH_NVIDIA = ("Character devices:\n  1 mem\n195 nvidia-frontend\n236 nvidia-uvm\n511 nvidia-caps\n"
-               "\nBlock devices:\n  8 sd\n195 nvidia-not-a-char-device\n")
-PROBE = ("import json, sys\nfrom gpuwatchd.sources.nvidia_devices import probe\n"
-         "r = probe(sys.argv[1], sys.argv[2])\n"
-         "print(json.dumps([[n.path, n.major, n.minor, n.error] for n in r.nodes]))\n")
+WITH_NVIDIA = (
+    "Character devices:\n  1 mem\n195 nvidia-frontend\n236 nvidia-uvm\n511 nvidia-caps\n"
+    "\nBlock devices:\n  8 sd\n195 nvidia-not-a-char-device\n"
+)
+PROBE = (
+    "import json, sys\nfrom gpuwatchd.sources.nvidia_devices import probe\n"
+    "r = probe(sys.argv[1], sys.argv[2])\n"
+    "print(json.dumps([[n.path, n.major, n.minor, n.error] for n in r.nodes]))\n"
+)
 
 
 def _fake_dev(tmp: Path) -> Path:
     dev = tmp / "dev"
     (dev / "nvidia-caps").mkdir(parents=True)
-    for name, major, minor in (("nvidiactl", 195, 255), ("nvidia0", 195, 0),
-                               ("nvidia-caps/nvidia-cap1", 511, 1)):
+    for name, major, minor in (("nvidiactl", 195, 255), ("nvidia0", 195, 0), ("nvidia-caps/nvidia-cap1", 511, 1)):
         os.mknod(dev / name, 0o20666, os.makedev(major, minor))
     (dev / "nvidia-uvm-tools").write_text("")  # not a node NVML opens: never probed
     return dev
@@ -42,9 +45,23 @@ def _probe_in_cgroup(tmp: Path, rules: list[str], proc_devices: Path) -> list[li
         for rule in rules:
             (cg / "devices.allow").write_text(rule + "\n")
         out = subprocess.run(
-            ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$@"', "sh", sys.executable, "-c",
-             PROBE, str(tmp / "dev"), str(proc_devices)],
-            capture_output=True, text=True, timeout=30, cwd=ROOT, check=True)
+            [
+                "sh",
+                "-c",
+                f'echo $$ > {cg}/cgroup.procs && exec "$@"',
+                "sh",
+                sys.executable,
+                "-c",
+                PROBE,
+                str(tmp / "dev"),
+                str(proc_devices),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=ROOT,
+            check=True,
+        )
         result: list[list[object]] = json.loads(out.stdout)
         return result
     finally:
@@ -62,8 +79,7 @@ def test_eperm_means_denied_by_the_device_cgroup_enxio_means_allowed(tmp_path: P
 
 
 def test_proc_devices_names_only_nvidia_character_majors() -> None:
-    assert nvidia_drivers(WITH_NVIDIA) == {195: "nvidia-frontend", 236: "nvidia-uvm",
-                                           511: "nvidia-caps"}
+    assert nvidia_drivers(WITH_NVIDIA) == {195: "nvidia-frontend", 236: "nvidia-uvm", 511: "nvidia-caps"}
     assert nvidia_drivers(NO_NVIDIA) == {}
     assert nvidia_drivers("garbage\n\0\xff 12\n195\n") == {}
 
@@ -75,8 +91,10 @@ def _real_probe(tmp: Path, devices_text: str) -> DeviceProbe:
     devices = tmp / "devices"
     devices.write_text(devices_text)
     nodes = _probe_in_cgroup(tmp, ["c 1:3 rwm"], devices)
-    return DeviceProbe(tuple(NodeResult(str(p), int(str(ma)), int(str(mi)), str(e))
-                             for p, ma, mi, e in nodes), nvidia_drivers(devices_text))
+    return DeviceProbe(
+        tuple(NodeResult(str(p), int(str(ma)), int(str(mi)), str(e)) for p, ma, mi, e in nodes),
+        nvidia_drivers(devices_text),
+    )
 
 
 def test_one_restart_per_boot_and_majors_and_none_without_a_driver(tmp_path: Path) -> None:

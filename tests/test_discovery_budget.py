@@ -60,30 +60,39 @@ def u1() -> Iterator[int]:
         yield uid
 
 
-def test_r7_a_users_huge_environments_do_not_starve_roots_rank(
-        u1: int, procs: list[subprocess.Popen[Any]]) -> None:
-    spawner = subprocess.Popen(["setpriv", f"--reuid={U1}", f"--regid={U1}", "--clear-groups",
-                                "/usr/bin/python3", "-c", SPAWN, str(PROCS)],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                               env={"PATH": "/usr/bin:/bin"})
+def test_r7_a_users_huge_environments_do_not_starve_roots_rank(u1: int, procs: list[subprocess.Popen[Any]]) -> None:
+    spawner = subprocess.Popen(
+        ["setpriv", f"--reuid={U1}", f"--regid={U1}", "--clear-groups", "/usr/bin/python3", "-c", SPAWN, str(PROCS)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={"PATH": "/usr/bin:/bin"},
+    )
     procs.append(spawner)
     try:
         assert spawner.stdout is not None and spawner.stdout.readline().strip() == "ready"
         job = f"rootdisc{os.getpid()}"
-        root_rank = subprocess.Popen(["/usr/bin/python3", "-c", "import time; time.sleep(300)"],
-                                     env={"PATH": "/usr/bin:/bin", "TORCHELASTIC_RUN_ID": job,
-                                          "RANK": "0", "WORLD_SIZE": "1"})
+        root_rank = subprocess.Popen(
+            ["/usr/bin/python3", "-c", "import time; time.sleep(300)"],
+            env={"PATH": "/usr/bin:/bin", "TORCHELASTIC_RUN_ID": job, "RANK": "0", "WORLD_SIZE": "1"},
+        )
         procs.append(root_rank)
         with cpu_quota(25) as quota:
-            p = subprocess.Popen([sys.executable, "-c", PASSES, job], cwd=REPO,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                 preexec_fn=lambda: quota.adopt(os.getpid()))
+            p = subprocess.Popen(
+                [sys.executable, "-c", PASSES, job],
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                preexec_fn=lambda: quota.adopt(os.getpid()),
+            )
             out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
         passes = json.loads(out)
-        print(f"{PROCS} processes of U1 with 1.9 MiB environments, CPUQuota=25%: passes "
-              + ", ".join(f"{x['seconds']:.2f} s ({'found' if x['found'] else 'NOT found'})"
-                          for x in passes))
+        print(
+            f"{PROCS} processes of U1 with 1.9 MiB environments, CPUQuota=25%: passes "
+            + ", ".join(f"{x['seconds']:.2f} s ({'found' if x['found'] else 'NOT found'})" for x in passes)
+        )
         # root's rank in every pass, each within the collector's 5 s time-out (with room for the
         # rank files and the rest of the cycle)
         assert all(x["found"] for x in passes), passes
@@ -124,8 +133,7 @@ os.execve(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)"],
 """
 
 
-def test_a_process_read_before_its_exec_is_found_once_it_execs_as_a_rank(
-        procs: list[subprocess.Popen[Any]]) -> None:
+def test_a_process_read_before_its_exec_is_found_once_it_execs_as_a_rank(procs: list[subprocess.Popen[Any]]) -> None:
     from gpuwatchd.paths import HostPaths
     from gpuwatchd.sources.discovery import Discoverer
     from gpuwatchd.sources.procfs import ProcfsReader

@@ -75,7 +75,22 @@ def test_a_dead_discovered_rank_whose_pid_another_user_takes_still_pages(user: i
     job = f"reusejob-{uuid.uuid4().hex[:8]}"
     with shared_rank_world("gwtrustrank-reuse-") as world:
         out = subprocess.run(
-            ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
-             sys.executable, "-c", SCENE, TESTS, str(world), USER, job],
-            capture_output=True, text=True, timeout=120)
+            [
+                "unshare",
+                "--pid",
+                "--fork",
+                "--kill-child",
+                "--mount-proc",
+                sys.executable,
+                "-c",
+                SCENE,
+                TESTS,
+                str(world),
+                USER,
+                job,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert out.returncode == 0 and out.stdout.strip() == "paged", out.stdout + out.stderr

@@ -28,11 +28,20 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def oom_event(key: str = "b:kernel:42:1000", t: float | None = None, **kw: Any) -> ev.Event:
     d: dict[str, Any] = dict(
-        key=key, kind="oom_kill", time=t if t is not None else time.time(), severity="page",
+        key=key,
+        kind="oom_kill",
+        time=t if t is not None else time.time(),
+        severity="page",
         summary="rank 3 of job llm-7 (pid 42, python3) was killed by the kernel OOM killer at "
         "14:22:07 holding 84.0 GiB RSS; 15 peers alive: they will wait in their next collective",
-        job_id="llm-7", rank="3", pid=42, comm="python3", killer="kernel", boot_id="b",
-        counter="oom_kills", labels=("llm-7", "3", "python3", "kernel"),
+        job_id="llm-7",
+        rank="3",
+        pid=42,
+        comm="python3",
+        killer="kernel",
+        boot_id="b",
+        counter="oom_kills",
+        labels=("llm-7", "3", "python3", "kernel"),
         fields=frozen_map({"rss_bytes": 84 << 30, "memcg": "/slurm/job_1", "peers_alive": 15}),
         alert=True,
     )
@@ -49,7 +58,7 @@ def test_jsonl_round_trip_and_torn_lines(tmp_path: Path) -> None:
     b = oom_event("k2", worker=True)
     sink.emit(b)  # starts on a fresh line
     with open(sink.path, "ab") as f:
-        f.write(b"\xff\xfe binary\n[1,2]\n{\"key\": 5, \"kind\": \"x\"}\n")
+        f.write(b'\xff\xfe binary\n[1,2]\n{"key": 5, "kind": "x"}\n')
     got = list(ev.read_events(sink.path))
     assert [e.key for e in got] == ["k1", "k2"]
     assert got[0] == a and got[1].worker
@@ -124,9 +133,15 @@ def test_alert_labels_match_the_prometheus_rule() -> None:
     assert a["labels"]["severity"] == r["labels"]["severity"] == "critical"
     assert a["annotations"]["summary"] == r["annotations"]["summary"]
     assert a["annotations"]["runbook_url"] == r["annotations"]["runbook_url"]
-    xid = ev.Event(key="x", kind="xid", time=time.time(), severity="page", summary="GPU 0 Xid 79",
-                   fields=frozen_map({"xid": 79, "gpu": "0", "uuid": "GPU-1", "pci": "0000:3b:00"}),
-                   alert=True)
+    xid = ev.Event(
+        key="x",
+        kind="xid",
+        time=time.time(),
+        severity="page",
+        summary="GPU 0 Xid 79",
+        fields=frozen_map({"xid": 79, "gpu": "0", "uuid": "GPU-1", "pci": "0000:3b:00"}),
+        alert=True,
+    )
     ax = am.alert_for(xid, "n1:9863")
     assert ax is not None and ax["labels"]["alertname"] == "GPUXidCritical"
     assert set(ax["labels"]) == {"alertname", "instance", "job", "severity", "gpu", "uuid", "xid"}
@@ -147,9 +162,15 @@ def alertmanager(tmp_path: Path) -> Iterator[str]:
     cfg = tmp_path / "am.yml"
     cfg.write_text(yaml.safe_dump({"route": {"receiver": "null"}, "receivers": [{"name": "null"}]}))
     proc = subprocess.Popen(
-        ["prometheus-alertmanager", f"--config.file={cfg}", f"--storage.path={tmp_path / 'am'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [
+            "prometheus-alertmanager",
+            f"--config.file={cfg}",
+            f"--storage.path={tmp_path / 'am'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -187,9 +208,16 @@ def test_push_to_a_real_alertmanager(alertmanager: str) -> None:
             time.sleep(0.02)
         assert len(got) == 1
         labels = got[0]["labels"]
-        assert labels == {"alertname": "GPURankOOMKilled", "instance": "gpu-node-001:9863",
-                          "job": "gpuwatchd", "severity": "critical", "job_id": "llm-7", "rank": "3",
-                          "comm": "python3", "killer": "kernel"}
+        assert labels == {
+            "alertname": "GPURankOOMKilled",
+            "instance": "gpu-node-001:9863",
+            "job": "gpuwatchd",
+            "severity": "critical",
+            "job_id": "llm-7",
+            "rank": "3",
+            "comm": "python3",
+            "killer": "kernel",
+        }
         assert "15 peers alive" in got[0]["annotations"]["description"]
         assert got[0]["status"]["state"] == "active"
         sink.emit(oom_event())  # the same alert again (e.g. after a restart): still one alert
@@ -201,8 +229,7 @@ def test_push_to_a_real_alertmanager(alertmanager: str) -> None:
 
 
 def test_push_to_a_dead_alertmanager_gives_up_without_raising() -> None:
-    sink = am.AlertmanagerSink(f"http://127.0.0.1:{free_port()}", "n:1", timeout_seconds=0.5,
-                               retry_seconds=0.5)
+    sink = am.AlertmanagerSink(f"http://127.0.0.1:{free_port()}", "n:1", timeout_seconds=0.5, retry_seconds=0.5)
     t0 = time.monotonic()
     sink.emit(oom_event())
     sink.close()
@@ -240,13 +267,23 @@ def test_events_command(tmp_path: Path) -> None:
     sink.emit(oom_event("old", t=time.time() - 7200))
     sink.emit(oom_event("new", worker=True))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-m", "gpuwatchd", "events", "--state-dir", str(tmp_path),
-                          "--since", "1h", "--json"], capture_output=True, text=True, env=env, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "events", "--state-dir", str(tmp_path), "--since", "1h", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert [d["key"] for d in data] == ["new"] and data[0]["worker"] and data[0]["job_id"] == "llm-7"
-    table = subprocess.run([sys.executable, "-m", "gpuwatchd", "events", "--state-dir", str(tmp_path),
-                            "--since", "all"], capture_output=True, text=True, env=env, timeout=60)
+    table = subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "events", "--state-dir", str(tmp_path), "--since", "all"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert table.returncode == 0, table.stderr
     lines = table.stdout.splitlines()
     assert lines[0].split()[:4] == ["TIME", "KIND", "BY", "JOB_ID"] and len(lines) == 3

@@ -54,15 +54,18 @@ def _status(code: str) -> int:
     return status
 
 
-@pytest.mark.parametrize(("code", "cause", "how"), [
-    ("raise SystemExit(0)", "exit_0", "exited with code 0"),
-    ("raise RuntimeError('bug')", "exit_nonzero", "exited with code 1"),
-    ("import ctypes; ctypes.string_at(1)", "SIGSEGV", "was killed by SIGSEGV"),
-    ("import os; os.abort()", "SIGABRT", "was killed by SIGABRT"),
-    ("import os, signal; os.kill(os.getpid(), signal.SIGBUS)", "SIGBUS", "was killed by SIGBUS"),
-    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "SIGKILL", "was killed by SIGKILL"),
-    ("import os, signal; os.kill(os.getpid(), signal.SIGRTMIN + 2)", "signal_other", "was killed by signal 36"),
-])
+@pytest.mark.parametrize(
+    ("code", "cause", "how"),
+    [
+        ("raise SystemExit(0)", "exit_0", "exited with code 0"),
+        ("raise RuntimeError('bug')", "exit_nonzero", "exited with code 1"),
+        ("import ctypes; ctypes.string_at(1)", "SIGSEGV", "was killed by SIGSEGV"),
+        ("import os; os.abort()", "SIGABRT", "was killed by SIGABRT"),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGBUS)", "SIGBUS", "was killed by SIGBUS"),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "SIGKILL", "was killed by SIGKILL"),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGRTMIN + 2)", "signal_other", "was killed by signal 36"),
+    ],
+)
 def test_wait_statuses_of_real_processes_are_named(code: str, cause: str, how: str) -> None:
     got_cause, got_how = describe_status(_status(code))
     assert got_cause == cause and got_how.startswith(how), got_how
@@ -72,23 +75,42 @@ def test_wait_statuses_of_real_processes_are_named(code: str, cause: str, how: s
 
 
 def _exit(rank: int, t: float, status: int | None, seq: int, job: str = "j", **kw: object) -> RankExit:
-    return RankExit(job_id=job, rank=rank, pid=100 + rank, comm="python", time=t, status=status,
-                    seq=seq, start_ticks=rank, **kw)  # type: ignore[arg-type]
+    return RankExit(
+        job_id=job, rank=rank, pid=100 + rank, comm="python", time=t, status=status, seq=seq, start_ticks=rank, **kw
+    )  # type: ignore[arg-type]
 
 
 def test_the_kernel_names_the_cause_and_order_names_the_first() -> None:
     faults = KernelFaults()
     faults.record(KernelFault(101, "python", 999.9, "segfault at 1 ip 00007f error 4 in libc.so.6"))
-    oom = Event(key="k", kind="oom_kill", time=1000.2, severity="page", summary="", pid=102,
-                killer="kernel", fields={"rss_bytes": 2 << 30})
+    oom = Event(
+        key="k",
+        kind="oom_kill",
+        time=1000.2,
+        severity="page",
+        summary="",
+        pid=102,
+        killer="kernel",
+        fields={"rss_bytes": 2 << 30},
+    )
     segv = classify(_exit(1, 1000.0, signal.SIGSEGV, 2), faults, [oom])
     assert segv.verdict == CRASHED and segv.kernel == "kernel: segfault at 1 ip 00007f error 4 in libc.so.6"
     killed = classify(_exit(2, 1000.0, signal.SIGKILL, 3), faults, [oom])
     assert (killed.cause, killed.verdict) == ("oom_kill", NODE) and "2.0 GiB" in killed.kernel
     assert classify(_exit(3, 1000, signal.SIGKILL, 4), faults, []).verdict == KILLED
     # the rank ended (exit 1) of its DataLoader worker's OOM kill: the node's doing, said so
-    worker = Event(key="w", kind="oom_kill", time=999.0, severity="page", summary="", pid=555,
-                   comm="pt_data_worker", killer="kernel", worker=True, fields={"rank_pid": 103})
+    worker = Event(
+        key="w",
+        kind="oom_kill",
+        time=999.0,
+        severity="page",
+        summary="",
+        pid=555,
+        comm="pt_data_worker",
+        killer="kernel",
+        worker=True,
+        fields={"rank_pid": 103},
+    )
     died = classify(_exit(3, 1000.0, 1 << 8, 4), faults, [worker])
     assert (died.cause, died.verdict, died.oom_event) == ("exit_nonzero", NODE, "w")
     assert died.kernel == "its worker pid 555 (pt_data_worker) was killed by the kernel OOM killer before it"
@@ -97,10 +119,8 @@ def test_the_kernel_names_the_cause_and_order_names_the_first() -> None:
     assert classify(_exit(3, 1000, None, 4, registered=True), faults, []).verdict == KILLED
     # an Xid naming the PID (NVRM: Xid (PCI:...): 79, pid=103, ...): a critical one is the node's
     # doing; an application fault (13) is said, and the death stays the code's
-    xid79 = Event(key="x", kind="xid", time=995.0, severity="page", summary="", pid=103,
-                  fields={"xid": 79, "gpu": "0"})
-    xid13 = Event(key="y", kind="xid", time=995.0, severity="info", summary="", pid=103,
-                  fields={"xid": 13, "gpu": "0"})
+    xid79 = Event(key="x", kind="xid", time=995.0, severity="page", summary="", pid=103, fields={"xid": 79, "gpu": "0"})
+    xid13 = Event(key="y", kind="xid", time=995.0, severity="info", summary="", pid=103, fields={"xid": 13, "gpu": "0"})
     lost = classify(_exit(3, 1000.0, signal.SIGABRT, 4), faults, [xid79])
     assert (lost.verdict, lost.kernel) == (NODE, "Xid 79 on GPU 0")
     app = classify(_exit(3, 1000.0, signal.SIGABRT, 4), faults, [xid13])
@@ -117,14 +137,19 @@ def test_the_kernel_names_the_cause_and_order_names_the_first() -> None:
 
 
 def _ctx(now: float, exits: tuple[RankExit, ...], alive: tuple[int, ...] = ()) -> FindingContext:
-    ranks = tuple(RankState(job_id="j", rank=r, pid=100 + r, local_rank=r, world_size=4, alive=True,
-                            process=None) for r in alive)
+    ranks = tuple(
+        RankState(job_id="j", rank=r, pid=100 + r, local_rank=r, world_size=4, alive=True, process=None) for r in alive
+    )
     return FindingContext(now=now, config=Config(), ranks=ranks, parts=Tracked(exits=ExitOutput(recent=exits)))
 
 
 def test_paging_by_cause_and_consequence() -> None:
-    segv = order([classify(_exit(1, 1000.0, signal.SIGSEGV, 1), None, []),
-                  classify(_exit(0, 1000.1, signal.SIGTERM, 2), None, [])])
+    segv = order(
+        [
+            classify(_exit(1, 1000.0, signal.SIGSEGV, 1), None, []),
+            classify(_exit(0, 1000.1, signal.SIGTERM, 2), None, []),
+        ]
+    )
 
     def kinds(ctx: FindingContext) -> set[tuple[str, str, str]]:
         return {(f.kind, f.severity, f.rank) for f in [*rank_down.find(ctx), *job_crashed.find(ctx)]}
@@ -144,8 +169,12 @@ def test_paging_by_cause_and_consequence() -> None:
     # the node's doing pages even when the job was torn down; a stop and exit 0 say nothing
     bus = order([classify(_exit(1, 1000.0, signal.SIGBUS, 1), None, [])])
     assert kinds(_ctx(1001.0, tuple(bus))) == {("rank_down", "page", "1")}
-    stop = order([classify(_exit(1, 1000.0, signal.SIGTERM, 1), None, []),
-                  classify(_exit(0, 1000.0, signal.SIGTERM, 2), None, [])])
+    stop = order(
+        [
+            classify(_exit(1, 1000.0, signal.SIGTERM, 1), None, []),
+            classify(_exit(0, 1000.0, signal.SIGTERM, 2), None, []),
+        ]
+    )
     assert kinds(_ctx(1020.0, tuple(stop))) == set()
     done = order([classify(_exit(r, 1000.0, 0, r), None, []) for r in (0, 1)])
     assert kinds(_ctx(1020.0, tuple(done))) == set()
@@ -162,21 +191,27 @@ def test_a_crash_the_launcher_restarted_is_not_paged_as_waiting_peers() -> None:
 
     def rank(r: int, pid: int, started: float) -> RankState:
         proc = ProcessInfo(pid, 1, "python", "S", 0, "root", 1, started, 0.0, 0, 1, None, None, None)
-        return RankState(job_id="j", rank=r, pid=pid, local_rank=r, world_size=2, alive=True,
-                         process=proc)
+        return RankState(job_id="j", rank=r, pid=pid, local_rank=r, world_size=2, alive=True, process=proc)
 
-    crash = order([classify(_exit(1, 1000.0, signal.SIGSEGV, 1), None, []),
-                   classify(_exit(0, 1000.1, signal.SIGTERM, 2), None, [])])
+    crash = order(
+        [
+            classify(_exit(1, 1000.0, signal.SIGSEGV, 1), None, []),
+            classify(_exit(0, 1000.1, signal.SIGTERM, 2), None, []),
+        ]
+    )
     restarted = (rank(0, 200, 1003.0), rank(1, 201, 1003.0))
-    ctx = FindingContext(now=1015.0, config=Config(), ranks=restarted,
-                         parts=Tracked(exits=ExitOutput(recent=tuple(crash))))
+    ctx = FindingContext(
+        now=1015.0, config=Config(), ranks=restarted, parts=Tracked(exits=ExitOutput(recent=tuple(crash)))
+    )
     assert {(f.kind, f.severity) for f in [*rank_down.find(ctx), *job_crashed.find(ctx)]} == {
-        ("job_crashed", "warning")}
+        ("job_crashed", "warning")
+    }
     (crashed,) = job_crashed.find(ctx)
     assert "the launcher restarted the job (2 new rank(s) on this node)" in crashed.explanation
     alone = tuple(x for x in crash if x.rank == 1)
-    waiting = FindingContext(now=1015.0, config=Config(), ranks=(rank(0, 100, 900.0),),
-                         parts=Tracked(exits=ExitOutput(recent=alone)))
+    waiting = FindingContext(
+        now=1015.0, config=Config(), ranks=(rank(0, 100, 900.0),), parts=Tracked(exits=ExitOutput(recent=alone))
+    )
     (f,) = rank_down.find(waiting)
     assert f.severity == "page" and "1 peer(s) on this node still alive" in f.explanation
 
@@ -186,17 +221,15 @@ def test_a_rank_seen_gone_before_its_exit_is_joined_waits_for_it() -> None:
     exit read" page within the grace (the H100: the catalog's TERM fault, a stop the launcher
     tore down, paged rank_down 3 s after the death); with its exit, the stop says nothing; with
     no exit read past the grace, it pages as before."""
-    dead = RankState(job_id="j", rank=1, pid=101, local_rank=1, world_size=2, alive=False,
-                     process=None, died_at=1000.0)
-    early = FindingContext(now=1001.0, config=Config(), ranks=(dead,),
-                         parts=Tracked(exits=ExitOutput(recent=())))
+    dead = RankState(job_id="j", rank=1, pid=101, local_rank=1, world_size=2, alive=False, process=None, died_at=1000.0)
+    early = FindingContext(now=1001.0, config=Config(), ranks=(dead,), parts=Tracked(exits=ExitOutput(recent=())))
     assert list(rank_down.find(early)) == []
     stop = order([classify(_exit(1, 1000.0, signal.SIGTERM, 1), None, [])])
-    joined = FindingContext(now=1003.0, config=Config(), ranks=(dead,),
-                         parts=Tracked(exits=ExitOutput(recent=tuple(stop))))
+    joined = FindingContext(
+        now=1003.0, config=Config(), ranks=(dead,), parts=Tracked(exits=ExitOutput(recent=tuple(stop)))
+    )
     assert list(rank_down.find(joined)) == []
-    late = FindingContext(now=1006.0, config=Config(), ranks=(dead,),
-                         parts=Tracked(exits=ExitOutput(recent=())))
+    late = FindingContext(now=1006.0, config=Config(), ranks=(dead,), parts=Tracked(exits=ExitOutput(recent=())))
     (f,) = rank_down.find(late)
     assert f.severity == "page" and "no exit read" in f.explanation
 
@@ -239,12 +272,26 @@ def test_another_users_exit_is_read_or_said_unknown_never_exit_0(reap_after: flo
     """As user nobody (no capability), watching root's process: the kernel shows field 52 as 0,
     so the zombie is not read; once its parent reaps it the pidfd gives the status (Linux >=
     6.15), and a parent that does not reap within 2 s leaves "not readable", never exit 0."""
-    victim = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline(); sys.exit(7)"],
-                              stdin=subprocess.PIPE, text=True)
+    victim = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.readline(); sys.exit(7)"], stdin=subprocess.PIPE, text=True
+    )
     start = Path(f"/proc/{victim.pid}/stat").read_text().rpartition(")")[2].split()[19]
-    watcher = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                                "/usr/bin/python3", "-c", WATCH_AS_NOBODY, str(REPO), str(victim.pid), start],
-                               stdout=subprocess.PIPE, text=True)
+    watcher = subprocess.Popen(
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "/usr/bin/python3",
+            "-c",
+            WATCH_AS_NOBODY,
+            str(REPO),
+            str(victim.pid),
+            start,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert watcher.stdout is not None and watcher.stdout.readline().strip() == "watching"
     assert victim.stdin is not None
     victim.stdin.write("end\n")

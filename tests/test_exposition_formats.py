@@ -66,8 +66,9 @@ def _served_escaping(fmt: str, content_type: str) -> str:
     """The content type gpuwatchd answers for client_python's choice: an escaping whose bytes
     client_python writes differently for legacy names is answered as underscores (formats.py)."""
     odd = ("dots", "values") if fmt == "openmetrics" else ("dots",)
-    return re.sub(r"escaping=(\w+)", lambda m: "escaping=underscores" if m.group(1) in odd else m.group(0),
-                  content_type)
+    return re.sub(
+        r"escaping=(\w+)", lambda m: "escaping=underscores" if m.group(1) in odd else m.group(0), content_type
+    )
 
 
 @pytest.mark.parametrize("accept", ACCEPTS + ACCEPTS_MORE)
@@ -96,8 +97,7 @@ def test_served_bytes_are_client_pythons_for_every_accept(accept: str) -> None:
     reg = make_registry(lambda: state, counters, _fixed_process)
     server = serve(reg, "127.0.0.1:0")
     try:
-        req = urllib.request.Request(f"http://127.0.0.1:{server.address[1]}/metrics",
-                                     headers={"Accept": accept})
+        req = urllib.request.Request(f"http://127.0.0.1:{server.address[1]}/metrics", headers={"Accept": accept})
         with urllib.request.urlopen(req, timeout=10) as r:
             body, ctype = r.read(), r.headers["Content-Type"]
     finally:
@@ -142,12 +142,10 @@ def test_the_daemon_registry_answers_prometheus_in_openmetrics() -> None:
     server = serve(reg, "127.0.0.1:0")
     try:
         port = server.address[1]
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={
-            "Accept": ACCEPTS[-2]})
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": ACCEPTS[-2]})
         with urllib.request.urlopen(req, timeout=10) as r:
             body, ctype = r.read(), r.headers["Content-Type"]
-        assert ctype == "application/openmetrics-text; version=1.0.0; charset=utf-8; " \
-            "escaping=underscores"
+        assert ctype == "application/openmetrics-text; version=1.0.0; charset=utf-8; escaping=underscores"
         assert body == om.generate_latest(reg)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             assert r.read() == reg.encode_text() == generate_latest(reg)
@@ -187,8 +185,13 @@ def test_renders_reuse_what_did_not_change_and_forget_what_went() -> None:
             return self.fams
 
     text, om_cache = Prefixes(), Prefixes()
-    steps = [(range(64), 1.5, 0.0), (range(64), 2.5, 0.0), (range(64), 2.5, -0.0),
-             (range(8, 40), 3.5, 0.0), (range(8, 40), 3.5, 0.0)]
+    steps = [
+        (range(64), 1.5, 0.0),
+        (range(64), 2.5, 0.0),
+        (range(64), 2.5, -0.0),
+        (range(8, 40), 3.5, 0.0),
+        (range(8, 40), 3.5, 0.0),
+    ]
     for k, step in enumerate(steps):
         built, copied = text.built, text.copied
         assert render_text(families(*step), text) == text_latest(Fixed(families(*step)))
@@ -196,8 +199,9 @@ def test_renders_reuse_what_did_not_change_and_forget_what_went() -> None:
         if k == 1:  # new cpu values: up copied, cpu rendered with the labels it had
             assert text.built == built and text.copied == copied + 2
         if k == 2:  # -0.0 is written anew
-            assert text.copied == copied + 2 and b"gpuwatch_zero{k=\"a\"} -0.0" in render_text(
-                families(*step), Prefixes())
+            assert text.copied == copied + 2 and b'gpuwatch_zero{k="a"} -0.0' in render_text(
+                families(*step), Prefixes()
+            )
         if k == 4:
             assert text.built == built and text.copied == copied + 3
         assert len(text) == 2 * len(step[0]) + 1  # only the series of the last render are kept
@@ -208,10 +212,29 @@ def test_renders_reuse_what_did_not_change_and_forget_what_went() -> None:
 _LEGACY = st.from_regex(r"[a-zA-Z_][a-zA-Z0-9_]{0,12}", fullmatch=True)
 _LABEL = st.from_regex(r"[a-zA-Z][a-zA-Z0-9_]{0,8}", fullmatch=True)  # no reserved __ prefix
 _VALUE_TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12) | st.sampled_from(
-    ["", "\\", "\n", '"', '\\"\n', "caf\u00e9", "\u2603", "a\\nb"])
+    ["", "\\", "\n", '"', '\\"\n', "caf\u00e9", "\u2603", "a\\nb"]
+)
 _FLOAT = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(
-    [0.0, -0.0, 1e-9, 5e-324, 1.7976931348623157e308, 1796155037.0781217, 6008340480.0, 123456.0,
-     1234567.0, -1234567.0, 1e20, 1e21, 0.1, 100.0, math.inf, -math.inf, math.nan])
+    [
+        0.0,
+        -0.0,
+        1e-9,
+        5e-324,
+        1.7976931348623157e308,
+        1796155037.0781217,
+        6008340480.0,
+        123456.0,
+        1234567.0,
+        -1234567.0,
+        1e20,
+        1e21,
+        0.1,
+        100.0,
+        math.inf,
+        -math.inf,
+        math.nan,
+    ]
+)
 
 
 @st.composite
@@ -304,13 +327,16 @@ def test_process_metrics_are_process_collectors_on_the_same_process(tmp_path) ->
     try:
         time.sleep(0.3)
         ours = render_text(process_families(str(child.pid)))
-        theirs = generate_latest(_Fixed(list(ProcessCollector(pid=lambda: child.pid, registry=None)
-                                             .collect())))
+        theirs = generate_latest(_Fixed(list(ProcessCollector(pid=lambda: child.pid, registry=None).collect())))
         assert ours == theirs
         assert sorted(re.findall(rb"^# TYPE (\S+ \S+)", ours, re.M)) == [
-            b"process_cpu_seconds_total counter", b"process_max_fds gauge", b"process_open_fds gauge",
-            b"process_resident_memory_bytes gauge", b"process_start_time_seconds gauge",
-            b"process_virtual_memory_bytes gauge"]
+            b"process_cpu_seconds_total counter",
+            b"process_max_fds gauge",
+            b"process_open_fds gauge",
+            b"process_resident_memory_bytes gauge",
+            b"process_start_time_seconds gauge",
+            b"process_virtual_memory_bytes gauge",
+        ]
     finally:
         child.kill()
         child.wait()
@@ -323,7 +349,7 @@ def test_another_librarys_registry_is_served_as_client_python_writes_it() -> Non
 
     reg = CollectorRegistry()
     Histogram("gw_req_seconds", "Request time.", registry=reg).observe(0.3)
-    Counter("gw_hits", "Hits.", ["a"], registry=reg).labels("x\n\"").inc(1796155037.0781217)
+    Counter("gw_hits", "Hits.", ["a"], registry=reg).labels('x\n"').inc(1796155037.0781217)
     Info("gw_build", "Build.", registry=reg).info({"version": "1"})
     server = serve(reg, "127.0.0.1:0")
     try:

@@ -40,17 +40,18 @@ def raised() -> dict[str, set[tuple[str, str]]]:
         if str(path.relative_to(REPO)) in FORWARDERS:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                    and node.func.id in FINDING_CALLS):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in FINDING_CALLS):
                 continue
             kw = {k.arg: k.value for k in node.keywords}
             if "kind" not in kw:
                 continue
             kind, sev = kw["kind"], kw.get("severity")
-            out.setdefault(str(path.relative_to(REPO)), set()).add((
-                kind.value if isinstance(kind, ast.Constant) and isinstance(kind.value, str) else "?",
-                SEVERITY_NAMES.get(sev.id, "?") if isinstance(sev, ast.Name) else "?",
-            ))
+            out.setdefault(str(path.relative_to(REPO)), set()).add(
+                (
+                    kind.value if isinstance(kind, ast.Constant) and isinstance(kind.value, str) else "?",
+                    SEVERITY_NAMES.get(sev.id, "?") if isinstance(sev, ast.Name) else "?",
+                )
+            )
     return out
 
 
@@ -106,8 +107,7 @@ def metrics_doc_problems(kinds: Iterable[FindingKind], rows: dict[str, tuple[str
         if sev != kinds[n].severity:
             out.append(f"docs/metrics.md: {n} is {sev}, the table says {kinds[n].severity}")
         if not when.startswith(kinds[n].line):
-            out.append(f"docs/metrics.md: {n}'s 'raised when' does not start with the table's line "
-                       f"{kinds[n].line!r}")
+            out.append(f"docs/metrics.md: {n}'s 'raised when' does not start with the table's line {kinds[n].line!r}")
     return out
 
 
@@ -128,8 +128,9 @@ def rules_of(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {r["alert"]: r for g in doc["groups"] for r in g["rules"] if "alert" in r}
 
 
-def alert_rule_problems(kinds: Iterable[FindingKind], alerts: Iterable[Alert],
-                        rules: dict[str, dict[str, Any]]) -> list[str]:
+def alert_rule_problems(
+    kinds: Iterable[FindingKind], alerts: Iterable[Alert], rules: dict[str, dict[str, Any]]
+) -> list[str]:
     """The table of alerts is the rules' alerts, with their severity, summary and runbook anchor;
     every kind with an alert is selected by that alert (through ``gpuwatch_finding{kind=...}`` or
     the series its row names); every kind a rule selects is a row reporting to that rule."""
@@ -151,10 +152,11 @@ def alert_rule_problems(kinds: Iterable[FindingKind], alerts: Iterable[Alert],
         for kind in group.split("|")
     }
     by_row = {(k.kind, k.alert) for k in kinds if k.alert and k.series == FINDING_SERIES}
-    out += [f"rules: {name} selects kind {kind}, which the table does not report there"
-            for kind, name in sorted(selected - by_row)]
-    out += [f"rules: {name} does not select kind {kind} as the table says"
-            for kind, name in sorted(by_row - selected)]
+    out += [
+        f"rules: {name} selects kind {kind}, which the table does not report there"
+        for kind, name in sorted(selected - by_row)
+    ]
+    out += [f"rules: {name} does not select kind {kind} as the table says" for kind, name in sorted(by_row - selected)]
     for k in kinds:
         if k.alert and k.series != FINDING_SERIES and k.alert in rules and k.series not in rules[k.alert]["expr"]:
             out.append(f"rules: {k.alert} does not read {k.series}, which carries {k.kind}")
@@ -166,11 +168,13 @@ def _anchors() -> set[str]:
 
 
 def _all_problems(kinds: tuple[FindingKind, ...]) -> list[str]:
-    return (table_problems(kinds, ALERTS, _anchors())
-            + rule_problems(kinds, raised())
-            + metrics_doc_problems(kinds, metrics_doc_rows((REPO / "docs/metrics.md").read_text()))
-            + readme_problems(kinds, readme_kinds((REPO / "README.md").read_text()))
-            + alert_rule_problems(kinds, ALERTS, rules_of(yaml.safe_load(RULES_YML.read_text()))))
+    return (
+        table_problems(kinds, ALERTS, _anchors())
+        + rule_problems(kinds, raised())
+        + metrics_doc_problems(kinds, metrics_doc_rows((REPO / "docs/metrics.md").read_text()))
+        + readme_problems(kinds, readme_kinds((REPO / "README.md").read_text()))
+        + alert_rule_problems(kinds, ALERTS, rules_of(yaml.safe_load(RULES_YML.read_text())))
+    )
 
 
 def test_the_table_rule_modules_docs_and_alert_rules_agree() -> None:
@@ -178,38 +182,51 @@ def test_the_table_rule_modules_docs_and_alert_rules_agree() -> None:
 
 
 def test_a_row_added_to_the_table_alone_is_reported_by_each_place() -> None:
-    new = FindingKind("gpu_too_hot", WARNING, "GPURankTooHot", "gpuranktoohot",
-                      "a GPU above its slowdown temperature", "gpu_too_hot")
+    new = FindingKind(
+        "gpu_too_hot", WARNING, "GPURankTooHot", "gpuranktoohot", "a GPU above its slowdown temperature", "gpu_too_hot"
+    )
     got = "\n".join(_all_problems((*KINDS, new)))
-    for place in ("no alert GPURankTooHot", "no anchor 'gpuranktoohot'", "no rule module",
-                  "gpu_too_hot.py does not raise", "docs/metrics.md lacks gpu_too_hot",
-                  "README's list lacks gpu_too_hot"):
+    for place in (
+        "no alert GPURankTooHot",
+        "no anchor 'gpuranktoohot'",
+        "no rule module",
+        "gpu_too_hot.py does not raise",
+        "docs/metrics.md lacks gpu_too_hot",
+        "README's list lacks gpu_too_hot",
+    ):
         assert place in got, (place, got)
 
 
 def test_a_row_missing_from_the_table_is_reported_by_each_place() -> None:
     fewer = tuple(k for k in KINDS if k.kind != "fd_exhaustion")
     got = "\n".join(_all_problems(fewer))
-    for place in ("fd_exhaustion.py raises fd_exhaustion", "docs/metrics.md lists fd_exhaustion",
-                  "README lists fd_exhaustion", "GPURankFDExhaustion selects kind fd_exhaustion"):
+    for place in (
+        "fd_exhaustion.py raises fd_exhaustion",
+        "docs/metrics.md lists fd_exhaustion",
+        "README lists fd_exhaustion",
+        "GPURankFDExhaustion selects kind fd_exhaustion",
+    ):
         assert place in got, (place, got)
 
 
 def test_a_wrong_severity_alert_or_series_is_reported() -> None:
     i = next(i for i, k in enumerate(KINDS) if k.kind == "gil_saturated")
     for row, words in (
-        (replace(KINDS[i], severity=INFO), ("gil_saturated.py does not raise gil_saturated (info)",
-                                            "docs/metrics.md: gil_saturated is warning")),
-        (replace(KINDS[i], alert="GPURankStraggler"), ("GPURankStraggler does not select kind gil_saturated",
-                                                       "GPURankGILSaturated selects kind gil_saturated")),
+        (
+            replace(KINDS[i], severity=INFO),
+            ("gil_saturated.py does not raise gil_saturated (info)", "docs/metrics.md: gil_saturated is warning"),
+        ),
+        (
+            replace(KINDS[i], alert="GPURankStraggler"),
+            ("GPURankStraggler does not select kind gil_saturated", "GPURankGILSaturated selects kind gil_saturated"),
+        ),
         (replace(KINDS[i], line="the GPU waits"), ("does not start with the table's line",)),
     ):
-        got = "\n".join(_all_problems((*KINDS[:i], row, *KINDS[i + 1:])))
+        got = "\n".join(_all_problems((*KINDS[:i], row, *KINDS[i + 1 :])))
         for w in words:
             assert w in got, (w, got)
     j = next(i for i, k in enumerate(KINDS) if k.kind == "rank_oom_killed")
-    got = "\n".join(_all_problems((*KINDS[:j], replace(KINDS[j], series="gpuwatch_oom_kill_total"),
-                                   *KINDS[j + 1:])))
+    got = "\n".join(_all_problems((*KINDS[:j], replace(KINDS[j], series="gpuwatch_oom_kill_total"), *KINDS[j + 1 :])))
     assert "GPURankOOMKilled does not read gpuwatch_oom_kill_total" in got
 
 

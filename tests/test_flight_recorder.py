@@ -49,8 +49,12 @@ def test_responder_without_torch_answers_with_the_reason(tmp_path: Path) -> None
 
 
 def test_responder_keeps_answers_under_the_size_cap(tmp_path: Path) -> None:
-    big = {"entries": [{"collective_seq_id": i, "pg_id": i % 3, "profiling_name": "x" * 2000,
-                        "state": "completed"} for i in range(5000)]}
+    big = {
+        "entries": [
+            {"collective_seq_id": i, "pg_id": i % 3, "profiling_name": "x" * 2000, "state": "completed"}
+            for i in range(5000)
+        ]
+    }
     r = fr.Responder(str(tmp_path), "j", 0, dump=lambda: big)
     write_request(fr.request_path(str(tmp_path), "j", 0), "n")
     assert r.poll_once()
@@ -99,15 +103,16 @@ def test_daemon_names_the_rank_that_never_entered_the_collective(tmp_path: Path)
     from daemonutil import DaemonProc, write_config
 
     interval = 0.5
-    cfg_path, cfg = write_config(tmp_path, interval_seconds=interval,
-                                 stall={"after_seconds": 1.0})
+    cfg_path, cfg = write_config(tmp_path, interval_seconds=interval, stall={"after_seconds": 1.0})
     ranks = []
     try:
         for r in (0, 1):
             p = subprocess.Popen(
-                [sys.executable, str(PROGRAMS / "hang_rank.py"), "fr", cfg["rank_dir"], "fr-job",
-                 str(r)], stdout=subprocess.PIPE, text=True,
-                env={**os.environ, "GW_FR_RECORDING": str(FIX / f"fr_gloo_rank{r}.json")})
+                [sys.executable, str(PROGRAMS / "hang_rank.py"), "fr", cfg["rank_dir"], "fr-job", str(r)],
+                stdout=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "GW_FR_RECORDING": str(FIX / f"fr_gloo_rank{r}.json")},
+            )
             ranks.append(p)
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         d = DaemonProc(cfg_path, cfg)
@@ -119,8 +124,14 @@ def test_daemon_names_the_rank_that_never_entered_the_collective(tmp_path: Path)
                     doc = json.loads(state.read_text())
                 except (OSError, ValueError):  # not written yet
                     return ""
-                return next((f["explanation"] for f in doc["findings"] if f["rank"] == "0"
-                             and "never entered" in f["explanation"]), "")
+                return next(
+                    (
+                        f["explanation"]
+                        for f in doc["findings"]
+                        if f["rank"] == "0" and "never entered" in f["explanation"]
+                    ),
+                    "",
+                )
 
             d.wait_for(lambda: bool(explanation()), timeout=30, what="flight recorder named")
             seen = time.time()
@@ -128,14 +139,16 @@ def test_daemon_names_the_rank_that_never_entered_the_collective(tmp_path: Path)
             answered = max(a.stat().st_mtime for a in answers)
             text = explanation()
             print(text, f"\n{seen - answered:.2f} s after the answers")
-            assert "rank 1 never entered collective #5 (gloo:all_reduce) of process group 0 " \
+            assert (
+                "rank 1 never entered collective #5 (gloo:all_reduce) of process group 0 "
                 "that rank 0 entered (last entered: rank 1 #4)" in text
+            )
             assert seen - answered <= interval + 1.0  # one cycle (plus a loaded machine)
             for r, seq in ((0, 5.0), (1, 4.0)):
-                assert d.value("gpuwatch_rank_collective_last_started_seq", job_id="fr-job",
-                               rank=str(r), pg="0") == seq
-                assert d.value("gpuwatch_rank_collective_last_completed_seq", job_id="fr-job",
-                               rank=str(r), pg="0") == 4.0
+                assert d.value("gpuwatch_rank_collective_last_started_seq", job_id="fr-job", rank=str(r), pg="0") == seq
+                assert (
+                    d.value("gpuwatch_rank_collective_last_completed_seq", job_id="fr-job", rank=str(r), pg="0") == 4.0
+                )
             # answered requests are removed by the daemon
             assert not list(Path(cfg["rank_dir"]).glob("*.frreq"))
         finally:
@@ -154,20 +167,20 @@ def test_trace_buffer_size_under_its_old_name_is_a_renamed_variable(procs: list)
     from gpuwatchd.model import RankState
     from gpuwatchd.sources.procfs import ProcfsReader
 
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                         env={**os.environ, "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"})
+    p = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        env={**os.environ, "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"},
+    )
     procs.append(p)
     reader = ProcfsReader()
     deadline = time.monotonic() + 10
-    while (env := reader.environ_values(p.pid, nccl_env.WATCHED_VARS)) is None and \
-            time.monotonic() < deadline:
+    while (env := reader.environ_values(p.pid, nccl_env.WATCHED_VARS)) is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert env is not None
     flags = nccl_env.env_flags(env)
     assert flags is not None and "TORCH_NCCL_TRACE_BUFFER_SIZE" in flags
     r = RankState("j", 0, p.pid, 0, 1, True, None)
-    (f,) = nccl_env.find(FindingContext(now=0.0, config=Config(), ranks=(r,),
-                                        env_flags={p.pid: flags}))
+    (f,) = nccl_env.find(FindingContext(now=0.0, config=Config(), ranks=(r,), env_flags={p.pid: flags}))
     assert f.kind == "nccl_legacy_env"
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE (use TORCH_FR_BUFFER_SIZE)" in f.explanation
 
@@ -198,10 +211,12 @@ def test_unanswered_ranks_are_asked_less_often_and_discovered_ones_never(tmp_pat
     from gpuwatchd.paths import HostPaths
     from gpuwatchd.sources.procfs import ProcfsReader
 
-    daemon = SimpleNamespace(config=SimpleNamespace(rank_dir=str(tmp_path)), paths=HostPaths(),
-                             procfs=ProcfsReader(HostPaths()))  # its environment sets no dump pipe
-    verdicts = {e.rank_id: StallVerdict("j", e.rank, pid, True, 0.0, True, "stack", 600.0)
-                for e in (mute, answering, found)}
+    daemon = SimpleNamespace(
+        config=SimpleNamespace(rank_dir=str(tmp_path)), paths=HostPaths(), procfs=ProcfsReader(HostPaths())
+    )  # its environment sets no dump pipe
+    verdicts = {
+        e.rank_id: StallVerdict("j", e.rank, pid, True, 0.0, True, "stack", 600.0) for e in (mute, answering, found)
+    }
     responder = fr.Responder(str(tmp_path), "j", 1, dump=lambda: {"entries": []})
     sub = FlightRecorderSubsystem(interval_seconds=60.0)
     asked: dict[int, list[float]] = {0: [], 1: [], 2: []}
@@ -224,7 +239,8 @@ def test_unanswered_ranks_are_asked_less_often_and_discovered_ones_never(tmp_pat
 
 
 def test_a_rank_directory_that_refuses_requests_is_said_once_per_streak(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A request that cannot be written (a read-only rank directory: here a path under a file) is
     logged once, however many cycles fail; once requests are written again that is said once; the
     rank is asked each cycle meanwhile (no request went, so none is waiting for an answer)."""
@@ -240,8 +256,9 @@ def test_a_rank_directory_that_refuses_requests_is_said_once_per_streak(
     rank = RankEntry("j", 0, pid)
     blocked = tmp_path / "ranks"
     blocked.write_text("")  # a file: no request can be made under it
-    daemon = SimpleNamespace(config=SimpleNamespace(rank_dir=str(blocked)), paths=HostPaths(),
-                             procfs=ProcfsReader(HostPaths()))
+    daemon = SimpleNamespace(
+        config=SimpleNamespace(rank_dir=str(blocked)), paths=HostPaths(), procfs=ProcfsReader(HostPaths())
+    )
     verdicts = {rank.rank_id: StallVerdict("j", 0, pid, True, 0.0, True, "stack", 600.0)}
     sub = FlightRecorderSubsystem(interval_seconds=60.0)
     caplog.set_level("WARNING", logger="gpuwatchd.daemon.flight_recorder")

@@ -28,8 +28,7 @@ USER = "gw-n2-fr"
 FIXTURES = Path(__file__).parent / "fixtures"
 ANSWERER = FIXTURES / "trust" / "fr_answerer.py"
 HOSTILE = {  # rank -> (the trace's raw JSON text, what the refusal says)
-    0: ('{"entries": [{"collective_seq_id": 3, "pg_id": "\\ud800", "state": "completed"}]}',
-        "pg_id"),
+    0: ('{"entries": [{"collective_seq_id": 3, "pg_id": "\\ud800", "state": "completed"}]}', "pg_id"),
     1: ('{"entries": [], "pg_status": {"0": {"last_started_collective": 1e400}}}', "out of range"),
     2: ("[" * 100_000 + "]" * 100_000, "nested deeper"),
     3: ('{"entries": [{"collective_seq_id": ' + "9" * 400 + ', "pg_id": "0"}]}', "a number of 400"),
@@ -43,8 +42,9 @@ world = rank_world_fixture("gw-n2-")
 
 
 def _scrape(url: str, openmetrics: bool) -> str:
-    req = urllib.request.Request(url, headers={"Accept": "application/openmetrics-text; version=1.0.0"}
-                                 if openmetrics else {})
+    req = urllib.request.Request(
+        url, headers={"Accept": "application/openmetrics-text; version=1.0.0"} if openmetrics else {}
+    )
     with urllib.request.urlopen(req, timeout=5) as r:
         return str(r.read().decode("utf-8"))
 
@@ -53,12 +53,14 @@ def _stall_findings(world: Path) -> dict[str, str]:
     path = world / "state" / "state.json"
     if not path.exists():
         return {}
-    return {f"{f['job_id']}/{f['rank']}": f["explanation"]
-            for f in json.loads(path.read_text())["findings"] if f["kind"] == "rank_stalled"}
+    return {
+        f"{f['job_id']}/{f['rank']}": f["explanation"]
+        for f in json.loads(path.read_text())["findings"]
+        if f["kind"] == "rank_stalled"
+    }
 
 
-def test_hostile_answers_are_refused_per_rank(user: int, world: Path,
-                                             procs: list[subprocess.Popen[Any]]) -> None:
+def test_hostile_answers_are_refused_per_rank(user: int, world: Path, procs: list[subprocess.Popen[Any]]) -> None:
     ranks = world / "ranks"
     answerer = world / "answerer.py"
     shutil.copy(ANSWERER, answerer)
@@ -69,39 +71,60 @@ def test_hostile_answers_are_refused_per_rank(user: int, world: Path,
     for rank, (payload, _) in HOSTILE.items():
         (world / f"payload{rank}").write_text(payload)
         (world / f"payload{rank}").chmod(0o644)
-        p = subprocess.Popen(["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups",
-                              "/usr/bin/python3", str(answerer), str(ranks), bad_job, str(rank),
-                              str(world / f"payload{rank}")], env={"PATH": "/usr/bin:/bin"})
+        p = subprocess.Popen(
+            [
+                "setpriv",
+                f"--reuid={USER}",
+                f"--regid={USER}",
+                "--clear-groups",
+                "/usr/bin/python3",
+                str(answerer),
+                str(ranks),
+                bad_job,
+                str(rank),
+                str(world / f"payload{rank}"),
+            ],
+            env={"PATH": "/usr/bin:/bin"},
+        )
         procs.append(p)
         hb = ranks / f"{bad_job}.{rank}.hb"
         user_writes(USER, hb, "")
         os.utime(hb, (old, old))
         bad_ranks.append({"rank": rank, "pid": p.pid, "heartbeat": str(hb)})
-    user_writes(USER, ranks / "bad.json",
-                json.dumps({"version": 1, "job_id": bad_job, "world_size": 4, "ranks": bad_ranks}))
+    user_writes(
+        USER, ranks / "bad.json", json.dumps({"version": 1, "job_id": bad_job, "world_size": 4, "ranks": bad_ranks})
+    )
     good_trace = json.dumps(json.loads((FIXTURES / "hang" / "fr_gloo_rank0.json").read_text())["trace"])
     (world / "payload-good").write_text(good_trace)
-    good = subprocess.Popen(["/usr/bin/python3", str(answerer), str(ranks), good_job, "0",
-                             str(world / "payload-good")])
+    good = subprocess.Popen(["/usr/bin/python3", str(answerer), str(ranks), good_job, "0", str(world / "payload-good")])
     procs.append(good)
     hb = ranks / f"{good_job}.0.hb"
     hb.write_text("")
     os.utime(hb, (old, old))
-    (ranks / "good.json").write_text(json.dumps({"version": 1, "job_id": good_job, "ranks": [
-        {"rank": 0, "pid": good.pid, "heartbeat": str(hb)}]}))
+    (ranks / "good.json").write_text(
+        json.dumps({"version": 1, "job_id": good_job, "ranks": [{"rank": 0, "pid": good.pid, "heartbeat": str(hb)}]})
+    )
 
-    path, cfg = write_config(world, rank_dir=str(ranks),
-                             stall={"after_seconds": 1.5, "flight_recorder_interval_seconds": 1})
+    path, cfg = write_config(
+        world, rank_dir=str(ranks), stall={"after_seconds": 1.5, "flight_recorder_interval_seconds": 1}
+    )
     d = DaemonProc(path, cfg)
     try:
+
         def all_refused() -> bool:
             found = _stall_findings(world)
-            return all("unavailable: refused: " in found.get(f"{bad_job}/{r}", "")
-                       and why in found[f"{bad_job}/{r}"] for r, (_, why) in HOSTILE.items())
+            return all(
+                "unavailable: refused: " in found.get(f"{bad_job}/{r}", "") and why in found[f"{bad_job}/{r}"]
+                for r, (_, why) in HOSTILE.items()
+            )
 
-        d.wait_for(lambda: d.value("gpuwatch_rank_collective_last_started_seq", job_id=good_job,
-                                   rank="0") == 5.0 and all_refused(),
-                   timeout=30, what="root's collectives and every hostile answer refused")
+        d.wait_for(
+            lambda: (
+                d.value("gpuwatch_rank_collective_last_started_seq", job_id=good_job, rank="0") == 5.0 and all_refused()
+            ),
+            timeout=30,
+            what="root's collectives and every hostile answer refused",
+        )
         end = time.monotonic() + 4.0
         while time.monotonic() < end:  # cycles with every hostile answer present
             for om in (False, True):

@@ -51,8 +51,9 @@ def test_an_adversarial_answer_is_bounded_in_linear_time(name: str) -> None:
     expr, bound = SHAPES[name]
     code = CHILD.format(n=N, expr=expr, cap=MAX_BYTES)
     try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=60, check=True).stdout.split()
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+        ).stdout.split()
     except subprocess.TimeoutExpired:
         pytest.fail(f"{name}: the check ran past 60 s (quadratic)")
     size, seconds = int(out[0]), float(out[1])
@@ -65,12 +66,15 @@ def test_larger_than_the_cap_is_refused_before_any_pattern() -> None:
         frf.loads_answer(b'"' + b'\\"' * (MAX_BYTES // 2 + 1))
 
 
-@pytest.mark.parametrize(("text", "depth"), [
-    ('{"a": "[[[{{{", "b": [1, [2, ["\\"]]"]]]}', 4),
-    ('["\\\\", [["x\\\\\\"]"]]]', 3),
-    ('"[[["', 0),
-    ("[" * 17 + "]" * 17, 17),
-])
+@pytest.mark.parametrize(
+    ("text", "depth"),
+    [
+        ('{"a": "[[[{{{", "b": [1, [2, ["\\"]]"]]]}', 4),
+        ('["\\\\", [["x\\\\\\"]"]]]', 3),
+        ('"[[["', 0),
+        ("[" * 17 + "]" * 17, 17),
+    ],
+)
 def test_the_nesting_check_skips_brackets_inside_strings(text: str, depth: int) -> None:
     json.loads(text)  # each text is valid JSON
     assert frf._nesting_within(text.encode(), depth)

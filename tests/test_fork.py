@@ -82,13 +82,15 @@ def ranks() -> Iterator[list[subprocess.Popen[bytes]]]:
                 os.kill(pid, 9)
 
 
-def _start(tmp_path: Path, devfs: Path, method: str, ranks: list, reopen: bool = False,
-           close: bool = False) -> tuple[int, list[int]]:
+def _start(
+    tmp_path: Path, devfs: Path, method: str, ranks: list, reopen: bool = False, close: bool = False
+) -> tuple[int, list[int]]:
     script = tmp_path / "rank.py"
     script.write_text(RANK)
     out = tmp_path / f"ready-{method}-{reopen}-{close}.json"
-    p = subprocess.Popen([sys.executable, str(script), str(devfs), method, str(out),
-                          "1" if reopen else "0", "1" if close else "0"])
+    p = subprocess.Popen(
+        [sys.executable, str(script), str(devfs), method, str(out), "1" if reopen else "0", "1" if close else "0"]
+    )
     ranks.append(p)
     deadline = time.monotonic() + 30
     while not out.exists():
@@ -106,15 +108,27 @@ def _findings(devfs: Path, rank_pid: int, gpu_processes: tuple = ()) -> list:
     procfs = ProcfsReader(paths)
     tree = (rank_pid, *procfs.descendants(rank_pid))
     evidence = {pid: ev for pid in tree if (ev := read_evidence(paths, pid)) is not None}
-    rank = RankState(job_id="llm-7", rank=1, pid=rank_pid, local_rank=1, world_size=8,
-                     alive=True, process=procfs.read_process(rank_pid), tree=tree)
-    ctx = FindingContext(now=time.time(), config=Config(), ranks=(rank,), gpu_processes=gpu_processes,
-                         parts=Tracked(gpu=GpuOutput(fork_evidence=evidence)))
+    rank = RankState(
+        job_id="llm-7",
+        rank=1,
+        pid=rank_pid,
+        local_rank=1,
+        world_size=8,
+        alive=True,
+        process=procfs.read_process(rank_pid),
+        tree=tree,
+    )
+    ctx = FindingContext(
+        now=time.time(),
+        config=Config(),
+        ranks=(rank,),
+        gpu_processes=gpu_processes,
+        parts=Tracked(gpu=GpuOutput(fork_evidence=evidence)),
+    )
     return list(fork_rule.find(ctx))
 
 
-def test_fork_children_that_inherited_device_fds_are_flagged(tmp_path: Path, devfs: Path,
-                                                            ranks: list) -> None:
+def test_fork_children_that_inherited_device_fds_are_flagged(tmp_path: Path, devfs: Path, ranks: list) -> None:
     pid, kids = _start(tmp_path, devfs, "fork", ranks)
     paths = HostPaths(devfs=str(devfs))
     parent = read_evidence(paths, pid)
@@ -141,27 +155,32 @@ def test_fork_children_that_used_the_gpu_are_said_to(tmp_path: Path, devfs: Path
     (f,) = _findings(devfs, pid)
     assert f.evidence["used_gpu"] is True
     assert "a child used the GPU after the fork (a fault" in f.explanation
-    assert f"PID {kids[0]} opened {devfs / 'nvidia-uvm'}, {devfs / 'nvidiactl'} after the fork" \
-        in f.explanation
+    assert f"PID {kids[0]} opened {devfs / 'nvidia-uvm'}, {devfs / 'nvidiactl'} after the fork" in f.explanation
     # NVML's process list (a recorded shape: the GPU is absent here) names the other worker
     pid2, kids2 = _start(tmp_path, devfs, "fork", ranks)
-    row = GpuProcessRow(gpu_index=0, uuid="GPU-0", pid=kids2[1], used_memory_bytes=500 << 20,
-                        comm="python", user="root", job_id="llm-7", rank="1")
+    row = GpuProcessRow(
+        gpu_index=0,
+        uuid="GPU-0",
+        pid=kids2[1],
+        used_memory_bytes=500 << 20,
+        comm="python",
+        user="root",
+        job_id="llm-7",
+        rank="1",
+    )
     (g,) = _findings(devfs, pid2, (row,))
     assert g.evidence["used_gpu"] is True
     assert f"PID {kids2[1]} has its own CUDA context on GPU 0 holding 500.0 MiB (NVML)" in g.explanation
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
-def test_spawn_and_forkserver_children_are_not_flagged(tmp_path: Path, devfs: Path,
-                                                       ranks: list, method: str) -> None:
+def test_spawn_and_forkserver_children_are_not_flagged(tmp_path: Path, devfs: Path, ranks: list, method: str) -> None:
     pid, _kids = _start(tmp_path, devfs, method, ranks)
     assert read_evidence(HostPaths(devfs=str(devfs)), pid).holds_cuda_device  # type: ignore[union-attr]
     assert _findings(devfs, pid) == []
 
 
-def test_spawned_child_with_its_own_cuda_context_is_not_flagged(tmp_path: Path, devfs: Path,
-                                                                ranks: list) -> None:
+def test_spawned_child_with_its_own_cuda_context_is_not_flagged(tmp_path: Path, devfs: Path, ranks: list) -> None:
     pid, kids = _start(tmp_path, devfs, "spawn", ranks, reopen=True)
     paths = HostPaths(devfs=str(devfs))
     deadline = time.monotonic() + 20
@@ -173,8 +192,7 @@ def test_spawned_child_with_its_own_cuda_context_is_not_flagged(tmp_path: Path, 
     assert _findings(devfs, pid) == []  # ...but it was exec'd fresh: not a fork after CUDA
 
 
-def test_fork_without_a_cuda_context_is_not_flagged(tmp_path: Path, devfs: Path,
-                                                    ranks: list) -> None:
+def test_fork_without_a_cuda_context_is_not_flagged(tmp_path: Path, devfs: Path, ranks: list) -> None:
     pid, _ = _start(tmp_path, devfs, "fork", ranks, close=True)
     assert _findings(devfs, pid) == []
 

@@ -51,9 +51,13 @@ CHILD = textwrap.dedent(
 
 def test_a_reload_frees_the_replaced_web_server_without_the_cyclic_collector(tmp_path: Path) -> None:
     ports = [free_port() for _ in range(4)]
-    path, _ = write_config(tmp_path, web={"listen_address": f"127.0.0.1:{ports[0]}"},
-                           interval_seconds=0.2)
-    out = subprocess.run([sys.executable, "-c", CHILD, str(path), *map(str, ports)], capture_output=True,
-                         text=True, timeout=120, cwd=Path(__file__).parent)
+    path, _ = write_config(tmp_path, web={"listen_address": f"127.0.0.1:{ports[0]}"}, interval_seconds=0.2)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(path), *map(str, ports)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parent,
+    )
     assert out.returncode == 0, out.stderr
     assert "gone [True, True, True] frozen True" in out.stdout, (out.stdout, out.stderr)

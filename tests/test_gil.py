@@ -38,8 +38,7 @@ BINARY = pyspy.resolve_pyspy()
 
 
 def start(procs: list, program: str, *args: str) -> subprocess.Popen[str]:
-    p = subprocess.Popen([sys.executable, str(PROGRAMS / program), *args],
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, str(PROGRAMS / program), *args], stdout=subprocess.PIPE, text=True)
     procs.append(p)
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     return p
@@ -102,8 +101,7 @@ class FakeClock:
 
 def test_schedule_is_jittered_and_spread() -> None:
     clock = FakeClock()
-    s = GilSampler(PySpy(None), CounterStore(), interval_seconds=30, clock=clock,
-                   rng=random.Random(7))
+    s = GilSampler(PySpy(None), CounterStore(), interval_seconds=30, clock=clock, rng=random.Random(7))
     s.update_targets(GilTarget("j", r, 10_000_000 + r) for r in range(20))
     firsts = sorted(p.next_due for p in s.plan())
     assert firsts[0] >= 1000.0 and firsts[-1] <= 1030.0
@@ -130,8 +128,15 @@ def test_schedule_is_jittered_and_spread() -> None:
 
 def test_sampling_budget_limits_the_duty_cycle() -> None:
     clock = FakeClock()
-    s = GilSampler(PySpy(None), CounterStore(), interval_seconds=30, duration_seconds=5,
-                   clock=clock, rng=random.Random(3), max_duty=0.25)
+    s = GilSampler(
+        PySpy(None),
+        CounterStore(),
+        interval_seconds=30,
+        duration_seconds=5,
+        clock=clock,
+        rng=random.Random(3),
+        max_duty=0.25,
+    )
     s.update_targets(GilTarget("j", r, 10_000_000 + r) for r in range(64))
     clock.t += 31  # every rank is due
     started = 0
@@ -149,8 +154,7 @@ def test_non_python_rank_is_skipped_not_a_collector_failure(caplog: pytest.LogCa
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
         clock = FakeClock()
-        s = GilSampler(PySpy(BINARY), CounterStore(), interval_seconds=30, duration_seconds=1,
-                       clock=clock)
+        s = GilSampler(PySpy(BINARY), CounterStore(), interval_seconds=30, duration_seconds=1, clock=clock)
         assert s.sample_now(GilTarget("sh-job", 0, sleeper.pid)) is None
         assert s.status().success  # py-spy works; this rank just is not Python
         assert next(p for p in s.plan() if p.key == ("sh-job", 0)).next_due >= clock.t + 300
@@ -186,8 +190,7 @@ class LatestJitter(random.Random):
 def test_convoy_pulls_the_next_sample_forward(procs: list) -> None:
     cpu4 = start(procs, "cpu4.py")
     io4 = start(procs, "io4.py")
-    s = GilSampler(PySpy(BINARY), CounterStore(), interval_seconds=3600, probe_seconds=1.0,
-                   rng=LatestJitter())
+    s = GilSampler(PySpy(BINARY), CounterStore(), interval_seconds=3600, probe_seconds=1.0, rng=LatestJitter())
     s.update_targets([GilTarget("j", 0, cpu4.pid), GilTarget("j", 1, io4.pid)])
     assert all(p.next_due >= time.monotonic() + 3000 for p in s.plan())  # far away: an hour
     assert s.due() == []  # first probe only takes the baseline
@@ -215,20 +218,22 @@ def _gpu(util: float | None) -> GpuDevice:
     return GpuDevice(0, "GPU-aaaa", "NVIDIA H200", "0000:3b:00.0", 1 << 37, 1 << 30, util)
 
 
-def _ctx(ranks: tuple[RankState, ...], gpus: tuple[GpuDevice, ...] = (), parts: Tracked | None = None,
-         **extras: object) -> FindingContext:
+def _ctx(
+    ranks: tuple[RankState, ...], gpus: tuple[GpuDevice, ...] = (), parts: Tracked | None = None, **extras: object
+) -> FindingContext:
     cfg = Config(gil=GilConfig(held_threshold=0.8))
     parts = dataclasses.replace(parts or Tracked(), gpu=GpuOutput(gpus=gpus))
     return FindingContext(now=2000.0, config=cfg, ranks=ranks, parts=parts, **extras)  # type: ignore[arg-type]
 
 
 def test_gil_saturated_fires_only_when_the_gpu_waits() -> None:
-    hot = (GilReading(4821, 249, 240, (("collate (loader.py)", 200), ("step (train.py)", 40))),
-           GilReading(4821, 249, 245, (("collate (loader.py)", 230),)))
+    hot = (
+        GilReading(4821, 249, 240, (("collate (loader.py)", 200), ("step (train.py)", 40))),
+        GilReading(4821, 249, 245, (("collate (loader.py)", 230),)),
+    )
     gil = {("llm-7", 3): hot}
     (f,) = gil_finding.find(_ctx((_rank(),), (_gpu(0.12),), parts=Tracked(stall=StallOutput(gil=gil))))
-    assert (f.kind, f.severity, f.job_id, f.rank, f.pid) == ("gil_saturated", "warning", "llm-7",
-                                                             "3", "4821")
+    assert (f.kind, f.severity, f.job_id, f.rank, f.pid) == ("gil_saturated", "warning", "llm-7", "3", "4821")
     assert "97%" in f.explanation and "GPU 0 was 12% busy" in f.explanation
     assert "collate (loader.py) 89%" in f.explanation
     assert f.evidence["top_functions"][0][0] == "collate (loader.py)"
@@ -252,27 +257,57 @@ def test_gil_saturated_sees_the_gpu_a_discovered_rank_holds() -> None:
     fired)."""
     hot = (GilReading(4821, 249, 240), GilReading(4821, 249, 245))
     held = (GpuProcessRow(0, "GPU-aaaa", 4821, 1 << 30, "python", "u", "llm-7", "3"),)
-    ctx = _ctx((_rank(gpus=()),), (_gpu(0.95),), gpu_processes=held,
-               parts=Tracked(stall=StallOutput(gil={("llm-7", 3): hot})))
+    ctx = _ctx(
+        (_rank(gpus=()),), (_gpu(0.95),), gpu_processes=held, parts=Tracked(stall=StallOutput(gil={("llm-7", 3): hot}))
+    )
     assert list(gil_finding.find(ctx)) == []
-    ctx = _ctx((_rank(gpus=()),), (_gpu(0.12),), gpu_processes=held,
-               parts=Tracked(stall=StallOutput(gil={("llm-7", 3): hot})))
+    ctx = _ctx(
+        (_rank(gpus=()),), (_gpu(0.12),), gpu_processes=held, parts=Tracked(stall=StallOutput(gil={("llm-7", 3): hot}))
+    )
     (f,) = gil_finding.find(ctx)
     assert "GPU 0 was 12% busy" in f.explanation
 
 
 def test_rank_stalled_explains_frames_and_suspect() -> None:
     frames = ("all_reduce (distributed_c10d.py:2501)", "step (train.py:88)", "<module> (train.py:120)")
-    peer = StallVerdict("llm-7", 0, 100, True, 1000.0, True, "stack", 400.0, frames,
-                        "21 threads: 20 S futex_do_wait, 1 R", ("all_reduce (distributed_c10d.py)",))
-    odd = StallVerdict("llm-7", 3, 103, True, 1000.0, True, "heartbeat", 400.0,
-                       ("load_batch (data.py:41)",), "5 threads: 5 S", ("load_batch (data.py)",),
-                       suspect=True, suspect_reason="stuck in load_batch (data.py), while 3 peer(s) "
-                       "are stuck in all_reduce (distributed_c10d.py)")
-    ranks = (RankState("llm-7", 0, 100, 0, 4, True, None, stalled=True),
-             RankState("llm-7", 3, 103, 3, 4, True, None, stalled=True))
-    found = {f.rank: f for f in stall_finding.find(
-        _ctx(ranks, parts=Tracked(stall=StallOutput(verdicts={("llm-7", 0): peer, ("llm-7", 3): odd}))))}
+    peer = StallVerdict(
+        "llm-7",
+        0,
+        100,
+        True,
+        1000.0,
+        True,
+        "stack",
+        400.0,
+        frames,
+        "21 threads: 20 S futex_do_wait, 1 R",
+        ("all_reduce (distributed_c10d.py)",),
+    )
+    odd = StallVerdict(
+        "llm-7",
+        3,
+        103,
+        True,
+        1000.0,
+        True,
+        "heartbeat",
+        400.0,
+        ("load_batch (data.py:41)",),
+        "5 threads: 5 S",
+        ("load_batch (data.py)",),
+        suspect=True,
+        suspect_reason="stuck in load_batch (data.py), while 3 peer(s) are stuck in all_reduce (distributed_c10d.py)",
+    )
+    ranks = (
+        RankState("llm-7", 0, 100, 0, 4, True, None, stalled=True),
+        RankState("llm-7", 3, 103, 3, 4, True, None, stalled=True),
+    )
+    found = {
+        f.rank: f
+        for f in stall_finding.find(
+            _ctx(ranks, parts=Tracked(stall=StallOutput(verdicts={("llm-7", 0): peer, ("llm-7", 3): odd})))
+        )
+    }
     assert set(found) == {"0", "3"}
     f0 = found["0"]
     assert f0.kind == "rank_stalled" and f0.severity == "page"
@@ -291,31 +326,38 @@ def test_rank_stalled_explains_frames_and_suspect() -> None:
 
 def test_daemon_end_to_end_gil_and_stall(tmp_path: Path, procs: list) -> None:
     cfg_path, cfg = write_config(
-        tmp_path, gil={"enabled": True, "interval_seconds": 2, "duration_seconds": 1,
-                       "rate_hz": 50, "timeout_seconds": 10},
+        tmp_path,
+        gil={"enabled": True, "interval_seconds": 2, "duration_seconds": 1, "rate_hz": 50, "timeout_seconds": 10},
         stall={"after_seconds": 1.5},
     )
     rank_dir = cfg["rank_dir"]
     cpu4 = start(procs, "cpu4.py")
-    api.register_rank("gil-job", 0, pid=cpu4.pid, rank_dir=rank_dir, heartbeat=False,
-                      cuda_oom_hook=False, strict=True)
+    api.register_rank("gil-job", 0, pid=cpu4.pid, rank_dir=rank_dir, heartbeat=False, cuda_oom_hook=False, strict=True)
     start(procs, "rank.py", "beat_then_lock", rank_dir, "hang-job", "1")
     d = DaemonProc(cfg_path, cfg)
     try:
-        d.wait_for(lambda: (d.value("gpuwatch_rank_gil_samples_total", job_id="gil-job", rank="0")
-                            or 0) >= 2 * 49, timeout=30, what="two GIL samples")
+        d.wait_for(
+            lambda: (d.value("gpuwatch_rank_gil_samples_total", job_id="gil-job", rank="0") or 0) >= 2 * 49,
+            timeout=30,
+            what="two GIL samples",
+        )
         samples = d.value("gpuwatch_rank_gil_samples_total", job_id="gil-job", rank="0")
         held = d.value("gpuwatch_rank_gil_held_samples_total", job_id="gil-job", rank="0")
         assert samples and held is not None and held / samples >= 0.8
         assert d.value("gpuwatch_collector_success", collector="pyspy") == 1.0
-        d.wait_for(lambda: has_finding(d, "gil_saturated", job_id="gil-job", rank="0"),
-                   timeout=20, what="gil_saturated")
-        d.wait_for(lambda: d.value("gpuwatch_rank_stalled", job_id="hang-job", rank="1") == 1.0,
-                   timeout=20, what="hang-job stalled")
+        d.wait_for(
+            lambda: has_finding(d, "gil_saturated", job_id="gil-job", rank="0"), timeout=20, what="gil_saturated"
+        )
+        d.wait_for(
+            lambda: d.value("gpuwatch_rank_stalled", job_id="hang-job", rank="1") == 1.0,
+            timeout=20,
+            what="hang-job stalled",
+        )
         assert has_finding(d, "rank_stalled", job_id="hang-job", rank="1")
         hb = os.path.join(rank_dir, "hang-job.1.hb")
-        assert d.value("gpuwatch_rank_progress_timestamp_seconds", job_id="hang-job",
-                       rank="1") == pytest.approx(os.stat(hb).st_mtime)
+        assert d.value("gpuwatch_rank_progress_timestamp_seconds", job_id="hang-job", rank="1") == pytest.approx(
+            os.stat(hb).st_mtime
+        )
         assert d.value("gpuwatch_rank_stalled", job_id="gil-job", rank="0") == 0.0
         text = d.text()
         assert "burn" not in text  # function names never become labels
@@ -327,19 +369,19 @@ def test_daemon_end_to_end_gil_and_stall(tmp_path: Path, procs: list) -> None:
 
 def test_daemon_without_pyspy_reports_the_collector_down(tmp_path: Path, procs: list) -> None:
     cfg_path, cfg = write_config(
-        tmp_path, gil={"enabled": True, "interval_seconds": 1, "duration_seconds": 1,
-                       "pyspy_path": str(tmp_path / "no-py-spy")},
+        tmp_path,
+        gil={"enabled": True, "interval_seconds": 1, "duration_seconds": 1, "pyspy_path": str(tmp_path / "no-py-spy")},
         stall={"after_seconds": 1.0},
     )
     rank_dir = cfg["rank_dir"]
     start(procs, "rank.py", "beat_then_lock", rank_dir, "hang-job", "0")
     d = DaemonProc(cfg_path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_collector_success", collector="pyspy") == 0.0,
-                   what="pyspy collector down")
+        d.wait_for(lambda: d.value("gpuwatch_collector_success", collector="pyspy") == 0.0, what="pyspy collector down")
         # heartbeat-based stall detection keeps working without py-spy
-        d.wait_for(lambda: has_finding(d, "rank_stalled", job_id="hang-job", rank="0"),
-                   what="rank_stalled without py-spy")
+        d.wait_for(
+            lambda: has_finding(d, "rank_stalled", job_id="hang-job", rank="0"), what="rank_stalled without py-spy"
+        )
         assert d.value("gpuwatch_rank_up", job_id="hang-job", rank="0") == 1.0
     finally:
         assert d.stop() == 0
@@ -355,21 +397,32 @@ def test_daemon_with_a_hanging_pyspy_stays_healthy(tmp_path: Path, procs: list) 
     hang.write_text(f"#!/bin/sh\necho $$ > {pids}/$$\nsleep 1000 &\necho $! > {pids}/$!\nwait\n")
     hang.chmod(0o755)
     cfg_path, cfg = write_config(
-        tmp_path, gil={"enabled": True, "interval_seconds": 1, "duration_seconds": 1,
-                       "timeout_seconds": 2, "pyspy_path": str(hang)},
+        tmp_path,
+        gil={
+            "enabled": True,
+            "interval_seconds": 1,
+            "duration_seconds": 1,
+            "timeout_seconds": 2,
+            "pyspy_path": str(hang),
+        },
         stall={"after_seconds": 1.0},
     )
     rank_dir = cfg["rank_dir"]
     start(procs, "rank.py", "beat_then_lock", rank_dir, "hang-job", "0")
     cpu4 = start(procs, "cpu4.py")
-    api.register_rank("gil-job", 0, pid=cpu4.pid, rank_dir=rank_dir, heartbeat=False,
-                      cuda_oom_hook=False, strict=True)
+    api.register_rank("gil-job", 0, pid=cpu4.pid, rank_dir=rank_dir, heartbeat=False, cuda_oom_hook=False, strict=True)
     d = DaemonProc(cfg_path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_collector_success", collector="pyspy") == 0.0,
-                   timeout=30, what="pyspy collector down (timeout)")
-        d.wait_for(lambda: has_finding(d, "rank_stalled", job_id="hang-job", rank="0"),
-                   timeout=20, what="rank_stalled with a hanging py-spy")
+        d.wait_for(
+            lambda: d.value("gpuwatch_collector_success", collector="pyspy") == 0.0,
+            timeout=30,
+            what="pyspy collector down (timeout)",
+        )
+        d.wait_for(
+            lambda: has_finding(d, "rank_stalled", job_id="hang-job", rank="0"),
+            timeout=20,
+            what="rank_stalled with a hanging py-spy",
+        )
         t0 = time.monotonic()
         d.text()
         assert time.monotonic() - t0 < 1.0  # a scrape never waits for py-spy
@@ -382,8 +435,11 @@ def test_daemon_with_a_hanging_pyspy_stays_healthy(tmp_path: Path, procs: list) 
     time.sleep(0.5)
     started = [int(p.name) for p in pids.iterdir()]
     assert len(started) >= 2
-    alive = [p for p in started if os.path.exists(f"/proc/{p}")
-             and "sleep" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")]
+    alive = [
+        p
+        for p in started
+        if os.path.exists(f"/proc/{p}") and "sleep" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+    ]
     assert alive == [], f"stand-in processes survived: {alive}"
 
 
@@ -391,8 +447,7 @@ def test_tick_after_close_starts_nothing_and_raises_nothing() -> None:
     # the daemon's scheduler thread may tick once more while shutdown closes the pool (device
     # run: "gil-sampler crashed: RuntimeError: cannot schedule new futures after shutdown")
     clock = FakeClock()
-    s = GilSampler(PySpy(None), CounterStore(), interval_seconds=30, clock=clock,
-                   rng=random.Random(7))
+    s = GilSampler(PySpy(None), CounterStore(), interval_seconds=30, clock=clock, rng=random.Random(7))
     s.update_targets(GilTarget("j", r, 10_000_000 + r) for r in range(4))
     clock.t = 1100.0
     s.close()

@@ -40,10 +40,19 @@ def _proc(pid: int, cpu: float) -> ProcessInfo:
     return ProcessInfo(pid, 1, "python", "R", 1000, "u", 1, 0.0, cpu, 1 << 20, 4, 10, 1024, 1024)
 
 
-def _state(t: float, cpu: float, *, util: float | None = None, step: int | None = None,
-           beat: float | None = None, stalled: bool = False, pid: int = 4821) -> NodeState:
-    rank = RankState("llm", 0, pid, 0, 8, True, _proc(pid, cpu), gpus=("0",),
-                     progress_timestamp=beat, stalled=stalled, step=step)
+def _state(
+    t: float,
+    cpu: float,
+    *,
+    util: float | None = None,
+    step: int | None = None,
+    beat: float | None = None,
+    stalled: bool = False,
+    pid: int = 4821,
+) -> NodeState:
+    rank = RankState(
+        "llm", 0, pid, 0, 8, True, _proc(pid, cpu), gpus=("0",), progress_timestamp=beat, stalled=stalled, step=step
+    )
     gpu = GpuDevice(0, "GPU-a", "NVIDIA H200", "0000:3b:00.0", 1 << 37, 1 << 30, util)
     return NodeState(timestamp=t, ranks=(rank,), gpus=(gpu,))
 
@@ -81,16 +90,19 @@ def test_a_ranks_gpus_from_the_index_of_held_gpus_are_those_from_its_rows() -> N
     same number, not a process in no rank's tree; the GPUs its rank file names besides."""
     from gpuwatchd.model.gpus import held_by_rank, rank_gpu_devices
 
-    gpus = [GpuDevice(i, f"GPU-{i}", "NVIDIA H200", f"0000:{i:02x}:00.0", 1 << 37, 1 << 30, 0.1 * i)
-            for i in range(4)]
-    rows = (GpuProcessRow(1, "GPU-1", 11, 1 << 30, "python", "u", "llm", "0"),
-            GpuProcessRow(2, "GPU-2", 12, 1 << 30, "python", "u", "llm", "1"),
-            GpuProcessRow(3, "GPU-3", 13, 1 << 30, "python", "u", "other", "0"),
-            GpuProcessRow(0, "GPU-0", 14, 1 << 30, "python", "u", "", ""))
-    ranks = [RankState("llm", 0, 11, 0, 2, True, _proc(11, 1.0), gpus=("0",)),
-             RankState("llm", 1, 12, 1, 2, True, _proc(12, 1.0), gpus=()),
-             RankState("other", 0, 13, 0, 1, True, _proc(13, 1.0), gpus=("GPU-2",)),
-             RankState("idle", 0, 15, 0, 1, True, _proc(15, 1.0), gpus=())]
+    gpus = [GpuDevice(i, f"GPU-{i}", "NVIDIA H200", f"0000:{i:02x}:00.0", 1 << 37, 1 << 30, 0.1 * i) for i in range(4)]
+    rows = (
+        GpuProcessRow(1, "GPU-1", 11, 1 << 30, "python", "u", "llm", "0"),
+        GpuProcessRow(2, "GPU-2", 12, 1 << 30, "python", "u", "llm", "1"),
+        GpuProcessRow(3, "GPU-3", 13, 1 << 30, "python", "u", "other", "0"),
+        GpuProcessRow(0, "GPU-0", 14, 1 << 30, "python", "u", "", ""),
+    )
+    ranks = [
+        RankState("llm", 0, 11, 0, 2, True, _proc(11, 1.0), gpus=("0",)),
+        RankState("llm", 1, 12, 1, 2, True, _proc(12, 1.0), gpus=()),
+        RankState("other", 0, 13, 0, 1, True, _proc(13, 1.0), gpus=("GPU-2",)),
+        RankState("idle", 0, 15, 0, 1, True, _proc(15, 1.0), gpus=()),
+    ]
     held = held_by_rank(rows)
     got = [[g.index for g in rank_gpu_devices(r, gpus, rows, held)] for r in ranks]
     assert got == [[g.index for g in rank_gpu_devices(r, gpus, rows)] for r in ranks]
@@ -144,8 +156,14 @@ def _unknown(pid: int) -> RankSignals:
 
 def test_healthy_ranks_are_spread_over_the_healthy_interval_and_suspects_pulled_forward() -> None:
     clock = FakeClock()
-    s = GilSampler(PySpy(None), CounterStore(), interval_seconds=30, clock=clock,
-                   rng=random.Random(5), healthy_interval_seconds=1800)
+    s = GilSampler(
+        PySpy(None),
+        CounterStore(),
+        interval_seconds=30,
+        clock=clock,
+        rng=random.Random(5),
+        healthy_interval_seconds=1800,
+    )
     s.update_targets(GilTarget("j", r, 10_000_000 + r) for r in range(64))
     s.update_signals({("j", r): _healthy(10_000_000 + r) for r in range(64)})
     plan = {p.key: p for p in s.plan()}
@@ -168,11 +186,16 @@ def test_an_idle_rank_is_screened_only_once_it_is_on_cpu() -> None:
     the first cycle that finds it on CPU (its GPU busy: healthy, so a screening, not a full
     sample). Fails on the code before: the idle rank was due at once."""
     clock = FakeClock()
-    s = GilSampler(PySpy(None), CounterStore(), interval_seconds=30, clock=clock,
-                   rng=random.Random(5), healthy_interval_seconds=1800)
+    s = GilSampler(
+        PySpy(None),
+        CounterStore(),
+        interval_seconds=30,
+        clock=clock,
+        rng=random.Random(5),
+        healthy_interval_seconds=1800,
+    )
     s.update_targets([GilTarget("j", 0, 10_000_000), GilTarget("j", 1, 10_000_001)])
-    s.update_signals({("j", 0): RankSignals(10_000_000, 0.08, False),
-                      ("j", 1): _unknown(10_000_001)})
+    s.update_signals({("j", 0): RankSignals(10_000_000, 0.08, False), ("j", 1): _unknown(10_000_001)})
     clock.t += 2200  # both overdue
     assert [t.rank for t in s.due()] == [1]  # the unknown one as before; the idle one waits
     s.update_signals({("j", 0): RankSignals(10_000_000, 1.0, True)})  # on CPU, its GPU busy
@@ -184,8 +207,15 @@ def test_an_idle_rank_is_screened_only_once_it_is_on_cpu() -> None:
 def test_a_screening_fits_the_budget_when_full_samples_are_shorter() -> None:
     """duration 0.3 s (tests): the token bucket holds 0.6 s, so a 1 s screening never ran."""
     clock = FakeClock()
-    s = GilSampler(PySpy(None), CounterStore(), interval_seconds=0.5, duration_seconds=0.3,
-                   clock=clock, max_duty=0.2, healthy_interval_seconds=0.5)
+    s = GilSampler(
+        PySpy(None),
+        CounterStore(),
+        interval_seconds=0.5,
+        duration_seconds=0.3,
+        clock=clock,
+        max_duty=0.2,
+        healthy_interval_seconds=0.5,
+    )
     s.update_targets([GilTarget("j", 0, 10_000_000)])
     clock.t += 1
     assert [t.rank for t in s.due()] == [0]
@@ -195,8 +225,9 @@ def test_a_gil_bound_screening_asks_for_the_full_sample_at_once(procs: list) -> 
     cpu4 = start(procs, "cpu4.py")
     clock = FakeClock()
     counters = CounterStore()
-    s = GilSampler(PySpy(BINARY), counters, interval_seconds=30, duration_seconds=2, clock=clock,
-                   healthy_interval_seconds=600)
+    s = GilSampler(
+        PySpy(BINARY), counters, interval_seconds=30, duration_seconds=2, clock=clock, healthy_interval_seconds=600
+    )
     target = GilTarget("j", 0, cpu4.pid)
     s.update_targets([target])
     s.update_signals({target.key: _unknown(cpu4.pid)})  # looks healthy: its CPU not yet seen
@@ -219,12 +250,18 @@ def test_a_gil_bound_screening_asks_for_the_full_sample_at_once(procs: list) -> 
     s.close()
 
 
-def test_a_rank_whose_finding_is_up_is_sampled_less_until_its_signals_change(procs: list
-                                                                             ) -> None:
+def test_a_rank_whose_finding_is_up_is_sampled_less_until_its_signals_change(procs: list) -> None:
     cpu4 = start(procs, "cpu4.py")
     clock = FakeClock()
-    s = GilSampler(PySpy(BINARY), CounterStore(), interval_seconds=30, duration_seconds=1,
-                   clock=clock, healthy_interval_seconds=600, confirmed_ratio=0.8)
+    s = GilSampler(
+        PySpy(BINARY),
+        CounterStore(),
+        interval_seconds=30,
+        duration_seconds=1,
+        clock=clock,
+        healthy_interval_seconds=600,
+        confirmed_ratio=0.8,
+    )
     target = GilTarget("j", 0, cpu4.pid)
     s.update_targets([target])
     on_cpu = {target.key: RankSignals(cpu4.pid, 1.0, False, (GPU_IDLE_ON_CPU,))}
@@ -241,8 +278,7 @@ def test_a_rank_whose_finding_is_up_is_sampled_less_until_its_signals_change(pro
     s.update_signals(on_cpu)  # the same signals: no change
     assert s.due() == []
     # one more signal (a GIL-bound rank's heartbeat flickers): not a turn, no sample pulled in
-    s.update_signals({target.key: RankSignals(cpu4.pid, 1.0, False,
-                                              (GPU_IDLE_ON_CPU, HEARTBEAT_SLOWING))})
+    s.update_signals({target.key: RankSignals(cpu4.pid, 1.0, False, (GPU_IDLE_ON_CPU, HEARTBEAT_SLOWING))})
     assert s.due() == []
     for _ in range(2):  # its CPU drops for two cycles: a loaded node, maybe
         s.update_signals({target.key: _healthy(cpu4.pid)})
@@ -266,8 +302,7 @@ def test_bound_formula() -> None:
     assert saturation_bound(g, 5, 64, signals=True) == pytest.approx(177.0)
     # no signal: 1.2*1800 + 5 + 1 + 5 + (3*5 + 64)/0.2
     assert saturation_bound(g, 5, 64, signals=False) == pytest.approx(2566.0)
-    assert saturation_bound(g, 5, 64, signals=True, suspects=64) > saturation_bound(g, 5, 64,
-                                                                                  signals=True)
+    assert saturation_bound(g, 5, 64, signals=True, suspects=64) > saturation_bound(g, 5, 64, signals=True)
 
 
 # ----------------------------------------------------------------------------- the bound, for real
@@ -283,24 +318,27 @@ def _wait(pred, bound: float, what: str) -> float:  # type: ignore[no-untyped-de
     raise AssertionError(f"{what} not within {bound:.1f} s")
 
 
-def test_a_rank_that_turns_gil_bound_among_healthy_ones_within_the_bound(
-        tmp_path: Path, procs: list) -> None:
-    gil = {"enabled": True, "interval_seconds": 2, "duration_seconds": 1, "rate_hz": 50,
-           "healthy_interval_seconds": 600, "timeout_seconds": 10}
+def test_a_rank_that_turns_gil_bound_among_healthy_ones_within_the_bound(tmp_path: Path, procs: list) -> None:
+    gil = {
+        "enabled": True,
+        "interval_seconds": 2,
+        "duration_seconds": 1,
+        "rate_hz": 50,
+        "healthy_interval_seconds": 600,
+        "timeout_seconds": 10,
+    }
     cfg_path, cfg = write_config(tmp_path, gil=gil)
     rank_dir = cfg["rank_dir"]
     healthy = [start(procs, "rank.py", "beat", rank_dir, "job", str(r)) for r in (1, 2, 3)]
     turning = start(procs, "turns_gil_bound.py", rank_dir, "job", "0")
     d = DaemonProc(cfg_path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id="job", rank="0") == 1.0,
-                   timeout=20, what="rank 0 up")
+        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id="job", rank="0") == 1.0, timeout=20, what="rank 0 up")
         time.sleep(2)  # a few cycles of the healthy rank (its first screening: within 600 s)
         os.kill(turning.pid, signal.SIGUSR1)  # it becomes GIL-saturated now
         gcfg = parse_config(cfg).gil
         bound = saturation_bound(gcfg, cfg["interval_seconds"], 4, signals=True)
-        took = _wait(lambda: has_finding(d, "gil_saturated", job_id="job", rank="0"), bound,
-                     "gil_saturated")
+        took = _wait(lambda: has_finding(d, "gil_saturated", job_id="job", rank="0"), bound, "gil_saturated")
         assert took <= bound, (took, bound)
         for r in (1, 2, 3):
             assert not has_finding(d, "gil_saturated", job_id="job", rank=str(r))
@@ -315,11 +353,16 @@ def test_a_gil_bound_rank_without_signals_within_the_bound(procs: list) -> None:
     cpu4 = start(procs, "cpu4.py")
     quiet = [start(procs, "io4.py") for _ in range(2)]
     g = GilConfig(interval_seconds=2, duration_seconds=1, healthy_interval_seconds=4)
-    s = GilSampler(PySpy(BINARY), CounterStore(), interval_seconds=g.interval_seconds,
-                   duration_seconds=g.duration_seconds, max_duty=0.2, probe_seconds=0.5,
-                   healthy_interval_seconds=g.healthy_interval_seconds)
-    targets = [GilTarget("j", 0, cpu4.pid)] + [GilTarget("j", i + 1, p.pid)
-                                               for i, p in enumerate(quiet)]
+    s = GilSampler(
+        PySpy(BINARY),
+        CounterStore(),
+        interval_seconds=g.interval_seconds,
+        duration_seconds=g.duration_seconds,
+        max_duty=0.2,
+        probe_seconds=0.5,
+        healthy_interval_seconds=g.healthy_interval_seconds,
+    )
+    targets = [GilTarget("j", 0, cpu4.pid)] + [GilTarget("j", i + 1, p.pid) for i, p in enumerate(quiet)]
     s.update_targets(targets)
     bound = saturation_bound(g, 0.0, len(targets), signals=False)
     ctx_rank = RankState("j", 0, cpu4.pid, 0, 3, True, None)
@@ -327,8 +370,9 @@ def test_a_gil_bound_rank_without_signals_within_the_bound(procs: list) -> None:
     def raised() -> bool:
         s.update_signals({t.key: _unknown(t.pid) for t in targets})  # no signal, every cycle
         s.tick()
-        ctx = FindingContext(now=time.time(), config=Config(), ranks=(ctx_rank,),
-                             parts=Tracked(stall=StallOutput(gil=s.readings())))
+        ctx = FindingContext(
+            now=time.time(), config=Config(), ranks=(ctx_rank,), parts=Tracked(stall=StallOutput(gil=s.readings()))
+        )
         return any(f.kind == "gil_saturated" for f in gil_finding.find(ctx))
 
     try:

@@ -66,15 +66,23 @@ HEARTBEATS = {T0: (T0 - 1.0, 1200), T0 + 5.0: (T0 + 4.0, 1260), T0 + 40.0: (T0 +
 # Each subsystem's families that the fixture gives a sample: (family, a label set it must carry).
 SAMPLED = {
     "straggler": [("gpuwatch_rank_step", '{job_id="golden",rank="0"}')],
-    "progress": [("gpuwatch_rank_progress_timestamp_seconds", '{job_id="golden",rank="0"}'),
-                 ("gpuwatch_rank_stalled", '{job_id="golden",rank="0"}')],
-    "pyspy": [("gpuwatch_collector_success", '{collector="pyspy"}'),
-              ("gpuwatch_rank_gil_samples_total", '{job_id="golden",rank="0"}'),
-              ("gpuwatch_cycle_deferred_probes_total", '{probe="dump"}')],
-    "kernel_log": [("gpuwatch_collector_success", '{collector="kernel_log"}'),
-                   ("gpuwatch_kernel_log_overruns_total", "")],
-    "memory": [("gpuwatch_rank_memory_cgroup_usage_bytes", '{job_id="golden",rank="0"}'),
-               ("gpuwatch_node_memory_available_bytes", "")],
+    "progress": [
+        ("gpuwatch_rank_progress_timestamp_seconds", '{job_id="golden",rank="0"}'),
+        ("gpuwatch_rank_stalled", '{job_id="golden",rank="0"}'),
+    ],
+    "pyspy": [
+        ("gpuwatch_collector_success", '{collector="pyspy"}'),
+        ("gpuwatch_rank_gil_samples_total", '{job_id="golden",rank="0"}'),
+        ("gpuwatch_cycle_deferred_probes_total", '{probe="dump"}'),
+    ],
+    "kernel_log": [
+        ("gpuwatch_collector_success", '{collector="kernel_log"}'),
+        ("gpuwatch_kernel_log_overruns_total", ""),
+    ],
+    "memory": [
+        ("gpuwatch_rank_memory_cgroup_usage_bytes", '{job_id="golden",rank="0"}'),
+        ("gpuwatch_node_memory_available_bytes", ""),
+    ],
 }
 DURATION = re.compile(r"^(gpuwatch_\w*duration_seconds\w*(?:\{[^}]*\})?|gpuwatch_cycle_seconds\w*) \S+$", re.M)
 
@@ -82,8 +90,9 @@ DURATION = re.compile(r"^(gpuwatch_\w*duration_seconds\w*(?:\{[^}]*\})?|gpuwatch
 def _served(registry: object, accept: str | None) -> str:
     server = serve(registry, "127.0.0.1:0")  # type: ignore[arg-type]
     try:
-        req = urllib.request.Request(f"http://127.0.0.1:{server.address[1]}/metrics",
-                                     headers={"Accept": accept} if accept else {})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{server.address[1]}/metrics", headers={"Accept": accept} if accept else {}
+        )
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.read().decode()
     finally:
@@ -96,8 +105,9 @@ CGROUP = {  # the rank's cgroup v2 (its /proc/447/cgroup: 0::/system.slice/golde
     "system.slice/golden.service/memory.max": "8589934592\n",
     "system.slice/golden.service/memory.high": "max\n",
     "system.slice/golden.service/memory.stat": "anon 6227702579\nfile 214748365\ninactive_file 107374182\n",
-    "system.slice/golden.service/memory.pressure": ("some avg10=1.25 avg60=0.40 avg300=0.10 total=4500000\n"
-                                                    "full avg10=0.25 avg60=0.10 avg300=0.02 total=1500000\n"),
+    "system.slice/golden.service/memory.pressure": (
+        "some avg10=1.25 avg60=0.40 avg300=0.10 total=4500000\nfull avg10=0.25 avg60=0.10 avg300=0.02 total=1500000\n"
+    ),
 }
 
 
@@ -108,22 +118,49 @@ def _exposition(tmp_path: Path, accept: str | None = None) -> str:
         f = tmp_path / "sys" / "fs" / "cgroup" / name
         f.parent.mkdir(parents=True, exist_ok=True)
         f.write_text(text)
-    write_rank_file(str(rank_dir), {
-        "version": 1, "job_id": "golden", "world_size": 1,
-        "ranks": [{"rank": 0, "local_rank": 0, "pid": 447, "gpus": ["0"], "start_ticks": 571200,
-                   "heartbeat": str(heartbeat)}],
-    }, "golden.json")
-    cfg = Config(rank_dir=str(rank_dir), state_dir=str(tmp_path / "state"), procfs=str(PROC),
-                 nvml=NvmlConfig(fixture=str(NVML)), orphans=OrphansConfig(grace_seconds=30.0),
-                 kernel_log="off", memory=MemoryConfig(min_window_seconds=10.0))
+    write_rank_file(
+        str(rank_dir),
+        {
+            "version": 1,
+            "job_id": "golden",
+            "world_size": 1,
+            "ranks": [
+                {
+                    "rank": 0,
+                    "local_rank": 0,
+                    "pid": 447,
+                    "gpus": ["0"],
+                    "start_ticks": 571200,
+                    "heartbeat": str(heartbeat),
+                }
+            ],
+        },
+        "golden.json",
+    )
+    cfg = Config(
+        rank_dir=str(rank_dir),
+        state_dir=str(tmp_path / "state"),
+        procfs=str(PROC),
+        nvml=NvmlConfig(fixture=str(NVML)),
+        orphans=OrphansConfig(grace_seconds=30.0),
+        kernel_log="off",
+        memory=MemoryConfig(min_window_seconds=10.0),
+    )
     now = [T0]
     paths = HostPaths(procfs=str(PROC), sysfs=str(tmp_path / "sys"), devfs=str(tmp_path / "dev"))
-    daemon = Daemon(cfg, paths=paths, clock=lambda: now[0], write_state=False,
-                    parts=lambda c, s: Parts(
-                        stall=StallSubsystem(c, s, spy=PySpy(None, unavailable_reason="not installed")),
-                        straggler=StragglerSubsystem(c, s), kernel_log=KernelLogSubsystem(c, s),
-                        nvml=NvmlSubsystem(c, s, watch_xid=False, watch_udev=False),
-                        memory=MemorySubsystem(c, s, spy=PySpy(None))))
+    daemon = Daemon(
+        cfg,
+        paths=paths,
+        clock=lambda: now[0],
+        write_state=False,
+        parts=lambda c, s: Parts(
+            stall=StallSubsystem(c, s, spy=PySpy(None, unavailable_reason="not installed")),
+            straggler=StragglerSubsystem(c, s),
+            kernel_log=KernelLogSubsystem(c, s),
+            nvml=NvmlSubsystem(c, s, watch_xid=False, watch_udev=False),
+            memory=MemorySubsystem(c, s, spy=PySpy(None)),
+        ),
+    )
     for sub in daemon.subsystems:
         sub.start(daemon)
     try:
@@ -159,8 +196,9 @@ def test_every_subsystem_family_has_its_sample() -> None:
         text = golden.read_text()
         for subsystem, families in SAMPLED.items():
             for family, labels in families:
-                assert re.search(rf"^{family}{re.escape(labels)} \S+$", text, re.M), \
+                assert re.search(rf"^{family}{re.escape(labels)} \S+$", text, re.M), (
                     f"{golden.name}: no {family}{labels} sample ({subsystem})"
+                )
     assert 'gpuwatch_rank_step{job_id="golden",rank="0"} 1680.0' in GOLDEN.read_text()
 
 
@@ -171,6 +209,5 @@ def test_golden_file_is_deterministic(tmp_path: Path) -> None:
 def test_golden_file_passes_promtool_lint() -> None:
     promtool = shutil.which("promtool")
     assert promtool, "promtool (apt: prometheus) is part of the test setup (scripts/test)"
-    out = subprocess.run([promtool, "check", "metrics"], input=GOLDEN.read_bytes(),
-                         capture_output=True, timeout=60)
+    out = subprocess.run([promtool, "check", "metrics"], input=GOLDEN.read_bytes(), capture_output=True, timeout=60)
     assert out.returncode == 0, out.stdout.decode() + out.stderr.decode()

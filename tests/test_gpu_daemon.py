@@ -73,9 +73,13 @@ class RecordedUevents:
         os.close(self._w)
 
 
-def _daemon(tmp_path: Path, fixture: Path, pid_map: dict[int, int],
-            watch_xid: bool = True, udev: RecordedUevents | None = None,
-            ) -> tuple[Daemon, NvmlSubsystem]:
+def _daemon(
+    tmp_path: Path,
+    fixture: Path,
+    pid_map: dict[int, int],
+    watch_xid: bool = True,
+    udev: RecordedUevents | None = None,
+) -> tuple[Daemon, NvmlSubsystem]:
     cfg_file = tmp_path / "config.yaml"
     cfg_file.write_text(
         f"rank_dir: {tmp_path / 'ranks'}\nstate_dir: {tmp_path / 'state'}\n"
@@ -83,9 +87,19 @@ def _daemon(tmp_path: Path, fixture: Path, pid_map: dict[int, int],
     )
     cfg = load_config(str(cfg_file))
     # the fixture's Xid events replay through the same RecordedNvml
-    d = Daemon(cfg, parts=lambda c, s: Parts(nvml=NvmlSubsystem(
-        c, s, source=fixture_source(str(fixture), pid_map), watch_xid=watch_xid,
-        watch_udev=udev is not None, udev_monitor=udev)))
+    d = Daemon(
+        cfg,
+        parts=lambda c, s: Parts(
+            nvml=NvmlSubsystem(
+                c,
+                s,
+                source=fixture_source(str(fixture), pid_map),
+                watch_xid=watch_xid,
+                watch_udev=udev is not None,
+                udev_monitor=udev,
+            )
+        ),
+    )
     sub = d.parts.nvml
     assert isinstance(sub, NvmlSubsystem)
     sub.start(d)
@@ -95,29 +109,37 @@ def _daemon(tmp_path: Path, fixture: Path, pid_map: dict[int, int],
 def test_daemon_joins_gpu_memory_to_ranks_and_flags_the_orphan(tmp_path: Path) -> None:
     # the rank and two children (DataLoader-like workers): its process tree
     rank = subprocess.Popen(
-        [sys.executable, "-c",
-         "import subprocess,sys,time; cs=[subprocess.Popen([sys.executable,'-c',"
-         "'import time; time.sleep(120)']) for _ in range(2)]; "
-         "print(*[c.pid for c in cs], flush=True); time.sleep(120)"], stdout=subprocess.PIPE)
+        [
+            sys.executable,
+            "-c",
+            "import subprocess,sys,time; cs=[subprocess.Popen([sys.executable,'-c',"
+            "'import time; time.sleep(120)']) for _ in range(2)]; "
+            "print(*[c.pid for c in cs], flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+    )
     assert rank.stdout is not None
     kids = [int(x) for x in rank.stdout.readline().split()]
     wrapper = subprocess.Popen(
-        ["sh", "-c", f"nohup {sys.executable} -c 'import time; time.sleep(120)' >/dev/null 2>&1 &"
-                     " echo $!; wait"], stdout=subprocess.PIPE)
+        ["sh", "-c", f"nohup {sys.executable} -c 'import time; time.sleep(120)' >/dev/null 2>&1 & echo $!; wait"],
+        stdout=subprocess.PIPE,
+    )
     assert wrapper.stdout is not None
     stale = int(wrapper.stdout.readline())
     wrapper.kill()
     wrapper.wait()
-    write_rank_file(str(tmp_path / "ranks"), {"version": 1, "job_id": "dflash", "world_size": 1,
-                                              "ranks": [{"rank": 0, "pid": rank.pid}]},
-                    "dflash.json")
-    d, sub = _daemon(tmp_path, FIX / "derived_gpu_lost_xid.json",
-                     {447: rank.pid, 449: kids[0], 450: kids[1], 453: stale})
+    write_rank_file(
+        str(tmp_path / "ranks"),
+        {"version": 1, "job_id": "dflash", "world_size": 1, "ranks": [{"rank": 0, "pid": rank.pid}]},
+        "dflash.json",
+    )
+    d, sub = _daemon(
+        tmp_path, FIX / "derived_gpu_lost_xid.json", {447: rank.pid, 449: kids[0], 450: kids[1], 453: stale}
+    )
     try:
         state = d.cycle()
         deadline = time.monotonic() + 5
-        while d.counters.get("gpu_xid_errors", ("0", UUID, "79")) < 1 and \
-                time.monotonic() < deadline:
+        while d.counters.get("gpu_xid_errors", ("0", UUID, "79")) < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         state = d.cycle()
         text = generate_latest(d.registry).decode()
@@ -137,21 +159,26 @@ def test_daemon_joins_gpu_memory_to_ranks_and_flags_the_orphan(tmp_path: Path) -
     assert [(o.pid, o.reason) for o in state.orphans] == [(stale, "reparented_to_init")]
     kinds = {f.kind for f in state.findings}
     assert "orphan_gpu_memory" in kinds
-    assert (f'gpuwatch_orphan_gpu_memory_bytes{{comm="{rows[stale].comm}",gpu="0",pid="{stale}",'
-            f'reason="reparented_to_init",user="root",uuid="{UUID}"}} 6.00834048e+09') in text
+    assert (
+        f'gpuwatch_orphan_gpu_memory_bytes{{comm="{rows[stale].comm}",gpu="0",pid="{stale}",'
+        f'reason="reparented_to_init",user="root",uuid="{UUID}"}} 6.00834048e+09'
+    ) in text
     # the rank's tree (rank + 2 children) holds the memory of recorded PIDs 447, 449 and 450
     assert {r.pid for r in state.gpu_processes if r.job_id == "dflash"} == {rank.pid, *kids}
     held = sum(r.used_memory_bytes or 0 for r in state.gpu_processes if r.job_id == "dflash")
     assert held == 2787115008 + 2 * 660602880
-    assert 'gpuwatch_rank_gpu_memory_bytes{gpu="0",job_id="dflash",rank="0"} 4.108320768e+09' \
-        in text
+    assert 'gpuwatch_rank_gpu_memory_bytes{gpu="0",job_id="dflash",rank="0"} 4.108320768e+09' in text
     assert f'gpuwatch_gpu_xid_errors_total{{gpu="0",uuid="{UUID}",xid="79"}} 1.0' in text
     assert 'gpuwatch_collector_success{collector="nvml"} 1.0' in text
     # gpuwatchd ps reads the state file the daemon just wrote: GPU memory per rank and the
     # stale holder under its GPU
-    ps = subprocess.run([sys.executable, "-m", "gpuwatchd", "ps", "--config.file",
-                         str(tmp_path / "config.yaml")], capture_output=True, text=True,
-                        timeout=60, cwd=str(Path(__file__).parent.parent))
+    ps = subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "ps", "--config.file", str(tmp_path / "config.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(Path(__file__).parent.parent),
+    )
     assert ps.returncode == 0, ps.stderr
     (rank_line,) = [ln for ln in ps.stdout.splitlines() if ln.startswith("dflash")]
     assert " 3.8 GiB " in rank_line, ps.stdout
@@ -160,8 +187,7 @@ def test_daemon_joins_gpu_memory_to_ranks_and_flags_the_orphan(tmp_path: Path) -
     assert 'gpuwatch_gpu_info{gpu="0",name="NVIDIA H200",pci_bus_id="00000000:00:06.0"' in text
 
 
-def test_nvml_failing_mid_run_marks_the_collector_down_and_the_daemon_goes_on(
-        tmp_path: Path) -> None:
+def test_nvml_failing_mid_run_marks_the_collector_down_and_the_daemon_goes_on(tmp_path: Path) -> None:
     # no Xid thread here: its registration would consume one replayed cycle
     d, sub = _daemon(tmp_path, FIX / "derived_raise_mid_cycle.json", {}, watch_xid=False)
     try:
@@ -171,8 +197,7 @@ def test_nvml_failing_mid_run_marks_the_collector_down_and_the_daemon_goes_on(
         fourth = d.cycle()  # re-initialised, reading again
     finally:
         sub.stop()
-    status = [next(c for c in s.collectors if c.name == "nvml") for s in
-              (first, second, third, fourth)]
+    status = [next(c for c in s.collectors if c.name == "nvml") for s in (first, second, third, fourth)]
     assert [s.success for s in status] == [True, False, False, True]
     assert "GPU 0" in status[1].error
     assert second.gpus == first.gpus  # last good reading kept while recent
@@ -222,8 +247,9 @@ class SeenGpus(StallSubsystem):
         super().__init__(config, services, spy=PySpy(None, unavailable_reason="not needed here"))
         self.seen: list[dict[RankId, GpuReading]] = []
 
-    def track(self, daemon: DaemonContext, ranks: Ranks, beats: Mapping[RankId, float],
-              gpus: Mapping[RankId, GpuReading]) -> StallOutput:
+    def track(
+        self, daemon: DaemonContext, ranks: Ranks, beats: Mapping[RankId, float], gpus: Mapping[RankId, GpuReading]
+    ) -> StallOutput:
         self.seen.append(dict(gpus))
         return super().track(daemon, ranks, beats, gpus)
 
@@ -233,15 +259,29 @@ def test_the_stall_part_gets_this_cycles_gpu_readings_of_a_rank_that_names_no_gp
     cycle as an argument (not the last state's, after the join): at the first cycle already, for
     a rank whose rank file names no GPU (the tree's GPU memory makes the GPU its own)."""
     rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-    write_rank_file(str(tmp_path / "ranks"), {"version": 1, "job_id": "gpus-now", "world_size": 1,
-                                              "ranks": [{"rank": 0, "pid": rank.pid}]}, "gpus-now.json")
+    write_rank_file(
+        str(tmp_path / "ranks"),
+        {"version": 1, "job_id": "gpus-now", "world_size": 1, "ranks": [{"rank": 0, "pid": rank.pid}]},
+        "gpus-now.json",
+    )
     cfg_file = tmp_path / "config.yaml"
-    cfg_file.write_text(f"rank_dir: {tmp_path / 'ranks'}\nstate_dir: {tmp_path / 'state'}\n"
-                        "gil:\n  enabled: false\ndiscovery:\n  enabled: false\n")
-    d = Daemon(load_config(str(cfg_file)), parts=lambda c, s: Parts(
-        stall=SeenGpus(c, s), nvml=NvmlSubsystem(
-            c, s, source=fixture_source(str(FIX / "h200_orphan_dataloader.json"), {447: rank.pid}),
-            watch_xid=False, watch_udev=False)))
+    cfg_file.write_text(
+        f"rank_dir: {tmp_path / 'ranks'}\nstate_dir: {tmp_path / 'state'}\n"
+        "gil:\n  enabled: false\ndiscovery:\n  enabled: false\n"
+    )
+    d = Daemon(
+        load_config(str(cfg_file)),
+        parts=lambda c, s: Parts(
+            stall=SeenGpus(c, s),
+            nvml=NvmlSubsystem(
+                c,
+                s,
+                source=fixture_source(str(FIX / "h200_orphan_dataloader.json"), {447: rank.pid}),
+                watch_xid=False,
+                watch_udev=False,
+            ),
+        ),
+    )
     try:
         state = d.cycle()
     finally:
@@ -251,5 +291,6 @@ def test_the_stall_part_gets_this_cycles_gpu_readings_of_a_rank_that_names_no_gp
     stall = d.parts.stall
     assert isinstance(stall, SeenGpus)
     (gpu,) = [g for g in state.gpus if g.index == 0]
-    assert stall.seen == [{("gpus-now", 0): GpuReading(state.timestamp, gpu.utilization_ratio,
-                                                       gpu.memory_utilization_ratio, False)}]
+    assert stall.seen == [
+        {("gpus-now", 0): GpuReading(state.timestamp, gpu.utilization_ratio, gpu.memory_utilization_ratio, False)}
+    ]

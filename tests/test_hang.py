@@ -39,8 +39,11 @@ def rank(tmp_path: Path) -> Iterator[Callable[[str], tuple[subprocess.Popen[str]
     started: list[subprocess.Popen[str]] = []
 
     def launch(mode: str) -> tuple[subprocess.Popen[str], list[str]]:
-        p = subprocess.Popen([sys.executable, str(PROGRAMS / "hang_rank.py"), mode, str(tmp_path),
-                              "hang-job", "0"], stdout=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            [sys.executable, str(PROGRAMS / "hang_rank.py"), mode, str(tmp_path), "hang-job", "0"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         started.append(p)
         assert p.stdout is not None
         words = p.stdout.readline().split()
@@ -69,12 +72,18 @@ def probe(pid: int, heartbeat: str) -> RankProbe:
     """What the daemon hands the tracker each cycle: /proc state and the rank's descendants."""
     info = PROCFS.read_process(pid)
     kids = PROCFS.read_many(PROCFS.descendants(pid))
-    return RankProbe("hang-job", 0, pid, info is not None, info.state if info else "", heartbeat,
-                     workers=tuple((k, p.state, p.cpu_seconds) for k, p in kids.items()))
+    return RankProbe(
+        "hang-job",
+        0,
+        pid,
+        info is not None,
+        info.state if info else "",
+        heartbeat,
+        workers=tuple((k, p.state, p.cpu_seconds) for k, p in kids.items()),
+    )
 
 
-def until_stalled(tracker: StallTracker, pid: int, hb: str, seconds: float = 20.0,
-                  want: str = "") -> StallVerdict:
+def until_stalled(tracker: StallTracker, pid: int, hb: str, seconds: float = 20.0, want: str = "") -> StallVerdict:
     deadline = time.monotonic() + seconds
     while True:
         v = tracker.observe(time.time(), [probe(pid, hb)])[("hang-job", 0)]
@@ -84,12 +93,15 @@ def until_stalled(tracker: StallTracker, pid: int, hb: str, seconds: float = 20.
         time.sleep(CYCLE)
 
 
-def explanation(v: StallVerdict, gpus: tuple[GpuDevice, ...] = (),
-                rows: tuple[GpuProcessRow, ...] = ()) -> str:
+def explanation(v: StallVerdict, gpus: tuple[GpuDevice, ...] = (), rows: tuple[GpuProcessRow, ...] = ()) -> str:
     r = RankState("hang-job", 0, v.pid, 0, 1, True, None, stalled=True, gpus=("0",) if gpus else ())
-    ctx = FindingContext(now=time.time(), config=Config(), ranks=(r,),
-                         gpu_processes=rows,
-                         parts=Tracked(gpu=GpuOutput(gpus=gpus), stall=StallOutput(verdicts={v.key: v})))
+    ctx = FindingContext(
+        now=time.time(),
+        config=Config(),
+        ranks=(r,),
+        gpu_processes=rows,
+        parts=Tracked(gpu=GpuOutput(gpus=gpus), stall=StallOutput(verdicts={v.key: v})),
+    )
     (f,) = stall_finding.find(ctx)
     assert f.kind == "rank_stalled"
     return f.explanation
@@ -99,8 +111,7 @@ def heartbeat_path(tmp_path: Path) -> str:
     return str(tmp_path / "hang-job.0.hb")
 
 
-def test_seed_003_lock_deadlock_names_both_threads_their_lines_and_the_word(
-        rank: Callable, tmp_path: Path) -> None:
+def test_seed_003_lock_deadlock_names_both_threads_their_lines_and_the_word(rank: Callable, tmp_path: Path) -> None:
     p, _ = rank("deadlock")
     tracker = StallTracker(AFTER, StallLooks(PySpy(pyspy.resolve_pyspy())), dump_interval_seconds=CYCLE)
     v = until_stalled(tracker, p.pid, heartbeat_path(tmp_path), want="deadlock")
@@ -120,7 +131,8 @@ def test_seed_003_lock_deadlock_names_both_threads_their_lines_and_the_word(
     else:  # no native thread id before 3.11 (py-spy #567): the process-wide evidence, in words
         assert dead.text.endswith(
             " (thread ids not joinable on Python 3.10 (py-spy #567): all 4 tasks read asleep at "
-            "0 % CPU, 3 in untimed futex waits on 3 different futex words)"), dead.text
+            "0 % CPU, 3 in untimed futex waits on 3 different futex words)"
+        ), dead.text
     assert '"MainThread" waits for them in Thread.join' in dead.text
     text = explanation(v)
     print(text)
@@ -128,8 +140,7 @@ def test_seed_003_lock_deadlock_names_both_threads_their_lines_and_the_word(
     if sys.version_info >= (3, 13):  # Thread.join waits in _ThreadHandle.join (C): no frame of its own
         assert '"MainThread" (S, 0% CPU) waiting in Thread.join at Thread.join (threading.py:' in text
     elif sys.version_info >= (3, 11):
-        assert '"MainThread" (S, 0% CPU) waiting in Thread.join at Thread._wait_for_tstate_lock' \
-            in text
+        assert '"MainThread" (S, 0% CPU) waiting in Thread.join at Thread._wait_for_tstate_lock' in text
     else:  # per-thread CPU needs the tid; no qualified names before 3.11 (co_qualname)
         assert '"MainThread" (S, CPU ?) waiting in Thread.join at _wait_for_tstate_lock' in text
     assert "threads: " in text and "Thread.join" in text
@@ -162,8 +173,7 @@ def test_starved_by_stopped_workers_then_by_dead_workers(rank: Callable, tmp_pat
     deadline = time.monotonic() + 20
     while True:
         v = tracker.observe(time.time(), [probe(p.pid, hb)])[("hang-job", 0)]
-        text = next((x.text for x in (v.analysis.patterns if v.analysis else ())
-                     if x.kind == "starved"), "")
+        text = next((x.text for x in (v.analysis.patterns if v.analysis else ()) if x.kind == "starved"), "")
         if "2 dead" in text:
             break
         assert time.monotonic() < deadline, v
@@ -220,18 +230,26 @@ def test_daemon_explains_the_deadlock(tmp_path: Path) -> None:
     from daemonutil import DaemonProc, write_config
 
     cfg_path, cfg = write_config(tmp_path, stall={"after_seconds": 1.5})
-    p = subprocess.Popen([sys.executable, str(PROGRAMS / "hang_rank.py"), "deadlock",
-                          cfg["rank_dir"], "hang-job", "0"], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, str(PROGRAMS / "hang_rank.py"), "deadlock", cfg["rank_dir"], "hang-job", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         d = DaemonProc(cfg_path, cfg)
         try:
+
             def finding() -> str:
                 state = json.loads((Path(cfg["state_dir"]) / "state.json").read_text())
-                return next((f["explanation"] for f in state["findings"]
-                             if f["kind"] == "rank_stalled"
-                             and "likely deadlock" in f["explanation"]),
-                            "")
+                return next(
+                    (
+                        f["explanation"]
+                        for f in state["findings"]
+                        if f["kind"] == "rank_stalled" and "likely deadlock" in f["explanation"]
+                    ),
+                    "",
+                )
 
             d.wait_for(lambda: bool(finding()), timeout=30, what="rank_stalled with a deadlock")
             text = finding()
@@ -243,8 +261,10 @@ def test_daemon_explains_the_deadlock(tmp_path: Path) -> None:
             else:  # no co_qualname before 3.11; no tid to join futexes to threads (py-spy #567)
                 assert '"loader" in loader (hang_rank.py:' in text
                 assert '"writer" in writer (hang_rank.py:' in text
-                assert "likely deadlock" in text and \
-                    "(thread ids not joinable on Python 3.10 (py-spy #567): all 4 tasks" in text
+                assert (
+                    "likely deadlock" in text
+                    and "(thread ids not joinable on Python 3.10 (py-spy #567): all 4 tasks" in text
+                )
         finally:
             assert d.stop() == 0
     finally:
@@ -252,13 +272,13 @@ def test_daemon_explains_the_deadlock(tmp_path: Path) -> None:
         p.wait()
 
 
-def test_doctor_folds_identical_threads_and_names_the_deadlock(rank: Callable, tmp_path: Path,
-                                                               procs: list) -> None:
+def test_doctor_folds_identical_threads_and_names_the_deadlock(rank: Callable, tmp_path: Path, procs: list) -> None:
     """``gpuwatchd doctor PID`` on the deadlocked rank says "likely deadlock"; on a process with
     fourteen pool threads idle in queue.get they fold into one line."""
     p, _ = rank("deadlock")
-    out = subprocess.run([sys.executable, "-m", "gpuwatchd", "doctor", str(p.pid)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "doctor", str(p.pid)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     assert "PYTHON THREADS (folded" in out.stdout
     assert "=> likely deadlock: 2 threads blocked acquiring locks" in out.stdout, out.stdout
@@ -266,23 +286,33 @@ def test_doctor_folds_identical_threads_and_names_the_deadlock(rank: Callable, t
     pool.write_text(
         "import queue, threading\nq = queue.Queue()\n"
         "for i in range(14):\n    threading.Thread(target=q.get, name=f'pool-{i}', daemon=True).start()\n"
-        "print('ready', flush=True)\nthreading.Event().wait()\n")
+        "print('ready', flush=True)\nthreading.Event().wait()\n"
+    )
     w = subprocess.Popen([sys.executable, str(pool)], stdout=subprocess.PIPE, text=True)
     procs.append(w)
     assert w.stdout is not None and w.stdout.readline().strip() == "ready"
-    report = json.loads(subprocess.run(
-        [sys.executable, "-m", "gpuwatchd", "doctor", "--json", str(w.pid)],
-        capture_output=True, text=True, timeout=60).stdout)
+    report = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "gpuwatchd", "doctor", "--json", str(w.pid)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+    )
     lines = report["hang"]["threads"]
     print(lines)
     if sys.version_info >= (3, 11):
-        assert any(t.startswith("14 threads (S, 0% CPU each) idle in queue.get at Condition.wait "
-                                "(threading.py:") and "<- Queue.get (queue.py:" in t
-                   for t in lines), lines
+        assert any(
+            t.startswith("14 threads (S, 0% CPU each) idle in queue.get at Condition.wait (threading.py:")
+            and "<- Queue.get (queue.py:" in t
+            for t in lines
+        ), lines
     else:  # no tid to join /proc state and CPU to (py-spy #567), no qualified names (co_qualname)
-        assert any(t.startswith("14 threads (?, CPU ? each) idle in queue.get at wait "
-                                "(threading.py:") and "<- get (queue.py:" in t
-                   for t in lines), lines
+        assert any(
+            t.startswith("14 threads (?, CPU ? each) idle in queue.get at wait (threading.py:")
+            and "<- get (queue.py:" in t
+            for t in lines
+        ), lines
     assert report["hang"]["patterns"] == []  # idle pool threads are no hang
 
 
@@ -304,11 +334,9 @@ def test_interpreter_exit_joining_deadlocked_threads_is_no_lock(rank: Callable, 
     if sys.version_info >= (3, 11):
         assert "(waiting on 2 different locks)" in dead.text
     else:  # no native thread id before 3.11 (py-spy #567): the process-wide evidence, in words
-        assert " (thread ids not joinable on Python 3.10 (py-spy #567): all 4 tasks read asleep" \
-            in dead.text
+        assert " (thread ids not joinable on Python 3.10 (py-spy #567): all 4 tasks read asleep" in dead.text
     cpu = "0% CPU" if sys.version_info >= (3, 11) else "CPU ?"  # per-thread CPU needs the tid
-    assert f'"MainThread" (S, {cpu}) waiting in Thread.join at _shutdown (threading.py:' in \
-        explanation(v)
+    assert f'"MainThread" (S, {cpu}) waiting in Thread.join at _shutdown (threading.py:' in explanation(v)
 
 
 def test_lock_cycle_through_the_import_lock(rank: Callable, tmp_path: Path) -> None:
@@ -328,14 +356,15 @@ def test_lock_cycle_through_the_import_lock(rank: Callable, tmp_path: Path) -> N
     if sys.version_info >= (3, 13):
         other = next(t for t in v.analysis.threads if t.name == "other")
         assert other.parked and other.futex is None, other
-        assert (' ("other" parked in CPython\'s parking lot (a PyMutex wait, Python 3.13+, e.g. the '
-                "import lock): its futex word is on its own stack, so which lock it waits on is "
-                'unknown); "MainThread" waits') in dead.text
+        assert (
+            ' ("other" parked in CPython\'s parking lot (a PyMutex wait, Python 3.13+, e.g. the '
+            "import lock): its futex word is on its own stack, so which lock it waits on is "
+            'unknown); "MainThread" waits'
+        ) in dead.text
         assert "different locks" not in dead.text  # one lock's word is known: no count of locks
     elif sys.version_info >= (3, 11):
         assert "(waiting on 2 different locks)" in dead.text
     else:
-        assert " (thread ids not joinable on Python 3.10 (py-spy #567): all 4 tasks read asleep" \
-            in dead.text
+        assert " (thread ids not joinable on Python 3.10 (py-spy #567): all 4 tasks read asleep" in dead.text
     if sys.version_info < (3, 13):
         assert "parking lot" not in dead.text

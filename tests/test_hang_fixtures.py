@@ -33,13 +33,28 @@ def procview(stacks: tuple, state: str, wchan: str) -> list[ThreadInfo]:
 def explain(stacks: tuple, shares: dict, state: str, wchan: str, util: float) -> str:
     threads = procview(stacks, state, wchan)
     a = analyze(stacks, threads, shares)
-    v = StallVerdict("j", 0, 100, True, 0.0, True, "heartbeat", 60.0,
-                     stuck_frames=tuple(str(f) for f in stacks[-1].frames), analysis=a)
+    v = StallVerdict(
+        "j",
+        0,
+        100,
+        True,
+        0.0,
+        True,
+        "heartbeat",
+        60.0,
+        stuck_frames=tuple(str(f) for f in stacks[-1].frames),
+        analysis=a,
+    )
     r = RankState("j", 0, 100, 0, 1, True, None, stalled=True, gpus=("0",))
     gpu = GpuDevice(0, "GPU-x", "NVIDIA H200", "0000:19:00.0", 150 << 30, 1 << 30, util)
     row = GpuProcessRow(0, "GPU-x", 100, 612 << 20, "python3", "root", "j", "0")
-    ctx = FindingContext(now=100.0, config=Config(), ranks=(r,), gpu_processes=(row,),
-                         parts=Tracked(gpu=GpuOutput(gpus=(gpu,)), stall=StallOutput(verdicts={("j", 0): v})))
+    ctx = FindingContext(
+        now=100.0,
+        config=Config(),
+        ranks=(r,),
+        gpu_processes=(row,),
+        parts=Tracked(gpu=GpuOutput(gpus=(gpu,)), stall=StallOutput(verdicts={("j", 0): v})),
+    )
     (f,) = stall_finding.find(ctx)
     return f.explanation
 
@@ -93,12 +108,14 @@ def fr(rank: int) -> dict:
 def test_flight_recorder_names_the_rank_that_never_entered() -> None:
     r0 = parse_response(fr(0), "fr-job", 0, fr(0)["pid"])
     r1 = parse_response(fr(1), "fr-job", 1, fr(1)["pid"])
-    assert [(g.pg, g.last_started, g.last_completed, g.last_name) for g in r0.groups] == \
-        [("0", 5, 4, "gloo:all_reduce")]
+    assert [(g.pg, g.last_started, g.last_completed, g.last_name) for g in r0.groups] == [
+        ("0", 5, 4, "gloo:all_reduce")
+    ]
     assert (r1.groups[0].last_started, r1.groups[0].last_completed) == (4, 4)
     assert compare([r0, r1]) == [
         "flight recorder: rank 1 never entered collective #5 (gloo:all_reduce) of process group 0 "
-        "that rank 0 entered (last entered: rank 1 #4)"]
+        "that rank 0 entered (last entered: rank 1 #4)"
+    ]
 
 
 def test_flight_recorder_desync_and_silence() -> None:
@@ -110,8 +127,7 @@ def test_flight_recorder_desync_and_silence() -> None:
     r0 = parse_response(fr(0), "j", 0, 1)
     r1 = parse_response(doc, "j", 1, 2)
     out = compare([r0, r1])
-    assert "desync: collective #4 of process group 0 is gloo:all_reduce on rank 0 but " \
-        "gloo:broadcast on rank 1" in out
+    assert "desync: collective #4 of process group 0 is gloo:all_reduce on rank 0 but gloo:broadcast on rank 1" in out
     from gpuwatchd.model.parts import FrReading
 
     silent = FrReading("j", 2, 3, error="no answer")
@@ -125,9 +141,13 @@ def test_bad_responses_are_refused_not_crashing() -> None:
     for bad in ([], {"version": 2}, {"version": 1, "trace": {"entries": "x"}}):
         with pytest.raises(ValueError):
             parse_response(bad, "j", 0, 1)
-    junk = {"version": 1, "trace": {"entries": [None, {"collective_seq_id": True},
-                                                {"collective_seq_id": -3}, "x"],
-                                    "pg_status": {"0": {"last_completed_collective": "bad"}}}}
+    junk = {
+        "version": 1,
+        "trace": {
+            "entries": [None, {"collective_seq_id": True}, {"collective_seq_id": -3}, "x"],
+            "pg_status": {"0": {"last_completed_collective": "bad"}},
+        },
+    }
     assert parse_response(junk, "j", 0, 1).groups == ()
 
 
@@ -150,7 +170,6 @@ def test_a_plain_subprocess_wait_outside_torch_compile_is_not_compiling() -> Non
 
     s = dump("compile_cpu")
     main = next(x for x in s if x.name == "MainThread")
-    plain = dataclasses.replace(main, frames=tuple(f for f in main.frames
-                                                    if not f.filename.startswith("torch/")))
+    plain = dataclasses.replace(main, frames=tuple(f for f in main.frames if not f.filename.startswith("torch/")))
     a = analyze((plain,), procview((plain,), "S", "anon_pipe_read"), {plain.tid: 0.0})
     assert "compiling" not in a.kinds and not a.in_compile

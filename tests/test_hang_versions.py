@@ -36,12 +36,23 @@ def interpreter(version: str) -> str:
 @pytest.mark.parametrize("version", ["3.10", "3.11", "3.12", "3.13"])
 def test_a_deadlocked_rank_on_each_python(version: str, tmp_path: Path) -> None:
     py = interpreter(version)
-    ran = tuple(int(x) for x in subprocess.run(
-        [py, "-c", "import sys; print(*sys.version_info[:2])"], capture_output=True, text=True,
-        check=True, timeout=30).stdout.split())
+    ran = tuple(
+        int(x)
+        for x in subprocess.run(
+            [py, "-c", "import sys; print(*sys.version_info[:2])"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout.split()
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.Popen([py, str(PROGRAMS / "hang_rank.py"), "deadlock", str(tmp_path), "hang-job",
-                          "0"], stdout=subprocess.PIPE, text=True, env=env)
+    p = subprocess.Popen(
+        [py, str(PROGRAMS / "hang_rank.py"), "deadlock", str(tmp_path), "hang-job", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         tracker = StallTracker(AFTER, StallLooks(PySpy(pyspy.resolve_pyspy())), dump_interval_seconds=CYCLE)
@@ -65,6 +76,5 @@ def test_a_deadlocked_rank_on_each_python(version: str, tmp_path: Path) -> None:
         assert "(waiting on 2 different locks)" in dead.text
     else:  # no thread ids (py-spy #567), no qualified names (co_qualname)
         assert main.frames[0].name == "_wait_for_tstate_lock", main
-        assert " (thread ids not joinable on Python 3.10 (py-spy #567): all 4 tasks read asleep" \
-            in dead.text
+        assert " (thread ids not joinable on Python 3.10 (py-spy #567): all 4 tasks read asleep" in dead.text
     assert "parking lot" not in text  # the joiner's parked wait is no lock's evidence

@@ -29,8 +29,10 @@ CRDS = Path(__file__).resolve().parent / "fixtures" / "crds"
 RULES = ROOT / "deploy" / "prometheus" / "gpuwatchd.rules.yml"
 RECORDING = ROOT / "deploy" / "prometheus" / "gpuwatchd.recording.yml"
 DASHBOARDS = ROOT / "grafana" / "dashboards"
-DOWN_N1 = ("Prometheus has not scraped gpuwatchd on n1 (job gpu-exporters) for 2 minutes: no rank, "
-           "OOM or GPU alert of this node can fire while it is down.")
+DOWN_N1 = (
+    "Prometheus has not scraped gpuwatchd on n1 (job gpu-exporters) for 2 minutes: no rank, "
+    "OOM or GPU alert of this node can fire while it is down."
+)
 K8S_VERSION = "1.33.0"  # the layer's kubectl, and what GPU clusters run today
 
 
@@ -70,10 +72,14 @@ def test_chart_version_is_the_package_version() -> None:
     assert chart["appVersion"] == chart["version"] == __version__
 
 
-def test_renders_the_kustomization_objects_and_the_helm_only_ones(
-        rendered: dict[str, list[dict[str, Any]]]) -> None:
+def test_renders_the_kustomization_objects_and_the_helm_only_ones(rendered: dict[str, list[dict[str, Any]]]) -> None:
     assert {k: len(v) for k, v in rendered.items()} == {
-        "ConfigMap": 4, "Service": 1, "DaemonSet": 1, "PodMonitor": 1, "PrometheusRule": 1}
+        "ConfigMap": 4,
+        "Service": 1,
+        "DaemonSet": 1,
+        "PodMonitor": 1,
+        "PrometheusRule": 1,
+    }
     for docs in rendered.values():
         for d in docs:
             assert d["metadata"]["namespace"] == "monitoring"
@@ -102,13 +108,18 @@ def test_the_chart_deploys_the_kustomization_pod(rendered: dict[str, list[dict[s
 
 
 def test_values_override_image_resources_config_and_the_scrape_job() -> None:
-    r = by_kind(template("image.repository=registry.example.org/gpuwatchd", "image.tag=9.9",
-                         "resources.limits.memory=512Mi", "podMonitor.labels.release=prom",
-                         "podMonitor.jobLabel=app.kubernetes.io/instance",
-                         "config=interval_seconds: 10\n"))
+    r = by_kind(
+        template(
+            "image.repository=registry.example.org/gpuwatchd",
+            "image.tag=9.9",
+            "resources.limits.memory=512Mi",
+            "podMonitor.labels.release=prom",
+            "podMonitor.jobLabel=app.kubernetes.io/instance",
+            "config=interval_seconds: 10\n",
+        )
+    )
     pod = r["DaemonSet"][0]["spec"]["template"]["spec"]
-    assert {c["image"] for c in pod["containers"] + pod["initContainers"]} == {
-        "registry.example.org/gpuwatchd:9.9"}
+    assert {c["image"] for c in pod["containers"] + pod["initContainers"]} == {"registry.example.org/gpuwatchd:9.9"}
     assert pod["containers"][0]["resources"] == {"limits": {"memory": "512Mi"}}
     pm = r["PodMonitor"][0]
     assert pm["metadata"]["labels"]["release"] == "prom"
@@ -130,8 +141,7 @@ def _rule_groups(rule: dict[str, Any]) -> list[dict[str, Any]]:
     return list(rule["spec"]["groups"])
 
 
-def test_prometheus_rule_is_the_shipped_rule_files(rendered: dict[str, list[dict[str, Any]]],
-                                                   tmp_path: Path) -> None:
+def test_prometheus_rule_is_the_shipped_rule_files(rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
     """Not a copy: the PrometheusRule's groups are the two rule files as they are (read through
     files/ links), and promtool accepts them as a rule file."""
     [rule] = rendered["PrometheusRule"]
@@ -146,24 +156,48 @@ def test_prometheus_rule_is_the_shipped_rule_files(rendered: dict[str, list[dict
 def test_prometheus_rule_job_selector_and_runbook_url_are_values(tmp_path: Path) -> None:
     """A site whose scrape job is "gpu-exporters": GpuwatchdDown and GpuwatchdMemoryHigh select
     it, and the promtool test of the chart's rules fires on that job."""
-    [rule] = by_kind(template('prometheusRule.jobSelector=job="gpu-exporters"',
-                              "prometheusRule.runbookUrl=https://wiki.example.org/gpuwatchd"))["PrometheusRule"]
+    [rule] = by_kind(
+        template(
+            'prometheusRule.jobSelector=job="gpu-exporters"',
+            "prometheusRule.runbookUrl=https://wiki.example.org/gpuwatchd",
+        )
+    )["PrometheusRule"]
     alerts = {r["alert"]: r for g in _rule_groups(rule) for r in g["rules"] if "alert" in r}
     assert alerts["GpuwatchdDown"]["expr"] == 'up{job="gpu-exporters"} == 0'
     assert 'process_resident_memory_bytes{job="gpu-exporters"}' in alerts["GpuwatchdMemoryHigh"]["expr"]
     assert ".*gpuwatchd.*" not in json.dumps(rule)
-    assert all(a["annotations"]["runbook_url"].startswith("https://wiki.example.org/gpuwatchd#")
-               for a in alerts.values())
+    assert all(
+        a["annotations"]["runbook_url"].startswith("https://wiki.example.org/gpuwatchd#") for a in alerts.values()
+    )
     (tmp_path / "rules.yml").write_text(yaml.safe_dump({"groups": _rule_groups(rule)}))
-    (tmp_path / "t.yml").write_text(yaml.safe_dump({
-        "rule_files": ["rules.yml"], "evaluation_interval": "1m",
-        "tests": [{"interval": "1m",
-                   "input_series": [{"series": 'up{job="gpu-exporters",instance="n1"}', "values": "0x5"}],
-                   "alert_rule_test": [{"eval_time": "4m", "alertname": "GpuwatchdDown",
-                                        "exp_alerts": [{"exp_labels": {
-                                            "severity": "warning", "job": "gpu-exporters", "instance": "n1"},
-                                            "exp_annotations": dict(alerts["GpuwatchdDown"]["annotations"],
-                                                description=DOWN_N1)}]}]}]}))
+    (tmp_path / "t.yml").write_text(
+        yaml.safe_dump(
+            {
+                "rule_files": ["rules.yml"],
+                "evaluation_interval": "1m",
+                "tests": [
+                    {
+                        "interval": "1m",
+                        "input_series": [{"series": 'up{job="gpu-exporters",instance="n1"}', "values": "0x5"}],
+                        "alert_rule_test": [
+                            {
+                                "eval_time": "4m",
+                                "alertname": "GpuwatchdDown",
+                                "exp_alerts": [
+                                    {
+                                        "exp_labels": {"severity": "warning", "job": "gpu-exporters", "instance": "n1"},
+                                        "exp_annotations": dict(
+                                            alerts["GpuwatchdDown"]["annotations"], description=DOWN_N1
+                                        ),
+                                    }
+                                ],
+                            }
+                        ],
+                    }
+                ],
+            }
+        )
+    )
     p = run([PROMTOOL, "test", "rules", "t.yml"], cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
 
@@ -180,13 +214,17 @@ def test_dashboard_configmaps_for_the_grafana_sidecar(rendered: dict[str, list[d
 
 # --- schemas ----------------------------------------------------------------------------------
 
+
 def _strict(schema: Any) -> Any:
     """An openAPIV3Schema as the API server applies it to a typed object: an object with
     `properties` and no preserve-unknown-fields rejects other keys (kubeconform's -strict)."""
     if isinstance(schema, dict):
         out = {k: _strict(v) for k, v in schema.items()}
-        if ("properties" in out and "additionalProperties" not in out
-                and not out.get("x-kubernetes-preserve-unknown-fields")):
+        if (
+            "properties" in out
+            and "additionalProperties" not in out
+            and not out.get("x-kubernetes-preserve-unknown-fields")
+        ):
             out["additionalProperties"] = False
         return out
     if isinstance(schema, list):

@@ -58,8 +58,8 @@ def _read_response(sock: socket.socket, buf: bytearray) -> tuple[int, bytes] | N
         if not chunk:
             break
         buf += chunk
-    body = bytes(buf[end:end + length])
-    del buf[:end + length]
+    body = bytes(buf[end : end + length])
+    del buf[: end + length]
     return int(head.split(b" ", 2)[1]), body
 
 
@@ -146,9 +146,11 @@ def stricter(head: bytes) -> bool:
     if not isinstance(ev, h11.Request):
         return False
     names = [n for n, _ in ev.headers]
-    return (len(names) > 64
-            or (b"content-length" in names and b"transfer-encoding" in names)
-            or ev.http_version not in (b"1.0", b"1.1"))
+    return (
+        len(names) > 64
+        or (b"content-length" in names and b"transfer-encoding" in names)
+        or ev.http_version not in (b"1.0", b"1.1")
+    )
 
 
 # (head, what the hand-written parser of 63318c5 answered): dependencies-review.md §2.4.
@@ -159,12 +161,12 @@ CORPUS = [
     (b"GET /metrics HTTP/1.1\r\nHost : x\r\n\r\n", "200 keep"),
     (b"GET /metrics HTTP/1.1\r\n\r\n", "200 keep"),
     (b"GET /metrics HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n", "200 keep"),
-    (b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nContent-Length: 5\r\n\r\nhello",
-     "200 keep"),
-    (b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello",
-     "200 keep"),
-    (b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
-     b"0\r\n\r\n", "200 keep"),
+    (b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nContent-Length: 5\r\n\r\nhello", "200 keep"),
+    (b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello", "200 keep"),
+    (
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        "200 keep",
+    ),
     (b"GET /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n", "200 keep"),
     (b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: +5\r\n\r\nhello", "200 keep"),
     (b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n", "200 keep"),
@@ -180,22 +182,22 @@ CORPUS = [
     (b"G@T /metrics HTTP/1.1\r\nHost: x\r\n\r\n", "501 close"),
     (b"GET /metrics\xe9 HTTP/1.1\r\nHost: x\r\n\r\n", "404 keep"),
     (b"GET /me trics HTTP/1.1\r\nHost: x\r\n\r\n", "400 close"),
-    (b"GET /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked, chunked\r\n\r\n0\r\n\r\n",
-     "200 keep"),
+    (b"GET /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked, chunked\r\n\r\n0\r\n\r\n", "200 keep"),
     (b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 1x\r\n\r\n", "200 keep"),
     (b"GET /metrics HTTP/1.0\r\n\r\n", "200 close"),
 ]
 
 
 @pytest.mark.parametrize(("head", "before"), CORPUS, ids=[repr(h[:60]) for h, _ in CORPUS])
-def test_malformed_heads_are_answered_as_h11_reads_them(server: web.WebServer, head: bytes,
-                                                          before: str) -> None:
+def test_malformed_heads_are_answered_as_h11_reads_them(server: web.WebServer, head: bytes, before: str) -> None:
     statuses, closed = _exchange(server, head, then=OK)
     verdict = h11_verdict(head)
     refused = verdict is not None or stricter(head)
-    print(f"| {head[:60]!r} | {before} | {statuses[0] if statuses else '-'} "
-          f"{'close' if closed else 'keep'} | {'accept' if verdict is None else verdict} | "
-          f"{'accept' if httptools_accepts(head) else 'reject'} |")
+    print(
+        f"| {head[:60]!r} | {before} | {statuses[0] if statuses else '-'} "
+        f"{'close' if closed else 'keep'} | {'accept' if verdict is None else verdict} | "
+        f"{'accept' if httptools_accepts(head) else 'reject'} |"
+    )
     if refused:
         assert len(statuses) == 1 and statuses[0] >= 400 and closed, (statuses, closed)
         if verdict is not None and not stricter(head):
@@ -217,8 +219,10 @@ def test_a_get_with_a_body_that_is_a_request_gets_one_answer(server: web.WebServ
     head = b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(inner)
     statuses, closed = _exchange(server, head + inner)
     assert statuses == [200] and not closed
-    chunked = (b"GET /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-               b"%x\r\n%s\r\n0\r\n\r\n" % (len(inner), inner))
+    chunked = b"GET /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (
+        len(inner),
+        inner,
+    )
     statuses, closed = _exchange(server, chunked)
     assert statuses == [200] and not closed
     # ... and the connection goes on with the next real request.
@@ -229,8 +233,10 @@ def test_a_body_over_the_bound_is_413_and_close(server: web.WebServer) -> None:
     big = MAX_BODY_BYTES + 1
     head = b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % big
     assert _exchange(server, head + b"x" * big) == ([413], True)
-    chunked = (b"GET /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-               + b"%x\r\n%s\r\n" % (big, b"x" * big))
+    chunked = b"GET /metrics HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (
+        big,
+        b"x" * big,
+    )
     assert _exchange(server, chunked) == ([413], True)
 
 
@@ -258,25 +264,69 @@ def test_three_pipelined_requests_then_a_half_close_get_three_answers(server: we
 
 def test_keep_alive_follows_the_request(server: web.WebServer) -> None:
     assert _exchange(server, OK, then=OK) == ([200, 200], False)
-    assert _exchange(server, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n") == (
-        [200], True)
+    assert _exchange(server, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n") == ([200], True)
     assert _exchange(server, b"GET /metrics HTTP/1.0\r\nConnection: keep-alive\r\n\r\n") == (
-        [200], True)  # h11 speaks no HTTP/1.0 keep-alive: one answer, then close
+        [200],
+        True,
+    )  # h11 speaks no HTTP/1.0 keep-alive: one answer, then close
 
 
 # --- generated heads ---------------------------------------------------------------------------
 
-_TOKEN = st.sampled_from([b"Host", b"Content-Length", b"Transfer-Encoding", b"Connection",
-                          b"Accept", b"X-A", b"Host ", b" Host", b"", b"X\x00", b"X\x7f", b"X@"])
-_VALUE = st.sampled_from([b"x", b"0", b"5", b"+5", b"-1", b"chunked", b"gzip", b"close",
-                          b"keep-alive", b"a\x00b", b"a\rb", b"\xe9", b"", b" x ", b"5, 5",
-                          b"chunked, chunked", b"1x"])
+_TOKEN = st.sampled_from(
+    [
+        b"Host",
+        b"Content-Length",
+        b"Transfer-Encoding",
+        b"Connection",
+        b"Accept",
+        b"X-A",
+        b"Host ",
+        b" Host",
+        b"",
+        b"X\x00",
+        b"X\x7f",
+        b"X@",
+    ]
+)
+_VALUE = st.sampled_from(
+    [
+        b"x",
+        b"0",
+        b"5",
+        b"+5",
+        b"-1",
+        b"chunked",
+        b"gzip",
+        b"close",
+        b"keep-alive",
+        b"a\x00b",
+        b"a\rb",
+        b"\xe9",
+        b"",
+        b" x ",
+        b"5, 5",
+        b"chunked, chunked",
+        b"1x",
+    ]
+)
 _LINE_END = st.sampled_from([b"\r\n", b"\n"])
-_REQUEST_LINE = st.sampled_from([
-    b"GET /metrics HTTP/1.1", b"GET /metrics HTTP/1.0", b"HEAD /metrics HTTP/1.1",
-    b"GET /metrics HTTP/1.10", b"GET /metrics HTTP/2.0", b"GET  /metrics HTTP/1.1",
-    b"GET /metrics", b"get /metrics HTTP/1.1", b"GET /m\xe9 HTTP/1.1", b"GET http://x/metrics HTTP/1.1",
-    b"GET /metrics HTTP/1.1 x", b"G@T /metrics HTTP/1.1"])
+_REQUEST_LINE = st.sampled_from(
+    [
+        b"GET /metrics HTTP/1.1",
+        b"GET /metrics HTTP/1.0",
+        b"HEAD /metrics HTTP/1.1",
+        b"GET /metrics HTTP/1.10",
+        b"GET /metrics HTTP/2.0",
+        b"GET  /metrics HTTP/1.1",
+        b"GET /metrics",
+        b"get /metrics HTTP/1.1",
+        b"GET /m\xe9 HTTP/1.1",
+        b"GET http://x/metrics HTTP/1.1",
+        b"GET /metrics HTTP/1.1 x",
+        b"G@T /metrics HTTP/1.1",
+    ]
+)
 
 
 @st.composite

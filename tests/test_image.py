@@ -61,15 +61,39 @@ EPOCH = "1700000000"  # SOURCE_DATE_EPOCH of the builds
 # host paths that are the host's own in the test; every other one lives under HOST
 REAL_HOST_PATHS = ("/dev/kmsg", "/etc/machine-id")
 RLIMITS = ("--ulimit=nofile=1024:1024", "--ulimit=nproc=4096:4096")
-POD_KEYS_ENACTED = {"hostPID", "hostNetwork", "containers", "initContainers", "volumes",
-                    "automountServiceAccountToken", "enableServiceLinks",
-                    "terminationGracePeriodSeconds"}
+POD_KEYS_ENACTED = {
+    "hostPID",
+    "hostNetwork",
+    "containers",
+    "initContainers",
+    "volumes",
+    "automountServiceAccountToken",
+    "enableServiceLinks",
+    "terminationGracePeriodSeconds",
+}
 POD_KEYS_NOT_HERE = {"priorityClassName", "runtimeClassName", "nodeSelector", "tolerations"}
-SC_KEYS = {"runAsUser", "runAsGroup", "allowPrivilegeEscalation", "readOnlyRootFilesystem",
-           "privileged", "seccompProfile", "capabilities"}
-CONTAINER_KEYS = {"name", "image", "command", "args", "env", "ports", "securityContext",
-                  "resources", "volumeMounts", "livenessProbe", "readinessProbe"}
-
+SC_KEYS = {
+    "runAsUser",
+    "runAsGroup",
+    "allowPrivilegeEscalation",
+    "readOnlyRootFilesystem",
+    "privileged",
+    "seccompProfile",
+    "capabilities",
+}
+CONTAINER_KEYS = {
+    "name",
+    "image",
+    "command",
+    "args",
+    "env",
+    "ports",
+    "securityContext",
+    "resources",
+    "volumeMounts",
+    "livenessProbe",
+    "readinessProbe",
+}
 
 
 def _manifest() -> tuple[dict[str, Any], dict[str, str]]:
@@ -88,8 +112,7 @@ def _quantity(q: str) -> str:
     return str(int(m.group(1)) / 1000)
 
 
-def podman_args(pod: dict[str, Any], container: dict[str, Any], host: Path,
-                configmap_dir: Path) -> list[str]:
+def podman_args(pod: dict[str, Any], container: dict[str, Any], host: Path, configmap_dir: Path) -> list[str]:
     """``podman run`` flags enacting ``container`` of ``pod`` (all but its name, image and args)."""
     assert set(pod) <= POD_KEYS_ENACTED | POD_KEYS_NOT_HERE, set(pod) - POD_KEYS_ENACTED - POD_KEYS_NOT_HERE
     assert set(container) <= CONTAINER_KEYS, set(container) - CONTAINER_KEYS
@@ -150,13 +173,21 @@ class Podman:
 
     def __init__(self, dir: Path) -> None:
         self.dir = dir
-        self.base = ["podman", f"--root={dir}/storage", f"--runroot={dir}/run", "--storage-driver=overlay",
-                     "--events-backend=file", "--cgroup-manager=cgroupfs"]
+        self.base = [
+            "podman",
+            f"--root={dir}/storage",
+            f"--runroot={dir}/run",
+            "--storage-driver=overlay",
+            "--events-backend=file",
+            "--cgroup-manager=cgroupfs",
+        ]
 
-    def __call__(self, *args: str, check: bool = True, timeout: float = 120,
-                 input: str | None = None) -> subprocess.CompletedProcess[str]:
-        res = subprocess.run([*self.base, *args], capture_output=True, text=True, timeout=timeout,
-                             input=input, cwd=self.dir)
+    def __call__(
+        self, *args: str, check: bool = True, timeout: float = 120, input: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        res = subprocess.run(
+            [*self.base, *args], capture_output=True, text=True, timeout=timeout, input=input, cwd=self.dir
+        )
         if check:
             assert res.returncode == 0, f"podman {' '.join(args[:3])} exited {res.returncode}:\n{res.stderr}"
         return res
@@ -170,16 +201,18 @@ def _base_tar() -> Path:
     """The Debian root of the image, made by ``build.sh --base-only`` once per recipe (cached)."""
     recipe = re.search(r"^make_base\(\).*?^}", BUILD.read_text(), re.M | re.S)
     assert recipe
-    key = hashlib.sha256((recipe.group(0) + str(re.findall(r"^(SUITE|PACKAGES)=.*", BUILD.read_text(), re.M)))
-                         .encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        (recipe.group(0) + str(re.findall(r"^(SUITE|PACKAGES)=.*", BUILD.read_text(), re.M))).encode()
+    ).hexdigest()[:16]
     tar = bootsystemd.CACHE / f"image-base-{key}.tar"
     bootsystemd.CACHE.mkdir(parents=True, exist_ok=True)
     with open(bootsystemd.CACHE / ".lock-image", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not tar.exists():
             tmp = tar.with_suffix(f".{os.getpid()}")
-            res = subprocess.run(["bash", str(BUILD), "--base-only", str(tmp)], capture_output=True,
-                                 text=True, timeout=900)
+            res = subprocess.run(
+                ["bash", str(BUILD), "--base-only", str(tmp)], capture_output=True, text=True, timeout=900
+            )
             assert res.returncode == 0, res.stderr[-3000:]
             tmp.rename(tar)
     return tar
@@ -194,15 +227,21 @@ class Journald:
         run, sock, var = host / "run/log/journal", host / "run/systemd/journal", host / "var/log/journal"
         for d in (run, sock, var):
             d.mkdir(parents=True, exist_ok=True)
-        script = ("set -e; mount -t tmpfs gwimage-run /run; mkdir -p /run/systemd/journal /run/log/journal; "
-                  f'mount --bind "{sock}" /run/systemd/journal; mount --bind "{run}" /run/log/journal; '
-                  f'mkdir -p /var/log/journal; mount --bind "{var}" /var/log/journal; '
-                  # volatile storage, as on most nodes (Storage=auto and an empty /var/log/journal
-                  # would make it persistent; either is mounted into the pod)
-                  "mount -t tmpfs gwimage-varlog /var/log/journal; "
-                  "exec /lib/systemd/systemd-journald")
-        self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/")
+        script = (
+            "set -e; mount -t tmpfs gwimage-run /run; mkdir -p /run/systemd/journal /run/log/journal; "
+            f'mount --bind "{sock}" /run/systemd/journal; mount --bind "{run}" /run/log/journal; '
+            f'mkdir -p /var/log/journal; mount --bind "{var}" /var/log/journal; '
+            # volatile storage, as on most nodes (Storage=auto and an empty /var/log/journal
+            # would make it persistent; either is mounted into the pod)
+            "mount -t tmpfs gwimage-varlog /var/log/journal; "
+            "exec /lib/systemd/systemd-journald"
+        )
+        self.proc = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd="/",
+        )
         deadline = time.monotonic() + 15
         while not (sock / "socket").exists() or not any(run.glob("*/system.journal")):
             assert self.proc.poll() is None and time.monotonic() < deadline, "journald did not start"
@@ -223,7 +262,7 @@ def _wheelhouse(dest: Path) -> Path:
     dest.mkdir()
     for whl in bootsystemd.dependency_wheels().glob("*.whl"):
         shutil.copy2(whl, dest)
-    backend = re.search(r'^requires = \[(.*)\]', (ROOT / "pyproject.toml").read_text(), re.M)
+    backend = re.search(r"^requires = \[(.*)\]", (ROOT / "pyproject.toml").read_text(), re.M)
     assert backend
     reqs = [r.strip().strip('"') for r in backend.group(1).split(",")]
     cache = bootsystemd.CACHE / f"build-backend-{hashlib.sha256(' '.join(reqs).encode()).hexdigest()[:16]}"
@@ -231,9 +270,23 @@ def _wheelhouse(dest: Path) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (cache / ".complete").exists():
             shutil.rmtree(cache, ignore_errors=True)
-            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check",
-                            "--only-binary=:all:", "--dest", str(cache), *reqs],
-                           check=True, capture_output=True, timeout=600)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "-q",
+                    "--disable-pip-version-check",
+                    "--only-binary=:all:",
+                    "--dest",
+                    str(cache),
+                    *reqs,
+                ],
+                check=True,
+                capture_output=True,
+                timeout=600,
+            )
             (cache / ".complete").touch()
     for whl in cache.glob("*.whl"):
         shutil.copy2(whl, dest)
@@ -244,10 +297,21 @@ def _build(podman: Podman, wheels: Path, *extra: str) -> tuple[str, float]:
     """deploy/image/build.sh on the test's copy of the tree, FROM the cached Debian root: (the
     image's name, seconds)."""
     t0 = time.monotonic()
-    res = subprocess.run(["bash", str(distutil.source() / "deploy/image/build.sh"), "--find-links",
-                          str(wheels), "--base", str(_base_tar()), *extra], capture_output=True,
-                         text=True, timeout=900,
-                         env={**os.environ, "PODMAN": " ".join(podman.base), "SOURCE_DATE_EPOCH": EPOCH})
+    res = subprocess.run(
+        [
+            "bash",
+            str(distutil.source() / "deploy/image/build.sh"),
+            "--find-links",
+            str(wheels),
+            "--base",
+            str(_base_tar()),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PODMAN": " ".join(podman.base), "SOURCE_DATE_EPOCH": EPOCH},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout.strip().splitlines()[-1], time.monotonic() - t0
 
@@ -309,26 +373,57 @@ def test_two_builds_of_the_same_inputs_give_the_same_layers(image_env: dict[str,
 def test_image_holds_the_same_venv_as_the_debian_package(image_env: dict[str, Any]) -> None:
     """deploy/venv.sh makes both: the same files, the same sizes (the image is what the unit
     suite tested, in a pod)."""
-    listing = image_env["podman"]("run", "--rm", "--runtime=runc", *RLIMITS, "--network=none",
-                                  "--entrypoint=/usr/bin/find", image_env["tag"], "/usr/lib/gpuwatchd",
-                                  "-mindepth", "1", "-printf", "%P %s %y\n").stdout
+    listing = image_env["podman"](
+        "run",
+        "--rm",
+        "--runtime=runc",
+        *RLIMITS,
+        "--network=none",
+        "--entrypoint=/usr/bin/find",
+        image_env["tag"],
+        "/usr/lib/gpuwatchd",
+        "-mindepth",
+        "1",
+        "-printf",
+        "%P %s %y\n",
+    ).stdout
     # the image has its byte code compiled at build time, the .deb at postinst
     in_image = {line for line in listing.splitlines() if not line.endswith(" d") and "__pycache__/" not in line}
-    deb = subprocess.run(["dpkg-deb", "--contents", str(distutil.build_deb())], capture_output=True,
-                         text=True, check=True).stdout
+    deb = subprocess.run(
+        ["dpkg-deb", "--contents", str(distutil.build_deb())], capture_output=True, text=True, check=True
+    ).stdout
     in_deb = set()
     for line in deb.splitlines():
         mode, _, size, _, _, path, *_ = line.split()
         if path.startswith("./usr/lib/gpuwatchd/") and mode[0] != "d":
-            in_deb.add(f"{path[len('./usr/lib/gpuwatchd/'):]} {size if mode[0] == '-' else len(line.split()[-1])} "
-                       f"{'f' if mode[0] == '-' else 'l'}")
+            in_deb.add(
+                f"{path[len('./usr/lib/gpuwatchd/') :]} {size if mode[0] == '-' else len(line.split()[-1])} "
+                f"{'f' if mode[0] == '-' else 'l'}"
+            )
     assert in_image == in_deb, sorted(in_image ^ in_deb)[:20]
 
 
 def _scrape(pid: int, path: str = "/metrics") -> tuple[int, str]:
-    res = subprocess.run(["nsenter", "-t", str(pid), "-n", "curl", "-s", "-o", "/dev/stdout",
-                          "-w", "\n%{http_code}", "--max-time", "5", f"http://127.0.0.1:9863{path}"],
-                         capture_output=True, text=True, timeout=15)
+    res = subprocess.run(
+        [
+            "nsenter",
+            "-t",
+            str(pid),
+            "-n",
+            "curl",
+            "-s",
+            "-o",
+            "/dev/stdout",
+            "-w",
+            "\n%{http_code}",
+            "--max-time",
+            "5",
+            f"http://127.0.0.1:9863{path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=15,
+    )
     body, _, code = res.stdout.rpartition("\n")
     return int(code or 0), body
 
@@ -357,7 +452,8 @@ def _wait(pred: Callable[[], object], timeout: float, what: str, detail: Callabl
 
 
 def test_daemonset_pod_in_podman_serves_sees_a_rank_and_its_oom_kill_and_passes_check(
-        image_env: dict[str, Any]) -> None:
+    image_env: dict[str, Any],
+) -> None:
     podman, tag, host, work = (image_env[k] for k in ("podman", "tag", "host", "work"))
     pod, cm = _manifest()
     configmap = work / "configmap"
@@ -371,8 +467,15 @@ def test_daemonset_pod_in_podman_serves_sees_a_rank_and_its_oom_kill_and_passes_
     (configmap / "config.yaml").write_text(yaml.safe_dump(cfg))
     # the init container, as the kubelet runs it before the daemon: the rank dir becomes 1777
     for init in pod["initContainers"]:
-        podman("run", "--rm", "--name", f"gwimage-init-{uuid.uuid4().hex[:6]}",
-               *podman_args(pod, init, host, configmap), tag, *init.get("args", []))
+        podman(
+            "run",
+            "--rm",
+            "--name",
+            f"gwimage-init-{uuid.uuid4().hex[:6]}",
+            *podman_args(pod, init, host, configmap),
+            tag,
+            *init.get("args", []),
+        )
     ranks = host / "run/gpuwatch/ranks"
     assert oct(ranks.stat().st_mode & 0o7777) == "0o1777"
     [container] = pod["containers"]
@@ -383,8 +486,12 @@ def test_daemonset_pod_in_podman_serves_sees_a_rank_and_its_oom_kill_and_passes_
     try:
         pid = int(podman("inspect", "--format", "{{.State.Pid}}", name).stdout)
         logs = lambda: podman("logs", name, check=False).stderr[-3000:]  # noqa: E731
-        _wait(lambda: _value(pid, "gpuwatch_collector_success", collector="kernel_log") == 1.0, 60,
-              "/metrics with the kernel log read from the host journal", logs)
+        _wait(
+            lambda: _value(pid, "gpuwatch_collector_success", collector="kernel_log") == 1.0,
+            60,
+            "/metrics with the kernel log read from the host journal",
+            logs,
+        )
         status = dict(re.findall(r"^(\w+):\s+(.*)$", Path(f"/proc/{pid}/status").read_text(), re.M))
         for cap in ("CapPrm", "CapEff", "CapBnd"):
             assert int(status[cap], 16) == THREE_CAPS, (cap, status[cap])
@@ -402,30 +509,65 @@ def test_daemonset_pod_in_podman_serves_sees_a_rank_and_its_oom_kill_and_passes_
         # a training pod: its own PID and mount namespace, the node's rank dir, a 64 MiB limit
         job = f"gwimage-{uuid.uuid4().hex[:6]}"
         rank = subprocess.Popen(
-            [*podman.base, "run", "--rm", "-i", "--name", f"{job}-r0", "--runtime=runc", *RLIMITS,
-             "--network=none", "--user=4242:4242", "--memory=64m", "--memory-swap=64m",
-             f"--volume={ranks}:/run/gpuwatch/ranks", "--env=RANK=0", "--env=LOCAL_RANK=0",
-             "--env=WORLD_SIZE=1", f"--env=TORCHELASTIC_RUN_ID={job}", "--env=GW_WAIT_GO=1",
-             "--env=GW_HEARTBEAT=/tmp/gw.hb", "--entrypoint=/usr/lib/gpuwatchd/bin/python", tag, "-c", RANK_CODE],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=work)
+            [
+                *podman.base,
+                "run",
+                "--rm",
+                "-i",
+                "--name",
+                f"{job}-r0",
+                "--runtime=runc",
+                *RLIMITS,
+                "--network=none",
+                "--user=4242:4242",
+                "--memory=64m",
+                "--memory-swap=64m",
+                f"--volume={ranks}:/run/gpuwatch/ranks",
+                "--env=RANK=0",
+                "--env=LOCAL_RANK=0",
+                "--env=WORLD_SIZE=1",
+                f"--env=TORCHELASTIC_RUN_ID={job}",
+                "--env=GW_WAIT_GO=1",
+                "--env=GW_HEARTBEAT=/tmp/gw.hb",
+                "--entrypoint=/usr/lib/gpuwatchd/bin/python",
+                tag,
+                "-c",
+                RANK_CODE,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=work,
+        )
         try:
             assert rank.stdout is not None and rank.stdin is not None
             line = rank.stdout.readline().split()
             assert line[:1] == ["ready"], (line, rank.stderr.read() if rank.poll() is not None else "")
             print("rank in its container:", line)
-            _wait(lambda: _value(pid, "gpuwatch_rank_up", job_id=job, rank="0") == 1.0, 30,
-                  f"rank 0 of {job} registered from another container", logs)
-            check = podman("exec", name, "gpuwatchd", "check", "--config.file",
-                           "/etc/gpuwatchd/config.yaml", check=False)
+            _wait(
+                lambda: _value(pid, "gpuwatch_rank_up", job_id=job, rank="0") == 1.0,
+                30,
+                f"rank 0 of {job} registered from another container",
+                logs,
+            )
+            check = podman(
+                "exec", name, "gpuwatchd", "check", "--config.file", "/etc/gpuwatchd/config.yaml", check=False
+            )
             print("gpuwatchd check:", check.returncode, check.stdout, check.stderr)
             rank.stdin.write("g")
             rank.stdin.flush()
             rank.wait(60)
             assert rank.returncode == 137, rank.returncode  # SIGKILL: the OOM killer
-            _wait(lambda: (_value(pid, "gpuwatch_oom_kills_total", job_id=job) or 0) >= 1, 30,
-                  f"the OOM kill of rank 0 of {job}", lambda: [s for s in _samples(pid) if "oom" in s[0]])
-            kills = [(ls, v) for n, ls, v in _samples(pid)
-                     if n == "gpuwatch_oom_kills_total" and ls.get("job_id") == job]
+            _wait(
+                lambda: (_value(pid, "gpuwatch_oom_kills_total", job_id=job) or 0) >= 1,
+                30,
+                f"the OOM kill of rank 0 of {job}",
+                lambda: [s for s in _samples(pid) if "oom" in s[0]],
+            )
+            kills = [
+                (ls, v) for n, ls, v in _samples(pid) if n == "gpuwatch_oom_kills_total" and ls.get("job_id") == job
+            ]
             print("oom kills:", kills)
             assert [v for _, v in kills] == [1.0], kills
         finally:

@@ -40,8 +40,13 @@ def _snapshot(root: Path) -> dict[str, tuple[int, int, int, str]]:
 
 
 def _run(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True,
-                          timeout=120, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+    return subprocess.run(
+        ["bash", str(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+    )
 
 
 @pytest.fixture
@@ -72,15 +77,12 @@ def test_install_twice_is_idempotent_and_uninstall_leaves_nothing(host_like_root
 
     unit = (root / "etc/systemd/system/gpuwatchd.service").read_text()
     assert f"ExecStart={BIN} run --config.file /etc/gpuwatchd/config.yaml" in unit
-    assert (root / "etc/gpuwatchd/config.yaml").read_text() == \
-        (ROOT / "config.example.yaml").read_text()
+    assert (root / "etc/gpuwatchd/config.yaml").read_text() == (ROOT / "config.example.yaml").read_text()
     ranks = (root / "run/gpuwatch/ranks").stat()
     assert stat.S_IMODE(ranks.st_mode) == 0o1777 and ranks.st_uid == 0
-    entry = next(line for line in (root / "etc/passwd").read_text().splitlines()
-                 if line.startswith("gpuwatchd:"))
+    entry = next(line for line in (root / "etc/passwd").read_text().splitlines() if line.startswith("gpuwatchd:"))
     assert entry.endswith(":/var/lib/gpuwatchd:/usr/sbin/nologin")
-    assert any(line.startswith("gpuwatchd:") for line in
-               (root / "etc/group").read_text().splitlines())
+    assert any(line.startswith("gpuwatchd:") for line in (root / "etc/group").read_text().splitlines())
     # The host's own users are untouched.
     assert (root / "etc/passwd").read_text().startswith(Path("/etc/passwd").read_text())
     assert "WARNING" not in first.stdout  # the copied /etc/group has systemd-journal
@@ -141,6 +143,7 @@ def test_installed_unit_verifies(host_like_root: Path) -> None:
     """The unit as installed (ExecStart rewritten to the real console script) is clean."""
     assert _run(INSTALL, "--root", str(host_like_root), "--bin", str(BIN)).returncode == 0
     unit = host_like_root / "etc/systemd/system/gpuwatchd.service"
-    out = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
-                         text=True, timeout=60, cwd=unit.parent)
+    out = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60, cwd=unit.parent
+    )
     assert out.returncode == 0 and out.stderr.strip() == "", out.stderr

@@ -13,14 +13,25 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-DOCS = sorted([REPO / "README.md", REPO / "client" / "README.md", *REPO.glob("docs/*.md"),
-               *REPO.glob("deploy/**/*.md"), *REPO.glob("deploy/**/*.yaml"),
-               *REPO.glob("deploy/**/*.sh"), *REPO.glob("grafana/*.md")])
+DOCS = sorted(
+    [
+        REPO / "README.md",
+        REPO / "client" / "README.md",
+        *REPO.glob("docs/*.md"),
+        *REPO.glob("deploy/**/*.md"),
+        *REPO.glob("deploy/**/*.yaml"),
+        *REPO.glob("deploy/**/*.sh"),
+        *REPO.glob("grafana/*.md"),
+    ]
+)
 # `pip install gpuwatchd` (or -client) by name: resolved from an index, which has neither
 BY_NAME = re.compile(r"pip3? install\s+(?:-\S+\s+)*gpuwatchd(?:-client|\[[^\]]*\])?(?=[\s`'\")]|$)")
 # what goes into a training image or pod: "the image", "training image", "in the image" ...
-TRAINING_IMAGE = re.compile(r"training (?:image|pod|environment)|in the image|image has|"
-                            r"(?:jobs'?|pod's|job's) image", re.I)
+TRAINING_IMAGE = re.compile(
+    r"training (?:image|pod|environment)|in the image|image has|"
+    r"(?:jobs'?|pod's|job's) image",
+    re.I,
+)
 INSTALL = re.compile(r"pip|wheel|install", re.I)
 CLIENT = re.compile(r"gpuwatchd[-_]client|client wheel")
 
@@ -48,16 +59,25 @@ def test_the_files_are_found() -> None:
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(REPO)))
 def test_no_instruction_installs_gpuwatchd_from_an_index(path: Path) -> None:
-    bad = [(n, m.group(0)) for n, text in paragraphs(path) for m in BY_NAME.finditer(text)
-           if not re.search(r"never\W+$", text[:m.start()][-20:])]
+    bad = [
+        (n, m.group(0))
+        for n, text in paragraphs(path)
+        for m in BY_NAME.finditer(text)
+        if not re.search(r"never\W+$", text[: m.start()][-20:])
+    ]
     assert bad == [], f"{path}: {bad}"
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(REPO)))
 def test_a_training_image_gets_the_client_wheel(path: Path) -> None:
-    bad = [(n, text[:160]) for n, text in paragraphs(path)
-           if TRAINING_IMAGE.search(text) and INSTALL.search(text) and not CLIENT.search(text)
-           and not re.search(r"not (?:in|into) the training image", text)]
+    bad = [
+        (n, text[:160])
+        for n, text in paragraphs(path)
+        if TRAINING_IMAGE.search(text)
+        and INSTALL.search(text)
+        and not CLIENT.search(text)
+        and not re.search(r"not (?:in|into) the training image", text)
+    ]
     assert bad == [], f"{path}: a training image's install that names no gpuwatchd-client: {bad}"
 
 
@@ -75,12 +95,18 @@ def test_every_documented_image_build_fills_the_oci_labels() -> None:
     command that leaves one out makes an image labelled revision "unknown" or created "" (the
     docker buildx commands did)."""
     cf = (REPO / "Containerfile").read_text()
-    final = cf[cf.rindex("\nFROM "):]
-    required = {name for name, default in re.findall(r"^ARG (\w+)(?:=(.*))?$", final, re.M)
-                if default in ("", "unknown") and name != "BASE"}
+    final = cf[cf.rindex("\nFROM ") :]
+    required = {
+        name
+        for name, default in re.findall(r"^ARG (\w+)(?:=(.*))?$", final, re.M)
+        if default in ("", "unknown") and name != "BASE"
+    }
     assert required == {"REVISION", "CREATED", "SOURCE_DATE_EPOCH"}, required
-    commands = [(path.name, c) for path in (REPO / "Containerfile", REPO / "docs/packaging.md")
-                for c in _build_commands(path.read_text())]
+    commands = [
+        (path.name, c)
+        for path in (REPO / "Containerfile", REPO / "docs/packaging.md")
+        for c in _build_commands(path.read_text())
+    ]
     assert {c.split()[0] for _, c in commands} == {"podman", "docker"}, commands
     for where, c in commands:
         given = set(re.findall(r"--build-arg (\w+)=", c))

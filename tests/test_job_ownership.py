@@ -38,8 +38,11 @@ users = users_fixture(U1, U2)
 world = rank_world_fixture("gw-own-")
 
 
-def _as(user: str | None, procs: list[subprocess.Popen[Any]], env: dict[str, str] | None = None,
-        ) -> subprocess.Popen[Any]:
+def _as(
+    user: str | None,
+    procs: list[subprocess.Popen[Any]],
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen[Any]:
     pre = [] if user is None else setpriv(user)
     p = subprocess.Popen([*pre, *SLEEP], env={"PATH": "/usr/bin:/bin", **(env or {})})
     procs.append(p)
@@ -63,7 +66,8 @@ def _bad_files(world: Path) -> list[str]:
 
 
 def test_r2_another_users_256_claims_take_no_place_of_roots_job(
-        users: tuple[int, int], world: Path, procs: list[subprocess.Popen[Any]]) -> None:
+    users: tuple[int, int], world: Path, procs: list[subprocess.Popen[Any]]
+) -> None:
     ranks = world / "ranks"
     job = f"bigjob{os.getpid()}"
     root_rank = _as(None, procs)
@@ -73,47 +77,61 @@ def test_r2_another_users_256_claims_take_no_place_of_roots_job(
     path, cfg = write_config(world, rank_dir=str(ranks))
     d = DaemonProc(path, cfg)
     try:
+
         def roots_ranks_only() -> bool:
-            return (all(d.value("gpuwatch_rank_up", job_id=job, rank=str(r)) == 1.0
-                        for r in range(1000, 1008))
-                    and d.value("gpuwatch_rank_up", job_id=job, rank="0") is None)
+            return (
+                all(d.value("gpuwatch_rank_up", job_id=job, rank=str(r)) == 1.0 for r in range(1000, 1008))
+                and d.value("gpuwatch_rank_up", job_id=job, rank="0") is None
+            )
 
         d.wait_for(roots_ranks_only, what="root's 8 ranks up, none of U1's claims")
         bad = "\n".join(_bad_files(world))
         assert "u1.json" in bad and "rank_conflict" in bad and "root.json" not in bad, bad
         u1_proc.kill()
         u1_proc.wait()
-        _hold(d, "no rank_down for root's job", lambda: job not in finding_jobs(d, "rank_down")
-              and roots_ranks_only(), 3.0)
+        _hold(
+            d,
+            "no rank_down for root's job",
+            lambda: job not in finding_jobs(d, "rank_down") and roots_ranks_only(),
+            3.0,
+        )
     finally:
         d.stop()
 
 
 def test_r2_another_users_256_claims_take_no_place_of_a_discovered_job(
-        users: tuple[int, int], world: Path, procs: list[subprocess.Popen[Any]]) -> None:
+    users: tuple[int, int], world: Path, procs: list[subprocess.Popen[Any]]
+) -> None:
     ranks = world / "ranks"
     job = f"u2disc{os.getpid()}"
     _as(U2, procs, {"TORCHELASTIC_RUN_ID": job, "RANK": "0", "WORLD_SIZE": "1"})
     u1_proc = _as(U1, procs)
-    path, cfg = write_config(world, rank_dir=str(ranks),
-                             discovery={"enabled": True, "interval_seconds": 1})
+    path, cfg = write_config(world, rank_dir=str(ranks), discovery={"enabled": True, "interval_seconds": 1})
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id=job, rank="0") == 1.0,
-                   what="U2's discovered rank up")
+        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id=job, rank="0") == 1.0, what="U2's discovered rank up")
         user_writes(U1, ranks / "u1.json", _doc(job, u1_proc.pid, range(256)))
         time.sleep(1.5)  # a few cycles and a discovery pass with U1's file
-        _hold(d, "U2's rank kept, none of U1's claims", lambda: (
-            d.value("gpuwatch_rank_up", job_id=job, rank="0") == 1.0
-            and d.value("gpuwatch_rank_up", job_id=job, rank="1") is None), 3.0)
+        _hold(
+            d,
+            "U2's rank kept, none of U1's claims",
+            lambda: (
+                d.value("gpuwatch_rank_up", job_id=job, rank="0") == 1.0
+                and d.value("gpuwatch_rank_up", job_id=job, rank="1") is None
+            ),
+            3.0,
+        )
         assert any("u1.json" in b and "rank_conflict" in b for b in _bad_files(world))
     finally:
         d.stop()
 
 
 def test_r3_check_kill_spares_a_rank_whose_job_an_older_process_claims(
-        users: tuple[int, int], world: Path, fixture: Path,  # noqa: F811
-        procs: list[subprocess.Popen[Any]]) -> None:
+    users: tuple[int, int],
+    world: Path,
+    fixture: Path,  # noqa: F811
+    procs: list[subprocess.Popen[Any]],
+) -> None:
     ranks = world / "ranks"
     job = f"u2job{os.getpid()}"
     older = _as(U1, procs)  # started first: the earliest claimant of U2's job
@@ -128,8 +146,9 @@ def test_r3_check_kill_spares_a_rank_whose_job_an_older_process_claims(
     assert (rc, text.split(":")[0]) == (check.EXIT_CLEAN, "clean"), text
 
 
-def test_r3_a_restart_keeps_the_jobs_owner(users: tuple[int, int], world: Path,
-                                           procs: list[subprocess.Popen[Any]]) -> None:
+def test_r3_a_restart_keeps_the_jobs_owner(
+    users: tuple[int, int], world: Path, procs: list[subprocess.Popen[Any]]
+) -> None:
     ranks = world / "ranks"
     job = f"u2job{os.getpid()}"
     older = _as(U1, procs)
@@ -139,8 +158,7 @@ def test_r3_a_restart_keeps_the_jobs_owner(users: tuple[int, int], world: Path,
     path, cfg = write_config(world, rank_dir=str(ranks))
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id=job, rank="0") == 1.0,
-                   what="U2's rank up")
+        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id=job, rank="0") == 1.0, what="U2's rank up")
         user_writes(U1, ranks / "u1.json", _doc(job, older.pid, [1]))
         time.sleep(1.5)
         assert d.value("gpuwatch_rank_up", job_id=job, rank="1") is None
@@ -149,9 +167,15 @@ def test_r3_a_restart_keeps_the_jobs_owner(users: tuple[int, int], world: Path,
     d = DaemonProc(path, cfg)  # the same state_dir
     try:
         time.sleep(1.5)
-        _hold(d, "U2's rank kept after the restart, U1's claim refused", lambda: (
-            d.value("gpuwatch_rank_up", job_id=job, rank="0") == 1.0
-            and d.value("gpuwatch_rank_up", job_id=job, rank="1") is None), 2.0)
+        _hold(
+            d,
+            "U2's rank kept after the restart, U1's claim refused",
+            lambda: (
+                d.value("gpuwatch_rank_up", job_id=job, rank="0") == 1.0
+                and d.value("gpuwatch_rank_up", job_id=job, rank="1") is None
+            ),
+            2.0,
+        )
     finally:
         d.stop()
     owners = json.loads((world / "state" / "job_owners.json").read_text())["owners"]
@@ -159,7 +183,8 @@ def test_r3_a_restart_keeps_the_jobs_owner(users: tuple[int, int], world: Path,
 
 
 def test_r3_a_slurm_job_belongs_to_its_cgroups_user_whoever_claimed_its_id_first(
-        users: tuple[int, int], world: Path, procs: list[subprocess.Popen[Any]]) -> None:
+    users: tuple[int, int], world: Path, procs: list[subprocess.Popen[Any]]
+) -> None:
     """U1 claims a predictable Slurm job id before the job starts; U2's rank of that job runs in
     slurmstepd's cgroup ``/slurm/uid_U2/job_N`` (made here as root, as slurmstepd does, in the
     v1 memory hierarchy): the job is U2's, U1's claim is refused."""
@@ -174,14 +199,20 @@ def test_r3_a_slurm_job_belongs_to_its_cgroups_user_whoever_claimed_its_id_first
         path, cfg = write_config(world, rank_dir=str(ranks))
         d = DaemonProc(path, cfg)
         try:
-            d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id=job, rank="1") == 1.0,
-                       what="U1's claim of the job id up (the job had no other claimant)")
+            d.wait_for(
+                lambda: d.value("gpuwatch_rank_up", job_id=job, rank="1") == 1.0,
+                what="U1's claim of the job id up (the job had no other claimant)",
+            )
             u2_rank = _as(U2, procs)
             (cg / "cgroup.procs").write_text(str(u2_rank.pid))
             user_writes(U2, ranks / "u2.json", _doc(job, u2_rank.pid, [0]))
-            d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id=job, rank="0") == 1.0
-                       and d.value("gpuwatch_rank_up", job_id=job, rank="1") is None,
-                       what="the Slurm job's rank up, the squatter's refused")
+            d.wait_for(
+                lambda: (
+                    d.value("gpuwatch_rank_up", job_id=job, rank="0") == 1.0
+                    and d.value("gpuwatch_rank_up", job_id=job, rank="1") is None
+                ),
+                what="the Slurm job's rank up, the squatter's refused",
+            )
             assert any("u1.json" in b and "rank_conflict" in b for b in _bad_files(world))
         finally:
             d.stop()
@@ -194,16 +225,20 @@ def test_r3_a_slurm_job_belongs_to_its_cgroups_user_whoever_claimed_its_id_first
                 level.rmdir()
 
 
-@pytest.mark.parametrize(("content", "owners", "reason"), [
-    ('{"version": 1, "owners": {"a": 1000, "b": 0}}', {"a": 1000, "b": 0}, None),
-    ('{"version": 1, "owners": {"a": 1e400, "b\\n": 5, "c": -1, "d": true, "e": 7}}', {"e": 7}, "invalid"),
-    ('{"version": 1, "owners": {"a": ' + "9" * 5000 + "}}", {}, "unreadable"),
-    ("[" * 100_000 + "]" * 100_000, {}, "unreadable"),
-    ('{"owners": {' + ", ".join(f'"j{i}": 1' for i in range(5000)) + "}}", None, "invalid"),
-    (b'{"owners": {"\xff": 1}}', {}, "unreadable"),
-])
-def test_a_job_owners_file_is_untrusted_input(tmp_path: Path, content: str | bytes,
-                                              owners: dict[str, int] | None, reason: str | None) -> None:
+@pytest.mark.parametrize(
+    ("content", "owners", "reason"),
+    [
+        ('{"version": 1, "owners": {"a": 1000, "b": 0}}', {"a": 1000, "b": 0}, None),
+        ('{"version": 1, "owners": {"a": 1e400, "b\\n": 5, "c": -1, "d": true, "e": 7}}', {"e": 7}, "invalid"),
+        ('{"version": 1, "owners": {"a": ' + "9" * 5000 + "}}", {}, "unreadable"),
+        ("[" * 100_000 + "]" * 100_000, {}, "unreadable"),
+        ('{"owners": {' + ", ".join(f'"j{i}": 1' for i in range(5000)) + "}}", None, "invalid"),
+        (b'{"owners": {"\xff": 1}}', {}, "unreadable"),
+    ],
+)
+def test_a_job_owners_file_is_untrusted_input(
+    tmp_path: Path, content: str | bytes, owners: dict[str, int] | None, reason: str | None
+) -> None:
     """What the daemon reads back from state_dir (a crash, a disk error, a hand edit) is bounded
     and validated: a bad member is skipped, a bad file ignored, each counted."""
     from gpuwatchd.counters import CounterStore

@@ -15,30 +15,71 @@ from gpuwatchd.model.parts import GpuOutput, Tracked
 CFG = Config()
 
 
-def proc(pid: int, *, uid: int = 1000, start: int = 100, fds: int | None = 10, soft: int | None = 1024,
-         state: str = "S", comm: str = "python") -> ProcessInfo:
-    return ProcessInfo(pid=pid, ppid=1, comm=comm, state=state, uid=uid, user=f"u{uid}", start_ticks=start,
-                       start_time=1000.0 + start, cpu_seconds=1.0, rss_bytes=1 << 20, threads=4,
-                       open_fds=fds, max_fds_soft=soft, max_fds_hard=4096)
+def proc(
+    pid: int,
+    *,
+    uid: int = 1000,
+    start: int = 100,
+    fds: int | None = 10,
+    soft: int | None = 1024,
+    state: str = "S",
+    comm: str = "python",
+) -> ProcessInfo:
+    return ProcessInfo(
+        pid=pid,
+        ppid=1,
+        comm=comm,
+        state=state,
+        uid=uid,
+        user=f"u{uid}",
+        start_ticks=start,
+        start_time=1000.0 + start,
+        cpu_seconds=1.0,
+        rss_bytes=1 << 20,
+        threads=4,
+        open_fds=fds,
+        max_fds_soft=soft,
+        max_fds_hard=4096,
+    )
 
 
-def entry(rank: int, pid: int, *, owner: int | None = 1000, job: str = "llm-7", source: str = "rankfile",
-          start: int | None = None) -> RankEntry:
-    return RankEntry(job_id=job, rank=rank, pid=pid, owner_uid=owner, source=source, path=f"/r/{job}.{rank}.json",
-                     start_ticks=start, world_size=16)
+def entry(
+    rank: int,
+    pid: int,
+    *,
+    owner: int | None = 1000,
+    job: str = "llm-7",
+    source: str = "rankfile",
+    start: int | None = None,
+) -> RankEntry:
+    return RankEntry(
+        job_id=job,
+        rank=rank,
+        pid=pid,
+        owner_uid=owner,
+        source=source,
+        path=f"/r/{job}.{rank}.json",
+        start_ticks=start,
+        world_size=16,
+    )
 
 
-def run(now: float, entries: list[RankEntry], procs: list[ProcessInfo], memory: JoinMemory | None = None,
-        config: Config = CFG, parts: Tracked | None = None, **kw: object):  # type: ignore[no-untyped-def]
+def run(
+    now: float,
+    entries: list[RankEntry],
+    procs: list[ProcessInfo],
+    memory: JoinMemory | None = None,
+    config: Config = CFG,
+    parts: Tracked | None = None,
+    **kw: object,
+):  # type: ignore[no-untyped-def]
     """One cycle as the daemon runs it: the claims decided, then the join."""
     memory = memory or JoinMemory()
     processes = {p.pid: p for p in procs}
-    claims = rank_claims.decide(tuple(entries), processes, memory.job_owners, memory.claimant_uids,
-                                memory.start_ticks)
+    claims = rank_claims.decide(tuple(entries), processes, memory.job_owners, memory.claimant_uids, memory.start_ticks)
     descendants: Mapping[int, tuple[int, ...]] = kw.get("descendants", {})  # type: ignore[assignment]
     trees = trees_from_entries(claims.accepted, processes, descendants, memory.start_ticks)
-    return build_state(now, config, claims, trees, parts or Tracked(), memory, processes=processes,
-                       **kw)  # type: ignore[arg-type]
+    return build_state(now, config, claims, trees, parts or Tracked(), memory, processes=processes, **kw)  # type: ignore[arg-type]
 
 
 def kinds(state) -> set[tuple[str, str]]:  # type: ignore[no-untyped-def]
@@ -91,8 +132,7 @@ def test_trust_rank_file_of_another_user_is_refused() -> None:
 
 
 def test_rank_file_wins_over_discovery_and_duplicates_reported() -> None:
-    s, _ = run(10, [entry(0, 10, source="environ", owner=None), entry(0, 10), entry(0, 12)],
-               [proc(10), proc(12)])
+    s, _ = run(10, [entry(0, 10, source="environ", owner=None), entry(0, 10), entry(0, 12)], [proc(10), proc(12)])
     assert [(r.rank, r.pid) for r in s.ranks] == [(0, 10)]
     assert any(f.kind == "bad_rank_file" and "already claimed" in f.explanation for f in s.findings)
 
@@ -120,9 +160,12 @@ def test_fd_ratio_and_growth() -> None:
 
 
 def test_nccl_findings_from_flags() -> None:
-    s, _ = run(10, [entry(0, 10), entry(1, 11)], [proc(10), proc(11)],
-               env_flags={10: ("NCCL_ASYNC_ERROR_HANDLING", "NCCL_DESYNC_DEBUG"),
-                          11: ("TORCH_NCCL_ASYNC_ERROR_HANDLING=0",)})
+    s, _ = run(
+        10,
+        [entry(0, 10), entry(1, 11)],
+        [proc(10), proc(11)],
+        env_flags={10: ("NCCL_ASYNC_ERROR_HANDLING", "NCCL_DESYNC_DEBUG"), 11: ("TORCH_NCCL_ASYNC_ERROR_HANDLING=0",)},
+    )
     k = kinds(s)
     assert ("nccl_legacy_env", "0") in k and ("nccl_error_handling_off", "1") in k
     legacy = next(f for f in s.findings if f.kind == "nccl_legacy_env")
@@ -131,14 +174,29 @@ def test_nccl_findings_from_flags() -> None:
 
 def test_gpu_processes_attributed_to_rank_trees() -> None:
     worker = proc(20, comm="pt_data_worker")
-    s, _ = run(10, [entry(0, 10)], [proc(10), worker, proc(30, comm="stale")],
-               descendants={10: (20,)},
-               parts=Tracked(gpu=GpuOutput(holders=(
-                   GpuProcess(0, "GPU-a", 10, 40 << 30), GpuProcess(0, "GPU-a", 20, 1 << 30),
-                   GpuProcess(1, "GPU-b", 30, 55 << 30), GpuProcess(1, "GPU-b", 31, None)))))
+    s, _ = run(
+        10,
+        [entry(0, 10)],
+        [proc(10), worker, proc(30, comm="stale")],
+        descendants={10: (20,)},
+        parts=Tracked(
+            gpu=GpuOutput(
+                holders=(
+                    GpuProcess(0, "GPU-a", 10, 40 << 30),
+                    GpuProcess(0, "GPU-a", 20, 1 << 30),
+                    GpuProcess(1, "GPU-b", 30, 55 << 30),
+                    GpuProcess(1, "GPU-b", 31, None),
+                )
+            )
+        ),
+    )
     rows = {(r.pid, r.job_id, r.rank, r.comm) for r in s.gpu_processes}
-    assert rows == {(10, "llm-7", "0", "python"), (20, "llm-7", "0", "pt_data_worker"),
-                    (30, "", "", "stale"), (31, "", "", "")}
+    assert rows == {
+        (10, "llm-7", "0", "python"),
+        (20, "llm-7", "0", "pt_data_worker"),
+        (30, "", "", "stale"),
+        (31, "", "", ""),
+    }
     assert s.ranks[0].tree == (10, 20)
 
 

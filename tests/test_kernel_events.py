@@ -42,8 +42,9 @@ JOURNAL_REMOTE = "/lib/systemd/systemd-journal-remote"
 
 def proc(tmp: Path, counters: CounterStore | None = None, **kw: Any) -> KernelEventProcessor:
     c = counters or CounterStore()
-    return KernelEventProcessor(c, str(tmp), parse=parse_message, bus=EventBus([JsonlSink(str(tmp))]),
-                                boot_id=BOOT, **kw)
+    return KernelEventProcessor(
+        c, str(tmp), parse=parse_message, bus=EventBus([JsonlSink(str(tmp))]), boot_id=BOOT, **kw
+    )
 
 
 def rec(msg: str, t: float, ident: str = "kernel", usec: int | None = None) -> LogRecord:
@@ -118,8 +119,16 @@ def test_xid_dedup_with_nvml(tmp_path: Path) -> None:
 
 
 def member(pid: int, start: float | None, rank: int = 0, worker: bool = False, **kw: Any) -> TreeMember:
-    d: dict[str, Any] = dict(pid=pid, start_time=start, job_id="llm-7", rank=rank, rank_pid=pid,
-                             worker=worker, comm="python3", last_seen=1000.0)
+    d: dict[str, Any] = dict(
+        pid=pid,
+        start_time=start,
+        job_id="llm-7",
+        rank=rank,
+        rank_pid=pid,
+        worker=worker,
+        comm="python3",
+        last_seen=1000.0,
+    )
     d.update(kw)
     return TreeMember(**d)
 
@@ -197,8 +206,10 @@ def test_event_log_compaction_keeps_counters_exact(tmp_path: Path) -> None:
     t = 2000.0
     for i in range(60):  # 60 kills of 3 ranks' pids, 20 Xids
         p.record.update([member(100 + i % 3, 1.0, rank=i % 3, last_seen=t)], t)
-        line = (f"Memory cgroup out of memory: Killed process {100 + i % 3} (python3) total-vm:1kB, "
-                "anon-rss:1kB, file-rss:0kB, shmem-rss:0kB, UID:0 pgtables:1kB oom_score_adj:0")
+        line = (
+            f"Memory cgroup out of memory: Killed process {100 + i % 3} (python3) total-vm:1kB, "
+            "anon-rss:1kB, file-rss:0kB, shmem-rss:0kB, UID:0 pgtables:1kB oom_score_adj:0"
+        )
         p.handle(rec(line, t, usec=10**8 + i))
         if i % 3 == 0:
             p.handle(rec(FORMATS["xids"][0]["line"], t, usec=10**8 + i))
@@ -223,8 +234,16 @@ def test_observe_creates_series_at_zero_and_counts_peers(tmp_path: Path) -> None
     info = ProcfsReader(HostPaths()).read_process(os.getpid())
     assert info is not None
     ranks = [
-        RankState("llm-7", r, os.getpid() if r == 0 else 999_999, 0, 4, r < 3,
-                  info if r < 3 else None, (os.getpid(),) if r == 0 else ())
+        RankState(
+            "llm-7",
+            r,
+            os.getpid() if r == 0 else 999_999,
+            0,
+            4,
+            r < 3,
+            info if r < 3 else None,
+            (os.getpid(),) if r == 0 else (),
+        )
         for r in range(4)
     ]
     p.observe(ranks, {os.getpid(): info}, time.time())
@@ -244,8 +263,17 @@ LINES = [line for g in FORMATS["kills"] for line in g["lines"]] + [x["line"] for
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(LINES), st.integers(0, 80), st.text(max_size=30),
-                          st.sampled_from(["kernel", "earlyoom", "systemd-oomd"])), max_size=12))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(LINES),
+            st.integers(0, 80),
+            st.text(max_size=30),
+            st.sampled_from(["kernel", "earlyoom", "systemd-oomd"]),
+        ),
+        max_size=12,
+    )
+)
 def test_fuzz_mangled_records_never_break_the_processor(tmp_path_factory: Any, cases: list[Any]) -> None:
     p = proc(tmp_path_factory.mktemp("fuzz"))
     t = 1000.0
@@ -284,8 +312,9 @@ class Pipeline:
         reader = ProcfsReader(HostPaths())
         procs = {pid: i for pid in tree if (i := reader.read_process(pid)) is not None}
         rs = RankState(job_id, rank, rank_pid, rank, 2, True, procs[rank_pid], tuple(procs))
-        peer = RankState(job_id, rank + 1, os.getpid(), rank + 1, 2, True,
-                         reader.read_process(os.getpid()), (os.getpid(),))
+        peer = RankState(
+            job_id, rank + 1, os.getpid(), rank + 1, 2, True, reader.read_process(os.getpid()), (os.getpid(),)
+        )
         self.processor.observe([rs, peer], procs, time.time())
 
     def stop(self) -> None:
@@ -330,9 +359,7 @@ def test_real_rank_oom_kill_counted_once(tmp_path: Path, cgroup: MemCgroup) -> N
         latency = time.monotonic() - t_kill
         assert latency < 5.0
         time.sleep(0.3)  # nothing more arrives for this kill (reaper line etc.)
-        assert {k: v for k, v in kills_for(pl.counters, job).items() if v} == {
-            (job, "3", COMM, "kernel"): 1.0
-        }
+        assert {k: v for k, v in kills_for(pl.counters, job).items() if v} == {(job, "3", COMM, "kernel"): 1.0}
         assert cgroup.oom_kills() == 1
         (ev,) = [e for e in pl.processor.recent() if e.job_id == job]
         assert ev.pid == child.pid and not ev.worker
@@ -407,8 +434,7 @@ def export_entry(message: str, mono_usec: int, realtime: float, ident: str = "ke
 
 
 def write_journal(path: Path, entries: bytes) -> None:
-    r = subprocess.run([JOURNAL_REMOTE, f"--output={path}", "-"], input=entries,
-                       capture_output=True, timeout=30)
+    r = subprocess.run([JOURNAL_REMOTE, f"--output={path}", "-"], input=entries, capture_output=True, timeout=30)
     assert r.returncode == 0, r.stderr.decode()
 
 
@@ -436,8 +462,11 @@ def test_journal_all_formats_read_once_and_while_appended(tmp_path: Path) -> Non
     state = tmp_path / "state"
     t0 = time.time() - 60
     recorded = [parse_kmsg(line) for line in (FIX / "memcg_v1_kill_6.18.kmsg").read_bytes().splitlines()]
-    entries = b"".join(export_entry(r.message, r.usec, t0 + i / 1e4, prio=r.priority & 7)
-                       for i, r in enumerate(recorded) if r is not None)
+    entries = b"".join(
+        export_entry(r.message, r.usec, t0 + i / 1e4, prio=r.priority & 7)
+        for i, r in enumerate(recorded)
+        if r is not None
+    )
     write_journal(jdir / "remote.journal", entries + research_entries(10**9, t0 + 1))
     pl = Pipeline(state, source="journal", journal=jdir)
     try:
@@ -448,9 +477,12 @@ def test_journal_all_formats_read_once_and_while_appended(tmp_path: Path) -> Non
         assert sum(v for v in pl.counters.snapshot()["gpu_xid_errors"].values()) == 7
         # appended while the source sleeps in poll(): picked up by inotify
         kill = FORMATS["kills"][4]["lines"]
-        write_journal(jdir / "remote.journal",
-                      b"".join(export_entry(line.replace("9001", "9999"), 2 * 10**9 + i, time.time())
-                               for i, line in enumerate(kill)))
+        write_journal(
+            jdir / "remote.journal",
+            b"".join(
+                export_entry(line.replace("9001", "9999"), 2 * 10**9 + i, time.time()) for i, line in enumerate(kill)
+            ),
+        )
         assert wait_until(lambda: sum(oom_series(pl.counters).values()) == 14, 10)
     finally:
         pl.stop()
@@ -492,9 +524,12 @@ def test_journal_real_kill_while_daemon_down_counted_once(tmp_path: Path, cgroup
     os.close(fd)
     assert any(f"Killed process {child.pid} " in r.message for r in records)
     mono_now, wall_now = time.monotonic(), time.time()
-    write_journal(jdir / "k.journal", b"".join(
-        export_entry(r.message, r.usec, wall_now - mono_now + r.usec / 1e6, prio=r.priority & 7)
-        for r in records))
+    write_journal(
+        jdir / "k.journal",
+        b"".join(
+            export_entry(r.message, r.usec, wall_now - mono_now + r.usec / 1e6, prio=r.priority & 7) for r in records
+        ),
+    )
     pl2 = Pipeline(state, source="journal", journal=jdir)
     try:
         assert wait_until(lambda: kills_for(pl2.counters, job) == {(job, "2", COMM, "kernel"): 1.0})
@@ -513,9 +548,25 @@ def test_journal_real_kill_while_daemon_down_counted_once(tmp_path: Path, cgroup
 
 def register_rank(cfg: dict[str, Any], job: str, rank: int, pid: int) -> None:
     subprocess.run(
-        [sys.executable, "-m", "gpuwatchd", "register", "--rank-dir", cfg["rank_dir"], "--job-id", job,
-         "--rank", str(rank), "--pid", str(pid), "--world-size", "8"],
-        check=True, capture_output=True, cwd=Path(__file__).resolve().parent.parent,
+        [
+            sys.executable,
+            "-m",
+            "gpuwatchd",
+            "register",
+            "--rank-dir",
+            cfg["rank_dir"],
+            "--job-id",
+            job,
+            "--rank",
+            str(rank),
+            "--pid",
+            str(pid),
+            "--world-size",
+            "8",
+        ],
+        check=True,
+        capture_output=True,
+        cwd=Path(__file__).resolve().parent.parent,
     )
 
 
@@ -568,8 +619,10 @@ def test_daemon_attributes_a_killed_worker_to_its_rank(tmp_path: Path, cgroup: M
         register_rank(cfg, job, 5, rank.pid)
         # the worker must have been seen in the rank's tree by a cycle before it dies
         tree_file = Path(cfg["state_dir"]) / "rank_trees.json"
-        d.wait_for(lambda: tree_file.exists() and f'"pid": {worker},' in tree_file.read_text(),
-                   what="the worker in the rank tree record")
+        d.wait_for(
+            lambda: tree_file.exists() and f'"pid": {worker},' in tree_file.read_text(),
+            what="the worker in the rank tree record",
+        )
         go(rank)
         assert int(rank.stdout.readline()) == -9
         d.wait_for(lambda: (oom_value(d, job, "5") or 0) >= 1.0, what="worker kill counted", timeout=5)
@@ -614,17 +667,24 @@ def test_daemon_ignores_a_spoofed_kill_and_reports_it(tmp_path: Path) -> None:
     path, cfg = write_config(tmp_path, kernel_log="kmsg")
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_collector_success", collector="kernel_log") == 1.0,
-                   what="kernel_log collector up")
+        d.wait_for(
+            lambda: d.value("gpuwatch_collector_success", collector="kernel_log") == 1.0, what="kernel_log collector up"
+        )
         before = d.value("gpuwatch_kernel_log_lines_rejected_total", reason="not_kernel") or 0.0
         fd = os.open("/dev/kmsg", os.O_WRONLY)
         try:  # a userspace write claiming to be a kernel OOM kill of PID 1
-            os.write(fd, b"<3>Out of memory: Killed process 1 (systemd) total-vm:1kB, anon-rss:1kB, "
-                         b"file-rss:0kB, shmem-rss:0kB, UID:0 pgtables:1kB oom_score_adj:0\n")
+            os.write(
+                fd,
+                b"<3>Out of memory: Killed process 1 (systemd) total-vm:1kB, anon-rss:1kB, "
+                b"file-rss:0kB, shmem-rss:0kB, UID:0 pgtables:1kB oom_score_adj:0\n",
+            )
         finally:
             os.close(fd)
-        d.wait_for(lambda: (d.value("gpuwatch_kernel_log_lines_rejected_total", reason="not_kernel")
-                            or 0.0) > before, what="the spoof rejected", timeout=5)
+        d.wait_for(
+            lambda: (d.value("gpuwatch_kernel_log_lines_rejected_total", reason="not_kernel") or 0.0) > before,
+            what="the spoof rejected",
+            timeout=5,
+        )
         assert d.value("gpuwatch_oom_kills_total", comm="systemd") is None
         assert d.proc.poll() is None
     finally:
@@ -640,9 +700,13 @@ def test_findings_rank_oom_killed_and_xid_critical(tmp_path: Path) -> None:
 
     p = proc(tmp_path)
     now = time.time()
-    p.record.update([member(4321, now - 100, rank=3, last_seen=now),
-                     member(4400, now - 50, rank=3, worker=True, rank_pid=4321, comm="pt_data_worker",
-                            last_seen=now)], now)
+    p.record.update(
+        [
+            member(4321, now - 100, rank=3, last_seen=now),
+            member(4400, now - 50, rank=3, worker=True, rank_pid=4321, comm="pt_data_worker", last_seen=now),
+        ],
+        now,
+    )
     kill = FORMATS["kills"][3]["lines"]  # global OOM of pid 8001 ...
     lines = [x.replace("8001", "4321").replace("pt_main_thread", "python3") for x in kill]
     for i, line in enumerate(lines):
@@ -652,8 +716,9 @@ def test_findings_rank_oom_killed_and_xid_critical(tmp_path: Path) -> None:
     events = tuple(p.recent())
     alive = [RankState("llm-7", r, 5000 + r, r, 16, True, None, ()) for r in range(4, 19)]
     dead = RankState("llm-7", 3, 4321, 3, 16, False, None, ())
-    ctx = FindingContext(now=now + 5, config=Config(), ranks=(dead, *alive),
-                         parts=Tracked(kernel=KernelOutput(events=events)))
+    ctx = FindingContext(
+        now=now + 5, config=Config(), ranks=(dead, *alive), parts=Tracked(kernel=KernelOutput(events=events))
+    )
     (f,) = list(rank_oom_killed.find(ctx))
     assert (f.kind, f.severity, f.job_id, f.rank, f.pid) == ("rank_oom_killed", "page", "llm-7", "3", "4321")
     assert "was killed by the kernel OOM killer at" in f.explanation
@@ -661,13 +726,20 @@ def test_findings_rank_oom_killed_and_xid_critical(tmp_path: Path) -> None:
     assert "in memory cgroup /user.slice/user-1000.slice/session-3.scope" in f.explanation
     assert f.explanation.endswith("15 peers alive: they will wait in their next collective")
     # 20 minutes later the rank is still registered and dead: still a finding; once it is gone, not
-    later = FindingContext(now=now + 1200, config=Config(), ranks=(dead,),
-                           parts=Tracked(kernel=KernelOutput(events=events)))
+    later = FindingContext(
+        now=now + 1200, config=Config(), ranks=(dead,), parts=Tracked(kernel=KernelOutput(events=events))
+    )
     assert len(list(rank_oom_killed.find(later))) == 1
     gone = FindingContext(now=now + 1200, config=Config(), ranks=(), parts=Tracked(kernel=KernelOutput(events=events)))
     assert list(rank_oom_killed.find(gone)) == []
     (x,) = list(xid_critical.find(ctx))
     assert (x.kind, x.severity, x.evidence["xid"]) == ("xid_critical", "page", 79)
     assert "Xid 79" in x.explanation and "GPU has fallen off the bus" in x.explanation
-    assert list(xid_critical.find(FindingContext(now=now + 700, config=Config(),
-                                        parts=Tracked(kernel=KernelOutput(events=events))))) == []
+    assert (
+        list(
+            xid_critical.find(
+                FindingContext(now=now + 700, config=Config(), parts=Tracked(kernel=KernelOutput(events=events)))
+            )
+        )
+        == []
+    )

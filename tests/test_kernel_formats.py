@@ -29,8 +29,9 @@ from gpuwatchd.sources.kmsg import read_boot_id
 
 FIX = Path(__file__).parent / "fixtures" / "kernel"
 BOOT = read_boot_id(HostPaths())
-MEMCG = ("/kubepods/pod95387fa4-da9c-11e7-9d36-5254b24cbf5e/"
-         "6895a3e13439535852d3184ac2aadd26d7363cc035f171545ec7d4ce74073b0b")
+MEMCG = (
+    "/kubepods/pod95387fa4-da9c-11e7-9d36-5254b24cbf5e/6895a3e13439535852d3184ac2aadd26d7363cc035f171545ec7d4ce74073b0b"
+)
 
 # fixture -> the kills it holds: (pid, comm, RSS kB, scope as printed, words of the summary)
 KILLS: dict[str, list[tuple[int, str, int, str, str]]] = {
@@ -41,8 +42,13 @@ KILLS: dict[str, list[tuple[int, str, int, str, str]]] = {
     ],
     "el6_kill_uid_2.6.32.kmsg": [(11726, "mysqld", 2539268 + 768, "", "holding 2.4 GiB RSS")],
     "pre419_scope_line_3.10.kmsg": [
-        (28438, "java", 466160 + 13684, "Memory cgroup out of memory",
-         f"in memory cgroup {MEMCG} (the cgroup's memory limit was reached)"),
+        (
+            28438,
+            "java",
+            466160 + 13684,
+            "Memory cgroup out of memory",
+            f"in memory cgroup {MEMCG} (the cgroup's memory limit was reached)",
+        ),
         (27541, "bash", 8098448 + 3264, "Out of memory", "(the node ran out of memory)"),
     ],
 }
@@ -60,16 +66,16 @@ def kmsg_records(name: str) -> list[KmsgRecord]:
 
 
 def processor(tmp: Path) -> KernelEventProcessor:
-    return KernelEventProcessor(CounterStore(), str(tmp), parse=parse_message,
-                                bus=EventBus([JsonlSink(str(tmp))]), boot_id=BOOT)
+    return KernelEventProcessor(
+        CounterStore(), str(tmp), parse=parse_message, bus=EventBus([JsonlSink(str(tmp))]), boot_id=BOOT
+    )
 
 
 def through_kmsg(tmp: Path, name: str, t0: float) -> tuple[list[Event], KernelEventProcessor]:
     p = processor(tmp)
     events: list[Event] = []
     for r in kmsg_records(name):
-        events += p.handle(LogRecord(r.message, KILLER_KERNEL, BOOT, r.usec, t0 + r.usec / 1e6,
-                                        "kmsg", seq=r.seq))
+        events += p.handle(LogRecord(r.message, KILLER_KERNEL, BOOT, r.usec, t0 + r.usec / 1e6, "kmsg", seq=r.seq))
     events += p.tick(t0 + 10**5)
     return events, p
 
@@ -89,8 +95,10 @@ def through_journal(tmp: Path, entries: bytes, want: int) -> tuple[list[Event], 
 
 def kmsg_as_journal(name: str, t0: float) -> bytes:
     # journald's kmsg reader unescapes the record (\x0a -> newline) before storing MESSAGE
-    return b"".join(export_entry(r.message.replace("\\x0a", "\n"), r.usec, t0 + r.usec / 1e6,
-                                 prio=r.priority & 7) for r in kmsg_records(name))
+    return b"".join(
+        export_entry(r.message.replace("\\x0a", "\n"), r.usec, t0 + r.usec / 1e6, prio=r.priority & 7)
+        for r in kmsg_records(name)
+    )
 
 
 def check_kills(events: list[Event], want: list[tuple[int, str, int, str, str]]) -> None:
@@ -126,8 +134,7 @@ def earlyoom_lines() -> list[str]:
 
 def test_earlyoom_before_1_6_parses() -> None:
     parsed = [p for x in earlyoom_lines() if (p := parse_message(x, KILLER_EARLYOOM))]
-    assert [(p.pid, p.comm, int(p.fields["rss_kb"]) // 1024) for p in parsed] == [
-        *EARLYOOM, (5874, "bash", 3172)]
+    assert [(p.pid, p.comm, int(p.fields["rss_kb"]) // 1024) for p in parsed] == [*EARLYOOM, (5874, "bash", 3172)]
     assert {p.fields["signal"] for p in parsed} == {"SIGTERM"}
     # the same words from the kernel transport are not earlyoom's
     assert all(parse_message(x) is None for x in earlyoom_lines())
@@ -175,12 +182,15 @@ def test_gpu_fallen_off_the_bus_without_xid_through_the_journal(tmp_path: Path) 
     check_bus_lost(events, pl.counters)
 
 
-@pytest.mark.parametrize("msg", [
-    "NVRM: fallen off the bus and is not responding to commands.",  # no GPU named before it
-    "NVRM: The NVIDIA GPU 0000:zz:00.0 fallen off the bus",
-    "NVRM: GPU at PCI:0000:3b:00: GPU-" + "0" * 36,
-    "NVRM: " + "fallen off the bus " * 500,
-])
+@pytest.mark.parametrize(
+    "msg",
+    [
+        "NVRM: fallen off the bus and is not responding to commands.",  # no GPU named before it
+        "NVRM: The NVIDIA GPU 0000:zz:00.0 fallen off the bus",
+        "NVRM: GPU at PCI:0000:3b:00: GPU-" + "0" * 36,
+        "NVRM: " + "fallen off the bus " * 500,
+    ],
+)
 def test_bus_lost_odd_records(msg: str) -> None:
     got: Any = kernel_formats.parse_bus_lost(msg[:MAX_MESSAGE])
     assert got is None or got[1] == ""
@@ -205,9 +215,17 @@ def test_bus_lost_dedup_rules() -> None:
 @settings(max_examples=300, deadline=None)
 @given(
     st.text(max_size=400),
-    st.sampled_from(["NVRM: The NVIDIA GPU 0000:3b:00.0", "fallen off the bus", "killing process 1 \"",
-                     "Killing process '", "sending SIGTERM to process 7 \"", "Killed process 5, UID 0, (",
-                     "Kill process 3 (x) score 1 or sacrifice child"]),
+    st.sampled_from(
+        [
+            "NVRM: The NVIDIA GPU 0000:3b:00.0",
+            "fallen off the bus",
+            'killing process 1 "',
+            "Killing process '",
+            'sending SIGTERM to process 7 "',
+            "Killed process 5, UID 0, (",
+            "Kill process 3 (x) score 1 or sacrifice child",
+        ]
+    ),
     st.text(max_size=400),
 )
 def test_fuzz_new_formats_around_keywords(a: str, keyword: str, b: str) -> None:

@@ -39,8 +39,7 @@ def rendered() -> dict[str, dict[str, Any]]:
     docs = render_kustomization()
     kubectl = shutil.which("kubectl")
     if kubectl:  # where kubectl exists, its kustomize must agree with the rendering above
-        out = subprocess.run([kubectl, "kustomize", str(KUSTOMIZE)], capture_output=True,
-                             text=True, timeout=120)
+        out = subprocess.run([kubectl, "kustomize", str(KUSTOMIZE)], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         by_kind = {d["kind"]: d for d in yaml.safe_load_all(out.stdout) if d}
         assert by_kind == {d["kind"]: d for d in docs}
@@ -59,8 +58,7 @@ def _container(rendered: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return dict(c)
 
 
-def test_pod_sees_the_host_and_has_only_the_three_capabilities(
-        rendered: dict[str, dict[str, Any]]) -> None:
+def test_pod_sees_the_host_and_has_only_the_three_capabilities(rendered: dict[str, dict[str, Any]]) -> None:
     pod = rendered["DaemonSet"]["spec"]["template"]["spec"]
     assert pod["hostPID"] is True
     assert pod.get("hostNetwork", False) is False
@@ -82,8 +80,7 @@ def test_pod_sees_the_host_and_has_only_the_three_capabilities(
         assert init["securityContext"]["capabilities"] == {"drop": ["ALL"]}
 
 
-def test_host_paths_match_the_config(rendered: dict[str, dict[str, Any]],
-                                     tmp_path: Path) -> None:
+def test_host_paths_match_the_config(rendered: dict[str, dict[str, Any]], tmp_path: Path) -> None:
     pod = rendered["DaemonSet"]["spec"]["template"]["spec"]
     host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     assert {"/dev/kmsg", "/run/gpuwatch/ranks", "/var/lib/gpuwatchd"} <= set(host.values())

@@ -38,15 +38,38 @@ PKG = Path(__file__).resolve().parent.parent / "gpuwatchd"
 
 # Lowest first. A module belongs to the first entry whose prefix names it or a package above it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("core", ("gpuwatchd.model", "gpuwatchd.config", "gpuwatchd.paths", "gpuwatchd.units", "gpuwatchd.escape",
-              "gpuwatchd.counters", "gpuwatchd.isolation", "gpuwatchd.statefile", "gpuwatchd.logs")),
+    (
+        "core",
+        (
+            "gpuwatchd.model",
+            "gpuwatchd.config",
+            "gpuwatchd.paths",
+            "gpuwatchd.units",
+            "gpuwatchd.escape",
+            "gpuwatchd.counters",
+            "gpuwatchd.isolation",
+            "gpuwatchd.statefile",
+            "gpuwatchd.logs",
+        ),
+    ),
     ("rank", ("gpuwatchd.rank",)),
     ("sources", ("gpuwatchd.sources",)),
     ("events", ("gpuwatchd.events",)),
     # the join's trackers; the findings read their verdicts, join.state runs the rules last
-    ("join", ("gpuwatchd.join.orphans", "gpuwatchd.join.stall", "gpuwatchd.join.kernel_events",
-              "gpuwatchd.join.xid_dedup", "gpuwatchd.join.rank_claims", "gpuwatchd.join.memory_tracker",
-              "gpuwatchd.join.oom_history", "gpuwatchd.join.bus_lost", "gpuwatchd.join")),
+    (
+        "join",
+        (
+            "gpuwatchd.join.orphans",
+            "gpuwatchd.join.stall",
+            "gpuwatchd.join.kernel_events",
+            "gpuwatchd.join.xid_dedup",
+            "gpuwatchd.join.rank_claims",
+            "gpuwatchd.join.memory_tracker",
+            "gpuwatchd.join.oom_history",
+            "gpuwatchd.join.bus_lost",
+            "gpuwatchd.join",
+        ),
+    ),
     ("findings", ("gpuwatchd.findings",)),
     ("join.state", ("gpuwatchd.join.state",)),
     ("outputs", ("gpuwatchd.exporter", "gpuwatchd.web")),
@@ -54,20 +77,68 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cli", ("gpuwatchd.cli", "gpuwatchd.__main__")),
 )
 RANK_SIDE = ("gpuwatchd", "gpuwatchd.rank")
-RANK_FORBIDDEN = ("gpuwatchd.daemon", "gpuwatchd.sources", "gpuwatchd.web", "gpuwatchd.exporter",
-                  "gpuwatchd.cli", "prometheus_client", "yaml")
+RANK_FORBIDDEN = (
+    "gpuwatchd.daemon",
+    "gpuwatchd.sources",
+    "gpuwatchd.web",
+    "gpuwatchd.exporter",
+    "gpuwatchd.cli",
+    "prometheus_client",
+    "yaml",
+)
 # (pynvml is allowed: the CUDA-OOM hook snapshots co-tenants at the moment of the error, lazily.)
 
 PURE = ("gpuwatchd.join", "gpuwatchd.findings")
-IO_OS_CALLS = frozenset({"open", "fdopen", "stat", "lstat", "fstat", "scandir", "listdir", "read", "write",
-                         "unlink", "remove", "replace", "rename", "makedirs", "mkdir", "rmdir", "readlink",
-                         "walk", "kill", "chmod", "chown", "pipe", "fork", "system", "popen"})
+IO_OS_CALLS = frozenset(
+    {
+        "open",
+        "fdopen",
+        "stat",
+        "lstat",
+        "fstat",
+        "scandir",
+        "listdir",
+        "read",
+        "write",
+        "unlink",
+        "remove",
+        "replace",
+        "rename",
+        "makedirs",
+        "mkdir",
+        "rmdir",
+        "readlink",
+        "walk",
+        "kill",
+        "chmod",
+        "chown",
+        "pipe",
+        "fork",
+        "system",
+        "popen",
+    }
+)
 # os.path's calls that stat the host (os.path.join, basename ... only compute on strings)
-IO_OS_PATH_CALLS = frozenset({"exists", "lexists", "isfile", "isdir", "islink", "ismount", "getsize", "getmtime",
-                              "getatime", "getctime", "realpath", "samefile"})
+IO_OS_PATH_CALLS = frozenset(
+    {
+        "exists",
+        "lexists",
+        "isfile",
+        "isdir",
+        "islink",
+        "ismount",
+        "getsize",
+        "getmtime",
+        "getatime",
+        "getctime",
+        "realpath",
+        "samefile",
+    }
+)
 IO_MODULES = frozenset({"subprocess", "socket", "shutil", "tempfile"})
-IO_METHODS = frozenset({"read_text", "read_bytes", "write_text", "write_bytes", "iterdir", "mkdir", "unlink",
-                        "touch", "glob", "rglob"})
+IO_METHODS = frozenset(
+    {"read_text", "read_bytes", "write_text", "write_bytes", "iterdir", "mkdir", "unlink", "touch", "glob", "rglob"}
+)
 RULE_IMPORTS = ("gpuwatchd.findings.context", "gpuwatchd.model", "gpuwatchd.units", "gpuwatchd.config")
 
 
@@ -93,9 +164,14 @@ def _targets(tree: ast.AST, module: str, is_pkg: bool) -> Iterator[str]:
                 base = ".".join([*parts, base] if base else parts)
             for a in node.names:
                 yield f"{base}.{a.name}"  # a submodule if there is one, else resolved to base
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-              and node.func.attr == "import_module" and node.args
-              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             yield node.args[0].value
 
 
@@ -159,8 +235,11 @@ def finding_violations(edges: dict[str, set[str]], pkg: str = "gpuwatchd.finding
     out = []
     for m, targets in sorted(edges.items()):
         if m.startswith(pkg + ".") and m != f"{pkg}.context":
-            out += [f"{m} imports {t}" for t in sorted(targets)
-                    if (t == pkg or t.startswith(pkg + ".")) and t != f"{pkg}.context"]
+            out += [
+                f"{m} imports {t}"
+                for t in sorted(targets)
+                if (t == pkg or t.startswith(pkg + ".")) and t != f"{pkg}.context"
+            ]
     return out
 
 
@@ -178,8 +257,13 @@ def io_calls(path: Path) -> list[str]:
             base = f.value
             if isinstance(base, ast.Name) and base.id == "os" and f.attr in IO_OS_CALLS:
                 what = f"os.{f.attr}"
-            elif isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) and base.value.id == "os" \
-                    and base.attr == "path" and f.attr in IO_OS_PATH_CALLS:
+            elif (
+                isinstance(base, ast.Attribute)
+                and isinstance(base.value, ast.Name)
+                and base.value.id == "os"
+                and base.attr == "path"
+                and f.attr in IO_OS_PATH_CALLS
+            ):
                 what = f"os.path.{f.attr}"
             elif isinstance(base, ast.Name) and base.id in IO_MODULES:
                 what = f"{base.id}.{f.attr}"
@@ -196,8 +280,7 @@ def io_violations(root: Path) -> dict[str, list[str]]:
     top = root.name
     out: dict[str, list[str]] = {}
     for m, path in modules(root).items():
-        if not any(m == f"{top}.{p.split('.', 1)[1]}" or m.startswith(f"{top}.{p.split('.', 1)[1]}.")
-                   for p in PURE):
+        if not any(m == f"{top}.{p.split('.', 1)[1]}" or m.startswith(f"{top}.{p.split('.', 1)[1]}.") for p in PURE):
             continue
         found = io_calls(path) + [f"imports {t}" for t in sorted(edges[m]) if t.startswith(f"{top}.sources")]
         found += [f"imports {x}" for x in sorted(external[m] & IO_MODULES)]
@@ -226,13 +309,22 @@ def context_reaches(pythonpath: str | None = None) -> list[str]:
     import os
     import subprocess
 
-    code = ("import sys, gpuwatchd.findings.context; print(sorted(m for m in sys.modules if m == 'subprocess' "
-            "or m == 'gpuwatchd.sources' or m.startswith('gpuwatchd.sources.')))")
+    code = (
+        "import sys, gpuwatchd.findings.context; print(sorted(m for m in sys.modules if m == 'subprocess' "
+        "or m == 'gpuwatchd.sources' or m.startswith('gpuwatchd.sources.')))"
+    )
     env = dict(os.environ)
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
-                         env=env, cwd=pythonpath or None)
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env=env,
+        cwd=pythonpath or None,
+    )
     return list(ast.literal_eval(out.stdout.strip()))
 
 
@@ -244,7 +336,8 @@ def subsystem_modules(root: Path) -> set[str]:
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ClassDef) and any(
-                    isinstance(b, ast.Name) and b.id == "Subsystem" for b in node.bases):
+                isinstance(b, ast.Name) and b.id == "Subsystem" for b in node.bases
+            ):
                 out.add(m)
     return out
 
@@ -254,9 +347,12 @@ def subsystem_imports(root: Path) -> list[str]:
     edges, _ = graph(root)
     subs = subsystem_modules(root)
     wiring = f"{root.name}.daemon.wiring"
-    return [f"{m} imports {t}" for m, targets in sorted(edges.items())
-            if m.startswith(f"{root.name}.daemon.") and m != wiring
-            for t in sorted(targets & subs)]
+    return [
+        f"{m} imports {t}"
+        for m, targets in sorted(edges.items())
+        if m.startswith(f"{root.name}.daemon.") and m != wiring
+        for t in sorted(targets & subs)
+    ]
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -313,8 +409,7 @@ def unresolved(root: Path) -> list[str]:
                 names = [node.module]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
-            out += [f"{m}: {n}" for n in names
-                    if (n == root.name or n.startswith(root.name + ".")) and n not in mods]
+            out += [f"{m}: {n}" for n in names if (n == root.name or n.startswith(root.name + ".")) and n not in mods]
     return out
 
 
@@ -393,8 +488,10 @@ def test_the_purity_checkers_catch_planted_violations(tmp_path: Path) -> None:
         "daemon/__init__.py": "",
         "daemon/subsystem.py": "class Subsystem: ...\n",
         "daemon/kernel_log.py": "from gpuwatchd.daemon.subsystem import Subsystem\nclass K(Subsystem): ...\n",
-        "daemon/memory.py": ("from gpuwatchd.daemon.subsystem import Subsystem\n"
-                             "from gpuwatchd.daemon.kernel_log import K\nclass M(Subsystem): ...\n"),
+        "daemon/memory.py": (
+            "from gpuwatchd.daemon.subsystem import Subsystem\n"
+            "from gpuwatchd.daemon.kernel_log import K\nclass M(Subsystem): ...\n"
+        ),
         "daemon/wiring.py": "from gpuwatchd.daemon import kernel_log, memory\n",
     }
     for name, text in files.items():
@@ -420,9 +517,11 @@ def test_importing_gpuwatchd_loads_no_daemon_code() -> None:
     """What a training script pays for ``import gpuwatchd``: checked in a fresh interpreter."""
     import subprocess
 
-    code = ("import sys, gpuwatchd; bad = sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('prometheus_client', 'pynvml', 'yaml') or m.startswith(('gpuwatchd.daemon', "
-            "'gpuwatchd.sources', 'gpuwatchd.web', 'gpuwatchd.exporter'))); print(bad)")
+    code = (
+        "import sys, gpuwatchd; bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('prometheus_client', 'pynvml', 'yaml') or m.startswith(('gpuwatchd.daemon', "
+        "'gpuwatchd.sources', 'gpuwatchd.web', 'gpuwatchd.exporter'))); print(bad)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -453,9 +552,9 @@ def test_the_checker_catches_each_kind_of_bad_import(tmp_path: Path) -> None:
     assert "gpuwatchd.sources.nvml (sources) imports gpuwatchd.daemon.nvml (daemon)" in layer_violations(edges)
     assert "gpuwatchd.rank.api (rank) imports gpuwatchd.daemon.core (daemon)" in layer_violations(edges)
     assert "gpuwatchd.rank.api reaches gpuwatchd.daemon.core (through gpuwatchd.rank.api)" in rank_violations(
-        edges, external)
-    assert "gpuwatchd reaches prometheus_client (through gpuwatchd.sources.procfs)" in rank_violations(
-        edges, external)
+        edges, external
+    )
+    assert "gpuwatchd reaches prometheus_client (through gpuwatchd.sources.procfs)" in rank_violations(edges, external)
     assert finding_violations(edges) == ["gpuwatchd.findings.a imports gpuwatchd.findings.b"]
     assert ["gpuwatchd.daemon.core", "gpuwatchd.daemon.nvml"] in cycles(edges)
     (root / "cli.py").write_text("from gpuwatchd.daemon.core.gone import x\n")

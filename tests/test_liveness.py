@@ -187,8 +187,9 @@ def test_daemon_exports_its_own_oom_score_adj(tmp_path: Path) -> None:
         # what OOMScoreAdjust= does at start; lowering it needs CAP_SYS_RESOURCE, which this
         # container lacks (as the booted-systemd test found), so raise it: the gauge shows either
         Path(f"/proc/{d.proc.pid}/oom_score_adj").write_text("317")
-        d.wait_for(lambda: d.value("gpuwatch_process_oom_score_adj") == 317.0,
-                   what="gpuwatch_process_oom_score_adj 317")
+        d.wait_for(
+            lambda: d.value("gpuwatch_process_oom_score_adj") == 317.0, what="gpuwatch_process_oom_score_adj 317"
+        )
         assert "oom_score_adj of the daemon:" in d.log()
     finally:
         d.stop()
@@ -203,11 +204,12 @@ def test_daemon_exports_the_memory_limit_of_its_own_cgroup(tmp_path: Path) -> No
     cg = MemCgroup("selflimit", limit_bytes=300 << 20)
     try:
         cg.adopt(d.proc.pid)
-        d.wait_for(lambda: d.value("gpuwatch_process_memory_limit_bytes") == float(300 << 20),
-                   what="gpuwatch_process_memory_limit_bytes 300 MiB")
+        d.wait_for(
+            lambda: d.value("gpuwatch_process_memory_limit_bytes") == float(300 << 20),
+            what="gpuwatch_process_memory_limit_bytes 300 MiB",
+        )
         rss = d.value("process_resident_memory_bytes")
         assert rss is not None and 0 < rss < 300 << 20
     finally:
         d.stop()
         cg.remove()
-

@@ -90,7 +90,8 @@ def test_v2_fixture_finding_in_words() -> None:
     assert f.evidence["reason"] == "share"
     assert f.explanation.startswith(
         "rank 3 of job llm-7 (pid 4242) is at 93 % of the 80.0 GiB limit of memory cgroup "
-        "/system.slice/slurmstepd.scope/job_7 (working set 74.4 GiB); it is not growing")
+        "/system.slice/slurmstepd.scope/job_7 (working set 74.4 GiB); it is not growing"
+    )
 
 
 def test_v1_real_cgroup_of_a_real_process() -> None:
@@ -180,11 +181,18 @@ def test_slope_and_growth_need_the_minimum_window() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.floats(0.5, 30.0), st.one_of(st.none(), st.integers(0, 1 << 40)),
-                          st.integers(0, 1 << 40)), min_size=1, max_size=400),
-       st.floats(1.7e9, 1.9e9), st.sampled_from([(300.0, 60.0), (60.0, 0.0), (1e5, 10.0)]))
+@given(
+    st.lists(
+        st.tuples(st.floats(0.5, 30.0), st.one_of(st.none(), st.integers(0, 1 << 40)), st.integers(0, 1 << 40)),
+        min_size=1,
+        max_size=400,
+    ),
+    st.floats(1.7e9, 1.9e9),
+    st.sampled_from([(300.0, 60.0), (60.0, 0.0), (1e5, 10.0)]),
+)
 def test_sliding_fit_is_the_textbook_slope_over_the_window(
-        steps: list[tuple[float, int | None, int]], start: float, windows: tuple[float, float]) -> None:
+    steps: list[tuple[float, int | None, int]], start: float, windows: tuple[float, float]
+) -> None:
     """The tracker's growth rates (sums that slide with the window) against ``slope`` over the
     same points, each cycle, at epoch-sized times and values up to a TiB, past MAX_POINTS."""
     window, min_window = windows
@@ -201,8 +209,7 @@ def test_sliding_fit_is_the_textbook_slope_over_the_window(
         want_rss = slope((q[0], float(q[2])) for q in points) if spans else None
         ok_ws = spans and c is not None and all(q[1] is not None for q in points)
         want_ws = slope((q[0], float(q[1] or 0)) for q in points) if ok_ws else None
-        for got, want in ((m.tree_growth_bytes_per_second, want_rss),
-                          (m.cgroup_growth_bytes_per_second, want_ws)):
+        for got, want in ((m.tree_growth_bytes_per_second, want_rss), (m.cgroup_growth_bytes_per_second, want_ws)):
             assert (got is None) == (want is None)
             if want is not None:
                 assert got == pytest.approx(want, rel=1e-6, abs=1e-3)
@@ -224,8 +231,17 @@ def test_sliding_fit_does_not_drift_with_uptime() -> None:
 
 
 def test_assess_reasons_and_steady_near_limit() -> None:
-    base = RankMemory("j", 1, 9, 50 << 30, cgroup="/c", cgroup_version=2, usage_bytes=70 << 30,
-                      working_set_bytes=70 << 30, limit_bytes=80 << 30)
+    base = RankMemory(
+        "j",
+        1,
+        9,
+        50 << 30,
+        cgroup="/c",
+        cgroup_version=2,
+        usage_bytes=70 << 30,
+        working_set_bytes=70 << 30,
+        limit_bytes=80 << 30,
+    )
     steady = RankMemory(**{**base.__dict__, "cgroup_growth_bytes_per_second": 0.0})
     assert finding.assess(steady, None, 0.9, 900) is None  # 87.5 %, flat: nothing
     growing = RankMemory(**{**base.__dict__, "cgroup_growth_bytes_per_second": float(20 << 20)})
@@ -243,9 +259,16 @@ def test_assess_reasons_and_steady_near_limit() -> None:
 
 
 def test_snapshot_event_is_bounded_and_names_the_grower() -> None:
-    m = RankMemory("llm-7", 3, 48213, 80 << 30, cgroup="/job_7", limit_bytes=80 << 30,
-                   working_set_bytes=int(74.4 * GiB),
-                   top=(TreeProcessMemory(48222, "pt_data_worker", 9 << 30, 9 << 30, 300.0, True),))
+    m = RankMemory(
+        "llm-7",
+        3,
+        48213,
+        80 << 30,
+        cgroup="/job_7",
+        limit_bytes=80 << 30,
+        working_set_bytes=int(74.4 * GiB),
+        top=(TreeProcessMemory(48222, "pt_data_worker", 9 << 30, 9 << 30, 300.0, True),),
+    )
     (f1,) = list(finding.find(ctx_for(m)))
     frames = tuple(Frame(f"fn{i}" * 50, "x.py", i) for i in range(100))
     stacks = tuple(ThreadStack(i, i, "t" * 500, False, i == 3, frames if i else ()) for i in range(50))
@@ -263,16 +286,43 @@ def test_snapshot_event_is_bounded_and_names_the_grower() -> None:
 
 
 def test_config_keys() -> None:
-    cfg = parse_config({"memory": {"ratio_threshold": 0.8, "horizon_seconds": 60, "window_seconds": 120,
-                                   "min_window_seconds": 30, "cgroup_root": "/host/sys/fs/cgroup"}})
-    assert cfg.memory == MemoryConfig(ratio_threshold=0.8, horizon_seconds=60, window_seconds=120,
-                                      min_window_seconds=30, cgroup_root="/host/sys/fs/cgroup")
+    cfg = parse_config(
+        {
+            "memory": {
+                "ratio_threshold": 0.8,
+                "horizon_seconds": 60,
+                "window_seconds": 120,
+                "min_window_seconds": 30,
+                "cgroup_root": "/host/sys/fs/cgroup",
+            }
+        }
+    )
+    assert cfg.memory == MemoryConfig(
+        ratio_threshold=0.8,
+        horizon_seconds=60,
+        window_seconds=120,
+        min_window_seconds=30,
+        cgroup_root="/host/sys/fs/cgroup",
+    )
     with pytest.raises(ConfigError) as e:
-        parse_config({"memory": {"ratio_threshold": 2, "window_seconds": 10, "min_window_seconds": 60,
-                                 "cgroup_root": "rel", "snapshots": 1}})
+        parse_config(
+            {
+                "memory": {
+                    "ratio_threshold": 2,
+                    "window_seconds": 10,
+                    "min_window_seconds": 60,
+                    "cgroup_root": "rel",
+                    "snapshots": 1,
+                }
+            }
+        )
     text = str(e.value)
-    for key in ("memory.ratio_threshold", "memory.min_window_seconds", "memory.cgroup_root",
-                "memory.snapshots: unknown key"):
+    for key in (
+        "memory.ratio_threshold",
+        "memory.min_window_seconds",
+        "memory.cgroup_root",
+        "memory.snapshots: unknown key",
+    ):
         assert key in text
 
 
@@ -291,13 +341,21 @@ def test_kill_links_to_the_last_snapshot_of_its_rank_across_a_restart(tmp_path: 
     from gpuwatchd.join.rank_trees import TreeMember
 
     def processor() -> KernelEventProcessor:
-        return KernelEventProcessor(CounterStore(), str(tmp_path), parse=parse_message,
-                                    bus=EventBus([JsonlSink(str(tmp_path))]), boot_id="boot")
+        return KernelEventProcessor(
+            CounterStore(), str(tmp_path), parse=parse_message, bus=EventBus([JsonlSink(str(tmp_path))]), boot_id="boot"
+        )
 
     now = time.time()
-    m = RankMemory("llm-7", 3, 4321, 80 << 30, cgroup="/job_7", limit_bytes=80 << 30,
-                   working_set_bytes=76 << 30,
-                   top=(TreeProcessMemory(4400, "pt_data_worker", 9 << 30, 9 << 30, 300.0, True),))
+    m = RankMemory(
+        "llm-7",
+        3,
+        4321,
+        80 << 30,
+        cgroup="/job_7",
+        limit_bytes=80 << 30,
+        working_set_bytes=76 << 30,
+        top=(TreeProcessMemory(4400, "pt_data_worker", 9 << 30, 9 << 30, 300.0, True),),
+    )
     (f,) = finding.find(ctx_for(m, now))
     p = processor()
     other = RankMemory(**{**m.__dict__, "pid": 9999})  # same job and rank, another process
@@ -306,8 +364,10 @@ def test_kill_links_to_the_last_snapshot_of_its_rank_across_a_restart(tmp_path: 
     p.record_event(snapshot_event(f, other, now - 10, None, "absent", 3))
     p2 = processor()  # restarted: the snapshots come back from the event log
     p2.record.update([TreeMember(4400, now - 100, "llm-7", 3, 4321, True, "pt_data_worker", now)], now)
-    line = ("Memory cgroup out of memory: Killed process 4400 (pt_data_worker) total-vm:1kB, "
-            "anon-rss:9437184kB, file-rss:0kB, shmem-rss:0kB, UID:0 pgtables:1kB oom_score_adj:0")
+    line = (
+        "Memory cgroup out of memory: Killed process 4400 (pt_data_worker) total-vm:1kB, "
+        "anon-rss:9437184kB, file-rss:0kB, shmem-rss:0kB, UID:0 pgtables:1kB oom_score_adj:0"
+    )
     (kill,) = p2.handle(LogRecord(line, "kernel", "boot", 10**9, now, "test"))
     assert kill.fields["memory_snapshot"].endswith(":2")  # the last of this rank process, not 9999's
     assert "rank 3 (stack unavailable: absent); worker 4400 (pt_data_worker) had grown 9.0 GiB" in kill.summary
@@ -317,8 +377,9 @@ def test_only_accepted_live_ranks_get_the_finding() -> None:
     m = RankMemory("j", 1, 9, 50 << 30, cgroup="/c", working_set_bytes=79 << 30, limit_bytes=80 << 30)
     assert len(list(finding.find(ctx_for(m)))) == 1
     assert list(finding.find(ctx_for(m, alive=False))) == []  # dead (or its PID reused)
-    refused = FindingContext(now=0.0, config=Config(),
-                             parts=Tracked(memory=MemoryOutput(rank_memory=(m,))))  # not accepted
+    refused = FindingContext(
+        now=0.0, config=Config(), parts=Tracked(memory=MemoryOutput(rank_memory=(m,)))
+    )  # not accepted
     assert list(finding.find(refused)) == []
 
 
@@ -335,13 +396,29 @@ def test_join_exports_host_memory_of_accepted_live_ranks_only() -> None:
     processes = {os.getpid(): me}
     claims = rank_claims.decide((RankEntry("j", 0, os.getpid()),), processes, {}, {}, {})
     trees = trees_from_entries(claims.accepted, processes, {})
-    state, _ = build_state(1.0, Config(), claims, trees, Tracked(memory=MemoryOutput((claimed, stranger))),
-                           JoinMemory(), processes=processes)
+    state, _ = build_state(
+        1.0,
+        Config(),
+        claims,
+        trees,
+        Tracked(memory=MemoryOutput((claimed, stranger))),
+        JoinMemory(),
+        processes=processes,
+    )
     assert state.rank_memory == (claimed,)
 
 
 def test_above_memory_high_is_said() -> None:
-    m = RankMemory("j", 1, 9, 50 << 30, cgroup="/c", cgroup_version=2, working_set_bytes=79 << 30,
-                   limit_bytes=80 << 30, high_bytes=78 << 30)
+    m = RankMemory(
+        "j",
+        1,
+        9,
+        50 << 30,
+        cgroup="/c",
+        cgroup_version=2,
+        working_set_bytes=79 << 30,
+        limit_bytes=80 << 30,
+        high_bytes=78 << 30,
+    )
     (f,) = finding.find(ctx_for(m))
     assert f.explanation.endswith("; it is above its memory.high of 78.0 GiB: the kernel throttles it")

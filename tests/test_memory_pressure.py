@@ -93,18 +93,28 @@ def cgroups() -> Iterator[tuple[MemCgroup, MemCgroup, Path]]:
 
 def daemon(tmp_path: Path, **memory: float) -> tuple[Daemon, list[Subsystem]]:
     cfg_file = tmp_path / "config.yaml"
-    settings = {"min_window_seconds": 4, "window_seconds": 30, "horizon_seconds": 120,
-                "snapshot_min_interval_seconds": 2, **memory}
+    settings = {
+        "min_window_seconds": 4,
+        "window_seconds": 30,
+        "horizon_seconds": 120,
+        "snapshot_min_interval_seconds": 2,
+        **memory,
+    }
     cfg_file.write_text(
         f"rank_dir: {tmp_path / 'ranks'}\nstate_dir: {tmp_path / 'state'}\ninterval_seconds: 0.5\n"
         "kernel_log: kmsg\ngil:\n  enabled: false\ndiscovery:\n  enabled: false\n"
-        "nvml:\n  enabled: false\nmemory:\n"
-        + "".join(f"  {k}: {v}\n" for k, v in settings.items()))
+        "nvml:\n  enabled: false\nmemory:\n" + "".join(f"  {k}: {v}\n" for k, v in settings.items())
+    )
     (tmp_path / "ranks").mkdir(exist_ok=True)
     cfg = load_config(str(cfg_file))
-    d = Daemon(cfg, services=Services.build(cfg, bus=EventBus([JsonlSink(cfg.state_dir)])),
-               parts=lambda c, s: Parts(kernel_log=KernelLogSubsystem(c, s), memory=MemorySubsystem(
-                   c, s, spy=PySpy(resolve_pyspy(), max_concurrent=1))))
+    d = Daemon(
+        cfg,
+        services=Services.build(cfg, bus=EventBus([JsonlSink(cfg.state_dir)])),
+        parts=lambda c, s: Parts(
+            kernel_log=KernelLogSubsystem(c, s),
+            memory=MemorySubsystem(c, s, spy=PySpy(resolve_pyspy(), max_concurrent=1)),
+        ),
+    )
     subs = d.subsystems
     for sub in subs:
         sub.start(d)
@@ -112,8 +122,11 @@ def daemon(tmp_path: Path, **memory: float) -> tuple[Daemon, list[Subsystem]]:
 
 
 def register(tmp_path: Path, job: str, rank: int, pid: int) -> None:
-    write_rank_file(str(tmp_path / "ranks"), {"version": 1, "job_id": job, "world_size": 8,
-                                              "ranks": [{"rank": rank, "pid": pid}]}, f"{job}-{rank}.json")
+    write_rank_file(
+        str(tmp_path / "ranks"),
+        {"version": 1, "job_id": job, "world_size": 8, "ranks": [{"rank": rank, "pid": pid}]},
+        f"{job}-{rank}.json",
+    )
 
 
 def events(tmp_path: Path) -> list[Event]:
@@ -125,7 +138,8 @@ def pressure(state: NodeState, job: str) -> list[Finding]:
 
 
 def test_growing_rank_warned_before_its_oom_kill_with_evidence(
-        tmp_path: Path, cgroups: tuple[MemCgroup, MemCgroup, Path]) -> None:
+    tmp_path: Path, cgroups: tuple[MemCgroup, MemCgroup, Path]
+) -> None:
     grow_cg, steady_cg, psi_cg = cgroups
     (tmp_path / "data.py").write_text(RANK_PROGRAM)
     job, steady_job = f"llm-{uuid.uuid4().hex[:6]}", f"calm-{uuid.uuid4().hex[:6]}"
@@ -135,8 +149,9 @@ def test_growing_rank_warned_before_its_oom_kill_with_evidence(
         for procs in (Path(grow_cg.path) / "cgroup.procs", psi_cg / "cgroup.procs"):
             procs.write_text(str(os.getpid()))
 
-    rank = subprocess.Popen([sys.executable, str(tmp_path / "data.py")], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, preexec_fn=enter)
+    rank = subprocess.Popen(
+        [sys.executable, str(tmp_path / "data.py")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, preexec_fn=enter
+    )
     grow_cg.procs.append(rank)
     steady = steady_cg.spawn(STEADY_PROGRAM)
     try:
@@ -161,9 +176,14 @@ def test_growing_rank_warned_before_its_oom_kill_with_evidence(
             time.sleep(0.5)
         assert kill is not None, "the worker was never OOM-killed"
         state = d.cycle()  # the finding the kill raises
-        ps = subprocess.run([sys.executable, "-m", "gpuwatchd", "ps", "--config.file",
-                             str(tmp_path / "config.yaml")], capture_output=True, text=True,
-                            cwd=REPO, timeout=60, check=True).stdout
+        ps = subprocess.run(
+            [sys.executable, "-m", "gpuwatchd", "ps", "--config.file", str(tmp_path / "config.yaml")],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=60,
+            check=True,
+        ).stdout
     finally:
         for s in subs:
             s.stop()
@@ -189,8 +209,7 @@ def test_growing_rank_warned_before_its_oom_kill_with_evidence(
     (calm,) = [m for m in state.rank_memory if m.job_id == steady_job]
     assert calm.limit_bytes == STEADY_LIMIT and calm.working_set_bytes is not None
     assert 0.78 <= calm.working_set_bytes / STEADY_LIMIT < 0.9
-    assert calm.cgroup_growth_bytes_per_second is not None and \
-        abs(calm.cgroup_growth_bytes_per_second) < 64 << 10
+    assert calm.cgroup_growth_bytes_per_second is not None and abs(calm.cgroup_growth_bytes_per_second) < 64 << 10
     # -- evidence: the snapshot holds the rank's frame and the growing worker -----------------------
     log = events(tmp_path)
     snaps = [e for e in log if e.kind == "memory_snapshot" and e.job_id == job]
@@ -216,9 +235,24 @@ def test_growing_rank_warned_before_its_oom_kill_with_evidence(
     (line,) = [x for x in ps.splitlines() if x.startswith(steady_job)]
     assert "% of 256.0 MiB" in line, ps
     # -- `gpuwatchd events` shows both, linked -------------------------------------------------------
-    out = subprocess.run([sys.executable, "-m", "gpuwatchd", "events", "--state-dir",
-                          str(tmp_path / "state"), "--since", "all", "--json"],
-                         capture_output=True, text=True, cwd=REPO, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpuwatchd",
+            "events",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--since",
+            "all",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+        check=True,
+    ).stdout
     listed = {e["key"]: e for e in json.loads(out)}
     assert listed[snap.key]["kind"] == "memory_snapshot"
     assert listed[kill.key]["fields"]["memory_snapshot"] == snap.key

@@ -60,15 +60,19 @@ def violations(root: Path) -> list[str]:
                     if a.asname == a.name and not face:
                         out.append(f"{module}: re-exports {a.name} from {base}")
         for node in tree.body:
-            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
-                                                    for t in node.targets):
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+            ):
                 names = {e.value for e in getattr(node.value, "elts", ()) if isinstance(e, ast.Constant)}
-                out += [f"{module}: re-exports {n} in __all__" for n in sorted(names & imported)
-                        if not face]
+                out += [f"{module}: re-exports {n} in __all__" for n in sorted(names & imported) if not face]
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                    node.func.attr == "getLogger" and node.args and \
-                    not (isinstance(node.args[0], ast.Name) and node.args[0].id == "__name__"):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "getLogger"
+                and node.args
+                and not (isinstance(node.args[0], ast.Name) and node.args[0].id == "__name__")
+            ):
                 out.append(f"{module}: a logger not named __name__ (line {node.lineno})")
     return out
 
@@ -99,8 +103,7 @@ def _public_face(tree: ast.Module) -> set[str]:
     """``__all__`` of a package ``__init__``: the names it offers on purpose."""
     out: set[str] = set()
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
-                                                for t in node.targets):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
             out |= {e.value for e in getattr(node.value, "elts", ()) if isinstance(e, ast.Constant)}
     return out
 
@@ -129,8 +132,10 @@ def misplaced_imports(root: Path, others: tuple[Path, ...] = ()) -> list[str]:
                 if a.name == "*" or a.name in defined.get(base, ()) or f"{base}.{a.name}" in mods:
                     continue
                 home = sorted(d for d, names in defined.items() if a.name in names)
-                out.append(f"{m}:{node.lineno}: {a.name} from {base}"
-                           + (f" (defined in {', '.join(home)})" if home else " (defined nowhere)"))
+                out.append(
+                    f"{m}:{node.lineno}: {a.name} from {base}"
+                    + (f" (defined in {', '.join(home)})" if home else " (defined nowhere)")
+                )
     return out
 
 
@@ -172,17 +177,21 @@ def test_the_import_home_checker_catches_a_name_taken_from_a_user(tmp_path: Path
     root = tmp_path / "gpuwatchd"
     files = {
         "__init__.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gpuwatchd.b import api\n"
-                       "__all__ = ['api']\n",
+        "__all__ = ['api']\n",
         "model/__init__.py": "",
         "model/stall.py": "class StallVerdict: ...\n",
-        "b.py": ("import os\nfrom gpuwatchd.model.stall import StallVerdict\nX, (Y, *Z) = 1, (2, 3)\n"
-                 "A: int = 1\ndef api(): ...\ntry:\n    T = os.sep\nexcept ImportError:\n    T = ''\n"
-                 "if T:\n    class K: ...\nfor I in (): ...\n"),
+        "b.py": (
+            "import os\nfrom gpuwatchd.model.stall import StallVerdict\nX, (Y, *Z) = 1, (2, 3)\n"
+            "A: int = 1\ndef api(): ...\ntry:\n    T = os.sep\nexcept ImportError:\n    T = ''\n"
+            "if T:\n    class K: ...\nfor I in (): ...\n"
+        ),
         "pkg/__init__.py": "from gpuwatchd.b import X\n",
         "pkg/mod.py": "",
-        "c.py": ("from gpuwatchd.b import X, Y, Z, A, api, T, K, I\nfrom gpuwatchd import api, model\n"
-                 "from gpuwatchd.pkg import mod\nfrom gpuwatchd.b import StallVerdict\n"
-                 "def f():\n    from gpuwatchd.b import os\n    from gpuwatchd.pkg import X\n"),
+        "c.py": (
+            "from gpuwatchd.b import X, Y, Z, A, api, T, K, I\nfrom gpuwatchd import api, model\n"
+            "from gpuwatchd.pkg import mod\nfrom gpuwatchd.b import StallVerdict\n"
+            "def f():\n    from gpuwatchd.b import os\n    from gpuwatchd.pkg import X\n"
+        ),
         "d.py": "from .b import StallVerdict\nfrom .model.stall import StallVerdict as V\n",
     }
     for name, text in files.items():

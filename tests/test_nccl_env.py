@@ -13,10 +13,17 @@ def test_watched_vars_are_the_legacy_names_and_the_error_handling_level() -> Non
 
 
 def test_env_flags_keeps_names_and_only_the_decisive_value() -> None:
-    env = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "NCCL_ASYNC_ERROR_HANDLING": "1",
-           "TORCH_NCCL_ASYNC_ERROR_HANDLING": " 0\n", "SECRET": "hunter2"}
-    assert nccl_env.env_flags(env) == ("NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_TRACE_BUFFER_SIZE",
-                                       "TORCH_NCCL_ASYNC_ERROR_HANDLING=0")
+    env = {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "NCCL_ASYNC_ERROR_HANDLING": "1",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": " 0\n",
+        "SECRET": "hunter2",
+    }
+    assert nccl_env.env_flags(env) == (
+        "NCCL_ASYNC_ERROR_HANDLING",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING=0",
+    )
     assert nccl_env.env_flags({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}) == ()
     assert nccl_env.env_flags({}) == ()
 
@@ -24,8 +31,7 @@ def test_env_flags_keeps_names_and_only_the_decisive_value() -> None:
 def test_flags_from_values_become_both_findings() -> None:
     r = RankState("j", 0, 10, 0, 1, True, None)
     flags = nccl_env.env_flags({"NCCL_BLOCKING_WAIT": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"})
-    found = list(nccl_env.find(FindingContext(now=0.0, config=Config(), ranks=(r,),
-                                              env_flags={10: flags})))
+    found = list(nccl_env.find(FindingContext(now=0.0, config=Config(), ranks=(r,), env_flags={10: flags})))
     assert [f.kind for f in found] == ["nccl_legacy_env", "nccl_error_handling_off"]
     assert "NCCL_BLOCKING_WAIT (use TORCH_NCCL_BLOCKING_WAIT)" in found[0].explanation
     assert found[1].evidence["variables"] == ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]

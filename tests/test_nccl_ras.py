@@ -53,8 +53,16 @@ def _answer(fixture: str, pids: list[int], ops: bool = False) -> str:
 class Job:
     """Two local ranks of one job, each a RAS server on the job's port (SO_REUSEPORT, as NCCL)."""
 
-    def __init__(self, world: Path, name: str, fixture: str | None, procs: list[Any],
-                 mode: str = "normal", ops: bool = False, beat_age: float | None = 600.0) -> None:
+    def __init__(
+        self,
+        world: Path,
+        name: str,
+        fixture: str | None,
+        procs: list[Any],
+        mode: str = "normal",
+        ops: bool = False,
+        beat_age: float | None = 600.0,
+    ) -> None:
         self.name, self.port = name, free_port()
         self.answer = world / f"{name}.json"
         self.answer.write_text("{}")
@@ -81,8 +89,9 @@ class Job:
             hb.write_text("")
             os.utime(hb, (old, old))
             entries.append({"rank": rank, "pid": p.pid, "heartbeat": str(hb)})
-        (ranks / f"{name}.json").write_text(json.dumps(
-            {"version": 1, "job_id": name, "world_size": 4, "ranks": entries}))
+        (ranks / f"{name}.json").write_text(
+            json.dumps({"version": 1, "job_id": name, "world_size": 4, "ranks": entries})
+        )
 
     @property
     def pids(self) -> list[int]:
@@ -98,8 +107,7 @@ def _state(world: Path) -> dict[str, Any]:
 
 
 def _findings(world: Path, kind: str) -> dict[str, str]:
-    return {f["job_id"]: f["explanation"] for f in _state(world).get("findings", [])
-            if f["kind"] == kind}
+    return {f["job_id"]: f["explanation"] for f in _state(world).get("findings", []) if f["kind"] == kind}
 
 
 def _ops(world: Path, job: str) -> dict[int, int]:
@@ -115,23 +123,44 @@ def test_ras_names_the_culprit_and_hostile_ports_change_nothing(
     moving = Job(world, "rasmove", "healthy.json", procs, ops=True)
     text = Job(world, "rastext", "dead_rank_2.27.7.txt", procs, mode="text")  # NCCL 2.24-2.27
     squat = Job(world, "rassquat", None, procs)
-    hostile = {mode: Job(world, f"ras{mode}", "dead_rank.json", procs, mode=mode)
-               for mode in ("slow", "huge", "garbage", "silent")}
+    hostile = {
+        mode: Job(world, f"ras{mode}", "dead_rank.json", procs, mode=mode)
+        for mode in ("slow", "huge", "garbage", "silent")
+    }
     # another user's listener on the squatted job's port, answering a perfect forgery of it
     forged = world / "forged.json"
     forged.write_text(_answer("dead_rank.json", squat.pids))
     forged.chmod(0o644)
-    stranger = subprocess.Popen(["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups",
-                                 "/usr/bin/python3", str(SERVER), str(squat.port), str(forged)],
-                                env={"PATH": "/usr/bin:/bin"}, stdout=subprocess.PIPE)
+    stranger = subprocess.Popen(
+        [
+            "setpriv",
+            f"--reuid={USER}",
+            f"--regid={USER}",
+            "--clear-groups",
+            "/usr/bin/python3",
+            str(SERVER),
+            str(squat.port),
+            str(forged),
+        ],
+        env={"PATH": "/usr/bin:/bin"},
+        stdout=subprocess.PIPE,
+    )
     procs.append(stranger)
     assert stranger.stdout is not None and stranger.stdout.readline().strip() == b"listening"
 
-    path, cfg = write_config(world, rank_dir=str(world / "ranks"), stall={
-        "after_seconds": 1.5, "flight_recorder": False, "nccl_ras_interval_seconds": 1,
-        "nccl_ras_timeout_seconds": 1.0})
+    path, cfg = write_config(
+        world,
+        rank_dir=str(world / "ranks"),
+        stall={
+            "after_seconds": 1.5,
+            "flight_recorder": False,
+            "nccl_ras_interval_seconds": 1,
+            "nccl_ras_timeout_seconds": 1.0,
+        },
+    )
     d = DaemonProc(path, cfg)
     try:
+
         def named() -> bool:
             found = _findings(world, "nccl_rank_missing")
             return all(j.name in found for j in (dead, unresponsive, lagging, failed, text))
@@ -139,34 +168,41 @@ def test_ras_names_the_culprit_and_hostile_ports_change_nothing(
         d.wait_for(named, timeout=60, what="a nccl_rank_missing finding for each RAS state")
         found = _findings(world, "nccl_rank_missing")
         p = dead.pids
-        assert (f"rank 3 on {REMOTE} (pid 4104) is dead per NCCL RAS; the 3 others wait in "
-                "AllReduce #10234") in found[dead.name]
-        assert (f"rank 2 on {REMOTE} (pid 4103) is unresponsive per NCCL RAS; the 3 others wait "
-                "in AllReduce #10234") in found[unresponsive.name]
-        assert f"rank 2 on {REMOTE} (pid 4103) is behind (10238 collectives issued) per NCCL RAS" \
-            in found[lagging.name]
-        assert f"rank 3 on {REMOTE} (pid 4104) has an asynchronous NCCL error: remote process " \
-               "error" in found[failed.name]
+        assert (f"rank 3 on {REMOTE} (pid 4104) is dead per NCCL RAS; the 3 others wait in AllReduce #10234") in found[
+            dead.name
+        ]
+        assert (
+            f"rank 2 on {REMOTE} (pid 4103) is unresponsive per NCCL RAS; the 3 others wait in AllReduce #10234"
+        ) in found[unresponsive.name]
+        assert f"rank 2 on {REMOTE} (pid 4103) is behind (10238 collectives issued) per NCCL RAS" in found[lagging.name]
+        assert (
+            f"rank 3 on {REMOTE} (pid 4104) has an asynchronous NCCL error: remote process error" in found[failed.name]
+        )
         assert f"rank 3 on {REMOTE} (pid 4104) is dead per NCCL RAS" in found[text.name]
         # every node's stall finding carries the culprit
         stalled = _findings(world, "rank_stalled")
         assert "is dead per NCCL RAS" in stalled[dead.name]
         assert d.value("gpuwatch_nccl_ras_missing_ranks", job_id=dead.name, reason="dead") == 1.0
-        assert d.value("gpuwatch_nccl_ras_missing_ranks", job_id=unresponsive.name,
-                       reason="unresponsive") == 1.0
+        assert d.value("gpuwatch_nccl_ras_missing_ranks", job_id=unresponsive.name, reason="unresponsive") == 1.0
         assert d.value("gpuwatch_nccl_ras_async_error_ranks", job_id=failed.name) == 1.0
         # joined by (host, PID): the local ranks' counts, under gpuwatchd's rank numbers
         assert _ops(world, dead.name) == {0: 10239, 1: 10239}
         assert {r["pid"] for r in _state(world)["nccl_ras"] if r["job_id"] == dead.name} == set(p)
 
         # counts that move: the rank is at work, not stalled, and ps --json shows them move
-        d.wait_for(lambda: moving.name not in _findings(world, "rank_stalled")
-                   and len(_ops(world, moving.name)) == 2
-                   and d.value("gpuwatch_rank_stalled", job_id=moving.name, rank="0") == 0.0,
-                   timeout=20, what="not stalled (finding and gauge) while its RAS counts move")
+        d.wait_for(
+            lambda: (
+                moving.name not in _findings(world, "rank_stalled")
+                and len(_ops(world, moving.name)) == 2
+                and d.value("gpuwatch_rank_stalled", job_id=moving.name, rank="0") == 0.0
+            ),
+            timeout=20,
+            what="not stalled (finding and gauge) while its RAS counts move",
+        )
         first = _ops(world, moving.name)[0]
-        d.wait_for(lambda: _ops(world, moving.name).get(0, 0) > first, timeout=10,
-                   what="op counts that move in state.json")
+        d.wait_for(
+            lambda: _ops(world, moving.name).get(0, 0) > first, timeout=10, what="op counts that move in state.json"
+        )
         assert moving.name not in _findings(world, "nccl_rank_missing")
         assert d.value("gpuwatch_rank_stalled", job_id=dead.name, rank="0") == 1.0
 
@@ -184,8 +220,9 @@ def test_ras_names_the_culprit_and_hostile_ports_change_nothing(
             time.sleep(0.5)
         assert squat.name in _findings(world, "rank_stalled")  # the stall itself still pages
         assert all(f"ras{m}" in _findings(world, "rank_stalled") for m in hostile)
-        assert not any(r["job_id"] in (squat.name, *(f"ras{m}" for m in hostile))
-                       for r in _state(world).get("nccl_ras", []))
+        assert not any(
+            r["job_id"] in (squat.name, *(f"ras{m}" for m in hostile)) for r in _state(world).get("nccl_ras", [])
+        )
         log = d.log()
         assert "Traceback" not in log
         assert stranger.poll() is None
@@ -200,16 +237,25 @@ def test_a_rank_that_stopped_beating_and_trains_is_asked(
     all the same once its heartbeat is late, so its counts are in ps --json. Before, only a
     stalled or suspect rank's job was asked: this one never was."""
     working = Job(world, "raswork", "healthy.json", procs, mode="work", ops=True, beat_age=0.0)
-    path, cfg = write_config(world, rank_dir=str(world / "ranks"), stall={
-        "after_seconds": 8.0, "flight_recorder": False, "nccl_ras_interval_seconds": 1,
-        "nccl_ras_timeout_seconds": 1.0})
+    path, cfg = write_config(
+        world,
+        rank_dir=str(world / "ranks"),
+        stall={
+            "after_seconds": 8.0,
+            "flight_recorder": False,
+            "nccl_ras_interval_seconds": 1,
+            "nccl_ras_timeout_seconds": 1.0,
+        },
+    )
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: len(_ops(world, working.name)) == 2, timeout=20,
-                   what="RAS counts of the job that works without a heartbeat")
+        d.wait_for(
+            lambda: len(_ops(world, working.name)) == 2,
+            timeout=20,
+            what="RAS counts of the job that works without a heartbeat",
+        )
         first = _ops(world, working.name)[0]
-        d.wait_for(lambda: _ops(world, working.name).get(0, 0) > first, timeout=10,
-                   what="its counts moving")
+        d.wait_for(lambda: _ops(world, working.name).get(0, 0) > first, timeout=10, what="its counts moving")
         assert d.value("gpuwatch_rank_stalled", job_id=working.name, rank="0") == 0.0
         assert "NCCL RAS of job raswork (rank 0 heartbeat late (" in d.log(), d.log()
         assert "(rank 0 stalled)" not in d.log(), d.log()
@@ -238,14 +284,23 @@ def test_a_hang_that_ras_confirms_is_paged_at_the_conclusive_bound(
     (world / "distributed_c10d.py").write_text(C10D)
     dead = Job(world, "rasconcl", "dead_rank.json", procs, mode="collective", beat_age=None)
     quiet = Job(world, "rasquiet", "healthy.json", procs, mode="collective", beat_age=None)
-    path, cfg = write_config(world, rank_dir=str(world / "ranks"), stall={
-        "after_seconds": 300.0, "conclusive_seconds": 3.0, "flight_recorder": False,
-        "nccl_ras_interval_seconds": 1, "nccl_ras_timeout_seconds": 1.0})
+    path, cfg = write_config(
+        world,
+        rank_dir=str(world / "ranks"),
+        stall={
+            "after_seconds": 300.0,
+            "conclusive_seconds": 3.0,
+            "flight_recorder": False,
+            "nccl_ras_interval_seconds": 1,
+            "nccl_ras_timeout_seconds": 1.0,
+        },
+    )
     d = DaemonProc(path, cfg)
     t0 = time.monotonic()
     try:
-        d.wait_for(lambda: dead.name in _findings(world, "rank_stalled"), timeout=60,
-                   what="the RAS-confirmed hang paged")
+        d.wait_for(
+            lambda: dead.name in _findings(world, "rank_stalled"), timeout=60, what="the RAS-confirmed hang paged"
+        )
         print(f"paged {time.monotonic() - t0:.1f} s after the daemon's start (bound 3 s)")
         text = _findings(world, "rank_stalled")[dead.name]
         assert "conclusive: it waits in a collective, still for" in text, text
@@ -257,7 +312,8 @@ def test_a_hang_that_ras_confirms_is_paged_at_the_conclusive_bound(
             assert d.value("gpuwatch_rank_stalled", job_id=quiet.name, rank="0") != 1.0
             time.sleep(0.5)
         assert (_state(world).get("nccl_ras") or []) and quiet.name in {
-            r["job_id"] for r in _state(world)["nccl_ras"]}  # asked all along
+            r["job_id"] for r in _state(world)["nccl_ras"]
+        }  # asked all along
     finally:
         assert d.stop() == 0, d.log()
 
@@ -265,26 +321,50 @@ def test_a_hang_that_ras_confirms_is_paged_at_the_conclusive_bound(
 GONE = (RasRank(3, REMOTE, 4104, missing="dead"),)
 
 
-@pytest.mark.parametrize(("change", "paged"), [
-    ({}, True),
-    ({"progressing": True}, False),  # counts move: the job works
-    ({"progressing": None}, False),  # the first answer, or text (no counts)
-    ({"stopped_seconds": 39.0}, False),
-    ({"missing_seconds": 39.0}, False),  # missing only lately (a leg that timed out once)
-    ({"missing": ()}, False),  # counts stopped, everyone present: a peer busy elsewhere
-    ({"size": 1}, False),  # NCCL counts nothing of a one-rank communicator
-    ({"error": "timed out"}, False),
-    ({"still": 39.0}, False),
-    ({"kinds": ("lock_wait",)}, False),  # not in a collective
-    ({"waits_for": "rank 1 waits in barrier for rank 0, which works"}, False),
-])
+@pytest.mark.parametrize(
+    ("change", "paged"),
+    [
+        ({}, True),
+        ({"progressing": True}, False),  # counts move: the job works
+        ({"progressing": None}, False),  # the first answer, or text (no counts)
+        ({"stopped_seconds": 39.0}, False),
+        ({"missing_seconds": 39.0}, False),  # missing only lately (a leg that timed out once)
+        ({"missing": ()}, False),  # counts stopped, everyone present: a peer busy elsewhere
+        ({"size": 1}, False),  # NCCL counts nothing of a one-rank communicator
+        ({"error": "timed out"}, False),
+        ({"still": 39.0}, False),
+        ({"kinds": ("lock_wait",)}, False),  # not in a collective
+        ({"waits_for": "rank 1 waits in barrier for rank 0, which works"}, False),
+    ],
+)
 def test_ras_confirms_a_hang_only_with_the_local_view(change: dict[str, Any], paged: bool) -> None:
     job = {k: v for k, v in change.items() if k not in ("still", "kinds", "waits_for")}
-    ras = RasJob(**{"job_id": "j", "asked_at": 100.0, "size": 4, "missing": GONE, "progressing": False,
-                    "stopped_seconds": 41.0, "missing_seconds": 40.0, **job})  # type: ignore[arg-type]
+    ras = RasJob(
+        **{
+            "job_id": "j",
+            "asked_at": 100.0,
+            "size": 4,
+            "missing": GONE,
+            "progressing": False,
+            "stopped_seconds": 41.0,
+            "missing_seconds": 40.0,
+            **job,
+        }
+    )  # type: ignore[arg-type]
     analysis = HangAnalysis((), (), tuple(Pattern(k, "") for k in change.get("kinds", ("collective",))))
-    v = StallVerdict("j", 0, 4101, True, 50.0, False, "stack", 50.0, analysis=analysis,
-                     still_seconds=change.get("still", 45.0), waits_for=change.get("waits_for", ""))
+    v = StallVerdict(
+        "j",
+        0,
+        4101,
+        True,
+        50.0,
+        False,
+        "stack",
+        50.0,
+        analysis=analysis,
+        still_seconds=change.get("still", 45.0),
+        waits_for=change.get("waits_for", ""),
+    )
     out = confirm_by_ras({v.key: v, **{}}, {"j": ras}, 40.0)
     assert (v.key in out) is paged
     if paged:
@@ -333,13 +413,16 @@ def test_nccl_ras_addr_as_nccl_reads_it() -> None:
             ras_address(bad)
 
 
-@pytest.mark.parametrize(("fixture", "missing", "failed"), [
-    ("healthy_2.27.7.txt", [], []),
-    ("dead_rank_2.27.7.txt", [(3, REMOTE, 4104, "dead")], []),
-    ("async_error_2.26.6.txt", [], [(3, REMOTE, 4104, 6)]),
-    # 2.24-2.25 name the missing rank by number only, and the process that did not answer
-    ("unresponsive_rank_2.24.3.txt", [(-1, REMOTE, 4103, "unresponsive"), (2, "", -1, "unresponsive")], []),
-])
+@pytest.mark.parametrize(
+    ("fixture", "missing", "failed"),
+    [
+        ("healthy_2.27.7.txt", [], []),
+        ("dead_rank_2.27.7.txt", [(3, REMOTE, 4104, "dead")], []),
+        ("async_error_2.26.6.txt", [], [(3, REMOTE, 4104, 6)]),
+        # 2.24-2.25 name the missing rank by number only, and the process that did not answer
+        ("unresponsive_rank_2.24.3.txt", [(-1, REMOTE, 4103, "unresponsive"), (2, "", -1, "unresponsive")], []),
+    ],
+)
 def test_text_answers_of_nccl_2_24_to_2_27(fixture: str, missing: list[tuple[Any, ...]],
                                            failed: list[tuple[Any, ...]]) -> None:  # fmt: skip
     answer = parse_status((FIXTURES / fixture).read_text())
@@ -349,21 +432,29 @@ def test_text_answers_of_nccl_2_24_to_2_27(fixture: str, missing: list[tuple[Any
     job = RasTracker().observe("j", 100.0, answer, {4101: (0, 111)}, frozenset({LOCAL_HOST}))
     assert not job.error and job.progressing is None and not job.local and not job.behind
     if missing:
-        assert job.statement.startswith(("rank 3 on 10.1.0.5 (pid 4104) is dead per NCCL RAS",
-                                         "process 4103 on 10.1.0.5 is unresponsive; rank 2 is "
-                                         "unresponsive per NCCL RAS")), job.statement
+        assert job.statement.startswith(
+            (
+                "rank 3 on 10.1.0.5 (pid 4104) is dead per NCCL RAS",
+                "process 4103 on 10.1.0.5 is unresponsive; rank 2 is unresponsive per NCCL RAS",
+            )
+        ), job.statement
     elif failed:
-        assert job.statement == "rank 3 on 10.1.0.5 (pid 4104) has an asynchronous NCCL error: " \
-            "remote process error", job.statement
+        assert job.statement == "rank 3 on 10.1.0.5 (pid 4104) has an asynchronous NCCL error: remote process error", (
+            job.statement
+        )
     else:
         assert job.statement == ""
 
 
 def test_the_parser_refuses_other_shapes() -> None:
-    for doc in ("", "Job summary\n", {}, {"communicators": {}},
-                {"communicators": [{"size": 1, "ranks": [{"rank": "x"}]}]},
-                {"communicators": [{"size": 1, "ranks": [{"rank": 0, "host": "\x1b[2J", "pid": 1,
-                                                          "collective_counts": {}}]}]}):
+    for doc in (
+        "",
+        "Job summary\n",
+        {},
+        {"communicators": {}},
+        {"communicators": [{"size": 1, "ranks": [{"rank": "x"}]}]},
+        {"communicators": [{"size": 1, "ranks": [{"rank": 0, "host": "\x1b[2J", "pid": 1, "collective_counts": {}}]}]},
+    ):
         with pytest.raises(ValueError):
             parse_status(doc)
 
@@ -400,8 +491,7 @@ def test_the_listeners_on_a_port_by_sock_diag_as_in_proc_net_tcp() -> None:
 
     socks = []
     try:
-        for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET, "127.0.0.1"),
-                             (socket.AF_INET6, "::1")):
+        for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET, "127.0.0.1"), (socket.AF_INET6, "::1")):
             s = socket.socket(family)
             socks.append(s)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -410,8 +500,9 @@ def test_the_listeners_on_a_port_by_sock_diag_as_in_proc_net_tcp() -> None:
         port = socks[0].getsockname()[1]
         by_diag = diag_listeners(port)
         assert by_diag is not None and len(by_diag) == 3
-        assert sorted(by_diag, key=lambda li: li.inode) == \
-            sorted(listeners("/proc/self/net", port), key=lambda li: li.inode)
+        assert sorted(by_diag, key=lambda li: li.inode) == sorted(
+            listeners("/proc/self/net", port), key=lambda li: li.inode
+        )
         assert {li.address for li in by_diag} == {"127.0.0.1", "::1"}
         assert diag_listeners(free_port()) == []
         paths = HostPaths()

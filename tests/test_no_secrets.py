@@ -47,7 +47,9 @@ def _start_rank(rank: int, extra_env: dict[str, str]) -> subprocess.Popen[str]:
     }
     p = subprocess.Popen(
         [sys.executable, "-c", RANK_CODE, "--api-key", SECRET, f"--password={SECRET}"],
-        env=env, stdout=subprocess.PIPE, text=True,
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert p.stdout is not None
     WORKERS.append(int(p.stdout.readline()))
@@ -69,40 +71,61 @@ def ranks() -> Iterator[list[subprocess.Popen[str]]]:
 
 
 def _cli(cfg: Path, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "gpuwatchd", *args, "--config.file", str(cfg)],
-                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", *args, "--config.file", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     return out.stdout + out.stderr
 
 
-def test_no_output_contains_argv_or_environment_values(
-        tmp_path: Path, ranks: list[subprocess.Popen[str]]) -> None:
-    discovered = _start_rank(0, {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
-                                 "TORCHELASTIC_RUN_ID": "nosecrets"})
+def test_no_output_contains_argv_or_environment_values(tmp_path: Path, ranks: list[subprocess.Popen[str]]) -> None:
+    discovered = _start_rank(0, {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "nosecrets"})
     registered = _start_rank(1, {})
     ranks += [discovered, registered]
 
-    path, cfg = write_config(tmp_path, discovery={"enabled": True, "interval_seconds": 0.5},
-                             log_level="debug")
+    path, cfg = write_config(tmp_path, discovery={"enabled": True, "interval_seconds": 0.5}, log_level="debug")
     reg = subprocess.run(
-        [sys.executable, "-m", "gpuwatchd", "register", "--config.file", str(path),
-         "--job-id", "nosecrets", "--rank", "1", "--pid", str(registered.pid),
-         "--world-size", "2"], capture_output=True, text=True, timeout=60, cwd=REPO)
+        [
+            sys.executable,
+            "-m",
+            "gpuwatchd",
+            "register",
+            "--config.file",
+            str(path),
+            "--job-id",
+            "nosecrets",
+            "--rank",
+            "1",
+            "--pid",
+            str(registered.pid),
+            "--world-size",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert reg.returncode == 0, reg.stderr
 
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id="nosecrets", rank="0") == 1.0
-                   and d.value("gpuwatch_rank_up", job_id="nosecrets", rank="1") == 1.0,
-                   what="both ranks up")
-        d.wait_for(lambda: d.value("gpuwatch_finding", kind="nccl_legacy_env") == 1.0,
-                   what="the NCCL finding")
+        d.wait_for(
+            lambda: (
+                d.value("gpuwatch_rank_up", job_id="nosecrets", rank="0") == 1.0
+                and d.value("gpuwatch_rank_up", job_id="nosecrets", rank="1") == 1.0
+            ),
+            what="both ranks up",
+        )
+        d.wait_for(lambda: d.value("gpuwatch_finding", kind="nccl_legacy_env") == 1.0, what="the NCCL finding")
         metrics_alive = d.text()
         registered.kill()
         registered.wait(10)
-        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id="nosecrets", rank="1") == 0.0,
-                   what="rank 1 down")
-        d.wait_for(lambda: (Path(cfg["state_dir"]) / "events.jsonl").exists(),
-                   what="an event")
+        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id="nosecrets", rank="1") == 0.0, what="rank 1 down")
+        d.wait_for(lambda: (Path(cfg["state_dir"]) / "events.jsonl").exists(), what="an event")
         metrics_dead = d.text()
         outputs = {
             "/metrics (alive)": metrics_alive,
@@ -123,8 +146,7 @@ def test_no_output_contains_argv_or_environment_values(
     # The outputs really describe these ranks (so an empty output cannot pass)...
     assert 'job_id="nosecrets"' in metrics_alive
     assert "nosecrets" in outputs["ps --json"] and str(discovered.pid) in outputs["ps --json"]
-    assert "NCCL_ASYNC_ERROR_HANDLING" in outputs["ps --json"] + metrics_alive + \
-        outputs["state_dir/state.json"]
+    assert "NCCL_ASYNC_ERROR_HANDLING" in outputs["ps --json"] + metrics_alive + outputs["state_dir/state.json"]
     assert 'kind="rank_down"' in metrics_dead and "rank_down" in outputs["state_dir/state.json"]
     assert outputs["state_dir/events.jsonl"].strip() and outputs["events --json"].strip()
     assert str(discovered.pid) in outputs["doctor --json"]

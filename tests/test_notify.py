@@ -52,7 +52,8 @@ def test_daemon_speaks_the_notify_protocol(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("systemd_python", [False, True])
 def test_abstract_namespace_with_and_without_systemd_python(
-        monkeypatch: pytest.MonkeyPatch, systemd_python: bool) -> None:
+    monkeypatch: pytest.MonkeyPatch, systemd_python: bool
+) -> None:
     if not systemd_python:  # not installed: the datagram is written by hand
         monkeypatch.setitem(sys.modules, "systemd", None)
     name = f"gpuwatchd-test-{os.getpid()}-{systemd_python}"

@@ -60,8 +60,13 @@ def test_sighup_sends_reloading_with_monotonic_usec_then_ready(tmp_path: Path) -
 
 
 def _check(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gpuwatchd", "config", "check", str(path)],
-                          capture_output=True, text=True, timeout=30, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "config", "check", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=REPO,
+    )
 
 
 def test_config_check_refuses_what_a_reload_refuses(tmp_path: Path) -> None:

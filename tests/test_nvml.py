@@ -148,6 +148,7 @@ def test_select_devices_by_index_uuid_and_prefix() -> None:
 
 # --- Xid ----------------------------------------------------------------------------------------
 
+
 def test_normalize_pci_bus_id_variants() -> None:
     assert normalize_pci_bus_id("00000000:3B:00.0") == "0000:3b:00"
     assert normalize_pci_bus_id("PCI:0000:3b:00") == "0000:3b:00"
@@ -196,6 +197,7 @@ def test_xid_watcher_thread_runs_and_stops() -> None:
 
 # --- udev ---------------------------------------------------------------------------------------
 
+
 def test_recorded_h200_uevent_is_a_gpu_and_remove_is_lost() -> None:
     props = parse_uevent_file((FIX / "h200_pci_uevent.txt").read_text())
     ev = classify("remove", props, 5.0)
@@ -238,7 +240,8 @@ def test_udev_watcher_receives_a_real_kernel_uevent() -> None:
     if not props.get("PCI_CLASS", "").startswith("3"):
         # classify() only accepts display class devices; test the path with this host's device
         w.handle = lambda action, p: UdevWatcher.handle(  # type: ignore[method-assign]
-            w, action, {**p, "PCI_CLASS": "30200"})
+            w, action, {**p, "PCI_CLASS": "30200"}
+        )
     w.start()
     try:
         Path("/sys/bus/pci/devices", name, "uevent").write_text("add")
@@ -250,8 +253,7 @@ def test_udev_watcher_receives_a_real_kernel_uevent() -> None:
     assert seen and seen[0].action == "add" and seen[0].slot == name
 
 
-def test_graphics_processes_are_listed_again_on_a_cadence_or_when_memory_moves(
-        tmp_path: Path) -> None:
+def test_graphics_processes_are_listed_again_on_a_cadence_or_when_memory_moves(tmp_path: Path) -> None:
     """The graphics-process list (0.9 ms of CPU per GPU per poll on the H200, usually empty on a
     training node) is taken again every graphics_relist_seconds or when the GPU's used memory
     moves by more than GRAPHICS_MEMORY_STEP; in between, the last list less the processes that

@@ -40,11 +40,13 @@ class FakeDriver:
 
 def lib(driver: FakeDriver | None) -> Any:
     """pynvml as the daemon sees it, its function pointer lookup answered by ``driver``."""
+
     def pointer(name: str) -> Any:
         assert name == "nvmlDeviceGetComputeRunningProcesses_v3"
         if driver is None:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
         return driver
+
     ns = {k: getattr(pynvml, k) for k in dir(pynvml) if not k.startswith("__")}
     ns["_nvmlGetFunctionPointer"] = pointer
     ns["nvmlDeviceGetComputeRunningProcesses"] = lambda h: [types.SimpleNamespace(pid=1, usedGpuMemory=2)]

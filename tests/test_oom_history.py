@@ -57,21 +57,26 @@ def killed_before_start() -> Iterable[int]:
         cg.remove()
 
 
-def start_daemon(tmp_path: Path, kernel_log: str, journal: Path | None = None
-                 ) -> tuple[Daemon, KernelLogSubsystem, Clock]:
+def start_daemon(
+    tmp_path: Path, kernel_log: str, journal: Path | None = None
+) -> tuple[Daemon, KernelLogSubsystem, Clock]:
     cfg_file = tmp_path / "config.yaml"
-    cfg_file.write_text(f"rank_dir: {tmp_path / 'ranks'}\nstate_dir: {tmp_path / 'state'}\n"
-                        f"kernel_log: {kernel_log}\ngil:\n  enabled: false\n"
-                        "discovery:\n  enabled: false\nnvml:\n  enabled: false\n")
+    cfg_file.write_text(
+        f"rank_dir: {tmp_path / 'ranks'}\nstate_dir: {tmp_path / 'state'}\n"
+        f"kernel_log: {kernel_log}\ngil:\n  enabled: false\n"
+        "discovery:\n  enabled: false\nnvml:\n  enabled: false\n"
+    )
     (tmp_path / "ranks").mkdir(exist_ok=True)
     (tmp_path / "state").mkdir(exist_ok=True)
     cfg = load_config(str(cfg_file))
     clock = Clock()
-    d = Daemon(cfg, clock=clock, write_state=False,
-               services=Services.build(cfg, clock=clock, write_state=False,
-                                       bus=EventBus([JsonlSink(cfg.state_dir)])),
-               parts=lambda c, s: Parts(kernel_log=KernelLogSubsystem(
-                   c, s, journal_path=str(journal) if journal else None)))
+    d = Daemon(
+        cfg,
+        clock=clock,
+        write_state=False,
+        services=Services.build(cfg, clock=clock, write_state=False, bus=EventBus([JsonlSink(cfg.state_dir)])),
+        parts=lambda c, s: Parts(kernel_log=KernelLogSubsystem(c, s, journal_path=str(journal) if journal else None)),
+    )
     sub = d.parts.kernel_log
     assert isinstance(sub, KernelLogSubsystem)
     sub.start(d)
@@ -118,8 +123,9 @@ def test_first_start_kmsg_replay_is_history_not_kills(tmp_path: Path, killed_bef
     evs = events(tmp_path)
     # the kill before the start is not counted as a kill (it was counted, unattributed, before)
     assert [e for e in evs if e.kind == "oom_kill" and e.pid == pid] == []
-    assert d.counters.snapshot()["oom_kills"].get(("", "", COMM, "kernel"), 0.0) <= \
-        sum(1 for e in evs if e.kind == "oom_kill" and e.comm == COMM)
+    assert d.counters.snapshot()["oom_kills"].get(("", "", COMM, "kernel"), 0.0) <= sum(
+        1 for e in evs if e.kind == "oom_kill" and e.comm == COMM
+    )
     # ... nor invented as an unexplained one: only kills after the start may ever be
     assert unexplained_kills(tmp_path) <= (after or 0) - before
     (h,) = [e for e in evs if e.kind == "oom_kill_history"]
@@ -133,8 +139,7 @@ def test_first_start_kmsg_replay_is_history_not_kills(tmp_path: Path, killed_bef
     assert base["boot_id"] == BOOT and base["vmstat_oom_kill"] == before
 
 
-def test_first_start_with_a_log_that_lost_the_kills_invents_none(
-        tmp_path: Path, killed_before_start: int) -> None:
+def test_first_start_with_a_log_that_lost_the_kills_invents_none(tmp_path: Path, killed_before_start: int) -> None:
     """The issue's case: vmstat counts kills that the log no longer holds (a journal vacuumed or
     started later, a ring that wrapped). Old code: 'the kernel counted N OOM kill(s) that no kernel
     log line explains (log overrun or source down)' and the unattributed counter jumped by N."""
@@ -178,15 +183,27 @@ def test_a_kill_after_the_first_start_still_counts(tmp_path: Path, killed_before
     finally:
         sub.stop()
         cg.remove()
-    assert [e.pid for e in events(tmp_path) if e.kind == "oom_kill" and e.pid in
-            (child.pid, killed_before_start)] == [child.pid]
+    assert [e.pid for e in events(tmp_path) if e.kind == "oom_kill" and e.pid in (child.pid, killed_before_start)] == [
+        child.pid
+    ]
 
 
-@pytest.mark.parametrize("text", [
-    "", "{", "[]", "null", '{"boot_id": 5}', '{"boot_id": "B", "vmstat_oom_kill": -1, "time": 1}',
-    '{"boot_id": "B", "vmstat_oom_kill": true, "time": 1}', '{"boot_id": "B", "time": "x"}',
-    '{"boot_id": "B", "vmstat_oom_kill": 3, "time": 1e300}', "x" * 10000, "\xff\xfe",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "{",
+        "[]",
+        "null",
+        '{"boot_id": 5}',
+        '{"boot_id": "B", "vmstat_oom_kill": -1, "time": 1}',
+        '{"boot_id": "B", "vmstat_oom_kill": true, "time": 1}',
+        '{"boot_id": "B", "time": "x"}',
+        '{"boot_id": "B", "vmstat_oom_kill": 3, "time": 1e300}',
+        "x" * 10000,
+        "\xff\xfe",
+    ],
+)
 def test_damaged_baseline_is_reported_not_trusted(tmp_path: Path, text: str) -> None:
     path = tmp_path / BASELINE_FILE
     path.write_text(text, errors="surrogateescape")
@@ -212,13 +229,16 @@ def test_history_summary_names_each_kind_of_kill() -> None:
     for i in range(20):
         h.add(HistoryKill(5000 + i, "stress", "earlyoom", 300.0 + i, None, ""))
     text = h.summary(Baseline("B", 79, 1000.0), "journal", lambda t: f"T{t:.0f}")
-    assert text.startswith("first start of gpuwatchd in this boot (at T1000): the kernel had counted "
-                           "79 OOM kill(s) since boot; kills before now are history, not counted; the "
-                           "kernel log (journal) still held 22 kill(s) (78 older kernel kill(s) had left it)")
+    assert text.startswith(
+        "first start of gpuwatchd in this boot (at T1000): the kernel had counted "
+        "79 OOM kill(s) since boot; kills before now are history, not counted; the "
+        "kernel log (journal) still held 22 kill(s) (78 older kernel kill(s) had left it)"
+    )
     assert "pid 5019 (stress) by earlyoom at T319" in text and text.endswith(", and 12 more")
     assert "pid 4242" not in text  # only the newest SHOWN_KILLS are named
     h2 = History()
     h2.add(HistoryKill(0, "", "systemd-oomd", 200.0, None, "/user.slice/app.scope"))
     assert "cgroup /user.slice/app.scope by systemd-oomd at T200" in h2.summary(
-        Baseline("B", None, 1.0), "journal", lambda t: f"T{t:.0f}")
+        Baseline("B", None, 1.0), "journal", lambda t: f"T{t:.0f}"
+    )
     assert "this kernel does not count OOM kills" in h2.summary(Baseline("B", None, 1.0), "", str)

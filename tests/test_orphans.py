@@ -34,8 +34,7 @@ def _sleep() -> subprocess.Popen[bytes]:
 def _orphan_of_killed_wrapper() -> tuple[int, subprocess.Popen[bytes]]:
     """sh (the wrapper) starts a nohup'ed child and waits; returns (child pid, wrapper)."""
     wrapper = subprocess.Popen(
-        ["sh", "-c", f"nohup {sys.executable} -c 'import time; time.sleep(120)' >/dev/null 2>&1 &"
-                     " echo $!; wait"],
+        ["sh", "-c", f"nohup {sys.executable} -c 'import time; time.sleep(120)' >/dev/null 2>&1 & echo $!; wait"],
         stdout=subprocess.PIPE,
     )
     assert wrapper.stdout is not None
@@ -74,8 +73,7 @@ def test_seed_scenario_reparented_holder_after_grace(procs: list) -> None:
     procs.append(rank)
     child, wrapper = _orphan_of_killed_wrapper()
     procs.append(wrapper)
-    source = fixture_source(str(H200), pid_map={447: rank.pid, 453: child, 449: rank.pid,
-                                                450: rank.pid})
+    source = fixture_source(str(H200), pid_map={447: rank.pid, 453: child, 449: rank.pid, 450: rank.pid})
     entries = [RankEntry(job_id="dflash", rank=0, pid=rank.pid)]
     tracker = OrphanTracker(grace_seconds=60)
     t0 = 1000.0
@@ -94,13 +92,22 @@ def test_seed_scenario_reparented_holder_after_grace(procs: list) -> None:
         o = found[0]
         assert o.comm == processes[child].comm and o.user == "root"
         assert o.first_seen == t0
-        ctx = FindingContext(now=t0 + 61 + 0.0, config=Config(),
-                             processes=processes, parts=Tracked(gpu=GpuOutput(orphans=found)))
+        ctx = FindingContext(
+            now=t0 + 61 + 0.0, config=Config(), processes=processes, parts=Tracked(gpu=GpuOutput(orphans=found))
+        )
         (finding,) = list(orphan_rule.find(ctx))
         text = finding.explanation
         assert finding.kind == "orphan_gpu_memory" and finding.pid == str(child)
-        for part in (f"PID {child}", "user root", o.comm, "5.6 GiB", "GPU 0", "running",
-                     "adopted by init", "stale for 61 s"):
+        for part in (
+            f"PID {child}",
+            "user root",
+            o.comm,
+            "5.6 GiB",
+            "GPU 0",
+            "running",
+            "adopted by init",
+            "stale for 61 s",
+        ):
             assert part in text, (part, text)
     finally:
         os.kill(child, signal.SIGKILL)
@@ -109,8 +116,7 @@ def test_seed_scenario_reparented_holder_after_grace(procs: list) -> None:
 def test_job_ended_when_rank_file_removed_but_process_lives(procs: list) -> None:
     rank = _sleep()
     procs.append(rank)
-    source = fixture_source(str(H200), pid_map={447: rank.pid, 453: _dead_pid(), 449: rank.pid,
-                                                450: rank.pid})
+    source = fixture_source(str(H200), pid_map={447: rank.pid, 453: _dead_pid(), 449: rank.pid, 450: rank.pid})
     tracker = OrphanTracker(grace_seconds=0)
     entries = [RankEntry(job_id="llm-7", rank=0, pid=rank.pid)]
     found, _, _ = _cycle(source, entries, tracker, 10.0)
@@ -124,10 +130,8 @@ def test_job_ended_when_rank_file_removed_but_process_lives(procs: list) -> None
 def test_unregistered_only_when_some_rank_is_registered(procs: list) -> None:
     rank, stranger = _sleep(), _sleep()
     procs += [rank, stranger]
-    source = fixture_source(str(H200), pid_map={447: rank.pid, 453: stranger.pid,
-                                                449: rank.pid, 450: rank.pid})
-    found, _, _ = _cycle(source, [RankEntry(job_id="j", rank=0, pid=rank.pid)],
-                         OrphanTracker(0), 1.0)
+    source = fixture_source(str(H200), pid_map={447: rank.pid, 453: stranger.pid, 449: rank.pid, 450: rank.pid})
+    found, _, _ = _cycle(source, [RankEntry(job_id="j", rank=0, pid=rank.pid)], OrphanTracker(0), 1.0)
     assert [(o.pid, o.reason) for o in found] == [(stranger.pid, UNREGISTERED)]
     # no job registered at all: the daemon cannot tell, and says nothing
     found, _, _ = _cycle(source, [], OrphanTracker(0), 1.0)
@@ -153,19 +157,20 @@ def test_zombie_and_missing_pid_are_defunct(procs: list) -> None:
 def test_rank_descendants_are_not_orphans(procs: list) -> None:
     # a rank whose child (e.g. a compile worker) holds GPU memory is fine
     rank = subprocess.Popen(
-        [sys.executable, "-c",
-         "import subprocess,sys,time; c=subprocess.Popen([sys.executable,'-c',"
-         "'import time; time.sleep(120)']); print(c.pid, flush=True); time.sleep(120)"],
+        [
+            sys.executable,
+            "-c",
+            "import subprocess,sys,time; c=subprocess.Popen([sys.executable,'-c',"
+            "'import time; time.sleep(120)']); print(c.pid, flush=True); time.sleep(120)",
+        ],
         stdout=subprocess.PIPE,
     )
     procs.append(rank)
     assert rank.stdout is not None
     child = int(rank.stdout.readline())
     try:
-        source = fixture_source(str(H200), pid_map={447: rank.pid, 453: child, 449: child,
-                                                    450: child})
-        found, _, _ = _cycle(source, [RankEntry(job_id="j", rank=0, pid=rank.pid)],
-                             OrphanTracker(0), 1.0)
+        source = fixture_source(str(H200), pid_map={447: rank.pid, 453: child, 449: child, 450: child})
+        found, _, _ = _cycle(source, [RankEntry(job_id="j", rank=0, pid=rank.pid)], OrphanTracker(0), 1.0)
         assert found == ()
     finally:
         os.kill(child, signal.SIGKILL)

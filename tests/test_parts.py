@@ -49,8 +49,12 @@ def test_the_rules_read_the_parts_outputs_as_they_are() -> None:
 def test_a_part_that_is_off_holds_its_slot_and_reports_no_collector(tmp_path: Path) -> None:
     """Every slot of ``Parts`` holds a part: one whose config section is off is ``Off``, which the
     track stage calls like the others and which exports no collector, as no part at all did."""
-    path, _ = write_config(tmp_path, memory={"enabled": False}, straggler={"enabled": False},
-                           stall={"flight_recorder": False, "nccl_ras": False})
+    path, _ = write_config(
+        tmp_path,
+        memory={"enabled": False},
+        straggler={"enabled": False},
+        stall={"flight_recorder": False, "nccl_ras": False},
+    )
     d = Daemon(load_config(str(path)), parts=build_parts, write_state=False)
     try:
         off = {f.name for f in dataclasses.fields(Parts) if isinstance(getattr(d.parts, f.name), Off)}

@@ -33,8 +33,15 @@ def test_reads_a_real_process_like_ps() -> None:
 
 
 def test_fd_count_is_o1_stat_size_where_supported() -> None:
-    p = subprocess.Popen([sys.executable, "-c", "import os,time; fs=[os.open('/dev/null', 0) for _ in range(300)]; "
-                          "print('ok', flush=True); time.sleep(30)"], stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os,time; fs=[os.open('/dev/null', 0) for _ in range(300)]; print('ok', flush=True); time.sleep(30)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "ok"
         listed = len(os.listdir(f"/proc/{p.pid}/fd"))
@@ -48,12 +55,14 @@ def test_fd_count_is_o1_stat_size_where_supported() -> None:
 
 
 def test_descendants_and_zombie_and_vanished() -> None:
-    code = ("import subprocess, sys, time\n"
-            "a = subprocess.Popen([sys.executable, '-c', 'import subprocess,sys,time; "
-            "subprocess.Popen([sys.executable, \"-c\", \"import time; time.sleep(30)\"]); time.sleep(30)'])\n"
-            "z = subprocess.Popen(['true'])\n"
-            "print(a.pid, z.pid, flush=True)\n"
-            "time.sleep(30)\n")
+    code = (
+        "import subprocess, sys, time\n"
+        "a = subprocess.Popen([sys.executable, '-c', 'import subprocess,sys,time; "
+        'subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]); time.sleep(30)\'])\n'
+        "z = subprocess.Popen(['true'])\n"
+        "print(a.pid, z.pid, flush=True)\n"
+        "time.sleep(30)\n"
+    )
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None
@@ -104,10 +113,12 @@ def test_recorded_proc_tree_with_hostile_comm(tmp_path: Path) -> None:
     # recorded from a real process (python3 renamed with prctl), fields verbatim after the comm
     (root / "100" / "stat").write_text(
         "100 (evil) (name ) S 1 100 100 0 -1 4194560 1219 0 0 0 150 50 0 0 20 0 7 0 5000 "
-        "31555584 2048 18446744073709551615 1 1 0 0 0 0 0 16781312 2 0 0 0 17 1 0 0 0 0 0\n")
+        "31555584 2048 18446744073709551615 1 1 0 0 0 0 0 16781312 2 0 0 0 17 1 0 0 0 0 0\n"
+    )
     (root / "100" / "limits").write_text(
         "Limit                     Soft Limit           Hard Limit           Units     \n"
-        "Max open files            1024                 unlimited            files     \n")
+        "Max open files            1024                 unlimited            files     \n"
+    )
     for i in range(5):
         (root / "100" / "fd" / str(i)).touch()
     (root / "101" / "stat").write_text("101 (trunc")

@@ -40,12 +40,9 @@ PROGRAMS = FIX / "programs"
 BINARY = pyspy.resolve_pyspy()
 
 
-def start(program: str, *args: str, python: str = sys.executable, **kw: object
-          ) -> subprocess.Popen[str]:
+def start(program: str, *args: str, python: str = sys.executable, **kw: object) -> subprocess.Popen[str]:
     """Start a fixture program and wait until it printed 'ready' (its threads are running)."""
-    proc = subprocess.Popen(
-        [python, str(PROGRAMS / program), *args], stdout=subprocess.PIPE, text=True, **kw
-    )  # type: ignore[call-overload]
+    proc = subprocess.Popen([python, str(PROGRAMS / program), *args], stdout=subprocess.PIPE, text=True, **kw)  # type: ignore[call-overload]
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"
     time.sleep(0.3)
@@ -117,9 +114,7 @@ def test_parsers_survive_garbage() -> None:
         parse_dump_json('{"not": "a list"}')
     with pytest.raises(ValueError):
         parse_record_summary(b"py-spy> Sampling process")
-    assert parse_dump_json('[{"frames": [1, {"name": "f", "line": "x"}]}]')[0].frames == (
-        Frame("f", "", None),
-    )
+    assert parse_dump_json('[{"frames": [1, {"name": "f", "line": "x"}]}]')[0].frames == (Frame("f", "", None),)
 
 
 def test_recorded_failures_are_classified() -> None:
@@ -127,8 +122,9 @@ def test_recorded_failures_are_classified() -> None:
     assert classify_failure(denied, True)[0] == PERMISSION_DENIED
     gone = (FIX / "dump_no_such_process.stderr").read_bytes()
     assert classify_failure(gone, False) == (
-        TARGET_GONE, "Error: Failed to get process executable name. Check that the process "
-        "is running.")
+        TARGET_GONE,
+        "Error: Failed to get process executable name. Check that the process is running.",
+    )
     exited = (FIX / "record_target_exited.stdout").read_bytes()
     assert b"because process exited" in exited
 
@@ -192,7 +188,8 @@ def test_dump_of_live_process_names_threads_and_maps_tids(procs: list) -> None:
 def test_target_in_a_pid_namespace_gets_host_thread_ids(procs: list) -> None:
     outer = subprocess.Popen(
         ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, str(PROGRAMS / "io4.py")],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert outer.stdout is not None and outer.stdout.readline().strip() == "ready"
@@ -256,8 +253,7 @@ def _user(name: str) -> tuple[int, int]:
     try:
         pw = pwd.getpwnam(name)
     except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                        name], check=True)
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name], check=True)
         pw = pwd.getpwnam(name)
     return pw.pw_uid, pw.pw_gid
 
@@ -266,8 +262,7 @@ def test_target_of_another_user_is_permission_denied(procs: list) -> None:
     target_uid, target_gid = _user("gw-pyspy-target")
     sampler = _user("gw-pyspy-sampler")
     # the system python: the venv's interpreter lives under /root, which other users cannot enter
-    p = start("io4.py", python="/usr/bin/python3", user=target_uid, group=target_gid,
-              extra_groups=[])
+    p = start("io4.py", python="/usr/bin/python3", user=target_uid, group=target_gid, extra_groups=[])
     procs.append(p)
     spy = PySpy(BINARY, run_as=sampler)
     for call in (lambda: spy.dump(p.pid), lambda: spy.record_gil(p.pid, 50, 1)):
@@ -287,9 +282,9 @@ def test_target_found_stopped_is_counted_and_left_as_it_is(tmp_path: Path, procs
     p = start("io4.py")
     procs.append(p)
     # kill(1) returns before the target has stopped: the run ends once it has (found stopped)
-    bad = stand_in(tmp_path, f"kill -STOP {p.pid}\n"
-                             f"until grep -q '^State:.T' /proc/{p.pid}/status; do sleep 0.01; done\n"
-                             "echo '[]'")
+    bad = stand_in(
+        tmp_path, f"kill -STOP {p.pid}\nuntil grep -q '^State:.T' /proc/{p.pid}/status; do sleep 0.01; done\necho '[]'"
+    )
     spy = PySpy(bad)
     assert spy.dump(p.pid) == ()
     assert spy.stats.left_stopped == 1
@@ -316,8 +311,9 @@ def test_concurrency_is_bounded(tmp_path: Path, procs: list) -> None:
     p = start("io4.py")
     procs.append(p)
     log = tmp_path / "runs.log"
-    slow = stand_in(tmp_path, f"echo start $(date +%s.%N) >> {log}\nsleep 0.4\n"
-                              f"echo end $(date +%s.%N) >> {log}\necho '[]'")
+    slow = stand_in(
+        tmp_path, f"echo start $(date +%s.%N) >> {log}\nsleep 0.4\necho end $(date +%s.%N) >> {log}\necho '[]'"
+    )
     spy = PySpy(slow, max_concurrent=1)
     threads = [threading.Thread(target=spy.dump, args=(p.pid,)) for _ in range(3)]
     for t in threads:

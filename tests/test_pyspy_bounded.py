@@ -39,15 +39,13 @@ def _children_peak(stop: threading.Event, peak: list[int]) -> None:
                 except OSError:
                     continue
                 if "py-spy" in status.split("\n", 1)[0]:
-                    hwm = next((int(ln.split()[1]) << 10 for ln in status.splitlines()
-                                if ln.startswith("VmHWM:")), 0)
+                    hwm = next((int(ln.split()[1]) << 10 for ln in status.splitlines() if ln.startswith("VmHWM:")), 0)
                     peak[0] = max(peak[0], hwm)
         time.sleep(0.01)
 
 
 def test_a_dump_of_a_hostile_rank_is_killed_at_its_memory_cap(procs: list[subprocess.Popen[Any]]) -> None:
-    target = subprocess.Popen([sys.executable, str(HOSTILE), "500", "600"], stdout=subprocess.PIPE,
-                              text=True)
+    target = subprocess.Popen([sys.executable, str(HOSTILE), "500", "600"], stdout=subprocess.PIPE, text=True)
     procs.append(target)
     assert target.stdout is not None and target.stdout.readline().strip() == "ready"
     peak = [0]
@@ -68,7 +66,8 @@ def test_a_dump_of_a_hostile_rank_is_killed_at_its_memory_cap(procs: list[subpro
 
 
 def test_an_oom_kill_of_the_daemons_own_helper_is_named_and_not_a_node_kill(
-        tmp_path: Path, procs: list[subprocess.Popen[Any]]) -> None:
+    tmp_path: Path, procs: list[subprocess.Popen[Any]]
+) -> None:
     """A real kernel OOM kill (memory cgroup) of the daemon's py-spy run (a stand-in at
     ``gil.pyspy_path`` that allocates past its cgroup's limit) is a ``helper_oom_kill`` event
     counted in ``gpuwatch_helper_oom_kills_total{helper="py-spy"}``, never an ``oom_kill`` of the
@@ -88,26 +87,45 @@ def test_an_oom_kill_of_the_daemons_own_helper_is_named_and_not_a_node_kill(
     stand_in = tmp_path / "py-spy"
     stand_in.write_text(
         "#!/bin/sh\n"
-        f'[ -s {pids} ] && exit 1\n'  # only the first run allocates: one kill
+        f"[ -s {pids} ] && exit 1\n"  # only the first run allocates: one kill
         f"echo $$ >> {pids}\n"
         f"echo $$ > {cg.path}/cgroup.procs\n"
-        "exec /usr/bin/python3 -c \"x = b'x' * (256 << 20)\"\n")
+        "exec /usr/bin/python3 -c \"x = b'x' * (256 << 20)\"\n"
+    )
     stand_in.chmod(0o755)
     # about half a core: on CPU, so that the GIL sampler runs py-spy on it (an idle rank is not
     # screened, daemon/gil.py)
-    rank = subprocess.Popen([sys.executable, "-c", "import time\nt0 = time.monotonic()\n"
-                             "while time.monotonic() - t0 < 120:\n    t = time.monotonic()\n"
-                             "    while time.monotonic() - t < 0.01:\n        pass\n    time.sleep(0.01)\n"])
+    rank = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nt0 = time.monotonic()\n"
+            "while time.monotonic() - t0 < 120:\n    t = time.monotonic()\n"
+            "    while time.monotonic() - t < 0.01:\n        pass\n    time.sleep(0.01)\n",
+        ]
+    )
     procs.append(rank)
-    path, cfg = write_config(tmp_path, kernel_log="kmsg",
-                             gil={"enabled": True, "interval_seconds": 1, "duration_seconds": 1,
-                                  "healthy_interval_seconds": 1, "pyspy_path": str(stand_in)})
-    (tmp_path / "ranks" / "job.json").write_text(json.dumps(
-        {"version": 1, "job_id": f"helperjob{os.getpid()}", "ranks": [{"rank": 0, "pid": rank.pid}]}))
+    path, cfg = write_config(
+        tmp_path,
+        kernel_log="kmsg",
+        gil={
+            "enabled": True,
+            "interval_seconds": 1,
+            "duration_seconds": 1,
+            "healthy_interval_seconds": 1,
+            "pyspy_path": str(stand_in),
+        },
+    )
+    (tmp_path / "ranks" / "job.json").write_text(
+        json.dumps({"version": 1, "job_id": f"helperjob{os.getpid()}", "ranks": [{"rank": 0, "pid": rank.pid}]})
+    )
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: pids.read_text().strip() != "" and cg.oom_kills() >= 1, timeout=30,
-                   what="the helper OOM-killed in its cgroup")
+        d.wait_for(
+            lambda: pids.read_text().strip() != "" and cg.oom_kills() >= 1,
+            timeout=30,
+            what="the helper OOM-killed in its cgroup",
+        )
         helper = int(pids.read_text().split()[0])
         events = Path(cfg["state_dir"]) / "events.jsonl"
 
@@ -117,6 +135,7 @@ def test_an_oom_kill_of_the_daemons_own_helper_is_named_and_not_a_node_kill(
 
         d.wait_for(lambda: kinds() != [], timeout=20, what="the kill's event")
         assert kinds() == ["helper_oom_kill"], kinds()
+
         # the event is written during the cycle, the counter served from the state at its end: a
         # scrape in between sees the one without the other (clean clone: None right after the event)
         def counted() -> float | None:
@@ -124,8 +143,7 @@ def test_an_oom_kill_of_the_daemons_own_helper_is_named_and_not_a_node_kill(
 
         d.wait_for(lambda: counted() is not None, timeout=10, what="the kill counted")
         assert counted() == 1.0
-        ev = next(e for e in map(json.loads, events.read_text().splitlines())
-                  if e.get("pid") == helper)
+        ev = next(e for e in map(json.loads, events.read_text().splitlines()) if e.get("pid") == helper)
         assert "gpuwatchd's own py-spy helper" in ev["summary"], ev
     finally:
         d.stop()

@@ -45,8 +45,7 @@ def read_log(path: Path) -> tuple[list[int], dict[int, int]]:
     return leaders, children
 
 
-def test_helper_that_calls_setsid_leaves_no_orphans(tmp_path: Path,
-                                                     procs: list[subprocess.Popen[Any]]) -> None:
+def test_helper_that_calls_setsid_leaves_no_orphans(tmp_path: Path, procs: list[subprocess.Popen[Any]]) -> None:
     log = tmp_path / "runs.log"
     helper = tmp_path / "py-spy"
     helper.write_text(STAND_IN.format(log=log))
@@ -54,12 +53,20 @@ def test_helper_that_calls_setsid_leaves_no_orphans(tmp_path: Path,
     rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     procs.append(rank)
     path, cfg = write_config(
-        tmp_path, interval_seconds=0.5, stall={"after_seconds": 1},
-        gil={"enabled": True, "pyspy_path": str(helper), "interval_seconds": 1,
-             "duration_seconds": 1, "timeout_seconds": 2},
+        tmp_path,
+        interval_seconds=0.5,
+        stall={"after_seconds": 1},
+        gil={
+            "enabled": True,
+            "pyspy_path": str(helper),
+            "interval_seconds": 1,
+            "duration_seconds": 1,
+            "timeout_seconds": 2,
+        },
     )
-    (tmp_path / "ranks" / "j.json").write_text(json.dumps(
-        {"version": 1, "job_id": "strays", "ranks": [{"rank": 0, "pid": rank.pid}]}))
+    (tmp_path / "ranks" / "j.json").write_text(
+        json.dumps({"version": 1, "job_id": "strays", "ranks": [{"rank": 0, "pid": rank.pid}]})
+    )
     d = DaemonProc(path, cfg)
     try:
         checked: set[int] = set()

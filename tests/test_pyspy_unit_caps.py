@@ -40,8 +40,7 @@ def _unit_caps() -> str:
     """setpriv's spec for the unit's capabilities: "-all,+sys_ptrace,..."."""
     line = next(ln for ln in UNIT.read_text().splitlines() if ln.startswith("AmbientCapabilities="))
     caps = sorted(line.split("=", 1)[1].split())
-    bounding = next(ln for ln in UNIT.read_text().splitlines()
-                    if ln.startswith("CapabilityBoundingSet="))
+    bounding = next(ln for ln in UNIT.read_text().splitlines() if ln.startswith("CapabilityBoundingSet="))
     assert sorted(bounding.split("=", 1)[1].split()) == caps  # the same set, as setpriv gives it
     return ",".join(["-all", *(f"+{c.removeprefix('CAP_').lower()}" for c in caps)])
 
@@ -61,7 +60,8 @@ def _metric(text: str, name: str, **labels: str) -> float | None:
 
 
 def test_a_rank_stopped_by_its_owner_is_never_resumed_and_sampling_goes_on(
-        users: None, procs: list[subprocess.Popen[Any]]) -> None:
+    users: None, procs: list[subprocess.Popen[Any]]
+) -> None:
     world = Path(tempfile.mkdtemp(prefix="gw-n8-", dir="/tmp"))
     world.chmod(0o755)
     daemon = None
@@ -76,18 +76,32 @@ def test_a_rank_stopped_by_its_owner_is_never_resumed_and_sampling_goes_on(
         cfg.write_text(
             f'web: {{listen_address: "127.0.0.1:{port}"}}\n'
             f"interval_seconds: 0.5\nrank_dir: {world / 'ranks'}\nstate_dir: {world / 'state'}\n"
-            "kernel_log: \"off\"\nnvml: {enabled: false}\ndiscovery: {enabled: false}\n"
+            'kernel_log: "off"\nnvml: {enabled: false}\ndiscovery: {enabled: false}\n'
             "stall: {after_seconds: 1.5}\n"
             "gil: {enabled: true, interval_seconds: 1, duration_seconds: 1, healthy_interval_seconds: 1,"
-            f" pyspy_path: {PY_SPY}}}\n")
+            f" pyspy_path: {PY_SPY}}}\n"
+        )
         cfg.chmod(0o644)
-        rank = subprocess.Popen(["setpriv", f"--reuid={RANK_USER}", f"--regid={RANK_USER}",
-                                 "--clear-groups", "/usr/bin/python3", "-c", SPIN],
-                                env={"PATH": "/usr/bin:/bin"}, start_new_session=True)
+        rank = subprocess.Popen(
+            [
+                "setpriv",
+                f"--reuid={RANK_USER}",
+                f"--regid={RANK_USER}",
+                "--clear-groups",
+                "/usr/bin/python3",
+                "-c",
+                SPIN,
+            ],
+            env={"PATH": "/usr/bin:/bin"},
+            start_new_session=True,
+        )
         procs.append(rank)
         job = f"stopjob{os.getpid()}"
-        user_writes(RANK_USER, world / "ranks" / "job.json", json.dumps(
-            {"version": 1, "job_id": job, "ranks": [{"rank": 0, "pid": rank.pid}]}))
+        user_writes(
+            RANK_USER,
+            world / "ranks" / "job.json",
+            json.dumps({"version": 1, "job_id": job, "ranks": [{"rank": 0, "pid": rank.pid}]}),
+        )
 
         def toggle() -> None:  # the owner (root here, for the test) stops and continues it
             # running half the time: half a core, well above the 0.3 below which a healthy rank
@@ -101,14 +115,31 @@ def test_a_rank_stopped_by_its_owner_is_never_resumed_and_sampling_goes_on(
         spec = _unit_caps()
         site = next((ROOT / ".venv" / "lib").glob("python3.*")) / "site-packages"
         daemon = subprocess.Popen(
-            ["setpriv", f"--reuid={DAEMON_USER}", f"--regid={DAEMON_USER}", "--clear-groups",
-             f"--inh-caps={spec}", f"--ambient-caps={spec}", f"--bounding-set={spec}",
-             "--no-new-privs", "/usr/bin/python3", "-m", "gpuwatchd", "run", "--config.file", str(cfg)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/",
+            [
+                "setpriv",
+                f"--reuid={DAEMON_USER}",
+                f"--regid={DAEMON_USER}",
+                "--clear-groups",
+                f"--inh-caps={spec}",
+                f"--ambient-caps={spec}",
+                f"--bounding-set={spec}",
+                "--no-new-privs",
+                "/usr/bin/python3",
+                "-m",
+                "gpuwatchd",
+                "run",
+                "--config.file",
+                str(cfg),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd="/",
             env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{site}:{ROOT}"},
             # a session of its own, as under systemd: the kernel lets any process SIGCONT the
             # processes of its own session, whatever their uid, which would hide the EPERM
-            start_new_session=True)
+            start_new_session=True,
+        )
         url = f"http://127.0.0.1:{port}/metrics"
 
         def scrape() -> str:
@@ -134,7 +165,9 @@ def test_a_rank_stopped_by_its_owner_is_never_resumed_and_sampling_goes_on(
             time.sleep(0.3)
         text = scrape()
         assert (_metric(text, "gpuwatch_rank_gil_samples_total", job_id=job, rank="0") or 0) > first, (
-            "GIL samples froze", text[-2000:])
+            "GIL samples froze",
+            text[-2000:],
+        )
         assert _metric(text, "gpuwatch_collector_success", collector="pyspy") == 1.0
         # the owner's stop is kept: stopped now, the rank stays stopped across sampling runs
         stop_toggling.set()

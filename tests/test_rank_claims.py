@@ -40,10 +40,10 @@ def _doc(job: str, ranks: list[dict[str, Any]]) -> str:
     return json.dumps({"version": 1, "job_id": job, "ranks": ranks})
 
 
-def _as_user_popen(procs: list[subprocess.Popen[Any]], argv: list[str],
-                   env: dict[str, str] | None = None) -> subprocess.Popen[Any]:
-    p = subprocess.Popen([*setpriv(USER), *argv],
-                         env={"PATH": "/usr/bin:/bin", **(env or {})})
+def _as_user_popen(
+    procs: list[subprocess.Popen[Any]], argv: list[str], env: dict[str, str] | None = None
+) -> subprocess.Popen[Any]:
+    p = subprocess.Popen([*setpriv(USER), *argv], env={"PATH": "/usr/bin:/bin", **(env or {})})
     procs.append(p)
     return p
 
@@ -67,8 +67,7 @@ def _hold(what: str, pred: Callable[[], bool], seconds: float, d: DaemonProc) ->
         time.sleep(0.2)
 
 
-def test_no_content_of_one_file_affects_another(user: int, world: Path,
-                                                procs: list[subprocess.Popen[Any]]) -> None:
+def test_no_content_of_one_file_affects_another(user: int, world: Path, procs: list[subprocess.Popen[Any]]) -> None:
     ranks = world / "ranks"
     root_proc = subprocess.Popen(SLEEP)
     procs.append(root_proc)
@@ -77,19 +76,25 @@ def test_no_content_of_one_file_affects_another(user: int, world: Path,
     user_writes(USER, ranks / "zz-user.json", _doc("userjob", [{"rank": 0, "pid": user_proc.pid}]))
     own = {"rank": 0, "pid": user_proc.pid}
     hostile: dict[str, tuple[str | bytes, str]] = {
-        "bigint.json": (_doc("a", [own])[:-3] + ', "start_ticks": ' + "9" * 5000 + "}]}",
-                        "5000 digits"),
-        "nan.json": ('{"version": 1, "job_id": "a", "world_size": NaN, "ranks": [{"rank": 0, "pid": 1}]}',
-                     "NaN is not a number"),
-        "inf.json": ('{"version": 1, "job_id": "a", "ranks": [{"rank": 0, "pid": -Infinity}]}',
-                     "-Infinity is not a number"),
-        "hugefloat.json": ('{"version": 1, "job_id": "a", "ranks": [{"rank": 0, "pid": 1e400}]}',
-                           "pid must be an integer"),
-        "surrogate.json": ('{"version": 1, "job_id": "a\\ud800", "ranks": [{"rank": 0, "pid": 1}]}',
-                           "job_id must be"),
+        "bigint.json": (_doc("a", [own])[:-3] + ', "start_ticks": ' + "9" * 5000 + "}]}", "5000 digits"),
+        "nan.json": (
+            '{"version": 1, "job_id": "a", "world_size": NaN, "ranks": [{"rank": 0, "pid": 1}]}',
+            "NaN is not a number",
+        ),
+        "inf.json": (
+            '{"version": 1, "job_id": "a", "ranks": [{"rank": 0, "pid": -Infinity}]}',
+            "-Infinity is not a number",
+        ),
+        "hugefloat.json": (
+            '{"version": 1, "job_id": "a", "ranks": [{"rank": 0, "pid": 1e400}]}',
+            "pid must be an integer",
+        ),
+        "surrogate.json": ('{"version": 1, "job_id": "a\\ud800", "ranks": [{"rank": 0, "pid": 1}]}', "job_id must be"),
         "hbsurrogate.json": (_doc("a", [{**own, "heartbeat": "/tmp/\udc80"}]), "heartbeat must be"),
-        "dupkeys.json": ('{"version": 1, "job_id": "rootjob", "job_id": "x", "ranks": '
-                         '[{"rank": 0, "pid": 1}]}', "appears twice"),
+        "dupkeys.json": (
+            '{"version": 1, "job_id": "rootjob", "job_id": "x", "ranks": [{"rank": 0, "pid": 1}]}',
+            "appears twice",
+        ),
         "deep.json": ("[" * 900 + "]" * 900, "nested deeper"),
         "bom.json": ("\ufeff" + _doc("a", [own]), "not valid JSON"),
         "latin1.json": (b'{"version": 1, "job_id": "\xe9", "ranks": []}', "not UTF-8"),
@@ -101,10 +106,13 @@ def test_no_content_of_one_file_affects_another(user: int, world: Path,
     path, cfg = write_config(world, rank_dir=str(ranks))
     d = DaemonProc(path, cfg)
     try:
+
         def both_up() -> bool:
-            return (d.value("gpuwatch_rank_up", job_id="rootjob", rank="0") == 1.0
-                    and d.value("gpuwatch_rank_up", job_id="userjob", rank="0") == 1.0
-                    and d.value("gpuwatch_collector_success", collector="rankfiles") == 1.0)
+            return (
+                d.value("gpuwatch_rank_up", job_id="rootjob", rank="0") == 1.0
+                and d.value("gpuwatch_rank_up", job_id="userjob", rank="0") == 1.0
+                and d.value("gpuwatch_collector_success", collector="rankfiles") == 1.0
+            )
 
         d.wait_for(both_up, what="both good ranks up")
         # well past the collector's max age (3 intervals + 2 s): a failing collector would have
@@ -115,13 +123,11 @@ def test_no_content_of_one_file_affects_another(user: int, world: Path,
         d.stop()
     for name, (_, reason) in hostile.items():
         shown = ascii(name)[1:-1] if not name.isprintable() else name
-        assert any(shown in line and reason in line for line in reasons.splitlines()), (
-            name, reason, reasons)
+        assert any(shown in line and reason in line for line in reasons.splitlines()), (name, reason, reasons)
     assert "Traceback" not in d.log_path.read_text(errors="replace")
 
 
-def test_a_missing_pid_cannot_take_over_roots_rank(user: int, world: Path,
-                                                   procs: list[subprocess.Popen[Any]]) -> None:
+def test_a_missing_pid_cannot_take_over_roots_rank(user: int, world: Path, procs: list[subprocess.Popen[Any]]) -> None:
     """(a) A user's file that sorts first and names a PID that does not exist claims rank 0 of
     root's job (held by root's live process) and its free rank 1: neither is taken, nothing pages,
     both are refused as bad_rank_file."""
@@ -129,29 +135,37 @@ def test_a_missing_pid_cannot_take_over_roots_rank(user: int, world: Path,
     root_proc = subprocess.Popen(SLEEP)
     procs.append(root_proc)
     (ranks / "rootjob.0.json").write_text(_doc("rootjob", [{"rank": 0, "pid": root_proc.pid}]))
-    user_writes(USER, ranks / "0-takeover.json", _doc("rootjob", [
-        {"rank": 0, "pid": NO_SUCH_PID}, {"rank": 1, "pid": NO_SUCH_PID + 1}]))
+    user_writes(
+        USER,
+        ranks / "0-takeover.json",
+        _doc("rootjob", [{"rank": 0, "pid": NO_SUCH_PID}, {"rank": 1, "pid": NO_SUCH_PID + 1}]),
+    )
     path, cfg = write_config(world, rank_dir=str(ranks))
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id="rootjob", rank="0") == 1.0,
-                   what="root's rank 0 up")
+        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id="rootjob", rank="0") == 1.0, what="root's rank 0 up")
         d.wait_for(lambda: len(_findings(d, "bad_rank_file")) >= 1, what="the refusal")
-        _hold("root's rank 0 up, rank 1 absent, nothing paged",
-              lambda: d.value("gpuwatch_rank_up", job_id="rootjob", rank="0") == 1.0
-              and d.value("gpuwatch_rank_up", job_id="rootjob", rank="1") is None
-              and d.value("gpuwatch_finding", kind="rank_down") is None, 3.0, d)
+        _hold(
+            "root's rank 0 up, rank 1 absent, nothing paged",
+            lambda: (
+                d.value("gpuwatch_rank_up", job_id="rootjob", rank="0") == 1.0
+                and d.value("gpuwatch_rank_up", job_id="rootjob", rank="1") is None
+                and d.value("gpuwatch_finding", kind="rank_down") is None
+            ),
+            3.0,
+            d,
+        )
         info = d.value("gpuwatch_rank_info", job_id="rootjob", rank="0", pid=str(root_proc.pid))
         reasons = [f["explanation"] for f in _findings(d, "bad_rank_file")]
     finally:
         d.stop()
     assert info == 1.0
-    assert any("0-takeover.json" in r and "belongs to uid 0" in r and "rank 1" in r
-               for r in reasons), reasons
+    assert any("0-takeover.json" in r and "belongs to uid 0" in r and "rank 1" in r for r in reasons), reasons
 
 
 def test_discovery_does_not_adopt_another_users_process_into_roots_job(
-        user: int, world: Path, procs: list[subprocess.Popen[Any]]) -> None:
+    user: int, world: Path, procs: list[subprocess.Popen[Any]]
+) -> None:
     """(b) Root's torchrun job runs rank 0; a user's process sets the same TORCHELASTIC_RUN_ID and
     RANK=1. It is refused (bad_rank_file naming it), and when it exits nothing pages, while a real
     discovered rank of root's that exits beside it does. The user's own discovered job is watched
@@ -165,35 +179,43 @@ def test_discovery_does_not_adopt_another_users_process_into_roots_job(
     time.sleep(0.05)  # root's process starts first: a later process cannot own the job
     intruder = _as_user_popen(procs, SLEEP, {**torchrun, "RANK": "1", "LOCAL_RANK": "1"})
     own = _as_user_popen(procs, SLEEP, {"TORCHELASTIC_RUN_ID": users, "RANK": "0"})
-    other = subprocess.Popen(SLEEP, env={"TORCHELASTIC_RUN_ID": neighbour, "RANK": "0",
-                                         "PATH": "/usr/bin:/bin"})
+    other = subprocess.Popen(SLEEP, env={"TORCHELASTIC_RUN_ID": neighbour, "RANK": "0", "PATH": "/usr/bin:/bin"})
     procs.append(other)
-    path, cfg = write_config(world, rank_dir=str(ranks),
-                             discovery={"enabled": True, "interval_seconds": 600})
+    path, cfg = write_config(world, rank_dir=str(ranks), discovery={"enabled": True, "interval_seconds": 600})
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id=shared, rank="0") == 1.0
-                   and d.value("gpuwatch_rank_up", job_id=users, rank="0") == 1.0
-                   and d.value("gpuwatch_rank_up", job_id=neighbour, rank="0") == 1.0,
-                   what="root's rank 0, the user's own job and the neighbour up")
+        d.wait_for(
+            lambda: (
+                d.value("gpuwatch_rank_up", job_id=shared, rank="0") == 1.0
+                and d.value("gpuwatch_rank_up", job_id=users, rank="0") == 1.0
+                and d.value("gpuwatch_rank_up", job_id=neighbour, rank="0") == 1.0
+            ),
+            what="root's rank 0, the user's own job and the neighbour up",
+        )
         assert d.value("gpuwatch_rank_up", job_id=shared, rank="1") is None
         reasons = [f["explanation"] for f in _findings(d, "bad_rank_file")]
-        assert any(f"discovery (pid {intruder.pid})" in r and "belongs to uid 0" in r
-                   for r in reasons), reasons
+        assert any(f"discovery (pid {intruder.pid})" in r and "belongs to uid 0" in r for r in reasons), reasons
         for p in (intruder, other):
             p.send_signal(signal.SIGKILL)
             p.wait(10)
         d.wait_for(lambda: neighbour in finding_jobs(d, "rank_down"), what="the neighbour paged")
-        _hold("no rank_down of root's or the user's job",
-              lambda: not finding_jobs(d, "rank_down") & {shared, users}
-              and d.value("gpuwatch_rank_up", job_id=shared, rank="1") is None, 3.0, d)
+        _hold(
+            "no rank_down of root's or the user's job",
+            lambda: (
+                not finding_jobs(d, "rank_down") & {shared, users}
+                and d.value("gpuwatch_rank_up", job_id=shared, rank="1") is None
+            ),
+            3.0,
+            d,
+        )
         assert d.value("gpuwatch_rank_info", job_id=users, rank="0", pid=str(own.pid)) == 1.0
     finally:
         d.stop()
 
 
 def test_a_discovered_process_that_drops_to_a_user_is_refused_alive_and_dead(
-        user: int, world: Path, procs: list[subprocess.Popen[Any]]) -> None:
+    user: int, world: Path, procs: list[subprocess.Popen[Any]]
+) -> None:
     """(c) A root process with root's job's variables (a wrapper such as setpriv or gosu before it
     switches user) is discovered as root's rank 1, then drops to the user's uid: refused from then
     on, and when it exits nothing pages. (The claim used to be judged alive by the process's uid
@@ -204,40 +226,62 @@ def test_a_discovered_process_that_drops_to_a_user_is_refused_alive_and_dead(
     procs.append(rank0)
     time.sleep(0.05)  # root's rank 0 starts first: the job is root's
     dropper = subprocess.Popen(
-        ["/usr/bin/python3", "-c", "import os, signal, sys, time\n"
-         "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})\n"
-         "print('ready', flush=True)\n"
-         "signal.sigwait({signal.SIGUSR1})\n"
-         "os.setgroups([]); os.setgid(int(sys.argv[1])); os.setuid(int(sys.argv[1]))\n"
-         "time.sleep(300)\n", str(user)],
-        env={**torchrun, "RANK": "1"}, stdout=subprocess.PIPE, text=True)
+        [
+            "/usr/bin/python3",
+            "-c",
+            "import os, signal, sys, time\n"
+            "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})\n"
+            "print('ready', flush=True)\n"
+            "signal.sigwait({signal.SIGUSR1})\n"
+            "os.setgroups([]); os.setgid(int(sys.argv[1])); os.setuid(int(sys.argv[1]))\n"
+            "time.sleep(300)\n",
+            str(user),
+        ],
+        env={**torchrun, "RANK": "1"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     procs.append(dropper)
     assert dropper.stdout is not None and dropper.stdout.readline() == "ready\n"
-    path, cfg = write_config(world, rank_dir=str(world / "ranks"),
-                             discovery={"enabled": True, "interval_seconds": 600})
+    path, cfg = write_config(world, rank_dir=str(world / "ranks"), discovery={"enabled": True, "interval_seconds": 600})
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id=job, rank="0") == 1.0
-                   and d.value("gpuwatch_rank_up", job_id=job, rank="1") == 1.0,
-                   what="both root ranks up")
+        d.wait_for(
+            lambda: (
+                d.value("gpuwatch_rank_up", job_id=job, rank="0") == 1.0
+                and d.value("gpuwatch_rank_up", job_id=job, rank="1") == 1.0
+            ),
+            what="both root ranks up",
+        )
         dropper.send_signal(signal.SIGUSR1)
-        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id=job, rank="1") is None
-                   and any(f"discovery (pid {dropper.pid})" in f["explanation"]
-                           and f"by uid {user} refused" in f["explanation"]
-                           for f in _findings(d, "bad_rank_file")),
-                   what="rank 1 refused once it runs as the user")
+        d.wait_for(
+            lambda: (
+                d.value("gpuwatch_rank_up", job_id=job, rank="1") is None
+                and any(
+                    f"discovery (pid {dropper.pid})" in f["explanation"]
+                    and f"by uid {user} refused" in f["explanation"]
+                    for f in _findings(d, "bad_rank_file")
+                )
+            ),
+            what="rank 1 refused once it runs as the user",
+        )
         dropper.kill()
         dropper.wait(10)
-        _hold("no rank_down, rank 1 absent, rank 0 up",
-              lambda: job not in finding_jobs(d, "rank_down")
-              and d.value("gpuwatch_rank_up", job_id=job, rank="1") is None
-              and d.value("gpuwatch_rank_up", job_id=job, rank="0") == 1.0, 3.0, d)
+        _hold(
+            "no rank_down, rank 1 absent, rank 0 up",
+            lambda: (
+                job not in finding_jobs(d, "rank_down")
+                and d.value("gpuwatch_rank_up", job_id=job, rank="1") is None
+                and d.value("gpuwatch_rank_up", job_id=job, rank="0") == 1.0
+            ),
+            3.0,
+            d,
+        )
     finally:
         d.stop()
 
 
-def test_vanished_rank_dir_is_reported_and_recovered(world: Path,
-                                                     procs: list[subprocess.Popen[Any]]) -> None:
+def test_vanished_rank_dir_is_reported_and_recovered(world: Path, procs: list[subprocess.Popen[Any]]) -> None:
     """The collector is down while rank_dir is gone (ranks discovered from /proc stay watched),
     and the rank files' ranks are back in the first cycle after it returns."""
     ranks = world / "ranks"
@@ -248,25 +292,35 @@ def test_vanished_rank_dir_is_reported_and_recovered(world: Path,
     procs.append(found)
     doc = _doc("job", [{"rank": 0, "pid": rank.pid}])
     (ranks / "job.0.json").write_text(doc)
-    path, cfg = write_config(world, rank_dir=str(ranks),
-                             discovery={"enabled": True, "interval_seconds": 1})
+    path, cfg = write_config(world, rank_dir=str(ranks), discovery={"enabled": True, "interval_seconds": 1})
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id="job", rank="0") == 1.0
-                   and d.value("gpuwatch_rank_up", job_id=env_job, rank="0") == 1.0,
-                   what="both ranks up")
+        d.wait_for(
+            lambda: (
+                d.value("gpuwatch_rank_up", job_id="job", rank="0") == 1.0
+                and d.value("gpuwatch_rank_up", job_id=env_job, rank="0") == 1.0
+            ),
+            what="both ranks up",
+        )
         shutil.rmtree(ranks)
-        d.wait_for(lambda: d.value("gpuwatch_collector_success", collector="rankfiles") == 0.0,
-                   what="the rankfiles collector down")
+        d.wait_for(
+            lambda: d.value("gpuwatch_collector_success", collector="rankfiles") == 0.0,
+            what="the rankfiles collector down",
+        )
         status = [c for c in _state(d)["collectors"] if c["name"] == "rankfiles"]
         assert str(ranks) in status[0]["error"], status
-        _hold("the discovered rank watched", lambda: d.value(
-            "gpuwatch_rank_up", job_id=env_job, rank="0") == 1.0, 2.0, d)
+        _hold(
+            "the discovered rank watched", lambda: d.value("gpuwatch_rank_up", job_id=env_job, rank="0") == 1.0, 2.0, d
+        )
         ranks.mkdir()
         os.chmod(ranks, 0o1777)
         (ranks / "job.0.json").write_text(doc)
-        d.wait_for(lambda: d.value("gpuwatch_collector_success", collector="rankfiles") == 1.0
-                   and d.value("gpuwatch_rank_up", job_id="job", rank="0") == 1.0,
-                   what="recovered")
+        d.wait_for(
+            lambda: (
+                d.value("gpuwatch_collector_success", collector="rankfiles") == 1.0
+                and d.value("gpuwatch_rank_up", job_id="job", rank="0") == 1.0
+            ),
+            what="recovered",
+        )
     finally:
         d.stop()

@@ -70,13 +70,16 @@ def _job() -> str:
     return f"rs-{uuid.uuid4().hex[:8]}"
 
 
-def _start_rank(procs: list[subprocess.Popen[str]], rank_dir: Path, job: str, steps: int,
-                fr: bool = False) -> subprocess.Popen[str]:
+def _start_rank(
+    procs: list[subprocess.Popen[str]], rank_dir: Path, job: str, steps: int, fr: bool = False
+) -> subprocess.Popen[str]:
     p = subprocess.Popen(
-        [*setpriv(U2), "/usr/bin/python3", "-c",
-         RANK, job, str(steps), "fr" if fr else "-"],
+        [*setpriv(U2), "/usr/bin/python3", "-c", RANK, job, str(steps), "fr" if fr else "-"],
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "GPUWATCH_RANK_DIR": str(rank_dir)},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     procs.append(p)
     return p
 
@@ -91,8 +94,9 @@ def _heartbeat(rank_dir: Path, job: str, pid: int) -> tuple[int | None, float] |
     return None
 
 
-def _wait_for_step(rank_dir: Path, job: str, p: subprocess.Popen[str], step: int,
-                   timeout: float = 15.0) -> tuple[int | None, float]:
+def _wait_for_step(
+    rank_dir: Path, job: str, p: subprocess.Popen[str], step: int, timeout: float = 15.0
+) -> tuple[int | None, float]:
     end = time.monotonic() + timeout
     got = None
     while time.monotonic() < end:
@@ -109,14 +113,13 @@ def _wait_for_step(rank_dir: Path, job: str, p: subprocess.Popen[str], step: int
 @pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("kind", ["file", "directory", "fifo"])
 def test_r4_another_users_tmp_name_does_not_stop_the_heartbeat(
-        users: tuple[int, int], world: Path, ranks_started: list[subprocess.Popen[str]],
-        kind: str, when: str) -> None:
+    users: tuple[int, int], world: Path, ranks_started: list[subprocess.Popen[str]], kind: str, when: str
+) -> None:
     """U1 plants the old temp name (and, before U2 registers, the heartbeat's own name) before
     U2's rank registers, or after its heartbeat is named in its rank file and beating (the
     issue's case: the next beats failed and the rank paged ``rank_stalled``)."""
     ranks, job = world / "ranks", _job()
-    plant = {"file": ["/usr/bin/touch"], "directory": ["/usr/bin/mkdir"],
-             "fifo": ["/usr/bin/mkfifo"]}[kind]
+    plant = {"file": ["/usr/bin/touch"], "directory": ["/usr/bin/mkdir"], "fifo": ["/usr/bin/mkfifo"]}[kind]
     names = [f"{job}.0.hb.tmp", f"{job}.0.hb"] if when == "before" else [f"{job}.0.hb.tmp"]
     if when == "before":
         for name in names:
@@ -131,7 +134,8 @@ def test_r4_another_users_tmp_name_does_not_stop_the_heartbeat(
 
 
 def test_r13_a_rank_dir_of_another_user_is_refused_not_followed(
-        users: tuple[int, int], world: Path, ranks_started: list[subprocess.Popen[str]]) -> None:
+    users: tuple[int, int], world: Path, ranks_started: list[subprocess.Popen[str]]
+) -> None:
     u1, u2 = users
     theirs = world / "u1-ranks"
     theirs.mkdir()
@@ -159,12 +163,19 @@ def test_r13_a_rank_dir_of_another_user_is_refused_not_followed(
 
 
 def test_r14_names_taken_first_by_another_user_do_not_stop_registration(
-        users: tuple[int, int], world: Path, ranks_started: list[subprocess.Popen[str]]) -> None:
+    users: tuple[int, int], world: Path, ranks_started: list[subprocess.Popen[str]]
+) -> None:
     _u1, u2 = users
     ranks, job = world / "ranks", _job()
     squat = json.dumps({"version": 1, "job_id": job, "ranks": [{"rank": 0, "pid": 1}]})
-    out = as_user(U1, "/usr/bin/python3", "-c", "import sys; open(sys.argv[1], 'w').write(sys.argv[2])",
-                  str(ranks / f"{job}.0.json"), squat)
+    out = as_user(
+        U1,
+        "/usr/bin/python3",
+        "-c",
+        "import sys; open(sys.argv[1], 'w').write(sys.argv[2])",
+        str(ranks / f"{job}.0.json"),
+        squat,
+    )
     assert out.returncode == 0, out.stderr
     assert as_user(U1, "/usr/bin/mkfifo", str(ranks / f"{job}.0.hb")).returncode == 0
     p = _start_rank(ranks_started, ranks, job, 60)
@@ -200,8 +211,7 @@ def small_fs(world: Path) -> Iterator[Path]:
     """A 1 MiB tmpfs, mode 1777, as the rank directory: /run's role, made small enough to fill."""
     d = world / "tiny"
     d.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=1777", "gw-rs-tiny", str(d)],
-                   check=True, timeout=30)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=1777", "gw-rs-tiny", str(d)], check=True, timeout=30)
     try:
         yield d
     finally:
@@ -209,18 +219,25 @@ def small_fs(world: Path) -> Iterator[Path]:
 
 
 def test_r15_filling_the_rank_dirs_file_system_does_not_stop_heartbeats(
-        users: tuple[int, int], small_fs: Path, ranks_started: list[subprocess.Popen[str]]) -> None:
+    users: tuple[int, int], small_fs: Path, ranks_started: list[subprocess.Popen[str]]
+) -> None:
     job = _job()
     p = _start_rank(ranks_started, small_fs, job, 200)
     _wait_for_step(small_fs, job, p, 3)
-    fill = subprocess.Popen(["setpriv", f"--reuid={U1}", f"--regid={U1}", "--clear-groups",
-                             "/usr/bin/python3", "-c", FILL, str(small_fs)],
-                            stdout=subprocess.PIPE, text=True)
+    fill = subprocess.Popen(
+        ["setpriv", f"--reuid={U1}", f"--regid={U1}", "--clear-groups", "/usr/bin/python3", "-c", FILL, str(small_fs)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     ranks_started.append(fill)
     assert fill.stdout is not None and fill.stdout.readline() == "full\n"
-    probe = as_user(U1, "/usr/bin/python3", "-c",
-                    "import os, sys; os.write(os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT), b'x' * 4096)",
-                    str(small_fs / "probe"))
+    probe = as_user(
+        U1,
+        "/usr/bin/python3",
+        "-c",
+        "import os, sys; os.write(os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT), b'x' * 4096)",
+        str(small_fs / "probe"),
+    )
     assert "No space left" in probe.stderr, probe  # full, and kept full
     step, _ = _heartbeat(small_fs, job, p.pid) or (None, 0.0)
     _later, mtime = _wait_for_step(small_fs, job, p, (step or 0) + 10)
@@ -228,7 +245,8 @@ def test_r15_filling_the_rank_dirs_file_system_does_not_stop_heartbeats(
 
 
 def test_r21_a_fifo_at_the_request_name_does_not_block_the_flight_recorder(
-        users: tuple[int, int], world: Path, ranks_started: list[subprocess.Popen[str]]) -> None:
+    users: tuple[int, int], world: Path, ranks_started: list[subprocess.Popen[str]]
+) -> None:
     _u1, u2 = users
     ranks, job = world / "ranks", _job()
     req = Path(request_path(str(ranks), job, 0))
@@ -252,7 +270,8 @@ def test_r21_a_fifo_at_the_request_name_does_not_block_the_flight_recorder(
 
 
 def test_r4_r15_the_daemon_does_not_page_a_rank_another_user_blinds(
-        users: tuple[int, int], small_fs: Path, ranks_started: list[subprocess.Popen[str]]) -> None:
+    users: tuple[int, int], small_fs: Path, ranks_started: list[subprocess.Popen[str]]
+) -> None:
     """The issue's pages, through the real daemon (stall after 3 s): U2's rank beats; U1 makes
     ``JOB.0.hb.tmp`` a directory and fills the rank directory's file system. On a7db82e
     ``rank_stalled`` was paged 3.7 s later (R4) and 3.9 s later (R15); now the step keeps rising."""
@@ -265,12 +284,26 @@ def test_r4_r15_the_daemon_does_not_page_a_rank_another_user_blinds(
     job = _job()
     try:
         _start_rank(ranks_started, small_fs, job, 400)
-        d.wait_for(lambda: (d.value("gpuwatch_rank_step", job_id=job, rank="0") or 0) >= 3,
-                   timeout=30, what="step 3 on /metrics")
+        d.wait_for(
+            lambda: (d.value("gpuwatch_rank_step", job_id=job, rank="0") or 0) >= 3,
+            timeout=30,
+            what="step 3 on /metrics",
+        )
         assert as_user(U1, "/usr/bin/mkdir", str(small_fs / f"{job}.0.hb.tmp")).returncode == 0
-        fill = subprocess.Popen(["setpriv", f"--reuid={U1}", f"--regid={U1}", "--clear-groups",
-                                 "/usr/bin/python3", "-c", FILL, str(small_fs)],
-                                stdout=subprocess.PIPE, text=True)
+        fill = subprocess.Popen(
+            [
+                "setpriv",
+                f"--reuid={U1}",
+                f"--regid={U1}",
+                "--clear-groups",
+                "/usr/bin/python3",
+                "-c",
+                FILL,
+                str(small_fs),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         ranks_started.append(fill)
         assert fill.stdout is not None and fill.stdout.readline() == "full\n"
         before = d.value("gpuwatch_rank_step", job_id=job, rank="0") or 0

@@ -56,20 +56,23 @@ world = rank_world_fixture("gw-budget-")
 
 
 def _scan(ranks: Path) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-c", SCAN, str(ranks)], capture_output=True, text=True,
-                         cwd=REPO, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", SCAN, str(ranks)], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     return dict(json.loads(out.stdout))
 
 
 @pytest.mark.parametrize(("files", "per_file", "size"), [(64, 4096, 100_000), (64, 200, 5000)])
-def test_r6_one_users_rank_files_cost_a_bounded_parse(u1: int, world: Path, files: int,
-                                                      per_file: int, size: int) -> None:
+def test_r6_one_users_rank_files_cost_a_bounded_parse(
+    u1: int, world: Path, files: int, per_file: int, size: int
+) -> None:
     """64 files of 4096 ranks (each refused before it is decoded: more ranks than an owner may
     have), and 64 files of 200 (read until the owner's 1024 ranks are reached)."""
     ranks = world / "ranks"
-    (ranks / "root.json").write_text(json.dumps(
-        {"version": 1, "job_id": "rootjob", "ranks": [{"rank": 0, "pid": os.getpid()}]}))
+    (ranks / "root.json").write_text(
+        json.dumps({"version": 1, "job_id": "rootjob", "ranks": [{"rank": 0, "pid": os.getpid()}]})
+    )
     alone = _scan(ranks)
     assert alone["jobs"] == ["rootjob"]
     written = as_user(U1, "/usr/bin/python3", "-c", WRITE, str(ranks), str(files), str(per_file))
@@ -77,9 +80,11 @@ def test_r6_one_users_rank_files_cost_a_bounded_parse(u1: int, world: Path, file
     assert 0.9 * size < (ranks / "flood000.json").stat().st_size < 1.1 * size
     flooded = _scan(ranks)
     grew = flooded["maxrss_mb"] - alone["maxrss_mb"]
-    print(f"root's file alone: {alone['maxrss_mb']:.0f} MB, {alone['seconds']:.2f} s; with U1's {files} "
-          f"files of {per_file} ranks: {flooded['maxrss_mb']:.0f} MB (+{grew:.0f}), "
-          f"{flooded['seconds']:.2f} s for three scans, {flooded['entries']} entries")
+    print(
+        f"root's file alone: {alone['maxrss_mb']:.0f} MB, {alone['seconds']:.2f} s; with U1's {files} "
+        f"files of {per_file} ranks: {flooded['maxrss_mb']:.0f} MB (+{grew:.0f}), "
+        f"{flooded['seconds']:.2f} s for three scans, {flooded['entries']} entries"
+    )
     assert "rootjob" in flooded["jobs"]
     assert grew < 20, flooded  # was +130 MB: every rank of every file parsed
     assert flooded["seconds"] < 2.0, flooded

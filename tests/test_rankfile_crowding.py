@@ -35,8 +35,10 @@ U1, U2 = "gw-crowd-u1", "gw-crowd-u2"
 SLEEP = ["/usr/bin/python3", "-c", "import time; time.sleep(300)"]
 H200 = Path(__file__).parent / "fixtures" / "nvml" / "h200_orphan_dataloader.json"
 HOLDER = 447  # the recorded PID of the one GPU holder kept in the fixture below
-JUNK = ("import sys\nfor i in range(int(sys.argv[2])):\n"
-        "    open(f'{sys.argv[1]}/!{sys.argv[3]}{i:05d}.json', 'w').close()\n")
+JUNK = (
+    "import sys\nfor i in range(int(sys.argv[2])):\n"
+    "    open(f'{sys.argv[1]}/!{sys.argv[3]}{i:05d}.json', 'w').close()\n"
+)
 
 
 users = users_fixture(U1, U2)
@@ -46,8 +48,7 @@ world = rank_world_fixture("gw-crowd-")
 
 
 def _popen_as(user: str, procs: list[subprocess.Popen[Any]]) -> subprocess.Popen[Any]:
-    p = subprocess.Popen([*setpriv(user), *SLEEP],
-                         env={"PATH": "/usr/bin:/bin"})
+    p = subprocess.Popen([*setpriv(user), *SLEEP], env={"PATH": "/usr/bin:/bin"})
     procs.append(p)
     return p
 
@@ -63,8 +64,9 @@ def _junk(user: str | None, ranks: Path, n: int) -> None:
     assert out.returncode == 0, out.stderr
 
 
-def test_one_users_junk_crowds_out_nobody(users: tuple[int, int], world: Path,
-                                          procs: list[subprocess.Popen[Any]]) -> None:
+def test_one_users_junk_crowds_out_nobody(
+    users: tuple[int, int], world: Path, procs: list[subprocess.Popen[Any]]
+) -> None:
     u1, _ = users
     ranks = world / "ranks"
     job = f"crowd{os.getpid()}"
@@ -78,14 +80,21 @@ def test_one_users_junk_crowds_out_nobody(users: tuple[int, int], world: Path,
     path, cfg = write_config(world, rank_dir=str(ranks))
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id=f"{job}-root", rank="0") == 1.0
-                   and d.value("gpuwatch_rank_up", job_id=f"{job}-u2", rank="0") == 1.0,
-                   what="root's and U2's ranks up beside U1's 4097 files")
+        d.wait_for(
+            lambda: (
+                d.value("gpuwatch_rank_up", job_id=f"{job}-root", rank="0") == 1.0
+                and d.value("gpuwatch_rank_up", job_id=f"{job}-u2", rank="0") == 1.0
+            ),
+            what="root's and U2's ranks up beside U1's 4097 files",
+        )
         # the others' files were all read: the collector is up, U1's excess is named
         assert d.value("gpuwatch_collector_success", collector="rankfiles") == 1.0
         state = json.loads((world / "state" / "state.json").read_text())
-        told = [f["explanation"] for f in state["findings"] if f["kind"] == "bad_rank_file"
-                and f"uid {u1} has {MAX_FILES + 1} rank files" in f["explanation"]]
+        told = [
+            f["explanation"]
+            for f in state["findings"]
+            if f["kind"] == "bad_rank_file" and f"uid {u1} has {MAX_FILES + 1} rank files" in f["explanation"]
+        ]
         assert told and f"{MAX_FILES + 1 - MAX_FILES_PER_OWNER} ignored" in told[0], told
         root_rank.kill()
         root_rank.wait()
@@ -126,8 +135,7 @@ def _check(world: Path, fixture: Path, holder: int, **kw: Any) -> tuple[int, str
     cfg_path = world / "check.yaml"
     cfg_path.write_text(f"rank_dir: {world / 'ranks'}\nnvml:\n  fixture: {fixture}\n")
     inputs = check.default_inputs(load_config(str(cfg_path)), None, 5.0)
-    source = NvmlSource(pynvml=RecordedNvml(json.loads(fixture.read_text()),
-                                            pid_map={HOLDER: holder}, loop=True))
+    source = NvmlSource(pynvml=RecordedNvml(json.loads(fixture.read_text()), pid_map={HOLDER: holder}, loop=True))
     inputs.read_nvml = lambda: check.read_with_timeout(source, 5.0)
     out = io.StringIO()
     rc = check.run_check(inputs, ["0"], out=out, **kw)
@@ -141,9 +149,9 @@ def _alive(p: subprocess.Popen[Any]) -> bool:
     return False
 
 
-def test_check_kill_never_kills_a_rank_crowded_out(users: tuple[int, int], world: Path,
-                                                    fixture: Path,
-                                                    procs: list[subprocess.Popen[Any]]) -> None:
+def test_check_kill_never_kills_a_rank_crowded_out(
+    users: tuple[int, int], world: Path, fixture: Path, procs: list[subprocess.Popen[Any]]
+) -> None:
     ranks = world / "ranks"
     u2_rank = _popen_as(U2, procs)
     user_writes(U2, ranks / "u2.json", _doc("u2job", u2_rank.pid))
@@ -162,8 +170,9 @@ def test_check_kill_never_kills_a_rank_crowded_out(users: tuple[int, int], world
     assert _alive(u2_rank), text
 
 
-def test_check_applies_the_trust_rules(users: tuple[int, int], world: Path, fixture: Path,
-                                       procs: list[subprocess.Popen[Any]]) -> None:
+def test_check_applies_the_trust_rules(
+    users: tuple[int, int], world: Path, fixture: Path, procs: list[subprocess.Popen[Any]]
+) -> None:
     """N5: U1's file claiming U2's unregistered GPU holder does not make it registered."""
     ranks = world / "ranks"
     holder = _popen_as(U2, procs)
@@ -176,8 +185,7 @@ def test_check_applies_the_trust_rules(users: tuple[int, int], world: Path, fixt
     assert _check(world, fixture, holder.pid)[0] == check.EXIT_CLEAN
 
 
-def test_the_node_cap_is_shared_fairly(users: tuple[int, int], world: Path,
-                                       procs: list[subprocess.Popen[Any]]) -> None:
+def test_the_node_cap_is_shared_fairly(users: tuple[int, int], world: Path, procs: list[subprocess.Popen[Any]]) -> None:
     """N11: at most MAX_RANKS_PER_NODE ranks are watched (the memory budget: 4096 did not fit
     the unit's MemoryMax, bench/rank_caps_rss.py), and one owner's many ranks (root's 2000
     here) never crowd out another's few: U1's 10 and U2's 1 are all watched."""
@@ -187,14 +195,27 @@ def test_the_node_cap_is_shared_fairly(users: tuple[int, int], world: Path,
     procs.append(root_rank)
     u1_rank, u2_rank = _popen_as(U1, procs), _popen_as(U2, procs)
     for f in range(8):
-        (ranks / f"root{f}.json").write_text(json.dumps({"version": 1, "job_id": f"{job}-r{f}", "ranks": [
-            {"rank": r, "pid": root_rank.pid} for r in range(250)]}))
-    user_writes(U1, ranks / "u1.json", json.dumps({"version": 1, "job_id": f"{job}-u1", "ranks": [
-        {"rank": r, "pid": u1_rank.pid} for r in range(10)]}))
+        (ranks / f"root{f}.json").write_text(
+            json.dumps(
+                {
+                    "version": 1,
+                    "job_id": f"{job}-r{f}",
+                    "ranks": [{"rank": r, "pid": root_rank.pid} for r in range(250)],
+                }
+            )
+        )
+    user_writes(
+        U1,
+        ranks / "u1.json",
+        json.dumps(
+            {"version": 1, "job_id": f"{job}-u1", "ranks": [{"rank": r, "pid": u1_rank.pid} for r in range(10)]}
+        ),
+    )
     user_writes(U2, ranks / "u2.json", _doc(f"{job}-u2", u2_rank.pid))
     path, cfg = write_config(world, rank_dir=str(ranks))
     d = DaemonProc(path, cfg)
     try:
+
         def up() -> dict[str, int]:
             n: dict[str, int] = {}
             for (name, labels), v in d.samples().items():
@@ -208,7 +229,10 @@ def test_the_node_cap_is_shared_fairly(users: tuple[int, int], world: Path,
         assert sum(counts.values()) == MAX_RANKS_PER_NODE, counts
         assert counts["u1"] == 10 and counts["u2"] == 1, counts
         state = json.loads((world / "state" / "state.json").read_text())
-        assert any("uid 0 claims 2000 ranks; only 1013 are watched" in f["explanation"]
-                   for f in state["findings"] if f["kind"] == "bad_rank_file")
+        assert any(
+            "uid 0 claims 2000 ranks; only 1013 are watched" in f["explanation"]
+            for f in state["findings"]
+            if f["kind"] == "bad_rank_file"
+        )
     finally:
         d.stop()

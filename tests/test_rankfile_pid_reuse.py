@@ -85,7 +85,24 @@ def test_a_dead_rank_whose_pid_another_user_takes_still_pages(users: None, ticks
     job = f"reuse-{uuid.uuid4().hex[:8]}"
     with shared_rank_world("gw-n4-") as world:
         out = subprocess.run(
-            ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
-             sys.executable, "-c", SCENE, TESTS, str(world), OWNER, TAKER, job, ticks],
-            capture_output=True, text=True, timeout=120)
+            [
+                "unshare",
+                "--pid",
+                "--fork",
+                "--kill-child",
+                "--mount-proc",
+                sys.executable,
+                "-c",
+                SCENE,
+                TESTS,
+                str(world),
+                OWNER,
+                TAKER,
+                job,
+                ticks,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert out.returncode == 0 and out.stdout.strip() == "paged", out.stdout + out.stderr[:3000]

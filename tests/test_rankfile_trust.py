@@ -33,6 +33,7 @@ def _beat(entry: RankEntry) -> float | None:
     [guarded], _ = guard_entries([entry])
     return heartbeat_mtime(guarded)
 
+
 USER = "gw-h7-trust"
 
 
@@ -59,24 +60,32 @@ def processes(user: int) -> Iterator[tuple[int, int]]:
     """(root's process, the user's process), both alive for the test."""
     root_proc = subprocess.Popen(["/usr/bin/python3", "-c", "import time; time.sleep(300)"])
     user_proc = subprocess.Popen(
-        ["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups",
-         "/usr/bin/python3", "-c", "import time; time.sleep(300)"],
-        env={"PATH": "/usr/bin:/bin"})
+        [
+            "setpriv",
+            f"--reuid={USER}",
+            f"--regid={USER}",
+            "--clear-groups",
+            "/usr/bin/python3",
+            "-c",
+            "import time; time.sleep(300)",
+        ],
+        env={"PATH": "/usr/bin:/bin"},
+    )
     yield root_proc.pid, user_proc.pid
     for p in (root_proc, user_proc):
         p.kill()
         p.wait(10)
 
 
-def test_rank_file_attacks_by_a_second_user(user: int, world: Path,
-                                           processes: tuple[int, int]) -> None:
+def test_rank_file_attacks_by_a_second_user(user: int, world: Path, processes: tuple[int, int]) -> None:
     root_pid, user_pid = processes
     ranks = world / "ranks"
 
     # 1. Honest: the user registers their own process, with a heartbeat file they own.
     _user_writes(world / "ranks" / "hb-own", "")
-    _user_writes(ranks / "honest.json", _doc("honest", [
-        {"rank": 0, "pid": user_pid, "heartbeat": str(ranks / "hb-own")}]))
+    _user_writes(
+        ranks / "honest.json", _doc("honest", [{"rank": 0, "pid": user_pid, "heartbeat": str(ranks / "hb-own")}])
+    )
     # 2. Claiming root's process.
     _user_writes(ranks / "steal.json", _doc("steal", [{"rank": 0, "pid": root_pid}]))
     # 3. A symlink to a root-owned rank file (which would be trusted for root's process).
@@ -97,31 +106,34 @@ def test_rank_file_attacks_by_a_second_user(user: int, world: Path,
     out = _as_user("/bin/ln", str(home / "mine.json"), str(ranks / "hard.json"))
     assert out.returncode == 0, out.stderr
     # 5. Oversized and deeply nested documents.
-    _user_writes(ranks / "huge.json", _doc("huge", [{"rank": 0, "pid": user_pid}])[:-1]
-                 + ', "x": "' + "A" * 300_000 + '"}')
+    _user_writes(
+        ranks / "huge.json", _doc("huge", [{"rank": 0, "pid": user_pid}])[:-1] + ', "x": "' + "A" * 300_000 + '"}'
+    )
     _user_writes(ranks / "deep.json", "[" * 100_000 + "]" * 100_000)
     # 6. Label injection through job_id, and a job_id far too long.
-    _user_writes(ranks / "inject.json",
-                 _doc('x",kind="rank_oom_killed', [{"rank": 0, "pid": user_pid}]))
+    _user_writes(ranks / "inject.json", _doc('x",kind="rank_oom_killed', [{"rank": 0, "pid": user_pid}]))
     _user_writes(ranks / "long.json", _doc("j" * 129, [{"rank": 0, "pid": user_pid}]))
     # 7. A heartbeat path pointing at a root file: its mtime must not leak into /metrics.
     secret = private / "root-only"
     secret.write_text("x")
     secret.chmod(0o600)
     os.utime(secret, (1_000_000_000, 1_000_000_000))
-    _user_writes(ranks / "peek.json", _doc("peek", [
-        {"rank": 0, "pid": user_pid, "heartbeat": str(secret)}]))
+    _user_writes(ranks / "peek.json", _doc("peek", [{"rank": 0, "pid": user_pid, "heartbeat": str(secret)}]))
     # 8. A flood: one job claiming more ranks than the per-job cap.
     n_flood = MAX_RANKS_PER_JOB + 44
-    _user_writes(ranks / "flood.json", _doc("flood", [
-        {"rank": i, "pid": 4_000_000 + i} for i in range(n_flood)]))
+    _user_writes(ranks / "flood.json", _doc("flood", [{"rank": i, "pid": 4_000_000 + i} for i in range(n_flood)]))
 
     path, cfg = write_config(world, rank_dir=str(ranks))
     d = DaemonProc(path, cfg)
     try:
         # /metrics shows a cycle's state before that cycle has written state.json: wait for both
-        d.wait_for(lambda: d.value("gpuwatch_rank_up", job_id="honest", rank="0") == 1.0
-                   and (world / "state" / "state.json").exists(), what="the honest rank")
+        d.wait_for(
+            lambda: (
+                d.value("gpuwatch_rank_up", job_id="honest", rank="0") == 1.0
+                and (world / "state" / "state.json").exists()
+            ),
+            what="the honest rank",
+        )
         samples = d.samples()
         text = d.text()
         state = json.loads((world / "state" / "state.json").read_text())
@@ -129,12 +141,14 @@ def test_rank_file_attacks_by_a_second_user(user: int, world: Path,
         d.stop()
 
     def series(name: str, job: str) -> list[dict[str, str]]:
-        return [dict(ls) for (n, ls), _ in samples.items()
-                if n == name and dict(ls).get("job_id") == job]
+        return [dict(ls) for (n, ls), _ in samples.items() if n == name and dict(ls).get("job_id") == job]
 
     def progress(job: str) -> list[float]:
-        return [v for (n, ls), v in samples.items()
-                if n == "gpuwatch_rank_progress_timestamp_seconds" and dict(ls)["job_id"] == job]
+        return [
+            v
+            for (n, ls), v in samples.items()
+            if n == "gpuwatch_rank_progress_timestamp_seconds" and dict(ls)["job_id"] == job
+        ]
 
     # Accepted: the honest rank, its heartbeat (the user's own file) and the capped flood.
     assert series("gpuwatch_rank_info", "honest")[0]["pid"] == str(user_pid)
@@ -152,8 +166,7 @@ def test_rank_file_attacks_by_a_second_user(user: int, world: Path,
     assert not re.search(r"(?<![\d.])(?:1000000000(?:\.0)?|1e\+09)(?![\d.])", text)
 
     # Every refusal is a finding with its reason.
-    explanations = "\n".join(f["explanation"] for f in state["findings"]
-                             if f["kind"] == "bad_rank_file")
+    explanations = "\n".join(f["explanation"] for f in state["findings"] if f["kind"] == "bad_rank_file")
     expected = {
         "steal.json": f"may not claim pid {root_pid}",
         "link.json": "symbolic link",
@@ -165,22 +178,20 @@ def test_rank_file_attacks_by_a_second_user(user: int, world: Path,
         "flood.json": f"more than {MAX_RANKS_PER_JOB} ranks",
     }
     for name, reason in expected.items():
-        assert any(name in line and reason in line for line in explanations.splitlines()), (
-            name, reason, explanations)
+        assert any(name in line and reason in line for line in explanations.splitlines()), (name, reason, explanations)
     # On /metrics they share one series (a bad file has no job_id/rank/pid label to tell apart).
-    assert [v for (n, ls), v in samples.items()
-            if n == "gpuwatch_finding" and dict(ls)["kind"] == "bad_rank_file"] == [1.0]
+    assert [v for (n, ls), v in samples.items() if n == "gpuwatch_finding" and dict(ls)["kind"] == "bad_rank_file"] == [
+        1.0
+    ]
 
     # The exposition stays valid with all of this on it.
     promtool = shutil.which("promtool")
     assert promtool is not None
-    lint = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
-                          text=True, timeout=60)
+    lint = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert "error" not in (lint.stdout + lint.stderr).lower(), lint.stdout + lint.stderr
 
 
-def test_trust_is_rechecked_when_the_pid_changes_hands(user: int, world: Path,
-                                                      processes: tuple[int, int]) -> None:
+def test_trust_is_rechecked_when_the_pid_changes_hands(user: int, world: Path, processes: tuple[int, int]) -> None:
     """A user's file naming a PID that does not exist yet proves nothing; once a root process
     holds that PID, the claim is refused (the owner check runs every cycle)."""
     root_pid, _ = processes
@@ -197,8 +208,9 @@ def test_trust_is_rechecked_when_the_pid_changes_hands(user: int, world: Path,
 
 def test_cap_ranks_per_owner_and_per_job() -> None:
     def e(job: str, rank: int, owner: int | None, source: str = "rankfile") -> RankEntry:
-        return RankEntry(job_id=job, rank=rank, pid=10_000 + rank, source=source,
-                         path=f"/r/{job}.json", owner_uid=owner)
+        return RankEntry(
+            job_id=job, rank=rank, pid=10_000 + rank, source=source, path=f"/r/{job}.json", owner_uid=owner
+        )
 
     many = [e(f"j{j}", r, 1234) for j in range(5) for r in range(250)]
     kept, bad = cap_ranks(many, per_job=256, per_owner=1024)
@@ -220,18 +232,14 @@ def test_heartbeat_owner_rule(user: int, world: Path, processes: tuple[int, int]
     _user_writes(own, "")
     root_file = world / "root.hb"
     root_file.write_text("")
-    entry = RankEntry(job_id="j", rank=0, pid=user_pid, heartbeat=str(own), owner_uid=user,
-                      source="rankfile")
+    entry = RankEntry(job_id="j", rank=0, pid=user_pid, heartbeat=str(own), owner_uid=user, source="rankfile")
     assert _beat(entry) == own.stat().st_mtime
-    peek = RankEntry(job_id="j", rank=0, pid=user_pid, heartbeat=str(root_file),
-                     owner_uid=user, source="rankfile")
+    peek = RankEntry(job_id="j", rank=0, pid=user_pid, heartbeat=str(root_file), owner_uid=user, source="rankfile")
     assert _beat(peek) is None
-    by_root = RankEntry(job_id="j", rank=0, pid=user_pid, heartbeat=str(root_file), owner_uid=0,
-                        source="rankfile")
+    by_root = RankEntry(job_id="j", rank=0, pid=user_pid, heartbeat=str(root_file), owner_uid=0, source="rankfile")
     assert _beat(by_root) == root_file.stat().st_mtime
     # Resolved in the rank's mount namespace: a path only the rank's /proc/PID/root shows.
-    gone = RankEntry(job_id="j", rank=0, pid=user_pid, heartbeat="/nonexistent/x.hb",
-                     owner_uid=user, source="rankfile")
+    gone = RankEntry(job_id="j", rank=0, pid=user_pid, heartbeat="/nonexistent/x.hb", owner_uid=user, source="rankfile")
     assert _beat(gone) is None
 
 
@@ -242,15 +250,24 @@ def test_heartbeat_is_found_in_the_ranks_own_mount_namespace(tmp_path: Path) -> 
     hidden = tmp_path / "job-tmp"
     hidden.mkdir()
     rank = subprocess.Popen(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-         f"mount -t tmpfs gw-h7 {hidden} && touch -d @1700000000 {hidden}/hb && echo ok"
-         " && exec sleep 120"],
-        stdout=subprocess.PIPE, text=True)
+        [
+            "unshare",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            f"mount -t tmpfs gw-h7 {hidden} && touch -d @1700000000 {hidden}/hb && echo ok && exec sleep 120",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert rank.stdout is not None and rank.stdout.readline().strip() == "ok"
         assert not (hidden / "hb").exists()  # not in our view
-        entry = RankEntry(job_id="ns", rank=0, pid=rank.pid, heartbeat=str(hidden / "hb"),
-                          owner_uid=0, source="rankfile")
+        entry = RankEntry(
+            job_id="ns", rank=0, pid=rank.pid, heartbeat=str(hidden / "hb"), owner_uid=0, source="rankfile"
+        )
         [guarded], bad = guard_entries([entry])
         assert bad == [] and guarded.heartbeat_root == f"/proc/{rank.pid}/root"
         assert heartbeat_mtime(guarded) == 1_700_000_000.0
@@ -274,15 +291,23 @@ def test_heartbeat_links_never_leave_the_ranks_root(tmp_path: Path) -> None:
     (root / "escape").symlink_to(outside)
     (root / "dotdot").symlink_to("../" * 20 + str(outside).lstrip("/"))
     rank = subprocess.Popen(
-        ["/usr/bin/python3", "-c", "import os, sys, time; os.chroot(sys.argv[1]); os.chdir('/'); "
-         "print('ok', flush=True); time.sleep(120)", str(root)], stdout=subprocess.PIPE, text=True)
+        [
+            "/usr/bin/python3",
+            "-c",
+            "import os, sys, time; os.chroot(sys.argv[1]); os.chdir('/'); print('ok', flush=True); time.sleep(120)",
+            str(root),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert rank.stdout is not None and rank.stdout.readline().strip() == "ok"
         assert os.stat(f"/proc/{rank.pid}/root/escape").st_mtime == 1_600_000_000.0  # the hole
 
         def beat(path: str) -> float | None:
-            return _beat(RankEntry(job_id="c", rank=0, pid=rank.pid, heartbeat=path, owner_uid=0,
-                                   ns_pid=1, source="rankfile"))
+            return _beat(
+                RankEntry(job_id="c", rank=0, pid=rank.pid, heartbeat=path, owner_uid=0, ns_pid=1, source="rankfile")
+            )
 
         assert beat("/hb") == beat("/inner") == 1_700_000_000.0
         assert beat("/escape") is None and beat("/dotdot") is None

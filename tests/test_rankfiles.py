@@ -30,9 +30,20 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def doc(**kw: object) -> dict:
-    base: dict = {"version": 1, "job_id": "llm-7", "world_size": 16,
-                  "ranks": [{"rank": 3, "local_rank": 3, "pid": 1234, "gpus": ["GPU-0f1e2d3c-aaaa", 3],
-                             "heartbeat": "/run/gpuwatch/ranks/llm-7.3.hb"}]}
+    base: dict = {
+        "version": 1,
+        "job_id": "llm-7",
+        "world_size": 16,
+        "ranks": [
+            {
+                "rank": 3,
+                "local_rank": 3,
+                "pid": 1234,
+                "gpus": ["GPU-0f1e2d3c-aaaa", 3],
+                "heartbeat": "/run/gpuwatch/ranks/llm-7.3.hb",
+            }
+        ],
+    }
     base.update(kw)
     return base
 
@@ -44,23 +55,26 @@ def test_valid_document() -> None:
     assert e.owner_uid == 0 and e.source == "rankfile"
 
 
-@pytest.mark.parametrize("bad,msg", [
-    (doc(version=2), "version"),
-    (doc(job_id="has space"), "job_id"),
-    (doc(job_id="x" * 129), "job_id"),
-    (doc(job_id=""), "job_id"),
-    (doc(ranks=[]), "non-empty"),
-    (doc(ranks=[{"rank": 16, "pid": 1}]), "rank"),
-    (doc(ranks=[{"rank": 0, "pid": 0}]), "pid"),
-    (doc(ranks=[{"rank": 0, "pid": True}]), "pid"),
-    (doc(ranks=[{"rank": 0, "pid": 1}, {"rank": 0, "pid": 2}]), "twice"),
-    (doc(ranks=[{"rank": 0, "pid": 1, "gpus": ["x; rm -rf"]}]), "GPU"),
-    (doc(ranks=[{"rank": 0, "pid": 1, "heartbeat": "relative"}]), "heartbeat"),
-    (doc(ranks=[{"rank": 0, "pid": 1, "env": {"SECRET": "x"}}]), "unknown key"),
-    (doc(extra=1), "unknown key"),
-    ([1, 2], "object"),
-    (doc(ranks=[[[[[[[[[[1]]]]]]]]]]), "nested"),
-])
+@pytest.mark.parametrize(
+    "bad,msg",
+    [
+        (doc(version=2), "version"),
+        (doc(job_id="has space"), "job_id"),
+        (doc(job_id="x" * 129), "job_id"),
+        (doc(job_id=""), "job_id"),
+        (doc(ranks=[]), "non-empty"),
+        (doc(ranks=[{"rank": 16, "pid": 1}]), "rank"),
+        (doc(ranks=[{"rank": 0, "pid": 0}]), "pid"),
+        (doc(ranks=[{"rank": 0, "pid": True}]), "pid"),
+        (doc(ranks=[{"rank": 0, "pid": 1}, {"rank": 0, "pid": 2}]), "twice"),
+        (doc(ranks=[{"rank": 0, "pid": 1, "gpus": ["x; rm -rf"]}]), "GPU"),
+        (doc(ranks=[{"rank": 0, "pid": 1, "heartbeat": "relative"}]), "heartbeat"),
+        (doc(ranks=[{"rank": 0, "pid": 1, "env": {"SECRET": "x"}}]), "unknown key"),
+        (doc(extra=1), "unknown key"),
+        ([1, 2], "object"),
+        (doc(ranks=[[[[[[[[[[1]]]]]]]]]]), "nested"),
+    ],
+)
 def test_invalid_documents(bad: object, msg: str) -> None:
     with pytest.raises(RankFileError, match=msg):
         parse_rank_document(bad)
@@ -113,8 +127,14 @@ def test_arbitrary_bytes_are_a_bad_file_never_an_exception(tmp_path: Path, data:
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10),
-    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.sampled_from(
-        ["version", "job_id", "ranks", "rank", "pid", "gpus", "world_size", "local_rank", "x"]), c, max_size=5),
+    lambda c: (
+        st.lists(c, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(["version", "job_id", "ranks", "rank", "pid", "gpus", "world_size", "local_rank", "x"]),
+            c,
+            max_size=5,
+        )
+    ),
     max_leaves=25,
 )
 
@@ -130,17 +150,37 @@ def test_any_json_document_parses_or_raises_rankfileerror(value: object) -> None
         assert entries and all(e.pid > 0 for e in entries)
 
 
-@pytest.mark.parametrize("env,expected", [
-    ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "llm-7"}, ("llm-7", 3, 1, 8)),
-    ({"RANK": "3", "TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0"},
-     ("4242", 3, None, None)),
-    ({"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "99", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8"},
-     ("99.0", 5, 1, 8)),
-    ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4",
-      "OMPI_MCA_ess_base_jobid": "123"}, ("123", 2, 0, 4)),
-    ({"RANK": "1"}, None),  # RANK alone (no launcher) is not enough
-    ({"SLURM_PROCID": "x", "SLURM_JOB_ID": "1"}, None),
-])
+@pytest.mark.parametrize(
+    "env,expected",
+    [
+        ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": "llm-7"}, ("llm-7", 3, 1, 8)),
+        (
+            {"RANK": "3", "TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0"},
+            ("4242", 3, None, None),
+        ),
+        (
+            {
+                "SLURM_PROCID": "5",
+                "SLURM_LOCALID": "1",
+                "SLURM_JOB_ID": "99",
+                "SLURM_STEP_ID": "0",
+                "SLURM_NTASKS": "8",
+            },
+            ("99.0", 5, 1, 8),
+        ),
+        (
+            {
+                "OMPI_COMM_WORLD_RANK": "2",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                "OMPI_COMM_WORLD_SIZE": "4",
+                "OMPI_MCA_ess_base_jobid": "123",
+            },
+            ("123", 2, 0, 4),
+        ),
+        ({"RANK": "1"}, None),  # RANK alone (no launcher) is not enough
+        ({"SLURM_PROCID": "x", "SLURM_JOB_ID": "1"}, None),
+    ],
+)
 def test_claim_from_env(env: dict[str, str], expected: tuple | None) -> None:
     assert claim_from_env(env, ("torchrun", "slurm", "openmpi")) == expected
 
@@ -152,8 +192,10 @@ def test_claim_respects_configured_launchers() -> None:
 
 def test_discovery_from_real_processes_skips_inheriting_children() -> None:
     # A "rank" with a DataLoader-like child that inherits its environment.
-    code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', "
-            "'import time; time.sleep(30)']); print(c.pid, flush=True); time.sleep(30)")
+    code = (
+        "import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', "
+        "'import time; time.sleep(30)']); print(c.pid, flush=True); time.sleep(30)"
+    )
     job = f"disc-test-{os.getpid()}"  # unique: other processes on the host may run this test too
     env = {**os.environ, "RANK": "4", "LOCAL_RANK": "0", "WORLD_SIZE": "8", "TORCHELASTIC_RUN_ID": job}
     p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
@@ -169,8 +211,13 @@ def test_discovery_from_real_processes_skips_inheriting_children() -> None:
 
 
 def test_python_api_register_heartbeat_unregister(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for k, v in {"RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "api-job",
-                 "CUDA_VISIBLE_DEVICES": "5,6"}.items():
+    for k, v in {
+        "RANK": "2",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "4",
+        "TORCHELASTIC_RUN_ID": "api-job",
+        "CUDA_VISIBLE_DEVICES": "5,6",
+    }.items():
         monkeypatch.setenv(k, v)
     path = register_rank(rank_dir=str(tmp_path), cuda_oom_hook=False)
     assert path is not None
@@ -201,17 +248,65 @@ def test_register_without_launcher_env_warns_not_raises(tmp_path: Path, monkeypa
 
 
 def test_register_cli_then_unregister(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "gpuwatchd", "register", "--rank-dir", str(tmp_path),
-                        "--job-id", "cli-job", "--rank", "1", "--pid", str(os.getpid()), "--gpus", "0,1"],
-                       capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpuwatchd",
+            "register",
+            "--rank-dir",
+            str(tmp_path),
+            "--job-id",
+            "cli-job",
+            "--rank",
+            "1",
+            "--pid",
+            str(os.getpid()),
+            "--gpus",
+            "0,1",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     written = json.loads(Path(r.stdout.strip()).read_text())
-    assert written == build_document("cli-job", 1, os.getpid(), gpus=["0", "1"],
-                                     start_ticks=written["ranks"][0]["start_ticks"])
-    bad = subprocess.run([sys.executable, "-m", "gpuwatchd", "register", "--rank-dir", str(tmp_path),
-                          "--job-id", "bad job", "--rank", "1", "--pid", "1"], capture_output=True, text=True)
+    assert written == build_document(
+        "cli-job", 1, os.getpid(), gpus=["0", "1"], start_ticks=written["ranks"][0]["start_ticks"]
+    )
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpuwatchd",
+            "register",
+            "--rank-dir",
+            str(tmp_path),
+            "--job-id",
+            "bad job",
+            "--rank",
+            "1",
+            "--pid",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "job_id" in bad.stderr
-    subprocess.run([sys.executable, "-m", "gpuwatchd", "unregister", "--rank-dir", str(tmp_path),
-                    "--job-id", "cli-job", "--rank", "1"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpuwatchd",
+            "unregister",
+            "--rank-dir",
+            str(tmp_path),
+            "--job-id",
+            "cli-job",
+            "--rank",
+            "1",
+        ],
+        check=True,
+    )
     assert list(tmp_path.glob("*.json")) == []
 
 
@@ -219,7 +314,14 @@ def test_schema_document_matches_parser() -> None:
     schema = json.loads((REPO / "gpuwatchd" / "rank" / "rankfile.schema.json").read_text())
     assert set(schema["properties"]) == {"version", "job_id", "world_size", "ranks"}
     assert set(schema["properties"]["ranks"]["items"]["properties"]) == {
-        "rank", "local_rank", "pid", "gpus", "heartbeat", "start_ticks", "pid_ns"}
+        "rank",
+        "local_rank",
+        "pid",
+        "gpus",
+        "heartbeat",
+        "start_ticks",
+        "pid_ns",
+    }
     from gpuwatchd.rank.rankfile import RANK_KEYS
 
     assert set(schema["properties"]["ranks"]["items"]["properties"]) == RANK_KEYS
@@ -240,13 +342,55 @@ def _compiled() -> Any:
     return fastjsonschema.compile(json.loads(_SCHEMA.read_text()))
 
 
-_ODD_TEXT = st.sampled_from(["llm-7", "llm-7\n", "\nllm-7", "a" * 128, "a" * 129, "", "job id",
-                             "j\u00e9", "job:1@x.y-z_", "\u0663", "3\n", "0", "999", "1000", "-1",
-                             "GPU-0a1b", "MIG-GPU-1/2", "GPU-" + "a" * 81, "/abs/hb", "rel/hb",
-                             "/abs/\x07", "/abs/\u00a0x", "/" + "x" * 4096]) | st.text(max_size=8)
-_ODD_INT = st.sampled_from([0, 1, -1, 2, 7, 999, 1000, 65536, 65537, (1 << 20) - 1, 1 << 20,
-                            1 << 22, (1 << 22) + 1, 1 << 40, (1 << 62), (1 << 62) + 1,
-                            (1 << 32) - 1, 1 << 32]) | st.integers(-5, 5000)
+_ODD_TEXT = st.sampled_from(
+    [
+        "llm-7",
+        "llm-7\n",
+        "\nllm-7",
+        "a" * 128,
+        "a" * 129,
+        "",
+        "job id",
+        "j\u00e9",
+        "job:1@x.y-z_",
+        "\u0663",
+        "3\n",
+        "0",
+        "999",
+        "1000",
+        "-1",
+        "GPU-0a1b",
+        "MIG-GPU-1/2",
+        "GPU-" + "a" * 81,
+        "/abs/hb",
+        "rel/hb",
+        "/abs/\x07",
+        "/abs/\u00a0x",
+        "/" + "x" * 4096,
+    ]
+) | st.text(max_size=8)
+_ODD_INT = st.sampled_from(
+    [
+        0,
+        1,
+        -1,
+        2,
+        7,
+        999,
+        1000,
+        65536,
+        65537,
+        (1 << 20) - 1,
+        1 << 20,
+        1 << 22,
+        (1 << 22) + 1,
+        1 << 40,
+        (1 << 62),
+        (1 << 62) + 1,
+        (1 << 32) - 1,
+        1 << 32,
+    ]
+) | st.integers(-5, 5000)
 _ODD = _ODD_INT | _ODD_TEXT | st.sampled_from([True, None, 1.0, 2.5, [], {}])
 
 
@@ -307,13 +451,16 @@ def test_a_final_newline_is_refused_by_reader_and_schema_alike(field: str) -> No
         _compiled()(doc)
 
 
-@pytest.mark.parametrize("doc", [
-    {"version": 1, "job_id": "j", "ranks": [{"rank": 0, "pid": 1 << 40}]},
-    {"version": 1, "job_id": "j", "ranks": [{"rank": 0, "pid": 12345678901234567890123456789}]},
-    {"version": 1, "job_id": "j", "ranks": [{"rank": 0, "pid": 7, "heartbeat": "relative/hb"}]},
-    {"version": 1, "job_id": "j", "ranks": [{"rank": 0, "pid": 7, "gpus": ["\u0663"]}]},
-    {"version": 1, "job_id": "j", "world_size": 1 << 21, "ranks": [{"rank": 0, "pid": 7}]},
-])
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"version": 1, "job_id": "j", "ranks": [{"rank": 0, "pid": 1 << 40}]},
+        {"version": 1, "job_id": "j", "ranks": [{"rank": 0, "pid": 12345678901234567890123456789}]},
+        {"version": 1, "job_id": "j", "ranks": [{"rank": 0, "pid": 7, "heartbeat": "relative/hb"}]},
+        {"version": 1, "job_id": "j", "ranks": [{"rank": 0, "pid": 7, "gpus": ["\u0663"]}]},
+        {"version": 1, "job_id": "j", "world_size": 1 << 21, "ranks": [{"rank": 0, "pid": 7}]},
+    ],
+)
 def test_the_schema_states_the_maxima_the_reader_enforces(doc: dict) -> None:
     import fastjsonschema
 

@@ -45,8 +45,11 @@ def test_promtool_unit_tests_catch_a_wrong_recording_rule(tmp_path: Path) -> Non
 
 
 def test_every_recorded_series_is_on_a_dashboard() -> None:
-    exprs = [t["expr"] for path in DASHBOARDS.glob("*.json")
-             for panel in json.loads(path.read_text())["panels"]
-             for t in panel.get("targets", [])]
+    exprs = [
+        t["expr"]
+        for path in DASHBOARDS.glob("*.json")
+        for panel in json.loads(path.read_text())["panels"]
+        for t in panel.get("targets", [])
+    ]
     unused = [r for r in _records() if not any(r in e for e in exprs)]
     assert not unused, f"recorded but read by no panel: {unused}"

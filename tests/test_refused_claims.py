@@ -29,8 +29,7 @@ U1, U2 = "gw-n3-u1", "gw-n3-u2"
 SLEEP = ["/usr/bin/python3", "-c", "import time; time.sleep(300)"]
 SPIN = ["/usr/bin/python3", "-c", "while True: pass"]
 # touches argv[1] every 0.2 s (a heartbeat)
-BEAT = ["/usr/bin/python3", "-c",
-        "import os, sys, time\nwhile True:\n    os.utime(sys.argv[1]); time.sleep(0.2)"]
+BEAT = ["/usr/bin/python3", "-c", "import os, sys, time\nwhile True:\n    os.utime(sys.argv[1]); time.sleep(0.2)"]
 
 
 users = users_fixture(U1, U2)
@@ -57,8 +56,9 @@ def _refused(d: DaemonProc, world: Path, name: str) -> bool:
     path = world / "state" / "state.json"
     if not path.exists():
         return False
-    return any(f["kind"] == "bad_rank_file" and name in f["explanation"]
-               for f in json.loads(path.read_text())["findings"])
+    return any(
+        f["kind"] == "bad_rank_file" and name in f["explanation"] for f in json.loads(path.read_text())["findings"]
+    )
 
 
 def _hold(d: DaemonProc, what: str, pred: Any, seconds: float) -> None:
@@ -69,7 +69,8 @@ def _hold(d: DaemonProc, what: str, pred: Any, seconds: float) -> None:
 
 
 def test_a_refused_stopped_claim_does_not_page_on_roots_rank(
-        users: tuple[int, int], world: Path, procs: list[subprocess.Popen[Any]]) -> None:
+    users: tuple[int, int], world: Path, procs: list[subprocess.Popen[Any]]
+) -> None:
     ranks = world / "ranks"
     job = f"good{os.getpid()}"
     squatter = _as(U1, SLEEP, procs)  # started first: the lower pid
@@ -82,17 +83,26 @@ def test_a_refused_stopped_claim_does_not_page_on_roots_rank(
     path, cfg = write_config(world, rank_dir=str(ranks), stall={"after_seconds": 1.5})
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_rank_stalled", job_id=job, rank="0") is not None
-                   and _refused(d, world, "claim.json"), what="root's rank and the refusal")
+        d.wait_for(
+            lambda: (
+                d.value("gpuwatch_rank_stalled", job_id=job, rank="0") is not None and _refused(d, world, "claim.json")
+            ),
+            what="root's rank and the refusal",
+        )
         assert d.value("gpuwatch_rank_info", job_id=job, rank="0", pid=str(root_rank.pid)) == 1.0
-        _hold(d, "root's heartbeating rank not stalled",
-              lambda: d.value("gpuwatch_rank_stalled", job_id=job, rank="0") == 0.0, 6.0)
+        _hold(
+            d,
+            "root's heartbeating rank not stalled",
+            lambda: d.value("gpuwatch_rank_stalled", job_id=job, rank="0") == 0.0,
+            6.0,
+        )
     finally:
         d.stop()
 
 
 def test_a_refused_fresh_heartbeat_does_not_hide_roots_stall(
-        users: tuple[int, int], world: Path, procs: list[subprocess.Popen[Any]]) -> None:
+    users: tuple[int, int], world: Path, procs: list[subprocess.Popen[Any]]
+) -> None:
     ranks = world / "ranks"
     job = f"stuck{os.getpid()}"
     hb = world / "root.hb"
@@ -107,30 +117,38 @@ def test_a_refused_fresh_heartbeat_does_not_hide_roots_stall(
     path, cfg = write_config(world, rank_dir=str(ranks), stall={"after_seconds": 1.5})
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_rank_stalled", job_id=job, rank="0") == 1.0,
-                   timeout=20, what="root's real stall")
-        assert d.value("gpuwatch_rank_progress_timestamp_seconds", job_id=job,
-                       rank="0") == pytest.approx(hb.stat().st_mtime)
+        d.wait_for(
+            lambda: d.value("gpuwatch_rank_stalled", job_id=job, rank="0") == 1.0, timeout=20, what="root's real stall"
+        )
+        assert d.value("gpuwatch_rank_progress_timestamp_seconds", job_id=job, rank="0") == pytest.approx(
+            hb.stat().st_mtime
+        )
     finally:
         d.stop()
 
 
 def test_a_refused_claim_of_another_users_process_is_never_sampled(
-        users: tuple[int, int], world: Path, procs: list[subprocess.Popen[Any]]) -> None:
+    users: tuple[int, int], world: Path, procs: list[subprocess.Popen[Any]]
+) -> None:
     ranks = world / "ranks"
     mine, theirs = f"rootgil{os.getpid()}", f"u1job{os.getpid()}"
     root_spin = _as(None, SPIN, procs)
     u2_spin = _as(U2, SPIN, procs)
     (ranks / "root.json").write_text(_doc(mine, root_spin.pid))
     user_writes(U1, ranks / "claim.json", _doc(theirs, u2_spin.pid))
-    path, cfg = write_config(world, rank_dir=str(ranks),
-                             gil={"enabled": True, "interval_seconds": 1, "duration_seconds": 1,
-                                  "rate_hz": 50, "timeout_seconds": 10})
+    path, cfg = write_config(
+        world,
+        rank_dir=str(ranks),
+        gil={"enabled": True, "interval_seconds": 1, "duration_seconds": 1, "rate_hz": 50, "timeout_seconds": 10},
+    )
     d = DaemonProc(path, cfg)
     try:
         # the sampler works (root's own rank is sampled twice) ...
-        d.wait_for(lambda: (d.value("gpuwatch_rank_gil_samples_total", job_id=mine, rank="0")
-                            or 0) >= 2 * 49, timeout=40, what="two GIL samples of root's rank")
+        d.wait_for(
+            lambda: (d.value("gpuwatch_rank_gil_samples_total", job_id=mine, rank="0") or 0) >= 2 * 49,
+            timeout=40,
+            what="two GIL samples of root's rank",
+        )
         assert _refused(d, world, "claim.json")
         # ... and never read U2's process for U1's refused claim
         text = d.text()

@@ -32,15 +32,20 @@ from gpuwatchd.rank import api
 from gpuwatchd.sources.kernel_lines import parse_message
 
 # about half a core: on CPU, so it is sampled (an idle rank is not screened, daemon/gil.py)
-SPIN = ("import time\nwhile True:\n    t = time.monotonic()\n"
-        "    while time.monotonic() - t < 0.01:\n        sum(range(1000))\n    time.sleep(0.01)\n")
+SPIN = (
+    "import time\nwhile True:\n    t = time.monotonic()\n"
+    "    while time.monotonic() - t < 0.01:\n        sum(range(1000))\n    time.sleep(0.01)\n"
+)
 
 
 def job_series(d: DaemonProc, prefix: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     """The counter series of the test's jobs (a recent kill's finding is a gauge with its own
     window, findings/rank_oom_killed.py)."""
-    return {k: v for k, v in d.samples().items()
-            if k[0].endswith("_total") and dict(k[1]).get("job_id", "").startswith(prefix)}
+    return {
+        k: v
+        for k, v in d.samples().items()
+        if k[0].endswith("_total") and dict(k[1]).get("job_id", "").startswith(prefix)
+    }
 
 
 @pytest.fixture
@@ -53,11 +58,19 @@ def cgroup() -> Iterable[MemCgroup]:
 
 
 def test_churned_ranks_vanish_and_an_oom_kill_stays_for_its_window(
-        tmp_path: Path, procs: list[subprocess.Popen[Any]], cgroup: MemCgroup) -> None:
+    tmp_path: Path, procs: list[subprocess.Popen[Any]], cgroup: MemCgroup
+) -> None:
     path, cfg = write_config(
-        tmp_path, kernel_log="kmsg", interval_seconds=0.3,
-        gil={"enabled": True, "interval_seconds": 0.5, "duration_seconds": 0.3, "rate_hz": 50,
-             "healthy_interval_seconds": 0.5},  # every rank sampled, healthy or not
+        tmp_path,
+        kernel_log="kmsg",
+        interval_seconds=0.3,
+        gil={
+            "enabled": True,
+            "interval_seconds": 0.5,
+            "duration_seconds": 0.3,
+            "rate_hz": 50,
+            "healthy_interval_seconds": 0.5,
+        },  # every rank sampled, healthy or not
         retention={"ended_rank_seconds": 2, "oom_kill_seconds": 10},
     )
     prefix = f"churn-{uuid.uuid4().hex[:6]}-"
@@ -70,14 +83,18 @@ def test_churned_ranks_vanish_and_an_oom_kill_stays_for_its_window(
             ranks = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(2)]
             procs.extend(ranks)
             for r, p in enumerate(ranks):
-                api.register_rank(job, r, pid=p.pid, rank_dir=rank_dir, heartbeat=False,
-                                  cuda_oom_hook=False, strict=True)
-            d.wait_for(lambda j=job: d.value("gpuwatch_rank_up", job_id=j, rank="1") == 1.0,
-                       timeout=20, what=f"{job} up")
+                api.register_rank(
+                    job, r, pid=p.pid, rank_dir=rank_dir, heartbeat=False, cuda_oom_hook=False, strict=True
+                )
+            d.wait_for(
+                lambda j=job: d.value("gpuwatch_rank_up", job_id=j, rank="1") == 1.0, timeout=20, what=f"{job} up"
+            )
             if n == 0:
-                d.wait_for(lambda j=job: (d.value("gpuwatch_rank_gil_samples_total", job_id=j,
-                                                  rank="0") or 0) > 0,
-                           timeout=30, what="a GIL sample of the first job")
+                d.wait_for(
+                    lambda j=job: (d.value("gpuwatch_rank_gil_samples_total", job_id=j, rank="0") or 0) > 0,
+                    timeout=30,
+                    what="a GIL sample of the first job",
+                )
             for p in ranks:
                 p.kill()
                 p.wait(10)
@@ -86,24 +103,33 @@ def test_churned_ranks_vanish_and_an_oom_kill_stays_for_its_window(
         # and one whose rank is OOM-killed by the kernel, then unregistered
         oom_job = f"{prefix}oom"
         victim = cgroup.spawn()
-        api.register_rank(oom_job, 0, pid=victim.pid, rank_dir=rank_dir, heartbeat=False,
-                          cuda_oom_hook=False, strict=True)
-        d.wait_for(lambda: d.value("gpuwatch_oom_kills_total", job_id=oom_job) == 0.0,
-                   timeout=20, what="the OOM series at 0")
+        api.register_rank(
+            oom_job, 0, pid=victim.pid, rank_dir=rank_dir, heartbeat=False, cuda_oom_hook=False, strict=True
+        )
+        d.wait_for(
+            lambda: d.value("gpuwatch_oom_kills_total", job_id=oom_job) == 0.0, timeout=20, what="the OOM series at 0"
+        )
         go(victim)
         assert victim.wait(20) == -9
-        d.wait_for(lambda: d.value("gpuwatch_oom_kills_total", job_id=oom_job) == 1.0,
-                   timeout=20, what="the kill counted")
+        d.wait_for(
+            lambda: d.value("gpuwatch_oom_kills_total", job_id=oom_job) == 1.0, timeout=20, what="the kill counted"
+        )
         assert api.unregister_rank(oom_job, 0, rank_dir)
         ended = time.monotonic()
         # within a couple of seconds every series of the ended jobs is gone but the kill
-        d.wait_for(lambda: [dict(k[1])["job_id"] for k in job_series(d, prefix)] == [oom_job],
-                   timeout=20, what="only the OOM-killed job's counter left")
+        d.wait_for(
+            lambda: [dict(k[1])["job_id"] for k in job_series(d, prefix)] == [oom_job],
+            timeout=20,
+            what="only the OOM-killed job's counter left",
+        )
         assert time.monotonic() - ended < 9.0  # long before oom_kill_seconds
-        ((name, _), value), = job_series(d, prefix).items()
+        (((name, _), value),) = job_series(d, prefix).items()
         assert name == "gpuwatch_oom_kills_total" and value == 1.0
-        d.wait_for(lambda: job_series(d, prefix) == {}, timeout=30,
-                   what="the OOM counter gone after retention.oom_kill_seconds")
+        d.wait_for(
+            lambda: job_series(d, prefix) == {},
+            timeout=30,
+            what="the OOM counter gone after retention.oom_kill_seconds",
+        )
         assert time.monotonic() - ended >= 9.0
         state = json.loads((Path(cfg["state_dir"]) / "state.json").read_text())
         assert prefix not in json.dumps(state["counters"])  # state.json: the same window
@@ -115,9 +141,21 @@ def test_churned_ranks_vanish_and_an_oom_kill_stays_for_its_window(
 def _kill_event(job: str, rank: str, when: float, key: str) -> str:
     from gpuwatchd.model.events import Event
 
-    return Event(key=key, kind="oom_kill", time=when, severity="page", summary=f"{job} killed",
-                 job_id=job, rank=rank, pid=4242, comm="python3", killer="kernel", boot_id="b",
-                 counter="oom_kills", labels=(job, rank, "python3", "kernel")).to_json()
+    return Event(
+        key=key,
+        kind="oom_kill",
+        time=when,
+        severity="page",
+        summary=f"{job} killed",
+        job_id=job,
+        rank=rank,
+        pid=4242,
+        comm="python3",
+        killer="kernel",
+        boot_id="b",
+        counter="oom_kills",
+        labels=(job, rank, "python3", "kernel"),
+    ).to_json()
 
 
 def test_restart_does_not_resurrect_counters_of_ranks_long_gone(tmp_path: Path) -> None:
@@ -128,8 +166,8 @@ def test_restart_does_not_resurrect_counters_of_ranks_long_gone(tmp_path: Path) 
     state.mkdir()
     now = time.time()
     (state / "events.jsonl").write_text(
-        _kill_event("old-job", "3", now - 3600, "k-old") + "\n"
-        + _kill_event("new-job", "1", now - 60, "k-new") + "\n")
+        _kill_event("old-job", "3", now - 3600, "k-old") + "\n" + _kill_event("new-job", "1", now - 60, "k-new") + "\n"
+    )
     d = DaemonProc(path, cfg)
     try:
         first = d.text()  # the first scrape with counters
@@ -145,9 +183,16 @@ def test_event_log_is_compacted_while_running(tmp_path: Path) -> None:
     that ended longer ago than the retention, but keeps those of ranks still registered."""
     t = [1_800_000_000.0]
     counters = CounterStore(clock=lambda: t[0])
-    p = KernelEventProcessor(counters, str(tmp_path), parse=parse_message, bus=EventBus([JsonlSink(str(tmp_path))]),
-                             clock=lambda: t[0], max_log_bytes=40_000, keep_events=20,
-                             retention_seconds=600.0)
+    p = KernelEventProcessor(
+        counters,
+        str(tmp_path),
+        parse=parse_message,
+        bus=EventBus([JsonlSink(str(tmp_path))]),
+        clock=lambda: t[0],
+        max_log_bytes=40_000,
+        keep_events=20,
+        retention_seconds=600.0,
+    )
     from gpuwatchd.model.events import Event
 
     for job, rank in (("gone", "0"), ("still", "1")):
@@ -156,8 +201,7 @@ def test_event_log_is_compacted_while_running(tmp_path: Path) -> None:
     t[0] += 3600  # an hour later "still" is registered (dead), "gone" is not
     p.observe([still], {}, t[0])
     for i in range(2000):  # churn: rank_down raised and cleared for a thousand short jobs
-        f = Finding("rank_down", "page", f"rank 0 of job churn-{i} is down", f"churn-{i}", "0", "7",
-                    since=t[0])
+        f = Finding("rank_down", "page", f"rank 0 of job churn-{i} is down", f"churn-{i}", "0", "7", since=t[0])
         p.record_event(finding_event(f, t[0], cleared=bool(i % 2)))
         t[0] += 0.5
         assert (tmp_path / "events.jsonl").stat().st_size < 2 * 40_000
@@ -171,8 +215,7 @@ def test_event_log_is_compacted_while_running(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("*.tmp*")) and not list(tmp_path.glob("*.compact"))
 
 
-def test_rank_tree_record_forgets_churned_members_but_keeps_those_of_a_restart(
-        tmp_path: Path) -> None:
+def test_rank_tree_record_forgets_churned_members_but_keeps_those_of_a_restart(tmp_path: Path) -> None:
     from gpuwatchd.join.rank_trees import RankTreeRecord, TreeMember
 
     def m(pid: int, t: float) -> TreeMember:
@@ -204,12 +247,19 @@ RANKS = [("j1", "0"), ("j1", "1"), ("j2", "0")]
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(st.sets(st.sampled_from(RANKS)),  # registered in this cycle
-                          st.lists(st.tuples(st.sampled_from(RANKS),
-                                             st.sampled_from(["oom_kills", "rank_gil_samples"]),
-                                             st.integers(0, 3))),
-                          st.floats(0.5, 400.0)),  # seconds to the next cycle
-                min_size=1, max_size=30))
+@given(
+    st.lists(
+        st.tuples(
+            st.sets(st.sampled_from(RANKS)),  # registered in this cycle
+            st.lists(
+                st.tuples(st.sampled_from(RANKS), st.sampled_from(["oom_kills", "rank_gil_samples"]), st.integers(0, 3))
+            ),
+            st.floats(0.5, 400.0),
+        ),  # seconds to the next cycle
+        min_size=1,
+        max_size=30,
+    )
+)
 def test_retention_keeps_exactly_what_is_live_or_within_its_window(cycles: list[Any]) -> None:
     now = [1000.0]
     store = CounterStore(clock=lambda: now[0])
@@ -227,8 +277,7 @@ def test_retention_keeps_exactly_what_is_live_or_within_its_window(cycles: list[
         for name, labels, value, touched in before:
             key = (labels[0], labels[1])
             age = now[0] - max(last_live.get(key, -1e18), touched)
-            window = CFG.oom_kill_seconds if name == "oom_kills" and value > 0 \
-                else CFG.ended_rank_seconds
+            window = CFG.oom_kill_seconds if name == "oom_kills" and value > 0 else CFG.ended_rank_seconds
             should_keep = key in registered or age <= window
             assert ((name, labels) in kept) == should_keep, (name, labels, value, age)
         now[0] += step

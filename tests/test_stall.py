@@ -32,16 +32,15 @@ CYCLE = 0.25
 def ranks(tmp_path: Path) -> Iterator[Callable[..., tuple[subprocess.Popen[str], RankProbe]]]:
     started: list[subprocess.Popen[str]] = []
 
-    def launch(mode: str, rank: int = 0, job: str = "stall-test") -> tuple[
-            subprocess.Popen[str], RankProbe]:
+    def launch(mode: str, rank: int = 0, job: str = "stall-test") -> tuple[subprocess.Popen[str], RankProbe]:
         p = subprocess.Popen(
             [sys.executable, str(PROGRAMS / "rank.py"), mode, str(tmp_path), job, str(rank)],
-            stdout=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         started.append(p)
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-        (doc_path,) = glob.glob(str(tmp_path / f"{job}*{rank}*.json")) or glob.glob(
-            str(tmp_path / "*.json"))
+        (doc_path,) = glob.glob(str(tmp_path / f"{job}*{rank}*.json")) or glob.glob(str(tmp_path / "*.json"))
         entry = next(e for e in json.loads(Path(doc_path).read_text())["ranks"] if e["rank"] == rank)
         assert entry["pid"] == p.pid
         return p, RankProbe(job, rank, p.pid, True, "S", entry.get("heartbeat"))
@@ -60,9 +59,12 @@ def probe(p: RankProbe) -> RankProbe:
     return RankProbe(p.job_id, p.rank, p.pid, state not in (None, "Z"), state or "", p.heartbeat)
 
 
-def run_until(tracker: StallTracker, probes: list[RankProbe], seconds: float,
-              stop: Callable[[dict[tuple[str, int], StallVerdict]], bool] | None = None,
-              ) -> tuple[float, dict[tuple[str, int], StallVerdict]]:
+def run_until(
+    tracker: StallTracker,
+    probes: list[RankProbe],
+    seconds: float,
+    stop: Callable[[dict[tuple[str, int], StallVerdict]], bool] | None = None,
+) -> tuple[float, dict[tuple[str, int], StallVerdict]]:
     """Observe once per CYCLE until ``stop`` says so or ``seconds`` pass; (time, verdicts)."""
     t0 = time.time()
     while True:
@@ -164,8 +166,9 @@ def test_busy_rank_whose_dumps_never_change_is_not_stalled(tmp_path: Path) -> No
     same frame: only its CPU says it progresses. On Python 3.10 py-spy gives that thread no tid
     (py-spy #567): the tracker then takes the CPU of the process's tasks."""
     prog = tmp_path / "same.py"
-    prog.write_text("import time\nprint('ready', flush=True)\n"
-                    "while True: x = sum(range(1_000_000)); time.sleep(0.02)\n")
+    prog.write_text(
+        "import time\nprint('ready', flush=True)\nwhile True: x = sum(range(1_000_000)); time.sleep(0.02)\n"
+    )
     p = subprocess.Popen([sys.executable, str(prog)], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
@@ -189,27 +192,23 @@ def test_odd_one_out_among_real_ranks(ranks: Callable) -> None:
     assert "load_batch (rank.py)" in reason and "3 peer(s)" in reason and "all_reduce" in reason
 
 
-def _v(rank: int, *, alive: bool = True, stalled: bool = False,
-       where: tuple[str, ...] = ()) -> StallVerdict:
-    return StallVerdict("j", rank, 100 + rank, alive, 0.0, stalled,
-                        "stack" if alive else "dead", 0.0, location=where)
+def _v(rank: int, *, alive: bool = True, stalled: bool = False, where: tuple[str, ...] = ()) -> StallVerdict:
+    return StallVerdict("j", rank, 100 + rank, alive, 0.0, stalled, "stack" if alive else "dead", 0.0, location=where)
 
 
 def test_name_suspects_rules() -> None:
     coll = ("all_reduce (distributed_c10d.py)",)
     # a dead rank among live ranks is the suspect, whatever the others do
-    out = name_suspects({(v.job_id, v.rank): v for v in
-                         [_v(0, stalled=True, where=coll), _v(1, alive=False)]})
+    out = name_suspects({(v.job_id, v.rank): v for v in [_v(0, stalled=True, where=coll), _v(1, alive=False)]})
     assert [r for (_, r), v in out.items() if v.suspect] == [1]
     # one rank still progressing while its peers wait in the collective never issued it
-    out = name_suspects({(v.job_id, v.rank): v for v in
-                         [_v(0, stalled=True, where=coll), _v(1, stalled=True, where=coll),
-                          _v(2)]})
+    out = name_suspects(
+        {(v.job_id, v.rank): v for v in [_v(0, stalled=True, where=coll), _v(1, stalled=True, where=coll), _v(2)]}
+    )
     assert [r for (_, r), v in out.items() if v.suspect] == [2]
     assert "still progressing" in out[("j", 2)].suspect_reason
     # one stalled rank among progressing peers
-    out = name_suspects({(v.job_id, v.rank): v for v in
-                         [_v(0), _v(1), _v(2, stalled=True, where=coll)]})
+    out = name_suspects({(v.job_id, v.rank): v for v in [_v(0), _v(1), _v(2, stalled=True, where=coll)]})
     assert [r for (_, r), v in out.items() if v.suspect] == [2]
     # nothing stalled: no suspects; two ranks split evenly: no majority, no suspect
     assert not any(v.suspect for v in name_suspects({("j", 0): _v(0), ("j", 1): _v(1)}).values())
@@ -239,21 +238,25 @@ def test_daemon_names_the_odd_rank_of_a_hung_job(tmp_path: Path) -> None:
     started = []
     try:
         for r, mode in enumerate(["barrier", "barrier", "barrier", "elsewhere"]):
-            p = subprocess.Popen([sys.executable, str(PROGRAMS / "rank.py"), mode, rank_dir,
-                                  "llm-7", str(r)], stdout=subprocess.PIPE, text=True)
+            p = subprocess.Popen(
+                [sys.executable, str(PROGRAMS / "rank.py"), mode, rank_dir, "llm-7", str(r)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             started.append(p)
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         d = DaemonProc(cfg_path, cfg)
         try:
-            d.wait_for(lambda: all(d.value("gpuwatch_rank_stalled", job_id="llm-7", rank=str(r))
-                                   == 1.0 for r in range(4)), timeout=30,
-                       what="all four ranks stalled")
+            d.wait_for(
+                lambda: all(d.value("gpuwatch_rank_stalled", job_id="llm-7", rank=str(r)) == 1.0 for r in range(4)),
+                timeout=30,
+                what="all four ranks stalled",
+            )
             assert d.value("gpuwatch_collector_success", collector="pyspy") == 1.0
 
             def findings() -> dict[str, str]:
                 state = json.loads((Path(cfg["state_dir"]) / "state.json").read_text())
-                return {f["rank"]: f["explanation"] for f in state["findings"]
-                        if f["kind"] == "rank_stalled"}
+                return {f["rank"]: f["explanation"] for f in state["findings"] if f["kind"] == "rank_stalled"}
 
             d.wait_for(lambda: len(findings()) == 4, what="four rank_stalled findings")
             f = findings()
@@ -275,8 +278,9 @@ def test_heartbeat_owned_by_another_user_is_ignored(tmp_path: Path) -> None:
     try:
         other = pwd.getpwnam("gw-pyspy-target").pw_uid
     except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                        "gw-pyspy-target"], check=True)
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", "gw-pyspy-target"], check=True
+        )
         other = pwd.getpwnam("gw-pyspy-target").pw_uid
     hb = tmp_path / "someone-elses.hb"
     hb.write_text("1")

@@ -45,8 +45,12 @@ class CountedVerdict(StallVerdict):
 
 
 def _job(n: int, now: float, **kw: object) -> dict:
-    vs = [CountedVerdict("j", r, 100 + r, True, now - 1.0, False, "heartbeat", 1.0,
-                         doing="beats (last heartbeat 1 s ago)") for r in range(n)]
+    vs = [
+        CountedVerdict(
+            "j", r, 100 + r, True, now - 1.0, False, "heartbeat", 1.0, doing="beats (last heartbeat 1 s ago)"
+        )
+        for r in range(n)
+    ]
     vs = [replace(v, **kw) for v in vs] if kw else vs  # type: ignore[arg-type]
     return {v.key: v for v in vs}
 
@@ -75,22 +79,44 @@ def test_rank_gpu_readings_exclusive_as_every_holder_of_the_rank_job() -> None:
     process holding memory on them is a rank of that job."""
     rnd = random.Random(7)
     for _ in range(200):
-        gpus = tuple(GpuDevice(i, f"GPU-{i}", "H100", str(i), 1, 1, rnd.random(),
-                               memory_utilization_ratio=rnd.random()) for i in range(rnd.randint(1, 4)))
-        ranks = tuple(RankState(rnd.choice("ab"), r, 10 + r, r, 8, True, None,
-                                gpus=(str(rnd.randrange(len(gpus))),) if rnd.random() < 0.3 else ())
-                      for r in range(rnd.randint(1, 8)))
-        rows = tuple(GpuProcessRow(g.index, g.uuid, r.pid, 1 << 30, "python", "u", r.job_id, str(r.rank))
-                     for r, g in itertools.product(ranks, gpus) if rnd.random() < 0.5)
-        rows += tuple(GpuProcessRow(g.index, g.uuid, 900 + g.index, 1 << 30, "python", "u", "", "")
-                      for g in gpus if rnd.random() < 0.2)
+        gpus = tuple(
+            GpuDevice(i, f"GPU-{i}", "H100", str(i), 1, 1, rnd.random(), memory_utilization_ratio=rnd.random())
+            for i in range(rnd.randint(1, 4))
+        )
+        ranks = tuple(
+            RankState(
+                rnd.choice("ab"),
+                r,
+                10 + r,
+                r,
+                8,
+                True,
+                None,
+                gpus=(str(rnd.randrange(len(gpus))),) if rnd.random() < 0.3 else (),
+            )
+            for r in range(rnd.randint(1, 8))
+        )
+        rows = tuple(
+            GpuProcessRow(g.index, g.uuid, r.pid, 1 << 30, "python", "u", r.job_id, str(r.rank))
+            for r, g in itertools.product(ranks, gpus)
+            if rnd.random() < 0.5
+        )
+        rows += tuple(
+            GpuProcessRow(g.index, g.uuid, 900 + g.index, 1 << 30, "python", "u", "", "")
+            for g in gpus
+            if rnd.random() < 0.2
+        )
         named = {r.rank_id: r.gpus for r in ranks}
         owner = {r.pid: r.rank_id for r in ranks}
         procs = tuple(GpuProcess(p.gpu_index, p.uuid, p.pid, p.used_memory_bytes) for p in rows)
         out = rank_gpu_readings(50.0, named, owner, gpus, procs)
         for r in ranks:
-            mine = [g for g in gpus if any(p.gpu_index == g.index and (p.job_id, p.rank) == (r.job_id, str(r.rank))
-                                           for p in rows) or str(g.index) in r.gpus]
+            mine = [
+                g
+                for g in gpus
+                if any(p.gpu_index == g.index and (p.job_id, p.rank) == (r.job_id, str(r.rank)) for p in rows)
+                or str(g.index) in r.gpus
+            ]
             if not mine:
                 assert r.rank_id not in out
                 continue
@@ -133,9 +159,12 @@ class CountedLooks(StallLooks):
         super().__init__(None)
         self.full = 0
 
-    def threads_since(self, pid: int, tids: Sequence[int],
-                      prev: Mapping[int, tuple[tuple[int, int], ThreadInfo]],
-                      ) -> tuple[tuple[ThreadInfo, ...], dict[int, tuple[int, int]]]:
+    def threads_since(
+        self,
+        pid: int,
+        tids: Sequence[int],
+        prev: Mapping[int, tuple[tuple[int, int], ThreadInfo]],
+    ) -> tuple[tuple[ThreadInfo, ...], dict[int, tuple[int, int]]]:
         self.full += 1
         return super().threads_since(pid, tids, prev)
 
@@ -143,8 +172,13 @@ class CountedLooks(StallLooks):
 @pytest.fixture
 def worker() -> Iterator[tuple[subprocess.Popen[str], int]]:
     r, w = os.pipe()
-    p = subprocess.Popen([sys.executable, "-c", WORKER, str(r)], stdin=subprocess.DEVNULL,
-                         stdout=subprocess.PIPE, text=True, pass_fds=(r,))
+    p = subprocess.Popen(
+        [sys.executable, "-c", WORKER, str(r)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+        pass_fds=(r,),
+    )
     os.close(r)
     try:
         assert p.stdout is not None and p.stdout.readline() == "up\n"
@@ -156,7 +190,8 @@ def worker() -> Iterator[tuple[subprocess.Popen[str], int]]:
 
 
 def test_a_working_rank_is_glanced_at_and_looked_at_again_once_it_stops(
-        worker: tuple[subprocess.Popen[str], int]) -> None:
+    worker: tuple[subprocess.Popen[str], int],
+) -> None:
     """A look is due every 2 s, the cycle is 1 s. The first two looks read every task (the second
     finds the main thread working); then glances stand for the looks while it works. A new
     thread makes the glance a look at once; the rank blocks, and the glance after that finds no
@@ -166,8 +201,7 @@ def test_a_working_rank_is_glanced_at_and_looked_at_again_once_it_stops(
     the last full one (five seconds, four of them at work), the rank would have worked at it."""
     p, w = worker
     looks = CountedLooks()
-    tracker = StallTracker(60.0, looks, dump_interval_seconds=2.0, cycle_seconds=1.0,
-                           conclusive_seconds=60.0)
+    tracker = StallTracker(60.0, looks, dump_interval_seconds=2.0, cycle_seconds=1.0, conclusive_seconds=60.0)
     probe = RankProbe("glance", 0, p.pid, True, "R", None)
     t0 = time.time()
     full = {0: 1, 2: 2, 8: 3, 13: 4, 14: 5, 16: 6}  # looks of every task by then (glances between)

@@ -90,12 +90,14 @@ SHAPES = {
             evaluate()
         distributed_c10d.all_reduce()
     """,
-    "hb_barrier": _BEATS + """
+    "hb_barrier": _BEATS
+    + """
         import distributed_c10d
         print("ready", flush=True)
         distributed_c10d.barrier()
     """,
-    "hb_evaluate": _BEATS + """
+    "hb_evaluate": _BEATS
+    + """
         import time
 
         def evaluate():  # ~30 % of a core, in batches, no optimizer step: no heartbeat
@@ -213,11 +215,18 @@ def launch(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[str]]]:
     started: list[subprocess.Popen[str]] = []
 
     def start(shape: str, job: str, rank: int = 0, world: int = 2) -> subprocess.Popen[str]:
-        env = {**os.environ, "TORCHELASTIC_RUN_ID": job, "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "PYTHONPATH": str(tmp_path),
-               "GW_HB": str(tmp_path / f"{job}.{rank}.hb")}
-        p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SHAPES[shape])],
-                             stdout=subprocess.PIPE, text=True, env=env)
+        env = {
+            **os.environ,
+            "TORCHELASTIC_RUN_ID": job,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "PYTHONPATH": str(tmp_path),
+            "GW_HB": str(tmp_path / f"{job}.{rank}.hb"),
+        }
+        p = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(SHAPES[shape])], stdout=subprocess.PIPE, text=True, env=env
+        )
         started.append(p)
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         return p
@@ -239,14 +248,23 @@ def _probe(job: str, rank: int, p: subprocess.Popen[str], hb: str | None = None)
 def _tracker(after: float, conclusive: float, shipped_cadence: bool = False) -> StallTracker:
     """``shipped_cadence``: looks every third of the conclusive bound, as the shipped defaults
     have them (40 s, a look every 13.3 s), instead of every CYCLE."""
-    return StallTracker(after, StallLooks(PySpy(pyspy.resolve_pyspy())), cycle_seconds=CYCLE,
-                        dump_interval_seconds=None if shipped_cadence else CYCLE,
-                        conclusive_seconds=conclusive)
+    return StallTracker(
+        after,
+        StallLooks(PySpy(pyspy.resolve_pyspy())),
+        cycle_seconds=CYCLE,
+        dump_interval_seconds=None if shipped_cadence else CYCLE,
+        conclusive_seconds=conclusive,
+    )
 
 
-def _run(tracker: StallTracker, ranks: dict[int, subprocess.Popen[str]], job: str, seconds: float,
-         stop: Callable[[dict[int, StallVerdict]], bool] = lambda v: False,
-         gpu: GpuReading | None = None) -> tuple[float, dict[int, StallVerdict], list[dict[int, bool]]]:
+def _run(
+    tracker: StallTracker,
+    ranks: dict[int, subprocess.Popen[str]],
+    job: str,
+    seconds: float,
+    stop: Callable[[dict[int, StallVerdict]], bool] = lambda v: False,
+    gpu: GpuReading | None = None,
+) -> tuple[float, dict[int, StallVerdict], list[dict[int, bool]]]:
     """Observe every CYCLE until ``stop`` or ``seconds``; (elapsed, last verdicts, each cycle's
     stalled flags by rank)."""
     t0 = time.time()
@@ -280,14 +298,18 @@ def test_rank0_working_alone_is_not_paged_through_the_daemon(launch, tmp_path: P
     job = f"eval-{uuid.uuid4().hex[:8]}"
     worker = launch("evaluate", job, 0)
     launch("barrier", job, 1)
-    cfg_path, cfg = write_config(tmp_path, interval_seconds=0.5,
-                                 discovery={"enabled": True, "interval_seconds": 0.5},
-                                 stall={"after_seconds": after, "conclusive_seconds": 1.0})
+    cfg_path, cfg = write_config(
+        tmp_path,
+        interval_seconds=0.5,
+        discovery={"enabled": True, "interval_seconds": 0.5},
+        stall={"after_seconds": after, "conclusive_seconds": 1.0},
+    )
     state = Path(cfg["state_dir"]) / "state.json"
     d = DaemonProc(cfg_path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_rank_stalled", job_id=job, rank="1") is not None,
-                   what="the discovered ranks")
+        d.wait_for(
+            lambda: d.value("gpuwatch_rank_stalled", job_id=job, rank="1") is not None, what="the discovered ranks"
+        )
         t0, waiting = time.monotonic(), []
         while time.monotonic() - t0 < 3 * after:
             found = _findings(state, job)
@@ -303,8 +325,11 @@ def test_rank0_working_alone_is_not_paged_through_the_daemon(launch, tmp_path: P
         assert "not paged while its job progresses" in text
         # rank 0's evaluation ends in the collective: nobody progresses, the job is paged
         os.kill(worker.pid, signal.SIGUSR1)
-        d.wait_for(lambda: {f["rank"] for f in _findings(state, job) if f["kind"] == "rank_stalled"}
-                   == {"0", "1"}, timeout=after + 15, what="both ranks paged")
+        d.wait_for(
+            lambda: {f["rank"] for f in _findings(state, job) if f["kind"] == "rank_stalled"} == {"0", "1"},
+            timeout=after + 15,
+            what="both ranks paged",
+        )
     finally:
         assert d.stop() == 0
 
@@ -380,8 +405,7 @@ def test_heartbeat_job_rank0_working_alone_is_not_paged(launch, tmp_path: Path) 
     assert beating[(job, 0)].watch == "" and not ras_jobs(beating)
 
 
-@pytest.mark.parametrize("shape", ["deadlock", "gil", "stopped", "odd_one_out", "peer_down",
-                                   "gpu_spin"])
+@pytest.mark.parametrize("shape", ["deadlock", "gil", "stopped", "odd_one_out", "peer_down", "gpu_spin"])
 def test_conclusive_shapes_are_paged_within_the_conclusive_bound(launch, shape: str) -> None:
     """after_seconds 300, conclusive_seconds 2, looks every third of it (as 40 s and 13.3 s at the
     shipped defaults): each shape is stalled within the conclusive bound, a look and a few cycles
@@ -409,8 +433,7 @@ def test_conclusive_shapes_are_paged_within_the_conclusive_bound(launch, shape: 
         expect = {0: "peer_down"}
     tracker = _tracker(after, conclusive, shipped_cadence=True)
     assert tracker.dump_interval == pytest.approx(conclusive / 3)
-    elapsed, v, _ = _run(tracker, ranks, job, conclusive + 8,
-                         lambda v: all(v[r].stalled for r in expect), gpu)
+    elapsed, v, _ = _run(tracker, ranks, job, conclusive + 8, lambda v: all(v[r].stalled for r in expect), gpu)
     print(shape, f"{elapsed:.2f} s", {r: (x.stalled, x.conclusive) for r, x in v.items()})
     for r, why in expect.items():
         assert v[r].stalled and v[r].conclusive == why, v[r]
@@ -455,8 +478,9 @@ def test_a_spin_after_training_is_dumped_at_once_though_start_up_burned(launch) 
     _, v, seen = _run(tracker, ranks, job, 9.0)
     assert not any(s[0] for s in seen), seen
     os.kill(ranks[0].pid, signal.SIGUSR1)
-    elapsed, v, _ = _run(tracker, ranks, job, 2 * conclusive + 6, lambda v: v[0].stalled,
-                         GpuReading(0.0, 1.0, 0.0, True))
+    elapsed, v, _ = _run(
+        tracker, ranks, job, 2 * conclusive + 6, lambda v: v[0].stalled, GpuReading(0.0, 1.0, 0.0, True)
+    )
     print(f"spin_late {elapsed:.2f} s", v[0].conclusive)
     assert v[0].stalled and v[0].conclusive == "gpu_spin", v[0]
     # two looks to see the burn, the conclusive bound, a cycle, slack for a loaded 2-core VM
@@ -495,25 +519,47 @@ def test_ambiguous_shapes_still_wait_after_seconds(launch) -> None:
     assert f"{job}-spin:0" not in stalled_at, last[f"{job}-spin:0"]
 
 
-def _view(kind: str, name: str = "MainThread", share: float = 0.0, state: str = "S",
-          waits_on: str = "") -> ThreadView:
+def _view(kind: str, name: str = "MainThread", share: float = 0.0, state: str = "S", waits_on: str = "") -> ThreadView:
     return ThreadView(1, name, state, "futex_do_wait", share, False, (), kind, waits_on)
 
 
-def _verdict(rank: int, *, stalled: bool = False, still: float = 0.0, kind: str = "",
-             pattern: str = "", progress: float = 0.0, doing: str = "", alive: bool = True,
-             stopped: float | None = None, state: str = "S", conclusive: str = "") -> StallVerdict:
-    views = (_view(kind, state=state, waits_on="collective barrier" if kind == "collective" else ""),) \
-        if kind else ()
+def _verdict(
+    rank: int,
+    *,
+    stalled: bool = False,
+    still: float = 0.0,
+    kind: str = "",
+    pattern: str = "",
+    progress: float = 0.0,
+    doing: str = "",
+    alive: bool = True,
+    stopped: float | None = None,
+    state: str = "S",
+    conclusive: str = "",
+) -> StallVerdict:
+    views = (_view(kind, state=state, waits_on="collective barrier" if kind == "collective" else ""),) if kind else ()
     a = HangAnalysis(views, (), (Pattern(pattern, ""),) if pattern else ()) if kind else None
-    return StallVerdict("j", rank, 100 + rank, alive, progress, stalled, "stack", 0.0,
-                        analysis=a, still_seconds=still, doing=doing, stopped_seconds=stopped,
-                        conclusive=conclusive)
+    return StallVerdict(
+        "j",
+        rank,
+        100 + rank,
+        alive,
+        progress,
+        stalled,
+        "stack",
+        0.0,
+        analysis=a,
+        still_seconds=still,
+        doing=doing,
+        stopped_seconds=stopped,
+        conclusive=conclusive,
+    )
 
 
 def test_judge_jobs_rules() -> None:
     """The job rules on plain verdicts (now 1000, conclusive 40, fresh 53): who is excused by a
     progressing peer, and which shapes are conclusive only with the peers."""
+
     def judge(*vs: StallVerdict) -> dict[int, StallVerdict]:
         return {k[1]: v for k, v in judge_jobs({v.key: v for v in vs}, 1000.0, 40.0, 53.0).items()}
 
@@ -521,7 +567,8 @@ def test_judge_jobs_rules() -> None:
     waiter = _verdict(1, stalled=True, still=400.0, kind="collective", pattern="collective")
     out = judge(working, waiter)
     assert not out[1].stalled and out[1].waits_for.startswith(
-        "rank 1 waits in barrier for rank 0, which works on its CPU (45% of a core)")
+        "rank 1 waits in barrier for rank 0, which works on its CPU (45% of a core)"
+    )
     # a peer burning a core at one line, unconfirmed (rank 0 evaluating with .item() per batch on
     # the H100 looked so, and its waiting peer was paged 8 s into the barrier): not paged either
     unsure = replace(_verdict(0, progress=900.0), ambiguous=True)
@@ -532,10 +579,10 @@ def test_judge_jobs_rules() -> None:
     # a peer whose last progress is older than the window and whose own verdict is not in yet
     # (still for less than after_seconds): the waiter waits for it, and is paged with it
     out = judge(_verdict(0, progress=900.0, doing="x"), waiter)
-    assert not out[1].stalled and "which has made no progress for 2 min, not proven stuck yet" \
-        in out[1].waits_for, out[1].waits_for
-    assert judge(_verdict(0, stalled=True, progress=900.0, kind="collective", pattern="collective"),
-                 waiter)[1].stalled
+    assert not out[1].stalled and "which has made no progress for 2 min, not proven stuck yet" in out[1].waits_for, out[
+        1
+    ].waits_for
+    assert judge(_verdict(0, stalled=True, progress=900.0, kind="collective", pattern="collective"), waiter)[1].stalled
     # ...but not a peer that waits in the collective itself, and never a conclusive verdict (the
     # H100 at the shipped 300 s: GPU_SLEEP's "kernel that never ends" on rank 1 was excused by
     # rank 0 waiting in all_reduce, not yet stalled, and not paged 75 s after the fault)
@@ -544,19 +591,20 @@ def test_judge_jobs_rules() -> None:
     spin = replace(waiter, conclusive="gpu_spin", confirmed_by="gpu_spin")
     assert judge(_verdict(0, progress=900.0, doing="x"), spin)[1].stalled
     # a deadlock or a rank blocked on a lock (no wait for a peer) is not excused by a peer's work
-    deadlock = _verdict(1, stalled=True, still=400.0, kind="lock", pattern="deadlock",
-                        conclusive="deadlock")
+    deadlock = _verdict(1, stalled=True, still=400.0, kind="lock", pattern="deadlock", conclusive="deadlock")
     assert judge(working, deadlock)[1].stalled
-    assert judge(working, _verdict(1, stalled=True, still=400.0, kind="lock",
-                                   pattern="lock_wait"))[1].stalled
+    assert judge(working, _verdict(1, stalled=True, still=400.0, kind="lock", pattern="lock_wait"))[1].stalled
     # the odd one out: blocked on a lock elsewhere while the peer waits in the collective
     coll = _verdict(0, still=45.0, kind="collective", pattern="collective")
     out = judge(coll, _verdict(1, still=45.0, kind="lock", pattern="lock_wait"))
     assert (out[0].conclusive, out[1].conclusive) == ("waits_for_stuck", "odd_one_out")
     # ...but not idle in a queue (its DataLoader workers may still deliver), nor in D, nor before
     # the bound
-    for other in (_verdict(1, still=45.0, kind="queue"), _verdict(1, still=45.0, kind="lock", state="D"),
-                  _verdict(1, still=39.0, kind="lock")):
+    for other in (
+        _verdict(1, still=45.0, kind="queue"),
+        _verdict(1, still=45.0, kind="lock", state="D"),
+        _verdict(1, still=39.0, kind="lock"),
+    ):
         assert not any(v.stalled for v in judge(coll, other).values()), other
     # stopped while a peer runs; a whole job stopped (a scheduler's suspend) waits after_seconds
     out = judge(_verdict(0, progress=999.0, doing="x"), _verdict(1, stopped=41.0))

@@ -93,13 +93,17 @@ SHAPES = {
         idle = threading.Event()
         for _ in range(4):
             threading.Thread(target=idle.wait, daemon=True).start()
-""" + _WOKEN + """
+"""
+    + _WOKEN
+    + """
         while True:
             signal.pause()
     """,
     "dozer": """
         import signal, time
-""" + _WOKEN + """
+"""
+    + _WOKEN
+    + """
         while True:  # as "idle", in a sleep loop that wakes twice a second
             time.sleep(0.5)
     """,
@@ -140,10 +144,16 @@ def launch() -> Iterator:
     started: list[subprocess.Popen[str]] = []
 
     def start(shape: str, job: str, rank: int = 0, world: int = 1) -> subprocess.Popen[str]:
-        env = {**os.environ, "TORCHELASTIC_RUN_ID": job, "RANK": str(rank),
-               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world)}
-        p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SHAPES[shape])],
-                             stdout=subprocess.PIPE, text=True, env=env)
+        env = {
+            **os.environ,
+            "TORCHELASTIC_RUN_ID": job,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+        }
+        p = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(SHAPES[shape])], stdout=subprocess.PIPE, text=True, env=env
+        )
         started.append(p)
         assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         return p
@@ -155,9 +165,12 @@ def launch() -> Iterator:
 
 
 def _daemon(tmp: Path) -> tuple[DaemonProc, Path]:
-    cfg_path, cfg = write_config(tmp, interval_seconds=INTERVAL,
-                                 discovery={"enabled": True, "interval_seconds": INTERVAL},
-                                 stall={"after_seconds": AFTER})
+    cfg_path, cfg = write_config(
+        tmp,
+        interval_seconds=INTERVAL,
+        discovery={"enabled": True, "interval_seconds": INTERVAL},
+        stall={"after_seconds": AFTER},
+    )
     return DaemonProc(cfg_path, cfg), Path(cfg["state_dir"]) / "state.json"
 
 
@@ -184,8 +197,9 @@ def test_cpu_burning_at_one_line_is_never_paged(launch, tmp_path: Path, shape: s
     launch(shape, job)
     d, state = _daemon(tmp_path)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_rank_stalled", job_id=job, rank="0") is not None,
-                   what="the discovered rank")
+        d.wait_for(
+            lambda: d.value("gpuwatch_rank_stalled", job_id=job, rank="0") is not None, what="the discovered rank"
+        )
         seen = _watch(d, state, job, 4 * AFTER + 2 * INTERVAL)
         kinds = [[f["kind"] for f in cycle] for cycle in seen]
         assert not any("rank_stalled" in k for k in kinds), kinds
@@ -205,11 +219,15 @@ def test_block_at_zero_cpu_is_paged_within_after_seconds_and_one_look(launch, tm
     launch("block", job)
     d, state = _daemon(tmp_path)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_rank_stalled", job_id=job, rank="0") is not None,
-                   what="the discovered rank")
+        d.wait_for(
+            lambda: d.value("gpuwatch_rank_stalled", job_id=job, rank="0") is not None, what="the discovered rank"
+        )
         t0 = time.monotonic()
-        d.wait_for(lambda: any(f["kind"] == "rank_stalled" for f in _findings(state, job)),
-                   timeout=AFTER + 6 * INTERVAL + 3, what="rank_stalled")
+        d.wait_for(
+            lambda: any(f["kind"] == "rank_stalled" for f in _findings(state, job)),
+            timeout=AFTER + 6 * INTERVAL + 3,
+            what="rank_stalled",
+        )
         # after_seconds from the first look, one look (a fifth of after, at least a cycle) and
         # one cycle for the finding to reach state.json
         assert time.monotonic() - t0 <= AFTER + 4 * INTERVAL + 1.0
@@ -225,8 +243,11 @@ def test_spinning_rank_with_a_peer_blocked_is_paged_confirmed_by_the_peer(launch
     launch("block", job, 1, 2)
     d, state = _daemon(tmp_path)
     try:
-        d.wait_for(lambda: {f["rank"] for f in _findings(state, job) if f["kind"] == "rank_stalled"}
-                   == {"0", "1"}, timeout=AFTER + 15, what="both ranks paged")
+        d.wait_for(
+            lambda: {f["rank"] for f in _findings(state, job) if f["kind"] == "rank_stalled"} == {"0", "1"},
+            timeout=AFTER + 15,
+            what="both ranks paged",
+        )
         by_rank = {f["rank"]: f for f in _findings(state, job) if f["kind"] == "rank_stalled"}
         assert by_rank["0"]["evidence"]["confirmed_by"] == "peer"
         assert "confirmed by its peers" in by_rank["0"]["explanation"]
@@ -240,13 +261,15 @@ def _probe(pid: int, job: str) -> RankProbe:
     return RankProbe(job, 0, pid, state not in (None, "Z"), state or "", None)
 
 
-@pytest.mark.parametrize(("util", "mem", "stalled", "confirmed"), [
-    (1.0, 0.0, True, "gpu_spin"),  # a kernel that never ends: busy, no memory traffic
-    (1.0, 0.3, False, ""),  # the GPU moves data for this rank: progress, no warning either
-    (0.3, 0.0, False, ""),  # neither: ambiguous
-])
-def test_gpu_readings_decide_a_spin(launch, util: float, mem: float, stalled: bool,
-                                    confirmed: str) -> None:
+@pytest.mark.parametrize(
+    ("util", "mem", "stalled", "confirmed"),
+    [
+        (1.0, 0.0, True, "gpu_spin"),  # a kernel that never ends: busy, no memory traffic
+        (1.0, 0.3, False, ""),  # the GPU moves data for this rank: progress, no warning either
+        (0.3, 0.0, False, ""),  # neither: ambiguous
+    ],
+)
+def test_gpu_readings_decide_a_spin(launch, util: float, mem: float, stalled: bool, confirmed: str) -> None:
     p = launch("c_spin", "gpu-rule")
     tracker = StallTracker(AFTER, StallLooks(PySpy(pyspy.resolve_pyspy())), dump_interval_seconds=0.25)
     t0 = time.time()
@@ -327,10 +350,15 @@ def test_gpu_window_rules() -> None:
 
 
 def test_rank_gpu_readings_exclusive_only_without_other_holders() -> None:
-    gpus = (GpuDevice(0, "GPU-a", "H200", "0", 1, 1, 1.0, memory_utilization_ratio=0.0),
-            GpuDevice(1, "GPU-b", "H200", "1", 1, 1, 0.5, memory_utilization_ratio=0.2))
-    procs = (GpuProcess(0, "GPU-a", 10, 1 << 30), GpuProcess(1, "GPU-b", 11, 1 << 30),
-             GpuProcess(1, "GPU-b", 12, 1 << 30))
+    gpus = (
+        GpuDevice(0, "GPU-a", "H200", "0", 1, 1, 1.0, memory_utilization_ratio=0.0),
+        GpuDevice(1, "GPU-b", "H200", "1", 1, 1, 0.5, memory_utilization_ratio=0.2),
+    )
+    procs = (
+        GpuProcess(0, "GPU-a", 10, 1 << 30),
+        GpuProcess(1, "GPU-b", 11, 1 << 30),
+        GpuProcess(1, "GPU-b", 12, 1 << 30),
+    )
     owner = {10: ("j", 0), 11: ("j", 1)}  # 12: no rank's tree
     out = rank_gpu_readings(50.0, {("j", 0): (), ("j", 1): ()}, owner, gpus, procs)
     assert out[("j", 0)] == GpuReading(50.0, 1.0, 0.0, True)
@@ -466,8 +494,7 @@ def _wait_asleep(pid: int, timeout: float = 10.0) -> None:
     task = Path(f"/proc/{pid}/task/{pid}")
     deadline, last = time.time() + timeout, None
     while time.time() < deadline:
-        now = (task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0],
-               task.joinpath("schedstat").read_text())
+        now = (task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0], task.joinpath("schedstat").read_text())
         if now == last and now[0] == "S":
             return
         last = now
@@ -552,8 +579,9 @@ def test_quiet_rank_page_says_its_threads_slept_since_the_dump(launch, tmp_path:
     try:
         d.wait_for(lambda: bool(quiet()), timeout=3 * AFTER + 6 * INTERVAL + 10, what="quiet proof")
         (f,) = quiet()
-        assert "its Python threads slept at the same place at every look since the dump at " \
-            in f["explanation"], f["explanation"]
+        assert "its Python threads slept at the same place at every look since the dump at " in f["explanation"], f[
+            "explanation"
+        ]
         assert f["evidence"]["unchanged_since_dump"] is not None
         assert 0 < f["evidence"]["quiet_cpu_ms_since_dump"] < 100, f["evidence"]
     finally:

@@ -33,10 +33,23 @@ from gpuwatchd.statefile import StateFiles
 
 
 def event_line(job: str, when: float, key: str, **extra: Any) -> str:
-    d = json.loads(Event(key=key, kind="oom_kill", time=when, severity="page",
-                         summary=f"rank 0 of job {job} was killed", job_id=job, rank="0", pid=4242,
-                         comm="python3", killer="kernel", boot_id="old-boot", counter="oom_kills",
-                         labels=(job, "0", "python3", "kernel")).to_json())
+    d = json.loads(
+        Event(
+            key=key,
+            kind="oom_kill",
+            time=when,
+            severity="page",
+            summary=f"rank 0 of job {job} was killed",
+            job_id=job,
+            rank="0",
+            pid=4242,
+            comm="python3",
+            killer="kernel",
+            boot_id="old-boot",
+            counter="oom_kills",
+            labels=(job, "0", "python3", "kernel"),
+        ).to_json()
+    )
     d.update(extra)
     return json.dumps(d)
 
@@ -66,26 +79,26 @@ def counter(d: DaemonProc, name: str, **labels: str) -> float:
 
 
 def register(cfg: dict[str, Any], job: str, pid: int) -> None:
-    api.register_rank(job, 0, pid=pid, rank_dir=cfg["rank_dir"], heartbeat=False,
-                      cuda_oom_hook=False, strict=True)
+    api.register_rank(job, 0, pid=pid, rank_dir=cfg["rank_dir"], heartbeat=False, cuda_oom_hook=False, strict=True)
 
 
 def kill_and_count(d: DaemonProc, cfg: dict[str, Any], cgroup: MemCgroup, job: str) -> None:
     victim = cgroup.spawn()
     register(cfg, job, victim.pid)
-    d.wait_for(lambda: d.value("gpuwatch_oom_kills_total", job_id=job) == 0.0, timeout=20,
-               what="the rank's OOM series at 0")
+    d.wait_for(
+        lambda: d.value("gpuwatch_oom_kills_total", job_id=job) == 0.0, timeout=20, what="the rank's OOM series at 0"
+    )
     go(victim)
     assert victim.wait(20) == -9
-    d.wait_for(lambda: d.value("gpuwatch_oom_kills_total", job_id=job) == 1.0, timeout=20,
-               what="the real OOM kill counted")
+    d.wait_for(
+        lambda: d.value("gpuwatch_oom_kills_total", job_id=job) == 1.0, timeout=20, what="the real OOM kill counted"
+    )
 
 
 # --- item 7: one odd line must not disable OOM counting --------------------------------------
 
 
-def test_odd_event_lines_are_skipped_and_counted_and_kills_still_counted(
-        tmp_path: Path, cgroup: MemCgroup) -> None:
+def test_odd_event_lines_are_skipped_and_counted_and_kills_still_counted(tmp_path: Path, cgroup: MemCgroup) -> None:
     path, cfg = write_config(tmp_path, kernel_log="kmsg")
     state = Path(cfg["state_dir"])
     state.mkdir()
@@ -94,17 +107,22 @@ def test_odd_event_lines_are_skipped_and_counted_and_kills_still_counted(
     (state / "events.jsonl").write_text("\n".join([good, *BAD_LINES]) + "\n")
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_collector_success", collector="kernel_log") == 1.0,
-                   what="kernel_log up")
+        d.wait_for(lambda: d.value("gpuwatch_collector_success", collector="kernel_log") == 1.0, what="kernel_log up")
         assert d.value("gpuwatch_oom_kills_total", job_id="earlier-job") == 1.0  # the good line
-        rejected = {dict(k[1])["reason"]: v for k, v in d.samples().items()
-                    if k[0] == "gpuwatch_state_records_rejected_total"}
+        rejected = {
+            dict(k[1])["reason"]: v for k, v in d.samples().items() if k[0] == "gpuwatch_state_records_rejected_total"
+        }
         assert rejected == {"malformed": 5.0, "not_an_object": 1.0}
         kill_and_count(d, cfg, cgroup, f"job-{uuid.uuid4().hex[:6]}")
     finally:
         assert d.stop() == 0
-    out = subprocess.run([sys.executable, "-m", "gpuwatchd", "events", "--state-dir", str(state),
-                          "--json"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "events", "--state-dir", str(state), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert "earlier-job" in out.stdout and "Traceback" not in out.stderr
 
@@ -116,8 +134,10 @@ def test_a_subsystem_that_cannot_start_reads_down(tmp_path: Path) -> None:
     (Path(cfg["state_dir"]) / "events.jsonl").mkdir(parents=True)
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_collector_success", collector="kernel_log") == 0.0,
-                   what="kernel_log exported as down")
+        d.wait_for(
+            lambda: d.value("gpuwatch_collector_success", collector="kernel_log") == 0.0,
+            what="kernel_log exported as down",
+        )
         assert d.value("gpuwatch_collector_success", collector="procfs") == 1.0
     finally:
         assert d.stop() == 0
@@ -128,10 +148,10 @@ def test_temporaries_of_a_killed_daemon_are_removed_at_start(tmp_path: Path) -> 
     path, cfg = write_config(tmp_path)
     state = Path(cfg["state_dir"])
     state.mkdir()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    left = [f"state.json.tmp.{dead}", "rank_trees.json.tmp", "events.jsonl.compact",
-            f"kmsg.json.tmp.{dead}"]
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    left = [f"state.json.tmp.{dead}", "rank_trees.json.tmp", "events.jsonl.compact", f"kmsg.json.tmp.{dead}"]
     for name in [*left, "notes.tmp", f"state.json.tmp.{os.getppid()}"]:
         (state / name).write_text("")
     d = DaemonProc(path, cfg)
@@ -149,15 +169,32 @@ def test_kmsg_position_file_of_any_content_is_only_a_lost_position(tmp_path: Pat
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(10**30), 10**30)
-    | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=20),
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**30), 10**30)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
-FIELDS = ["key", "kind", "time", "time", "count", "counter", "labels", "fields", "pid", "job_id", "rank",
-          "boot_id", "killer"]
+FIELDS = [
+    "key",
+    "kind",
+    "time",
+    "time",
+    "count",
+    "counter",
+    "labels",
+    "fields",
+    "pid",
+    "job_id",
+    "rank",
+    "boot_id",
+    "killer",
+]
 event_dicts = st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=8).map(
-    lambda d: {"key": "k", "kind": "counter_base", **d} if len(d) % 2 else d)
+    lambda d: {"key": "k", "kind": "counter_base", **d} if len(d) % 2 else d
+)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -181,16 +218,39 @@ def test_fuzz_event_log_lines_never_break_the_start(tmp_path: Path, lines: list[
 
 
 members = st.dictionaries(
-    st.sampled_from(["pid", "start_time", "job_id", "rank", "rank_pid", "worker", "comm",
-                     "last_seen", "cgroup", "world_size", "other"]), json_values, max_size=11)
+    st.sampled_from(
+        [
+            "pid",
+            "start_time",
+            "job_id",
+            "rank",
+            "rank_pid",
+            "worker",
+            "comm",
+            "last_seen",
+            "cgroup",
+            "world_size",
+            "other",
+        ]
+    ),
+    json_values,
+    max_size=11,
+)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(members, max_size=6), st.booleans())
-def test_fuzz_rank_tree_record_never_breaks_attribution(tmp_path: Path, ms: list[Any],
-                                                         valid_too: bool) -> None:
-    good = {"pid": 77, "start_time": 10.0, "job_id": "j", "rank": 1, "rank_pid": 77,
-            "worker": False, "comm": "python3", "last_seen": 1000.0}
+def test_fuzz_rank_tree_record_never_breaks_attribution(tmp_path: Path, ms: list[Any], valid_too: bool) -> None:
+    good = {
+        "pid": 77,
+        "start_time": 10.0,
+        "job_id": "j",
+        "rank": 1,
+        "rank_pid": 77,
+        "worker": False,
+        "comm": "python3",
+        "last_seen": 1000.0,
+    }
     doc = {"members": [*ms, *([good] if valid_too else [])]}
     (tmp_path / "rank_trees.json").write_text(json.dumps(doc, allow_nan=True))
     files = StateFiles(CounterStore())
@@ -210,8 +270,7 @@ def test_fuzz_rank_tree_record_never_breaks_attribution(tmp_path: Path, ms: list
 def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
     mnt = tmp_path / "full"
     mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "gpuwatchd-test-full", str(mnt)],
-                   check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "gpuwatchd-test-full", str(mnt)], check=True)
     try:
         yield mnt
     finally:
@@ -244,8 +303,7 @@ def fill(directory: Path) -> Path:
     return filler
 
 
-def test_full_state_dir_is_exported_without_leftovers_and_recovers(tmp_path: Path,
-                                                                   tiny_tmpfs: Path) -> None:
+def test_full_state_dir_is_exported_without_leftovers_and_recovers(tmp_path: Path, tiny_tmpfs: Path) -> None:
     path, cfg = write_config(tmp_path, kernel_log="kmsg", state_dir=str(tiny_tmpfs / "state"))
     filler = fill(tiny_tmpfs)  # full before the daemon writes anything: state_dir cannot be made
     os.truncate(filler, os.path.getsize(filler) - 8192)  # room for the directory, not for state
@@ -253,8 +311,10 @@ def test_full_state_dir_is_exported_without_leftovers_and_recovers(tmp_path: Pat
     fill(tiny_tmpfs)
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: counter(d, "gpuwatch_state_write_errors_total", file="state.json") >= 5,
-                   what="failed state.json writes counted")
+        d.wait_for(
+            lambda: counter(d, "gpuwatch_state_write_errors_total", file="state.json") >= 5,
+            what="failed state.json writes counted",
+        )
         left = os.listdir(tiny_tmpfs / "state")
         assert "state.json" not in left
         assert [n for n in left if ".tmp" in n] == []  # no empty *.tmp.<pid> behind
@@ -274,22 +334,28 @@ def test_full_state_dir_is_exported_without_leftovers_and_recovers(tmp_path: Pat
 
 
 def test_read_only_state_dir_is_exported_and_kills_are_still_counted(
-        tmp_path: Path, read_only_dir: Path, cgroup: MemCgroup) -> None:
+    tmp_path: Path, read_only_dir: Path, cgroup: MemCgroup
+) -> None:
     path, cfg = write_config(tmp_path, kernel_log="kmsg", state_dir=str(read_only_dir))
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: counter(d, "gpuwatch_state_write_errors_total", file="state.json") >= 3,
-                   what="failed state.json writes counted")
+        d.wait_for(
+            lambda: counter(d, "gpuwatch_state_write_errors_total", file="state.json") >= 3,
+            what="failed state.json writes counted",
+        )
         kill_and_count(d, cfg, cgroup, f"job-{uuid.uuid4().hex[:6]}")
-        d.wait_for(lambda: counter(d, "gpuwatch_state_write_errors_total", file="events.jsonl") >= 1,
-                   what="the kill's failed append counted")
+        d.wait_for(
+            lambda: counter(d, "gpuwatch_state_write_errors_total", file="events.jsonl") >= 1,
+            what="the kill's failed append counted",
+        )
     finally:
         assert d.stop() == 0
     assert os.listdir(read_only_dir) == []
 
 
 def test_state_json_is_rewritten_when_a_reader_would_see_a_change_else_every_other_cycle(
-        tmp_path: Path, procs: list[subprocess.Popen[Any]]) -> None:
+    tmp_path: Path, procs: list[subprocess.Popen[Any]]
+) -> None:
     """state.json after each cycle (Daemon.cycle, real ranks): an unchanged node is written every
     other cycle (1.5 intervals), a rank that dies is in the very next file, and a file is never
     older than load_state's three intervals."""

@@ -54,15 +54,16 @@ class CpuCgroup:
 def test_throttled_rank_is_named_a_straggler_with_its_cgroup_as_cause(tmp_path: Path) -> None:
     from daemonutil import DaemonProc, write_config
 
-    cfg_path, cfg = write_config(tmp_path, straggler={"window_seconds": 3.0, "ratio": 0.8,
-                                                      "for_seconds": 2.0})
+    cfg_path, cfg = write_config(tmp_path, straggler={"window_seconds": 3.0, "ratio": 0.8, "for_seconds": 2.0})
     cg = CpuCgroup(quota_us=10_000)
     ranks = []
     try:
         for r in range(3):
-            p = subprocess.Popen([sys.executable, str(PROGRAMS / "hang_rank.py"), "train",
-                                  cfg["rank_dir"], "slow-job", str(r)],
-                                 stdout=subprocess.PIPE, text=True)
+            p = subprocess.Popen(
+                [sys.executable, str(PROGRAMS / "hang_rank.py"), "train", cfg["rank_dir"], "slow-job", str(r)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             ranks.append(p)
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
         cg.add(ranks[2].pid)
@@ -84,8 +85,7 @@ def test_throttled_rank_is_named_a_straggler_with_its_cgroup_as_cause(tmp_path: 
             assert "is a straggler: " in f["explanation"] and "(ranks 0, 1, 2)" in f["explanation"]
             assert "CPU throttled by its cgroup: " in f["explanation"]
             assert f["evidence"]["ratio"] < 0.8 and f["evidence"]["throttled_periods"] > 0
-            steps = {r: d.value("gpuwatch_rank_step", job_id="slow-job", rank=str(r))
-                     for r in range(3)}
+            steps = {r: d.value("gpuwatch_rank_step", job_id="slow-job", rank=str(r)) for r in range(3)}
             assert all(v is not None and v > 0 for v in steps.values()), steps
             assert steps[2] < min(steps[0], steps[1]), steps  # type: ignore[type-var]
             assert d.value("gpuwatch_finding", kind="rank_straggler", rank="0") is None
@@ -127,8 +127,12 @@ def test_gpu_clock_throttle_reasons_from_nvml_name_a_cause() -> None:
     assert idle[0].throttle_reasons is None  # recorded before the field: the driver "does not say"
     r = RankState("j", 1, 11, 1, 2, True, None, gpus=("0",))
     rr = RankRate("j", 1, 11, 2.0, 300.0, 10.0, (0, 1), 0.0, True)
-    ctx = FindingContext(now=400.0, config=Config(), ranks=(r,),
-                         parts=Tracked(gpu=GpuOutput(gpus=devices), straggler=StragglerOutput(rates={("j", 1): rr})))
+    ctx = FindingContext(
+        now=400.0,
+        config=Config(),
+        ranks=(r,),
+        parts=Tracked(gpu=GpuOutput(gpus=devices), straggler=StragglerOutput(rates={("j", 1): rr})),
+    )
     (f,) = rank_straggler.find(ctx, ())
     assert "GPU 0 clocks throttled: sw_power_cap, hw_thermal (NVML)" in f.explanation
     assert "0.20x its job's median of 10.00 steps/s" in f.explanation
@@ -139,9 +143,15 @@ def test_rank_memory_pressure_is_named_by_kind_when_present() -> None:
 
     r = RankState("j", 1, 11, 1, 2, True, None)
     rr = RankRate("j", 1, 11, 2.0, 300.0, 10.0, (0, 1), 0.0, True)
-    ctx = FindingContext(now=400.0, config=Config(), ranks=(r,),
-                         parts=Tracked(gpu=GpuOutput(gpus=(GpuDevice(0, "u", "n", "p", None, None, None),)),
-                                       straggler=StragglerOutput(rates={("j", 1): rr})))
+    ctx = FindingContext(
+        now=400.0,
+        config=Config(),
+        ranks=(r,),
+        parts=Tracked(
+            gpu=GpuOutput(gpus=(GpuDevice(0, "u", "n", "p", None, None, None),)),
+            straggler=StragglerOutput(rates={("j", 1): rr}),
+        ),
+    )
     mem = Finding("rank_memory_pressure", "warning", "x", "j", "1", "11")
     (f,) = rank_straggler.find(ctx, (mem,))
     assert "causes: host memory pressure (rank_memory_pressure)" in f.explanation
@@ -181,8 +191,7 @@ def test_tracker_needs_two_ranks_and_the_full_bound(tmp_path: Path) -> None:
     assert solo[("j", 0)].median is None
 
 
-def test_a_cpu_stat_without_throttling_counters_is_not_looked_up_again_each_cycle(
-        tmp_path: Path) -> None:
+def test_a_cpu_stat_without_throttling_counters_is_not_looked_up_again_each_cycle(tmp_path: Path) -> None:
     """A cgroup v2 without the cpu controller (the H200 host of bench/nvml_poll.py) has a
     cpu.stat of usage only: the rank's cgroup used to be looked up from /proc/PID/cgroup again
     every cycle for every rank because of it. Its path is looked for again only when the file is

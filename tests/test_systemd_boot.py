@@ -52,17 +52,19 @@ THREE_CAPS = (1 << 2) | (1 << 19) | (1 << 34)
 # installed (dpkg's and apt's databases and logs, the journal, systemd's timestamps), and byte code
 # the container's own Python writes under /usr: what install + purge (or install.sh +
 # uninstall.sh) must leave as they found it.
-SNAPSHOT = ("find / -xdev "
-            r"\( -path /proc -o -path /sys -o -path /dev -o -path /tmp -o -path /var/tmp -o "
-            r"-path /var/log -o -path /var/cache -o -path /var/lib/dpkg -o -path /var/lib/apt -o "
-            r"-path /var/lib/systemd -o -path /run/systemd -o -path /run/user -o -path /run/dbus "
-            r"-o -path /run/log -o -path /run/lock -o -path /srv/gw -o -path /root -o "
-            r"-path '/usr/*/__pycache__' -o -path '/etc/gpuwatchd-test-snapshot*' \) -prune -o "
-            # shadow-utils' backups (/etc/passwd- ...) are rewritten on every account change, as
-            # on any host: compared by presence, not size
-            # (directories by presence too: their size is the file system's business)
-            r"\( \( -path '/etc/*-' -o -type d \) -printf '%p %M %u %g\n' \) -o "
-            r"-printf '%p %M %u %g %s\n' | sort")
+SNAPSHOT = (
+    "find / -xdev "
+    r"\( -path /proc -o -path /sys -o -path /dev -o -path /tmp -o -path /var/tmp -o "
+    r"-path /var/log -o -path /var/cache -o -path /var/lib/dpkg -o -path /var/lib/apt -o "
+    r"-path /var/lib/systemd -o -path /run/systemd -o -path /run/user -o -path /run/dbus "
+    r"-o -path /run/log -o -path /run/lock -o -path /srv/gw -o -path /root -o "
+    r"-path '/usr/*/__pycache__' -o -path '/etc/gpuwatchd-test-snapshot*' \) -prune -o "
+    # shadow-utils' backups (/etc/passwd- ...) are rewritten on every account change, as
+    # on any host: compared by presence, not size
+    # (directories by presence too: their size is the file system's business)
+    r"\( \( -path '/etc/*-' -o -type d \) -printf '%p %M %u %g\n' \) -o "
+    r"-printf '%p %M %u %g %s\n' | sort"
+)
 ACCOUNT_FILES = ("/etc/passwd", "/etc/group", "/etc/shadow", "/etc/gshadow")
 
 
@@ -70,8 +72,10 @@ Box = bootsystemd.BootedSystemd
 
 
 def _config(kernel_log: str = "journal", listen: str = "0.0.0.0:9863", extra: str = "") -> str:
-    return (f'web: {{listen_address: "{listen}"}}\ninterval_seconds: 2\nkernel_log: {kernel_log}\n'
-            "gil: {enabled: false}\ndiscovery: {enabled: false}\n" + extra)
+    return (
+        f'web: {{listen_address: "{listen}"}}\ninterval_seconds: 2\nkernel_log: {kernel_log}\n'
+        "gil: {enabled: false}\ndiscovery: {enabled: false}\n" + extra
+    )
 
 
 @pytest.fixture(scope="module")
@@ -101,24 +105,24 @@ def show(box: Box, *props: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 
-def wait(pred: Callable[[], object], timeout: float, what: str,
-         detail: Callable[[], object] | None = None) -> None:
+def wait(pred: Callable[[], object], timeout: float, what: str, detail: Callable[[], object] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():
             return
         time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}"
-                         + (f": {detail()}" if detail else ""))
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}" + (f": {detail()}" if detail else ""))
 
 
 def metrics(box: Box, port: int = 9863) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    res = box.run(["curl", "-sf", "--max-time", "5", f"http://127.0.0.1:{port}/metrics"],
-                  check=False)
+    res = box.run(["curl", "-sf", "--max-time", "5", f"http://127.0.0.1:{port}/metrics"], check=False)
     if res.returncode != 0:
         return {}
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(res.stdout) for s in fam.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for fam in text_string_to_metric_families(res.stdout)
+        for s in fam.samples
+    }
 
 
 def sample(box: Box, name: str, port: int = 9863, **labels: str) -> float | None:
@@ -136,8 +140,7 @@ def journal(box: Box, since: str = "") -> str:
 
 
 def cursor(box: Box) -> str:
-    out = box.run(["journalctl", "-u", UNIT, "-n", "1", "--show-cursor", "--no-pager", "-q"],
-                  check=False).stdout
+    out = box.run(["journalctl", "-u", UNIT, "-n", "1", "--show-cursor", "--no-pager", "-q"], check=False).stdout
     m = re.search(r"^-- cursor: (.+)$", out, re.M)
     return m.group(1) if m else ""
 
@@ -168,13 +171,25 @@ def restart_with(box: Box, dropin: str | None = None, config: str | None = None)
 
 def oom_argv(comm: str) -> list[str]:
     """A process named ``comm`` that its memcg's OOM killer kills (systemd-run MemoryMax=40M)."""
-    code = ("import ctypes\n"
-            f"ctypes.CDLL(None).prctl(15, b'{comm}', 0, 0, 0)\n"
-            "hog = []\n"
-            "while True:\n"
-            "    hog.append(b'x' * (1 << 20))\n")
-    return ["systemd-run", "--wait", "--quiet", "-p", "MemoryMax=40M", "-p", "MemorySwapMax=0",
-            "/usr/bin/python3", "-c", code]
+    code = (
+        "import ctypes\n"
+        f"ctypes.CDLL(None).prctl(15, b'{comm}', 0, 0, 0)\n"
+        "hog = []\n"
+        "while True:\n"
+        "    hog.append(b'x' * (1 << 20))\n"
+    )
+    return [
+        "systemd-run",
+        "--wait",
+        "--quiet",
+        "-p",
+        "MemoryMax=40M",
+        "-p",
+        "MemorySwapMax=0",
+        "/usr/bin/python3",
+        "-c",
+        code,
+    ]
 
 
 def oom_kill(box: Box) -> str:
@@ -191,19 +206,21 @@ def kills(box: Box, comm: str) -> float | None:
 
 # --- the tests, in order --------------------------------------------------------------------
 
+
 def apt(box: Box, *args: str) -> str:
     """``apt-get -y ARGS`` in the container (no network: every dependency is installed already);
     returns what it printed."""
-    res = box.run(["env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "-y", *args],
-                  timeout=180)
+    res = box.run(["env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "-y", *args], timeout=180)
     return res.stdout + res.stderr
 
 
 def _install(box: Box) -> str:
     """As a fleet does: ``apt-get install ./gpuwatchd_*.deb`` (after a snapshot of the files and
     accounts, for the purge test). Returns apt-get's output."""
-    box.sh(f"{SNAPSHOT} > /etc/gpuwatchd-test-snapshot; "
-           f"cat {' '.join(ACCOUNT_FILES)} > /etc/gpuwatchd-test-snapshot.accounts")
+    box.sh(
+        f"{SNAPSHOT} > /etc/gpuwatchd-test-snapshot; "
+        f"cat {' '.join(ACCOUNT_FILES)} > /etc/gpuwatchd-test-snapshot.accounts"
+    )
     [deb] = [p.name for p in box.share.glob("gpuwatchd_*.deb")]  # type: ignore[attr-defined]
     return apt(box, "install", f"/srv/gw/{deb}")
 
@@ -212,8 +229,10 @@ def test_apt_install_enables_starts_and_notify_readiness(box: Box) -> None:
     out = box.install_output  # type: ignore[attr-defined]  # set by the fixture
     print(out)
     assert "Setting up gpuwatchd (" in out, out
-    assert box.run(["dpkg-query", "-W", "-f", "${Status} ${Version}", "gpuwatchd"]).stdout == \
-        f"install ok installed {distutil.version()}"
+    assert (
+        box.run(["dpkg-query", "-W", "-f", "${Status} ${Version}", "gpuwatchd"]).stdout
+        == f"install ok installed {distutil.version()}"
+    )
     uid = box.run(["getent", "passwd", "gpuwatchd"]).stdout.strip()
     assert uid.endswith(":/var/lib/gpuwatchd:/usr/sbin/nologin"), uid
     assert int(uid.split(":")[2]) < 1000, uid  # a system user (sysusers.d)
@@ -227,8 +246,14 @@ def test_apt_install_enables_starts_and_notify_readiness(box: Box) -> None:
     props = show(box, "FragmentPath", "ExecStart")
     assert props["FragmentPath"] == f"/lib/systemd/system/{UNIT}", props
     assert f"path={BIN} ;" in props["ExecStart"], props
-    assert box.run(["test", "-e", "/var/lib/systemd/deb-systemd-helper-enabled/"
-                    f"multi-user.target.wants/{UNIT}"], check=False).returncode == 0
+    assert (
+        box.run(
+            ["test", "-e", f"/var/lib/systemd/deb-systemd-helper-enabled/multi-user.target.wants/{UNIT}"], check=False
+        ).returncode
+        == 0
+    )
+
+
 def test_sandbox_is_really_in_force(box: Box) -> None:
     pid = show(box, "MainPID")["MainPID"]
     status = box.run(["cat", f"/proc/{pid}/status"]).stdout
@@ -251,30 +276,41 @@ def test_sandbox_is_really_in_force(box: Box) -> None:
     devices = (box.cgroup_dir("devices", svc) / "devices.list").read_text().split("\n")
     assert "c 1:11 r" in devices and "a *:* rwm" not in devices, devices
     host_pids = (mem / "cgroup.procs").read_text().split()  # host PIDs; NSpid: host, container
-    nspids = [Path(f"/proc/{p}/status").read_text().split("NSpid:")[1].split("\n")[0].split()
-              for p in host_pids]
+    nspids = [Path(f"/proc/{p}/status").read_text().split("NSpid:")[1].split("\n")[0].split() for p in host_pids]
     assert [pid] == [ns[-1] for ns in nspids], nspids
 
 
 def test_metrics_on_loopback_and_kernel_log_from_the_journal_with_an_oom_kill(box: Box) -> None:
     restart_with(box, config=_config("journal"))
-    wait(lambda: sample(box, "gpuwatch_collector_success", collector="kernel_log") == 1.0, 30,
-         "the kernel_log collector (journal) to succeed")
+    wait(
+        lambda: sample(box, "gpuwatch_collector_success", collector="kernel_log") == 1.0,
+        30,
+        "the kernel_log collector (journal) to succeed",
+    )
     assert sample(box, "gpuwatch_collector_success", collector="procfs") == 1.0
     # no GPU here: the nvml collector is down, the daemon is up
     assert sample(box, "gpuwatch_collector_success", collector="nvml") == 0.0
     comm = oom_kill(box)
-    wait(lambda: (sample(box, "gpuwatch_oom_kills_total", comm=comm, killer="kernel") or 0) >= 1,
-         30, f"the OOM kill of {comm} in /metrics (journal)")
+    wait(
+        lambda: (sample(box, "gpuwatch_oom_kills_total", comm=comm, killer="kernel") or 0) >= 1,
+        30,
+        f"the OOM kill of {comm} in /metrics (journal)",
+    )
 
 
 def test_kernel_log_from_dev_kmsg_with_an_oom_kill(box: Box) -> None:
     restart_with(box, config=_config("kmsg"))
-    wait(lambda: sample(box, "gpuwatch_collector_success", collector="kernel_log") == 1.0, 30,
-         "the kernel_log collector (kmsg) to succeed")
+    wait(
+        lambda: sample(box, "gpuwatch_collector_success", collector="kernel_log") == 1.0,
+        30,
+        "the kernel_log collector (kmsg) to succeed",
+    )
     comm = oom_kill(box)
-    wait(lambda: (sample(box, "gpuwatch_oom_kills_total", comm=comm, killer="kernel") or 0) >= 1,
-         30, f"the OOM kill of {comm} in /metrics (kmsg)")
+    wait(
+        lambda: (sample(box, "gpuwatch_oom_kills_total", comm=comm, killer="kernel") or 0) >= 1,
+        30,
+        f"the OOM kill of {comm} in /metrics (kmsg)",
+    )
 
 
 def test_device_allow_kmsg_is_necessary(box: Box) -> None:
@@ -282,13 +318,19 @@ def test_device_allow_kmsg_is_necessary(box: Box) -> None:
     restart_with(box, dropin="[Service]\nDeviceAllow=\nDeviceAllow=char-nvidia* rw\n")
     devices = (box.cgroup_dir("devices", f"/system.slice/{UNIT}") / "devices.list").read_text()
     assert "c 1:11 r" not in devices.split("\n"), devices
-    wait(lambda: "Operation not permitted" in str(collector(box, "kernel_log")["error"]), 30,
-         "the kernel_log collector to fail with EPERM on /dev/kmsg")
+    wait(
+        lambda: "Operation not permitted" in str(collector(box, "kernel_log")["error"]),
+        30,
+        "the kernel_log collector to fail with EPERM on /dev/kmsg",
+    )
     assert sample(box, "gpuwatch_collector_success", collector="kernel_log") == 0.0
     assert sample(box, "gpuwatch_collector_success", collector="procfs") == 1.0
     restart_with(box, dropin=None)
-    wait(lambda: sample(box, "gpuwatch_collector_success", collector="kernel_log") == 1.0, 30,
-         "kmsg readable again with the unit's rule")
+    wait(
+        lambda: sample(box, "gpuwatch_collector_success", collector="kernel_log") == 1.0,
+        30,
+        "kmsg readable again with the unit's rule",
+    )
 
 
 def test_reload_with_a_good_and_a_bad_config(box: Box) -> None:
@@ -328,24 +370,22 @@ def test_watchdog_is_fed_and_enforced(box: Box) -> None:
     assert (after["NRestarts"], after["MainPID"]) == (props["NRestarts"], props["MainPID"])
     mark = cursor(box)
     box.run(["kill", "-STOP", props["MainPID"]])
-    wait(lambda: show(box, "NRestarts")["NRestarts"] != props["NRestarts"], 40,
-         "systemd to restart the stopped daemon")
+    wait(lambda: show(box, "NRestarts")["NRestarts"] != props["NRestarts"], 40, "systemd to restart the stopped daemon")
     wait(lambda: show(box, "ActiveState")["ActiveState"] == "active", 30, "the restarted daemon")
     assert show(box, "MainPID")["MainPID"] != props["MainPID"]
-    assert "Watchdog timeout" in box.run(["journalctl", "--no-pager", "-o", "cat",
-                                          "--after-cursor", mark]).stdout
+    assert "Watchdog timeout" in box.run(["journalctl", "--no-pager", "-o", "cat", "--after-cursor", mark]).stdout
     restart_with(box, dropin=None)
 
 
 def _proc_devices_with_nvidia(box: Box) -> str:
     text = box.run(["cat", "/proc/devices"]).stdout
-    return text.replace("Character devices:\n",
-                        "Character devices:\n195 nvidia-frontend\n236 nvidia-uvm\n511 nvidia-caps\n")
+    return text.replace(
+        "Character devices:\n", "Character devices:\n195 nvidia-frontend\n236 nvidia-uvm\n511 nvidia-caps\n"
+    )
 
 
 def proc_devices_for(box: Box, pid: str) -> None:
-    box.run(["nsenter", "-t", pid, "-m", "mount", "--bind", "/run/gw-proc-devices",
-             "/proc/devices"])
+    box.run(["nsenter", "-t", pid, "-m", "mount", "--bind", "/run/gw-proc-devices", "/proc/devices"])
 
 
 def test_nvidia_devices_registered_after_start_are_recovered_by_one_restart(box: Box) -> None:
@@ -353,8 +393,10 @@ def test_nvidia_devices_registered_after_start_are_recovered_by_one_restart(box:
     195:0, 511:1) and a /proc/devices that lists nvidia only after the start: the daemon sees
     EPERM, says why, exits once (75) for Restart= to re-expand the policy, and then the nodes
     answer ENXIO (allowed, no driver); a drop-in that denies them for good costs no restart loop."""
-    box.sh("mknod -m 666 /dev/nvidiactl c 195 255 && mknod -m 666 /dev/nvidia0 c 195 0 && "
-           "mkdir -p /dev/nvidia-caps && mknod -m 444 /dev/nvidia-caps/nvidia-cap1 c 511 1")
+    box.sh(
+        "mknod -m 666 /dev/nvidiactl c 195 255 && mknod -m 666 /dev/nvidia0 c 195 0 && "
+        "mkdir -p /dev/nvidia-caps && mknod -m 444 /dev/nvidia-caps/nvidia-cap1 c 511 1"
+    )
     try:
         restart_with(box)
         wait(lambda: "EPERM" in str(collector(box, "nvml")["error"]), 30, "nvml: EPERM")
@@ -369,8 +411,11 @@ def test_nvidia_devices_registered_after_start_are_recovered_by_one_restart(box:
         # bind mount in the container's namespace does not reach (the kernel's file changes in
         # every instance at once)
         proc_devices_for(box, first["MainPID"])
-        wait(lambda: show(box, "NRestarts")["NRestarts"] != first["NRestarts"], 45,
-             "the daemon to exit for a restart that re-expands DeviceAllow=char-nvidia*")
+        wait(
+            lambda: show(box, "NRestarts")["NRestarts"] != first["NRestarts"],
+            45,
+            "the daemon to exit for a restart that re-expands DeviceAllow=char-nvidia*",
+        )
         wait(lambda: show(box, "ActiveState")["ActiveState"] == "active", 30, "restarted")
         log = journal(box)
         assert "Exiting with status 75" in log and "nvidia-frontend" in log, log[-3000:]
@@ -387,23 +432,34 @@ def test_nvidia_devices_registered_after_start_are_recovered_by_one_restart(box:
         mark = cursor(box)
         pid = restart_with(box, dropin="[Service]\nDeviceAllow=\nDeviceAllow=/dev/kmsg r\n")
         proc_devices_for(box, pid)
-        wait(lambda: "still denied after the restart" in journal(box, mark), 30,
-             "the daemon to say the devices are denied for good",
-             lambda: (journal(box, mark)[-2000:], collector(box, "nvml")))
+        wait(
+            lambda: "still denied after the restart" in journal(box, mark),
+            30,
+            "the daemon to say the devices are denied for good",
+            lambda: (journal(box, mark)[-2000:], collector(box, "nvml")),
+        )
         third = show(box, "NRestarts", "MainPID")
         time.sleep(5)
         assert show(box, "NRestarts", "MainPID") == third
         assert show(box, "ActiveState")["ActiveState"] == "active"
     finally:
-        box.sh("umount /proc/devices 2>/dev/null; rm -rf /dev/nvidiactl /dev/nvidia0 "
-               "/dev/nvidia-caps /run/gw-proc-devices", check=False)
+        box.sh(
+            "umount /proc/devices 2>/dev/null; rm -rf /dev/nvidiactl /dev/nvidia0 "
+            "/dev/nvidia-caps /run/gw-proc-devices",
+            check=False,
+        )
         restart_with(box, dropin=None)
 
 
 def test_journal_shows_the_daemons_events(box: Box) -> None:
     log = journal(box)
-    for line in ("serving http://0.0.0.0:9863/metrics", "configuration reloaded",
-                 "no_such_key", "Exiting with status 75", "still denied after the restart"):
+    for line in (
+        "serving http://0.0.0.0:9863/metrics",
+        "configuration reloaded",
+        "no_such_key",
+        "Exiting with status 75",
+        "still denied after the restart",
+    ):
         assert line in log, (line, log[-3000:])
 
 
@@ -420,35 +476,50 @@ def test_upgrade_keeps_the_state_no_kill_twice_none_lost(box: Box) -> None:
     shutil.copy2(deb, box.share / deb.name)  # type: ignore[attr-defined]
     during = f"gwsd-oom-{uuid.uuid4().hex[:6]}"
     # waits for preinst's stop, then an OOM kill while the package is being replaced
-    write(box, "/run/gw-during.sh", f"while systemctl is-active -q {UNIT}; do sleep 0.05; done\n"
-          "date +%s.%N > /run/gw-stopped\n"
-          f"{shlex.join(oom_argv(during))}\n"
-          "date +%s.%N > /run/gw-killed\n")
+    write(
+        box,
+        "/run/gw-during.sh",
+        f"while systemctl is-active -q {UNIT}; do sleep 0.05; done\n"
+        "date +%s.%N > /run/gw-stopped\n"
+        f"{shlex.join(oom_argv(during))}\n"
+        "date +%s.%N > /run/gw-killed\n",
+    )
     box.sh("setsid -f /bin/sh /run/gw-during.sh </dev/null >/dev/null 2>&1")
     out = apt(box, "install", f"/srv/gw/{deb.name}")
     print(out)
     assert f"Unpacking gpuwatchd ({UPGRADE_VERSION}) over ({distutil.version()})" in out, out
     assert "Setting up gpuwatchd (" + UPGRADE_VERSION + ")" in out, out
-    wait(lambda: box.run(["test", "-e", "/run/gw-killed"], check=False).returncode == 0, 60,
-         "the OOM kill made during the upgrade")
+    wait(
+        lambda: box.run(["test", "-e", "/run/gw-killed"], check=False).returncode == 0,
+        60,
+        "the OOM kill made during the upgrade",
+    )
     props = show(box, "ActiveState", "MainPID", "UnitFileState")
     assert props["ActiveState"] == "active" and props["UnitFileState"] == "enabled", props
     assert props["MainPID"] != old_pid, props
     stopped, killed = (box.run(["cat", f"/run/gw-{f}"]).stdout.strip() for f in ("stopped", "killed"))
-    stamp = box.run(["systemctl", "show", UNIT, "-p", "ExecMainStartTimestamp", "--value",
-                     "--timestamp=us+utc"]).stdout.strip()
-    started = datetime.datetime.strptime(stamp, "%a %Y-%m-%d %H:%M:%S.%f UTC").replace(
-        tzinfo=datetime.timezone.utc).timestamp()
-    print(f"old daemon stopped at {stopped}, the OOM kill done at {killed}, the new daemon "
-          f"started at {started:.2f} (the kill {'before' if float(killed) < started else 'after'} it)")
-    wait(lambda: sample(box, "gpuwatch_build_info", version=UPGRADE_VERSION) == 1.0, 30,
-         "the new build serving /metrics")
-    wait(lambda: kills(box, during) == 1.0, 30, f"the OOM kill of {during} (during the upgrade)",
-         lambda: metrics(box))
+    stamp = box.run(
+        ["systemctl", "show", UNIT, "-p", "ExecMainStartTimestamp", "--value", "--timestamp=us+utc"]
+    ).stdout.strip()
+    started = (
+        datetime.datetime.strptime(stamp, "%a %Y-%m-%d %H:%M:%S.%f UTC")
+        .replace(tzinfo=datetime.timezone.utc)
+        .timestamp()
+    )
+    print(
+        f"old daemon stopped at {stopped}, the OOM kill done at {killed}, the new daemon "
+        f"started at {started:.2f} (the kill {'before' if float(killed) < started else 'after'} it)"
+    )
+    wait(
+        lambda: sample(box, "gpuwatch_build_info", version=UPGRADE_VERSION) == 1.0, 30, "the new build serving /metrics"
+    )
+    wait(lambda: kills(box, during) == 1.0, 30, f"the OOM kill of {during} (during the upgrade)", lambda: metrics(box))
     time.sleep(4)  # two more cycles: nothing is counted again
     assert (kills(box, before), kills(box, during)) == (1.0, 1.0), metrics(box)
-    print(f"after the upgrade: gpuwatch_oom_kills_total{{comm={before!r}}} {kills(box, before)}, "
-          f"{{comm={during!r}}} {kills(box, during)}")
+    print(
+        f"after the upgrade: gpuwatch_oom_kills_total{{comm={before!r}}} {kills(box, before)}, "
+        f"{{comm={during!r}}} {kills(box, during)}"
+    )
     assert box.run(["cat", CONFIG]).stdout == config  # the edited conffile is kept
     status = box.run(["cat", f"/proc/{props['MainPID']}/status"]).stdout
     assert int(re.search(r"^CapEff:\s+(\w+)", status, re.M).group(1), 16) == THREE_CAPS  # type: ignore[union-attr]
@@ -478,9 +549,11 @@ def _unchanged_since_the_snapshot(box: Box) -> None:
     assert accounts == box.run(["cat", "/etc/gpuwatchd-test-snapshot.accounts"]).stdout
     assert box.run(["systemctl", "cat", UNIT], check=False).returncode != 0
     # (/run/systemd/container holds the test container's name, gpuwatchd-test)
-    leftovers = box.sh("grep -rls gpuwatchd /etc /run /var/lib /usr/lib/systemd /usr/lib/tmpfiles.d "
-                       "/usr/lib/sysusers.d --exclude-dir=dpkg --exclude-dir=apt --exclude=container "
-                       "--exclude='gpuwatchd-test-snapshot*' 2>/dev/null || true").stdout.split()
+    leftovers = box.sh(
+        "grep -rls gpuwatchd /etc /run /var/lib /usr/lib/systemd /usr/lib/tmpfiles.d "
+        "/usr/lib/sysusers.d --exclude-dir=dpkg --exclude-dir=apt --exclude=container "
+        "--exclude='gpuwatchd-test-snapshot*' 2>/dev/null || true"
+    ).stdout.split()
     assert not leftovers, leftovers
 
 
@@ -507,8 +580,7 @@ def test_apt_purge_leaves_no_file_user_or_unit(box: Box) -> None:
     assert box.run(["dpkg-query", "-W", "gpuwatchd"], check=False).returncode != 0
     assert box.run(["getent", "passwd", "gpuwatchd"], check=False).returncode != 0
     assert box.run(["getent", "group", "gpuwatchd"], check=False).returncode != 0
-    assert not box.sh("find /var/lib/systemd/deb-systemd-helper-enabled /etc/systemd "
-                      "-name 'gpuwatchd*'").stdout.strip()
+    assert not box.sh("find /var/lib/systemd/deb-systemd-helper-enabled /etc/systemd -name 'gpuwatchd*'").stdout.strip()
     _unchanged_since_the_snapshot(box)
 
 
@@ -517,10 +589,19 @@ def test_install_sh_from_the_wheel_and_uninstall_leaves_nothing(box: Box) -> Non
     (after the purge, on the same system), then deploy/uninstall.sh."""
     [wheel] = [p.name for p in (box.share / "wheels").glob("gpuwatchd-*.whl")]  # type: ignore[attr-defined]
     box.run(["python3", "-m", "venv", "--system-site-packages", PIP_VENV])
-    box.run([f"{PIP_VENV}/bin/pip", "install", "-q", "--no-index", "--find-links", "/srv/gw/wheels",
-             f"/srv/gw/wheels/{wheel}"], timeout=180)
-    out = box.run(["/srv/gw/src/deploy/install.sh", "--bin", f"{PIP_VENV}/bin/gpuwatchd"],
-                  timeout=120).stdout
+    box.run(
+        [
+            f"{PIP_VENV}/bin/pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--find-links",
+            "/srv/gw/wheels",
+            f"/srv/gw/wheels/{wheel}",
+        ],
+        timeout=180,
+    )
+    out = box.run(["/srv/gw/src/deploy/install.sh", "--bin", f"{PIP_VENV}/bin/gpuwatchd"], timeout=120).stdout
     assert "installed /etc/systemd/system/gpuwatchd.service" in out, out
     assert "running: systemctl status gpuwatchd" in out, out
     props = show(box, "ActiveState", "ExecStart", "StatusText")

@@ -43,8 +43,7 @@ MAX_EXPOSURE = 3.0
 
 
 def _unit_values(text: str, key: str) -> list[str]:
-    return [line.split("=", 1)[1].strip() for line in text.splitlines()
-            if line.startswith(f"{key}=")]
+    return [line.split("=", 1)[1].strip() for line in text.splitlines() if line.startswith(f"{key}=")]
 
 
 def _stub_unit(tmp_path: Path) -> Path:
@@ -57,14 +56,22 @@ def _stub_unit(tmp_path: Path) -> Path:
     text = UNIT.read_text()
     assert "ExecStart=/usr/local/bin/gpuwatchd " in text
     unit = tmp_path / "gpuwatchd.service"
-    unit.write_text(text.replace("ExecStart=/usr/local/bin/gpuwatchd ", f"ExecStart={stub} ")
-                    .replace("ExecReload=/usr/local/bin/gpuwatchd ", f"ExecReload={stub} "))
+    unit.write_text(
+        text.replace("ExecStart=/usr/local/bin/gpuwatchd ", f"ExecStart={stub} ").replace(
+            "ExecReload=/usr/local/bin/gpuwatchd ", f"ExecReload={stub} "
+        )
+    )
     return unit
 
 
 def _exposure(unit: Path) -> tuple[float, str]:
-    out = subprocess.run(["systemd-analyze", "security", "--offline=yes", str(unit)],
-                         capture_output=True, text=True, timeout=60, cwd=unit.parent)
+    out = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=unit.parent,
+    )
     m = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", out.stdout)
     assert m, out.stdout + out.stderr
     return float(m.group(1)), out.stdout
@@ -72,8 +79,9 @@ def _exposure(unit: Path) -> tuple[float, str]:
 
 def test_systemd_analyze_verify_is_clean(tmp_path: Path) -> None:
     unit = _stub_unit(tmp_path)
-    out = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
-                         text=True, timeout=60, cwd=tmp_path)
+    out = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "" and out.stderr.strip() == "", out.stdout + out.stderr
 
@@ -82,8 +90,7 @@ def test_exposure_beats_the_anchor_exporters(tmp_path: Path) -> None:
     ours, report = _exposure(_stub_unit(tmp_path))
     assert ours <= MAX_EXPOSURE, report
     anchors = {p.name: _exposure(p)[0] for p in sorted(ANCHORS.glob("*.service"))}
-    assert {"node_exporter.service", "nvidia-dcgm-exporter.service",
-            "prometheus-node-exporter.service"} <= set(anchors)
+    assert {"node_exporter.service", "nvidia-dcgm-exporter.service", "prometheus-node-exporter.service"} <= set(anchors)
     for name, score in anchors.items():
         assert ours < score, f"{name} scores {score}, ours {ours}"
 
@@ -95,8 +102,7 @@ def test_every_weakness_systemd_reports_is_explained_in_the_unit(tmp_path: Path)
     comments = "\n".join(line for line in UNIT.read_text().splitlines() if line.startswith("#"))
     exposed = [line.split()[1] for line in report.splitlines() if line.startswith("✗")]
     assert exposed, report
-    unexplained = sorted({e.split("=")[0] for e in exposed
-                          if e.split("=")[0] + "=" not in comments})
+    unexplained = sorted({e.split("=")[0] for e in exposed if e.split("=")[0] + "=" not in comments})
     assert unexplained == [], f"exposed but not explained in a comment: {unexplained}"
 
 
@@ -112,30 +118,51 @@ def test_unit_contract() -> None:
     assert _unit_values(text, "StateDirectory") == ["gpuwatchd"]
     for key in ("WatchdogSec", "Restart", "MemoryMax", "CPUQuota"):
         assert _unit_values(text, key), key
-    for key, value in (("ProtectSystem", "strict"), ("NoNewPrivileges", "yes"),
-                       ("PrivateTmp", "yes"), ("DevicePolicy", "closed")):
+    for key, value in (
+        ("ProtectSystem", "strict"),
+        ("NoNewPrivileges", "yes"),
+        ("PrivateTmp", "yes"),
+        ("DevicePolicy", "closed"),
+    ):
         assert _unit_values(text, key) == [value], key
     assert set(_unit_values(text, "RestrictAddressFamilies")[0].split()) == {
-        "AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"}
+        "AF_UNIX",
+        "AF_INET",
+        "AF_INET6",
+        "AF_NETLINK",
+    }
     assert any(v.startswith("char-nvidia") for v in _unit_values(text, "DeviceAllow"))
     assert "/dev/kmsg r" in _unit_values(text, "DeviceAllow")
     # Directives that would blind the daemon must stay off.
-    for key in ("ProtectProc", "ProcSubset", "PrivatePIDs", "PrivateUsers", "ProtectKernelLogs",
-                "PrivateDevices", "DynamicUser"):
+    for key in (
+        "ProtectProc",
+        "ProcSubset",
+        "PrivatePIDs",
+        "PrivateUsers",
+        "ProtectKernelLogs",
+        "PrivateDevices",
+        "DynamicUser",
+    ):
         assert not _unit_values(text, key), key
     # The config path matches what deploy/install.sh installs.
     assert "--config.file /etc/gpuwatchd/config.yaml" in _unit_values(text, "ExecStart")[0]
     # A reload validates the file before signalling (a bad config fails `systemctl reload`), and
     # the unit starts after the driver's units (tests/test_systemd_boot.py runs both for real).
     assert _unit_values(text, "ExecReload") == [
-        "/usr/local/bin/gpuwatchd config check /etc/gpuwatchd/config.yaml", "/bin/kill -HUP $MAINPID"]
+        "/usr/local/bin/gpuwatchd config check /etc/gpuwatchd/config.yaml",
+        "/bin/kill -HUP $MAINPID",
+    ]
     assert "nvidia-persistenced.service" in " ".join(_unit_values(text, "After")).split()
     assert _unit_values(text, "Restart") == ["on-failure"]  # the daemon's exit 75 is restarted
 
 
 def test_tmpfiles_creates_the_sticky_world_writable_rank_dir(tmp_path: Path) -> None:
-    out = subprocess.run(["systemd-tmpfiles", f"--root={tmp_path}", "--create", str(TMPFILES)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["systemd-tmpfiles", f"--root={tmp_path}", "--create", str(TMPFILES)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     st = (tmp_path / "run" / "gpuwatch" / "ranks").stat()
     assert stat.S_ISDIR(st.st_mode)
@@ -146,11 +173,13 @@ def test_tmpfiles_creates_the_sticky_world_writable_rank_dir(tmp_path: Path) -> 
 
 def test_sysusers_creates_a_nologin_system_user(tmp_path: Path) -> None:
     (tmp_path / "etc").mkdir()
-    out = subprocess.run(["systemd-sysusers", f"--root={tmp_path}", str(SYSUSERS)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["systemd-sysusers", f"--root={tmp_path}", str(SYSUSERS)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
-    entry = next(line for line in (tmp_path / "etc" / "passwd").read_text().splitlines()
-                 if line.startswith("gpuwatchd:"))
+    entry = next(
+        line for line in (tmp_path / "etc" / "passwd").read_text().splitlines() if line.startswith("gpuwatchd:")
+    )
     _, _, uid, gid, _, home, shell = entry.split(":")
     assert 0 < int(uid) < 1000 and shell == "/usr/sbin/nologin" and home == "/var/lib/gpuwatchd"
     assert f"gpuwatchd:x:{gid}:" in (tmp_path / "etc" / "group").read_text()
@@ -202,8 +231,7 @@ def users() -> Iterator[None]:
     created = []
     for name in (DAEMON_USER, RANK_USER):
         if subprocess.run(["id", name], capture_output=True, timeout=10).returncode != 0:
-            _run_locked(["useradd", "--system", "--no-create-home", "--shell",
-                         "/usr/sbin/nologin", name])
+            _run_locked(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name])
             created.append(name)
     yield
     for name in created:
@@ -214,10 +242,18 @@ def users() -> Iterator[None]:
 def rank_process(users: None) -> Iterator[int]:
     """A Python process of another user, with one open file (fd 3) and a secret in its env."""
     p = subprocess.Popen(
-        ["setpriv", f"--reuid={RANK_USER}", f"--regid={RANK_USER}", "--clear-groups",
-         "/usr/bin/python3", "-c",
-         "import sys, time\nf = open('/dev/null')\nprint('ready', flush=True)\ntime.sleep(120)"],
-        stdout=subprocess.PIPE, text=True, env={"PATH": "/usr/bin:/bin", "TOKEN": "s3cr3t"},
+        [
+            "setpriv",
+            f"--reuid={RANK_USER}",
+            f"--regid={RANK_USER}",
+            "--clear-groups",
+            "/usr/bin/python3",
+            "-c",
+            "import sys, time\nf = open('/dev/null')\nprint('ready', flush=True)\ntime.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "TOKEN": "s3cr3t"},
     )
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     yield p.pid
@@ -228,10 +264,21 @@ def rank_process(users: None) -> Iterator[int]:
 def _as_daemon(caps: set[str], *argv: str) -> subprocess.CompletedProcess[str]:
     spec = ",".join(["-all", *(f"+{c.removeprefix('CAP_').lower()}" for c in sorted(caps))])
     return subprocess.run(
-        ["setpriv", f"--reuid={DAEMON_USER}", f"--regid={DAEMON_USER}", "--clear-groups",
-         f"--inh-caps={spec}", f"--ambient-caps={spec}", f"--bounding-set={spec}",
-         "--no-new-privs", *argv],
-        capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"},
+        [
+            "setpriv",
+            f"--reuid={DAEMON_USER}",
+            f"--regid={DAEMON_USER}",
+            "--clear-groups",
+            f"--inh-caps={spec}",
+            f"--ambient-caps={spec}",
+            f"--bounding-set={spec}",
+            "--no-new-privs",
+            *argv,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin"},
     )
 
 
@@ -255,8 +302,7 @@ def test_unit_capabilities_are_sufficient_and_each_is_necessary(rank_process: in
     pid = rank_process
 
     full = _probe(caps, pid)
-    assert full == {"environ": "ok", "list_fds": "ok", "fd_target": "ok", "fd_count": "ok",
-                    "kmsg": "ok"}
+    assert full == {"environ": "ok", "list_fds": "ok", "fd_target": "ok", "fd_count": "ok", "kmsg": "ok"}
     assert _pyspy(caps, pid)
 
     # Without any capability the same user sees nothing of another user's process.
@@ -274,8 +320,7 @@ def test_unit_capabilities_are_sufficient_and_each_is_necessary(rank_process: in
 
     no_syslog = _probe(caps - {"CAP_SYSLOG"}, pid)
     assert no_syslog["kmsg"] != "ok"
-    assert {k: v for k, v in no_syslog.items() if k != "kmsg"} == {
-        k: v for k, v in full.items() if k != "kmsg"}
+    assert {k: v for k, v in no_syslog.items() if k != "kmsg"} == {k: v for k, v in full.items() if k != "kmsg"}
 
 
 def test_anchor_fixtures_are_documented() -> None:
@@ -311,8 +356,9 @@ DENIED = "ptrace,process_vm_writev"
 
 
 def _filtered(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["/usr/bin/python3", "-c", SECCOMP_EXEC, DENIED, *argv],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["/usr/bin/python3", "-c", SECCOMP_EXEC, DENIED, *argv], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_unit_allows_no_ptrace_and_denies_process_vm_writev() -> None:
@@ -324,8 +370,7 @@ def test_unit_allows_no_ptrace_and_denies_process_vm_writev() -> None:
     assert _unit_values(text, "SystemCallErrorNumber") == ["EPERM"]
     groups = {}
     for name in ("@system-service", "@ipc", "@debug"):
-        out = subprocess.run(["systemd-analyze", "syscall-filter", name], capture_output=True,
-                             text=True, timeout=60)
+        out = subprocess.run(["systemd-analyze", "syscall-filter", name], capture_output=True, text=True, timeout=60)
         groups[name] = out.stdout.split()
     assert "@ipc" in groups["@system-service"] and "@debug" not in groups["@system-service"]
     assert "process_vm_readv" in groups["@ipc"] and "process_vm_writev" in groups["@ipc"]
@@ -335,9 +380,7 @@ def test_unit_allows_no_ptrace_and_denies_process_vm_writev() -> None:
 def test_pyspy_nonblocking_works_without_ptrace_or_memory_writes() -> None:
     """The daemon's two py-spy invocations (gpuwatchd/sources/pyspy.py) succeed with ptrace(2)
     and process_vm_writev(2) refused, while the filter really refuses them."""
-    target = subprocess.Popen(
-        ["/usr/bin/python3", "-c", SPIN_RANK],
-        stdout=subprocess.PIPE, text=True)
+    target = subprocess.Popen(["/usr/bin/python3", "-c", SPIN_RANK], stdout=subprocess.PIPE, text=True)
     try:
         assert target.stdout is not None and target.stdout.readline().strip() == "ready"
         time.sleep(0.3)
@@ -347,13 +390,29 @@ def test_pyspy_nonblocking_works_without_ptrace_or_memory_writes() -> None:
         assert any(f["name"] == "spin" for t in stacks for f in t["frames"]), dump.stdout[:500]
         with tempfile.TemporaryDirectory(prefix="gw-h7-") as d:
             out = Path(d) / "raw.txt"
-            rec = _filtered(str(PY_SPY), "record", "--gil", "--nonblocking", "--format", "raw",
-                            "--threads", "--hideprogress", "-r", "50", "-d", "1", "-o", str(out),
-                            "-p", str(target.pid))
+            rec = _filtered(
+                str(PY_SPY),
+                "record",
+                "--gil",
+                "--nonblocking",
+                "--format",
+                "raw",
+                "--threads",
+                "--hideprogress",
+                "-r",
+                "50",
+                "-d",
+                "1",
+                "-o",
+                str(out),
+                "-p",
+                str(target.pid),
+            )
             assert rec.returncode == 0, rec.stderr
             assert "spin" in out.read_text()
         probe = _filtered(
-            "/usr/bin/python3", "-c",
+            "/usr/bin/python3",
+            "-c",
             "import ctypes, sys\n"
             "libc = ctypes.CDLL(None, use_errno=True)\n"
             f"r1 = libc.ptrace(16, {target.pid}, 0, 0)\n"  # PTRACE_ATTACH
@@ -361,7 +420,8 @@ def test_pyspy_nonblocking_works_without_ptrace_or_memory_writes() -> None:
             f"r2 = libc.syscall(311 if __import__('platform').machine() == 'x86_64' else 271,"
             f" {target.pid}, 0, 0, 0, 0, 0)\n"
             "e2 = ctypes.get_errno()\n"
-            "print(r1, e1, r2, e2)\n")
+            "print(r1, e1, r2, e2)\n",
+        )
         assert probe.stdout.split() == ["-1", "1", "-1", "1"], probe.stdout + probe.stderr
     finally:
         target.kill()
@@ -371,8 +431,9 @@ def test_pyspy_nonblocking_works_without_ptrace_or_memory_writes() -> None:
 def _expand(group: str, cache: dict[str, frozenset[str]]) -> frozenset[str]:
     """A systemd syscall group, nested groups expanded (systemd-analyze syscall-filter)."""
     if group not in cache:
-        out = subprocess.run(["systemd-analyze", "syscall-filter", group], capture_output=True,
-                             text=True, timeout=60, check=True).stdout
+        out = subprocess.run(
+            ["systemd-analyze", "syscall-filter", group], capture_output=True, text=True, timeout=60, check=True
+        ).stdout
         names: set[str] = set()
         for line in out.splitlines()[1:]:
             t = line.strip()
@@ -405,22 +466,43 @@ def test_syscall_filter_admits_everything_the_daemon_does(tmp_path: Path) -> Non
 
     target = subprocess.Popen(
         ["/usr/bin/python3", "-c", SPIN_RANK],
-        stdout=subprocess.PIPE, text=True,
-        env={"PATH": "/usr/bin:/bin", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-             "TORCHELASTIC_RUN_ID": "straced", "NCCL_ASYNC_ERROR_HANDLING": "1"})
+        stdout=subprocess.PIPE,
+        text=True,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "TORCHELASTIC_RUN_ID": "straced",
+            "NCCL_ASYNC_ERROR_HANDLING": "1",
+        },
+    )
     port = _free_port()
     cfg = tmp_path / "config.yaml"
-    cfg.write_text(
-        f'web: {{listen_address: "127.0.0.1:{port}"}}\n'
-        + _sampling_config(tmp_path))
+    cfg.write_text(f'web: {{listen_address: "127.0.0.1:{port}"}}\n' + _sampling_config(tmp_path))
     summary = tmp_path / "strace.txt"
     tracer = None
     try:
         assert target.stdout is not None and target.stdout.readline().strip() == "ready"
         tracer = subprocess.Popen(
-            [strace, "-f", "-qq", "-c", "-o", str(summary), sys.executable, "-m", "gpuwatchd",
-             "run", "--config.file", str(cfg)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+            [
+                strace,
+                "-f",
+                "-qq",
+                "-c",
+                "-o",
+                str(summary),
+                sys.executable,
+                "-m",
+                "gpuwatchd",
+                "run",
+                "--config.file",
+                str(cfg),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=ROOT,
+        )
         daemon_pid = _child_of(tracer.pid)
         url = f"http://127.0.0.1:{port}/metrics"
         deadline = time.monotonic() + 60
@@ -431,13 +513,13 @@ def test_syscall_filter_admits_everything_the_daemon_does(tmp_path: Path) -> Non
                     text = r.read().decode()
             except OSError:
                 text = ""
-            if re.search(r'gpuwatch_rank_gil_samples_total\{job_id="straced",rank="0"\} [1-9]',
-                         text):
+            if re.search(r'gpuwatch_rank_gil_samples_total\{job_id="straced",rank="0"\} [1-9]', text):
                 break
             time.sleep(0.5)
         assert 'gpuwatch_rank_up{job_id="straced",rank="0"} 1.0' in text, text[-2000:]
-        assert re.search(r'gpuwatch_rank_gil_samples_total\{job_id="straced",rank="0"\} [1-9]',
-                         text), "py-spy sampled the rank under strace"
+        assert re.search(r'gpuwatch_rank_gil_samples_total\{job_id="straced",rank="0"\} [1-9]', text), (
+            "py-spy sampled the rank under strace"
+        )
         os.kill(daemon_pid, signal.SIGHUP)
         time.sleep(1.5)
         with urllib.request.urlopen(url, timeout=5) as r:
@@ -452,8 +534,11 @@ def test_syscall_filter_admits_everything_the_daemon_does(tmp_path: Path) -> Non
             tracer.wait(10)
         target.kill()
         target.wait(10)
-    used = {line.split()[-1] for line in summary.read_text().splitlines()
-            if line.split() and line.split()[0][0].isdigit() and line.split()[-1] != "total"}
+    used = {
+        line.split()[-1]
+        for line in summary.read_text().splitlines()
+        if line.split() and line.split()[0][0].isdigit() and line.split()[-1] != "total"
+    }
     assert {"process_vm_readv", "accept4", "openat"} <= used, sorted(used)
     assert sorted(used - allowed) == []
 
@@ -472,10 +557,12 @@ SPIN_RANK = (
 
 def _sampling_config(tmp_path: Path) -> str:
     """Config lines (after web:) that make every source busy: kmsg, discovery, GIL sampling."""
-    return (f"interval_seconds: 0.5\nrank_dir: {tmp_path / 'ranks'}\nstate_dir: {tmp_path / 'state'}\n"
-            "kernel_log: kmsg\nnvml: {enabled: false}\n"
-            "gil: {enabled: true, interval_seconds: 1, duration_seconds: 1}\n"
-            "discovery: {enabled: true, interval_seconds: 1}\n")
+    return (
+        f"interval_seconds: 0.5\nrank_dir: {tmp_path / 'ranks'}\nstate_dir: {tmp_path / 'state'}\n"
+        "kernel_log: kmsg\nnvml: {enabled: false}\n"
+        "gil: {enabled: true, interval_seconds: 1, duration_seconds: 1}\n"
+        "discovery: {enabled: true, interval_seconds: 1}\n"
+    )
 
 
 def _free_port() -> int:
@@ -539,35 +626,46 @@ def test_daemon_runs_under_memory_deny_write_execute(tmp_path: Path) -> None:
     with py-spy and serves /metrics."""
     assert _unit_values(UNIT.read_text(), "MemoryDenyWriteExecute") == ["yes"]
     probe = subprocess.run(
-        ["/usr/bin/python3", "-c", MDWE_EXEC, sys.executable, "-c",
-         "import mmap, ctypes\n"
-         "try:\n"
-         "    mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
-         "    print('wx-allowed')\n"
-         "except OSError:\n"
-         "    print('wx-refused')\n"
-         "f = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(lambda x: x + 1)\n"
-         "import pynvml, bcrypt, ssl, yaml, psutil, prometheus_client\n"
-         "print('callback', f(41))\n"],
-        capture_output=True, text=True, timeout=60)
+        [
+            "/usr/bin/python3",
+            "-c",
+            MDWE_EXEC,
+            sys.executable,
+            "-c",
+            "import mmap, ctypes\n"
+            "try:\n"
+            "    mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
+            "    print('wx-allowed')\n"
+            "except OSError:\n"
+            "    print('wx-refused')\n"
+            "f = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(lambda x: x + 1)\n"
+            "import pynvml, bcrypt, ssl, yaml, psutil, prometheus_client\n"
+            "print('callback', f(41))\n",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert probe.stdout.split() == ["wx-refused", "callback", "42"], probe.stdout + probe.stderr
 
     target = subprocess.Popen(
         ["/usr/bin/python3", "-c", SPIN_RANK],
-        stdout=subprocess.PIPE, text=True,
-        env={"PATH": "/usr/bin:/bin", "RANK": "0", "TORCHELASTIC_RUN_ID": "mdwe"})
+        stdout=subprocess.PIPE,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "RANK": "0", "TORCHELASTIC_RUN_ID": "mdwe"},
+    )
     port = _free_port()
     cfg = tmp_path / "config.yaml"
-    cfg.write_text(
-        f'web: {{listen_address: "127.0.0.1:{port}"}}\n'
-        + _sampling_config(tmp_path))
+    cfg.write_text(f'web: {{listen_address: "127.0.0.1:{port}"}}\n' + _sampling_config(tmp_path))
     daemon = None
     try:
         assert target.stdout is not None and target.stdout.readline().strip() == "ready"
         daemon = subprocess.Popen(
-            ["/usr/bin/python3", "-c", MDWE_EXEC, sys.executable, "-m", "gpuwatchd", "run",
-             "--config.file", str(cfg)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+            ["/usr/bin/python3", "-c", MDWE_EXEC, sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=ROOT,
+        )
         want = re.compile(r'gpuwatch_rank_gil_samples_total\{job_id="mdwe",rank="0"\} [1-9]')
         deadline = time.monotonic() + 60
         text = ""
@@ -606,16 +704,19 @@ def test_daemon_works_inside_the_units_seccomp_sandbox(tmp_path: Path) -> None:
     (pki / "web.yml").write_text(
         "tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
         "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: ca.crt\n"
-        f"basic_auth_users:\n  prometheus: {hashed}\n")
+        f"basic_auth_users:\n  prometheus: {hashed}\n"
+    )
     target = subprocess.Popen(
         ["/usr/bin/python3", "-c", SPIN_RANK],
-        stdout=subprocess.PIPE, text=True,
-        env={"PATH": "/usr/bin:/bin", "RANK": "0", "TORCHELASTIC_RUN_ID": "boxed"})
+        stdout=subprocess.PIPE,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "RANK": "0", "TORCHELASTIC_RUN_ID": "boxed"},
+    )
     port = _free_port()
     cfg = tmp_path / "config.yaml"
     cfg.write_text(
-        f'web: {{listen_address: "127.0.0.1:{port}", config_file: "{pki / "web.yml"}"}}\n'
-        + _sampling_config(tmp_path))
+        f'web: {{listen_address: "127.0.0.1:{port}", config_file: "{pki / "web.yml"}"}}\n' + _sampling_config(tmp_path)
+    )
     ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
     ctx.load_cert_chain(str(pki / "client.crt"), str(pki / "client.key"))
     auth = {"Authorization": "Basic " + base64.b64encode(b"prometheus:pw").decode()}
@@ -626,8 +727,11 @@ def test_daemon_works_inside_the_units_seccomp_sandbox(tmp_path: Path) -> None:
         assert target.stdout is not None and target.stdout.readline().strip() == "ready"
         with log.open("wb") as out:
             daemon = subprocess.Popen(
-                sandboxutil.sandboxed([sys.executable, "-m", "gpuwatchd", "run", "--config.file",
-                                       str(cfg)]), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+                sandboxutil.sandboxed([sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg)]),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
 
         def scrape() -> str:
             assert daemon is not None and daemon.poll() is None, log.read_text()
@@ -663,8 +767,16 @@ def test_daemon_works_inside_the_units_seccomp_sandbox(tmp_path: Path) -> None:
 
 
 # DevicePolicy=closed always admits these (systemd src/core/cgroup.c, auto_devices + char-pts).
-CLOSED_POLICY_DEVICES = ["c 1:3 rwm", "c 1:5 rwm", "c 1:7 rwm", "c 1:8 rwm", "c 1:9 rwm",
-                         "c 5:0 rwm", "c 5:2 rwm", "c 136:* rw"]
+CLOSED_POLICY_DEVICES = [
+    "c 1:3 rwm",
+    "c 1:5 rwm",
+    "c 1:7 rwm",
+    "c 1:8 rwm",
+    "c 1:9 rwm",
+    "c 5:0 rwm",
+    "c 5:2 rwm",
+    "c 136:* rw",
+]
 
 
 def _device_rules(text: str) -> list[str]:
@@ -685,8 +797,9 @@ def _device_rules(text: str) -> list[str]:
             rules.append(f"c {os.major(rdev)}:{os.minor(rdev)} {access}")
         else:
             assert spec.startswith("char-"), spec
-            rules += [f"c {major}:* {access}" for major, name in char_groups
-                      if fnmatch.fnmatch(name, spec[len("char-"):])]
+            rules += [
+                f"c {major}:* {access}" for major, name in char_groups if fnmatch.fnmatch(name, spec[len("char-") :])
+            ]
     return rules
 
 
@@ -701,16 +814,25 @@ def _daemon_in_device_cgroup(tmp_path: Path, rules: list[str], name: str) -> str
         f'web: {{listen_address: "127.0.0.1:{port}"}}\n'
         f"interval_seconds: 0.5\nrank_dir: {tmp_path / 'ranks'}\n"
         f"state_dir: {tmp_path / name}\nkernel_log: kmsg\nnvml: {{enabled: false}}\n"
-        "gil: {enabled: false}\n")
+        "gil: {enabled: false}\n"
+    )
     daemon = None
     try:
         (cg / "devices.deny").write_text("a\n")
         for rule in rules:
             (cg / "devices.allow").write_text(rule + "\n")
         daemon = subprocess.Popen(
-            ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" -m gpuwatchd run'
-             f' --config.file "$1"', sys.executable, str(cfg)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+            [
+                "sh",
+                "-c",
+                f'echo $$ > {cg}/cgroup.procs && exec "$0" -m gpuwatchd run --config.file "$1"',
+                sys.executable,
+                str(cfg),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=ROOT,
+        )
         deadline = time.monotonic() + 30
         text = ""
         while time.monotonic() < deadline:
@@ -739,8 +861,7 @@ def _daemon_in_device_cgroup(tmp_path: Path, rules: list[str], name: str) -> str
                 time.sleep(0.1)
 
 
-def test_device_policy_admits_what_the_daemon_opens_and_kmsg_needs_its_rule(
-        tmp_path: Path) -> None:
+def test_device_policy_admits_what_the_daemon_opens_and_kmsg_needs_its_rule(tmp_path: Path) -> None:
     """DevicePolicy=closed plus the unit's DeviceAllow= lines, as a real v1 devices cgroup: the
     daemon reads /dev/kmsg and works; without the /dev/kmsg rule its kernel-log collector fails
     (and the rest still works), so that rule is both needed and sufficient."""
@@ -779,22 +900,37 @@ def test_the_daemon_as_the_unit_runs_it(users: None) -> None:
             "kernel_log: kmsg\nnvml: {enabled: false}\n"
             f"gil: {{enabled: true, interval_seconds: 1, duration_seconds: 1,"
             f" pyspy_path: {PY_SPY}}}\n"
-            "discovery: {enabled: true, interval_seconds: 1}\n")
+            "discovery: {enabled: true, interval_seconds: 1}\n"
+        )
         cfg.chmod(0o644)
         rank = subprocess.Popen(
-            ["setpriv", f"--reuid={RANK_USER}", f"--regid={RANK_USER}", "--clear-groups",
-             "/usr/bin/python3", "-c",
-             "import threading, time\n"
-             "files = [open('/dev/null') for _ in range(40)]\n"
-             "def spin():\n"
-             "    while True:\n"
-             "        sum(range(10000))\n"
-             "threading.Thread(target=spin, daemon=True).start()\n"
-             "print('ready', flush=True)\n"
-             "time.sleep(120)\n"],
-            stdout=subprocess.PIPE, text=True,
-            env={"PATH": "/usr/bin:/bin", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-                 "TORCHELASTIC_RUN_ID": "unitjob", "NCCL_ASYNC_ERROR_HANDLING": "1"})
+            [
+                "setpriv",
+                f"--reuid={RANK_USER}",
+                f"--regid={RANK_USER}",
+                "--clear-groups",
+                "/usr/bin/python3",
+                "-c",
+                "import threading, time\n"
+                "files = [open('/dev/null') for _ in range(40)]\n"
+                "def spin():\n"
+                "    while True:\n"
+                "        sum(range(10000))\n"
+                "threading.Thread(target=spin, daemon=True).start()\n"
+                "print('ready', flush=True)\n"
+                "time.sleep(120)\n",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={
+                "PATH": "/usr/bin:/bin",
+                "RANK": "0",
+                "LOCAL_RANK": "0",
+                "WORLD_SIZE": "1",
+                "TORCHELASTIC_RUN_ID": "unitjob",
+                "NCCL_ASYNC_ERROR_HANDLING": "1",
+            },
+        )
         assert rank.stdout is not None and rank.stdout.readline().strip() == "ready"
 
         text = UNIT.read_text()
@@ -807,20 +943,36 @@ def test_the_daemon_as_the_unit_runs_it(users: None) -> None:
         for rule in _device_rules(text):
             (cg / "devices.allow").write_text(rule + "\n")
         site = next((ROOT / ".venv" / "lib").glob("python3.*")) / "site-packages"
-        inner = sandboxutil.sandboxed(["/usr/bin/python3", "-m", "gpuwatchd", "run",
-                                       "--config.file", str(cfg)])
+        inner = sandboxutil.sandboxed(["/usr/bin/python3", "-m", "gpuwatchd", "run", "--config.file", str(cfg)])
         daemon = subprocess.Popen(
-            ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && umask {umask} && exec "$@"', "sh",
-             "setpriv", f"--reuid={DAEMON_USER}", f"--regid={DAEMON_USER}",
-             f"--groups={journal_gid}", f"--inh-caps={spec}", f"--ambient-caps={spec}",
-             f"--bounding-set={spec}", "--no-new-privs", *inner],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/",
-            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{site}:{ROOT}"})
+            [
+                "sh",
+                "-c",
+                f'echo $$ > {cg}/cgroup.procs && umask {umask} && exec "$@"',
+                "sh",
+                "setpriv",
+                f"--reuid={DAEMON_USER}",
+                f"--regid={DAEMON_USER}",
+                f"--groups={journal_gid}",
+                f"--inh-caps={spec}",
+                f"--ambient-caps={spec}",
+                f"--bounding-set={spec}",
+                "--no-new-privs",
+                *inner,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd="/",
+            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{site}:{ROOT}"},
+        )
         want = [
             re.compile(r'gpuwatch_rank_up\{job_id="unitjob",rank="0"\} 1\.0'),
             re.compile(r'gpuwatch_collector_success\{collector="kernel_log"\} 1\.0'),
-            re.compile(r'gpuwatch_finding\{(?=[^}]*job_id="unitjob")(?=[^}]*kind="nccl_legacy_env")'
-                       r'[^}]*\} 1\.0'),
+            re.compile(
+                r'gpuwatch_finding\{(?=[^}]*job_id="unitjob")(?=[^}]*kind="nccl_legacy_env")'
+                r"[^}]*\} 1\.0"
+            ),
             re.compile(r'gpuwatch_rank_gil_samples_total\{job_id="unitjob",rank="0"\} [1-9]'),
         ]
         fds = re.compile(r'gpuwatch_rank_open_fds\{job_id="unitjob",rank="0"\} (\d+)')

@@ -27,8 +27,9 @@ H200 = Path(__file__).parent / "fixtures" / "nvml" / "h200_orphan_dataloader.jso
 # a rank stuck in a function defined in the evil-named file (its frame is the stall's evidence)
 STUCK = "import time\ndef load_batch():\n    time.sleep(1000)\nprint('ready', flush=True)\nload_batch()\n"
 # renames itself (comm, what ps/check show) and sleeps
-NAMED = ("import sys, time\nopen('/proc/self/comm', 'w').write(sys.argv[1])\n"
-         "print('ready', flush=True)\ntime.sleep(300)\n")
+NAMED = (
+    "import sys, time\nopen('/proc/self/comm', 'w').write(sys.argv[1])\nprint('ready', flush=True)\ntime.sleep(300)\n"
+)
 
 
 user = users_fixture(USER)
@@ -38,17 +39,26 @@ world = rank_world_fixture("gw-n10-")
 
 
 def _as_user(procs: list[subprocess.Popen[Any]], *argv: str) -> subprocess.Popen[Any]:
-    p = subprocess.Popen(["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups",
-                          "/usr/bin/python3", *argv], stdout=subprocess.PIPE, text=True,
-                         env={"PATH": "/usr/bin:/bin"})
+    p = subprocess.Popen(
+        ["setpriv", f"--reuid={USER}", f"--regid={USER}", "--clear-groups", "/usr/bin/python3", *argv],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={"PATH": "/usr/bin:/bin"},
+    )
     procs.append(p)
     assert p.stdout is not None and p.stdout.readline().strip() == "ready"
     return p
 
 
 def _cli(*argv: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "gpuwatchd", *argv], capture_output=True,
-                         text=True, timeout=60, cwd=REPO, errors="surrogateescape")
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        errors="surrogateescape",
+    )
     return out.stdout + out.stderr
 
 
@@ -59,7 +69,8 @@ def _assert_escaped(what: str, text: str, needle: str = ESCAPED) -> None:
 
 
 def test_ps_doctor_events_and_check_escape_a_ranks_strings(
-        user: int, world: Path, procs: list[subprocess.Popen[Any]]) -> None:
+    user: int, world: Path, procs: list[subprocess.Popen[Any]]
+) -> None:
     ranks = world / "ranks"
     script = world / f"evil{EVIL}.py"
     script.write_text(STUCK)
@@ -70,8 +81,11 @@ def test_ps_doctor_events_and_check_escape_a_ranks_strings(
     old = time.time() - 600
     os.utime(hb, (old, old))
     job = f"esc{os.getpid()}"
-    user_writes(USER, ranks / "esc.json", json.dumps(
-        {"version": 1, "job_id": job, "ranks": [{"rank": 0, "pid": rank.pid, "heartbeat": str(hb)}]}))
+    user_writes(
+        USER,
+        ranks / "esc.json",
+        json.dumps({"version": 1, "job_id": job, "ranks": [{"rank": 0, "pid": rank.pid, "heartbeat": str(hb)}]}),
+    )
     path, cfg = write_config(world, rank_dir=str(ranks), stall={"after_seconds": 1.5})
     d = DaemonProc(path, cfg)
     try:
@@ -80,8 +94,10 @@ def test_ps_doctor_events_and_check_escape_a_ranks_strings(
         def stalled_with_frame() -> bool:
             if not state.exists():
                 return False
-            return any(f["kind"] == "rank_stalled" and "pwned" in f["explanation"]
-                       for f in json.loads(state.read_text())["findings"])
+            return any(
+                f["kind"] == "rank_stalled" and "pwned" in f["explanation"]
+                for f in json.loads(state.read_text())["findings"]
+            )
 
         d.wait_for(stalled_with_frame, timeout=30, what="the stall naming the evil frame")
         _assert_escaped("ps", _cli("ps", "--config.file", str(path)))

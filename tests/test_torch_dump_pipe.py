@@ -50,18 +50,34 @@ def _bomb() -> bytes:
 def _rank(world: Path, job: str, payload: bytes, procs: list[Any], fifo: bool = True) -> subprocess.Popen[Any]:
     (world / f"{job}.payload").write_bytes(payload)
     stem, prefix = f"{world}/pipes/{job}_", f"{world}/dumps/{job}_"
-    env = {"PATH": "/usr/bin:/bin", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": stem,
-           "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
-    p = subprocess.Popen(["/usr/bin/python3", str(RANK), stem, prefix, "0", str(world / f"{job}.payload"),
-                          *([] if fifo else ["--no-fifo"])], env=env, stdout=subprocess.PIPE)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": stem,
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+    }
+    p = subprocess.Popen(
+        [
+            "/usr/bin/python3",
+            str(RANK),
+            stem,
+            prefix,
+            "0",
+            str(world / f"{job}.payload"),
+            *([] if fifo else ["--no-fifo"]),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+    )
     procs.append(p)
     assert p.stdout is not None and p.stdout.readline().strip() == b"ready"
     hb = world / "ranks" / f"{job}.0.hb"
     hb.write_text("")
     old = time.time() - 600
     os.utime(hb, (old, old))
-    (world / "ranks" / f"{job}.json").write_text(json.dumps(
-        {"version": 1, "job_id": job, "ranks": [{"rank": 0, "pid": p.pid, "heartbeat": str(hb)}]}))
+    (world / "ranks" / f"{job}.json").write_text(
+        json.dumps({"version": 1, "job_id": job, "ranks": [{"rank": 0, "pid": p.pid, "heartbeat": str(hb)}]})
+    )
     return p
 
 
@@ -70,8 +86,7 @@ def _stall_text(world: Path, job: str) -> str:
         state = json.loads((world / "state" / "state.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return ""
-    return next((f["explanation"] for f in state["findings"]
-                 if f["kind"] == "rank_stalled" and f["job_id"] == job), "")
+    return next((f["explanation"] for f in state["findings"] if f["kind"] == "rank_stalled" and f["job_id"] == job), "")
 
 
 def test_the_pipe_dumps_and_a_fifo_not_the_ranks_is_never_written(
@@ -88,36 +103,51 @@ def test_the_pipe_dumps_and_a_fifo_not_the_ranks_is_never_written(
     theirs = world / "pipes" / "pipetheirs_0.pipe"
     got = world / "theirs.got"
     reader = subprocess.Popen(
-        [*setpriv(USER), "/usr/bin/python3", "-c",
-         "import os, sys, time\n"
-         f"os.mkfifo({str(theirs)!r}, 0o666)\n"
-         f"fd = os.open({str(theirs)!r}, os.O_RDONLY | os.O_NONBLOCK)\n"
-         "print('ready', flush=True)\n"
-         "while True:\n"
-         "    time.sleep(0.1)\n"
-         "    try:\n"
-         "        b = os.read(fd, 128)\n"
-         "    except BlockingIOError:\n"
-         "        continue\n"
-         f"    if b: open({str(got)!r}, 'ab').write(b)\n"],
-        env={"PATH": "/usr/bin:/bin"}, stdout=subprocess.PIPE)
+        [
+            *setpriv(USER),
+            "/usr/bin/python3",
+            "-c",
+            "import os, sys, time\n"
+            f"os.mkfifo({str(theirs)!r}, 0o666)\n"
+            f"fd = os.open({str(theirs)!r}, os.O_RDONLY | os.O_NONBLOCK)\n"
+            "print('ready', flush=True)\n"
+            "while True:\n"
+            "    time.sleep(0.1)\n"
+            "    try:\n"
+            "        b = os.read(fd, 128)\n"
+            "    except BlockingIOError:\n"
+            "        continue\n"
+            f"    if b: open({str(got)!r}, 'ab').write(b)\n",
+        ],
+        env={"PATH": "/usr/bin:/bin"},
+        stdout=subprocess.PIPE,
+    )
     procs.append(reader)
     assert reader.stdout is not None and reader.stdout.readline().strip() == b"ready"
     got.touch()
     got.chmod(0o666)
 
-    path, cfg = write_config(world, rank_dir=str(world / "ranks"), stall={
-        "after_seconds": 1.5, "flight_recorder_interval_seconds": 2, "nccl_ras": False})
+    path, cfg = write_config(
+        world,
+        rank_dir=str(world / "ranks"),
+        stall={"after_seconds": 1.5, "flight_recorder_interval_seconds": 2, "nccl_ras": False},
+    )
     d = DaemonProc(path, cfg)
     try:
-        d.wait_for(lambda: d.value("gpuwatch_rank_collective_last_started_seq", job_id="pipegood",
-                                   rank="0", pg="0") == 5.0, timeout=30,
-                   what="the dump read through the pipe")
-        d.wait_for(lambda: "not a plain pickle: refused a global" in _stall_text(world, "pipeevil")
-                   and d.value("gpuwatch_rank_collective_last_started_seq", job_id="pipebomb",
-                               rank="0", pg="0") == 2.0
-                   and "pipe refused: owned by uid" in _stall_text(world, "pipetheirs"),
-                   timeout=30, what="each bad pipe refused for its rank")
+        d.wait_for(
+            lambda: d.value("gpuwatch_rank_collective_last_started_seq", job_id="pipegood", rank="0", pg="0") == 5.0,
+            timeout=30,
+            what="the dump read through the pipe",
+        )
+        d.wait_for(
+            lambda: (
+                "not a plain pickle: refused a global" in _stall_text(world, "pipeevil")
+                and d.value("gpuwatch_rank_collective_last_started_seq", job_id="pipebomb", rank="0", pg="0") == 2.0
+                and "pipe refused: owned by uid" in _stall_text(world, "pipetheirs")
+            ),
+            timeout=30,
+            what="each bad pipe refused for its rank",
+        )
         time.sleep(3)  # a few more requests at the interval
         assert got.read_bytes() == b""  # their FIFO was never written
         assert not Path("/tmp/gw-fifo-pwned").exists()
@@ -143,11 +173,16 @@ def test_plain_takes_only_what_the_parser_reads() -> None:
     deep: Any = []
     for _ in range(100_000):
         deep = [deep]
-    doc = {"entries": [{"collective_seq_id": 3, "pg_id": 0, "frames": deep, "state": b"raw"}, deep],
-           "pg_status": {"0": {"last_started_collective": 3, "x": deep}}, "other": deep}
-    assert plain(doc) == {"entries": [{"collective_seq_id": 3, "pg_id": 0, "state": None}],
-                          "pg_status": {"0": {"last_started_collective": 3}}}
+    doc = {
+        "entries": [{"collective_seq_id": 3, "pg_id": 0, "frames": deep, "state": b"raw"}, deep],
+        "pg_status": {"0": {"last_started_collective": 3, "x": deep}},
+        "other": deep,
+    }
+    assert plain(doc) == {
+        "entries": [{"collective_seq_id": 3, "pg_id": 0, "state": None}],
+        "pg_status": {"0": {"last_started_collective": 3}},
+    }
     with pytest.raises(ValueError, match="out of range"):
-        plain({"entries": [{"collective_seq_id": 10 ** 40}]})
+        plain({"entries": [{"collective_seq_id": 10**40}]})
     with pytest.raises(ValueError, match="not a dict"):
         plain([1])

@@ -34,8 +34,12 @@ with system_user(sys.argv[2]):
 
 
 def _run(name: str, spawn: bool) -> subprocess.Popen[str]:
-    p = subprocess.Popen([sys.executable, "-c", RUN, TESTS, name, "spawn" if spawn else "-"],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", RUN, TESTS, name, "spawn" if spawn else "-"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert p.stdout is not None and p.stdout.readline() == "in\n"
     return p
 

@@ -78,9 +78,14 @@ def _auth(user: str, password: str) -> dict[str, str]:
     return {"Authorization": f"Basic {token}"}
 
 
-def _get(server: web.WebServer, path: str = "/metrics", headers: dict[str, str] | None = None,
-         ctx: ssl.SSLContext | None = None, host: str = "127.0.0.1",
-         method: str = "GET") -> tuple[int, dict[str, str], bytes]:
+def _get(
+    server: web.WebServer,
+    path: str = "/metrics",
+    headers: dict[str, str] | None = None,
+    ctx: ssl.SSLContext | None = None,
+    host: str = "127.0.0.1",
+    method: str = "GET",
+) -> tuple[int, dict[str, str], bytes]:
     port = server.address[1]
     conn: http.client.HTTPConnection
     if ctx is not None:
@@ -103,8 +108,7 @@ def served() -> Iterator[list[web.WebServer]]:
         s.close()
 
 
-def test_plain_http_is_the_default(registry: CollectorRegistry,
-                                   served: list[web.WebServer]) -> None:
+def test_plain_http_is_the_default(registry: CollectorRegistry, served: list[web.WebServer]) -> None:
     server = web.serve(registry, "127.0.0.1:0", None)
     served.append(server)
     host, port = server.address
@@ -124,12 +128,10 @@ def test_plain_http_is_the_default(registry: CollectorRegistry,
     assert status == 200 and b"gpuwatch_test_value 42.0" in body
 
 
-def test_openmetrics_negotiation(registry: CollectorRegistry,
-                                 served: list[web.WebServer]) -> None:
+def test_openmetrics_negotiation(registry: CollectorRegistry, served: list[web.WebServer]) -> None:
     server = web.serve(registry, "127.0.0.1:0", None)
     served.append(server)
-    status, headers, body = _get(
-        server, headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    status, headers, body = _get(server, headers={"Accept": "application/openmetrics-text; version=1.0.0"})
     assert status == 200
     assert headers["Content-Type"].startswith("application/openmetrics-text")
     assert body.rstrip().endswith(b"# EOF")
@@ -156,8 +158,7 @@ def test_bad_listen_addresses(registry: CollectorRegistry, served: list[web.WebS
         web.serve(registry, f"127.0.0.1:{server.address[1]}", None)
 
 
-def test_mtls_and_basic_auth(pki: Path, registry: CollectorRegistry,
-                             served: list[web.WebServer]) -> None:
+def test_mtls_and_basic_auth(pki: Path, registry: CollectorRegistry, served: list[web.WebServer]) -> None:
     server = web.serve(registry, "127.0.0.1:0", _write_config(pki, _mtls_config(pki)))
     served.append(server)
     assert server.url.startswith("https://")
@@ -180,8 +181,7 @@ def test_mtls_and_basic_auth(pki: Path, registry: CollectorRegistry,
     assert _get(server, "/", ctx=ctx)[0] == 401
 
 
-def test_client_certificate_required(pki: Path, registry: CollectorRegistry,
-                                     served: list[web.WebServer]) -> None:
+def test_client_certificate_required(pki: Path, registry: CollectorRegistry, served: list[web.WebServer]) -> None:
     server = web.serve(registry, "127.0.0.1:0", _write_config(pki, _mtls_config(pki)))
     served.append(server)
     for cert in (None, "rogue-client"):
@@ -193,8 +193,7 @@ def test_client_certificate_required(pki: Path, registry: CollectorRegistry,
     assert _get(server, headers=_auth("prometheus", PASSWORD), ctx=_client_ctx(pki))[0] == 200
 
 
-def test_client_allowed_sans(pki: Path, registry: CollectorRegistry,
-                             served: list[web.WebServer]) -> None:
+def test_client_allowed_sans(pki: Path, registry: CollectorRegistry, served: list[web.WebServer]) -> None:
     cfg = _mtls_config(pki, "  client_allowed_sans: [prometheus.example]\n")
     server = web.serve(registry, "127.0.0.1:0", _write_config(pki, cfg))
     served.append(server)
@@ -204,30 +203,44 @@ def test_client_allowed_sans(pki: Path, registry: CollectorRegistry,
 
 
 def test_curl_scrapes_with_tls_client_cert_and_password(
-        pki: Path, registry: CollectorRegistry, served: list[web.WebServer]) -> None:
+    pki: Path, registry: CollectorRegistry, served: list[web.WebServer]
+) -> None:
     curl = shutil.which("curl")
     assert curl is not None, "curl is installed on this machine"
     server = web.serve(registry, "127.0.0.1:0", _write_config(pki, _mtls_config(pki)))
     served.append(server)
-    base = [curl, "-sS", "--max-time", "10", "--cacert", str(pki / "ca.crt"),
-            "--cert", str(pki / "client.crt"), "--key", str(pki / "client.key"),
-            "-o", "/dev/stdout", "-w", "\n%{http_code}\n"]
+    base = [
+        curl,
+        "-sS",
+        "--max-time",
+        "10",
+        "--cacert",
+        str(pki / "ca.crt"),
+        "--cert",
+        str(pki / "client.crt"),
+        "--key",
+        str(pki / "client.key"),
+        "-o",
+        "/dev/stdout",
+        "-w",
+        "\n%{http_code}\n",
+    ]
     url = f"https://localhost:{server.address[1]}/metrics"
-    ok = subprocess.run([*base, "-u", f"prometheus:{PASSWORD}", url],
-                        capture_output=True, text=True, timeout=30)
+    ok = subprocess.run([*base, "-u", f"prometheus:{PASSWORD}", url], capture_output=True, text=True, timeout=30)
     assert ok.stdout.rstrip().endswith("200"), ok.stderr
     assert "gpuwatch_test_value 42.0" in ok.stdout
-    bad = subprocess.run([*base, "-u", "prometheus:wrong", url],
-                         capture_output=True, text=True, timeout=30)
+    bad = subprocess.run([*base, "-u", "prometheus:wrong", url], capture_output=True, text=True, timeout=30)
     assert bad.stdout.rstrip().endswith("401")
-    nocert = subprocess.run([curl, "-sS", "--max-time", "10", "--cacert", str(pki / "ca.crt"),
-                             "-u", f"prometheus:{PASSWORD}", url],
-                            capture_output=True, text=True, timeout=30)
+    nocert = subprocess.run(
+        [curl, "-sS", "--max-time", "10", "--cacert", str(pki / "ca.crt"), "-u", f"prometheus:{PASSWORD}", url],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert nocert.returncode != 0 and "gpuwatch_test_value" not in nocert.stdout
 
 
-def test_tls_minimum_version_enforced(pki: Path, registry: CollectorRegistry,
-                                      served: list[web.WebServer]) -> None:
+def test_tls_minimum_version_enforced(pki: Path, registry: CollectorRegistry, served: list[web.WebServer]) -> None:
     cfg = _mtls_config(pki).replace("min_version: TLS12", "min_version: TLS13")
     server = web.serve(registry, "127.0.0.1:0", _write_config(pki, cfg))
     served.append(server)
@@ -239,9 +252,11 @@ def test_tls_minimum_version_enforced(pki: Path, registry: CollectorRegistry,
 
 
 def test_basic_auth_over_plain_http_and_security_headers(
-        tmp_path: Path, registry: CollectorRegistry, served: list[web.WebServer]) -> None:
-    cfg = _write_config(tmp_path, f"basic_auth_users:\n  alice: {HASH}\n"
-                        "http_server_config:\n  headers:\n    X-Frame-Options: deny\n")
+    tmp_path: Path, registry: CollectorRegistry, served: list[web.WebServer]
+) -> None:
+    cfg = _write_config(
+        tmp_path, f"basic_auth_users:\n  alice: {HASH}\nhttp_server_config:\n  headers:\n    X-Frame-Options: deny\n"
+    )
     server = web.serve(registry, "127.0.0.1:0", cfg)
     served.append(server)
     status, headers, _ = _get(server, headers=_auth("alice", PASSWORD))
@@ -250,14 +265,14 @@ def test_basic_auth_over_plain_http_and_security_headers(
 
 
 def test_web_config_is_reloaded_and_a_broken_one_keeps_the_last_good(
-        tmp_path: Path, registry: CollectorRegistry, served: list[web.WebServer]) -> None:
+    tmp_path: Path, registry: CollectorRegistry, served: list[web.WebServer]
+) -> None:
     path = _write_config(tmp_path, f"basic_auth_users:\n  alice: {HASH}\n")
     server = web.serve(registry, "127.0.0.1:0", path)
     served.append(server)
     assert _get(server, headers=_auth("alice", PASSWORD))[0] == 200
     new_hash = bcrypt.hashpw(b"rotated", bcrypt.gensalt(4)).decode()
-    Path(path).write_text(f"basic_auth_users:\n  alice: {new_hash}\n  padding-to-change-size: "
-                          f"{new_hash}\n")
+    Path(path).write_text(f"basic_auth_users:\n  alice: {new_hash}\n  padding-to-change-size: {new_hash}\n")
     assert _get(server, headers=_auth("alice", "rotated"))[0] == 200
     assert _get(server, headers=_auth("alice", PASSWORD))[0] == 401
     Path(path).write_text("basic_auth_users: [this is not a mapping]\n")
@@ -267,21 +282,37 @@ def test_web_config_is_reloaded_and_a_broken_one_keeps_the_last_good(
 BAD_CONFIGS = [
     ("tls_config:\n  cert_file: a\n", "tls_config: unknown key"),
     ("tls_server_config:\n  cert_file: server.crt\n", "tls_server_config.key_file: required"),
-    ("tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
-     "  client_auth_type: RequireAndVerify\n", "tls_server_config.client_auth_type"),
-    ("tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
-     "  client_auth_type: RequireAnyClientCert\n  client_ca_file: ca.crt\n",
-     "tls_server_config.client_auth_type: RequireAnyClientCert is not supported"),
-    ("tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
-     "  client_auth_type: RequireAndVerifyClientCert\n", "tls_server_config.client_ca_file"),
-    ("tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
-     "  min_version: TLS1.2\n", "tls_server_config.min_version"),
-    ("tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
-     "  cipher_suites: [TLS_AES_128_GCM_SHA256]\n", "tls_server_config.cipher_suites: not supported"),
-    ("tls_server_config:\n  cert_file: missing.crt\n  key_file: server.key\n",
-     "tls_server_config.cert_file/key_file: "),
-    ("tls_server_config:\n  cert_file: server.crt\n  key_file: client.key\n",
-     "tls_server_config.cert_file/key_file: cannot load"),
+    (
+        "tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n  client_auth_type: RequireAndVerify\n",
+        "tls_server_config.client_auth_type",
+    ),
+    (
+        "tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
+        "  client_auth_type: RequireAnyClientCert\n  client_ca_file: ca.crt\n",
+        "tls_server_config.client_auth_type: RequireAnyClientCert is not supported",
+    ),
+    (
+        "tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
+        "  client_auth_type: RequireAndVerifyClientCert\n",
+        "tls_server_config.client_ca_file",
+    ),
+    (
+        "tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n  min_version: TLS1.2\n",
+        "tls_server_config.min_version",
+    ),
+    (
+        "tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
+        "  cipher_suites: [TLS_AES_128_GCM_SHA256]\n",
+        "tls_server_config.cipher_suites: not supported",
+    ),
+    (
+        "tls_server_config:\n  cert_file: missing.crt\n  key_file: server.key\n",
+        "tls_server_config.cert_file/key_file: ",
+    ),
+    (
+        "tls_server_config:\n  cert_file: server.crt\n  key_file: client.key\n",
+        "tls_server_config.cert_file/key_file: cannot load",
+    ),
     ("basic_auth_users:\n  alice: plaintext-password\n", "basic_auth_users.alice: not a bcrypt"),
     ("basic_auth_users: [alice]\n", "basic_auth_users: must be a mapping"),
     ("http_server_config:\n  headers:\n    X-Evil: 1\n", "http_server_config.headers.X-Evil"),
@@ -291,9 +322,9 @@ BAD_CONFIGS = [
 
 
 @pytest.mark.parametrize(("text", "named"), BAD_CONFIGS)
-def test_bad_web_config_is_refused_naming_the_key(pki: Path, tmp_path: Path,
-                                                  registry: CollectorRegistry,
-                                                  text: str, named: str) -> None:
+def test_bad_web_config_is_refused_naming_the_key(
+    pki: Path, tmp_path: Path, registry: CollectorRegistry, text: str, named: str
+) -> None:
     d = tmp_path / "cfg"
     d.mkdir()
     for name in ("server.crt", "server.key", "client.key", "ca.crt"):
@@ -325,8 +356,7 @@ def _raw(server: web.WebServer, payload: bytes, wait: float = 5.0) -> bytes:
         return b"".join(chunks)
 
 
-def test_garbage_requests_never_kill_the_server(registry: CollectorRegistry,
-                                                served: list[web.WebServer]) -> None:
+def test_garbage_requests_never_kill_the_server(registry: CollectorRegistry, served: list[web.WebServer]) -> None:
     server = web.serve(registry, "127.0.0.1:0", None, web.Limits(request_timeout=1.0))
     served.append(server)
     noise = bytes(c for c in os.urandom(8192) if c not in b" \t\r\n\x0b\x0c")[:4096]
@@ -335,9 +365,12 @@ def test_garbage_requests_never_kill_the_server(registry: CollectorRegistry,
     assert b" 414" in _raw(server, b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n")[:20]
     many = b"".join(b"X-H%d: v\r\n" % i for i in range(200))
     assert _raw(server, b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n")[:12] in (
-        b"HTTP/1.1 431", b"HTTP/1.1 400")
-    assert _raw(server, b"GET /metrics HTTP/1.1\r\nHost: x\r\nX: " + b"y" * 70000 + b"\r\n\r\n"
-                ).startswith(b"HTTP/1.1 4")
+        b"HTTP/1.1 431",
+        b"HTTP/1.1 400",
+    )
+    assert _raw(server, b"GET /metrics HTTP/1.1\r\nHost: x\r\nX: " + b"y" * 70000 + b"\r\n\r\n").startswith(
+        b"HTTP/1.1 4"
+    )
     assert _raw(server, b"GET /metrics HTTP/9.9\r\n\r\n").startswith(b"HTTP/1.1 505")
     assert _raw(server, b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + os.urandom(64)) != b"x"
     assert _raw(server, b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n")
@@ -349,19 +382,17 @@ def test_garbage_requests_never_kill_the_server(registry: CollectorRegistry,
     assert status == 200 and b"gpuwatch_test_value" in body
 
 
-def test_garbage_on_the_tls_port(pki: Path, registry: CollectorRegistry,
-                                 served: list[web.WebServer]) -> None:
-    server = web.serve(registry, "127.0.0.1:0", _write_config(pki, _mtls_config(pki)),
-                       web.Limits(request_timeout=1.0))
+def test_garbage_on_the_tls_port(pki: Path, registry: CollectorRegistry, served: list[web.WebServer]) -> None:
+    server = web.serve(registry, "127.0.0.1:0", _write_config(pki, _mtls_config(pki)), web.Limits(request_timeout=1.0))
     served.append(server)
-    for payload in (os.urandom(2048), b"GET / HTTP/1.1\r\n\r\n",
-                    b"\x16\x03\x01\xff\xff" + os.urandom(100)):
+    for payload in (os.urandom(2048), b"GET / HTTP/1.1\r\n\r\n", b"\x16\x03\x01\xff\xff" + os.urandom(100)):
         _raw(server, payload)
     assert _get(server, headers=_auth("prometheus", PASSWORD), ctx=_client_ctx(pki))[0] == 200
 
 
 def test_slow_clients_are_cut_off_and_cannot_exhaust_the_server(
-        registry: CollectorRegistry, served: list[web.WebServer]) -> None:
+    registry: CollectorRegistry, served: list[web.WebServer]
+) -> None:
     limits = web.Limits(max_connections=4, request_timeout=1.5, write_timeout=5, idle_timeout=1)
     server = web.serve(registry, "127.0.0.1:0", None, limits)
     served.append(server)
@@ -402,8 +433,7 @@ def test_slow_clients_are_cut_off_and_cannot_exhaust_the_server(
     assert status == 200
 
 
-def test_many_concurrent_scrapes(registry: CollectorRegistry,
-                                 served: list[web.WebServer]) -> None:
+def test_many_concurrent_scrapes(registry: CollectorRegistry, served: list[web.WebServer]) -> None:
     server = web.serve(registry, "127.0.0.1:0", None)
     served.append(server)
     results: list[int] = []
@@ -421,7 +451,8 @@ def test_many_concurrent_scrapes(registry: CollectorRegistry,
 
 
 def test_keep_alive_serves_several_requests_on_one_connection(
-        registry: CollectorRegistry, served: list[web.WebServer]) -> None:
+    registry: CollectorRegistry, served: list[web.WebServer]
+) -> None:
     server = web.serve(registry, "127.0.0.1:0", None)
     served.append(server)
     conn = http.client.HTTPConnection("127.0.0.1", server.address[1], timeout=5)
@@ -434,8 +465,7 @@ def test_keep_alive_serves_several_requests_on_one_connection(
         conn.close()
 
 
-def test_rate_limit(tmp_path: Path, registry: CollectorRegistry,
-                    served: list[web.WebServer]) -> None:
+def test_rate_limit(tmp_path: Path, registry: CollectorRegistry, served: list[web.WebServer]) -> None:
     cfg = _write_config(tmp_path, "rate_limit:\n  interval: 10s\n  burst: 2\n")
     server = web.serve(registry, "127.0.0.1:0", cfg)
     served.append(server)
@@ -459,8 +489,7 @@ def _cli(*argv: str) -> int:
     return int(args.func(args))
 
 
-def test_web_config_check_command(pki: Path, tmp_path: Path,
-                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_web_config_check_command(pki: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     good = _write_config(pki, _mtls_config(pki))
     assert _cli("web-config", "check", good) == 0
     assert "RequireAndVerifyClientCert" in capsys.readouterr().out
@@ -472,8 +501,13 @@ def test_web_config_check_command(pki: Path, tmp_path: Path,
 
 def test_web_config_commands_through_the_real_cli(pki: Path, tmp_path: Path) -> None:
     def gw(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "gpuwatchd", "web-config", *args],
-                              input=stdin, capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "gpuwatchd", "web-config", *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     out = gw("hash", "--cost", "4", stdin="s3cret\n")
     assert out.returncode == 0, out.stderr
@@ -509,8 +543,11 @@ def test_thread_exhaustion_drops_clients_not_the_server(tmp_path: Path) -> None:
     try:
         (cg / "pids.max").write_text("5\n")  # main, the connection loop + 3 workers
         server = subprocess.Popen(
-            ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" -c "$1"', sys.executable,
-             SERVER_SCRIPT], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+            ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$0" -c "$1"', sys.executable, SERVER_SCRIPT],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).parent.parent,
+        )
         assert server.stdout is not None
         port = int(server.stdout.readline())
         for _ in range(4):  # 4 x 30 silent clients, far more than the 5 tasks allowed

@@ -25,9 +25,15 @@ def _problems(doc: object) -> list[str]:
 
 def test_every_bad_value_is_named_with_what_it_must_be() -> None:
     doc = {
-        "tls_server_config": {"cert_file": 5, "key_file": "k", "client_auth_type": "RequireAndVerify",
-                              "min_version": "TLS1.2", "client_allowed_sans": "db",
-                              "prefer_server_cipher_suites": "yes", "cipher_suites": []},
+        "tls_server_config": {
+            "cert_file": 5,
+            "key_file": "k",
+            "client_auth_type": "RequireAndVerify",
+            "min_version": "TLS1.2",
+            "client_allowed_sans": "db",
+            "prefer_server_cipher_suites": "yes",
+            "cipher_suites": [],
+        },
         "basic_auth_users": {"alice": "plaintext-password", "bob:x": HASH},
         "http_server_config": {"http2": 1, "headers": {"X-Evil": "1", "X-Frame-Options": "a\nb"}},
         "rate_limit": {"interval": "soon", "burst": -1},
@@ -55,36 +61,66 @@ def test_every_bad_value_is_named_with_what_it_must_be() -> None:
 
 
 def test_sections_of_the_wrong_shape_and_missing_keys() -> None:
-    assert _problems({"tls_server_config": ["cert_file"], "basic_auth_users": ["alice"],
-                      "rate_limit": {"burst": 2}, "http_server_config": {"headers": "x"}}) == [
+    assert _problems(
+        {
+            "tls_server_config": ["cert_file"],
+            "basic_auth_users": ["alice"],
+            "rate_limit": {"burst": 2},
+            "http_server_config": {"headers": "x"},
+        }
+    ) == [
         "tls_server_config: must be a mapping, got list",
         "basic_auth_users: must be a mapping, got list",
         "rate_limit.interval: required when rate_limit is set",
         "http_server_config.headers: must be a mapping, got str",
     ]
-    assert _problems({"tls_server_config": {"cert_file": "c", "client_allowed_sans": ["db"],
-                                            "client_auth_type": "RequireAnyClientCert"}}) == [
+    assert _problems(
+        {
+            "tls_server_config": {
+                "cert_file": "c",
+                "client_allowed_sans": ["db"],
+                "client_auth_type": "RequireAnyClientCert",
+            }
+        }
+    ) == [
         "tls_server_config.client_auth_type: RequireAnyClientCert is not supported (Python's ssl"
         " cannot request a certificate without verifying it); use RequireAndVerifyClientCert",
         "tls_server_config.key_file: required when tls_server_config is set",
     ]
-    assert _problems({"tls_server_config": {"cert_file": "c", "key_file": "k", "client_allowed_sans": ["db"],
-                                            "client_auth_type": "VerifyClientCertIfGiven"}}) == [
-        "tls_server_config.client_ca_file: required by client_auth_type VerifyClientCertIfGiven"]
+    assert _problems(
+        {
+            "tls_server_config": {
+                "cert_file": "c",
+                "key_file": "k",
+                "client_allowed_sans": ["db"],
+                "client_auth_type": "VerifyClientCertIfGiven",
+            }
+        }
+    ) == ["tls_server_config.client_ca_file: required by client_auth_type VerifyClientCertIfGiven"]
     assert _problems({"tls_server_config": {"cert_file": "c", "key_file": "k", "client_allowed_sans": ["db"]}}) == [
-        "tls_server_config.client_allowed_sans: needs a client_auth_type that verifies client certificates"]
+        "tls_server_config.client_allowed_sans: needs a client_auth_type that verifies client certificates"
+    ]
     assert _problems([]) == ["(top level): must be a mapping, got list"]
 
 
 def test_a_good_file_parses_as_before() -> None:
-    cfg = parse_web_config({
-        "tls_server_config": {"cert_file": "server.crt", "key_file": "/k/server.key", "client_ca_file": "ca.crt",
-                              "client_auth_type": "RequireAndVerifyClientCert", "client_allowed_sans": ["db"],
-                              "max_version": "TLS13", "prefer_server_cipher_suites": True},
-        "basic_auth_users": {"alice": HASH},
-        "http_server_config": {"http2": True, "headers": {"X-Frame-Options": "deny"}},
-        "rate_limit": {"interval": "100ms", "burst": 3},
-    }, "/etc/gpuwatchd/web.yml")
+    cfg = parse_web_config(
+        {
+            "tls_server_config": {
+                "cert_file": "server.crt",
+                "key_file": "/k/server.key",
+                "client_ca_file": "ca.crt",
+                "client_auth_type": "RequireAndVerifyClientCert",
+                "client_allowed_sans": ["db"],
+                "max_version": "TLS13",
+                "prefer_server_cipher_suites": True,
+            },
+            "basic_auth_users": {"alice": HASH},
+            "http_server_config": {"http2": True, "headers": {"X-Frame-Options": "deny"}},
+            "rate_limit": {"interval": "100ms", "burst": 3},
+        },
+        "/etc/gpuwatchd/web.yml",
+    )
     assert cfg.tls is not None and cfg.tls.cert_file == "/etc/gpuwatchd/server.crt"
     assert (cfg.tls.key_file, cfg.tls.client_ca_file) == ("/k/server.key", "/etc/gpuwatchd/ca.crt")
     assert (cfg.tls.client_allowed_sans, cfg.tls.min_version, cfg.tls.max_version) == (("db",), "TLS12", "TLS13")
@@ -99,17 +135,22 @@ def test_a_good_file_parses_as_before() -> None:
 def test_keys_that_are_not_strings_are_named_not_a_crash() -> None:
     """YAML keys may be numbers: sorting them with the string keys raised TypeError."""
     assert _problems({1: "x", "extra": 2, "tls_server_config": {2: "y", "cert_file": "c", "key_file": "k"}}) == [
-        "1: unknown key", "extra: unknown key", "tls_server_config.2: unknown key"]
+        "1: unknown key",
+        "extra: unknown key",
+        "tls_server_config.2: unknown key",
+    ]
     assert _problems({"tls_server_config": {2: "y", "z": 1, "cert_file": "c", "key_file": "k"}}) == [
-        "tls_server_config.2: unknown key", "tls_server_config.z: unknown key"]
+        "tls_server_config.2: unknown key",
+        "tls_server_config.z: unknown key",
+    ]
 
 
 def test_a_zero_rate_limit_interval_is_refused() -> None:
     """'0s' was accepted, and the token bucket then divided by it on the first request."""
-    assert _problems({"rate_limit": {"interval": "0s", "burst": 1}}) == [
-        "rate_limit.interval: must be > 0.0, got 0.0"]
+    assert _problems({"rate_limit": {"interval": "0s", "burst": 1}}) == ["rate_limit.interval: must be > 0.0, got 0.0"]
     assert _problems({"rate_limit": {"interval": float("inf"), "burst": 1}}) == [
-        "rate_limit.interval: must be finite, got inf"]
+        "rate_limit.interval: must be finite, got inf"
+    ]
 
 
 def test_a_nul_byte_in_a_certificate_name_is_a_config_error(tmp_path: Path) -> None:
@@ -142,8 +183,9 @@ def test_a_user_given_twice_is_refused_naming_it(tmp_path: Path) -> None:
     assert "key 'prometheus' appears twice in one mapping (lines 2 and 3)" in str(e.value)
 
 
-@pytest.mark.parametrize(("interval", "seconds"), [("1m30s", 90.0), ("1.5h", 5400.0), ("250ms", 0.25),
-                                                   ("1h2m3s4ms", 3723.004), (2, 2.0)])
+@pytest.mark.parametrize(
+    ("interval", "seconds"), [("1m30s", 90.0), ("1.5h", 5400.0), ("250ms", 0.25), ("1h2m3s4ms", 3723.004), (2, 2.0)]
+)
 def test_rate_limit_intervals_are_go_durations(interval: object, seconds: float) -> None:
     rate = parse_web_config({"rate_limit": {"interval": interval, "burst": 2}}).rate_limit
     assert rate is not None and rate.interval_seconds == pytest.approx(seconds)

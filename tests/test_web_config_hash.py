@@ -13,9 +13,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _hash(stdin: bytes) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run([sys.executable, "-m", "gpuwatchd", "web-config", "hash", "--cost", "4"],
-                          input=stdin, capture_output=True, cwd=REPO, timeout=60,
-                          env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+    return subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "web-config", "hash", "--cost", "4"],
+        input=stdin,
+        capture_output=True,
+        cwd=REPO,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+    )
 
 
 def test_a_password_that_is_not_utf8_is_refused_without_a_traceback() -> None:

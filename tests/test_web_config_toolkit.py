@@ -25,15 +25,19 @@ TOOLKIT_VALID = {
     "web_config_auth_client_san.bad.yaml": True,  # a valid file; the client's certificate fails
 }
 
-_NO_CA = ("client certificates verified against no named CA: Go falls back to the system's roots, "
-          "so any publicly issued certificate would pass; gpuwatchd requires client_ca_file")
-_CIPHERS = ("cipher_suites: Go's suite names; Python's ssl takes OpenSSL cipher strings and cannot "
-            "set TLS 1.3 suites, so gpuwatchd refuses the key rather than ignore it")
+_NO_CA = (
+    "client certificates verified against no named CA: Go falls back to the system's roots, "
+    "so any publicly issued certificate would pass; gpuwatchd requires client_ca_file"
+)
+_CIPHERS = (
+    "cipher_suites: Go's suite names; Python's ssl takes OpenSSL cipher strings and cannot "
+    "set TLS 1.3 suites, so gpuwatchd refuses the key rather than ignore it"
+)
 DIFFERENCES = {
-    "tls_config_noAuth.requireanyclientcert.good.yml":
-        "RequireAnyClientCert: Python's ssl cannot ask for a certificate without verifying it",
-    "tls_config_noAuth.requireanyclientcertkeyinline.good.yml":
-        "RequireAnyClientCert (as above), and an inline key",
+    "tls_config_noAuth.requireanyclientcert.good.yml": (
+        "RequireAnyClientCert: Python's ssl cannot ask for a certificate without verifying it"
+    ),
+    "tls_config_noAuth.requireanyclientcertkeyinline.good.yml": "RequireAnyClientCert (as above), and an inline key",
     "web_config_noAuth.good.yml": _NO_CA,
     "web_config_noAuth.good.blocking.yml": _NO_CA,
     "web_config_noAuth_allCiphers.good.yml": _CIPHERS,

@@ -18,8 +18,9 @@ from gpuwatchd.model import CollectorStatus, NodeState
 from gpuwatchd.web import server as web
 
 
-def _req(port: int, path: str, method: str = "GET",
-         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+def _req(
+    port: int, path: str, method: str = "GET", headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     try:
         c.request(method, path, headers=headers or {})
@@ -45,9 +46,13 @@ def test_healthy_and_ready_follow_the_cycle(state_box: tuple[list[NodeState | No
     assert status == 503 and b"first cycle" in body
     box[0] = NodeState(timestamp=1.0, collectors=(CollectorStatus("procfs", True, 0.01, 1.0),))
     assert _req(port, "/-/ready") == (200, _req(port, "/-/ready")[1], b"gpuwatchd is Ready.\n")
-    box[0] = NodeState(timestamp=2.0, collectors=(
-        CollectorStatus("nvml", False, 5.0, None, f"timed out after 5s {STILL_RUNNING}"),
-        CollectorStatus("procfs", False, 0.1, None, "OSError: gone")))  # failing is not stuck
+    box[0] = NodeState(
+        timestamp=2.0,
+        collectors=(
+            CollectorStatus("nvml", False, 5.0, None, f"timed out after 5s {STILL_RUNNING}"),
+            CollectorStatus("procfs", False, 0.1, None, "OSError: gone"),
+        ),
+    )  # failing is not stuck
     status, _, body = _req(port, "/-/ready")
     assert status == 503 and b"nvml" in body and b"procfs" not in body
     assert _req(port, "/-/healthy")[0] == 200

@@ -41,13 +41,17 @@ def tls_daemon(tmp_path: Path) -> Iterator[dict[str, Any]]:
         f"basic_auth_users:\n  prometheus: {hashed}\n"
     )
     port = free_port()
-    path, _ = write_config(tmp_path, web={"listen_address": f"127.0.0.1:{port}",
-                                          "config_file": str(pki / "web-config.yml")})
+    path, _ = write_config(
+        tmp_path, web={"listen_address": f"127.0.0.1:{port}", "config_file": str(pki / "web-config.yml")}
+    )
     log = (tmp_path / "daemon.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(path)],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    info = {"pki": pki, "port": port, "proc": proc, "log": tmp_path / "daemon.log",
-            "tmp": tmp_path}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(path)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
+    info = {"pki": pki, "port": port, "proc": proc, "log": tmp_path / "daemon.log", "tmp": tmp_path}
     try:
         yield info
     finally:
@@ -60,8 +64,7 @@ def tls_daemon(tmp_path: Path) -> Iterator[dict[str, Any]]:
         log.close()
 
 
-def _scrape(info: dict[str, Any], password: str = PASSWORD,
-            cert: bool = True) -> tuple[int, bytes]:
+def _scrape(info: dict[str, Any], password: str = PASSWORD, cert: bool = True) -> tuple[int, bytes]:
     ctx = ssl.create_default_context(cafile=str(info["pki"] / "ca.crt"))
     if cert:
         ctx.load_cert_chain(str(info["pki"] / "client.crt"), str(info["pki"] / "client.key"))
@@ -102,29 +105,48 @@ def test_real_prometheus_scrapes_over_mtls_with_basic_auth(tls_daemon: dict[str,
     wait_until(lambda: _ready(tls_daemon), 30, "the daemon over TLS")
     pki: Path = tls_daemon["pki"]
     target = [f"127.0.0.1:{tls_daemon['port']}"]
-    tls = {"ca_file": str(pki / "ca.crt"), "cert_file": str(pki / "client.crt"),
-           "key_file": str(pki / "client.key")}
+    tls = {"ca_file": str(pki / "ca.crt"), "cert_file": str(pki / "client.crt"), "key_file": str(pki / "client.key")}
     jobs = [
-        {"job_name": "good", "scheme": "https", "tls_config": tls,
-         "basic_auth": {"username": "prometheus", "password": PASSWORD}},
-        {"job_name": "wrong-password", "scheme": "https", "tls_config": tls,
-         "basic_auth": {"username": "prometheus", "password": "nope"}},
-        {"job_name": "no-client-cert", "scheme": "https",
-         "tls_config": {"ca_file": str(pki / "ca.crt")},
-         "basic_auth": {"username": "prometheus", "password": PASSWORD}},
+        {
+            "job_name": "good",
+            "scheme": "https",
+            "tls_config": tls,
+            "basic_auth": {"username": "prometheus", "password": PASSWORD},
+        },
+        {
+            "job_name": "wrong-password",
+            "scheme": "https",
+            "tls_config": tls,
+            "basic_auth": {"username": "prometheus", "password": "nope"},
+        },
+        {
+            "job_name": "no-client-cert",
+            "scheme": "https",
+            "tls_config": {"ca_file": str(pki / "ca.crt")},
+            "basic_auth": {"username": "prometheus", "password": PASSWORD},
+        },
     ]
     for job in jobs:
         job["static_configs"] = [{"targets": target}]
     port = free_port()
     d = tls_daemon["tmp"] / "prometheus"
     d.mkdir()
-    (d / "prometheus.yml").write_text(yaml.safe_dump({
-        "global": {"scrape_interval": "1s", "scrape_timeout": "1s"}, "scrape_configs": jobs}))
+    (d / "prometheus.yml").write_text(
+        yaml.safe_dump({"global": {"scrape_interval": "1s", "scrape_timeout": "1s"}, "scrape_configs": jobs})
+    )
     with (d / "prometheus.log").open("wb") as out:
         proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={d / 'prometheus.yml'}",
-             f"--storage.tsdb.path={d / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-             "--log.level=warn"], stdout=out, stderr=subprocess.STDOUT, cwd=d)
+            [
+                PROMETHEUS,
+                f"--config.file={d / 'prometheus.yml'}",
+                f"--storage.tsdb.path={d / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=d,
+        )
     prom = Prometheus(proc, f"http://127.0.0.1:{port}", d / "prometheus.log")
     try:
         prom.wait_ready("/-/ready")
@@ -133,8 +155,11 @@ def test_real_prometheus_scrapes_over_mtls_with_basic_auth(tls_daemon: dict[str,
             targets = http_get_json(prom.url + "/api/v1/targets")["data"]["activeTargets"]
             return {t["labels"]["job"]: (t["health"], t["lastError"]) for t in targets}
 
-        wait_until(lambda: all(h != "unknown" for h, _ in health().values())
-                   and len(health()) == 3, 30, "three scraped targets")
+        wait_until(
+            lambda: all(h != "unknown" for h, _ in health().values()) and len(health()) == 3,
+            30,
+            "three scraped targets",
+        )
         time.sleep(1.5)
         h = health()
         assert h["good"] == ("up", ""), h
@@ -164,19 +189,19 @@ def test_web_config_flag_bad_file_at_start_and_on_reload(tmp_path: Path) -> None
     pki = make_pki(tmp_path / "pki")
     hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(4)).decode()
     good = pki / "web-config.yml"
-    good.write_text("tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
-                    "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: ca.crt\n"
-                    f"basic_auth_users:\n  prometheus: {hashed}\n")
+    good.write_text(
+        "tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
+        "  client_auth_type: RequireAndVerifyClientCert\n  client_ca_file: ca.crt\n"
+        f"basic_auth_users:\n  prometheus: {hashed}\n"
+    )
     bad = pki / "bad-web-config.yml"
-    bad.write_text("basic_auth_users:\n  prometheus: hunter2\ntls_server_config:\n"
-                   "  cert_file: server.crt\n")
+    bad.write_text("basic_auth_users:\n  prometheus: hunter2\ntls_server_config:\n  cert_file: server.crt\n")
     port = free_port()
     path, cfg = write_config(tmp_path, web={"listen_address": f"127.0.0.1:{port}"})
     run = [sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(path)]
 
     # A bad web-config at start: exit 2, every bad key named, the password never echoed.
-    out = subprocess.run([*run, "--web.config.file", str(bad)], capture_output=True, text=True,
-                         timeout=60, cwd=REPO)
+    out = subprocess.run([*run, "--web.config.file", str(bad)], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "web.config_file: basic_auth_users.prometheus: not a bcrypt hash" in out.stderr
     assert "tls_server_config.key_file" in out.stderr and "hunter2" not in out.stderr
@@ -185,8 +210,7 @@ def test_web_config_flag_bad_file_at_start_and_on_reload(tmp_path: Path) -> None
     info = {"pki": pki, "port": port}
     log_path = tmp_path / "flag.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen([*run, "--web.config.file", str(good)], stdout=log,
-                                stderr=subprocess.STDOUT, cwd=REPO)
+        proc = subprocess.Popen([*run, "--web.config.file", str(good)], stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         try:
             wait_until(lambda: _ready({**info, "proc": proc, "log": log_path}), 30, "TLS via flag")
             assert _scrape(info, password="wrong")[0] == 401
@@ -210,8 +234,7 @@ def test_web_config_flag_bad_file_at_start_and_on_reload(tmp_path: Path) -> None
             cfg["web"]["config_file"] = str(good)
             path.write_text(yaml.safe_dump(cfg))
             proc.send_signal(signal.SIGHUP)
-            wait_until(lambda: _ready({**info, "proc": proc, "log": log_path}), 30,
-                       "TLS after reload")
+            wait_until(lambda: _ready({**info, "proc": proc, "log": log_path}), 30, "TLS after reload")
             assert proc.poll() is None
         finally:
             proc.terminate()

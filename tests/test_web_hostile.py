@@ -90,11 +90,18 @@ def served() -> Iterator[list[web.WebServer]]:
         s.close()
 
 
-def _get(port: int, path: str = "/metrics", timeout: float = 5.0,
-         headers: dict[str, str] | None = None,
-         ctx: ssl.SSLContext | None = None) -> tuple[int, bytes]:
-    conn = (http.client.HTTPSConnection("127.0.0.1", port, timeout=timeout, context=ctx)
-            if ctx is not None else http.client.HTTPConnection("127.0.0.1", port, timeout=timeout))
+def _get(
+    port: int,
+    path: str = "/metrics",
+    timeout: float = 5.0,
+    headers: dict[str, str] | None = None,
+    ctx: ssl.SSLContext | None = None,
+) -> tuple[int, bytes]:
+    conn = (
+        http.client.HTTPSConnection("127.0.0.1", port, timeout=timeout, context=ctx)
+        if ctx is not None
+        else http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    )
     try:
         conn.request("GET", path, headers=headers or {})
         resp = conn.getresponse()
@@ -116,8 +123,11 @@ def _raw(port: int, payload: bytes) -> bytes:
 
 
 def _samples(body: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(body.decode())
+        for s in fam.samples
+    }
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +137,12 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 def test_scrapes_succeed_while_200_slowloris_connections_churn(
-        daemon_registry: tuple[StateRegistry, CounterStore], served: list[web.WebServer],
-        caplog: pytest.LogCaptureFixture, pki: Path, tls: bool) -> None:
+    daemon_registry: tuple[StateRegistry, CounterStore],
+    served: list[web.WebServer],
+    caplog: pytest.LogCaptureFixture,
+    pki: Path,
+    tls: bool,
+) -> None:
     """Issue 11 item 6: 200 half-open connections re-opened as soon as they are dropped, against
     a server with room for 64: every scrape is answered, the drops are counted in
     gpuwatch_web_connections_dropped_total and logged at most once per log_interval. With TLS
@@ -140,8 +154,7 @@ def test_scrapes_succeed_while_200_slowloris_connections_churn(
     ctx = None
     if tls:
         config = str(pki / "web-config.yml")
-        Path(config).write_text("tls_server_config:\n  cert_file: server.crt\n"
-                                "  key_file: server.key\n")
+        Path(config).write_text("tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n")
         half = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"  # a ClientHello's first bytes
         ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
     server = web.serve(registry, "127.0.0.1:0", config, limits, counters=counters)
@@ -149,8 +162,9 @@ def test_scrapes_succeed_while_200_slowloris_connections_churn(
     port = server.address[1]
     seconds = 8.0
     caplog.set_level(logging.WARNING, logger="gpuwatchd.web")
-    hostile = subprocess.Popen([sys.executable, "-c", SLOWLORIS, str(port), "200", str(seconds),
-                                half.hex()], stdout=subprocess.PIPE, text=True)
+    hostile = subprocess.Popen(
+        [sys.executable, "-c", SLOWLORIS, str(port), "200", str(seconds), half.hex()], stdout=subprocess.PIPE, text=True
+    )
     try:
         time.sleep(1.0)  # let the 200 connections fill the server
         statuses: list[int | str] = []
@@ -171,8 +185,10 @@ def test_scrapes_succeed_while_200_slowloris_connections_churn(
             hostile.wait(10)
     opened = int(out)
     took.sort()
-    print(f"{len(statuses)} scrapes under attack, p50 {took[len(took) // 2]:.3f} s, max"
-          f" {took[-1]:.3f} s; the hostile client opened {out.strip()} connections")
+    print(
+        f"{len(statuses)} scrapes under attack, p50 {took[len(took) // 2]:.3f} s, max"
+        f" {took[-1]:.3f} s; the hostile client opened {out.strip()} connections"
+    )
     assert len(statuses) >= 5 and statuses == [200] * len(statuses), statuses
     assert opened > 400, "the hostile client really churned"
     status, body = _get(port, ctx=ctx)
@@ -187,8 +203,8 @@ def test_scrapes_succeed_while_200_slowloris_connections_churn(
 
 
 def test_request_line_over_8_kib_gets_414_without_a_traceback(
-        daemon_registry: tuple[StateRegistry, CounterStore], served: list[web.WebServer],
-        caplog: pytest.LogCaptureFixture) -> None:
+    daemon_registry: tuple[StateRegistry, CounterStore], served: list[web.WebServer], caplog: pytest.LogCaptureFixture
+) -> None:
     """Issue 11 item 8: a complete request whose line is 9 KiB (BaseHTTPRequestHandler's own
     limit is 64 KiB), and one whose line never ends."""
     registry, counters = daemon_registry
@@ -207,7 +223,8 @@ def test_request_line_over_8_kib_gets_414_without_a_traceback(
 
 
 def test_too_many_query_parameters_get_400(
-        daemon_registry: tuple[StateRegistry, CounterStore], served: list[web.WebServer]) -> None:
+    daemon_registry: tuple[StateRegistry, CounterStore], served: list[web.WebServer]
+) -> None:
     """Issue 11 item 8: 65 query parameters closed the connection without a reply."""
     registry, counters = daemon_registry
     server = web.serve(registry, "127.0.0.1:0", None, counters=counters)
@@ -222,7 +239,8 @@ def test_too_many_query_parameters_get_400(
 
 
 def test_name_filter_works_like_client_pythons(
-        daemon_registry: tuple[StateRegistry, CounterStore], served: list[web.WebServer]) -> None:
+    daemon_registry: tuple[StateRegistry, CounterStore], served: list[web.WebServer]
+) -> None:
     """Issue 11 item 9: ``name[]`` on the daemon's registry returned 200 with an empty body."""
     registry, counters = daemon_registry
     server = web.serve(registry, "127.0.0.1:0", None, counters=counters)
@@ -232,13 +250,17 @@ def test_name_filter_works_like_client_pythons(
     assert status == 200
     assert {name for name, _ in _samples(body)} == {"gpuwatch_build_info"}
     # Sample names, as client_python filters: a counter by its _total name; several names.
-    status, body = _get(port, "/metrics?name[]=gpuwatch_web_connections_dropped_total"
-                        "&name[]=gpuwatch_last_cycle_timestamp_seconds")
+    status, body = _get(
+        port, "/metrics?name[]=gpuwatch_web_connections_dropped_total&name[]=gpuwatch_last_cycle_timestamp_seconds"
+    )
     assert status == 200
     assert {name for name, _ in _samples(body)} == {
-        "gpuwatch_web_connections_dropped_total", "gpuwatch_last_cycle_timestamp_seconds"}
-    status, body = _get(port, "/metrics?name[]=gpuwatch_build_info",
-                        headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        "gpuwatch_web_connections_dropped_total",
+        "gpuwatch_last_cycle_timestamp_seconds",
+    }
+    status, body = _get(
+        port, "/metrics?name[]=gpuwatch_build_info", headers={"Accept": "application/openmetrics-text; version=1.0.0"}
+    )
     assert status == 200 and b"gpuwatch_build_info{" in body and body.endswith(b"# EOF\n")
     status, body = _get(port, "/metrics?name[]=no_such_metric")
     assert status == 200 and body == b""
@@ -252,8 +274,7 @@ class _Cached(CollectorRegistry):
         self.body = body
 
     def exposition(self, fmt: str) -> Any:
-        return types.SimpleNamespace(body=self.body, gzipped=lambda: self.body,
-                                     select=lambda names: self.body)
+        return types.SimpleNamespace(body=self.body, gzipped=lambda: self.body, select=lambda names: self.body)
 
 
 def test_clients_that_never_read_their_answer_hold_no_worker(served: list[web.WebServer]) -> None:
@@ -261,7 +282,8 @@ def test_clients_that_never_read_their_answer_hold_no_worker(served: list[web.We
     a 1 MB exposition with a 4 KiB receive window and never read it: a scraper still gets it,
     because the loop, not a worker, waits for them to read."""
     body = b"# HELP gpuwatch_pad Padding.\n# TYPE gpuwatch_pad gauge\n" + b"".join(
-        b'gpuwatch_pad{i="%d"} 1.0\n' % i for i in range(40000))
+        b'gpuwatch_pad{i="%d"} 1.0\n' % i for i in range(40000)
+    )
     server = web.serve(_Cached(body), "127.0.0.1:0", None)
     served.append(server)
     port = server.address[1]
@@ -284,8 +306,7 @@ def test_clients_that_never_read_their_answer_hold_no_worker(served: list[web.We
             s.close()
 
 
-def test_the_daemon_with_its_defaults_answers_scrapes_under_300_slowloris_connections(
-        tmp_path: Path) -> None:
+def test_the_daemon_with_its_defaults_answers_scrapes_under_300_slowloris_connections(tmp_path: Path) -> None:
     """The real daemon (`gpuwatchd run`, default limits: room for 256) against 300 churning
     half-open connections: scrapes are answered and the drops are in its own /metrics."""
     path, cfg = write_config(tmp_path)
@@ -295,8 +316,11 @@ def test_the_daemon_with_its_defaults_answers_scrapes_under_300_slowloris_connec
         assert d.value("gpuwatch_web_connections_dropped_total", reason="limit") == 0
         seconds = 6.0
         half = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: "
-        hostile = subprocess.Popen([sys.executable, "-c", SLOWLORIS, str(port), "300",
-                                    str(seconds), half.hex()], stdout=subprocess.PIPE, text=True)
+        hostile = subprocess.Popen(
+            [sys.executable, "-c", SLOWLORIS, str(port), "300", str(seconds), half.hex()],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             time.sleep(1.0)
             statuses = []

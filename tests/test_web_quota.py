@@ -99,8 +99,13 @@ print(made, flush=True)
 
 @contextlib.contextmanager
 def quota_server(quota: CpuQuota, max_connections: int, web_config: str = "") -> Iterator[int]:
-    p = subprocess.Popen([sys.executable, "-c", SERVER, str(max_connections), web_config], cwd=REPO,
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", SERVER, str(max_connections), web_config],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert p.stdout is not None
         port = int(p.stdout.readline())
@@ -112,9 +117,11 @@ def quota_server(quota: CpuQuota, max_connections: int, web_config: str = "") ->
 
 
 def flood(port: int, n: int, mode: str, seconds: float, per_send: int = 1) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", FLOOD, str(port), str(n), mode, str(seconds),
-                             str(per_send)],
-                            stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", FLOOD, str(port), str(n), mode, str(seconds), str(per_send)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
 def scrapes(port: int, n: int, every: float) -> tuple[list[float], int]:
@@ -153,8 +160,10 @@ def test_r12_one_byte_body_chunks_do_not_stall_scrapes_under_the_quota() -> None
             f.kill()
             f.wait(10)
         p50, worst = statistics.median(took), max(took)
-        print(f"quiet p50 {statistics.median(quiet):.3f} s; 32 one-byte streams: p50 {p50:.3f} s, "
-              f"max {worst:.3f} s, {failed} failed; throttled {quota.throttled_usec() / 1e6:.1f} s")
+        print(
+            f"quiet p50 {statistics.median(quiet):.3f} s; 32 one-byte streams: p50 {p50:.3f} s, "
+            f"max {worst:.3f} s, {failed} failed; throttled {quota.throttled_usec() / 1e6:.1f} s"
+        )
         assert failed == 0
         assert p50 < 0.5 and worst < 2.0, (p50, worst, took)
 
@@ -170,7 +179,9 @@ def test_r16_a_reconnecting_flood_does_not_push_out_the_scrapers_connection(max_
         finally:
             f.kill()
             f.wait(10)
-        print(f"{failed} of 40 keep-alive scrapes failed under a reconnecting flood of "
-              f"{4 * max_connections} connections ({out.strip() or '?'} made); "
-              f"p50 {statistics.median(took) if took else float('nan'):.3f} s")
+        print(
+            f"{failed} of 40 keep-alive scrapes failed under a reconnecting flood of "
+            f"{4 * max_connections} connections ({out.strip() or '?'} made); "
+            f"p50 {statistics.median(took) if took else float('nan'):.3f} s"
+        )
         assert failed == 0

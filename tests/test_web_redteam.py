@@ -39,10 +39,14 @@ REPO = Path(__file__).resolve().parent.parent
 PASSWORD = b"scraper-password"
 
 
-def _get(port: int, path: str = "/metrics", headers: dict[str, str] | None = None,
-         source: str = "127.0.0.1", timeout: float = 5.0) -> int:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout,
-                                      source_address=(source, 0))
+def _get(
+    port: int,
+    path: str = "/metrics",
+    headers: dict[str, str] | None = None,
+    source: str = "127.0.0.1",
+    timeout: float = 5.0,
+) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout, source_address=(source, 0))
     try:
         conn.request("GET", path, headers=headers or {})
         resp = conn.getresponse()
@@ -86,8 +90,7 @@ def test_n6_name_filters_never_render_anew(served: list[web.WebServer]) -> None:
     assert calls[0] <= 2  # one rendering per format for this cycle, 61 requests
 
 
-def test_n6_a_registry_without_a_cache_renders_one_request_at_a_time(
-        served: list[web.WebServer]) -> None:
+def test_n6_a_registry_without_a_cache_renders_one_request_at_a_time(served: list[web.WebServer]) -> None:
     entered, release = threading.Event(), threading.Event()
 
     class Slow:
@@ -120,8 +123,7 @@ def _auth_server(tmp_path: Path, served: list[web.WebServer], rate: str = "") ->
     cfg = tmp_path / "web.yml"
     cfg.write_text(f"basic_auth_users:\n  prometheus: {hashed}\n{rate}")
     reg = Registry()
-    reg.register(type("One", (), {"collect": lambda self: [
-        GaugeMetricFamily("gpuwatch_up", "Up.", value=1.0)]})())
+    reg.register(type("One", (), {"collect": lambda self: [GaugeMetricFamily("gpuwatch_up", "Up.", value=1.0)]})())
     server = web.serve(reg, "127.0.0.1:0", str(cfg))
     served.append(server)
     return server.address[1]
@@ -146,8 +148,8 @@ def checkpw(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[list[bytes], thre
 
 
 def test_n7_a_repeated_wrong_password_costs_one_bcrypt_check(
-        tmp_path: Path, served: list[web.WebServer],
-        checkpw: tuple[list[bytes], threading.Event]) -> None:
+    tmp_path: Path, served: list[web.WebServer], checkpw: tuple[list[bytes], threading.Event]
+) -> None:
     calls, release = checkpw
     release.set()  # wrong passwords fail at once here
     port = _auth_server(tmp_path, served)
@@ -159,8 +161,8 @@ def test_n7_a_repeated_wrong_password_costs_one_bcrypt_check(
 
 
 def test_n7_a_cached_scrape_never_waits_behind_bcrypt(
-        tmp_path: Path, served: list[web.WebServer],
-        checkpw: tuple[list[bytes], threading.Event]) -> None:
+    tmp_path: Path, served: list[web.WebServer], checkpw: tuple[list[bytes], threading.Event]
+) -> None:
     """16 clients with wrong passwords whose checks hang (more than the 8 workers): the scraper,
     whose password passed once, is answered at once, each time."""
     calls, release = checkpw
@@ -187,7 +189,8 @@ def test_n7_a_cached_scrape_never_waits_behind_bcrypt(
 
 @pytest.mark.parametrize("flooder", ["127.0.0.2", "127.0.0.1"])
 def test_n7_a_flood_without_credentials_does_not_use_up_the_scrapers_rate_limit(
-        tmp_path: Path, served: list[web.WebServer], flooder: str) -> None:
+    tmp_path: Path, served: list[web.WebServer], flooder: str
+) -> None:
     """From another address, or from the scraper's own (one NAT, one proxy): the scraper, whose
     credentials passed once, keeps its tokens."""
     port = _auth_server(tmp_path, served, "rate_limit:\n  interval: 10s\n  burst: 3\n")
@@ -200,13 +203,10 @@ def test_n7_a_flood_without_credentials_does_not_use_up_the_scrapers_rate_limit(
 
 
 @pytest.mark.parametrize("flooder", ["127.0.0.2", "127.0.0.1"])
-def test_n12_a_flood_does_not_push_out_the_scrapers_kept_connection(
-        served: list[web.WebServer], flooder: str) -> None:
+def test_n12_a_flood_does_not_push_out_the_scrapers_kept_connection(served: list[web.WebServer], flooder: str) -> None:
     reg = Registry()
-    reg.register(type("One", (), {"collect": lambda self: [
-        GaugeMetricFamily("gpuwatch_up", "Up.", value=1.0)]})())
-    server = web.serve(reg, "127.0.0.1:0", None,
-                       web.Limits(max_connections=8, eviction_grace=0.05))
+    reg.register(type("One", (), {"collect": lambda self: [GaugeMetricFamily("gpuwatch_up", "Up.", value=1.0)]})())
+    server = web.serve(reg, "127.0.0.1:0", None, web.Limits(max_connections=8, eviction_grace=0.05))
     served.append(server)
     port = server.address[1]
     scraper = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
@@ -220,8 +220,7 @@ def test_n12_a_flood_does_not_push_out_the_scrapers_kept_connection(
             # 40 silent connections (five times the limit) while it idles: the oldest waiting
             # connection is the scraper's, answered last a moment ago.
             for _ in range(40):
-                silent.append(socket.create_connection(("127.0.0.1", port), timeout=5,
-                                                       source_address=(flooder, 0)))
+                silent.append(socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(flooder, 0)))
                 time.sleep(0.01)
             time.sleep(0.2)
     finally:
@@ -231,12 +230,24 @@ def test_n12_a_flood_does_not_push_out_the_scrapers_kept_connection(
 
 
 def test_n16_hash_refuses_a_password_over_72_bytes_without_a_traceback() -> None:
-    out = subprocess.run([sys.executable, "-m", "gpuwatchd", "web-config", "hash", "--cost", "4"],
-                         input="p" * 73 + "\n", capture_output=True, text=True, cwd=REPO, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "web-config", "hash", "--cost", "4"],
+        input="p" * 73 + "\n",
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert "73 bytes" in out.stderr and "72" in out.stderr
-    ok = subprocess.run([sys.executable, "-m", "gpuwatchd", "web-config", "hash", "--cost", "4"],
-                        input="p" * 72 + "\n", capture_output=True, text=True, cwd=REPO, timeout=60)
+    ok = subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "web-config", "hash", "--cost", "4"],
+        input="p" * 72 + "\n",
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert ok.returncode == 0 and bcrypt.checkpw(b"p" * 72, ok.stdout.strip().encode())
 
 
@@ -247,8 +258,7 @@ def test_the_accept_queue_is_as_deep_as_the_kernel_allows(served: list[web.WebSe
     server = web.serve(Registry(), "127.0.0.1:0")
     served.append(server)
     port = server.address[1]
-    out = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True,
-                         timeout=10).stdout.split()
+    out = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, timeout=10).stdout.split()
     with contextlib.suppress(ValueError):
         assert int(out[2]) == min(4096, somaxconn), out
         return

@@ -59,13 +59,11 @@ def test_sighup_to_an_address_in_use_keeps_the_running_server(tmp_path: Path) ->
             d.signal(signal.SIGHUP)
             d.wait_for(lambda: "reload refused" in d.log(), 15, "reload refused")
             log = d.log()
-            assert f"web.listen_address: cannot listen on 127.0.0.1:{taken}: Address already in use"\
-                in log, log
+            assert f"web.listen_address: cannot listen on 127.0.0.1:{taken}: Address already in use" in log, log
             assert f"still serving http://127.0.0.1:{port}/metrics" in log
             # The daemon lives on, serving on the old address, cycle after cycle.
             before = d.value("gpuwatch_last_cycle_timestamp_seconds")
-            d.wait_for(lambda: d.value("gpuwatch_last_cycle_timestamp_seconds") != before, 15,
-                       "another cycle")
+            d.wait_for(lambda: d.value("gpuwatch_last_cycle_timestamp_seconds") != before, 15, "another cycle")
             assert d.proc.poll() is None and _plain_ok(port)
         # The address is free now: the next SIGHUP moves the server there, the old one closes.
         d.signal(signal.SIGHUP)
@@ -79,8 +77,7 @@ def test_sighup_to_an_address_in_use_keeps_the_running_server(tmp_path: Path) ->
         d.stop()
 
 
-def test_reload_on_the_same_address_turns_tls_on_and_ends_plain_connections(
-        tmp_path: Path) -> None:
+def test_reload_on_the_same_address_turns_tls_on_and_ends_plain_connections(tmp_path: Path) -> None:
     """A reload that keeps the address keeps the socket (no second bind, so it cannot fail) and
     swaps the web-config; a keep-alive connection accepted as plain HTTP is not answered under
     the new TLS settings."""
@@ -121,8 +118,9 @@ def test_start_up_log_says_https_when_tls_is_on(tmp_path: Path) -> None:
     pki = make_pki(tmp_path)
     (pki / "web-config.yml").write_text(TLS_CONFIG)
     port = free_port()
-    path, _ = write_config(tmp_path, web={"listen_address": f"127.0.0.1:{port}",
-                                          "config_file": str(pki / "web-config.yml")})
+    path, _ = write_config(
+        tmp_path, web={"listen_address": f"127.0.0.1:{port}", "config_file": str(pki / "web-config.yml")}
+    )
     log_path = tmp_path / "daemon.log"
     ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
 
@@ -138,8 +136,12 @@ def test_start_up_log_says_https_when_tls_is_on(tmp_path: Path) -> None:
             conn.close()
 
     with log_path.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "gpuwatchd", "run", "--config.file",
-                                 str(path)], stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(path)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
         try:
             wait_until(ready, 30, "the daemon over TLS")
         finally:

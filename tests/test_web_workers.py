@@ -114,15 +114,19 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_a_request_no_thread_can_answer_is_dropped_as_no_thread_then_served_again(
-        tmp_path: Path) -> None:
+def test_a_request_no_thread_can_answer_is_dropped_as_no_thread_then_served_again(tmp_path: Path) -> None:
     cg = PIDS_ROOT / f"gwmixins-{uuid.uuid4().hex[:8]}"
     cg.mkdir()
     try:
         script = tmp_path / "no_thread.py"
         script.write_text(SCRIPT)
-        out = subprocess.run([sys.executable, str(script), str(cg)], capture_output=True, text=True,
-                             timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        out = subprocess.run(
+            [sys.executable, str(script), str(cg)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         assert out.returncode == 0, out.stderr
         first, dropped, second = out.stdout.strip().split("|")
         assert first == "b''"  # closed without an answer

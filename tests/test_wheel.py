@@ -34,8 +34,13 @@ PYTHON = "/usr/bin/python3"  # Debian 12's: the dependency wheels are built for 
 
 def _git_files(under: str) -> list[str]:
     """Tracked and untracked (not ignored) files under ``under``: what a commit would ship."""
-    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", under],
-                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", under],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return sorted(p for p in out.split() if (ROOT / p).is_file())
 
 
@@ -82,12 +87,27 @@ def test_sdist_holds_what_the_packages_are_built_from() -> None:
     _, sdist = distutil.build_dist()
     top = f"gpuwatchd-{distutil.version()}/"
     with tarfile.open(sdist) as t:
-        names = {n[len(top):] for n in t.getnames() if n.startswith(top)}
-    needed = {"pyproject.toml", "README.md", "LICENSE", "config.example.yaml", "MANIFEST.in",
-              "gpuwatchd/rank/rankfile.schema.json", "deploy/install.sh", "deploy/debian/build.sh",
-              "deploy/debian/postinst", "deploy/debian/copyright.py", "deploy/debian/manpage.py",
-              "deploy/debian/lintian-overrides", "deploy/image/build.sh", "Containerfile", ".dockerignore",
-              "tools/build_client.py", "client/pyproject.toml", "client/README.md"}
+        names = {n[len(top) :] for n in t.getnames() if n.startswith(top)}
+    needed = {
+        "pyproject.toml",
+        "README.md",
+        "LICENSE",
+        "config.example.yaml",
+        "MANIFEST.in",
+        "gpuwatchd/rank/rankfile.schema.json",
+        "deploy/install.sh",
+        "deploy/debian/build.sh",
+        "deploy/debian/postinst",
+        "deploy/debian/copyright.py",
+        "deploy/debian/manpage.py",
+        "deploy/debian/lintian-overrides",
+        "deploy/image/build.sh",
+        "Containerfile",
+        ".dockerignore",
+        "tools/build_client.py",
+        "client/pyproject.toml",
+        "client/README.md",
+    }
     needed |= set(_git_files("systemd"))
     assert needed - names == set()
 
@@ -99,30 +119,43 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     home = tmp_path_factory.mktemp("wheel-user")
     env = _clean_env(home)
     subprocess.run([PYTHON, "-m", "venv", str(home / "venv")], check=True, cwd=home, env=env)
-    res = subprocess.run([str(home / "venv" / "bin" / "pip"), "install", "-q", "--no-index",
-                          "--find-links", str(bootsystemd.dependency_wheels()), str(wheel)],
-                         cwd=home, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            str(home / "venv" / "bin" / "pip"),
+            "install",
+            "-q",
+            "--no-index",
+            "--find-links",
+            str(bootsystemd.dependency_wheels()),
+            str(wheel),
+        ],
+        cwd=home,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     yield home
 
 
 def _clean_env(home: Path) -> dict[str, str]:
-    return {"PATH": f"{home}/venv/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(home),
-            "LANG": "C.UTF-8"}
+    return {"PATH": f"{home}/venv/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(home), "LANG": "C.UTF-8"}
 
 
 def _run(home: Path, *argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(argv), cwd=home, env=_clean_env(home), capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(list(argv), cwd=home, env=_clean_env(home), capture_output=True, text=True, timeout=60)
 
 
 def test_installed_wheel_version_and_package_data_outside_the_checkout(venv: Path) -> None:
     res = _run(venv, "gpuwatchd", "--version")
     assert res.returncode == 0 and res.stdout.strip() == f"gpuwatchd {distutil.version()}", res
-    code = ("import gpuwatchd, importlib.resources, json\n"
-            "schema = importlib.resources.files('gpuwatchd.rank').joinpath('rankfile.schema.json')\n"
-            "print(gpuwatchd.__file__)\n"
-            "print(json.loads(schema.read_text())['$id'])\n")
+    code = (
+        "import gpuwatchd, importlib.resources, json\n"
+        "schema = importlib.resources.files('gpuwatchd.rank').joinpath('rankfile.schema.json')\n"
+        "print(gpuwatchd.__file__)\n"
+        "print(json.loads(schema.read_text())['$id'])\n"
+    )
     res = _run(venv, "python", "-c", code)
     assert res.returncode == 0, res.stderr
     where, schema_id = res.stdout.split()
@@ -135,12 +168,19 @@ def test_installed_wheel_serves_metrics(venv: Path) -> None:
     port = free_port()
     (venv / "ranks").mkdir(exist_ok=True)
     cfg = venv / "config.yaml"
-    cfg.write_text(f'web: {{listen_address: "127.0.0.1:{port}"}}\ninterval_seconds: 0.5\n'
-                   f"rank_dir: {venv}/ranks\nstate_dir: {venv}/state\nkernel_log: off\n"
-                   "gil: {enabled: false}\nnvml: {enabled: false}\ndiscovery: {enabled: false}\n")
+    cfg.write_text(
+        f'web: {{listen_address: "127.0.0.1:{port}"}}\ninterval_seconds: 0.5\n'
+        f"rank_dir: {venv}/ranks\nstate_dir: {venv}/state\nkernel_log: off\n"
+        "gil: {enabled: false}\nnvml: {enabled: false}\ndiscovery: {enabled: false}\n"
+    )
     log = open(venv / "run.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(["gpuwatchd", "run", "--config.file", str(cfg)], cwd=venv,
-                            env=_clean_env(venv), stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        ["gpuwatchd", "run", "--config.file", str(cfg)],
+        cwd=venv,
+        env=_clean_env(venv),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         samples: dict[tuple[str, str], float] = {}
         deadline = time.monotonic() + 30
@@ -148,15 +188,19 @@ def test_installed_wheel_serves_metrics(venv: Path) -> None:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
                     body = r.read().decode()
-                samples = {(s.name, json.dumps(s.labels, sort_keys=True)): s.value
-                           for f in text_string_to_metric_families(body) for s in f.samples}
+                samples = {
+                    (s.name, json.dumps(s.labels, sort_keys=True)): s.value
+                    for f in text_string_to_metric_families(body)
+                    for s in f.samples
+                }
                 if samples.get(("gpuwatch_collector_success", '{"collector": "procfs"}')) == 1.0:
                     break
             except OSError:
                 pass
             time.sleep(0.2)
-        assert samples.get(("gpuwatch_collector_success", '{"collector": "procfs"}')) == 1.0, \
-            (venv / "run.log").read_text()[-2000:]
+        assert samples.get(("gpuwatch_collector_success", '{"collector": "procfs"}')) == 1.0, (
+            venv / "run.log"
+        ).read_text()[-2000:]
         assert samples[("gpuwatch_build_info", json.dumps({"version": distutil.version()}))] == 1.0
         exe = os.readlink(f"/proc/{proc.pid}/exe")
         assert exe.startswith("/usr/bin/python3"), exe

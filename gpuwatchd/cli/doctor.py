@@ -43,14 +43,25 @@ from gpuwatchd.sources.threads import process_state, read_threads
 from gpuwatchd.units import fmt_bytes
 
 STATES = {
-    "R": "running", "S": "sleeping", "D": "uninterruptible (disk / driver)", "Z": "zombie",
-    "T": "stopped (SIGSTOP or job control)", "t": "stopped by a tracer", "I": "idle kernel thread",
+    "R": "running",
+    "S": "sleeping",
+    "D": "uninterruptible (disk / driver)",
+    "Z": "zombie",
+    "T": "stopped (SIGSTOP or job control)",
+    "t": "stopped by a tracer",
+    "I": "idle kernel thread",
     "X": "dead",
 }
 NCCL_VARS = (
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_DUMP_ON_TIMEOUT",
-    "TORCH_NCCL_ENABLE_MONITORING", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "TORCH_NCCL_TRACE_BUFFER_SIZE",
-    "TORCH_FR_BUFFER_SIZE", "NCCL_DEBUG", *nccl_env.RENAMED,
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "TORCH_NCCL_BLOCKING_WAIT",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    "TORCH_NCCL_ENABLE_MONITORING",
+    "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    "TORCH_FR_BUFFER_SIZE",
+    "NCCL_DEBUG",
+    *nccl_env.RENAMED,
 )
 ASYNC_LEVELS = {
     "0": "0: no error handling: a failed or timed-out collective hangs this rank forever",
@@ -72,15 +83,22 @@ def nccl_checks(env: Mapping[str, str]) -> list[dict[str, str]]:
     out = []
     level = env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     if level is None:
-        out.append({"variable": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "verdict": "not set: PyTorch "
-                    "default (3; torchrun sets 1 in its workers)"})
+        out.append(
+            {
+                "variable": "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                "verdict": "not set: PyTorch default (3; torchrun sets 1 in its workers)",
+            }
+        )
     else:
-        out.append({"variable": "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                    "verdict": ASYNC_LEVELS.get(level.strip(), "set to an unknown level")})
+        out.append(
+            {
+                "variable": "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                "verdict": ASYNC_LEVELS.get(level.strip(), "set to an unknown level"),
+            }
+        )
     for old, new in nccl_env.RENAMED.items():
         if old in env:
-            out.append({"variable": old, "verdict": f"legacy name, ignored by PyTorch >= 2.2: "
-                        f"use {new}"})
+            out.append({"variable": old, "verdict": f"legacy name, ignored by PyTorch >= 2.2: use {new}"})
     for name in NCCL_VARS:
         if name in env and name not in nccl_env.RENAMED and name != "TORCH_NCCL_ASYNC_ERROR_HANDLING":
             out.append({"variable": name, "verdict": "set"})
@@ -112,22 +130,36 @@ def collect(
     clk = os.sysconf("SC_CLK_TCK")
     nspid = procfs.nspid(pid) or (pid,)
     report: dict[str, Any] = {
-        "pid": pid, "ns_pid": nspid[-1] if len(nspid) > 1 else None,
-        "container": containers.identity(procfs.cgroup(pid)), "comm": info.comm, "user": info.user, "ppid": info.ppid,
-        "state": info.state, "state_meaning": STATES.get(info.state, "?"),
-        "started": info.start_time, "cpu_seconds": info.cpu_seconds, "rss_bytes": info.rss_bytes,
-        "fds": {"open": info.open_fds, "soft_limit": info.max_fds_soft,
-                "hard_limit": info.max_fds_hard,
-                "ratio": (round(info.open_fds / info.max_fds_soft, 3)
-                          if info.open_fds is not None and info.max_fds_soft else None)},
+        "pid": pid,
+        "ns_pid": nspid[-1] if len(nspid) > 1 else None,
+        "container": containers.identity(procfs.cgroup(pid)),
+        "comm": info.comm,
+        "user": info.user,
+        "ppid": info.ppid,
+        "state": info.state,
+        "state_meaning": STATES.get(info.state, "?"),
+        "started": info.start_time,
+        "cpu_seconds": info.cpu_seconds,
+        "rss_bytes": info.rss_bytes,
+        "fds": {
+            "open": info.open_fds,
+            "soft_limit": info.max_fds_soft,
+            "hard_limit": info.max_fds_hard,
+            "ratio": (
+                round(info.open_fds / info.max_fds_soft, 3) if info.open_fds is not None and info.max_fds_soft else None
+            ),
+        },
         "state_origin": state_origin,
     }
     # Python stacks (non-blocking) joined to the kernel's view of each thread
     spy = spy or PySpy.from_config(cfg.gil.pyspy_path, paths=paths)
     stacks: dict[int, ThreadStack] = {}
     python: dict[str, Any] = {}
-    before = (time.monotonic(), read_threads(paths, pid, detail=False),
-              {c: taskwait.context_switches(paths, c) for c in procfs.children(pid)})
+    before = (
+        time.monotonic(),
+        read_threads(paths, pid, detail=False),
+        {c: taskwait.context_switches(paths, c) for c in procfs.children(pid)},
+    )
     dumped: tuple[ThreadStack, ...] = ()
     try:
         dumped = spy.dump(pid)
@@ -136,8 +168,13 @@ def collect(
         python = {
             "gil_owner": ({"tid": owner.tid, "name": owner.name} if owner else None),
             "threads": [
-                {"tid": s.tid, "name": s.name, "owns_gil": s.owns_gil, "active": s.active,
-                 "frames": [str(f) for f in s.frames]}
+                {
+                    "tid": s.tid,
+                    "name": s.name,
+                    "owns_gil": s.owns_gil,
+                    "active": s.active,
+                    "frames": [str(f) for f in s.frames],
+                }
                 for s in dumped
             ],
         }
@@ -148,34 +185,50 @@ def collect(
     threads = read_threads(paths, pid)
     report["hang"] = hang_report(paths, pid, dumped, before, threads, clk) if dumped else None
     report["threads"] = [
-        {"tid": t.tid, "comm": t.comm, "state": t.state, "wchan": t.wchan,
-         "cpu_seconds": round(t.cpu_ticks / clk, 2), "voluntary_switches": t.voluntary_switches,
-         "involuntary_switches": t.involuntary_switches,
-         "python_thread": stacks[t.tid].name if t.tid in stacks else None,
-         "owns_gil": bool(t.tid in stacks and stacks[t.tid].owns_gil)}
+        {
+            "tid": t.tid,
+            "comm": t.comm,
+            "state": t.state,
+            "wchan": t.wchan,
+            "cpu_seconds": round(t.cpu_ticks / clk, 2),
+            "voluntary_switches": t.voluntary_switches,
+            "involuntary_switches": t.involuntary_switches,
+            "python_thread": stacks[t.tid].name if t.tid in stacks else None,
+            "owns_gil": bool(t.tid in stacks and stacks[t.tid].owns_gil),
+        }
         for t in threads
     ]
     # rank and GPU memory from the daemon's state
     rank = _rank_of(state, pid)
     report["rank"] = (
-        {"job_id": rank["job_id"], "rank": rank["rank"], "stalled": rank.get("stalled", False),
-         "progress_timestamp": rank.get("progress_timestamp")} if rank else None
+        {
+            "job_id": rank["job_id"],
+            "rank": rank["rank"],
+            "stalled": rank.get("stalled", False),
+            "progress_timestamp": rank.get("progress_timestamp"),
+        }
+        if rank
+        else None
     )
     report["gil"] = None
     if rank:
         counters = state.get("counters", {})
         labels = [rank["job_id"], str(rank["rank"])]
-        n = {name: next((c["value"] for c in counters.get(name, []) if c["labels"] == labels), 0.0)
-             for name in ("rank_gil_samples", "rank_gil_held_samples")}
+        n = {
+            name: next((c["value"] for c in counters.get(name, []) if c["labels"] == labels), 0.0)
+            for name in ("rank_gil_samples", "rank_gil_held_samples")
+        }
         if n["rank_gil_samples"]:
-            report["gil"] = {"samples": n["rank_gil_samples"],
-                             "held_samples": n["rank_gil_held_samples"],
-                             "held_ratio": round(n["rank_gil_held_samples"]
-                                                 / n["rank_gil_samples"], 3)}
+            report["gil"] = {
+                "samples": n["rank_gil_samples"],
+                "held_samples": n["rank_gil_held_samples"],
+                "held_ratio": round(n["rank_gil_held_samples"] / n["rank_gil_samples"], 3),
+            }
     if state.get("gpus"):
         report["gpu_memory"] = [
             {"gpu": g["gpu_index"], "uuid": g["uuid"], "used_memory_bytes": g["used_memory_bytes"]}
-            for g in state.get("gpu_processes", []) if g.get("pid") == pid
+            for g in state.get("gpu_processes", [])
+            if g.get("pid") == pid
         ]
         report["gpu_memory_source"] = "daemon state"
     else:
@@ -200,16 +253,27 @@ def collect(
     # findings: the daemon's active ones for this process or its rank, and the local checks now
     found: list[dict[str, Any]] = []
     for f in state.get("findings", []):
-        if f.get("pid") == str(pid) or (rank and f.get("job_id") == rank["job_id"]
-                                        and f.get("rank") == str(rank["rank"])):
-            found.append({"kind": f["kind"], "severity": f["severity"],
-                          "explanation": f["explanation"], "from": "daemon"})
+        if f.get("pid") == str(pid) or (
+            rank and f.get("job_id") == rank["job_id"] and f.get("rank") == str(rank["rank"])
+        ):
+            found.append(
+                {"kind": f["kind"], "severity": f["severity"], "explanation": f["explanation"], "from": "daemon"}
+            )
     pseudo = RankState(
-        job_id=rank["job_id"] if rank else "-", rank=int(rank["rank"]) if rank else -1, pid=pid,
-        local_rank=None, world_size=None, alive=True, process=info, tree=(pid, *children),
+        job_id=rank["job_id"] if rank else "-",
+        rank=int(rank["rank"]) if rank else -1,
+        pid=pid,
+        local_rank=None,
+        world_size=None,
+        alive=True,
+        process=info,
+        tree=(pid, *children),
     )
     ctx = FindingContext(
-        now=time.time(), config=cfg, ranks=(pseudo,), processes=view.processes,
+        now=time.time(),
+        config=cfg,
+        ranks=(pseudo,),
+        processes=view.processes,
         env_flags={pid: view.env_flags[pid]} if pid in view.env_flags else {pid: nccl_env.env_flags(env)},
         parts=Tracked(gpu=GpuOutput(fork_evidence={**evidence, pid: me} if me is not None else evidence)),
     )
@@ -217,8 +281,7 @@ def collect(
     for rule in (fd_exhaustion.find, nccl_env.find, fork_after_cuda.find):
         for f in rule(ctx):
             if f.kind not in kinds:
-                found.append({"kind": f.kind, "severity": f.severity,
-                              "explanation": f.explanation, "from": "doctor"})
+                found.append({"kind": f.kind, "severity": f.severity, "explanation": f.explanation, "from": "doctor"})
     report["findings"] = found
     return report
 
@@ -226,9 +289,14 @@ def collect(
 HANG_WINDOW = 0.5  # seconds between the two looks that give each thread's CPU share
 
 
-def hang_report(paths: HostPaths, pid: int, dumped: tuple[ThreadStack, ...],
-                before: tuple[float, tuple[ThreadInfo, ...], Mapping[int, int | None]],
-                threads: tuple[ThreadInfo, ...], clk: int) -> dict[str, Any]:
+def hang_report(
+    paths: HostPaths,
+    pid: int,
+    dumped: tuple[ThreadStack, ...],
+    before: tuple[float, tuple[ThreadInfo, ...], Mapping[int, int | None]],
+    threads: tuple[ThreadInfo, ...],
+    clk: int,
+) -> dict[str, Any]:
     """Every Python thread folded, with the hang patterns (gpuwatchd/join/hang.py) over HANG_WINDOW."""
     t0, first, switches = before
     elapsed = max(time.monotonic() - t0, 1e-3)
@@ -240,8 +308,7 @@ def hang_report(paths: HostPaths, pid: int, dumped: tuple[ThreadStack, ...],
     known = {c: n for c, n in switches.items() if n is not None}
     workers = worker_view(switches, live, known) if switches else None
     a = analyze(dumped, threads, shares, waits, workers)
-    return {"patterns": [{"kind": p.kind, "text": p.text} for p in a.patterns],
-            "threads": [g.text() for g in a.groups]}
+    return {"patterns": [{"kind": p.kind, "text": p.text} for p in a.patterns], "threads": [g.text() for g in a.groups]}
 
 
 def _gpu_memory_now(pid: int, cfg: Config, nvml: Any) -> tuple[list[dict[str, Any]] | None, str]:
@@ -273,8 +340,11 @@ def _gpu_memory_now(pid: int, cfg: Config, nvml: Any) -> tuple[list[dict[str, An
     if isinstance(result[0], str):
         return None, result[0]
     _, processes = result[0]
-    rows = [{"gpu": p.gpu_index, "uuid": p.uuid, "used_memory_bytes": p.used_memory_bytes}
-            for p in processes if p.pid == pid]
+    rows = [
+        {"gpu": p.gpu_index, "uuid": p.uuid, "used_memory_bytes": p.used_memory_bytes}
+        for p in processes
+        if p.pid == pid
+    ]
     return rows, "NVML now"
 
 
@@ -292,12 +362,16 @@ def render(r: Mapping[str, Any]) -> str:
         lines.append(f"rank {rk['rank']} of job {rk['job_id']}" + (" (STALLED)" if rk["stalled"] else ""))
     f = r["fds"]
     ratio = f" ({f['ratio']:.0%})" if f["ratio"] is not None else ""
-    lines.append(f"fds: {f['open'] if f['open'] is not None else '?'} open of soft limit "
-                 f"{f['soft_limit'] or '?'}{ratio}, hard {f['hard_limit'] or '?'}")
+    lines.append(
+        f"fds: {f['open'] if f['open'] is not None else '?'} open of soft limit "
+        f"{f['soft_limit'] or '?'}{ratio}, hard {f['hard_limit'] or '?'}"
+    )
     if r.get("gil"):
         g = r["gil"]
-        lines.append(f"GIL held {g['held_ratio']:.0%} of {g['samples']:.0f} sampled ticks "
-                     "since the daemon started (py-spy record --gil --nonblocking)")
+        lines.append(
+            f"GIL held {g['held_ratio']:.0%} of {g['samples']:.0f} sampled ticks "
+            "since the daemon started (py-spy record --gil --nonblocking)"
+        )
     gm = r["gpu_memory"]
     src = r.get("gpu_memory_source", "")
     if gm is None:
@@ -305,14 +379,14 @@ def render(r: Mapping[str, Any]) -> str:
     elif not gm:
         lines.append(f"GPU memory: none held ({src})")
     else:
-        lines.append("GPU memory: " + ", ".join(
-            f"GPU {g['gpu']} {fmt_bytes(g['used_memory_bytes'])}" for g in gm) + f" ({src})")
+        lines.append(
+            "GPU memory: " + ", ".join(f"GPU {g['gpu']} {fmt_bytes(g['used_memory_bytes'])}" for g in gm) + f" ({src})"
+        )
     lines.append(f"\nTHREADS ({len(r['threads'])})")
     lines.append(f"  {'TID':>7} {'ST':<2} {'WCHAN':<22} {'CPU s':>8}  PYTHON")
     for t in r["threads"]:
         py = (t["python_thread"] or "-") + (" [GIL]" if t["owns_gil"] else "")
-        lines.append(f"  {t['tid']:>7} {t['state']:<2} {(t['wchan'] or '-')[:22]:<22} "
-                     f"{t['cpu_seconds']:>8.2f}  {py}")
+        lines.append(f"  {t['tid']:>7} {t['state']:<2} {(t['wchan'] or '-')[:22]:<22} {t['cpu_seconds']:>8.2f}  {py}")
     if r.get("hang"):
         lines.append("\nPYTHON THREADS (folded; CPU over 0.5 s)")
         lines.extend(f"  {t}" for t in r["hang"]["threads"])
@@ -324,19 +398,22 @@ def render(r: Mapping[str, Any]) -> str:
         lines.append(f"  unavailable: {py['error']}")
     else:
         owner = py["gil_owner"]
-        lines.append("  GIL owner: " + (f"{owner['name']} (tid {owner['tid']})" if owner
-                                        else "none at the moment of the dump"))
+        lines.append(
+            "  GIL owner: " + (f"{owner['name']} (tid {owner['tid']})" if owner else "none at the moment of the dump")
+        )
         for t in py["threads"]:
             flags = "gil" if t["owns_gil"] else ("active" if t["active"] else "idle")
-            lines.append(f"  Thread {t['tid']} ({flags}): \"{t['name']}\"")
+            lines.append(f'  Thread {t["tid"]} ({flags}): "{t["name"]}"')
             lines.extend(f"      {fr}" for fr in t["frames"][:20])
     lines.append("\nNCCL ENVIRONMENT")
     lines.extend(f"  {c['variable']}: {c['verdict']}" for c in r["nccl"])
     fk = r["fork"]
     lines.append("\nFORK")
-    lines.append(f"  CUDA context: {'yes' if fk['holds_cuda_context'] else 'no'}; "
-                 f"children: {len(fk['children'])}; forked after CUDA: "
-                 f"{', '.join(map(str, fk['forked_after_cuda'])) or 'none'}")
+    lines.append(
+        f"  CUDA context: {'yes' if fk['holds_cuda_context'] else 'no'}; "
+        f"children: {len(fk['children'])}; forked after CUDA: "
+        f"{', '.join(map(str, fk['forked_after_cuda'])) or 'none'}"
+    )
     lines.append("\nFINDINGS")
     if not r["findings"]:
         lines.append("  none")
@@ -363,8 +440,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("doctor", help="everything known about one process: state, threads, fds, "
-                       "GPU memory, Python stack with the GIL owner, NCCL/fork checks, findings")
+    p = sub.add_parser(
+        "doctor",
+        help="everything known about one process: state, threads, fds, "
+        "GPU memory, Python stack with the GIL owner, NCCL/fork checks, findings",
+    )
     p.add_argument("--config.file", dest="config_file", default=None, help="YAML config")
     p.add_argument("pid", type=int)
     p.add_argument("--json", action="store_true")

@@ -68,16 +68,21 @@ def render(events: list[Event]) -> str:
     for e in events:
         kind = e.kind + (" (worker)" if e.worker else "")
         by = e.killer or (f"xid {e.fields.get('xid')}" if e.kind == "xid" else "")
-        rows.append(tuple(printable(cell) for cell in (  # a rank's strings, escaped
-            fmt_time_local(e.time),
-            kind,
-            by,
-            e.job_id or "-",
-            e.rank or "-",
-            str(e.pid) if e.pid is not None else "-",
-            e.comm or "-",
-            e.summary,
-        )))
+        rows.append(
+            tuple(
+                printable(cell)
+                for cell in (  # a rank's strings, escaped
+                    fmt_time_local(e.time),
+                    kind,
+                    by,
+                    e.job_id or "-",
+                    e.rank or "-",
+                    str(e.pid) if e.pid is not None else "-",
+                    e.comm or "-",
+                    e.summary,
+                )
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines = []
     for r in rows:
@@ -114,8 +119,6 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--config.file", dest="config_file", default=None, help="YAML config")
     p.add_argument("--state-dir", default=None, help="read this state_dir instead of the config's")
-    p.add_argument(
-        "--since", default="24h", help="10m, 2h, 7d, 'all', a Unix time or ISO 8601 (default 24h)"
-    )
+    p.add_argument("--since", default="24h", help="10m, 2h, 7d, 'all', a Unix time or ISO 8601 (default 24h)")
     p.add_argument("--json", action="store_true", help="one JSON list of events")
     p.set_defaults(func=cmd_events)

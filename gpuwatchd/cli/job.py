@@ -110,11 +110,12 @@ class JobView:
             "counts": self.counts(),
             "first_to_fail": asdict(self.first_to_fail) if self.first_to_fail else None,
             "waiting": [{"instance": r.instance, "rank": r.rank} for r in self.waiting],
-            "behind": [{"instance": r.instance, "rank": r.rank, "pg": pg, "last_entered": seq,
-                        "peers_entered": top} for r, pg, seq, top in self.behind],
+            "behind": [
+                {"instance": r.instance, "rank": r.rank, "pg": pg, "last_entered": seq, "peers_entered": top}
+                for r, pg, seq, top in self.behind
+            ],
             "median_step_rate": self.median_step_rate,
-            "stragglers": [{"instance": r.instance, "rank": r.rank, "step_rate": r.step_rate}
-                           for r in self.stragglers],
+            "stragglers": [{"instance": r.instance, "rank": r.rank, "step_rate": r.step_rate} for r in self.stragglers],
             "ranks": [asdict(r) for r in self.ranks],
             "nccl_ras_culprits": self.ras_culprits,
         }
@@ -242,9 +243,7 @@ def job_view(prom: Prometheus, job_id: str, lookback: str = "1h", at: float | No
     for s in prom.query(f"gpuwatch_rank_info{sel}", at):
         r = view(s["metric"])
         m = s["metric"]
-        r.pid, r.local_rank, r.world_size = (
-            m.get("pid", ""), m.get("local_rank", ""), m.get("world_size", "")
-        )
+        r.pid, r.local_rank, r.world_size = (m.get("pid", ""), m.get("local_rank", ""), m.get("world_size", ""))
     for s in prom.query(f"sum by (instance, rank) (gpuwatch_rank_gpu_memory_bytes{sel})", at):
         view(s["metric"]).gpu_memory_bytes = float(s["value"][1])
 
@@ -260,18 +259,13 @@ def job_view(prom: Prometheus, job_id: str, lookback: str = "1h", at: float | No
             r.state = STALLED
             r.failed_at = start_of_current_run(_samples(s), 1.0)
     # series that existed at the start of the window: their first sample is not a new kill
-    old = {
-        _labels_key(s["metric"])
-        for s in prom.query(f"gpuwatch_oom_kills_total{sel} offset {lookback}", at)
-    }
+    old = {_labels_key(s["metric"]) for s in prom.query(f"gpuwatch_oom_kills_total{sel} offset {lookback}", at)}
     kills_of: dict[tuple[str, str], list[tuple[float, str, str]]] = {}
     for s in prom.query(f"gpuwatch_oom_kills_total{sel}[{lookback}]", at):
         metric = s["metric"]
         is_new = _labels_key(metric) not in old
         for t in kill_times(_samples(s), is_new):
-            kills_of.setdefault(_key(metric), []).append(
-                (t, metric.get("comm", ""), metric.get("killer", ""))
-            )
+            kills_of.setdefault(_key(metric), []).append((t, metric.get("comm", ""), metric.get("killer", "")))
     for key, kills in kills_of.items():
         r = ranks.get(key) or view({"instance": key[0], "rank": key[1]})
         first = min(kills)
@@ -284,8 +278,7 @@ def job_view(prom: Prometheus, job_id: str, lookback: str = "1h", at: float | No
 
     # exits (gpuwatch_rank_exits_total{cause}): each rank's last, and a rank that vanished with
     # its process (discovered ranks have no rank_up after their death) is seen through them
-    old_exits = {_labels_key(s["metric"])
-                 for s in prom.query(f"gpuwatch_rank_exits_total{sel} offset {lookback}", at)}
+    old_exits = {_labels_key(s["metric"]) for s in prom.query(f"gpuwatch_rank_exits_total{sel} offset {lookback}", at)}
     listed = {_key(x["metric"]) for x in seen}
     for s in prom.query(f"gpuwatch_rank_exits_total{sel}[{lookback}]", at):
         metric = s["metric"]
@@ -306,37 +299,36 @@ def job_view(prom: Prometheus, job_id: str, lookback: str = "1h", at: float | No
     jv_culprits: dict[tuple[str, str, str, str], list[str]] = {}
     for s in prom.query(f"gpuwatch_nccl_ras_culprit{sel}", at):  # every node names the same ones
         m = s["metric"]
-        seen_by = jv_culprits.setdefault((m.get("nccl_rank", ""), m.get("host", ""), m.get("pid", ""),
-                                          m.get("reason", "")), [])
+        seen_by = jv_culprits.setdefault(
+            (m.get("nccl_rank", ""), m.get("host", ""), m.get("pid", ""), m.get("reason", "")), []
+        )
         seen_by.append(m.get("instance", ""))
     for s in prom.query(f"gpuwatch_rank_collective_last_started_seq{sel}", at):
-        seqs.setdefault(s["metric"].get("pg", ""), []).append(
-            (_key(s["metric"]), int(float(s["value"][1]))))
+        seqs.setdefault(s["metric"].get("pg", ""), []).append((_key(s["metric"]), int(float(s["value"][1]))))
 
     order = sorted(ranks.values(), key=lambda r: (r.rank_number, r.rank, r.instance))
     jv = JobView(job_id=job_id, ranks=order)
-    jv.ras_culprits = [{"nccl_rank": k[0], "host": k[1], "pid": k[2], "reason": k[3],
-                        "seen_by": sorted(set(v))} for k, v in sorted(jv_culprits.items())]
+    jv.ras_culprits = [
+        {"nccl_rank": k[0], "host": k[1], "pid": k[2], "reason": k[3], "seen_by": sorted(set(v))}
+        for k, v in sorted(jv_culprits.items())
+    ]
     for pg, entered in sorted(seqs.items()):
         top = max(seq for _, seq in entered)
-        jv.behind += [(view({"instance": k[0], "rank": k[1]}), pg, seq, top)
-                      for k, seq in sorted(entered) if seq < top]
+        jv.behind += [(view({"instance": k[0], "rank": k[1]}), pg, seq, top) for k, seq in sorted(entered) if seq < top]
     rates = [r.step_rate for r in jv.ranks if r.step_rate is not None]
     if len(rates) >= 2:
         import statistics  # (decimal, fractions: not for `gpuwatchd run`)
 
         jv.median_step_rate = statistics.median(rates)
-        jv.stragglers = [r for r in jv.ranks if r.step_rate is not None
-                         and r.step_rate < STRAGGLER_RATIO * jv.median_step_rate]
+        jv.stragglers = [
+            r for r in jv.ranks if r.step_rate is not None and r.step_rate < STRAGGLER_RATIO * jv.median_step_rate
+        ]
     failed = [r for r in jv.ranks if r.state in FAILED_STATES and r.failed_at is not None]
     if failed:
         # within one scrape the rank its launcher tore down (SIGTERM / SIGKILL / SIGINT) after
         # the first failure is dated alike: the one that did not end by those failed first
-        jv.first_to_fail = min(failed, key=lambda r: (r.failed_at or 0.0, r.exit_cause in TEARDOWN,
-                                                      r.rank_number))
-        jv.waiting = [
-            r for r in jv.ranks if r is not jv.first_to_fail and r.state in (UP, STALLED)
-        ]
+        jv.first_to_fail = min(failed, key=lambda r: (r.failed_at or 0.0, r.exit_cause in TEARDOWN, r.rank_number))
+        jv.waiting = [r for r in jv.ranks if r is not jv.first_to_fail and r.state in (UP, STALLED)]
     return jv
 
 
@@ -369,22 +361,25 @@ def render_text(jv: JobView) -> str:
         + (f", {c[MISSING]} missing" if c[MISSING] else "")
     ]
     if jv.first_to_fail:
-        lines.append(
-            f"first to fail: {describe_failure(jv.first_to_fail)}; "
-            f"{len(jv.waiting)} ranks are waiting on it"
-        )
+        lines.append(f"first to fail: {describe_failure(jv.first_to_fail)}; {len(jv.waiting)} ranks are waiting on it")
     else:
         lines.append("no rank has failed")
     for r, pg, seq, top in jv.behind:
-        lines.append(f"flight recorder: rank {r.rank} on {r.instance} never entered collective "
-                     f"#{top} of process group {pg} (its last: #{seq})")
+        lines.append(
+            f"flight recorder: rank {r.rank} on {r.instance} never entered collective "
+            f"#{top} of process group {pg} (its last: #{seq})"
+        )
     for cul in jv.ras_culprits:
-        lines.append(f"NCCL RAS: rank {cul['nccl_rank']} on {cul['host']} (pid {cul['pid']}) is "
-                     f"{cul['reason'].replace('_', ' ')} (seen from {', '.join(cul['seen_by'])})")
+        lines.append(
+            f"NCCL RAS: rank {cul['nccl_rank']} on {cul['host']} (pid {cul['pid']}) is "
+            f"{cul['reason'].replace('_', ' ')} (seen from {', '.join(cul['seen_by'])})"
+        )
     for r in jv.stragglers:
-        lines.append(f"straggler: rank {r.rank} on {r.instance} makes {r.step_rate:.2f} steps/s, "
-                     f"{(r.step_rate or 0) / (jv.median_step_rate or 1):.2f}x the job's median "
-                     f"{jv.median_step_rate:.2f} ({STEP_WINDOW})")
+        lines.append(
+            f"straggler: rank {r.rank} on {r.instance} makes {r.step_rate:.2f} steps/s, "
+            f"{(r.step_rate or 0) / (jv.median_step_rate or 1):.2f}x the job's median "
+            f"{jv.median_step_rate:.2f} ({STEP_WINDOW})"
+        )
     lines.append("")
     header = ("RANK", "INSTANCE", "STATE", "SINCE", "PID", "GPU MEM", "OOM KILLS", "EXIT")
     rows = [
@@ -410,8 +405,10 @@ def run(args: argparse.Namespace) -> int:
     """Exit 0: every rank up; 1: some rank failed; 2: no such job or a bad query; 3: Prometheus
     cannot be reached."""
     if "://" not in args.prometheus:  # urllib's "unknown url type" is the user's typo, not an outage
-        print(f"gpuwatchd job: --prometheus {args.prometheus!r} is not a URL; did you mean "
-              f"http://{args.prometheus}?", file=sys.stderr)
+        print(
+            f"gpuwatchd job: --prometheus {args.prometheus!r} is not a URL; did you mean http://{args.prometheus}?",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     prom = Prometheus(args.prometheus, timeout=args.timeout)
     try:
@@ -421,8 +418,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_UNAVAILABLE if isinstance(e, PrometheusUnreachable) else EXIT_USAGE
     if not jv.ranks:
         print(
-            f"gpuwatchd job: no rank of job {args.job_id!r} in {args.prometheus} "
-            f"within the last {args.lookback}",
+            f"gpuwatchd job: no rank of job {args.job_id!r} in {args.prometheus} within the last {args.lookback}",
             file=sys.stderr,
         )
         return 2
@@ -444,12 +440,13 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
         "cannot be reached.",
     )
     p.add_argument("job_id", metavar="JOB_ID")
-    p.add_argument("--prometheus", required=True, metavar="URL",
-                   help="Prometheus base URL, e.g. http://prometheus:9090")
-    p.add_argument("--lookback", default="1h",
-                   help="how far back to look for failures (Prometheus duration, default 1h)")
+    p.add_argument(
+        "--prometheus", required=True, metavar="URL", help="Prometheus base URL, e.g. http://prometheus:9090"
+    )
+    p.add_argument(
+        "--lookback", default="1h", help="how far back to look for failures (Prometheus duration, default 1h)"
+    )
     p.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout in seconds")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
     return p
-

@@ -20,8 +20,9 @@ def register(subparsers: Any) -> None:
     sub = p.add_subparsers(dest="web_config_command", required=True)
     c = sub.add_parser("check", help="validate a web-config file and load its certificates")
     c.add_argument("file", nargs="?", help="the web-config file (or --web.config.file)")
-    c.add_argument("--web.config.file", dest="web_config_file", default=None,
-                   help="the web-config file, as `run` takes it")
+    c.add_argument(
+        "--web.config.file", dest="web_config_file", default=None, help="the web-config file, as `run` takes it"
+    )
     c.set_defaults(func=_cmd_check)
     h = sub.add_parser("hash", help="print a bcrypt hash for basic_auth_users (reads stdin)")
     h.add_argument("--cost", type=int, default=10)
@@ -39,8 +40,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         return EXIT_USAGE  # a bad file is a configuration error, as `config check` says it
     parts = []
     if cfg.tls:
-        parts.append(f"TLS (min {cfg.tls.min_version}, client certificates:"
-                     f" {cfg.tls.client_auth_type})")
+        parts.append(f"TLS (min {cfg.tls.min_version}, client certificates: {cfg.tls.client_auth_type})")
     else:
         parts.append("plain HTTP")
     if cfg.basic_auth_users:
@@ -79,8 +79,7 @@ def _cmd_hash(args: argparse.Namespace, read: Callable[[], str] | None = None) -
     if len(password) > 72:
         # bcrypt reads 72 bytes at most (bcrypt 5 refuses more; older ones ignored the rest, so
         # two passwords that share 72 bytes would both pass).
-        print(f"password is {len(password)} bytes; bcrypt uses at most 72: choose a shorter one",
-              file=sys.stderr)
+        print(f"password is {len(password)} bytes; bcrypt uses at most 72: choose a shorter one", file=sys.stderr)
         return 2
     print(bcrypt.hashpw(password, bcrypt.gensalt(args.cost)).decode())
     return 0

@@ -103,8 +103,16 @@ def check_one_line(v: Any) -> str:
 # Go's time.ParseDuration: one or more number+unit parts ("1m30s", "1.5h", "300ms"), or "0".
 _DURATION_PART = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h)", re.ASCII)
 _DURATION = re.compile(r"(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:ns|us|\u00b5s|\u03bcs|ms|s|m|h))+\Z")
-_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6, "ms": 0.001, "s": 1.0,
-                   "m": 60.0, "h": 3600.0}
+_DURATION_UNITS = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "\u00b5s": 1e-6,
+    "\u03bcs": 1e-6,
+    "ms": 0.001,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+}
 
 
 def check_duration(v: Any) -> float:
@@ -169,9 +177,16 @@ def check_launchers(v: Any) -> tuple[str, ...]:
     return tuple(v)
 
 
-def check_mapping(data: Any, prefix: str, schema: Schema, problems: list[str], *,
-                  required: Iterable[str] = (), notes: Mapping[str, str] | None = None,
-                  unknown: str = "unknown key") -> dict[str, Any]:
+def check_mapping(
+    data: Any,
+    prefix: str,
+    schema: Schema,
+    problems: list[str],
+    *,
+    required: Iterable[str] = (),
+    notes: Mapping[str, str] | None = None,
+    unknown: str = "unknown key",
+) -> dict[str, Any]:
     """The converted values of the good keys of mapping ``data`` (None: empty), each checked by
     its ``schema`` entry; every problem goes to ``problems`` as ``"prefix.key: why"``: a value its
     checker refuses, a key the schema lacks (``notes[key]``, else ``unknown``), a ``required`` key

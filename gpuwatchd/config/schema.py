@@ -205,23 +205,35 @@ SCHEMA: Mapping[str, Any] = {
             "timeout_seconds": check_number(0.0, maximum=3600),
         },
     ),
-    "stall": (StallConfig, {"after_seconds": check_number(0.0),
-                            "conclusive_seconds": check_number(0.0),
-                            "compile_after_seconds": check_number(0.0),
-                            "flight_recorder": check_boolean,
-                            "flight_recorder_interval_seconds": check_number(0.0),
-                            "nccl_ras": check_boolean,
-                            "nccl_ras_interval_seconds": check_number(0.0),
-                            "nccl_ras_timeout_seconds": check_number(0.05, maximum=30)}),
+    "stall": (
+        StallConfig,
+        {
+            "after_seconds": check_number(0.0),
+            "conclusive_seconds": check_number(0.0),
+            "compile_after_seconds": check_number(0.0),
+            "flight_recorder": check_boolean,
+            "flight_recorder_interval_seconds": check_number(0.0),
+            "nccl_ras": check_boolean,
+            "nccl_ras_interval_seconds": check_number(0.0),
+            "nccl_ras_timeout_seconds": check_number(0.05, maximum=30),
+        },
+    ),
     "alertmanager": (
         AlertmanagerConfig,
-        {"url": check_optional(check_url), "timeout_seconds": check_number(0.0, maximum=60),
-         "instance": check_optional(check_instance), "job": check_label_value},
+        {
+            "url": check_optional(check_url),
+            "timeout_seconds": check_number(0.0, maximum=60),
+            "instance": check_optional(check_instance),
+            "job": check_label_value,
+        },
     ),
     "nvml": (
         NvmlConfig,
-        {"enabled": check_boolean, "timeout_seconds": check_number(0.0, maximum=600),
-         "fixture": check_optional(check_path)},
+        {
+            "enabled": check_boolean,
+            "timeout_seconds": check_number(0.0, maximum=600),
+            "fixture": check_optional(check_path),
+        },
     ),
     "orphans": (OrphansConfig, {"grace_seconds": check_number(0.0, exclusive=False)}),
     "discovery": (
@@ -230,26 +242,40 @@ SCHEMA: Mapping[str, Any] = {
     ),
     "memory": (
         MemoryConfig,
-        {"enabled": check_boolean, "ratio_threshold": check_number(0.0, maximum=1.0),
-         "horizon_seconds": check_number(0.0), "window_seconds": check_number(0.0, maximum=86400),
-         "min_window_seconds": check_number(0.0, exclusive=False), "cgroup_root": check_optional(check_path),
-         "snapshots_per_rank": check_integer(0, 100),
-         "snapshot_min_interval_seconds": check_number(0.0, exclusive=False)},
+        {
+            "enabled": check_boolean,
+            "ratio_threshold": check_number(0.0, maximum=1.0),
+            "horizon_seconds": check_number(0.0),
+            "window_seconds": check_number(0.0, maximum=86400),
+            "min_window_seconds": check_number(0.0, exclusive=False),
+            "cgroup_root": check_optional(check_path),
+            "snapshots_per_rank": check_integer(0, 100),
+            "snapshot_min_interval_seconds": check_number(0.0, exclusive=False),
+        },
     ),
     "straggler": (
         StragglerConfig,
-        {"enabled": check_boolean, "window_seconds": check_number(0.0), "ratio": check_number(0.0, maximum=1.0),
-         "for_seconds": check_number(0.0, exclusive=False)},
+        {
+            "enabled": check_boolean,
+            "window_seconds": check_number(0.0),
+            "ratio": check_number(0.0, maximum=1.0),
+            "for_seconds": check_number(0.0, exclusive=False),
+        },
     ),
     "fds": (
         FdsConfig,
-        {"ratio_threshold": check_number(0.0, maximum=1.0), "horizon_seconds": check_number(0.0),
-         "min_window_seconds": check_number(0.0, exclusive=False)},
+        {
+            "ratio_threshold": check_number(0.0, maximum=1.0),
+            "horizon_seconds": check_number(0.0),
+            "min_window_seconds": check_number(0.0, exclusive=False),
+        },
     ),
     "retention": (
         RetentionConfig,
-        {"ended_rank_seconds": check_number(0.0, exclusive=False, maximum=86400),
-         "oom_kill_seconds": check_number(0.0, exclusive=False, maximum=30 * 86400)},
+        {
+            "ended_rank_seconds": check_number(0.0, exclusive=False, maximum=86400),
+            "oom_kill_seconds": check_number(0.0, exclusive=False, maximum=30 * 86400),
+        },
     ),
 }
 
@@ -258,8 +284,9 @@ def _build(cls: Any, schema: Mapping[str, Any], data: Any, prefix: str, problems
     checks = dict(schema)
     for key, spec in schema.items():
         if isinstance(spec, tuple):  # a section: its own dataclass, built under its dotted key
-            checks[key] = functools.partial(_build, spec[0], spec[1],
-                                            prefix=f"{prefix}.{key}" if prefix else key, problems=problems)
+            checks[key] = functools.partial(
+                _build, spec[0], spec[1], prefix=f"{prefix}.{key}" if prefix else key, problems=problems
+            )
     values = check_mapping(data, prefix, checks, problems)
     names = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in values.items() if k in names})
@@ -303,8 +330,7 @@ def load_config(path: str | None) -> Config:
     return parse_config(data, path)
 
 
-def with_overrides(cfg: Config, listen_address: str | None = None,
-                   web_config_file: str | None = None) -> Config:
+def with_overrides(cfg: Config, listen_address: str | None = None, web_config_file: str | None = None) -> Config:
     """Apply command-line flags, which win over the file (Prometheus exporter convention)."""
     if web_config_file is not None:
         cfg = dataclasses.replace(cfg, web=dataclasses.replace(cfg.web, config_file=web_config_file))

@@ -75,15 +75,16 @@ GC_YOUNG_THRESHOLD = 10_000  # allocations between young collections (run(); CPy
 class Reading:
     """What the daemon's own sources read in one cycle (``Daemon.read``, the only producer)."""
 
-    now: float                                  # the cycle's clock reading
-    entries: tuple[RankEntry, ...]              # rank files + discovery (collector ``rankfiles``)
-    bad_files: tuple[BadRankFile, ...]          # rank files refused while reading them
-    proc: ProcReading                           # /proc of each rank tree, heartbeats (``procfs``)
-    statuses: tuple[CollectorStatus, ...]       # the two collectors' status
+    now: float  # the cycle's clock reading
+    entries: tuple[RankEntry, ...]  # rank files + discovery (collector ``rankfiles``)
+    bad_files: tuple[BadRankFile, ...]  # rank files refused while reading them
+    proc: ProcReading  # /proc of each rank tree, heartbeats (``procfs``)
+    statuses: tuple[CollectorStatus, ...]  # the two collectors' status
 
 
-def accepted(reading: Reading, claims: rank_claims.Claims,
-             known_ticks: Mapping[RankProcess, int]) -> tuple[Ranks, Mapping[RankId, float]]:
+def accepted(
+    reading: Reading, claims: rank_claims.Claims, known_ticks: Mapping[RankProcess, int]
+) -> tuple[Ranks, Mapping[RankId, float]]:
     """The reading narrowed to the accepted claims: what the track stage's parts read (with each
     rank's liveness and tree, computed once here: ``known_ticks``, the start time the join first
     saw of a claim without one), and each accepted rank's heartbeat mtime (a refused claim on the
@@ -125,8 +126,9 @@ class Daemon:
         self._last_cycle_end = time.monotonic()
         self.config_source = ConfigSource(config_path, listen_override, web_config_override)
         # built once, handed to every part (daemon/services.py): py-spy, Xid de-dup, event log
-        self.services = services or Services.build(config, paths, clock=clock, counters=counters,
-                                                   write_state=write_state)
+        self.services = services or Services.build(
+            config, paths, clock=clock, counters=counters, write_state=write_state
+        )
         svc = self.services
         self.paths = svc.paths
         self.clock = svc.clock
@@ -151,9 +153,9 @@ class Daemon:
         # (last load of the config succeeded, Unix time of the last success): the constructor's
         # config is the first load; every SIGHUP sets it (gpuwatch_config_last_reload_*)
         self.config_reload: tuple[bool, float] = (True, self.clock())
-        self.registry = make_registry(lambda: self.state, self.counters,
-                                      liveness=self.liveness_problem,
-                                      config_reload=lambda: self.config_reload)
+        self.registry = make_registry(
+            lambda: self.state, self.counters, liveness=self.liveness_problem, config_reload=lambda: self.config_reload
+        )
         self.web: WebServer | None = None
         self._discovered: list[RankEntry] = []
         self.discoverer = Discoverer()  # each process's environment read once in its lifetime
@@ -176,9 +178,9 @@ class Daemon:
 
     def _make_collectors(self) -> None:
         self.rank_collector: Collector[tuple[list[RankEntry], list[BadRankFile]]] = Collector(
-            "rankfiles", self._read_rank_files, 0.0, 0.0, self.clock)
-        self.proc_collector: Collector[ProcReading] = Collector(
-            "procfs", self._read_procfs, 0.0, 0.0, self.clock)
+            "rankfiles", self._read_rank_files, 0.0, 0.0, self.clock
+        )
+        self.proc_collector: Collector[ProcReading] = Collector("procfs", self._read_procfs, 0.0, 0.0, self.clock)
         self._entries: list[RankEntry] = []
         self._bound_collectors()
 
@@ -203,14 +205,16 @@ class Daemon:
             self._discovered = self.discoverer.scan(self.procfs, d.launchers)
         elif not d.enabled:
             self._discovered = []
-        reading = guard_entries([*entries, *self._discovered], bad, self.paths.procfs, self.pidns,
-                                self.heartbeat_roots)
+        reading = guard_entries([*entries, *self._discovered], bad, self.paths.procfs, self.pidns, self.heartbeat_roots)
         if missing is not None:
             raise PartialReading(reading, str(missing))
         if self.rankfiles.incomplete:  # the per-owner shares did not all fit in MAX_FILES
-            raise PartialReading(reading, f"rank_dir {self.config.rank_dir}: more rank files than "
-                                 f"can be read; owners {sorted(self.rankfiles.unread_owners)} "
-                                 f"not read in full")
+            raise PartialReading(
+                reading,
+                f"rank_dir {self.config.rank_dir}: more rank files than "
+                f"can be read; owners {sorted(self.rankfiles.unread_owners)} "
+                f"not read in full",
+            )
         return reading
 
     def _read_procfs(self) -> ProcReading:
@@ -231,23 +235,41 @@ class Daemon:
         function of the previous stages' typed outputs (``Reading``, ``Tracked``)."""
         with self._cycle_lock:
             t0 = time.monotonic()
-            reading = self.read()                           # rank files, /proc, heartbeats (Collectors)
-            claims = rank_claims.decide(reading.entries, reading.proc.processes, self.memory.job_owners,
-                                        self.memory.claimant_uids, self.memory.start_ticks,
-                                        reading.proc.cgroups)
+            reading = self.read()  # rank files, /proc, heartbeats (Collectors)
+            claims = rank_claims.decide(
+                reading.entries,
+                reading.proc.processes,
+                self.memory.job_owners,
+                self.memory.claimant_uids,
+                self.memory.start_ticks,
+                reading.proc.cgroups,
+            )
             ranks, beats = accepted(reading, claims, self.memory.start_ticks)  # the accepted claims only
             tracked = track(self.parts, self, ranks, beats, self.state, dict(self.failed_subsystems))
             proc = reading.proc
             state, self.memory = build_state(
-                reading.now, self.config, claims, ranks.trees, tracked, self.memory, processes=proc.processes,
-                descendants=proc.descendants, env_flags=proc.env_flags, bad_files=reading.bad_files,
-                heartbeats=beats, collectors=self.statuses(reading, tracked),
-                counters=self.counters.snapshot())
-            state = dataclasses.replace(state, cycle_seconds=time.monotonic() - t0,
-                                        oom_score_adj=self._oom_score_adj(),
-                                        memory_limit_bytes=self._own_memcg.own_limit_bytes())
-            self.state = state                              # what the exporter and the CLI read: one swap
-            self.publish(ranks, state)                      # after_join hooks, state.json
+                reading.now,
+                self.config,
+                claims,
+                ranks.trees,
+                tracked,
+                self.memory,
+                processes=proc.processes,
+                descendants=proc.descendants,
+                env_flags=proc.env_flags,
+                bad_files=reading.bad_files,
+                heartbeats=beats,
+                collectors=self.statuses(reading, tracked),
+                counters=self.counters.snapshot(),
+            )
+            state = dataclasses.replace(
+                state,
+                cycle_seconds=time.monotonic() - t0,
+                oom_score_adj=self._oom_score_adj(),
+                memory_limit_bytes=self._own_memcg.own_limit_bytes(),
+            )
+            self.state = state  # what the exporter and the CLI read: one swap
+            self.publish(ranks, state)  # after_join hooks, state.json
             self._last_cycle_end = time.monotonic()
             return state
 
@@ -262,22 +284,28 @@ class Daemon:
             proc = self.proc_collector.run() or ProcReading({}, {}, {})
         finally:
             self.procfs.end_cycle()
-        return Reading(self.clock(), tuple(entries), tuple(bad), proc,
-                       (self.rank_collector.status, self.proc_collector.status))
+        return Reading(
+            self.clock(), tuple(entries), tuple(bad), proc, (self.rank_collector.status, self.proc_collector.status)
+        )
 
     def statuses(self, reading: Reading, tracked: Tracked) -> tuple[CollectorStatus, ...]:
         """Every collector's status: the daemon's own two, each part's, and a part that failed
         to start or whose track raised as a collector that is down."""
-        own = [*reading.statuses, *(p.status for p in (tracked.stall, tracked.kernel, tracked.gpu,
-                                                        tracked.memory, tracked.exits) if p.status is not None)]
+        own = [
+            *reading.statuses,
+            *(
+                p.status
+                for p in (tracked.stall, tracked.kernel, tracked.gpu, tracked.memory, tracked.exits)
+                if p.status is not None
+            ),
+        ]
         return (*own, *down_statuses(own, tracked.down))
 
     def publish(self, ranks: Ranks, state: NodeState) -> None:
         """What the new state drives: the subsystems' after-join hooks (event log, rank trees,
         the GIL sampler's signals) and state.json, each isolated."""
         for sub in self.subsystems:
-            guarded(f"subsystem {sub.name} after_join", functools.partial(sub.after_join, self, ranks, state),
-                    None)
+            guarded(f"subsystem {sub.name} after_join", functools.partial(sub.after_join, self, ranks, state), None)
         if self.write_state and self._state_due(state):
             guarded("writing state file", lambda: self._write_state(state), None)
         if self.write_state:
@@ -289,9 +317,11 @@ class Daemon:
         counters), and otherwise every other cycle: ``load_state`` takes a file up to three
         intervals old, so ``gpuwatchd ps`` shows numbers at most two intervals old, for half the
         writes (an 86 kB encode and rename at 64 ranks: 2-3 ms of the cycle)."""
-        key = (frozenset((f.kind, f.severity, *f.key[1:]) for f in state.findings),
-               tuple((r.job_id, r.rank, r.pid, r.alive, r.stalled) for r in state.ranks),
-               state.counters)
+        key = (
+            frozenset((f.kind, f.severity, *f.key[1:]) for f in state.findings),
+            tuple((r.job_id, r.rank, r.pid, r.alive, r.stalled) for r in state.ranks),
+            state.counters,
+        )
         now = time.monotonic()
         if key == self._state_key and now - self._state_written < 1.5 * self.config.interval_seconds:
             return False
@@ -308,7 +338,7 @@ class Daemon:
         return time.monotonic() - self._last_cycle_end <= self.liveness_bound()
 
     def liveness_problem(self) -> str:
-        """"" while cycles keep finishing, else why not: what /-/healthy answers 503 with, so a
+        """ "" while cycles keep finishing, else why not: what /-/healthy answers 503 with, so a
         pod's liveness probe restarts a daemon whose cycles stopped, as the unit's watchdog does."""
         since = time.monotonic() - self._last_cycle_end
         if since <= self.liveness_bound():
@@ -325,8 +355,11 @@ class Daemon:
             elif not starving:
                 starving = True
                 since = time.monotonic() - self._last_cycle_end
-                log.error("no cycle finished for %.0f s (bound %.0f s): no longer feeding the "
-                          "systemd watchdog", since, self.liveness_bound())
+                log.error(
+                    "no cycle finished for %.0f s (bound %.0f s): no longer feeding the systemd watchdog",
+                    since,
+                    self.liveness_bound(),
+                )
                 notify(f"STATUS=no cycle finished for {since:.0f} s; watchdog not fed")
 
     def _oom_score_adj(self) -> int | None:
@@ -365,8 +398,9 @@ class Daemon:
         from gpuwatchd.web import server as web
 
         try:
-            self.web = web.serve(self.registry, self.config.web.listen_address,
-                                 self.config.web.config_file, counters=self.counters)
+            self.web = web.serve(
+                self.registry, self.config.web.listen_address, self.config.web.config_file, counters=self.counters
+            )
         except WebConfigError as e:  # exit 2 naming every bad key, like the config file
             raise ConfigError([f"web.config_file: {p}" for p in e.problems], e.path) from None
         if self.write_state:

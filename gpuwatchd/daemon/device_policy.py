@@ -35,10 +35,15 @@ MARKER = "device-policy-restart"
 
 
 class DevicePolicyGuard:
-    def __init__(self, state_dir: str, boot_id: str, *,
-                 probe_fn: Callable[[], DeviceProbe] = probe,
-                 probe_interval: float = 15.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        state_dir: str,
+        boot_id: str,
+        *,
+        probe_fn: Callable[[], DeviceProbe] = probe,
+        probe_interval: float = 15.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.state_dir = state_dir
         self.boot_id = boot_id
         self.probe_fn = probe_fn
@@ -77,10 +82,13 @@ class DevicePolicyGuard:
         if done == key:
             if self._said_stuck != key:
                 self._said_stuck = key
-                log.error("NVIDIA devices still denied after the restart for them (%s): something "
-                          "other than the policy's expansion at start denies them; check "
-                          "DeviceAllow= in 'systemctl cat gpuwatchd' and its drop-ins. Not "
-                          "restarting again this boot.", found.explain())
+                log.error(
+                    "NVIDIA devices still denied after the restart for them (%s): something "
+                    "other than the policy's expansion at start denies them; check "
+                    "DeviceAllow= in 'systemctl cat gpuwatchd' and its drop-ins. Not "
+                    "restarting again this boot.",
+                    found.explain(),
+                )
             return ""
         try:
             os.makedirs(self.state_dir, exist_ok=True)
@@ -88,5 +96,7 @@ class DevicePolicyGuard:
         except OSError as e:  # without the marker the bound cannot hold: do not exit
             log.error("cannot write %s (%s): not restarting for the NVIDIA device policy", path, e)
             return ""
-        return (f"{found.explain()}. Exiting with status {EXIT_REEXPAND} so that systemd "
-                f"restarts gpuwatchd and expands DeviceAllow=char-nvidia* again (once per boot)")
+        return (
+            f"{found.explain()}. Exiting with status {EXIT_REEXPAND} so that systemd "
+            f"restarts gpuwatchd and expands DeviceAllow=char-nvidia* again (once per boot)"
+        )

@@ -40,8 +40,7 @@ class ExitsSubsystem(Subsystem):
         self._boot_id = services.boot_id
         self.ledger = ExitLedger(services.faults, started=start_clock())
         self._woken = threading.Event()
-        self.watcher = ExitWatcher(services.paths, max_watched, clock=services.clock,
-                                   on_exit=self._woken.set)
+        self.watcher = ExitWatcher(services.paths, max_watched, clock=services.clock, on_exit=self._woken.set)
         self._started = False  # the watcher's thread runs (pidfd_open allowed)
         self._lock = threading.Lock()  # the watcher's exits -> the ledger -> the event log
         self._first_start: dict[RankProcess, int] = {}  # a claim's process, as first watched
@@ -53,8 +52,7 @@ class ExitsSubsystem(Subsystem):
     def start(self, daemon: DaemonContext) -> None:
         self.watcher.start()  # OSError: the part failed to start, its collector reads 0
         self._started = True
-        self._thread = threading.Thread(target=self._settle_loop, name="gpuwatchd-exit-events",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._settle_loop, name="gpuwatchd-exit-events", daemon=True)
         self._thread.start()
 
     def _settle_loop(self) -> None:
@@ -90,24 +88,55 @@ class ExitsSubsystem(Subsystem):
         entry = e.entry
         if entry is None:
             return None
-        return RankExit(job_id=entry.job_id, rank=entry.rank, pid=e.pid, comm=e.comm, time=e.time,
-                        status=e.status, registered=entry.source == "rankfile",
-                        local_rank=entry.local_rank, world_size=entry.world_size,
-                        start_ticks=e.start_ticks, unknown=e.unknown, read_by=e.read_by, seq=e.seq)
+        return RankExit(
+            job_id=entry.job_id,
+            rank=entry.rank,
+            pid=e.pid,
+            comm=e.comm,
+            time=e.time,
+            status=e.status,
+            registered=entry.source == "rankfile",
+            local_rank=entry.local_rank,
+            world_size=entry.world_size,
+            start_ticks=e.start_ticks,
+            unknown=e.unknown,
+            read_by=e.read_by,
+            seq=e.seq,
+        )
 
     def _event(self, x: RankExit) -> Event:
         severity = {NODE: PAGE, KILLED: PAGE, CRASHED: WARNING}.get(x.verdict, INFO) if x.first else INFO
-        fields = {"cause": x.cause, "status": x.status, "how": x.how, "kernel": x.kernel,
-                  "verdict": x.verdict, "first_rank": x.first_rank, "first_pid": x.first_pid,
-                  "after_seconds": x.after_seconds, "registered": x.registered,
-                  "world_size": x.world_size, "local_rank": x.local_rank, "read_by": x.read_by}
+        fields = {
+            "cause": x.cause,
+            "status": x.status,
+            "how": x.how,
+            "kernel": x.kernel,
+            "verdict": x.verdict,
+            "first_rank": x.first_rank,
+            "first_pid": x.first_pid,
+            "after_seconds": x.after_seconds,
+            "registered": x.registered,
+            "world_size": x.world_size,
+            "local_rank": x.local_rank,
+            "read_by": x.read_by,
+        }
         if x.unknown:
             fields["unknown"] = x.unknown
         return Event(
-            key=f"rank_exit:{self._boot_id}:{x.pid}:{x.start_ticks}", kind="rank_exit", time=x.time,
-            severity=severity, summary=exit_words(x), job_id=x.job_id, rank=str(x.rank), pid=x.pid,
-            comm=x.comm, boot_id=self._boot_id, counter="rank_exits",
-            labels=(x.job_id, str(x.rank), x.cause), fields=frozen_map(fields))
+            key=f"rank_exit:{self._boot_id}:{x.pid}:{x.start_ticks}",
+            kind="rank_exit",
+            time=x.time,
+            severity=severity,
+            summary=exit_words(x),
+            job_id=x.job_id,
+            rank=str(x.rank),
+            pid=x.pid,
+            comm=x.comm,
+            boot_id=self._boot_id,
+            counter="rank_exits",
+            labels=(x.job_id, str(x.rank), x.cause),
+            fields=frozen_map(fields),
+        )
 
     def track(self, daemon: DaemonContext, ranks: Ranks) -> ExitOutput:
         watcher, ledger = self.watcher, self.ledger
@@ -140,10 +169,17 @@ class ExitsSubsystem(Subsystem):
         if watcher.running:
             self._last_ok = daemon.clock()
         status = CollectorStatus(
-            name="exits", success=watcher.running, duration_seconds=time.monotonic() - t0,
+            name="exits",
+            success=watcher.running,
+            duration_seconds=time.monotonic() - t0,
             last_success_timestamp=self._last_ok,
-            error=watcher.error or (f"{watcher.skipped} rank process(es) not watched: over "
-                                    f"{self.max_watched} or no fd left" if watcher.skipped else ""))
+            error=watcher.error
+            or (
+                f"{watcher.skipped} rank process(es) not watched: over {self.max_watched} or no fd left"
+                if watcher.skipped
+                else ""
+            ),
+        )
         return ExitOutput(ledger.recent(), status)
 
     def stop(self) -> None:

@@ -24,12 +24,14 @@ def finding_event(f: Finding, now: float, cleared: bool = False) -> Event:
     when = fmt_clock(f.since or now)
     return Event(
         key=f"finding:{'cleared' if cleared else 'raised'}:{f.kind}:{f.job_id}:{f.rank}:{f.pid}:"
-            f"{f.since:.3f}:{hash(f.explanation) if f.kind == 'bad_rank_file' else ''}",
+        f"{f.since:.3f}:{hash(f.explanation) if f.kind == 'bad_rank_file' else ''}",
         kind=f"{f.kind} cleared" if cleared else f.kind,
         time=now if cleared else (f.since or now),
         severity=INFO if cleared else f.severity,
         summary=(f"no longer: {f.explanation} (active since {when})" if cleared else f.explanation),
-        job_id=f.job_id, rank=f.rank, pid=pid,
+        job_id=f.job_id,
+        rank=f.rank,
+        pid=pid,
     )
 
 

@@ -81,8 +81,9 @@ class Ask:
     def look(self, now: float, interval: float) -> bool:
         """Look for its answer file this cycle? While pending: every cycle for the grace and half
         an interval after the request, then every LATE_POLL_SECONDS."""
-        return self.pending and (now - self.asked_at < ANSWER_GRACE_SECONDS + interval / 2 or
-                                 now - self.polled_at >= LATE_POLL_SECONDS)
+        return self.pending and (
+            now - self.asked_at < ANSWER_GRACE_SECONDS + interval / 2 or now - self.polled_at >= LATE_POLL_SECONDS
+        )
 
     def then(self, pid: int, nonce: str, now: float, dump_before: float | None = None) -> Ask:
         """The request sent after this one: a miss more if this one is still unanswered."""
@@ -133,8 +134,7 @@ class FlightRecorderSubsystem(Subsystem):
                 self._asks[key] = replace(ask, polled_at=now)
                 self._collect(rank_dir, e, processes[e.pid].uid)
                 reading = self._readings.get(key)
-                if reading is not None and reading.error == "waiting" and \
-                        now - ask.asked_at >= ANSWER_GRACE_SECONDS:
+                if reading is not None and reading.error == "waiting" and now - ask.asked_at >= ANSWER_GRACE_SECONDS:
                     self._readings[key] = FrReading(e.job_id, e.rank, e.pid, error="no answer")
         readings = {k: r for k, r in self._readings.items() if k[0] in stalled_jobs}
         return FlightOutput(readings, tuple(g for r in self._readings.values() for g in r.groups))
@@ -150,8 +150,9 @@ class FlightRecorderSubsystem(Subsystem):
         self._pipes[e.rank_id] = (e.pid, found)
         return found
 
-    def _through_pipe(self, daemon: DaemonContext, e: RankEntry, pipe: PipeSettings, uid: int,
-                      now: float, stalled: bool) -> None:
+    def _through_pipe(
+        self, daemon: DaemonContext, e: RankEntry, pipe: PipeSettings, uid: int, now: float, stalled: bool
+    ) -> None:
         key, ask = e.rank_id, self._asks.get(e.rank_id, NEVER)
         root = daemon.paths.proc(e.pid, "root")
         dump = in_root(root, pipe.dump)
@@ -190,9 +191,12 @@ class FlightRecorderSubsystem(Subsystem):
             # once per streak: a read-only rank directory (a DaemonSet's readOnly mount) or one
             # the daemon's user may not write fails every request, and no dump ever comes
             if not self._unwritable:
-                log.warning("flight-recorder requests cannot be written into %s (%s): no "
-                            "flight-recorder dumps for stalled ranks until they can", rank_dir,
-                            exc.strerror or exc)
+                log.warning(
+                    "flight-recorder requests cannot be written into %s (%s): no "
+                    "flight-recorder dumps for stalled ranks until they can",
+                    rank_dir,
+                    exc.strerror or exc,
+                )
             self._unwritable = True
             return
         if self._unwritable:

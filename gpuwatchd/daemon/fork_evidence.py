@@ -15,9 +15,13 @@ from gpuwatchd.model import ProcessInfo, ProcEvidence, RankEntry
 from gpuwatchd.sources.devfds import EvidenceReader
 
 
-def fork_evidence(reader: EvidenceReader, entries: Sequence[RankEntry],
-                  processes: Mapping[int, ProcessInfo], descendants: Mapping[int, tuple[int, ...]],
-                  gpu_pids: set[int] | None) -> dict[int, ProcEvidence]:
+def fork_evidence(
+    reader: EvidenceReader,
+    entries: Sequence[RankEntry],
+    processes: Mapping[int, ProcessInfo],
+    descendants: Mapping[int, tuple[int, ...]],
+    gpu_pids: set[int] | None,
+) -> dict[int, ProcEvidence]:
     """The devfds evidence the fork_after_cuda rule needs: of the trees of ranks with children
     where a process holds a CUDA context (``gpu_pids``, NVML's process list; None when NVML gave
     no reading: every tree), the processes NVML lists and the children of any process that holds

@@ -178,7 +178,8 @@ class GilSampler:
         if cycle:
             sched.quiet = 0 if signalled else sched.quiet + 1
         turned = (signalled and not sched.signalled) or (
-            sched.signalled and not signalled and sched.quiet >= QUIET_CYCLES)
+            sched.signalled and not signalled and sched.quiet >= QUIET_CYCLES
+        )
         if not turned:
             return
         sched.signalled = signalled
@@ -369,9 +370,7 @@ class GilSampler:
                 self._reschedule(sched, now, full)
             if sample is not None:
                 self._last_success = time.time()
-                self._status = CollectorStatus(
-                    COLLECTOR, True, time.monotonic() - t0, self._last_success, ""
-                )
+                self._status = CollectorStatus(COLLECTOR, True, time.monotonic() - t0, self._last_success, "")
             elif error is not None:
                 if sched is not None and error.reason == NOT_PYTHON:
                     # a shell or native rank: nothing to sample, ask again much later
@@ -394,8 +393,12 @@ class GilSampler:
                 and confirmed(sched, self.confirmed_ratio)):  # fmt: skip
             every = CONFIRMED_FACTOR * self.interval
         sched.next_due = now + every * self.rng.uniform(1 - JITTER, 1 + JITTER)
-        log.debug("GIL %s sample of %s done, next in %.0f s", "full" if full else "screening",
-                  sched.target, sched.next_due - now)
+        log.debug(
+            "GIL %s sample of %s done, next in %.0f s",
+            "full" if full else "screening",
+            sched.target,
+            sched.next_due - now,
+        )
 
     # -- results ---------------------------------------------------------------------------------
 

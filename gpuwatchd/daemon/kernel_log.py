@@ -51,8 +51,12 @@ class KernelLogSubsystem(Subsystem):
         (``services.events``); ``start`` takes the OOM baseline and starts the reader thread."""
         self.journal_path = journal_path
         self.processor = KernelEventProcessor(
-            services.counters, config.state_dir, parse=parse_message, boot_id=services.boot_id,
-            xid_dedup=services.xid_dedup, clock=services.clock,  # shared with the NVML Xid watcher
+            services.counters,
+            config.state_dir,
+            parse=parse_message,
+            boot_id=services.boot_id,
+            xid_dedup=services.xid_dedup,
+            clock=services.clock,  # shared with the NVML Xid watcher
             files=services.state_files,
             retention_seconds=config.retention.oom_kill_seconds,
             ended_grace_seconds=config.retention.ended_rank_seconds,
@@ -84,9 +88,7 @@ class KernelLogSubsystem(Subsystem):
             self.processor.history_event("")  # no replay to wait for
             return
         self._history_owed = first
-        self._thread = threading.Thread(
-            target=self._run, args=(daemon,), name="kernel-log", daemon=True
-        )
+        self._thread = threading.Thread(target=self._run, args=(daemon,), name="kernel-log", daemon=True)
         self._thread.start()
 
     def _run(self, daemon: DaemonContext) -> None:
@@ -136,8 +138,7 @@ class KernelLogSubsystem(Subsystem):
         self.processor.tick(now)
         self._report_history()
         paths = daemon.paths
-        self.processor.cross_check(guarded("kernel_log: /proc/vmstat", lambda: read_vmstat_oom_kill(paths), None),
-                                   now)
+        self.processor.cross_check(guarded("kernel_log: /proc/vmstat", lambda: read_vmstat_oom_kill(paths), None), now)
         running = self._running
         if running:
             self._last_ok = now
@@ -169,8 +170,11 @@ class KernelLogSubsystem(Subsystem):
         now = daemon.clock()
         # each live rank's cgroup path: the v1 memory controller's, else the v2 unified one
         where = ranks.cgroups
-        cgroups = {r.pid: (where[r.pid].memory_v1 or where[r.pid].unified) if r.pid in where else ""
-                   for r in state.ranks if r.alive and r.process is not None}
+        cgroups = {
+            r.pid: (where[r.pid].memory_v1 or where[r.pid].unified) if r.pid in where else ""
+            for r in state.ranks
+            if r.alive and r.process is not None
+        }
         self.processor.observe(state.ranks, ranks.processes, now, cgroups)
 
     def stop(self) -> None:

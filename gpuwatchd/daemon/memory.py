@@ -53,8 +53,9 @@ log = logging.getLogger(__name__)
 class MemorySubsystem(Subsystem):
     name = "memory"
 
-    def __init__(self, config: Config, services: Services, *, reader: MemcgReader | None = None,
-                 spy: PySpy | None = None) -> None:
+    def __init__(
+        self, config: Config, services: Services, *, reader: MemcgReader | None = None, spy: PySpy | None = None
+    ) -> None:
         """``reader``: the memcg reader (default: the host's, under ``memory.cgroup_root``);
         ``spy``: the py-spy runner (default: the daemon's one, and its concurrency limit)."""
         self.config = config
@@ -95,21 +96,28 @@ class MemorySubsystem(Subsystem):
                 shared[where] = guarded("memory: memcg", functools.partial(reader.read, where, memo), None)
             cg = shared[where] if where is not None else None
             tree = (e.pid, *descendants.get(e.pid, ()))
-            readings.append(self.tracker.observe(now, key, tree, processes, cg,
-                                                 cfg.window_seconds, cfg.min_window_seconds))
+            readings.append(
+                self.tracker.observe(now, key, tree, processes, cg, cfg.window_seconds, cfg.min_window_seconds)
+            )
         self.tracker.forget(live, ((p.pid, p.start_ticks) for p in processes.values()))
         n = guarded("memory: /proc/meminfo", reader.node, None)
-        node = None if n is None else NodeMemoryState(
-            n.total_bytes, n.available_bytes,
-            n.pressure.some_avg10 if n.pressure else None,
-            n.pressure.some_total_seconds if n.pressure else None,
-            n.pressure.full_total_seconds if n.pressure else None,
+        node = (
+            None
+            if n is None
+            else NodeMemoryState(
+                n.total_bytes,
+                n.available_bytes,
+                n.pressure.some_avg10 if n.pressure else None,
+                n.pressure.some_total_seconds if n.pressure else None,
+                n.pressure.full_total_seconds if n.pressure else None,
+            )
         )
         ok = node is not None
         if ok:
             self._last_ok = now
-        status = CollectorStatus("memory", ok, time.monotonic() - t0, self._last_ok,
-                                 "" if ok else "cannot read /proc/meminfo")
+        status = CollectorStatus(
+            "memory", ok, time.monotonic() - t0, self._last_ok, "" if ok else "cannot read /proc/meminfo"
+        )
         return MemoryOutput(tuple(readings), node, status)
 
     def after_join(self, daemon: DaemonContext, ranks: Ranks, state: NodeState) -> None:

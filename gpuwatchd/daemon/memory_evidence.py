@@ -51,8 +51,11 @@ def snapshot_event(
     """The snapshot of one rank at ``at``; ``stacks`` None when py-spy failed (``stack_error``)."""
     share = f.evidence.get("share")
     limit = f" of {fmt_bytes(m.limit_bytes)}" if m.limit_bytes else ""
-    level = f"at {float(share) * 100:.0f} %{limit}" if isinstance(share, float) else \
-        f"with {fmt_bytes(m.tree_rss_bytes)} RSS in its tree"
+    level = (
+        f"at {float(share) * 100:.0f} %{limit}"
+        if isinstance(share, float)
+        else f"with {fmt_bytes(m.tree_rss_bytes)} RSS in its tree"
+    )
     words = f"at {fmt_clock(at)}, {level}, rank {m.rank}"
     chosen = _thread_of_interest(stacks or ())
     if chosen is not None:
@@ -65,8 +68,13 @@ def snapshot_event(
         who = f"worker {g.pid} ({g.comm})" if g.worker else f"the rank process {g.pid}"
         words += f"; {who} had grown {fmt_bytes(g.gained_bytes)} in {fmt_span(g.over_seconds)}"
     threads: list[dict[str, Any]] = [
-        {"tid": s.tid, "name": s.name[:64], "owns_gil": s.owns_gil, "active": s.active,
-         "frames": [str(fr)[:200] for fr in s.frames[:MAX_FRAMES]]}
+        {
+            "tid": s.tid,
+            "name": s.name[:64],
+            "owns_gil": s.owns_gil,
+            "active": s.active,
+            "frames": [str(fr)[:200] for fr in s.frames[:MAX_FRAMES]],
+        }
         for s in list(stacks or ())[:MAX_THREADS]
     ]
     return Event(
@@ -78,19 +86,31 @@ def snapshot_event(
         job_id=m.job_id,
         rank=str(m.rank),
         pid=m.pid,
-        fields=frozen_map({
-            "finding": f.explanation[:400],
-            "share": share,
-            "seconds_to_limit": f.evidence.get("seconds_to_limit"),
-            "cgroup": m.cgroup, "limit_bytes": m.limit_bytes,
-            "working_set_bytes": m.working_set_bytes, "tree_rss_bytes": m.tree_rss_bytes,
-            "where": str(chosen.frames[0]) if chosen is not None else "",
-            "threads": threads,
-            "stack_error": stack_error[:200],
-            "processes": [{"pid": p.pid, "comm": p.comm, "rss_bytes": p.rss_bytes,
-                           "gained_bytes": p.gained_bytes, "over_seconds": round(p.over_seconds, 1),
-                           "worker": p.worker} for p in m.top],
-        }),
+        fields=frozen_map(
+            {
+                "finding": f.explanation[:400],
+                "share": share,
+                "seconds_to_limit": f.evidence.get("seconds_to_limit"),
+                "cgroup": m.cgroup,
+                "limit_bytes": m.limit_bytes,
+                "working_set_bytes": m.working_set_bytes,
+                "tree_rss_bytes": m.tree_rss_bytes,
+                "where": str(chosen.frames[0]) if chosen is not None else "",
+                "threads": threads,
+                "stack_error": stack_error[:200],
+                "processes": [
+                    {
+                        "pid": p.pid,
+                        "comm": p.comm,
+                        "rss_bytes": p.rss_bytes,
+                        "gained_bytes": p.gained_bytes,
+                        "over_seconds": round(p.over_seconds, 1),
+                        "worker": p.worker,
+                    }
+                    for p in m.top
+                ],
+            }
+        ),
     )
 
 

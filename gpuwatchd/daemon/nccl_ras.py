@@ -65,8 +65,7 @@ class NcclRasSubsystem(Subsystem):
         reasons: dict[str, str] = {}  # job -> why it is asked, for the log
         for k, v in sorted(verdicts.items()):
             if k[0] in suspect and k[0] not in reasons and (v.stalled or v.suspect or v.watch):
-                reasons[k[0]] = (f"rank {k[1]} " + ("stalled" if v.stalled else
-                                 "suspect" if v.suspect else v.watch))
+                reasons[k[0]] = f"rank {k[1]} " + ("stalled" if v.stalled else "suspect" if v.suspect else v.watch)
         by_job: dict[str, list[RankEntry]] = {}
         for e in ranks.entries:
             if e.pid in ranks.processes:
@@ -76,9 +75,11 @@ class NcclRasSubsystem(Subsystem):
             del self._jobs[job]
         for job in set(self._said) - set(by_job):
             del self._said[job]
-        due = sorted((self._jobs[j].asked_at if j in self._jobs else 0.0, j)
-                     for j in suspect & set(by_job)
-                     if j not in self._jobs or now - self._jobs[j].asked_at >= self.interval)
+        due = sorted(
+            (self._jobs[j].asked_at if j in self._jobs else 0.0, j)
+            for j in suspect & set(by_job)
+            if j not in self._jobs or now - self._jobs[j].asked_at >= self.interval
+        )
         end = time.monotonic() + self.timeout
         for _, job in due[:MAX_JOBS_PER_CYCLE]:
             left = end - time.monotonic()
@@ -87,8 +88,9 @@ class NcclRasSubsystem(Subsystem):
             self._jobs[job] = self._ask(daemon, job, by_job[job], now, left, reasons.get(job, ""))
         return RasOutput(dict(self._jobs))
 
-    def _ask(self, daemon: DaemonContext, job: str, entries: list[RankEntry], now: float,
-             timeout: float, why: str) -> RasJob:
+    def _ask(
+        self, daemon: DaemonContext, job: str, entries: list[RankEntry], now: float, timeout: float, why: str
+    ) -> RasJob:
         entries = sorted(entries, key=lambda e: e.rank)
         pids = [e.pid for e in entries]
         where = "its port"  # what was asked, for the log: the port, then the listener's owner
@@ -107,8 +109,7 @@ class NcclRasSubsystem(Subsystem):
             where = f"{address}:{port}, a listener of rank pid {owner}"
             answer = parse_status(query(address, port, timeout))
         except (RasRefused, ValueError) as exc:
-            self._say(job, "refused", "NCCL RAS of job %s (%s; ranks' pids %s): %s: %s",
-                      job, why, pids, where, exc)
+            self._say(job, "refused", "NCCL RAS of job %s (%s; ranks' pids %s): %s: %s", job, why, pids, where, exc)
             return RasJob(job, now, error=str(exc)[:200])
         local: dict[int, tuple[int, int]] = {}
         for e in entries:
@@ -117,16 +118,35 @@ class NcclRasSubsystem(Subsystem):
                 local.setdefault(e.ns_pid, (e.rank, e.pid))
         out = self.tracker.observe(job, now, answer, local, local_addresses(daemon.paths.proc, owner))
         if out.error:
-            self._say(job, "unjoined", "NCCL RAS of job %s (%s; ranks' pids %s): %s answered "
-                      "NCCL %s, communicator of %d, ranks (host, pid) %s: %s", job, why, pids, where,
-                      answer.nccl_version, answer.size, [(r.host, r.pid) for r in answer.ranks[:8]],
-                      out.error)
+            self._say(
+                job,
+                "unjoined",
+                "NCCL RAS of job %s (%s; ranks' pids %s): %s answered "
+                "NCCL %s, communicator of %d, ranks (host, pid) %s: %s",
+                job,
+                why,
+                pids,
+                where,
+                answer.nccl_version,
+                answer.size,
+                [(r.host, r.pid) for r in answer.ranks[:8]],
+                out.error,
+            )
         else:
-            self._say(job, "answered", "NCCL RAS of job %s (%s): %s answered NCCL %s, communicator "
-                      "of %d, %d missing; joined ranks (rank, ops) %s%s", job, why, where,
-                      answer.nccl_version, answer.size, len(answer.missing),
-                      [(s.rank, s.ops) for s in out.local[:8]],
-                      "" if answer.size > 1 else " (a one-rank communicator: NCCL counts none)")
+            self._say(
+                job,
+                "answered",
+                "NCCL RAS of job %s (%s): %s answered NCCL %s, communicator "
+                "of %d, %d missing; joined ranks (rank, ops) %s%s",
+                job,
+                why,
+                where,
+                answer.nccl_version,
+                answer.size,
+                len(answer.missing),
+                [(s.rank, s.ops) for s in out.local[:8]],
+                "" if answer.size > 1 else " (a one-rank communicator: NCCL counts none)",
+            )
         return out
 
     def _say(self, job: str, outcome: str, fmt: str, *args: object) -> None:

@@ -58,9 +58,17 @@ Reading = tuple[tuple[GpuDevice, ...], tuple[GpuProcess, ...]]
 class NvmlSubsystem(Subsystem):
     name = "nvml"
 
-    def __init__(self, config: Config, services: Services, *, source: NvmlSource | None = None,
-                 watch_xid: bool = True, watch_udev: bool = True,
-                 guard: DevicePolicyGuard | None = None, udev_monitor: Any = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        services: Services,
+        *,
+        source: NvmlSource | None = None,
+        watch_xid: bool = True,
+        watch_udev: bool = True,
+        guard: DevicePolicyGuard | None = None,
+        udev_monitor: Any = None,
+    ) -> None:
         """Every collaborator built here, nothing started (``start`` starts the Xid and udev
         threads). ``source``: the NVML reader (default: the driver, or ``nvml.fixture``'s
         recording); ``guard``: the device-cgroup diagnosis (default: the host's; with a fixture,
@@ -70,12 +78,12 @@ class NvmlSubsystem(Subsystem):
         cfg = config.nvml
         paths = services.paths
         self.source = source or open_nvml_source(cfg.fixture)
-        probe_fn = (lambda: DeviceProbe((), {})) if cfg.fixture else (
-            lambda: probe(paths.dev(), paths.proc("devices")))
+        probe_fn = (lambda: DeviceProbe((), {})) if cfg.fixture else (lambda: probe(paths.dev(), paths.proc("devices")))
         self.guard = guard or DevicePolicyGuard(config.state_dir, services.boot_id, probe_fn=probe_fn)
         timeout = cfg.timeout_seconds
         self.collector: Collector[Reading] = Collector(
-            "nvml", self._read, timeout, 3 * config.interval_seconds + timeout, services.clock)
+            "nvml", self._read, timeout, 3 * config.interval_seconds + timeout, services.clock
+        )
         self.tracker = OrphanTracker(config.orphans.grace_seconds)
         self.oom = OomTracker(services.clock)
         self.oom_files = OomEventFiles(config.rank_dir, config.state_dir)
@@ -107,12 +115,10 @@ class NvmlSubsystem(Subsystem):
         self.source.close()
 
     def _on_uevent(self, ev: GpuUevent) -> None:
-        gpu = next((d for d in self._devices
-                    if normalize_pci_bus_id(d.pci_bus_id) == ev.pci_bus_id), None)
+        gpu = next((d for d in self._devices if normalize_pci_bus_id(d.pci_bus_id) == ev.pci_bus_id), None)
         with self._lock:
             if ev.lost:
-                self._removed[ev.pci_bus_id] = GpuRemoved(
-                    ev, str(gpu.index) if gpu else "", gpu.uuid if gpu else "")
+                self._removed[ev.pci_bus_id] = GpuRemoved(ev, str(gpu.index) if gpu else "", gpu.uuid if gpu else "")
             else:
                 self._removed.pop(ev.pci_bus_id, None)
         self.source.reinit()
@@ -139,15 +145,17 @@ class NvmlSubsystem(Subsystem):
         devices, procs = reading if reading is not None else ((), ())
         self._devices = devices
         self._known.update((d.index, d) for d in devices)
-        lost_now = tuple(NvmlLostGpu(i, self._known.get(i), daemon.clock())
-                         for i in sorted(self.source.lost_devices))
+        lost_now = tuple(NvmlLostGpu(i, self._known.get(i), daemon.clock()) for i in sorted(self.source.lost_devices))
         self.dedup.learn_devices(devices)
         processes: dict[int, ProcessInfo] = dict(ranks.processes)
         missing = sorted({p.pid for p in procs} - set(processes))
         procfs = daemon.procfs
         no_procs: Mapping[int, ProcessInfo] = {}
-        extra = (guarded("nvml: /proc of GPU processes", lambda: procfs.read_many(missing), no_procs)
-                 if missing else no_procs)
+        extra = (
+            guarded("nvml: /proc of GPU processes", lambda: procfs.read_many(missing), no_procs)
+            if missing
+            else no_procs
+        )
         processes.update(extra)
         entries = ranks.entries
         descendants = ranks.descendants
@@ -162,13 +170,20 @@ class NvmlSubsystem(Subsystem):
         gpu_pids = {p.pid for p in procs}
         reader = self.evidence
         no_evidence: dict[int, ProcEvidence] = {}
-        evidence = guarded("nvml: devfds evidence", lambda: fork_evidence(
-            reader, entries, processes, descendants, gpu_pids if reading is not None else None), no_evidence)
+        evidence = guarded(
+            "nvml: devfds evidence",
+            lambda: fork_evidence(reader, entries, processes, descendants, gpu_pids if reading is not None else None),
+            no_evidence,
+        )
         no_events: list[OomEvent] = []
-        ooms = self.oom.observe(guarded("nvml: CUDA OOM event files", self.oom_files.read, no_events),
-                                daemon.counters.inc, last, {o.pid: o.reason for o in orphans},
-                                {pid: p.comm for pid, p in processes.items()},
-                                claimants(entries, processes))
+        ooms = self.oom.observe(
+            guarded("nvml: CUDA OOM event files", self.oom_files.read, no_events),
+            daemon.counters.inc,
+            last,
+            {o.pid: o.reason for o in orphans},
+            {pid: p.comm for pid, p in processes.items()},
+            claimants(entries, processes),
+        )
         with self._lock:
             removed = tuple(self._removed.values())
         return GpuOutput(
@@ -187,4 +202,3 @@ class NvmlSubsystem(Subsystem):
 
 class NvmlDeviceDenied(NvmlReadError):
     """NVML failed and the device cgroup denies /dev/nvidia* (the message says which and why)."""
-

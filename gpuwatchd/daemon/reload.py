@@ -26,8 +26,7 @@ if TYPE_CHECKING:  # the server is imported when the daemon starts serving, not 
 
 log = logging.getLogger(__name__)
 # Config sections that SIGHUP does not apply (the subsystems read them once, at start).
-RESTART_SECTIONS = ("gil", "stall", "alertmanager", "nvml", "orphans", "kernel_log", "state_dir",
-                    "procfs", "straggler")
+RESTART_SECTIONS = ("gil", "stall", "alertmanager", "nvml", "orphans", "kernel_log", "state_dir", "procfs", "straggler")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +48,7 @@ class Reloaded:
     web: WebServer | None
 
 
-def reload_config(running: Config, source: ConfigSource, web: WebServer | None, *,
-                  started: bool) -> Reloaded | None:
+def reload_config(running: Config, source: ConfigSource, web: WebServer | None, *, started: bool) -> Reloaded | None:
     """Re-read ``source``. On any problem keep the running config and log why (None).
 
     ``started``: the daemon has finished a cycle, so systemd hears RELOADING=1 ... READY=1."""
@@ -81,8 +79,9 @@ def _reload(running: Config, path: str, source: ConfigSource, web: WebServer | N
     # The subsystems (py-spy, kernel log, NVML, events) read their sections once, at start.
     later = [name for name in RESTART_SECTIONS if getattr(new, name) != getattr(running, name)]
     if later:
-        log.warning("configuration reloaded from %s; changes to %s take effect at the next "
-                    "restart", path, ", ".join(later))
+        log.warning(
+            "configuration reloaded from %s; changes to %s take effect at the next restart", path, ", ".join(later)
+        )
     else:
         log.info("configuration reloaded from %s", path)
     return Reloaded(new, web)
@@ -97,8 +96,12 @@ def _reload_web(web: WebServer, new: Config, path: str) -> WebServer:
         raise ConfigError([f"web.config_file: {p}" for p in e.problems], e.path) from None
     except (OSError, ValueError) as e:
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        if isinstance(e, OSError) and e.errno == errno.EADDRINUSE and \
-                parse_listen_address(new.web.listen_address)[1] == web.address[1]:
+        if (
+            isinstance(e, OSError)
+            and e.errno == errno.EADDRINUSE
+            and parse_listen_address(new.web.listen_address)[1] == web.address[1]
+        ):
             why += " (by the running server: to move to an overlapping address, restart)"
-        raise ConfigError([f"web.listen_address: cannot listen on {new.web.listen_address}:"
-                           f" {why}; still serving {web.url}"], path) from None
+        raise ConfigError(
+            [f"web.listen_address: cannot listen on {new.web.listen_address}: {why}; still serving {web.url}"], path
+        ) from None

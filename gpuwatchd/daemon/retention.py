@@ -42,8 +42,7 @@ class SeriesRetention:
         self._positions = rank_label_positions()
         self._last_registered: dict[RankLabels, float] = {}
 
-    def expired(self, registered: Iterable[RankLabels], now: float,
-                config: RetentionConfig) -> list[Series]:
+    def expired(self, registered: Iterable[RankLabels], now: float, config: RetentionConfig) -> list[Series]:
         live = set(registered)
         for key in live:
             self._last_registered[key] = now
@@ -58,8 +57,7 @@ class SeriesRetention:
             if key in live:
                 continue
             last = max(touched, self._last_registered.get(key, float("-inf")))
-            keep = config.oom_kill_seconds if name in EVENT_COUNTERS and value > 0 \
-                else config.ended_rank_seconds
+            keep = config.oom_kill_seconds if name in EVENT_COUNTERS and value > 0 else config.ended_rank_seconds
             if now - last > keep:
                 drop.append((name, labels))
         # remember when a rank was last registered only while it has series (bounded by them)

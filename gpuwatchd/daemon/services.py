@@ -68,7 +68,9 @@ class Services:
         files = StateFiles(counters if write_state else None)
         g = config.gil
         spy = spy or PySpy.from_config(
-            g.pyspy_path, paths=paths, max_concurrent=g.max_concurrent,
+            g.pyspy_path,
+            paths=paths,
+            max_concurrent=g.max_concurrent,
             timeout_seconds=g.timeout_seconds,
             dump_timeout_seconds=min(5.0, max(1.0, config.interval_seconds / 2)),
         )
@@ -77,14 +79,23 @@ class Services:
             make_state_dir(config.state_dir)  # unwritable: events are still counted, writes counted
             am = config.alertmanager
             bus = bus or build_bus(
-                config.state_dir, alertmanager_url=am.url,
+                config.state_dir,
+                alertmanager_url=am.url,
                 instance=am.instance or derive_instance(config.web.listen_address),
-                timeout_seconds=am.timeout_seconds, scrape_job=am.job, files=files)
-        events = EventStore(EventFile(config.state_dir, files), counters, bus=bus if event_log else None,
-                            boot_id=boot_id, clock=clock, read_back=event_log,
-                            retention_seconds=config.retention.oom_kill_seconds)
-        return cls(paths, clock, counters, files, ProcfsReader(paths), HeartbeatRoots(), spy, events,
-                   boot_id)
+                timeout_seconds=am.timeout_seconds,
+                scrape_job=am.job,
+                files=files,
+            )
+        events = EventStore(
+            EventFile(config.state_dir, files),
+            counters,
+            bus=bus if event_log else None,
+            boot_id=boot_id,
+            clock=clock,
+            read_back=event_log,
+            retention_seconds=config.retention.oom_kill_seconds,
+        )
+        return cls(paths, clock, counters, files, ProcfsReader(paths), HeartbeatRoots(), spy, events, boot_id)
 
     def close(self) -> None:
         """End what the services hold open (the event sinks, the heartbeat roots)."""

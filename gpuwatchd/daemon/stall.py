@@ -131,8 +131,7 @@ class StallSubsystem(Subsystem):
             if n:
                 daemon.counters.inc("cycle_deferred_probes", (kind,), n)
         return StallOutput(
-            progress={k: v.progress_timestamp for k, v in verdicts.items()
-                      if v.progress_timestamp is not None},
+            progress={k: v.progress_timestamp for k, v in verdicts.items() if v.progress_timestamp is not None},
             stalled={k: v.stalled for k, v in verdicts.items()},
             verdicts=verdicts,
             gil=self.sampler.readings() if self.sampler else {},

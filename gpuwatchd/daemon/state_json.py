@@ -43,8 +43,7 @@ def to_jsonable(obj: Any) -> Any:
 def state_to_json(state: NodeState) -> dict[str, Any]:
     data: dict[str, Any] = to_jsonable(state)
     data["counters"] = {
-        name: [{"labels": list(k), "value": v} for k, v in series.items()]
-        for name, series in state.counters.items()
+        name: [{"labels": list(k), "value": v} for k, v in series.items()] for name, series in state.counters.items()
     }
     return data
 
@@ -71,8 +70,7 @@ def state_json_text(state: NodeState) -> str:
     """``json.dumps(state_to_json(state), separators=(",", ":"), default=str)``, faster."""
     top = {n: getattr(state, n) for n in _fields_of(state)}
     top["counters"] = {
-        name: [{"labels": list(k), "value": v} for k, v in series.items()]
-        for name, series in state.counters.items()
+        name: [{"labels": list(k), "value": v} for k, v in series.items()] for name, series in state.counters.items()
     }
     try:  # a state is a tree: no cycle check (a quarter of the encoder's time)
         return json.dumps(top, separators=(",", ":"), default=_default, check_circular=False)

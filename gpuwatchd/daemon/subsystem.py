@@ -62,10 +62,10 @@ class Ranks:
     Producer: ``Daemon.read`` (rank files, /proc) narrowed by ``rank_claims.decide``."""
 
     now: float
-    entries: tuple[RankEntry, ...]                  # the accepted claims only
-    processes: Mapping[int, ProcessInfo]            # each rank tree's /proc reading
-    descendants: Mapping[int, tuple[int, ...]]      # rank PID -> its live descendants
-    cgroups: Mapping[int, CgroupPaths]              # rank PID -> its cgroup (the process view)
+    entries: tuple[RankEntry, ...]  # the accepted claims only
+    processes: Mapping[int, ProcessInfo]  # each rank tree's /proc reading
+    descendants: Mapping[int, tuple[int, ...]]  # rank PID -> its live descendants
+    cgroups: Mapping[int, CgroupPaths]  # rank PID -> its cgroup (the process view)
     trees: RankTrees = field(default_factory=RankTrees)  # pid -> the live rank whose tree it is in
 
 

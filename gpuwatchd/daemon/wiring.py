@@ -56,8 +56,7 @@ def down_statuses(reported: list[CollectorStatus], down: Mapping[str, str]) -> l
     collector that is down (``gpuwatch_collector_success{collector=<subsystem>} 0``) unless it
     reported its own status: a failure must read 0, never make the series disappear."""
     names = {c.name for c in reported}
-    return [CollectorStatus(name, False, 0.0, None, error) for name, error in down.items()
-            if name not in names]
+    return [CollectorStatus(name, False, 0.0, None, error) for name, error in down.items() if name not in names]
 
 
 @dataclass(frozen=True)
@@ -90,10 +89,12 @@ def build_parts(config: Config, services: Services) -> Parts:
     s = config.stall
     return Parts(
         stall=StallSubsystem(config, services),
-        flight_recorder=(FlightRecorderSubsystem(s.flight_recorder_interval_seconds)
-                         if s.flight_recorder else OFF.flight_recorder),
-        nccl_ras=(NcclRasSubsystem(s.nccl_ras_interval_seconds, s.nccl_ras_timeout_seconds)
-                  if s.nccl_ras else OFF.nccl_ras),
+        flight_recorder=(
+            FlightRecorderSubsystem(s.flight_recorder_interval_seconds) if s.flight_recorder else OFF.flight_recorder
+        ),
+        nccl_ras=(
+            NcclRasSubsystem(s.nccl_ras_interval_seconds, s.nccl_ras_timeout_seconds) if s.nccl_ras else OFF.nccl_ras
+        ),
         straggler=StragglerSubsystem(config, services) if config.straggler.enabled else OFF.straggler,
         kernel_log=KernelLogSubsystem(config, services),
         exits=ExitsSubsystem(services),
@@ -110,8 +111,14 @@ def no_parts(config: Config, services: Services) -> Parts:
     return OFF
 
 
-def track(parts: Parts, daemon: DaemonContext, ranks: Ranks, heartbeats: Mapping[RankId, float],
-          last: NodeState | None, down: dict[str, str]) -> Tracked:
+def track(
+    parts: Parts,
+    daemon: DaemonContext,
+    ranks: Ranks,
+    heartbeats: Mapping[RankId, float],
+    last: NodeState | None,
+    down: dict[str, str],
+) -> Tracked:
     """Each part of the cycle by name, in the order of what it needs (NVML before the stall part,
     which reads this cycle's GPUs; the stall verdicts before the flight recorder and NCCL RAS),
     each handed what it reads as arguments; ``last``: the previous cycle's state, the only thing
@@ -138,8 +145,11 @@ def track(parts: Parts, daemon: DaemonContext, ranks: Ranks, heartbeats: Mapping
         conf = daemon.config.stall
         confirmed = confirm_by_ras(stall.verdicts, ras.jobs, min(conf.conclusive_seconds, conf.after_seconds))
         if confirmed:
-            stall = replace(stall, verdicts={**stall.verdicts, **confirmed},
-                            stalled={**stall.stalled, **{k: True for k in confirmed}})
+            stall = replace(
+                stall,
+                verdicts={**stall.verdicts, **confirmed},
+                stalled={**stall.stalled, **{k: True for k in confirmed}},
+            )
     straggler = part(p.straggler, lambda s: s.track(daemon, ranks, heartbeats), StragglerOutput())
     kernel = part(p.kernel_log, lambda s: s.track(daemon, ranks), KernelOutput())
     memory = part(p.memory, lambda s: s.track(daemon, ranks), MemoryOutput())

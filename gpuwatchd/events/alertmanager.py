@@ -60,9 +60,7 @@ def alert_for(
         labels.update(job_id=event.job_id, rank=event.rank, comm=event.comm, killer=event.killer)
     else:  # Xid: the GPU is the subject, as in gpuwatch_gpu_xid_errors_total
         f = event.fields
-        labels.update(
-            gpu=str(f.get("gpu", "")), uuid=str(f.get("uuid", "")), xid=str(f.get("xid", ""))
-        )
+        labels.update(gpu=str(f.get("gpu", "")), uuid=str(f.get("uuid", "")), xid=str(f.get("xid", "")))
     # Alertmanager drops empty label values; so does Prometheus on the rule side.
     labels = {k: v for k, v in labels.items() if v != ""}
     return {

@@ -47,7 +47,5 @@ def build_bus(
     if journal if journal is not None else JournalSink.available():
         sinks.append(JournalSink())
     if alertmanager_url:
-        sinks.append(
-            AlertmanagerSink(alertmanager_url, instance, timeout_seconds, scrape_job=scrape_job)
-        )
+        sinks.append(AlertmanagerSink(alertmanager_url, instance, timeout_seconds, scrape_job=scrape_job))
     return EventBus(sinks)

@@ -119,8 +119,7 @@ class EventFile:
         """Every well-formed event stored, in order (``read_events``); ``count_rejected``: count
         each line that cannot be used in ``gpuwatch_state_records_rejected_total``."""
         path = self.path
-        return read_events(path, on_reject=(lambda why: self.files.rejected(path, why)) if count_rejected
-                           else None)
+        return read_events(path, on_reject=(lambda why: self.files.rejected(path, why)) if count_rejected else None)
 
     def size(self) -> int | None:
         """The file's size in bytes; None when it cannot be read (absent: nothing stored yet)."""

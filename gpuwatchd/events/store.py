@@ -62,8 +62,7 @@ def _increments(ev: Event) -> list[Increment]:
         items = ev.fields.get("counters", [])
         for item in items if isinstance(items, list) else []:
             # [name, labels, value] or, since series retention, [name, labels, value, last time]
-            if not isinstance(item, list) or len(item) not in (3, 4) \
-                    or not isinstance(item[1], list):
+            if not isinstance(item, list) or len(item) not in (3, 4) or not isinstance(item[1], list):
                 continue
             value = _finite(item[2])
             at = _finite(item[3]) if len(item) == 4 else ev.time
@@ -72,12 +71,12 @@ def _increments(ev: Event) -> list[Increment]:
             out.append((str(item[0]), tuple(str(x) for x in item[1]), value, {}, at))
         boots = ev.fields.get("boot_kernel_kills", {})
         if isinstance(boots, dict):
-            clean = {str(b): int(n) for b, n in boots.items()
-                     if isinstance(n, int) and not isinstance(n, bool) and n >= 0}
+            clean = {
+                str(b): int(n) for b, n in boots.items() if isinstance(n, int) and not isinstance(n, bool) and n >= 0
+            }
             out.append(("", (), 0.0, clean, ev.time))
         return out
-    kernel_kill = (ev.kind in ("oom_kill", "oom_kill_unexplained", HELPER_OOM_KILL)
-                   and ev.killer == KILLER_KERNEL)
+    kernel_kill = ev.kind in ("oom_kill", "oom_kill_unexplained", HELPER_OOM_KILL) and ev.killer == KILLER_KERNEL
     boot = {ev.boot_id: ev.count} if kernel_kill else {}
     return [(ev.counter, tuple(ev.labels), float(ev.count), boot, ev.time)]
 
@@ -116,8 +115,9 @@ class Compaction:
     kept: int
 
 
-def compacted(events: Iterable[Event], keep_events: int,
-              retained: Callable[[Totals], Totals] | None = None) -> Compaction | None:
+def compacted(
+    events: Iterable[Event], keep_events: int, retained: Callable[[Totals], Totals] | None = None
+) -> Compaction | None:
     """Fold all but the newest ``keep_events`` of ``events`` (the stored ones, oldest first; a
     key seen twice counts once) into one ``counter_base`` record that carries their increments
     (and when each last changed), so the log stays bounded and the counters stay exact.
@@ -217,8 +217,7 @@ class EventStore:
                 self._rebuild()
             except OSError as e:
                 self.unreadable = f"{file.path}: {e.strerror or e}"
-                log.error("the event log cannot be read back (%s): no event is stored or counted",
-                          self.unreadable)
+                log.error("the event log cannot be read back (%s): no event is stored or counted", self.unreadable)
 
     # -- what the processor reads ------------------------------------------------------------
 
@@ -283,8 +282,7 @@ class EventStore:
         not registered now whose last increment is older than ``retention_seconds``
         (retention.py dropped them already)."""
         # lines that cannot be used are left out (they were counted when read back at start)
-        c = compacted(self.file.events(count_rejected=False), self.keep_events,
-                      self._retained if prune else None)
+        c = compacted(self.file.events(count_rejected=False), self.keep_events, self._retained if prune else None)
         if c is not None and self.file.rewrite(c.lines):
             log.info("event log compacted: %d events folded, %d kept", c.folded, c.kept)
 
@@ -295,8 +293,7 @@ class EventStore:
         out = {}
         for (name, labels), (v, last) in totals.items():
             pos = positions.get(name)
-            if pos is not None and labels[pos[0]] and last < horizon \
-                    and (labels[pos[0]], labels[pos[1]]) not in live:
+            if pos is not None and labels[pos[0]] and last < horizon and (labels[pos[0]], labels[pos[1]]) not in live:
                 continue
             out[(name, labels)] = (v, last)
         return out

@@ -29,7 +29,7 @@ COUNTER_HELP: Mapping[str, str] = {
     "oom_kills": "Processes killed for lack of memory, by the kernel OOM killer or a userspace "
     "killer, attributed to the rank whose process tree they belonged to (job_id and rank empty "
     "when unattributed). Counted from the kernel log as the kill is logged.",
-    "helper_oom_kills": "gpuwatchd's own helper processes (helper=\"py-spy\") killed for lack of "
+    "helper_oom_kills": 'gpuwatchd\'s own helper processes (helper="py-spy") killed for lack of '
     "memory: never counted in oom_kills, which counts the node's processes.",
     "rank_exits": "Rank processes that ended, by cause (exit_0, exit_nonzero, the terminating "
     "signal's name, signal_other, oom_kill, unknown), read from the exiting process the moment it "
@@ -73,9 +73,13 @@ def _g(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
 
 
 class StateCollector:
-    def __init__(self, get_state: Callable[[], NodeState | None], counters: CounterStore,
-                 process: Callable[[], list[Metric]] = process_families,
-                 config_reload: Callable[[], tuple[bool, float]] | None = None) -> None:
+    def __init__(
+        self,
+        get_state: Callable[[], NodeState | None],
+        counters: CounterStore,
+        process: Callable[[], list[Metric]] = process_families,
+        config_reload: Callable[[], tuple[bool, float]] | None = None,
+    ) -> None:
         """``config_reload``: (whether the last load of the config file succeeded, the Unix time
         of the last one that did), the daemon's; None: no config families (a registry in tests)."""
         self.get_state = get_state
@@ -85,8 +89,10 @@ class StateCollector:
 
     def collect(self) -> Iterator[Metric]:
         state = self.get_state()
-        builders: list[tuple[str, Callable[[], list[Metric]]]] = [("build_info", self._build_info),
-                                                                  ("process", self.process)]
+        builders: list[tuple[str, Callable[[], list[Metric]]]] = [
+            ("build_info", self._build_info),
+            ("process", self.process),
+        ]
         if self.config_reload is not None:
             builders.append(("config_reload", self._config_reload))
         if state is not None:
@@ -115,56 +121,82 @@ class StateCollector:
         # so that the same alert and panel fit: a refused SIGHUP keeps the running config and sets 0.
         assert self.config_reload is not None
         ok, at = self.config_reload()
-        last = GaugeMetricFamily("gpuwatch_config_last_reload_successful", "1 when the last load "
-                                 "of the config file (at start or on SIGHUP) succeeded, 0 when the "
-                                 "last reload was refused and the daemon kept the running config.")
+        last = GaugeMetricFamily(
+            "gpuwatch_config_last_reload_successful",
+            "1 when the last load "
+            "of the config file (at start or on SIGHUP) succeeded, 0 when the "
+            "last reload was refused and the daemon kept the running config.",
+        )
         last.add_metric([], 1 if ok else 0)
-        ts = GaugeMetricFamily("gpuwatch_config_last_reload_success_timestamp_seconds",
-                               "Unix time of the last successful load of the config file (at start "
-                               "or on SIGHUP).")
+        ts = GaugeMetricFamily(
+            "gpuwatch_config_last_reload_success_timestamp_seconds",
+            "Unix time of the last successful load of the config file (at start or on SIGHUP).",
+        )
         ts.add_metric([], at)
         return [last, ts]
 
     def _collectors(self, s: NodeState) -> list[Metric]:
-        ok = _g("collector_success", "1 when the collector's last run succeeded, 0 when it failed, "
-                "timed out or its subject is absent on this host.", ["collector"])
+        ok = _g(
+            "collector_success",
+            "1 when the collector's last run succeeded, 0 when it failed, "
+            "timed out or its subject is absent on this host.",
+            ["collector"],
+        )
         dur = _g("collector_duration_seconds", "Seconds the collector's last run took.", ["collector"])
-        last = _g("collector_last_success_timestamp_seconds",
-                  "Unix time of the collector's last successful run.", ["collector"])
+        last = _g(
+            "collector_last_success_timestamp_seconds",
+            "Unix time of the collector's last successful run.",
+            ["collector"],
+        )
         for c in s.collectors:
             ok.add_metric([c.name], 1 if c.success else 0)
             dur.add_metric([c.name], c.duration_seconds)
             if c.last_success_timestamp is not None:
                 last.add_metric([c.name], c.last_success_timestamp)
-        cyc = _g("cycle_duration_seconds", "Seconds the last polling cycle took (all polled "
-                 "collectors plus the join).")
+        cyc = _g("cycle_duration_seconds", "Seconds the last polling cycle took (all polled collectors plus the join).")
         cyc.add_metric([], s.cycle_seconds)
         ts = _g("last_cycle_timestamp_seconds", "Unix time at which the last polling cycle ended.")
         ts.add_metric([], s.timestamp)
         out: list[Metric] = [ok, dur, last, cyc, ts]
         if s.oom_score_adj is not None:
-            adj = _g("process_oom_score_adj", "The daemon's own oom_score_adj (/proc/self/"
-                     "oom_score_adj): -900 when the unit's OOMScoreAdjust took effect.")
+            adj = _g(
+                "process_oom_score_adj",
+                "The daemon's own oom_score_adj (/proc/self/"
+                "oom_score_adj): -900 when the unit's OOMScoreAdjust took effect.",
+            )
             adj.add_metric([], s.oom_score_adj)
             out.append(adj)
         if s.memory_limit_bytes is not None:
-            lim = _g("process_memory_limit_bytes", "The memory limit of the daemon's own cgroup in "
-                     "bytes: the tightest memory.max (v1 memory.limit_in_bytes) on its path, i.e. "
-                     "the unit's MemoryMax= or the pod's limits.memory; absent without a limit.")
+            lim = _g(
+                "process_memory_limit_bytes",
+                "The memory limit of the daemon's own cgroup in "
+                "bytes: the tightest memory.max (v1 memory.limit_in_bytes) on its path, i.e. "
+                "the unit's MemoryMax= or the pod's limits.memory; absent without a limit.",
+            )
             lim.add_metric([], s.memory_limit_bytes)
             out.append(lim)
         return out
 
     def _gpus(self, s: NodeState) -> list[Metric]:
         info = _g("gpu_info", "Always 1, one series per GPU, naming it.", ["gpu", "uuid", "name", "pci_bus_id"])
-        total = _g("gpu_memory_total_bytes", "Total memory of the GPU in bytes (NVML, polled every "
-                   "interval_seconds).", ["gpu", "uuid"])
+        total = _g(
+            "gpu_memory_total_bytes",
+            "Total memory of the GPU in bytes (NVML, polled every interval_seconds).",
+            ["gpu", "uuid"],
+        )
         used = _g("gpu_memory_used_bytes", "Memory in use on the GPU in bytes (NVML, polled).", ["gpu", "uuid"])
-        util = _g("gpu_utilization_ratio", "Fraction of the last sample period (0..1) during which "
-                  "a kernel ran on the GPU (NVML, polled).", ["gpu", "uuid"])
-        throttle = _g("gpu_clock_throttled", "1 when NVML reports this reason for the GPU's clocks "
-                      "being below their maximum (nvmlDeviceGetCurrentClocksEventReasons), else 0; "
-                      "absent when the driver does not say.", ["gpu", "uuid", "reason"])
+        util = _g(
+            "gpu_utilization_ratio",
+            "Fraction of the last sample period (0..1) during which a kernel ran on the GPU (NVML, polled).",
+            ["gpu", "uuid"],
+        )
+        throttle = _g(
+            "gpu_clock_throttled",
+            "1 when NVML reports this reason for the GPU's clocks "
+            "being below their maximum (nvmlDeviceGetCurrentClocksEventReasons), else 0; "
+            "absent when the driver does not say.",
+            ["gpu", "uuid", "reason"],
+        )
         for g in s.gpus:
             labels = [str(g.index), g.uuid]
             info.add_metric([*labels, g.name, g.pci_bus_id], 1)
@@ -180,58 +212,86 @@ class StateCollector:
         return [info, total, used, util, throttle]
 
     def _gpu_processes(self, s: NodeState) -> list[Metric]:
-        pm = _g("gpu_process_memory_bytes", "GPU memory in bytes held by each process on each GPU; "
-                "job_id and rank are empty when the process is in no rank's process tree. Absent "
-                "when NVML reports N/A (as on MIG).",
-                ["gpu", "uuid", "pid", "comm", "user", "job_id", "rank"])
+        pm = _g(
+            "gpu_process_memory_bytes",
+            "GPU memory in bytes held by each process on each GPU; "
+            "job_id and rank are empty when the process is in no rank's process tree. Absent "
+            "when NVML reports N/A (as on MIG).",
+            ["gpu", "uuid", "pid", "comm", "user", "job_id", "rank"],
+        )
         rank_mem: dict[tuple[str, str, str], float] = defaultdict(float)
         for p in s.gpu_processes:
             if p.used_memory_bytes is None:
                 continue
-            pm.add_metric([str(p.gpu_index), p.uuid, str(p.pid), p.comm, p.user, p.job_id, p.rank],
-                          p.used_memory_bytes)
+            pm.add_metric([str(p.gpu_index), p.uuid, str(p.pid), p.comm, p.user, p.job_id, p.rank], p.used_memory_bytes)
             if p.job_id:
                 rank_mem[(p.job_id, p.rank, str(p.gpu_index))] += p.used_memory_bytes
-        rm = _g("rank_gpu_memory_bytes", "GPU memory in bytes held by the rank's whole process tree "
-                "(rank process plus descendants) on each GPU.", ["job_id", "rank", "gpu"])
+        rm = _g(
+            "rank_gpu_memory_bytes",
+            "GPU memory in bytes held by the rank's whole process tree (rank process plus descendants) on each GPU.",
+            ["job_id", "rank", "gpu"],
+        )
         for (job_id, rank, gpu), v in sorted(rank_mem.items()):
             rm.add_metric([job_id, rank, gpu], v)
-        om = _g("orphan_gpu_memory_bytes", "GPU memory in bytes held by a process that belongs to "
-                "no live rank, after the grace period; reason says why it is considered stale.",
-                ["gpu", "uuid", "pid", "comm", "user", "reason"])
+        om = _g(
+            "orphan_gpu_memory_bytes",
+            "GPU memory in bytes held by a process that belongs to "
+            "no live rank, after the grace period; reason says why it is considered stale.",
+            ["gpu", "uuid", "pid", "comm", "user", "reason"],
+        )
         for o in s.orphans:
             if o.used_memory_bytes is not None:
-                om.add_metric([str(o.gpu_index), o.uuid, str(o.pid), o.comm, o.user, o.reason],
-                              o.used_memory_bytes)
+                om.add_metric([str(o.gpu_index), o.uuid, str(o.pid), o.comm, o.user, o.reason], o.used_memory_bytes)
         return [pm, rm, om]
 
     def _ranks(self, s: NodeState) -> list[Metric]:
         jr = ["job_id", "rank"]
-        info = _g("rank_info", "Always 1 per registered rank, with its PID and layout.",
-                  ["job_id", "rank", "local_rank", "pid", "world_size"])
+        info = _g(
+            "rank_info",
+            "Always 1 per registered rank, with its PID and layout.",
+            ["job_id", "rank", "local_rank", "pid", "world_size"],
+        )
         up = _g("rank_up", "1 when the rank's process is alive, 0 when it is registered but dead.", jr)
         fds = _g("rank_open_fds", "File descriptors open in the rank process.", jr)
         maxfds = _g("rank_max_fds", "Soft RLIMIT_NOFILE of the rank process.", jr)
-        cpu = CounterMetricFamily(P + "rank_cpu_seconds", "CPU seconds (user+system) used by the "
-                                  "rank process.", labels=jr)
+        cpu = CounterMetricFamily(
+            P + "rank_cpu_seconds", "CPU seconds (user+system) used by the rank process.", labels=jr
+        )
         rss = _g("rank_resident_memory_bytes", "Resident memory of the rank process in bytes.", jr)
         thr = _g("rank_threads", "Threads of the rank process.", jr)
-        prog = _g("rank_progress_timestamp_seconds", "Unix time of the rank's last progress "
-                  "(heartbeat); absent when the rank sends none.", jr)
-        stalled = _g("rank_stalled", "1 when the rank is alive but has made no progress for "
-                     "stall.after_seconds.", jr)
-        step = _g("rank_step", "The step the rank passed to its last gpuwatchd.heartbeat(step); "
-                  "deriv() of it is the rank's step rate. Absent when the rank sends no step.", jr)
-        pod = _g("rank_pod_info", "Always 1 per rank that runs in a Kubernetes pod: uid is the "
-                 "pod's UID, read from the rank's cgroup path (no API call), as kube-state-metrics' "
-                 "kube_pod_info{uid} carries it, so on (uid) joins the two.", [*jr, "uid"])
+        prog = _g(
+            "rank_progress_timestamp_seconds",
+            "Unix time of the rank's last progress (heartbeat); absent when the rank sends none.",
+            jr,
+        )
+        stalled = _g("rank_stalled", "1 when the rank is alive but has made no progress for stall.after_seconds.", jr)
+        step = _g(
+            "rank_step",
+            "The step the rank passed to its last gpuwatchd.heartbeat(step); "
+            "deriv() of it is the rank's step rate. Absent when the rank sends no step.",
+            jr,
+        )
+        pod = _g(
+            "rank_pod_info",
+            "Always 1 per rank that runs in a Kubernetes pod: uid is the "
+            "pod's UID, read from the rank's cgroup path (no API call), as kube-state-metrics' "
+            "kube_pod_info{uid} carries it, so on (uid) joins the two.",
+            [*jr, "uid"],
+        )
         for r in s.ranks:
             labels = [r.job_id, str(r.rank)]
             uid = pod_uid(r.container)
             if uid:
                 pod.add_metric([*labels, uid], 1)
-            info.add_metric([*labels, "" if r.local_rank is None else str(r.local_rank), str(r.pid),
-                             "" if r.world_size is None else str(r.world_size)], 1)
+            info.add_metric(
+                [
+                    *labels,
+                    "" if r.local_rank is None else str(r.local_rank),
+                    str(r.pid),
+                    "" if r.world_size is None else str(r.world_size),
+                ],
+                1,
+            )
             up.add_metric(labels, 1 if r.alive else 0)
             stalled.add_metric(labels, 1 if r.stalled else 0)
             if r.progress_timestamp is not None:
@@ -252,11 +312,19 @@ class StateCollector:
 
     def _collectives(self, s: NodeState) -> list[Metric]:
         labels = ["job_id", "rank", "pg"]
-        started = _g("rank_collective_last_started_seq", "Highest collective sequence number the "
-                     "rank entered in the process group, from its PyTorch flight recorder (read "
-                     "when a rank of the job looks stalled).", labels)
-        done = _g("rank_collective_last_completed_seq", "Highest collective sequence number the "
-                  "rank completed in the process group, from its PyTorch flight recorder.", labels)
+        started = _g(
+            "rank_collective_last_started_seq",
+            "Highest collective sequence number the "
+            "rank entered in the process group, from its PyTorch flight recorder (read "
+            "when a rank of the job looks stalled).",
+            labels,
+        )
+        done = _g(
+            "rank_collective_last_completed_seq",
+            "Highest collective sequence number the "
+            "rank completed in the process group, from its PyTorch flight recorder.",
+            labels,
+        )
         for c in s.collectives:
             values = [c.job_id, str(c.rank), c.pg]
             started.add_metric(values, c.last_started)
@@ -265,21 +333,37 @@ class StateCollector:
 
     def _nccl_ras(self, s: NodeState) -> list[Metric]:
         labels = ["job_id", "rank"]
-        ops = _g("nccl_ras_rank_operations", "Collective operations the rank has issued, all "
-                 "functions, as NCCL RAS reports it (asked when a rank of the job looks stalled, "
-                 "suspect, late with its heartbeat or in a collective, every "
-                 "stall.nccl_ras_interval_seconds).", labels)
-        still = _g("nccl_ras_rank_operations_unchanged_seconds", "Seconds since NCCL RAS last saw "
-                   "the rank's operation count change, at the latest answer.", labels)
-        missing = _g("nccl_ras_missing_ranks", "Ranks of the job that NCCL RAS reports missing, by "
-                     "reason (dead: its RAS peer is gone; unresponsive: it did not answer).",
-                     ["job_id", "reason"])
-        errors = _g("nccl_ras_async_error_ranks", "Ranks of the job with an asynchronous NCCL error "
-                    "or the abort flag set, per NCCL RAS.", ["job_id"])
-        culprit = _g("nccl_ras_culprit", "1 per rank that NCCL RAS names as the one its job waits for "
-                     "(reason: dead, unresponsive, missing, behind, async_error), at most 4 of each; "
-                     "nccl_rank is its rank in NCCL's world communicator, host its RAS address.",
-                     ["job_id", "nccl_rank", "host", "pid", "reason"])
+        ops = _g(
+            "nccl_ras_rank_operations",
+            "Collective operations the rank has issued, all "
+            "functions, as NCCL RAS reports it (asked when a rank of the job looks stalled, "
+            "suspect, late with its heartbeat or in a collective, every "
+            "stall.nccl_ras_interval_seconds).",
+            labels,
+        )
+        still = _g(
+            "nccl_ras_rank_operations_unchanged_seconds",
+            "Seconds since NCCL RAS last saw the rank's operation count change, at the latest answer.",
+            labels,
+        )
+        missing = _g(
+            "nccl_ras_missing_ranks",
+            "Ranks of the job that NCCL RAS reports missing, by "
+            "reason (dead: its RAS peer is gone; unresponsive: it did not answer).",
+            ["job_id", "reason"],
+        )
+        errors = _g(
+            "nccl_ras_async_error_ranks",
+            "Ranks of the job with an asynchronous NCCL error or the abort flag set, per NCCL RAS.",
+            ["job_id"],
+        )
+        culprit = _g(
+            "nccl_ras_culprit",
+            "1 per rank that NCCL RAS names as the one its job waits for "
+            "(reason: dead, unresponsive, missing, behind, async_error), at most 4 of each; "
+            "nccl_rank is its rank in NCCL's world communicator, host its RAS address.",
+            ["job_id", "nccl_rank", "host", "pid", "reason"],
+        )
         jobs: set[str] = set()
         for r in s.nccl_ras:
             if r.counted:  # a one-rank communicator's counts are always 0 (join/nccl_ras.py)
@@ -295,8 +379,12 @@ class StateCollector:
         return [ops, still, missing, errors, culprit]
 
     def _findings(self, s: NodeState) -> list[Metric]:
-        m = _g("finding", "1 per active finding (diagnosis); the explanation is in the events log, "
-               "`gpuwatchd ps` and the alert annotations.", ["kind", "severity", "job_id", "rank", "pid"])
+        m = _g(
+            "finding",
+            "1 per active finding (diagnosis); the explanation is in the events log, "
+            "`gpuwatchd ps` and the alert annotations.",
+            ["kind", "severity", "job_id", "rank", "pid"],
+        )
         seen: set[tuple[str, ...]] = set()
         for f in s.findings:
             labels = (f.kind, f.severity, f.job_id, f.rank, f.pid)
@@ -319,8 +407,7 @@ class StateCollector:
             series = snap.get(name, {})
             if not series and labels:
                 continue
-            m = CounterMetricFamily(P + name,
-                                    COUNTER_HELP.get(name, name), labels=list(labels))
+            m = CounterMetricFamily(P + name, COUNTER_HELP.get(name, name), labels=list(labels))
             for values, v in sorted(series.items()):
                 m.add_metric(list(values), v)
             if not labels and not series:
@@ -371,10 +458,13 @@ class StateRegistry(Registry):
         return self._liveness()
 
 
-def make_registry(get_state: Callable[[], NodeState | None], counters: CounterStore,
-                  process: Callable[[], list[Metric]] = process_families,
-                  liveness: Callable[[], str] = lambda: "",
-                  config_reload: Callable[[], tuple[bool, float]] | None = None) -> StateRegistry:
+def make_registry(
+    get_state: Callable[[], NodeState | None],
+    counters: CounterStore,
+    process: Callable[[], list[Metric]] = process_families,
+    liveness: Callable[[], str] = lambda: "",
+    config_reload: Callable[[], tuple[bool, float]] | None = None,
+) -> StateRegistry:
     """``liveness``: "" while the producer of the states is alive, else why not (/-/healthy).
     ``config_reload``: (the last load succeeded, its Unix time), for gpuwatch_config_last_reload_*."""
     return StateRegistry(StateCollector(get_state, counters, process, config_reload), liveness)

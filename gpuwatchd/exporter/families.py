@@ -60,9 +60,13 @@ class Metric:
         self.plain_samples.append(Sample(name, labels, value))
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, Metric) and (self.name, self.documentation, self.type, self.unit,
-                                               self.samples)
-                == (other.name, other.documentation, other.type, other.unit, other.samples))
+        return isinstance(other, Metric) and (self.name, self.documentation, self.type, self.unit, self.samples) == (
+            other.name,
+            other.documentation,
+            other.type,
+            other.unit,
+            other.samples,
+        )
 
     __hash__ = None  # type: ignore[assignment]  # mutable, like prometheus_client's
 
@@ -82,8 +86,9 @@ class LabelledFamily(Metric):
 
     suffix = ""  # what each sample's name adds to the family's
 
-    def __init__(self, name: str, documentation: str, typ: str, value: float | None,
-                 labels: Sequence[str] | None, unit: str) -> None:
+    def __init__(
+        self, name: str, documentation: str, typ: str, value: float | None, labels: Sequence[str] | None, unit: str
+    ) -> None:
         super().__init__(name, documentation, typ, unit)
         if labels is not None and value is not None:
             raise ValueError("give at most one of value and labels")
@@ -120,8 +125,14 @@ class LabelledFamily(Metric):
 
 
 class GaugeMetricFamily(LabelledFamily):
-    def __init__(self, name: str, documentation: str, value: float | None = None,
-                 labels: Sequence[str] | None = None, unit: str = "") -> None:
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        value: float | None = None,
+        labels: Sequence[str] | None = None,
+        unit: str = "",
+    ) -> None:
         super().__init__(name, documentation, "gauge", value, labels, unit)
 
 
@@ -130,8 +141,14 @@ class CounterMetricFamily(LabelledFamily):
 
     suffix = "_total"
 
-    def __init__(self, name: str, documentation: str, value: float | None = None,
-                 labels: Sequence[str] | None = None, unit: str = "") -> None:
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        value: float | None = None,
+        labels: Sequence[str] | None = None,
+        unit: str = "",
+    ) -> None:
         super().__init__(name.removesuffix("_total"), documentation, "counter", value, labels, unit)
 
 

@@ -20,8 +20,7 @@ TEXT_1_0_0 = "text/plain; version=1.0.0; charset=utf-8"
 OPENMETRICS_1_0_0 = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 _ESCAPINGS = ("underscores", "allow-utf-8", "dots", "values")
 # Escapings whose bytes are the underscores bytes for legacy names, per format.
-_SAME_BYTES = {"text": ("underscores", "allow-utf-8", "values"),
-               "openmetrics": ("underscores", "allow-utf-8")}
+_SAME_BYTES = {"text": ("underscores", "allow-utf-8", "values"), "openmetrics": ("underscores", "allow-utf-8")}
 
 
 def _param(toks: list[str], key: str) -> str:
@@ -58,8 +57,11 @@ def negotiate(accept: str) -> tuple[str, str]:
                 return "openmetrics", OPENMETRICS_1_0_0
             parsed = _version(version)
             if parsed is not None and parsed >= (1, 0, 0):
-                return ("openmetrics", f"application/openmetrics-text; version={version}; "
-                        f"charset=utf-8; escaping={_escaping(toks, 'openmetrics')}")
+                return (
+                    "openmetrics",
+                    f"application/openmetrics-text; version={version}; "
+                    f"charset=utf-8; escaping={_escaping(toks, 'openmetrics')}",
+                )
         elif mime == "text/plain":
             version = _param(toks, "version")
             parsed = _version(version) if version else None

@@ -36,16 +36,20 @@ def process_families(pid: str = "self", proc: str = "/proc") -> list[Metric]:
         with open(os.path.join(base, "stat"), "rb") as f:
             parts = f.read().split(b")")[-1].split()
         out += [
-            GaugeMetricFamily("process_virtual_memory_bytes", "Virtual memory size in bytes.",
-                              value=float(parts[20])),
-            GaugeMetricFamily("process_resident_memory_bytes", "Resident memory size in bytes.",
-                              value=float(parts[21]) * _PAGE),
-            GaugeMetricFamily("process_start_time_seconds",
-                              "Start time of the process since unix epoch in seconds.",
-                              value=float(parts[19]) / _TICKS + btime),
-            CounterMetricFamily("process_cpu_seconds_total",
-                                "Total user and system CPU time spent in seconds.",
-                                value=float(parts[11]) / _TICKS + float(parts[12]) / _TICKS),
+            GaugeMetricFamily("process_virtual_memory_bytes", "Virtual memory size in bytes.", value=float(parts[20])),
+            GaugeMetricFamily(
+                "process_resident_memory_bytes", "Resident memory size in bytes.", value=float(parts[21]) * _PAGE
+            ),
+            GaugeMetricFamily(
+                "process_start_time_seconds",
+                "Start time of the process since unix epoch in seconds.",
+                value=float(parts[19]) / _TICKS + btime,
+            ),
+            CounterMetricFamily(
+                "process_cpu_seconds_total",
+                "Total user and system CPU time spent in seconds.",
+                value=float(parts[11]) / _TICKS + float(parts[12]) / _TICKS,
+            ),
         ]
     except (OSError, IndexError, ValueError):
         pass
@@ -57,11 +61,9 @@ def process_families(pid: str = "self", proc: str = "/proc") -> list[Metric]:
                     max_fds = float(line.split()[3])
                     break
         open_fds = len(os.listdir(os.path.join(base, "fd")))
-        out.append(GaugeMetricFamily("process_open_fds", "Number of open file descriptors.",
-                                     value=open_fds))
+        out.append(GaugeMetricFamily("process_open_fds", "Number of open file descriptors.", value=open_fds))
         if max_fds is not None:
-            out.append(GaugeMetricFamily("process_max_fds", "Maximum number of open file "
-                                         "descriptors.", value=max_fds))
+            out.append(GaugeMetricFamily("process_max_fds", "Maximum number of open file descriptors.", value=max_fds))
     except (OSError, IndexError, ValueError):
         pass
     return out

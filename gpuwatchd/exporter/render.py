@@ -98,7 +98,7 @@ def go_float(v: float) -> str:
     s = repr(d)
     dot = s.find(".")
     if d > 0 and dot > 6:  # Go switches to exponents sooner than Python
-        mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1:]}".rstrip("0.")
+        mantissa = f"{s[0]}.{s[1:dot]}{s[dot + 1 :]}".rstrip("0.")
         return f"{mantissa}e+{dot - 1:02d}"
     return s
 
@@ -115,8 +115,7 @@ class Part(NamedTuple):
 
 
 _OM_ONLY = ("_created", "_gsum", "_gcount")  # client_python moves these into gauges of their own
-_TEXT_TYPES = {"info": "gauge", "stateset": "gauge", "gaugehistogram": "histogram",
-               "unknown": "untyped"}
+_TEXT_TYPES = {"info": "gauge", "stateset": "gauge", "gaugehistogram": "histogram", "unknown": "untyped"}
 
 
 def _plain_line(s: Any, fmt: Callable[[float], str], om: bool) -> str:
@@ -169,8 +168,7 @@ def text_parts(families: Iterable[Metric], prefixes: Prefixes | None = None) -> 
         parts.append(Part(header, "".join(lines), names, False))
         for suffix, more in sorted(extra.items()):
             gauge = fam.name + suffix
-            parts.append(Part(f"# HELP {gauge} {doc}\n# TYPE {gauge} gauge\n", "".join(more), names,
-                              False))
+            parts.append(Part(f"# HELP {gauge} {doc}\n# TYPE {gauge} gauge\n", "".join(more), names, False))
     prefixes.end()
     return parts
 

@@ -22,8 +22,10 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         yield Finding(
             kind="bad_rank_file",
             severity=INFO,
-            explanation=(f"rank claim from {bad.path} refused: {bad.reason}"
-                         if bad.path.startswith("discovery") else
-                         f"rank file {bad.path} skipped: {bad.reason}"),
+            explanation=(
+                f"rank claim from {bad.path} refused: {bad.reason}"
+                if bad.path.startswith("discovery")
+                else f"rank file {bad.path} skipped: {bad.reason}"
+            ),
             evidence={"path": bad.path, "reason": bad.reason},
         )

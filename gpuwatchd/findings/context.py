@@ -54,19 +54,31 @@ def collective_words(ctx: FindingContext, job_id: str) -> list[str]:
     return first + compare(x for k, x in ctx.parts.flight.records.items() if k[0] == job_id)
 
 
-
 def rank_label(r: RankState) -> str:
-    """"rank 0 of job llm (pid 48213 (1 in its container), Kubernetes pod 0b8d...)"."""
+    """ "rank 0 of job llm (pid 48213 (1 in its container), Kubernetes pod 0b8d...)"."""
     pid = f"pid {r.pid}" + (f" ({r.ns_pid} in its container)" if r.ns_pid is not None else "")
     return f"rank {r.rank} of job {r.job_id} ({pid}{', ' + r.container if r.container else ''})"
 
 
-def rank_finding(r: RankState, kind: str, severity: str, explanation: str,
-                 evidence: Mapping[str, Any] | None = None, since: float = 0.0) -> Finding:
+def rank_finding(
+    r: RankState,
+    kind: str,
+    severity: str,
+    explanation: str,
+    evidence: Mapping[str, Any] | None = None,
+    since: float = 0.0,
+) -> Finding:
     """A finding about one rank: its job, rank and pid as the finding's identity."""
-    return Finding(kind=kind, severity=severity, explanation=explanation, job_id=r.job_id,
-                   rank=str(r.rank), pid=str(r.pid),
-                   evidence=frozen_map() if evidence is None else evidence, since=since)
+    return Finding(
+        kind=kind,
+        severity=severity,
+        explanation=explanation,
+        job_id=r.job_id,
+        rank=str(r.rank),
+        pid=str(r.pid),
+        evidence=frozen_map() if evidence is None else evidence,
+        since=since,
+    )
 
 
 def ranks_gpu_memory(ctx: FindingContext) -> dict[tuple[str, str], dict[str, int]]:
@@ -91,8 +103,11 @@ def rank_gpus(r: RankState, ctx: FindingContext,
         memory = ranks_gpu_memory(ctx)
     held = memory.get((r.job_id, str(r.rank)), {})
     indices = {int(i) for i in held}
-    return [(str(g.index), g.utilization_ratio, held.get(str(g.index)))
-            for g in ctx.parts.gpu.gpus if is_rank_gpu(g, r.gpus, indices)]
+    return [
+        (str(g.index), g.utilization_ratio, held.get(str(g.index)))
+        for g in ctx.parts.gpu.gpus
+        if is_rank_gpu(g, r.gpus, indices)
+    ]
 
 
 __all__ = [
@@ -111,5 +126,11 @@ def live_peers(ctx: FindingContext, job_id: str, pid: int, died: float | None = 
     rank and starts new ones within seconds), waiting for nobody. A start time is /proc's ticks
     after /proc/stat's whole-second ``btime``, up to a second early: a peer is one that started
     at least a second before the death."""
-    return sum(1 for p in ctx.ranks if p.job_id == job_id and p.alive and p.pid != pid and (
-        died is None or p.process is None or p.process.start_time <= died - 1.0))
+    return sum(
+        1
+        for p in ctx.ranks
+        if p.job_id == job_id
+        and p.alive
+        and p.pid != pid
+        and (died is None or p.process is None or p.process.start_time <= died - 1.0)
+    )

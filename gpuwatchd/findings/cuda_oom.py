@@ -43,8 +43,7 @@ def oom_finding(oom: AttributedOom) -> Finding:
     """The finding of one attributed event: the rank, the GPU, what it asked for, and each other
     process on that GPU, largest holder first."""
     ev = oom.event
-    others = [t for t in sorted(oom.co_tenants, key=lambda t: -(t.used_memory_bytes or 0))
-              if t.pid != ev.pid]
+    others = [t for t in sorted(oom.co_tenants, key=lambda t: -(t.used_memory_bytes or 0)) if t.pid != ev.pid]
     where = f"GPU {oom.gpu}" if oom.gpu else f"GPU {ev.device_uuid or '?'}"
     ask = f" (tried to allocate {_fmt(ev.requested_bytes)})" if ev.requested_bytes else ""
     in_ctr = f" ({oom.ns_pid} in its container)" if oom.ns_pid is not None else ""

@@ -37,6 +37,5 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
             kind="fd_exhaustion",
             severity=WARNING,
             explanation=f"{rank_label(r)}: {why}; next open() fails with 'Too many open files'",
-            evidence={"open_fds": p.open_fds, "soft_limit": p.max_fds_soft,
-                      "fds_per_second": round(rate, 4)},
+            evidence={"open_fds": p.open_fds, "soft_limit": p.max_fds_soft, "fds_per_second": round(rate, 4)},
         )

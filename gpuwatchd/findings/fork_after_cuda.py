@@ -36,9 +36,7 @@ from gpuwatchd.model import WARNING, Finding, ProcEvidence
 from gpuwatchd.units import fmt_bytes
 
 
-def forked_children(
-    parent: ProcEvidence, candidates: Iterable[ProcEvidence]
-) -> list[ProcEvidence]:
+def forked_children(parent: ProcEvidence, candidates: Iterable[ProcEvidence]) -> list[ProcEvidence]:
     if not parent.holds_cuda_device:
         return []
     inherited = set(parent.nvidia_fds)
@@ -54,8 +52,7 @@ def forked_children(
     return out
 
 
-def gpu_use(parent: ProcEvidence, child: ProcEvidence,
-            memory: Mapping[int, list[tuple[int, int | None]]]) -> list[str]:
+def gpu_use(parent: ProcEvidence, child: ProcEvidence, memory: Mapping[int, list[tuple[int, int | None]]]) -> list[str]:
     """What shows that ``child`` used the GPU itself ([] for inherited descriptors only)."""
     out = []
     for gpu, used in memory.get(child.pid, []):
@@ -89,11 +86,15 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
             who = rank_label(r) if parent.pid == r.pid else f"PID {parent.pid} in {rank_label(r)}"
             used = [u for k in kids for u in gpu_use(parent, k, memory)]
             if used:
-                state = "; a child used the GPU after the fork (a fault: CUDA fails or corrupts " \
-                        f"state there): {'; '.join(used[:4])}"
+                state = (
+                    "; a child used the GPU after the fork (a fault: CUDA fails or corrupts "
+                    f"state there): {'; '.join(used[:4])}"
+                )
             else:
-                state = "; no child used the GPU (inherited descriptors only: a latent risk, a " \
-                        "CUDA call in a child would fail)"
+                state = (
+                    "; no child used the GPU (inherited descriptors only: a latent risk, a "
+                    "CUDA call in a child would fail)"
+                )
             yield Finding(
                 kind="fork_after_cuda",
                 severity=WARNING,
@@ -106,6 +107,10 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
                     f"({', '.join(shared[:4])}){state}; use the 'spawn' or 'forkserver' start "
                     f"method (DataLoader(multiprocessing_context='spawn'))"
                 ),
-                evidence={"children": [k.pid for k in kids], "devices": shared,
-                          "used_gpu": bool(used), "gpu_use": used[:8]},
+                evidence={
+                    "children": [k.pid for k in kids],
+                    "devices": shared,
+                    "used_gpu": bool(used),
+                    "gpu_use": used[:8],
+                },
             )

@@ -33,8 +33,11 @@ def rank_gpu_utilization(r: RankState, gpus: Sequence[GpuDevice], rows: Sequence
     """(gpu index, utilisation) for the rank's GPUs (``model/gpus.py: rank_gpu_devices``: named in its
     rank file or held by its tree, ``rows``; ``held``: ``held_by_rank(rows)`` made once for many
     ranks) whose utilisation NVML reports."""
-    return [(str(g.index), g.utilization_ratio) for g in rank_gpu_devices(r, gpus, rows, held)
-            if g.utilization_ratio is not None]
+    return [
+        (str(g.index), g.utilization_ratio)
+        for g in rank_gpu_devices(r, gpus, rows, held)
+        if g.utilization_ratio is not None
+    ]
 
 
 def top_holders(readings: Sequence[GilReading], n: int = 3) -> list[tuple[str, float]]:
@@ -63,7 +66,8 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         held = sum(x.held for x in recent) / max(sum(x.samples for x in recent), 1)
         gpu_text = (
             "while its GPU " + ", ".join(f"{i} was {u:.0%} busy" for i, u in utils)
-            if utils else "(GPU utilisation unknown)"
+            if utils
+            else "(GPU utilisation unknown)"
         )
         tops = top_holders(recent)
         top_text = ", ".join(f"{fn} {share:.0%}" for fn, share in tops) or "unknown"

@@ -26,9 +26,11 @@ def lost_finding(ev: GpuUevent, gpu_index: str = "", uuid: str = "") -> Finding:
     return Finding(
         kind="gpu_lost",
         severity=PAGE,
-        explanation=(f"{name} disappeared from the PCI bus ({ev.action} uevent at "
-                     f"{fmt_clock(ev.timestamp)}); processes on "
-                     f"it will fail; {ADVICE}"),
+        explanation=(
+            f"{name} disappeared from the PCI bus ({ev.action} uevent at "
+            f"{fmt_clock(ev.timestamp)}); processes on "
+            f"it will fail; {ADVICE}"
+        ),
         evidence={"pci_bus_id": ev.slot, "action": ev.action, "gpu": gpu_index, "uuid": uuid},
         since=ev.timestamp,
     )
@@ -40,8 +42,9 @@ def nvml_lost_finding(index: int, known: GpuDevice | None, now: float) -> Findin
     return Finding(
         kind="gpu_lost",
         severity=PAGE,
-        explanation=(f"{name}: NVML reports the GPU is lost (NVML_ERROR_GPU_IS_LOST); its "
-                     f"processes will fail; {ADVICE}"),
+        explanation=(
+            f"{name}: NVML reports the GPU is lost (NVML_ERROR_GPU_IS_LOST); its processes will fail; {ADVICE}"
+        ),
         evidence={"gpu": str(index), "uuid": known.uuid if known else "", "source": "nvml"},
         since=now,
     )
@@ -52,7 +55,9 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
     lost += [nvml_lost_finding(g.index, g.known, g.seen_at) for g in ctx.parts.gpu.gpus_lost]
     if lost:
         yield Finding(
-            kind="gpu_lost", severity=PAGE,
+            kind="gpu_lost",
+            severity=PAGE,
             explanation="; ".join(f.explanation for f in lost),
             evidence={"gpus": [dict(f.evidence) for f in lost]},
-            since=min(f.since for f in lost))
+            since=min(f.since for f in lost),
+        )

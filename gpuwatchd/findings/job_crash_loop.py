@@ -39,11 +39,27 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         parts = [f"rank {x.rank} {x.how} at {fmt_clock_ms(x.time)}" for x in xs[-5:]]
         more = f" (and {len(xs) - 5} earlier)" if len(xs) > 5 else ""
         same = len({(x.rank, x.cause) for x in xs}) == 1
-        text = (f"job {job_id} failed {len(xs)} times in {span / 60:.0f} min on this node, restarted "
-                f"by its launcher each time: {'; '.join(parts)}{more}; "
-                + ("the same rank and cause each time: a bug or a bad node, not a passing fault"
-                   if same else "not the same rank and cause each time"))
-        yield Finding(kind="job_crash_loop", severity=WARNING, explanation=text, job_id=job_id,
-                      rank=str(last.rank), pid=str(last.pid), since=xs[0].time,
-                      evidence={"failures": len(xs), "span_seconds": round(span, 3),
-                                "causes": sorted({x.cause for x in xs}), "same": same})
+        text = (
+            f"job {job_id} failed {len(xs)} times in {span / 60:.0f} min on this node, restarted "
+            f"by its launcher each time: {'; '.join(parts)}{more}; "
+            + (
+                "the same rank and cause each time: a bug or a bad node, not a passing fault"
+                if same
+                else "not the same rank and cause each time"
+            )
+        )
+        yield Finding(
+            kind="job_crash_loop",
+            severity=WARNING,
+            explanation=text,
+            job_id=job_id,
+            rank=str(last.rank),
+            pid=str(last.pid),
+            since=xs[0].time,
+            evidence={
+                "failures": len(xs),
+                "span_seconds": round(span, 3),
+                "causes": sorted({x.cause for x in xs}),
+                "same": same,
+            },
+        )

@@ -29,10 +29,14 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         if live_peers(ctx, x.job_id, x.pid, x.time):
             continue  # peers alive since before it: torn down soon, or waiting (rank_down pages)
         restarted = sum(1 for p in ctx.ranks if p.job_id == x.job_id and p.alive)
-        after = sorted((y for y in ctx.parts.exits.recent if y.job_id == x.job_id and y.first_pid == x.pid
-                        and y.pid != x.pid), key=lambda y: y.time)
-        text = (f"job {x.job_id} crashed: rank {x.rank} (pid {x.pid}, {x.comm}) failed first, "
-                f"{x.how} at {fmt_clock_ms(x.time)}")
+        after = sorted(
+            (y for y in ctx.parts.exits.recent if y.job_id == x.job_id and y.first_pid == x.pid and y.pid != x.pid),
+            key=lambda y: y.time,
+        )
+        text = (
+            f"job {x.job_id} crashed: rank {x.rank} (pid {x.pid}, {x.comm}) failed first, "
+            f"{x.how} at {fmt_clock_ms(x.time)}"
+        )
         if x.kernel:
             text += f"; {x.kernel}"
         if after:
@@ -42,8 +46,18 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         if restarted:  # ranks started after the crash: the launcher's restart of the job
             text += f"; the launcher restarted the job ({restarted} new rank(s) on this node)"
         yield Finding(
-            kind="job_crashed", severity=WARNING, explanation=text, job_id=x.job_id,
-            rank=str(x.rank), pid=str(x.pid), since=x.time,
-            evidence={"cause": x.cause, "status": x.status, "kernel": x.kernel,
-                      "ranks_ended": 1 + len(after), "first_rank": x.rank},
+            kind="job_crashed",
+            severity=WARNING,
+            explanation=text,
+            job_id=x.job_id,
+            rank=str(x.rank),
+            pid=str(x.pid),
+            since=x.time,
+            evidence={
+                "cause": x.cause,
+                "status": x.status,
+                "kernel": x.kernel,
+                "ranks_ended": 1 + len(after),
+                "first_rank": x.rank,
+            },
         )

@@ -36,11 +36,14 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
             evidence={
                 "nccl_version": ras.nccl_version,
                 "size": ras.size,
-                "culprits": [{"rank": c.rank, "host": c.host, "pid": c.pid, "ops": c.ops,
-                              "why": c.missing or "behind"} for c in culprits[:16]],
-                "async_errors": [{"rank": c.rank, "host": c.host, "pid": c.pid,
-                                  "async_error": c.async_error, "abort": c.abort}
-                                 for c in ras.errors[:16]],
+                "culprits": [
+                    {"rank": c.rank, "host": c.host, "pid": c.pid, "ops": c.ops, "why": c.missing or "behind"}
+                    for c in culprits[:16]
+                ],
+                "async_errors": [
+                    {"rank": c.rank, "host": c.host, "pid": c.pid, "async_error": c.async_error, "abort": c.abort}
+                    for c in ras.errors[:16]
+                ],
                 "counts_stopped_seconds": round(ras.stopped_seconds, 1),
             },
         )

@@ -48,9 +48,11 @@ def pages(x: RankExit, ctx: FindingContext) -> bool:
 
 
 def torn_down(ctx: FindingContext, x: RankExit) -> str:
-    """"; the launcher then ended rank 0 (SIGTERM, 0.004 s after)" for the ranks that followed."""
-    after = sorted((y for y in ctx.parts.exits.recent if y.job_id == x.job_id and y.first_pid == x.pid
-                    and y.pid != x.pid), key=lambda y: y.time)
+    """ "; the launcher then ended rank 0 (SIGTERM, 0.004 s after)" for the ranks that followed."""
+    after = sorted(
+        (y for y in ctx.parts.exits.recent if y.job_id == x.job_id and y.first_pid == x.pid and y.pid != x.pid),
+        key=lambda y: y.time,
+    )
     if not after:
         return ""
     parts = [f"rank {y.rank} ({y.cause}, {y.after_seconds:.3f} s after)" for y in after[:8]]
@@ -59,27 +61,39 @@ def torn_down(ctx: FindingContext, x: RankExit) -> str:
 
 
 def cause_words(x: RankExit) -> str:
-    """"exited with SIGSEGV (core dumped) at 14:22:07.123Z; kernel: segfault at 1 ..."."""
+    """ "exited with SIGSEGV (core dumped) at 14:22:07.123Z; kernel: segfault at 1 ..."."""
     text = f"{x.how} at {fmt_clock_ms(x.time)}"
     return f"{text}; {x.kernel}" if x.kernel else text
 
 
 def _peers_tail(alive: int) -> str:
-    return (f"; {alive} peer(s) on this node still alive will wait in their next collective"
-            if alive else "")
+    return f"; {alive} peer(s) on this node still alive will wait in their next collective" if alive else ""
 
 
 def _from_exit(ctx: FindingContext, x: RankExit, r: RankState | None) -> Finding:
     alive = live_peers(ctx, x.job_id, x.pid, x.time)
     who = rank_label(r) if r is not None else f"rank {x.rank} of job {x.job_id} (pid {x.pid})"
     text = f"{who} {cause_words(x)}{torn_down(ctx, x)}{_peers_tail(alive)}"
-    evidence = {"died_at": x.time, "peers_alive": alive, "cause": x.cause, "verdict": x.verdict,
-                "kernel": x.kernel, "status": x.status}
+    evidence = {
+        "died_at": x.time,
+        "peers_alive": alive,
+        "cause": x.cause,
+        "verdict": x.verdict,
+        "kernel": x.kernel,
+        "status": x.status,
+    }
     if r is not None:
-        return rank_finding(r, kind="rank_down", severity=PAGE, explanation=text,
-                            evidence=evidence, since=x.time)
-    return Finding(kind="rank_down", severity=PAGE, explanation=text, job_id=x.job_id,
-                   rank=str(x.rank), pid=str(x.pid), evidence=evidence, since=x.time)
+        return rank_finding(r, kind="rank_down", severity=PAGE, explanation=text, evidence=evidence, since=x.time)
+    return Finding(
+        kind="rank_down",
+        severity=PAGE,
+        explanation=text,
+        job_id=x.job_id,
+        rank=str(x.rank),
+        pid=str(x.pid),
+        evidence=evidence,
+        since=x.time,
+    )
 
 
 def find(ctx: FindingContext) -> Iterable[Finding]:
@@ -101,7 +115,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
             kind="rank_down",
             severity=PAGE,
             explanation=f"{rank_label(r)} is registered but its process is gone (seen dead at "
-                        f"{when}; no exit read){_peers_tail(alive)}",
+            f"{when}; no exit read){_peers_tail(alive)}",
             evidence={"died_at": r.died_at, "peers_alive": alive},
             since=r.died_at or 0.0,
         )

@@ -26,8 +26,9 @@ def _rate(bps: float) -> str:
     return f"{fmt_bytes(bps)}/s"
 
 
-def assess(m: RankMemory, node: NodeMemoryState | None, ratio_threshold: float,
-           horizon: float) -> dict[str, float | str] | None:
+def assess(
+    m: RankMemory, node: NodeMemoryState | None, ratio_threshold: float, horizon: float
+) -> dict[str, float | str] | None:
     """What is wrong with ``m``, or None: reason (share | limit_trend | node_trend), the share
     of the limit, seconds to the limit or to the node's end."""
     out: dict[str, float | str] = {}
@@ -54,24 +55,31 @@ def explain(m: RankMemory, node: NodeMemoryState | None, a: dict[str, float | st
     if a["reason"] == "node_trend":
         ttl = float(a["seconds_to_node_end"])
         avail = fmt_bytes(node.available_bytes) if node else "unknown"
-        return (f"{who}: its process tree grows {_rate(m.tree_growth_bytes_per_second or 0)} "
-                f"(RSS {fmt_bytes(m.tree_rss_bytes)}) and the node has {avail} available: at this "
-                f"rate the node runs out of memory in {fmt_duration(ttl)} "
-                f"(~{fmt_clock(now + ttl)}), then the kernel "
-                "OOM-kills the largest process")
+        return (
+            f"{who}: its process tree grows {_rate(m.tree_growth_bytes_per_second or 0)} "
+            f"(RSS {fmt_bytes(m.tree_rss_bytes)}) and the node has {avail} available: at this "
+            f"rate the node runs out of memory in {fmt_duration(ttl)} "
+            f"(~{fmt_clock(now + ttl)}), then the kernel "
+            "OOM-kills the largest process"
+        )
     share = float(a["share"])
-    text = (f"{who} is at {share * 100:.0f} % of the {fmt_bytes(m.limit_bytes)} limit of memory "
-            f"cgroup {m.cgroup[:200]} (working set {fmt_bytes(m.working_set_bytes)})")
+    text = (
+        f"{who} is at {share * 100:.0f} % of the {fmt_bytes(m.limit_bytes)} limit of memory "
+        f"cgroup {m.cgroup[:200]} (working set {fmt_bytes(m.working_set_bytes)})"
+    )
     g = m.cgroup_growth_bytes_per_second
     if "seconds_to_limit" in a and g:
         ttl = float(a["seconds_to_limit"])
-        text += (f" and grows {_rate(g)}: it reaches the limit in {fmt_duration(ttl)} "
-                 f"(~{fmt_clock(now + ttl)}), then the kernel "
-                 "OOM-kills a process of the cgroup")
+        text += (
+            f" and grows {_rate(g)}: it reaches the limit in {fmt_duration(ttl)} "
+            f"(~{fmt_clock(now + ttl)}), then the kernel "
+            "OOM-kills a process of the cgroup"
+        )
     else:
         text += "; it is not growing, but little headroom is left before the kernel OOM-kills"
-    if m.high_bytes is not None and m.working_set_bytes is not None and \
-            m.working_set_bytes >= m.high_bytes:  # cgroup v2: reclaim throttles it already
+    if (
+        m.high_bytes is not None and m.working_set_bytes is not None and m.working_set_bytes >= m.high_bytes
+    ):  # cgroup v2: reclaim throttles it already
         text += f"; it is above its memory.high of {fmt_bytes(m.high_bytes)}: the kernel throttles it"
     return text
 
@@ -89,11 +97,20 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         if a is None:
             continue
         yield Finding(
-            kind="rank_memory_pressure", severity=WARNING, explanation=explain(m, node, a, ctx.now),
-            job_id=m.job_id, rank=str(m.rank), pid=str(m.pid),
-            evidence={**a, "cgroup": m.cgroup, "limit_bytes": m.limit_bytes,
-                      "working_set_bytes": m.working_set_bytes, "tree_rss_bytes": m.tree_rss_bytes,
-                      "growth_bytes_per_second": m.cgroup_growth_bytes_per_second
-                      if m.cgroup_growth_bytes_per_second is not None
-                      else m.tree_growth_bytes_per_second},
+            kind="rank_memory_pressure",
+            severity=WARNING,
+            explanation=explain(m, node, a, ctx.now),
+            job_id=m.job_id,
+            rank=str(m.rank),
+            pid=str(m.pid),
+            evidence={
+                **a,
+                "cgroup": m.cgroup,
+                "limit_bytes": m.limit_bytes,
+                "working_set_bytes": m.working_set_bytes,
+                "tree_rss_bytes": m.tree_rss_bytes,
+                "growth_bytes_per_second": m.cgroup_growth_bytes_per_second
+                if m.cgroup_growth_bytes_per_second is not None
+                else m.tree_growth_bytes_per_second,
+            },
         )

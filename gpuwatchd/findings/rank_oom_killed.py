@@ -25,10 +25,7 @@ _BY = {"kernel": "the kernel OOM killer", "systemd-oomd": "systemd-oomd", "early
 
 
 def _still_down(ctx: FindingContext, ev: Event) -> bool:
-    return any(
-        r.job_id == ev.job_id and str(r.rank) == ev.rank and not r.alive and r.pid == ev.pid
-        for r in ctx.ranks
-    )
+    return any(r.job_id == ev.job_id and str(r.rank) == ev.rank and not r.alive and r.pid == ev.pid for r in ctx.ranks)
 
 
 def explain(ev: Event, peers_alive: int) -> str:
@@ -36,8 +33,7 @@ def explain(ev: Event, peers_alive: int) -> str:
     when = fmt_clock(ev.time)
     if ev.worker:
         who = (
-            f"worker pid {ev.pid} ({ev.comm}) of rank {ev.rank} of job {ev.job_id} "
-            f"(rank pid {f.get('rank_pid', '?')})"
+            f"worker pid {ev.pid} ({ev.comm}) of rank {ev.rank} of job {ev.job_id} (rank pid {f.get('rank_pid', '?')})"
         )
     else:
         who = f"rank {ev.rank} of job {ev.job_id} (pid {ev.pid}, {ev.comm})"
@@ -48,8 +44,9 @@ def explain(ev: Event, peers_alive: int) -> str:
     if f.get("memcg"):
         text += f" in memory cgroup {f['memcg']}"
     if ev.killer == "kernel":
-        text += scope_phrase(str(f.get("scope", "")), str(f.get("constraint", "")),
-                             str(f.get("oom_memcg", "")), str(f.get("memcg", "")))
+        text += scope_phrase(
+            str(f.get("scope", "")), str(f.get("constraint", "")), str(f.get("oom_memcg", "")), str(f.get("memcg", ""))
+        )
     if peers_alive:
         text += f"; {peers_alive} peers alive: they will wait in their next collective"
     else:
@@ -60,7 +57,7 @@ def explain(ev: Event, peers_alive: int) -> str:
 
 
 def _container_note(ctx: FindingContext, ev: Event) -> str:
-    """"; pid 1 in its container, Kubernetes pod UID" for a rank in a container (the kernel
+    """ "; pid 1 in its container, Kubernetes pod UID" for a rank in a container (the kernel
     names host PIDs only)."""
     for r in ctx.ranks:
         if r.job_id == ev.job_id and str(r.rank) == ev.rank and (r.ns_pid is not None or r.container):
@@ -76,9 +73,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
             continue
         if ctx.now - ev.time > ACTIVE_SECONDS and not _still_down(ctx, ev):
             continue
-        peers = sum(
-            1 for r in ctx.ranks if r.job_id == ev.job_id and str(r.rank) != ev.rank and r.alive
-        )
+        peers = sum(1 for r in ctx.ranks if r.job_id == ev.job_id and str(r.rank) != ev.rank and r.alive)
         yield Finding(
             kind="rank_oom_killed",
             severity=PAGE,

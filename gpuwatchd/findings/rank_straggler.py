@@ -27,13 +27,19 @@ def causes(r: RankState, ctx: FindingContext, found: tuple[Finding, ...]) -> lis
     gil = list(ctx.parts.stall.gil.get(r.rank_id, ()))
     if "gil_saturated" in mine:
         out.append("GIL saturated (gil_saturated)")
-    elif gil and gil[-1].pid == r.pid and gil[-1].samples and \
-            gil[-1].held / gil[-1].samples >= ctx.config.gil.held_threshold:
+    elif (
+        gil
+        and gil[-1].pid == r.pid
+        and gil[-1].samples
+        and gil[-1].held / gil[-1].samples >= ctx.config.gil.held_threshold
+    ):
         out.append(f"GIL held {gil[-1].held / gil[-1].samples:.0%} of the last sample")
     if rr.periods and rr.throttled_periods >= max(1, THROTTLED_SHARE * rr.periods):
-        out.append(f"CPU throttled by its cgroup: {rr.throttled_periods} of {rr.periods} CFS "
-                   f"periods, {rr.throttled_seconds:.1f} s throttled in {rr.window_seconds:.0f} s "
-                   "(cpu.stat)")
+        out.append(
+            f"CPU throttled by its cgroup: {rr.throttled_periods} of {rr.periods} CFS "
+            f"periods, {rr.throttled_seconds:.1f} s throttled in {rr.window_seconds:.0f} s "
+            "(cpu.stat)"
+        )
     for index, _, _ in rank_gpus(r, ctx):
         g = next(d for d in ctx.parts.gpu.gpus if str(d.index) == index)
         if g.throttle_reasons:
@@ -45,9 +51,12 @@ def causes(r: RankState, ctx: FindingContext, found: tuple[Finding, ...]) -> lis
     workers = [ctx.processes[p] for p in r.tree[1:] if p in ctx.processes]
     blocked = [p for p in workers if p.state in ("D", "T", "t")]
     if blocked:
-        out.append(f"{len(blocked)} of {len(workers)} worker process(es) blocked: " + ", ".join(
-            f"pid {p.pid} {'in D (uninterruptible I/O)' if p.state == 'D' else 'stopped'}"
-            for p in blocked[:4]))
+        out.append(
+            f"{len(blocked)} of {len(workers)} worker process(es) blocked: "
+            + ", ".join(
+                f"pid {p.pid} {'in D (uninterruptible I/O)' if p.state == 'D' else 'stopped'}" for p in blocked[:4]
+            )
+        )
     return out
 
 
@@ -59,8 +68,11 @@ def find(ctx: FindingContext, found: tuple[Finding, ...] = ()) -> Iterable[Findi
             continue
         assert rr.rate is not None and rr.median is not None
         why = causes(r, ctx, found)
-        because = "; ".join(why) if why else (
-            "no cause visible to gpuwatchd (look at its input pipeline, network, or the GPU itself)")
+        because = (
+            "; ".join(why)
+            if why
+            else ("no cause visible to gpuwatchd (look at its input pipeline, network, or the GPU itself)")
+        )
         yield rank_finding(
             r,
             kind="rank_straggler",
@@ -72,8 +84,13 @@ def find(ctx: FindingContext, found: tuple[Finding, ...] = ()) -> Iterable[Findi
                 f"below {ctx.config.straggler.ratio:g}x for {ctx.now - (rr.below_since or ctx.now):.0f} s; "
                 f"causes: {because}"
             ),
-            evidence={"rate": round(rr.rate, 4), "median": round(rr.median, 4),
-                      "ratio": round(rr.rate / rr.median, 3) if rr.median else None,
-                      "peers": list(rr.peers), "causes": why,
-                      "throttled_periods": rr.throttled_periods, "periods": rr.periods},
+            evidence={
+                "rate": round(rr.rate, 4),
+                "median": round(rr.median, 4),
+                "ratio": round(rr.rate / rr.median, 3) if rr.median else None,
+                "peers": list(rr.peers),
+                "causes": why,
+                "throttled_periods": rr.throttled_periods,
+                "periods": rr.periods,
+            },
         )

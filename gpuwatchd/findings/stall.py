@@ -81,8 +81,10 @@ def gpu_wait_text(v: StallVerdict, gpus: list[tuple[str, float | None, int | Non
     if max(utils) >= GPU_BUSY_RATIO:
         return "; the GPU is busy: a long kernel, or an NCCL kernel spinning for a peer"
     if max(utils) < GPU_IDLE_RATIO:
-        return ("; the GPU is idle: the work it waits for was never launched or never "
-                "completes (a lost launch, or a stream waiting on an event nobody records)")
+        return (
+            "; the GPU is idle: the work it waits for was never launched or never "
+            "completes (a lost launch, or a stream waiting on an event nobody records)"
+        )
     return ""
 
 
@@ -128,9 +130,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         if v.suspect:
             odd = f"; suspect: this rank is the odd one out ({v.suspect_reason})"
         elif suspects:
-            odd = "; suspect: " + "; ".join(
-                f"rank {s.rank} (pid {s.pid}) {s.suspect_reason}" for s in suspects
-            )
+            odd = "; suspect: " + "; ".join(f"rank {s.rank} (pid {s.pid}) {s.suspect_reason}" for s in suspects)
         else:
             odd = ""
         memory = ranks_gpu_memory(ctx) if memory is None else memory
@@ -148,13 +148,17 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         if v.confirmed_by:
             lead += f"{CONFIRMED[v.confirmed_by]} ({v.gpu_evidence}); "
         if v.unchanged is not None and v.unchanged_quiet_ms is not None:
-            lead += (f"its Python threads slept at the same place at every look since the dump at "
-                     f"{fmt_clock_utc(v.unchanged[0])}, with {v.unchanged_quiet_ms:.1f} ms of CPU in "
-                     "all (schedstat), so that dump stands; ")
+            lead += (
+                f"its Python threads slept at the same place at every look since the dump at "
+                f"{fmt_clock_utc(v.unchanged[0])}, with {v.unchanged_quiet_ms:.1f} ms of CPU in "
+                "all (schedstat), so that dump stands; "
+            )
         elif v.unchanged is not None:
-            lead += (f"no thread ran since the dump at {fmt_clock_utc(v.unchanged[0])} (schedstat at "
-                     f"{fmt_clock_utc(v.unchanged[1]).removesuffix(' UTC')}: the same tasks, run times "
-                     "and slice counts), so its stacks still hold; ")
+            lead += (
+                f"no thread ran since the dump at {fmt_clock_utc(v.unchanged[0])} (schedstat at "
+                f"{fmt_clock_utc(v.unchanged[1]).removesuffix(' UTC')}: the same tasks, run times "
+                "and slice counts), so its stacks still hold; "
+            )
         yield rank_finding(
             r,
             kind="rank_stalled",
@@ -176,8 +180,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
                 "confirmed_by": v.confirmed_by,
                 "conclusive": v.conclusive,
                 "unchanged_since_dump": None if v.unchanged is None else round(v.unchanged[0], 3),
-                "quiet_cpu_ms_since_dump": None if v.unchanged_quiet_ms is None
-                else round(v.unchanged_quiet_ms, 1),
+                "quiet_cpu_ms_since_dump": None if v.unchanged_quiet_ms is None else round(v.unchanged_quiet_ms, 1),
                 "gpus": [{"gpu": i, "utilization": u, "held_bytes": h} for i, u, h in gpus],
             },
         )
@@ -186,25 +189,24 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
 # why a rank_stalled did not wait for stall.after_seconds ({} is how long it was proven still)
 CONCLUSIVE = {
     "deadlock": "a lock-order deadlock, its threads blocked acquiring locks at 0 % CPU with the "
-                "same stacks for {} (stall.conclusive_seconds)",
+    "same stacks for {} (stall.conclusive_seconds)",
     "gil": "a thread held the GIL at the same line in two dumps over {} while the main thread "
-           "waits for it (stall.conclusive_seconds)",
+    "waits for it (stall.conclusive_seconds)",
     "gpu_spin": "a kernel that never ends under it for {} (stall.conclusive_seconds)",
     "stopped": "stopped for {} while its peers run (stall.conclusive_seconds)",
-    "peer_down": "a rank of its job is down and this one has not moved for {} "
-                 "(stall.conclusive_seconds)",
+    "peer_down": "a rank of its job is down and this one has not moved for {} (stall.conclusive_seconds)",
     "odd_one_out": "the odd one out: still outside the collective for {} while its peers wait in "
-                   "it and none progresses (stall.conclusive_seconds)",
+    "it and none progresses (stall.conclusive_seconds)",
     "waits_for_stuck": "it waits in the collective for {} for a peer stuck elsewhere, the odd one "
-                       "out (stall.conclusive_seconds)",
+    "out (stall.conclusive_seconds)",
     "ras_missing": "it waits in a collective, still for {}, and NCCL RAS agrees: every answer over "
-                   "that time names a missing rank and no collective count of the job moved "
-                   "(stall.conclusive_seconds)",
+    "that time names a missing rank and no collective count of the job moved "
+    "(stall.conclusive_seconds)",
 }
 
 CONFIRMED = {
     "gpu_spin": "confirmed by the GPU: busy with no memory traffic in every reading, a kernel that "
-                "never ends (a spin, or a collective waiting for a peer)",
+    "never ends (a spin, or a collective waiting for a peer)",
     "gpu_idle": "confirmed by the GPU: idle in every reading while the rank waits for it",
     "peer": "confirmed by its peers: a rank of the same job is stalled without ambiguity",
 }
@@ -230,9 +232,13 @@ def _unconfirmed(r: RankState, v: StallVerdict, ctx: FindingContext) -> Finding:
             f"(GPUWATCHD_HEARTBEAT=1 in its environment, or gpuwatchd.heartbeat(step)) and look "
             f"now with `gpuwatchd doctor {r.pid}` (docs/runbooks.md#rank_stall_unconfirmed)"
         ),
-        evidence={"method": v.method, "no_progress_seconds": round(v.no_progress_seconds, 1),
-                  "stuck_frames": list(v.stuck_frames), "gpu_evidence": v.gpu_evidence,
-                  "patterns": list(v.analysis.kinds) if v.analysis else []},
+        evidence={
+            "method": v.method,
+            "no_progress_seconds": round(v.no_progress_seconds, 1),
+            "stuck_frames": list(v.stuck_frames),
+            "gpu_evidence": v.gpu_evidence,
+            "patterns": list(v.analysis.kinds) if v.analysis else [],
+        },
     )
 
 
@@ -245,8 +251,11 @@ def _waiting(r: RankState, v: StallVerdict) -> Finding:
             f"{rank_label(r)}: {v.waits_for}; not paged while its job progresses (the job is hung "
             "when none of its ranks makes progress; docs/runbooks.md#rank_waiting)"
         ),
-        evidence={"no_progress_seconds": round(v.no_progress_seconds, 1), "waits_for": v.waits_for,
-                  "stuck_frames": list(v.stuck_frames)},
+        evidence={
+            "no_progress_seconds": round(v.no_progress_seconds, 1),
+            "waits_for": v.waits_for,
+            "stuck_frames": list(v.stuck_frames),
+        },
     )
 
 
@@ -263,6 +272,8 @@ def _compiling(r: RankState, v: StallVerdict, ctx: FindingContext) -> Finding:
             f"{text}{on_gpu}; paged as stalled only after "
             f"{_duration(ctx.config.stall.compile_after_seconds)} (stall.compile_after_seconds)"
         ),
-        evidence={"no_progress_seconds": round(v.no_progress_seconds, 1),
-                  "patterns": list(v.analysis.kinds) if v.analysis else []},
+        evidence={
+            "no_progress_seconds": round(v.no_progress_seconds, 1),
+            "patterns": list(v.analysis.kinds) if v.analysis else [],
+        },
     )

@@ -32,8 +32,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
     for (pci, xid), ev in sorted(latest.items()):
         gpu = ev.fields.get("gpu", "")
         on = [r for r in ctx.ranks if r.alive and gpu != "" and str(gpu) in r.gpus]
-        text = ev.summary.replace(
-fmt_time(ev.time), fmt_clock(ev.time))
+        text = ev.summary.replace(fmt_time(ev.time), fmt_clock(ev.time))
         if on:
             text += "; ranks on this GPU: " + ", ".join(f"{r.job_id}/{r.rank}" for r in on)
         yield Finding(
@@ -43,7 +42,6 @@ fmt_time(ev.time), fmt_clock(ev.time))
             job_id=ev.job_id,
             rank=ev.rank,
             pid=str(ev.pid) if ev.pid is not None else "",
-            evidence={"xid": xid, "pci": pci, "gpu": gpu, "uuid": ev.fields.get("uuid", ""),
-                      "event": ev.key},
+            evidence={"xid": xid, "pci": pci, "gpu": gpu, "uuid": ev.fields.get("uuid", ""), "event": ev.key},
             since=ev.time,
         )

@@ -64,8 +64,10 @@ def attribute(
     return AttributedOom(event, str(gpu.index) if gpu else "", ns_pid, tuple(co))
 
 
-def claimants(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
-              ) -> dict[tuple[str, int], frozenset[int]]:
+def claimants(
+    entries: Iterable[RankEntry],
+    processes: Mapping[int, ProcessInfo],
+) -> dict[tuple[str, int], frozenset[int]]:
     """(job_id, rank) -> the uids whose event files may report a CUDA OOM of it: the rank
     process's uid (as read this cycle) and the claim's owner (a rank file's owner; a discovered
     process's uid)."""
@@ -94,16 +96,17 @@ class OomTracker:
     def _remember(self, claims: Mapping[tuple[str, int], frozenset[int]], now: float) -> None:
         for key, uids in claims.items():  # a live claim replaces what was remembered of it
             self._claims[key] = (uids, now)
-        self._claims = {k: v for k, v in self._claims.items()
-                        if now - v[1] <= CLAIM_MEMORY_SECONDS}
+        self._claims = {k: v for k, v in self._claims.items() if now - v[1] <= CLAIM_MEMORY_SECONDS}
 
     def _why_refused(self, ev: OomEvent) -> str:
         claim = self._claims.get((ev.job_id, ev.rank))
         if claim is None:
             return f"no rank {ev.rank} of job {ev.job_id} is known on this node"
         if ev.owner_uid is not None and ev.owner_uid != 0 and ev.owner_uid not in claim[0]:
-            return (f"the file is owned by uid {ev.owner_uid}, not root or the uid of rank "
-                    f"{ev.rank} of job {ev.job_id} ({', '.join(map(str, sorted(claim[0])))})")
+            return (
+                f"the file is owned by uid {ev.owner_uid}, not root or the uid of rank "
+                f"{ev.rank} of job {ev.job_id} ({', '.join(map(str, sorted(claim[0])))})"
+            )
         return ""
 
     def observe(

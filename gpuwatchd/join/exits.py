@@ -128,8 +128,9 @@ def classify(x: RankExit, faults: KernelFaults | None, events: Sequence[Event]) 
         kernel = "; ".join(w for w in (kernel, f"Xid {n} on GPU {xid.fields.get('gpu', '') or '?'}") if w)
         if isinstance(n, int) and n in CRITICAL_XIDS:
             verdict = NODE
-    return replace(x, cause=cause, how=how, kernel=kernel, verdict=verdict,
-                   oom_event=oom.key if oom is not None else "")
+    return replace(
+        x, cause=cause, how=how, kernel=kernel, verdict=verdict, oom_event=oom.key if oom is not None else ""
+    )
 
 
 def order(exits: Sequence[RankExit], started: Callable[[int], float] | None = None) -> list[RankExit]:
@@ -144,16 +145,16 @@ def order(exits: Sequence[RankExit], started: Callable[[int], float] | None = No
     for x in ranked:
         if first is not None and x.time - first.time > TEARDOWN_SECONDS:
             first = None  # a failure of its own, long after the last one's teardown
-        if first is not None and started is not None and x.start_ticks and \
-                started(x.start_ticks) > first.time:
+        if first is not None and started is not None and x.start_ticks and started(x.start_ticks) > first.time:
             first = None  # a rank of the restarted job: not torn down after that failure
         if first is None and x.cause != EXIT_0:
             first = x
         if first is None:
             out.append(replace(x, first_rank=None, first_pid=None, after_seconds=None))
         else:
-            out.append(replace(x, first_rank=first.rank, first_pid=first.pid,
-                               after_seconds=round(x.time - first.time, 3)))
+            out.append(
+                replace(x, first_rank=first.rank, first_pid=first.pid, after_seconds=round(x.time - first.time, 3))
+            )
     return out
 
 
@@ -166,9 +167,11 @@ def exit_words(x: RankExit) -> str:
     if x.first:
         text += "; the first of its job to fail on this node"
     elif x.first_rank is not None and x.after_seconds is not None:
-        text += (f"; {x.after_seconds:.3f} s after rank {x.first_rank} failed: "
-                 f"{'torn down by the launcher' if x.cause in ('SIGTERM', 'SIGKILL', 'SIGINT') else 'ended'} "
-                 "after it")
+        text += (
+            f"; {x.after_seconds:.3f} s after rank {x.first_rank} failed: "
+            f"{'torn down by the launcher' if x.cause in ('SIGTERM', 'SIGKILL', 'SIGINT') else 'ended'} "
+            "after it"
+        )
     return text
 
 
@@ -176,8 +179,9 @@ class ExitLedger:
     """The recent exits, joined and ordered (see the module docstring). Thread-safe: the exit
     thread adds, the cycle reads."""
 
-    def __init__(self, faults: KernelFaults | None = None, limit: int = 4096,
-                 started: Callable[[int], float] | None = None) -> None:
+    def __init__(
+        self, faults: KernelFaults | None = None, limit: int = 4096, started: Callable[[int], float] | None = None
+    ) -> None:
         self.faults = faults
         self.limit = limit
         self.started = started  # start ticks -> Unix time (order's restarts)
@@ -190,7 +194,7 @@ class ExitLedger:
             have = {(x.pid, x.start_ticks) for x in self._exits}
             fresh = [classify(x, self.faults, events) for x in new if (x.pid, x.start_ticks) not in have]
             self._exits.extend(fresh)
-            self._exits = self._exits[-self.limit:]
+            self._exits = self._exits[-self.limit :]
             self._reorder({x.job_id for x in fresh})
             keys = {(x.pid, x.start_ticks) for x in fresh}
             return [x for x in self._exits if (x.pid, x.start_ticks) in keys]
@@ -200,8 +204,10 @@ class ExitLedger:
         the exit was read (the journal source's latency): bounded by the exits of that window."""
         with self._lock:
             old = self._exits
-            self._exits = [classify(x, self.faults, events)
-                           if now - x.time <= REFRESH_SECONDS and x.verdict != NODE else x for x in old]
+            self._exits = [
+                classify(x, self.faults, events) if now - x.time <= REFRESH_SECONDS and x.verdict != NODE else x
+                for x in old
+            ]
             changed = {x.job_id for x, y in zip(old, self._exits, strict=False) if x != y}
             if changed:
                 self._reorder(changed)
@@ -215,8 +221,9 @@ class ExitLedger:
     def prune(self, now: float, registered: set[tuple[str, int, int]]) -> None:
         """Drop exits older than ACTIVE_SECONDS, unless their rank is still registered."""
         with self._lock:
-            self._exits = [x for x in self._exits if now - x.time <= ACTIVE_SECONDS
-                           or (x.job_id, x.rank, x.pid) in registered]
+            self._exits = [
+                x for x in self._exits if now - x.time <= ACTIVE_SECONDS or (x.job_id, x.rank, x.pid) in registered
+            ]
 
     def recent(self) -> tuple[RankExit, ...]:
         with self._lock:

@@ -125,8 +125,10 @@ def compare(readings: Iterable[FrReading]) -> list[str]:
                 out.append(f"desync: collective #{seq} of process group {pg} is {parts}")
                 break
     if silent and (good or failed):
-        out.append(f"flight recorder: {_ranks_text(silent)} did not answer the dump request "
-                   "(stopped, or its Python threads are blocked)")
+        out.append(
+            f"flight recorder: {_ranks_text(silent)} did not answer the dump request "
+            "(stopped, or its Python threads are blocked)"
+        )
     for r in failed:
         out.append(f"flight recorder of rank {r.rank} unavailable: {r.error}")
     return out

@@ -198,11 +198,14 @@ def _patterns(views: Sequence[ThreadView], workers: WorkerView | None,
     if compiling and (busy >= WORK_SHARE or waits_for_compiler):
         v = next((c for c in compiling if c.name == "MainThread"), compiling[0])
         inner = next((f for f in v.frames if _is_compile(f)), v.frames[0])
-        how = (f"with {busy:.0%} of a core busy" if busy >= WORK_SHARE else
-               f"waiting for the compiler in {v.frames[0]}")
-        out.append(Pattern("compiling", (
-            f'still compiling, not hung: "{v.name}" is in torch.compile ({inner}) {how}'),
-            tuple(c.name for c in compiling)))
+        how = f"with {busy:.0%} of a core busy" if busy >= WORK_SHARE else f"waiting for the compiler in {v.frames[0]}"
+        out.append(
+            Pattern(
+                "compiling",
+                (f'still compiling, not hung: "{v.name}" is in torch.compile ({inner}) {how}'),
+                tuple(c.name for c in compiling),
+            )
+        )
         return out  # the rest of a compiling rank's threads wait for the compiler
     locks = [v for v in views if v.kind == "lock" and (v.cpu_share or 0.0) <= IDLE_SHARE]
     progressing = [v for v in views if v.kind in ("running", "native_spin")
@@ -210,47 +213,66 @@ def _patterns(views: Sequence[ThreadView], workers: WorkerView | None,
     joiners = [v for v in views if v.kind == "join"]
     if locks:
         names = ", ".join(f'"{v.name}" in {_where(v)}' for v in locks[:6])
-        locks_text = lock_evidence.locks_text({v.futex for v in locks if v.futex is not None},
-                                              [v.name for v in locks if v.parked])
+        locks_text = lock_evidence.locks_text(
+            {v.futex for v in locks if v.futex is not None}, [v.name for v in locks if v.parked]
+        )
         join_text = ""
         if joiners:
-            join_text = "; " + ", ".join(f'"{j.name}"' for j in joiners[:3]) + \
-                " waits for them in Thread.join"
+            join_text = "; " + ", ".join(f'"{j.name}"' for j in joiners[:3]) + " waits for them in Thread.join"
         if len(locks) >= 2 and not progressing:
             out.append(Pattern("deadlock", (
                 f"likely deadlock: {len(locks)} threads blocked acquiring locks at 0 % CPU, none "
                 f"progressing: {names}{locks_text}{join_text}{unjoined}"),
                 tuple(v.name for v in locks)))  # fmt: skip
         else:
-            out.append(Pattern("lock_wait", (
-                f"lock wait: {len(locks)} thread(s) blocked acquiring a lock at 0 % CPU: "
-                f"{names}{locks_text}{unjoined}"), tuple(v.name for v in locks)))
+            out.append(
+                Pattern(
+                    "lock_wait",
+                    (
+                        f"lock wait: {len(locks)} thread(s) blocked acquiring a lock at 0 % CPU: "
+                        f"{names}{locks_text}{unjoined}"
+                    ),
+                    tuple(v.name for v in locks),
+                )
+            )
     for v in views:
         if v.kind == "gpu":
             cpu = "" if v.cpu_share is None else f" at {v.cpu_share:.0%} CPU"
-            out.append(Pattern("gpu_wait", f'waiting on the GPU: "{v.name}" in {_where(v)}{cpu}',
-                               (v.name,)))
+            out.append(Pattern("gpu_wait", f'waiting on the GPU: "{v.name}" in {_where(v)}{cpu}', (v.name,)))
         elif v.kind == "native_spin":
-            out.append(Pattern("native_spin", (
-                f'"{v.name}" burns {v.cpu_share or 0:.0%} of a core in native code without the '
-                f"GIL at {_where(v)} (a CUDA spin-wait in .item()/synchronize/a copy when the rank "
-                "uses a GPU)"), (v.name,)))
+            out.append(
+                Pattern(
+                    "native_spin",
+                    (
+                        f'"{v.name}" burns {v.cpu_share or 0:.0%} of a core in native code without the '
+                        f"GIL at {_where(v)} (a CUDA spin-wait in .item()/synchronize/a copy when the rank "
+                        "uses a GPU)"
+                    ),
+                    (v.name,),
+                )
+            )
     colls = [v for v in views if v.kind == "collective"]
     if colls:
         v = colls[0]
         coll = _collective(v.frames)
-        out.append(Pattern("collective", (
-            f'waiting in a collective: "{v.name}" in {coll or _where(v)}'), (v.name,)))
+        out.append(Pattern("collective", (f'waiting in a collective: "{v.name}" in {coll or _where(v)}'), (v.name,)))
     queue = [v for v in views if v.kind == "queue"]
     if queue and not colls and workers is not None:
         v = next((q for q in queue if q.name == "MainThread"), queue[0])
         starved = workers.seen > 0 and not workers.running
         if starved:
             i = next((i for i, f in enumerate(v.frames[:6]) if _label(f, QUEUE_WAITS)), 0)
-            where = " <- ".join(str(f) for f in v.frames[i:i + 2])
-            out.append(Pattern("starved", (
-                f'starved: "{v.name}" waits for data in {v.waits_on} ({where}) while its '
-                f"{workers.seen} worker process(es) are {workers.text()}"), (v.name,)))
+            where = " <- ".join(str(f) for f in v.frames[i : i + 2])
+            out.append(
+                Pattern(
+                    "starved",
+                    (
+                        f'starved: "{v.name}" waits for data in {v.waits_on} ({where}) while its '
+                        f"{workers.seen} worker process(es) are {workers.text()}"
+                    ),
+                    (v.name,),
+                )
+            )
     return out
 
 
@@ -277,10 +299,7 @@ def analyze(
     by_tid = {t.tid: t for t in threads}
     shares = shares or {}
     waits = waits or {}
-    views = tuple(
-        classify(s, by_tid.get(s.tid or -1), shares.get(s.tid or -1), waits.get(s.tid or -1))
-        for s in stacks
-    )
+    views = tuple(classify(s, by_tid.get(s.tid or -1), shares.get(s.tid or -1), waits.get(s.tid or -1)) for s in stacks)
     unjoined = ""
     evidence = (lock_evidence.unjoined(threads, shares, waits, IDLE_SHARE)
                 if any(not s.tid for s in stacks) else None)  # fmt: skip

@@ -61,6 +61,7 @@ RECORD_FILE = "rank_trees.json"
 # The processor: records in, events and counters out
 # ---------------------------------------------------------------------------------------------
 
+
 class KernelEventProcessor:
     """Thread-safe: ``handle`` runs in the kernel-log thread, ``observe``/``cross_check``/``tick``
     in the daemon's cycle, ``recent`` in outputs."""
@@ -103,8 +104,9 @@ class KernelEventProcessor:
         self.counters = counters
         self.state_dir = state_dir
         self.boot_id = boot_id
-        self.record = record or RankTreeRecord(os.path.join(state_dir, RECORD_FILE), files=files,
-                                               ended_grace_seconds=ended_grace_seconds)
+        self.record = record or RankTreeRecord(
+            os.path.join(state_dir, RECORD_FILE), files=files, ended_grace_seconds=ended_grace_seconds
+        )
         self.unexplained_grace = unexplained_grace
         self.clock = clock
         self._lock = threading.RLock()
@@ -115,9 +117,16 @@ class KernelEventProcessor:
         if store is None:
             make_state_dir(state_dir)  # unwritable: kills are still counted, writes counted
             store = EventStore(
-                EventFile(state_dir, files), counters, bus=bus, boot_id=boot_id, clock=clock,
-                max_log_bytes=max_log_bytes, keep_events=keep_events,
-                retention_seconds=retention_seconds, recent_seconds=recent_seconds)
+                EventFile(state_dir, files),
+                counters,
+                bus=bus,
+                boot_id=boot_id,
+                clock=clock,
+                max_log_bytes=max_log_bytes,
+                keep_events=keep_events,
+                retention_seconds=retention_seconds,
+                recent_seconds=recent_seconds,
+            )
         # the ranks registered now, whose counters a compaction keeps: this processor's view
         store.live_ranks = self.peers.live
         self.store = store
@@ -161,7 +170,8 @@ class KernelEventProcessor:
                 if self.faults is not None and p.pid is not None:
                     f = p.fields
                     words = f"{f['what']} ip {f['ip']} error {f['error']}" + (
-                        f" in {f['where']}" if f.get("where") else "")
+                        f" in {f['where']}" if f.get("where") else ""
+                    )
                     self.faults.record(KernelFault(p.pid, p.comm, rec.realtime, words))
                 return []
             kills = self._grouper.feed(rec, p)
@@ -218,10 +228,7 @@ class KernelEventProcessor:
                 fields["world_size"] = world
             subject = f"rank {m.rank} of job {m.job_id} (pid {k.pid}, {k.comm})"
             if m.worker:
-                subject = (
-                    f"worker pid {k.pid} ({k.comm}) of rank {m.rank} of job {m.job_id} "
-                    f"(rank pid {m.rank_pid})"
-                )
+                subject = f"worker pid {k.pid} ({k.comm}) of rank {m.rank} of job {m.job_id} (rank pid {m.rank_pid})"
             summary = f"{subject} was killed by {by} at {fmt_time(k.time)}{holding}{where}"
             if peers:
                 summary += f"; {peers} peers alive: they will wait in their next collective"
@@ -255,15 +262,26 @@ class KernelEventProcessor:
         """A kill of the daemon's own helper: named as such, never a node OOM kill."""
         holding = f" holding {fmt_bytes(k.rss_bytes)} RSS" if k.rss_bytes is not None else ""
         where = f" in memory cgroup {k.memcg}" if k.memcg else ""
-        return self.store.emit(Event(
-            key=k.key, kind=HELPER_OOM_KILL, time=k.time, severity=WARNING,
-            summary=(f"gpuwatchd's own {helper} helper (pid {k.pid}, {k.comm}) was killed by "
-                     f"{k.killer} at {fmt_time(k.time)}{holding}{where}: the monitor's helper, "
-                     "not a training process (counted in gpuwatch_helper_oom_kills_total)"),
-            pid=k.pid, comm=k.comm, killer=k.killer, boot_id=k.boot_id,
-            counter="helper_oom_kills", labels=(helper, k.killer),
-            fields=frozen_map({"rss_bytes": k.rss_bytes, "memcg": k.memcg, "helper": helper}),
-        ))
+        return self.store.emit(
+            Event(
+                key=k.key,
+                kind=HELPER_OOM_KILL,
+                time=k.time,
+                severity=WARNING,
+                summary=(
+                    f"gpuwatchd's own {helper} helper (pid {k.pid}, {k.comm}) was killed by "
+                    f"{k.killer} at {fmt_time(k.time)}{holding}{where}: the monitor's helper, "
+                    "not a training process (counted in gpuwatch_helper_oom_kills_total)"
+                ),
+                pid=k.pid,
+                comm=k.comm,
+                killer=k.killer,
+                boot_id=k.boot_id,
+                counter="helper_oom_kills",
+                labels=(helper, k.killer),
+                fields=frozen_map({"rss_bytes": k.rss_bytes, "memcg": k.memcg, "helper": helper}),
+            )
+        )
 
     # -- the daemon's cycle ------------------------------------------------------------------
 
@@ -281,9 +299,7 @@ class KernelEventProcessor:
             self.peers.update(ranks)
         for r in ranks:
             if r.alive and r.process is not None:
-                self.counters.ensure(
-                    "oom_kills", (r.job_id, str(r.rank), r.process.comm, KILLER_KERNEL)
-                )
+                self.counters.ensure("oom_kills", (r.job_id, str(r.rank), r.process.comm, KILLER_KERNEL))
 
     def cross_check(self, vmstat_oom_kill: int | None, now: float) -> list[Event]:
         """Kernel kills counted by /proc/vmstat that no parsed line explains, after a grace period
@@ -330,4 +346,3 @@ class KernelEventProcessor:
             return ev
         peers, _ = self.peers.peers_alive(ev.job_id, int(ev.rank))
         return replace(ev, fields=frozen_map({**ev.fields, "peers_alive_now": peers}))
-

@@ -19,7 +19,7 @@ class KernelFault:
     pid: int
     comm: str
     time: float  # Unix seconds of the kernel record
-    words: str   # "segfault at 1 ip 00007f4f84f74219 error 4 in libc.so.6"
+    words: str  # "segfault at 1 ip 00007f4f84f74219 error 4 in libc.so.6"
 
 
 class KernelFaults:

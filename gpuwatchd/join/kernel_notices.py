@@ -36,8 +36,14 @@ class KernelNotices:
     """systemd-oomd, Xid and fallen-off-the-bus lines -> events (see the module docstring). Not
     locked: the processor calls it under its own lock."""
 
-    def __init__(self, store: EventStore, record: RankTreeRecord, peers: RankPeers,
-                 baseline: OomBaseline, xid_dedup: XidDeduper | None) -> None:
+    def __init__(
+        self,
+        store: EventStore,
+        record: RankTreeRecord,
+        peers: RankPeers,
+        baseline: OomBaseline,
+        xid_dedup: XidDeduper | None,
+    ) -> None:
         self.store = store
         self.record = record
         self.peers = peers

@@ -29,7 +29,8 @@ def locks_text(futexes: Iterable[int], parked: Sequence[str]) -> str:
         who = ", ".join(f'"{name}"' for name in parked[:3])
         parts.append(
             f"{who} parked in CPython's parking lot (a PyMutex wait, Python 3.13+, e.g. the import "
-            "lock): its futex word is on its own stack, so which lock it waits on is unknown")
+            "lock): its futex word is on its own stack, so which lock it waits on is unknown"
+        )
     return f" ({'; '.join(parts)})" if parts else ""
 
 

@@ -48,7 +48,7 @@ def slope(points: Iterable[tuple[float, float]]) -> float | None:
     mt = sum(ts) / n
     mv = sum(vs) / n
     dts = [t - mt for t in ts]
-    den = sum([d ** 2 for d in dts])
+    den = sum([d**2 for d in dts])
     if den <= 0:
         return None
     return sum([d * (v - mv) for d, v in zip(dts, vs, strict=True)]) / den
@@ -169,9 +169,17 @@ class MemoryTracker:
             return RankMemory(job_id, rank, pid, tree_rss, rss_rate, top=top)
         psi = cg.pressure
         return RankMemory(
-            job_id, rank, pid, tree_rss, rss_rate, cgroup=cg.path, cgroup_version=cg.version,
-            usage_bytes=cg.usage_bytes, working_set_bytes=cg.working_set_bytes,
-            limit_bytes=cg.limit_bytes, high_bytes=cg.high_bytes,
+            job_id,
+            rank,
+            pid,
+            tree_rss,
+            rss_rate,
+            cgroup=cg.path,
+            cgroup_version=cg.version,
+            usage_bytes=cg.usage_bytes,
+            working_set_bytes=cg.working_set_bytes,
+            limit_bytes=cg.limit_bytes,
+            high_bytes=cg.high_bytes,
             cgroup_growth_bytes_per_second=cg_rate,
             pressure_some_avg10=psi.some_avg10 if psi else None,
             pressure_some_seconds=psi.some_total_seconds if psi else None,
@@ -179,8 +187,9 @@ class MemoryTracker:
             top=top,
         )
 
-    def _top(self, now: float, members: list[ProcessInfo], rank_pid: int,
-             window: float) -> tuple[TreeProcessMemory, ...]:
+    def _top(
+        self, now: float, members: list[ProcessInfo], rank_pid: int, window: float
+    ) -> tuple[TreeProcessMemory, ...]:
         """The tree's processes by what they gained over the window, then by what they hold."""
         out = []
         for p in members:
@@ -195,8 +204,11 @@ class MemoryTracker:
                 base_t, base = p.start_time, 0
             else:
                 base_t, base = h[0]
-            out.append(TreeProcessMemory(p.pid, p.comm, p.rss_bytes, p.rss_bytes - base,
-                                         max(0.0, now - base_t), p.pid != rank_pid))
+            out.append(
+                TreeProcessMemory(
+                    p.pid, p.comm, p.rss_bytes, p.rss_bytes - base, max(0.0, now - base_t), p.pid != rank_pid
+                )
+            )
         out.sort(key=lambda m: (-m.gained_bytes, -m.rss_bytes))
         return tuple(out[:TOP_PROCESSES])
 

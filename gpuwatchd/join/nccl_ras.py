@@ -51,8 +51,8 @@ class RasAnswer:
     text: bool = False  # NCCL 2.24-2.27's text (join/ras_text.py): no counts, no rank list
 
 
-def _int(value: Any, what: str, low: int = -(2 ** 63)) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2 ** 63:
+def _int(value: Any, what: str, low: int = -(2**63)) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**63:
         raise ValueError(f"{what} is not an integer")
     return value
 
@@ -71,11 +71,20 @@ def _rank(d: Any, missing: bool) -> RasRank:
         raise ValueError("a rank is not an object")
     status = d.get("status")
     st: dict[str, Any] = status if isinstance(status, dict) else {}
-    common = dict(rank=_int(d.get("rank"), "rank", 0), host=_text(d.get("host"), 64, "host"),
-                  pid=_int(d.get("pid"), "pid", -1), cuda_dev=_int(d.get("cuda_dev", -1), "cuda_dev", -1))
+    common = dict(
+        rank=_int(d.get("rank"), "rank", 0),
+        host=_text(d.get("host"), 64, "host"),
+        pid=_int(d.get("pid"), "pid", -1),
+        cuda_dev=_int(d.get("cuda_dev", -1), "cuda_dev", -1),
+    )
     if missing:
-        why = ("dead" if st.get("considered_dead") is True else
-               "unresponsive" if st.get("unresponsive") is True else "missing")
+        why = (
+            "dead"
+            if st.get("considered_dead") is True
+            else "unresponsive"
+            if st.get("unresponsive") is True
+            else "missing"
+        )
         return RasRank(**common, missing=why)  # type: ignore[arg-type]
     counts = d.get("collective_counts")
     if not isinstance(counts, dict):
@@ -85,7 +94,8 @@ def _rank(d: Any, missing: bool) -> RasRank:
         counts={_text(k, 32, "function"): _int(v, "count", 0) for k, v in list(counts.items())[:16]},
         init_state=_int(st.get("init_state", 0), "init_state"),
         async_error=_int(st.get("async_error", 0), "async_error"),
-        abort=st.get("abort_flag") is True)
+        abort=st.get("abort_flag") is True,
+    )
 
 
 def parse_status(doc: Any) -> RasAnswer:
@@ -99,17 +109,21 @@ def parse_status(doc: Any) -> RasAnswer:
     version = _text(doc.get("nccl_version", "?"), 16, "nccl_version")
     best: dict[str, Any] | None = None
     for comm in doc["communicators"][:MAX_COMMS]:
-        if isinstance(comm, dict) and (best is None or _int(comm.get("size", 0), "size", 0) >
-                                       _int(best.get("size", 0), "size", 0)):
+        if isinstance(comm, dict) and (
+            best is None or _int(comm.get("size", 0), "size", 0) > _int(best.get("size", 0), "size", 0)
+        ):
             best = comm
     if best is None:
         return RasAnswer(version, 0, (), ())
     ranks, missing = best.get("ranks", []), best.get("missing_ranks", [])
     if not isinstance(ranks, list) or not isinstance(missing, list):
         raise ValueError("ranks or missing_ranks is not a list")
-    return RasAnswer(version, _int(best.get("size", 0), "size", 0),
-                     tuple(_rank(r, False) for r in ranks[:MAX_RANKS]),
-                     tuple(_rank(r, True) for r in missing[:MAX_RANKS]))
+    return RasAnswer(
+        version,
+        _int(best.get("size", 0), "size", 0),
+        tuple(_rank(r, False) for r in ranks[:MAX_RANKS]),
+        tuple(_rank(r, True) for r in missing[:MAX_RANKS]),
+    )
 
 
 @dataclass
@@ -155,16 +169,23 @@ class RasTracker:
         for job in set(self._seen) - live_jobs:
             del self._seen[job]
 
-    def observe(self, job_id: str, now: float, answer: RasAnswer, local: Mapping[int, tuple[int, int]],
-                addresses: frozenset[str]) -> RasJob:
+    def observe(
+        self,
+        job_id: str,
+        now: float,
+        answer: RasAnswer,
+        local: Mapping[int, tuple[int, int]],
+        addresses: frozenset[str],
+    ) -> RasJob:
         """``local``: RAS-visible PID (host or container PID) -> (gpuwatchd rank, host PID) of the
         job's live ranks here; ``addresses``: this node's addresses (empty: unknown, PID alone)."""
         if answer.text:
             return self._text(job_id, now, answer)
         mine = [r for r in answer.ranks if r.pid in local and (not addresses or r.host in addresses)]
         if not mine:
-            return RasJob(job_id, now, error="the answer names none of the job's ranks here",
-                          nccl_version=answer.nccl_version)
+            return RasJob(
+                job_id, now, error="the answer names none of the job's ranks here", nccl_version=answer.nccl_version
+            )
         seen = self._seen.get(job_id)
         ops = {(r.host, r.pid): r.ops for r in answer.ranks}
         moved_at: dict[tuple[str, int], float] = {}
@@ -177,8 +198,11 @@ class RasTracker:
                 moved_at[key] = now
                 moved = moved or before is not None
         any_moved = now if seen is None or moved else seen.any_moved_at
-        missing_at = None if not answer.missing else (
-            seen.missing_at if seen is not None and seen.missing_at is not None else now)
+        missing_at = (
+            None
+            if not answer.missing
+            else (seen.missing_at if seen is not None and seen.missing_at is not None else now)
+        )
         self._seen[job_id] = _Seen(ops, moved_at, any_moved, missing_at)
         counted = answer.size > 1  # a one-rank communicator's counts never move (module docstring)
         progressing = None if seen is None or not counted else moved
@@ -195,12 +219,20 @@ class RasTracker:
                                      r.counts, moved_at[(r.host, r.pid)], now, r.async_error,
                                      counted=counted)
                        for r in sorted(mine, key=lambda r: r.rank))  # fmt: skip
-        job = RasJob(job_id, now, nccl_version=answer.nccl_version, size=answer.size,
-                     local=status, missing=answer.missing, errors=errors, behind=behind,
-                     progressing=progressing, stopped_seconds=now - any_moved,
-                     missing_seconds=now - missing_at if missing_at is not None else 0.0)
+        job = RasJob(
+            job_id,
+            now,
+            nccl_version=answer.nccl_version,
+            size=answer.size,
+            local=status,
+            missing=answer.missing,
+            errors=errors,
+            behind=behind,
+            progressing=progressing,
+            stopped_seconds=now - any_moved,
+            missing_seconds=now - missing_at if missing_at is not None else 0.0,
+        )
         return _with_statement(job, present)
-
 
     def _text(self, job_id: str, now: float, answer: RasAnswer) -> RasJob:
         """A text answer (NCCL 2.24-2.27): its missing and failed ranks, no counts, so neither
@@ -209,8 +241,9 @@ class RasTracker:
         an answer that names none of them here acceptable."""
         self._seen.pop(job_id, None)
         errors = tuple(r for r in answer.ranks if r.async_error not in (0, 7) or r.abort)
-        job = RasJob(job_id, now, nccl_version=answer.nccl_version, size=answer.size,
-                     missing=answer.missing, errors=errors)
+        job = RasJob(
+            job_id, now, nccl_version=answer.nccl_version, size=answer.size, missing=answer.missing, errors=errors
+        )
         return _with_statement(job, answer.ranks)
 
 
@@ -220,8 +253,10 @@ def _with_statement(job: RasJob, present: tuple[RasRank, ...]) -> RasJob:
     if job.missing:
         parts.append(_ranks_words(job.missing, "") + " per NCCL RAS")
     elif job.behind:
-        parts.append(_ranks_words(job.behind, f"behind ({job.behind[0].ops} collectives issued)")
-                     + f" per NCCL RAS; counts have not moved for {job.stopped_seconds:.0f} s")
+        parts.append(
+            _ranks_words(job.behind, f"behind ({job.behind[0].ops} collectives issued)")
+            + f" per NCCL RAS; counts have not moved for {job.stopped_seconds:.0f} s"
+        )
     for r in job.errors[:MAX_NAMED]:
         why = NCCL_RESULTS.get(r.async_error, f"error {r.async_error}") if r.async_error else "aborted"
         parts.append(f"{r.where()} has an asynchronous NCCL error: {why}")
@@ -232,10 +267,20 @@ def _with_statement(job: RasJob, present: tuple[RasRank, ...]) -> RasJob:
             parts[0] += f"; the {len(ahead)} others wait in {fn} #{top}"
     statement = "; ".join(parts)
     dead = sum(r.missing == "dead" for r in job.missing)
-    named = tuple((r.rank, r.host, r.pid, r.missing or "behind") for r in culprits[:MAX_NAMED]) + \
-        tuple((r.rank, r.host, r.pid, "async_error") for r in job.errors[:MAX_NAMED])
-    local = tuple(replace(s, dead=dead, unresponsive=len(job.missing) - dead, errors=len(job.errors),
-                          culprit=statement, culprits=named) for s in job.local)
+    named = tuple((r.rank, r.host, r.pid, r.missing or "behind") for r in culprits[:MAX_NAMED]) + tuple(
+        (r.rank, r.host, r.pid, "async_error") for r in job.errors[:MAX_NAMED]
+    )
+    local = tuple(
+        replace(
+            s,
+            dead=dead,
+            unresponsive=len(job.missing) - dead,
+            errors=len(job.errors),
+            culprit=statement,
+            culprits=named,
+        )
+        for s in job.local
+    )
     return replace(job, statement=statement, local=local)
 
 

@@ -73,8 +73,9 @@ def load_baseline(path: str, boot_id: str) -> tuple[Baseline | None, str]:
 
 def save_baseline(path: str, b: Baseline) -> None:
     """Atomically, leaving no temporary behind when the disk is full or read-only."""
-    atomic_write(path, json.dumps({"boot_id": b.boot_id, "vmstat_oom_kill": b.vmstat_oom_kill,
-                                   "time": b.time}), fsync=True)
+    atomic_write(
+        path, json.dumps({"boot_id": b.boot_id, "vmstat_oom_kill": b.vmstat_oom_kill, "time": b.time}), fsync=True
+    )
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,10 @@ class History:
             counted = "this kernel does not count OOM kills (/proc/vmstat has no oom_kill)"
         else:
             counted = f"the kernel had counted {b.vmstat_oom_kill} OOM kill(s) since boot"
-        text = (f"first start of gpuwatchd in this boot (at {fmt_time(b.time)}): {counted}; "
-                "kills before now are history, not counted")
+        text = (
+            f"first start of gpuwatchd in this boot (at {fmt_time(b.time)}): {counted}; "
+            "kills before now are history, not counted"
+        )
         if not source:
             return text + "; the kernel log was not read (off or unavailable), so what it held is unknown"
         if not self.count:
@@ -152,8 +155,11 @@ class OomBaseline:
             self.baseline = b
             return False
         if damage:
-            log.warning("OOM baseline %s %s: taking a new one; kills logged before now are "
-                        "treated as history", self.path, damage)
+            log.warning(
+                "OOM baseline %s %s: taking a new one; kills logged before now are treated as history",
+                self.path,
+                damage,
+            )
         base = None if vmstat_oom_kill is None else max(0, vmstat_oom_kill - stored_kernel_kills)
         self.baseline = Baseline(self.boot_id, base, now)
         self.history = History()
@@ -184,8 +190,17 @@ class OomBaseline:
         if b is None or h is None:
             return None
         self.history = None
-        shown = [{"pid": k.pid, "comm": k.comm, "killer": k.killer, "time": k.time,
-                  "rss_bytes": k.rss_bytes, "memcg": k.memcg} for k in h.shown]
+        shown = [
+            {
+                "pid": k.pid,
+                "comm": k.comm,
+                "killer": k.killer,
+                "time": k.time,
+                "rss_bytes": k.rss_bytes,
+                "memcg": k.memcg,
+            }
+            for k in h.shown
+        ]
         return Event(
             key=f"{b.boot_id}:history:{b.time}",
             kind="oom_kill_history",
@@ -193,9 +208,15 @@ class OomBaseline:
             severity=INFO,
             summary=h.summary(b, source, fmt_time),
             boot_id=b.boot_id,
-            fields=frozen_map({
-                "vmstat_oom_kill": b.vmstat_oom_kill, "replayed_kills": h.count,
-                "replayed_kernel_kills": h.kernel, "oldest": h.oldest, "newest": h.newest,
-                "kills": shown, "source": source,
-            }),
+            fields=frozen_map(
+                {
+                    "vmstat_oom_kill": b.vmstat_oom_kill,
+                    "replayed_kills": h.count,
+                    "replayed_kernel_kills": h.kernel,
+                    "oldest": h.oldest,
+                    "newest": h.newest,
+                    "kills": shown,
+                    "source": source,
+                }
+            ),
         )

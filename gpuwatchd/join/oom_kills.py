@@ -45,8 +45,9 @@ def _kill(p: Parsed, rec: LogRecord, killer: str, **fields: Any) -> Kill:
     """A Kill of the victim ``p`` names, stamped with the record it was read from."""
     assert p.pid is not None
     base: dict[str, Any] = {"monotonic_usec": rec.monotonic_usec, **fields}
-    return Kill(pid=p.pid, comm=p.comm, killer=killer, boot_id=rec.boot_id, time=rec.realtime,
-                source=rec.source, **base)
+    return Kill(
+        pid=p.pid, comm=p.comm, killer=killer, boot_id=rec.boot_id, time=rec.realtime, source=rec.source, **base
+    )
 
 
 class KillGrouper:
@@ -99,23 +100,36 @@ class KillGrouper:
             self._seqs.pop((rec.boot_id, p.pid), None)
             sf: Mapping[str, str] = summary[0].fields if summary else {}
             scope = p.fields.get("kind", "")
-            if not scope and self._old_scope is not None and \
-                    rec.realtime - self._old_scope[1] <= self.group_timeout:
+            if not scope and self._old_scope is not None and rec.realtime - self._old_scope[1] <= self.group_timeout:
                 scope = self._old_scope[0]
             self._old_scope = None
             memcg = sf.get("task_memcg", "") or self._memcg
             oom_memcg = sf.get("oom_memcg", "")
             if not oom_memcg and scope == "Memory cgroup out of memory":
                 oom_memcg = self._memcg
-            out += self._done(_kill(
-                p, rec, KILLER_KERNEL, rss_bytes=rss_bytes(p), memcg=memcg, oom_memcg=oom_memcg,
-                constraint=sf.get("constraint", ""), scope=scope,
-            ))
+            out += self._done(
+                _kill(
+                    p,
+                    rec,
+                    KILLER_KERNEL,
+                    rss_bytes=rss_bytes(p),
+                    memcg=memcg,
+                    oom_memcg=oom_memcg,
+                    constraint=sf.get("constraint", ""),
+                    scope=scope,
+                )
+            )
         elif p.kind == "earlyoom" and p.pid is not None:
-            out += self._done(_kill(
-                p, rec, KILLER_EARLYOOM, monotonic_usec=None, rss_bytes=rss_bytes(p),
-                detail=p.fields.get("signal", ""),
-            ))
+            out += self._done(
+                _kill(
+                    p,
+                    rec,
+                    KILLER_EARLYOOM,
+                    monotonic_usec=None,
+                    rss_bytes=rss_bytes(p),
+                    detail=p.fields.get("signal", ""),
+                )
+            )
         return out
 
     def flush(self, now: float) -> list[Kill]:
@@ -128,9 +142,15 @@ class KillGrouper:
             self._seqs.pop(k, None)
             if p.pid is None:
                 continue
-            out += self._done(_kill(
-                p, rec, KILLER_KERNEL, memcg=p.fields.get("task_memcg", ""),
-                oom_memcg=p.fields.get("oom_memcg", ""), constraint=p.fields.get("constraint", ""),
-                detail="kill line missing",
-            ))
+            out += self._done(
+                _kill(
+                    p,
+                    rec,
+                    KILLER_KERNEL,
+                    memcg=p.fields.get("task_memcg", ""),
+                    oom_memcg=p.fields.get("oom_memcg", ""),
+                    constraint=p.fields.get("constraint", ""),
+                    detail="kill line missing",
+                )
+            )
         return out

@@ -52,8 +52,9 @@ class RankTrees:
     alive: frozenset[RankProcess] = frozenset()  # the live ranks' (job_id, rank, pid)
 
     def may_signal(self, uid: int | None) -> bool:
-        return not self.unread_owners or (0 not in self.unread_owners and uid is not None
-                                          and uid not in self.unread_owners)
+        return not self.unread_owners or (
+            0 not in self.unread_owners and uid is not None and uid not in self.unread_owners
+        )
 
     @property
     def any_registered(self) -> bool:
@@ -152,9 +153,7 @@ class OrphanTracker:
                 self._past_job[ident] = owner[0]
                 self._seen.pop((gp.pid, gp.uuid), None)
                 continue
-            reason = classify(
-                gp, proc, trees, self._past_job.get(ident), self._ppid_seen.get(ident)
-            )
+            reason = classify(gp, proc, trees, self._past_job.get(ident), self._ppid_seen.get(ident))
             if reason is None:
                 self._seen.pop((gp.pid, gp.uuid), None)
                 continue
@@ -208,5 +207,3 @@ def offenders(
         if reason is not None:
             out.append(_orphan(gp, proc, reason, now))
     return tuple(sorted(out, key=lambda o: (o.gpu_index, o.pid)))
-
-

@@ -61,8 +61,9 @@ def _tier(e: RankEntry, proc: ProcessInfo | None) -> int:
     return VERIFIED_FILE if e.source == "rankfile" else DISCOVERED
 
 
-def _process(e: RankEntry, processes: Mapping[int, ProcessInfo],
-             known_ticks: Mapping[RankProcess, int] | None = None) -> ProcessInfo | None:
+def _process(
+    e: RankEntry, processes: Mapping[int, ProcessInfo], known_ticks: Mapping[RankProcess, int] | None = None
+) -> ProcessInfo | None:
     """The live process a claim names: only one started when the claim's process started
     (``start_ticks`` of the file or of discovery, else the start time the join first saw for this
     (job, rank, pid), ``known_ticks``). One that took the PID after the claimant exited is not
@@ -103,14 +104,16 @@ def slurm_jobs(cgroups: Mapping[int, CgroupPaths]) -> dict[int, tuple[str, int]]
 def _scheduler_owner(e: RankEntry, proc: ProcessInfo, scheduler: Mapping[int, tuple[str, int]]) -> bool:
     """Is ``e`` a claim of its own Slurm job (job id N or N.STEP) by a process in that job?"""
     job = scheduler.get(e.pid)
-    return (job is not None and proc.uid == job[1]
-            and (e.job_id == job[0] or e.job_id.startswith(job[0] + ".")))
+    return job is not None and proc.uid == job[1] and (e.job_id == job[0] or e.job_id.startswith(job[0] + "."))
 
 
-def job_owners(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
-               known: Mapping[str, int],
-               known_ticks: Mapping[RankProcess, int] | None = None,
-               scheduler: Mapping[int, tuple[str, int]] | None = None) -> dict[str, int]:
+def job_owners(
+    entries: Iterable[RankEntry],
+    processes: Mapping[int, ProcessInfo],
+    known: Mapping[str, int],
+    known_ticks: Mapping[RankProcess, int] | None = None,
+    scheduler: Mapping[int, tuple[str, int]] | None = None,
+) -> dict[str, int]:
     """job_id -> owning uid: a live claim by a process of that Slurm job (``scheduler``: the
     scheduler's word beats anyone's earlier claim of a predictable job id), else ``known``,
     else the first trusted live claim of each job."""
@@ -132,8 +135,9 @@ def job_owners(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo
     return owners
 
 
-def claimant_uids(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
-                  last: Mapping[ClaimantKey, int]) -> dict[ClaimantKey, int]:
+def claimant_uids(
+    entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo], last: Mapping[ClaimantKey, int]
+) -> dict[ClaimantKey, int]:
     """(pid, start ticks) of each discovered claim -> the uid of its process when last seen alive:
     this cycle's where it is alive (and started when discovery saw it start), ``last``'s where it
     is gone. Bounded by this cycle's entries."""
@@ -150,13 +154,16 @@ def claimant_uids(entries: Iterable[RankEntry], processes: Mapping[int, ProcessI
     return out
 
 
-def select(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
-           known_owners: Mapping[str, int] | None = None,
-           last_uids: Mapping[ClaimantKey, int] | None = None,
-           known_ticks: Mapping[RankProcess, int] | None = None,
-           one_owner_per_job: bool = True, per_job: int = MAX_RANKS_PER_JOB,
-           scheduler: Mapping[int, tuple[str, int]] | None = None,
-           ) -> tuple[list[RankEntry], list[BadRankFile], dict[str, int]]:
+def select(
+    entries: Iterable[RankEntry],
+    processes: Mapping[int, ProcessInfo],
+    known_owners: Mapping[str, int] | None = None,
+    last_uids: Mapping[ClaimantKey, int] | None = None,
+    known_ticks: Mapping[RankProcess, int] | None = None,
+    one_owner_per_job: bool = True,
+    per_job: int = MAX_RANKS_PER_JOB,
+    scheduler: Mapping[int, tuple[str, int]] | None = None,
+) -> tuple[list[RankEntry], list[BadRankFile], dict[str, int]]:
     """(accepted entries, refusals, job owners of the accepted jobs). ``last_uids``:
     ``claimant_uids`` of this cycle (a gone process's claim is judged by its last uid);
     ``known_ticks``: the start time first seen per (job_id, rank, pid) (``JoinMemory``).
@@ -174,17 +181,20 @@ def select(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
     accepted: dict[RankId, RankEntry] = {}
     refused: list[BadRankFile] = []
     claimed_pids: set[int] = set()
-    ranked = sorted(entries, key=lambda e: (_tier(e, _process(e, processes, known_ticks)), e.path,
-                                            e.job_id, e.rank, e.pid))
+    ranked = sorted(
+        entries, key=lambda e: (_tier(e, _process(e, processes, known_ticks)), e.path, e.job_id, e.rank, e.pid)
+    )
     for e in ranked:
         proc = _process(e, processes, known_ticks)
         tier = _tier(e, proc)
         if tier == VERIFIED_FILE and proc is not None and proc.uid != e.owner_uid:
-            refused.append(BadRankFile(
-                e.path,
-                f"owner uid {e.owner_uid} may not claim pid {e.pid} (owned by uid {proc.uid}); "
-                f"entry for rank {e.rank} of job {e.job_id} refused",
-            ))
+            refused.append(
+                BadRankFile(
+                    e.path,
+                    f"owner uid {e.owner_uid} may not claim pid {e.pid} (owned by uid {proc.uid}); "
+                    f"entry for rank {e.rank} of job {e.job_id} refused",
+                )
+            )
             continue
         if e.source == "rankfile":
             claimant = e.owner_uid
@@ -192,28 +202,37 @@ def select(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
             claimant = proc.uid if proc is not None else last_uids.get((e.pid, e.start_ticks), e.owner_uid)
         owner = owners.get(e.job_id)
         if tier != ROOT_FILE and owner is not None and claimant is not None and claimant != owner:
-            refused.append(BadRankFile(
-                _where(e),
-                f"job {e.job_id} belongs to uid {owner}; claim of rank {e.rank} (pid {e.pid}) by "
-                f"uid {claimant} refused (rank_conflict)",
-            ))
+            refused.append(
+                BadRankFile(
+                    _where(e),
+                    f"job {e.job_id} belongs to uid {owner}; claim of rank {e.rank} (pid {e.pid}) by "
+                    f"uid {claimant} refused (rank_conflict)",
+                )
+            )
             continue
         key = e.rank_id
         if key in accepted:
             first = accepted[key]
             if e.source == "rankfile" and first.pid != e.pid:
-                refused.append(BadRankFile(
-                    e.path, f"rank {e.rank} of job {e.job_id} is already claimed by "
-                    f"{_where(first)}; duplicate ignored"))
+                refused.append(
+                    BadRankFile(
+                        e.path,
+                        f"rank {e.rank} of job {e.job_id} is already claimed by {_where(first)}; duplicate ignored",
+                    )
+                )
             continue
         if e.source != "rankfile" and e.pid in claimed_pids:
             continue
         if per_job_n.get(e.job_id, 0) >= per_job:
             if e.job_id not in capped:
                 capped.add(e.job_id)
-                refused.append(BadRankFile(
-                    _where(e), f"job {e.job_id} has more than {per_job} ranks on this node; "
-                    f"ranks above the cap are ignored (series limit)"))
+                refused.append(
+                    BadRankFile(
+                        _where(e),
+                        f"job {e.job_id} has more than {per_job} ranks on this node; "
+                        f"ranks above the cap are ignored (series limit)",
+                    )
+                )
             continue
         per_job_n[e.job_id] = per_job_n.get(e.job_id, 0) + 1
         accepted[key] = e
@@ -240,16 +259,20 @@ class Claims:
         return (job_id, rank, pid) in self.ids
 
 
-def decide(entries: Iterable[RankEntry], processes: Mapping[int, ProcessInfo],
-           known_owners: Mapping[str, int] | None = None,
-           last_uids: Mapping[ClaimantKey, int] | None = None,
-           known_ticks: Mapping[RankProcess, int] | None = None,
-           cgroups: Mapping[int, CgroupPaths] | None = None) -> Claims:
+def decide(
+    entries: Iterable[RankEntry],
+    processes: Mapping[int, ProcessInfo],
+    known_owners: Mapping[str, int] | None = None,
+    last_uids: Mapping[ClaimantKey, int] | None = None,
+    known_ticks: Mapping[RankProcess, int] | None = None,
+    cgroups: Mapping[int, CgroupPaths] | None = None,
+) -> Claims:
     """``claimant_uids`` then ``select``: the accepted entries, the refusals and the memory for
     the next cycle (``known_owners``, ``last_uids`` and ``known_ticks`` are the last cycle's;
     ``cgroups``: this cycle's cgroup of each claimed process, ``slurm_jobs``)."""
     entries = list(entries)
     uids = claimant_uids(entries, processes, last_uids or {})
-    accepted, refused, owners = select(entries, processes, known_owners, uids, known_ticks,
-                                       scheduler=slurm_jobs(cgroups or {}))
+    accepted, refused, owners = select(
+        entries, processes, known_owners, uids, known_ticks, scheduler=slurm_jobs(cgroups or {})
+    )
     return Claims(tuple(accepted), tuple(refused), owners, uids)

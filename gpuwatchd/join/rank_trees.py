@@ -71,9 +71,16 @@ def members_from(
 
 MAX_RECORD_BYTES = 64 << 20
 _MEMBER_TYPES: Mapping[str, tuple[type, ...]] = {
-    "pid": (int,), "start_time": (int, float, type(None)), "job_id": (str,), "rank": (int,),
-    "rank_pid": (int,), "worker": (bool,), "comm": (str,), "last_seen": (int, float),
-    "cgroup": (str,), "world_size": (int, type(None)),
+    "pid": (int,),
+    "start_time": (int, float, type(None)),
+    "job_id": (str,),
+    "rank": (int,),
+    "rank_pid": (int,),
+    "worker": (bool,),
+    "comm": (str,),
+    "last_seen": (int, float),
+    "cgroup": (str,),
+    "world_size": (int, type(None)),
 }
 _MEMBER_REQUIRED = ("pid", "start_time", "job_id", "rank", "rank_pid", "worker", "comm", "last_seen")
 
@@ -104,8 +111,13 @@ class RankTreeRecord:
     # local_clock vs btime + start ticks, btime is whole seconds): allow this much disagreement.
     SLACK_SECONDS = 2.0
 
-    def __init__(self, path: str | None = None, ttl_seconds: float = 900.0,
-                 files: StateFiles | None = None, ended_grace_seconds: float | None = None) -> None:
+    def __init__(
+        self,
+        path: str | None = None,
+        ttl_seconds: float = 900.0,
+        files: StateFiles | None = None,
+        ended_grace_seconds: float | None = None,
+    ) -> None:
         """``ended_grace_seconds``: a member that the daemon, running, saw leave its rank tree
         (the process ended, the job churned away) is kept only this long (its kill line, if any,
         arrives within seconds), not ``ttl_seconds``, which is for members last seen alive before
@@ -160,8 +172,11 @@ class RankTreeRecord:
             gone = {k: self._gone.get(k, now) for k in self._members if k not in present}
             self._gone = gone
             grace = self.ended_grace
-            for k in [k for k, m in self._members.items() if m.last_seen < now - self.ttl
-                      or (grace is not None and k in gone and now - gone[k] > grace)]:
+            for k in [
+                k
+                for k, m in self._members.items()
+                if m.last_seen < now - self.ttl or (grace is not None and k in gone and now - gone[k] > grace)
+            ]:
                 del self._members[k]
                 self._gone.pop(k, None)
             keys = frozenset(self._members)

@@ -22,7 +22,9 @@ Worker = tuple[int, str, float]  # (pid, /proc state, CPU seconds)
 
 
 def worker_view(
-    seen: Iterable[int], now: Mapping[int, tuple[str, int | None]], before: Mapping[int, int],
+    seen: Iterable[int],
+    now: Mapping[int, tuple[str, int | None]],
+    before: Mapping[int, int],
 ) -> WorkerView:
     """``seen``: every worker pid remembered for this rank process; ``now``: pid -> (state,
     context switches or None) of the live ones; ``before``: pid -> context switches at the previous
@@ -68,8 +70,7 @@ class RankWorkers:
         self.cpu = live
         return out
 
-    def view(self, context_switches: Callable[[int], int | None],
-             workers: Sequence[Worker]) -> WorkerView | None:
+    def view(self, context_switches: Callable[[int], int | None], workers: Sequence[Worker]) -> WorkerView | None:
         """Dead / stopped / blocked / running; None when the rank never had a worker.
         ``context_switches``: a worker pid -> its voluntary + involuntary switches, None unknown."""
         if not self.seen:

@@ -30,15 +30,24 @@ from gpuwatchd.model.nccl_ras import RasRank
 MAX_LINES = 20000
 MAX_NAMED = 1024
 # ncclErrorToString (src/ras/client_support.cc) -> ncclResult_t
-ERRORS = {"Unhandled CUDA error": 1, "System error": 2, "Internal error": 3, "Invalid argument": 4,
-          "Invalid usage": 5, "Remote process error": 6, "NCCL operation in progress": 7,
-          "Unexpected error": 99}
+ERRORS = {
+    "Unhandled CUDA error": 1,
+    "System error": 2,
+    "Internal error": 3,
+    "Invalid argument": 4,
+    "Invalid usage": 5,
+    "Remote process error": 6,
+    "NCCL operation in progress": 7,
+    "Unexpected error": 99,
+}
 _VERSION = re.compile(r"NCCL version ([0-9][0-9A-Za-z.+_-]{0,40}) ")
 _ROW = re.compile(r"\s*0\s+\d+\s+\d+\s+[\d-]+\s+(\d+)\s+\d+\s+\S+\s+\S+")
 _COMM = re.compile(r"#(\d+)-(\d+) \([0-9a-f]{16}\) (INCOMPLETE|ERROR|MISMATCH)")
 _PROCESS = re.compile(r"  Process (\d+) on node (\S+) managing GPUs? (.+)")
-_RANK = re.compile(r"  Rank (\d+)(?: reported (.+?))? -- GPU (\S+)(?: \(NVML \d+\))? managed by process (\d+) "
-                   r"on node (\S+)")
+_RANK = re.compile(
+    r"  Rank (\d+)(?: reported (.+?))? -- GPU (\S+)(?: \(NVML \d+\))? managed by process (\d+) "
+    r"on node (\S+)"
+)
 _RANK_UNKNOWN = re.compile(r"  Rank (\d+)(?: reported (.+?))? -- \[process information not found\]")
 _MISSING_LIST = re.compile(r"  The missing ranks?: ([\d,]{1,20000})")
 _REPORTED = re.compile(r"  \d+ ranks reported (.+)")
@@ -76,8 +85,9 @@ def parse_text(text: str) -> tuple[str, int, tuple[RasRank, ...], tuple[RasRank,
                 continue
         if not line.startswith(" "):  # a heading: where the lines below belong
             comm = _COMM.fullmatch(line)
-            section = (f"comm_{comm[3]}" if comm and comm[1] == "0" and comm[2] == "0" else
-                       "other" if comm else line.strip())
+            section = (
+                f"comm_{comm[3]}" if comm and comm[1] == "0" and comm[2] == "0" else "other" if comm else line.strip()
+            )
             error = ""
             continue
         if section in ("INCOMPLETE", "DEAD") and len(missing) < MAX_NAMED:
@@ -90,8 +100,7 @@ def parse_text(text: str) -> tuple[str, int, tuple[RasRank, ...], tuple[RasRank,
             r = _RANK.fullmatch(line) or _RANK_UNKNOWN.fullmatch(line)
             listed = _MISSING_LIST.fullmatch(line)
             if r is not None and r.re is _RANK:
-                _add_missing(missing, RasRank(_int(r[1]), r[5][:64], _int(r[4]), _int(r[3]),
-                                              missing="unresponsive"))
+                _add_missing(missing, RasRank(_int(r[1]), r[5][:64], _int(r[4]), _int(r[3]), missing="unresponsive"))
             elif r is not None:
                 _add_missing(missing, RasRank(_int(r[1]), "", -1, missing="unresponsive"))
             elif listed:

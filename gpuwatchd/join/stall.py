@@ -134,10 +134,16 @@ class StallTracker:
         self.dump_interval = dump_interval_seconds
         self._tracks: dict[RankId, RankTrack] = {}
         self._clk_tck = looks.clk_tck
-        self.cycle = CycleLooks(looks, budget=self.budget, max_threads=max_threads,
-                                dump_interval=dump_interval_seconds)
-        self.pacing = DumpPacing(after_seconds, self.conclusive, dump_interval_seconds,
-                                 self.redump_interval, looks, self.cycle, self.deferred)
+        self.cycle = CycleLooks(looks, budget=self.budget, max_threads=max_threads, dump_interval=dump_interval_seconds)
+        self.pacing = DumpPacing(
+            after_seconds,
+            self.conclusive,
+            dump_interval_seconds,
+            self.redump_interval,
+            looks,
+            self.cycle,
+            self.deferred,
+        )
 
     # -- the cycle --------------------------------------------------------------------------------
 
@@ -150,8 +156,10 @@ class StallTracker:
                 continue
             seen.add(p.key)
             tr = self._tracks.get(p.key)
-            if tr is None or tr.pid != p.pid or (
-                p.start_ticks is not None and tr.start_ticks not in (None, p.start_ticks)
+            if (
+                tr is None
+                or tr.pid != p.pid
+                or (p.start_ticks is not None and tr.start_ticks not in (None, p.start_ticks))
             ):
                 tr = RankTrack(p.pid, p.start_ticks, now, LastDump(last_change=now))
                 self._tracks[p.key] = tr
@@ -184,8 +192,16 @@ class StallTracker:
         self.deferred[kind] += 1
         if tr.verdict is not None:
             return tr.verdict
-        return StallVerdict(p.job_id, p.rank, p.pid, True, tr.first_seen, False,
-                            "heartbeat" if p.heartbeat else "proc", max(0.0, now - tr.first_seen))
+        return StallVerdict(
+            p.job_id,
+            p.rank,
+            p.pid,
+            True,
+            tr.first_seen,
+            False,
+            "heartbeat" if p.heartbeat else "proc",
+            max(0.0, now - tr.first_seen),
+        )
 
     def _observe_one(self, now: float, p: RankProbe, tr: RankTrack) -> StallVerdict:
         if not p.alive:
@@ -203,23 +219,33 @@ class StallTracker:
             # one, so that by the conclusive bound a look knows each thread's CPU share, the
             # workers' CPU and whether it was compiling, and a dump (at most one a dump interval,
             # from a dump interval before the conclusive bound) where its threads are.
-            return StallVerdict(p.job_id, p.rank, p.pid, True, hb_mtime or tr.first_seen, False,
-                                "heartbeat", max(0.0, age), doing=f"beats (last heartbeat "
-                                f"{max(0.0, age):.0f} s ago)")
+            return StallVerdict(
+                p.job_id,
+                p.rank,
+                p.pid,
+                True,
+                hb_mtime or tr.first_seen,
+                False,
+                "heartbeat",
+                max(0.0, age),
+                doing=f"beats (last heartbeat {max(0.0, age):.0f} s ago)",
+            )
         # Per-thread detail only at the look cadence (the dump interval), not every cycle: between
         # looks the verdict keeps the last look's thread view (measured: per-thread reads of every
         # torch rank every cycle were most of the daemon's CPU).
         # A rank already stalled is looked at the old pace (a fifth of after_seconds, at most a
         # minute): the conclusive bound's cadence is for seeing a hang begin (64 stalled ranks
         # looked at every 13.3 s cost 1.6 x the 60 s looks of before, bench/cycle_fast.py)
-        every = self.redump_interval if tr.verdict is not None and tr.verdict.stalled \
-            else self.dump_interval
+        every = self.redump_interval if tr.verdict is not None and tr.verdict.stalled else self.dump_interval
         if tr.look.soon:
             every = min(every, self.cycle_seconds)
         look_due = tr.look.at == 0.0 or now - tr.look.last >= every
         glance = self._glance(now, p, tr) if look_due and not p.heartbeat else None
-        if glance is not None and any(WORK_SHARE <= v < SPIN_SHARE for v in glance[1].values()) \
-                and glance[2] == tr.look.tasks:
+        if (
+            glance is not None
+            and any(WORK_SHARE <= v < SPIN_SHARE for v in glance[1].values())
+            and glance[2] == tr.look.tasks
+        ):
             # still working, and no thread came or went: the glance stands for the look
             tr.look.glanced(now, glance[0])
             look_due = False
@@ -275,8 +301,11 @@ class StallTracker:
             # rank 0 evaluating or saving a checkpoint between two optimizer steps (autobeat
             # beats at each). A spin, a block or an idle GPU is no work: the heartbeat decides.
             method, tr.look.worked = "heartbeat", False
-            progress = max(hb_mtime if hb_mtime is not None else tr.first_seen, tr.look.work_at,
-                           tr.gpu.active_at() or float("-inf"))
+            progress = max(
+                hb_mtime if hb_mtime is not None else tr.first_seen,
+                tr.look.work_at,
+                tr.gpu.active_at() or float("-inf"),
+            )
             stalled_so_far = now - progress > self.after
         else:
             method, progress = self.pacing.progress(now, p, tr, threads, spinning, look_due)
@@ -286,8 +315,11 @@ class StallTracker:
                 progress = active
             # two identical dumps at least after_seconds apart, with every /proc look between them
             # unchanged (a look that changes dumps again): the same place the whole time
-            stalled_so_far = tr.dump.identical >= 1 and now - progress >= self.after and (
-                tr.dump.last_at - tr.dump.last_change >= self.after)
+            stalled_so_far = (
+                tr.dump.identical >= 1
+                and now - progress >= self.after
+                and (tr.dump.last_at - tr.dump.last_change >= self.after)
+            )
         # proven still this long: the heartbeat's age, or the span of the last comparison that
         # found the same stacks (a dump or a proof, join/stall_pacing.py ``DumpPacing.progress``)
         if p.heartbeat:
@@ -301,8 +333,11 @@ class StallTracker:
         held = still >= self.conclusive and not stalled_so_far
         # one thread held the GIL at the same line in every dump for the conclusive bound
         gil_held = tr.gil.key is not None and tr.dump.stacks_at - tr.gil.since >= self.conclusive
-        late = bool(p.heartbeat) and not stalled_so_far and \
-            now - progress > min(self.after / 2, self.conclusive - self.dump_interval)
+        late = (
+            bool(p.heartbeat)
+            and not stalled_so_far
+            and now - progress > min(self.after / 2, self.conclusive - self.dump_interval)
+        )
         if (stalled_so_far or late) and now - tr.dump.last_at >= self.dump_interval and p.heartbeat:
             # the stuck frames for the explanation (heartbeat ranks are not dumped otherwise)
             stacks, _ = self.cycle.dump(now, p.pid)
@@ -313,12 +348,16 @@ class StallTracker:
         frames, location = tr.words.frames, tr.words.location
         analysis = None
         compiling = False
-        spin = spinning_python(tr.dump.stacks, spinning) if (stalled_so_far or held) and spinning and \
-            method in ("stack", "proc") else frozenset()
+        spin = (
+            spinning_python(tr.dump.stacks, spinning)
+            if (stalled_so_far or held) and spinning and method in ("stack", "proc")
+            else frozenset()
+        )
         if (stalled_so_far or late or held or gil_held) and tr.dump.stacks:
             analysis = tr.hang.analysis
-            if analysis is None or tr.hang.stale(tr.dump.stacks, tr.look.at, tr.quiet.kept,
-                                                 bool(p.workers), tr.view.at_look):
+            if analysis is None or tr.hang.stale(
+                tr.dump.stacks, tr.look.at, tr.quiet.kept, bool(p.workers), tr.view.at_look
+            ):
                 # at the look cadence: its inputs are the last dump's stacks and the last look's
                 # threads, and a stalled rank's analysis every cycle was most of what 64 such
                 # ranks cost (the syscall of each waiting thread, each thread classified)
@@ -331,16 +370,24 @@ class StallTracker:
             # after_seconds of a busy compiling look, it is still compiling unless it now shows
             # another hang (a lock, a collective, the GPU, a starved queue).
             other = {"deadlock", "lock_wait", "collective", "gpu_wait", "starved"}
-            if stalled_so_far and now - tr.hang.compile_busy_at <= self.after and \
-                    not other & set(analysis.kinds) and method != "stopped":
+            if (
+                stalled_so_far
+                and now - tr.hang.compile_busy_at <= self.after
+                and not other & set(analysis.kinds)
+                and method != "stopped"
+            ):
                 compiling = True
                 stalled_so_far = now - progress > self.compile_after
                 method = "compiling"
         ambiguous, confirmed_by, gpu_words, conclusive = False, "", "", ""
         # a conclusive shape of its own (the stacks dumped since its last heartbeat, for a rank
         # with one): stalled at the conclusive bound, and whatever its threads burn
-        own = analysis is not None and not compiling and method != "stopped" and (
-            not p.heartbeat or tr.dump.stacks_at >= progress)
+        own = (
+            analysis is not None
+            and not compiling
+            and method != "stopped"
+            and (not p.heartbeat or tr.dump.stacks_at >= progress)
+        )
         if own and (stalled_so_far or held) and analysis is not None and "deadlock" in analysis.kinds:
             stalled_so_far, conclusive = True, "deadlock" if held else ""
         elif own and gil_held and analysis is not None and gil_holder(analysis):
@@ -420,8 +467,9 @@ class StallTracker:
             return f"in {tr.words.collective} at its last dump"
         return ""
 
-    def _doing(self, now: float, p: RankProbe, tr: RankTrack, progress: float,
-               shares: dict[int, float], stuck: bool) -> str:
+    def _doing(
+        self, now: float, p: RankProbe, tr: RankTrack, progress: float, shares: dict[int, float], stuck: bool
+    ) -> str:
         """What a rank that progresses does, in words (a waiting peer's page or its absence says
         it); "" for a rank with no progress seen within the conclusive bound."""
         if stuck or now - progress > self.conclusive + self.dump_interval:

@@ -46,9 +46,16 @@ class DumpPacing:
     """The dump cadence of ``StallTracker`` (join/stall.py), which builds it with its bounds and
     shares its cycle's looks and its ``deferred`` counter."""
 
-    def __init__(self, after: float, conclusive: float, dump_interval: float,
-                 redump_interval: float, looks: Looker, cycle: CycleLooks,
-                 deferred: collections.Counter[str]) -> None:
+    def __init__(
+        self,
+        after: float,
+        conclusive: float,
+        dump_interval: float,
+        redump_interval: float,
+        looks: Looker,
+        cycle: CycleLooks,
+        deferred: collections.Counter[str],
+    ) -> None:
         self.after = after
         self.conclusive = conclusive
         self.dump_interval = dump_interval  # the look cadence before the conclusive bound
@@ -63,6 +70,7 @@ class DumpPacing:
     ) -> tuple[str, float]:  # fmt: skip
         """Compare this look with the last one, dumping when due; returns (method, last change
         time). ``looked``: a look was made this cycle (``threads``, ``spinning`` are its)."""
+
         # The view of the Python threads of the last dump (all tasks when it gave no tids, or
         # before the first): native helper threads (CUDA, NCCL, gloo) wake on their own, and a view
         # with them in it rarely holds for two looks (the device run: 20-thread torch ranks).
@@ -79,8 +87,11 @@ class DumpPacing:
         if looked:
             proc_fp = view()
             main_fp = tuple(v for v in proc_fp if v[0] == p.pid)
-            if tr.dump.fingerprint is None and tr.view.at_look is not None and \
-                    main_fp != tuple(v for v in tr.view.at_look if v[0] == p.pid):
+            if (
+                tr.dump.fingerprint is None
+                and tr.view.at_look is not None
+                and main_fp != tuple(v for v in tr.view.at_look if v[0] == p.pid)
+            ):
                 tr.dump.last_change = now  # its main thread moved between the looks before its first dump
             if never:
                 # before the first dump only the main thread's view counts, against the one at
@@ -173,12 +184,19 @@ class DumpPacing:
         if tr.gil.key is not None:
             due = min(due, max(tr.dump.last_at + self.dump_interval, tr.gil.since + self.conclusive))
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("stall pacing: pid %d due in %.1f s (identical %d, settled %s, burning %s, "
-                      "new spinners %s, gil held since %.1f s, dump_due %s, last change %.1f s ago)",
-                      p.pid, due - now, tr.dump.identical, settled, sorted(burning),
-                      sorted(fresh),
-                      now - tr.gil.since if tr.gil.key is not None else -1.0, tr.view.dump_due,
-                      now - tr.dump.last_change)
+            log.debug(
+                "stall pacing: pid %d due in %.1f s (identical %d, settled %s, burning %s, "
+                "new spinners %s, gil held since %.1f s, dump_due %s, last change %.1f s ago)",
+                p.pid,
+                due - now,
+                tr.dump.identical,
+                settled,
+                sorted(burning),
+                sorted(fresh),
+                now - tr.gil.since if tr.gil.key is not None else -1.0,
+                tr.view.dump_due,
+                now - tr.dump.last_change,
+            )
         if now < due:
             return ("stack" if tr.dump.stacks else "proc"), tr.dump.last_change
         if self.cycle.dump_over_budget(p.pid):

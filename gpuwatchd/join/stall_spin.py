@@ -63,8 +63,7 @@ class GpuReading:
 
 @dataclass
 class GpuWindow:
-    readings: collections.deque[GpuReading] = field(
-        default_factory=lambda: collections.deque(maxlen=MAX_READINGS))
+    readings: collections.deque[GpuReading] = field(default_factory=lambda: collections.deque(maxlen=MAX_READINGS))
     _active: GpuReading | None = None  # the last reading that showed data moving for it alone
 
     def add(self, r: GpuReading) -> None:
@@ -103,7 +102,8 @@ class GpuWindow:
             last = moved[-1].at
             tail = [r for r in rs if r.at > last]
             words = self._words(tail or rs, shared) + (
-                f"; memory traffic {now - last:.0f} s ago, maybe the other process's")
+                f"; memory traffic {now - last:.0f} s ago, maybe the other process's"
+            )
             if not tail or now - last < after:
                 return "unknown", words
             rs = tail
@@ -122,8 +122,10 @@ class GpuWindow:
     def _words(rs: list[GpuReading], shared: bool) -> str:
         utils = [r.util or 0.0 for r in rs]
         mems = [r.mem or 0.0 for r in rs]
-        words = (f"{len(rs)} NVML readings over {rs[-1].at - rs[0].at:.0f} s: utilisation "
-                 f"{min(utils):.0%}-{max(utils):.0%}, memory controller {min(mems):.0%}-{max(mems):.0%}")
+        words = (
+            f"{len(rs)} NVML readings over {rs[-1].at - rs[0].at:.0f} s: utilisation "
+            f"{min(utils):.0%}-{max(utils):.0%}, memory controller {min(mems):.0%}-{max(mems):.0%}"
+        )
         return words + "; shared with another process" if shared else words
 
 
@@ -152,8 +154,7 @@ def spinning_python(stacks: Iterable[ThreadStack], spinning: frozenset[int]) -> 
     return spinning & frozenset(tids)
 
 
-def new_spinners(stacks: Iterable[ThreadStack], spinning: frozenset[int],
-                 native: frozenset[int]) -> frozenset[int]:
+def new_spinners(stacks: Iterable[ThreadStack], spinning: frozenset[int], native: frozenset[int]) -> frozenset[int]:
     """The threads burning a core that the last dump did not show: started since (the catalog's
     GIL fault starts a thread that keeps the GIL in one C call while the rank trains), neither a
     Python thread of that dump nor a native one it showed spinning (``native``). Empty before the
@@ -223,8 +224,11 @@ def rank_gpu_readings(now: float, named: Mapping[RankId, Collection[str]], owner
     out: dict[RankId, GpuReading] = {}
     for rid, names in named.items():
         mine = frozenset((rid[0],))
-        rows = [(g.utilization_ratio, g.memory_utilization_ratio, jobs_on.get(g.index, mine) <= mine)
-                for g in devices if is_rank_gpu(g, names, held.get(rid, ()))]
+        rows = [
+            (g.utilization_ratio, g.memory_utilization_ratio, jobs_on.get(g.index, mine) <= mine)
+            for g in devices
+            if is_rank_gpu(g, names, held.get(rid, ()))
+        ]
         reading = readings_for(now, rows)
         if reading is not None:
             out[rid] = reading
@@ -242,7 +246,13 @@ def confirm_by_peers(verdicts: Mapping[RankId, StallVerdict]) -> dict[RankId, St
     for key, v in verdicts.items():
         if v.ambiguous and sure.get(v.job_id):
             peers = ", ".join(str(r) for r in sorted(sure[v.job_id])[:6])
-            out[key] = replace(v, stalled=True, ambiguous=False, confirmed_by="peer",
-                               gpu_evidence=f"{v.gpu_evidence}; peer rank(s) {peers} of the job "
-                               "stalled without ambiguity".lstrip("; "))
+            out[key] = replace(
+                v,
+                stalled=True,
+                ambiguous=False,
+                confirmed_by="peer",
+                gpu_evidence=f"{v.gpu_evidence}; peer rank(s) {peers} of the job stalled without ambiguity".lstrip(
+                    "; "
+                ),
+            )
     return out

@@ -77,8 +77,15 @@ class Look:
         self.glance_at, self.glance, self.soon = now, readings, False
         self.worked, self.work_at = True, now
 
-    def record(self, now: float, threads: tuple[ThreadInfo, ...], spinning: frozenset[int],
-               shares: dict[int, float], tasks: int, after_glance: bool) -> None:
+    def record(
+        self,
+        now: float,
+        threads: tuple[ThreadInfo, ...],
+        spinning: frozenset[int],
+        shares: dict[int, float],
+        tasks: int,
+        after_glance: bool,
+    ) -> None:
         self.threads, self.at, self.spinning, self.shares = threads, now, spinning, shares
         self.glance_at, self.glance, self.tasks, self.soon = 0.0, {}, tasks, after_glance
         self.count += 1
@@ -132,12 +139,12 @@ class QuietProof:
     def restart(self) -> None:
         self.kept, self.run_ns = True, 0
 
-    def note(self, python_tids: set[int], last: dict[int, tuple[int, int]],
-             now: dict[int, tuple[int, int]], elapsed: float) -> None:
+    def note(
+        self, python_tids: set[int], last: dict[int, tuple[int, int]], now: dict[int, tuple[int, int]], elapsed: float
+    ) -> None:
         """Whether the Python threads stayed quiet since the last look (the view is compared by
         the pacing, join/stall_pacing.py): each read at both looks (schedstat), little run time."""
-        if not self.kept or elapsed <= 0 or not python_tids or \
-                any(t not in now or t not in last for t in python_tids):
+        if not self.kept or elapsed <= 0 or not python_tids or any(t not in now or t not in last for t in python_tids):
             self.kept = False
             return
         ran = sum(now[t][0] - last[t][0] for t in python_tids)
@@ -159,9 +166,15 @@ class GilWatch:
         """Remember who held the GIL in this dump, where (join/stall_verdicts.py gil_holder)."""
         owner = next((s for s in stacks if s.owns_gil), None)
         main = next((s for s in stacks if s.name == "MainThread"), None)
-        key = None if owner is None or main is None or owner is main else (
-            owner.tid or owner.name, tuple((f.name, f.filename, f.line) for f in owner.frames),
-            tuple((f.name, f.filename, f.line) for f in main.frames))
+        key = (
+            None
+            if owner is None or main is None or owner is main
+            else (
+                owner.tid or owner.name,
+                tuple((f.name, f.filename, f.line) for f in owner.frames),
+                tuple((f.name, f.filename, f.line) for f in main.frames),
+            )
+        )
         if key is None or key != self.key:
             self.since = now
         self.key = key
@@ -195,16 +208,18 @@ class HangMemo:
     view: Any = None  # the look's view (View.at_look) when it was made
     compile_busy_at: float = float("-inf")  # last look at which it compiled with the CPU busy
 
-    def keep(self, analysis: HangAnalysis, stacks: tuple[ThreadStack, ...], looked_at: float,
-             view: Any, now: float) -> None:
+    def keep(
+        self, analysis: HangAnalysis, stacks: tuple[ThreadStack, ...], looked_at: float, view: Any, now: float
+    ) -> None:
         self.analysis = analysis
         self.of = (stacks, looked_at)
         self.view = view
         if analysis.compiling:
             self.compile_busy_at = now
 
-    def stale(self, stacks: tuple[ThreadStack, ...], looked_at: float, quiet: bool,
-              has_workers: bool, view: Any) -> bool:
+    def stale(
+        self, stacks: tuple[ThreadStack, ...], looked_at: float, quiet: bool, has_workers: bool, view: Any
+    ) -> bool:
         """Whether the analysis (there is one) must be made again: a new dump, or a new look that
         may change it. A look of a rank quiet since its dump (QUIET_SHARE), with its Python
         threads' view unchanged since the analysis and no workers, changes none of the inputs

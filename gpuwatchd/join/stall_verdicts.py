@@ -62,8 +62,11 @@ def gil_holder(analysis: HangAnalysis) -> bool:
     holder = next((t for t in analysis.threads if t.owns_gil), None)
     if main is None or holder is None or holder is main:
         return False
-    return (holder.cpu_share or 0.0) >= SPIN_SHARE and (main.cpu_share or 0.0) < WORK_SHARE and \
-        main.kind not in ("idle", "queue", "join")
+    return (
+        (holder.cpu_share or 0.0) >= SPIN_SHARE
+        and (main.cpu_share or 0.0) < WORK_SHARE
+        and main.kind not in ("idle", "queue", "join")
+    )
 
 
 def waits_on(v: StallVerdict) -> str:
@@ -157,8 +160,11 @@ def judge_jobs(verdicts: Mapping[RankId, StallVerdict], now: float, conclusive: 
             # the peers only where they decide (a stalled rank waiting where a peer may hold it)
             where = waits_on(v) if v.stalled and v.conclusive not in OWN_SHAPES else ""
             peers = [p for p in progressing if p.rank != v.rank] if where else []
-            maybe = [p for p in unsure + (pending if not v.conclusive else []) if p.rank != v.rank] \
-                if where and not peers else []
+            maybe = (
+                [p for p in unsure + (pending if not v.conclusive else []) if p.rank != v.rank]
+                if where and not peers
+                else []
+            )
             if v.stalled and (peers or maybe) and where and v.conclusive not in OWN_SHAPES:
                 if peers:
                     p = min(peers, key=lambda x: x.rank)
@@ -170,20 +176,28 @@ def judge_jobs(verdicts: Mapping[RankId, StallVerdict], now: float, conclusive: 
                         if p.ambiguous else (
                         f"has made no progress for {fmt_span(now - (p.progress_timestamp or now))}, not proven "
                         f"stuck yet (its own verdict comes at after_seconds)")  # fmt: skip
-                words = (f"rank {v.rank} waits in {where} for rank {p.rank}, which {doing}; "
-                         f"waiting for {fmt_span(v.no_progress_seconds)}")
-                out[v.key] = replace(v, stalled=False, ambiguous=False, conclusive="",
-                                     confirmed_by="", waits_for=words)
+                words = (
+                    f"rank {v.rank} waits in {where} for rank {p.rank}, which {doing}; "
+                    f"waiting for {fmt_span(v.no_progress_seconds)}"
+                )
+                out[v.key] = replace(v, stalled=False, ambiguous=False, conclusive="", confirmed_by="", waits_for=words)
                 continue
             if v.stalled:
                 continue
             why = ""
-            if v.stopped_seconds is not None and v.stopped_seconds >= conclusive and any(
-                    o.rank != v.rank and o.alive and o.stopped_seconds is None for o in ranks):
+            if (
+                v.stopped_seconds is not None
+                and v.stopped_seconds >= conclusive
+                and any(o.rank != v.rank and o.alive and o.stopped_seconds is None for o in ranks)
+            ):
                 why = "stopped"
-                out[v.key] = replace(v, stalled=True, method="stopped", conclusive=why,
-                                     progress_timestamp=min(v.progress_timestamp or now,
-                                                            now - v.stopped_seconds))
+                out[v.key] = replace(
+                    v,
+                    stalled=True,
+                    method="stopped",
+                    conclusive=why,
+                    progress_timestamp=min(v.progress_timestamp or now, now - v.stopped_seconds),
+                )
                 continue
             if id(v) not in held_ids:
                 continue
@@ -233,8 +247,7 @@ def name_suspects(
                 reason = f"dead while {peers} peer(s) on this node are alive"
             elif majority and where != top:
                 what = "progressing" if top == ("progressing",) else "stuck in " + " <- ".join(top)
-                mine = "still progressing" if where == ("progressing",) else (
-                    "stuck in " + " <- ".join(where))
+                mine = "still progressing" if where == ("progressing",) else ("stuck in " + " <- ".join(where))
                 reason = f"{mine}, while {n} peer(s) are {what}"
             if reason:
                 out[v.key] = replace(v, suspect=True, suspect_reason=reason)

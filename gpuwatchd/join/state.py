@@ -46,7 +46,8 @@ class JoinMemory:
 
 
 def select_entries(
-    entries: tuple[RankEntry, ...], processes: Mapping[int, ProcessInfo],
+    entries: tuple[RankEntry, ...],
+    processes: Mapping[int, ProcessInfo],
     job_owners: Mapping[str, int] | None = None,
 ) -> tuple[list[RankEntry], list[BadRankFile]]:
     """Apply the trust rules and resolve duplicates (``gpuwatchd.join.rank_claims``)."""
@@ -55,8 +56,13 @@ def select_entries(
 
 
 def build_state(
-    now: float, config: Config, claims: rank_claims.Claims, trees: RankTrees, parts: Tracked,
-    memory: JoinMemory, *,
+    now: float,
+    config: Config,
+    claims: rank_claims.Claims,
+    trees: RankTrees,
+    parts: Tracked,
+    memory: JoinMemory,
+    *,
     processes: Mapping[int, ProcessInfo] = frozen_map(),
     descendants: Mapping[int, tuple[int, ...]] = frozen_map(),
     env_flags: Mapping[int, tuple[str, ...]] = frozen_map(),
@@ -108,30 +114,55 @@ def build_state(
                 elapsed = now - first[0]
                 if elapsed >= max(config.fds.min_window_seconds, 1e-3) and proc.open_fds > first[1]:
                     fd_rates[rid] = (proc.open_fds - first[1]) / elapsed
-        ranks.append(RankState(
-            job_id=e.job_id, rank=e.rank, pid=e.pid, local_rank=e.local_rank,
-            world_size=e.world_size, alive=alive, process=proc if alive else None, tree=tree,
-            gpus=e.gpus, progress_timestamp=stall.progress.get(rid, heartbeats.get(rid)),
-            stalled=bool(stall.stalled.get(rid, False)) and alive and not counts_moving(
-                parts.ras.jobs.get(e.job_id), e.pid, now, config.stall.nccl_ras_interval_seconds),
-            died_at=died_at.get(key), ns_pid=e.ns_pid, container=e.container,
-            step=parts.straggler.steps.get(rid) if alive else None,
-        ))
+        ranks.append(
+            RankState(
+                job_id=e.job_id,
+                rank=e.rank,
+                pid=e.pid,
+                local_rank=e.local_rank,
+                world_size=e.world_size,
+                alive=alive,
+                process=proc if alive else None,
+                tree=tree,
+                gpus=e.gpus,
+                progress_timestamp=stall.progress.get(rid, heartbeats.get(rid)),
+                stalled=bool(stall.stalled.get(rid, False))
+                and alive
+                and not counts_moving(parts.ras.jobs.get(e.job_id), e.pid, now, config.stall.nccl_ras_interval_seconds),
+                died_at=died_at.get(key),
+                ns_pid=e.ns_pid,
+                container=e.container,
+                step=parts.straggler.steps.get(rid) if alive else None,
+            )
+        )
 
     rows: list[GpuProcessRow] = []
     for gp in gpu.holders:
         proc = processes.get(gp.pid)
         owner = pid_owner.get(gp.pid)
-        rows.append(GpuProcessRow(
-            gpu_index=gp.gpu_index, uuid=gp.uuid, pid=gp.pid,
-            used_memory_bytes=gp.used_memory_bytes,
-            comm=proc.comm if proc else "", user=proc.user if proc else "",
-            job_id=owner[0] if owner else "", rank=str(owner[1]) if owner else "",
-        ))
+        rows.append(
+            GpuProcessRow(
+                gpu_index=gp.gpu_index,
+                uuid=gp.uuid,
+                pid=gp.pid,
+                used_memory_bytes=gp.used_memory_bytes,
+                comm=proc.comm if proc else "",
+                user=proc.user if proc else "",
+                job_id=owner[0] if owner else "",
+                rank=str(owner[1]) if owner else "",
+            )
+        )
 
     ctx = findings.FindingContext(
-        now=now, config=config, ranks=tuple(ranks), processes=processes, env_flags=env_flags,
-        bad_files=bad_files, refused=tuple(refused), fd_rates=fd_rates, gpu_processes=tuple(rows),
+        now=now,
+        config=config,
+        ranks=tuple(ranks),
+        processes=processes,
+        env_flags=env_flags,
+        bad_files=bad_files,
+        refused=tuple(refused),
+        fd_rates=fd_rates,
+        gpu_processes=tuple(rows),
         parts=parts,
     )
     found = findings.evaluate(ctx)
@@ -144,18 +175,33 @@ def build_state(
 
     live = {r.rank_process for r in ranks if r.alive}  # host memory: accepted ranks only
     state = NodeState(
-        timestamp=now, ranks=tuple(ranks), gpus=gpu.gpus, gpu_processes=tuple(rows),
-        orphans=gpu.orphans, findings=tuple(stamped), collectors=collectors, counters=counters,
+        timestamp=now,
+        ranks=tuple(ranks),
+        gpus=gpu.gpus,
+        gpu_processes=tuple(rows),
+        orphans=gpu.orphans,
+        findings=tuple(stamped),
+        collectors=collectors,
+        counters=counters,
         rank_memory=tuple(m for m in parts.memory.rank_memory if RankProcess(m.job_id, m.rank, m.pid) in live),
         node_memory=parts.memory.node,
-        collectives=tuple(c for c in parts.flight.collectives
-                          if any(r.alive and r.rank_process == RankProcess(c.job_id, c.rank, c.pid)
-                                 for r in ranks)),
-        nccl_ras=tuple(s for job in parts.ras.jobs.values() for s in job.local
-                       if any(r.alive and r.rank_process == RankProcess(s.job_id, s.rank, s.pid)
-                              for r in ranks)),
+        collectives=tuple(
+            c
+            for c in parts.flight.collectives
+            if any(r.alive and r.rank_process == RankProcess(c.job_id, c.rank, c.pid) for r in ranks)
+        ),
+        nccl_ras=tuple(
+            s
+            for job in parts.ras.jobs.values()
+            for s in job.local
+            if any(r.alive and r.rank_process == RankProcess(s.job_id, s.rank, s.pid) for r in ranks)
+        ),
     )
     return state, JoinMemory(
-        start_ticks=start_ticks, died_at=died_at, fd_first=fd_first, finding_since=since,
-        job_owners=job_owners, claimant_uids=claimant_uids,
+        start_ticks=start_ticks,
+        died_at=died_at,
+        fd_first=fd_first,
+        finding_since=since,
+        job_owners=job_owners,
+        claimant_uids=claimant_uids,
     )

@@ -37,9 +37,6 @@ def _median(values: list[float]) -> float:
     return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
-
-
-
 @dataclass
 class _Rank:
     pid: int
@@ -123,15 +120,16 @@ class StragglerTracker:
             if rate is not None:
                 jobs.setdefault(job, []).append((rank, rate))
         # each job's median and peers once (not once per rank: 64 ranks of one job sorted 64 times)
-        medians = {job: (_median([r for _, r in peers]) if len(peers) >= 2 else None,
-                         tuple(sorted(r for r, _ in peers))) for job, peers in jobs.items()}
+        medians = {
+            job: (_median([r for _, r in peers]) if len(peers) >= 2 else None, tuple(sorted(r for r, _ in peers)))
+            for job, peers in jobs.items()
+        }
         out: dict[RankId, RankRate] = {}
         for key, e in live.items():
             tr = self._ranks[key]
             rate, span = rates[key]
             median, ranks = medians.get(e.job_id, (None, ()))
-            below = rate is not None and median is not None and median > 0 and \
-                rate < self.cfg.ratio * median
+            below = rate is not None and median is not None and median > 0 and rate < self.cfg.ratio * median
             if below:
                 tr.below_since = tr.below_since if tr.below_since is not None else now
             else:

@@ -33,6 +33,7 @@ __all__ = ["XidDeduper"]
 
 DEFAULT_WINDOW_SECONDS = 30.0
 
+
 class XidDeduper:
     def __init__(self, window_seconds: float = DEFAULT_WINDOW_SECONDS) -> None:
         self.window = window_seconds

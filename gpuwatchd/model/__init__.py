@@ -19,8 +19,14 @@ from gpuwatchd.model.nccl_ras import RasRankStatus
 
 # nvml.h clocksEventReasons bits -> the reason label of gpuwatch_gpu_clock_throttled
 THROTTLE_REASONS: Mapping[str, int] = {
-    "gpu_idle": 0x1, "applications_clocks": 0x2, "sw_power_cap": 0x4, "hw_slowdown": 0x8,
-    "sync_boost": 0x10, "sw_thermal": 0x20, "hw_thermal": 0x40, "hw_power_brake": 0x80,
+    "gpu_idle": 0x1,
+    "applications_clocks": 0x2,
+    "sw_power_cap": 0x4,
+    "hw_slowdown": 0x8,
+    "sync_boost": 0x10,
+    "sw_thermal": 0x20,
+    "hw_thermal": 0x40,
+    "hw_power_brake": 0x80,
     "display_clocks": 0x100,
 }
 # the reasons that slow a busy GPU down (the others are idle, settings or benign)
@@ -56,6 +62,7 @@ class RankProcess(NamedTuple):
     @property
     def rank_id(self) -> RankId:
         return RankId(self.job_id, self.rank)
+
 
 class RankIdentity:
     """What names the rank and the process of a value that carries ``job_id``, ``rank`` and
@@ -133,8 +140,11 @@ def rank_alive(proc: ProcessInfo | None, expected_start_ticks: int | None) -> Ty
     """The one rule for "is this rank alive": its process exists, is neither a zombie nor dead,
     and, when its start time is known (the rank file's, or the first one seen), is still the
     process that started then (not a reused PID). True says ``proc`` is a process (for mypy)."""
-    return proc is not None and proc.state not in ("Z", "X") and (
-        expected_start_ticks is None or proc.start_ticks == expected_start_ticks)
+    return (
+        proc is not None
+        and proc.state not in ("Z", "X")
+        and (expected_start_ticks is None or proc.start_ticks == expected_start_ticks)
+    )
 
 
 @dataclass(frozen=True)
@@ -342,6 +352,7 @@ SOURCE_KERNEL = "kernel"
 # CUDA out-of-memory events (rank/cuda_oom.py writes them, sources/cuda_oom_events.py reads them,
 # join/cuda_oom.py attributes them, findings/cuda_oom.py words them)
 
+
 @dataclass(frozen=True)
 class OomEvent:
     job_id: str
@@ -392,6 +403,7 @@ class AttributedOom:
 
 # What the fd scan of a process found (sources/devfds.py; findings/fork_after_cuda.py words it)
 
+
 @dataclass(frozen=True)
 class ProcEvidence:
     pid: int
@@ -428,6 +440,7 @@ class GpuUevent:
 
 # A cgroup's CPU throttling counters (sources/cgroup_cpu.py reads them; join/straggler.py keeps a window)
 
+
 @dataclass(frozen=True)
 class CpuStat:
     periods: int
@@ -436,6 +449,7 @@ class CpuStat:
 
 
 # A process's cgroup (sources/memcg.py parses /proc/PID/cgroup; the daemon's process view carries it)
+
 
 @dataclass(frozen=True)
 class CgroupPaths:

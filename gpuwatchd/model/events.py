@@ -59,8 +59,12 @@ class Event:
             raise ValueError("bad fields")
         pid = d.get("pid")
         when = d.get("time", 0.0)
-        if isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when) \
-                or not 0 <= when < MAX_TIME:
+        if (
+            isinstance(when, bool)
+            or not isinstance(when, (int, float))
+            or not math.isfinite(when)
+            or not 0 <= when < MAX_TIME
+        ):
             raise ValueError(f"bad time {when!r}"[:80])
         count = d.get("count", 1)
         if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= MAX_COUNT:
@@ -73,8 +77,7 @@ class Event:
             summary=str(d.get("summary", "")),
             job_id=str(d.get("job_id", "")),
             rank=str(d.get("rank", "")),
-            pid=pid if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 1 << 32
-            else None,
+            pid=pid if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 1 << 32 else None,
             comm=str(d.get("comm", "")),
             killer=str(d.get("killer", "")),
             worker=bool(d.get("worker", False)),

@@ -19,17 +19,33 @@ OOM_KILL = "oom_kill"
 UNKNOWN = "unknown"
 SIGNAL_OTHER = "signal_other"
 SIGNAL_CAUSES = (
-    "SIGHUP", "SIGINT", "SIGQUIT", "SIGILL", "SIGTRAP", "SIGABRT", "SIGBUS", "SIGFPE", "SIGKILL",
-    "SIGUSR1", "SIGSEGV", "SIGUSR2", "SIGPIPE", "SIGALRM", "SIGTERM", "SIGXCPU", "SIGXFSZ", "SIGSYS",
+    "SIGHUP",
+    "SIGINT",
+    "SIGQUIT",
+    "SIGILL",
+    "SIGTRAP",
+    "SIGABRT",
+    "SIGBUS",
+    "SIGFPE",
+    "SIGKILL",
+    "SIGUSR1",
+    "SIGSEGV",
+    "SIGUSR2",
+    "SIGPIPE",
+    "SIGALRM",
+    "SIGTERM",
+    "SIGXCPU",
+    "SIGXFSZ",
+    "SIGSYS",
 )
 CAUSES = (EXIT_0, EXIT_NONZERO, *SIGNAL_CAUSES, SIGNAL_OTHER, OOM_KILL, UNKNOWN)
 
 # What a job's first failure says about who ended it (join/exits.py ``verdict``):
 FINISHED = "finished"  # exit 0
-STOPPED = "stopped"    # SIGTERM / SIGINT / SIGHUP: a stop request (scheduler, user, launcher)
-NODE = "node"          # an OOM killer, SIGBUS, a critical Xid naming the PID: the node's doing
-KILLED = "killed"      # SIGKILL no OOM killer named, or a status that could not be read
-CRASHED = "crashed"    # its own code: exit != 0, SIGSEGV, SIGABRT, SIGILL, SIGFPE, ...
+STOPPED = "stopped"  # SIGTERM / SIGINT / SIGHUP: a stop request (scheduler, user, launcher)
+NODE = "node"  # an OOM killer, SIGBUS, a critical Xid naming the PID: the node's doing
+KILLED = "killed"  # SIGKILL no OOM killer named, or a status that could not be read
+CRASHED = "crashed"  # its own code: exit != 0, SIGSEGV, SIGABRT, SIGILL, SIGFPE, ...
 
 
 @dataclass(frozen=True)
@@ -40,23 +56,23 @@ class RankExit:
     rank: int
     pid: int
     comm: str
-    time: float                  # Unix seconds the exit watcher woke (to the millisecond)
-    status: int | None           # wait status (waitpid(2)); None: unknown
-    registered: bool = False     # claimed by a rank file (it stays registered and dead)
+    time: float  # Unix seconds the exit watcher woke (to the millisecond)
+    status: int | None  # wait status (waitpid(2)); None: unknown
+    registered: bool = False  # claimed by a rank file (it stays registered and dead)
     local_rank: int | None = None
     world_size: int | None = None
-    start_ticks: int = 0         # /proc/PID/stat field 22 of the process that ended
-    cause: str = UNKNOWN         # one of CAUSES
-    how: str = ""                # "exited with SIGSEGV (core dumped)"
-    kernel: str = ""             # what the kernel said about this PID ("" for nothing)
-    verdict: str = KILLED        # one of FINISHED .. CRASHED
-    first_rank: int | None = None       # the rank of its job that failed first on this node
-    first_pid: int | None = None        # and its pid (None: no rank of the job failed)
+    start_ticks: int = 0  # /proc/PID/stat field 22 of the process that ended
+    cause: str = UNKNOWN  # one of CAUSES
+    how: str = ""  # "exited with SIGSEGV (core dumped)"
+    kernel: str = ""  # what the kernel said about this PID ("" for nothing)
+    verdict: str = KILLED  # one of FINISHED .. CRASHED
+    first_rank: int | None = None  # the rank of its job that failed first on this node
+    first_pid: int | None = None  # and its pid (None: no rank of the job failed)
     after_seconds: float | None = None  # how long after that first failure this one ended
-    unknown: str = ""            # why ``status`` is None
-    read_by: str = ""            # "stat" (the zombie's) | "pidfd" (PIDFD_INFO_EXIT, after the reap)
-    seq: int = 0                 # the watcher's order: exits read in one wake share their time
-    oom_event: str = ""          # the key of the OOM-kill event that named it or one of its workers
+    unknown: str = ""  # why ``status`` is None
+    read_by: str = ""  # "stat" (the zombie's) | "pidfd" (PIDFD_INFO_EXIT, after the reap)
+    seq: int = 0  # the watcher's order: exits read in one wake share their time
+    oom_event: str = ""  # the key of the OOM-kill event that named it or one of its workers
 
     @property
     def first(self) -> bool:

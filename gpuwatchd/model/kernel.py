@@ -61,9 +61,7 @@ class LogRecord:
 # Xids that page: the same set as the GPUXidCritical rule (deploy/prometheus/gpuwatchd.rules.yml,
 # after the NVIDIA Xid catalog and shared/research/gil-hang-oom.md §4.5): broken GPU, memory or
 # links. App-level faults (13, 31, 43) and informational ones (45) are counted but do not page.
-CRITICAL_XIDS = frozenset(
-    {48, 56, 57, 58, 62, 63, 64, 65, 68, 69, 73, 74, 79, 80, 81, 92, 94, 95, 119, 120}
-)
+CRITICAL_XIDS = frozenset({48, 56, 57, 58, 62, 63, 64, 65, 68, 69, 73, 74, 79, 80, 81, 92, 94, 95, 119, 120})
 
 
 def scope_phrase(scope: str, constraint: str, oom_memcg: str, memcg: str = "") -> str:
@@ -72,8 +70,7 @@ def scope_phrase(scope: str, constraint: str, oom_memcg: str, memcg: str = "") -
     if constraint == "CONSTRAINT_MEMCG" or scope == "Memory cgroup out of memory":
         if oom_memcg and oom_memcg != memcg:
             return f" (limit of memory cgroup {oom_memcg} reached)"
-        return " (the cgroup's memory limit was reached)" if memcg else \
-            " (its memory cgroup's limit was reached)"
+        return " (the cgroup's memory limit was reached)" if memcg else " (its memory cgroup's limit was reached)"
     if constraint == "CONSTRAINT_NONE" or scope.startswith("Out of memory"):
         return " (the node ran out of memory)"
     return ""

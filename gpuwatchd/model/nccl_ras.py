@@ -27,7 +27,7 @@ class RasRank:
         return sum(self.counts.values())
 
     def where(self) -> str:
-        """"rank 3 on 10.1.0.5 (pid 4104)"; NCCL's text answers may know only the process (a
+        """ "rank 3 on 10.1.0.5 (pid 4104)"; NCCL's text answers may know only the process (a
         dead one: rank -1) or only the rank (2.24-2.25's missing ranks: no host, pid -1)."""
         if self.rank < 0:
             return f"process {self.pid} on {self.host}"

@@ -88,7 +88,7 @@ class StallOutput:
     stalled: Mapping[RankId, bool] = field(default_factory=frozen_map)
     verdicts: Mapping[RankId, StallVerdict] = field(default_factory=frozen_map)
     gil: Mapping[RankId, Sequence[GilReading]] = field(default_factory=frozen_map)
-    status: CollectorStatus | None = None           # collector ``pyspy``
+    status: CollectorStatus | None = None  # collector ``pyspy``
 
 
 @dataclass(frozen=True)
@@ -118,8 +118,8 @@ class StragglerOutput:
 class KernelOutput:
     """Producer: ``KernelLogSubsystem.track`` (the kernel-log thread's events, /proc/vmstat)."""
 
-    events: tuple[Event, ...] = ()                  # recent OOM kills and Xids
-    status: CollectorStatus | None = None           # collector ``kernel_log``
+    events: tuple[Event, ...] = ()  # recent OOM kills and Xids
+    status: CollectorStatus | None = None  # collector ``kernel_log``
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class GpuOutput:
     """Producer: ``NvmlSubsystem.track`` (NVML, devfds, CUDA-OOM files, udev)."""
 
     gpus: tuple[GpuDevice, ...] = ()
-    holders: tuple[GpuProcess, ...] = ()           # the processes NVML lists on each GPU
+    holders: tuple[GpuProcess, ...] = ()  # the processes NVML lists on each GPU
     orphans: tuple[Orphan, ...] = ()
     other_processes: Mapping[int, ProcessInfo] = field(default_factory=frozen_map)  # GPU PIDs outside the rank trees
     fork_evidence: Mapping[int, ProcEvidence] = field(default_factory=frozen_map)
@@ -135,7 +135,7 @@ class GpuOutput:
     gpus_removed: tuple[GpuRemoved, ...] = ()
     gpus_lost: tuple[NvmlLostGpu, ...] = ()
     cuda_ooms: tuple[AttributedOom, ...] = ()
-    status: CollectorStatus | None = None           # collector ``nvml``
+    status: CollectorStatus | None = None  # collector ``nvml``
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ class MemoryOutput:
 
     rank_memory: tuple[RankMemory, ...] = ()
     node: NodeMemoryState | None = None
-    status: CollectorStatus | None = None           # collector ``memory``
+    status: CollectorStatus | None = None  # collector ``memory``
 
 
 @dataclass(frozen=True)
@@ -152,8 +152,8 @@ class ExitOutput:
     """Producer: ``ExitsSubsystem.track`` (the exit watcher's pidfds, joined with the kernel's
     fault lines and OOM-kill / Xid events)."""
 
-    recent: tuple[RankExit, ...] = ()               # the recent exits (join/exits.py ExitLedger)
-    status: CollectorStatus | None = None           # collector ``exits``
+    recent: tuple[RankExit, ...] = ()  # the recent exits (join/exits.py ExitLedger)
+    status: CollectorStatus | None = None  # collector ``exits``
 
 
 @dataclass(frozen=True)

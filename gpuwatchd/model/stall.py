@@ -78,8 +78,12 @@ class WorkerView:
 
     def text(self) -> str:
         parts = []
-        for label, pids in (("dead", self.gone), ("stopped (T)", self.stopped),
-                            ("blocked (not woken once)", self.blocked), ("running", self.running)):
+        for label, pids in (
+            ("dead", self.gone),
+            ("stopped (T)", self.stopped),
+            ("blocked (not woken once)", self.blocked),
+            ("running", self.running),
+        ):
             if pids:
                 parts.append(f"{len(pids)} {label} (pid {', '.join(map(str, pids[:6]))})")
         return ", ".join(parts) or "none"

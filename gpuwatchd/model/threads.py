@@ -27,8 +27,12 @@ class SyscallWait:
     def on_own_stack(self) -> bool:
         """A futex word on the waiter's own stack: a CPython parking-lot wait (3.13+), whose word
         is the waiter's semaphore and so does not say which lock it waits for."""
-        return (self.futex and self.address is not None and self.sp is not None
-                and 0 <= self.address - self.sp < OWN_STACK_SPAN)
+        return (
+            self.futex
+            and self.address is not None
+            and self.sp is not None
+            and 0 <= self.address - self.sp < OWN_STACK_SPAN
+        )
 
     @property
     def futex(self) -> bool:

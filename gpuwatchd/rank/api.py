@@ -56,10 +56,18 @@ def _visible_gpus(env: Mapping[str, str], local_rank: int | None) -> list[str]:
     return []
 
 
-def build_document(job_id: str, rank: int, pid: int, *, local_rank: int | None = None,
-                   world_size: int | None = None, gpus: Sequence[str] = (),
-                   heartbeat: str | None = None, start_ticks: int | None = None,
-                   pid_ns: int | None = None) -> dict[str, Any]:
+def build_document(
+    job_id: str,
+    rank: int,
+    pid: int,
+    *,
+    local_rank: int | None = None,
+    world_size: int | None = None,
+    gpus: Sequence[str] = (),
+    heartbeat: str | None = None,
+    start_ticks: int | None = None,
+    pid_ns: int | None = None,
+) -> dict[str, Any]:
     entry: dict[str, Any] = {"rank": rank, "pid": pid}
     if pid_ns is not None:
         entry["pid_ns"] = pid_ns
@@ -106,12 +114,20 @@ def pid_namespace() -> int | None:
     return None if ino == INIT_PID_NS else ino
 
 
-def register_rank(job_id: str | None = None, rank: int | None = None, *,
-                  local_rank: int | None = None, world_size: int | None = None,
-                  gpus: Sequence[str] | None = None, pid: int | None = None,
-                  rank_dir: str | None = None, heartbeat: bool | str = True,
-                  cuda_oom_hook: bool = True, strict: bool = False,
-                  flight_recorder: bool = True) -> str | None:
+def register_rank(
+    job_id: str | None = None,
+    rank: int | None = None,
+    *,
+    local_rank: int | None = None,
+    world_size: int | None = None,
+    gpus: Sequence[str] | None = None,
+    pid: int | None = None,
+    rank_dir: str | None = None,
+    heartbeat: bool | str = True,
+    cuda_oom_hook: bool = True,
+    strict: bool = False,
+    flight_recorder: bool = True,
+) -> str | None:
     """Register this process (or ``pid``) as a rank. Missing values come from the environment.
 
     ``heartbeat``: True for a heartbeat file next to the rank file, an absolute path for one
@@ -132,18 +148,32 @@ def register_rank(job_id: str | None = None, rank: int | None = None, *,
     pid = pid or os.getpid()
     try:
         if job_id is None or rank is None:
-            raise RankFileError("job_id and rank are not given and no launcher variables "
-                                "(RANK/TORCHELASTIC_RUN_ID, SLURM_PROCID/SLURM_JOB_ID, "
-                                "OMPI_COMM_WORLD_RANK) are set")
+            raise RankFileError(
+                "job_id and rank are not given and no launcher variables "
+                "(RANK/TORCHELASTIC_RUN_ID, SLURM_PROCID/SLURM_JOB_ID, "
+                "OMPI_COMM_WORLD_RANK) are set"
+            )
         if isinstance(heartbeat, str) and not os.path.isabs(heartbeat):
             raise RankFileError(f"heartbeat must be an absolute path, got {heartbeat!r}")
-        hb = (heartbeat if isinstance(heartbeat, str)
-              else os.path.join(rank_dir, f"{job_id}.{rank}.hb") if heartbeat else None)
+        hb = (
+            heartbeat
+            if isinstance(heartbeat, str)
+            else os.path.join(rank_dir, f"{job_id}.{rank}.hb")
+            if heartbeat
+            else None
+        )
         # The heartbeat path is published in the rank file only at the first heartbeat() call: a
         # script that never calls heartbeat() is judged by its stacks, not seen as "stalled".
-        doc = build_document(job_id, rank, pid, local_rank=local_rank, world_size=world_size,
-                             gpus=list(gpus) if gpus is not None else _visible_gpus(env, local_rank),
-                             start_ticks=read_start_ticks(pid), pid_ns=pid_namespace())
+        doc = build_document(
+            job_id,
+            rank,
+            pid,
+            local_rank=local_rank,
+            world_size=world_size,
+            gpus=list(gpus) if gpus is not None else _visible_gpus(env, local_rank),
+            start_ticks=read_start_ticks(pid),
+            pid_ns=pid_namespace(),
+        )
         path = write_rank_file(rank_dir, doc, rank_file_name(job_id, rank))
     except (RankFileError, OSError) as e:
         if strict:
@@ -159,8 +189,16 @@ def register_rank(job_id: str | None = None, rank: int | None = None, *,
                 raise
             log.warning("gpuwatchd: no heartbeat for this rank: %s", e)
     _forget()
-    _registered.update(path=path, heartbeat=hb_file, job_id=job_id, rank=rank, doc=doc,
-                       rank_dir=rank_dir, published=False, publish_tried=float("-inf"))
+    _registered.update(
+        path=path,
+        heartbeat=hb_file,
+        job_id=job_id,
+        rank=rank,
+        doc=doc,
+        rank_dir=rank_dir,
+        published=False,
+        publish_tried=float("-inf"),
+    )
     if cuda_oom_hook:
         _install_cuda_oom_hook(rank_dir, job_id, rank)
     if flight_recorder and pid == os.getpid():
@@ -266,15 +304,17 @@ def _publish(hb_path: str) -> None:
         doc["ranks"][0].pop("heartbeat", None)
         if not _registered.get("publish_warned"):
             _registered["publish_warned"] = True
-            log.warning("gpuwatchd: the heartbeat could not be named in the rank file (tried "
-                        "again every %g s; judged by its stacks until then): %s",
-                        PUBLISH_RETRY_SECONDS, e)
+            log.warning(
+                "gpuwatchd: the heartbeat could not be named in the rank file (tried "
+                "again every %g s; judged by its stacks until then): %s",
+                PUBLISH_RETRY_SECONDS,
+                e,
+            )
         return
     _registered["published"] = True
 
 
-def unregister_rank(job_id: str | None = None, rank: int | None = None,
-                    rank_dir: str | None = None) -> bool:
+def unregister_rank(job_id: str | None = None, rank: int | None = None, rank_dir: str | None = None) -> bool:
     """Remove the rank file (and heartbeat file). Returns whether a file was removed.
 
     This process's own registration is removed by the names it used (an unguessable one where
@@ -291,8 +331,7 @@ def unregister_rank(job_id: str | None = None, rank: int | None = None,
     own = (_registered.get("job_id"), _registered.get("rank")) == (job_id, rank)
     if own:
         hb = _registered.get("heartbeat")
-        paths = [_registered["path"], *([hb.path] if isinstance(hb, _HeartbeatFile) else []),
-                 *paths[1:]]
+        paths = [_registered["path"], *([hb.path] if isinstance(hb, _HeartbeatFile) else []), *paths[1:]]
         _forget()
     removed = False
     for path in dict.fromkeys(paths):

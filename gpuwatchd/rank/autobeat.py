@@ -69,7 +69,8 @@ def _hook(module: "ModuleType") -> None:
 
         logging.getLogger(__name__).warning(
             "gpuwatchd: this torch has no register_optimizer_step_post_hook (torch >= 2.0): no "
-            "automatic heartbeat; call gpuwatchd.heartbeat(step) in the training loop")
+            "automatic heartbeat; call gpuwatchd.heartbeat(step) in the training loop"
+        )
         return
     register(_beat)
 
@@ -94,8 +95,7 @@ class _Loader:
 class _Finder:
     """First on sys.meta_path until torch.optim.optimizer is found: only that name is touched."""
 
-    def find_spec(self, name: str, path: "Sequence[str] | None" = None,
-                  target: "ModuleType | None" = None) -> "Any":
+    def find_spec(self, name: str, path: "Sequence[str] | None" = None, target: "ModuleType | None" = None) -> "Any":
         if name != TARGET:
             return None
         _remove()

@@ -53,6 +53,7 @@ _UNITS = {"GiB": 1 << 30, "MiB": 1 << 20, "KiB": 1 << 10, "B": 1}
 # rank side
 # --------------------------------------------------------------------------------------------
 
+
 @dataclass
 class OomHook:
     rank_dir: str
@@ -137,8 +138,7 @@ def record_event(
     try:  # the shared directory's rules (rank/rankdir.py): no link followed, no FIFO opened
         dir_fd = rankdir.open_dir(hook.rank_dir, create=False)
         try:
-            used = rankdir.write_new(dir_fd, name, name[: -len(SUFFIX)], SUFFIX,
-                                     json.dumps(doc).encode())
+            used = rankdir.write_new(dir_fd, name, name[: -len(SUFFIX)], SUFFIX, json.dumps(doc).encode())
         finally:
             os.close(dir_fd)
         path = os.path.join(hook.rank_dir, used)
@@ -154,8 +154,9 @@ def _observer(device: int, alloc: int, device_allocated: int, device_free: int) 
     if hook is None:
         return
     with _lock:
-        record_event(hook, device=int(device), requested_bytes=int(alloc),
-                     free_bytes=int(device_free), source="allocator")
+        record_event(
+            hook, device=int(device), requested_bytes=int(alloc), free_bytes=int(device_free), source="allocator"
+        )
 
 
 def _on_uncaught(exc: BaseException) -> None:
@@ -175,8 +176,7 @@ def _on_uncaught(exc: BaseException) -> None:
                 device = int(torch.cuda.current_device())
         except (ImportError, RuntimeError):
             device = None
-        record_event(hook, device=device, requested_bytes=requested, message=str(exc),
-                     source="exception")
+        record_event(hook, device=device, requested_bytes=requested, message=str(exc), source="exception")
 
 
 def install_hook(rank_dir: str, job_id: str, rank: int) -> list[str]:
@@ -200,9 +200,7 @@ def install_hook(rank_dir: str, job_id: str, rank: int) -> list[str]:
         installed.append("allocator")
     previous = sys.excepthook
 
-    def excepthook(
-        t: type[BaseException], v: BaseException, tb: TracebackType | None
-    ) -> None:
+    def excepthook(t: type[BaseException], v: BaseException, tb: TracebackType | None) -> None:
         _on_uncaught(v)
         previous(t, v, tb)
 

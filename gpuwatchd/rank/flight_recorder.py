@@ -38,8 +38,16 @@ RESPONSE_SUFFIX = ".fr"
 MAX_ENTRIES = 64  # per process group, newest kept
 MAX_BYTES = 256 * 1024
 MAX_REQUEST_BYTES = 128
-ENTRY_FIELDS = ("collective_seq_id", "p2p_seq_id", "profiling_name", "state", "pg_id",
-                "time_created_ns", "is_p2p", "process_group")
+ENTRY_FIELDS = (
+    "collective_seq_id",
+    "p2p_seq_id",
+    "profiling_name",
+    "state",
+    "pg_id",
+    "time_created_ns",
+    "is_p2p",
+    "process_group",
+)
 
 Dump = Callable[[], Any]
 
@@ -85,8 +93,9 @@ def trim(trace: Any) -> dict[str, Any]:
 class Responder:
     """The polling thread. ``dump`` is the flight-recorder reader (tests pass a recording)."""
 
-    def __init__(self, rank_dir: str, job_id: str, rank: int, *, dump: Dump = torch_dump,
-                 poll_seconds: float = 0.5) -> None:
+    def __init__(
+        self, rank_dir: str, job_id: str, rank: int, *, dump: Dump = torch_dump, poll_seconds: float = 0.5
+    ) -> None:
         self.req = request_path(rank_dir, job_id, rank)
         self.resp = response_path(rank_dir, job_id, rank)
         self.dump = dump
@@ -130,13 +139,14 @@ class Responder:
             doc["error"] = f"{type(e).__name__}: {e}"[:300]
         text = json.dumps(doc, separators=(",", ":"), default=str)
         while len(text) > MAX_BYTES and doc.get("trace", {}).get("entries"):
-            doc["trace"]["entries"] = doc["trace"]["entries"][len(doc["trace"]["entries"]) // 2:]
+            doc["trace"]["entries"] = doc["trace"]["entries"][len(doc["trace"]["entries"]) // 2 :]
             text = json.dumps(doc, separators=(",", ":"), default=str)
         directory, name = os.path.split(self.resp)
         dir_fd = rankdir.open_dir(directory, create=False)
         try:
-            rankdir.write_new(dir_fd, name, name[: -len(RESPONSE_SUFFIX)], RESPONSE_SUFFIX,
-                              text.encode(), fallback=False)
+            rankdir.write_new(
+                dir_fd, name, name[: -len(RESPONSE_SUFFIX)], RESPONSE_SUFFIX, text.encode(), fallback=False
+            )
         finally:
             os.close(dir_fd)
         self.answered = nonce

@@ -63,18 +63,20 @@ def check_dir(fd: int, path: str) -> None:
     if st.st_uid not in (0, me):
         raise UnsafeRankDir(
             f"rank directory {path} is owned by uid {st.st_uid}, not root or this process's uid "
-            f"{me}: its owner could replace any file in it (refused)")
+            f"{me}: its owner could replace any file in it (refused)"
+        )
     if st.st_mode & statmod.S_IWOTH and not st.st_mode & statmod.S_ISVTX and st.st_uid != me:
-        raise UnsafeRankDir(f"rank directory {path} is writable by everyone without the sticky "
-                            f"bit: anyone could replace a file in it (refused)")
+        raise UnsafeRankDir(
+            f"rank directory {path} is writable by everyone without the sticky "
+            f"bit: anyone could replace a file in it (refused)"
+        )
 
 
 def token() -> str:
     return os.urandom(8).hex()
 
 
-def create_new(dir_fd: int, stem: str, suffix: str, mode: int = 0o644,
-               access: int = os.O_WRONLY) -> tuple[int, str]:
+def create_new(dir_fd: int, stem: str, suffix: str, mode: int = 0o644, access: int = os.O_WRONLY) -> tuple[int, str]:
     """(fd, name) of a new empty file ``stem.<token>suffix``, made by this call (O_EXCL)."""
     for _ in range(8):
         name = f"{stem}.{token()}{suffix}"
@@ -154,8 +156,7 @@ def _place_new(dir_fd: int, tmp: str, stem: str, suffix: str) -> str:
     return name
 
 
-def write_new(dir_fd: int, name: str, stem: str, suffix: str, data: bytes,
-              fallback: bool = True) -> str:
+def write_new(dir_fd: int, name: str, stem: str, suffix: str, data: bytes, fallback: bool = True) -> str:
     """Write ``data`` to a private temp file, then ``place`` it under ``name``; the temp file is
     removed on any failure. Returns the name used."""
     fd, tmp = create_new(dir_fd, f".{stem}", ".tmp")
@@ -163,7 +164,7 @@ def write_new(dir_fd: int, name: str, stem: str, suffix: str, data: bytes,
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fchmod(fd, 0o644)
         finally:
             os.close(fd)

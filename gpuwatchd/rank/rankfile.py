@@ -87,8 +87,13 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def loads_strict(text: str) -> Any:
     """``json.loads`` for untrusted rank files: NaN/Infinity, over-long numbers and duplicate keys
     raise RankFileError; bad JSON raises JSONDecodeError; deep nesting RecursionError."""
-    return json.loads(text, parse_int=_parse_int, parse_float=_parse_float,
-                      parse_constant=_parse_constant, object_pairs_hook=_no_duplicate_keys)
+    return json.loads(
+        text,
+        parse_int=_parse_int,
+        parse_float=_parse_float,
+        parse_constant=_parse_constant,
+        object_pairs_hook=_no_duplicate_keys,
+    )
 
 
 def bad_name(name: str) -> bool:
@@ -161,7 +166,9 @@ def parse_rank_document(doc: Any, path: str = "", owner_uid: int | None = None) 
             gpus.append(gs)
         heartbeat = r.get("heartbeat")
         if heartbeat is not None and (
-            not isinstance(heartbeat, str) or not os.path.isabs(heartbeat) or len(heartbeat) > 4096
+            not isinstance(heartbeat, str)
+            or not os.path.isabs(heartbeat)
+            or len(heartbeat) > 4096
             or not heartbeat.isprintable()
         ):
             raise RankFileError(f"{where}.heartbeat must be an absolute path of printable characters")
@@ -173,9 +180,18 @@ def parse_rank_document(doc: Any, path: str = "", owner_uid: int | None = None) 
             pid_ns = _int(pid_ns, f"{where}.pid_ns", 1, (1 << 32) - 1)
         out.append(
             RankEntry(
-                job_id=job_id, rank=rank, pid=pid, local_rank=local_rank, world_size=world_size,
-                gpus=tuple(gpus), heartbeat=heartbeat, start_ticks=start_ticks, source="rankfile",
-                path=path, owner_uid=owner_uid, pid_ns=pid_ns,
+                job_id=job_id,
+                rank=rank,
+                pid=pid,
+                local_rank=local_rank,
+                world_size=world_size,
+                gpus=tuple(gpus),
+                heartbeat=heartbeat,
+                start_ticks=start_ticks,
+                source="rankfile",
+                path=path,
+                owner_uid=owner_uid,
+                pid_ns=pid_ns,
             )
         )
     return out
@@ -203,10 +219,20 @@ def write_rank_file(rank_dir: str, doc: Mapping[str, Any], name: str) -> str:
 
 
 DISCOVERY_VARS = (
-    "RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID",
-    "SLURM_PROCID", "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NTASKS",
-    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE",
-    "OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_JOB_ID",
+    "SLURM_STEP_ID",
+    "SLURM_NTASKS",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_MCA_ess_base_jobid",
+    "PMIX_NAMESPACE",
 )
 
 
@@ -248,13 +274,16 @@ def claim_from_env(env: Mapping[str, str], launchers: Iterable[str]) -> tuple[st
         job_id = _safe_job_id(f"{slurm_job}.{step}" if step else slurm_job)
         rank = _maybe_int(env.get("SLURM_PROCID"))
         if job_id and rank is not None:
-            return (job_id, rank, _maybe_int(env.get("SLURM_LOCALID")),
-                    _maybe_int(env.get("SLURM_NTASKS")))
+            return (job_id, rank, _maybe_int(env.get("SLURM_LOCALID")), _maybe_int(env.get("SLURM_NTASKS")))
     if "openmpi" in enabled and _maybe_int(env.get("OMPI_COMM_WORLD_RANK")) is not None:
         job = env.get("OMPI_MCA_ess_base_jobid") or env.get("PMIX_NAMESPACE") or "openmpi"
         job_id = _safe_job_id(job)
         rank = _maybe_int(env.get("OMPI_COMM_WORLD_RANK"))
         if job_id and rank is not None:
-            return (job_id, rank, _maybe_int(env.get("OMPI_COMM_WORLD_LOCAL_RANK")),
-                    _maybe_int(env.get("OMPI_COMM_WORLD_SIZE")))
+            return (
+                job_id,
+                rank,
+                _maybe_int(env.get("OMPI_COMM_WORLD_LOCAL_RANK")),
+                _maybe_int(env.get("OMPI_COMM_WORLD_SIZE")),
+            )
     return None

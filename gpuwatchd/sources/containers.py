@@ -54,4 +54,4 @@ def identity(cgroup_text: str | None) -> str:
 def pod_uid(container: str) -> str:
     """The pod UID in an ``identity()`` ("" when the process runs in no Kubernetes pod): the
     ``uid`` label that kube-state-metrics' ``kube_pod_info`` carries too."""
-    return container[len(KUBERNETES_POD):] if container.startswith(KUBERNETES_POD) else ""
+    return container[len(KUBERNETES_POD) :] if container.startswith(KUBERNETES_POD) else ""

@@ -83,9 +83,13 @@ def parse_event(doc: Any, path: str = "", owner_uid: int | None = None) -> OomEv
         if not isinstance(tenants, list) or len(tenants) > MAX_CO_TENANTS:
             raise ValueError(f"co_tenants must be a list of at most {MAX_CO_TENANTS}")
         co = tuple(
-            (_int(t.get("pid"), "co_tenants[].pid", 1, 1 << 22),
-             _opt_int(t.get("used_memory_bytes"), "co_tenants[].used_memory_bytes"))
-            for t in tenants if isinstance(t, dict))
+            (
+                _int(t.get("pid"), "co_tenants[].pid", 1, 1 << 22),
+                _opt_int(t.get("used_memory_bytes"), "co_tenants[].used_memory_bytes"),
+            )
+            for t in tenants
+            if isinstance(t, dict)
+        )
     return OomEvent(
         job_id=job_id,
         rank=_int(doc.get("rank"), "rank", 0, (1 << 20) - 1),
@@ -166,8 +170,11 @@ class OomEventFiles:
         except FileNotFoundError:
             return set()
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.warning("%s unreadable (%s): CUDA OOM event files still in the rank directory "
-                        "may be counted again", self._seen_path, exc)
+            log.warning(
+                "%s unreadable (%s): CUDA OOM event files still in the rank directory may be counted again",
+                self._seen_path,
+                exc,
+            )
             return set()
 
     def _save(self) -> None:
@@ -235,9 +242,12 @@ class OomEventFiles:
                 if len(self.seen) >= MAX_REMEMBERED:
                     if not self._warned_full:
                         self._warned_full = True
-                        log.warning("%d CUDA OOM event files are read but cannot be removed from "
-                                    "%s: newer ones are not read until some are gone",
-                                    MAX_REMEMBERED, self.rank_dir)
+                        log.warning(
+                            "%d CUDA OOM event files are read but cannot be removed from "
+                            "%s: newer ones are not read until some are gone",
+                            MAX_REMEMBERED,
+                            self.rank_dir,
+                        )
                     break
                 per_owner[st.st_uid] = n + 1
                 taken += 1
@@ -269,9 +279,13 @@ class OomEventFiles:
         except OSError as exc:
             if not self._warned_remove:
                 self._warned_remove = True
-                log.warning("cannot remove CUDA OOM event files from %s (%s, e.g. %s): each is "
-                            "remembered instead and counted once", self.rank_dir, exc.strerror,
-                            path)
+                log.warning(
+                    "cannot remove CUDA OOM event files from %s (%s, e.g. %s): each is "
+                    "remembered instead and counted once",
+                    self.rank_dir,
+                    exc.strerror,
+                    path,
+                )
             return False
 
 
@@ -282,4 +296,3 @@ def read_events(rank_dir: str, remove: bool = True) -> tuple[list[OomEvent], lis
         return OomEventFiles(rank_dir, remove=remove).read_new()
     except OSError:
         return [], []
-

@@ -122,8 +122,9 @@ class EvidenceReader:
     ``forget`` drops what is not in a live tree any more, so the memory is bounded by the watched
     processes. ``scans`` counts full fd scans (tests, benchmarks)."""
 
-    def __init__(self, paths: HostPaths, ttl: float = EVIDENCE_TTL,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, paths: HostPaths, ttl: float = EVIDENCE_TTL, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.paths = paths
         self.ttl = ttl
         self.clock = clock
@@ -131,8 +132,7 @@ class EvidenceReader:
         self.identity_reads = 0  # exe + cmdline reads (tests, benchmarks)
         self._count_o1 = _fd_stat_counts(paths)
         # pid -> (identity, fd count, scanned at, evidence, exec identity)
-        self._seen: dict[int, tuple[tuple[int, int, str, str], int, float, ProcEvidence,
-                                    tuple[int, ...]]] = {}
+        self._seen: dict[int, tuple[tuple[int, int, str, str], int, float, ProcEvidence, tuple[int, ...]]] = {}
 
     def _fd_count(self, pid: int) -> tuple[int, list[str] | None]:
         fd_dir = self.paths.proc(pid, "fd")
@@ -152,8 +152,13 @@ class EvidenceReader:
             if quick is None:
                 raise FileNotFoundError(pid)
             count, names = (open_fds, None) if open_fds is not None else self._fd_count(pid)
-            if (cached is not None and quick[2:] != (0, 0, 0) and cached[4] == quick
-                    and cached[1] == count and now - cached[2] < self.ttl):
+            if (
+                cached is not None
+                and quick[2:] != (0, 0, 0)
+                and cached[4] == quick
+                and cached[1] == count
+                and now - cached[2] < self.ttl
+            ):
                 return cached[3]  # the same process image, the same fds: nothing to read
             self.identity_reads += 1
             ident = _identity(self.paths, pid)
@@ -162,8 +167,7 @@ class EvidenceReader:
         except OSError:
             self._seen.pop(pid, None)
             return None
-        if (cached is not None and cached[0] == ident and cached[1] == count
-                and now - cached[2] < self.ttl):
+        if cached is not None and cached[0] == ident and cached[1] == count and now - cached[2] < self.ttl:
             self._seen[pid] = (*cached[:4], quick)
             return cached[3]
         try:

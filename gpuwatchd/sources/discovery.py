@@ -69,8 +69,12 @@ class Discoverer:
     """Discovery with memory across passes: each process's environment is read once (per pid
     and start time), and each pass reads at most ``budget`` bytes of new ones, shared by uid."""
 
-    def __init__(self, prefix: int = ENVIRON_PREFIX_BYTES, budget: int = PASS_ENVIRON_BYTES,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        prefix: int = ENVIRON_PREFIX_BYTES,
+        budget: int = PASS_ENVIRON_BYTES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.prefix = prefix
         self.budget = budget
         self.clock = clock
@@ -95,8 +99,12 @@ class Discoverer:
             except (ValueError, IndexError, ProcessGone, OSError):
                 continue
             old = self._seen.get(pid)
-            if old is not None and old.start_ticks == ticks and old.claim is None and \
-                    now - old.read_at < SETTLE_SECONDS:
+            if (
+                old is not None
+                and old.start_ticks == ticks
+                and old.claim is None
+                and now - old.read_at < SETTLE_SECONDS
+            ):
                 first_read[pid] = old.read_at  # maybe read between fork and exec: read again
                 pending.setdefault(uid, []).append((pid, ticks, ppid))
             elif old is not None and old.start_ticks == ticks:
@@ -124,8 +132,9 @@ class Discoverer:
                 heapq.heappush(turns, (used + cost, uid, queue))
             if not raw:  # gone, not permitted, or empty for a moment after exec: not remembered
                 continue
-            seen[pid] = _Seen(ticks, uid, ppid, _claim(environ_pick(raw, DISCOVERY_VARS), launchers),
-                              first_read.get(pid, now))
+            seen[pid] = _Seen(
+                ticks, uid, ppid, _claim(environ_pick(raw, DISCOVERY_VARS), launchers), first_read.get(pid, now)
+            )
         self._seen = seen  # processes no longer listed are forgotten
         return _ranks(procfs, seen)
 
@@ -146,10 +155,18 @@ def _ranks(procfs: ProcfsReader, seen: dict[int, _Seen]) -> list[RankEntry]:
         parent = seen.get(s.ppid)
         if parent is not None and parent.claim is not None and parent.claim[:2] == (job_id, rank):
             continue
-        out.append(RankEntry(
-            job_id=job_id, rank=rank, pid=pid, local_rank=local_rank, world_size=world_size,
-            source="environ", start_ticks=s.start_ticks, owner_uid=s.uid,
-        ))
+        out.append(
+            RankEntry(
+                job_id=job_id,
+                rank=rank,
+                pid=pid,
+                local_rank=local_rank,
+                world_size=world_size,
+                source="environ",
+                start_ticks=s.start_ticks,
+                owner_uid=s.uid,
+            )
+        )
     return out
 
 

@@ -78,11 +78,11 @@ class ProcessExit:
     pid: int
     start_ticks: int
     comm: str
-    time: float                 # Unix seconds of the wake
-    status: int | None          # the wait status (waitpid(2)); None: unknown, see ``unknown``
-    unknown: str = ""           # why the status is unknown
-    read_by: str = ""           # "stat" (the zombie) | "pidfd" (PIDFD_INFO_EXIT after the reap)
-    seq: int = 0                # the order the kernel made them ready in (one wake reads several)
+    time: float  # Unix seconds of the wake
+    status: int | None  # the wait status (waitpid(2)); None: unknown, see ``unknown``
+    unknown: str = ""  # why the status is unknown
+    read_by: str = ""  # "stat" (the zombie) | "pidfd" (PIDFD_INFO_EXIT after the reap)
+    seq: int = 0  # the order the kernel made them ready in (one wake reads several)
     entry: RankEntry | None = None  # the watch's
 
 
@@ -115,7 +115,6 @@ def pidfd_exit_status(pidfd: int) -> int | None:
     return int(struct.unpack_from("=i", buf, EXIT_CODE_OFFSET)[0])
 
 
-
 def start_clock() -> Callable[[int], float]:
     """A process's /proc start ticks (stat field 22, CLOCK_BOOTTIME) as a Unix time: the boot
     instant from the two clocks now, to the microsecond (/proc/stat's ``btime`` is whole seconds,
@@ -124,6 +123,7 @@ def start_clock() -> Callable[[int], float]:
     hz = os.sysconf("SC_CLK_TCK")
     return lambda ticks: boot + ticks / hz
 
+
 class ExitWatcher:
     """The pidfds of the watched processes and the thread that waits on them (see the module
     docstring). ``sync`` from the cycle, ``drain`` for the exits seen since the last drain;
@@ -131,10 +131,15 @@ class ExitWatcher:
 
     thread_name = "gpuwatchd-exits"
 
-    def __init__(self, paths: HostPaths, max_watched: int, *,
-                 clock: Callable[[], float] = time.time,
-                 on_exit: Callable[[], None] | None = None,
-                 privileged: bool | None = None) -> None:
+    def __init__(
+        self,
+        paths: HostPaths,
+        max_watched: int,
+        *,
+        clock: Callable[[], float] = time.time,
+        on_exit: Callable[[], None] | None = None,
+        privileged: bool | None = None,
+    ) -> None:
         self.paths = paths
         self.max_watched = max_watched
         self.clock = clock
@@ -344,8 +349,7 @@ class ExitWatcher:
         while len(self._ended) > 4 * self.max_watched:
             del self._ended[next(iter(self._ended))]
         self._seq += 1
-        self._exits.append(ProcessExit(w.pid, w.start_ticks, w.comm, when, status, unknown, by,
-                                       self._seq, w.entry))
+        self._exits.append(ProcessExit(w.pid, w.start_ticks, w.comm, when, status, unknown, by, self._seq, w.entry))
 
     def _kick(self) -> None:
         """End the thread's current sleep (the pipe is non-blocking: a full one is awake already)."""

@@ -80,8 +80,9 @@ class HeartbeatRoots:
     ``guard`` hands back last cycle's copy of an entry whose rank file did not change.
     Memory: the entries of the last cycle."""
 
-    def __init__(self, ttl: float = 30.0, clock: Callable[[], float] = time.monotonic,
-                 max_dirs: int = MAX_HEARTBEAT_DIRS) -> None:
+    def __init__(
+        self, ttl: float = 30.0, clock: Callable[[], float] = time.monotonic, max_dirs: int = MAX_HEARTBEAT_DIRS
+    ) -> None:
         self.ttl = ttl
         self.clock = clock
         self.max_dirs = max_dirs
@@ -122,8 +123,9 @@ class HeartbeatRoots:
         if hit is not None and hit[0] is entry and hit[1] == root:
             out = hit[2]
         else:
-            out = dataclasses.replace(entry, heartbeat_root=root,
-                                      heartbeat=entry.heartbeat if root is not None else None)
+            out = dataclasses.replace(
+                entry, heartbeat_root=root, heartbeat=entry.heartbeat if root is not None else None
+            )
         self._guarded_next[id(entry)] = (entry, root, out)
         return out
 
@@ -213,8 +215,7 @@ def heartbeat_mtime(entry: RankEntry) -> float | None:
     if not entry.heartbeat or entry.heartbeat_root is None:
         return None
     try:
-        st = (stat_in_root(entry.heartbeat_root, entry.heartbeat) if entry.heartbeat_root
-              else os.stat(entry.heartbeat))
+        st = stat_in_root(entry.heartbeat_root, entry.heartbeat) if entry.heartbeat_root else os.stat(entry.heartbeat)
     except (OSError, ValueError):
         return None
     return st.st_mtime if _owner_may_see(entry, st) else None

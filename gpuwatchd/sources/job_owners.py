@@ -61,8 +61,12 @@ class JobOwnerFile:
             log.warning("%s is not usable (%.80s): job owners are decided again", self.path, e)
             return {}
         for job, uid in items.items():
-            if (len(owners) >= MAX_RANKS_PER_NODE or not JOB_ID_RE.match(job)
-                    or type(uid) is not int or not 0 <= uid < 1 << 32):
+            if (
+                len(owners) >= MAX_RANKS_PER_NODE
+                or not JOB_ID_RE.match(job)
+                or type(uid) is not int
+                or not 0 <= uid < 1 << 32
+            ):
                 self.files.rejected(self.path, "invalid")
                 continue
             owners[job] = uid

@@ -24,6 +24,7 @@ from gpuwatchd.statefile import StateFiles, atomic_write
 
 log = logging.getLogger(__name__)
 
+
 def journal_available(paths: HostPaths | None = None) -> bool:
     """journald runs (its socket exists) and systemd-python imports."""
     p = paths or HostPaths()
@@ -32,9 +33,11 @@ def journal_available(paths: HostPaths | None = None) -> bool:
     try:
         import systemd.journal  # noqa: F401
     except ImportError:
-        log.warning("journald runs but systemd-python is not installed (pip install "
-                    "'gpuwatchd[journal]', which needs libsystemd-dev and pkg-config): reading the "
-                    "kernel log from /dev/kmsg instead, without systemd-oomd and earlyoom kills")
+        log.warning(
+            "journald runs but systemd-python is not installed (pip install "
+            "'gpuwatchd[journal]', which needs libsystemd-dev and pkg-config): reading the "
+            "kernel log from /dev/kmsg instead, without systemd-oomd and earlyoom kills"
+        )
         return False
     return True
 
@@ -221,4 +224,3 @@ class JournalSource:
         finally:
             reader.close()
             self._stopper.close()
-

@@ -39,9 +39,7 @@ SIGNALS = {"9": "SIGKILL", "15": "SIGTERM"}
 
 _PCI = r"(?P<pci>[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2})(?:\.[0-7])?"
 # One record (embedded newlines, or their \x0a escapes from /dev/kmsg) naming the GPU and the loss.
-BUS_LOST = re.compile(
-    r"NVRM: (?:The NVIDIA )?GPU " + _PCI + r"(?P<rest>.{0,400}?)fallen off the bus", re.DOTALL
-)
+BUS_LOST = re.compile(r"NVRM: (?:The NVIDIA )?GPU " + _PCI + r"(?P<rest>.{0,400}?)fallen off the bus", re.DOTALL)
 # The split form of older kernels: the GPU on one record, the loss on a later one.
 GPU_NAMED = re.compile(r"NVRM: The NVIDIA GPU " + _PCI + r"(?:\s|$)")
 BUS_LOST_ALONE = re.compile(r"fallen off the bus and is not responding to commands")

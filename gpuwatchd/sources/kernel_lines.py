@@ -57,12 +57,8 @@ OOM_REAPER = re.compile(
     r"^oom_reaper: reaped process (?P<pid>\d{1,10}) \((?P<comm>.{0,64}?)\), "
     r"now anon-rss:(?P<anon>\d+)kB"
 )
-OOM_TASK_IN = re.compile(
-    r"^Task in (?P<task_memcg>\S+) killed as a result of limit of (?P<memcg>\S+)"
-)
-OOM_GROUP = re.compile(
-    r"^Tasks in (?P<memcg>\S+) are going to be killed due to memory\.oom\.group set"
-)
+OOM_TASK_IN = re.compile(r"^Task in (?P<task_memcg>\S+) killed as a result of limit of (?P<memcg>\S+)")
+OOM_GROUP = re.compile(r"^Tasks in (?P<memcg>\S+) are going to be killed due to memory\.oom\.group set")
 # 3.10 prints the statistics on the same line ("... for /kubepods/x: cache:32KB rss:...")
 MEMCG_STATS = re.compile(r"^Memory cgroup stats for (?P<memcg>\S+?)(?::\s|:?$)")
 XID = re.compile(

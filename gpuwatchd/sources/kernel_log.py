@@ -60,14 +60,12 @@ def open_kernel_log(
             import systemd.journal  # noqa: F401
         except ImportError as e:
             raise KernelLogUnavailable("kernel_log: journal needs systemd-python") from e
-        return JournalSource(state_dir, path=journal_path, on_reject=on_reject, paths=paths,
-                             files=files)
+        return JournalSource(state_dir, path=journal_path, on_reject=on_reject, paths=paths, files=files)
     if mode in ("kmsg", "auto"):
         dev = paths.dev("kmsg")
         if not os.path.exists(dev):
             raise KernelLogUnavailable(f"{dev} does not exist")
-        return KmsgSource(state_dir, paths=paths, on_reject=on_reject, on_overrun=on_overrun,
-                          files=files)
+        return KmsgSource(state_dir, paths=paths, on_reject=on_reject, on_overrun=on_overrun, files=files)
     raise KernelLogUnavailable(f"unknown kernel_log mode {mode!r}")
 
 

@@ -24,6 +24,7 @@ from gpuwatchd.statefile import StateFiles, atomic_write
 
 log = logging.getLogger(__name__)
 
+
 def read_boot_id(paths: HostPaths) -> str:
     try:
         with open(paths.proc("sys", "kernel", "random", "boot_id")) as f:

@@ -139,8 +139,7 @@ class MemcgReader:
     def available(self) -> bool:
         return self.v1 or self.v2_root is not None
 
-    def read(self, where: CgroupPaths, memo: dict[tuple[int, str], Any] | None = None
-             ) -> CgroupMemory | None:
+    def read(self, where: CgroupPaths, memo: dict[tuple[int, str], Any] | None = None) -> CgroupMemory | None:
         """The bounding level of ``where``'s memory cgroup; None when no memory controller.
         ``memo``: levels (and pressure, version 0) already read this cycle: ranks of one job
         share their job's cgroup."""
@@ -149,7 +148,8 @@ class MemcgReader:
         if self.v2_root is not None and where.unified:
             if (0, where.unified) not in memo:
                 memo[(0, where.unified)] = parse_psi(
-                    read_capped(self._dir(self.v2_root, where.unified, "memory.pressure")))
+                    read_capped(self._dir(self.v2_root, where.unified, "memory.pressure"))
+                )
             psi = memo[(0, where.unified)]
         if self.v1 and where.memory_v1:
             got = self._tightest(1, os.path.join(self.root, "memory"), where.memory_v1, memo)
@@ -159,8 +159,9 @@ class MemcgReader:
             return None
         if got is None:
             return None
-        return CgroupMemory(got.version, got.path, got.usage_bytes, got.working_set_bytes,
-                            got.limit_bytes, got.high_bytes, psi)
+        return CgroupMemory(
+            got.version, got.path, got.usage_bytes, got.working_set_bytes, got.limit_bytes, got.high_bytes, psi
+        )
 
     def _has_memory(self, unified: str, memo: dict[tuple[int, str], Any]) -> bool:
         """Has this v2 cgroup the memory controller (``memory.current``)? Once per cycle."""
@@ -177,8 +178,7 @@ class MemcgReader:
 
     def _level(self, version: int, base: str, path: str, own: bool) -> CgroupMemory | None:
         """One level; an ancestor without a limit is not read further (it cannot bound)."""
-        limit = _int(read_capped(self._dir(base, path, "memory.limit_in_bytes" if version == 1
-                                     else "memory.max")))
+        limit = _int(read_capped(self._dir(base, path, "memory.limit_in_bytes" if version == 1 else "memory.max")))
         if not own and (limit is None or limit >= UNLIMITED):
             return None
         if version == 1:
@@ -192,13 +192,17 @@ class MemcgReader:
         if usage is None:
             return None
         return CgroupMemory(
-            version, path or "/", usage, max(0, usage - inactive),
+            version,
+            path or "/",
+            usage,
+            max(0, usage - inactive),
             limit if limit is not None and limit < UNLIMITED else None,
             high if high is not None and high < UNLIMITED else None,
         )
 
-    def _tightest(self, version: int, base: str, path: str,
-                  memo: dict[tuple[int, str], CgroupMemory | None]) -> CgroupMemory | None:
+    def _tightest(
+        self, version: int, base: str, path: str, memo: dict[tuple[int, str], CgroupMemory | None]
+    ) -> CgroupMemory | None:
         """The rank's own level, unless an ancestor with a limit has less headroom."""
         parts = [p for p in os.path.normpath("/" + path).split("/") if p]
         if len(parts) > MAX_DEPTH:

@@ -87,7 +87,7 @@ def ras_address(value: str | None) -> tuple[str, int]:
 def _hex_address(text: str) -> str:
     """An address of /proc/net/tcp{,6}: host-order 32-bit words in hex."""
     raw = bytes.fromhex(text)
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return str(ipaddress.ip_address(words))
 
 
@@ -142,8 +142,10 @@ def diag_listeners(port: int) -> list[Listener] | None:
             sockid = struct.pack("!HH16s16s", port, 0, b"", b"") + struct.pack("=III", 0, _NO_COOKIE, _NO_COOKIE)
             req = struct.pack("=BBBBI", family, socket.IPPROTO_TCP, 0, 0, _TCPF_LISTEN) + sockid
             try:
-                sock.sendto(struct.pack("=IHHII", 16 + len(req), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST_DUMP,
-                                        seq, 0) + req, (0, 0))
+                sock.sendto(
+                    struct.pack("=IHHII", 16 + len(req), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST_DUMP, seq, 0) + req,
+                    (0, 0),
+                )
                 if not _diag_read(sock, seq, family, port, out):
                     return None
             except OSError:
@@ -169,7 +171,7 @@ def _diag_read(sock: socket.socket, seq: int, family: int, port: int, out: list[
                 seen += 1
                 if length >= 16 + 72:  # inet_diag_msg: family, state, .., sockid, .., inode
                     sport = struct.unpack_from("!H", data, off + 20)[0]
-                    raw = data[off + 24:off + 24 + (4 if family == socket.AF_INET else 16)]
+                    raw = data[off + 24 : off + 24 + (4 if family == socket.AF_INET else 16)]
                     inode = struct.unpack_from("=I", data, off + 16 + 68)[0]
                     if sport == port:
                         out.append(Listener(str(ipaddress.ip_address(raw)), port, inode))
@@ -228,8 +230,9 @@ def owned_listener(proc: Any, pids: Iterable[int], port: int) -> tuple[str, int]
             break
     strangers = [li for li in found if li.inode not in owner]
     if strangers:
-        raise RasRefused(f"port {port} has {len(strangers)} listener(s) that are not the job's "
-                         f"({strangers[0].address})")
+        raise RasRefused(
+            f"port {port} has {len(strangers)} listener(s) that are not the job's ({strangers[0].address})"
+        )
     first = found[0]
     address = first.address
     if ipaddress.ip_address(address).is_unspecified:
@@ -290,8 +293,9 @@ class _Conn:
         raise RasRefused(f"an answer larger than {max_bytes} bytes")
 
 
-def query(address: str, port: int, timeout: float = 2.0, max_bytes: int = MAX_ANSWER_BYTES,
-          leg_timeout: int = 1) -> Any:
+def query(
+    address: str, port: int, timeout: float = 2.0, max_bytes: int = MAX_ANSWER_BYTES, leg_timeout: int = 1
+) -> Any:
     """NCCL's ``STATUS`` in JSON from ``address:port``, decoded with bounds; RasRefused naming
     what went wrong (time-out, refused connection, not a RAS server, no JSON, too large, not
     JSON). ``leg_timeout``: seconds each RAS peer may take to answer the one asked."""

@@ -63,16 +63,23 @@ class DeviceProbe:
         for n in self.denied:
             by_major.setdefault(n.major, []).append(n.path)
         groups = "; ".join(
-            f"major {m} ({self.drivers[m]!r} in /proc/devices)" if m in self.drivers
-            else f"major {m} (no driver in /proc/devices)" for m in sorted(by_major))
+            f"major {m} ({self.drivers[m]!r} in /proc/devices)"
+            if m in self.drivers
+            else f"major {m} (no driver in /proc/devices)"
+            for m in sorted(by_major)
+        )
         nodes = ", ".join(p for m in sorted(by_major) for p in by_major[m])
         if self.restart_helps:
-            why = ("EPERM: the device cgroup denies NVIDIA devices that a driver registered after "
-                   "systemd expanded the unit's DeviceAllow=char-nvidia* at service start; a "
-                   "restart re-expands it")
+            why = (
+                "EPERM: the device cgroup denies NVIDIA devices that a driver registered after "
+                "systemd expanded the unit's DeviceAllow=char-nvidia* at service start; a "
+                "restart re-expands it"
+            )
         else:
-            why = ("EPERM: the device cgroup denies NVIDIA device nodes that no driver owns now "
-                   "(driver not loaded, or stale nodes); a restart would not help")
+            why = (
+                "EPERM: the device cgroup denies NVIDIA device nodes that no driver owns now "
+                "(driver not loaded, or stale nodes); a restart would not help"
+            )
         return f"{why}: {groups}: {nodes}"
 
 

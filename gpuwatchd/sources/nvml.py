@@ -115,8 +115,12 @@ def _known(value: Any) -> int | None:
 class NvmlSource:
     """The real reader. ``pynvml`` is a constructor argument so tests can pass a recorded double."""
 
-    def __init__(self, pynvml: Any = None, clock: Callable[[], float] = time.time,
-                 graphics_relist_seconds: float = GRAPHICS_RELIST_SECONDS):
+    def __init__(
+        self,
+        pynvml: Any = None,
+        clock: Callable[[], float] = time.time,
+        graphics_relist_seconds: float = GRAPHICS_RELIST_SECONDS,
+    ):
         self._nvml = pynvml
         self._clock = clock
         self.graphics_relist_seconds = graphics_relist_seconds
@@ -207,8 +211,7 @@ class NvmlSource:
             self.lost_devices = frozenset(lost)
             if count and not devices:
                 raise NvmlReadError(
-                    "no GPU could be read: "
-                    + "; ".join(f"GPU {i}: {e}" for i, e in sorted(errors.items()))
+                    "no GPU could be read: " + "; ".join(f"GPU {i}: {e}" for i, e in sorted(errors.items()))
                 )
             return tuple(devices), tuple(processes)
 
@@ -232,7 +235,8 @@ class NvmlSource:
         mem_util = _known(getattr(util, "memory", None)) if util is not None else None
         # renamed "clocks event reasons" in NVML 12.x; the old name stays as an alias
         reasons_fn = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
-            nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
+            nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None
+        )
         reasons = self._optional(nv, lambda: reasons_fn(handle)) if reasons_fn else None
         device = GpuDevice(
             index=index,
@@ -260,11 +264,15 @@ class NvmlSource:
         now = time.monotonic()
         used = device.memory_used_bytes
         last = self._graphics.get(device.index)
-        if last is not None and now - last[0] < self.graphics_relist_seconds and used is not None \
-                and last[1] is not None and abs(used - last[1]) <= GRAPHICS_MEMORY_STEP:
+        if (
+            last is not None
+            and now - last[0] < self.graphics_relist_seconds
+            and used is not None
+            and last[1] is not None
+            and abs(used - last[1]) <= GRAPHICS_MEMORY_STEP
+        ):
             return [p for p in last[2] if _alive(p.pid)]
-        listed = self._optional(nv, functools.partial(nv.nvmlDeviceGetGraphicsRunningProcesses,
-                                                      handle))
+        listed = self._optional(nv, functools.partial(nv.nvmlDeviceGetGraphicsRunningProcesses, handle))
         self.graphics_listings += 1
         procs = _processes(device.index, device.uuid, "graphics", listed or [])
         self._graphics[device.index] = (now, used, procs)
@@ -279,9 +287,15 @@ def _processes(index: int, uuid: str, kind: str, listed: Iterable[Any]) -> list[
         if pid in seen:
             continue
         seen.add(pid)
-        procs.append(GpuProcess(gpu_index=index, uuid=uuid, pid=pid,
-                                used_memory_bytes=_known(getattr(p, "usedGpuMemory", None)),
-                                kind=kind))
+        procs.append(
+            GpuProcess(
+                gpu_index=index,
+                uuid=uuid,
+                pid=pid,
+                used_memory_bytes=_known(getattr(p, "usedGpuMemory", None)),
+                kind=kind,
+            )
+        )
     return procs
 
 
@@ -296,9 +310,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def select_devices(
-    devices: Sequence[GpuDevice], selectors: Sequence[str]
-) -> tuple[GpuDevice, ...]:
+def select_devices(devices: Sequence[GpuDevice], selectors: Sequence[str]) -> tuple[GpuDevice, ...]:
     """Devices named by index ("0") or UUID ("GPU-…", a unique prefix is enough); all if empty."""
     if not selectors:
         return tuple(devices)

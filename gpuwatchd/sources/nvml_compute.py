@@ -45,10 +45,14 @@ class ComputeProcesses:
         self._buffers: dict[int, Any] = {}  # GPU index -> its buffer
         self._struct: Any = getattr(nv, "c_nvmlProcessInfo_v3_t", None)
         self.available = (
-            self._struct is not None and callable(getattr(nv, "_nvmlGetFunctionPointer", None))
+            self._struct is not None
+            and callable(getattr(nv, "_nvmlGetFunctionPointer", None))
             and callable(getattr(nv, "nvmlDeviceGetComputeRunningProcesses_v3", None))
-            and all(isinstance(getattr(nv, c, None), int) for c in (
-                "NVML_SUCCESS", "NVML_ERROR_INSUFFICIENT_SIZE", "NVML_ERROR_FUNCTION_NOT_FOUND")))
+            and all(
+                isinstance(getattr(nv, c, None), int)
+                for c in ("NVML_SUCCESS", "NVML_ERROR_INSUFFICIENT_SIZE", "NVML_ERROR_FUNCTION_NOT_FOUND")
+            )
+        )
 
     def clear(self) -> None:
         """Forget the buffers (after nvmlShutdown the GPUs are listed again)."""
@@ -80,8 +84,7 @@ class ComputeProcesses:
             if ret != nv.NVML_SUCCESS:
                 raise nv.NVMLError(ret)
             n = min(count.value, len(buf))
-            out = [ComputeProcess(e.pid, None if e.usedGpuMemory == _NA else e.usedGpuMemory)
-                   for e in buf[:n]]
+            out = [ComputeProcess(e.pid, None if e.usedGpuMemory == _NA else e.usedGpuMemory) for e in buf[:n]]
             if not n + SPARE <= len(buf) <= 4 * (n + SPARE):  # room for new ones, not far more
                 buf = (self._struct * (2 * n + SPARE))()
             self._buffers[index] = buf

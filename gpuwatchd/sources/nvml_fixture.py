@@ -69,14 +69,10 @@ class RecordedNvml:
         self._xid_queue: list[Mapping[str, Any]] = list(doc.get("xid_events", []))
 
     @classmethod
-    def from_file(
-        cls, path: str, pid_map: Mapping[int, int] | None = None, loop: bool = True
-    ) -> RecordedNvml:
+    def from_file(cls, path: str, pid_map: Mapping[int, int] | None = None, loop: bool = True) -> RecordedNvml:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
-        if not isinstance(doc, dict) or (
-            doc.get("format") != FORMAT and not doc.get("not_present")
-        ):
+        if not isinstance(doc, dict) or (doc.get("format") != FORMAT and not doc.get("not_present")):
             raise ValueError(f"{path}: not a {FORMAT} document")
         return cls(doc, pid_map=pid_map, loop=loop)
 
@@ -139,14 +135,12 @@ class RecordedNvml:
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle: int) -> int:
         # recordings made before this field was recorded: what a driver without it answers
-        return int(_raise_if_error(self._device(handle).get("clocks_event_reasons",
-                                                            {"error": 3})))  # NOT_SUPPORTED
+        return int(_raise_if_error(self._device(handle).get("clocks_event_reasons", {"error": 3})))  # NOT_SUPPORTED
 
     def _procs(self, handle: int, kind: str) -> list[SimpleNamespace]:
         listed = _raise_if_error(self._device(handle).get(kind, []))
         return [
-            SimpleNamespace(pid=self.pid_map.get(int(p["pid"]), int(p["pid"])),
-                            usedGpuMemory=p.get("usedGpuMemory"))
+            SimpleNamespace(pid=self.pid_map.get(int(p["pid"]), int(p["pid"])), usedGpuMemory=p.get("usedGpuMemory"))
             for p in listed
         ]
 
@@ -181,8 +175,7 @@ class RecordedNvml:
             time.sleep(min(max(timeout_ms, 0), 100) / 1000)
             raise NVMLError(NVML_ERROR_TIMEOUT)
         ev = self._xid_queue.pop(0)
-        return SimpleNamespace(device=int(ev["device"]), eventType=XID_CRITICAL_ERROR,
-                               eventData=int(ev["xid"]))
+        return SimpleNamespace(device=int(ev["device"]), eventType=XID_CRITICAL_ERROR, eventData=int(ev["xid"]))
 
     def nvmlEventSetFree(self, event_set: object) -> None:
         return None

@@ -65,8 +65,7 @@ def _enter(stack: list[int], name: str) -> bool:
         return False
 
 
-def _follow(stack: list[int], name: str, parts: list[str], links: int, path: str
-            ) -> tuple[list[str], int]:
+def _follow(stack: list[int], name: str, parts: list[str], links: int, path: str) -> tuple[list[str], int]:
     """Symbolic link ``name`` of ``stack[-1]``: its target spliced into ``parts``, within the
     root (an absolute target starts again at the root, ``stack[0]``)."""
     links += 1
@@ -157,8 +156,9 @@ def pid_text(pid: int, ns_pid: int | None) -> str:
 
 
 class PidNamespaces:
-    def __init__(self, procfs: ProcfsReader, retry_seconds: float = RETRY_SECONDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, procfs: ProcfsReader, retry_seconds: float = RETRY_SECONDS, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.procfs = procfs
         self.retry_seconds = retry_seconds
         self.clock = clock
@@ -228,8 +228,7 @@ class PidNamespaces:
         if facts is None:
             ns_pid, container = self._shown.get(shown, (e.ns_pid, e.container))
             return dataclasses.replace(e, ns_pid=ns_pid, container=container)
-        ns_pid = e.ns_pid if e.ns_pid is not None else (facts.nspid[-1] if len(facts.nspid) > 1
-                                                        else None)
+        ns_pid = e.ns_pid if e.ns_pid is not None else (facts.nspid[-1] if len(facts.nspid) > 1 else None)
         self._shown[shown] = (ns_pid, facts.container)
         if e.ns_pid == ns_pid and e.container == facts.container:
             return e  # a host process's entry as it was read (no copy each cycle)
@@ -249,8 +248,12 @@ class PidNamespaces:
                 out.append(self._annotate(e, live))
                 continue
             if e.start_ticks is None:
-                bad.append(BadRankFile(e.path, f"rank {e.rank} of job {e.job_id}: a pid of another "
-                                       f"PID namespace needs start_ticks (refused)"))
+                bad.append(
+                    BadRankFile(
+                        e.path,
+                        f"rank {e.rank} of job {e.job_id}: a pid of another PID namespace needs start_ticks (refused)",
+                    )
+                )
                 continue
             key = (e.pid_ns, e.pid, e.start_ticks, e.owner_uid)
             keys.add(key)
@@ -275,10 +278,14 @@ class PidNamespaces:
             if host is not None:  # resolved before, gone now: the join sees a dead rank
                 out.append(self._annotate(dataclasses.replace(e, pid=host, ns_pid=e.pid), live))
             else:
-                bad.append(BadRankFile(e.path, f"rank {e.rank} of job {e.job_id}: no process is pid "
-                                       f"{e.pid} of PID namespace {e.pid_ns} with start_ticks "
-                                       f"{e.start_ticks}"
-                                       + (f" and uid {e.owner_uid}" if e.owner_uid else "")))
+                bad.append(
+                    BadRankFile(
+                        e.path,
+                        f"rank {e.rank} of job {e.job_id}: no process is pid "
+                        f"{e.pid} of PID namespace {e.pid_ns} with start_ticks "
+                        f"{e.start_ticks}" + (f" and uid {e.owner_uid}" if e.owner_uid else ""),
+                    )
+                )
         for k in set(self._resolved) - keys:
             del self._resolved[k]
         for k in set(self._missed) - keys:

@@ -113,10 +113,14 @@ def resolve_pyspy(configured: str | None = None, search: Sequence[str] | None = 
         if os.path.isfile(configured) and os.access(configured, os.X_OK):
             return os.path.abspath(configured)
         raise PySpyError(ABSENT, f"gil.pyspy_path {configured} is not an executable file")
-    candidates = list(search) if search is not None else [
-        os.path.join(os.path.dirname(sys.executable), "py-spy"),
-        _on_path("py-spy") or "",
-    ]
+    candidates = (
+        list(search)
+        if search is not None
+        else [
+            os.path.join(os.path.dirname(sys.executable), "py-spy"),
+            _on_path("py-spy") or "",
+        ]
+    )
     shims = []
     for cand in candidates:
         if not cand or not os.path.isfile(cand) or not os.access(cand, os.X_OK):
@@ -182,9 +186,7 @@ class PySpy:
         self._clock = clock
 
     @classmethod
-    def from_config(
-        cls, pyspy_path: str | None, *, paths: HostPaths | None = None, **kw: Any
-    ) -> PySpy:
+    def from_config(cls, pyspy_path: str | None, *, paths: HostPaths | None = None, **kw: Any) -> PySpy:
         """Resolve the binary once; an absent binary gives an instance whose runs all fail
         with reason ABSENT (collector down, daemon fine)."""
         try:
@@ -209,8 +211,21 @@ class PySpy:
             out = os.path.join(tmp, "gil.raw")
             self._prepare_output(tmp, out)
             args = [
-                "record", "--gil", "--nonblocking", "--format", "raw", "--threads",
-                "--hideprogress", "-r", str(rate), "-d", str(duration), "-o", out, "-p", str(pid),
+                "record",
+                "--gil",
+                "--nonblocking",
+                "--format",
+                "raw",
+                "--threads",
+                "--hideprogress",
+                "-r",
+                str(rate),
+                "-d",
+                str(duration),
+                "-o",
+                out,
+                "-p",
+                str(pid),
             ]
             nested = in_nested_pid_namespace(self.paths, pid)
             threads_before = read_threads(self.paths, pid) if nested else ()
@@ -256,22 +271,20 @@ class PySpy:
         # the NSpid map is needed only for a target in a nested pid namespace (a container)
         nested = in_nested_pid_namespace(self.paths, pid)
         threads_before = read_threads(self.paths, pid) if nested else ()
-        res = self._run(pid, ["dump", "--json", "--nonblocking", "-p", str(pid)],
-                        self.dump_timeout_seconds, slot_wait)
+        res = self._run(pid, ["dump", "--json", "--nonblocking", "-p", str(pid)], self.dump_timeout_seconds, slot_wait)
         if res.returncode != 0:
             self._fail(pid, res.stderr or res.stdout)
         try:
-            stacks = parse_dump_json(res.stdout.decode("utf-8", "replace"),
-                                     self._tid_map(pid, threads_before) if nested else {})
+            stacks = parse_dump_json(
+                res.stdout.decode("utf-8", "replace"), self._tid_map(pid, threads_before) if nested else {}
+            )
         except (ValueError, json.JSONDecodeError) as e:
             raise PySpyError(FAILED, f"unreadable dump output: {e}") from e
         if nested:
             # py-spy could not match namespace-local ids to /proc and calls every thread active
             # (research §1.6); use the host task state instead.
             state = {t.tid: t.state for t in read_threads(self.paths, pid)}
-            stacks = tuple(
-                dataclasses.replace(s, active=state.get(s.tid or -1) == "R") for s in stacks
-            )
+            stacks = tuple(dataclasses.replace(s, active=state.get(s.tid or -1) == "R") for s in stacks)
         return stacks
 
     # -- internals --------------------------------------------------------------------------
@@ -304,8 +317,7 @@ class PySpy:
         reason, detail = classify_failure(output, alive)
         raise PySpyError(reason, detail)
 
-    def _run(self, pid: int, args: list[str], timeout: float,
-             slot_wait: float | None = None) -> RunResult:
+    def _run(self, pid: int, args: list[str], timeout: float, slot_wait: float | None = None) -> RunResult:
         if self.binary is None:
             raise self._count(PySpyError(ABSENT, self.unavailable_reason))
         wait = timeout if slot_wait is None else slot_wait
@@ -316,9 +328,14 @@ class PySpy:
             if state_before is None:
                 raise self._count(PySpyError(TARGET_GONE, "no such process"))
             try:
-                res = spawn([self.binary, *args], timeout, reaper=self.reaper,
-                            output_cap_bytes=self.output_cap_bytes, run_as=self.run_as,
-                            on_strays=self._count_strays)
+                res = spawn(
+                    [self.binary, *args],
+                    timeout,
+                    reaper=self.reaper,
+                    output_cap_bytes=self.output_cap_bytes,
+                    run_as=self.run_as,
+                    on_strays=self._count_strays,
+                )
             except PySpyError as e:
                 self._count(e)
                 raise
@@ -356,7 +373,6 @@ class PySpy:
         if after not in ("T", "t") and stop_pending(self.paths, pid):
             after = "T (SIGSTOP pending)"
         if after is not None and after[0] in ("T", "t"):
-            log.warning("pid %d was stopped (%s) during a py-spy run that never stops it; left "
-                        "as it is", pid, after)
+            log.warning("pid %d was stopped (%s) during a py-spy run that never stops it; left as it is", pid, after)
             with self._stats_lock:
                 self.stats.left_stopped += 1

@@ -134,9 +134,7 @@ def parse_record_raw(
     )
 
 
-def parse_dump_json(
-    text: str, tid_map: dict[int, int] | None = None
-) -> tuple[ThreadStack, ...]:
+def parse_dump_json(text: str, tid_map: dict[int, int] | None = None) -> tuple[ThreadStack, ...]:
     """``py-spy dump --json`` -> threads; ValueError for anything that is not the expected shape."""
     data = json.loads(text)
     if not isinstance(data, list):

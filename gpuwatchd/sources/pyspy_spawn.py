@@ -58,8 +58,10 @@ def _over(pid: int, files: tuple[IO[bytes], ...], output_cap: int, rss_cap: int)
     """Why a running child must be killed now ("" while it is within its bounds)."""
     rss = _rss_bytes(pid)
     if rss > rss_cap:
-        return (f"py-spy grew to {rss >> 20} MiB RSS, over its {rss_cap >> 20} MiB cap (the "
-                "target's stacks are too large to dump); killed")
+        return (
+            f"py-spy grew to {rss >> 20} MiB RSS, over its {rss_cap >> 20} MiB cap (the "
+            "target's stacks are too large to dump); killed"
+        )
     for f in files:
         size = os.fstat(f.fileno()).st_size
         if size > output_cap:
@@ -67,10 +69,16 @@ def _over(pid: int, files: tuple[IO[bytes], ...], output_cap: int, rss_cap: int)
     return ""
 
 
-def spawn(argv: list[str], timeout: float, *, reaper: ChildReaper, output_cap_bytes: int,
-          run_as: tuple[int, int] | None = None,
-          on_strays: Callable[[int], None] | None = None,
-          max_rss_bytes: int = MAX_RSS_BYTES) -> RunResult:
+def spawn(
+    argv: list[str],
+    timeout: float,
+    *,
+    reaper: ChildReaper,
+    output_cap_bytes: int,
+    run_as: tuple[int, int] | None = None,
+    on_strays: Callable[[int], None] | None = None,
+    max_rss_bytes: int = MAX_RSS_BYTES,
+) -> RunResult:
     """Run ``argv`` in its own session; SIGKILL the whole group at ``timeout``.
 
     The child is waited for with ``waitid(WNOWAIT)`` so that it stays a zombie (its pid and
@@ -79,8 +87,7 @@ def spawn(argv: list[str], timeout: float, *, reaper: ChildReaper, output_cap_by
     ``on_strays(n)``: told how many processes the run left outside its group (killed and reaped),
     when there were any, before its output is read.
     """
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "RUST_BACKTRACE": "0",
-           "RUST_LIB_BACKTRACE": "0"}
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "RUST_BACKTRACE": "0", "RUST_LIB_BACKTRACE": "0"}
     kw: dict[str, Any] = {}
     if run_as is not None:
         kw.update(user=run_as[0], group=run_as[1], extra_groups=[])
@@ -91,8 +98,14 @@ def spawn(argv: list[str], timeout: float, *, reaper: ChildReaper, output_cap_by
         try:
             with reaper.spawning() as live:
                 proc = subprocess.Popen(
-                    argv, stdin=subprocess.DEVNULL, stdout=out_f, stderr=err_f, env=env,
-                    start_new_session=True, close_fds=True, **kw,
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out_f,
+                    stderr=err_f,
+                    env=env,
+                    start_new_session=True,
+                    close_fds=True,
+                    **kw,
                 )
                 live.add(proc.pid)
             reaper.note_helper(proc.pid, "py-spy")

@@ -96,21 +96,28 @@ class RankFileReader:
         chosen, skipped, self.incomplete = _choose(listed)
         self.unread_owners = frozenset(skipped)
         for uid, (n, kept) in sorted(skipped.items()):
-            bad.append(BadRankFile(
-                f"{self.rank_dir} (uid {uid})",
-                f"uid {uid} has {n} rank files; only {kept} are read (at most "
-                f"{MAX_FILES_PER_OWNER} per owner, {MAX_FILES} in all): {n - kept} ignored"))
+            bad.append(
+                BadRankFile(
+                    f"{self.rank_dir} (uid {uid})",
+                    f"uid {uid} has {n} rank files; only {kept} are read (at most "
+                    f"{MAX_FILES_PER_OWNER} per owner, {MAX_FILES} in all): {n - kept} ignored",
+                )
+            )
         live = set()
         budgets: dict[int, _Budget] = {}
         for name in chosen:
             path = os.path.join(self.rank_dir, name)
             if bad_name(name):
-                bad.append(BadRankFile(os.path.join(self.rank_dir, ascii(name)[1:-1]),
-                                       "name is not printable UTF-8 (refused)"))
+                bad.append(
+                    BadRankFile(os.path.join(self.rank_dir, ascii(name)[1:-1]), "name is not printable UTF-8 (refused)")
+                )
                 continue
             st = stats.get(name)
-            budget = None if st is not None and st.st_uid == 0 else budgets.setdefault(
-                st.st_uid if st is not None else -1, _Budget())
+            budget = (
+                None
+                if st is not None and st.st_uid == 0
+                else budgets.setdefault(st.st_uid if st is not None else -1, _Budget())
+            )
             if budget is not None and not budget.may_read(self._cached(path, st), st):
                 continue
             live.add(path)
@@ -127,11 +134,14 @@ class RankFileReader:
         for uid, budget in sorted(budgets.items()):
             if budget.unread:
                 self.unread_owners |= {uid}
-                bad.append(BadRankFile(
-                    f"{self.rank_dir} (uid {uid})",
-                    f"uid {uid}'s rank files: {budget.unread} not read this cycle (at most "
-                    f"{MAX_RANKS_PER_OWNER} ranks and {MAX_PARSE_BYTES_PER_OWNER} bytes parsed "
-                    f"per owner and cycle)"))
+                bad.append(
+                    BadRankFile(
+                        f"{self.rank_dir} (uid {uid})",
+                        f"uid {uid}'s rank files: {budget.unread} not read this cycle (at most "
+                        f"{MAX_RANKS_PER_OWNER} ranks and {MAX_PARSE_BYTES_PER_OWNER} bytes parsed "
+                        f"per owner and cycle)",
+                    )
+                )
         for stale in set(self._cache) - live:
             del self._cache[stale]
         return entries, bad
@@ -210,8 +220,9 @@ class RankFileReader:
         # name more than an owner may have is refused before the decoder builds them (4096 ranks
         # in 100 KB made 4096 objects and entries per file: 16 such files, 76 MB of RSS).
         if st.st_uid != 0 and raw.count(b"{") - 1 > MAX_RANKS_PER_OWNER:
-            return [], (f"names more than {MAX_RANKS_PER_OWNER} ranks (at most that many of one "
-                        f"owner are watched; not parsed)")
+            return [], (
+                f"names more than {MAX_RANKS_PER_OWNER} ranks (at most that many of one owner are watched; not parsed)"
+            )
         try:
             doc = loads_strict(raw.decode("utf-8"))
         except UnicodeDecodeError:
@@ -249,7 +260,8 @@ class _Budget:
     def may_read(self, cached: bool, st: os.stat_result | None) -> bool:
         size = st.st_size if st is not None else 0
         if self.ranks >= MAX_RANKS_PER_OWNER or (
-                not cached and self.parsed > 0 and self.parsed + size > MAX_PARSE_BYTES_PER_OWNER):
+            not cached and self.parsed > 0 and self.parsed + size > MAX_PARSE_BYTES_PER_OWNER
+        ):
             self.unread += 1
             return False
         if not cached:
@@ -257,9 +269,11 @@ class _Budget:
         return True
 
 
-def _choose(by_owner: dict[int, list[str]], total: int = MAX_FILES,
-            per_owner: int = MAX_FILES_PER_OWNER,
-            ) -> tuple[list[str], dict[int, tuple[int, int]], bool]:
+def _choose(
+    by_owner: dict[int, list[str]],
+    total: int = MAX_FILES,
+    per_owner: int = MAX_FILES_PER_OWNER,
+) -> tuple[list[str], dict[int, tuple[int, int]], bool]:
     """(the names to read, owner uid -> (files, files read) for each owner not read in full,
     whether an owner lost files below ``per_owner``). Root's files come first; the other owners
     share what is left max-min fairly (the owner with fewest files first, each taking at most an
@@ -272,8 +286,7 @@ def _choose(by_owner: dict[int, list[str]], total: int = MAX_FILES,
     if len(root) > total:
         skipped[0], incomplete = (len(root), total), True
     left = total - len(chosen)
-    owners = sorted(((uid, names) for uid, names in by_owner.items() if uid != 0),
-                    key=lambda kv: (len(kv[1]), kv[0]))
+    owners = sorted(((uid, names) for uid, names in by_owner.items() if uid != 0), key=lambda kv: (len(kv[1]), kv[0]))
     for i, (uid, names) in enumerate(owners):
         take = min(len(names), per_owner, left // (len(owners) - i))
         chosen += sorted(names)[:take] if take < len(names) else sorted(names)
@@ -292,10 +305,13 @@ def claimant(e: RankEntry) -> int:
     return e.owner_uid if e.owner_uid is not None else -1
 
 
-def cap_ranks(entries: Iterable[RankEntry], bad: Iterable[BadRankFile] = (),
-              per_job: int = MAX_RANKS_PER_JOB,
-              per_owner: int = MAX_RANKS_PER_OWNER,
-              per_node: int = MAX_RANKS_PER_NODE) -> tuple[list[RankEntry], list[BadRankFile]]:
+def cap_ranks(
+    entries: Iterable[RankEntry],
+    bad: Iterable[BadRankFile] = (),
+    per_job: int = MAX_RANKS_PER_JOB,
+    per_owner: int = MAX_RANKS_PER_OWNER,
+    per_node: int = MAX_RANKS_PER_NODE,
+) -> tuple[list[RankEntry], list[BadRankFile]]:
     """Keep at most ``per_job`` ranks of a job *from one claimant* and ``per_owner`` ranks from
     one non-root rank-file owner (lowest ranks first), then at most ``per_node`` in all
     (``cap_node``); each cap that is hit adds one BadRankFile naming it. These caps run before
@@ -312,17 +328,26 @@ def cap_ranks(entries: Iterable[RankEntry], bad: Iterable[BadRankFile] = (),
         who = claimant(e)
         n = per_job_n.get((e.job_id, who), 0)
         if n >= per_job:
-            hit.setdefault(f"job\0{e.job_id}\0{who}", BadRankFile(
-                e.path or "discovery",
-                f"job {e.job_id} claims more than {per_job} ranks on this node by uid {who}; "
-                f"ranks above the cap are ignored (series limit)"))
+            hit.setdefault(
+                f"job\0{e.job_id}\0{who}",
+                BadRankFile(
+                    e.path or "discovery",
+                    f"job {e.job_id} claims more than {per_job} ranks on this node by uid {who}; "
+                    f"ranks above the cap are ignored (series limit)",
+                ),
+            )
             continue
         owner = e.owner_uid if e.source == "rankfile" else None
         if owner is not None and owner != 0:
             if per_owner_n.get(owner, 0) >= per_owner:
-                hit.setdefault(f"uid\0{owner}", BadRankFile(
-                    e.path, f"rank files of uid {owner} claim more than {per_owner} ranks on this "
-                    f"node; ranks above the cap are ignored (series limit)"))
+                hit.setdefault(
+                    f"uid\0{owner}",
+                    BadRankFile(
+                        e.path,
+                        f"rank files of uid {owner} claim more than {per_owner} ranks on this "
+                        f"node; ranks above the cap are ignored (series limit)",
+                    ),
+                )
                 continue
             per_owner_n[owner] = per_owner_n.get(owner, 0) + 1
         per_job_n[(e.job_id, who)] = n + 1
@@ -331,8 +356,10 @@ def cap_ranks(entries: Iterable[RankEntry], bad: Iterable[BadRankFile] = (),
     return kept, out_bad + list(hit.values()) + node_bad
 
 
-def cap_node(entries: list[RankEntry], per_node: int = MAX_RANKS_PER_NODE,
-             ) -> tuple[list[RankEntry], list[BadRankFile]]:
+def cap_node(
+    entries: list[RankEntry],
+    per_node: int = MAX_RANKS_PER_NODE,
+) -> tuple[list[RankEntry], list[BadRankFile]]:
     """At most ``per_node`` entries, shared max-min fairly between the claimants (a rank file's
     owner, root for root's files; a discovered process's uid): the claimant with fewest first,
     each taking at most an equal part of what is left, its lowest (job, rank) first, so that no
@@ -351,17 +378,23 @@ def cap_node(entries: list[RankEntry], per_node: int = MAX_RANKS_PER_NODE,
         keep.update(id(e) for e in group[:n])
         left -= n
         if n < len(group):
-            bad.append(BadRankFile(
-                group[n].path or "discovery",
-                f"uid {uid} claims {len(group)} ranks; only {n} are watched (at most {per_node} "
-                f"ranks on a node, shared fairly between users; memory budget)"))
+            bad.append(
+                BadRankFile(
+                    group[n].path or "discovery",
+                    f"uid {uid} claims {len(group)} ranks; only {n} are watched (at most {per_node} "
+                    f"ranks on a node, shared fairly between users; memory budget)",
+                )
+            )
     return [e for e in entries if id(e) in keep], bad
 
 
-def guard_entries(entries: Iterable[RankEntry], bad: Iterable[BadRankFile] = (),
-                  procfs: str = "/proc", namespaces: PidNamespaces | None = None,
-                  roots: HeartbeatRoots | None = None,
-                  ) -> tuple[list[RankEntry], list[BadRankFile]]:
+def guard_entries(
+    entries: Iterable[RankEntry],
+    bad: Iterable[BadRankFile] = (),
+    procfs: str = "/proc",
+    namespaces: PidNamespaces | None = None,
+    roots: HeartbeatRoots | None = None,
+) -> tuple[list[RankEntry], list[BadRankFile]]:
     """What every consumer of one cycle's rank entries sees: ``cap_ranks`` applied, PIDs of other
     PID namespaces resolved to host PIDs (``namespaces``, after the caps: its cost is bounded by
     them), and each heartbeat's ``heartbeat_root`` set (the heartbeat dropped where the owner
@@ -377,8 +410,7 @@ def guard_entries(entries: Iterable[RankEntry], bad: Iterable[BadRankFile] = (),
                 e = roots.guard(e, procfs)
             else:
                 root = heartbeat_root(e, procfs)
-                e = dataclasses.replace(e, heartbeat_root=root,
-                                        heartbeat=e.heartbeat if root is not None else None)
+                e = dataclasses.replace(e, heartbeat_root=root, heartbeat=e.heartbeat if root is not None else None)
         out.append(e)
     if roots is not None:
         roots.end_cycle()

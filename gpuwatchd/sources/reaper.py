@@ -66,8 +66,11 @@ class ChildReaper:
         except (OSError, AttributeError):
             ok = False
         if not ok:
-            log.warning("cannot become a child subreaper (prctl: %s): a py-spy helper that leaves "
-                        "its process group may survive its time-out", os.strerror(ctypes.get_errno()))
+            log.warning(
+                "cannot become a child subreaper (prctl: %s): a py-spy helper that leaves "
+                "its process group may survive its time-out",
+                os.strerror(ctypes.get_errno()),
+            )
         self.enabled = ok
         return ok
 
@@ -149,8 +152,12 @@ class ChildReaper:
             self.killed += total
             level = logging.DEBUG if self._warned else logging.WARNING
             self._warned = True
-            log.log(level, "killed and reaped %d process(es) that a py-spy run left behind outside "
-                    "its process group (%d so far)", total, self.killed)
+            log.log(
+                level,
+                "killed and reaped %d process(es) that a py-spy run left behind outside its process group (%d so far)",
+                total,
+                self.killed,
+            )
         return total
 
 

@@ -27,8 +27,9 @@ class StallLooks:
     """What ``StallTracker`` reads of the host, for one daemon (``spy``: its py-spy runner, None
     without py-spy; ``paths``: the host's /proc, by default the runner's)."""
 
-    def __init__(self, spy: PySpy | None, paths: HostPaths | None = None,
-                 stat: Callable[[str], os.stat_result] = os.stat) -> None:
+    def __init__(
+        self, spy: PySpy | None, paths: HostPaths | None = None, stat: Callable[[str], os.stat_result] = os.stat
+    ) -> None:
         self.spy = spy
         self.paths = paths or (spy.paths if spy else HostPaths())
         self.stat = stat
@@ -56,14 +57,21 @@ class StallLooks:
         try:
             return Dump(self.spy.dump(pid, slot_wait=0.0))
         except PySpyError as e:
-            return Dump(None, str(e), timed_out=e.reason == TIMEOUT,
-                        hopeless=e.reason in (ABSENT, PERMISSION_DENIED, NOT_PYTHON))
+            return Dump(
+                None,
+                str(e),
+                timed_out=e.reason == TIMEOUT,
+                hopeless=e.reason in (ABSENT, PERMISSION_DENIED, NOT_PYTHON),
+            )
 
     def task_ids(self, pid: int) -> list[int]:
         return threads.task_ids(self.paths, pid)
 
     def threads_since(
-        self, pid: int, tids: Sequence[int], prev: Mapping[int, tuple[tuple[int, int], ThreadInfo]],
+        self,
+        pid: int,
+        tids: Sequence[int],
+        prev: Mapping[int, tuple[tuple[int, int], ThreadInfo]],
     ) -> tuple[tuple[ThreadInfo, ...], dict[int, tuple[int, int]]]:
         return threads.read_threads_since(self.paths, pid, tids, prev)
 

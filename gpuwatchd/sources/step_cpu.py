@@ -20,13 +20,13 @@ from gpuwatchd.sources.heartbeat_step import read_step
 
 
 class StepCpuReader:
-    def __init__(self, paths: HostPaths | None = None,
-                 step_of: Callable[[RankEntry], int | None] | None = None) -> None:
+    def __init__(
+        self, paths: HostPaths | None = None, step_of: Callable[[RankEntry], int | None] | None = None
+    ) -> None:
         """``step_of``: reads a rank's heartbeat step (the daemon's ``HeartbeatRoots.step``, in
         the rank's own root); by default the heartbeat path in this process's view."""
         self.paths = paths or HostPaths()
-        self.step_of = step_of or (lambda e: read_step(e.heartbeat, e.owner_uid) if e.heartbeat
-                                   else None)
+        self.step_of = step_of or (lambda e: read_step(e.heartbeat, e.owner_uid) if e.heartbeat else None)
         # each cgroup of the ranks given last -> its cpu.stat path (None: no cpu controller)
         self._paths: dict[CgroupPaths, str | None] = {}
         self.path_lookups = 0  # cpu.stat paths looked for (tests, benchmarks)

@@ -70,8 +70,9 @@ def _status_fields(text: str) -> dict[str, str]:
     return out
 
 
-def read_threads(paths: HostPaths, pid: int, detail: bool = True, limit: int | None = None,
-                 tids: Sequence[int] | None = None) -> tuple[ThreadInfo, ...]:
+def read_threads(
+    paths: HostPaths, pid: int, detail: bool = True, limit: int | None = None, tids: Sequence[int] | None = None
+) -> tuple[ThreadInfo, ...]:
     """Every task of ``pid`` as /proc shows it now; tasks that vanish meanwhile are skipped.
 
     ``detail=False`` skips ``status`` (NSpid, context switches): two small reads per thread instead
@@ -152,8 +153,9 @@ def read_schedstat(paths: HostPaths, pid: int, tid: int) -> tuple[int, int] | No
         return None
 
 
-def read_run_slices(paths: HostPaths, pid: int, tids: Sequence[int] | None = None,
-                    max_tasks: int | None = None) -> dict[int, tuple[int, int]] | None:
+def read_run_slices(
+    paths: HostPaths, pid: int, tids: Sequence[int] | None = None, max_tasks: int | None = None
+) -> dict[int, tuple[int, int]] | None:
     """{tid: (ns run on a CPU, run slices)} of these tasks (default: every task of ``pid``), from
     ``/proc/PID/task/TID/schedstat``; None when one is unreadable (gone), reads a slice count of 0
     (a kernel without schedstat prints ``0 0 0`` for every task, and a task we see has run at

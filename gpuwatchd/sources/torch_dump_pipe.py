@@ -32,8 +32,14 @@ from typing import Any
 
 from gpuwatchd.model.collectives import MAX_ENTRIES_READ, MAX_GROUPS
 
-PIPE_VARS = ("TORCH_FR_DEBUG_INFO_PIPE_FILE", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE", "TORCH_FR_BUFFER_SIZE",
-             "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+PIPE_VARS = (
+    "TORCH_FR_DEBUG_INFO_PIPE_FILE",
+    "TORCH_NCCL_DEBUG_INFO_PIPE_FILE",
+    "TORCH_FR_BUFFER_SIZE",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    "TORCH_FR_DUMP_TEMP_FILE",
+    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+)
 DEFAULT_DUMP_PREFIX = "/tmp/nccl_trace_rank_"
 MAX_DUMP_BYTES = 16 << 20  # 2,000 entries with their stack frames: a few MB
 # what gpuwatchd/join/flight_recorder.py parse_response reads of an entry and of a group's status
@@ -54,8 +60,7 @@ def settings(env: Mapping[str, str], rank: int) -> PipeSettings | None:
     size = env.get("TORCH_FR_BUFFER_SIZE", env.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0")).strip()
     if not stem or not size.isascii() or not size.isdigit() or int(size[:9]) <= 0:
         return None
-    prefix = env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE") or \
-        DEFAULT_DUMP_PREFIX
+    prefix = env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE") or DEFAULT_DUMP_PREFIX
     pipe, dump = f"{stem}{rank}.pipe", f"{prefix}{rank}"
     if not pipe.startswith("/") or not dump.startswith("/") or max(len(pipe), len(dump)) > MAX_PATH:
         return None  # relative to the rank's working directory: not followed
@@ -125,8 +130,16 @@ def read_dump(path: str, uid: int) -> Any:
         raise ValueError(f"larger than {MAX_DUMP_BYTES} bytes")
     try:
         raw = _NoClasses(io.BytesIO(b"".join(chunks))).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError,
-            MemoryError, OverflowError) as exc:
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        ValueError,
+        TypeError,
+        IndexError,
+        KeyError,
+        MemoryError,
+        OverflowError,
+    ) as exc:
         raise ValueError(f"not a plain pickle: {str(exc)[:80]}") from None
     return plain(raw)
 
@@ -155,10 +168,16 @@ def plain(obj: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     entries = obj.get("entries")
     if isinstance(entries, (list, tuple)):
-        out["entries"] = [{k: _scalar(e[k]) for k in ENTRY_FIELDS if k in e}
-                          for e in entries[:MAX_ENTRIES_READ] if isinstance(e, dict)]
+        out["entries"] = [
+            {k: _scalar(e[k]) for k in ENTRY_FIELDS if k in e}
+            for e in entries[:MAX_ENTRIES_READ]
+            if isinstance(e, dict)
+        ]
     status = obj.get("pg_status")
     if isinstance(status, dict):
-        out["pg_status"] = {str(pg)[:64]: {k: _scalar(st[k]) for k in STATUS_FIELDS if k in st}
-                            for pg, st in list(status.items())[:MAX_GROUPS] if isinstance(st, dict)}
+        out["pg_status"] = {
+            str(pg)[:64]: {k: _scalar(st[k]) for k in STATUS_FIELDS if k in st}
+            for pg, st in list(status.items())[:MAX_GROUPS]
+            if isinstance(st, dict)
+        }
     return out

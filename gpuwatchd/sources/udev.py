@@ -43,8 +43,7 @@ def parse_uevent_file(text: str) -> dict[str, str]:
     return props
 
 
-def classify(action: str, props: Mapping[str, str], now: float,
-             vendor: str = NVIDIA_VENDOR) -> GpuUevent | None:
+def classify(action: str, props: Mapping[str, str], now: float, vendor: str = NVIDIA_VENDOR) -> GpuUevent | None:
     """A GPU uevent, or None for every other device/action."""
     if action not in CHANGE_ACTIONS:
         return None

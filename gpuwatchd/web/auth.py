@@ -67,8 +67,9 @@ class AuthChecker:
         self._failed: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._sizes = (ok_size, failed_size)
         self._lock = threading.Lock()
-        self._queue: collections.deque[tuple[Mapping[str, bytes], str, bytes, str,
-                                             Callable[[bool], None]]] = collections.deque()
+        self._queue: collections.deque[tuple[Mapping[str, bytes], str, bytes, str, Callable[[bool], None]]] = (
+            collections.deque()
+        )
         self._pending: collections.Counter[str] = collections.Counter()
         self._cv = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
@@ -85,8 +86,9 @@ class AuthChecker:
                 return False
         return None
 
-    def submit(self, users: Mapping[str, bytes], user: str, password: bytes, client: str,
-               finish: Callable[[bool], None]) -> bool:
+    def submit(
+        self, users: Mapping[str, bytes], user: str, password: bytes, client: str, finish: Callable[[bool], None]
+    ) -> bool:
         """Queue a check; ``finish(ok)`` is called on the auth thread. False: too many checks
         wait (from this client, or at all); nothing was queued."""
         with self._cv:
@@ -96,8 +98,7 @@ class AuthChecker:
             self._pending[client] += 1
             self._cv.notify()
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="gpuwatchd-web-auth",
-                                                daemon=True)
+                self._thread = threading.Thread(target=self._run, name="gpuwatchd-web-auth", daemon=True)
                 try:
                     self._thread.start()
                 except RuntimeError:  # no thread to be had (TasksMax=): refuse, as when full

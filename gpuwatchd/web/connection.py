@@ -70,12 +70,29 @@ class Conn:
     """One client connection. ``phase``: handshake, head, write, idle (waiting on the client,
     owned by the loop), ready (queued for a worker), active (a worker is answering it)."""
 
-    __slots__ = ("addr", "answered", "body_seen", "buf", "chunks", "ctx", "deadline", "eof", "head",
-                 "line_ok", "out", "parser", "phase", "read_at", "request", "scanned", "served",
-                 "since", "sock")
+    __slots__ = (
+        "addr",
+        "answered",
+        "body_seen",
+        "buf",
+        "chunks",
+        "ctx",
+        "deadline",
+        "eof",
+        "head",
+        "line_ok",
+        "out",
+        "parser",
+        "phase",
+        "read_at",
+        "request",
+        "scanned",
+        "served",
+        "since",
+        "sock",
+    )
 
-    def __init__(self, sock: socket.socket, addr: str, ctx: ssl.SSLContext | None,
-                 deadline: float) -> None:
+    def __init__(self, sock: socket.socket, addr: str, ctx: ssl.SSLContext | None, deadline: float) -> None:
         self.sock = sock
         self.addr = addr
         self.ctx = ctx  # the TLS context this connection was accepted under (None: plain)
@@ -117,8 +134,8 @@ class Conn:
         if m is None:
             self.scanned = len(self.buf)
             return False
-        self.head = bytes(self.buf[:m.end()])
-        del self.buf[:m.end()]
+        self.head = bytes(self.buf[: m.end()])
+        del self.buf[: m.end()]
         self.scanned = 0
         self.line_ok = False
         return True
@@ -133,8 +150,9 @@ class Conn:
 class DropLog:
     """Counts dropped connections by reason; logs them as one warning per interval."""
 
-    def __init__(self, on_drop: Callable[[str], None], interval: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, on_drop: Callable[[str], None], interval: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.on_drop = on_drop
         self.interval = interval
         self.clock = clock
@@ -153,9 +171,14 @@ class DropLog:
         if not self.pending or now < self.next_log:
             return
         counts = ", ".join(f"{n} {r}" for r, n in sorted(self.pending.items()))
-        log.warning("dropped %d connection(s) to /metrics (%s), the latest from %s; counted in "
-                    "gpuwatch_web_connections_dropped_total, logged at most every %gs",
-                    sum(self.pending.values()), counts, self.latest, self.interval)
+        log.warning(
+            "dropped %d connection(s) to /metrics (%s), the latest from %s; counted in "
+            "gpuwatch_web_connections_dropped_total, logged at most every %gs",
+            sum(self.pending.values()),
+            counts,
+            self.latest,
+            self.interval,
+        )
         self.pending.clear()
         self.next_log = now + self.interval
 
@@ -167,8 +190,7 @@ def bind(family: socket.AddressFamily, address: tuple[str, int]) -> socket.socke
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if family == socket.AF_INET6:
             # "[::]:port" serves IPv4 too, like Go's listener; a specific v6 address does not.
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY,
-                            0 if address[0] == "::" else 1)
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0 if address[0] == "::" else 1)
         sock.bind(address)
         sock.listen(BACKLOG)
         sock.setblocking(False)

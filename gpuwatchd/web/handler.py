@@ -83,8 +83,9 @@ class _Restricted:
         for fam in self.registry.collect():
             samples = [s for s in fam.samples if s.name in self.names]
             if samples:  # any type another library writes (a histogram): not a gpuwatchd Metric
-                yield types.SimpleNamespace(name=fam.name, documentation=fam.documentation,
-                                            type=fam.type, unit=fam.unit, samples=samples)
+                yield types.SimpleNamespace(
+                    name=fam.name, documentation=fam.documentation, type=fam.type, unit=fam.unit, samples=samples
+                )
 
 
 class _Uncached:
@@ -160,10 +161,10 @@ class Site:
         active = self.config.current().config
         if req.method not in ("GET", "HEAD"):
             if req.method not in _KNOWN_METHODS:
-                return self._send(conn, active, req, 501, b"Not Implemented\n", TEXT,
-                                  (("Connection", "close"),))
-            return self._send(conn, active, req, 405, b"Method Not Allowed\n", TEXT,
-                              (("Allow", "GET, HEAD"), ("Connection", "close")))
+                return self._send(conn, active, req, 501, b"Not Implemented\n", TEXT, (("Connection", "close"),))
+            return self._send(
+                conn, active, req, 405, b"Method Not Allowed\n", TEXT, (("Allow", "GET, HEAD"), ("Connection", "close"))
+            )
         creds = verdict = None
         if active.basic_auth_users:
             creds = _credentials(req.headers.get("authorization", ""))
@@ -175,23 +176,30 @@ class Site:
             if creds is not None and verdict is None:
                 # Not seen before: bcrypt, on the auth thread, never in this worker.
                 def finish(ok: bool) -> None:
-                    keep: Any = guarded(f"answering {conn.addr}",
-                                        lambda: self._authorized(conn, active, req, ok), _FAILED)
+                    keep: Any = guarded(
+                        f"answering {conn.addr}", lambda: self._authorized(conn, active, req, ok), _FAILED
+                    )
                     if keep is _FAILED:
                         conn.out.clear()
                     self.hand_back(conn, keep is True)
 
                 if self.auth.submit(active.basic_auth_users, *creds, conn.addr, finish):
                     return None
-                return self._send(conn, active, req, 503, b"Busy checking passwords\n", TEXT,
-                                  (("Retry-After", "1"),))
+                return self._send(conn, active, req, 503, b"Busy checking passwords\n", TEXT, (("Retry-After", "1"),))
             return self._authorized(conn, active, req, bool(verdict))
         return self._route(conn, active, req)
 
     def _authorized(self, conn: Conn, active: WebConfig, req: _Request, ok: bool) -> bool:
         if not ok:
-            return self._send(conn, active, req, 401, b"Unauthorized\n", TEXT,
-                              (("WWW-Authenticate", 'Basic realm="gpuwatchd", charset="UTF-8"'),))
+            return self._send(
+                conn,
+                active,
+                req,
+                401,
+                b"Unauthorized\n",
+                TEXT,
+                (("WWW-Authenticate", 'Basic realm="gpuwatchd", charset="UTF-8"'),),
+            )
         return self._route(conn, active, req)
 
     def _route(self, conn: Conn, active: WebConfig, req: _Request) -> bool:
@@ -201,19 +209,16 @@ class Site:
             live = getattr(self.registry, "liveness", None)
             why = live() if live is not None else ""
             if why:
-                return self._send(conn, active, req, 503,
-                                  f"gpuwatchd is not healthy: {why}\n".encode(), TEXT)
+                return self._send(conn, active, req, 503, f"gpuwatchd is not healthy: {why}\n".encode(), TEXT)
             return self._send(conn, active, req, 200, b"gpuwatchd is Healthy.\n", TEXT)
         if req.path == "/-/ready":
             why = self._not_ready()
             if why:
-                return self._send(conn, active, req, 503, f"gpuwatchd is not ready: {why}\n".encode(),
-                                  TEXT)
+                return self._send(conn, active, req, 503, f"gpuwatchd is not ready: {why}\n".encode(), TEXT)
             return self._send(conn, active, req, 200, b"gpuwatchd is Ready.\n", TEXT)
         if req.path == "/":
             return self._send(conn, active, req, 200, LANDING_PAGE, HTML)
-        return self._send(conn, active, req, 404,
-                          f"Not Found: {_escape_html(req.path[:200])}\n".encode(), TEXT)
+        return self._send(conn, active, req, 404, f"Not Found: {_escape_html(req.path[:200])}\n".encode(), TEXT)
 
     def _not_ready(self) -> str:
         ready = getattr(self.registry, "readiness", None)
@@ -229,8 +234,9 @@ class Site:
         try:
             params = parse_qs(req.query, max_num_fields=MAX_QUERY_PARAMETERS)
         except ValueError:
-            return self._send(conn, active, req, 400,
-                              f"at most {MAX_QUERY_PARAMETERS} query parameters\n".encode(), TEXT)
+            return self._send(
+                conn, active, req, 400, f"at most {MAX_QUERY_PARAMETERS} query parameters\n".encode(), TEXT
+            )
         fmt, content_type = negotiate(req.headers.get("accept", ""))
         names = params.get("name[]")
         extra: tuple[tuple[str, str], ...] = ()
@@ -248,13 +254,22 @@ class Site:
         else:
             rendered = self.uncached.render(self.registry, fmt, names)
             if rendered is None:
-                return self._send(conn, active, req, 503, b"Busy rendering another request\n",
-                                  TEXT, (("Retry-After", "1"),))
+                return self._send(
+                    conn, active, req, 503, b"Busy rendering another request\n", TEXT, (("Retry-After", "1"),)
+                )
             body = rendered
         return self._send(conn, active, req, 200, body, content_type, extra)
 
-    def _send(self, conn: Conn, active: WebConfig, req: _Request, status: int, body: bytes,
-              content_type: str, extra: tuple[tuple[str, str], ...] = ()) -> bool:
+    def _send(
+        self,
+        conn: Conn,
+        active: WebConfig,
+        req: _Request,
+        status: int,
+        body: bytes,
+        content_type: str,
+        extra: tuple[tuple[str, str], ...] = (),
+    ) -> bool:
         assert conn.parser is not None
         headers = [("Content-Type", content_type), *active.headers.items(), *extra]
         out: list[bytes] = []

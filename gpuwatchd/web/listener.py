@@ -83,10 +83,15 @@ class Listener:
     thread, must not raise) answers ``conn.head`` by queueing its response on ``conn.out`` and says
     whether to keep the connection afterwards."""
 
-    def __init__(self, sock: socket.socket, limits: Limits,
-                 tls: Callable[[], ssl.SSLContext | None],
-                 allowed: Callable[[ssl.SSLSocket], bool],
-                 serve: Callable[[Conn], bool | None], on_drop: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        limits: Limits,
+        tls: Callable[[], ssl.SSLContext | None],
+        allowed: Callable[[ssl.SSLSocket], bool],
+        serve: Callable[[Conn], bool | None],
+        on_drop: Callable[[str], None],
+    ) -> None:
         self.sock = sock
         self.limits = limits
         self.tls = tls
@@ -165,8 +170,7 @@ class Listener:
                     self._wake_r.recv(4096)
             elif isinstance(key.data, Conn):
                 conn = key.data
-                if not guarded(f"connection from {conn.addr}",
-                               functools.partial(self._on_event, conn), False):
+                if not guarded(f"connection from {conn.addr}", functools.partial(self._on_event, conn), False):
                     self._discard(conn)
         self._unpark(time.monotonic())
         if accept:  # after the reads: a request that has arrived is read before newcomers
@@ -383,8 +387,7 @@ class Listener:
             conn.body_seen = conn.chunks = 0
         assert conn.parser is not None
         try:
-            complete, conn.body_seen, conn.chunks = request.drain(conn.parser, conn.buf,
-                                                                  conn.body_seen, conn.chunks)
+            complete, conn.body_seen, conn.chunks = request.drain(conn.parser, conn.buf, conn.body_seen, conn.chunks)
         except request.Refused as e:
             log.debug("refused a request body from %s: %s", conn.addr, e)
             self._refuse(conn, e.status)

@@ -83,8 +83,12 @@ def begin(head: bytes) -> tuple[h11.Connection, h11.Request]:
     return parser, event
 
 
-def drain(parser: h11.Connection, buf: bytearray, seen: int, pieces: int = 0,
-          ) -> tuple[bool, int, int]:
+def drain(
+    parser: h11.Connection,
+    buf: bytearray,
+    seen: int,
+    pieces: int = 0,
+) -> tuple[bool, int, int]:
     """Read the request's body out of ``buf`` (consumed) and discard it: (whether the request has
     ended, body bytes seen so far, body pieces framed so far). Bytes past its end are put back
     into ``buf``. Raises Refused (a malformed chunk, a body over MAX_BODY_BYTES or in more than
@@ -120,27 +124,37 @@ def drain(parser: h11.Connection, buf: bytearray, seen: int, pieces: int = 0,
 def http_date(t: float | None = None) -> str:
     """``email.utils.formatdate(t, usegmt=True)`` (the email package is not loaded for this)."""
     g = time.gmtime(t)
-    return (f"{_DAYS[g.tm_wday]}, {g.tm_mday:02d} {_MONTHS[g.tm_mon - 1]} {g.tm_year:04d} "
-            f"{g.tm_hour:02d}:{g.tm_min:02d}:{g.tm_sec:02d} GMT")
+    return (
+        f"{_DAYS[g.tm_wday]}, {g.tm_mday:02d} {_MONTHS[g.tm_mon - 1]} {g.tm_year:04d} "
+        f"{g.tm_hour:02d}:{g.tm_min:02d}:{g.tm_sec:02d} GMT"
+    )
 
 
 def refusal(status: int) -> bytes:
     """The whole answer to a refused request (the connection closes after it)."""
     reason = REASONS.get(status, b"Error")
     body = reason + b"\n"
-    return (b"HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n"
-            b"Connection: close\r\n\r\n%s" % (status, reason, len(body), body))
+    return (
+        b"HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n"
+        b"Connection: close\r\n\r\n%s" % (status, reason, len(body), body)
+    )
 
 
-def respond(parser: h11.Connection, head_only: bool, status: int,
-            headers: list[tuple[str, str]], body: bytes, out: list[bytes]) -> bool:
+def respond(
+    parser: h11.Connection, head_only: bool, status: int, headers: list[tuple[str, str]], body: bytes, out: list[bytes]
+) -> bool:
     """Write the response into ``out`` through ``parser`` (h11 writes the status line, checks the
     headers and adds ``Connection: close`` where the request asked for it); the body is passed
     through, not copied. True when the connection may serve another request."""
-    sent: list[tuple[str, str]] = [("Server", "gpuwatchd"), ("Date", http_date()),
-                                   ("Content-Length", str(len(body))), *headers]
+    sent: list[tuple[str, str]] = [
+        ("Server", "gpuwatchd"),
+        ("Date", http_date()),
+        ("Content-Length", str(len(body))),
+        *headers,
+    ]
     pieces = parser.send_with_data_passthrough(
-        h11.Response(status_code=status, headers=sent, reason=REASONS.get(status, b"")))
+        h11.Response(status_code=status, headers=sent, reason=REASONS.get(status, b""))
+    )
     out.extend(pieces or ())
     if body and not head_only:
         out.extend(parser.send_with_data_passthrough(h11.Data(data=body)) or ())

@@ -73,8 +73,9 @@ class ListenError(OSError):
 class WebServer:
     """A running /metrics server; ``address`` is the (host, port) actually bound."""
 
-    def __init__(self, listener: Listener, site: Site, requested: tuple[Any, ...],
-                 counters: CounterStore | None) -> None:
+    def __init__(
+        self, listener: Listener, site: Site, requested: tuple[Any, ...], counters: CounterStore | None
+    ) -> None:
         self._listener = listener
         self._site = site
         self._requested = requested
@@ -111,14 +112,19 @@ class WebServer:
             self._site.config = config
             log.info("serving %s", self.url)
             return self
-        new = _start(self._site.registry, family, addr, config, self._listener.limits,
-                     self._counters)
+        new = _start(self._site.registry, family, addr, config, self._listener.limits, self._counters)
         self.close()
         return new
 
 
-def _start(registry: Collector, family: socket.AddressFamily, addr: tuple[str, int],
-           config: ConfigHolder, limits: Limits, counters: CounterStore | None) -> WebServer:
+def _start(
+    registry: Collector,
+    family: socket.AddressFamily,
+    addr: tuple[str, int],
+    config: ConfigHolder,
+    limits: Limits,
+    counters: CounterStore | None,
+) -> WebServer:
     sock = bind(family, addr)
     site = Site(registry, config)
 
@@ -134,9 +140,13 @@ def _start(registry: Collector, family: socket.AddressFamily, addr: tuple[str, i
     return ws
 
 
-def serve(registry: Collector, listen_address: str,
-          web_config_file: str | None = None, limits: Limits | None = None,
-          counters: CounterStore | None = None) -> WebServer:
+def serve(
+    registry: Collector,
+    listen_address: str,
+    web_config_file: str | None = None,
+    limits: Limits | None = None,
+    counters: CounterStore | None = None,
+) -> WebServer:
     """Start serving ``registry`` on ``listen_address`` in background threads; connections
     dropped (see web/listener.py) are counted in ``counters`` when given.
 
@@ -151,5 +161,4 @@ def serve(registry: Collector, listen_address: str,
                 counters.ensure("web_connections_dropped", (reason,))
         return _start(registry, family, addr, config, limits or Limits(), counters)
     except OSError as e:
-        raise ListenError(e.errno, f"cannot listen on {listen_address}: "
-                          f"{(e.strerror or str(e)).lower()}") from e
+        raise ListenError(e.errno, f"cannot listen on {listen_address}: {(e.strerror or str(e)).lower()}") from e

@@ -78,8 +78,9 @@ SECURITY_HEADERS = {
 }
 # Keys of the exporter-toolkit format that this server does not implement: named in the error
 # rather than silently ignored, since each of them changes who may connect.
-TLS_UNSUPPORTED = dict.fromkeys(("cert", "key", "client_ca", "cipher_suites", "curve_preferences"),
-                                "not supported by gpuwatchd")
+TLS_UNSUPPORTED = dict.fromkeys(
+    ("cert", "key", "client_ca", "cipher_suites", "curve_preferences"), "not supported by gpuwatchd"
+)
 BCRYPT_RE = re.compile(r"^\$2[aby]?\$\d\d\$[./A-Za-z0-9]{53}$")
 
 
@@ -128,8 +129,10 @@ class WebConfig:
 
 def _client_auth_type(v: Any) -> str:
     if isinstance(v, str) and v in UNSUPPORTED_CLIENT_AUTH:
-        raise ValueError(f"{v} is not supported (Python's ssl cannot request a certificate without"
-                         " verifying it); use RequireAndVerifyClientCert")
+        raise ValueError(
+            f"{v} is not supported (Python's ssl cannot request a certificate without"
+            " verifying it); use RequireAndVerifyClientCert"
+        )
     return str(check_choice(*CLIENT_AUTH_TYPES)(v))
 
 
@@ -137,14 +140,15 @@ def _bcrypt_hash(v: Any) -> bytes:
     # never the value in the message: a plain password written where its hash belongs must not
     # reach a log
     if not isinstance(v, str) or not BCRYPT_RE.match(v):
-        raise ValueError("not a bcrypt hash ($2b$10$... , 60 characters; make one with"
-                         " `gpuwatchd web-config hash`)")
+        raise ValueError("not a bcrypt hash ($2b$10$... , 60 characters; make one with `gpuwatchd web-config hash`)")
     return v.encode()
 
 
 TLS_SCHEMA: Schema = {
-    "cert_file": check_path_string, "key_file": check_path_string,  # relative: to the web-config file
-    "client_auth_type": check_optional(_client_auth_type), "client_ca_file": check_optional(check_path_string),
+    "cert_file": check_path_string,
+    "key_file": check_path_string,  # relative: to the web-config file
+    "client_auth_type": check_optional(_client_auth_type),
+    "client_ca_file": check_optional(check_path_string),
     "client_allowed_sans": check_optional(check_string_list),
     "min_version": check_optional(check_choice(*TLS_VERSIONS)),
     "max_version": check_optional(check_choice(*TLS_VERSIONS)),
@@ -152,8 +156,10 @@ TLS_SCHEMA: Schema = {
 }
 HEADERS_SCHEMA: Schema = dict.fromkeys(SECURITY_HEADERS, check_one_line)
 # exporter-toolkit's rate limiter: interval 0 turns it off, burst 0 refuses every request.
-RATE_LIMIT_SCHEMA: Schema = {"interval": lambda v: 0.0 if v in (0, "0") else check_duration(v),
-                             "burst": check_integer(0)}
+RATE_LIMIT_SCHEMA: Schema = {
+    "interval": lambda v: 0.0 if v in (0, "0") else check_duration(v),
+    "burst": check_integer(0),
+}
 # exporter-toolkit's extraHTTPHeaders: the values these headers may take (others: any one line).
 HEADER_VALUES = {"X-Content-Type-Options": ("nosniff",), "X-Frame-Options": ("deny", "sameorigin")}
 
@@ -161,8 +167,9 @@ HEADER_VALUES = {"X-Content-Type-Options": ("nosniff",), "X-Frame-Options": ("de
 def _tls(t: Any, base: str, problems: list[str]) -> TLSConfig | None:
     if t is None or t == {}:
         return None
-    v = check_mapping(t, "tls_server_config", TLS_SCHEMA, problems, required=("cert_file", "key_file"),
-                      notes=TLS_UNSUPPORTED)
+    v = check_mapping(
+        t, "tls_server_config", TLS_SCHEMA, problems, required=("cert_file", "key_file"), notes=TLS_UNSUPPORTED
+    )
     if not isinstance(t, dict):
         return None
     auth = v.get("client_auth_type") or "NoClientCert"
@@ -170,24 +177,33 @@ def _tls(t: Any, base: str, problems: list[str]) -> TLSConfig | None:
         if auth != "NoClientCert" and t.get("client_ca_file") is None:
             problems.append(f"tls_server_config.client_ca_file: required by client_auth_type {auth}")
         if v.get("client_allowed_sans") and auth == "NoClientCert":
-            problems.append("tls_server_config.client_allowed_sans: needs a client_auth_type that"
-                            " verifies client certificates")
+            problems.append(
+                "tls_server_config.client_allowed_sans: needs a client_auth_type that verifies client certificates"
+            )
     if "cert_file" not in v or "key_file" not in v:
         return None
     ca = v.get("client_ca_file")
     return TLSConfig(
-        cert_file=os.path.join(base, v["cert_file"]), key_file=os.path.join(base, v["key_file"]),
-        client_auth_type=auth, client_ca_file=os.path.join(base, ca) if ca else None,
+        cert_file=os.path.join(base, v["cert_file"]),
+        key_file=os.path.join(base, v["key_file"]),
+        client_auth_type=auth,
+        client_ca_file=os.path.join(base, ca) if ca else None,
         client_allowed_sans=v.get("client_allowed_sans") or (),
-        min_version=v.get("min_version") or "TLS12", max_version=v.get("max_version"),
+        min_version=v.get("min_version") or "TLS12",
+        max_version=v.get("max_version"),
     )
 
 
 def _users(u: Any, problems: list[str]) -> dict[str, bytes]:
     # the user names are the keys: each good one is checked as a bcrypt hash, the others are named
     names = [n for n in u if isinstance(n, str) and n and ":" not in n] if isinstance(u, dict) else []
-    return check_mapping(u, "basic_auth_users", dict.fromkeys(names, _bcrypt_hash), problems,
-                         unknown="user names are non-empty and have no ':'")
+    return check_mapping(
+        u,
+        "basic_auth_users",
+        dict.fromkeys(names, _bcrypt_hash),
+        problems,
+        unknown="user names are non-empty and have no ':'",
+    )
 
 
 def _scalar_string(v: Any) -> Any:
@@ -201,12 +217,18 @@ def _headers(h: Any, problems: list[str]) -> dict[str, str]:
     def headers(v: Any) -> dict[str, str]:
         if isinstance(v, dict):
             v = {k: _scalar_string(x) for k, x in v.items()}
-        out = check_mapping(v, "http_server_config.headers", HEADERS_SCHEMA, problems,
-                            unknown="not one of " + ", ".join(sorted(SECURITY_HEADERS)))
+        out = check_mapping(
+            v,
+            "http_server_config.headers",
+            HEADERS_SCHEMA,
+            problems,
+            unknown="not one of " + ", ".join(sorted(SECURITY_HEADERS)),
+        )
         for name, allowed in HEADER_VALUES.items():
             if name in out and out[name] not in allowed:
-                problems.append(f"http_server_config.headers.{name}: must be one of "
-                                f"{', '.join(allowed)}, got {out[name]!r:.40}")
+                problems.append(
+                    f"http_server_config.headers.{name}: must be one of {', '.join(allowed)}, got {out[name]!r:.40}"
+                )
         return out
 
     v = check_mapping(h, "http_server_config", {"http2": check_boolean, "headers": headers}, problems)
@@ -230,16 +252,25 @@ def parse_web_config(doc: Any, path: str = "<web-config>") -> WebConfig:
     Certificates are not loaded here (``build_ssl_context`` does that)."""
     problems: list[str] = []
     base = os.path.dirname(os.path.abspath(path))
-    v = check_mapping(doc, "", {
-        "tls_server_config": functools.partial(_tls, base=base, problems=problems),
-        "basic_auth_users": functools.partial(_users, problems=problems),
-        "http_server_config": functools.partial(_headers, problems=problems),
-        "rate_limit": functools.partial(_rate_limit, problems=problems),
-    }, problems)
+    v = check_mapping(
+        doc,
+        "",
+        {
+            "tls_server_config": functools.partial(_tls, base=base, problems=problems),
+            "basic_auth_users": functools.partial(_users, problems=problems),
+            "http_server_config": functools.partial(_headers, problems=problems),
+            "rate_limit": functools.partial(_rate_limit, problems=problems),
+        },
+        problems,
+    )
     if problems:
         raise WebConfigError(path, problems)
-    return WebConfig(tls=v.get("tls_server_config"), basic_auth_users=v.get("basic_auth_users") or {},
-                     headers=v.get("http_server_config") or {}, rate_limit=v.get("rate_limit"))
+    return WebConfig(
+        tls=v.get("tls_server_config"),
+        basic_auth_users=v.get("basic_auth_users") or {},
+        headers=v.get("http_server_config") or {},
+        rate_limit=v.get("rate_limit"),
+    )
 
 
 def load_web_config(path: str) -> WebConfig:
@@ -272,18 +303,19 @@ def build_ssl_context(tls: TLSConfig, path: str = "<web-config>") -> ssl.SSLCont
     try:
         ctx.load_cert_chain(tls.cert_file, tls.key_file)
     except FileNotFoundError as e:
-        raise WebConfigError(path, [f"tls_server_config.cert_file/key_file: {e.filename}: no such"
-                                    " file"]) from None
+        raise WebConfigError(path, [f"tls_server_config.cert_file/key_file: {e.filename}: no such file"]) from None
     except (ssl.SSLError, OSError) as e:
-        raise WebConfigError(path, [f"tls_server_config.cert_file/key_file: cannot load"
-                                    f" {tls.cert_file} with {tls.key_file}: {e}"]) from None
+        raise WebConfigError(
+            path, [f"tls_server_config.cert_file/key_file: cannot load {tls.cert_file} with {tls.key_file}: {e}"]
+        ) from None
     ctx.verify_mode = getattr(ssl, CLIENT_AUTH_TYPES[tls.client_auth_type])
     if tls.client_ca_file:
         try:
             ctx.load_verify_locations(cafile=tls.client_ca_file)
         except (ssl.SSLError, OSError) as e:
-            raise WebConfigError(path, [f"tls_server_config.client_ca_file: cannot load"
-                                        f" {tls.client_ca_file}: {e}"]) from None
+            raise WebConfigError(
+                path, [f"tls_server_config.client_ca_file: cannot load {tls.client_ca_file}: {e}"]
+            ) from None
     return ctx
 
 
@@ -336,6 +368,5 @@ class ConfigHolder:
                     log.error("web-config reload failed, keeping the previous one: %s", e)
                     # Remember the broken state so the error is logged once, not per connection.
                     old = self._active
-                    self._active = Active(old.config, old.ssl_context,
-                                           _file_key((self.path, *old.config.files())))
+                    self._active = Active(old.config, old.ssl_context, _file_key((self.path, *old.config.files())))
             return self._active

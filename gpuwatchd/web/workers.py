@@ -24,8 +24,9 @@ class WorkerPool:
     connection (None: it handed the connection on, and whoever took it calls ``done``);
     ``done(conn, keep)`` hands the answered connection back to the loop."""
 
-    def __init__(self, max_workers: int, serve: Callable[[Conn], bool | None],
-                 done: Callable[[Conn, bool], None]) -> None:
+    def __init__(
+        self, max_workers: int, serve: Callable[[Conn], bool | None], done: Callable[[Conn, bool], None]
+    ) -> None:
         self.max_workers = max_workers
         self.serve = serve
         self.done = done

@@ -37,8 +37,13 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     x = torch.ones(1 << 20, device="cuda")  # CUDA context first: this is what makes fork unsafe
     torch.cuda.synchronize()
-    loader = DataLoader(Slow(), batch_size=1, num_workers=args.workers,
-                        multiprocessing_context=args.start_method, persistent_workers=True)
+    loader = DataLoader(
+        Slow(),
+        batch_size=1,
+        num_workers=args.workers,
+        multiprocessing_context=args.start_method,
+        persistent_workers=True,
+    )
     it = iter(loader)
     next(it)
     workers = [w.pid for w in it._workers]  # type: ignore[attr-defined]

@@ -48,8 +48,13 @@ elif mode in ("ckpt", "data_hang"):
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "2"))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{sys.argv[2]}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=600),
+    )
     t = torch.ones(4)
     if mode == "data_hang":
         for _ in range(2):
@@ -104,8 +109,7 @@ elif mode == "deadlock":
             with params:
                 pass
 
-    threads = [threading.Thread(target=loader, name="loader"),
-               threading.Thread(target=writer, name="writer")]
+    threads = [threading.Thread(target=loader, name="loader"), threading.Thread(target=writer, name="writer")]
     for th in threads:
         th.start()
     ready()

@@ -20,8 +20,7 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 eval_seconds, rounds = float(sys.argv[1]), int(sys.argv[2])
 torch.manual_seed(rank)
-model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(),
-                            torch.nn.Linear(4096, 1024)).to("cuda:0")
+model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024)).to("cuda:0")
 opt = torch.optim.SGD(model.parameters(), lr=1e-4)
 x = torch.randn(512, 1024, device="cuda:0")
 

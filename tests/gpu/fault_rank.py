@@ -37,8 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 
-FAULTS = ("GPU", "GPU_SLEEP", "ASYNC_EXC", "SIGNAL_EXC", "ABORT", "GIL", "SEGFAULT", "INT", "KILL",
-          "TERM", "STOP")
+FAULTS = ("GPU", "GPU_SLEEP", "ASYNC_EXC", "SIGNAL_EXC", "ABORT", "GIL", "SEGFAULT", "INT", "KILL", "TERM", "STOP")
 
 
 class InjectedError(Exception):
@@ -102,16 +101,26 @@ def _on_usr1(signum: int, frame: object) -> None:
 
 def inject(fault: str, delay: float) -> None:
     fork = multiprocessing.get_context("fork")
-    signals = {"SIGNAL_EXC": signal.SIGUSR1, "INT": signal.SIGINT, "KILL": signal.SIGKILL,
-               "TERM": signal.SIGTERM, "STOP": signal.SIGSTOP}
+    signals = {
+        "SIGNAL_EXC": signal.SIGUSR1,
+        "INT": signal.SIGINT,
+        "KILL": signal.SIGKILL,
+        "TERM": signal.SIGTERM,
+        "STOP": signal.SIGSTOP,
+    }
     if fault in signals:
         if fault == "SIGNAL_EXC":
             signal.signal(signal.SIGUSR1, _on_usr1)
         fork.Process(target=_signal_later, args=(os.getpid(), signals[fault], delay), daemon=True).start()
         return
-    threads = {"ASYNC_EXC": (_raise_in, (threading.main_thread().ident, delay)),
-               "GPU": (_gpu_error, (delay,)), "GPU_SLEEP": (_gpu_sleep, (delay, torch.cuda.current_device())),
-               "GIL": (_hold_gil, (delay,)), "SEGFAULT": (_segfault, (delay,)), "ABORT": (_abort, (delay,))}
+    threads = {
+        "ASYNC_EXC": (_raise_in, (threading.main_thread().ident, delay)),
+        "GPU": (_gpu_error, (delay,)),
+        "GPU_SLEEP": (_gpu_sleep, (delay, torch.cuda.current_device())),
+        "GIL": (_hold_gil, (delay,)),
+        "SEGFAULT": (_segfault, (delay,)),
+        "ABORT": (_abort, (delay,)),
+    }
     target, args = threads[fault]
     threading.Thread(target=target, args=args, daemon=True).start()
 

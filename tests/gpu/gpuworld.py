@@ -35,8 +35,7 @@ class World:
     """``write_config(tmp, nvml on, **config)`` and the daemon on it. ``poll``: how often
     :meth:`wait` asks again."""
 
-    def __init__(self, tmp: Path, poll: float = 0.2, daemon_args: tuple[str, ...] = (),
-                 **config: Any) -> None:
+    def __init__(self, tmp: Path, poll: float = 0.2, daemon_args: tuple[str, ...] = (), **config: Any) -> None:
         self.tmp = tmp
         self.poll = poll
         self.cfg_path, self.cfg = write_config(tmp, nvml={"enabled": True}, **config)
@@ -60,8 +59,7 @@ class World:
         timeout = self.ready_timeout if timeout is None else timeout
         assert p.stdout is not None
         got: list[str] = []
-        reader = threading.Thread(target=lambda: got.append(p.stdout.readline() if p.stdout else ""),
-                                  daemon=True)
+        reader = threading.Thread(target=lambda: got.append(p.stdout.readline() if p.stdout else ""), daemon=True)
         reader.start()
         reader.join(timeout)
         if not got:
@@ -83,8 +81,10 @@ class World:
                 return got
             time.sleep(self.poll)
         try:  # what the daemon did say, per rank: the reason a page did not come
-            said = [(f.get("job_id"), f.get("rank"), f["kind"], f.get("explanation", "")[:600])
-                    for f in json.loads(self.state.read_text())["findings"]]
+            said = [
+                (f.get("job_id"), f.get("rank"), f["kind"], f.get("explanation", "")[:600])
+                for f in json.loads(self.state.read_text())["findings"]
+            ]
         except (OSError, ValueError, KeyError):
             said = []
         raise AssertionError(f"timed out: {what}\nfindings: {said}\n{self.d.log()[-3000:]}")

@@ -70,8 +70,7 @@ elif mode == "deadlock_gpu":
             with params:
                 pass
 
-    threads = [threading.Thread(target=loader, name="loader"),
-               threading.Thread(target=writer, name="writer")]
+    threads = [threading.Thread(target=loader, name="loader"), threading.Thread(target=writer, name="writer")]
     for t in threads:
         t.start()
     ready()
@@ -112,8 +111,13 @@ elif mode == "compile":
 elif mode == "gloo":
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[5]}", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{sys.argv[5]}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=300),
+    )
     t = torch.ones(4)
     for step in range(1, 5):
         dist.all_reduce(t)

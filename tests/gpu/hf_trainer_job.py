@@ -40,12 +40,28 @@ def main() -> None:
     cfg = GPT2Config(n_layer=4, n_head=8, n_embd=512, n_positions=256, vocab_size=8192)
     model = GPT2LMHeadModel(cfg)
     targs = TrainingArguments(
-        output_dir=args.out, max_steps=10**6, per_device_train_batch_size=8,
-        per_device_eval_batch_size=8, eval_strategy="steps", eval_steps=args.every,
-        save_strategy="steps", save_steps=args.every, save_total_limit=2, logging_steps=args.every,
-        dataloader_num_workers=2, report_to=[], bf16=True, disable_tqdm=True)
-    trainer = Trainer(model=model, args=targs, train_dataset=Tokens(4096, 128, cfg.vocab_size),
-                      eval_dataset=Tokens(256, 128, cfg.vocab_size), callbacks=[SayReady()])
+        output_dir=args.out,
+        max_steps=10**6,
+        per_device_train_batch_size=8,
+        per_device_eval_batch_size=8,
+        eval_strategy="steps",
+        eval_steps=args.every,
+        save_strategy="steps",
+        save_steps=args.every,
+        save_total_limit=2,
+        logging_steps=args.every,
+        dataloader_num_workers=2,
+        report_to=[],
+        bf16=True,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(
+        model=model,
+        args=targs,
+        train_dataset=Tokens(4096, 128, cfg.vocab_size),
+        eval_dataset=Tokens(256, 128, cfg.vocab_size),
+        callbacks=[SayReady()],
+    )
     trainer.train()
 
 

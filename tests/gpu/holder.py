@@ -20,11 +20,15 @@ def main() -> int:
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--ready-file", default="")
-    ap.add_argument("--heartbeat", default="", help="touch this file every second (a rank's "
-                    "gpuwatchd.heartbeat)")
-    ap.add_argument("--work-ms", type=float, default=0.0, help="instead of sleeping a second at a "
-                    "time, use this many ms of CPU every 50 ms (the CPU side of a training loop), "
-                    "heartbeat once a second")
+    ap.add_argument("--heartbeat", default="", help="touch this file every second (a rank's gpuwatchd.heartbeat)")
+    ap.add_argument(
+        "--work-ms",
+        type=float,
+        default=0.0,
+        help="instead of sleeping a second at a "
+        "time, use this many ms of CPU every 50 ms (the CPU side of a training loop), "
+        "heartbeat once a second",
+    )
     args = ap.parse_args()
     import torch
 

@@ -38,8 +38,7 @@ class Net(L.LightningModule):
 def loader(n: int) -> DataLoader:  # type: ignore[type-arg]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 512, generator=g)
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=64, num_workers=2,
-                      persistent_workers=True)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=64, num_workers=2, persistent_workers=True)
 
 
 def main() -> None:
@@ -47,11 +46,19 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--every", type=int, default=50)
     args = ap.parse_args()
-    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=args.out, every_n_train_steps=args.every,
-                                               save_top_k=-1)
-    trainer = L.Trainer(accelerator="gpu", devices=1, max_epochs=-1, val_check_interval=args.every,
-                        check_val_every_n_epoch=None, limit_val_batches=20, callbacks=[ckpt],
-                        enable_progress_bar=False, logger=False, default_root_dir=args.out)
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=args.out, every_n_train_steps=args.every, save_top_k=-1)
+    trainer = L.Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_epochs=-1,
+        val_check_interval=args.every,
+        check_val_every_n_epoch=None,
+        limit_val_batches=20,
+        callbacks=[ckpt],
+        enable_progress_bar=False,
+        logger=False,
+        default_root_dir=args.out,
+    )
     trainer.fit(Net(), loader(64 * 400), loader(64 * 20))
 
 

@@ -52,7 +52,10 @@ def pod(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, Path]]:
     ranks.mkdir()
     p = subprocess.Popen(
         ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", PY, "-c", RANK, str(ranks)],
-        stdout=subprocess.PIPE, text=True, env=ENV)
+        stdout=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     assert p.stdout is not None
     line = p.stdout.readline().split()
     assert line[:2] == ["ready", "1"], line
@@ -63,17 +66,16 @@ def pod(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int, Path]]:
     p.wait(30)
 
 
-def test_rank_in_a_pid_namespace_is_attributed_by_nvmls_host_pid(
-        pod: tuple[subprocess.Popen[str], int, Path]) -> None:
+def test_rank_in_a_pid_namespace_is_attributed_by_nvmls_host_pid(pod: tuple[subprocess.Popen[str], int, Path]) -> None:
     _, host_pid, tmp = pod
     doc = json.loads((tmp / "ranks" / "podgpu.0.json").read_text())
     entry = doc["ranks"][0]
     assert entry["pid"] == 1 and entry["pid_ns"] == os.stat(f"/proc/{host_pid}/ns/pid").st_ino
     cfg_file = tmp / "config.yaml"
-    cfg_file.write_text(f"rank_dir: {tmp / 'ranks'}\nstate_dir: {tmp / 'state'}\n"
-                        "discovery:\n  enabled: false\ngil:\n  enabled: false\n")
-    daemon = Daemon(load_config(str(cfg_file)),
-                    parts=lambda c, s: Parts(nvml=NvmlSubsystem(c, s, watch_udev=False)))
+    cfg_file.write_text(
+        f"rank_dir: {tmp / 'ranks'}\nstate_dir: {tmp / 'state'}\ndiscovery:\n  enabled: false\ngil:\n  enabled: false\n"
+    )
+    daemon = Daemon(load_config(str(cfg_file)), parts=lambda c, s: Parts(nvml=NvmlSubsystem(c, s, watch_udev=False)))
     sub = daemon.parts.nvml
     assert isinstance(sub, NvmlSubsystem)
     sub.start(daemon)
@@ -92,16 +94,30 @@ def test_rank_in_a_pid_namespace_is_attributed_by_nvmls_host_pid(
         assert host_pid not in {o.pid for o in state.orphans}
         assert not [f for f in state.findings if f.kind in ("rank_down", "orphan_gpu_memory")]
         assert (row.used_memory_bytes or 0) >= 1 << 30
-        print(f"PASS NVML pid {row.pid} (the rank file says pid 1, pid_ns {entry['pid_ns']}) -> "
-              f"job {row.job_id} rank {row.rank}, {row.used_memory_bytes / (1 << 20):.0f} MiB; "
-              f"rank alive, ns_pid {rank.ns_pid}; no orphan, no rank_down")
+        print(
+            f"PASS NVML pid {row.pid} (the rank file says pid 1, pid_ns {entry['pid_ns']}) -> "
+            f"job {row.job_id} rank {row.rank}, {row.used_memory_bytes / (1 << 20):.0f} MiB; "
+            f"rank alive, ns_pid {rank.ns_pid}; no orphan, no rank_down"
+        )
     finally:
         sub.stop()
-    r = subprocess.run([PY, "-m", "gpuwatchd", "check", "--config.file", str(cfg_file), "--json"],
-                       capture_output=True, text=True, timeout=120, env=ENV, cwd=str(REPO))
+    r = subprocess.run(
+        [PY, "-m", "gpuwatchd", "check", "--config.file", str(cfg_file), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+        cwd=str(REPO),
+    )
     assert r.returncode == 0 and json.loads(r.stdout)["status"] == "clean", r.stdout + r.stderr
     print(f"PASS gpuwatchd check exit 0: {r.stdout.strip()}")
-    ps = subprocess.run([PY, "-m", "gpuwatchd", "ps", "--config.file", str(cfg_file)],
-                        capture_output=True, text=True, timeout=120, env=ENV, cwd=str(REPO))
+    ps = subprocess.run(
+        [PY, "-m", "gpuwatchd", "ps", "--config.file", str(cfg_file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+        cwd=str(REPO),
+    )
     assert f"pid {host_pid} (1 in its container)" in ps.stdout, ps.stdout + ps.stderr
     print("PASS gpuwatchd ps:\n" + textwrap.indent(ps.stdout.rstrip(), "     "))

@@ -44,24 +44,37 @@ LOOK = max(AFTER / 5, INTERVAL)
 
 class World(DaemonWorld):
     def __init__(self, tmp: Path) -> None:
-        super().__init__(tmp, poll=0.1, interval_seconds=INTERVAL,
-                         discovery={"enabled": True, "interval_seconds": DISCOVERY},
-                         stall={"after_seconds": AFTER, "compile_after_seconds": 600})
+        super().__init__(
+            tmp,
+            poll=0.1,
+            interval_seconds=INTERVAL,
+            discovery={"enabled": True, "interval_seconds": DISCOVERY},
+            stall={"after_seconds": AFTER, "compile_after_seconds": 600},
+        )
 
     def env(self, job: str, rank: int = 0, world: int = 1) -> dict[str, str]:
-        return repo_env(TORCHELASTIC_RUN_ID=job, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                        GPUWATCH_RANK_DIR=str(self.rank_dir))
+        return repo_env(
+            TORCHELASTIC_RUN_ID=job,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            GPUWATCH_RANK_DIR=str(self.rank_dir),
+        )
 
     def start(self, cmd: list[str], env: dict[str, str], **popen: Any) -> subprocess.Popen[str]:
         return super().start(cmd, env, start_new_session=True, **popen)
 
     def rank(self, mode: str, job: str, rank: int = 0, world: int = 1, *extra: str) -> subprocess.Popen[str]:
-        return self.start([sys.executable, str(HERE / "discovered_rank.py"), mode, *extra],
-                          self.env(job, rank, world))
+        return self.start([sys.executable, str(HERE / "discovered_rank.py"), mode, *extra], self.env(job, rank, world))
 
     def watched(self, job: str, ranks: int) -> None:
-        self.wait(lambda: all(self.d.value("gpuwatch_rank_stalled", job_id=job, rank=str(r)) is not None
-                              for r in range(ranks)), 30, f"{job} discovered")
+        self.wait(
+            lambda: all(
+                self.d.value("gpuwatch_rank_stalled", job_id=job, rank=str(r)) is not None for r in range(ranks)
+            ),
+            30,
+            f"{job} discovered",
+        )
 
     def paged(self, job: str) -> dict[str, dict[str, Any]]:
         return {f["rank"]: f for f in self.findings(job) if f["kind"] == "rank_stalled"}
@@ -80,8 +93,11 @@ def _never_paged(world: World, job: str, seconds: float) -> list[str]:
     while time.monotonic() - t0 < seconds:
         now = world.findings(job)
         assert not [f for f in now if f["kind"] == "rank_stalled"], now
-        kinds += [f"{f['kind']} rank {f['rank']}: {f['explanation']}" for f in now
-                  if f"{f['kind']} rank {f['rank']}: {f['explanation']}" not in kinds]
+        kinds += [
+            f"{f['kind']} rank {f['rank']}: {f['explanation']}"
+            for f in now
+            if f"{f['kind']} rank {f['rank']}: {f['explanation']}" not in kinds
+        ]
         time.sleep(INTERVAL / 2)
     return kinds
 
@@ -115,8 +131,7 @@ def test_gpu_spin_hang_is_paged_confirmed_by_the_gpu(world: World) -> None:
         world.ready(p)
     t0 = time.monotonic()
     for mode, job in jobs.items():
-        f = world.wait(lambda job=job: world.paged(job).get("0"), AFTER + 2 * LOOK + DISCOVERY + 4,
-                       f"{mode} paged")
+        f = world.wait(lambda job=job: world.paged(job).get("0"), AFTER + 2 * LOOK + DISCOVERY + 4, f"{mode} paged")
         say(f"{mode} paged after {time.monotonic() - t0:.1f} s", f["explanation"])
         assert f["evidence"]["confirmed_by"] == "gpu_spin", f
         assert "no memory traffic" in f["explanation"]
@@ -141,8 +156,11 @@ def test_collective_hang_names_the_odd_one_out(world: World) -> None:
     for p in procs:
         world.ready(p)
     t0 = time.monotonic()
-    every = world.wait(lambda: len(world.paged(job)) == 3 and world.paged(job),
-                       AFTER + 2 * LOOK + DISCOVERY + 6, "all three ranks paged")
+    every = world.wait(
+        lambda: len(world.paged(job)) == 3 and world.paged(job),
+        AFTER + 2 * LOOK + DISCOVERY + 6,
+        "all three ranks paged",
+    )
     for r, f in sorted(every.items()):
         say(f"collective hang rank {r} paged after {time.monotonic() - t0:.1f} s", f["explanation"])
     assert every["2"]["evidence"]["suspect"] and "odd one out" in every["2"]["explanation"]
@@ -157,14 +175,36 @@ def _torchrun(world: World, python: str, job: str, extra_env: dict[str, str], *a
         env.pop(k)
     env.update(extra_env)
     # static rendezvous: --standalone would replace the run id (the job id) with a random one
-    return world.start([python, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
-                        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--rdzv-id", job,
-                        *args], env)
+    return world.start(
+        [
+            python,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "--rdzv-id",
+            job,
+            *args,
+        ],
+        env,
+    )
 
 
 def _heartbeat_paged(world: World, job: str, what: str) -> None:
-    doc = world.wait(lambda: next((json.loads(p.read_text()) for p in world.rank_dir.glob(f"{job}*.json")
-                                   if "heartbeat" in p.read_text()), None), 90, f"{what}: rank file")
+    doc = world.wait(
+        lambda: next(
+            (json.loads(p.read_text()) for p in world.rank_dir.glob(f"{job}*.json") if "heartbeat" in p.read_text()),
+            None,
+        ),
+        90,
+        f"{what}: rank file",
+    )
     say(f"{what} rank file", json.dumps(doc))
     f = world.wait(lambda: world.paged(job).get("0"), 60, f"{what}: paged when the steps stop")
     say(f"{what} paged", f"method: {f['evidence']['method']}: {f['explanation']}")
@@ -179,8 +219,22 @@ def test_torchrun_launcher_shim_heartbeat(world: World) -> None:
 
 
 def test_torchrun_with_the_wheels_pth_heartbeat(world: World, tmp_path: Path) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path / "dist"), str(REPO)], check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(REPO),
+        ],
+        check=True,
+        timeout=300,
+    )
     (whl,) = (tmp_path / "dist").glob("gpuwatchd-*.whl")
     # A fresh venv with the wheel installed (a pure-Python wheel unpacked into site-packages, as
     # pip does) that sees this interpreter's packages (torch) through a .pth of its own: a venv
@@ -194,8 +248,13 @@ def test_torchrun_with_the_wheels_pth_heartbeat(world: World, tmp_path: Path) ->
     (site_dir / "zz-outer-site.pth").write_text(f"import site; [site.addsitedir(p) for p in {outer!r}]\n")
     job = f"pth-{uuid.uuid4().hex[:6]}"
     # the rank must import the wheel's gpuwatchd, not this checkout's: no PYTHONPATH to the repo
-    p = _torchrun(world, str(venv / "bin/python"), job,
-                  {"GPUWATCHD_HEARTBEAT": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
-                  str(HERE / "autobeat_train.py"), "40")
+    p = _torchrun(
+        world,
+        str(venv / "bin/python"),
+        job,
+        {"GPUWATCHD_HEARTBEAT": "1", "PYTHONPATH": os.environ.get("PYTHONPATH", "")},
+        str(HERE / "autobeat_train.py"),
+        "40",
+    )
     _heartbeat_paged(world, job, "GPUWATCHD_HEARTBEAT=1 torchrun (wheel .pth)")
     world.stop(p)

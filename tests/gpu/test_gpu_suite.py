@@ -40,7 +40,11 @@ GIB = 1 << 30
 def smi_mib() -> dict[int, int]:
     out = subprocess.run(
         ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-        capture_output=True, text=True, timeout=30, check=True).stdout
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     rows = {}
     for line in out.strip().splitlines():
         pid, mib = (x.strip() for x in line.split(","))
@@ -58,8 +62,9 @@ def wait_for(path: Path, timeout: float = 120) -> None:
 
 def gwd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.run([PY, "-m", "gpuwatchd", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=str(REPO))
+    return subprocess.run(
+        [PY, "-m", "gpuwatchd", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=str(REPO)
+    )
 
 
 class World:
@@ -70,11 +75,13 @@ class World:
         self.cfg_file = tmp / "config.yaml"
         self.cfg_file.write_text(
             f"rank_dir: {self.rank_dir}\nstate_dir: {tmp / 'state'}\n"
-            "orphans:\n  grace_seconds: 2\ndiscovery:\n  enabled: false\ngil:\n  enabled: false\n")
+            "orphans:\n  grace_seconds: 2\ndiscovery:\n  enabled: false\ngil:\n  enabled: false\n"
+        )
         self.procs: list[subprocess.Popen[Any]] = []
         self.pids: list[int] = []
-        self.daemon = Daemon(load_config(str(self.cfg_file)),
-                             parts=lambda c, s: Parts(nvml=NvmlSubsystem(c, s, watch_udev=False)))
+        self.daemon = Daemon(
+            load_config(str(self.cfg_file)), parts=lambda c, s: Parts(nvml=NvmlSubsystem(c, s, watch_udev=False))
+        )
         sub = self.daemon.parts.nvml
         assert isinstance(sub, NvmlSubsystem)
         self.sub = sub
@@ -94,8 +101,7 @@ class World:
         return pid
 
     def register(self, job: str, rank: int, pid: int) -> None:
-        r = gwd("register", "--job-id", job, "--rank", str(rank), "--pid", str(pid),
-                "--rank-dir", str(self.rank_dir))
+        r = gwd("register", "--job-id", job, "--rank", str(rank), "--pid", str(pid), "--rank-dir", str(self.rank_dir))
         assert r.returncode == 0, r.stderr
 
     def close(self) -> None:
@@ -148,16 +154,19 @@ def test_1_rank_memory_is_attributed_and_matches_nvidia_smi(world: World) -> Non
         pynvml.nvmlShutdown()
     assert all({(p.pid, p.usedGpuMemory) for p in m} == theirs for m in mine), (mine, theirs)
     assert {rank, *more} <= {pid for pid, _ in theirs} and cp.calls <= 4
-    print(f"PASS rank memory: pid {rank} job dflash rank 0 nvml {nvml_mib:.0f} MiB "
-          f"nvidia-smi {smi} MiB; nvml collector {nvml.duration_seconds * 1e3:.2f} ms; "
-          f"Xid event thread registered and waiting; one-call compute list = nvidia-ml-py's "
-          f"({len(theirs)} processes, {cp.calls} driver calls for 3 reads)")
+    print(
+        f"PASS rank memory: pid {rank} job dflash rank 0 nvml {nvml_mib:.0f} MiB "
+        f"nvidia-smi {smi} MiB; nvml collector {nvml.duration_seconds * 1e3:.2f} ms; "
+        f"Xid event thread registered and waiting; one-call compute list = nvidia-ml-py's "
+        f"({len(theirs)} processes, {cp.calls} driver calls for 3 reads)"
+    )
 
 
 def test_2_seed_nohup_child_of_killed_wrapper(world: World) -> None:
     ready = world.tmp / "stale.pid"
-    wrapper = world.popen(["bash", "-c", f"nohup {PY} {HERE / 'holder.py'} --gib 5 "
-                           f"--ready-file {ready} >/dev/null 2>&1 & wait"])
+    wrapper = world.popen(
+        ["bash", "-c", f"nohup {PY} {HERE / 'holder.py'} --gib 5 --ready-file {ready} >/dev/null 2>&1 & wait"]
+    )
     wait_for(ready)
     stale = int(ready.read_text())
     world.pids.append(stale)
@@ -166,8 +175,10 @@ def test_2_seed_nohup_child_of_killed_wrapper(world: World) -> None:
     wrapper.send_signal(signal.SIGKILL)
     wrapper.wait()
     deadline = time.monotonic() + 10
-    while int(Path(f"/proc/{stale}/stat").read_text().rsplit(")", 1)[1].split()[1]) == \
-            wrapper.pid and time.monotonic() < deadline:
+    while (
+        int(Path(f"/proc/{stale}/stat").read_text().rsplit(")", 1)[1].split()[1]) == wrapper.pid
+        and time.monotonic() < deadline
+    ):
         time.sleep(0.05)
     time.sleep(2.5)  # orphans.grace_seconds: 2
     state = world.daemon.cycle()
@@ -191,8 +202,10 @@ def test_2_seed_nohup_child_of_killed_wrapper(world: World) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads(r.stdout)["status"] == "clean"
     assert stale not in smi_mib()
-    print(f"PASS second check exit 0: {json.loads(r.stdout)['status']}; nvidia-smi no longer "
-          f"lists {stale}; the registered rank still holds {smi_mib()[state.ranks[0].pid]} MiB")
+    print(
+        f"PASS second check exit 0: {json.loads(r.stdout)['status']}; nvidia-smi no longer "
+        f"lists {stale}; the registered rank still holds {smi_mib()[state.ranks[0].pid]} MiB"
+    )
 
 
 OOM_RANK = """
@@ -218,8 +231,9 @@ def test_3_cuda_oom_names_the_co_tenant(world: World) -> None:
     tenant = world.holder(tenant_gib, "tenant")
     world.daemon.cycle()
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run([PY, "-c", OOM_RANK, str(world.rank_dir), "60"], capture_output=True,
-                       text=True, timeout=180, env=env)
+    r = subprocess.run(
+        [PY, "-c", OOM_RANK, str(world.rank_dir), "60"], capture_output=True, text=True, timeout=180, env=env
+    )
     assert r.returncode == 0 and "OOM: CUDA out of memory" in r.stdout, r.stdout + r.stderr
     state = world.daemon.cycle()
     (f,) = [f for f in state.findings if f.kind == "cuda_oom" and f.rank == "1"]
@@ -235,8 +249,7 @@ def test_4_dataloader_fork_is_flagged_spawn_is_not(world: World) -> None:
     pids = {}
     for method in ("fork", "spawn"):
         ready = world.tmp / f"dl-{method}.json"
-        world.popen([PY, str(HERE / "dataloader_rank.py"), "--start-method", method,
-                     "--ready-file", str(ready)])
+        world.popen([PY, str(HERE / "dataloader_rank.py"), "--start-method", method, "--ready-file", str(ready)])
         wait_for(ready)
         doc = json.loads(ready.read_text())
         pids[method] = doc
@@ -247,7 +260,9 @@ def test_4_dataloader_fork_is_flagged_spawn_is_not(world: World) -> None:
     flagged = [f for f in state.findings if f.kind == "fork_after_cuda"]
     assert [(f.job_id, f.pid) for f in flagged] == [("dl-fork", str(pids["fork"]["pid"]))]
     assert sorted(flagged[0].evidence["children"]) == sorted(pids["fork"]["workers"])
-    print(f"PASS fork_after_cuda: fork rank {pids['fork']['pid']} flagged "
-          f"(workers {pids['fork']['workers']}), spawn rank {pids['spawn']['pid']} "
-          f"(workers {pids['spawn']['workers']}) not flagged")
+    print(
+        f"PASS fork_after_cuda: fork rank {pids['fork']['pid']} flagged "
+        f"(workers {pids['fork']['workers']}), spawn rank {pids['spawn']['pid']} "
+        f"(workers {pids['spawn']['workers']}) not flagged"
+    )
     print(f"     finding: {flagged[0].explanation}")

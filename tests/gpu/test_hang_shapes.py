@@ -44,26 +44,38 @@ class World(DaemonWorld):
     ready_timeout = 90.0
 
     def __init__(self, tmp: Path, after: float = AFTER) -> None:
-        super().__init__(tmp, poll=0.05, interval_seconds=INTERVAL,
-                         stall={"after_seconds": after, "compile_after_seconds": 600,
-                                "flight_recorder_interval_seconds": 30})
+        super().__init__(
+            tmp,
+            poll=0.05,
+            interval_seconds=INTERVAL,
+            stall={"after_seconds": after, "compile_after_seconds": 600, "flight_recorder_interval_seconds": 30},
+        )
 
-    def rank(self, mode: str, job: str, rank: int = 0, *extra: str,
-             env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-        return self.start([sys.executable, str(HERE / "hang_shape_rank.py"), mode, str(self.rank_dir), job,
-                           str(rank), *extra], repo_env(**(env or {})))
+    def rank(
+        self, mode: str, job: str, rank: int = 0, *extra: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[str]:
+        return self.start(
+            [sys.executable, str(HERE / "hang_shape_rank.py"), mode, str(self.rank_dir), job, str(rank), *extra],
+            repo_env(**(env or {})),
+        )
 
     def finding(self, job: str, rank: int, kind: str, text: str = "") -> str:
-        return next((f["explanation"] for f in self.findings(job)
-                     if f["rank"] == str(rank) and f["kind"] == kind and text in f["explanation"]),
-                    "")
+        return next(
+            (
+                f["explanation"]
+                for f in self.findings(job)
+                if f["rank"] == str(rank) and f["kind"] == kind and text in f["explanation"]
+            ),
+            "",
+        )
 
     def record(self, name: str, pid: int) -> None:
         if OUT is None:
             return
         spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-        out = subprocess.run([spy, "dump", "--json", "--nonblocking", "-p", str(pid)],
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            [spy, "dump", "--json", "--nonblocking", "-p", str(pid)], capture_output=True, text=True, timeout=30
+        )
         (OUT / f"dump_{name}.json").write_text(out.stdout)
 
 
@@ -84,8 +96,7 @@ def say(what: str, text: str) -> None:
 def test_deadlock_on_an_idle_gpu_with_memory_held(world: World) -> None:
     p = world.rank("deadlock_gpu", "seed3")
     world.ready(p)
-    text = world.wait(lambda: world.finding("seed3", 0, "rank_stalled", "likely deadlock"), 30,
-                      "deadlock explained")
+    text = world.wait(lambda: world.finding("seed3", 0, "rank_stalled", "likely deadlock"), 30, "deadlock explained")
     world.record("deadlock_gpu", p.pid)
     say("deadlock_gpu", text)
     assert '"loader" in loader (hang_shape_rank.py:' in text
@@ -102,30 +113,35 @@ def test_gloo_rank_that_never_entered_collective_5(world: World) -> None:
     r1 = world.rank("gloo", "fr-job", 1, port, env=env)
     world.ready(r0)
     world.ready(r1)
-    text = world.wait(lambda: world.finding("fr-job", 0, "rank_stalled", "flight recorder"), 60,
-                      "flight recorder in rank 0's explanation")
+    text = world.wait(
+        lambda: world.finding("fr-job", 0, "rank_stalled", "flight recorder"),
+        60,
+        "flight recorder in rank 0's explanation",
+    )
     seen = time.time()
     dumps = [world.rank_dir / f"fr-job.{r}.fr" for r in (0, 1)]
     dumped = max(os.stat(d).st_mtime for d in dumps)
     say("gloo", text)
-    print(f"PASS flight recorder: dumps written {dumped:.3f}, explanation {seen - dumped:.2f} s "
-          f"later (cycle {INTERVAL} s)", flush=True)
+    print(
+        f"PASS flight recorder: dumps written {dumped:.3f}, explanation {seen - dumped:.2f} s "
+        f"later (cycle {INTERVAL} s)",
+        flush=True,
+    )
     world.record("gloo_rank0", r0.pid)
     world.record("gloo_rank1", r1.pid)
     if OUT is not None:
         for r, d in enumerate(dumps):
             shutil.copy(d, OUT / f"fr_gloo_rank{r}.json")
         (OUT / "metrics_gloo.txt").write_text(world.d.text())
-    seqs = [max(e["collective_seq_id"] for e in json.loads(d.read_text())["trace"]["entries"])
-            for d in dumps]
+    seqs = [max(e["collective_seq_id"] for e in json.loads(d.read_text())["trace"]["entries"]) for d in dumps]
     print(f"flight recorder: last collective entered: rank 0 #{seqs[0]}, rank 1 #{seqs[1]}")
     assert seqs[0] == seqs[1] + 1, seqs
-    assert f"rank 1 never entered collective #{seqs[0]} (gloo:all_reduce) of process group 0" \
-        in text
+    assert f"rank 1 never entered collective #{seqs[0]} (gloo:all_reduce) of process group 0" in text
     assert seen - dumped <= INTERVAL + SLACK + 0.1  # polled every 50 ms
     for r in (0, 1):
-        assert world.d.value("gpuwatch_rank_collective_last_started_seq", job_id="fr-job",
-                             rank=str(r)) == float(seqs[r])
+        assert world.d.value("gpuwatch_rank_collective_last_started_seq", job_id="fr-job", rank=str(r)) == float(
+            seqs[r]
+        )
     r0.kill()
     r1.kill()
 

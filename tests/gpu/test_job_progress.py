@@ -50,9 +50,12 @@ def _findings(state: Path, job: str) -> list[dict]:
 
 def test_rank0_evaluating_alone_while_rank1_waits_in_a_barrier_is_not_paged(tmp_path: Path) -> None:
     cfg_path, cfg = write_config(
-        tmp_path, interval_seconds=INTERVAL, nvml={"enabled": True},
+        tmp_path,
+        interval_seconds=INTERVAL,
+        nvml={"enabled": True},
         discovery={"enabled": True, "interval_seconds": DISCOVERY},
-        stall={"after_seconds": AFTER, "conclusive_seconds": AFTER / 2, "compile_after_seconds": 600})
+        stall={"after_seconds": AFTER, "conclusive_seconds": AFTER / 2, "compile_after_seconds": 600},
+    )
     state = Path(cfg["state_dir"]) / "state.json"
     d = DaemonProc(cfg_path, cfg)
     job = f"evalalone-{uuid.uuid4().hex[:6]}"
@@ -60,14 +63,32 @@ def test_rank0_evaluating_alone_while_rank1_waits_in_a_barrier_is_not_paged(tmp_
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
         env.pop(k, None)
     # static rendezvous: --standalone would replace the run id (the job id) with a random one
-    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-                          "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                          "--master-port", str(_port()), "--rdzv-id", job,
-                          str(HERE / "eval_alone_rank.py"), str(EVAL), str(ROUNDS)],
-                         stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_port()),
+            "--rdzv-id",
+            job,
+            str(HERE / "eval_alone_rank.py"),
+            str(EVAL),
+            str(ROUNDS),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: [lines.append(x.strip()) for x in p.stdout or ()],
-                              daemon=True)
+    reader = threading.Thread(target=lambda: [lines.append(x.strip()) for x in p.stdout or ()], daemon=True)
     reader.start()
     try:
         deadline = time.monotonic() + 180

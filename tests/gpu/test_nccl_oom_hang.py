@@ -96,9 +96,15 @@ class Job:
         self.out.mkdir()
         self.trigger = tmp / f"{job_id}.leak"
         env = {k: v for k, v in os.environ.items() if k not in (LEGACY, CURRENT)}
-        env.update({env_var: "1", "GPUWATCH_RANK_DIR": rank_dir, "OMP_NUM_THREADS": "1",
-                    "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                    "PYTHONUNBUFFERED": "1"})
+        env.update(
+            {
+                env_var: "1",
+                "GPUWATCH_RANK_DIR": rank_dir,
+                "OMP_NUM_THREADS": "1",
+                "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         port = str(free_port())
         self.agents: list[subprocess.Popen[bytes]] = []
         self.logs: list[Path] = []
@@ -106,20 +112,52 @@ class Job:
             log = tmp / f"{job_id}.node{node}.log"
             self.logs.append(log)
             with open(log, "wb") as f:
-                self.agents.append(subprocess.Popen(
-                    [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                     "--node-rank", str(node), "--nproc-per-node", "1", "--rdzv-backend", "static",
-                     "--rdzv-id", job_id, "--master-addr", "127.0.0.1", "--master-port", port,
-                     "--max-restarts", "0", "--monitor-interval", "0.1",
-                     str(HERE / "two_rank_train.py"), "--device", DEVICE,
-                     "--timeout-seconds", str(PG_TIMEOUT), "--leak-rank", "1",
-                     "--leak-when", str(self.trigger), "--out", str(self.out)],
-                    stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(tmp),
-                    start_new_session=True))
+                self.agents.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "torch.distributed.run",
+                            "--nnodes",
+                            "2",
+                            "--node-rank",
+                            str(node),
+                            "--nproc-per-node",
+                            "1",
+                            "--rdzv-backend",
+                            "static",
+                            "--rdzv-id",
+                            job_id,
+                            "--master-addr",
+                            "127.0.0.1",
+                            "--master-port",
+                            port,
+                            "--max-restarts",
+                            "0",
+                            "--monitor-interval",
+                            "0.1",
+                            str(HERE / "two_rank_train.py"),
+                            "--device",
+                            DEVICE,
+                            "--timeout-seconds",
+                            str(PG_TIMEOUT),
+                            "--leak-rank",
+                            "1",
+                            "--leak-when",
+                            str(self.trigger),
+                            "--out",
+                            str(self.out),
+                        ],
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        cwd=str(tmp),
+                        start_new_session=True,
+                    )
+                )
 
     def log(self) -> str:
-        return "\n".join(f"--- node {i} ---\n" + p.read_text(errors="replace")[-4000:]
-                         for i, p in enumerate(self.logs))
+        return "\n".join(f"--- node {i} ---\n" + p.read_text(errors="replace")[-4000:] for i, p in enumerate(self.logs))
 
     def pid(self, rank: int) -> int:
         doc = json.loads((Path(self.rank_dir) / f"{self.job_id}.{rank}.json").read_text())
@@ -158,16 +196,16 @@ def kill_ours(pid: int) -> None:
         pass
 
 
-def wait_until(pred: Callable[[], bool], timeout: float, what: str, job: Job,
-               d: DaemonProc) -> float:
+def wait_until(pred: Callable[[], bool], timeout: float, what: str, job: Job, d: DaemonProc) -> float:
     """Poll every 50 ms; the wall-clock time at which ``pred`` first held."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():
             return time.time()
         time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}\njob log:\n{job.log()}\n"
-                         f"daemon log:\n{d.log()[-4000:]}\nmetrics:\n{d.text()}")
+    raise AssertionError(
+        f"timed out waiting for {what}\njob log:\n{job.log()}\ndaemon log:\n{d.log()[-4000:]}\nmetrics:\n{d.text()}"
+    )
 
 
 def finding(d: DaemonProc, kind: str, job_id: str, rank: int) -> dict[str, Any] | None:
@@ -185,8 +223,12 @@ def on_metrics(d: DaemonProc, kind: str, job_id: str, rank: int) -> bool:
 @contextlib.contextmanager
 def daemon(tmp: Path) -> Iterator[DaemonProc]:
     cfg_path, cfg = write_config(
-        tmp, interval_seconds=INTERVAL, kernel_log="kmsg", stall={"after_seconds": AFTER},
-        nvml={"enabled": DEVICE == "cuda"})
+        tmp,
+        interval_seconds=INTERVAL,
+        kernel_log="kmsg",
+        stall={"after_seconds": AFTER},
+        nvml={"enabled": DEVICE == "cuda"},
+    )
     d = DaemonProc(cfg_path, cfg)
     try:
         yield d
@@ -196,9 +238,16 @@ def daemon(tmp: Path) -> Iterator[DaemonProc]:
 
 def start_job(tmp: Path, d: DaemonProc, job_id: str, env_var: str) -> Job:
     job = Job(tmp, job_id, d.cfg["rank_dir"], env_var)
-    wait_until(lambda: all(d.value("gpuwatch_rank_up", job_id=job_id, rank=str(r)) == 1.0
-                           for r in (0, 1)) and min(job.steps(0), job.steps(1)) >= 5,
-               180, "both ranks registered, up and training", job, d)
+    wait_until(
+        lambda: (
+            all(d.value("gpuwatch_rank_up", job_id=job_id, rank=str(r)) == 1.0 for r in (0, 1))
+            and min(job.steps(0), job.steps(1)) >= 5
+        ),
+        180,
+        "both ranks registered, up and training",
+        job,
+        d,
+    )
     return job
 
 
@@ -236,8 +285,9 @@ def test_oom_killed_rank_its_peer_hangs_in_all_reduce_then_times_out(tmp_path: P
 
             # 1. the kernel kills rank 1
             wait_until(lambda: exit1.at is not None, 60, "rank 1 to be OOM-killed", job, d)
-            t_oom = wait_until(lambda: on_metrics(d, "rank_oom_killed", job_id, 1), 10,
-                               "rank_oom_killed on /metrics", job, d)
+            t_oom = wait_until(
+                lambda: on_metrics(d, "rank_oom_killed", job_id, 1), 10, "rank_oom_killed on /metrics", job, d
+            )
             assert exit1.at is not None
             lat_oom = t_oom - exit1.at
             assert cg.oom_kills() == 1
@@ -249,15 +299,19 @@ def test_oom_killed_rank_its_peer_hangs_in_all_reduce_then_times_out(tmp_path: P
             assert oom["evidence"]["memcg"].endswith(cg.name)
             assert oom["evidence"]["peers_alive"] == 1
             assert "1 peers alive" in oom["explanation"]
-            print(f"\nPASS rank_oom_killed: rank 1 pid {pid1} killed at {exit1.at:.3f}, on /metrics "
-                  f"{lat_oom * 1e3:.0f} ms later (cycle {INTERVAL * 1e3:.0f} ms); kernel RSS "
-                  f"{rss / 2**20:.0f} MiB (last VmRSS seen {last_rss[0] / 2**20:.0f} MiB)\n"
-                  f"     finding: {oom['explanation']}", flush=True)
+            print(
+                f"\nPASS rank_oom_killed: rank 1 pid {pid1} killed at {exit1.at:.3f}, on /metrics "
+                f"{lat_oom * 1e3:.0f} ms later (cycle {INTERVAL * 1e3:.0f} ms); kernel RSS "
+                f"{rss / 2**20:.0f} MiB (last VmRSS seen {last_rss[0] / 2**20:.0f} MiB)\n"
+                f"     finding: {oom['explanation']}",
+                flush=True,
+            )
             assert lat_oom <= INTERVAL + SLACK
 
             # 2. rank 0 waits in all_reduce: no heartbeat for after_seconds -> rank_stalled
-            t_stall = wait_until(lambda: on_metrics(d, "rank_stalled", job_id, 0), 30,
-                                 "rank_stalled for rank 0", job, d)
+            t_stall = wait_until(
+                lambda: on_metrics(d, "rank_stalled", job_id, 0), 30, "rank_stalled for rank 0", job, d
+            )
             assert exit0.at is None, "rank 0 ended before it was seen stalled"
             hb = os.stat(Path(d.cfg["rank_dir"]) / f"{job_id}.0.hb").st_mtime
             lat_stall = t_stall - (hb + AFTER)
@@ -265,21 +319,24 @@ def test_oom_killed_rank_its_peer_hangs_in_all_reduce_then_times_out(tmp_path: P
             assert stall is not None and stall["pid"] == str(pid0)
             ev = stall["evidence"]
             assert ev["method"] == "heartbeat" and ev["suspect_ranks"] == [1], ev
-            assert ev["stuck_frames"][0].startswith("all_reduce (") and "distributed_c10d.py" in \
-                ev["stuck_frames"][0], ev["stuck_frames"]
+            assert (
+                ev["stuck_frames"][0].startswith("all_reduce (") and "distributed_c10d.py" in ev["stuck_frames"][0]
+            ), ev["stuck_frames"]
             assert any(fr.startswith("train_step (two_rank_train.py:") for fr in ev["stuck_frames"])
             assert f"suspect: rank 1 (pid {pid1}) dead" in stall["explanation"]
             assert d.value("gpuwatch_rank_stalled", job_id=job_id, rank="0") == 1.0
-            print(f"PASS rank_stalled: rank 0 pid {pid0} last heartbeat {hb:.3f}, stalled from "
-                  f"{hb + AFTER:.3f} (after {AFTER:.1f} s), on /metrics {lat_stall * 1e3:.0f} ms "
-                  f"later; {t_stall - exit1.at:.2f} s after the kill\n"
-                  f"     finding: {stall['explanation']}", flush=True)
+            print(
+                f"PASS rank_stalled: rank 0 pid {pid0} last heartbeat {hb:.3f}, stalled from "
+                f"{hb + AFTER:.3f} (after {AFTER:.1f} s), on /metrics {lat_stall * 1e3:.0f} ms "
+                f"later; {t_stall - exit1.at:.2f} s after the kill\n"
+                f"     finding: {stall['explanation']}",
+                flush=True,
+            )
             assert -0.05 <= lat_stall <= INTERVAL + SLACK
 
             # 3. the process group's timeout ends rank 0 -> rank_down
             wait_until(lambda: exit0.at is not None, PG_TIMEOUT + 30, "rank 0 to time out", job, d)
-            t_down = wait_until(lambda: on_metrics(d, "rank_down", job_id, 0), 10,
-                                "rank_down for rank 0", job, d)
+            t_down = wait_until(lambda: on_metrics(d, "rank_down", job_id, 0), 10, "rank_down for rank 0", job, d)
             assert exit0.at is not None
             lat_down = t_down - exit0.at
             hung = exit0.at - exit1.at
@@ -291,9 +348,12 @@ def test_oom_killed_rank_its_peer_hangs_in_all_reduce_then_times_out(tmp_path: P
             assert job.agents[0].wait(30) != 0
             node0 = job.logs[0].read_text(errors="replace")
             assert "Timed out" in node0 or "timed out" in node0, node0[-3000:]
-            print(f"PASS rank_down: rank 0 pid {pid0} ended {hung:.2f} s after the kill "
-                  f"(process group timeout {PG_TIMEOUT:.0f} s), on /metrics {lat_down * 1e3:.0f} ms "
-                  f"later\n     finding: {down['explanation']}", flush=True)
+            print(
+                f"PASS rank_down: rank 0 pid {pid0} ended {hung:.2f} s after the kill "
+                f"(process group timeout {PG_TIMEOUT:.0f} s), on /metrics {lat_down * 1e3:.0f} ms "
+                f"later\n     finding: {down['explanation']}",
+                flush=True,
+            )
             assert lat_down <= INTERVAL + SLACK
         finally:
             job.close()
@@ -308,14 +368,22 @@ def test_same_job_with_the_legacy_variable_raises_nccl_legacy_env(tmp_path: Path
             t0 = time.time()
             lines = []
             for r in (0, 1):
-                wait_until(functools.partial(on_metrics, d, "nccl_legacy_env", job_id, r), 10,
-                           f"nccl_legacy_env for rank {r}", job, d)
+                wait_until(
+                    functools.partial(on_metrics, d, "nccl_legacy_env", job_id, r),
+                    10,
+                    f"nccl_legacy_env for rank {r}",
+                    job,
+                    d,
+                )
                 f = finding(d, "nccl_legacy_env", job_id, r)
                 assert f is not None and f["evidence"]["variables"] == [LEGACY]
                 assert f"{LEGACY} (use {CURRENT})" in f["explanation"]
                 assert not on_metrics(d, "nccl_error_handling_off", job_id, r)
                 lines.append(f"     finding: {f['explanation']}")
-            print(f"\nPASS nccl_legacy_env on both ranks ({time.time() - t0:.2f} s after both were "
-                  "up)\n" + "\n".join(lines), flush=True)
+            print(
+                f"\nPASS nccl_legacy_env on both ranks ({time.time() - t0:.2f} s after both were "
+                "up)\n" + "\n".join(lines),
+                flush=True,
+            )
         finally:
             job.close()

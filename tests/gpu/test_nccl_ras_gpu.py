@@ -117,13 +117,21 @@ def listeners(port: int) -> str:
                     m = re.fullmatch(r"socket:\[(\d+)\]", os.readlink(f"/proc/{pid}/fd/{fd}"))
                     if m and int(m[1]) in owners:
                         owners[int(m[1])].append(int(pid))
-    return "; ".join(f"{inodes[i]} inode {i} held by pids {sorted(set(p))}" for i, p in owners.items()) \
+    return (
+        "; ".join(f"{inodes[i]} inode {i} held by pids {sorted(set(p))}" for i, p in owners.items())
         or f"nothing listens on port {port}"
+    )
 
 
 def ps_json(cfg_path: Path) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "gpuwatchd", "ps", "--json", "--config.file", str(cfg_path)],
-                         capture_output=True, text=True, timeout=60, cwd=REPO, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "gpuwatchd", "ps", "--json", "--config.file", str(cfg_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        check=True,
+    )
     return dict(json.loads(out.stdout))
 
 
@@ -134,8 +142,10 @@ def ras_rows(cfg_path: Path, job_id: str) -> list[dict[str, Any]]:
 
 def stalled(d: DaemonProc, job_id: str) -> bool:
     """The page's gauge and the finding agree that rank 0 is stalled."""
-    return d.value("gpuwatch_finding", kind="rank_stalled", job_id=job_id, rank="0") == 1.0 and \
-        d.value("gpuwatch_rank_stalled", job_id=job_id, rank="0") == 1.0
+    return (
+        d.value("gpuwatch_finding", kind="rank_stalled", job_id=job_id, rank="0") == 1.0
+        and d.value("gpuwatch_rank_stalled", job_id=job_id, rank="0") == 1.0
+    )
 
 
 @pytest.mark.parametrize("world", ["one_rank", "two_ranks_one_gpu"])
@@ -144,19 +154,30 @@ def test_nccl_ras_counts_and_the_dump_pipe_on_a_real_job(tmp_path: Path, world: 
     out = tmp_path / "out"
     out.mkdir()
     (tmp_path / "fr").mkdir()
-    cfg_path, cfg = write_config(tmp_path, interval_seconds=0.5, nvml={"enabled": True}, log_level="debug",
-                                 stall={"after_seconds": 2.0, "nccl_ras_interval_seconds": 1.0,
-                                        "flight_recorder_interval_seconds": 5.0})
+    cfg_path, cfg = write_config(
+        tmp_path,
+        interval_seconds=0.5,
+        nvml={"enabled": True},
+        log_level="debug",
+        stall={"after_seconds": 2.0, "nccl_ras_interval_seconds": 1.0, "flight_recorder_interval_seconds": 5.0},
+    )
     job_id = f"ras{nproc}x{os.getpid()}"
     port = free_port()
-    env = {**os.environ, "GPUWATCH_RANK_DIR": cfg["rank_dir"],
-           "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1",
-           "NCCL_RAS_ADDR": f"127.0.0.1:{port}", "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,RAS",
-           "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": f"{tmp_path}/fr/pipe_",
-           "TORCH_FR_DEBUG_INFO_PIPE_FILE": f"{tmp_path}/fr/pipe_",
-           "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-           "TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path}/fr/trace_",
-           "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{tmp_path}/fr/trace_"}
+    env = {
+        **os.environ,
+        "GPUWATCH_RANK_DIR": cfg["rank_dir"],
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        "PYTHONUNBUFFERED": "1",
+        "NCCL_RAS_ADDR": f"127.0.0.1:{port}",
+        "NCCL_DEBUG": "INFO",
+        "NCCL_DEBUG_SUBSYS": "INIT,RAS",
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": f"{tmp_path}/fr/pipe_",
+        "TORCH_FR_DEBUG_INFO_PIPE_FILE": f"{tmp_path}/fr/pipe_",
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path}/fr/trace_",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{tmp_path}/fr/trace_",
+    }
     args = []
     if nproc > 1:  # two "nodes" to NCCL on one GPU, over its socket transport on loopback
         env.update(NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1")
@@ -165,9 +186,28 @@ def test_nccl_ras_counts_and_the_dump_pipe_on_a_real_job(tmp_path: Path, world: 
     log_path = tmp_path / "job.log"
     with open(log_path, "wb") as f:
         agent = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-             "--max-restarts", "0", str(HERE / "ras_train.py"), "--out", str(out), "--job-id", job_id, *args],
-            stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(tmp_path), start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                str(nproc),
+                "--max-restarts",
+                "0",
+                str(HERE / "ras_train.py"),
+                "--out",
+                str(out),
+                "--job-id",
+                job_id,
+                *args,
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(tmp_path),
+            start_new_session=True,
+        )
     seen: list[tuple[int, float]] = []
 
     def log() -> str:
@@ -178,16 +218,25 @@ def test_nccl_ras_counts_and_the_dump_pipe_on_a_real_job(tmp_path: Path, world: 
             rows = json.dumps(ps_json(cfg_path).get("nccl_ras", []))[:3000]
         except (subprocess.SubprocessError, ValueError) as exc:
             rows = repr(exc)
-        gauges = {n: d.value(n, job_id=job_id, rank="0") for n in (
-            "gpuwatch_rank_stalled", "gpuwatch_rank_up", "gpuwatch_nccl_ras_rank_operations",
-            "gpuwatch_nccl_ras_rank_operations_unchanged_seconds")}
-        return (f"world {world}; (ops, asked_at) seen: {seen}\ngauges of rank 0: {gauges}\n"
-                f"ps --json nccl_ras: {rows}\nRAS port {port} now: {listeners(port)}\n{ras_raw(port)}\n"
-                f"daemon's RAS and flight-recorder lines (last 60 of {len(ours)}):\n" + "\n".join(ours[-60:]) +
-                "\njob log's NCCL RAS and init lines (first 30):\n" + "\n".join(
-                    [ln for ln in job.splitlines() if "RAS" in ln or "NCCL version" in ln][:30]) +
-                f"\njob log:\n{job[-5000:]}\n"
-                f"daemon log (tail):\n{daemon[-3000:]}")
+        gauges = {
+            n: d.value(n, job_id=job_id, rank="0")
+            for n in (
+                "gpuwatch_rank_stalled",
+                "gpuwatch_rank_up",
+                "gpuwatch_nccl_ras_rank_operations",
+                "gpuwatch_nccl_ras_rank_operations_unchanged_seconds",
+            )
+        }
+        return (
+            f"world {world}; (ops, asked_at) seen: {seen}\ngauges of rank 0: {gauges}\n"
+            f"ps --json nccl_ras: {rows}\nRAS port {port} now: {listeners(port)}\n{ras_raw(port)}\n"
+            f"daemon's RAS and flight-recorder lines (last 60 of {len(ours)}):\n"
+            + "\n".join(ours[-60:])
+            + "\njob log's NCCL RAS and init lines (first 30):\n"
+            + "\n".join([ln for ln in job.splitlines() if "RAS" in ln or "NCCL version" in ln][:30])
+            + f"\njob log:\n{job[-5000:]}\n"
+            f"daemon log (tail):\n{daemon[-3000:]}"
+        )
 
     def steps() -> int:
         try:
@@ -196,9 +245,15 @@ def test_nccl_ras_counts_and_the_dump_pipe_on_a_real_job(tmp_path: Path, world: 
             return -1
 
     try:
-        wait_until(lambda: steps() >= 5 and all(d.value("gpuwatch_rank_up", job_id=job_id, rank=str(r)) == 1.0
-                                                for r in range(nproc)),
-                   180, "the job training and its ranks up", log)
+        wait_until(
+            lambda: (
+                steps() >= 5
+                and all(d.value("gpuwatch_rank_up", job_id=job_id, rank=str(r)) == 1.0 for r in range(nproc))
+            ),
+            180,
+            "the job training and its ranks up",
+            log,
+        )
         # the prelude: what the port answers, whatever the daemon makes of it
         print(f"\n[{world}] RAS port {port}: {listeners(port)}\n{ras_raw(port)}", flush=True)
         version = tuple(int(x) for x in (out / "nccl").read_text().split("."))
@@ -208,8 +263,9 @@ def test_nccl_ras_counts_and_the_dump_pipe_on_a_real_job(tmp_path: Path, world: 
 
         (out / "quiet").touch()  # no heartbeat: late, while it trains
         if nproc == 1:
-            wait_until(lambda: bool(ras_rows(cfg_path, job_id)), 30,
-                       "rank 0's RAS answer joined in gpuwatchd ps --json", log)
+            wait_until(
+                lambda: bool(ras_rows(cfg_path, job_id)), 30, "rank 0's RAS answer joined in gpuwatchd ps --json", log
+            )
             row = ras_rows(cfg_path, job_id)[0]
             print(f"[{world}] joined: {row}", flush=True)
             assert row["ops"] == 0 and row["counted"] is False, (row, log())
@@ -217,13 +273,19 @@ def test_nccl_ras_counts_and_the_dump_pipe_on_a_real_job(tmp_path: Path, world: 
 
             (out / "hang").touch()  # no collectives, no heartbeat: stalled, and the pipe is written
             wait_until(lambda: stalled(d, job_id), 30, "rank_stalled", log)
-            wait_until(lambda: (d.value("gpuwatch_rank_collective_last_started_seq", job_id=job_id,
-                                        rank="0", pg="0") or 0) > 0, 60,
-                       "the flight-recorder dump read through torch's pipe", log)
+            wait_until(
+                lambda: (
+                    (d.value("gpuwatch_rank_collective_last_started_seq", job_id=job_id, rank="0", pg="0") or 0) > 0
+                ),
+                60,
+                "the flight-recorder dump read through torch's pipe",
+                log,
+            )
             at_dump = steps()
             (out / "hang").unlink()
             wait_until(lambda: steps() >= at_dump + 10, 30, "training going on after the dump", log)
         else:
+
             def counts_move() -> bool:
                 now = [(r["ops"], r["asked_at"]) for r in ras_rows(cfg_path, job_id)]
                 if now and (not seen or now[0][1] != seen[-1][1]):
@@ -232,13 +294,24 @@ def test_nccl_ras_counts_and_the_dump_pipe_on_a_real_job(tmp_path: Path, world: 
 
             wait_until(counts_move, 60, "RAS op counts that grow in gpuwatchd ps --json", log)
             print(f"[{world}] (ops, asked_at): {seen}", flush=True)
-            wait_until(lambda: d.value("gpuwatch_rank_stalled", job_id=job_id, rank="0") == 0.0, 10,
-                       "moving RAS counts keeping the rank from being stalled (the page's gauge)", log)
+            wait_until(
+                lambda: d.value("gpuwatch_rank_stalled", job_id=job_id, rank="0") == 0.0,
+                10,
+                "moving RAS counts keeping the rank from being stalled (the page's gauge)",
+                log,
+            )
 
             (out / "hang").touch()  # no more collectives
-            wait_until(lambda: (d.value("gpuwatch_nccl_ras_rank_operations_unchanged_seconds",
-                                        job_id=job_id, rank="0") or 0) >= 2.0 and stalled(d, job_id),
-                       60, "RAS counts that stop, and rank_stalled", log)
+            wait_until(
+                lambda: (
+                    (d.value("gpuwatch_nccl_ras_rank_operations_unchanged_seconds", job_id=job_id, rank="0") or 0)
+                    >= 2.0
+                    and stalled(d, job_id)
+                ),
+                60,
+                "RAS counts that stop, and rank_stalled",
+                log,
+            )
             ops = ras_rows(cfg_path, job_id)[0]["ops"]
             time.sleep(2.5)
             assert ras_rows(cfg_path, job_id)[0]["ops"] == ops, log()

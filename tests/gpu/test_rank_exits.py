@@ -45,8 +45,9 @@ def _port() -> int:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
     tmp = tmp_path_factory.mktemp("exits")
-    path, cfg = write_config(tmp, kernel_log="kmsg", nvml={"enabled": True},
-                             discovery={"enabled": True, "interval_seconds": 0.5})
+    path, cfg = write_config(
+        tmp, kernel_log="kmsg", nvml={"enabled": True}, discovery={"enabled": True, "interval_seconds": 0.5}
+    )
     d = DaemonProc(path, cfg)
     try:
         yield d
@@ -65,21 +66,45 @@ def _exit_lines(state_dir: str, job: str) -> dict[str, tuple[dict, float]]:
     return out
 
 
-CASES = [("segv", "SIGSEGV", {"job_crashed"}), ("exc", "exit_nonzero", {"job_crashed"}),
-         ("assert", "exit_nonzero", {"job_crashed"}), ("kill", "SIGKILL", {"rank_down"})]
+CASES = [
+    ("segv", "SIGSEGV", {"job_crashed"}),
+    ("exc", "exit_nonzero", {"job_crashed"}),
+    ("assert", "exit_nonzero", {"job_crashed"}),
+    ("kill", "SIGKILL", {"rank_down"}),
+]
 
 
 @pytest.mark.parametrize(("fault", "cause", "kinds"), CASES, ids=[c[0] for c in CASES])
-def test_torchrun_rank_death_is_named_with_its_cause(daemon: DaemonProc, fault: str, cause: str,
-                                                     kinds: set[str]) -> None:
+def test_torchrun_rank_death_is_named_with_its_cause(
+    daemon: DaemonProc, fault: str, cause: str, kinds: set[str]
+) -> None:
     job = f"gpu-exit-{fault}-{os.getpid()}"
     state = daemon.cfg["state_dir"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_port()}", "--rdzv-id", job,
-           str(HERE / "exit_rank.py"), fault, AFTER]
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}"
-                                     f"{os.environ.get('PYTHONPATH', '')}"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{_port()}",
+        "--rdzv-id",
+        job,
+        str(HERE / "exit_rank.py"),
+        fault,
+        AFTER,
+    ]
+    launcher = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+    )
     seen: dict[str, tuple[dict, float]] = {}
     deadline = time.monotonic() + 120
     while len(seen) < 2 and time.monotonic() < deadline:
@@ -90,15 +115,16 @@ def test_torchrun_rank_death_is_named_with_its_cause(daemon: DaemonProc, fault: 
     assert len(seen) == 2, f"rank_exit events: {seen}\ntorchrun:\n{out[-3000:]}\n{daemon.log()}"
     (one, one_seen), (zero, _) = seen["1"], seen["0"]
     delay = one_seen - one["time"]
-    print(f"SAW {fault}: {one['summary']} (read by {one['fields']['read_by']}); death to event "
-          f"{delay:.3f} s; rank 0: {zero['summary']}")
+    print(
+        f"SAW {fault}: {one['summary']} (read by {one['fields']['read_by']}); death to event "
+        f"{delay:.3f} s; rank 0: {zero['summary']}"
+    )
     assert one["fields"]["cause"] == cause, one
     assert one["fields"]["first_pid"] == one["pid"] and zero["fields"]["first_rank"] == 1, (one, zero)
     if fault == "segv":
         assert "kernel: segfault at 1" in one["summary"], one
     assert delay < 5.0
-    daemon.wait_for(lambda: all(job in finding_jobs(daemon, k) for k in kinds), timeout=15,
-                    what=f"findings {kinds}")
+    daemon.wait_for(lambda: all(job in finding_jobs(daemon, k) for k in kinds), timeout=15, what=f"findings {kinds}")
     for kind in {"rank_down", "job_crashed"} - kinds:
         assert job not in finding_jobs(daemon, kind), kind
     print(f"SAW {fault}: findings {sorted(kinds)}")

@@ -41,8 +41,14 @@ DISCOVERY = 1.0
 CONCLUSIVE_BOUND = 60.0  # fault -> page, for the hangs that leave no doubt
 DEATH_BOUND = 5.0  # fault -> the exit recorded with its cause
 DEATHS = {  # fault -> what the first exit's cause must say
-    "GPU": "exit", "ASYNC_EXC": "exit", "SIGNAL_EXC": "exit", "ABORT": "SIGABRT",
-    "SEGFAULT": "SIGSEGV", "INT": "SIGINT", "KILL": "SIGKILL", "TERM": "SIGTERM",
+    "GPU": "exit",
+    "ASYNC_EXC": "exit",
+    "SIGNAL_EXC": "exit",
+    "ABORT": "SIGABRT",
+    "SEGFAULT": "SIGSEGV",
+    "INT": "SIGINT",
+    "KILL": "SIGKILL",
+    "TERM": "SIGTERM",
 }
 HANGS = {"GPU_SLEEP": "GPU", "GIL": "GIL", "STOP": "stopped"}
 
@@ -50,18 +56,40 @@ HANGS = {"GPU_SLEEP": "GPU", "GIL": "GIL", "STOP": "stopped"}
 class World(DaemonWorld):
     def __init__(self, tmp: Path) -> None:
         # debug: the stall tracker's dump pacing per rank, printed for a hang paged late
-        super().__init__(tmp, daemon_args=("--log.level", "debug"), interval_seconds=INTERVAL,
-                         discovery={"enabled": True, "interval_seconds": DISCOVERY},
-                         stall={"after_seconds": AFTER})
+        super().__init__(
+            tmp,
+            daemon_args=("--log.level", "debug"),
+            interval_seconds=INTERVAL,
+            discovery={"enabled": True, "interval_seconds": DISCOVERY},
+            stall={"after_seconds": AFTER},
+        )
 
     def torchrun(self, job: str, nproc: int, *args: str) -> subprocess.Popen[str]:
-        env = {k: v for k, v in repo_env().items()
-               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
+        env = {
+            k: v for k, v in repo_env().items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+        }
         # static rendezvous: --standalone would replace the run id (the job id) with a random one
         return self.start(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--rdzv-id", job, *args],
-            env, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "1",
+                "--nproc-per-node",
+                str(nproc),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(free_port()),
+                "--rdzv-id",
+                job,
+                *args,
+            ],
+            env,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 class Lines:
@@ -113,8 +141,23 @@ def _start_faulted(world: World, fault: str, delay: float = 3.0) -> tuple[str, s
 
 
 def _exit_events(world: World, job: str) -> dict[str, dict[str, Any]]:
-    out = subprocess.run([sys.executable, "-m", "gpuwatchd", "events", "--state-dir", world.cfg["state_dir"],
-                          "--json", "--since", "all"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpuwatchd",
+            "events",
+            "--state-dir",
+            world.cfg["state_dir"],
+            "--json",
+            "--since",
+            "all",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     try:
         every = json.loads(out.stdout)
     except ValueError:
@@ -124,20 +167,32 @@ def _exit_events(world: World, job: str) -> dict[str, dict[str, Any]]:
 
 # The causes each fault may end rank 1 with: a device-side assert surfaces as the next CUDA call's
 # exception (exit 1), or as an abort where a C++ destructor meets the broken context.
-CAUSES = {"GPU": {"exit_nonzero", "SIGABRT"}, "ASYNC_EXC": {"exit_nonzero"}, "SIGNAL_EXC": {"exit_nonzero"},
-          "ABORT": {"SIGABRT"}, "SEGFAULT": {"SIGSEGV"}, "INT": {"SIGINT", "exit_nonzero"},
-          "KILL": {"SIGKILL"}, "TERM": {"SIGTERM"}}
+CAUSES = {
+    "GPU": {"exit_nonzero", "SIGABRT"},
+    "ASYNC_EXC": {"exit_nonzero"},
+    "SIGNAL_EXC": {"exit_nonzero"},
+    "ABORT": {"SIGABRT"},
+    "SEGFAULT": {"SIGSEGV"},
+    "INT": {"SIGINT", "exit_nonzero"},
+    "KILL": {"SIGKILL"},
+    "TERM": {"SIGTERM"},
+}
 
 
 @pytest.mark.parametrize("fault", sorted(CAUSES))
 def test_a_death_of_the_catalog_is_named_with_its_cause_and_first(world: World, fault: str) -> None:
     job, p, _out, at = _start_faulted(world, fault)
-    got = world.wait(lambda: (lambda ev: ev if {"0", "1"} <= set(ev) else None)(_exit_events(world, job)),
-                     DEATH_BOUND + 10, f"{fault}: both ranks' exits recorded")
+    got = world.wait(
+        lambda: (lambda ev: ev if {"0", "1"} <= set(ev) else None)(_exit_events(world, job)),
+        DEATH_BOUND + 10,
+        f"{fault}: both ranks' exits recorded",
+    )
     seen = time.time()
     one, zero = got["1"], got["0"]
-    say(f"{fault} rank 1 exit, {one['time'] - at:+.2f} s after the fault (in the event log "
-        f"{seen - at:.1f} s after)", one["summary"])
+    say(
+        f"{fault} rank 1 exit, {one['time'] - at:+.2f} s after the fault (in the event log {seen - at:.1f} s after)",
+        one["summary"],
+    )
     say(f"{fault} rank 0 exit", zero["summary"])
     assert one["fields"]["cause"] in CAUSES[fault], one
     assert one["fields"]["first_pid"] == one["pid"], (one, zero)
@@ -175,8 +230,11 @@ def test_a_death_of_the_catalog_is_named_with_its_cause_and_first(world: World, 
 def test_a_conclusive_hang_of_the_catalog_is_paged_within_a_minute(world: World, fault: str) -> None:
     job, p, _out, at = _start_faulted(world, fault)
     try:
-        f = world.wait(lambda: next((f for f in world.findings(job) if f["kind"] == "rank_stalled"
-                                     and f["rank"] == "1"), None), CONCLUSIVE_BOUND + 15, f"{fault}: rank 1 paged")
+        f = world.wait(
+            lambda: next((f for f in world.findings(job) if f["kind"] == "rank_stalled" and f["rank"] == "1"), None),
+            CONCLUSIVE_BOUND + 15,
+            f"{fault}: rank 1 paged",
+        )
     except AssertionError:  # how the dumps were paced since the fault: what made it late
         print("\n".join(line for line in world.d.log().splitlines() if "stall pacing" in line)[-8000:])
         raise
@@ -188,8 +246,13 @@ def test_a_conclusive_hang_of_the_catalog_is_paged_within_a_minute(world: World,
     if delay > CONCLUSIVE_BOUND:  # how the dumps were paced: what made it late
         m = re.search(r"\(pid (\d+)\)", f["explanation"])
         pid = m.group(1) if m else None
-        print("\n".join(line for line in world.d.log().splitlines()
-                        if "stall pacing" in line and (pid is None or f"pid {pid} " in line))[-6000:])
+        print(
+            "\n".join(
+                line
+                for line in world.d.log().splitlines()
+                if "stall pacing" in line and (pid is None or f"pid {pid} " in line)
+            )[-6000:]
+        )
     assert delay <= CONCLUSIVE_BOUND, delay
 
 

@@ -73,9 +73,13 @@ def world() -> Iterator[Path]:
 
 
 def _smi_mib(pid: int) -> int:
-    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                          "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                         timeout=30, check=True).stdout
+    out = subprocess.run(
+        ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     for line in out.strip().splitlines():
         p, mib = (x.strip() for x in line.split(","))
         if int(p) == pid:
@@ -98,42 +102,65 @@ def test_daemon_in_the_units_sandbox_reads_nvml_pyspy_and_kmsg(world: Path) -> N
         f'web: {{listen_address: "127.0.0.1:{port}"}}\ninterval_seconds: 1\n'
         f"rank_dir: {world / 'ranks'}\nstate_dir: {state}\nkernel_log: kmsg\n"
         f"gil: {{enabled: true, interval_seconds: 2, duration_seconds: 1, pyspy_path: {_pyspy()}}}\n"
-        "discovery: {enabled: true, interval_seconds: 1}\n")
+        "discovery: {enabled: true, interval_seconds: 1}\n"
+    )
     cfg.chmod(0o644)
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(home),
-           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(home),
+        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)),
+    }
     rank = daemon = None
     try:
         rank = subprocess.Popen(
-            ["setpriv", f"--reuid={RANK_UID}", f"--regid={RANK_UID}", "--clear-groups",
-             sys.executable, "-c", RANK], stdout=subprocess.PIPE, text=True, cwd=str(home),
-            env={**env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-                 "TORCHELASTIC_RUN_ID": "sandboxjob"})
+            ["setpriv", f"--reuid={RANK_UID}", f"--regid={RANK_UID}", "--clear-groups", sys.executable, "-c", RANK],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=str(home),
+            env={**env, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "sandboxjob"},
+        )
         assert rank.stdout is not None and rank.stdout.readline().strip() == "ready"
-        inner = sandboxutil.sandboxed([sys.executable, "-m", "gpuwatchd", "run",
-                                       "--config.file", str(cfg)])
+        inner = sandboxutil.sandboxed([sys.executable, "-m", "gpuwatchd", "run", "--config.file", str(cfg)])
         inner[0] = sys.executable  # the seccomp installer: this interpreter, wherever it is
         daemon = subprocess.Popen(
-            ["setpriv", f"--reuid={DAEMON_UID}", f"--regid={DAEMON_UID}", "--clear-groups",
-             f"--inh-caps={CAPS}", f"--ambient-caps={CAPS}", f"--bounding-set={CAPS}",
-             "--no-new-privs", *inner],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/",
-            env={**env, "HOME": "/nonexistent"})
+            [
+                "setpriv",
+                f"--reuid={DAEMON_UID}",
+                f"--regid={DAEMON_UID}",
+                "--clear-groups",
+                f"--inh-caps={CAPS}",
+                f"--ambient-caps={CAPS}",
+                f"--bounding-set={CAPS}",
+                "--no-new-privs",
+                *inner,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd="/",
+            env={**env, "HOME": "/nonexistent"},
+        )
         want = {
             "nvml": re.compile(r'gpuwatch_collector_success\{collector="nvml"\} 1\.0'),
             "kernel_log": re.compile(r'gpuwatch_collector_success\{collector="kernel_log"\} 1\.0'),
             "rank_up": re.compile(r'gpuwatch_rank_up\{job_id="sandboxjob",rank="0"\} 1\.0'),
-            "gil": re.compile(r'gpuwatch_rank_gil_samples_total\{job_id="sandboxjob",rank="0"\} '
-                              r'([1-9][0-9.e+]*)'),
-            "rank_gpu": re.compile(r'gpuwatch_rank_gpu_memory_bytes\{[^}]*job_id="sandboxjob"'
-                                   r'[^}]*\} ([0-9.e+]+)'),
+            "gil": re.compile(
+                r'gpuwatch_rank_gil_samples_total\{job_id="sandboxjob",rank="0"\} '
+                r"([1-9][0-9.e+]*)"
+            ),
+            "rank_gpu": re.compile(
+                r'gpuwatch_rank_gpu_memory_bytes\{[^}]*job_id="sandboxjob"'
+                r"[^}]*\} ([0-9.e+]+)"
+            ),
         }
         deadline = time.monotonic() + 120
         text = ""
         while time.monotonic() < deadline:
             assert daemon.poll() is None, daemon.communicate()[0][-3000:]
-            with contextlib.suppress(OSError), urllib.request.urlopen(
-                    f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r,
+            ):
                 text = r.read().decode()
             if all(w.search(text) for w in want.values()):
                 break
@@ -141,11 +168,11 @@ def test_daemon_in_the_units_sandbox_reads_nvml_pyspy_and_kmsg(world: Path) -> N
         status = Path(f"/proc/{daemon.pid}/status").read_text()
         fields = dict(re.findall(r"^(\w+):\s+(.*)$", status, re.M))
         found = {k: bool(w.search(text)) for k, w in want.items()}
-        print("sandbox:", {k: fields.get(k) for k in ("Uid", "CapEff", "CapAmb", "CapBnd",
-                                                       "NoNewPrivs", "Seccomp")})
+        print("sandbox:", {k: fields.get(k) for k in ("Uid", "CapEff", "CapAmb", "CapBnd", "NoNewPrivs", "Seccomp")})
         print("found:", found)
-        print("\n".join(line for line in text.splitlines()
-                        if "collector_success" in line or "sandboxjob" in line)[:4000])
+        print(
+            "\n".join(line for line in text.splitlines() if "collector_success" in line or "sandboxjob" in line)[:4000]
+        )
         assert fields["Uid"].split()[0] == str(DAEMON_UID)
         assert int(fields["CapEff"], 16) == THREE_CAPS and int(fields["CapBnd"], 16) == THREE_CAPS
         assert fields["NoNewPrivs"] == "1" and fields["Seccomp"] == "2"
@@ -156,9 +183,11 @@ def test_daemon_in_the_units_sandbox_reads_nvml_pyspy_and_kmsg(world: Path) -> N
         smi = _smi_mib(rank.pid)
         ours = float(rank_gpu.group(1)) / (1 << 20)
         assert abs(ours - smi) <= max(2.0, 0.01 * smi), (ours, smi)
-        print(f"PASS sandboxed daemon (uid {DAEMON_UID}, caps {fields['CapEff']}, seccomp 2, "
-              f"MDWE): nvml up, rank GPU memory {ours:.0f} MiB vs nvidia-smi {smi} MiB, "
-              f"py-spy samples {float(gil.group(1)):.0f}, kernel_log (kmsg) up")
+        print(
+            f"PASS sandboxed daemon (uid {DAEMON_UID}, caps {fields['CapEff']}, seccomp 2, "
+            f"MDWE): nvml up, rank GPU memory {ours:.0f} MiB vs nvidia-smi {smi} MiB, "
+            f"py-spy samples {float(gil.group(1)):.0f}, kernel_log (kmsg) up"
+        )
     finally:
         for p in (daemon, rank):
             if p is not None and p.poll() is None:

@@ -39,8 +39,7 @@ def keep_inherited_sockets(lifetime: float) -> None:
         time.sleep(0.5)
 
 
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device,
-               world: int) -> float:
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device, world: int) -> float:
     x = torch.randn(64, 256, device=device)
     loss = model(x).square().mean()
     loss.backward()
@@ -69,7 +68,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     # forked before CUDA is touched, so the helper holds no /dev/nvidia* descriptors
     helper = multiprocessing.get_context("fork").Process(
-        target=keep_inherited_sockets, args=(args.helper_lifetime,), daemon=True)
+        target=keep_inherited_sockets, args=(args.helper_lifetime,), daemon=True
+    )
     helper.start()
     with open(os.path.join(args.out, f"{rank}.helper"), "w") as f:
         f.write(f"{helper.pid}\n")
