@@ -17,7 +17,8 @@ from pathlib import Path
 from gpuwatchd.counters import CounterStore
 from gpuwatchd.findings import cuda_oom as oom_rule
 from gpuwatchd.join import cuda_oom as oom_reader
-from gpuwatchd.model import Finding, GpuDevice, GpuProcessRow, NodeState, OomEvent, Orphan
+from gpuwatchd.model import Finding, GpuDevice, GpuProcessRow, NodeState, Orphan
+from gpuwatchd.model.cuda_oom import OomEvent
 from gpuwatchd.rank import cuda_oom
 from gpuwatchd.sources import cuda_oom_events as oom_files
 

@@ -22,7 +22,7 @@ from gpuwatchd.join import rank_claims
 from gpuwatchd.join.cuda_oom import FINDING_SECONDS
 from gpuwatchd.join.orphans import RankTrees
 from gpuwatchd.join.state import JoinMemory, build_state
-from gpuwatchd.model import AttributedOom, CoTenant, OomEvent
+from gpuwatchd.model.cuda_oom import AttributedOom, CoTenant, OomEvent
 from gpuwatchd.model.parts import GpuOutput, Tracked
 from gpuwatchd.rank.cuda_oom import PREFIX, SUFFIX
 from gpuwatchd.rank.rankfile import write_rank_file

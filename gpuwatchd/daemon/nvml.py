@@ -39,7 +39,8 @@ from gpuwatchd.daemon.subsystem import DaemonContext, Ranks, Subsystem
 from gpuwatchd.isolation import Collector, guarded
 from gpuwatchd.join.cuda_oom import OomTracker, claimants
 from gpuwatchd.join.orphans import OrphanTracker
-from gpuwatchd.model import GpuDevice, GpuProcess, GpuUevent, NodeState, OomEvent, ProcessInfo, ProcEvidence
+from gpuwatchd.model import GpuDevice, GpuProcess, GpuUevent, NodeState, ProcessInfo, ProcEvidence
+from gpuwatchd.model.cuda_oom import OomEvent
 from gpuwatchd.model.parts import GpuOutput, GpuRemoved, NvmlLostGpu
 from gpuwatchd.sources.cuda_oom_events import OomEventFiles
 from gpuwatchd.sources.devfds import EvidenceReader

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gpuwatchd.findings.context import FindingContext
-from gpuwatchd.model import WARNING, AttributedOom, CoTenant, Finding
+from gpuwatchd.model import WARNING, Finding
+from gpuwatchd.model.cuda_oom import AttributedOom, CoTenant
 
 REASON_TEXT = {
     "reparented_to_init": "its parent died and it was adopted by init",

@@ -19,7 +19,8 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from gpuwatchd.model import AttributedOom, CoTenant, NodeState, OomEvent, ProcessInfo, RankEntry
+from gpuwatchd.model import NodeState, ProcessInfo, RankEntry
+from gpuwatchd.model.cuda_oom import AttributedOom, CoTenant, OomEvent
 
 FINDING_SECONDS = 600.0  # a cuda_oom finding stays active this long after the error
 CLAIM_MEMORY_SECONDS = 120.0  # a rank's claim counts for its events this long after it was seen

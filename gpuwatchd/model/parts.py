@@ -9,7 +9,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpuwatchd.model import (
-    AttributedOom,
     CollectorStatus,
     GilReading,
     GpuDevice,
@@ -24,6 +23,7 @@ from gpuwatchd.model import (
     frozen_map,
 )
 from gpuwatchd.model.collectives import CollectiveStatus
+from gpuwatchd.model.cuda_oom import AttributedOom
 from gpuwatchd.model.events import Event
 from gpuwatchd.model.exits import RankExit
 from gpuwatchd.model.nccl_ras import RasJob

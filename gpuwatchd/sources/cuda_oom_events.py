@@ -29,7 +29,7 @@ import stat as statmod
 import time
 from typing import Any
 
-from gpuwatchd.model import OomEvent
+from gpuwatchd.model.cuda_oom import OomEvent
 from gpuwatchd.rank.cuda_oom import MAX_EVENT_BYTES, PREFIX, SUFFIX
 from gpuwatchd.rank.rankfile import JOB_ID_RE, RankFileError, loads_strict
 from gpuwatchd.statefile import atomic_write, read_capped

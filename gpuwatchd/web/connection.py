@@ -15,7 +15,7 @@ import re
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -116,7 +116,7 @@ class Conn:
         # Requests answered on this connection, and of them those answered with a success (a
         # status below 400: what a scraper with the right credentials gets). A connection is
         # pushed out only after every one that never sent a complete request, and one that was
-        # served after those answered with an error (listener.py ``_victim``).
+        # served after those answered with an error (``victim_of``).
         self.answered = 0
         self.served = 0
         self.read_at = float("-inf")  # the last read of the request being read (read_pace)
@@ -205,3 +205,28 @@ def shutdown_socket(sock: socket.socket) -> None:
     # gone, and SSLSocket.shutdown() would block or raise on a non-blocking socket).
     with contextlib.suppress(OSError):
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
+def victim_of(waiting: Collection[Conn], now: float, grace: float) -> tuple[Conn | None, float | None]:
+    """The waiting connection a newcomer replaces, or (None, when the first that may be ends
+    its grace). By tier (``Conn.tier``): while one of a lower tier is in its grace, newcomers
+    wait for it rather than push out a higher one (a reconnecting flood stays younger than
+    the grace: it pushed out the scraper's keep-alive, 28 of 56 scrapes failed). Within a
+    tier: the address holding most, the fewest answers, the one that began to wait first."""
+    per_addr = collections.Counter(c.addr for c in waiting)
+    best: Conn | None = None
+    best_key: tuple[int, int, int, float] | None = None
+    soonest: dict[int, float] = {}  # tier -> the first grace end in it
+    for c in waiting:
+        tier = c.tier()
+        grace_end = c.since + grace
+        if grace_end > now:
+            soonest[tier] = min(soonest.get(tier, grace_end), grace_end)
+            continue
+        key = (tier, -per_addr[c.addr], c.served + c.answered, c.since)
+        if best_key is None or key < best_key:
+            best, best_key = c, key
+    lower = [end for tier, end in soonest.items() if best_key is None or tier < best_key[0]]
+    if lower:
+        return None, min(lower)
+    return best, (min(soonest.values()) if soonest else None)

@@ -12,7 +12,7 @@ a client that half-closes after its requests still gets every answer). When ``ma
 are open, a new connection takes the place of one *waiting on its client* (handshake, request
 head, response not yet read, keep-alive idle), by tier: one that never completed a request, then
 one answered, then one served (a scraper's idle keep-alive); within a tier, of the address
-holding the most, with the fewest answers, the first to wait (``_victim``): a flooder pushes out
+holding the most, with the fewest answers, the first to wait (web/connection.py ``victim_of``): a flooder pushes out
 its own. None is pushed out sooner than ``eviction_grace`` (0.2 s) after it began to wait, nor a
 higher tier while a lower one is in its grace (a reconnecting flood stays younger than that);
 newcomers wait in the accept queue meanwhile (``BACKLOG``, 4096, capped by net.core.somaxconn).
@@ -61,6 +61,7 @@ from gpuwatchd.web.connection import (
     Limits,
     shutdown_socket,
     tls_retry_errors,
+    victim_of,
 )
 from gpuwatchd.web.workers import WorkerPool
 
@@ -199,7 +200,7 @@ class Listener:
             full = len(self._waiting) + len(self._busy) >= self.limits.max_connections
             victim = None
             if full:
-                victim, grace_end = self._victim(time.monotonic(), self.limits.eviction_grace)
+                victim, grace_end = victim_of(self._waiting, time.monotonic(), self.limits.eviction_grace)
                 if victim is None and grace_end is not None:
                     # Newcomers wait in the backlog until a waiting connection has had its grace:
                     # no connection (maybe a scraper whose request is on its way) is pushed out
@@ -226,30 +227,6 @@ class Listener:
                 self._close(victim)
                 self.drops.drop("limit", victim.addr)
             self._add(sock, host)
-
-    def _victim(self, now: float, grace: float) -> tuple[Conn | None, float | None]:
-        """The waiting connection a newcomer replaces, or (None, when the first that may be ends
-        its grace). By tier (``Conn.tier``): while one of a lower tier is in its grace, newcomers
-        wait for it rather than push out a higher one (a reconnecting flood stays younger than
-        the grace: it pushed out the scraper's keep-alive, 28 of 56 scrapes failed). Within a
-        tier: the address holding most, the fewest answers, the one that began to wait first."""
-        per_addr = collections.Counter(c.addr for c in self._waiting)
-        best: Conn | None = None
-        best_key: tuple[int, int, int, float] | None = None
-        soonest: dict[int, float] = {}  # tier -> the first grace end in it
-        for c in self._waiting:
-            tier = c.tier()
-            grace_end = c.since + grace
-            if grace_end > now:
-                soonest[tier] = min(soonest.get(tier, grace_end), grace_end)
-                continue
-            key = (tier, -per_addr[c.addr], c.served + c.answered, c.since)
-            if best_key is None or key < best_key:
-                best, best_key = c, key
-        lower = [end for tier, end in soonest.items() if best_key is None or tier < best_key[0]]
-        if lower:
-            return None, min(lower)
-        return best, (min(soonest.values()) if soonest else None)
 
     def _pause_accept(self, until: float) -> None:
         if not self._accept_paused_until:
@@ -278,7 +255,7 @@ class Listener:
             self._read(conn)  # a scraper's request usually arrived with its connection
 
     def _evict_oldest(self) -> bool:
-        victim, _ = self._victim(time.monotonic(), 0.0)
+        victim, _ = victim_of(self._waiting, time.monotonic(), 0.0)
         if victim is None:
             return False
         self._close(victim)
