@@ -29,6 +29,8 @@ from gpuwatchd.join.stall_verdicts import judge_jobs
 from gpuwatchd.model import GpuDevice, GpuProcess, GpuProcessRow, RankState
 from gpuwatchd.model.stall import RankProbe, StallVerdict
 from gpuwatchd.model.threads import ThreadInfo
+from gpuwatchd.sources import pyspy
+from gpuwatchd.sources.pyspy import PySpy
 from gpuwatchd.sources.stall_looks import StallLooks
 
 EQ_CALLS = [0]
@@ -124,8 +126,9 @@ def test_rank_gpu_readings_exclusive_as_every_holder_of_the_rank_job() -> None:
             assert out[r.rank_id].exclusive == alone, (r, rows)
 
 
-# A rank of 21 threads whose main thread works a fifth of the time (10 ms of CPU, 40 ms asleep);
-# a "t" on the pipe (its fd in argv) starts one more thread, a "b" blocks it for good.
+# A rank of 21 threads whose main thread works a fifth of the time (10 ms of CPU, 40 ms asleep),
+# after burning a core for argv[2] seconds (CUDA's init at start-up); a "t" on the pipe (its fd in
+# argv[1]) starts one more thread, a "b" blocks it for good.
 WORKER = """
 import os, sys, threading, time
 fd = int(sys.argv[1])
@@ -134,6 +137,9 @@ for _ in range(20):
     threading.Thread(target=ev.wait, daemon=True).start()
 os.set_blocking(fd, False)
 print("up", flush=True)
+t = time.perf_counter()
+while time.perf_counter() - t < float(sys.argv[2]):
+    pass
 while True:
     t = time.perf_counter()
     while time.perf_counter() - t < 0.01:
@@ -155,8 +161,8 @@ os.read(fd, 1)
 class CountedLooks(StallLooks):
     """The daemon's looker, counting the looks that read every task."""
 
-    def __init__(self) -> None:
-        super().__init__(None)
+    def __init__(self, spy: PySpy | None = None) -> None:
+        super().__init__(spy)
         self.full = 0
 
     def threads_since(
@@ -170,10 +176,11 @@ class CountedLooks(StallLooks):
 
 
 @pytest.fixture
-def worker() -> Iterator[tuple[subprocess.Popen[str], int]]:
+def worker(request: pytest.FixtureRequest) -> Iterator[tuple[subprocess.Popen[str], int]]:
     r, w = os.pipe()
+    burn = str(getattr(request, "param", 0.0))  # seconds of start-up burn
     p = subprocess.Popen(
-        [sys.executable, "-c", WORKER, str(r)],
+        [sys.executable, "-c", WORKER, str(r), burn],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         text=True,
@@ -219,3 +226,27 @@ def test_a_working_rank_is_glanced_at_and_looked_at_again_once_it_stops(
             os.write(w, b"t")  # a new thread: the next glance is a look
         if k == 11:
             os.write(w, b"b")  # it blocks
+
+
+@pytest.mark.parametrize("worker", [2.5], indirect=True)
+def test_a_rank_dumped_at_start_up_is_glanced_at_with_every_python_thread(
+    worker: tuple[subprocess.Popen[str], int],
+) -> None:
+    """The same rank burning a core for its first 2.5 s (CUDA's init): the look at 2 s sees the
+    burn and py-spy dumps it, with its 21 Python threads; from the look at 4 s it works, and the
+    glances at 6, 8 and 10 s read the 21 threads (those that did not work at the look compared by
+    their run time). Before: the idle ones had no reading to compare, and a rank dumped at
+    start-up was looked at in full at every look (six by 10 s)."""
+    p, _ = worker
+    looks = CountedLooks(PySpy(pyspy.resolve_pyspy()))
+    tracker = StallTracker(60.0, looks, dump_interval_seconds=2.0, cycle_seconds=1.0, conclusive_seconds=60.0)
+    probe = RankProbe("glance-dumped", 0, p.pid, True, "R", None)
+    t0 = time.time()
+    for k in range(11):
+        time.sleep(max(0.0, t0 + k - time.time()))
+        v = tracker.observe(t0 + k, [probe])[("glance-dumped", 0)]
+        assert not v.stalled
+    stacks = tracker._tracks[("glance-dumped", 0)].dump.stacks
+    assert len({s.tid for s in stacks}) == 21, stacks  # dumped during the burn, every Python thread
+    assert looks.full == 3, looks.full  # at 0, 2 and 4 s; glances at 6, 8 and 10 s
+    assert v.progress_timestamp == t0 + 10  # the last glance found it working

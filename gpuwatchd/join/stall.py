@@ -436,7 +436,10 @@ class StallTracker:
         new one) is seen at most a cycle later than by looks at the look cadence, and a new
         thread earlier (its look comes at the first glance after it started). None where a
         glance cannot stand in: no look yet, not working at the last one, a dump without thread
-        ids (Python 3.10), a Python thread with no reading to compare."""
+        ids (Python 3.10), a Python thread with no reading to compare. The Python threads are
+        the last dump's (a rank dumped while CUDA's init burned a core at start-up has them
+        all; those that did not work at the last look are compared by their run time) or, before
+        any dump, the main thread."""
         if tr.look.at == 0.0 or tr.look.work_at < tr.look.last:
             return None
         tids = {s.tid or 0 for s in tr.dump.stacks} or {p.pid}
@@ -445,13 +448,18 @@ class StallTracker:
         readings: dict[int, tuple[int, int]] = {}
         shares: dict[int, float] = {}
         for tid in sorted(tids):
-            base = tr.look.base(tid)
             got = self.looks.schedstat(p.pid, tid)
-            if base is None or got is None or now <= base[0]:
+            if got is None:
+                continue  # gone since the dump: no work of its own (the task count shows it went)
+            base = tr.look.base(tid)
+            if base is None or now <= base[0]:
                 return None
-            (at, (run, wait)) = base
+            at, run, wait = base
             readings[tid] = got
-            shares[tid] = min(1.0, max(0.0, (got[0] - run + got[1] - wait) / 1e9 / (now - at)))
+            ran = got[0] - run + (got[1] - wait if wait is not None else 0)
+            shares[tid] = min(1.0, max(0.0, ran / 1e9 / (now - at)))
+        if not readings:
+            return None
         return readings, shares, self.looks.thread_count(p.pid)
 
     def _watch(self, now: float, p: RankProbe, tr: RankTrack, age: float) -> str:

@@ -64,14 +64,18 @@ class Look:
         """The time of the last look or glance: the next is due a look interval on."""
         return max(self.at, self.glance_at)
 
-    def base(self, tid: int) -> tuple[float, tuple[int, int]] | None:
-        """(when, schedstat (run, wait)) of a Python thread at the last look or glance that read
-        it; None when neither did (a look reads it only for a thread in the working band)."""
+    def base(self, tid: int) -> tuple[float, int, int | None] | None:
+        """(when, run ns, wait ns) of a thread at the last look or glance that read it: the glance
+        reads both; a look reads both for a thread in the working band, the run time alone for
+        the others (wait None: their share is their run time's); None when neither read it."""
         if self.glance_at > self.at:
             got = self.glance.get(tid)
-            return (self.glance_at, got) if got is not None else None
-        got = self.sched.get(tid)
-        return (self.at, got) if got is not None else None
+            return (self.glance_at, *got) if got is not None else None
+        sched = self.sched.get(tid)
+        if sched is not None:
+            return self.at, *sched
+        ran = self.slices.get(tid)
+        return (self.at, ran[0], None) if ran is not None else None
 
     def glanced(self, now: float, readings: dict[int, tuple[int, int]]) -> None:
         self.glance_at, self.glance, self.soon = now, readings, False
