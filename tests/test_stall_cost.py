@@ -164,6 +164,7 @@ class CountedLooks(StallLooks):
     def __init__(self, spy: PySpy | None = None) -> None:
         super().__init__(spy)
         self.full = 0
+        self.schedstats = 0  # single-task schedstat reads (a glance's, and a look's of working threads)
 
     def threads_since(
         self,
@@ -173,6 +174,10 @@ class CountedLooks(StallLooks):
     ) -> tuple[tuple[ThreadInfo, ...], dict[int, tuple[int, int]]]:
         self.full += 1
         return super().threads_since(pid, tids, prev)
+
+    def schedstat(self, pid: int, tid: int) -> tuple[int, int] | None:
+        self.schedstats += 1
+        return super().schedstat(pid, tid)
 
 
 @pytest.fixture
@@ -250,3 +255,26 @@ def test_a_rank_dumped_at_start_up_is_glanced_at_with_every_python_thread(
     assert len({s.tid for s in stacks}) == 21, stacks  # dumped during the burn, every Python thread
     assert looks.full == 3, looks.full  # at 0, 2 and 4 s; glances at 6, 8 and 10 s
     assert v.progress_timestamp == t0 + 10  # the last glance found it working
+
+
+@pytest.mark.parametrize("worker", [2.5], indirect=True)
+def test_a_glance_reads_no_more_python_threads_than_a_look_reads_tasks(
+    worker: tuple[subprocess.Popen[str], int],
+) -> None:
+    """The same dumped rank with ``max_threads`` 8: its 21 Python threads are more than a look
+    reads, so no glance stands in (it would read 21): looks of every task, each bounded, at every
+    look interval. Before: the glance read every Python thread of the dump, however many."""
+    p, _ = worker
+    looks = CountedLooks(PySpy(pyspy.resolve_pyspy()))
+    tracker = StallTracker(
+        60.0, looks, dump_interval_seconds=2.0, cycle_seconds=1.0, conclusive_seconds=60.0, max_threads=8
+    )
+    probe = RankProbe("glance-capped", 0, p.pid, True, "R", None)
+    t0 = time.time()
+    for k in range(11):
+        time.sleep(max(0.0, t0 + k - time.time()))
+        before = looks.schedstats
+        tracker.observe(t0 + k, [probe])
+        assert looks.schedstats - before <= 8, (k, looks.schedstats - before)
+    assert len({s.tid for s in tracker._tracks[("glance-capped", 0)].dump.stacks}) == 21
+    assert looks.full == 6, looks.full  # at 0, 2, 4, 6, 8 and 10 s

@@ -436,15 +436,16 @@ class StallTracker:
         new one) is seen at most a cycle later than by looks at the look cadence, and a new
         thread earlier (its look comes at the first glance after it started). None where a
         glance cannot stand in: no look yet, not working at the last one, a dump without thread
-        ids (Python 3.10), a Python thread with no reading to compare. The Python threads are
+        ids (Python 3.10), a Python thread with no reading to compare, more Python threads than
+        ``max_threads`` (a look reads no more tasks than that, a glance no more). The Python threads are
         the last dump's (a rank dumped while CUDA's init burned a core at start-up has them
         all; those that did not work at the last look are compared by their run time) or, before
         any dump, the main thread."""
         if tr.look.at == 0.0 or tr.look.work_at < tr.look.last:
             return None
         tids = {s.tid or 0 for s in tr.dump.stacks} or {p.pid}
-        if 0 in tids:
-            return None
+        if 0 in tids or len(tids) > self.max_threads:
+            return None  # (past max_threads Python threads the look, which reads at most that many)
         readings: dict[int, tuple[int, int]] = {}
         shares: dict[int, float] = {}
         for tid in sorted(tids):
