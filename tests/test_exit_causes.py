@@ -216,6 +216,33 @@ def test_a_crash_the_launcher_restarted_is_not_paged_as_waiting_peers() -> None:
     assert f.severity == "page" and "1 peer(s) on this node still alive" in f.explanation
 
 
+def test_a_peer_started_within_the_second_before_a_death_is_a_peer() -> None:
+    """A rank faults 0.3 s after its peer started (a segfault at import): /proc's start time,
+    on the whole-second btime, cannot tell that peer from a restart, so it read the death as the
+    job's own crash (job_crashed, a warning) while the peer waited (tests/test_exits.py failed 1
+    full run in 3). The exit part's boot clock tells it to the tick: the waiting peer is paged;
+    a rank started after the death is still the launcher's restart."""
+    from gpuwatchd.model import ProcessInfo
+
+    def rank(r: int, pid: int, ticks: int, started: float) -> RankState:
+        proc = ProcessInfo(pid, 1, "python", "S", 0, "root", ticks, started, 0.0, 0, 1, None, None, None)
+        return RankState(job_id="j", rank=r, pid=pid, local_rank=r, world_size=2, alive=True, process=proc)
+
+    alone = tuple(order([classify(_exit(1, 1000.0, signal.SIGSEGV, 1), None, [])]))
+    peer = rank(0, 100, 99970, 999.7)  # 0.3 s before the death (boot 0, 100 ticks a second)
+
+    def kinds(ranks: tuple[RankState, ...], exits: ExitOutput) -> set[tuple[str, str]]:
+        ctx = FindingContext(now=1011.0, config=Config(), ranks=ranks, parts=Tracked(exits=exits))
+        return {(f.kind, f.severity) for f in [*rank_down.find(ctx), *job_crashed.find(ctx)]}
+
+    clock = ExitOutput(recent=alone, boot=0.0, hz=100)
+    assert kinds((peer,), clock) == {("rank_down", "page")}
+    restart = rank(0, 200, 100300, 1003.0)  # started 3 s after the death
+    assert kinds((restart,), clock) == {("job_crashed", "warning")}
+    # the exit part off: only btime's start, a peer must have started a second before
+    assert kinds((peer,), ExitOutput(recent=alone)) == {("job_crashed", "warning")}
+
+
 def test_a_rank_seen_gone_before_its_exit_is_joined_waits_for_it() -> None:
     """/proc shows the rank dead a cycle before the exit watcher's record arrives: no "gone, no
     exit read" page within the grace (the H100: the catalog's TERM fault, a stop the launcher

@@ -23,6 +23,9 @@ from gpuwatchd.model import (
 from gpuwatchd.model.gpus import is_rank_gpu
 from gpuwatchd.model.parts import Tracked
 
+# a peer of a death started at least this long before it (start ticks are 10 ms; the death's time
+# is when the exit watcher read it, a few ms after; a launcher's restart comes after the teardown)
+PEER_SLACK_SECONDS = 0.05
 
 @dataclass(frozen=True)
 class FindingContext:
@@ -123,14 +126,19 @@ __all__ = [
 def live_peers(ctx: FindingContext, job_id: str, pid: int, died: float | None = None) -> int:
     """The ranks of the job alive now that were already running at ``died`` (a death): a rank
     started after it is the launcher's restart of the job (torchrun --max-restarts ends every
-    rank and starts new ones within seconds), waiting for nobody. A start time is /proc's ticks
-    after /proc/stat's whole-second ``btime``, up to a second early: a peer is one that started
-    at least a second before the death."""
-    return sum(
-        1
-        for p in ctx.ranks
-        if p.job_id == job_id
-        and p.alive
-        and p.pid != pid
-        and (died is None or p.process is None or p.process.start_time <= died - 1.0)
-    )
+    rank and starts new ones within seconds), waiting for nobody. A start is the exit part's
+    boot clock on the process's start ticks, to the tick: a peer started ``PEER_SLACK_SECONDS``
+    before the death, even within its second, is one. Where that part is off, only /proc's start
+    time is known, on /proc/stat's whole-second ``btime``, up to a second early: a peer is then
+    one that started at least a second before the death."""
+    exits = ctx.parts.exits
+
+    def before(p: ProcessInfo | None) -> bool:
+        if died is None or p is None:
+            return True
+        started = exits.started(p.start_ticks)
+        if started is None:
+            return p.start_time <= died - 1.0
+        return started <= died - PEER_SLACK_SECONDS
+
+    return sum(1 for p in ctx.ranks if p.job_id == job_id and p.alive and p.pid != pid and before(p.process))

@@ -154,6 +154,13 @@ class ExitOutput:
 
     recent: tuple[RankExit, ...] = ()  # the recent exits (join/exits.py ExitLedger)
     status: CollectorStatus | None = None  # collector ``exits``
+    boot: float | None = None  # the boot instant to the microsecond (sources/exits.boot_instant)
+    hz: int = 100  # /proc's clock ticks a second (SC_CLK_TCK)
+
+    def started(self, start_ticks: int) -> float | None:
+        """A process's start (its /proc start ticks) as a Unix time to the tick, on this cycle's
+        boot instant; None where the part is off (then only /proc's whole-second ``btime``)."""
+        return None if self.boot is None else self.boot + start_ticks / self.hz
 
 
 @dataclass(frozen=True)

@@ -115,11 +115,17 @@ def pidfd_exit_status(pidfd: int) -> int | None:
     return int(struct.unpack_from("=i", buf, EXIT_CODE_OFFSET)[0])
 
 
+def boot_instant() -> float:
+    """The boot instant as a Unix time, from the two clocks now, to the microsecond (/proc/stat's
+    ``btime`` is whole seconds, up to a second early: too coarse to tell a restart a second after
+    a death from a teardown, or a peer started in the second before a death from a restart)."""
+    return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
 def start_clock() -> Callable[[int], float]:
-    """A process's /proc start ticks (stat field 22, CLOCK_BOOTTIME) as a Unix time: the boot
-    instant from the two clocks now, to the microsecond (/proc/stat's ``btime`` is whole seconds,
-    up to a second early: too coarse to tell a restart a second after a death from a teardown)."""
-    boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+    """A process's /proc start ticks (stat field 22, CLOCK_BOOTTIME) as a Unix time, on the boot
+    instant read now (``boot_instant``)."""
+    boot = boot_instant()
     hz = os.sysconf("SC_CLK_TCK")
     return lambda ticks: boot + ticks / hz
 
