@@ -27,6 +27,7 @@ from gpuwatchd.model.parts import Tracked
 # is when the exit watcher read it, a few ms after; a launcher's restart comes after the teardown)
 PEER_SLACK_SECONDS = 0.05
 
+
 @dataclass(frozen=True)
 class FindingContext:
     """One cycle as the rules read it: the join's own products (the ranks with their liveness and
