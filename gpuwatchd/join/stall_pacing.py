@@ -166,13 +166,15 @@ class DumpPacing:
             bound = self.conclusive if settled and not held else self.after
             due = max(tr.dump.last_at + self.dump_interval, tr.dump.last_change + bound)
         # A Python thread that starts burning a core is dumped at once (a dump interval after the
-        # last), and one seen holding the GIL again a conclusive bound after: the GIL shape needs
-        # two dumps that far apart, and the main thread that polls for the GIL every 5 ms makes
-        # the view flicker (no settled change to dump on)
+        # last dump: a look that found work since is no dump, and waiting on it put the GIL and
+        # GPU_SLEEP faults of the catalog a dump interval later, 65 s from the fault at the
+        # shipped defaults), and one seen holding the GIL again a conclusive bound after: the
+        # GIL shape needs two dumps that far apart, and the main thread that polls for the GIL
+        # every 5 ms makes the view flicker (no settled change to dump on)
         if not burning:
             tr.dump.spin_dumped = False
         elif not tr.dump.spin_dumped:
-            due = min(due, tr.dump.last_at + self.dump_interval)
+            due = min(due, tr.dump.stacks_at + self.dump_interval)
         # A thread burning a core that the last dump did not show is dumped the same way: the
         # view holds only that dump's Python threads, and the main thread waiting for a GIL the
         # new thread keeps flickers between R and S (no settled change). Undumped, the GIL fault
@@ -180,9 +182,14 @@ class DumpPacing:
         # 61.6 s after the fault at after_seconds 30, not within the conclusive bound).
         fresh = new_spinners(tr.dump.stacks, spinning, tr.dump.spin_native) if spinning else frozenset()
         if fresh:
-            due = min(due, tr.dump.last_at + self.dump_interval)
+            due = min(due, tr.dump.stacks_at + self.dump_interval)
         if tr.gil.key is not None:
-            due = min(due, max(tr.dump.last_at + self.dump_interval, tr.gil.since + self.conclusive))
+            # A thread held the GIL at the last dump: the next dump is the one a conclusive bound
+            # after the first that showed it, neither sooner (a dump at the bound of the last
+            # change of view, a look before that first one, found the hold 5 s short and put the
+            # proving dump a dump interval on: the GIL fault paged 65 s after it at the shipped
+            # defaults) nor later. A release before then is seen by that dump, as by any other.
+            due = max(tr.dump.last_at + self.dump_interval, tr.gil.since + self.conclusive)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "stall pacing: pid %d due in %.1f s (identical %d, settled %s, burning %s, "
