@@ -243,17 +243,24 @@ def test_a_conclusive_hang_of_the_catalog_is_paged_within_a_minute(world: World,
     peers = [g for g in world.findings(job) if g["kind"] == "rank_stalled" and g["rank"] == "0"]
     say(f"{fault} rank 0", peers[0]["explanation"] if peers else "not paged")
     world.stop(p)
-    if delay > CONCLUSIVE_BOUND:  # how the dumps were paced: what made it late
-        m = re.search(r"\(pid (\d+)\)", f["explanation"])
-        pid = m.group(1) if m else None
-        print(
-            "\n".join(
-                line
-                for line in world.d.log().splitlines()
-                if "stall pacing" in line and (pid is None or f"pid {pid} " in line)
-            )[-6000:]
-        )
+    # how the dumps were paced since the fault, every time (a page in time can be one dump
+    # interval from late): each line where the next dump moved later (a dump, or a look that
+    # found work) and the line before it
+    m = re.search(r"\(pid (\d+)\)", f["explanation"])
+    say(f"{fault} dump pacing", "\n".join(_pacing_turns(world.d.log(), m.group(1) if m else None)))
     assert delay <= CONCLUSIVE_BOUND, delay
+
+
+def _pacing_turns(log: str, pid: str | None) -> list[str]:
+    """The daemon's "stall pacing" lines of ``pid`` where the next dump moved later, each with
+    the line before it."""
+    lines = [x for x in log.splitlines() if "stall pacing" in x and (pid is None or f"pid {pid} " in x)]
+    due = [float(m.group(1)) if (m := re.search(r"due in (-?[\d.]+) s", x)) else 0.0 for x in lines]
+    keep: list[str] = []
+    for i in range(1, len(lines)):
+        if due[i] > due[i - 1] + 0.5:
+            keep += [lines[i - 1], lines[i]]
+    return keep[-40:]
 
 
 def _healthy(world: World, name: str, script: str, *args: str) -> None:
