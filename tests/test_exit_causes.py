@@ -235,7 +235,7 @@ def test_a_peer_started_within_the_second_before_a_death_is_a_peer() -> None:
         ctx = FindingContext(now=1011.0, config=Config(), ranks=ranks, parts=Tracked(exits=exits))
         return {(f.kind, f.severity) for f in [*rank_down.find(ctx), *job_crashed.find(ctx)]}
 
-    clock = ExitOutput(recent=alone, boot=0.0, hz=100)
+    clock = ExitOutput(recent=alone, started=lambda ticks: ticks / 100)  # boot 0, 100 ticks a second
     assert kinds((peer,), clock) == {("rank_down", "page")}
     restart = rank(0, 200, 100300, 1003.0)  # started 3 s after the death
     assert kinds((restart,), clock) == {("job_crashed", "warning")}

@@ -13,7 +13,6 @@ seccomp filter); deaths are then seen only by the cycle, as before (rank_down wi
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -26,7 +25,7 @@ from gpuwatchd.model.events import Event
 from gpuwatchd.model.exits import CRASHED, KILLED, NODE, RankExit
 from gpuwatchd.model.parts import ExitOutput
 from gpuwatchd.rank.rankfile import MAX_RANKS_PER_NODE
-from gpuwatchd.sources.exits import ExitWatcher, ProcessExit, Watch, boot_instant, start_clock
+from gpuwatchd.sources.exits import ExitWatcher, ProcessExit, Watch, start_clock
 
 SETTLE_SECONDS = 0.5
 
@@ -40,7 +39,6 @@ class ExitsSubsystem(Subsystem):
         self.clock = services.clock
         self._boot_id = services.boot_id
         self.ledger = ExitLedger(services.faults, started=start_clock())
-        self._hz = os.sysconf("SC_CLK_TCK")
         self._woken = threading.Event()
         self.watcher = ExitWatcher(services.paths, max_watched, clock=services.clock, on_exit=self._woken.set)
         self._started = False  # the watcher's thread runs (pidfd_open allowed)
@@ -182,7 +180,7 @@ class ExitsSubsystem(Subsystem):
                 else ""
             ),
         )
-        return ExitOutput(ledger.recent(), status, boot=boot_instant(), hz=self._hz)
+        return ExitOutput(ledger.recent(), status, started=ledger.started)
 
     def stop(self) -> None:
         self._stop.set()

@@ -137,9 +137,8 @@ def live_peers(ctx: FindingContext, job_id: str, pid: int, died: float | None = 
     def before(p: ProcessInfo | None) -> bool:
         if died is None or p is None:
             return True
-        started = exits.started(p.start_ticks)
-        if started is None:
+        if exits.started is None:
             return p.start_time <= died - 1.0
-        return started <= died - PEER_SLACK_SECONDS
+        return exits.started(p.start_ticks) <= died - PEER_SLACK_SECONDS
 
     return sum(1 for p in ctx.ranks if p.job_id == job_id and p.alive and p.pid != pid and before(p.process))

@@ -5,7 +5,7 @@ reading is declared once, in the output of the part that produces it (tests/test
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpuwatchd.model import (
@@ -154,13 +154,9 @@ class ExitOutput:
 
     recent: tuple[RankExit, ...] = ()  # the recent exits (join/exits.py ExitLedger)
     status: CollectorStatus | None = None  # collector ``exits``
-    boot: float | None = None  # the boot instant to the microsecond (sources/exits.boot_instant)
-    hz: int = 100  # /proc's clock ticks a second (SC_CLK_TCK)
-
-    def started(self, start_ticks: int) -> float | None:
-        """A process's start (its /proc start ticks) as a Unix time to the tick, on this cycle's
-        boot instant; None where the part is off (then only /proc's whole-second ``btime``)."""
-        return None if self.boot is None else self.boot + start_ticks / self.hz
+    # a process's /proc start ticks as a Unix time to the tick (sources/exits.start_clock, the
+    # ledger's own); None where the part is off (then only /proc's whole-second ``btime``)
+    started: Callable[[int], float] | None = None
 
 
 @dataclass(frozen=True)

@@ -124,10 +124,9 @@ def boot_instant() -> float:
 
 def start_clock() -> Callable[[int], float]:
     """A process's /proc start ticks (stat field 22, CLOCK_BOOTTIME) as a Unix time, on the boot
-    instant read now (``boot_instant``)."""
-    boot = boot_instant()
+    instant read at each call (``boot_instant``: a step of the wall clock moves it)."""
     hz = os.sysconf("SC_CLK_TCK")
-    return lambda ticks: boot + ticks / hz
+    return lambda ticks: boot_instant() + ticks / hz
 
 
 class ExitWatcher:
