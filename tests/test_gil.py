@@ -75,17 +75,26 @@ def test_convoy_hint_rules() -> None:
 
 
 def test_convoy_hint_on_real_processes(procs: list) -> None:
+    """The hint is a state at two looks: a waiter woken to ask for the GIL, or read between its
+    stat and its wchan, is not seen parked (measured here: about 4 % of reads, and on a full-suite
+    run once all but one of the four waiters at both looks). The daemon looks again each cycle, so
+    the convoy must show within three windows, and the I/O threads never."""
     cpu4 = start(procs, "cpu4.py")
     io4 = start(procs, "io4.py")
     paths = HostPaths()
-    b_cpu, b_io = read_threads(paths, cpu4.pid), read_threads(paths, io4.pid)
-    time.sleep(1.5)
     clk = os.sysconf("SC_CLK_TCK")
-    h_cpu = convoy_hint(b_cpu, read_threads(paths, cpu4.pid), 1.5, clk)
-    h_io = convoy_hint(b_io, read_threads(paths, io4.pid), 1.5, clk)
-    assert h_cpu.convoy, h_cpu
-    assert h_cpu.busy_threads >= 3 and 0.5 <= h_cpu.total_cores <= 1.4
-    assert not h_io.convoy and h_io.busy_threads == 0
+    seen = []
+    for _ in range(3):
+        b_cpu, b_io = read_threads(paths, cpu4.pid), read_threads(paths, io4.pid)
+        time.sleep(1.5)
+        h_cpu = convoy_hint(b_cpu, read_threads(paths, cpu4.pid), 1.5, clk)
+        h_io = convoy_hint(b_io, read_threads(paths, io4.pid), 1.5, clk)
+        assert not h_io.convoy and h_io.busy_threads == 0, h_io
+        assert h_cpu.busy_threads >= 3 and 0.5 <= h_cpu.total_cores <= 1.4, h_cpu
+        seen.append(h_cpu)
+        if h_cpu.convoy:
+            break
+    assert seen[-1].convoy, seen
 
 
 # ----------------------------------------------------------------------------- scheduler
