@@ -8,7 +8,10 @@ first failure SIGTERMs the others at once and SIGKILLs what is left a second lat
 Rank 1 meets FAULT once GO_FILE exists (the test creates it when the daemon watches both ranks);
 the other ranks sleep. Faults: exc (an uncaught
 exception), exit3, segv (a real SIGSEGV: ctypes reads address 1), abort (os.abort), kill, term,
-int (the signal sent to itself), ok (exit 0). Rank 0 of an ``ok`` job ends with exit 0 too.
+int (the signal sent to itself), ok (exit 0), zombie_leader (the main thread ends alone and the
+process exits with code 3 1.5 s later: /proc shows a zombie for those cycles while the pidfd is
+not readable yet, as a CUDA rank whose driver teardown outlives its main thread). Rank 0 of an
+``ok`` job ends with exit 0 too.
 Prints one JSON line: {"pids": {rank: pid}, "reaped": {rank: [wait status, monotonic time]}}.
 ``--restart``: then starts the whole world again under the same job id (torchrun --max-restarts),
 ranks that only sleep, prints {"restarted": {rank: pid}} and waits for them. ``--restarts N``:
@@ -51,6 +54,10 @@ if fault == "segv":
     ctypes.string_at(1)
 if fault == "abort":
     os.abort()
+if fault == "zombie_leader":  # the main thread ends first; the process exits 1.5 s later
+    import ctypes, platform, threading
+    threading.Thread(target=lambda: (time.sleep(1.5), os._exit(3))).start()
+    ctypes.CDLL(None).syscall({"x86_64": 60, "aarch64": 93}[platform.machine()], 0)
 if fault in ("kill", "term", "int"):
     os.kill(os.getpid(), {"kill": signal.SIGKILL, "term": signal.SIGTERM, "int": signal.SIGINT}[fault])
     time.sleep(10)

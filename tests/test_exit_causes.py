@@ -273,6 +273,70 @@ def test_the_watcher_reads_every_exit_against_a_launcher_that_reaps_at_once() ->
         assert got["unknown"] == 0 and got["stat"] + got["pidfd"] == 30
 
 
+ZOMBIE_LEADER = textwrap.dedent("""
+    import ctypes, os, platform, sys, threading, time
+    def later():
+        sys.stdin.readline()
+        os._exit(3)
+    threading.Thread(target=later).start()
+    print("ready", flush=True)
+    # the main thread alone ends: a zombie leader while the other thread runs on
+    ctypes.CDLL(None).syscall({"x86_64": 60, "aarch64": 93}[platform.machine()], 0)
+""")
+
+
+def test_a_rank_seen_dead_keeps_its_watch_until_its_exit_is_read() -> None:
+    """A dying process's main thread is a zombie (state Z, what the cycle's /proc reading shows)
+    while its other threads still exit (a CUDA rank's driver teardown), and its pidfd polls
+    readable only once they are gone. The cycle, seeing the rank dead, no longer asks to watch
+    it: the watch stays until the exit is read (closed then, the exit was lost: two of eight
+    torchrun ranks on the H100 had no rank_exit event). A live process that is no longer a rank
+    loses its watch at once."""
+    from gpuwatchd.paths import HostPaths
+    from gpuwatchd.sources.exits import ExitWatcher, Watch
+
+    def start_ticks(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
+
+    dying = subprocess.Popen(
+        [sys.executable, "-c", ZOMBIE_LEADER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.readline()"], stdin=subprocess.PIPE, text=True
+    )
+    w = ExitWatcher(HostPaths(), 4)
+    w.start()
+    try:
+        assert dying.stdout is not None and dying.stdout.readline().strip() == "ready"
+        keys = {
+            (p.pid, start_ticks(p.pid)): Watch(p.pid, start_ticks(p.pid), os.getuid(), "rank") for p in (dying, other)
+        }
+        w.sync(set(keys), keys)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{dying.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert w.drain() == []  # a zombie leader: not exited yet
+        w.sync(set(), {})  # the cycle: one rank dead (Z), the other no longer a rank
+        assert w.keys() == {(dying.pid, start_ticks(dying.pid))}
+        assert dying.stdin is not None and other.stdin is not None
+        dying.stdin.write("end\n")
+        dying.stdin.flush()
+        got: list = []
+        while not got and time.monotonic() < deadline:
+            got = w.drain()
+            time.sleep(0.02)
+        assert [(x.pid, x.status) for x in got] == [(dying.pid, 3 << 8)], got
+        assert w.keys() == frozenset()
+        other.stdin.write("end\n")
+        other.stdin.flush()
+    finally:
+        w.stop()
+        for p in (dying, other):
+            p.kill()
+            p.wait(10)
+
+
 WATCH_AS_NOBODY = textwrap.dedent("""
     import json, sys, time
     sys.path.insert(0, sys.argv[1])

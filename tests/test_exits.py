@@ -110,6 +110,7 @@ CASES = [
     ("kill", "SIGKILL", "was killed by SIGKILL", {"rank_down"}),
     ("term", "SIGTERM", "was killed by SIGTERM", set()),
     ("int", "SIGINT", "was killed by SIGINT", set()),
+    ("zombie_leader", "exit_nonzero", "exited with code 3", {"job_crashed"}),
 ]
 
 

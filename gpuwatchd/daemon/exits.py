@@ -13,6 +13,7 @@ seccomp filter); deaths are then seen only by the cycle, as before (rank_down wi
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -28,6 +29,8 @@ from gpuwatchd.rank.rankfile import MAX_RANKS_PER_NODE
 from gpuwatchd.sources.exits import ExitWatcher, ProcessExit, Watch, start_clock
 
 SETTLE_SECONDS = 0.5
+
+log = logging.getLogger(__name__)
 
 
 class ExitsSubsystem(Subsystem):
@@ -73,6 +76,9 @@ class ExitsSubsystem(Subsystem):
             raw = [x for x in (self._identify(e) for e in watcher.drain()) if x is not None]
             if raw:
                 ledger.add(raw, events)
+                if log.isEnabledFor(logging.DEBUG):
+                    for x in raw:
+                        log.debug("exit read: rank %s of job %s, pid %d: %s", x.rank, x.job_id, x.pid, x.how)
             else:
                 ledger.refresh(events, self.clock())
             now = self.clock()
@@ -159,6 +165,13 @@ class ExitsSubsystem(Subsystem):
             wanted.add(key)
             if key not in watched:
                 new[key] = Watch(e.pid, start, proc.uid, proc.comm, e)
+        if log.isEnabledFor(logging.DEBUG):
+            # the trail of a death with no event: was its rank ever watched, and when did it stop
+            for (pid, start), w in new.items():
+                who = f"rank {w.entry.rank} of job {w.entry.job_id}" if w.entry is not None else "?"
+                log.debug("exit watch: pid %d (start %d), %s", pid, start, who)
+            for pid, start in watched - wanted:
+                log.debug("exit watch: pid %d (start %d) no longer a live accepted rank (kept if dead)", pid, start)
         with self._lock:
             # exactly the watched: a claim no longer here loses its watch (bounded by the cap);
             # each watch carries its claim, so an exit read later is still named

@@ -20,7 +20,11 @@ thread then reads, in this order:
 The exit's time is the thread's wake (``clock()``), to the millisecond. Cost: one fd per watched
 rank (at most ``max_watched``, the daemon's rank cap), one thread asleep in ``epoll_wait``; a
 cycle's ``sync`` is one set difference and a ``pidfd_open`` + stat read per new rank. A rank that
-leaves the watch list has its fd closed at once, so nothing grows with job churn. Shell
+leaves the watch list alive (no longer a rank) has its fd closed at once; one that leaves it dead
+keeps its watch until its exit is read: a process whose main thread is a zombie (what the cycle's
+/proc reading shows) while its other threads still exit (a CUDA rank's driver teardown) polls
+readable only once the last one is gone, and closing its fd then lost the exit (two of eight
+torchrun ranks on the H100). So nothing grows with job churn. Shell
 equivalent: ``awk '{print $52}' /proc/PID/stat`` while the process is a zombie.
 """
 
@@ -210,7 +214,8 @@ class ExitWatcher:
             return
         with self._lock:
             for key in [k for k in self._by_key if k not in wanted]:
-                self._close(self._by_key[key])
+                if self._alive(*key):  # no longer a rank; a dead one's exit is still to read
+                    self._close(self._by_key[key])
             self.skipped, self.error = 0, ""  # each sync says what it could not watch
             for key, w in new.items():
                 if key in self._by_key or key in self._ended:
@@ -251,6 +256,12 @@ class ExitWatcher:
             with contextlib.suppress(OSError, ValueError):
                 self._epoll.unregister(fd)
         os.close(fd)
+
+    def _alive(self, pid: int, start_ticks: int) -> bool:
+        """Is this process (PID and start time) running, not a zombie and not gone?"""
+        text = self._stat(pid)
+        fields = _stat_fields(text) if text else []
+        return len(fields) > 19 and fields[19] == str(start_ticks) and fields[0] not in ("Z", "X")
 
     def _start_ticks(self, pid: int) -> int | None:
         text = self._stat(pid)
