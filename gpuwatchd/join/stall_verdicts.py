@@ -9,6 +9,7 @@ ranks of each job (cost linear in their number). ``join/stall.py`` holds the tra
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
@@ -16,6 +17,8 @@ from gpuwatchd.model import RankId
 from gpuwatchd.model.stall import HangAnalysis, StallVerdict
 from gpuwatchd.model.threads import ThreadInfo, ThreadStack
 from gpuwatchd.units import fmt_span
+
+log = logging.getLogger(__name__)
 
 
 def main_stack(stacks: Iterable[ThreadStack]) -> ThreadStack | None:
@@ -181,6 +184,8 @@ def judge_jobs(verdicts: Mapping[RankId, StallVerdict], now: float, conclusive: 
                     f"waiting for {fmt_span(v.no_progress_seconds)}"
                 )
                 out[v.key] = replace(v, stalled=False, ambiguous=False, conclusive="", confirmed_by="", waits_for=words)
+                # a stalled (or conclusive) verdict held back by its peers: why a page came late
+                log.debug("stall excused: pid %d (%s): %s", v.pid, v.conclusive or "stalled", words)
                 continue
             if v.stalled:
                 continue
