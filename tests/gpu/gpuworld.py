@@ -4,6 +4,7 @@ test_hang_shapes.py subclass it with their own ranks and launchers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -29,6 +30,47 @@ def say(what: str, text: Any) -> None:
 def repo_env(**extra: str) -> dict[str, str]:
     """This environment with the checkout first on PYTHONPATH (the ranks import gpuwatchd)."""
     return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **extra}
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children first found, /proc's ppid links): torchrun starts
+    each worker in a session of its own (``start_new_session``), so a kill of the launcher's process
+    group leaves its ranks running (a GIL holder burning a core, a kernel that never ends on the GPU,
+    under the tests after it)."""
+    parent: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parent.setdefault(int(stat.rpartition(")")[2].split()[1]), []).append(int(entry))
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        kids = parent.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def kill_tree(p: subprocess.Popen[str]) -> None:
+    """SIGKILL a process, its process group where it leads one, and every descendant, then reap it."""
+    if p.poll() is None:
+        tree = descendants(p.pid)
+        try:
+            leads = os.getpgid(p.pid) == p.pid
+        except ProcessLookupError:
+            leads = False
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        if leads:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, 9)
+        else:
+            p.kill()
+    p.wait()
 
 
 class World:
@@ -90,18 +132,9 @@ class World:
         raise AssertionError(f"timed out: {what}\nfindings: {said}\n{self.d.log()[-3000:]}")
 
     def stop(self, *procs: subprocess.Popen[str]) -> None:
-        """SIGKILL each (its whole process group where it leads one: a launcher and its ranks)."""
+        """SIGKILL each with its process group and every descendant (a launcher and its ranks)."""
         for p in procs:
-            if p.poll() is None:
-                try:
-                    leads = os.getpgid(p.pid) == p.pid
-                except ProcessLookupError:
-                    leads = False
-                if leads:
-                    os.killpg(p.pid, 9)
-                else:
-                    p.kill()
-            p.wait()
+            kill_tree(p)
 
     def close(self) -> None:
         self.stop(*self.procs)

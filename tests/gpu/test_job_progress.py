@@ -27,6 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO / "tests"))
 
 from daemonutil import DaemonProc, write_config  # noqa: E402
+from gpuworld import kill_tree  # noqa: E402
 
 INTERVAL = 0.5
 AFTER = 8.0
@@ -113,7 +114,5 @@ def test_rank0_evaluating_alone_while_rank1_waits_in_a_barrier_is_not_paged(tmp_
         if not seen:
             print("SAW no finding for the job", flush=True)
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, 9)
-        p.wait()
+        kill_tree(p)  # torchrun and its ranks (each in a session of its own)
         d.stop()

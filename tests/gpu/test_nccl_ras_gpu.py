@@ -44,7 +44,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -60,6 +59,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(REPO / "tests"))
 
 from daemonutil import DaemonProc, free_port, write_config  # noqa: E402
+from gpuworld import kill_tree  # noqa: E402
 
 
 def wait_until(pred: Callable[[], bool], timeout: float, what: str, log: Callable[[], str]) -> None:
@@ -318,7 +318,5 @@ def test_nccl_ras_counts_and_the_dump_pipe_on_a_real_job(tmp_path: Path, world: 
         assert agent.poll() is None, log()
         assert "Traceback" not in d.log(), log()
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(agent.pid, signal.SIGKILL)
-        agent.wait(30)
+        kill_tree(agent)  # torchrun and its ranks (each in a session of its own)
         assert d.stop() == 0, d.log()
