@@ -53,7 +53,6 @@ three times a minute apart and ``diff``; ``cat /proc/PID/task/*/{wchan,schedstat
 from __future__ import annotations
 
 import collections
-import logging
 from collections.abc import Iterable
 
 from gpuwatchd.join.cycle_looks import CycleLooks, Looker
@@ -63,6 +62,7 @@ from gpuwatchd.join.stall_spin import (
     GpuReading,
     confirm_by_peers,
     confirm_spin,
+    log_held,
     runnable_shares,
     spinning_python,
 )
@@ -75,8 +75,6 @@ from gpuwatchd.join.stall_verdicts import (
 )
 from gpuwatchd.model import RankId
 from gpuwatchd.model.stall import RankProbe, StallVerdict
-
-log = logging.getLogger(__name__)
 
 SPIN_SHARE = 0.9  # a thread that used >= 90 % of a core between two looks is "burning CPU"
 # A thread between WORK_SHARE and SPIN_SHARE alternates between running and waiting: that is work
@@ -407,14 +405,8 @@ class StallTracker:
                 stalled_so_far, conclusive = True, "gpu_spin"
             else:
                 confirmed_by = ""  # not stalled (yet): nothing to confirm
-        if held and not stalled_so_far and log.isEnabledFor(logging.DEBUG):
-            # what a hang proven still for the conclusive bound still lacks (a spin not seen
-            # at the last look, the GPU's readings), for a conclusive page that comes late
-            log.debug(
-                "stall held: pid %d still %.1f s, spinning %s (Python %s), gpu: %s",
-                p.pid, still, sorted(spinning), sorted(spin),
-                gpu_words or tr.gpu.verdict(progress, now, self.conclusive)[1],
-            )  # fmt: skip
+        if held and not stalled_so_far:  # what it lacks, at DEBUG
+            log_held(p.pid, still, spinning, spin, gpu_words, tr.gpu, progress, now, self.conclusive)
         return StallVerdict(
             job_id=p.job_id, rank=p.rank, pid=p.pid, alive=True, progress_timestamp=progress,
             stalled=stalled_so_far, method=method, no_progress_seconds=max(0.0, now - progress),

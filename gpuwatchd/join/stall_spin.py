@@ -34,6 +34,7 @@ cycle's NVML reading (daemon/stall.py). Memory: at most
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -41,6 +42,8 @@ from gpuwatchd.model import GpuDevice, GpuProcess, RankId
 from gpuwatchd.model.gpus import is_rank_gpu
 from gpuwatchd.model.stall import HangAnalysis, StallVerdict
 from gpuwatchd.model.threads import ThreadStack
+
+log = logging.getLogger(__name__)
 
 MEM_ACTIVE = 0.01  # NVML reports whole percent: 1 % of memory-controller time is data moving
 GPU_BUSY = 0.6  # as findings/stall.py's "busy"
@@ -199,6 +202,17 @@ def confirm_spin(window: GpuWindow, since: float, now: float, after: float,
     if kind == "idle" and analysis is not None and "gpu_wait" in analysis.kinds:
         return "gpu_idle", words
     return "", words
+
+
+def log_held(pid: int, still: float, spinning: Collection[int], spin: Collection[int], gpu_words: str,
+             window: GpuWindow, since: float, now: float, bound: float) -> None:  # fmt: skip
+    """At DEBUG, what a rank proven still for the conclusive bound lacks to be stalled (a spin not
+    seen at the last look, the GPU's readings): the trail of a conclusive page that comes late."""
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug(
+            "stall held: pid %d still %.1f s, spinning %s (Python %s), gpu: %s",
+            pid, still, sorted(spinning), sorted(spin), gpu_words or window.verdict(since, now, bound)[1],
+        )  # fmt: skip
 
 
 def rank_gpu_readings(now: float, named: Mapping[RankId, Collection[str]], owner: Mapping[int, RankId],
