@@ -21,6 +21,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from daemonutil import DaemonProc, write_config  # noqa: E402
 
+from gpuwatchd.sources.procfs import ProcfsReader  # noqa: E402
+
 
 def say(what: str, text: Any) -> None:
     """A ``SAW`` line: what the test saw, kept from the device run's log for bench/results/."""
@@ -32,32 +34,13 @@ def repo_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **extra}
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (children first found, /proc's ppid links): torchrun starts
-    each worker in a session of its own (``start_new_session``), so a kill of the launcher's process
-    group leaves its ranks running (a GIL holder burning a core, a kernel that never ends on the GPU,
-    under the tests after it)."""
-    parent: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parent.setdefault(int(stat.rpartition(")")[2].split()[1]), []).append(int(entry))
-    out: list[int] = []
-    todo = [pid]
-    while todo:
-        kids = parent.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
 def kill_tree(p: subprocess.Popen[str]) -> None:
-    """SIGKILL a process, its process group where it leads one, and every descendant, then reap it."""
+    """SIGKILL a process, its process group where it leads one, and every descendant (the daemon's
+    own walk of /proc's children files), then reap it: torchrun starts each worker in a session of
+    its own (``start_new_session``), so a kill of the launcher's process group leaves its ranks
+    running (a GIL holder burning a core, a kernel that never ends on the GPU) under the tests after it."""
     if p.poll() is None:
-        tree = descendants(p.pid)
+        tree = ProcfsReader().descendants(p.pid)
         try:
             leads = os.getpgid(p.pid) == p.pid
         except ProcessLookupError:
