@@ -15,7 +15,10 @@ the kernel OOM-kills it, then measures on /metrics, scraped every 50 ms:
 1. OOM kill (pidfd of rank 1 readable) -> ``rank_oom_killed`` for rank 1 with its RSS;
 2. rank 0's last heartbeat + ``stall.after_seconds`` -> ``rank_stalled`` for rank 0, its stack in
    all_reduce, rank 1 named as the suspect;
-3. the process group's timeout ends rank 0 (pidfd readable) -> ``rank_down`` for rank 0.
+3. the process group's timeout ends rank 0 (pidfd readable) -> its ``rank_exit`` event, "exited
+   with code 1 ... after rank 1 failed: ended after it", and no second page: what pages is decided
+   for the job's first failure on the node only (docs/runbooks.md, "Rank exits"), rank 1's OOM
+   kill, still paged.
 
 Each must arrive within one daemon cycle (plus scheduling slack). The same job with the legacy
 ``NCCL_ASYNC_ERROR_HANDLING`` instead of ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` raises
@@ -208,6 +211,17 @@ def wait_until(pred: Callable[[], bool], timeout: float, what: str, job: Job, d:
     )
 
 
+def exit_event(d: DaemonProc, job_id: str, rank: int) -> dict[str, Any] | None:
+    """The rank's ``rank_exit`` event in events.jsonl, or None."""
+    log = Path(d.cfg["state_dir"]) / "events.jsonl"
+    for line in log.read_text().splitlines() if log.exists() else []:
+        if '"kind":"rank_exit"' in line and f'"job_id":"{job_id}"' in line:
+            ev = json.loads(line)
+            if ev["rank"] == str(rank):
+                return dict(ev)
+    return None
+
+
 def finding(d: DaemonProc, kind: str, job_id: str, rank: int) -> dict[str, Any] | None:
     state = json.loads((Path(d.cfg["state_dir"]) / "state.json").read_text())
     for f in state["findings"]:
@@ -334,27 +348,43 @@ def test_oom_killed_rank_its_peer_hangs_in_all_reduce_then_times_out(tmp_path: P
             )
             assert -0.05 <= lat_stall <= INTERVAL + SLACK
 
-            # 3. the process group's timeout ends rank 0 -> rank_down
+            # 3. the process group's timeout ends rank 0 -> its exit, named after rank 1's; no page
             wait_until(lambda: exit0.at is not None, PG_TIMEOUT + 30, "rank 0 to time out", job, d)
-            t_down = wait_until(lambda: on_metrics(d, "rank_down", job_id, 0), 10, "rank_down for rank 0", job, d)
+            t_exit = wait_until(lambda: exit_event(d, job_id, 0) is not None, 10, "rank 0's rank_exit event", job, d)
             assert exit0.at is not None
-            lat_down = t_down - exit0.at
+            lat_exit = t_exit - exit0.at
             hung = exit0.at - exit1.at
             assert PG_TIMEOUT - 1 <= hung <= PG_TIMEOUT + 10, hung  # it waited, not failed at once
-            assert d.value("gpuwatch_rank_up", job_id=job_id, rank="0") == 0.0
-            assert not on_metrics(d, "rank_stalled", job_id, 0)
-            down = finding(d, "rank_down", job_id, 0)
-            assert down is not None
+            ev0 = exit_event(d, job_id, 0)
+            assert ev0 is not None and ev0["fields"]["cause"] == "exit_nonzero", ev0
+            assert ev0["fields"]["first_rank"] == 1 and "after rank 1 failed: ended after it" in ev0["summary"], ev0
+            wait_until(
+                lambda: (
+                    d.value("gpuwatch_rank_up", job_id=job_id, rank="0") == 0.0
+                    and not on_metrics(d, "rank_stalled", job_id, 0)
+                ),
+                INTERVAL + SLACK,
+                "rank 0 down and no longer stalled",
+                job,
+                d,
+            )
+            assert d.value("gpuwatch_rank_exits_total", cause="exit_nonzero", job_id=job_id, rank="0") == 1.0
+            # past the launcher's teardown grace: rank 0 never pages, rank 1's page stays
+            quiet_until = time.monotonic() + 10.0 + 2 * INTERVAL
+            while time.monotonic() < quiet_until:
+                assert not on_metrics(d, "rank_down", job_id, 0), finding(d, "rank_down", job_id, 0)
+                time.sleep(0.1)
+            assert on_metrics(d, "rank_oom_killed", job_id, 1)
             assert job.agents[0].wait(30) != 0
             node0 = job.logs[0].read_text(errors="replace")
             assert "Timed out" in node0 or "timed out" in node0, node0[-3000:]
             print(
-                f"PASS rank_down: rank 0 pid {pid0} ended {hung:.2f} s after the kill "
-                f"(process group timeout {PG_TIMEOUT:.0f} s), on /metrics {lat_down * 1e3:.0f} ms "
-                f"later\n     finding: {down['explanation']}",
+                f"PASS rank 0 exit: rank 0 pid {pid0} ended {hung:.2f} s after the kill "
+                f"(process group timeout {PG_TIMEOUT:.0f} s), its event {lat_exit * 1e3:.0f} ms "
+                f"later, no page of its own\n     event: {ev0['summary']}",
                 flush=True,
             )
-            assert lat_down <= INTERVAL + SLACK
+            assert lat_exit <= INTERVAL + SLACK
         finally:
             job.close()
             cg.remove()
