@@ -33,10 +33,12 @@ import pytest
 from daemonutil import DaemonProc, write_config
 
 from gpuwatchd.daemon.nccl_ras import ras_jobs
+from gpuwatchd.findings.stall import stuck_where
 from gpuwatchd.join.stall import StallTracker
 from gpuwatchd.join.stall_spin import GpuReading
 from gpuwatchd.join.stall_verdicts import judge_jobs
 from gpuwatchd.model.stall import HangAnalysis, Pattern, RankProbe, StallVerdict, ThreadView
+from gpuwatchd.model.threads import Dump
 from gpuwatchd.paths import HostPaths
 from gpuwatchd.sources import pyspy
 from gpuwatchd.sources.pyspy import PySpy
@@ -444,6 +446,33 @@ def test_conclusive_shapes_are_paged_within_the_conclusive_bound(launch, shape: 
     assert elapsed <= conclusive + tracker.dump_interval + CYCLE + 2.0, elapsed
     for r in set(ranks) - set(expect):
         assert not v[r].stalled, v[r]
+
+
+def test_a_rank_stopped_after_its_last_dump_is_not_said_stuck_where_that_dump_was(launch, monkeypatch) -> None:
+    """A rank dumped while it waits, then stopped (SIGSTOP) while its peer runs, with no dump read
+    since (py-spy failed on it: the H100 at the shipped 300 s dumped none): it is stalled as
+    stopped, and its words do not give the frames of the dump from before the stop as where it is
+    stuck (the H100 at 30 s said "stuck in" the importlib frames of a dump at its start-up)."""
+    after, conclusive = 300.0, 2.0
+    job = f"stop-late-{uuid.uuid4().hex[:8]}"
+    ranks = {0: launch("evaluate", job, 0), 1: launch("barrier", job, 1)}
+    tracker = _tracker(after, conclusive, shipped_cadence=True)
+    tr = None
+
+    def dumped(v: dict[int, StallVerdict]) -> bool:
+        nonlocal tr
+        tr = tracker._tracks.get((job, 1))
+        return tr is not None and bool(tr.dump.stacks)
+
+    _run(tracker, ranks, job, conclusive + 8, dumped)
+    assert tr is not None and tr.dump.stacks, "rank 1 was never dumped while it waited"
+    assert any("barrier" in fr for fr in tr.words.frames), tr.words.frames
+    monkeypatch.setattr(tracker.looks, "dump", lambda pid: Dump(None, error="injected: py-spy failed"))
+    os.kill(ranks[1].pid, signal.SIGSTOP)
+    _, v, _ = _run(tracker, ranks, job, conclusive + 8, lambda v: v[1].stalled)
+    assert v[1].stalled and v[1].conclusive == "stopped", v[1]
+    assert v[1].stuck_frames == (), v[1].stuck_frames
+    assert stuck_where(v[1]) == "stack not read since it stopped"
 
 
 def test_a_gil_holder_started_mid_training_is_paged_within_the_conclusive_bound(launch) -> None:

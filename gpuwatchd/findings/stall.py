@@ -120,7 +120,7 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         since = ""
         if v.progress_timestamp is not None:
             since = f" (last progress {fmt_clock_utc(v.progress_timestamp)})"
-        where = " <- ".join(v.stuck_frames[:5]) if v.stuck_frames else "stack unknown (no py-spy)"
+        where = stuck_where(v)
         if suspects_of is None:
             suspects_of = {}
             for s in verdicts.values():
@@ -186,6 +186,13 @@ def find(ctx: FindingContext) -> Iterable[Finding]:
         )
 
 
+def stuck_where(v: StallVerdict) -> str:
+    """Its top frames, innermost first; for a stopped rank only from a dump taken since it stopped."""
+    if v.stuck_frames:
+        return " <- ".join(v.stuck_frames[:5])
+    return "stack not read since it stopped" if v.method == "stopped" else "stack unknown (no py-spy)"
+
+
 # why a rank_stalled did not wait for stall.after_seconds ({} is how long it was proven still)
 CONCLUSIVE = {
     "deadlock": "a lock-order deadlock, its threads blocked acquiring locks at 0 % CPU with the "
@@ -215,7 +222,7 @@ CONFIRMED = {
 def _unconfirmed(r: RankState, v: StallVerdict, ctx: FindingContext) -> Finding:
     gpus = rank_gpus(r, ctx)
     on_gpu = f"; {gpu_text(gpus)}" if gpus else ""
-    where = " <- ".join(v.stuck_frames[:5]) if v.stuck_frames else "stack unknown (no py-spy)"
+    where = stuck_where(v)
     patterns = f"{v.analysis.patterns_text()}; " if v.analysis and v.analysis.patterns else ""
     return rank_finding(
         r,

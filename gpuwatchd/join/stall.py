@@ -346,7 +346,8 @@ class StallTracker:
                 tr.dump.took(stacks, now)
                 tr.gil.note(stacks, now)
         tr.words.update(tr.dump.stacks)
-        frames, location = tr.words.frames, tr.words.location
+        # a dump from before a stop is not where the rank stopped (the H100: "stuck in" its imports)
+        frames = tr.words.frames if tr.dump.stacks_at >= (tr.stopped_since or 0.0) else ()
         analysis = None
         compiling = False
         spin = (
@@ -411,7 +412,7 @@ class StallTracker:
             job_id=p.job_id, rank=p.rank, pid=p.pid, alive=True, progress_timestamp=progress,
             stalled=stalled_so_far, method=method, no_progress_seconds=max(0.0, now - progress),
             stuck_frames=frames, threads_summary=tr.look.summary,
-            location=location, analysis=analysis, compiling=compiling,
+            location=tr.words.location, analysis=analysis, compiling=compiling,
             ambiguous=ambiguous, confirmed_by=confirmed_by, gpu_evidence=gpu_words,
             unchanged=(tr.dump.stacks_at, tr.dump.proven_at) if tr.dump.proven_at is not None and method == "stack"
             else None,
