@@ -439,7 +439,7 @@ def test_conclusive_shapes_are_paged_within_the_conclusive_bound(launch, shape: 
     print(shape, f"{elapsed:.2f} s", {r: (x.stalled, x.conclusive) for r, x in v.items()})
     for r, why in expect.items():
         assert v[r].stalled and v[r].conclusive == why, v[r]
-    if shape == "stopped":  # its words say how long: never dumped, still for as long as stopped
+    if shape == "stopped":  # its words say how long: still for as long as it is stopped
         assert v[1].still_seconds >= conclusive, v[1]
     # the conclusive bound, a look to see the new place, a cycle, and slack for a loaded 2-core VM
     # (after_seconds is 300)
@@ -659,7 +659,7 @@ def test_judge_jobs_rules() -> None:
     # stopped while a peer runs; a whole job stopped (a scheduler's suspend) waits after_seconds
     out = judge(_verdict(0, progress=999.0, doing="x"), _verdict(1, stopped=41.0))
     assert out[1].stalled and out[1].conclusive == "stopped" and out[1].method == "stopped"
-    # ...and it was still for as long as it was stopped (a stopped rank is never dumped: the H100
+    # ...and it was still for as long as it was stopped, not for the span of two equal dumps (the H100
     # at the shipped 300 s said "conclusive: stopped for 0s while its peers run")
     assert out[1].still_seconds == 41.0
     assert not any(v.stalled for v in judge(_verdict(0, stopped=41.0), _verdict(1, stopped=41.0)).values())

@@ -202,7 +202,7 @@ def judge_jobs(verdicts: Mapping[RankId, StallVerdict], now: float, conclusive: 
                     method="stopped",
                     conclusive=why,
                     progress_timestamp=min(v.progress_timestamp or now, now - v.stopped_seconds),
-                    still_seconds=max(v.still_seconds, v.stopped_seconds),  # a stopped rank is never dumped
+                    still_seconds=max(v.still_seconds, v.stopped_seconds),  # its stop proves it still, not two dumps
                 )
                 continue
             if id(v) not in held_ids:
