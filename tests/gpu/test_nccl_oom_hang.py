@@ -51,6 +51,9 @@ sys.path.insert(0, str(REPO / "tests"))
 from daemonutil import DaemonProc, free_port, write_config  # noqa: E402
 from kernel_oom_helpers import MemCgroup  # noqa: E402
 
+from gpuwatchd.events.log import read_events  # noqa: E402
+from gpuwatchd.model.events import Event  # noqa: E402
+
 DEVICE = os.environ.get("GPUWATCH_TEST_DEVICE", "cuda")
 INTERVAL = 0.5  # daemon cycle
 AFTER = 2.0  # stall.after_seconds
@@ -211,15 +214,13 @@ def wait_until(pred: Callable[[], bool], timeout: float, what: str, job: Job, d:
     )
 
 
-def exit_event(d: DaemonProc, job_id: str, rank: int) -> dict[str, Any] | None:
-    """The rank's ``rank_exit`` event in events.jsonl, or None."""
-    log = Path(d.cfg["state_dir"]) / "events.jsonl"
-    for line in log.read_text().splitlines() if log.exists() else []:
-        if '"kind":"rank_exit"' in line and f'"job_id":"{job_id}"' in line:
-            ev = json.loads(line)
-            if ev["rank"] == str(rank):
-                return dict(ev)
-    return None
+def exit_event(d: DaemonProc, job_id: str, rank: int) -> Event | None:
+    """The rank's ``rank_exit`` event, read as ``gpuwatchd events`` reads the log (a line torn by
+    the daemon's append in progress is skipped), or None."""
+    log = str(Path(d.cfg["state_dir"]) / "events.jsonl")
+    return next(
+        (e for e in read_events(log) if e.kind == "rank_exit" and e.job_id == job_id and e.rank == str(rank)), None
+    )
 
 
 def finding(d: DaemonProc, kind: str, job_id: str, rank: int) -> dict[str, Any] | None:
@@ -356,8 +357,8 @@ def test_oom_killed_rank_its_peer_hangs_in_all_reduce_then_times_out(tmp_path: P
             hung = exit0.at - exit1.at
             assert PG_TIMEOUT - 1 <= hung <= PG_TIMEOUT + 10, hung  # it waited, not failed at once
             ev0 = exit_event(d, job_id, 0)
-            assert ev0 is not None and ev0["fields"]["cause"] == "exit_nonzero", ev0
-            assert ev0["fields"]["first_rank"] == 1 and "after rank 1 failed: ended after it" in ev0["summary"], ev0
+            assert ev0 is not None and ev0.fields["cause"] == "exit_nonzero", ev0
+            assert ev0.fields["first_rank"] == 1 and "after rank 1 failed: ended after it" in ev0.summary, ev0
             wait_until(
                 lambda: (
                     d.value("gpuwatch_rank_up", job_id=job_id, rank="0") == 0.0
@@ -381,7 +382,7 @@ def test_oom_killed_rank_its_peer_hangs_in_all_reduce_then_times_out(tmp_path: P
             print(
                 f"PASS rank 0 exit: rank 0 pid {pid0} ended {hung:.2f} s after the kill "
                 f"(process group timeout {PG_TIMEOUT:.0f} s), its event {lat_exit * 1e3:.0f} ms "
-                f"later, no page of its own\n     event: {ev0['summary']}",
+                f"later, no page of its own\n     event: {ev0.summary}",
                 flush=True,
             )
             assert lat_exit <= INTERVAL + SLACK
